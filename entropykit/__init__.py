@@ -1,0 +1,6 @@
+"""entropykit: lossless entropy coding of ML model weights and KV caches."""
+
+from ._errors import CorruptDataError
+
+__version__ = "0.1.0"
+__all__ = ["CorruptDataError", "__version__"]

@@ -1,0 +1,262 @@
+"""The self-describing coder frame, and the chunk-parallel driver that fills and reads it.
+
+What it is: everything about a frame that does not depend on the coder: header, frequency
+table, chunk directory (payload length, CRC-32 of the decoded chunk, raw/coded mode),
+bounds and consistency checks, and running chunks on a thread pool (the kernels release
+the GIL). What it is not: a coder. A ``ChunkCoder`` plugs in the per-chunk kernels.
+
+Frame layout v1 (little-endian; docs/format.md is the normative copy):
+
+    offset  size  field
+    0       4     magic (b"EKRA" rANS, b"EKTA" tANS)
+    4       1     version = 1
+    5       1     param: probability precision (rANS) or table log (tANS)
+    6       1     lanes: interleaved states per chunk (coder-defined constant)
+    7       1     reserved = 0
+    8       8     n: number of symbols
+    16      4     chunk_size: symbols per chunk (last chunk may be shorter)
+    20      4     n_chunks = ceil(n / chunk_size)
+    24      2     table_len: bytes of the serialized table (0 iff n == 0)
+    26      ...   table (coding/tables.py), then n_chunks x u32 payload length,
+                  n_chunks x u32 CRC-32 of the chunk's decoded symbols,
+                  n_chunks x u8 mode (0 coded, 1 raw), then the payloads back to back.
+    The frame ends exactly where the last payload ends.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._errors import CorruptDataError
+from . import tables
+
+VERSION = 1
+MODE_CODED = 0
+MODE_RAW = 1
+_HEADER = struct.Struct("<4sBBBBQIIH")
+HEADER_SIZE = _HEADER.size  # 26
+MIN_CHUNK = 1 << 10
+MAX_CHUNK = 1 << 26
+DEFAULT_CHUNK = 1 << 18
+
+
+class ChunkCoder(Protocol):
+    """The per-chunk half of a coder, as the frame driver sees it."""
+
+    magic: bytes
+    lanes: int
+    name: str
+
+    def check_param(self, param: int) -> None: ...
+
+    def encode_tables(self, freqs: np.ndarray, param: int) -> Any: ...
+
+    def decode_tables(self, freqs: np.ndarray, param: int) -> Any: ...
+
+    def encode_chunk(self, symbols: np.ndarray, tabs: Any, param: int) -> np.ndarray | None:
+        """Coded payload as uint8, or None when it would not be smaller than raw."""
+
+    def decode_chunk(
+        self, buf: np.ndarray, start: int, length: int, tabs: Any, param: int, out: np.ndarray
+    ) -> str | None:
+        """Decode one payload into ``out`` (len = the chunk's symbols); error text or None."""
+
+
+@dataclass(frozen=True)
+class FrameInfo:
+    """A parsed, validated frame header and directory."""
+
+    param: int
+    n: int
+    chunk_size: int
+    freqs: np.ndarray
+    lengths: np.ndarray
+    crcs: np.ndarray
+    modes: np.ndarray
+    offsets: np.ndarray  # start of each payload in the frame
+    end: int
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _run(fn: Callable[[int], Any], count: int, threads: int | None) -> list[Any]:
+    threads = default_threads() if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    if count <= 1 or threads == 1:
+        return [fn(i) for i in range(count)]
+    with ThreadPoolExecutor(max_workers=min(threads, count)) as pool:
+        return list(pool.map(fn, range(count)))
+
+
+def _as_symbols(symbols: Any) -> np.ndarray:
+    if isinstance(symbols, (bytes, bytearray, memoryview)):
+        return np.frombuffer(symbols, dtype=np.uint8)
+    arr = np.asarray(symbols)
+    if arr.dtype != np.uint8:
+        raise TypeError(f"symbols must be uint8, got {arr.dtype}")
+    return np.ascontiguousarray(arr).reshape(-1)
+
+
+def _check_chunk_size(chunk_size: int, lanes: int) -> None:
+    if not MIN_CHUNK <= chunk_size <= MAX_CHUNK or chunk_size % lanes:
+        raise ValueError(
+            f"chunk_size must be a multiple of {lanes} in [{MIN_CHUNK}, {MAX_CHUNK}], "
+            f"got {chunk_size}"
+        )
+
+
+def encode(
+    coder: ChunkCoder,
+    symbols: Any,
+    param: int,
+    chunk_size: int = DEFAULT_CHUNK,
+    threads: int | None = None,
+) -> bytes:
+    """Encode uint8 ``symbols`` into a frame with ``coder``."""
+    coder.check_param(param)
+    _check_chunk_size(chunk_size, coder.lanes)
+    sym = _as_symbols(symbols)
+    n = sym.size
+    if n == 0:
+        return _HEADER.pack(coder.magic, VERSION, param, coder.lanes, 0, 0, chunk_size, 0, 0)
+    freqs = tables.quantize(tables.histogram(sym), param)
+    table = tables.serialize(freqs)
+    tabs = coder.encode_tables(freqs, param)
+    n_chunks = -(-n // chunk_size)
+
+    def one(i: int) -> tuple[int, int, np.ndarray]:
+        part = sym[i * chunk_size : (i + 1) * chunk_size]
+        crc = zlib.crc32(part)
+        payload = coder.encode_chunk(part, tabs, param)
+        if payload is None:
+            return MODE_RAW, crc, part
+        return MODE_CODED, crc, payload
+
+    results = _run(one, n_chunks, threads)
+    modes = np.array([r[0] for r in results], np.uint8)
+    crcs = np.array([r[1] for r in results], "<u4")
+    lengths = np.array([r[2].size for r in results], "<u4")
+    head = _HEADER.pack(
+        coder.magic, VERSION, param, coder.lanes, 0, n, chunk_size, n_chunks, len(table)
+    )
+    parts = [head, table, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
+    parts += [memoryview(r[2]) for r in results]
+    return b"".join(parts)
+
+
+def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInfo:
+    """Validate a frame's header and directory; raise ``CorruptDataError`` on any mismatch."""
+    mv = memoryview(frame).cast("B") if not isinstance(frame, np.ndarray) else frame.data
+    size = len(mv)
+    if size < HEADER_SIZE:
+        raise CorruptDataError(f"{coder.name} frame truncated: {size} bytes, header needs 26")
+    magic, version, param, lanes, reserved, n, chunk_size, n_chunks, table_len = (
+        _HEADER.unpack_from(mv, 0)
+    )
+    if magic != coder.magic:
+        raise CorruptDataError(
+            f"not a {coder.name} frame: magic {bytes(magic)!r} at byte 0, "
+            f"expected {coder.magic!r}"
+        )
+    if version != VERSION:
+        raise CorruptDataError(f"{coder.name} frame version {version} unsupported (byte 4)")
+    try:
+        coder.check_param(param)
+    except ValueError as e:
+        raise CorruptDataError(f"{coder.name} frame param at byte 5: {e}") from None
+    if lanes != coder.lanes or reserved != 0:
+        raise CorruptDataError(f"{coder.name} frame lanes/reserved bytes 6-7 invalid")
+    try:
+        _check_chunk_size(chunk_size, lanes)
+    except ValueError as e:
+        raise CorruptDataError(f"{coder.name} frame chunk size at byte 16: {e}") from None
+    if n_chunks != -(-n // chunk_size):
+        raise CorruptDataError(
+            f"{coder.name} frame: {n_chunks} chunks (byte 20) do not cover {n} symbols "
+            f"of {chunk_size}"
+        )
+    off = HEADER_SIZE
+    if n == 0:
+        if table_len != 0 or size != off:
+            raise CorruptDataError(f"{coder.name} frame of 0 symbols has {size - off} extra bytes")
+        empty = np.zeros(0, np.int64)
+        return FrameInfo(param, 0, chunk_size, np.zeros(256, np.int64), empty, empty, empty,
+                         empty, off)
+    freqs, t_end = tables.parse(mv[: off + table_len], off, param)
+    if t_end != off + table_len:
+        raise CorruptDataError(
+            f"{coder.name} frame table is {t_end - off} bytes, header says {table_len}"
+        )
+    off = t_end
+    dir_size = 9 * n_chunks
+    if off + dir_size > size:
+        raise CorruptDataError(
+            f"{coder.name} frame truncated in chunk directory at byte {off} "
+            f"({n_chunks} chunks need {dir_size} bytes, {size - off} left)"
+        )
+    lengths = np.frombuffer(mv, "<u4", n_chunks, off).astype(np.int64)
+    crcs = np.frombuffer(mv, "<u4", n_chunks, off + 4 * n_chunks)
+    modes = np.frombuffer(mv, np.uint8, n_chunks, off + 8 * n_chunks)
+    off += dir_size
+    offsets = off + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    end = off + int(lengths.sum())
+    if end != size:
+        what = "truncated" if end > size else "followed by trailing bytes"
+        raise CorruptDataError(
+            f"{coder.name} frame {what}: payloads end at byte {end}, frame has {size} bytes"
+        )
+    bad = np.flatnonzero(modes > MODE_RAW)
+    if bad.size:
+        raise CorruptDataError(f"{coder.name} frame chunk {bad[0]}: unknown mode {modes[bad[0]]}")
+    return FrameInfo(param, n, chunk_size, freqs, lengths, crcs, modes, offsets, end)
+
+
+def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
+           threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode a frame into uint8 symbols (into ``out`` when given, which must fit exactly)."""
+    info = parse(coder, frame)
+    buf = frame if isinstance(frame, np.ndarray) else np.frombuffer(frame, np.uint8)
+    if out is None:
+        out = np.empty(info.n, np.uint8)
+    elif out.dtype != np.uint8 or out.shape != (info.n,):
+        raise ValueError(f"out must be uint8 of shape ({info.n},)")
+    if info.n == 0:
+        return out
+    tabs = coder.decode_tables(info.freqs, info.param)
+    cs = info.chunk_size
+
+    def one(i: int) -> str | None:
+        dst = out[i * cs : (i + 1) * cs]
+        start, length = int(info.offsets[i]), int(info.lengths[i])
+        if info.modes[i] == MODE_RAW:
+            if length != dst.size:
+                return f"raw payload is {length} bytes, chunk has {dst.size} symbols"
+            dst[:] = buf[start : start + length]
+        else:
+            err = coder.decode_chunk(buf, start, length, tabs, info.param, dst)
+            if err is not None:
+                return err
+        if zlib.crc32(dst) != int(info.crcs[i]):
+            return "CRC-32 of decoded symbols does not match"
+        return None
+
+    for i, err in enumerate(_run(one, len(info.lengths), threads)):
+        if err is not None:
+            raise CorruptDataError(
+                f"{coder.name} frame chunk {i} (payload at byte {int(info.offsets[i])}): {err}"
+            )
+    return out

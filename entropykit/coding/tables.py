@@ -1,0 +1,248 @@
+"""Frequency tables: histograms, quantization to 2**precision, and their serialized form.
+
+What it is: the statistics half of a static entropy coder, shared by rANS and tANS.
+What it is not: a coder; nothing here touches a payload.
+
+Quantization minimizes the coding loss ``sum_s c_s * log2(total / (f_s / 2**p))`` subject to
+``sum f_s == 2**p`` and ``f_s >= 1`` for every present symbol. The objective is separable
+and convex in each ``f_s``, so greedy unit moves by marginal cost, then exchanges until
+no exchange helps, reach the optimum. The logarithm used for the marginal costs is our own
+(IEEE basic operations only), so the chosen table is the same on every machine.
+
+Serialized table (little-endian, see docs/format.md):
+
+    u8   n_present - 1
+    n_present <= 32:  n_present symbol bytes, strictly increasing
+    n_present >  32:  32-byte presence bitmap (bit s of byte s // 8 set <=> s present)
+    n_present LEB128 varints: f_s for each present symbol in increasing order
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .._errors import CorruptDataError
+
+ALPHABET = 256
+_LIST_MAX = 32
+
+
+@njit(nogil=True, cache=True)
+def _histogram(symbols: np.ndarray) -> np.ndarray:
+    # Four sub-histograms break the store-to-load dependency on repeated symbols.
+    h = np.zeros((4, ALPHABET), np.int64)
+    n = symbols.size
+    i = 0
+    while i + 4 <= n:
+        h[0, symbols[i]] += 1
+        h[1, symbols[i + 1]] += 1
+        h[2, symbols[i + 2]] += 1
+        h[3, symbols[i + 3]] += 1
+        i += 4
+    while i < n:
+        h[0, symbols[i]] += 1
+        i += 1
+    out = np.zeros(ALPHABET, np.int64)
+    for s in range(ALPHABET):
+        out[s] = h[0, s] + h[1, s] + h[2, s] + h[3, s]
+    return out
+
+
+def histogram(symbols: np.ndarray) -> np.ndarray:
+    """Counts of each byte value in ``symbols`` (uint8), as int64[256]."""
+    return _histogram(np.ascontiguousarray(symbols, dtype=np.uint8).reshape(-1))
+
+
+@njit(nogil=True, cache=True)
+def _log2(x: float) -> float:
+    # log2 from frexp and the atanh series: only IEEE +,-,*,/ so results are bit-identical
+    # on every machine (libm's log2 is not guaranteed to be). |error| < 1e-15 for x >= 1.
+    m, e = math.frexp(x)  # x = m * 2**e, m in [0.5, 1)
+    m *= 2.0
+    e -= 1
+    if m > 1.4142135623730951:
+        m *= 0.5
+        e += 1
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    term = s
+    acc = 0.0
+    k = 1.0
+    for _ in range(30):
+        acc += term / k
+        term *= s2
+        k += 2.0
+    return e + acc * 2.8853900817779268  # 2 / ln 2
+
+
+@njit(nogil=True, cache=True)
+def _gain(c: float, f: int) -> float:
+    # Bits saved by raising f to f + 1 for a symbol seen c times.
+    return c * (_log2(f + 1.0) - _log2(float(f)))
+
+
+@njit(nogil=True, cache=True)
+def _quantize(counts: np.ndarray, precision: int) -> np.ndarray:
+    total_f = 1 << precision
+    total_c = 0
+    for s in range(ALPHABET):
+        total_c += counts[s]
+    f = np.zeros(ALPHABET, np.int64)
+    used = 0
+    for s in range(ALPHABET):
+        if counts[s] > 0:
+            q = (counts[s] * total_f) // total_c
+            f[s] = q if q > 0 else 1
+            used += f[s]
+    # Greedy unit moves toward the exact total. Ties go to the lower symbol.
+    while used != total_f:
+        best = -1
+        best_v = 0.0
+        for s in range(ALPHABET):
+            if counts[s] == 0:
+                continue
+            if used < total_f:
+                v = _gain(float(counts[s]), f[s])
+                if best < 0 or v > best_v:
+                    best, best_v = s, v
+            elif f[s] > 1:
+                v = _gain(float(counts[s]), f[s] - 1)  # bits lost by lowering f[s]
+                if best < 0 or v < best_v:
+                    best, best_v = s, v
+        if used < total_f:
+            f[best] += 1
+            used += 1
+        else:
+            f[best] -= 1
+            used -= 1
+    # Exchanges: move one unit from the cheapest donor to the best receiver while it pays.
+    for _ in range(4 * ALPHABET * ALPHABET):
+        up = -1
+        up_v = 0.0
+        down = -1
+        down_v = 0.0
+        for s in range(ALPHABET):
+            if counts[s] == 0:
+                continue
+            g = _gain(float(counts[s]), f[s])
+            if up < 0 or g > up_v:
+                up, up_v = s, g
+            if f[s] > 1:
+                d = _gain(float(counts[s]), f[s] - 1)
+                if down < 0 or d < down_v:
+                    down, down_v = s, d
+        if down < 0 or up == down or up_v <= down_v * (1.0 + 1e-12):
+            break
+        f[up] += 1
+        f[down] -= 1
+    return f
+
+
+def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
+    """Frequencies summing to ``2**precision``, >= 1 for every symbol with a count.
+
+    ``counts`` is int[256]. Raises ``ValueError`` if no symbol is present or more symbols
+    are present than ``2**precision`` slots.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.shape != (ALPHABET,) or (counts < 0).any():
+        raise ValueError("counts must be 256 non-negative integers")
+    present = int(np.count_nonzero(counts))
+    if present == 0:
+        raise ValueError("cannot build a table for an empty input")
+    if present > (1 << precision):
+        raise ValueError(
+            f"{present} distinct symbols do not fit precision {precision} "
+            f"({1 << precision} slots); use a higher precision"
+        )
+    return _quantize(counts, precision)
+
+
+def serialize(freqs: np.ndarray) -> bytes:
+    """The compact byte form of a table (module docstring)."""
+    present = np.flatnonzero(freqs)
+    out = bytearray([len(present) - 1])
+    if len(present) <= _LIST_MAX:
+        out += bytes(present.astype(np.uint8))
+    else:
+        bitmap = np.zeros(ALPHABET, np.uint8)
+        bitmap[present] = 1
+        out += np.packbits(bitmap, bitorder="little").tobytes()
+    for s in present:
+        v = int(freqs[s])
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out)
+
+
+def parse(buf: bytes | memoryview, offset: int, precision: int) -> tuple[np.ndarray, int]:
+    """Read a serialized table at ``offset``; return ``(freqs int64[256], end offset)``.
+
+    Raises ``CorruptDataError`` if it is truncated, lists symbols out of order, has a zero
+    frequency, or does not sum to ``2**precision``.
+    """
+    mv = memoryview(buf)
+    end = len(mv)
+
+    def need(k: int, what: str) -> None:
+        if offset + k > end:
+            raise CorruptDataError(f"frequency table truncated in {what} at byte {offset}")
+
+    need(1, "symbol count")
+    n_present = mv[offset] + 1
+    offset += 1
+    if n_present <= _LIST_MAX:
+        need(n_present, "symbol list")
+        present = np.frombuffer(mv[offset : offset + n_present], np.uint8).astype(np.int64)
+        if n_present > 1 and not (np.diff(present) > 0).all():
+            raise CorruptDataError(f"frequency table symbols not increasing at byte {offset}")
+        offset += n_present
+    else:
+        need(32, "presence bitmap")
+        bits = np.unpackbits(np.frombuffer(mv[offset : offset + 32], np.uint8), bitorder="little")
+        present = np.flatnonzero(bits)
+        if len(present) != n_present:
+            raise CorruptDataError(
+                f"frequency table bitmap at byte {offset} has {len(present)} symbols, "
+                f"header says {n_present}"
+            )
+        offset += 32
+    freqs = np.zeros(ALPHABET, np.int64)
+    limit = 1 << precision
+    for s in present:
+        v = 0
+        shift = 0
+        while True:
+            need(1, "frequencies")
+            b = mv[offset]
+            offset += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+            if shift > 21:
+                raise CorruptDataError(f"frequency varint too long at byte {offset}")
+        if v == 0 or v > limit:
+            raise CorruptDataError(f"frequency {v} of symbol {s} out of range at byte {offset}")
+        freqs[s] = v
+    if int(freqs.sum()) != limit:
+        raise CorruptDataError(
+            f"frequencies sum to {int(freqs.sum())}, expected {limit} (table ends at byte "
+            f"{offset})"
+        )
+    return freqs, offset
+
+
+def entropy_bits(counts: np.ndarray) -> float:
+    """Order-0 empirical entropy of the counted data, in bits (total, not per symbol)."""
+    c = np.asarray(counts, dtype=np.float64)
+    c = c[c > 0]
+    n = c.sum()
+    if n == 0:
+        return 0.0
+    return float(-(c * np.log2(c / n)).sum())

@@ -1,0 +1,163 @@
+"""Numba kernels of the static 32-lane interleaved rANS coder (one chunk per call).
+
+Invariants (ryg_rans with 16-bit words):
+    state x in [L, 2**32), L = 2**16; probabilities f_s / 2**p, p = precision (8..15).
+    encode s:  if x >= f_s << (32 - p): emit x & 0xffff, x >>= 16      (at most once)
+               x = (x // f_s) << p | (x % f_s) + c_s
+    decode:    slot = x & (2**p - 1); s = sym[slot]
+               x = f_s * (x >> p) + slot - c_s
+               if x < L: x = x << 16 | next word                        (at most once)
+Symbol i of a chunk belongs to lane i % 32. The encoder runs backwards and writes words
+from the end of its buffer down, so the payload reads forwards in the exact order a
+32-lane decoder consumes it: step by step, lanes 0..31, each lane that needs a word takes
+the next one. Payload = 32 u32 decoder start states, then the u16 words.
+
+Encoding divides through a per-symbol reciprocal (ryg_rans' RansEncSymbol): for
+x < 2**32, q = (x * rcp) >> (32 + shift) equals x // f exactly.
+Decoding looks up one packed u64 per slot: bias | freq << 16 | sym << 32, bias = slot - c_s.
+Every buffer access is checked against the buffer's end; errors come back as codes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+LANES = 32
+L = 1 << 16
+STATE_BYTES = 4 * LANES
+
+OK = 0
+ERR_STATE = 1  # a start state below L
+ERR_TRUNCATED = 2  # ran out of words
+ERR_TRAILING = 3  # words left over
+ERR_FINAL = 4  # a lane did not end in the encoder's initial state
+ERR_ODD = 5  # payload is not states + whole words
+MESSAGES = {
+    ERR_STATE: "a lane's start state is below 2**16",
+    ERR_TRUNCATED: "payload ends before the last symbol",
+    ERR_TRAILING: "payload has words after the last symbol",
+    ERR_FINAL: "a lane did not end in the initial state (corrupt payload or table)",
+    ERR_ODD: "payload is not 128 state bytes plus whole 16-bit words",
+}
+
+
+def encode_tables(freqs: np.ndarray, precision: int) -> np.ndarray:
+    """Per-symbol encoder records, int64[256, 5]: freq, start, rcp, shift, xmax."""
+    t = np.zeros((256, 5), np.int64)
+    start = 0
+    for s in range(256):
+        f = int(freqs[s])
+        if f == 0:
+            continue
+        shift = max(0, (f - 1).bit_length())  # ceil(log2 f)
+        # rcp = ceil(2**(32+shift) / f): exact quotient for every x < 2**32 (Granlund-Montgomery)
+        rcp = ((1 << (32 + shift)) + f - 1) // f
+        t[s] = (f, start, rcp, shift, f << (32 - precision))
+        start += f
+    return t
+
+
+def decode_table(freqs: np.ndarray, precision: int) -> np.ndarray:
+    """Packed decode entries, uint64[2**precision]: bias | freq << 16 | sym << 32."""
+    size = 1 << precision
+    entries = np.empty(size, np.uint64)
+    start = 0
+    for s in range(256):
+        f = int(freqs[s])
+        if f == 0:
+            continue
+        slots = np.arange(f, dtype=np.uint64)
+        entries[start : start + f] = slots | np.uint64(f << 16) | np.uint64(s << 32)
+        start += f
+    return entries
+
+
+@njit(nogil=True, cache=True)
+def encode_chunk(sym, tab, precision, out):
+    """Encode ``sym`` into ``out``; return the payload's start offset in ``out``, or -1.
+
+    The payload is ``out[start:]``: 128 bytes of states then the words. -1 means it did
+    not fit in ``out`` (the caller then stores the chunk raw).
+    """
+    n = sym.size
+    cap = out.size
+    x = np.full(LANES, L, np.uint64)
+    pos = cap  # words are written downward, ending at cap
+    i = n - 1
+    while i >= 0:
+        lane = i & (LANES - 1)
+        s = sym[i]
+        xs = x[lane]
+        if xs >= tab[s, 4]:
+            if pos - 2 < STATE_BYTES:
+                return -1
+            pos -= 2
+            out[pos] = xs & 0xFF
+            out[pos + 1] = (xs >> 8) & 0xFF
+            xs >>= 16
+        f = tab[s, 0]
+        q = (xs * tab[s, 2]) >> (32 + tab[s, 3])
+        x[lane] = (q << precision) + (xs - q * f) + tab[s, 1]
+        i -= 1
+    pos -= STATE_BYTES
+    for lane in range(LANES):
+        v = x[lane]
+        o = pos + 4 * lane
+        out[o] = v & 0xFF
+        out[o + 1] = (v >> 8) & 0xFF
+        out[o + 2] = (v >> 16) & 0xFF
+        out[o + 3] = (v >> 24) & 0xFF
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def decode_chunk(buf, start, length, table, precision, out):
+    """Decode ``out.size`` symbols from ``buf[start:start+length]``; return an error code."""
+    n = out.size
+    end = start + length
+    if length < STATE_BYTES or (length - STATE_BYTES) & 1 or end > buf.size:
+        return ERR_ODD
+    mask = (1 << precision) - 1
+    x = np.empty(LANES, np.uint32)
+    for lane in range(LANES):
+        o = start + 4 * lane
+        v = (np.uint32(buf[o]) | (np.uint32(buf[o + 1]) << 8) | (np.uint32(buf[o + 2]) << 16)
+             | (np.uint32(buf[o + 3]) << 24))
+        if v < L:
+            return ERR_STATE
+        x[lane] = v
+    ptr = start + STATE_BYTES
+    base = 0
+    while base < n:
+        step = min(LANES, n - base)
+        if step == LANES and end - ptr >= 2 * LANES:
+            # Fast path: a whole step can read at most 32 words, all inside the payload.
+            for lane in range(LANES):
+                xs = x[lane]
+                e = table[xs & mask]
+                out[base + lane] = np.uint8(e >> 32)
+                xs = np.uint32((e >> 16) & 0xFFFF) * (xs >> precision) + np.uint32(e & 0xFFFF)
+                need = xs < L
+                w = np.uint32(buf[ptr]) | (np.uint32(buf[ptr + 1]) << 8)
+                x[lane] = (xs << 16) | w if need else xs
+                ptr += 2 * need
+        else:
+            for lane in range(step):
+                xs = x[lane]
+                e = table[xs & mask]
+                out[base + lane] = np.uint8(e >> 32)
+                xs = np.uint32((e >> 16) & 0xFFFF) * (xs >> precision) + np.uint32(e & 0xFFFF)
+                if xs < L:
+                    if ptr + 2 > end:
+                        return ERR_TRUNCATED
+                    xs = (xs << 16) | np.uint32(buf[ptr]) | (np.uint32(buf[ptr + 1]) << 8)
+                    ptr += 2
+                x[lane] = xs
+        base += step
+    if ptr != end:
+        return ERR_TRAILING
+    for lane in range(LANES):
+        if x[lane] != L:
+            return ERR_FINAL
+    return OK

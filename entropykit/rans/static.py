@@ -1,0 +1,65 @@
+"""Static-model interleaved rANS: frames of 32-lane chunks sharing one frequency table.
+
+What it is: the public ``encode``/``decode`` of uint8 symbol arrays (alphabet <= 256) and
+the ``ChunkCoder`` that plugs the kernels into the shared frame driver.
+What it is not: per-symbol-distribution (predictive) rANS.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..coding import frame
+from . import kernels
+
+DEFAULT_PRECISION = 12
+
+
+class _RansCoder:
+    magic = b"EKRA"
+    lanes = kernels.LANES
+    name = "rANS"
+
+    def check_param(self, param: int) -> None:
+        if not 8 <= param <= 15:
+            raise ValueError(f"rANS precision must be in 8..15, got {param}")
+
+    def encode_tables(self, freqs: np.ndarray, param: int) -> np.ndarray:
+        return kernels.encode_tables(freqs, param)
+
+    def decode_tables(self, freqs: np.ndarray, param: int) -> np.ndarray:
+        return kernels.decode_table(freqs, param)
+
+    def encode_chunk(self, symbols: np.ndarray, tabs: np.ndarray, param: int) -> np.ndarray | None:
+        out = np.empty(symbols.size, np.uint8)  # coded must be smaller than raw to be kept
+        start = kernels.encode_chunk(symbols, tabs, param, out)
+        return None if start < 0 else out[start:]
+
+    def decode_chunk(self, buf, start, length, tabs, param, out) -> str | None:
+        code = kernels.decode_chunk(buf, start, length, tabs, param, out)
+        return None if code == kernels.OK else kernels.MESSAGES[code]
+
+
+CODER = _RansCoder()
+
+
+def encode(
+    symbols: np.ndarray | bytes,
+    *,
+    precision: int = DEFAULT_PRECISION,
+    chunk_size: int = frame.DEFAULT_CHUNK,
+    threads: int | None = None,
+) -> bytes:
+    """Encode uint8 symbols into a self-describing rANS frame.
+
+    ``precision`` is the probability resolution in bits (8..15); ``chunk_size`` the symbols
+    per independently decodable chunk (a multiple of 32); ``threads`` the worker threads
+    (default: all cores available to this process).
+    """
+    return frame.encode(CODER, symbols, precision, chunk_size, threads)
+
+
+def decode(frame_bytes: bytes | memoryview | np.ndarray, *, threads: int | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """Decode an rANS frame into a uint8 array; ``CorruptDataError`` if it is malformed."""
+    return frame.decode(CODER, frame_bytes, threads, out)
