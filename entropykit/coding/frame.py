@@ -1,9 +1,10 @@
 """The self-describing coder frame, and the chunk-parallel driver that fills and reads it.
 
 What it is: everything about a frame that does not depend on the coder: header, frequency
-table, chunk directory (payload length, CRC-32 of the decoded chunk, raw/coded mode),
-bounds and consistency checks, and running chunks on a thread pool (the kernels release
-the GIL). What it is not: a coder. A ``ChunkCoder`` plugs in the per-chunk kernels.
+tables (one, or one per context class), chunk directory (payload length, CRC-32 of the
+decoded chunk, raw/coded mode), bounds and consistency checks, and running chunks on a
+thread pool (the kernels release the GIL). What it is not: a coder. A ``ChunkCoder`` plugs
+in the per-chunk kernels.
 
 Frame layout v1 (little-endian; docs/format.md is the normative copy):
 
@@ -12,15 +13,23 @@ Frame layout v1 (little-endian; docs/format.md is the normative copy):
     4       1     version = 1
     5       1     param: probability precision (rANS) or table log (tANS)
     6       1     lanes: interleaved states per chunk (coder-defined constant)
-    7       1     reserved = 0
+    7       1     context flag: 0 one table, 1 one table per context class
     8       8     n: number of symbols
     16      4     chunk_size: symbols per chunk (last chunk may be shorter)
     20      4     n_chunks = ceil(n / chunk_size)
-    24      2     table_len: bytes of the serialized table (0 iff n == 0)
-    26      ...   table (coding/tables.py), then n_chunks x u32 payload length,
+    24      4     table_len: bytes of the table section (0 iff n == 0)
+    28      ...   table section:
+                    flag 0: one serialized table (coding/tables.py)
+                    flag 1: u8 n_tables - 1, u8[256] class of each context value
+                            (< n_tables), n_tables serialized tables
+                  then n_chunks x u32 payload length,
                   n_chunks x u32 CRC-32 of the chunk's decoded symbols,
                   n_chunks x u8 mode (0 coded, 1 raw), then the payloads back to back.
     The frame ends exactly where the last payload ends.
+
+A context-conditioned frame codes symbol i with the table of class ``cmap[context[i]]``,
+where ``context`` is another field the caller already has at decode time (for BF16, the
+exponents when decoding sign+mantissa).
 """
 
 from __future__ import annotations
@@ -36,13 +45,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._errors import CorruptDataError
-from . import tables
+from . import contexts, tables
 
 VERSION = 1
 MODE_CODED = 0
 MODE_RAW = 1
-_HEADER = struct.Struct("<4sBBBBQIIH")
-HEADER_SIZE = _HEADER.size  # 26
+_HEADER = struct.Struct("<4sBBBBQIII")
+HEADER_SIZE = _HEADER.size  # 28
 MIN_CHUNK = 1 << 10
 MAX_CHUNK = 1 << 26
 DEFAULT_CHUNK = 1 << 18
@@ -54,18 +63,28 @@ class ChunkCoder(Protocol):
     magic: bytes
     lanes: int
     name: str
+    supports_context: bool
 
     def check_param(self, param: int) -> None: ...
 
-    def encode_tables(self, freqs: np.ndarray, param: int) -> Any: ...
+    def encode_tables(self, freqs: np.ndarray, param: int) -> Any:
+        """Coder tables from int64[256] freqs, or int64[n_tables, 256] if supports_context."""
 
-    def decode_tables(self, freqs: np.ndarray, param: int) -> Any: ...
+    def decode_tables(self, freqs: np.ndarray, param: int) -> Any:
+        """As encode_tables, for the decoder."""
 
-    def encode_chunk(self, symbols: np.ndarray, tabs: Any, param: int) -> np.ndarray | None:
-        """Coded payload as uint8, or None when it would not be smaller than raw."""
+    def encode_chunk(
+        self, symbols: np.ndarray, tabs: Any, param: int, ctx: np.ndarray | None
+    ) -> np.ndarray | None:
+        """Coded payload as uint8, or None when it would not be smaller than raw.
+
+        ``ctx`` is None for a one-table frame, else the chunk's table index per symbol
+        (uint8, same length as ``symbols``); only coders with ``supports_context`` get one.
+        """
 
     def decode_chunk(
-        self, buf: np.ndarray, start: int, length: int, tabs: Any, param: int, out: np.ndarray
+        self, buf: np.ndarray, start: int, length: int, tabs: Any, param: int,
+        out: np.ndarray, ctx: np.ndarray | None,
     ) -> str | None:
         """Decode one payload into ``out`` (len = the chunk's symbols); error text or None."""
 
@@ -77,7 +96,8 @@ class FrameInfo:
     param: int
     n: int
     chunk_size: int
-    freqs: np.ndarray
+    freqs: np.ndarray  # int64[n_tables, 256]
+    cmap: np.ndarray | None  # uint8[256] context value -> table, None for one table
     lengths: np.ndarray
     crcs: np.ndarray
     modes: np.ndarray
@@ -119,29 +139,59 @@ def _check_chunk_size(chunk_size: int, lanes: int) -> None:
         )
 
 
+def _as_context(context: Any, n: int) -> np.ndarray:
+    ctx = _as_symbols(context)
+    if ctx.size != n:
+        raise ValueError(f"context has {ctx.size} values, symbols have {n}")
+    return ctx
+
+
 def encode(
     coder: ChunkCoder,
     symbols: Any,
     param: int,
     chunk_size: int = DEFAULT_CHUNK,
     threads: int | None = None,
+    context: Any = None,
+    max_tables: int = contexts.DEFAULT_MAX_TABLES,
 ) -> bytes:
-    """Encode uint8 ``symbols`` into a frame with ``coder``."""
+    """Encode uint8 ``symbols`` into a frame with ``coder``.
+
+    With ``context`` (uint8, one value per symbol) the coder may use one table per context
+    class; the same context must then be given to ``decode``.
+    """
     coder.check_param(param)
     _check_chunk_size(chunk_size, coder.lanes)
     sym = _as_symbols(symbols)
     n = sym.size
     if n == 0:
         return _HEADER.pack(coder.magic, VERSION, param, coder.lanes, 0, 0, chunk_size, 0, 0)
-    freqs = tables.quantize(tables.histogram(sym), param)
-    table = tables.serialize(freqs)
-    tabs = coder.encode_tables(freqs, param)
+    cmap = None
+    if context is not None:
+        if not coder.supports_context:
+            raise ValueError(f"{coder.name} does not support context-conditioned coding")
+        ctx = _as_context(context, n)
+        joint = contexts.joint_histogram(ctx, sym)
+        cmap = contexts.choose(joint, max_tables)
+    if cmap is None:
+        freqs = tables.quantize(tables.histogram(sym), param)[None, :]
+        table = tables.serialize(freqs[0])
+    else:
+        n_tables = int(cmap.max()) + 1
+        counts = np.zeros((n_tables, 256), np.int64)
+        np.add.at(counts, cmap, joint)
+        freqs = np.stack([tables.quantize(c, param) for c in counts])
+        table = b"".join([bytes([n_tables - 1]), cmap.tobytes()]
+                         + [tables.serialize(f) for f in freqs])
+    tabs = coder.encode_tables(freqs if coder.supports_context else freqs[0], param)
     n_chunks = -(-n // chunk_size)
 
     def one(i: int) -> tuple[int, int, np.ndarray]:
-        part = sym[i * chunk_size : (i + 1) * chunk_size]
+        lo, hi = i * chunk_size, min(n, (i + 1) * chunk_size)
+        part = sym[lo:hi]
         crc = zlib.crc32(part)
-        payload = coder.encode_chunk(part, tabs, param)
+        tidx = None if cmap is None else cmap[ctx[lo:hi]]
+        payload = coder.encode_chunk(part, tabs, param, tidx)
         if payload is None:
             return MODE_RAW, crc, part
         return MODE_CODED, crc, payload
@@ -150,12 +200,38 @@ def encode(
     modes = np.array([r[0] for r in results], np.uint8)
     crcs = np.array([r[1] for r in results], "<u4")
     lengths = np.array([r[2].size for r in results], "<u4")
-    head = _HEADER.pack(
-        coder.magic, VERSION, param, coder.lanes, 0, n, chunk_size, n_chunks, len(table)
-    )
+    head = _HEADER.pack(coder.magic, VERSION, param, coder.lanes, int(cmap is not None), n,
+                        chunk_size, n_chunks, len(table))
     parts = [head, table, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
     parts += [memoryview(r[2]) for r in results]
     return b"".join(parts)
+
+
+def _parse_tables(coder: ChunkCoder, mv: memoryview, off: int, end: int, param: int,
+                  flag: int) -> tuple[np.ndarray, np.ndarray | None]:
+    if flag == 0:
+        freqs, t_end = tables.parse(mv[:end], off, param)
+        freqs = freqs[None, :]
+        cmap = None
+    else:
+        if off + 257 > end:
+            raise CorruptDataError(f"{coder.name} frame context map truncated at byte {off}")
+        n_tables = mv[off] + 1
+        cmap = np.frombuffer(mv, np.uint8, 256, off + 1).copy()
+        if int(cmap.max()) >= n_tables:
+            raise CorruptDataError(
+                f"{coder.name} frame context map at byte {off + 1} names table "
+                f"{int(cmap.max())} of {n_tables}"
+            )
+        t_end = off + 257
+        freqs = np.zeros((n_tables, 256), np.int64)
+        for t in range(n_tables):
+            freqs[t], t_end = tables.parse(mv[:end], t_end, param)
+    if t_end != end:
+        raise CorruptDataError(
+            f"{coder.name} frame tables end at byte {t_end}, header says {end}"
+        )
+    return freqs, cmap
 
 
 def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInfo:
@@ -163,8 +239,10 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInf
     mv = memoryview(frame).cast("B") if not isinstance(frame, np.ndarray) else frame.data
     size = len(mv)
     if size < HEADER_SIZE:
-        raise CorruptDataError(f"{coder.name} frame truncated: {size} bytes, header needs 26")
-    magic, version, param, lanes, reserved, n, chunk_size, n_chunks, table_len = (
+        raise CorruptDataError(
+            f"{coder.name} frame truncated: {size} bytes, header needs {HEADER_SIZE}"
+        )
+    magic, version, param, lanes, flag, n, chunk_size, n_chunks, table_len = (
         _HEADER.unpack_from(mv, 0)
     )
     if magic != coder.magic:
@@ -178,8 +256,12 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInf
         coder.check_param(param)
     except ValueError as e:
         raise CorruptDataError(f"{coder.name} frame param at byte 5: {e}") from None
-    if lanes != coder.lanes or reserved != 0:
-        raise CorruptDataError(f"{coder.name} frame lanes/reserved bytes 6-7 invalid")
+    if lanes != coder.lanes:
+        raise CorruptDataError(
+            f"{coder.name} frame lanes {lanes} at byte 6, expected {coder.lanes}"
+        )
+    if flag > 1 or (flag and not coder.supports_context):
+        raise CorruptDataError(f"{coder.name} frame context flag {flag} at byte 7 invalid")
     try:
         _check_chunk_size(chunk_size, lanes)
     except ValueError as e:
@@ -191,17 +273,18 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInf
         )
     off = HEADER_SIZE
     if n == 0:
-        if table_len != 0 or size != off:
+        if table_len != 0 or flag != 0 or size != off:
             raise CorruptDataError(f"{coder.name} frame of 0 symbols has {size - off} extra bytes")
         empty = np.zeros(0, np.int64)
-        return FrameInfo(param, 0, chunk_size, np.zeros(256, np.int64), empty, empty, empty,
-                         empty, off)
-    freqs, t_end = tables.parse(mv[: off + table_len], off, param)
-    if t_end != off + table_len:
+        return FrameInfo(param, 0, chunk_size, np.zeros((1, 256), np.int64), None, empty, empty,
+                         empty, empty, off)
+    if off + table_len > size:
         raise CorruptDataError(
-            f"{coder.name} frame table is {t_end - off} bytes, header says {table_len}"
+            f"{coder.name} frame truncated in tables: {table_len} bytes from byte {off}, "
+            f"frame has {size}"
         )
-    off = t_end
+    freqs, cmap = _parse_tables(coder, mv, off, off + table_len, param, flag)
+    off += table_len
     dir_size = 9 * n_chunks
     if off + dir_size > size:
         raise CorruptDataError(
@@ -222,12 +305,17 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInf
     bad = np.flatnonzero(modes > MODE_RAW)
     if bad.size:
         raise CorruptDataError(f"{coder.name} frame chunk {bad[0]}: unknown mode {modes[bad[0]]}")
-    return FrameInfo(param, n, chunk_size, freqs, lengths, crcs, modes, offsets, end)
+    return FrameInfo(param, n, chunk_size, freqs, cmap, lengths, crcs, modes, offsets, end)
 
 
 def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
-           threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """Decode a frame into uint8 symbols (into ``out`` when given, which must fit exactly)."""
+           threads: int | None = None, out: np.ndarray | None = None,
+           context: Any = None) -> np.ndarray:
+    """Decode a frame into uint8 symbols (into ``out`` when given, which must fit exactly).
+
+    A context-conditioned frame needs the ``context`` it was encoded with (ValueError if
+    missing); a one-table frame ignores it.
+    """
     info = parse(coder, frame)
     buf = frame if isinstance(frame, np.ndarray) else np.frombuffer(frame, np.uint8)
     if out is None:
@@ -236,7 +324,17 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
         raise ValueError(f"out must be uint8 of shape ({info.n},)")
     if info.n == 0:
         return out
-    tabs = coder.decode_tables(info.freqs, info.param)
+    ctx = None
+    if info.cmap is not None:
+        if context is None:
+            raise ValueError(f"this {coder.name} frame is context-conditioned: pass context=")
+        ctx = _as_symbols(context)
+        if ctx.size != info.n:
+            raise CorruptDataError(
+                f"{coder.name} frame holds {info.n} symbols (byte 8), context has {ctx.size}"
+            )
+    freqs = info.freqs if coder.supports_context else info.freqs[0]
+    tabs = coder.decode_tables(freqs, info.param)
     cs = info.chunk_size
 
     def one(i: int) -> str | None:
@@ -247,7 +345,8 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
                 return f"raw payload is {length} bytes, chunk has {dst.size} symbols"
             dst[:] = buf[start : start + length]
         else:
-            err = coder.decode_chunk(buf, start, length, tabs, info.param, dst)
+            tidx = None if ctx is None else info.cmap[ctx[i * cs : i * cs + dst.size]]
+            err = coder.decode_chunk(buf, start, length, tabs, info.param, dst, tidx)
             if err is not None:
                 return err
         if zlib.crc32(dst) != int(info.crcs[i]):

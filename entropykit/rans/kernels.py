@@ -12,8 +12,10 @@ from the end of its buffer down, so the payload reads forwards in the exact orde
 32-lane decoder consumes it: step by step, lanes 0..31, each lane that needs a word takes
 the next one. Payload = 32 u32 decoder start states, then the u16 words.
 
-Encoding divides through a per-symbol reciprocal (ryg_rans' RansEncSymbol): for
-x < 2**32, q = (x * rcp) >> (32 + shift) equals x // f exactly.
+Encoding divides through a per-symbol reciprocal (Granlund-Montgomery, as ryg_rans'
+RansEncSymbol): with shift = ceil(log2 f) and m = ceil(2**(32+shift) / f) = 2**32 + rcp,
+0 <= rcp < 2**32, the quotient x // f = (x + (x * rcp >> 32)) >> shift exactly for every
+x < 2**32, in 64-bit arithmetic.
 Decoding looks up one packed u64 per slot: bias | freq << 16 | sym << 32, bias = slot - c_s.
 Every buffer access is checked against the buffer's end; errors come back as codes.
 """
@@ -43,63 +45,71 @@ MESSAGES = {
 
 
 def encode_tables(freqs: np.ndarray, precision: int) -> np.ndarray:
-    """Per-symbol encoder records, int64[256, 5]: freq, start, rcp, shift, xmax."""
-    t = np.zeros((256, 5), np.int64)
-    start = 0
-    for s in range(256):
-        f = int(freqs[s])
-        if f == 0:
-            continue
-        shift = max(0, (f - 1).bit_length())  # ceil(log2 f)
-        # rcp = ceil(2**(32+shift) / f): exact quotient for every x < 2**32 (Granlund-Montgomery)
-        rcp = ((1 << (32 + shift)) + f - 1) // f
-        t[s] = (f, start, rcp, shift, f << (32 - precision))
-        start += f
+    """Encoder records, uint64[n_tables, 256, 5]: freq, start, rcp, shift, xmax."""
+    freqs = np.atleast_2d(freqs)
+    t = np.zeros((freqs.shape[0], 256, 5), np.uint64)
+    for k in range(freqs.shape[0]):
+        start = 0
+        for s in range(256):
+            f = int(freqs[k, s])
+            if f == 0:
+                continue
+            shift = (f - 1).bit_length()  # ceil(log2 f)
+            rcp = ((1 << (32 + shift)) + f - 1) // f - (1 << 32)
+            t[k, s] = (f, start, rcp, shift, f << (32 - precision))
+            start += f
     return t
 
 
 def decode_table(freqs: np.ndarray, precision: int) -> np.ndarray:
-    """Packed decode entries, uint64[2**precision]: bias | freq << 16 | sym << 32."""
-    size = 1 << precision
-    entries = np.empty(size, np.uint64)
-    start = 0
-    for s in range(256):
-        f = int(freqs[s])
-        if f == 0:
-            continue
-        slots = np.arange(f, dtype=np.uint64)
-        entries[start : start + f] = slots | np.uint64(f << 16) | np.uint64(s << 32)
-        start += f
+    """Packed decode entries, uint64[n_tables, 2**precision]: bias | freq << 16 | sym << 32."""
+    freqs = np.atleast_2d(freqs)
+    entries = np.empty((freqs.shape[0], 1 << precision), np.uint64)
+    for k in range(freqs.shape[0]):
+        start = 0
+        for s in range(256):
+            f = int(freqs[k, s])
+            if f == 0:
+                continue
+            slots = np.arange(f, dtype=np.uint64)
+            entries[k, start : start + f] = slots | np.uint64(f << 16) | np.uint64(s << 32)
+            start += f
     return entries
 
 
 @njit(nogil=True, cache=True)
-def encode_chunk(sym, tab, precision, out):
+def encode_chunk(sym, tab, precision, out, tidx):
     """Encode ``sym`` into ``out``; return the payload's start offset in ``out``, or -1.
 
-    The payload is ``out[start:]``: 128 bytes of states then the words. -1 means it did
-    not fit in ``out`` (the caller then stores the chunk raw).
+    ``tab`` is int64[n_tables, 256, 5]; ``tidx`` the table of each symbol (uint8 array) or
+    None for table 0. The payload is ``out[start:]``: 128 bytes of states then the words.
+    -1 means it did not fit in ``out`` (the caller then stores the chunk raw).
     """
     n = sym.size
     cap = out.size
     x = np.full(LANES, L, np.uint64)
     pos = cap  # words are written downward, ending at cap
     i = n - 1
+    k = 0
     while i >= 0:
         lane = i & (LANES - 1)
         s = sym[i]
+        if tidx is not None:
+            k = tidx[i]
         xs = x[lane]
-        if xs >= tab[s, 4]:
+        if xs >= tab[k, s, 4]:
             if pos - 2 < STATE_BYTES:
                 return -1
             pos -= 2
-            out[pos] = xs & 0xFF
-            out[pos + 1] = (xs >> 8) & 0xFF
-            xs >>= 16
-        f = tab[s, 0]
-        q = (xs * tab[s, 2]) >> (32 + tab[s, 3])
-        x[lane] = (q << precision) + (xs - q * f) + tab[s, 1]
+            out[pos] = xs & np.uint64(0xFF)
+            out[pos + 1] = (xs >> np.uint64(8)) & np.uint64(0xFF)
+            xs >>= np.uint64(16)
+        f = tab[k, s, 0]
+        q = (xs + ((xs * tab[k, s, 2]) >> np.uint64(32))) >> tab[k, s, 3]
+        x[lane] = (q << np.uint64(precision)) + (xs - q * f) + tab[k, s, 1]
         i -= 1
+    if pos < STATE_BYTES:
+        return -1
     pos -= STATE_BYTES
     for lane in range(LANES):
         v = x[lane]
@@ -112,8 +122,11 @@ def encode_chunk(sym, tab, precision, out):
 
 
 @njit(nogil=True, cache=True)
-def decode_chunk(buf, start, length, table, precision, out):
-    """Decode ``out.size`` symbols from ``buf[start:start+length]``; return an error code."""
+def decode_chunk(buf, start, length, table, precision, out, tidx):
+    """Decode ``out.size`` symbols from ``buf[start:start+length]``; return an error code.
+
+    ``table`` is uint64[n_tables, 2**precision]; ``tidx`` as in ``encode_chunk``.
+    """
     n = out.size
     end = start + length
     if length < STATE_BYTES or (length - STATE_BYTES) & 1 or end > buf.size:
@@ -129,13 +142,16 @@ def decode_chunk(buf, start, length, table, precision, out):
         x[lane] = v
     ptr = start + STATE_BYTES
     base = 0
+    k = 0
     while base < n:
         step = min(LANES, n - base)
         if step == LANES and end - ptr >= 2 * LANES:
-            # Fast path: a whole step can read at most 32 words, all inside the payload.
+            # Fast path: a whole step reads at most 32 words, all inside the payload.
             for lane in range(LANES):
+                if tidx is not None:
+                    k = tidx[base + lane]
                 xs = x[lane]
-                e = table[xs & mask]
+                e = table[k, xs & mask]
                 out[base + lane] = np.uint8(e >> 32)
                 xs = np.uint32((e >> 16) & 0xFFFF) * (xs >> precision) + np.uint32(e & 0xFFFF)
                 need = xs < L
@@ -144,8 +160,10 @@ def decode_chunk(buf, start, length, table, precision, out):
                 ptr += 2 * need
         else:
             for lane in range(step):
+                if tidx is not None:
+                    k = tidx[base + lane]
                 xs = x[lane]
-                e = table[xs & mask]
+                e = table[k, xs & mask]
                 out[base + lane] = np.uint8(e >> 32)
                 xs = np.uint32((e >> 16) & 0xFFFF) * (xs >> precision) + np.uint32(e & 0xFFFF)
                 if xs < L:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..coding import frame
+from ..coding import contexts, frame
 from . import kernels
 
 DEFAULT_PRECISION = 12
+PRECISIONS = range(8, 16)
 
 
 class _RansCoder:
     magic = b"EKRA"
     lanes = kernels.LANES
     name = "rANS"
+    supports_context = True
 
     def check_param(self, param: int) -> None:
         if not 8 <= param <= 15:
@@ -30,13 +32,13 @@ class _RansCoder:
     def decode_tables(self, freqs: np.ndarray, param: int) -> np.ndarray:
         return kernels.decode_table(freqs, param)
 
-    def encode_chunk(self, symbols: np.ndarray, tabs: np.ndarray, param: int) -> np.ndarray | None:
+    def encode_chunk(self, symbols, tabs, param, ctx) -> np.ndarray | None:
         out = np.empty(symbols.size, np.uint8)  # coded must be smaller than raw to be kept
-        start = kernels.encode_chunk(symbols, tabs, param, out)
+        start = kernels.encode_chunk(symbols, tabs, param, out, ctx)
         return None if start < 0 else out[start:]
 
-    def decode_chunk(self, buf, start, length, tabs, param, out) -> str | None:
-        code = kernels.decode_chunk(buf, start, length, tabs, param, out)
+    def decode_chunk(self, buf, start, length, tabs, param, out, ctx) -> str | None:
+        code = kernels.decode_chunk(buf, start, length, tabs, param, out, ctx)
         return None if code == kernels.OK else kernels.MESSAGES[code]
 
 
@@ -49,17 +51,26 @@ def encode(
     precision: int = DEFAULT_PRECISION,
     chunk_size: int = frame.DEFAULT_CHUNK,
     threads: int | None = None,
+    context: np.ndarray | bytes | None = None,
+    max_tables: int = contexts.DEFAULT_MAX_TABLES,
 ) -> bytes:
     """Encode uint8 symbols into a self-describing rANS frame.
 
     ``precision`` is the probability resolution in bits (8..15); ``chunk_size`` the symbols
     per independently decodable chunk (a multiple of 32); ``threads`` the worker threads
-    (default: all cores available to this process).
+    (default: all cores available to this process). ``context`` (uint8, one per symbol)
+    lets the coder use up to ``max_tables`` tables, one per context class, where that
+    is smaller; decoding then needs the same context.
     """
-    return frame.encode(CODER, symbols, precision, chunk_size, threads)
+    return frame.encode(CODER, symbols, precision, chunk_size, threads, context, max_tables)
 
 
-def decode(frame_bytes: bytes | memoryview | np.ndarray, *, threads: int | None = None,
-           out: np.ndarray | None = None) -> np.ndarray:
+def decode(
+    frame_bytes: bytes | memoryview | np.ndarray,
+    *,
+    threads: int | None = None,
+    out: np.ndarray | None = None,
+    context: np.ndarray | bytes | None = None,
+) -> np.ndarray:
     """Decode an rANS frame into a uint8 array; ``CorruptDataError`` if it is malformed."""
-    return frame.decode(CODER, frame_bytes, threads, out)
+    return frame.decode(CODER, frame_bytes, threads, out, context)
