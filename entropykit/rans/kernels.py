@@ -16,7 +16,8 @@ Encoding divides through a per-symbol reciprocal (Granlund-Montgomery, as ryg_ra
 RansEncSymbol): with shift = ceil(log2 f) and m = ceil(2**(32+shift) / f) = 2**32 + rcp,
 0 <= rcp < 2**32, the quotient x // f = (x + (x * rcp >> 32)) >> shift exactly for every
 x < 2**32, in 64-bit arithmetic.
-Decoding looks up one packed u64 per slot: bias | freq << 16 | sym << 32, bias = slot - c_s.
+Decoding looks up one packed u64 per slot: bias | freq << 16 | sym << 32, bias = slot - c_s;
+whole steps run as vector code (``simd.decode_step``), the chunk's last words in scalar code.
 Every buffer access is checked against the buffer's end; errors come back as codes.
 """
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from .simd import decode_step
 
 LANES = 32
 L = 1 << 16
@@ -35,12 +38,14 @@ ERR_TRUNCATED = 2  # ran out of words
 ERR_TRAILING = 3  # words left over
 ERR_FINAL = 4  # a lane did not end in the encoder's initial state
 ERR_ODD = 5  # payload is not states + whole words
+ERR_CONTEXT = 6  # context length differs from the chunk's
 MESSAGES = {
     ERR_STATE: "a lane's start state is below 2**16",
     ERR_TRUNCATED: "payload ends before the last symbol",
     ERR_TRAILING: "payload has words after the last symbol",
     ERR_FINAL: "a lane did not end in the initial state (corrupt payload or table)",
     ERR_ODD: "payload is not 128 state bytes plus whole 16-bit words",
+    ERR_CONTEXT: "context length differs from the chunk's symbol count",
 }
 
 
@@ -131,6 +136,8 @@ def decode_chunk(buf, start, length, table, precision, out, tidx):
     end = start + length
     if length < STATE_BYTES or (length - STATE_BYTES) & 1 or end > buf.size:
         return ERR_ODD
+    if tidx is not None and tidx.size != n:
+        return ERR_CONTEXT
     mask = (1 << precision) - 1
     x = np.empty(LANES, np.uint32)
     for lane in range(LANES):
@@ -147,17 +154,7 @@ def decode_chunk(buf, start, length, table, precision, out, tidx):
         step = min(LANES, n - base)
         if step == LANES and end - ptr >= 2 * LANES:
             # Fast path: a whole step reads at most 32 words, all inside the payload.
-            for lane in range(LANES):
-                if tidx is not None:
-                    k = tidx[base + lane]
-                xs = x[lane]
-                e = table[k, xs & mask]
-                out[base + lane] = np.uint8(e >> 32)
-                xs = np.uint32((e >> 16) & 0xFFFF) * (xs >> precision) + np.uint32(e & 0xFFFF)
-                need = xs < L
-                w = np.uint32(buf[ptr]) | (np.uint32(buf[ptr + 1]) << 8)
-                x[lane] = (xs << 16) | w if need else xs
-                ptr += 2 * need
+            ptr = decode_step(x, table, precision, tidx, base, out, buf, ptr)
         else:
             for lane in range(step):
                 if tidx is not None:
