@@ -15,7 +15,7 @@ the next one. Payload = 32 u32 decoder start states, then the u16 words.
 Encoding divides through a per-symbol reciprocal (Granlund-Montgomery, as ryg_rans'
 RansEncSymbol): with shift = ceil(log2 f) and m = ceil(2**(32+shift) / f) = 2**32 + rcp,
 0 <= rcp < 2**32, the quotient x // f = (x + (x * rcp >> 32)) >> shift exactly for every
-x < 2**32, in 64-bit arithmetic.
+x < 2**32, in 64-bit arithmetic. Whole steps are encoded as vector code too.
 Decoding looks up one packed u64 per slot: bias | freq << 16 | sym << 32, bias = slot - c_s;
 whole steps run as vector code (``simd.decode_step``), the chunk's last words in scalar code.
 Every buffer access is checked against the buffer's end; errors come back as codes.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .simd import decode_step
+from .simd import decode_step, encode_step
 
 LANES = 32
 L = 1 << 16
@@ -50,9 +50,13 @@ MESSAGES = {
 
 
 def encode_tables(freqs: np.ndarray, precision: int) -> np.ndarray:
-    """Encoder records, uint64[n_tables, 256, 5]: freq, start, rcp, shift, xmax."""
+    """Packed encoder records, uint64[n_tables, 256, 2].
+
+    [..., 0] = rcp | (xmax - 1) << 32 and [..., 1] = freq | start << 16 | shift << 32, with
+    xmax = freq << (32 - precision) the renormalization bound.
+    """
     freqs = np.atleast_2d(freqs)
-    t = np.zeros((freqs.shape[0], 256, 5), np.uint64)
+    t = np.zeros((freqs.shape[0], 256, 2), np.uint64)
     for k in range(freqs.shape[0]):
         start = 0
         for s in range(256):
@@ -61,7 +65,9 @@ def encode_tables(freqs: np.ndarray, precision: int) -> np.ndarray:
                 continue
             shift = (f - 1).bit_length()  # ceil(log2 f)
             rcp = ((1 << (32 + shift)) + f - 1) // f - (1 << 32)
-            t[k, s] = (f, start, rcp, shift, f << (32 - precision))
+            xmax = f << (32 - precision)
+            t[k, s, 0] = rcp | (xmax - 1) << 32
+            t[k, s, 1] = f | start << 16 | shift << 32
             start += f
     return t
 
@@ -83,36 +89,56 @@ def decode_table(freqs: np.ndarray, precision: int) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
+def _encode_symbol(x, lane, s, k, tab, precision, out, pos):
+    """Scalar encode of one symbol into lane ``lane``; return the new pos, or -1 if full."""
+    r0 = tab[k, s, 0]
+    r1 = tab[k, s, 1]
+    xs = np.uint64(x[lane])
+    if xs > (r0 >> np.uint64(32)):
+        if pos - 2 < STATE_BYTES:
+            return -1
+        pos -= 2
+        out[pos] = xs & np.uint64(0xFF)
+        out[pos + 1] = (xs >> np.uint64(8)) & np.uint64(0xFF)
+        xs >>= np.uint64(16)
+    f = r1 & np.uint64(0xFFFF)
+    q = (xs + ((xs * (r0 & np.uint64(0xFFFFFFFF))) >> np.uint64(32))) >> (r1 >> np.uint64(32))
+    start = (r1 >> np.uint64(16)) & np.uint64(0xFFFF)
+    x[lane] = np.uint32((q << np.uint64(precision)) + (xs - q * f) + start)
+    return pos
+
+
+@njit(nogil=True, cache=True)
 def encode_chunk(sym, tab, precision, out, tidx):
     """Encode ``sym`` into ``out``; return the payload's start offset in ``out``, or -1.
 
-    ``tab`` is int64[n_tables, 256, 5]; ``tidx`` the table of each symbol (uint8 array) or
-    None for table 0. The payload is ``out[start:]``: 128 bytes of states then the words.
-    -1 means it did not fit in ``out`` (the caller then stores the chunk raw).
+    ``tab`` is ``encode_tables``' uint64[n_tables, 256, 2]; ``tidx`` the table of each
+    symbol (uint8 array) or None for table 0. The payload is ``out[start:]``: 128 bytes of
+    states then the words. -1 means it did not fit in ``out`` (the caller stores raw).
     """
     n = sym.size
-    cap = out.size
-    x = np.full(LANES, L, np.uint64)
-    pos = cap  # words are written downward, ending at cap
-    i = n - 1
+    if tidx is not None and tidx.size != n:
+        return -1
+    x = np.full(LANES, L, np.uint32)
+    pos = out.size  # words are written downward, ending at out.size
+    full = n - n % LANES
     k = 0
-    while i >= 0:
-        lane = i & (LANES - 1)
-        s = sym[i]
+    for i in range(n - 1, full - 1, -1):  # the last, partial step
         if tidx is not None:
             k = tidx[i]
-        xs = x[lane]
-        if xs >= tab[k, s, 4]:
-            if pos - 2 < STATE_BYTES:
+        pos = _encode_symbol(x, i - full, sym[i], k, tab, precision, out, pos)
+        if pos < 0:
+            return -1
+    for base in range(full - LANES, -1, -LANES):
+        if pos - 2 * LANES >= STATE_BYTES:
+            pos = encode_step(x, tab, precision, tidx, base, sym, out, pos)
+            continue
+        for lane in range(LANES - 1, -1, -1):
+            if tidx is not None:
+                k = tidx[base + lane]
+            pos = _encode_symbol(x, lane, sym[base + lane], k, tab, precision, out, pos)
+            if pos < 0:
                 return -1
-            pos -= 2
-            out[pos] = xs & np.uint64(0xFF)
-            out[pos + 1] = (xs >> np.uint64(8)) & np.uint64(0xFF)
-            xs >>= np.uint64(16)
-        f = tab[k, s, 0]
-        q = (xs + ((xs * tab[k, s, 2]) >> np.uint64(32))) >> tab[k, s, 3]
-        x[lane] = (q << np.uint64(precision)) + (xs - q * f) + tab[k, s, 1]
-        i -= 1
     if pos < STATE_BYTES:
         return -1
     pos -= STATE_BYTES

@@ -1,13 +1,14 @@
-"""One whole 32-lane rANS decode step as LLVM vector code (a Numba intrinsic).
+"""Whole 32-lane rANS steps as LLVM vector code (Numba intrinsics), decode and encode.
 
-What it is: the fast path of ``kernels.decode_chunk``: for all 32 lanes at once, gather the
-packed table entries, write the 32 symbols, advance the states, and renormalize with one
-*expand-load*: lanes whose state fell below 2**16 take the next words of the stream in lane
-order, exactly the order the format prescribes (``kernels`` docstring). On AVX-512 VBMI2
-that is one ``vpexpandw``; elsewhere LLVM lowers the same intrinsics to scalar code, so the
-result is identical on every machine. What it is not: bounds checking. The caller
-guarantees 32 symbols of output, ``table`` rows of ``2**precision`` entries, table indices
-below the row count, and at least 64 readable bytes at ``ptr``.
+What it is: the fast paths of ``kernels.decode_chunk`` and ``kernels.encode_chunk``. Decode:
+for all 32 lanes at once, gather the packed table entries, write the 32 symbols, advance
+the states, and renormalize with one *expand-load*: lanes whose state fell below 2**16
+take the next words of the stream in lane order, exactly the order the format prescribes
+(``kernels`` docstring). Encode mirrors it with a *compress-store* of the emitted words.
+On AVX-512 VBMI2 these are ``vpexpandw`` / ``vpcompressw``; elsewhere LLVM lowers the same
+intrinsics to scalar code, so results are identical on every machine.
+What it is not: bounds checking. The callers guarantee 32 symbols at ``base``, table
+indices in range, and 64 bytes of stream room at ``ptr`` / below ``pos``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, t: ir.Type) -> ir.Value:
     one = builder.insert_element(ir.Constant(_vec(t), None), value, ir.Constant(_I32, 0))
     zeros = ir.Constant(_vec(_I32), [0] * _W)
     return builder.shuffle_vector(one, ir.Constant(_vec(t), None), zeros)
+
+
+def _gather(builder: ir.IRBuilder, addr: ir.Value) -> ir.Value:
+    """Load the i64 at each of 32 byte addresses."""
+    ptrs = builder.inttoptr(addr, ir.VectorType(_I64.as_pointer(), _W))
+    fn = _declare(builder.module, "llvm.masked.gather.v32i64.v32p0i64", _vec(_I64),
+                  [ptrs.type, _I32, _vec(_I1), _vec(_I64)])
+    return builder.call(fn, [ptrs, ir.Constant(_I32, 8), _splat_const(_I1, 1),
+                             ir.Constant(_vec(_I64), None)])
 
 
 def _declare(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
@@ -61,12 +71,7 @@ def decode_step(typingctx, x, table, precision, tidx, base, out, buf, ptr):
             k = builder.zext(builder.load(k_ptr, align=1), _vec(_I64))
             slot = builder.add(slot, builder.shl(k, builder.zext(p, _vec(_I64))))
         row0 = _splat(builder, builder.ptrtoint(data(1, table_v), _I64), _I64)
-        addr = builder.add(row0, builder.shl(slot, _splat_const(_I64, 3)))
-        ptrs = builder.inttoptr(addr, ir.VectorType(_I64.as_pointer(), _W))
-        gather = _declare(mod, "llvm.masked.gather.v32i64.v32p0i64", _vec(_I64),
-                          [ptrs.type, _I32, _vec(_I1), _vec(_I64)])
-        e = builder.call(gather, [ptrs, ir.Constant(_I32, 8), _splat_const(_I1, 1),
-                                  ir.Constant(_vec(_I64), None)])
+        e = _gather(builder, builder.add(row0, builder.shl(slot, _splat_const(_I64, 3))))
         # entry = bias | freq << 16 | sym << 32
         sym = builder.trunc(builder.lshr(e, _splat_const(_I64, 32)), _vec(_I8))
         out_ptr = builder.bitcast(builder.gep(data(5, out_v), [base_v]), _vec(_I8).as_pointer())
@@ -88,5 +93,64 @@ def decode_step(typingctx, x, table, precision, tidx, base, out, buf, ptr):
         popcnt = _declare(mod, "llvm.ctpop.i32", _I32, [_I32])
         taken = builder.zext(builder.call(popcnt, [builder.bitcast(need, _I32)]), _I64)
         return builder.add(ptr_v, builder.shl(taken, ir.Constant(_I64, 1)))
+
+    return sig, codegen
+
+
+@intrinsic
+def encode_step(typingctx, x, tab, precision, tidx, base, sym, out, pos):
+    """Encode symbols base..base+31 (all lanes of one step); return the new write position.
+
+    ``tab`` is uint64[n_tables, 256, 2]: rcp | (xmax - 1) << 32, freq | start << 16 |
+    shift << 32. Emitted words are stored just below ``pos`` in lane order.
+    """
+    sig = types.intp(x, tab, precision, tidx, base, sym, out, pos)
+    conditional = not isinstance(tidx, types.NoneType)
+
+    def codegen(context, builder, signature, args):
+        x_v, tab_v, prec_v, tidx_v, base_v, sym_v, out_v, pos_v = args
+
+        def data(k, v):
+            return context.make_array(signature.args[k])(context, builder, v).data
+
+        def load8(k, v):
+            ptr = builder.bitcast(builder.gep(data(k, v), [base_v]), _vec(_I8).as_pointer())
+            return builder.zext(builder.load(ptr, align=1), _vec(_I64))
+
+        mod = builder.module
+        idx = load8(5, sym_v)
+        if conditional:
+            idx = builder.add(idx, builder.shl(load8(3, tidx_v), _splat_const(_I64, 8)))
+        rec = builder.add(_splat(builder, builder.ptrtoint(data(1, tab_v), _I64), _I64),
+                          builder.shl(idx, _splat_const(_I64, 4)))
+        r0 = _gather(builder, rec)
+        r1 = _gather(builder, builder.add(rec, _splat_const(_I64, 8)))
+        lo32 = _splat_const(_I64, 0xFFFFFFFF)
+        lo16 = _splat_const(_I64, 0xFFFF)
+        rcp = builder.and_(r0, lo32)
+        xmax_m1 = builder.lshr(r0, _splat_const(_I64, 32))
+        freq = builder.and_(r1, lo16)
+        start = builder.and_(builder.lshr(r1, _splat_const(_I64, 16)), lo16)
+        shift = builder.lshr(r1, _splat_const(_I64, 32))
+        state_ptr = builder.bitcast(data(0, x_v), _vec(_I32).as_pointer())
+        xs = builder.zext(builder.load(state_ptr, align=4), _vec(_I64))
+        # Renormalize: x >= xmax emits its low word; the words go below pos in lane order.
+        need = builder.icmp_unsigned(">", xs, xmax_m1)
+        popcnt = _declare(mod, "llvm.ctpop.i32", _I32, [_I32])
+        taken = builder.zext(builder.call(popcnt, [builder.bitcast(need, _I32)]), _I64)
+        new_pos = builder.sub(pos_v, builder.shl(taken, ir.Constant(_I64, 1)))
+        dst = builder.bitcast(builder.gep(data(6, out_v), [new_pos]), _I16.as_pointer())
+        compress = _declare(mod, "llvm.masked.compressstore.v32i16", ir.VoidType(),
+                            [_vec(_I16), _I16.as_pointer(), _vec(_I1)])
+        builder.call(compress, [builder.trunc(xs, _vec(_I16)), dst, need])
+        xs = builder.select(need, builder.lshr(xs, _splat_const(_I64, 16)), xs)
+        # x = (x // f) << p | x % f + start, x // f through the reciprocal (kernels docstring)
+        q = builder.lshr(builder.mul(xs, rcp), _splat_const(_I64, 32))
+        q = builder.lshr(builder.add(xs, q), shift)
+        p = _splat(builder, prec_v, _I64)
+        xs = builder.add(builder.add(builder.shl(q, p), builder.sub(xs, builder.mul(q, freq))),
+                         start)
+        builder.store(builder.trunc(xs, _vec(_I32)), state_ptr, align=4)
+        return new_pos
 
     return sig, codegen
