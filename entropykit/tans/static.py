@@ -13,7 +13,7 @@ import numpy as np
 from ..coding import frame
 from . import kernels, table
 
-DEFAULT_PRECISION = 11
+DEFAULT_PRECISION = 12
 PRECISIONS = range(9, 13)  # table logs: 4 lanes x 12 bits fit one 64-bit refill
 
 
