@@ -1,10 +1,11 @@
 """Side-by-side benchmark of the order-0 byte coders on the same symbols.
 
-What it is: one run that codes the same uint8 symbol streams with entropykit's rANS (and
-tANS once it exists), zstd levels 3 and 19, and constriction's ANS coder with a categorical
-model, verifies every round trip, and prints a markdown table of size, bits/symbol,
-overhead over the empirical order-0 entropy and 1-/2-thread throughput. ``--write``
-replaces the "## Coders (issue 2)" section of bench/RESULTS.md with it.
+What it is: one run that codes the same uint8 symbol streams with entropykit's rANS and
+tANS (its rows are skipped while it is not importable), zstd levels 3 and 19, and
+constriction's ANS coder with a categorical model, verifies every round trip, and prints a
+markdown table of size, bits/symbol, overhead over the empirical order-0 entropy and
+1-/2-thread throughput. ``--write`` replaces the "## Coders (issue 2)" section of
+bench/RESULTS.md with it.
 What it is not: a container or per-format benchmark (the streams are raw symbol arrays).
 
 Data: the exponent bytes and the sign+mantissa bytes of MiniLM-L6 cast to bf16 (all
@@ -83,7 +84,7 @@ class Coder:
     slow_encode: bool = False
 
 
-def _entropykit_coders(precisions: list[int]) -> list[Coder]:
+def _entropykit_coders(rans_precisions: list[int], tans_precisions: list[int]) -> list[Coder]:
     from entropykit import rans
 
     coders = [
@@ -91,18 +92,21 @@ def _entropykit_coders(precisions: list[int]) -> list[Coder]:
               lambda s, t, p=p: rans.encode(s, precision=p, threads=t),
               lambda b, n, t: rans.decode(b, threads=t),
               thread_counts=(1, 2))
-        for p in precisions
+        for p in rans_precisions
     ]
     try:
         from entropykit import tans
         tans_encode, tans_decode = tans.encode, tans.decode
     except (ImportError, AttributeError) as e:
-        print(f"entropykit.tans not available ({e!r}); skipping its row", file=sys.stderr)
-    else:
-        coders.append(Coder("entropykit.tans p11",
-                            lambda s, t: tans_encode(s, precision=11, threads=t),
-                            lambda b, n, t: tans_decode(b, threads=t),
-                            thread_counts=(1, 2)))
+        print(f"entropykit.tans not available ({e!r}); skipping its rows", file=sys.stderr)
+        return coders
+    coders += [
+        Coder(f"entropykit.tans p{p}",
+              lambda s, t, p=p: tans_encode(s, precision=p, threads=t),
+              lambda b, n, t: tans_decode(b, threads=t),
+              thread_counts=(1, 2))
+        for p in tans_precisions
+    ]
     return coders
 
 
@@ -318,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="timed runs per measurement (>= 1)")
     ap.add_argument("--precisions", default="11,12,14", help="rANS precisions, comma-separated")
+    ap.add_argument("--tans-precisions", default="11,12", help="tANS table logs, comma-separated")
     ap.add_argument("--no-zstd19", action="store_true", help="skip zstd-19 (slow: ~1 min)")
     ap.add_argument("--write", action="store_true", help=f"replace {SECTION!r} in {RESULTS}")
     args = ap.parse_args(argv)
@@ -330,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     datasets = [("MiniLM bf16 exponent", exponent),
                 ("MiniLM bf16 sign+mantissa", sign_mantissa),
                 ("Laplace(1) synthetic", synthetic_laplace())]
-    coders = _entropykit_coders([int(p) for p in args.precisions.split(",")])
+    coders = _entropykit_coders([int(p) for p in args.precisions.split(",")],
+                                [int(p) for p in args.tans_precisions.split(",")])
     coders += [c for c in _zstd_coders() if not (args.no_zstd19 and c.name == "zstd-19")]
     coders.append(_constriction_coder())
 
