@@ -1,0 +1,165 @@
+"""Field codecs: code one field's uint8 symbols with rANS, tANS, zstd or raw, and pick one.
+
+What it is: one ``encode``/``decode`` pair over the four codecs a field may use, each of
+which checks its decoded bytes (rANS/tANS frames carry a CRC-32 per chunk, zstd frames
+their content checksum, raw a CRC-32 prefix), and ``choose``: the smallest codec for a
+field, measured on the field itself when it is small and on a fixed, spread sample when
+it is large. What it is not: the split of a dtype into fields (``formats``) or the
+container layout.
+
+Codec payloads:
+    rans  an rANS frame (``entropykit.rans``), conditioned on the field's context if any
+    tans  a tANS frame (``entropykit.tans``); never conditioned
+    zstd  one zstd frame (level 3) with content size and content checksum
+    raw   u32 CRC-32 of the symbols, then the symbols
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from .. import rans, tans
+from .._errors import CorruptDataError
+from ..coding import frame, tables
+
+ZSTD_LEVEL = 3
+TANS_LOG = 12  # the largest tANS table: least quantization loss (0.16% on MiniLM exponents)
+# zstd is judged on fields up to this many symbols whole, on larger ones by a sample of
+# _BLOCKS blocks of _BLOCK symbols spread evenly.
+_BLOCK = 1 << 14
+_BLOCKS = 4
+EXACT_LIMIT = _BLOCK * _BLOCKS
+_CRC = struct.Struct("<I")
+
+
+def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None) -> bytes:
+    """``symbols`` (uint8, 1-D) coded with ``codec``; ``context`` is used by rans only."""
+    if codec == "rans":
+        return rans.encode(symbols, context=context, threads=1)
+    if codec == "tans":
+        return tans.encode(symbols, precision=TANS_LOG, threads=1)
+    if codec == "zstd":
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True,
+                                        write_content_size=True)
+        return cctx.compress(symbols.data)
+    if codec == "raw":
+        return _CRC.pack(zlib.crc32(symbols)) + symbols.tobytes()
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+def count(codec: str, data: np.ndarray) -> int:
+    """How many symbols the payload ``data`` says it holds; CorruptDataError if unreadable."""
+    if codec in ("rans", "tans"):
+        if data.size < frame.HEADER_SIZE:
+            raise CorruptDataError(f"{codec} frame truncated: {data.size} bytes")
+        return int(data[8:16].view("<u8")[0])
+    if codec == "zstd":
+        try:
+            n = zstandard.frame_content_size(data.data)
+        except zstandard.ZstdError as e:
+            raise CorruptDataError(f"zstd frame: {e}") from None
+        if n < 0:
+            raise CorruptDataError("zstd frame does not record its size")
+        return n
+    if codec == "raw":
+        if data.size < _CRC.size:
+            raise CorruptDataError(f"raw field truncated: {data.size} bytes")
+        return data.size - _CRC.size
+    raise CorruptDataError(f"unknown codec {codec!r}")
+
+
+def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
+    """Decode ``data`` (uint8 view of one payload) into ``n`` symbols; CorruptDataError if
+    it is malformed, holds another count, or fails its checksum."""
+    if codec in ("rans", "tans"):
+        mod = rans if codec == "rans" else tans
+        head = bytes(data[:frame.HEADER_SIZE])
+        if len(head) == frame.HEADER_SIZE and int.from_bytes(head[8:16], "little") != n:
+            raise CorruptDataError(
+                f"{codec} frame holds {int.from_bytes(head[8:16], 'little')} symbols, "
+                f"field has {n}"
+            )
+        kw = {"context": context} if codec == "rans" else {}
+        try:
+            return mod.decode(data, threads=1, out=np.empty(n, np.uint8), **kw)
+        except CorruptDataError:
+            raise
+        except ValueError as e:  # e.g. a context flag on a field that has no context
+            raise CorruptDataError(f"{codec} frame: {e}") from None
+    if codec == "zstd":
+        try:
+            if zstandard.frame_content_size(data.data) != n:
+                raise CorruptDataError(f"zstd frame does not hold {n} bytes")
+            out = zstandard.ZstdDecompressor().decompress(data.data, max_output_size=n)
+        except zstandard.ZstdError as e:
+            raise CorruptDataError(f"zstd frame: {e}") from None
+        return np.frombuffer(out, np.uint8)
+    if codec == "raw":
+        if data.size != n + _CRC.size:
+            raise CorruptDataError(f"raw field is {data.size} bytes, expected {n + _CRC.size}")
+        out = data[_CRC.size:].copy()
+        if zlib.crc32(out) != _CRC.unpack(data[:_CRC.size].tobytes())[0]:
+            raise CorruptDataError("raw field fails its CRC-32")
+        return out
+    raise CorruptDataError(f"unknown codec {codec!r}")
+
+
+def _sample(a: np.ndarray) -> np.ndarray:
+    step = (a.size - _BLOCK) // (_BLOCKS - 1)
+    return np.concatenate([a[i * step : i * step + _BLOCK] for i in range(_BLOCKS)])
+
+
+def _zstd_estimate(symbols: np.ndarray) -> int:
+    if symbols.size <= EXACT_LIMIT:
+        return len(encode("zstd", symbols, None))
+    sample = _sample(symbols)
+    return len(encode("zstd", sample, None)) * symbols.size // sample.size
+
+
+def _entropy_estimate(counts: np.ndarray, n: int) -> int:
+    """Bytes an entropy-coded frame of order-0 statistics ``counts`` is expected to take:
+    the entropy, the table (the estimate of coding/contexts.py) and the frame directory."""
+    present = int(np.count_nonzero(counts))
+    table = 1 + min(present, 32) + 2 * present
+    chunks = -(-n // frame.DEFAULT_CHUNK)
+    return int(tables.entropy_bits(counts) / 8) + table + frame.HEADER_SIZE + 9 * chunks
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A coded field: its codec, payload, and order-0 entropy in bits."""
+
+    codec: str
+    blob: bytes
+    entropy_bits: float
+
+
+def choose(symbols: np.ndarray, context: np.ndarray | None) -> Choice:
+    """Code a field with the codec expected to be smallest, never larger than raw.
+
+    The entropy coder is rANS for a field with a context (only rANS conditions on one) and
+    tANS otherwise (smaller than rANS without context on real weights: fewer state bytes
+    per chunk). Its size is estimated from the order-0 entropy, zstd's by coding the field
+    (or a spread sample of it), raw's is exact; the smallest estimate is coded, and the
+    result replaced by raw if it is not smaller. Only one coder runs over the whole field.
+    Deterministic: the same symbols always give the same choice.
+    """
+    n = symbols.size
+    raw = n + _CRC.size
+    if n == 0:
+        return Choice("raw", encode("raw", symbols, None), 0.0)
+    counts = tables.histogram(symbols)
+    bits = tables.entropy_bits(counts)
+    entropy_codec = "rans" if context is not None else "tans"
+    estimates = {entropy_codec: _entropy_estimate(counts, n), "zstd": _zstd_estimate(symbols),
+                 "raw": raw}
+    codec = min(estimates, key=lambda c: (estimates[c], c != entropy_codec))
+    blob = encode(codec, symbols, context)
+    if len(blob) >= raw:
+        return Choice("raw", encode("raw", symbols, None), bits)
+    return Choice(codec, blob, bits)

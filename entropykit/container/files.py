@@ -1,0 +1,175 @@
+"""Compress, decompress and verify single safetensors files on disk.
+
+What it is: the file-level operations: map the input read-only (mmap: only touched pages
+are read, so files larger than RAM stream through), write through ``_atomic`` (temporary
+name, rename; nothing left behind on error; the input is never written), default output
+names, and errors that name the file. What it is not: the coding (``writer``/``reader``)
+or directories (``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from .._errors import CorruptDataError
+from . import _atomic
+from . import header as hdr
+from .parallel import resolve
+from .reader import Compressed, Progress
+from .stats import Summary
+from .writer import SEGMENT_BYTES, Source, write
+
+SUFFIX = ".safetensors"
+MARK = ".ek"
+
+
+def default_output(src: Path, compress: bool) -> Path:
+    """``a.safetensors`` <-> ``a.ek.safetensors``; directories ``d`` <-> ``d.ek``; a
+    decompressed name without the mark gets ``.restored``."""
+    name = src.name
+    if src.is_dir():
+        if compress:
+            return src.with_name(name + MARK)
+        return src.with_name(name[: -len(MARK)] if name.endswith(MARK) else name + ".restored")
+    stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
+    if compress:
+        return src.with_name(stem + MARK + SUFFIX)
+    if stem.endswith(MARK):
+        return src.with_name(stem[: -len(MARK)] + SUFFIX)
+    return src.with_name(stem + ".restored" + SUFFIX)
+
+
+@contextmanager
+def named(path: Path | str) -> Iterator[None]:
+    """Re-raise data errors with the file's name in front (type kept)."""
+    try:
+        yield
+    except CorruptDataError as e:
+        raise CorruptDataError(f"{path}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+@contextmanager
+def mapped(path: Path) -> Iterator[np.ndarray]:
+    """The file's bytes as a read-only uint8 array backed by an mmap."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            yield np.zeros(0, np.uint8)
+            return
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        yield np.frombuffer(mm, np.uint8)
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # views still alive (e.g. in a traceback): the GC closes it
+            pass
+
+
+def _check_distinct(src: Path, dst: Path) -> None:
+    if dst.exists() and src.exists() and os.path.samefile(src, dst):
+        raise ValueError(f"{dst}: output would overwrite the input")
+
+
+def source(buf: np.ndarray) -> Source:
+    """A ``writer.Source`` over a whole safetensors file held in ``buf``."""
+    h = hdr.parse_file(memoryview(buf))
+    start = h.data_start
+    return Source(h, lambda e: buf[start + e.begin : start + e.end])
+
+
+def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = None,
+                  force: bool = False, progress: Progress | None = None,
+                  segment_bytes: int = SEGMENT_BYTES) -> Summary:
+    """Compress safetensors file ``src`` to ``dst`` (default ``default_output``)."""
+    src = Path(src)
+    dst = default_output(src, True) if dst is None else Path(dst)
+    n = resolve(threads)
+    _check_distinct(src, dst)
+    t0 = time.perf_counter()
+    with named(src), mapped(src) as buf:
+        try:
+            s = source(buf)
+        except ValueError as e:
+            raise ValueError(f"not a valid safetensors file: {e}") from None
+        with _atomic.output_file(dst, force) as out:
+            summary = write(s, out, threads=n, progress=progress,
+                            segment_bytes=segment_bytes)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def decompress_file(src: Path, dst: Path | None = None, *, threads: int | None = None,
+                    force: bool = False, progress: Progress | None = None) -> Summary:
+    """Restore the original of compressed file ``src`` at ``dst``, byte for byte."""
+    src = Path(src)
+    dst = default_output(src, False) if dst is None else Path(dst)
+    n = resolve(threads)
+    _check_distinct(src, dst)
+    t0 = time.perf_counter()
+    with named(src), mapped(src) as buf:
+        c = Compressed(buf)
+        with _atomic.output_file(dst, force) as out:
+            size = c.restore(out, n, progress)
+        summary = _decoded_summary(c, buf.size, size)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _decoded_summary(c: Compressed, file_in: int, file_out: int) -> Summary:
+    """Rows as for compression (original bytes in, payload bytes out), for reporting."""
+    summary = Summary(file_in=file_out, file_out=file_in, files=1)
+    for e in c.original.entries:
+        row = summary.row(e.dtype)
+        row.tensors += 1
+        row.values += e.numel
+        row.bytes_in += e.nbytes
+        row.bytes_out += c.payload_size(e.name)
+    return summary
+
+
+def verify_file(path: Path, against: Path | None = None, *, threads: int | None = None,
+                progress: Progress | None = None) -> Summary:
+    """Decode all of compressed ``path`` checking every checksum, and if ``against`` is
+    given compare the restored file with it byte for byte; CorruptDataError on failure."""
+    path = Path(path)
+    n = resolve(threads)
+    t0 = time.perf_counter()
+    with named(path), mapped(path) as buf:
+        c = Compressed(buf)
+        if against is None:
+            c.verify(n, progress)
+        else:
+            _compare(c, Path(against), n, progress)
+        summary = _decoded_summary(c, buf.size, c.original.file_size())
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _compare(c: Compressed, original: Path, threads: int, progress: Progress | None) -> None:
+    with mapped(original) as ref:
+        head = hdr.prefix(c.record.header) + c.record.header
+        if ref.size != c.original.file_size():
+            raise CorruptDataError(
+                f"restores to {c.original.file_size()} bytes, {original} has {ref.size}"
+            )
+        if bytes(ref[: len(head)]) != head:
+            raise CorruptDataError(f"restored header differs from {original}'s")
+        start = len(head)
+
+        def check(offset: int, data: np.ndarray) -> None:
+            mine = ref[start + offset : start + offset + data.size]
+            if not np.array_equal(mine, data):
+                at = start + offset + int(np.flatnonzero(mine != data)[0])
+                raise CorruptDataError(f"restored file differs from {original} at byte {at}")
+
+        c.verify(threads, progress, check)

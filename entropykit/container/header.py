@@ -1,0 +1,184 @@
+"""The safetensors header: parse and validate one, and render one.
+
+What it is: reading the 8-byte length + JSON header of a safetensors file into typed
+entries (checked the way ``safetensors`` checks them: dtype known, byte count matching the
+shape, tensors tiling the data section exactly), keeping the raw JSON text for byte-exact
+restore; and rendering a header the way ``safetensors`` writes one (compact JSON, padded
+with spaces to a multiple of 8). What it is not: tensor data access or compression.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+METADATA_KEY = "__metadata__"
+# safetensors refuses headers over 100 MB; so do we (a hostile length cannot allocate more).
+MAX_HEADER = 100_000_000
+_LEN = struct.Struct("<Q")
+
+# Bits per element of every dtype safetensors knows.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+# The order safetensors sorts tensors in when it writes a file (descending, then by name).
+_WRITE_RANK = {d: i for i, d in enumerate((
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+    "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
+    "F64", "I64", "U64",
+))}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a header: its name, dtype, shape and byte range in the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed header: the raw JSON bytes (padding included), metadata and entries.
+
+    ``entries`` keep the JSON order; ``by_offset`` is the same entries in data order.
+    ``data_start`` is where the data section begins in the file (8 + len(raw)).
+    """
+
+    raw: bytes
+    metadata: dict[str, str] | None
+    entries: tuple[Entry, ...]
+
+    @property
+    def data_start(self) -> int:
+        return _LEN.size + len(self.raw)
+
+    @property
+    def data_size(self) -> int:
+        return max((e.end for e in self.entries), default=0)
+
+    @property
+    def by_offset(self) -> list[Entry]:
+        return sorted(self.entries, key=lambda e: (e.begin, e.end))
+
+    def file_size(self) -> int:
+        return self.data_start + self.data_size
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _entry(name: str, spec: object) -> Entry:
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError(f"tensor {name!r}: entry must have dtype, shape and data_offsets")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if dtype not in DTYPE_BITS:
+        raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    ints = (shape, offsets)
+    if not all(isinstance(s, list) and all(type(x) is int and x >= 0 for x in s) for s in ints):
+        raise ValueError(f"tensor {name!r}: shape and data_offsets must be non-negative ints")
+    if len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise ValueError(f"tensor {name!r}: bad data_offsets {offsets}")
+    entry = Entry(name, dtype, tuple(shape), offsets[0], offsets[1])
+    bits = entry.numel * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != entry.nbytes:
+        raise ValueError(
+            f"tensor {name!r}: {dtype}{list(shape)} needs {bits / 8:g} bytes, "
+            f"data_offsets give {entry.nbytes}"
+        )
+    return entry
+
+
+def parse_json(raw: bytes) -> Header:
+    """Parse header JSON bytes (as stored after the 8-byte length); ValueError if invalid."""
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"header is not UTF-8 JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("header is not a JSON object")
+    metadata = obj.pop(METADATA_KEY, None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise ValueError("__metadata__ must map strings to strings")
+    entries = tuple(_entry(k, v) for k, v in obj.items())
+    pos = 0
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if e.begin != pos:
+            raise ValueError(
+                f"tensor {e.name!r} starts at data byte {e.begin}, expected {pos} "
+                "(tensors must tile the data section)"
+            )
+        pos = e.end
+    return Header(bytes(raw), metadata, entries)
+
+
+def read_prefix(buf: memoryview | bytes, file_size: int) -> int:
+    """The header length from a file's first 8 bytes; ValueError if it cannot be right."""
+    if file_size < _LEN.size:
+        raise ValueError(f"{file_size} bytes, too short for a safetensors header")
+    (n,) = _LEN.unpack_from(buf, 0)
+    if n > MAX_HEADER or _LEN.size + n > file_size:
+        raise ValueError(f"header length {n} does not fit in a file of {file_size} bytes")
+    return n
+
+
+def parse_file(buf: memoryview | bytes) -> Header:
+    """Parse and validate the header of a whole safetensors file held in ``buf``."""
+    n = read_prefix(buf, len(buf))
+    header = parse_json(bytes(buf[_LEN.size : _LEN.size + n]))
+    if header.file_size() != len(buf):
+        raise ValueError(
+            f"tensors end at byte {header.file_size()}, file has {len(buf)} bytes"
+        )
+    return header
+
+
+def render(metadata: Mapping[str, str] | None, entries: Sequence[Entry],
+           reserve: int = 0) -> bytes:
+    """Header JSON as safetensors writes it, padded with spaces to a multiple of 8 and to
+    at least ``reserve`` bytes (so a header of unknown final size can be written later)."""
+    obj: dict[str, object] = {}
+    if metadata is not None:
+        obj[METADATA_KEY] = dict(metadata)
+    for e in entries:
+        obj[e.name] = {"dtype": e.dtype, "shape": list(e.shape),
+                       "data_offsets": [e.begin, e.end]}
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    size = max(len(text), reserve)
+    size += -size % 8
+    return text + b" " * (size - len(text))
+
+
+def prefix(raw: bytes) -> bytes:
+    """The 8-byte little-endian length that precedes header JSON ``raw`` in a file."""
+    return _LEN.pack(len(raw))
+
+
+def write_order(entries: Sequence[Entry]) -> list[Entry]:
+    """``entries`` in the order safetensors lays tensors out (dtype rank desc, then name)."""
+    return sorted(entries, key=lambda e: (-_WRITE_RANK[e.dtype], e.name))

@@ -1,0 +1,159 @@
+"""Read a compressed safetensors file: check it, decode one tensor, or restore the original.
+
+What it is: ``Compressed``, a validated view of a compressed file held in a buffer (an
+mmap for files): the outer safetensors header, the record, the original header, and
+cross-checks between the three (names, dtypes, shapes, payload sizes, segment counts);
+``tensor(name)`` decodes one tensor's original bytes, touching only its payload;
+``restore(out)`` writes the original file byte for byte, segments decoded on a bounded
+thread pool. Every inconsistency raises ``CorruptDataError`` saying what and where.
+What it is not: file handling (``files.py``) or encoding (``writer.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+import numpy as np
+
+from .._errors import CorruptDataError
+from . import header as hdr
+from . import payload, record, segment
+from .parallel import imap
+
+Progress = Callable[[int, int], None]
+
+
+def is_compressed(h: hdr.Header) -> bool:
+    """Whether a parsed safetensors header is that of an entropykit-compressed file."""
+    return record.KEY in (h.metadata or {})
+
+
+class Compressed:
+    """A compressed file in ``buf`` (bytes-like); raises CorruptDataError if inconsistent.
+
+    Attributes: ``outer`` (the file's own header), ``record``, ``original`` (the
+    original file's header, parsed).
+    """
+
+    def __init__(self, buf: bytes | memoryview | np.ndarray) -> None:
+        self._buf = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf
+        try:
+            self.outer = hdr.parse_file(memoryview(self._buf))
+        except ValueError as e:
+            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+        if not is_compressed(self.outer):
+            raise ValueError("not an entropykit-compressed file (no entropykit record)")
+        self.record = record.parse(self.outer.metadata[record.KEY])
+        try:
+            self.original = hdr.parse_json(self.record.header)
+        except ValueError as e:
+            raise CorruptDataError(f"original header in the record: {e}") from None
+        self._outer = {e.name: e for e in self.outer.entries}
+        self._check()
+
+    def _check(self) -> None:
+        orig = [e.name for e in self.original.entries]
+        if set(orig) != set(self._outer) or set(orig) != set(self.record.tensors):
+            raise CorruptDataError("tensor names differ between file, record and original "
+                                   "header")
+        for e in self.original.entries:
+            t, o = self.record.tensors[e.name], self._outer[e.name]
+            if (t.dtype, t.shape) != (e.dtype, e.shape):
+                raise CorruptDataError(
+                    f"tensor {e.name!r}: record says {t.dtype}{list(t.shape)}, original "
+                    f"header {e.dtype}{list(e.shape)}"
+                )
+            if o.dtype != "U8" or len(o.shape) != 1:
+                raise CorruptDataError(f"tensor {e.name!r}: payload is not a 1-D U8 tensor")
+            if len(t.codecs) != len(self.bounds(e)) or (e.nbytes and not t.fields):
+                raise CorruptDataError(
+                    f"tensor {e.name!r}: record lists {len(t.codecs)} segments, "
+                    f"{e.nbytes} bytes make {len(self.bounds(e))}"
+                )
+
+    def bounds(self, e: hdr.Entry) -> list[tuple[int, int]]:
+        return segment.bounds(e.nbytes, hdr.DTYPE_BITS[e.dtype], self.record.segment_bytes)
+
+    def keys(self) -> list[str]:
+        """Tensor names in the original data order (as ``safetensors`` lists them)."""
+        return [e.name for e in self.original.by_offset]
+
+    def entry(self, name: str) -> hdr.Entry:
+        """The original header's entry of tensor ``name`` (KeyError if absent)."""
+        for e in self.original.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    def payload_size(self, name: str) -> int:
+        return self._outer[name].nbytes
+
+    def _parts(self, e: hdr.Entry) -> list[np.ndarray]:
+        o = self._outer[e.name]
+        start = self.outer.data_start
+        t = self.record.tensors[e.name]
+        try:
+            return payload.unpack(self._buf[start + o.begin : start + o.end],
+                                  len(t.codecs) * len(t.fields))
+        except CorruptDataError as err:
+            raise CorruptDataError(f"tensor {e.name!r}: {err}") from None
+
+    def _jobs(self, entries: list[hdr.Entry]) -> Iterator[tuple[hdr.Entry, int, int, list]]:
+        for e in entries:
+            parts = self._parts(e)
+            nf = len(self.record.tensors[e.name].fields)
+            for s, (lo, hi) in enumerate(self.bounds(e)):
+                yield e, s, hi - lo, parts[s * nf : (s + 1) * nf]
+
+    def _decode(self, job: tuple[hdr.Entry, int, int, list]) -> np.ndarray:
+        e, s, nbytes, parts = job
+        t = self.record.tensors[e.name]
+        try:
+            return segment.decode(e.dtype, t.layout, t.fields, t.codecs[s], parts, nbytes)
+        except CorruptDataError as err:
+            raise CorruptDataError(f"tensor {e.name!r} segment {s}: {err}") from None
+
+    def tensor(self, name: str, threads: int = 1) -> np.ndarray:
+        """The original bytes of tensor ``name`` (uint8, writable, freshly allocated)."""
+        e = self.entry(name)
+        out = np.empty(e.nbytes, np.uint8)
+        for (lo, hi), seg in zip(self.bounds(e), imap(self._decode, self._jobs([e]), threads),
+                                 strict=True):
+            out[lo:hi] = seg
+        return out
+
+    def restore(self, out: BinaryIO, threads: int = 1, progress: Progress | None = None,
+                ) -> int:
+        """Write the original file to ``out``; returns its size."""
+        out.write(hdr.prefix(self.record.header) + self.record.header)
+        entries = self.original.by_offset
+        total = self.original.data_size
+        done = 0
+        results = imap(self._decode, self._jobs(entries), threads)
+        try:
+            for seg in results:
+                out.write(seg.data)
+                done += seg.size
+                if progress is not None:
+                    progress(done, total)
+        finally:
+            results.close()
+        return self.original.file_size()
+
+    def verify(self, threads: int = 1, progress: Progress | None = None,
+               against: Callable[[int, np.ndarray], None] | None = None) -> None:
+        """Decode everything, checking every checksum; ``against(offset, bytes)`` is called
+        with each decoded piece's data-section offset (to compare with an original)."""
+        total = self.original.data_size
+        done = 0
+        results = imap(self._decode, self._jobs(self.original.by_offset), threads)
+        try:
+            for seg in results:
+                if against is not None:
+                    against(done, seg)
+                done += seg.size
+                if progress is not None:
+                    progress(done, total)
+        finally:
+            results.close()

@@ -1,0 +1,169 @@
+"""Write a compressed safetensors file from an original one, streaming.
+
+What it is: ``write(source, out)``: every original tensor becomes a U8 tensor of the same
+name holding its payload (``payload.py``), coded segment by segment on a bounded thread
+pool, and ``__metadata__`` gets the record (``record.py``) next to the input's own
+metadata. Memory stays bounded by a few segments: the header is written last into space
+reserved up front (its size is bounded before any data is coded: every codec name and
+number is taken at its widest), and each payload index is filled in after its segments.
+What it is not: file handling (temp names, mmap: ``files.py``) or decoding (``reader.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+from .. import formats
+from . import header as hdr
+from . import payload, record, segment
+from .parallel import imap
+from .stats import Summary
+
+SEGMENT_BYTES = 1 << 24  # 16 MiB of original bytes per segment
+_WIDEST = 10**20 - 1  # more digits than any u64 byte count
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class Source:
+    """An original safetensors file: its parsed header and a way to read a tensor's bytes
+    (a uint8 view; an mmap slice for files, so only touched pages are read)."""
+
+    header: hdr.Header
+    read: Callable[[hdr.Entry], np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    entry: hdr.Entry
+    layout: str | None
+    fields: tuple[tuple[str, str | None], ...]
+    bounds: list[tuple[int, int]]
+
+
+def _plan(source: Source, segment_bytes: int) -> list[_Plan]:
+    """Layout and fields of every tensor, in data order; ValueError for an unsupported one."""
+    names = {e.name for e in source.header.entries}
+    plans = []
+    for e in source.header.by_offset:
+        try:
+            layout = formats.layout_for(e.name, e.dtype, e.shape, names)
+            probe = segment.encode(e.dtype, layout, np.empty(0, np.uint8))
+        except (ValueError, KeyError, NotImplementedError) as err:
+            raise ValueError(f"tensor {e.name!r}: unsupported dtype {e.dtype} ({err})") from None
+        plans.append(_Plan(e, layout, probe.fields,
+                           segment.bounds(e.nbytes, hdr.DTYPE_BITS[e.dtype], segment_bytes)))
+    return plans
+
+
+def _records(plans: list[_Plan], codecs: dict[str, list[tuple[str, ...]]] | None
+             ) -> dict[str, record.TensorRecord]:
+    """Tensor records in data order; with ``codecs`` None, every codec at its widest."""
+    out = {}
+    for p in plans:
+        e = p.entry
+        rec = record.TensorRecord(e.dtype, e.shape, p.layout, p.fields,
+                                  tuple(codecs[e.name]) if codecs else ((),) * len(p.bounds))
+        out[e.name] = rec if codecs else rec.widest()
+    return out
+
+
+def _header(source: Source, rec: record.Record, sizes: dict[str, int] | None,
+            reserve: int = 0) -> bytes:
+    """The output header JSON; with ``sizes`` None, every payload size at its widest."""
+    meta = dict(source.header.metadata or {})
+    meta[record.KEY] = rec.to_json()
+    entries, pos = {}, 0
+    for e in source.header.by_offset:
+        n = _WIDEST if sizes is None else sizes[e.name]
+        entries[e.name] = hdr.Entry(e.name, "U8", (n,), pos if sizes else _WIDEST,
+                                    pos + n if sizes else _WIDEST)
+        pos += n if sizes else 0
+    ordered = [entries[e.name] for e in source.header.entries]
+    return hdr.render(meta, ordered, reserve)
+
+
+def check_input(source: Source) -> None:
+    """Refuse input that already carries an entropykit record (compressing it twice)."""
+    if record.KEY in (source.header.metadata or {}):
+        raise ValueError(f"already entropykit-compressed (__metadata__ has {record.KEY!r})")
+
+
+def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = SEGMENT_BYTES,
+          progress: Progress | None = None) -> Summary:
+    """Compress ``source`` into the seekable binary stream ``out`` (from its position 0).
+    """
+    check_input(source)
+    if segment_bytes < 8 or segment_bytes % 8:
+        raise ValueError(f"segment_bytes must be a positive multiple of 8, got {segment_bytes}")
+    plans = _plan(source, segment_bytes)
+    widest = record.Record(segment_bytes, source.header.raw, _records(plans, None))
+    reserve = len(_header(source, widest, None))
+
+    def jobs() -> Iterator[tuple[_Plan, int, int]]:
+        for p in plans:
+            for lo, hi in p.bounds:
+                yield p, lo, hi
+
+    def work(job: tuple[_Plan, int, int]) -> segment.Coded:
+        p, lo, hi = job
+        coded = segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi])
+        if coded.fields != p.fields:
+            raise RuntimeError(f"formats split {p.entry.name!r} into {coded.fields}, "
+                               f"expected {p.fields}")
+        return coded
+
+    summary = Summary(file_in=source.header.file_size(), files=1)
+    codecs: dict[str, list[tuple[str, ...]]] = {p.entry.name: [] for p in plans}
+    sizes: dict[str, int] = {}
+    total = sum(p.entry.nbytes for p in plans)
+    pos, done = 8 + reserve, 0
+    results = imap(work, jobs(), threads)
+    try:
+        for p in plans:
+            # Payload: index (filled in once the lengths are known), then field payloads.
+            k = len(p.bounds) * len(p.fields)
+            lengths: list[int] = []
+            bits = 0.0
+            out.seek(pos + payload.index_size(k))
+            for lo, hi in p.bounds:
+                coded = next(results)
+                codecs[p.entry.name].append(coded.codecs)
+                for part in coded.parts:
+                    out.write(part)
+                    lengths.append(len(part))
+                bits += coded.entropy_bits
+                done += hi - lo
+                if progress is not None:
+                    progress(done, total)
+            out.seek(pos)
+            out.write(payload.index(lengths))
+            sizes[p.entry.name] = payload.index_size(k) + sum(lengths)
+            pos += sizes[p.entry.name]
+            _count(summary, p.entry, sizes[p.entry.name], bits)
+    finally:
+        results.close()  # on error: cancel queued segments and wait for running ones
+    rec = record.Record(segment_bytes, source.header.raw, _records(plans, codecs))
+    head = _header(source, rec, sizes, reserve)
+    if len(head) != reserve:  # cannot happen: the reserve is computed from an upper bound
+        raise RuntimeError(f"header of {len(head)} bytes outgrew its reserve of {reserve}")
+    out.seek(0)
+    out.write(hdr.prefix(head) + head)
+    out.seek(pos)
+    out.truncate()
+    summary.file_out = pos
+    return summary
+
+
+def _count(summary: Summary, e: hdr.Entry, size: int, bits: float) -> None:
+    row = summary.row(e.dtype)
+    row.tensors += 1
+    row.values += e.numel
+    row.bytes_in += e.nbytes
+    row.bytes_out += size
+    row.entropy_bits += bits
