@@ -4,3 +4,8 @@ from ._errors import CorruptDataError
 
 __version__ = "0.1.0"
 __all__ = ["CorruptDataError", "__version__"]
+
+from .api import compress, compress_file, decompress, decompress_file, load_file, save_file
+
+__all__ += ["compress", "compress_file", "decompress", "decompress_file", "load_file",
+            "save_file"]

@@ -1,0 +1,241 @@
+"""The Python API: compress and restore safetensors files, directories, tensors and bytes.
+
+What it is: the public verbs, thin over ``entropykit.container``:
+
+- ``compress_file`` / ``decompress_file``: a safetensors file or checkpoint directory to a
+  compressed one (itself a valid safetensors file) and back, byte for byte;
+- ``load_file``: the tensors of a compressed (or plain) safetensors file, as
+  ``safetensors.torch.load_file`` returns them, decoding tensor by tensor;
+- ``save_file``: tensors straight to a compressed file, as ``safetensors.torch.save_file``
+  would have written them, compressed;
+- ``compress`` / ``decompress``: one numpy array, torch tensor or bytes object to a blob
+  and back, returning the same kind, dtype and shape.
+
+What it is not: the format (docs/format.md) or the coders. torch is optional: only
+``load_file`` and torch inputs need it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .container import _atomic, checkpoint, files
+from .container import header as hdr
+from .container.parallel import imap, resolve
+from .container.progress import Bar
+from .container.reader import Compressed, is_compressed
+from .container.stats import Summary
+from .container.writer import Source, write
+
+PathLike = str | os.PathLike[str]
+ProgressArg = bool | Callable[[int, int], None]
+
+_NUMPY: dict[str, Any] = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64,
+    "F16": np.float16, "F32": np.float32, "F64": np.float64, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+}
+_FROM_NUMPY = {np.dtype(v): k for k, v in _NUMPY.items()}
+_KIND = "entropykit.kind"  # metadata key of a compress() blob: numpy, torch or bytes
+_NAME = "data"  # the one tensor of a compress() blob
+
+
+def _torch_dtypes() -> dict[str, Any]:
+    import torch
+
+    names = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+             "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64",
+             "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+             "F8_E8M0": "float8_e8m0fnu"}
+    return {k: getattr(torch, v) for k, v in names.items() if hasattr(torch, v)}
+
+
+def _progress(progress: ProgressArg, label: str) -> tuple[Callable | None, Bar | None]:
+    if progress is True:
+        bar = Bar(label)
+        return bar, bar
+    if progress is False or progress is None:
+        return None, None
+    return progress, None
+
+
+def compress_file(src: PathLike, dst: PathLike | None = None, *, threads: int | None = None,
+                  progress: ProgressArg = False, force: bool = False) -> Summary:
+    """Compress a safetensors file (or a checkpoint directory) to ``dst``.
+
+    ``dst`` defaults to ``<name>.ek.safetensors`` (``<dir>.ek`` for a directory). The
+    output is a valid safetensors file holding each tensor's compressed payload under its
+    own name; ``decompress_file`` restores the input byte for byte. ``threads`` defaults
+    to every available core; ``progress`` is True for a line on stderr, or a callable
+    ``(bytes done, bytes total)``. Refuses to overwrite ``dst`` unless ``force``. The input
+    is only read; the output appears (renamed from a temporary name) only when complete.
+    Returns the sizes, ratio and timings.
+    """
+    cb, bar = _progress(progress, f"compress {Path(src).name}")
+    try:
+        if Path(src).is_dir():
+            return checkpoint.compress_dir(Path(src), _opt(dst), threads=threads, force=force,
+                                           progress=cb)
+        return files.compress_file(Path(src), _opt(dst), threads=threads, force=force,
+                                   progress=cb)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def decompress_file(src: PathLike, dst: PathLike | None = None, *,
+                    threads: int | None = None, progress: ProgressArg = False,
+                    force: bool = False) -> Summary:
+    """Restore the original of a compressed file (or directory) at ``dst``, byte for byte.
+
+    ``dst`` defaults to the name without ``.ek`` (``<name>.restored.safetensors`` if the
+    name has none). Raises ``CorruptDataError`` naming the file if it is damaged; nothing
+    is written then. Other arguments as for ``compress_file``.
+    """
+    cb, bar = _progress(progress, f"decompress {Path(src).name}")
+    try:
+        if Path(src).is_dir():
+            return checkpoint.decompress_dir(Path(src), _opt(dst), threads=threads,
+                                             force=force, progress=cb)
+        return files.decompress_file(Path(src), _opt(dst), threads=threads, force=force,
+                                     progress=cb)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _opt(p: PathLike | None) -> Path | None:
+    return None if p is None else Path(p)
+
+
+def _as_torch(raw: np.ndarray, e: hdr.Entry, dtypes: dict[str, Any]) -> Any:
+    import torch
+
+    if e.dtype not in dtypes:
+        raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
+    if raw.size == 0:  # torch cannot reinterpret an empty uint8 tensor (stride 0)
+        return torch.empty(e.shape, dtype=dtypes[e.dtype])
+    return torch.from_numpy(raw).view(dtypes[e.dtype]).reshape(e.shape)
+
+
+def load_file(path: PathLike, device: str | int = "cpu", *,
+              threads: int | None = None) -> dict[str, Any]:
+    """The tensors of a safetensors file, compressed or not, as torch tensors on ``device``.
+
+    Same return as ``safetensors.torch.load_file`` (names in data order). A compressed file
+    is decoded tensor by tensor straight into the returned tensors (no temporary file, no
+    decompressed copy of the file). A plain file is handed to ``safetensors``.
+    """
+    import safetensors.torch
+
+    path = Path(path)
+    n = resolve(threads)
+    with files.named(path), files.mapped(path) as buf:
+        try:
+            plain = not is_compressed(hdr.parse_file(memoryview(buf)))
+        except ValueError:
+            plain = True  # not ours: let safetensors say what is wrong with it
+        if plain:
+            return safetensors.torch.load_file(path, device=device)
+        c = Compressed(buf)
+        dtypes = _torch_dtypes()
+        names = c.keys()
+        out = {}
+        for name, raw in zip(names, imap(lambda k: c.tensor(k), names, n), strict=True):
+            t = _as_torch(raw, c.entry(name), dtypes)
+            out[name] = t if str(device) == "cpu" else t.to(device)
+        return out
+
+
+def _tensor_bytes(name: str, t: Any) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """(safetensors dtype, shape, little-endian bytes) of a torch tensor or numpy array."""
+    if isinstance(t, np.ndarray):
+        a = t
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        if a.dtype not in _FROM_NUMPY:
+            raise TypeError(f"tensor {name!r}: numpy dtype {a.dtype} has no safetensors dtype")
+        return _FROM_NUMPY[a.dtype], a.shape, np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"tensor {name!r}: expected a torch tensor or numpy array, "
+                        f"got {type(t).__name__}")
+    names = {v: k for k, v in _torch_dtypes().items()}
+    if t.dtype not in names:
+        raise TypeError(f"tensor {name!r}: torch dtype {t.dtype} has no safetensors dtype")
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return names[t.dtype], tuple(t.shape), flat.view(torch.uint8).numpy()
+
+
+def _source(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> Source:
+    """An in-memory original file: the header safetensors would write, and the bytes."""
+    data = {k: _tensor_bytes(k, v) for k, v in tensors.items()}
+    entries, pos = [], 0
+    for e in hdr.write_order([hdr.Entry(k, d[0], d[1], 0, 0) for k, d in data.items()]):
+        n = data[e.name][2].size
+        entries.append(hdr.Entry(e.name, e.dtype, e.shape, pos, pos + n))
+        pos += n
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in metadata.items()):
+        raise TypeError("metadata must map str to str")
+    raw = hdr.render(metadata, entries)
+    return Source(hdr.parse_json(raw), lambda e: data[e.name][2])
+
+
+def save_file(tensors: Mapping[str, Any], path: PathLike,
+              metadata: Mapping[str, str] | None = None, *, threads: int | None = None) -> None:
+    """Write ``tensors`` (torch tensors or numpy arrays) as a compressed safetensors file.
+
+    Decompressing ``path`` gives the file ``safetensors.torch.save_file(tensors, ...,
+    metadata)`` writes; ``load_file(path)`` gives the tensors back. Overwrites ``path``
+    like safetensors does, atomically.
+    """
+    src = _source(tensors, metadata)
+    path = Path(path)
+    with files.named(path), _atomic.output_file(path, force=True) as out:
+        write(src, out, threads=resolve(threads))
+
+
+def compress(obj: Any, *, threads: int | None = None) -> bytes:
+    """One numpy array, torch tensor or bytes-like object as a compressed blob.
+
+    The blob is a compressed safetensors file in memory; ``decompress`` returns an object of
+    the same kind (numpy / torch / bytes), dtype and shape.
+    """
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        kind, value = "bytes", np.frombuffer(memoryview(obj).cast("B"), np.uint8)
+    elif isinstance(obj, np.ndarray):
+        kind, value = "numpy", obj
+    else:
+        kind, value = "torch", obj  # _tensor_bytes says so if it is not a tensor
+    src = _source({_NAME: value}, {_KIND: kind})
+    out = io.BytesIO()
+    write(src, out, threads=resolve(threads))
+    return out.getvalue()
+
+
+def decompress(blob: bytes | bytearray | memoryview, *, threads: int | None = None) -> Any:
+    """The object ``compress`` was given, from its blob; CorruptDataError if damaged."""
+    c = Compressed(np.frombuffer(memoryview(blob).cast("B"), np.uint8))
+    kind = (c.original.metadata or {}).get(_KIND)
+    if kind not in ("numpy", "torch", "bytes") or c.keys() != [_NAME]:
+        raise ValueError("not a blob made by entropykit.compress (use decompress_file for "
+                         "compressed files)")
+    e = c.entry(_NAME)
+    raw = c.tensor(_NAME, resolve(threads))
+    if kind == "bytes":
+        return raw.tobytes()
+    if kind == "numpy":
+        return raw.view(_NUMPY[e.dtype]).reshape(e.shape)
+    return _as_torch(raw, e, _torch_dtypes())
