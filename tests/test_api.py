@@ -136,9 +136,11 @@ def test_compress_file_progress_and_summary(tmp_path: Path) -> None:
     calls: list[tuple[int, int]] = []
     summary = ek.compress_file(src, progress=lambda d, t: calls.append((d, t)))
     out = tmp_path / "m.ek.safetensors"
-    assert summary.file_out == out.stat().st_size and summary.file_in == src.stat().st_size
+    assert summary.compressed_bytes == out.stat().st_size
+    assert summary.original_bytes == src.stat().st_size
     assert calls and calls[-1][0] == calls[-1][1] == summary.total.bytes_in
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
     summary = ek.decompress_file(out, tmp_path / "back.safetensors", progress=True)
     assert (tmp_path / "back.safetensors").read_bytes() == src.read_bytes()
-    assert summary.file_in == src.stat().st_size
+    assert summary.original_bytes == src.stat().st_size
+    assert summary.compressed_bytes == out.stat().st_size

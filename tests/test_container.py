@@ -165,8 +165,8 @@ def test_compression_pays_on_real_weights(tmp_path: Path) -> None:
     # of the order-0 bound of the fields.
     assert 10.0 < row.bits_per_value < 11.0
     assert row.bits_per_value < row.bound_per_value * 1.01
-    assert summary.file_out == (tmp_path / "w.ek").stat().st_size
-    assert summary.file_in == src.stat().st_size
+    assert summary.compressed_bytes == (tmp_path / "w.ek").stat().st_size
+    assert summary.original_bytes == src.stat().st_size
     c = Compressed(np.fromfile(tmp_path / "w.ek", np.uint8))
     # Exponent: tANS; sign+mantissa given the exponent: rANS (the only context coder).
     assert c.record.tensors["w"].codecs == (("tans", "rans"),)

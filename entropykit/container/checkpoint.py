@@ -25,7 +25,7 @@ from .stats import Summary
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
-def _walk(root: Path) -> tuple[list[Path], list[Path]]:
+def walk(root: Path) -> tuple[list[Path], list[Path]]:
     """(safetensors files, other files) under ``root``, as sorted relative paths."""
     st, other = [], []
     for p in sorted(root.rglob("*")):
@@ -66,7 +66,7 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
     if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
         raise ValueError(f"{dst}: output directory would be inside or equal to the input")
     check_shards(src)
-    st, other = _walk(src)
+    st, other = walk(src)
     total = sum((src / r).stat().st_size for r in st)
     summary = Summary()
     t0 = time.perf_counter()
@@ -108,10 +108,10 @@ def verify_dir(path: Path, against: Path | None = None, *, threads: int | None =
     directories hold the same files and every file restores to its original exactly."""
     path = Path(path)
     check_shards(path)
-    st, other = _walk(path)
+    st, other = walk(path)
     if against is not None:
         against = Path(against)
-        theirs = _walk(against)
+        theirs = walk(against)
         if (st, other) != theirs:
             diff = sorted(set(st + other) ^ set(theirs[0] + theirs[1]))
             raise CorruptDataError(f"{path}: files differ from {against}: {diff[:5]}")

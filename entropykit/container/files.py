@@ -125,9 +125,9 @@ def decompress_file(src: Path, dst: Path | None = None, *, threads: int | None =
     return summary
 
 
-def _decoded_summary(c: Compressed, file_in: int, file_out: int) -> Summary:
+def _decoded_summary(c: Compressed, compressed: int, original: int) -> Summary:
     """Rows as for compression (original bytes in, payload bytes out), for reporting."""
-    summary = Summary(file_in=file_out, file_out=file_in, files=1)
+    summary = Summary(original_bytes=original, compressed_bytes=compressed, files=1)
     for e in c.original.entries:
         row = summary.row(e.dtype)
         row.tensors += 1

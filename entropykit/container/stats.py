@@ -44,13 +44,14 @@ class Row:
 class Summary:
     """What one compress or decompress did: per-dtype rows, file sizes and seconds.
 
-    ``file_in``/``file_out`` are whole-file sizes (headers included); the rows count
-    tensor bytes only (original bytes in, payload bytes out).
+    ``original_bytes``/``compressed_bytes`` are whole-file sizes (headers included),
+    whichever way the work went; the rows count tensor bytes only (original bytes in,
+    payload bytes out).
     """
 
     rows: dict[str, Row] = field(default_factory=dict)
-    file_in: int = 0
-    file_out: int = 0
+    original_bytes: int = 0
+    compressed_bytes: int = 0
     seconds: float = 0.0
     files: int = 0
 
@@ -66,7 +67,7 @@ class Summary:
 
     @property
     def ratio(self) -> float:
-        return self.file_out / self.file_in if self.file_in else 1.0
+        return self.compressed_bytes / self.original_bytes if self.original_bytes else 1.0
 
     def mb_per_s(self, nbytes: int) -> float:
         return nbytes / 1e6 / self.seconds if self.seconds > 0 else float("inf")
@@ -74,7 +75,7 @@ class Summary:
     def merge(self, other: Summary) -> None:
         for k, r in other.rows.items():
             self.row(k).add(r)
-        self.file_in += other.file_in
-        self.file_out += other.file_out
+        self.original_bytes += other.original_bytes
+        self.compressed_bytes += other.compressed_bytes
         self.seconds += other.seconds
         self.files += other.files

@@ -118,7 +118,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
                                f"expected {p.fields}")
         return coded
 
-    summary = Summary(file_in=source.header.file_size(), files=1)
+    summary = Summary(original_bytes=source.header.file_size(), files=1)
     codecs: dict[str, list[tuple[str, ...]]] = {p.entry.name: [] for p in plans}
     sizes: dict[str, int] = {}
     total = sum(p.entry.nbytes for p in plans)
@@ -156,7 +156,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     out.write(hdr.prefix(head) + head)
     out.seek(pos)
     out.truncate()
-    summary.file_out = pos
+    summary.compressed_bytes = pos
     return summary
 
 
