@@ -1,0 +1,102 @@
+"""``analyze``: count every field of every tensor of an input and build the Report.
+
+What it is: the driver from an input (file, directory, array, tensor, mapping; see
+_source.py) through exact counts (counts.py) to entropies per field (this module's
+arithmetic) and a ``Report``. What it is not: the report's aggregates, JSON or table
+(report.py), or plots.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from ..coding import contexts
+from ..coding.tables import entropy_bits
+from . import _source
+from .counts import Counts, count
+from .magnitude import log2_histogram
+from .report import FieldRow, Report, Skipped, TensorRow
+from .roles import role_of
+
+
+def conditional_bits(joint: np.ndarray) -> float:
+    """Total bits of H(X | C) for a joint histogram ``joint[c, x]`` (one table per c)."""
+    per_ctx = joint.sum(axis=1)
+    c, x = np.nonzero(joint)  # most pairs never occur: work on the ones that do
+    j = joint[c, x].astype(np.float64)
+    return float(-(j * np.log2(j / per_ctx[c])).sum()) + 0.0
+
+
+def _coder_bits(joint: np.ndarray) -> float:
+    """Total bits of H(X | class(C)) with the classes the coder would choose."""
+    cmap = contexts.choose(joint)
+    if cmap is None:
+        return entropy_bits(joint.sum(axis=0))
+    classes = np.zeros((256, 256), np.int64)
+    np.add.at(classes, cmap, joint)  # classes[t] = sum of joint[c] over c with cmap[c] == t
+    return conditional_bits(classes)
+
+
+def _fields(c: Counts) -> tuple[FieldRow, ...]:
+    out = []
+    n = c.symbols
+    for f, (name, ctx) in enumerate(zip(c.names, c.contexts, strict=True)):
+        hist = c.hists[f]
+        cond = coder = None
+        if ctx is not None:
+            joint = c.joint(c.names.index(ctx), f)
+            cond = conditional_bits(joint) / n if n else 0.0
+            coder = _coder_bits(joint) / n if n else 0.0
+        out.append(FieldRow(name, ctx, n, int(np.count_nonzero(hist)),
+                            entropy_bits(hist) / n + 0.0 if n else 0.0, cond, coder,
+                            tuple(hist.tolist())))
+    return tuple(out)
+
+
+def analyze(
+    obj: object,
+    *,
+    dtype: str | None = None,
+    name: str = "tensor",
+    layouts: Mapping[str, str | None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Report:
+    """Per tensor and field entropies of ``obj``.
+
+    ``obj``: a safetensors file or a checkpoint directory (path), a numpy array or torch
+    tensor (``dtype``: its safetensors dtype name when the array's own dtype does not say,
+    e.g. raw uint8 bytes; ``name``: the row's name), or a mapping of names to arrays or
+    tensors. ``layouts`` overrides the packed 4-bit detection per tensor name (a layout of
+    ``entropykit.formats.LAYOUTS`` or None). ``progress(done_bytes, total_bytes)`` is
+    called as counting goes.
+    """
+    listed = list(_source.items(obj, dtype=dtype, name=name, layouts=layouts))
+    total = sum(i.raw.size for i in listed if isinstance(i, _source.Item))
+    done = 0
+
+    def step(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    rows: list[TensorRow] = []
+    skipped: list[Skipped] = []
+    seconds = 0.0
+    for it in listed:
+        if isinstance(it, _source.Skipped):
+            skipped.append(Skipped(it.file, it.name, it.dtype, it.nbytes,
+                                   "dtype not split by entropykit.formats"))
+            continue
+        t0 = time.perf_counter()
+        c = count(it.dtype, it.raw, layout=it.layout, progress=step)
+        row = TensorRow(it.file, it.name, it.dtype, it.layout, role_of(it.name), it.shape,
+                        int(it.raw.size), _fields(c), log2_histogram(c))
+        seconds += time.perf_counter() - t0
+        rows.append(row)
+    source = str(obj) if isinstance(obj, (str, bytes)) or hasattr(obj, "__fspath__") else (
+        f"<{type(obj).__name__}>")
+    return Report(source, tuple(rows), tuple(skipped), seconds)
