@@ -276,23 +276,23 @@ def _safetensors(header: dict, data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(("blob", "what"), [
-    (b"", "empty"),
-    (b"\x10\x00\x00", "shorter than"),
-    (struct.pack("<Q", 1 << 40) + b"{}", "exceeds the file"),
-    (struct.pack("<Q", 4) + b"{]}x", "header JSON"),
-    (struct.pack("<Q", 2) + b"[]", "not an object"),
+    (b"", "0 bytes, too short"),
+    (b"\x10\x00\x00", "3 bytes, too short"),
+    (struct.pack("<Q", 1 << 40) + b"{}", "header length 1099511627776 does not fit"),
+    (struct.pack("<Q", 4) + b"{]}x", "not UTF-8 JSON"),
+    (struct.pack("<Q", 2) + b"[]", "header is not a JSON object"),
     (_safetensors({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4),
-     "outside the data"),
+     "tensors end at byte 77, file has 73 bytes"),
     (_safetensors({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
-     "8 bytes for F32"),
+     "F32\\[3\\] needs 12 bytes"),
     (_safetensors({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8),
-     "malformed"),
-    (_safetensors({"a": [1]}, b""), "not an object"),
+     "non-negative"),
+    (_safetensors({"a": [1]}, b""), "entry must have"),
 ])
 def test_corrupt_files(tmp_path, blob, what):
     p = tmp_path / "bad.safetensors"
     p.write_bytes(blob)
-    with pytest.raises(CorruptDataError, match=what):
+    with pytest.raises(CorruptDataError, match=f"^{p}: not a valid safetensors file: .*{what}"):
         analyze(p)
 
 
@@ -363,3 +363,71 @@ def test_table_lists_tensors_and_groups(files):
     largest = sorted(rep.rows, key=lambda r: (-r.nbytes, r.name))
     assert largest[0].name in top2 and largest[1].name in top2
     assert largest[2].name not in top2
+
+
+# --- a compressed file: what entropykit achieved against the bound -------------------
+
+
+def test_compressed_file_shows_achieved(files, tmp_path):
+    from safetensors import safe_open
+
+    from entropykit.container import compress_file
+
+    src = files["BF16"][0]
+    dst = tmp_path / "bf16.ek.safetensors"
+    compress_file(src, dst, threads=1)
+    plain, packed = analyze(src), analyze(dst)
+    by_name = {r.name: r for r in plain.rows}
+    with safe_open(str(dst), framework="np") as f:
+        payload = {k: f.get_slice(k).get_shape()[0] for k in f.keys()}  # U8 payloads
+    for r in packed.rows:
+        p = by_name[r.name]
+        assert (r.dtype, r.shape, r.fields, r.log2) == (p.dtype, p.shape, p.fields, p.log2)
+        assert p.coded is None and r.coded == payload[r.name]
+    assert packed.total.coded == sum(payload.values())
+    assert plain.total.coded is None
+    table = packed.to_table(None)
+    assert "coded" in table and "vs bound" in table
+    assert f"{packed.total.coded / packed.total.nbytes:.4f}" in table
+    assert Report.from_json(packed.to_json()) == packed
+
+
+# --- plots and the command line ------------------------------------------------------
+
+
+def test_plot_png_and_html(files, tmp_path):
+    from entropykit.analysis.plots import plot
+
+    rep = analyze(files["F8_E4M3"][0])
+    png = plot(rep, tmp_path / "a.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    page = plot(rep, tmp_path / "a.html", top=None).read_text()
+    assert page.count("data:image/png;base64,") == 1
+    assert "model.layers.1.mlp.down_proj.weight" in page
+    with pytest.raises(ValueError, match=r"\.png or \.html"):
+        plot(rep, tmp_path / "a.jpg")
+
+
+def test_cli(files, tmp_path, capsys):
+    from entropykit.analysis.cli import main
+
+    path, tensors = files["BF16"]
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main([str(path), "--json", str(out_json), "--plot", str(out_png), "--top", "0"]) == 0
+    stdout = capsys.readouterr().out
+    for name in tensors:
+        assert name in stdout
+    rep = Report.from_json(out_json.read_text())
+    assert rep.rows == analyze(path).rows
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+    assert main([str(path), "--top", "2"]) == 0
+    stdout = capsys.readouterr().out
+    assert len([n for n in tensors if n in stdout]) == 2
+    assert main([str(tmp_path / "missing.safetensors")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main([str(path), "--plot", str(tmp_path / "x.svg")]) == 2
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x01" * 12)
+    assert main([str(bad)]) == 1
+    assert "not a valid safetensors file" in capsys.readouterr().err

@@ -70,6 +70,7 @@ class TensorRow:
     nbytes: int
     fields: tuple[FieldRow, ...]
     log2: Log2Histogram | None  # float tensors only
+    coded: int | None = None  # bytes entropykit's container spent on it, when known
 
     @property
     def elements(self) -> int:
@@ -115,6 +116,7 @@ class Group:
     nbytes: int
     carried_bits: float
     fields: tuple[GroupField, ...]  # dtype groups only (one split per dtype)
+    coded: int | None = None  # container bytes, when every tensor of the group has them
 
     @property
     def allocated_bits(self) -> int:
@@ -134,8 +136,10 @@ def _group(kind: str, key: str, rows: list[TensorRow]) -> Group:
                 f0.name, sum(r.fields[i].symbols for r in rows),
                 sum(r.fields[i].entropy * r.fields[i].symbols for r in rows),
                 sum(r.fields[i].carried_bits for r in rows), entropy_bits(pooled) + 0.0))
+    coded = [r.coded for r in rows]
     return Group(kind, key, len(rows), sum(r.elements for r in rows),
-                 sum(r.nbytes for r in rows), sum(r.carried_bits for r in rows), tuple(fields))
+                 sum(r.nbytes for r in rows), sum(r.carried_bits for r in rows), tuple(fields),
+                 None if None in coded or not rows else sum(coded))
 
 
 @dataclass(frozen=True)
@@ -253,12 +257,19 @@ def _fields_text(fields: tuple[FieldRow, ...] | tuple[GroupField, ...]) -> str:
 
 
 def _line(label: str, width: int, kind: str, role: str, nbytes: int, elements: int,
-          carried: float, fields: str) -> str:
+          carried: float, fields: str, coded: int | None | bool) -> str:
     alloc = 8 * nbytes / max(elements, 1)
     bits = carried / max(elements, 1)
     ratio = carried / (8 * nbytes) if nbytes else 1.0
+    achieved = ""
+    if coded is True:  # the header
+        achieved = f" {'coded':>6} {'vs bound':>8}"
+    elif coded is not False:
+        achieved = (f" {'-':>6} {'':>8}" if coded is None else
+                    f" {coded / nbytes if nbytes else 1.0:>6.4f} "
+                    f"{(8 * coded - carried) / carried if carried else 0.0:>+8.2%}")
     return (f"{label:<{width}} {kind:<10} {role:<10} {nbytes / 1e6:>9.2f} {alloc:>6.2f} "
-            f"{bits:>7.3f} {ratio:>6.4f}  {fields}")
+            f"{bits:>7.3f} {ratio:>6.4f}{achieved}  {fields}").rstrip()
 
 
 def _table(rep: Report, top: int | None) -> str:
@@ -266,28 +277,40 @@ def _table(rep: Report, top: int | None) -> str:
     shown = rows if top is None else rows[:top]
     width = max([len("tensor")] + [len(r.name) for r in shown] + [len("total")])
     width = min(width, 60)
-    head = (f"{'':<{width}} {'dtype':<10} {'role':<10} {'MB':>9} {'alloc':>6} {'carried':>7} "
-            f"{'ratio':>6}  fields: bits/symbol order-0 [|context conditional]")
+    has_coded = any(r.coded is not None for r in rep.rows)
+    coded = (lambda v: v) if has_coded else (lambda v: False)
+
+    def head(title: str) -> str:
+        return _line(title[:width], width, "dtype", "role", 0, 0, 0.0,
+                     "fields: bits/symbol order-0 [|context conditional]",
+                     True if has_coded else False).replace(
+            f"{0:>9.2f} {0:>6.2f} {0:>7.3f} {1:>6.4f}",
+            f"{'MB':>9} {'alloc':>6} {'carried':>7} {'ratio':>6}")
+
     mbps = rep.nbytes / 1e6 / rep.seconds if rep.seconds > 0 else float("inf")
     out = [f"entropykit analyze {rep.source}: {len(rep.rows)} tensors, "
            f"{rep.nbytes / 1e6:.2f} MB, counted in {rep.seconds:.2f} s ({mbps:.0f} MB/s)",
-           "alloc/carried: bits per element; ratio: carried / allocated (the bound)", ""]
-    title = "tensor" if top is None or top >= len(rows) else f"tensor (largest {top})"
-    out.append(head.replace(" " * width, f"{title:<{width}}"[:width], 1))
+           "alloc, carried: bits per element; ratio: carried / allocated, the bound for "
+           "per-tensor static tables"]
+    if has_coded:
+        out.append("coded: bytes in the entropykit container / raw bytes; vs bound: its "
+                   "excess over the bound")
+    out += ["", head("tensor" if top is None or top >= len(rows) else f"tensor (largest {top})")]
     for r in shown:
         name = r.name if len(r.name) <= width else "…" + r.name[-(width - 1):]
         out.append(_line(name, width, r.kind, r.role, r.nbytes, r.elements, r.carried_bits,
-                         _fields_text(r.fields)))
+                         _fields_text(r.fields), coded(r.coded)))
     for kind in ("dtype", "role"):
-        out += ["", head.replace(" " * width, f"by {kind:<{width - 3}}", 1)]
+        out += ["", head(f"by {kind}")]
         for g in rep.groups(kind):
             out.append(_line(g.key, width, g.key if kind == "dtype" else "",
                              g.key if kind == "role" else "", g.nbytes, g.elements,
-                             g.carried_bits, _fields_text(g.fields)))
+                             g.carried_bits, _fields_text(g.fields), coded(g.coded)))
     t = rep.total
-    out += ["", _line("total", width, "", "", t.nbytes, t.elements, t.carried_bits, "")]
-    for s in rep.skipped:
-        out.append(f"skipped {s.name} ({s.dtype}, {s.nbytes} bytes): {s.reason}")
+    out += ["", _line("total", width, "", "", t.nbytes, t.elements, t.carried_bits, "",
+                      coded(t.coded))]
+    for sk in rep.skipped:
+        out.append(f"skipped {sk.name} ({sk.dtype}, {sk.nbytes} bytes): {sk.reason}")
     for k, v in rep.extra.items():
         out.append(f"{k}: {v}")
     return "\n".join(out)
