@@ -35,6 +35,7 @@ _BLOCK = 1 << 14
 _BLOCKS = 4
 EXACT_LIMIT = _BLOCK * _BLOCKS
 _CRC = struct.Struct("<I")
+RAW_OVERHEAD = _CRC.size  # a raw payload is the symbols plus this; no codec is larger
 
 
 def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None) -> bytes:
@@ -121,13 +122,14 @@ def _zstd_estimate(symbols: np.ndarray) -> int:
     return len(encode("zstd", sample, None)) * symbols.size // sample.size
 
 
-def _entropy_estimate(counts: np.ndarray, n: int) -> int:
-    """Bytes an entropy-coded frame of order-0 statistics ``counts`` is expected to take:
-    the entropy, the table (the estimate of coding/contexts.py) and the frame directory."""
+def _entropy_estimate(counts: np.ndarray, bits: float, n: int) -> int:
+    """Bytes an entropy-coded frame of ``n`` symbols with these counts (order-0 entropy
+    ``bits``) is expected to take: the entropy, the table (estimated as in
+    coding/contexts.py) and the frame header and directory."""
     present = int(np.count_nonzero(counts))
     table = 1 + min(present, 32) + 2 * present
     chunks = -(-n // frame.DEFAULT_CHUNK)
-    return int(tables.entropy_bits(counts) / 8) + table + frame.HEADER_SIZE + 9 * chunks
+    return int(bits / 8) + table + frame.HEADER_SIZE + 9 * chunks
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ def choose(symbols: np.ndarray, context: np.ndarray | None) -> Choice:
     counts = tables.histogram(symbols)
     bits = tables.entropy_bits(counts)
     entropy_codec = "rans" if context is not None else "tans"
-    estimates = {entropy_codec: _entropy_estimate(counts, n), "zstd": _zstd_estimate(symbols),
+    estimates = {entropy_codec: _entropy_estimate(counts, bits, n), "zstd": _zstd_estimate(symbols),
                  "raw": raw}
     codec = min(estimates, key=lambda c: (estimates[c], c != entropy_codec))
     blob = encode(codec, symbols, context)

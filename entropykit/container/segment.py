@@ -9,6 +9,7 @@ format says so. What it is not: the payload or file layout, or the choice of lay
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,21 +46,60 @@ def _context_name(ctx: object, earlier: dict[str, np.ndarray], name: str) -> str
     raise ValueError(f"field {name!r} is conditioned on data that is not an earlier field")
 
 
-def encode(dtype: str, layout: str | None, raw: np.ndarray) -> Coded:
-    """Split ``raw`` (uint8 bytes of whole elements) and code every field."""
+@dataclass(frozen=True)
+class Split:
+    """What ``formats.split`` makes of a (dtype, layout): the fields (name, context field)
+    and how many symbols each field gets per ``unit`` bytes (the smallest whole number of
+    bytes holding whole elements). Known before any data is seen, so the container can
+    bound the size of its header and payloads."""
+
+    fields: tuple[tuple[str, str | None], ...]
+    per_unit: tuple[int, ...]
+    unit: int
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(dtype: str, layout: str | None, dtype_bits: int) -> Split:
+        """Probe the split with one unit of zeros; ValueError if the dtype is unsupported.
+        Cached: a file of thousands of tensors has a handful of (dtype, layout) pairs."""
+        unit = math.lcm(dtype_bits, 8) // 8
+        done: dict[str, np.ndarray] = {}
+        fields, counts = [], []
+        for f in formats.split(dtype, np.zeros(unit, np.uint8), layout=layout):
+            fields.append((f.name, _context_name(f.context, done, f.name)))
+            counts.append(int(np.size(f.symbols)))
+            done[f.name] = np.asarray(f.symbols)
+        return Split(tuple(fields), tuple(counts), unit)
+
+    def symbols(self, nbytes: int) -> list[int]:
+        """Symbols of each field for a segment of ``nbytes`` (a multiple of ``unit``)."""
+        return [nbytes // self.unit * c for c in self.per_unit]
+
+
+def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split) -> Coded:
+    """Split ``raw`` (uint8 bytes of whole elements) and code every field.
+
+    RuntimeError if ``formats`` splits it otherwise than ``split`` says (the container's
+    size bounds rest on it).
+    """
     done: dict[str, np.ndarray] = {}
-    fields, names, parts = [], [], []
+    names, parts = [], []
     bits = 0.0
-    for f in formats.split(dtype, raw, layout=layout):
+    got = formats.split(dtype, raw, layout=layout)
+    want = split.symbols(raw.size)
+    if len(got) != len(want):
+        raise RuntimeError(f"formats split {dtype} into {len(got)} fields, probed {len(want)}")
+    for f, field, n in zip(got, split.fields, want, strict=True):
         sym = np.ascontiguousarray(f.symbols, dtype=np.uint8).reshape(-1)
-        ctx = _context_name(f.context, done, f.name)
-        choice = codecs.choose(sym, None if ctx is None else done[ctx])
+        if (f.name, _context_name(f.context, done, f.name)) != field or sym.size != n:
+            raise RuntimeError(f"formats split {raw.size} bytes of {dtype} otherwise than "
+                               f"probed: field {f.name!r} of {sym.size} symbols")
+        choice = codecs.choose(sym, None if field[1] is None else done[field[1]])
         done[f.name] = sym
-        fields.append((f.name, ctx))
         names.append(choice.codec)
         parts.append(choice.blob)
         bits += choice.entropy_bits
-    return Coded(tuple(fields), tuple(names), tuple(parts), bits)
+    return Coded(split.fields, tuple(names), tuple(parts), bits)
 
 
 def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], ...],

@@ -18,13 +18,12 @@ from typing import BinaryIO
 import numpy as np
 
 from .. import formats
+from . import codecs, payload, record, segment
 from . import header as hdr
-from . import payload, record, segment
 from .parallel import imap
 from .stats import Summary
 
 SEGMENT_BYTES = 1 << 24  # 16 MiB of original bytes per segment
-_WIDEST = 10**20 - 1  # more digits than any u64 byte count
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -42,8 +41,9 @@ class Source:
 class _Plan:
     entry: hdr.Entry
     layout: str | None
-    fields: tuple[tuple[str, str | None], ...]
+    split: segment.Split
     bounds: list[tuple[int, int]]
+    max_size: int  # payload bytes at most: every field raw (codecs never exceed raw)
 
 
 def _plan(source: Source, segment_bytes: int) -> list[_Plan]:
@@ -53,39 +53,53 @@ def _plan(source: Source, segment_bytes: int) -> list[_Plan]:
     for e in source.header.by_offset:
         try:
             layout = formats.layout_for(e.name, e.dtype, e.shape, names)
-            probe = segment.encode(e.dtype, layout, np.empty(0, np.uint8))
+            split = segment.Split.of(e.dtype, layout, hdr.DTYPE_BITS[e.dtype])
         except (ValueError, KeyError, NotImplementedError) as err:
             raise ValueError(f"tensor {e.name!r}: unsupported dtype {e.dtype} ({err})") from None
-        plans.append(_Plan(e, layout, probe.fields,
-                           segment.bounds(e.nbytes, hdr.DTYPE_BITS[e.dtype], segment_bytes)))
+        bounds = segment.bounds(e.nbytes, hdr.DTYPE_BITS[e.dtype], segment_bytes)
+        k = len(bounds) * len(split.fields)
+        raw = sum(sum(split.symbols(hi - lo)) + codecs.RAW_OVERHEAD * len(split.fields)
+                  for lo, hi in bounds)
+        plans.append(_Plan(e, layout, split, bounds, payload.index_size(k) + raw))
     return plans
 
 
-def _records(plans: list[_Plan], codecs: dict[str, list[tuple[str, ...]]] | None
+def _records(plans: list[_Plan], chosen: dict[str, list[tuple[str, ...]]] | None
              ) -> dict[str, record.TensorRecord]:
-    """Tensor records in data order; with ``codecs`` None, every codec at its widest."""
+    """Tensor records in data order; with ``chosen`` None, every codec at its widest."""
     out = {}
     for p in plans:
         e = p.entry
-        rec = record.TensorRecord(e.dtype, e.shape, p.layout, p.fields,
-                                  tuple(codecs[e.name]) if codecs else ((),) * len(p.bounds))
-        out[e.name] = rec if codecs else rec.widest()
+        rec = record.TensorRecord(e.dtype, e.shape, p.layout, p.split.fields,
+                                  tuple(chosen[e.name]) if chosen else ((),) * len(p.bounds))
+        out[e.name] = rec if chosen else rec.widest()
     return out
 
 
-def _header(source: Source, rec: record.Record, sizes: dict[str, int] | None,
+def _header(source: Source, rec: record.Record, sizes: dict[str, int],
             reserve: int = 0) -> bytes:
-    """The output header JSON; with ``sizes`` None, every payload size at its widest."""
+    """The output header JSON for payloads of these sizes, in data order."""
     meta = dict(source.header.metadata or {})
     meta[record.KEY] = rec.to_json()
     entries, pos = {}, 0
     for e in source.header.by_offset:
-        n = _WIDEST if sizes is None else sizes[e.name]
-        entries[e.name] = hdr.Entry(e.name, "U8", (n,), pos if sizes else _WIDEST,
-                                    pos + n if sizes else _WIDEST)
-        pos += n if sizes else 0
+        n = sizes[e.name]
+        entries[e.name] = hdr.Entry(e.name, "U8", (n,), pos, pos + n)
+        pos += n
     ordered = [entries[e.name] for e in source.header.entries]
     return hdr.render(meta, ordered, reserve)
+
+
+def _widest_header(source: Source, plans: list[_Plan], segment_bytes: int) -> bytes:
+    """A header at least as long as the final one: every codec name at its longest, every
+    payload at its largest size and every offset at the largest end (no more digits)."""
+    rec = record.Record(segment_bytes, source.header.raw, _records(plans, None))
+    end = sum(p.max_size for p in plans)
+    meta = dict(source.header.metadata or {})
+    meta[record.KEY] = rec.to_json()
+    widest = {p.entry.name: hdr.Entry(p.entry.name, "U8", (p.max_size,), end, end)
+              for p in plans}
+    return hdr.render(meta, [widest[e.name] for e in source.header.entries])
 
 
 def check_input(source: Source) -> None:
@@ -102,8 +116,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     if segment_bytes < 8 or segment_bytes % 8:
         raise ValueError(f"segment_bytes must be a positive multiple of 8, got {segment_bytes}")
     plans = _plan(source, segment_bytes)
-    widest = record.Record(segment_bytes, source.header.raw, _records(plans, None))
-    reserve = len(_header(source, widest, None))
+    reserve = len(_widest_header(source, plans, segment_bytes))
 
     def jobs() -> Iterator[tuple[_Plan, int, int]]:
         for p in plans:
@@ -112,14 +125,10 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
 
     def work(job: tuple[_Plan, int, int]) -> segment.Coded:
         p, lo, hi = job
-        coded = segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi])
-        if coded.fields != p.fields:
-            raise RuntimeError(f"formats split {p.entry.name!r} into {coded.fields}, "
-                               f"expected {p.fields}")
-        return coded
+        return segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split)
 
     summary = Summary(original_bytes=source.header.file_size(), files=1)
-    codecs: dict[str, list[tuple[str, ...]]] = {p.entry.name: [] for p in plans}
+    chosen: dict[str, list[tuple[str, ...]]] = {p.entry.name: [] for p in plans}
     sizes: dict[str, int] = {}
     total = sum(p.entry.nbytes for p in plans)
     pos, done = 8 + reserve, 0
@@ -127,13 +136,13 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     try:
         for p in plans:
             # Payload: index (filled in once the lengths are known), then field payloads.
-            k = len(p.bounds) * len(p.fields)
+            k = len(p.bounds) * len(p.split.fields)
             lengths: list[int] = []
             bits = 0.0
             out.seek(pos + payload.index_size(k))
             for lo, hi in p.bounds:
                 coded = next(results)
-                codecs[p.entry.name].append(coded.codecs)
+                chosen[p.entry.name].append(coded.codecs)
                 for part in coded.parts:
                     out.write(part)
                     lengths.append(len(part))
@@ -148,7 +157,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
             _count(summary, p.entry, sizes[p.entry.name], bits)
     finally:
         results.close()  # on error: cancel queued segments and wait for running ones
-    rec = record.Record(segment_bytes, source.header.raw, _records(plans, codecs))
+    rec = record.Record(segment_bytes, source.header.raw, _records(plans, chosen))
     head = _header(source, rec, sizes, reserve)
     if len(head) != reserve:  # cannot happen: the reserve is computed from an upper bound
         raise RuntimeError(f"header of {len(head)} bytes outgrew its reserve of {reserve}")
