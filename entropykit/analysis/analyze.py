@@ -8,10 +8,12 @@ arithmetic) and a ``Report``. What it is not: the report's aggregates, JSON or t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from numba import njit
 
 from ..coding import contexts
 from ..coding.tables import entropy_bits
@@ -22,12 +24,18 @@ from .report import FieldRow, Report, Skipped, TensorRow
 from .roles import role_of
 
 
+@njit(nogil=True, cache=True)
 def conditional_bits(joint: np.ndarray) -> float:
     """Total bits of H(X | C) for a joint histogram ``joint[c, x]`` (one table per c)."""
-    per_ctx = joint.sum(axis=1)
-    c, x = np.nonzero(joint)  # most pairs never occur: work on the ones that do
-    j = joint[c, x].astype(np.float64)
-    return float(-(j * np.log2(j / per_ctx[c])).sum()) + 0.0
+    bits = 0.0
+    for c in range(joint.shape[0]):
+        n = 0
+        for x in range(joint.shape[1]):
+            n += joint[c, x]
+        for x in range(joint.shape[1]):
+            if joint[c, x]:
+                bits += joint[c, x] * math.log2(n / joint[c, x])
+    return bits
 
 
 def _coder_bits(joint: np.ndarray) -> float:
@@ -35,8 +43,10 @@ def _coder_bits(joint: np.ndarray) -> float:
     cmap = contexts.choose(joint)
     if cmap is None:
         return entropy_bits(joint.sum(axis=0))
-    classes = np.zeros((256, 256), np.int64)
-    np.add.at(classes, cmap, joint)  # classes[t] = sum of joint[c] over c with cmap[c] == t
+    # classes[t] = sum of joint[c] over c with cmap[c] == t, as a 0/1 matrix product
+    # (float64 is exact for counts below 2**53).
+    onehot = (cmap[None, :] == np.arange(int(cmap.max()) + 1)[:, None]).astype(np.float64)
+    classes = np.rint(onehot @ joint.astype(np.float64)).astype(np.int64)
     return conditional_bits(classes)
 
 

@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from .. import formats
 from ._source import ITEMSIZE, NUMPY_DTYPES
@@ -43,13 +44,11 @@ class Log2Histogram:
         return out
 
 
-_ZERO, _NONFINITE = -(1 << 40), -(1 << 41)  # key classes below every real bin
-
-
 @functools.cache
-def _key_bins(dtype: str, names: tuple[str, ...]) -> np.ndarray:
-    """int64 per top-bits pattern (field 0 byte * 256 + field 1 byte, or the one byte):
-    its quarter-octave bin, or _ZERO / _NONFINITE."""
+def _key_bins(dtype: str, names: tuple[str, ...]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Per top-bits pattern (field 0 byte * 256 + field 1 byte, or the one byte) the index
+    of its class, and the classes: the quarter-octave bins present, ascending, then zero,
+    then non-finite (indices len(bins) and len(bins) + 1)."""
     word = ITEMSIZE[dtype]
     if word == 1:
         fields = {names[0]: np.arange(256, dtype=np.uint8)}
@@ -63,13 +62,25 @@ def _key_bins(dtype: str, names: tuple[str, ...]) -> np.ndarray:
     with np.errstate(invalid="ignore"):  # NaN patterns stay NaN
         mag = np.abs(formats.join(dtype, fields, nbytes).view(NUMPY_DTYPES[dtype])
                      .astype(np.float64))
-    bins = np.full(mag.size, _NONFINITE, np.int64)
     finite = np.isfinite(mag)
-    bins[finite & (mag == 0)] = _ZERO
     real = finite & (mag > 0)
-    bins[real] = np.floor(BINS_PER_OCTAVE * np.log2(mag[real])).astype(np.int64)
-    bins.flags.writeable = False
-    return bins
+    k = np.floor(BINS_PER_OCTAVE * np.log2(mag[real])).astype(np.int64)
+    bins, where = np.unique(k, return_inverse=True)
+    index = np.full(mag.size, bins.size + 1, np.int64)
+    index[finite & (mag == 0)] = bins.size
+    index[real] = where.reshape(-1)
+    index.flags.writeable = False
+    return index, tuple(bins.tolist())
+
+
+@njit(nogil=True, cache=True)
+def _sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    # out[j] = sum of weights[i] over i with index[i] == j. Invariant (from _key_bins):
+    # 0 <= index[i] < n and len(index) == len(weights).
+    out = np.zeros(n, np.int64)
+    for i in range(index.size):
+        out[index[i]] += weights[i]
+    return out
 
 
 def log2_histogram(counts: Counts) -> Log2Histogram | None:
@@ -77,11 +88,7 @@ def log2_histogram(counts: Counts) -> Log2Histogram | None:
     if counts.dtype not in FLOAT_DTYPES or counts.layout is not None:
         return None
     weights = counts.hists[0] if ITEMSIZE[counts.dtype] == 1 else counts.top.reshape(-1)
-    present = np.flatnonzero(weights)
-    keys, weights = _key_bins(counts.dtype, counts.names)[present], weights[present]
-    bins, where = np.unique(keys, return_inverse=True)
-    sums = np.zeros(bins.size, np.int64)
-    np.add.at(sums, where, weights)
-    per_bin = dict(zip(bins.tolist(), sums.tolist(), strict=True))
-    zeros, nonfinite = per_bin.pop(_ZERO, 0), per_bin.pop(_NONFINITE, 0)
-    return Log2Histogram(tuple(per_bin.items()), zeros, nonfinite)  # bins ascend (unique)
+    index, bins = _key_bins(counts.dtype, counts.names)
+    sums = _sum_by(index, np.ascontiguousarray(weights), len(bins) + 2).tolist()
+    present = tuple((b, c) for b, c in zip(bins, sums, strict=False) if c)
+    return Log2Histogram(present, sums[-2], sums[-1])
