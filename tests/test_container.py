@@ -7,7 +7,9 @@ The builders here (``all_dtypes``, ``write_raw``) are shared with test_api.py/te
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -15,10 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from entropykit.container import files, record
+from entropykit.container import files, record, writer
 from entropykit.container import header as hdr
 from entropykit.container.reader import Compressed
 
@@ -214,3 +218,42 @@ def test_lazy_single_tensor(model: Path, tmp_path: Path) -> None:
         want = original[h.data_start + e.begin : h.data_start + e.end]
         assert np.array_equal(c.tensor(e.name, threads=2), want)
     assert c.keys() == [e.name for e in h.by_offset]
+
+
+_DTYPES = sorted(d for d in hdr.DTYPE_BITS if hdr.DTYPE_BITS[d] % 8 == 0
+                 and d not in ("C64", "F8_E4M3FNUZ", "F8_E5M2FNUZ"))
+
+
+@st.composite
+def _files(draw: st.DrawFn) -> bytes:
+    """A safetensors file of 0-4 tensors with random dtypes, shapes, bytes and key order."""
+    n = draw(st.integers(0, 4))
+    specs, pos = {}, 0
+    chunks = []
+    for i in range(n):
+        dtype = draw(st.sampled_from(_DTYPES))
+        shape = draw(st.lists(st.integers(0, 12), max_size=3))
+        size = math.prod(shape) * hdr.DTYPE_BITS[dtype] // 8
+        alphabet = draw(st.sampled_from([[7], [0, 1, 0x80, 0xFF], list(range(256))]))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        data = rng.choice(np.array(alphabet, np.uint8), size).tobytes()
+        specs[f"t{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + size]}
+        chunks.append(data)
+        pos += size
+    items = draw(st.permutations(list(specs.items())))
+    head = dict(items)
+    if draw(st.booleans()):
+        head = {"__metadata__": {"k": draw(st.text(max_size=5))}, **head}
+    text = json.dumps(head).encode() + b" " * draw(st.integers(0, 9))
+    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
+
+
+@given(blob=_files(), segment=st.sampled_from([8, 64, 1024, 1 << 20]),
+       threads=st.sampled_from([1, 2]))
+def test_property_roundtrip(blob: bytes, segment: int, threads: int) -> None:
+    buf = np.frombuffer(blob, np.uint8)
+    out = io.BytesIO()
+    writer.write(files.source(buf), out, threads=threads, segment_bytes=segment)
+    back = io.BytesIO()
+    Compressed(np.frombuffer(out.getvalue(), np.uint8)).restore(back, threads=threads)
+    assert back.getvalue() == blob
