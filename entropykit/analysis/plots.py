@@ -145,15 +145,20 @@ def figure(rep: Report):  # -> matplotlib.figure.Figure
     return fig
 
 
+def png_bytes(rep: Report, dpi: int = 110) -> bytes:
+    """``rep``'s figure as PNG bytes (for notebooks: ``IPython.display.Image(...)``)."""
+    buf = io.BytesIO()
+    figure(rep).savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
 def plot(rep: Report, out: str | Path, *, top: int | None = 20) -> Path:
     """Write ``rep``'s figure to ``out``: PNG, or HTML (figure + table) by its suffix."""
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in (".png", ".html", ".htm"):
         raise ValueError(f"{out}: plot output must end in .png or .html")
-    buf = io.BytesIO()
-    figure(rep).savefig(buf, format="png", dpi=110)
-    png = buf.getvalue()
+    png = png_bytes(rep)
     if suffix == ".png":
         out.write_bytes(png)
     else:
