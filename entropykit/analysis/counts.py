@@ -9,7 +9,10 @@ memory stays bounded whatever its size. What it is not: entropy arithmetic (repo
 
 Speed: the split (~2 GB/s) and one Numba pass per histogram; the two top fields' order-0
 histograms are the marginals of their joint one, so a BF16 tensor costs one split and one
-joint pass. Measured with the analysis, see report.py.
+joint pass. Whole analysis, one core, 8 copies of MiniLM's trained 23 MB embedding on the
+shared dev machine: BF16 1.2-1.3 GB/s, F32 0.87, F16 1.2, F8_E4M3 1.8 GB/s; the MiniLM
+bf16 file (104 tensors, 45 MB) 250-370 MB/s, where per-tensor fixed costs (the coder's
+context-class choice, entropies of 256x256 joints) weigh in.
 """
 
 from __future__ import annotations
