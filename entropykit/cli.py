@@ -100,6 +100,8 @@ def _run(args: argparse.Namespace, on_file: Callable, on_dir: Callable, verb: st
          default: bool) -> tuple[Summary, Path]:
     src = _existing(args.path)
     dst = Path(args.output) if args.output else files.default_output(src, default)
+    if not dst.parent.is_dir():
+        raise _Usage(f"{dst}: output directory {dst.parent} does not exist")
     bar = _progress(args, f"{verb} {src.name}")
     try:
         fn = on_dir if src.is_dir() else on_file

@@ -71,6 +71,10 @@ def test_refuses_to_overwrite(model: Path, capsys: pytest.CaptureFixture[str]) -
 def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(capsys, "compress", tmp_path / "nope.safetensors")
     assert code == 2 and "nope.safetensors: no such file or directory" in err
+    (tmp_path / "m.safetensors").write_bytes(b"x")
+    code, _, err = _run(capsys, "compress", tmp_path / "m.safetensors", "-o",
+                        tmp_path / "no" / "o.safetensors")
+    assert code == 2 and f"output directory {tmp_path / 'no'} does not exist" in err
     for argv in (["frobnicate"], [], ["compress"], ["compress", "x", "--threads", "0"],
                  ["verify", "x", "--bogus"]):
         with pytest.raises(SystemExit) as e:

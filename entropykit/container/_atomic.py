@@ -19,7 +19,10 @@ from typing import BinaryIO
 
 
 def check_target(dst: Path, force: bool) -> None:
-    """FileExistsError if ``dst`` exists and ``force`` is not set."""
+    """FileExistsError if ``dst`` exists and ``force`` is not set; FileNotFoundError if its
+    directory does not exist."""
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"{dst}: output directory {dst.parent} does not exist")
     if (dst.exists() or dst.is_symlink()) and not force:
         raise FileExistsError(f"{dst}: output exists (use --force / force=True to overwrite)")
 
