@@ -241,6 +241,10 @@ def _parser() -> argparse.ArgumentParser:
     i = verb("info", "Show the tensors of a file (compressed or not): dtype, shape, "
              "layout, codecs, sizes and ratios. Decodes nothing.", _info)
     i.add_argument("path", metavar="PATH")
+    # Listed for --help only: main() hands "analyze ..." to entropykit.analysis.cli.
+    sub.add_parser("analyze", add_help=False,
+                   help="Entropy analysis: how much PATH could shrink and where the wasted "
+                        "bits are (entropykit analyze --help).")
     return p
 
 
@@ -252,6 +256,11 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["analyze"]:
+        from .analysis import cli as analysis_cli
+
+        return analysis_cli.main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return args.func(args)

@@ -168,6 +168,17 @@ def test_info(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "mxfp4" in out and "entropykit container v1" in out
 
 
+def test_analyze_is_handed_on(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "analyze", model, "--top", "3")
+    assert code == 0 and str(model) in out
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", "--help"])
+    assert e.value.code == 0 and "usage: entropykit analyze" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "analyze" in capsys.readouterr().out
+
+
 def test_progress_line() -> None:
     s = io.StringIO()
     bar = Bar("compress x", stream=s, interval=0)
