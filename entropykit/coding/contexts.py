@@ -35,14 +35,38 @@ def joint_histogram(context: np.ndarray, symbols: np.ndarray) -> np.ndarray:
     return _joint_histogram(context, symbols)
 
 
-def _bits(counts: np.ndarray) -> float:
-    return tables.entropy_bits(counts)
-
-
-def _table_bits(counts: np.ndarray) -> float:
-    present = int(np.count_nonzero(counts))
+@njit(nogil=True, cache=True)
+def _table_bits(row: np.ndarray) -> float:
+    present = 0
+    for c in row:
+        present += c > 0
     # Serialized size estimate: count byte, symbol list or bitmap, ~2-byte varints.
     return 8.0 * (1 + min(present, 32) + 2 * present)
+
+
+@njit(nogil=True, cache=True)
+def _choose(joint: np.ndarray, order: np.ndarray, max_tables: int) -> np.ndarray:
+    rest = np.zeros(256, np.int64)
+    for c in range(256):
+        rest += joint[c]
+    cmap = np.zeros(256, np.uint8)
+    n_own = 0
+    rest_bits = tables.entropy_bits_exact(rest)
+    for c in order:
+        if n_own + 1 >= max_tables:
+            break
+        remain = rest - joint[c]
+        if remain.sum() == 0:
+            break  # c is the last context in the shared class; nothing to split
+        remain_bits = tables.entropy_bits_exact(remain)
+        saved = (rest_bits - remain_bits - tables.entropy_bits_exact(joint[c])
+                 - _table_bits(joint[c]))
+        if saved > 0:
+            n_own += 1
+            cmap[c] = n_own
+            rest = remain
+            rest_bits = remain_bits
+    return cmap
 
 
 def choose(joint: np.ndarray, max_tables: int = DEFAULT_MAX_TABLES) -> np.ndarray | None:
@@ -50,23 +74,15 @@ def choose(joint: np.ndarray, max_tables: int = DEFAULT_MAX_TABLES) -> np.ndarra
     if not 1 <= max_tables <= 256:
         raise ValueError(f"max_tables must be in 1..256, got {max_tables}")
     per_ctx = joint.sum(axis=1)
-    order = sorted(np.flatnonzero(per_ctx), key=lambda c: (-int(per_ctx[c]), int(c)))
-    rest = joint.sum(axis=0)
-    own: list[int] = []
-    for c in order:
-        if len(own) + 1 >= max_tables:
-            break
-        row = joint[c]
-        remain = rest - row
-        if not remain.any():
-            break  # c is the last context in the shared class; nothing to split
-        saved = _bits(rest) - _bits(remain) - _bits(row) - _table_bits(row)
-        if saved > 0:
-            own.append(int(c))
-            rest = remain
-    if not own:
-        return None
-    cmap = np.zeros(256, np.uint8)
-    for t, c in enumerate(own, start=1):
-        cmap[c] = t
-    return cmap
+    present = np.flatnonzero(per_ctx)
+    # Decreasing count, ties to the lower context value (a stable sort keeps value order).
+    order = present[np.argsort(-per_ctx[present], kind="stable")]
+    cmap = _choose(np.ascontiguousarray(joint, np.int64), order, max_tables)
+    return cmap if cmap.any() else None
+
+
+def class_counts(joint: np.ndarray, cmap: np.ndarray) -> np.ndarray:
+    """int64[n_tables, 256]: symbol counts of each context class."""
+    onehot = np.zeros((int(cmap.max()) + 1, 256), np.int64)
+    onehot[cmap, np.arange(256)] = 1
+    return onehot @ joint

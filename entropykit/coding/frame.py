@@ -178,8 +178,7 @@ def encode(
         table = tables.serialize(freqs[0])
     else:
         n_tables = int(cmap.max()) + 1
-        counts = np.zeros((n_tables, 256), np.int64)
-        np.add.at(counts, cmap, joint)
+        counts = contexts.class_counts(joint, cmap)
         freqs = np.stack([tables.quantize(c, param) for c in counts])
         table = b"".join([bytes([n_tables - 1]), cmap.tobytes()]
                          + [tables.serialize(f) for f in freqs])

@@ -53,38 +53,33 @@ def encode_tables(freqs: np.ndarray, precision: int) -> np.ndarray:
     """Packed encoder records, uint64[n_tables, 256, 2].
 
     [..., 0] = rcp | (xmax - 1) << 32 and [..., 1] = freq | start << 16 | shift << 32, with
-    xmax = freq << (32 - precision) the renormalization bound.
+    xmax = freq << (32 - precision) the renormalization bound. Absent symbols are all 0.
     """
-    freqs = np.atleast_2d(freqs)
-    t = np.zeros((freqs.shape[0], 256, 2), np.uint64)
-    for k in range(freqs.shape[0]):
-        start = 0
-        for s in range(256):
-            f = int(freqs[k, s])
-            if f == 0:
-                continue
-            shift = (f - 1).bit_length()  # ceil(log2 f)
-            rcp = ((1 << (32 + shift)) + f - 1) // f - (1 << 32)
-            xmax = f << (32 - precision)
-            t[k, s, 0] = rcp | (xmax - 1) << 32
-            t[k, s, 1] = f | start << 16 | shift << 32
-            start += f
+    f = np.atleast_2d(np.asarray(freqs, np.int64))
+    start = np.cumsum(f, axis=1) - f
+    fz = np.maximum(f, 1)
+    shift = np.zeros_like(f)
+    for b in range(16):  # shift = ceil(log2 f), exactly, in integers
+        shift += (fz - 1) >> b > 0
+    rcp = ((np.int64(1) << (32 + shift)) + fz - 1) // fz - (np.int64(1) << 32)
+    xmax_m1 = (fz << (32 - precision)) - 1
+    t = np.zeros(f.shape + (2,), np.uint64)
+    t[..., 0] = rcp.astype(np.uint64) | xmax_m1.astype(np.uint64) << np.uint64(32)
+    t[..., 1] = (f | start << 16 | shift << 32).astype(np.uint64)
+    t[f == 0] = 0
     return t
 
 
 def decode_table(freqs: np.ndarray, precision: int) -> np.ndarray:
     """Packed decode entries, uint64[n_tables, 2**precision]: bias | freq << 16 | sym << 32."""
-    freqs = np.atleast_2d(freqs)
-    entries = np.empty((freqs.shape[0], 1 << precision), np.uint64)
-    for k in range(freqs.shape[0]):
-        start = 0
-        for s in range(256):
-            f = int(freqs[k, s])
-            if f == 0:
-                continue
-            slots = np.arange(f, dtype=np.uint64)
-            entries[k, start : start + f] = slots | np.uint64(f << 16) | np.uint64(s << 32)
-            start += f
+    f = np.atleast_2d(np.asarray(freqs, np.int64))
+    size = 1 << precision
+    entries = np.empty((f.shape[0], size), np.uint64)
+    slots = np.arange(size, dtype=np.int64)
+    for k in range(f.shape[0]):
+        sym = np.repeat(np.arange(256, dtype=np.int64), f[k])
+        start = (np.cumsum(f[k]) - f[k])[sym]
+        entries[k] = (slots - start | f[k][sym] << 16 | sym << 32).astype(np.uint64)
     return entries
 
 
