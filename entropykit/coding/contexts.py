@@ -81,6 +81,19 @@ def choose(joint: np.ndarray, max_tables: int = DEFAULT_MAX_TABLES) -> np.ndarra
     return cmap if cmap.any() else None
 
 
+@njit(nogil=True, cache=True)
+def _lookup(cmap: np.ndarray, context: np.ndarray) -> np.ndarray:
+    out = np.empty(context.size, np.uint8)
+    for i in range(context.size):
+        out[i] = cmap[context[i]]
+    return out
+
+
+def classes(cmap: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """The class (table index) of each context value: ``cmap[context]``, uint8."""
+    return _lookup(cmap, context)
+
+
 def class_counts(joint: np.ndarray, cmap: np.ndarray) -> np.ndarray:
     """int64[n_tables, 256]: symbol counts of each context class."""
     onehot = np.zeros((int(cmap.max()) + 1, 256), np.int64)

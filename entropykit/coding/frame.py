@@ -189,7 +189,7 @@ def encode(
         lo, hi = i * chunk_size, min(n, (i + 1) * chunk_size)
         part = sym[lo:hi]
         crc = zlib.crc32(part)
-        tidx = None if cmap is None else cmap[ctx[lo:hi]]
+        tidx = None if cmap is None else contexts.classes(cmap, ctx[lo:hi])
         payload = coder.encode_chunk(part, tabs, param, tidx)
         if payload is None:
             return MODE_RAW, crc, part
@@ -344,7 +344,8 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
                 return f"raw payload is {length} bytes, chunk has {dst.size} symbols"
             dst[:] = buf[start : start + length]
         else:
-            tidx = None if ctx is None else info.cmap[ctx[i * cs : i * cs + dst.size]]
+            tidx = (None if ctx is None
+                    else contexts.classes(info.cmap, ctx[i * cs : i * cs + dst.size]))
             err = coder.decode_chunk(buf, start, length, tabs, info.param, dst, tidx)
             if err is not None:
                 return err

@@ -267,10 +267,9 @@ def parse(buf: bytes | memoryview, offset: int, precision: int) -> tuple[np.ndar
 
 
 def entropy_bits(counts: np.ndarray) -> float:
-    """Order-0 empirical entropy of the counted data, in bits (total, not per symbol)."""
-    c = np.asarray(counts, dtype=np.float64)
-    c = c[c > 0]
-    n = c.sum()
-    if n == 0:
-        return 0.0
-    return float(-(c * np.log2(c / n)).sum())
+    """Order-0 empirical entropy of the counted data, in bits (total, not per symbol).
+
+    Computed with the machine-independent logarithm, so choices made on it (codec, context
+    classes) are the same everywhere.
+    """
+    return entropy_bits_exact(np.ascontiguousarray(counts, dtype=np.int64).reshape(-1))
