@@ -1,0 +1,272 @@
+// The CUDA kernel of entropykit's batched rANS decoder (compiled at first use by NVRTC).
+//
+// What it is: one warp decodes two chunk streams (two rows of the descriptor table that
+// plan.py builds; _layout.py names the columns, passed in as -D macros) in lock step, 32
+// symbols per step, one lane per interleaved rANS state (lane = i % 32).
+//   u8 mode (BF16 0): the two streams are independent chunks, each writes its own bytes.
+//   bf16 mode (BF16 1): stream a is an exponent chunk, stream b the sign_mantissa chunk of
+//     the same position; the warp writes (sm >> 7) << 15 | exp << 7 | (sm & 0x7f).
+//     CTX: b's tables are chosen per symbol by the class of a's symbol (cmap[exp]).
+// What it is not: a parser. plan.py has checked every structural fact (offsets, lengths,
+// alignment, table sums, output sizes); the kernel checks what depends on the coded data
+// (start states, words missing, words left over, final states) and writes per stream the
+// CPU kernel's error code (entropykit/rans/kernels.py) to status. Every global read is
+// clamped into its stream's payload or table and every write into its stream's symbols,
+// so a hostile payload moves no access outside the buffers.
+//
+// Step invariant (the CPU kernel's): x in [2^16, 2^32); slot = x & (2^p - 1); s = sym[slot];
+// x = f_s * (x >> p) + slot - start_s; a lane whose x fell under 2^16 takes the next 16-bit
+// word. The needy lanes take consecutive words in lane order: lane k reads word
+// wp + popc(ballot & lanes-below-k), and wp advances by popc(ballot).
+//
+// Speed (gpu/README.md has the measurements): each step's table reads are random gathers,
+// which through L1 cost ~20 cache wavefronts each; so with SMEM (every p <= 12) a warp
+// copies its streams' tables into shared memory first (4 KiB of slot -> symbol bytes and
+// 1 KiB of f | start << 16 each). Each step's word reads wait on the step before, so they
+// must not wait on global memory: each stream streams its payload through a ring of
+// RING_WINDOWS 64-word windows in shared memory, copied asynchronously (cp.async; lanes
+// 0-15 copy for stream a, 16-31 for b, so each lane's copy groups belong to one stream)
+// AHEAD windows ahead of the window being read. Raw chunks go through the same ring (16 words a step).
+// Raw/coded is fixed per stream, so each combination gets its own loop.
+
+#define LB 65536u
+#define FULL_MASK 0xffffffffu
+#define SMEM_STREAM (4096 + 1024)
+#define WARP_SMEM (4 * RING + (SMEM ? 2 * SMEM_STREAM : 0))  // bytes of shared memory a warp
+
+#define RING (64 * RING_WINDOWS)  // words per stream ring: windows of 64 (128 bytes)
+#define AHEAD (RING_WINDOWS - 2)   // windows copied ahead of the one being read
+
+struct Stream {
+    const unsigned char* bytes;   // the payload's words (coded) or bytes (raw), global
+    const unsigned short* ring;   // RING words; window j (words 64 j ..) in slot j % 8
+    unsigned ring_addr;           // the ring's shared-memory address, for cp.async
+    const unsigned char* sym;     // table 0's slot -> symbol (global)
+    const unsigned* info;         // table 0's f | start << 16 per symbol (global)
+    int n, n_words, n_bytes, wp, base;  // wp: words consumed; base = 64 * (window of wp)
+    int owner;                    // 0 or 16: the half-warp that copies this stream
+    unsigned p, x, x0;
+    bool is_raw, coded;
+};
+
+// The owner half-warp copies window j (bytes 128 j .. + 127) into its ring slot, 8 bytes a
+// lane, as one cp.async group per lane; bytes past the payload are zero-filled, not read.
+__device__ __forceinline__ void fetch(const Stream& s, int j, int lane) {
+    if ((lane & 16) == s.owner) {
+        const int at = 128 * j + 8 * (lane & 15);
+        const int n = min(max(s.n_bytes - at, 0), 8);
+        const unsigned char* src = s.bytes + (n ? at : 0);
+        const unsigned dst = s.ring_addr + (j & (RING / 64 - 1)) * 128 + 8 * (lane & 15);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n\t"
+                     "cp.async.commit_group;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+    }
+}
+
+// Windows up to (window of base) + 1 have landed in the ring, for every lane to read.
+__device__ __forceinline__ void landed(const Stream& s, int lane) {
+    if ((lane & 16) == s.owner) asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1)
+                                             : "memory");
+    __syncwarp();
+}
+
+__device__ __forceinline__ void load_stream(Stream& s, const long long* d,
+        const unsigned char* buf, const unsigned char* symt, const unsigned* infot,
+        unsigned short* ring, int owner, int lane) {
+    long long off = d[D_OFF], len = d[D_LEN];
+    s.n = (int)d[D_N];
+    s.p = (unsigned)d[D_PREC];
+    s.is_raw = d[D_MODE] == 1;
+    s.coded = !s.is_raw && s.n > 0;
+    // Payloads start 16-byte aligned (plan.py); coded: 32 u32 start states, then u16 words.
+    s.x0 = s.coded ? reinterpret_cast<const unsigned*>(buf + off)[lane] : LB;
+    s.x = s.x0;
+    s.bytes = buf + off + (s.is_raw ? 0 : 128);
+    s.n_bytes = s.is_raw ? (int)len : s.n > 0 ? (int)(len - 128) : 0;
+    s.n_words = (s.n_bytes + 1) / 2;
+    s.wp = 0;
+    s.base = 0;
+    s.ring = ring;
+    s.ring_addr = (unsigned)__cvta_generic_to_shared(ring);
+    s.owner = owner;
+    for (int j = 0; j <= AHEAD; ++j) fetch(s, j, lane);
+    s.sym = symt + d[D_SYM];
+    s.info = infot + d[D_INFO];
+}
+
+// After a step: once wp leaves window base / 64, start copying the window AHEAD past the
+// new one (over the slot read two windows ago) and wait until the new window and the next
+// have landed. A step reads at most 32 words from wp, and wp - base < 64 at its start.
+__device__ __forceinline__ void slide(Stream& s, int lane) {
+    if (s.wp - s.base >= 64) {
+        s.base += 64;
+        fetch(s, (s.base >> 6) + AHEAD, lane);
+        landed(s, lane);
+    }
+}
+
+__device__ __forceinline__ unsigned warp_ballot(bool need) {
+    unsigned b;
+    // vote.sync itself: every lane of the warp is here (the loops are warp-uniform).
+    asm("{ .reg .pred q; setp.ne.u32 q, %1, 0; vote.sync.ballot.b32 %0, q, 0xffffffff; }"
+        : "=r"(b) : "r"((unsigned)need));
+    return b;
+}
+
+// One step of a coded stream with its tables at sym/info; returns the symbols of i.
+template <bool FULL>
+__device__ __forceinline__ unsigned rans_step(Stream& s, int i, int lane, unsigned lt,
+        const unsigned char* sym, const unsigned* info) {
+    const bool live = FULL || i < s.n;
+    const unsigned slot = s.x & ((1u << s.p) - 1u);
+    const unsigned c = live ? (unsigned)sym[slot] : 0u;
+    const unsigned inf = live ? info[c] : 0u;
+    unsigned y = (inf & 0xffffu) * (s.x >> s.p) + slot - (inf >> 16);
+    const bool need = live && y < LB;
+    const unsigned b = warp_ballot(need);
+    // Past the payload the windows hold 0; the final wp > n_words check reports it.
+    const unsigned w = s.ring[(s.wp + __popc(b & lt)) & (RING - 1)];
+    if (need) y = (y << 16) | w;
+    if (live) s.x = y;
+    s.wp += __popc(b);
+    return c;
+}
+
+// One step of a raw stream: lane k's byte is byte 32 s + k of the payload (16 words).
+__device__ __forceinline__ unsigned raw_step(Stream& s, int lane) {
+    const unsigned c = reinterpret_cast<const unsigned char*>(s.ring)[(2 * s.wp + lane) &
+                                                                    (2 * RING - 1)];
+    s.wp += 16;
+    return c;
+}
+
+template <bool FULL, bool RAW>
+__device__ __forceinline__ unsigned stream_step(Stream& s, int i, int lane, unsigned lt,
+        const unsigned char* sym, const unsigned* info) {
+    if (RAW) return raw_step(s, lane);
+    return rans_step<FULL>(s, i, lane, lt, sym, info);
+}
+
+struct Pair {
+    const unsigned char *sa, *sb;   // slot -> symbol tables of a and b (shared or global)
+    const unsigned *ia, *ib;        // their symbol infos
+    const unsigned char* cmaps;
+    long long cmap_b, out_a, out_b;
+    void* out;
+};
+
+template <bool FULL, bool RAW_A, bool RAW_B>
+__device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
+                                          unsigned lt) {
+    const int lane = i & 31;
+    const unsigned ea = stream_step<FULL, RAW_A>(a, i, lane, lt, q.sa, q.ia);
+    const unsigned char* sb = q.sb;
+    const unsigned* ib = q.ib;
+#if CTX
+    // Class of a's symbol picks b's tables (cmap_b < 0: a one-table frame in this batch).
+    const unsigned cls = (q.cmap_b >= 0 && (FULL || i < b.n)) ? q.cmaps[q.cmap_b + ea] : 0u;
+    sb = b.sym + (cls << b.p);
+    ib = b.info + cls * 256;
+#endif
+    const unsigned eb = stream_step<FULL, RAW_B>(b, i, lane, lt, sb, ib);
+#if BF16
+    if (FULL || i < a.n)
+        reinterpret_cast<unsigned short*>(q.out)[q.out_a + i] =
+            (unsigned short)(((eb >> 7) << 15) | (ea << 7) | (eb & 0x7fu));
+#else
+    if (FULL || i < a.n) reinterpret_cast<unsigned char*>(q.out)[q.out_a + i] = (unsigned char)ea;
+    if (FULL || i < b.n) reinterpret_cast<unsigned char*>(q.out)[q.out_b + i] = (unsigned char)eb;
+#endif
+    // Both streams' steps are branch-free up to here, so their chains can interleave.
+    slide(a, lane);
+    slide(b, lane);
+}
+
+template <bool RAW_A, bool RAW_B>
+__device__ __forceinline__ void run_pair(Stream& a, Stream& b, Pair& q, int lane,
+                                      unsigned lt) {
+    const int full = min(a.n, b.n) / 32, steps = (max(a.n, b.n) + 31) / 32;
+    int s = 0, i = lane;
+    for (; s + 4 <= full; s += 4, i += 128) {  // whole steps, 4 at a time
+        pair_step<true, RAW_A, RAW_B>(a, b, q, i, lt);
+        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 32, lt);
+        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 64, lt);
+        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 96, lt);
+    }
+    for (; s < steps; ++s, i += 32) pair_step<false, RAW_A, RAW_B>(a, b, q, i, lt);
+}
+
+__device__ __forceinline__ int status_of(const Stream& s) {
+    const unsigned x0min = __reduce_min_sync(FULL_MASK, s.x0);
+    const bool final_bad = __any_sync(FULL_MASK, s.x != LB);
+    if (!s.coded) return 0;
+    if (x0min < LB) return 1;              // ERR_STATE
+    if (s.wp > s.n_words) return 2;        // ERR_TRUNCATED
+    if (s.wp < s.n_words) return 3;        // ERR_TRAILING
+    return final_bad ? 4 : 0;              // ERR_FINAL
+}
+
+#if SMEM
+// Copy one stream's tables (2^p <= 4096 symbol bytes, 256 infos) into shared memory.
+__device__ __forceinline__ void stage(unsigned char* dst, const Stream& s, int lane) {
+    const unsigned* src = reinterpret_cast<const unsigned*>(s.sym);  // 256-byte aligned
+    unsigned* d32 = reinterpret_cast<unsigned*>(dst);
+    for (int j = lane; j < (1 << s.p) / 4; j += 32) d32[j] = src[j];
+    for (int j = lane; j < 256; j += 32) d32[1024 + j] = s.info[j];
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
+            const unsigned char* __restrict__ buf, const unsigned char* __restrict__ symt,
+            const unsigned* __restrict__ infot, const unsigned char* __restrict__ cmaps,
+            void* __restrict__ out, int n_pairs) {
+    const int lane = threadIdx.x & 31;
+    const int pair = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (pair >= n_pairs) return;  // whole warps leave; no block-wide barrier follows
+    unsigned lt;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lt));
+    const long long* d = desc + (long long)pair * 2 * N_COLS;
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* mine = smem + (threadIdx.x >> 5) * WARP_SMEM;
+    Stream a, b;
+    load_stream(a, d, buf, symt, infot, reinterpret_cast<unsigned short*>(mine), 0, lane);
+    load_stream(b, d + N_COLS, buf, symt, infot,
+                reinterpret_cast<unsigned short*>(mine + 2 * RING), 16, lane);
+    Pair q;
+    q.cmaps = cmaps;
+    q.cmap_b = d[N_COLS + D_CMAP];
+    q.out_a = d[D_OUT];
+    q.out_b = d[N_COLS + D_OUT];
+    q.out = out;
+#if SMEM
+    unsigned char* ta = mine + 4 * RING;
+    unsigned char* tb = ta + SMEM_STREAM;
+    if (a.coded) stage(ta, a, lane);
+    if (b.coded && !CTX) stage(tb, b, lane);
+    q.sa = ta;
+    q.ia = reinterpret_cast<const unsigned*>(ta + 4096);
+    q.sb = CTX ? b.sym : tb;
+    q.ib = CTX ? b.info : reinterpret_cast<const unsigned*>(tb + 4096);
+#else
+    q.sa = a.sym;
+    q.sb = b.sym;
+    q.ia = a.info;
+    q.ib = b.info;
+#endif
+    // Windows 0 and 1 of both rings (and the tables) in place before any lane reads them.
+    // (Each lane waits on its own stream's copies: lanes 0-15 issued only a's.)
+    asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1) : "memory");
+    __syncwarp();
+    if (a.is_raw) {
+        if (b.is_raw) run_pair<true, true>(a, b, q, lane, lt);
+        else run_pair<true, false>(a, b, q, lane, lt);
+    } else {
+        if (b.is_raw) run_pair<false, true>(a, b, q, lane, lt);
+        else run_pair<false, false>(a, b, q, lane, lt);
+    }
+    const int code_a = status_of(a), code_b = status_of(b);
+    if (lane == 0) {
+        status[2 * pair] = code_a;
+        status[2 * pair + 1] = code_b;
+    }
+}

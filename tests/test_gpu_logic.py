@@ -1,0 +1,355 @@
+"""The GPU decoder's logic on the CPU: host plan, kernel algorithm, errors, API contract.
+
+The kernel is CUDA C++ (entropykit/gpu/_kernel.cu) and runs only on the device machine
+(gpu/device_check.py checks it bit for bit there, on real weights and corrupt frames). Here
+``_emulate`` replays the kernel's algorithm in numpy from the very buffers the kernel gets
+(descriptor rows, payload buffer, split tables, context maps) and returns its outputs and
+status codes, so every fact the plan encodes is checked against the CPU decoder: offsets,
+alignment, pairing, tables, context classes, bf16 reassembly, error codes and messages.
+"""
+
+import re
+import struct
+import sys
+from importlib import resources
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from entropykit import CorruptDataError, gpu, rans
+from entropykit.coding import frame
+from entropykit.gpu import _layout as lay
+from entropykit.gpu import plan
+from entropykit.rans import kernels
+from entropykit.rans.static import CODER
+
+CHUNK = frame.MIN_CHUNK  # small chunks: several per frame at test sizes
+L = 1 << 16
+
+
+def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """One descriptor row as the kernel decodes it: (symbols, status code)."""
+    n, off, length, p = (int(row[c]) for c in (lay.D_N, lay.D_OFF, lay.D_LEN, lay.D_PREC))
+    if n == 0:
+        return np.zeros(0, np.uint8), 0
+    if row[lay.D_MODE] == frame.MODE_RAW:
+        return b.payload[off : off + n].copy(), 0
+    x0 = b.payload[off : off + 128].view("<u4").astype(np.uint64)
+    words = b.payload[off + 128 : off + length].view("<u2").astype(np.uint64)
+    x, wp, mask = x0.copy(), 0, np.uint64((1 << p) - 1)
+    out = np.zeros(n, np.uint8)
+    lanes = np.arange(32)
+    for s in range(-(-n // 32)):
+        i = s * 32 + lanes
+        live = i < n
+        cls = np.zeros(32, np.int64)
+        if row[lay.D_CMAP] >= 0:
+            cls[live] = b.cmaps[int(row[lay.D_CMAP]) + ctx[i[live]].astype(np.int64)]
+        slot = (x & mask).astype(np.int64)
+        c = b.sym_tables[int(row[lay.D_SYM]) + (cls << p) + slot].astype(np.int64)
+        inf = b.info_tables[int(row[lay.D_INFO]) + cls * 256 + c].astype(np.uint64)
+        y = ((inf & np.uint64(0xFFFF)) * (x >> np.uint64(p)) + slot.astype(np.uint64)
+             - (inf >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
+        need = live & (y < L)
+        idx = wp + np.cumsum(need) - need
+        w = np.where(idx < words.size, words[np.minimum(idx, max(words.size - 1, 0))]
+                     if words.size else 0, 0).astype(np.uint64)
+        y = np.where(need, ((y << np.uint64(16)) | w) & np.uint64(0xFFFFFFFF), y)
+        x = np.where(live, y, x)
+        wp += int(need.sum())
+        out[i[live]] = c[live]
+    code = (1 if (x0 < L).any() else 2 if wp > words.size else 3 if wp < words.size
+            else 4 if (x != L).any() else 0)
+    return out, code
+
+
+def _emulate(b: plan.Batch) -> tuple[list[np.ndarray], np.ndarray]:
+    """The kernel's outputs (poisoned where it writes nothing) and status, from ``b``."""
+    outs = [np.full(n, 0xA5A5 if b.bf16 else 0xA5, np.uint16 if b.bf16 else np.uint8)
+            for n in b.sizes]
+    status = np.zeros(len(b.desc), np.int32)
+    for r in range(0, len(b.desc), 2):
+        sa, status[r] = _stream(b, b.desc[r], None)
+        sb, status[r + 1] = _stream(b, b.desc[r + 1], sa if b.bf16 else None)
+        for row, k, sym in ((r, b.out_index[r], sa), (r + 1, b.out_index[r + 1], sb)):
+            at = int(b.desc[row, lay.D_OUT])
+            if k < 0 or (b.bf16 and row % 2):
+                continue
+            if b.bf16:
+                e, m = sa.astype(np.uint16), sb.astype(np.uint16)
+                outs[k][at : at + sa.size] = (m >> 7) << 15 | e << 7 | (m & 0x7F)
+            else:
+                outs[k][at : at + sym.size] = sym
+    return outs, status
+
+
+def _skewed(rng, n, k, p=0.35):
+    return np.minimum(rng.geometric(p, n) - 1, k - 1).astype(np.uint8)
+
+
+def _bf16_fields(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    exp = ((bits >> 7) & 0xFF).astype(np.uint8)
+    sm = (((bits >> 15) << 7) | (bits & 0x7F)).astype(np.uint8)
+    return exp, sm
+
+
+def _special_bf16(rng, n):
+    """Weight-like bf16 patterns with NaN payloads, +-0, +-inf and subnormals sprinkled in."""
+    bits = ((rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32) >> 16)
+    bits = bits.astype(np.uint16)
+    specials = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x0001,
+                         0x807F, 0x0080, 0x7F7F, 0xFF7F], np.uint16)
+    at = rng.choice(n, size=min(n, 3 * specials.size), replace=False)
+    bits[at] = np.resize(specials, at.size)
+    return bits
+
+
+def _context_bits(rng, n):
+    """bf16 patterns whose sign+mantissa depends on the exponent, so context tables win."""
+    exp = (120 + _skewed(rng, n, 6, 0.45)).astype(np.uint16)
+    sm = ((exp * 37 + _skewed(rng, n, 4, 0.6)) & 0xFF).astype(np.uint16)
+    return ((sm >> 7) << 15 | exp << 7 | (sm & 0x7F)).astype(np.uint16)
+
+
+def test_split_table_matches_cpu_decode_table():
+    rng = np.random.default_rng(3)
+    for precision in (8, 12, 15):
+        sym = _skewed(rng, 5000, 40)
+        info = frame.parse(CODER, rans.encode(sym, precision=precision, chunk_size=CHUNK))
+        syms, infos = plan.split_table(info.freqs[0], precision)
+        cpu = kernels.decode_table(info.freqs[0], precision)[0]  # bias | f << 16 | sym << 32
+        slot = np.arange(1 << precision)
+        assert syms.dtype == np.uint8 and infos.dtype == np.uint32 and infos.size == 256
+        assert np.array_equal(syms, cpu >> np.uint64(32))
+        picked = infos[syms].astype(np.int64)
+        assert np.array_equal(picked & 0xFFFF, (cpu >> np.uint64(16)) & np.uint64(0xFFFF))
+        assert np.array_equal(slot - (picked >> 16), cpu & np.uint64(0xFFFF))
+
+
+def test_layout_alignment_pairing_and_padding():
+    rng = np.random.default_rng(1)
+    arrays = [_skewed(rng, n, 9) for n in (3 * CHUNK + 5, 40, CHUNK)]
+    arrays.append(rng.integers(0, 256, 700).astype(np.uint8))  # a raw chunk of 700 bytes
+    b = plan.prepare_u8([rans.encode(a, chunk_size=CHUNK) for a in arrays])
+    live = b.desc[:, lay.D_N] > 0
+    assert len(b.desc) % 2 == 0 and live.sum() == 4 + 1 + 1 + 1
+    assert (b.desc[live, lay.D_OFF] % plan.ALIGN == 0).all()
+    ends = b.desc[live, lay.D_OFF] + b.desc[live, lay.D_LEN]
+    assert b.payload.size >= ends.max() + plan.ALIGN  # spare bytes past the last payload
+    pad = b.desc[~live]
+    assert len(pad) == 1 and pad[0, lay.D_MODE] == frame.MODE_RAW and b.out_index[~live] == -1
+    steps = np.maximum(b.desc[0::2, lay.D_N], b.desc[1::2, lay.D_N])
+    assert (np.diff(steps) <= 0).all()  # longest pairs first
+    bits = _special_bf16(rng, 2 * CHUNK + 7)
+    e, m = _bf16_fields(bits)
+    bb = plan.prepare_bf16([rans.encode(e, chunk_size=CHUNK)], [rans.encode(m, chunk_size=CHUNK)])
+    assert np.array_equal(bb.desc[0::2, lay.D_OUT], bb.desc[1::2, lay.D_OUT])
+    assert np.array_equal(bb.desc[0::2, lay.D_N], bb.desc[1::2, lay.D_N])
+    assert np.array_equal(bb.origin[0::2, 1], bb.origin[1::2, 1])  # same chunk index
+
+
+def test_equal_tables_are_stored_once():
+    a = _skewed(np.random.default_rng(4), 3000, 9)
+    f = rans.encode(a, chunk_size=CHUNK)
+    one, three = plan.prepare_u8([f]), plan.prepare_u8([f, f, f])
+    assert one.sym_tables.size == 1 << 12 and three.sym_tables.size == 1 << 12
+    assert np.array_equal(three.info_tables, one.info_tables)
+    outs, status = _emulate(three)
+    assert not status.any() and all(np.array_equal(o, a) for o in outs)
+
+
+def test_u8_batch_adversarial_sizes():
+    rng = np.random.default_rng(0)
+    arrays = [
+        np.zeros(0, np.uint8),
+        np.array([7], np.uint8),
+        np.full(33, 200, np.uint8),  # one symbol only
+        np.arange(256, dtype=np.uint8),  # all 256 symbols (stored raw)
+        rng.integers(0, 256, CHUNK + 31).astype(np.uint8),  # incompressible: raw chunks
+        _skewed(rng, 31, 5),
+        _skewed(rng, 32, 5),
+        _skewed(rng, CHUNK - 1, 9),
+        _skewed(rng, CHUNK, 9),
+        _skewed(rng, 2 * CHUNK + 33, 12),
+    ]
+    frames = [rans.encode(a, chunk_size=CHUNK) for a in arrays]
+    outs, status = _emulate(plan.prepare_u8(frames))
+    assert not status.any()
+    for a, f, got in zip(arrays, frames, outs, strict=True):
+        assert np.array_equal(got, a) and np.array_equal(got, rans.decode(f))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(0, 3000),
+    k=st.integers(1, 256),
+    precision=st.sampled_from([8, 11, 12, 13, 15]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_u8_property_matches_cpu_decoder(n, k, precision, seed):
+    rng = np.random.default_rng(seed)
+    a = _skewed(rng, n, k, rng.uniform(0.05, 0.9))
+    f = rans.encode(a, precision=precision, chunk_size=CHUNK)
+    (got,), status = _emulate(plan.prepare_u8([f]))
+    assert not status.any() and np.array_equal(got, rans.decode(f))
+
+
+def test_bf16_fused_batch_with_specials_raw_context_and_precisions():
+    rng = np.random.default_rng(7)
+    tensors = [_special_bf16(rng, 2 * CHUNK + 5), _context_bits(rng, CHUNK + 40),
+               _special_bf16(rng, 1), np.zeros(0, np.uint16), _context_bits(rng, 95),
+               _context_bits(rng, CHUNK + 3)]
+    efs, sfs = [], []
+    for t, bits in enumerate(tensors):
+        exp, sm = _bf16_fields(bits)
+        p = 15 if t == 5 else 12
+        efs.append(rans.encode(exp, precision=p, chunk_size=CHUNK))
+        sfs.append(rans.encode(sm, precision=p, chunk_size=CHUNK,
+                               context=None if t == 5 else exp))
+    b = plan.prepare_bf16(efs, sfs)
+    live = b.desc[:, lay.D_N] > 0
+    assert b.context and set(b.desc[live, lay.D_MODE].tolist()) == {0, 1}  # all paths run
+    assert (b.desc[1::2, lay.D_CMAP] >= 0).any() and (b.desc[1::2, lay.D_CMAP] < 0).any()
+    outs, status = _emulate(b)
+    assert not status.any()
+    for bits, got in zip(tensors, outs, strict=True):
+        assert np.array_equal(got, bits)
+
+
+def _rebuild(fb: bytes, chunk: int, payload: bytes, mode: int | None = None) -> bytes:
+    """``fb`` with chunk ``chunk``'s payload (and directory entry) replaced."""
+    info = frame.parse(CODER, fb)
+    count = len(info.lengths)
+    dir_at = int(info.offsets[0]) - 9 * count
+    lengths = info.lengths.copy()
+    lengths[chunk] = len(payload)
+    modes = info.modes.copy()
+    if mode is not None:
+        modes[chunk] = mode
+    parts = [fb[:dir_at], lengths.astype("<u4").tobytes(), info.crcs.tobytes(),
+             modes.astype(np.uint8).tobytes()]
+    for c in range(count):
+        a = int(info.offsets[c])
+        parts.append(payload if c == chunk else fb[a : a + int(info.lengths[c])])
+    return b"".join(parts)
+
+
+def _coded_frame():
+    f = rans.encode(_skewed(np.random.default_rng(11), 3 * CHUNK, 10), chunk_size=CHUNK)
+    info = frame.parse(CODER, f)
+    assert (info.modes == 0).all()
+    return f, info
+
+
+def _payload(fb, info, c):
+    a = int(info.offsets[c])
+    return bytearray(fb[a : a + int(info.lengths[c])])
+
+
+def _corrupt(case: str) -> tuple[bytes, int]:
+    f, info = _coded_frame()
+    if case == "start state":
+        p = _payload(f, info, 1)
+        p[4 * 7 : 4 * 8] = struct.pack("<I", 0x1234)  # lane 7 starts below 2**16
+        return _rebuild(f, 1, bytes(p)), 1
+    if case == "flipped word":
+        p = _payload(f, info, 1)
+        p[kernels.STATE_BYTES + 40] ^= 0x10
+        return _rebuild(f, 1, bytes(p)), 1
+    if case == "words left over":
+        return _rebuild(f, 2, bytes(_payload(f, info, 2)) + b"\x01\x02"), 2
+    return _rebuild(f, 2, bytes(_payload(f, info, 2))[:-2]), 2
+
+
+@pytest.mark.parametrize("case", ["start state", "flipped word", "words left over",
+                                  "words missing"])
+def test_corrupt_payload_status_names_the_cpu_decoders_error(case):
+    bad, chunk = _corrupt(case)
+    with pytest.raises(CorruptDataError) as cpu_err:
+        rans.decode(bad)
+    b = plan.prepare_u8([rans.encode(np.arange(50, dtype=np.uint8)), bad])
+    _, status = _emulate(b)
+    err = b.error(status)
+    cpu_what = str(cpu_err.value).split(": ", 1)[1]
+    assert cpu_what in kernels.MESSAGES.values()
+    assert isinstance(err, CorruptDataError)
+    assert str(err).startswith(f"rANS frame 1 chunk {chunk} (payload at byte ")
+    assert str(err).endswith(cpu_what)
+    assert plan.prepare_u8([bad]).error(np.zeros(len(b.desc), np.int32)) is None
+
+
+def test_bf16_status_rows_are_named_by_field():
+    f, info = _coded_frame()
+    bad, _ = _corrupt("flipped word")
+    b = plan.prepare_bf16([f], [bad])
+    _, status = _emulate(b)
+    assert str(b.error(status)).startswith("sign_mantissa frame 0 chunk 1 ")
+    b = plan.prepare_bf16([bad], [f])
+    _, status = _emulate(b)
+    assert str(b.error(status)).startswith("exponent frame 0 chunk 1 ")
+
+
+def test_structural_damage_is_caught_on_the_host():
+    f, info = _coded_frame()
+    odd = _rebuild(f, 0, bytes(_payload(f, info, 0))[:-1])
+    raw_short = _rebuild(f, 0, bytes(CHUNK - 1), mode=1)
+    with pytest.raises(CorruptDataError, match=r"rANS frame 0 chunk 0 .*whole 16-bit words"):
+        plan.prepare_u8([odd])
+    with pytest.raises(CorruptDataError, match=r"raw payload is 1023 bytes, chunk has 1024"):
+        plan.prepare_u8([raw_short])
+    with pytest.raises(CorruptDataError, match=r"^rANS frame 1: .*truncated"):
+        plan.prepare_u8([f, f[:-3]])
+    with pytest.raises(CorruptDataError, match=r"^exponent frame 0: not a rANS frame"):
+        plan.prepare_bf16([b"XXXX" + f[4:]], [f])
+
+
+def test_misuse_raises_before_any_device_work():
+    a = np.arange(100, dtype=np.uint8)
+    f = rans.encode(a)
+    b = plan.prepare_u8([f])
+    with pytest.raises(ValueError, match="1 outputs for 2 frames"):
+        gpu.decode_batch([f, f], [torch.zeros(100, dtype=torch.uint8)])
+    with pytest.raises(TypeError, match="output 0 is torch.int16, expected uint8"):
+        gpu.check_outputs(b, [torch.zeros(100, dtype=torch.int16)])
+    with pytest.raises(ValueError, match="contiguous tensor of 100 elements, got shape"):
+        gpu.check_outputs(b, [torch.zeros(101, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match=r"\(not contiguous\)"):
+        gpu.check_outputs(b, [torch.zeros(200, dtype=torch.uint8)[::2]])
+    with pytest.raises(ValueError, match="decodes into CUDA tensors, got device cpu"):
+        gpu.decode_batch([f], [torch.zeros(100, dtype=torch.uint8)])
+    bits = _context_bits(np.random.default_rng(2), 500)
+    exp, sm = _bf16_fields(bits)
+    sf = rans.encode(sm, context=exp)
+    assert frame.parse(CODER, sf).cmap is not None
+    with pytest.raises(ValueError, match="context-conditioned"):
+        gpu.decode_batch([sf], [torch.zeros(500, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="exponent frame 0 is context-conditioned"):
+        gpu.decode_bf16(sf, sf, torch.zeros(500, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="tensor 0: exponent frame has 500 symbols"):
+        gpu.decode_bf16(rans.encode(exp), rans.encode(sm[:499]),
+                        torch.zeros(500, dtype=torch.bfloat16))
+
+
+def test_missing_torch_cuda_or_cupy_is_a_clear_error_at_call_time(monkeypatch):
+    f = rans.encode(np.arange(10, dtype=np.uint8))
+    out = [torch.zeros(10, dtype=torch.uint8)]
+    if not torch.cuda.is_available():
+        with pytest.raises(gpu.GpuUnavailableError, match="sees no CUDA device"):
+            gpu.decode_batch([f], out, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(gpu.GpuUnavailableError, match="compiles its kernel with cupy"):
+        gpu.decode_batch([f], out, device="cuda")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(gpu.GpuUnavailableError, match="needs torch"):
+        gpu.upload(plan.prepare_u8([f]))
+
+
+def test_kernel_source_ships_and_uses_only_the_layout_columns():
+    src = resources.files("entropykit.gpu").joinpath("_kernel.cu").read_text()
+    used = set(re.findall(r"\bD_[A-Z]+\b", src))
+    assert used and used <= {k for k in dir(lay) if k.startswith("D_")}
+    assert "N_COLS" in src and "rans_decode" in src
