@@ -131,12 +131,25 @@ def _as_symbols(symbols: Any) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1)
 
 
+def _as_bytes(frame: bytes | memoryview | np.ndarray) -> np.ndarray:
+    if isinstance(frame, np.ndarray):
+        if frame.dtype != np.uint8 or frame.ndim != 1:
+            raise TypeError(f"a frame array must be 1-D uint8, got {frame.dtype}{frame.shape}")
+        return frame
+    return np.frombuffer(memoryview(frame).cast("B"), np.uint8)
+
+
 def _check_chunk_size(chunk_size: int, lanes: int) -> None:
     if not MIN_CHUNK <= chunk_size <= MAX_CHUNK or chunk_size % lanes:
         raise ValueError(
             f"chunk_size must be a multiple of {lanes} in [{MIN_CHUNK}, {MAX_CHUNK}], "
             f"got {chunk_size}"
         )
+
+
+def _check_counts(counts: np.ndarray, shape: tuple[int, ...], n: int) -> None:
+    if counts.shape != shape or int(counts.sum()) != n:
+        raise ValueError(f"counts must be int64{list(shape)} summing to the {n} symbols")
 
 
 def _as_context(context: Any, n: int) -> np.ndarray:
@@ -154,32 +167,60 @@ def encode(
     threads: int | None = None,
     context: Any = None,
     max_tables: int = contexts.DEFAULT_MAX_TABLES,
+    counts: np.ndarray | None = None,
 ) -> bytes:
     """Encode uint8 ``symbols`` into a frame with ``coder``.
 
     With ``context`` (uint8, one value per symbol) the coder may use one table per context
-    class; the same context must then be given to ``decode``.
+    class; the same context must then be given to ``decode``. ``counts``, when the caller
+    already has it, saves a pass over the data: the histogram of ``symbols``
+    (``tables.histogram``, int64[256]), or with a context their joint histogram
+    (``contexts.joint_histogram(context, symbols)``, int64[256, 256]). It must be exact:
+    a symbol counted 0 cannot be coded (the frame's CRCs would reject the result).
     """
+    return b"".join(encode_parts(coder, symbols, param, chunk_size, threads, context,
+                                 max_tables, counts))
+
+
+def encode_parts(
+    coder: ChunkCoder,
+    symbols: Any,
+    param: int,
+    chunk_size: int = DEFAULT_CHUNK,
+    threads: int | None = None,
+    context: Any = None,
+    max_tables: int = contexts.DEFAULT_MAX_TABLES,
+    counts: np.ndarray | None = None,
+) -> list[bytes | memoryview]:
+    """As ``encode``, but the frame as a list of buffers to be written back to back (saves
+    joining them when they only go to a file)."""
     coder.check_param(param)
     _check_chunk_size(chunk_size, coder.lanes)
     sym = _as_symbols(symbols)
     n = sym.size
     if n == 0:
-        return _HEADER.pack(coder.magic, VERSION, param, coder.lanes, 0, 0, chunk_size, 0, 0)
+        return [_HEADER.pack(coder.magic, VERSION, param, coder.lanes, 0, 0, chunk_size, 0, 0)]
     cmap = None
     if context is not None:
         if not coder.supports_context:
             raise ValueError(f"{coder.name} does not support context-conditioned coding")
         ctx = _as_context(context, n)
-        joint = contexts.joint_histogram(ctx, sym)
+        joint = contexts.joint_histogram(ctx, sym) if counts is None else counts
+        _check_counts(joint, (256, 256), n)
         cmap = contexts.choose(joint, max_tables)
+        if cmap is None:
+            counts = joint.sum(axis=0)
+    elif counts is None:
+        counts = tables.histogram(sym)
+    else:
+        _check_counts(counts, (256,), n)
     if cmap is None:
-        freqs = tables.quantize(tables.histogram(sym), param)[None, :]
+        freqs = tables.quantize(counts, param)[None, :]
         table = tables.serialize(freqs[0])
     else:
         n_tables = int(cmap.max()) + 1
-        counts = contexts.class_counts(joint, cmap)
-        freqs = np.stack([tables.quantize(c, param) for c in counts])
+        class_counts = contexts.class_counts(joint, cmap)
+        freqs = np.stack([tables.quantize(c, param) for c in class_counts])
         table = b"".join([bytes([n_tables - 1]), cmap.tobytes()]
                          + [tables.serialize(f) for f in freqs])
     tabs = coder.encode_tables(freqs if coder.supports_context else freqs[0], param)
@@ -201,31 +242,31 @@ def encode(
     lengths = np.array([r[2].size for r in results], "<u4")
     head = _HEADER.pack(coder.magic, VERSION, param, coder.lanes, int(cmap is not None), n,
                         chunk_size, n_chunks, len(table))
-    parts = [head, table, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
-    parts += [memoryview(r[2]) for r in results]
-    return b"".join(parts)
+    parts: list[bytes | memoryview] = [head, table, lengths.tobytes(), crcs.tobytes(),
+                                       modes.tobytes()]
+    return parts + [memoryview(r[2]) for r in results]
 
 
-def _parse_tables(coder: ChunkCoder, mv: memoryview, off: int, end: int, param: int,
+def _parse_tables(coder: ChunkCoder, buf: np.ndarray, off: int, end: int, param: int,
                   flag: int) -> tuple[np.ndarray, np.ndarray | None]:
     if flag == 0:
-        freqs, t_end = tables.parse(mv[:end], off, param)
-        freqs = freqs[None, :]
+        freqs = np.empty((1, 256), np.int64)
+        t_end = tables.parse_into(buf, off, end, param, freqs[0])
         cmap = None
     else:
         if off + 257 > end:
             raise CorruptDataError(f"{coder.name} frame context map truncated at byte {off}")
-        n_tables = mv[off] + 1
-        cmap = np.frombuffer(mv, np.uint8, 256, off + 1).copy()
+        n_tables = int(buf[off]) + 1
+        cmap = buf[off + 1 : off + 257].copy()
         if int(cmap.max()) >= n_tables:
             raise CorruptDataError(
                 f"{coder.name} frame context map at byte {off + 1} names table "
                 f"{int(cmap.max())} of {n_tables}"
             )
         t_end = off + 257
-        freqs = np.zeros((n_tables, 256), np.int64)
+        freqs = np.empty((n_tables, 256), np.int64)
         for t in range(n_tables):
-            freqs[t], t_end = tables.parse(mv[:end], t_end, param)
+            t_end = tables.parse_into(buf, t_end, end, param, freqs[t])
     if t_end != end:
         raise CorruptDataError(
             f"{coder.name} frame tables end at byte {t_end}, header says {end}"
@@ -235,8 +276,9 @@ def _parse_tables(coder: ChunkCoder, mv: memoryview, off: int, end: int, param: 
 
 def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInfo:
     """Validate a frame's header and directory; raise ``CorruptDataError`` on any mismatch."""
-    mv = memoryview(frame).cast("B") if not isinstance(frame, np.ndarray) else frame.data
-    size = len(mv)
+    buf = _as_bytes(frame)
+    mv = buf.data
+    size = buf.size
     if size < HEADER_SIZE:
         raise CorruptDataError(
             f"{coder.name} frame truncated: {size} bytes, header needs {HEADER_SIZE}"
@@ -282,7 +324,7 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInf
             f"{coder.name} frame truncated in tables: {table_len} bytes from byte {off}, "
             f"frame has {size}"
         )
-    freqs, cmap = _parse_tables(coder, mv, off, off + table_len, param, flag)
+    freqs, cmap = _parse_tables(coder, buf, off, off + table_len, param, flag)
     off += table_len
     dir_size = 9 * n_chunks
     if off + dir_size > size:
@@ -290,9 +332,9 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInf
             f"{coder.name} frame truncated in chunk directory at byte {off} "
             f"({n_chunks} chunks need {dir_size} bytes, {size - off} left)"
         )
-    lengths = np.frombuffer(mv, "<u4", n_chunks, off).astype(np.int64)
-    crcs = np.frombuffer(mv, "<u4", n_chunks, off + 4 * n_chunks)
-    modes = np.frombuffer(mv, np.uint8, n_chunks, off + 8 * n_chunks)
+    lengths = buf[off : off + 4 * n_chunks].view("<u4").astype(np.int64)
+    crcs = buf[off + 4 * n_chunks : off + 8 * n_chunks].view("<u4")
+    modes = buf[off + 8 * n_chunks : off + 9 * n_chunks]
     off += dir_size
     offsets = off + np.concatenate(([0], np.cumsum(lengths)[:-1]))
     end = off + int(lengths.sum())
@@ -315,8 +357,8 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
     A context-conditioned frame needs the ``context`` it was encoded with (ValueError if
     missing); a one-table frame ignores it.
     """
-    info = parse(coder, frame)
-    buf = frame if isinstance(frame, np.ndarray) else np.frombuffer(frame, np.uint8)
+    buf = _as_bytes(frame)
+    info = parse(coder, buf)
     if out is None:
         out = np.empty(info.n, np.uint8)
     elif out.dtype != np.uint8 or out.shape != (info.n,):

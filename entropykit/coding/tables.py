@@ -189,81 +189,159 @@ def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
     return _quantize(counts, precision, _LOG2)
 
 
-def serialize(freqs: np.ndarray) -> bytes:
-    """The compact byte form of a table (module docstring)."""
-    present = np.flatnonzero(freqs)
-    out = bytearray([len(present) - 1])
-    if len(present) <= _LIST_MAX:
-        out += bytes(present.astype(np.uint8))
+_SERIAL_MAX = 1 + _LIST_MAX + 3 * ALPHABET  # count, bitmap (32 bytes) or list, 3-byte varints
+
+
+@njit(nogil=True, cache=True)
+def _serialize(freqs: np.ndarray, out: np.ndarray) -> int:
+    # Frequencies are < 2**21 (precision <= 15), so every varint fits in 3 bytes and the
+    # whole table in _SERIAL_MAX bytes.
+    present = 0
+    for s in range(ALPHABET):
+        present += freqs[s] > 0
+    out[0] = present - 1
+    pos = 1
+    if present <= _LIST_MAX:
+        for s in range(ALPHABET):
+            if freqs[s] > 0:
+                out[pos] = s
+                pos += 1
     else:
-        bitmap = np.zeros(ALPHABET, np.uint8)
-        bitmap[present] = 1
-        out += np.packbits(bitmap, bitorder="little").tobytes()
-    for s in present:
-        v = int(freqs[s])
+        for k in range(32):
+            byte = 0
+            for b in range(8):
+                if freqs[8 * k + b] > 0:
+                    byte |= 1 << b
+            out[pos + k] = byte
+        pos += 32
+    for s in range(ALPHABET):
+        v = freqs[s]
+        if v <= 0:
+            continue
         while v >= 0x80:
-            out.append((v & 0x7F) | 0x80)
+            out[pos] = (v & 0x7F) | 0x80
+            pos += 1
             v >>= 7
-        out.append(v)
-    return bytes(out)
+        out[pos] = v
+        pos += 1
+    return pos
 
 
-def parse(buf: bytes | memoryview, offset: int, precision: int) -> tuple[np.ndarray, int]:
-    """Read a serialized table at ``offset``; return ``(freqs int64[256], end offset)``.
-
-    Raises ``CorruptDataError`` if it is truncated, lists symbols out of order, has a zero
-    frequency, or does not sum to ``2**precision``.
+def serialize(freqs: np.ndarray) -> bytes:
+    """The compact byte form of a table (module docstring); ``freqs`` as ``quantize`` gives.
     """
-    mv = memoryview(buf)
-    end = len(mv)
+    f = np.ascontiguousarray(freqs, dtype=np.int64)
+    if f.shape != (ALPHABET,) or not 0 < f.max() < 1 << 21 or f.min() < 0:
+        raise ValueError("freqs must be 256 counts in [0, 2**21), at least one nonzero")
+    out = np.empty(_SERIAL_MAX, np.uint8)
+    return out[: _serialize(f, out)].tobytes()
 
-    def need(k: int, what: str) -> None:
-        if offset + k > end:
-            raise CorruptDataError(f"frequency table truncated in {what} at byte {offset}")
 
-    need(1, "symbol count")
-    n_present = mv[offset] + 1
+# Parse outcomes: OK, or what is wrong (messages in ``_parse_error``).
+_OK = 0
+_TRUNC_COUNT, _TRUNC_LIST, _TRUNC_BITMAP, _TRUNC_FREQS = 1, 2, 3, 4
+_ORDER, _BITMAP_COUNT, _VARINT, _RANGE, _SUM = 5, 6, 7, 8, 9
+
+
+@njit(nogil=True, cache=True)
+def _parse(buf: np.ndarray, offset: int, end: int, precision: int,
+           freqs: np.ndarray) -> tuple[int, int, int, int]:
+    # (outcome, offset, a, b): on success the end offset; on failure where, and up to two
+    # numbers for the message. Every read is at an index < end <= buf.size (checked).
+    for s in range(ALPHABET):
+        freqs[s] = 0
+    if offset >= end:
+        return _TRUNC_COUNT, offset, 0, 0
+    n_present = np.int64(buf[offset]) + 1
     offset += 1
+    present = np.empty(ALPHABET, np.int64)
     if n_present <= _LIST_MAX:
-        need(n_present, "symbol list")
-        present = np.frombuffer(mv[offset : offset + n_present], np.uint8).astype(np.int64)
-        if n_present > 1 and not (np.diff(present) > 0).all():
-            raise CorruptDataError(f"frequency table symbols not increasing at byte {offset}")
+        if offset + n_present > end:
+            return _TRUNC_LIST, offset, 0, 0
+        for k in range(n_present):
+            present[k] = buf[offset + k]
+            if k > 0 and present[k] <= present[k - 1]:
+                return _ORDER, offset, 0, 0
         offset += n_present
     else:
-        need(32, "presence bitmap")
-        bits = np.unpackbits(np.frombuffer(mv[offset : offset + 32], np.uint8), bitorder="little")
-        present = np.flatnonzero(bits)
-        if len(present) != n_present:
-            raise CorruptDataError(
-                f"frequency table bitmap at byte {offset} has {len(present)} symbols, "
-                f"header says {n_present}"
-            )
+        if offset + 32 > end:
+            return _TRUNC_BITMAP, offset, 0, 0
+        k = 0
+        for s in range(ALPHABET):
+            if (buf[offset + (s >> 3)] >> (s & 7)) & 1:
+                present[k] = s
+                k += 1
+        if k != n_present:
+            return _BITMAP_COUNT, offset, k, n_present
         offset += 32
-    freqs = np.zeros(ALPHABET, np.int64)
-    limit = 1 << precision
-    for s in present:
-        v = 0
+    limit = np.int64(1) << precision
+    total = np.int64(0)
+    for k in range(n_present):
+        v = np.int64(0)
         shift = 0
         while True:
-            need(1, "frequencies")
-            b = mv[offset]
+            if offset >= end:
+                return _TRUNC_FREQS, offset, 0, 0
+            b = np.int64(buf[offset])
             offset += 1
             v |= (b & 0x7F) << shift
             shift += 7
             if not b & 0x80:
                 break
             if shift > 21:
-                raise CorruptDataError(f"frequency varint too long at byte {offset}")
+                return _VARINT, offset, 0, 0
         if v == 0 or v > limit:
-            raise CorruptDataError(f"frequency {v} of symbol {s} out of range at byte {offset}")
-        freqs[s] = v
-    if int(freqs.sum()) != limit:
-        raise CorruptDataError(
-            f"frequencies sum to {int(freqs.sum())}, expected {limit} (table ends at byte "
-            f"{offset})"
-        )
-    return freqs, offset
+            return _RANGE, offset, v, present[k]
+        freqs[present[k]] = v
+        total += v
+    if total != limit:
+        return _SUM, offset, total, limit
+    return _OK, offset, 0, 0
+
+
+def _parse_error(code: int, at: int, a: int, b: int) -> str:
+    if code == _TRUNC_COUNT:
+        return f"frequency table truncated in symbol count at byte {at}"
+    if code == _TRUNC_LIST:
+        return f"frequency table truncated in symbol list at byte {at}"
+    if code == _TRUNC_BITMAP:
+        return f"frequency table truncated in presence bitmap at byte {at}"
+    if code == _TRUNC_FREQS:
+        return f"frequency table truncated in frequencies at byte {at}"
+    if code == _ORDER:
+        return f"frequency table symbols not increasing at byte {at}"
+    if code == _BITMAP_COUNT:
+        return f"frequency table bitmap at byte {at} has {a} symbols, header says {b}"
+    if code == _VARINT:
+        return f"frequency varint too long at byte {at}"
+    if code == _RANGE:
+        return f"frequency {a} of symbol {b} out of range at byte {at}"
+    return f"frequencies sum to {a}, expected {b} (table ends at byte {at})"
+
+
+def parse_into(buf: np.ndarray, offset: int, end: int, precision: int,
+               freqs: np.ndarray) -> int:
+    """Read the serialized table at ``buf[offset:end]`` (uint8 array) into ``freqs``
+    (int64[256], overwritten); return its end offset.
+
+    Raises ``CorruptDataError`` if it is truncated, lists symbols out of order, has a zero
+    frequency, or does not sum to ``2**precision``.
+    """
+    code, at, a, b = _parse(buf, offset, min(end, buf.size), precision, freqs)
+    if code != _OK:
+        raise CorruptDataError(_parse_error(code, at, a, b))
+    return at
+
+
+def parse(buf: bytes | memoryview | np.ndarray, offset: int,
+          precision: int) -> tuple[np.ndarray, int]:
+    """Read a serialized table at ``offset``; return ``(freqs int64[256], end offset)``.
+
+    Raises ``CorruptDataError`` as ``parse_into``.
+    """
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+    freqs = np.zeros(ALPHABET, np.int64)
+    return freqs, parse_into(arr, offset, arr.size, precision, freqs)
 
 
 def entropy_bits(counts: np.ndarray) -> float:
