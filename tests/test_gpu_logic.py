@@ -70,19 +70,27 @@ def _emulate(b: plan.Batch) -> tuple[list[np.ndarray], np.ndarray]:
     """The kernel's outputs (poisoned where it writes nothing) and status, from ``b``."""
     outs = [np.full(n, 0xA5A5 if b.bf16 else 0xA5, np.uint16 if b.bf16 else np.uint8)
             for n in b.sizes]
+    return outs, emulate_into(b, outs)[1]
+
+
+def emulate_into(b: plan.Batch, outs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Run ``b`` as the kernel does into ``outs`` (uint8 / uint16 arrays); also checks
+    the block rule the kernel's shared tables rest on."""
     status = np.zeros(len(b.desc), np.int32)
+    assert len(b.desc) % (2 * b.warps) == 0
+    for blk in b.desc.reshape(-1, b.warps, 2, lay.N_COLS):
+        assert (blk[:, :, [lay.D_SYM, lay.D_INFO]] == blk[0, :, [lay.D_SYM, lay.D_INFO]].T).all()
     for r in range(0, len(b.desc), 2):
         sa, status[r] = _stream(b, b.desc[r], None)
         sb, status[r + 1] = _stream(b, b.desc[r + 1], sa if b.bf16 else None)
         for row, k, sym in ((r, b.out_index[r], sa), (r + 1, b.out_index[r + 1], sb)):
-            at = int(b.desc[row, lay.D_OUT])
+            at, step = int(b.desc[row, lay.D_OUT]), int(b.desc[row, lay.D_STEP])
             if k < 0 or (b.bf16 and row % 2):
                 continue
             if b.bf16:
                 e, m = sa.astype(np.uint16), sb.astype(np.uint16)
-                outs[k][at : at + sa.size] = (m >> 7) << 15 | e << 7 | (m & 0x7F)
-            else:
-                outs[k][at : at + sym.size] = sym
+                sym = (m >> 7) << 15 | e << 7 | (m & 0x7F)
+            outs[k][at : at + (sym.size - 1) * step + 1 : step] = sym
     return outs, status
 
 
@@ -129,26 +137,42 @@ def test_split_table_matches_cpu_decode_table():
         assert np.array_equal(slot - (picked >> 16), cpu & np.uint64(0xFFFF))
 
 
-def test_layout_alignment_pairing_and_padding():
+@pytest.mark.parametrize("warps", [1, 4])
+def test_layout_alignment_pairing_blocks_and_padding(warps):
     rng = np.random.default_rng(1)
     arrays = [_skewed(rng, n, 9) for n in (3 * CHUNK + 5, 40, CHUNK)]
     arrays.append(rng.integers(0, 256, 700).astype(np.uint8))  # a raw chunk of 700 bytes
-    b = plan.prepare_u8([rans.encode(a, chunk_size=CHUNK) for a in arrays])
+    arrays.append(_skewed(rng, 5 * CHUNK, 30))  # a frame, its table: their own blocks
+    b = plan.prepare_u8([rans.encode(a, chunk_size=CHUNK) for a in arrays], warps)
     live = b.desc[:, lay.D_N] > 0
-    assert len(b.desc) % 2 == 0 and live.sum() == 4 + 1 + 1 + 1
+    assert len(b.desc) % (2 * warps) == 0 and live.sum() == 4 + 1 + 1 + 1 + 5
     assert (b.desc[live, lay.D_OFF] % plan.ALIGN == 0).all()
     ends = b.desc[live, lay.D_OFF] + b.desc[live, lay.D_LEN]
     assert b.payload.size >= ends.max() + plan.ALIGN  # spare bytes past the last payload
     pad = b.desc[~live]
-    assert len(pad) == 1 and pad[0, lay.D_MODE] == frame.MODE_RAW and b.out_index[~live] == -1
-    steps = np.maximum(b.desc[0::2, lay.D_N], b.desc[1::2, lay.D_N])
-    assert (np.diff(steps) <= 0).all()  # longest pairs first
+    assert (pad[:, lay.D_MODE] == frame.MODE_RAW).all() and (b.out_index[~live] == -1).all()
+    # u8 mode: a warp decodes two neighbouring chunks of one frame (the odd one alone).
+    a, bb = b.origin[0::2], b.origin[1::2]
+    both = live[0::2] & live[1::2]
+    assert (a[both, 0] == bb[both, 0]).all() and (bb[both, 1] == a[both, 1] + 1).all()
+    assert live[0::2].sum() == 2 + 1 + 1 + 1 + 3  # frames of 4, 1, 1, 1 and 5 chunks
+    # Blocks: one table set each, ordered by their longest pair.
+    steps = np.maximum(b.desc[0::2, lay.D_N], b.desc[1::2, lay.D_N]).reshape(-1, warps)
+    assert (np.diff(steps[:, 0]) <= 0).all() and (np.diff(steps, axis=1) <= 0).all()
+    sets = b.desc[0::2, lay.D_SYM].reshape(-1, warps)
+    assert (sets == sets[:, :1]).all() and len(np.unique(sets)) == len(arrays)
+    assert b.slots == 1  # both chunks of a warp share one table set
+    outs, status = _emulate(b)
+    assert not status.any() and all(np.array_equal(o, x) for o, x in zip(outs, arrays,
+                                                                          strict=True))
     bits = _special_bf16(rng, 2 * CHUNK + 7)
     e, m = _bf16_fields(bits)
-    bb = plan.prepare_bf16([rans.encode(e, chunk_size=CHUNK)], [rans.encode(m, chunk_size=CHUNK)])
+    bb = plan.prepare_bf16([rans.encode(e, chunk_size=CHUNK)], [rans.encode(m, chunk_size=CHUNK)],
+                           warps)
     assert np.array_equal(bb.desc[0::2, lay.D_OUT], bb.desc[1::2, lay.D_OUT])
     assert np.array_equal(bb.desc[0::2, lay.D_N], bb.desc[1::2, lay.D_N])
     assert np.array_equal(bb.origin[0::2, 1], bb.origin[1::2, 1])  # same chunk index
+    assert bb.slots == 2  # exponent and sign_mantissa tables
 
 
 def test_equal_tables_are_stored_once():
@@ -328,7 +352,7 @@ def test_misuse_raises_before_any_device_work():
         gpu.decode_batch([sf], [torch.zeros(500, dtype=torch.uint8)])
     with pytest.raises(ValueError, match="exponent frame 0 is context-conditioned"):
         gpu.decode_bf16(sf, sf, torch.zeros(500, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="tensor 0: exponent frame has 500 symbols"):
+    with pytest.raises(ValueError, match="tensor 0: exponent frame 0 has 500 symbols in chunks"):
         gpu.decode_bf16(rans.encode(exp), rans.encode(sm[:499]),
                         torch.zeros(500, dtype=torch.bfloat16))
 

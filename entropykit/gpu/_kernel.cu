@@ -19,20 +19,26 @@
 // word. The needy lanes take consecutive words in lane order: lane k reads word
 // wp + popc(ballot & lanes-below-k), and wp advances by popc(ballot).
 //
+// Output: symbol i of a stream goes to element D_OUT + i * D_STEP of the output (bytes in u8
+// mode, 16-bit elements in bf16 mode), so a byte plane lands straight in a wider tensor.
+//
 // Speed (gpu/README.md has the measurements): each step's table reads are random gathers,
-// which through L1 cost ~20 cache wavefronts each; so with SMEM (every p <= 12) a warp
-// copies its streams' tables into shared memory first (4 KiB of slot -> symbol bytes and
-// 1 KiB of f | start << 16 each). Each step's word reads wait on the step before, so they
-// must not wait on global memory: each stream streams its payload through a ring of
-// RING_WINDOWS 64-word windows in shared memory, copied asynchronously (cp.async; lanes
-// 0-15 copy for stream a, 16-31 for b, so each lane's copy groups belong to one stream)
-// AHEAD windows ahead of the window being read. Raw chunks go through the same ring (16 words a step).
+// which through L1 cost ~20 cache wavefronts each; so with SMEM (every p <= 12) the block
+// copies its table sets into shared memory first (4 KiB of slot -> symbol bytes and 1 KiB of
+// f | start << 16 each). plan.py makes every warp of a block use the same tables, so one
+// copy serves all WARPS warps (n_slots sets: a's, and b's where b has its own; in CTX
+// builds b reads its class tables through L1), and a warp's own shared memory is only its
+// two word rings. Each step's word reads wait on the step before, so they must not wait
+// on global memory: each stream streams its payload through a ring of RING_WINDOWS
+// 64-word windows in shared memory, copied asynchronously (cp.async; lanes 0-15 copy for
+// stream a, 16-31 for b, so each lane's copy groups belong to one stream) AHEAD windows
+// ahead of the window being read. Raw chunks go through the same ring (16 words a step).
 // Raw/coded is fixed per stream, so each combination gets its own loop.
 
 #define LB 65536u
 #define FULL_MASK 0xffffffffu
-#define SMEM_STREAM (4096 + 1024)
-#define WARP_SMEM (4 * RING + (SMEM ? 2 * SMEM_STREAM : 0))  // bytes of shared memory a warp
+#define SMEM_STREAM (4096 + 1024)  // bytes of one table set in shared memory
+#define WARP_SMEM (4 * RING)  // bytes of shared memory a warp: its two word rings
 
 #define RING (64 * RING_WINDOWS)  // words per stream ring: windows of 64 (128 bytes)
 #define AHEAD (RING_WINDOWS - 2)   // windows copied ahead of the one being read
@@ -89,8 +95,8 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
     s.ring_addr = (unsigned)__cvta_generic_to_shared(ring);
     s.owner = owner;
     for (int j = 0; j <= AHEAD; ++j) fetch(s, j, lane);
-    s.sym = symt + d[D_SYM];
-    s.info = infot + d[D_INFO];
+    s.sym = symt + max(d[D_SYM], 0LL);  // plain streams (-1) have no tables, read none
+    s.info = infot + max(d[D_INFO], 0LL);
 }
 
 // After a step: once wp leaves window base / 64, start copying the window AHEAD past the
@@ -150,7 +156,7 @@ struct Pair {
     const unsigned char *sa, *sb;   // slot -> symbol tables of a and b (shared or global)
     const unsigned *ia, *ib;        // their symbol infos
     const unsigned char* cmaps;
-    long long cmap_b, out_a, out_b;
+    long long cmap_b, out_a, out_b, step_a, step_b;
     void* out;
 };
 
@@ -170,11 +176,12 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
     const unsigned eb = stream_step<FULL, RAW_B>(b, i, lane, lt, sb, ib);
 #if BF16
     if (FULL || i < a.n)
-        reinterpret_cast<unsigned short*>(q.out)[q.out_a + i] =
+        reinterpret_cast<unsigned short*>(q.out)[q.out_a + i * q.step_a] =
             (unsigned short)(((eb >> 7) << 15) | (ea << 7) | (eb & 0x7fu));
 #else
-    if (FULL || i < a.n) reinterpret_cast<unsigned char*>(q.out)[q.out_a + i] = (unsigned char)ea;
-    if (FULL || i < b.n) reinterpret_cast<unsigned char*>(q.out)[q.out_b + i] = (unsigned char)eb;
+    unsigned char* o = reinterpret_cast<unsigned char*>(q.out);
+    if (FULL || i < a.n) o[q.out_a + i * q.step_a] = (unsigned char)ea;
+    if (FULL || i < b.n) o[q.out_b + i * q.step_b] = (unsigned char)eb;
 #endif
     // Both streams' steps are branch-free up to here, so their chains can interleave.
     slide(a, lane);
@@ -206,28 +213,40 @@ __device__ __forceinline__ int status_of(const Stream& s) {
 }
 
 #if SMEM
-// Copy one stream's tables (2^p <= 4096 symbol bytes, 256 infos) into shared memory.
-__device__ __forceinline__ void stage(unsigned char* dst, const Stream& s, int lane) {
-    const unsigned* src = reinterpret_cast<const unsigned*>(s.sym);  // 256-byte aligned
+// The whole block copies one table set (2^p <= 4096 symbol bytes, 256 infos) to dst.
+__device__ __forceinline__ void stage(unsigned char* dst, const unsigned char* sym,
+                                      const unsigned* info, int p) {
+    const unsigned* src = reinterpret_cast<const unsigned*>(sym);  // 256-byte aligned
     unsigned* d32 = reinterpret_cast<unsigned*>(dst);
-    for (int j = lane; j < (1 << s.p) / 4; j += 32) d32[j] = src[j];
-    for (int j = lane; j < 256; j += 32) d32[1024 + j] = s.info[j];
+    for (int j = threadIdx.x; j < (1 << p) / 4; j += blockDim.x) d32[j] = src[j];
+    for (int j = threadIdx.x; j < 256; j += blockDim.x) d32[1024 + j] = info[j];
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
             const unsigned char* __restrict__ buf, const unsigned char* __restrict__ symt,
             const unsigned* __restrict__ infot, const unsigned char* __restrict__ cmaps,
-            void* __restrict__ out, int n_pairs) {
+            void* __restrict__ out, int n_pairs, int n_slots) {
     const int lane = threadIdx.x & 31;
     const int pair = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (pair >= n_pairs) return;  // whole warps leave; no block-wide barrier follows
+    extern __shared__ __align__(16) unsigned char smem[];
+#if SMEM
+    // The block's table sets, from its first pair (plan.py: all its pairs share them).
+    const long long* d0 = desc + (long long)blockIdx.x * WARPS * 2 * N_COLS;
+    const long long sym_a = d0[D_SYM], sym_b = d0[N_COLS + D_SYM];
+    const bool own_b = !CTX && sym_b >= 0 && sym_b != sym_a;
+    unsigned char* ta = smem;
+    unsigned char* tb = own_b && sym_a >= 0 ? smem + SMEM_STREAM : smem;
+    if (sym_a >= 0) stage(ta, symt + sym_a, infot + d0[D_INFO], (int)d0[D_PREC]);
+    if (own_b) stage(tb, symt + sym_b, infot + d0[N_COLS + D_INFO], (int)d0[N_COLS + D_PREC]);
+    __syncthreads();  // the only block-wide barrier: warps may leave after it
+#endif
+    if (pair >= n_pairs) return;
     unsigned lt;
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lt));
     const long long* d = desc + (long long)pair * 2 * N_COLS;
-    extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char* mine = smem + (threadIdx.x >> 5) * WARP_SMEM;
+    unsigned char* mine = smem + (SMEM ? n_slots * SMEM_STREAM : 0) + (threadIdx.x >> 5) * WARP_SMEM;
     Stream a, b;
     load_stream(a, d, buf, symt, infot, reinterpret_cast<unsigned short*>(mine), 0, lane);
     load_stream(b, d + N_COLS, buf, symt, infot,
@@ -237,12 +256,10 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     q.cmap_b = d[N_COLS + D_CMAP];
     q.out_a = d[D_OUT];
     q.out_b = d[N_COLS + D_OUT];
+    q.step_a = d[D_STEP];
+    q.step_b = d[N_COLS + D_STEP];
     q.out = out;
 #if SMEM
-    unsigned char* ta = mine + 4 * RING;
-    unsigned char* tb = ta + SMEM_STREAM;
-    if (a.coded) stage(ta, a, lane);
-    if (b.coded && !CTX) stage(tb, b, lane);
     q.sa = ta;
     q.ia = reinterpret_cast<const unsigned*>(ta + 4096);
     q.sb = CTX ? b.sym : tb;
@@ -253,7 +270,7 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     q.ia = a.info;
     q.ib = b.info;
 #endif
-    // Windows 0 and 1 of both rings (and the tables) in place before any lane reads them.
+    // Windows 0 and 1 of both rings in place before any lane reads them.
     // (Each lane waits on its own stream's copies: lanes 0-15 issued only a's.)
     asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1) : "memory");
     __syncwarp();
