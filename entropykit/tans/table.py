@@ -28,67 +28,99 @@ for the k-th slot ``u`` of ``s`` (``c_s`` = cumulative frequency). To encode ``s
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numba import njit
 
 ALPHABET = 256
 
 
-def _floor_log2(v: np.ndarray) -> np.ndarray:
-    # frexp is exact for integers below 2**53: v = m * 2**e with m in [0.5, 1).
-    return np.frexp(v.astype(np.float64))[1].astype(np.int64) - 1
-
-
 def _check(freqs: np.ndarray, table_log: int) -> np.ndarray:
-    f = np.asarray(freqs, dtype=np.int64)
+    f = np.ascontiguousarray(freqs, dtype=np.int64)
     if f.shape != (ALPHABET,) or (f < 0).any() or int(f.sum()) != 1 << table_log:
         raise ValueError(f"freqs must be 256 non-negative counts summing to 2**{table_log}")
     return f
 
 
+@njit(nogil=True, cache=True)
+def _spread(f: np.ndarray, table_log: int, out: np.ndarray) -> None:
+    size = 1 << table_log
+    step = (size >> 1) + (size >> 3) + 3
+    pos = 0
+    for s in range(ALPHABET):
+        for _ in range(f[s]):
+            out[pos] = s
+            pos = (pos + step) & (size - 1)
+
+
 def spread(freqs: np.ndarray, table_log: int) -> np.ndarray:
     """The symbol of every slot, uint8[2**table_log] (FSE's ``tableSymbol``)."""
     f = _check(freqs, table_log)
-    size = 1 << table_log
-    step = (size >> 1) + (size >> 3) + 3
-    slots = (np.arange(size, dtype=np.int64) * step) & (size - 1)
-    out = np.empty(size, np.uint8)
-    out[slots] = np.repeat(np.arange(ALPHABET, dtype=np.uint8), f)
+    out = np.empty(1 << table_log, np.uint8)
+    _spread(f, table_log, out)
     return out
 
 
-def _slot_order(sym: np.ndarray) -> np.ndarray:
-    # Slots grouped by symbol, increasing within a group: entry c_s + k is the k-th slot of s.
-    return np.argsort(sym, kind="stable").astype(np.int64)
+@njit(nogil=True, cache=True)
+def _floor_log2(v: int) -> int:
+    # frexp is exact for integers below 2**53: v = m * 2**e with m in [0.5, 1).
+    return math.frexp(v)[1] - 1
+
+
+@njit(nogil=True, cache=True)
+def _decode_table(f: np.ndarray, table_log: int, out: np.ndarray) -> None:
+    size = 1 << table_log
+    sym = np.empty(size, np.uint8)
+    _spread(f, table_log, sym)
+    seen = np.zeros(ALPHABET, np.int64)  # k: slots below u holding the same symbol
+    for u in range(size):
+        s = sym[u]
+        y = f[s] + seen[s]
+        seen[s] += 1
+        nb = table_log - _floor_log2(y)
+        out[u] = s | (nb << 8) | (((y << nb) - size) << 16)
 
 
 def decode_table(freqs: np.ndarray, table_log: int) -> np.ndarray:
     """Packed decode entries, uint32[2**table_log] (module docstring)."""
     f = _check(freqs, table_log)
+    out = np.empty(1 << table_log, np.uint32)
+    _decode_table(f, table_log, out)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _encode_tables(f: np.ndarray, table_log: int, symbol_tt: np.ndarray,
+                   state_table: np.ndarray) -> None:
     size = 1 << table_log
-    sym = spread(f, table_log)
-    order = _slot_order(sym)
-    cumul = np.cumsum(f) - f
-    k = np.empty(size, np.int64)
-    k[order] = np.arange(size, dtype=np.int64) - cumul[sym[order]]
-    y = f[sym] + k
-    nb = table_log - _floor_log2(y)
-    base = (y << nb) - size
-    return (sym.astype(np.int64) | (nb << 8) | (base << 16)).astype(np.uint32)
+    sym = np.empty(size, np.uint8)
+    _spread(f, table_log, sym)
+    nxt = np.empty(ALPHABET, np.int64)  # next free entry c_s + k of each symbol
+    c = 0
+    for s in range(ALPHABET):
+        nxt[s] = c
+        if f[s] == 0:
+            # An absent symbol never reaches the encoder (the table comes from the same
+            # data); its entry (nb = 0, low field -size) still keeps every index in range,
+            # so misuse cannot write out of bounds: it only codes garbage, which the
+            # frame's CRC reports.
+            symbol_tt[s] = -size & 0xFFFFFFFF
+        else:
+            m = table_log if f[s] == 1 else table_log - _floor_log2(f[s] - 1)
+            dnb = (m << 16) - (size if f[s] == 1 else f[s] << m)
+            symbol_tt[s] = (dnb << 32) | ((c - f[s]) & 0xFFFFFFFF)
+        c += f[s]
+    for u in range(size):
+        s = sym[u]
+        state_table[nxt[s]] = size + u
+        nxt[s] += 1
 
 
 def encode_tables(freqs: np.ndarray, table_log: int) -> tuple[np.ndarray, np.ndarray]:
     """``(symbol_tt int64[256], state_table uint16[2**table_log])`` (module docstring)."""
     f = _check(freqs, table_log)
-    size = 1 << table_log
-    state_table = (size + _slot_order(spread(f, table_log))).astype(np.uint16)
-    cumul = np.cumsum(f) - f
-    m = np.full(ALPHABET, table_log, np.int64)
-    big = f > 1
-    m[big] = table_log - _floor_log2(f[big] - 1)
-    dnb = (m << 16) - np.where(big, f << m, size)
-    # An absent symbol never reaches the encoder (the table comes from the same data); its
-    # entry (nb = 0, low field -size) still keeps every index in range, so misuse cannot
-    # write out of bounds: it only codes garbage, which the frame's CRC reports.
-    low = np.where(f > 0, cumul - f, -size) & 0xFFFFFFFF
-    symbol_tt = np.where(f > 0, dnb << 32, 0) | low
-    return symbol_tt.astype(np.int64), state_table
+    symbol_tt = np.empty(ALPHABET, np.int64)
+    state_table = np.empty(1 << table_log, np.uint16)
+    _encode_tables(f, table_log, symbol_tt, state_table)
+    return symbol_tt, state_table
