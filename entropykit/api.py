@@ -135,6 +135,14 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
     Same return as ``safetensors.torch.load_file`` (names in data order). A compressed file
     is decoded tensor by tensor straight into the returned tensors (no temporary file, no
     decompressed copy of the file). A plain file is handed to ``safetensors``.
+
+    On a CUDA device (``"cuda"``, ``"cuda:1"``, an ``int`` or a ``torch.device``) a
+    compressed file is decoded by the GPU (``entropykit.gpu``: the file's payloads go to the
+    device once, the kernel writes the tensors); this needs the ``gpu`` extra (CuPy) and
+    raises ``entropykit.gpu.GpuUnavailableError`` saying what is missing. The GPU checks
+    coded chunks by their rANS states, and the host checks the CRC-32 of every field it
+    decodes or that is copied verbatim; the per-chunk CRC-32 of coded chunks is checked
+    by ``verify`` only.
     """
     import safetensors.torch
 
@@ -149,12 +157,26 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
             return safetensors.torch.load_file(path, device=device)
         c = Compressed(buf)
         dtypes = _torch_dtypes()
+        if _is_cuda(device):
+            from .gpu import _load_runtime
+
+            _load_runtime(device)  # GpuUnavailableError before any work
+            from .gpu.load import load
+
+            return load(c, buf, device, dtypes, n)
         names = c.keys()
         out = {}
         for name, raw in zip(names, imap(lambda k: c.tensor(k), names, n), strict=True):
             t = _as_torch(raw, c.entry(name), dtypes)
             out[name] = t if str(device) == "cpu" else t.to(device)
         return out
+
+
+def _is_cuda(device: Any) -> bool:
+    """Whether ``device`` names a CUDA device (an int is a CUDA index, as in safetensors)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    return str(device).split(":", 1)[0] == "cuda"
 
 
 def _tensor_bytes(name: str, t: Any) -> tuple[str, tuple[int, ...], np.ndarray]:

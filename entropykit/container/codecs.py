@@ -43,14 +43,23 @@ _BLOCKS = 4
 EXACT_LIMIT = _BLOCK * _BLOCKS
 _CRC = struct.Struct("<I")
 RAW_OVERHEAD = _CRC.size  # a raw payload is the symbols plus this; no codec is larger
+# target="gpu" (files for entropykit.gpu, measured in gpu/README.md): the GPU kernel decodes
+# rANS only, with tables in shared memory up to 12 bits, fastest at chunks of 2**16 and
+# without context tables; copying a raw field costs half of decoding one, so a field is
+# entropy-coded only where that saves at least GPU_MIN_SAVING of its raw size.
+TARGETS = ("cpu", "gpu")
+GPU_CHUNK = 1 << 16
+GPU_MIN_SAVING = 0.01
 
 
 def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None,
-           precision: int = RANS_PRECISION) -> bytes:
-    """``symbols`` (uint8, 1-D) coded with ``codec``; ``context`` and ``precision`` are
-    used by rans only (the frame records them; decoding needs neither choice)."""
+           precision: int = RANS_PRECISION, chunk_size: int = frame.DEFAULT_CHUNK) -> bytes:
+    """``symbols`` (uint8, 1-D) coded with ``codec``; ``context``, ``precision`` and
+    ``chunk_size`` are used by rans only (the frame records them; decoding needs no
+    choice)."""
     if codec == "rans":
-        return rans.encode(symbols, precision=precision, context=context, threads=1)
+        return rans.encode(symbols, precision=precision, chunk_size=chunk_size,
+                           context=context, threads=1)
     if codec == "tans":
         return tans.encode(symbols, precision=TANS_LOG, threads=1)
     if codec == "zstd":
@@ -150,7 +159,7 @@ class Choice:
     entropy_bits: float
 
 
-def choose(symbols: np.ndarray, context: np.ndarray | None) -> Choice:
+def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu") -> Choice:
     """Code a field with the codec expected to be smallest, never larger than raw.
 
     The entropy coder is rANS for a field with a context (only rANS conditions on one), rANS
@@ -159,21 +168,33 @@ def choose(symbols: np.ndarray, context: np.ndarray | None) -> Choice:
     entropy, zstd's by coding the field (or a spread sample of it), raw's is exact; the
     smallest estimate is coded, and the result replaced by raw if it is not smaller. Only
     one coder runs over the whole field.
+    ``target="gpu"`` writes what ``entropykit.gpu`` decodes fastest (see ``GPU_CHUNK``):
+    rANS at ``RANS_PRECISION`` in chunks of ``GPU_CHUNK``, no context, zstd only for
+    fields small enough to be judged whole (the host decodes those), and raw unless the
+    estimate saves ``GPU_MIN_SAVING``.
     Deterministic: the same symbols always give the same choice.
     """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     n = symbols.size
     raw = n + _CRC.size
     if n == 0:
         return Choice("raw", encode("raw", symbols, None), 0.0)
     counts = tables.histogram(symbols)
     bits = tables.entropy_bits(counts)
+    gpu = target == "gpu"
     wide = int(np.count_nonzero(counts)) > _WIDE_SYMBOLS and bits < _WIDE_MAX_BITS * n
-    entropy_codec = "rans" if context is not None or wide else "tans"
-    precision = WIDE_PRECISION if context is None and wide else RANS_PRECISION
-    estimates = {entropy_codec: _entropy_estimate(counts, bits, n),
-                 "zstd": _zstd_estimate(symbols), "raw": raw}
+    entropy_codec = "rans" if context is not None or wide or gpu else "tans"
+    precision = WIDE_PRECISION if context is None and wide and not gpu else RANS_PRECISION
+    chunk = GPU_CHUNK if gpu else frame.DEFAULT_CHUNK
+    context = None if gpu else context
+    estimate = _entropy_estimate(counts, bits, n)
+    estimates = {entropy_codec: int(estimate / (1 - GPU_MIN_SAVING)) if gpu else estimate}
+    if not gpu or n <= EXACT_LIMIT:
+        estimates["zstd"] = _zstd_estimate(symbols)
+    estimates["raw"] = raw
     codec = min(estimates, key=lambda c: (estimates[c], c != entropy_codec))
-    blob = encode(codec, symbols, context, precision)
+    blob = encode(codec, symbols, context, precision, chunk)
     if len(blob) >= raw:
         return Choice("raw", encode("raw", symbols, None), bits)
     return Choice(codec, blob, bits)

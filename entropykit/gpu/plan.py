@@ -184,6 +184,22 @@ class Batch:
             self._cache["payload"] = buf
         return self._cache["payload"]
 
+    @property
+    def origins(self) -> Origins:
+        return Origins(self.origin, tuple(s.label for s in self.streams))
+
+    def error(self, status: np.ndarray) -> CorruptDataError | None:
+        """The error for the first failing row of a kernel's status array, or None."""
+        return self.origins.error(status)
+
+
+@dataclass(frozen=True)
+class Origins:
+    """What names a batch's rows in errors (kept after the batch's streams are gone)."""
+
+    origin: np.ndarray  # int64[n_rows, 3]: stream, chunk, byte offset in the stream
+    labels: tuple[str, ...]  # per stream
+
     def error(self, status: np.ndarray) -> CorruptDataError | None:
         """The error for the first failing row of a kernel's status array, or None."""
         bad = np.flatnonzero(status)
@@ -193,9 +209,7 @@ class Batch:
         s, c, at = (int(v) for v in self.origin[row])
         code = int(status[row])
         what = _rk.MESSAGES.get(code, f"unknown status {code}")
-        return CorruptDataError(
-            f"{self.streams[s].label} chunk {c} (payload at byte {at}): {what}"
-        )
+        return CorruptDataError(f"{self.labels[s]} chunk {c} (payload at byte {at}): {what}")
 
 
 def _chunk_rows(info: _frame.FrameInfo, label: str) -> np.ndarray:

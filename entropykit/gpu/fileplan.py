@@ -1,0 +1,267 @@
+"""Plan the GPU decode of a compressed file: every field's stream and place, in groups.
+
+What it is: the host half of ``load_file(..., device="cuda")``, with no torch and no GPU.
+For each segment of each tensor it decides how every field reaches the output tensor:
+
+- rANS frames go to the kernel as they are; ``raw`` fields are copied by the kernel
+  (their CRC-32 is checked here, and the CRC-32 of every raw chunk inside an rANS frame:
+  bytes the GPU copies verbatim are checked on the host, coded chunks by the kernel's
+  state checks); ``tans`` and ``zstd`` fields are decoded here (their own checks run)
+  and copied by the kernel as plain bytes.
+- Where a field lands (``placement``): a byte plane ``byteK`` of W-byte elements goes
+  to byte K of every element (stride W); ``exponent`` + ``sign_mantissa`` (BF16, F32,
+  the sign moved below the exponent) are decoded together in bf16 mode and written as
+  the element's top 16 bits; ``nibble_pair`` (packed 4-bit) is every byte. Any other
+  split is decoded here (``segment.decode``) and copied.
+
+Segments are planned on a thread pool and gathered in data order into ``Group``s of at
+most ``group_bytes`` of payload: a group is what the loader stages, copies and launches
+at once (one launch per kernel flavour in it: u8 / bf16 mode, context tables, tables
+wider than shared memory holds), so host work, copies and decoding overlap.
+What it is not: the device side (``load.py``) or the decoder's layout (``plan.py``).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._errors import CorruptDataError
+from ..coding import frame as _frame
+from ..container import codecs, payload, segment
+from ..container import header as hdr
+from ..container.parallel import imap
+from ..container.reader import Compressed
+from ..rans import decode as _rans_decode
+from .plan import WARPS, Batch, Place, Planner, Stream
+
+GROUP_BYTES = 64 << 20  # payload bytes staged per group
+_BYTE = re.compile(r"byte(\d+)")
+_SIGN_MOVED = (("exponent", None), ("sign_mantissa", "exponent"))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a segment's fields land. ``pair``: exponent/sign_mantissa written as the
+    top 16 bits of each element (u16 element ``at16 + i * step16`` of the segment);
+    ``planes``: field name -> (byte offset in an element, element bytes)."""
+
+    pair: tuple[int, int] | None
+    planes: dict[str, tuple[int, int]]
+
+
+def placement(dtype: str, layout: str | None,
+              fields: tuple[tuple[str, str | None], ...]) -> Placement | None:
+    """The placement of a split (``formats``' field names), or None for a split this
+    module does not know (the loader then decodes those segments on the host)."""
+    if layout is not None:
+        return Placement(None, {"nibble_pair": (0, 1)}) if fields == (("nibble_pair", None),) \
+            else None
+    bits = hdr.DTYPE_BITS.get(dtype, 0)
+    if bits < 8 or bits % 8:
+        return None
+    word = bits // 8
+    pair = None
+    rest = fields
+    if fields[:2] == _SIGN_MOVED:
+        if word not in (2, 4):
+            return None
+        pair, rest = (word // 2 - 1, word // 2), fields[2:]
+    planes = {}
+    for name, ctx in rest:
+        m = _BYTE.fullmatch(name)
+        k = int(m.group(1)) if m else -1
+        if ctx is not None or not 0 <= k < (word - 2 if pair else word) or name in planes:
+            return None
+        planes[name] = (k, word)
+    return Placement(pair, planes)
+
+
+@dataclass
+class Piece:
+    """What one segment adds to a launch: bf16-mode pairs and u8-mode streams, placed in
+    the bytes (u8) or 16-bit elements (pairs) of tensor ``Place.out``."""
+
+    pairs: list[tuple[Stream, Stream, Place]] = field(default_factory=list)
+    singles: list[tuple[Stream, Place]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        streams = [s for a, b, _ in self.pairs for s in (a, b)] + [s for s, _ in self.singles]
+        return sum(int(s.data.size) for s in streams)
+
+
+def _check_raw_chunks(s: Stream) -> None:
+    """CRC-32 of the raw chunks of an rANS frame (the kernel copies them unchecked)."""
+    info = s.info
+    for c in np.flatnonzero(info.modes == _frame.MODE_RAW).tolist():
+        a, n = int(info.offsets[c]), int(info.lengths[c])
+        if zlib.crc32(s.data[a : a + n]) != int(info.crcs[c]):
+            raise CorruptDataError(f"{s.label}: chunk {c} (raw) fails its CRC-32")
+
+
+def _stream(codec: str, part: np.ndarray, n: int, ctx: str | None, label: str) -> Stream:
+    """One field's stream: as the kernel will read it, checked as far as the host can."""
+    got = codecs.count(codec, part)
+    if got != n:
+        raise CorruptDataError(f"{label}: holds {got} symbols, the segment has {n}")
+    if codec == "rans":
+        s = Stream.frame(part, label)
+        if s.context and ctx is None:
+            raise CorruptDataError(f"{label}: frame is context-conditioned, the field has "
+                                   "no context")
+        _check_raw_chunks(s)
+        return s
+    if codec == "raw":
+        if part.size != n + codecs.RAW_OVERHEAD:
+            raise CorruptDataError(f"{label}: raw field is {part.size} bytes, expected "
+                                   f"{n + codecs.RAW_OVERHEAD}")
+        if zlib.crc32(part[codecs.RAW_OVERHEAD:]) != int(part[:4].view("<u4")[0]):
+            raise CorruptDataError(f"{label}: raw field fails its CRC-32")
+        return Stream.plain(part[codecs.RAW_OVERHEAD:], label)
+    try:
+        return Stream.plain(codecs.decode(codec, part, n, None), label)  # tans, zstd
+    except CorruptDataError as e:
+        raise CorruptDataError(f"{label}: {e}") from None
+
+
+@dataclass(frozen=True)
+class _Job:
+    tensor: int  # index in data order
+    entry: hdr.Entry
+    seg: int
+    lo: int
+    hi: int
+    parts: list[np.ndarray]
+
+
+def _plan_segment(c: Compressed, job: _Job) -> Piece:
+    e, s = job.entry, job.seg
+    t = c.record.tensors[e.name]
+    codec_names = t.codecs[s]
+    where = f"tensor {e.name!r} segment {s}"
+    piece = Piece()
+    place = placement(e.dtype, t.layout, t.fields)
+    if place is None:  # a split the kernel cannot place: decode here, copy there
+        try:
+            raw = segment.decode(e.dtype, t.layout, t.fields, codec_names, job.parts,
+                                 job.hi - job.lo)
+        except CorruptDataError as err:
+            raise CorruptDataError(f"{where}: {err}") from None
+        piece.singles.append((Stream.plain(raw, where), Place(job.tensor, job.lo, 1)))
+        return piece
+    try:
+        split = segment.Split.of(e.dtype, t.layout, hdr.DTYPE_BITS[e.dtype])
+    except (ValueError, KeyError) as err:
+        raise CorruptDataError(f"{where}: {e.dtype} with layout {t.layout!r}: {err}") from None
+    if split.fields != t.fields:
+        raise CorruptDataError(f"{where}: record lists fields {t.fields}, {e.dtype} splits "
+                               f"into {split.fields}")
+    counts = split.symbols(job.hi - job.lo)
+    streams = {}
+    for (name, ctx), codec, part, n in zip(t.fields, codec_names, job.parts, counts,
+                                           strict=True):
+        streams[name] = _stream(codec, part, n, ctx, f"{where}: field {name!r} ({codec})")
+    if place.pair is not None:
+        exp, sm = streams["exponent"], streams["sign_mantissa"]
+        if exp.info is not None and sm.info is not None \
+                and exp.info.chunk_size != sm.info.chunk_size:
+            # Valid for the CPU decoder, never written by ours: decode the context here.
+            exp = Stream.plain(_rans_decode(exp.data, threads=1), exp.label)
+        off, step = place.pair
+        piece.pairs.append((exp, sm, Place(job.tensor, job.lo // 2 + off, step)))
+    for name, (k, word) in place.planes.items():
+        piece.singles.append((streams[name], Place(job.tensor, job.lo + k, word)))
+    return piece
+
+
+@dataclass(frozen=True)
+class Part:
+    """One batch of a group and the tensors its outputs are: output k is tensor
+    ``tensors[k]``, viewed as bytes (u8 mode) or 16-bit elements (bf16 mode)."""
+
+    batch: Batch
+    tensors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Batches staged and launched together (one per kernel flavour)."""
+
+    parts: tuple[Part, ...]
+
+
+def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) -> Group:
+    """The launches of some pieces: one per kernel flavour (mode, context, narrow)."""
+    planners: dict[tuple[bool, bool, bool], tuple[Planner, dict[int, int]]] = {}
+
+    def planner(bf16: bool, ctx: bool, narrow: bool) -> tuple[Planner, dict[int, int]]:
+        key = (bf16, ctx, narrow)
+        if key not in planners:
+            planners[key] = (Planner(bf16, warps), {})
+        return planners[key]
+
+    def local(outs: dict[int, int], p: Place) -> Place:
+        k = outs.setdefault(p.out, len(outs))
+        return Place(k, p.at, p.step)
+
+    for piece in pieces:
+        for exp, sm, p in piece.pairs:
+            pl, outs = planner(True, sm.context, exp.narrow and sm.narrow)
+            try:
+                pl.add_pair(exp, sm, local(outs, p))
+            except ValueError as err:  # fields of different lengths: a damaged file
+                raise CorruptDataError(str(err)) from None
+        for s, p in piece.singles:
+            pl, outs = planner(False, False, s.narrow)
+            pl.add(s, local(outs, p))
+    parts = []
+    for key in sorted(planners):
+        pl, outs = planners[key]
+        tensors = tuple(outs)  # local index order
+        unit = 2 if key[0] else 1
+        sizes = [entries[t].nbytes // unit for t in tensors]
+        parts.append(Part(pl.finish(sizes), tensors))
+    return Group(tuple(parts))
+
+
+def _jobs(c: Compressed, buf: np.ndarray, entries: Sequence[hdr.Entry]) -> Iterator[_Job]:
+    outer = {o.name: o for o in c.outer.entries}
+    start = c.outer.data_start
+    for k, e in enumerate(entries):
+        t = c.record.tensors[e.name]
+        o = outer[e.name]
+        try:
+            parts = payload.unpack(buf[start + o.begin : start + o.end],
+                                   len(t.codecs) * len(t.fields))
+        except CorruptDataError as err:
+            raise CorruptDataError(f"tensor {e.name!r}: {err}") from None
+        nf = len(t.fields)
+        for s, (lo, hi) in enumerate(c.bounds(e)):
+            yield _Job(k, e, s, lo, hi, parts[s * nf : (s + 1) * nf])
+
+
+def groups(c: Compressed, buf: np.ndarray, threads: int = 1, *, warps: int = WARPS,
+           group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
+    """The groups decoding every tensor of ``c`` (held in ``buf``), tensors numbered in
+    data order (``c.keys()``); segments are planned ``threads`` at a time, ahead of use.
+    """
+    entries = c.original.by_offset
+    pending: list[Piece] = []
+    size = 0
+    results = imap(lambda j: _plan_segment(c, j), _jobs(c, buf, entries), threads)
+    try:
+        for piece in results:
+            pending.append(piece)
+            size += piece.nbytes
+            if size >= group_bytes:
+                yield _group(pending, entries, warps)
+                pending, size = [], 0
+        if pending:
+            yield _group(pending, entries, warps)
+    finally:
+        results.close()

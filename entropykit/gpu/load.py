@@ -1,0 +1,161 @@
+"""Load a compressed file onto a GPU: stage, copy and decode its groups, overlapped.
+
+What it is: the device half of ``entropykit.load_file(path, device="cuda")``. The output
+tensors are allocated on the device first; then for each ``fileplan.Group`` (in data
+order) every batch's payload, tables, context maps and descriptors (output positions
+bound) are written into one pinned host buffer, copied to the device on a side stream in
+one transfer, and decoded on the current stream by one launch per batch. ``SLOTS`` pinned
+buffers, each with its device twin, rotate: while the GPU copies and decodes one group,
+the host reads the file into the next (and the planner's threads decode tANS/zstd fields
+ahead). The kernels' status is read once at the end: ``CorruptDataError`` names the
+tensor, segment, field and chunk.
+What it is not: the decision of what goes where (``fileplan.py``) or the kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..container.reader import Compressed
+from . import _runtime as rt
+from . import fileplan
+from .plan import WARPS, Batch, Origins
+
+SLOTS = 3  # staging buffers in rotation: fill one, copy one, decode one
+_ALIGN = 256  # section alignment in a staging buffer (the kernel reads tables as u32)
+
+
+def _up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _sections(b: Batch) -> list[tuple[str, int]]:
+    return [("payload", b.payload_size), ("sym", b.sym_tables.nbytes),
+            ("info", b.info_tables.nbytes), ("cmaps", b.cmaps.nbytes),
+            ("desc", b.desc.nbytes)]
+
+
+class _Slot:
+    """A pinned host buffer, its device twin, and the events that guard their reuse."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(size, dtype=torch.uint8, device=device)
+        self.copied = torch.cuda.Event()  # the host buffer has been read
+        self.done = torch.cuda.Event()  # the device buffer's last decode has finished
+
+
+class Stager:
+    """Runs groups through ``SLOTS`` rotating staging buffers (see module docstring)."""
+
+    def __init__(self, device: torch.device, threads: int, tuning: rt.Tuning | None = None,
+                 ) -> None:
+        self.device = device
+        self.threads = threads
+        self.tuning = tuning
+        self.slots: list[_Slot] = []
+        self.turn = 0
+        self.copy_stream = torch.cuda.Stream(device)
+        self.checks: list[tuple[torch.Tensor, list[tuple[Origins, int, int]]]] = []
+
+    def _slot(self, size: int) -> _Slot:
+        if len(self.slots) < SLOTS:
+            self.slots.append(_Slot(size, self.device))
+            return self.slots[-1]
+        slot = self.slots[self.turn % SLOTS]
+        self.turn += 1
+        slot.copied.synchronize()  # its last copy has read the host buffer
+        if slot.host.numel() < size:
+            # The old device buffer was allocated on the current stream, which orders its
+            # reuse after the decodes; the copy stream's use must be recorded.
+            slot.dev.record_stream(self.copy_stream)
+            grown = _Slot(size, self.device)
+            slot.host, slot.dev = grown.host, grown.dev
+        return slot
+
+    def run(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor]) -> None:
+        """Stage, copy and launch one group; ``views(tensor, bf16)`` is that tensor's flat
+        uint8 (or int16 for bf16 mode) view."""
+        layout, total, rows = [], 0, 0
+        for part in group.parts:
+            at = {}
+            for name, n in _sections(part.batch):
+                at[name] = total
+                total += _up(n)
+            layout.append(at)
+            rows += len(part.batch.desc)
+        slot = self._slot(max(total, _ALIGN))
+        host = slot.host.numpy()
+        binds = []
+        for part, at in zip(group.parts, layout, strict=True):
+            b = part.batch
+            b.fill(host[at["payload"] :], self.threads)
+            for name, arr in (("sym", b.sym_tables), ("info", b.info_tables),
+                              ("cmaps", b.cmaps)):
+                host[at[name] : at[name] + arr.nbytes] = arr.view(np.uint8)
+            outs = [views(t, b.bf16) for t in part.tensors]
+            desc, base = rt.bound_desc(b, outs)
+            host[at["desc"] : at["desc"] + desc.nbytes] = desc.view(np.uint8)
+            binds.append(base)
+        self.copy_stream.wait_event(slot.done)
+        with torch.cuda.stream(self.copy_stream):
+            slot.dev[:total].copy_(slot.host[:total], non_blocking=True)
+        slot.copied.record(self.copy_stream)
+        cur = torch.cuda.current_stream()
+        cur.wait_event(slot.copied)
+        status = torch.zeros(max(rows, 1), dtype=torch.int32, device=self.device)
+        dev0 = slot.dev.data_ptr()
+        row = 0
+        named = []
+        for part, at, base in zip(group.parts, layout, binds, strict=True):
+            b = part.batch
+            ptrs = [dev0 + at["desc"], status.data_ptr() + 4 * row, dev0 + at["payload"],
+                    dev0 + at["sym"], dev0 + at["info"], dev0 + at["cmaps"],
+                    (base if base is not None else status).data_ptr()]
+            rt.Launch(b, self.device, ptrs, self.tuning)()
+            named.append((b.origins, row, len(b.desc)))
+            row += len(b.desc)
+        slot.done.record(cur)
+        self.checks.append((status, named))
+
+    def check(self) -> None:
+        """Wait for every launch; raise ``CorruptDataError`` for the first failing row."""
+        if not self.checks:
+            return
+        everything = torch.cat([s for s, _ in self.checks]).cpu().numpy()
+        at = 0
+        for status, named in self.checks:
+            for origins, row, n in named:
+                err = origins.error(everything[at + row : at + row + n])
+                if err is not None:
+                    raise err
+            at += status.numel()
+
+
+def load(c: Compressed, buf: np.ndarray, device: Any, dtypes: Mapping[str, torch.dtype],
+         threads: int, *, warps: int = WARPS, group_bytes: int = fileplan.GROUP_BYTES,
+         tuning: rt.Tuning | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of ``c`` (a compressed file held in ``buf``) decoded on ``device``, in
+    data order, as ``dtypes`` (safetensors dtype -> torch dtype) says."""
+    dev = rt.cuda_device(device)
+    entries = c.original.by_offset
+    for e in entries:
+        if e.dtype not in dtypes:
+            raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
+    with torch.cuda.device(dev):
+        out = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=dev)
+               for e in entries}
+        flat = [out[e.name].reshape(-1) for e in entries]
+
+        def views(k: int, bf16: bool) -> torch.Tensor:
+            return flat[k].view(torch.int16 if bf16 else torch.uint8)
+
+        stager = Stager(dev, threads, tuning)
+        for group in fileplan.groups(c, buf, threads, warps=warps, group_bytes=group_bytes):
+            stager.run(group, views)
+        stager.check()
+    return out
