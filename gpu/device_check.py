@@ -8,17 +8,20 @@ decode with CUDA events (median of several runs). Last it prints one table; full
 go to ``--out``/results.json.
 
 Variants: frame configurations (chunk size; sign_mantissa with one table, with context
-tables, or stored raw), kernel tunings (tables in shared memory or through L1, warps
-per block), the uint8 mode on the same fields, and a plain
-device-to-device copy. Corrupt frames are checked to raise the CPU decoder's error.
+tables, or stored raw), warps per block (the warps of a block share one table set in
+shared memory), kernel tunings (tables in shared memory or through L1, register cap,
+ring size), the uint8 mode on the same fields, and a plain device-to-device copy; each
+build's registers and resident warps per SM are printed. Corrupt frames are checked to
+raise the CPU decoder's error.
 
 What it is not: a CPU test (tests/test_gpu_logic.py) or a peer benchmark.
 
-Here (CPU, needs ml_dtypes): make the carried data, 36 MB, in a git-ignored folder:
-    python gpu/device_check.py --make-data MODEL.safetensors --data .gpu-data/minilm_bf16.npz
-There (through ``device``, carrying .gpu-data and .whl; the image lacks zstandard, which
-entropykit imports, so carry its cp312 wheel in .whl and pip-install it to /tmp/site):
-    python3 gpu/device_check.py --data .gpu-data/minilm_bf16.npz --out $OUT
+The data: an .npz of bf16 bit arrays (``--make-data`` writes one from a model, 36 MB), or
+a compressed bf16 safetensors file (``--data x.ek.safetensors``: its tensors, decoded on
+the CPU, 29 MB for MiniLM), in a git-ignored folder. There (through ``device``, carrying
+that folder and .whl; the image lacks zstandard, which entropykit imports, so carry its
+cp312 wheel in .whl and pip-install it to /tmp/site):
+    python3 gpu/device_check.py --data .gpu-data/load/minilm_bf16.ek.safetensors --out $OUT
     ncu ... python3 gpu/device_check.py --data ... --once    (one checked launch to profile)
 """
 
@@ -185,9 +188,38 @@ def make_data(src: str, dst: str) -> None:
     log(f"{len(tensors)} tensors, {sum(t.size for t in tensors.values())} values -> {dst}")
 
 
+def read_data(path: str) -> dict[str, np.ndarray]:
+    """bf16 bit arrays (uint16) by name, from an .npz or a compressed safetensors file."""
+    if path.endswith(".npz"):
+        data = np.load(path)
+        return {k: data[k] for k in data.files}
+    import entropykit
+
+    return {k: v.view(torch.int16).numpy().view(np.uint16).ravel()
+            for k, v in entropykit.load_file(path).items() if v.dtype == torch.bfloat16}
+
+
+def occupancy(launch) -> dict:
+    """Registers a thread and resident warps per SM of a bound launch's kernel build."""
+    k = launch.kernel
+    row = {"regs": k.num_regs, "smem_block": launch.shared, "warps_block": launch.block[0] // 32}
+    try:
+        from cupy.cuda import driver
+
+        blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            k.kernel.ptr, launch.block[0], launch.shared)
+        row["warps_sm"] = blocks * launch.block[0] // 32
+    except Exception as e:  # an older CuPy: the registers still say most of it
+        row["warps_sm"] = f"n/a ({type(e).__name__})"
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True, help=".npz of uint16 bf16 bit arrays, one a tensor")
+    ap.add_argument("--data", required=True,
+                    help=".npz of uint16 bf16 bit arrays, one a tensor, or a compressed "
+                         "bf16 .safetensors file")
+    ap.add_argument("--warps", type=int, default=plan.WARPS, help="warps per block")
     ap.add_argument("--gib", type=float, default=1.0, help="bf16 output to tile up to")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--limit", type=int, default=0, help="use only the N smallest tensors")
@@ -211,8 +243,8 @@ def main() -> None:
                  "l2_mb": getattr(p, "L2_cache_size", 0) / 2**20}
     log(json.dumps(res))
 
-    data = np.load(args.data)
-    names = sorted(data.files)
+    data = read_data(args.data)
+    names = sorted(data)
     if args.limit:
         names = sorted(names, key=lambda k: (data[k].size, k))[: args.limit]
     tensors = [data[k].ravel() for k in names] + [specials(100_003)]
@@ -256,7 +288,7 @@ def main() -> None:
 
     if args.once:
         efs, sfs = encode_config(tensors, 1 << 16, "one")
-        dbatch = upload(plan.prepare_bf16(efs * reps, sfs * reps), dev)
+        dbatch = upload(plan.prepare_bf16(efs * reps, sfs * reps, args.warps), dev)
         arena.fill_(POISON_BF16)
         dbatch.decode(list(torch.split(arena, [t.size for t in tensors] * reps)))
         log(f"one launch, bit-exact: {torch.equal(arena, expect16)}")
@@ -266,39 +298,52 @@ def main() -> None:
           POISON_BF16)
     del copy_dst
 
-    configs = [(1 << 18, "one"), (1 << 16, "one"), (1 << 16, "ctx"), (1 << 16, "raw")]
-    for chunk, sm_kind in configs:
+    w0 = args.warps
+    configs = [(1 << 18, "one", [w0]), (1 << 16, "one", sorted({1, 4, w0, 16})),
+               (1 << 16, "ctx", [w0]), (1 << 16, "raw", sorted({4, w0, 16}))]
+    for chunk, sm_kind, warps_list in configs:
         t = time.perf_counter()
         efs, sfs = encode_config(tensors, chunk, sm_kind)
         comp = sum(map(len, efs)) + sum(map(len, sfs))
         ratio = comp / (2 * n_vals)
         tag = f"chunk 2^{chunk.bit_length() - 1}, sm {sm_kind}, ratio {ratio:.4f}"
         log(f"{tag}: encoded + CPU-checked in {time.perf_counter() - t:.1f} s")
-        t = time.perf_counter()
-        batch = plan.prepare_bf16(efs * reps, sfs * reps)
-        dbatch = upload(batch, dev)
-        log(f"  host plan + upload {time.perf_counter() - t:.1f} s, {len(batch.desc) // 2} "
-            f"programs, payload {batch.payload.size / 2**20:.0f} MiB")
         outs = list(torch.split(arena, [t.size for t in tensors] * reps))
-        tunings = [Tuning()]
-        if chunk == 1 << 16 and sm_kind == "one":
-            tunings += [Tuning(smem=False), Tuning(warps=2), Tuning(ring_windows=4),
-                        Tuning(warps=2, ring_windows=4), Tuning(ring_windows=16)]
-        for tu in tunings:
-            knobs = f"smem {int(tu.smem)} w {tu.warps} ring {tu.ring_windows}"
+        for w in warps_list:
             t = time.perf_counter()
-            launch = dbatch.bind(outs, tu)
-            res.setdefault("bind_ms", (time.perf_counter() - t) * 1e3)
-            bench(f"{knobs} | {tag}", launch, arena, expect16, POISON_BF16, dbatch.check)
+            batch = plan.prepare_bf16(efs * reps, sfs * reps, w)
+            dbatch = upload(batch, dev)
+            log(f"  warps {w}: host plan + upload {time.perf_counter() - t:.1f} s, "
+                f"{len(batch.desc) // 2} warps ({int((batch.desc[:, 3] > 0).sum()) // 2} "
+                f"live), payload {batch.payload_size / 2**20:.0f} MiB")
+            tunings = [Tuning()]
+            if chunk == 1 << 16 and sm_kind in ("one", "raw") and w == w0:
+                tunings += [Tuning(min_blocks=2), Tuning(min_blocks=3),
+                            Tuning(ring_windows=4), Tuning(ring_windows=16)]
+                if sm_kind == "one":
+                    tunings.append(Tuning(smem=False))
+            for tu in tunings:
+                knobs = (f"w {w} smem {int(tu.smem)} minb {tu.min_blocks} "
+                         f"ring {tu.ring_windows}")
+                t = time.perf_counter()
+                launch = dbatch.bind(outs, tu)
+                res.setdefault("bind_ms", (time.perf_counter() - t) * 1e3)
+                occ = occupancy(launch)
+                bench(f"{knobs} | {tag}", launch, arena, expect16, POISON_BF16, dbatch.check)
+                rows[-1].update(occ)
+                log(f"    {occ}")
+            del dbatch, batch
         if chunk == 1 << 16 and sm_kind == "one":
             u8_frames = efs * reps + sfs * reps
-            ub = upload(plan.prepare_u8(u8_frames), dev)
+            ub = upload(plan.prepare_u8(u8_frames, w0), dev)
             exp_all, sm_all = fields(bits_all)
             expect8 = torch.cat([torch.from_numpy(exp_all).to(dev).repeat(reps),
                                  torch.from_numpy(sm_all).to(dev).repeat(reps)])
             arena8 = torch.empty_like(expect8)
             outs8 = list(torch.split(arena8, [t.size for t in tensors] * reps * 2))
-            bench(f"u8 mode | {tag}", ub.bind(outs8), arena8, expect8, POISON_U8, ub.check)
+            bench(f"u8 mode w {w0} | {tag}", ub.bind(outs8), arena8, expect8, POISON_U8,
+                  ub.check)
+            del ub, arena8, expect8
             big = int(np.argmax([t.size for t in tensors]))
             res["corruption"] = corruption_checks(efs[big], sfs[big], tensors[big].size, dev)
     res["rows"] = rows
@@ -307,14 +352,15 @@ def main() -> None:
     copy = next((r for r in rows if r["variant"].startswith("device-to-device")), None)
     log(f"\n{res['gpu']}  {res['date']}  output {res['out_bytes'] / 2**30:.2f} GiB; "
         f"binding {res['tiles'] * len(tensors)} outputs took {res['bind_ms']:.1f} ms (host)")
-    log(f"{'variant':72s} {'ms':>8s} {'GB/s':>8s} {'x copy':>7s} {'MHz':>5s} exact")
+    log(f"{'variant':72s} {'ms':>8s} {'GB/s':>8s} {'x copy':>7s} {'MHz':>5s} {'regs':>4s} "
+        f"{'w/SM':>4s} exact")
     for r in rows:
         if "error" in r:
             log(f"{r['variant']:72s} FAILED")
             continue
         vs = r["gbps"] / copy["gbps"] if copy else float("nan")
         log(f"{r['variant']:72s} {r['ms']:8.3f} {r['gbps']:8.1f} {vs:7.2f} {r['sm_mhz']:5d} "
-            f"{r['exact']}")
+            f"{r.get('regs', ''):>4} {r.get('warps_sm', ''):>4} {r['exact']}")
     for r in res.get("corruption", []):
         log(f"corrupt sign_mantissa, {r['case']}: {'ok' if r['ok'] else 'WRONG'} ({r['gpu']})")
     if any(not r.get("exact", False) for r in rows) or not all(

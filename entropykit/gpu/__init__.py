@@ -45,6 +45,13 @@ __all__ = [
 ]
 
 
+def _device(torch: Any, device: Any) -> torch.device:
+    """``device`` as a torch.device; an int is a CUDA index (as in safetensors)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
 def _load_runtime(device: Any) -> Any:
     try:
         import torch
@@ -52,7 +59,7 @@ def _load_runtime(device: Any) -> Any:
         raise GpuUnavailableError(
             "entropykit.gpu needs torch (with CUDA) and cupy: pip install 'entropykit[gpu]'"
         ) from None
-    dev = torch.device(device)
+    dev = _device(torch, device)
     if dev.type != "cuda":
         raise ValueError(f"entropykit.gpu decodes into CUDA tensors, got device {dev}")
     if not torch.cuda.is_available():

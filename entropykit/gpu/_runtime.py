@@ -22,7 +22,7 @@ import cupy as cp
 import numpy as np
 import torch
 
-from . import _layout, check_outputs
+from . import _device, _layout, check_outputs
 from .plan import Batch
 
 TABLE_SET_BYTES = 4096 + 1024  # _kernel.cu's SMEM_STREAM
@@ -102,8 +102,8 @@ class Launch:
             self.kernel(self.grid, self.block, self.args, shared_mem=self.shared)
 
 
-def cuda_device(device: torch.device | str) -> torch.device:
-    dev = torch.device(device)
+def cuda_device(device: torch.device | str | int) -> torch.device:
+    dev = _device(torch, device)
     if dev.type != "cuda":
         raise ValueError(f"entropykit.gpu decodes into CUDA tensors, got device {device}")
     if dev.index is None:

@@ -1,0 +1,260 @@
+"""``load_file(..., device="cuda")`` on the CPU: the file plan, run through the kernel emulator.
+
+The GPU loader (entropykit/gpu/fileplan.py + load.py) decides for every field of every
+segment how it reaches the output tensor (kernel-decoded rANS, kernel-copied raw bytes,
+host-decoded tANS/zstd) and where it lands (byte planes at a stride, exponent+sign_mantissa
+pairs as the top 16 bits). Here the planned batches are run by ``test_gpu_logic``'s
+emulator of the kernel into numpy byte arrays and compared with the CPU loader, on files
+of every dtype, both codec targets (``codecs.choose(target=...)``), several segment and
+group sizes, and on damaged files. The device itself runs gpu/load_check.py.
+"""
+
+import functools
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from test_gpu_logic import emulate_into
+
+import entropykit
+from entropykit import CorruptDataError, formats, gpu
+from entropykit.container import codecs, files, segment
+from entropykit.container import header as hdr
+from entropykit.container.reader import Compressed
+from entropykit.gpu import fileplan
+from entropykit.gpu import plan as gplan
+
+
+def _emulated_load(path, threads=1, **kw) -> dict[str, np.ndarray]:
+    """Every tensor's bytes as the GPU loader would write them (0xA5 where it wrote none)."""
+    buf = np.fromfile(path, np.uint8)
+    c = Compressed(buf)
+    entries = c.original.by_offset
+    outs = [np.full(e.nbytes, 0xA5, np.uint8) for e in entries]
+    for group in fileplan.groups(c, buf, threads, **kw):
+        for part in group.parts:
+            b = part.batch
+            views = [outs[t].view(np.uint16) if b.bf16 else outs[t] for t in part.tensors]
+            _, status = emulate_into(b, views)
+            err = b.error(status)
+            if err is not None:
+                raise err
+    return {e.name: o for e, o in zip(entries, outs, strict=True)}
+
+
+def _cpu_bytes(path) -> dict[str, np.ndarray]:
+    return {k: v.reshape(-1).view(torch.uint8).numpy()
+            for k, v in entropykit.load_file(path, threads=1).items()}
+
+
+@pytest.fixture
+def gpu_target(monkeypatch):
+    """The writer calls ``codecs.choose(symbols, context)``; route it to target="gpu"."""
+    monkeypatch.setattr(codecs, "choose", functools.partial(codecs.choose, target="gpu"))
+
+
+def _bf16_weights(rng, n):
+    bits = (rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32) >> 16
+    bits = bits.astype(np.uint16)
+    specials = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x0001, 0x807F]
+    bits[rng.choice(n, 40, replace=False)] = np.resize(np.array(specials, np.uint16), 40)
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
+def _model(rng) -> dict[str, torch.Tensor]:
+    """Tensors of every kind the loader places differently, weight-like where it matters."""
+    w32 = torch.from_numpy(rng.standard_normal(70_001).astype(np.float32) * 0.05)
+    w32[:4] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-40])
+    ctx = rng.geometric(0.4, 150_000).clip(1, 8)  # sign+mantissa depends on the exponent
+    ctx_bits = ((120 + ctx) << 7 | (ctx * 37 + rng.geometric(0.6, ctx.size)) & 0x7F)
+    return {
+        "big.bf16": _bf16_weights(rng, 300_007),  # several 2**16 chunks, a ragged end
+        "ctx.bf16": torch.from_numpy(ctx_bits.astype(np.int16)).view(torch.bfloat16),
+        "w.f32": w32,
+        "w.f16": torch.from_numpy(rng.standard_normal(20_000).astype(np.float16)),
+        "w.f64": torch.from_numpy(rng.standard_normal(3_000) * 0.1),
+        "w.e4m3": (torch.from_numpy(rng.standard_normal(90_000).astype(np.float32)) * 30)
+        .to(torch.float8_e4m3fn),
+        "w.e5m2": torch.from_numpy(rng.standard_normal(5_000).astype(np.float32))
+        .to(torch.float8_e5m2),
+        "x_blocks": torch.from_numpy(rng.integers(0, 256, (64, 16), dtype=np.uint8)),
+        "x_scales": torch.from_numpy(rng.integers(118, 130, (64,), dtype=np.uint8)),
+        "ids": torch.arange(512, dtype=torch.int64),
+        "i32": torch.from_numpy(rng.integers(-5, 5, 4_000).astype(np.int32)),
+        "mask": torch.from_numpy(rng.random(100) > 0.5),
+        "scalar": torch.tensor(1.5, dtype=torch.bfloat16),
+        "one": torch.tensor([3.0], dtype=torch.float32),
+        "empty": torch.zeros(0, 4, dtype=torch.float32),
+        "const.bf16": torch.full((5_000,), 0.25, dtype=torch.bfloat16),
+    }
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu_load") / "model.safetensors"
+    safetensors.torch.save_file(_model(np.random.default_rng(5)), path)
+    return path
+
+
+def _codecs_used(path) -> set[tuple[str, str]]:
+    c = Compressed(np.fromfile(path, np.uint8))
+    return {(f[0], cd) for t in c.record.tensors.values() for seg in t.codecs
+            for f, cd in zip(t.fields, seg, strict=True)}
+
+
+def test_placement_matches_formats_split_for_every_split():
+    rng = np.random.default_rng(0)
+    cases = [(d, None) for d in sorted(formats.DTYPES)]
+    cases += [("U8", "mxfp4"), ("I32", "int4")]
+    for dtype, layout in cases:
+        bits = hdr.DTYPE_BITS[dtype]
+        raw = rng.integers(0, 256, 96 * bits // 8, dtype=np.uint8)
+        fields = formats.split(dtype, raw, layout=layout)
+        split = segment.Split.of(dtype, layout, bits)
+        place = fileplan.placement(dtype, layout, split.fields)
+        assert place is not None, dtype
+        out = np.full(raw.size, 0xA5, np.uint8)
+        sym = {f.name: f.symbols for f in fields}
+        if place.pair is not None:
+            at, step = place.pair
+            e = sym["exponent"].astype(np.uint16)
+            m = sym["sign_mantissa"].astype(np.uint16)
+            out.view(np.uint16)[at::step] = (m >> 7) << 15 | e << 7 | (m & 0x7F)
+        for name, (k, word) in place.planes.items():
+            out[k::word] = sym[name]
+        assert np.array_equal(out, raw), (dtype, layout)
+
+
+def test_placement_refuses_splits_it_does_not_know():
+    assert fileplan.placement("F32", None, (("exponent", None), ("byte9", None))) is None
+    assert fileplan.placement("F64", None, fileplan._SIGN_MOVED) is None
+    assert fileplan.placement("F16", None, (("byte1", "byte0"), ("byte0", None))) is None
+    assert fileplan.placement("U8", "mxfp4", (("byte0", None),)) is None
+    assert fileplan.placement("F4", None, (("byte0", None),)) is None
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+@pytest.mark.parametrize(("segment_bytes", "group_bytes", "warps"),
+                         [(1 << 24, fileplan.GROUP_BYTES, gplan.WARPS), (1 << 16, 1 << 17, 3)])
+def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, monkeypatch, target,
+                                           segment_bytes, group_bytes, warps):
+    if target == "gpu":
+        monkeypatch.setattr(codecs, "choose", functools.partial(codecs.choose, target="gpu"))
+    ek = tmp_path / "m.ek.safetensors"
+    files.compress_file(model_file, ek, threads=2, segment_bytes=segment_bytes)
+    used = _codecs_used(ek)
+    if target == "cpu":  # every path of the plan runs: kernel, copies, host decodes
+        assert {("exponent", "tans"), ("sign_mantissa", "rans"), ("byte0", "zstd"),
+                ("byte0", "raw")} <= used
+    else:
+        assert {c for _, c in used} <= {"rans", "raw", "zstd"} and ("exponent", "rans") in used
+    c = Compressed(np.fromfile(ek, np.uint8))
+    groups = list(fileplan.groups(c, np.fromfile(ek, np.uint8), 2, warps=warps,
+                                  group_bytes=group_bytes))
+    assert len(groups) > (1 if group_bytes < fileplan.GROUP_BYTES else 0)
+    got = _emulated_load(ek, 2, warps=warps, group_bytes=group_bytes)
+    want = _cpu_bytes(ek)
+    assert list(got) == list(want)  # data order, as safetensors lists them
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
+def test_gpu_target_codec_choice():
+    rng = np.random.default_rng(1)
+    exp = (120 + rng.geometric(0.4, 200_000).clip(1, 20)).astype(np.uint8)
+    noise = rng.integers(0, 256, 200_000).astype(np.uint8)
+    nearly = noise.copy()
+    nearly[: 2_000] = 0  # coding it would save < 1%: stored raw for the GPU
+    got = codecs.choose(exp, None, target="gpu")
+    assert got.codec == "rans"
+    info = entropykit.coding.frame.parse(entropykit.rans.static.CODER, got.blob)
+    assert info.chunk_size == codecs.GPU_CHUNK and info.param == codecs.RANS_PRECISION
+    assert info.cmap is None
+    sm = codecs.choose(exp ^ 0x55, exp, target="gpu")  # a context is ignored for the GPU
+    assert sm.codec == "rans"
+    assert entropykit.coding.frame.parse(entropykit.rans.static.CODER, sm.blob).cmap is None
+    assert codecs.choose(nearly, None, target="gpu").codec == "raw"
+    assert codecs.choose(exp, None).codec == "tans"  # the CPU default is unchanged
+    with pytest.raises(ValueError, match="target must be one of"):
+        codecs.choose(exp, None, target="tpu")
+
+
+def _field_at(path, name: str, field: str) -> tuple[int, int]:
+    """File offset and length of field ``field`` of segment 0 of tensor ``name``."""
+    buf = np.fromfile(path, np.uint8)
+    c = Compressed(buf)
+    t = c.record.tensors[name]
+    o = next(e for e in c.outer.entries if e.name == name)
+    head = c.outer.data_start + o.begin
+    k = len(t.codecs) * len(t.fields)
+    lengths = buf[head + 8 : head + 8 + 8 * k].view("<u8").astype(np.int64)
+    f = [x[0] for x in t.fields].index(field)
+    return head + 8 + 8 * k + int(lengths[:f].sum()), int(lengths[f])
+
+
+def _damaged(path, out, name, field, where: float, codec: str):
+    """A copy of ``path`` with one bit flipped at ``where`` (0..1) of a field coded ``codec``."""
+    at, n = _field_at(path, name, field)
+    assert (field, codec) in _codecs_used(path)
+    buf = np.fromfile(path, np.uint8)
+    buf[at + int(n * where)] ^= 0x10
+    buf.tofile(out)
+    return out
+
+
+def test_damaged_files_are_caught_where_the_gpu_loader_checks(model_file, tmp_path,
+                                                              gpu_target):
+    ek = tmp_path / "m.ek.safetensors"
+    files.compress_file(model_file, ek, threads=2)
+    # A coded chunk: the kernel's state checks (emulated) name tensor, field and chunk.
+    bad = _damaged(ek, tmp_path / "a.safetensors", "big.bf16", "exponent", 0.6, "rans")
+    with pytest.raises(CorruptDataError, match=r"^tensor 'big\.bf16' segment 0: field "
+                                               r"'exponent' \(rans\) chunk \d+ \(payload at"):
+        _emulated_load(bad)
+    with pytest.raises(CorruptDataError, match="big.bf16"):
+        entropykit.load_file(bad)
+    # Verbatim bytes: their CRC-32 is checked on the host before anything is launched.
+    bad = _damaged(ek, tmp_path / "b.safetensors", "big.bf16", "sign_mantissa", 0.5, "raw")
+    with pytest.raises(CorruptDataError, match=r"'big\.bf16' segment 0: field "
+                                               r"'sign_mantissa' \(raw\): raw field fails"):
+        list(fileplan.groups(Compressed(np.fromfile(bad, np.uint8)),
+                             np.fromfile(bad, np.uint8)))
+
+
+def test_host_decoded_and_raw_chunk_damage(model_file, tmp_path):
+    ek = tmp_path / "m.ek.safetensors"
+    files.compress_file(model_file, ek, threads=2)  # CPU target: tANS exponents
+    bad = _damaged(ek, tmp_path / "a.safetensors", "big.bf16", "exponent", 0.7, "tans")
+    with pytest.raises(CorruptDataError, match=r"'big\.bf16' segment 0: field 'exponent' "
+                                               r"\(tans\): "):
+        _emulated_load(bad)
+    # A raw chunk inside an rANS frame: checked against the frame's CRC on the host.
+    rng = np.random.default_rng(2)
+    sym = np.concatenate([np.zeros(4096, np.uint8), rng.integers(0, 256, 8000, np.uint8)])
+    fb = bytearray(entropykit.rans.encode(sym, chunk_size=4096))
+    s = gplan.Stream.frame(bytes(fb), "f")
+    assert list(s.info.modes) == [0, 1, 1]
+    fileplan._check_raw_chunks(s)
+    a = int(s.info.offsets[2])
+    fb[a + 7] ^= 1
+    with pytest.raises(CorruptDataError, match="f: chunk 2 \\(raw\\) fails its CRC-32"):
+        fileplan._check_raw_chunks(gplan.Stream.frame(bytes(fb), "f"))
+    assert zlib.crc32(sym[8192:]) == int(s.info.crcs[2])
+
+
+def test_load_file_cuda_without_a_gpu_is_a_clear_error(model_file, tmp_path, monkeypatch):
+    ek = tmp_path / "m.ek.safetensors"
+    files.compress_file(model_file, ek, threads=2)
+    if not torch.cuda.is_available():
+        for dev in ("cuda", "cuda:0", 0, torch.device("cuda", 0)):
+            with pytest.raises(gpu.GpuUnavailableError, match="sees no CUDA device"):
+                entropykit.load_file(ek, device=dev)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(gpu.GpuUnavailableError, match="compiles its kernel with cupy"):
+        entropykit.load_file(ek, device="cuda")
+    # The CPU path is untouched by the device argument's other spellings.
+    assert all(v.device.type == "cpu" for v in entropykit.load_file(ek, device="cpu").values())
