@@ -220,6 +220,8 @@ def main() -> None:
                     help=".npz of uint16 bf16 bit arrays, one a tensor, or a compressed "
                          "bf16 .safetensors file")
     ap.add_argument("--warps", type=int, default=plan.WARPS, help="warps per block")
+    ap.add_argument("--all", action="store_true",
+                    help="also chunks of 2^18 and 1 warp a block (tables per warp)")
     ap.add_argument("--gib", type=float, default=1.0, help="bf16 output to tile up to")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--limit", type=int, default=0, help="use only the N smallest tensors")
@@ -299,8 +301,11 @@ def main() -> None:
     del copy_dst
 
     w0 = args.warps
-    configs = [(1 << 18, "one", [w0]), (1 << 16, "one", sorted({1, 4, w0, 16})),
-               (1 << 16, "ctx", [w0]), (1 << 16, "raw", sorted({4, w0, 16}))]
+    configs = [(1 << 16, "one", sorted({4, w0, 16})), (1 << 16, "ctx", [w0]),
+               (1 << 16, "raw", sorted({w0, 16}))]
+    if args.all:
+        configs = [(1 << 18, "one", [w0]), (1 << 16, "one", sorted({1, 4, w0, 16})),
+                   *configs[1:]]
     for chunk, sm_kind, warps_list in configs:
         t = time.perf_counter()
         efs, sfs = encode_config(tensors, chunk, sm_kind)
@@ -317,10 +322,11 @@ def main() -> None:
                 f"{len(batch.desc) // 2} warps ({int((batch.desc[:, 3] > 0).sum()) // 2} "
                 f"live), payload {batch.payload_size / 2**20:.0f} MiB")
             tunings = [Tuning()]
-            if chunk == 1 << 16 and sm_kind in ("one", "raw") and w == w0:
-                tunings += [Tuning(min_blocks=2), Tuning(min_blocks=3),
-                            Tuning(ring_windows=4), Tuning(ring_windows=16)]
-                if sm_kind == "one":
+            if chunk == 1 << 16 and sm_kind in ("one", "raw") and w >= 8:
+                # Registers capped for 48 and 64 resident warps an SM (55 uncapped: 32).
+                tunings += [Tuning(min_blocks=48 // w), Tuning(min_blocks=64 // w),
+                            Tuning(ring_windows=4, min_blocks=64 // w)]
+                if sm_kind == "one" and w == w0:
                     tunings.append(Tuning(smem=False))
             for tu in tunings:
                 knobs = (f"w {w} smem {int(tu.smem)} minb {tu.min_blocks} "

@@ -102,7 +102,7 @@ def tile(src: Path, dst: Path, gib: float) -> int:
     t = safetensors.torch.load_file(src)
     size = sum(v.numel() * v.element_size() for v in t.values())
     reps = max(1, -(-int(gib * 2**30) // size))
-    big = {f"t{r}.{k}": v for r in range(reps) for k, v in t.items()}
+    big = {f"t{r}.{k}": v.clone() for r in range(reps) for k, v in t.items()}
     safetensors.torch.save_file(big, dst)
     return reps
 
@@ -151,6 +151,41 @@ def corruption(src: Path, work: Path) -> list[dict]:
     return rows
 
 
+def check_and_time(stem: str, orig: Path, eks: dict, res: dict, reps: int) -> None:
+    """Bit-exactness of every compressed version of ``orig``, then load timings (page
+    cache warm: each file was read by the checks; median of the runs after the first)."""
+    raw_bytes = orig.stat().st_size
+    for target, ek in eks.items():
+        ratio = ek.stat().st_size / raw_bytes
+        ref = entropykit.load_file(ek, "cpu")
+        plain = entropykit.load_file(orig, "cpu")
+        poison(2 * raw_bytes)
+        got = entropykit.load_file(ek, DEV)
+        bad = same(ref, got) + same(ref, plain)
+        codecs_used = sorted({c for t in Compressed(np.fromfile(ek, np.uint8))
+                              .record.tensors.values() for seg in t.codecs for c in seg})
+        row = {"file": stem, "target": target, "ratio": ratio, "tensors": len(ref),
+               "exact": not bad, "bad": bad[:5], "codecs": codecs_used}
+        res["files"].append(row)
+        log(json.dumps(row))
+        del ref, plain, got
+    cases = [("safetensors -> cuda", orig,
+              lambda f=orig: safetensors.torch.load_file(f, device=DEV))]
+    for target, ek in eks.items():
+        cases.append((f"entropykit {target}-target -> cuda", ek,
+                      lambda f=ek: entropykit.load_file(f, DEV)))
+    if raw_bytes > 2**29:
+        cases.append(("entropykit cpu-target -> cpu (reference)", eks["cpu"],
+                      lambda f=eks["cpu"]: entropykit.load_file(f, "cpu")))
+    for label, f, fn in cases:
+        ts = wall(fn, reps)
+        med = statistics.median(ts[1:]) if len(ts) > 1 else ts[0]
+        row = {"file": stem, "case": label, "first_s": ts[0], "median_s": med,
+               "gbps": raw_bytes / med / 1e9, "file_mb": f.stat().st_size / 1e6}
+        res["timings"].append(row)
+        log(json.dumps(row))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="folder of compressed MiniLM files")
@@ -176,6 +211,8 @@ def main() -> None:
         with gpu_target():
             entropykit.compress_file(orig, gpu_ek, force=True)
         sets.append((stem, orig, {"cpu": ek, "gpu": gpu_ek}))
+    for stem, orig, eks in sets:
+        check_and_time(stem, orig, eks, res, args.reps)
     bf16 = next(o for s, o, _ in sets if "bf16" in s)
     big = work / "tiled_bf16.safetensors"
     t = time.perf_counter()
@@ -196,38 +233,7 @@ def main() -> None:
             f"{s.compressed_bytes / s.original_bytes:.4f}")
     sets.append((f"minilm_bf16 tiled x{reps}", big, comp))
 
-    # Bit-exactness and timings, every file.
-    for stem, orig, eks in sets:
-        raw_bytes = orig.stat().st_size
-        for target, ek in eks.items():
-            ratio = ek.stat().st_size / raw_bytes
-            ref = entropykit.load_file(ek, "cpu")
-            plain = entropykit.load_file(orig, "cpu")
-            poison(2 * raw_bytes)
-            got = entropykit.load_file(ek, DEV)
-            bad = same(ref, got) + same(ref, plain)
-            codecs_used = sorted({c for t in Compressed(np.fromfile(ek, np.uint8))
-                                  .record.tensors.values() for seg in t.codecs for c in seg})
-            row = {"file": stem, "target": target, "ratio": ratio, "tensors": len(ref),
-                   "exact": not bad, "bad": bad[:5], "codecs": codecs_used}
-            res["files"].append(row)
-            log(json.dumps(row))
-        # Timings: page cache warm (each file was read above), median of the later runs.
-        cases = [("safetensors -> cuda", orig,
-                  lambda f=orig: safetensors.torch.load_file(f, device=DEV))]
-        for target, ek in eks.items():
-            cases.append((f"entropykit {target}-target -> cuda", ek,
-                          lambda f=ek: entropykit.load_file(f, DEV)))
-        if raw_bytes > 2**29:
-            cases.append(("entropykit cpu-target -> cpu (reference)", eks["cpu"],
-                          lambda f=eks["cpu"]: entropykit.load_file(f, "cpu")))
-        for label, f, fn in cases:
-            ts = wall(fn, args.reps)
-            med = statistics.median(ts[1:]) if len(ts) > 1 else ts[0]
-            row = {"file": stem, "case": label, "first_s": ts[0], "median_s": med,
-                   "gbps": raw_bytes / med / 1e9, "file_mb": f.stat().st_size / 1e6}
-            res["timings"].append(row)
-            log(json.dumps(row))
+    check_and_time(*sets[-1], res, args.reps)
 
     # Where the time goes on the big GPU-target file: host planning alone, then the rest.
     ek = comp["gpu"]
