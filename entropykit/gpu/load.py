@@ -99,7 +99,7 @@ class Stager:
                 host[at[name] : at[name] + arr.nbytes] = arr.view(np.uint8)
             outs = [views(t, b.bf16) for t in part.tensors]
             desc, base = rt.bound_desc(b, outs)
-            host[at["desc"] : at["desc"] + desc.nbytes] = desc.view(np.uint8)
+            host[at["desc"] : at["desc"] + desc.nbytes] = desc.reshape(-1).view(np.uint8)
             binds.append(base)
         self.copy_stream.wait_event(slot.done)
         with torch.cuda.stream(self.copy_stream):
