@@ -107,6 +107,21 @@ def tile(src: Path, dst: Path, gib: float) -> int:
     return reps
 
 
+def llm_shaped(src: Path, dst: Path, gib: float, side: int = 4096) -> int:
+    """A bf16 file of ``side`` x ``side`` tensors (LLM-sized) filled with ``src``'s weight
+    values (every tensor of >= 64 Ki values, concatenated), each from its own offset."""
+    t = safetensors.torch.load_file(src)
+    vals = torch.cat([v.reshape(-1) for v in t.values() if v.numel() >= 1 << 16])
+    per = side * side
+    n = max(1, -(-int(gib * 2**30) // (2 * per)))
+    big = {}
+    for k in range(n):
+        idx = (torch.arange(per) + k * 1_000_003) % vals.numel()
+        big[f"layers.{k}.weight"] = vals[idx].reshape(side, side).clone()
+    safetensors.torch.save_file(big, dst)
+    return n
+
+
 def damage(src: Path, dst: Path, codec: str) -> tuple[str, str]:
     """Copy ``src`` with one byte flipped inside the first large field coded ``codec``;
     returns (tensor, field) damaged."""
@@ -214,49 +229,50 @@ def main() -> None:
     for stem, orig, eks in sets:
         check_and_time(stem, orig, eks, res, args.reps)
     bf16 = next(o for s, o, _ in sets if "bf16" in s)
-    big = work / "tiled_bf16.safetensors"
-    t = time.perf_counter()
-    reps = tile(bf16, big, args.gib)
-    log(f"tiled bf16 x{reps}: {big.stat().st_size / 2**30:.2f} GiB in "
-        f"{time.perf_counter() - t:.1f} s")
-    comp = {}
-    for target in ("cpu", "gpu"):
+    bigs = []
+    for kind in ("tiled", "llm-shaped"):
+        big = work / f"{kind}_bf16.safetensors"
         t = time.perf_counter()
-        dst = work / f"tiled_bf16.{target}.ek.safetensors"
-        if target == "gpu":
-            with gpu_target():
+        n = tile(bf16, big, args.gib) if kind == "tiled" else llm_shaped(bf16, big, args.gib)
+        stem = f"minilm_bf16 {kind} x{n}"
+        log(f"{stem}: {big.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
+        comp = {}
+        for target in ("cpu", "gpu"):
+            t = time.perf_counter()
+            dst = work / f"{kind}_bf16.{target}.ek.safetensors"
+            if target == "gpu":
+                with gpu_target():
+                    s = entropykit.compress_file(big, dst, force=True)
+            else:
                 s = entropykit.compress_file(big, dst, force=True)
-        else:
-            s = entropykit.compress_file(big, dst, force=True)
-        comp[target] = dst
-        log(f"  compress for {target}: {time.perf_counter() - t:.1f} s, ratio "
-            f"{s.compressed_bytes / s.original_bytes:.4f}")
-    sets.append((f"minilm_bf16 tiled x{reps}", big, comp))
+            comp[target] = dst
+            log(f"  compress for {target}: {time.perf_counter() - t:.1f} s, ratio "
+                f"{s.compressed_bytes / s.original_bytes:.4f}")
+        sets.append((stem, big, comp))
+        check_and_time(*sets[-1], res, args.reps)
+        bigs.append((stem, comp["gpu"]))
 
-    check_and_time(*sets[-1], res, args.reps)
-
-    # Where the time goes on the big GPU-target file: host planning alone, then the rest.
-    ek = comp["gpu"]
-    buf = np.fromfile(ek, np.uint8)
-    c = Compressed(buf)
-    threads = len(os.sched_getaffinity(0))
-    for gb in (16 << 20, 64 << 20, 256 << 20):
-        t = time.perf_counter()
-        groups = list(fileplan.groups(c, buf, threads, group_bytes=gb))
-        plan_s = time.perf_counter() - t
-        res.setdefault("breakdown", []).append(
-            {"group_mib": gb >> 20, "groups": len(groups), "plan_s": plan_s,
-             "launches": sum(len(g.parts) for g in groups)})
-        log(json.dumps(res["breakdown"][-1]))
-        del groups
+    # Where the time goes on the big GPU-target files: host planning alone, then the rest.
     from entropykit.gpu import load as gload
 
     dtypes = entropykit.api._torch_dtypes()
-    for gb in (16 << 20, 64 << 20, 256 << 20):
-        for th in (threads, max(1, threads // 2)):
-            ts = wall(functools.partial(gload.load, c, buf, DEV, dtypes, th, group_bytes=gb), 4)
-            row = {"group_mib": gb >> 20, "threads": th, "median_s": statistics.median(ts[1:]),
-                   "from": "memory (np.fromfile)"}
+    threads = len(os.sched_getaffinity(0))
+    res["breakdown"] = []
+    for stem, ek in bigs:
+        buf = np.fromfile(ek, np.uint8)
+        c = Compressed(buf)
+        for gb, th in ((64 << 20, 1), (64 << 20, 4), (64 << 20, threads), (16 << 20, threads),
+                       (256 << 20, threads)):
+            t = time.perf_counter()
+            groups = list(fileplan.groups(c, buf, th, group_bytes=gb))
+            plan_s = time.perf_counter() - t
+            del groups
+            secs: dict = {}
+            ts = wall(functools.partial(gload.load, c, buf, DEV, dtypes, th, group_bytes=gb,
+                                        seconds=secs), 4)
+            row = {"file": stem, "group_mib": gb >> 20, "threads": th, "plan_only_s": plan_s,
+                   "load_median_s": statistics.median(ts[1:]), "from": "memory (np.fromfile)",
+                   "last_load_host_s": {k: round(v, 4) for k, v in secs.items()}}
             res["breakdown"].append(row)
             log(json.dumps(row))
 

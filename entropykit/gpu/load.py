@@ -14,6 +14,7 @@ What it is not: the decision of what goes where (``fileplan.py``) or the kernel.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,6 +62,7 @@ class Stager:
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
         self.checks: list[tuple[torch.Tensor, list[tuple[Origins, int, int]]]] = []
+        self.seconds = {"slot_wait": 0.0, "fill": 0.0, "launch": 0.0, "check": 0.0}
 
     def _slot(self, size: int) -> _Slot:
         if len(self.slots) < SLOTS:
@@ -88,7 +90,9 @@ class Stager:
                 total += _up(n)
             layout.append(at)
             rows += len(part.batch.desc)
+        t0 = time.perf_counter()
         slot = self._slot(max(total, _ALIGN))
+        t1 = time.perf_counter()
         host = slot.host.numpy()
         binds = []
         for part, at in zip(group.parts, layout, strict=True):
@@ -101,6 +105,7 @@ class Stager:
             desc, base = rt.bound_desc(b, outs)
             host[at["desc"] : at["desc"] + desc.nbytes] = desc.reshape(-1).view(np.uint8)
             binds.append(base)
+        t2 = time.perf_counter()
         self.copy_stream.wait_event(slot.done)
         with torch.cuda.stream(self.copy_stream):
             slot.dev[:total].copy_(slot.host[:total], non_blocking=True)
@@ -121,12 +126,17 @@ class Stager:
             row += len(b.desc)
         slot.done.record(cur)
         self.checks.append((status, named))
+        for k, dt in (("slot_wait", t1 - t0), ("fill", t2 - t1),
+                      ("launch", time.perf_counter() - t2)):
+            self.seconds[k] += dt
 
     def check(self) -> None:
         """Wait for every launch; raise ``CorruptDataError`` for the first failing row."""
         if not self.checks:
             return
+        t = time.perf_counter()
         everything = torch.cat([s for s, _ in self.checks]).cpu().numpy()
+        self.seconds["check"] += time.perf_counter() - t
         at = 0
         for status, named in self.checks:
             for origins, row, n in named:
@@ -138,9 +148,12 @@ class Stager:
 
 def load(c: Compressed, buf: np.ndarray, device: Any, dtypes: Mapping[str, torch.dtype],
          threads: int, *, warps: int = WARPS, group_bytes: int = fileplan.GROUP_BYTES,
-         tuning: rt.Tuning | None = None) -> dict[str, torch.Tensor]:
+         tuning: rt.Tuning | None = None, seconds: dict[str, float] | None = None,
+         ) -> dict[str, torch.Tensor]:
     """The tensors of ``c`` (a compressed file held in ``buf``) decoded on ``device``, in
-    data order, as ``dtypes`` (safetensors dtype -> torch dtype) says."""
+    data order, as ``dtypes`` (safetensors dtype -> torch dtype) says. ``seconds``, if
+    given, receives where the host's time went (waiting for the planner, for a staging
+    buffer, filling them, launching, the final wait)."""
     dev = rt.cuda_device(device)
     entries = c.original.by_offset
     for e in entries:
@@ -155,7 +168,16 @@ def load(c: Compressed, buf: np.ndarray, device: Any, dtypes: Mapping[str, torch
             return flat[k].view(torch.int16 if bf16 else torch.uint8)
 
         stager = Stager(dev, threads, tuning)
-        for group in fileplan.groups(c, buf, threads, warps=warps, group_bytes=group_bytes):
+        planned = fileplan.groups(c, buf, threads, warps=warps, group_bytes=group_bytes)
+        wait = 0.0
+        while True:
+            t = time.perf_counter()
+            group = next(planned, None)
+            wait += time.perf_counter() - t
+            if group is None:
+                break
             stager.run(group, views)
         stager.check()
+    if seconds is not None:
+        seconds.update(stager.seconds, plan_wait=wait)
     return out

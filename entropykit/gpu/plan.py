@@ -58,7 +58,7 @@ from ._layout import (
 
 ALIGN = 16
 RAW_CHUNK = 1 << 16  # plain streams are cut into chunks of this many symbols
-WARPS = 8  # chunk pairs (warps) per block; gpu/README.md has the measurement
+WARPS = 16  # chunk pairs (warps) per block; gpu/README.md has the measurement
 SMEM_MAX_PRECISION = 12  # a shared-memory table set holds 2**12 slots per stream
 # Bookkeeping columns appended to descriptor rows while building (never uploaded).
 _SRC, _C, _AT, _OUTPUT = range(N_COLS, N_COLS + 4)
@@ -215,23 +215,27 @@ class Origins:
 def _chunk_rows(info: _frame.FrameInfo, label: str) -> np.ndarray:
     """Per chunk: frame offset, length, first symbol, symbols, mode; checks payload sizes."""
     count = len(info.lengths)
-    first = np.arange(count, dtype=np.int64) * info.chunk_size
-    n = np.minimum(info.chunk_size, info.n - first)
-    mode = info.modes.astype(np.int64)
-    length = info.lengths.astype(np.int64)
-    raw_bad = np.flatnonzero((mode == _frame.MODE_RAW) & (length != n))
-    coded_bad = np.flatnonzero(
-        (mode == _frame.MODE_CODED)
-        & ((length < _rk.STATE_BYTES) | ((length - _rk.STATE_BYTES) & 1 == 1))
-    )
-    for bad, msg in ((raw_bad, None), (coded_bad, _rk.MESSAGES[_rk.ERR_ODD])):
-        if bad.size:
-            c = int(bad[0])
-            msg = msg or f"raw payload is {int(length[c])} bytes, chunk has {int(n[c])} symbols"
-            raise CorruptDataError(
-                f"{label} chunk {c} (payload at byte {int(info.offsets[c])}): {msg}"
-            )
-    return np.stack([info.offsets.astype(np.int64), length, first, n, mode], axis=1)
+    out = np.empty((count, 5), np.int64)
+    out[:, 0] = info.offsets
+    length = out[:, 1]
+    length[:] = info.lengths
+    first = out[:, 2]
+    first[:] = np.arange(0, count * info.chunk_size, info.chunk_size)
+    n = out[:, 3]
+    np.minimum(info.chunk_size, info.n - first, out=n)
+    mode = out[:, 4]
+    mode[:] = info.modes
+    raw = mode == _frame.MODE_RAW
+    # Raw payloads hold every symbol; coded ones the states and whole 16-bit words.
+    bad = np.where(raw, length != n, (length < _rk.STATE_BYTES) | (length & 1 == 1))
+    if bad.any():
+        c = int(np.argmax(bad))
+        msg = (f"raw payload is {int(length[c])} bytes, chunk has {int(n[c])} symbols"
+               if raw[c] else _rk.MESSAGES[_rk.ERR_ODD])
+        raise CorruptDataError(
+            f"{label} chunk {c} (payload at byte {int(info.offsets[c])}): {msg}"
+        )
+    return out
 
 
 def _padding_like(rows: np.ndarray) -> np.ndarray:
@@ -294,21 +298,14 @@ class Planner:
         if s.context:
             cmap_off = 256 * len(self.cmaps)
             self.cmaps.append(np.asarray(s.info.cmap, np.uint8))
-        rows = np.zeros((len(chunks), _WIDTH), np.int64)
-        rows[:, D_OFF] = chunks[:, 0]
-        rows[:, D_LEN] = chunks[:, 1]
-        rows[:, D_OUT] = place.at + chunks[:, 2] * place.step
-        rows[:, D_N] = chunks[:, 3]
-        rows[:, D_SYM] = sym_off
-        rows[:, D_INFO] = info_off
-        rows[:, D_PREC] = prec
-        rows[:, D_MODE] = chunks[:, 4]
-        rows[:, D_CMAP] = cmap_off
-        rows[:, D_STEP] = place.step
-        rows[:, _SRC] = len(self.streams)
+        rows = np.empty((len(chunks), _WIDTH), np.int64)
+        rows[:, [D_OFF, D_LEN, D_OUT, D_N, D_MODE]] = chunks
+        rows[:, D_OUT] *= place.step
+        rows[:, D_OUT] += place.at
+        rows[:, [D_SYM, D_INFO, D_PREC, D_CMAP, D_STEP, _SRC, _OUTPUT]] = (
+            sym_off, info_off, prec, cmap_off, place.step, len(self.streams), place.out)
         rows[:, _C] = np.arange(len(chunks))
         rows[:, _AT] = chunks[:, 0]
-        rows[:, _OUTPUT] = place.out
         self.streams.append(s)
         return rows
 
