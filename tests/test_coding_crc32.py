@@ -18,8 +18,8 @@ _BIG = _RNG.integers(0, 256, (1 << 20) + 64, dtype=np.uint8)
 
 
 @pytest.mark.parametrize("offset", range(9))
-def test_every_length_and_alignment_up_to_600_bytes(offset: int) -> None:
-    for n in range(600):
+def test_every_length_and_alignment_up_to_600_and_around_the_zlib_cutoff(offset: int) -> None:
+    for n in [*range(600), *range(1000, 1100)]:
         x = _BIG[offset : offset + n]
         assert crc32(x) == zlib.crc32(x), n
         assert crc32(x, 0xDEADBEEF) == zlib.crc32(x, 0xDEADBEEF), n

@@ -10,9 +10,9 @@ Method (Intel, "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", 2
 Linux's crc32-pclmul_asm.S): the message is folded 64 bytes at a time into four 128-bit
 accumulators (x <- x.lo * k1 xor x.hi * k2 xor next 16 bytes, carry-less, where k1, k2 are
 x^(512 +- 32) mod P reflected), the four are folded into one (constants for 128 bits), then
-reduced 128 -> 64 -> 32 bits and by a Barrett reduction to the raw CRC state. zlib handles
-the unaligned head (up to 7 bytes, so the body is read as aligned u64 words) and the tail
-(under 16 bytes), continuing the same CRC.
+reduced 128 -> 64 -> 32 bits and by a Barrett reduction to the raw CRC state. The head up
+to 8-byte alignment (so the body is read as aligned u64 words) and the tail under 16 bytes
+go through the byte-at-a-time table update; inputs under ``_SMALL`` bytes go to zlib.
 """
 
 from __future__ import annotations
@@ -102,6 +102,41 @@ def _crc_words(w, state):
     return ((r ^ ul) >> _S32) & _M32
 
 
+def _byte_table() -> np.ndarray:
+    t = np.arange(256, dtype=np.uint64)
+    for _ in range(8):
+        t = np.where(t & 1, (t >> np.uint64(1)) ^ np.uint64(0xEDB88320), t >> np.uint64(1))
+    return t
+
+
+_TABLE = _byte_table()
+
+
+@njit(nogil=True, cache=True)
+def _crc_bytes(a, start, end, state, table):
+    # The classic byte-at-a-time update of the raw state.
+    for i in range(start, end):
+        state = table[(state ^ np.uint64(a[i])) & np.uint64(0xFF)] ^ (state >> np.uint64(8))
+    return state
+
+
+@njit(nogil=True, cache=True)
+def _crc(a, value, table):
+    # zlib's value is the inverted raw state. The head up to 8-byte alignment and the tail
+    # under 16 bytes go byte by byte, the body through the folding kernel.
+    state = ~np.uint64(value) & _M32
+    n = a.size
+    head = min(n, (-a.ctypes.data) % 8)
+    state = _crc_bytes(a, 0, head, state, table)
+    body = (n - head) // 16 * 16
+    if body >= _MIN_BODY:
+        state = _crc_words(a[head : head + body].view(np.uint64), state)
+    else:
+        body = 0
+    state = _crc_bytes(a, head + body, n, state, table)
+    return ~state & _M32
+
+
 def _available() -> bool:
     # Only where Numba compiles for this very CPU (no CPU_NAME/CPU_FEATURES override, as a
     # portable cache would set) and the CPU has PCLMULQDQ; LLVM cannot lower the intrinsic
@@ -114,6 +149,7 @@ def _available() -> bool:
 
 
 ACCELERATED = _available()
+_SMALL = 1024  # bytes: zlib is as fast below this (no call overhead)
 
 
 def crc32(data: np.ndarray | bytes | memoryview, value: int = 0) -> int:
@@ -124,11 +160,8 @@ def crc32(data: np.ndarray | bytes | memoryview, value: int = 0) -> int:
     if not ACCELERATED:
         return zlib.crc32(data, value)
     a = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-    if a.nbytes < 2 * _MIN_BODY or not a.flags.c_contiguous:
-        return zlib.crc32(a, value)  # small: not worth the call; strided: zlib's error
-    a = a.reshape(-1).view(np.uint8)
-    head = -a.ctypes.data % 8
-    body = (a.size - head) // 16 * 16
-    crc = zlib.crc32(a[:head], value)
-    state = _crc_words(a[head : head + body].view(np.uint64), ~crc & 0xFFFFFFFF)
-    return zlib.crc32(a[head + body :], ~int(state) & 0xFFFFFFFF)
+    if a.nbytes < _SMALL or not a.flags.c_contiguous:
+        return zlib.crc32(a, value)  # small: no call overhead; strided: zlib's error
+    if a.dtype != np.uint8 or a.ndim != 1:
+        a = a.reshape(-1).view(np.uint8)
+    return int(_crc(a, value & 0xFFFFFFFF, _TABLE))
