@@ -220,3 +220,35 @@ def test_wrong_magic_and_version_are_named(coder):
 
 def test_corrupt_data_error_is_a_value_error():
     assert issubclass(entropykit.CorruptDataError, ValueError)
+
+
+def test_precomputed_counts_give_the_same_frame(coder):
+    rng = np.random.default_rng(9)
+    sym = _skewed(rng, 50_000, 0.1)
+    plain = coder.encode(sym, chunk_size=SMALL_CHUNK * 8)
+    counts = tables.histogram(sym)
+    given = frame.encode(coder.static.CODER, sym, coder.DEFAULT_PRECISION, SMALL_CHUNK * 8,
+                         counts=counts)
+    assert given == plain
+    with pytest.raises(ValueError, match="counts must be"):
+        frame.encode(coder.static.CODER, sym, coder.DEFAULT_PRECISION, counts=counts[:255])
+    counts[3] += 1  # no longer the histogram of sym: refused, not coded wrongly
+    with pytest.raises(ValueError, match="counts must be"):
+        frame.encode(coder.static.CODER, sym, coder.DEFAULT_PRECISION, counts=counts)
+
+
+def test_precomputed_joint_counts_give_the_same_context_frame():
+    from entropykit.coding import contexts
+
+    rng = np.random.default_rng(10)
+    ctx = _skewed(rng, 80_000, 0.4)
+    sym = (ctx * 7 + _skewed(rng, 80_000, 0.2)).astype(np.uint8)
+    plain = rans.encode(sym, context=ctx, chunk_size=SMALL_CHUNK * 8)
+    joint = contexts.joint_histogram(ctx, sym)
+    given = frame.encode(rans.static.CODER, sym, rans.DEFAULT_PRECISION, SMALL_CHUNK * 8,
+                         context=ctx, counts=joint)
+    assert given == plain and frame.parse(rans.static.CODER, given).cmap is not None
+    np.testing.assert_array_equal(rans.decode(given, context=ctx), sym)
+    with pytest.raises(ValueError, match="counts must be"):
+        frame.encode(rans.static.CODER, sym, rans.DEFAULT_PRECISION, context=ctx,
+                     counts=joint.sum(axis=0))

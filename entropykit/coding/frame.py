@@ -178,28 +178,12 @@ def encode(
     (``contexts.joint_histogram(context, symbols)``, int64[256, 256]). It must be exact:
     a symbol counted 0 cannot be coded (the frame's CRCs would reject the result).
     """
-    return b"".join(encode_parts(coder, symbols, param, chunk_size, threads, context,
-                                 max_tables, counts))
-
-
-def encode_parts(
-    coder: ChunkCoder,
-    symbols: Any,
-    param: int,
-    chunk_size: int = DEFAULT_CHUNK,
-    threads: int | None = None,
-    context: Any = None,
-    max_tables: int = contexts.DEFAULT_MAX_TABLES,
-    counts: np.ndarray | None = None,
-) -> list[bytes | memoryview]:
-    """As ``encode``, but the frame as a list of buffers to be written back to back (saves
-    joining them when they only go to a file)."""
     coder.check_param(param)
     _check_chunk_size(chunk_size, coder.lanes)
     sym = _as_symbols(symbols)
     n = sym.size
     if n == 0:
-        return [_HEADER.pack(coder.magic, VERSION, param, coder.lanes, 0, 0, chunk_size, 0, 0)]
+        return _HEADER.pack(coder.magic, VERSION, param, coder.lanes, 0, 0, chunk_size, 0, 0)
     cmap = None
     if context is not None:
         if not coder.supports_context:
@@ -242,9 +226,9 @@ def encode_parts(
     lengths = np.array([r[2].size for r in results], "<u4")
     head = _HEADER.pack(coder.magic, VERSION, param, coder.lanes, int(cmap is not None), n,
                         chunk_size, n_chunks, len(table))
-    parts: list[bytes | memoryview] = [head, table, lengths.tobytes(), crcs.tobytes(),
-                                       modes.tobytes()]
-    return parts + [memoryview(r[2]) for r in results]
+    parts = [head, table, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
+    parts += [memoryview(r[2]) for r in results]
+    return b"".join(parts)
 
 
 def _parse_tables(coder: ChunkCoder, buf: np.ndarray, off: int, end: int, param: int,
