@@ -17,7 +17,6 @@ Codec payloads:
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +24,10 @@ import zstandard
 
 from .. import rans, tans
 from .._errors import CorruptDataError
-from ..coding import frame, tables
+from ..coding import contexts, frame, tables
+from ..coding.crc32 import crc32
+from ..rans import static as rans_static
+from ..tans import static as tans_static
 
 ZSTD_LEVEL = 3
 TANS_LOG = 12  # the largest tANS table: least quantization loss (0.16% on MiniLM exponents)
@@ -53,21 +55,24 @@ GPU_MIN_SAVING = 0.01
 
 
 def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None,
-           precision: int = RANS_PRECISION, chunk_size: int = frame.DEFAULT_CHUNK) -> bytes:
+           precision: int = RANS_PRECISION, chunk_size: int = frame.DEFAULT_CHUNK,
+           counts: np.ndarray | None = None) -> bytes:
     """``symbols`` (uint8, 1-D) coded with ``codec``; ``context``, ``precision`` and
     ``chunk_size`` are used by rans only (the frame records them; decoding needs no
-    choice)."""
+    choice). ``counts``, the histogram the caller already took (rans/tans; with a context
+    the joint histogram), saves the coder a pass: see ``frame.encode``."""
     if codec == "rans":
-        return rans.encode(symbols, precision=precision, chunk_size=chunk_size,
-                           context=context, threads=1)
+        return frame.encode(rans_static.CODER, symbols, precision, chunk_size, 1, context,
+                            counts=counts)
     if codec == "tans":
-        return tans.encode(symbols, precision=TANS_LOG, threads=1)
+        return frame.encode(tans_static.CODER, symbols, TANS_LOG, frame.DEFAULT_CHUNK, 1,
+                            counts=counts)
     if codec == "zstd":
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True,
                                         write_content_size=True)
         return cctx.compress(symbols.data)
     if codec == "raw":
-        return _CRC.pack(zlib.crc32(symbols)) + symbols.tobytes()
+        return _CRC.pack(crc32(symbols)) + symbols.tobytes()
     raise ValueError(f"unknown codec {codec!r}")
 
 
@@ -122,7 +127,7 @@ def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> 
         if data.size != n + _CRC.size:
             raise CorruptDataError(f"raw field is {data.size} bytes, expected {n + _CRC.size}")
         out = data[_CRC.size:].copy()
-        if zlib.crc32(out) != _CRC.unpack(data[:_CRC.size].tobytes())[0]:
+        if crc32(out) != _CRC.unpack(data[:_CRC.size].tobytes())[0]:
             raise CorruptDataError("raw field fails its CRC-32")
         return out
     raise CorruptDataError(f"unknown codec {codec!r}")
@@ -133,11 +138,13 @@ def _sample(a: np.ndarray) -> np.ndarray:
     return np.concatenate([a[i * step : i * step + _BLOCK] for i in range(_BLOCKS)])
 
 
-def _zstd_estimate(symbols: np.ndarray) -> int:
+def _zstd_estimate(symbols: np.ndarray) -> tuple[int, bytes | None]:
+    """(estimated size, the payload itself when the field was coded whole)."""
     if symbols.size <= EXACT_LIMIT:
-        return len(encode("zstd", symbols, None))
+        blob = encode("zstd", symbols, None)
+        return len(blob), blob
     sample = _sample(symbols)
-    return len(encode("zstd", sample, None)) * symbols.size // sample.size
+    return len(encode("zstd", sample, None)) * symbols.size // sample.size, None
 
 
 def _entropy_estimate(counts: np.ndarray, bits: float, n: int) -> int:
@@ -167,7 +174,9 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu")
     on real weights: fewer state bytes per chunk). Its size is estimated from the order-0
     entropy, zstd's by coding the field (or a spread sample of it), raw's is exact; the
     smallest estimate is coded, and the result replaced by raw if it is not smaller. Only
-    one coder runs over the whole field.
+    one coder runs over the whole field, once: the histogram (with a context, the joint
+    histogram) is taken once and handed to the coder, and a field small enough to be
+    judged whole keeps its zstd trial as its payload.
     ``target="gpu"`` writes what ``entropykit.gpu`` decodes fastest (see ``GPU_CHUNK``):
     rANS at ``RANS_PRECISION`` in chunks of ``GPU_CHUNK``, no context, zstd only for
     fields small enough to be judged whole (the host decodes those), and raw unless the
@@ -180,21 +189,27 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu")
     raw = n + _CRC.size
     if n == 0:
         return Choice("raw", encode("raw", symbols, None), 0.0)
-    counts = tables.histogram(symbols)
-    bits = tables.entropy_bits(counts)
     gpu = target == "gpu"
+    context = None if gpu else context
+    joint = None if context is None else contexts.joint_histogram(context, symbols)
+    counts = tables.histogram(symbols) if joint is None else joint.sum(axis=0)
+    bits = tables.entropy_bits(counts)
     wide = int(np.count_nonzero(counts)) > _WIDE_SYMBOLS and bits < _WIDE_MAX_BITS * n
     entropy_codec = "rans" if context is not None or wide or gpu else "tans"
     precision = WIDE_PRECISION if context is None and wide and not gpu else RANS_PRECISION
     chunk = GPU_CHUNK if gpu else frame.DEFAULT_CHUNK
-    context = None if gpu else context
     estimate = _entropy_estimate(counts, bits, n)
     estimates = {entropy_codec: int(estimate / (1 - GPU_MIN_SAVING)) if gpu else estimate}
+    whole = None  # zstd's payload, when it was judged on the whole field
     if not gpu or n <= EXACT_LIMIT:
-        estimates["zstd"] = _zstd_estimate(symbols)
+        estimates["zstd"], whole = _zstd_estimate(symbols)
     estimates["raw"] = raw
     codec = min(estimates, key=lambda c: (estimates[c], c != entropy_codec))
-    blob = encode(codec, symbols, context, precision, chunk)
+    if codec == "zstd" and whole is not None:
+        blob = whole
+    else:
+        blob = encode(codec, symbols, context, precision, chunk,
+                      counts=counts if joint is None else joint)
     if len(blob) >= raw:
         return Choice("raw", encode("raw", symbols, None), bits)
     return Choice(codec, blob, bits)
