@@ -24,7 +24,7 @@ from entropykit import CorruptDataError, formats, gpu
 from entropykit.container import codecs, files, segment
 from entropykit.container import header as hdr
 from entropykit.container.reader import Compressed
-from entropykit.gpu import fileplan
+from entropykit.gpu import _staging, fileplan
 from entropykit.gpu import plan as gplan
 
 
@@ -160,6 +160,38 @@ def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, monkeypatch, ta
     assert list(got) == list(want)  # data order, as safetensors lists them
     for name in want:
         assert np.array_equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_staging_moves_every_payload_to_the_decoders_layout(model_file, tmp_path,
+                                                           monkeypatch, target):
+    """What the loader stages and ``_relayout.cu`` moves is exactly each batch's payload
+    buffer (plan.py's aligned layout), tables and descriptors, within bounds."""
+    if target == "gpu":
+        monkeypatch.setattr(codecs, "choose", functools.partial(codecs.choose, target="gpu"))
+    ek = tmp_path / "m.ek.safetensors"
+    files.compress_file(model_file, ek, threads=2, segment_bytes=1 << 16)
+    buf = np.fromfile(ek, np.uint8)
+    for group in fileplan.groups(Compressed(buf), buf, 2, group_bytes=1 << 18):
+        st = _staging.Staging.of(group)
+        host = np.full(st.size, 0xEE, np.uint8)
+        st.fill(group, host, [p.batch.desc for p in group.parts], threads=3)
+        src, dst, n = st.moves.T
+        assert st.moves_at + st.moves.nbytes <= st.size
+        assert (src + n + _staging.SPARE <= st.moves_at).all()  # the kernel's read-ahead
+        assert (dst % gplan.ALIGN == 0).all() and (dst + (n + 3) // 4 * 4 <= st.payload).all()
+        payload = np.zeros(st.payload, np.uint8)
+        for s, d, k in st.moves.tolist():  # what _relayout.cu does
+            payload[d : d + k] = host[s : s + k]
+        for part, sec in zip(group.parts, st.sections, strict=True):
+            b = part.batch
+            at = sec["payload"]
+            assert np.array_equal(payload[at : at + b.payload_size], b.payload)
+            for name, arr in (("sym", b.sym_tables), ("info", b.info_tables),
+                              ("cmaps", b.cmaps), ("desc", b.desc)):
+                got = host[sec[name] : sec[name] + arr.nbytes]
+                assert sec[name] % _staging.ALIGN == 0
+                assert np.array_equal(got, arr.reshape(-1).view(np.uint8)), name
 
 
 def test_gpu_target_codec_choice():

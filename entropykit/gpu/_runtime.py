@@ -58,6 +58,23 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawK
         return _kernels[key]
 
 
+def _relayout_kernel() -> cp.RawKernel:
+    with _lock:
+        if "relayout" not in _kernels:
+            src = resources.files(__package__).joinpath("_relayout.cu").read_text()
+            _kernels["relayout"] = cp.RawKernel(src, "relayout", options=("--std=c++17",))
+        return _kernels["relayout"]
+
+
+def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> None:
+    """Enqueue the copy of ``n`` staged payloads (int64 rows: src offset, dst offset,
+    length, at device address ``rows``) from ``src`` to ``dst`` (16-byte aligned places)."""
+    if n:
+        with cp.cuda.Device(device.index), _stream():
+            _relayout_kernel()((min(n, 4096),), (256,),
+                               (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)))
+
+
 def _stream() -> cp.cuda.Stream:
     """Torch's current stream, as CuPy sees it, so launches order with torch's work."""
     handle = torch.cuda.current_stream().cuda_stream

@@ -2,14 +2,17 @@
 
 What it is: the device half of ``entropykit.load_file(path, device="cuda")``. The output
 tensors are allocated on the device first; then for each ``fileplan.Group`` (in data
-order) every batch's payload, tables, context maps and descriptors (output positions
-bound) are written into one pinned host buffer, copied to the device on a side stream in
-one transfer, and decoded on the current stream by one launch per batch. ``SLOTS`` pinned
-buffers, each with its device twin, rotate: while the GPU copies and decodes one group,
-the host reads the file into the next (and the planner's threads decode tANS/zstd fields
-ahead). The kernels' status is read once at the end: ``CorruptDataError`` names the
-tensor, segment, field and chunk.
-What it is not: the decision of what goes where (``fileplan.py``) or the kernel.
+order) its streams' bytes (as the file holds them: the host copies whole fields, not
+chunks), tables, context maps and descriptors (output positions bound) are written into
+one pinned host buffer (``_staging.Staging``), copied to the device on a side stream in
+one transfer, moved into the decoder's aligned payload layout by ``_relayout.cu``, and
+decoded on the current stream by one launch per batch. ``SLOTS`` pinned buffers, each
+with its device twins, rotate: while the GPU copies and decodes one group, the host
+reads the file into the next (and the planner's threads decode tANS/zstd fields ahead).
+The kernels' status is read once at the end: ``CorruptDataError`` names the tensor,
+segment, field and chunk.
+What it is not: the decision of what goes where (``fileplan.py``), the staging layout
+(``_staging.py``) or the kernels.
 """
 
 from __future__ import annotations
@@ -24,34 +27,32 @@ import torch
 from ..container.reader import Compressed
 from . import _runtime as rt
 from . import fileplan
-from .plan import WARPS, Batch, Origins
+from ._staging import Staging
+from .plan import WARPS, Origins
 
 SLOTS = 3  # staging buffers in rotation: fill one, copy one, decode one
-_ALIGN = 256  # section alignment in a staging buffer (the kernel reads tables as u32)
-
-
-def _up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _sections(b: Batch) -> list[tuple[str, int]]:
-    return [("payload", b.payload_size), ("sym", b.sym_tables.nbytes),
-            ("info", b.info_tables.nbytes), ("cmaps", b.cmaps.nbytes),
-            ("desc", b.desc.nbytes)]
 
 
 class _Slot:
-    """A pinned host buffer, its device twin, and the events that guard their reuse."""
+    """A pinned host buffer, its device twin, the device buffer the decoder reads
+    payloads from, and the events that guard their reuse."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
-        self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        self.dev = torch.empty(size, dtype=torch.uint8, device=device)
+    def __init__(self, staged: int, payload: int, device: torch.device) -> None:
+        self.host = torch.empty(staged, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(staged, dtype=torch.uint8, device=device)
+        self.payload = torch.empty(payload, dtype=torch.uint8, device=device)
         self.copied = torch.cuda.Event()  # the host buffer has been read
-        self.done = torch.cuda.Event()  # the device buffer's last decode has finished
+        self.done = torch.cuda.Event()  # the device buffers' last decode has finished
 
 
 class Stager:
-    """Runs groups through ``SLOTS`` rotating staging buffers (see module docstring)."""
+    """Runs groups through ``SLOTS`` rotating staging buffers (see module docstring).
+
+    A group's streams (frames and plain bytes, as the file or the host decoder holds
+    them) are copied back to back into the pinned buffer with the batches' tables,
+    descriptors and relayout rows, sent in one transfer, moved into the decoders' aligned
+    payload layout on the device (``_relayout.cu``), and decoded, one launch per batch.
+    """
 
     def __init__(self, device: torch.device, threads: int, tuning: rt.Tuning | None = None,
                  ) -> None:
@@ -64,62 +65,53 @@ class Stager:
         self.checks: list[tuple[torch.Tensor, list[tuple[Origins, int, int]]]] = []
         self.seconds = {"slot_wait": 0.0, "fill": 0.0, "launch": 0.0, "check": 0.0}
 
-    def _slot(self, size: int) -> _Slot:
+    def _slot(self, staged: int, payload: int) -> _Slot:
         if len(self.slots) < SLOTS:
-            self.slots.append(_Slot(size, self.device))
+            self.slots.append(_Slot(staged, payload, self.device))
             return self.slots[-1]
         slot = self.slots[self.turn % SLOTS]
         self.turn += 1
         slot.copied.synchronize()  # its last copy has read the host buffer
-        if slot.host.numel() < size:
-            # The old device buffer was allocated on the current stream, which orders its
-            # reuse after the decodes; the copy stream's use must be recorded.
+        if slot.host.numel() < staged or slot.payload.numel() < payload:
+            # The old device buffers were allocated on the current stream, which orders
+            # their reuse after the decodes; the copy stream's use must be recorded.
             slot.dev.record_stream(self.copy_stream)
-            grown = _Slot(size, self.device)
-            slot.host, slot.dev = grown.host, grown.dev
+            grown = _Slot(max(staged, slot.host.numel()), max(payload, slot.payload.numel()),
+                          self.device)
+            slot.host, slot.dev, slot.payload = grown.host, grown.dev, grown.payload
         return slot
 
     def run(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor]) -> None:
-        """Stage, copy and launch one group; ``views(tensor, bf16)`` is that tensor's flat
-        uint8 (or int16 for bf16 mode) view."""
-        layout, total, rows = [], 0, 0
-        for part in group.parts:
-            at = {}
-            for name, n in _sections(part.batch):
-                at[name] = total
-                total += _up(n)
-            layout.append(at)
-            rows += len(part.batch.desc)
+        """Stage, copy, relayout and launch one group; ``views(tensor, bf16)`` is that
+        tensor's flat uint8 (or int16 for bf16 mode) view."""
         t0 = time.perf_counter()
-        slot = self._slot(max(total, _ALIGN))
+        st = Staging.of(group)
+        slot = self._slot(st.size, st.payload)
         t1 = time.perf_counter()
-        host = slot.host.numpy()
-        binds = []
-        for part, at in zip(group.parts, layout, strict=True):
-            b = part.batch
-            b.fill(host[at["payload"] :], self.threads)
-            for name, arr in (("sym", b.sym_tables), ("info", b.info_tables),
-                              ("cmaps", b.cmaps)):
-                host[at[name] : at[name] + arr.nbytes] = arr.view(np.uint8)
-            outs = [views(t, b.bf16) for t in part.tensors]
-            desc, base = rt.bound_desc(b, outs)
-            host[at["desc"] : at["desc"] + desc.nbytes] = desc.reshape(-1).view(np.uint8)
+        descs, binds = [], []
+        for part in group.parts:
+            desc, base = rt.bound_desc(part.batch, [views(t, part.batch.bf16)
+                                                    for t in part.tensors])
+            descs.append(desc)
             binds.append(base)
+        st.fill(group, slot.host.numpy(), descs, self.threads)
         t2 = time.perf_counter()
         self.copy_stream.wait_event(slot.done)
         with torch.cuda.stream(self.copy_stream):
-            slot.dev[:total].copy_(slot.host[:total], non_blocking=True)
+            slot.dev[: st.size].copy_(slot.host[: st.size], non_blocking=True)
         slot.copied.record(self.copy_stream)
         cur = torch.cuda.current_stream()
         cur.wait_event(slot.copied)
+        dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
+        rt.relayout(self.device, dev0 + st.moves_at, len(st.moves), dev0, pay0)
+        rows = sum(len(part.batch.desc) for part in group.parts)
         status = torch.zeros(max(rows, 1), dtype=torch.int32, device=self.device)
-        dev0 = slot.dev.data_ptr()
         row = 0
         named = []
-        for part, at, base in zip(group.parts, layout, binds, strict=True):
+        for part, sec, base in zip(group.parts, st.sections, binds, strict=True):
             b = part.batch
-            ptrs = [dev0 + at["desc"], status.data_ptr() + 4 * row, dev0 + at["payload"],
-                    dev0 + at["sym"], dev0 + at["info"], dev0 + at["cmaps"],
+            ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
+                    dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
                     (base if base is not None else status).data_ptr()]
             rt.Launch(b, self.device, ptrs, self.tuning)()
             named.append((b.origins, row, len(b.desc)))
