@@ -1,0 +1,516 @@
+"""Per-symbol-distribution rANS: each value coded under its own quantized distribution.
+
+What it is: ``encode``/``decode`` of an array of float values (bf16, fp16, fp8 e4m3fn,
+fp8 e5m2, given as their bit patterns) where value i is coded under the distribution
+``model`` gives it around ``mu[i]`` with scale ``sigma[i]``; the value formats; the
+``CoderModel`` (fixed-point shape tables) and a deterministic Gaussian(-mixture) builder;
+the self-describing frame. What it is not: a predictor or a calibration (that is
+``entropykit.predictive``), and not the static coder (``rans.static``).
+
+Determinism. The decoder must see the same (mu, sigma, model) as the encoder, bit for bit.
+From there on everything that decides a probability is integer arithmetic (see
+``dist_kernels``): mu and sigma, taken as float32, are snapped to a grid (sigma to 9
+significant bits, mu to multiples of sigma's power of two / 2**16); the CDF is a table of
+integers interpolated in integers. Floats only pick where the decoder's exact search
+starts. Tables built here from a density use IEEE +, -, *, / and ldexp only (no libm), so
+they are identical on every machine.
+
+Frame layout v1 (little-endian):
+
+    offset  size  field
+    0       4     magic b"EKRD"
+    4       1     version = 1
+    5       1     precision p (12..16)
+    6       1     lanes = 32
+    7       1     value format code (FORMATS)
+    8       8     n: number of values
+    16      4     chunk_size: values per chunk (last chunk may be shorter)
+    20      4     n_chunks = ceil(n / chunk_size)
+    24      4     model fingerprint: CRC-32 of the model's tables and weights
+    28      ...   n_chunks x u32 payload length, n_chunks x u32 CRC-32 of the chunk's decoded
+                  value bits, n_chunks x u8 mode (0 coded, 1 raw), then the payloads.
+    The frame ends exactly where the last payload ends.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptDataError
+from . import dist_kernels as _k
+
+MAGIC = b"EKRD"
+VERSION = 1
+MODE_CODED = 0
+MODE_RAW = 1
+DEFAULT_PRECISION = 16
+DEFAULT_CHUNK = 1 << 17
+MIN_CHUNK = 1 << 10
+MAX_CHUNK = 1 << 26
+ONE = _k.ONE
+Z_MAX = _k.Z_MAX
+Z_POINTS = _k.Z_POINTS
+EMP_POINTS = _k.EMP_POINTS
+_HEADER = struct.Struct("<4sBBBBQIII")
+HEADER_SIZE = _HEADER.size  # 28
+_RTAB = _k.reciprocals()
+
+
+@dataclass(frozen=True)
+class ValueFormat:
+    """A float format as the coder sees it: key width and where its values sit."""
+
+    name: str
+    code: int
+    bits: int  # 8 or 16
+    mantissa: int
+    bias: int
+    nonfinite: int  # smallest magnitude bit pattern that is inf or NaN
+
+    @property
+    def storage(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.bits == 16 else np.uint8)
+
+    @property
+    def params(self) -> np.ndarray:
+        return np.array([1 << self.bits, self.mantissa, self.bias, self.nonfinite,
+                         self.bits - 8], np.int64)
+
+
+FORMATS: dict[str, ValueFormat] = {
+    f.name: f
+    for f in (
+        ValueFormat("bf16", 1, 16, 7, 127, 0x7F80),
+        ValueFormat("fp16", 2, 16, 10, 15, 0x7C00),
+        ValueFormat("fp8_e4m3", 3, 8, 3, 7, 0x7F),  # OCP e4m3fn: no inf, NaN = S.1111.111
+        ValueFormat("fp8_e5m2", 4, 8, 2, 15, 0x7C),
+    )
+}
+_BY_CODE = {f.code: f for f in FORMATS.values()}
+_BY_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8_e4m3",
+             "float8_e5m2": "fp8_e5m2"}
+
+
+def value_format(fmt: str | ValueFormat) -> ValueFormat:
+    """Look a format up by name ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")."""
+    if isinstance(fmt, ValueFormat):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown value format {fmt!r}; known: {sorted(FORMATS)}") from None
+
+
+def value_bits(values: Any, fmt: str | ValueFormat | None = None) -> tuple[np.ndarray, ValueFormat]:
+    """Flat bit patterns of ``values`` and their format.
+
+    ``values`` is either the format's storage integers (uint16 / uint8, ``fmt`` required)
+    or a float array of a known dtype (ml_dtypes bfloat16, float8_e4m3fn, float8_e5m2;
+    numpy float16), whose format is taken from the dtype.
+    """
+    arr = np.asarray(values)
+    name = _BY_DTYPE.get(arr.dtype.name)
+    if name is not None:
+        if fmt is not None and value_format(fmt).name != name:
+            raise ValueError(f"values are {arr.dtype.name} but fmt is {value_format(fmt).name}")
+        f = FORMATS[name]
+    elif fmt is None:
+        raise TypeError(f"cannot infer the value format of dtype {arr.dtype}; pass fmt=")
+    else:
+        f = value_format(fmt)
+        if arr.dtype != f.storage:
+            raise TypeError(f"{f.name} bits must be {f.storage}, got {arr.dtype}")
+    return np.ascontiguousarray(arr).reshape(-1).view(f.storage), f
+
+
+# ---- model tables -------------------------------------------------------------------
+
+
+def _exp_neg(x: np.ndarray) -> np.ndarray:
+    # exp(-x), x >= 0, from IEEE +,-,*,/ and ldexp only: bit-identical on every machine
+    # (numpy's exp may use different SIMD code paths). Relative error < 1e-15.
+    x = np.asarray(x, np.float64)
+    k = np.floor(x * 1.4426950408889634)
+    r = x - k * 0.6931471803691238 - k * 1.9082149292705877e-10  # in [-tiny, ln 2)
+    term = np.ones_like(r)
+    acc = np.ones_like(r)
+    for i in range(1, 24):
+        term = term * (-r) / i
+        acc = acc + term
+    return np.ldexp(acc, -np.minimum(k, 2000).astype(np.int64))
+
+
+def z_grid() -> np.ndarray:
+    """The z of each shape table entry: -Z_MAX .. Z_MAX in steps of 2**-6 (float64)."""
+    return (np.arange(Z_POINTS + 1, dtype=np.float64) - Z_POINTS / 2) / (1 << _k.Z_GRID_BITS)
+
+
+def shape_from_masses(masses: np.ndarray) -> np.ndarray:
+    """Integer CDF table (uint32[Z_POINTS + 1], 0 .. ONE) from non-negative bin masses.
+
+    ``masses[i]`` is the probability of z in [z_grid()[i], z_grid()[i+1]); they need not
+    sum to 1. Deterministic: sequential float64 sums and round-to-nearest only.
+    """
+    m = np.asarray(masses, np.float64)
+    if m.shape != (Z_POINTS,) or not np.all(np.isfinite(m)) or (m < 0).any() or m.sum() <= 0:
+        raise ValueError(f"masses must be {Z_POINTS} finite non-negative floats, not all 0")
+    cum = np.concatenate(([0.0], np.cumsum(m)))
+    table = np.rint(cum * (ONE / cum[-1])).astype(np.int64)
+    table = np.maximum.accumulate(np.clip(table, 0, ONE))
+    table[-1] = ONE
+    return table.astype(np.uint32)
+
+
+def gaussian_shape(scales: Sequence[float] = (1.0,), weights: Sequence[float] = (1.0,)
+                   ) -> np.ndarray:
+    """Shape table of a zero-mean Gaussian mixture sum_i w_i N(0, s_i**2) in z units.
+
+    Bin masses are the density at bin midpoints (Simpson over each bin), computed with
+    ``_exp_neg`` so the table is the same on every machine.
+    """
+    if len(scales) != len(weights) or not scales:
+        raise ValueError("scales and weights must be non-empty and of equal length")
+    z = z_grid()
+    h = z[1] - z[0]
+    masses = np.zeros(Z_POINTS)
+    for s, w in zip(scales, weights, strict=True):
+        if not (s > 0 and w >= 0):
+            raise ValueError(f"need scale > 0 and weight >= 0, got {s}, {w}")
+        dens = _exp_neg(0.5 * (z / s) ** 2) * (w / s)
+        mids = _exp_neg(0.5 * ((z[:-1] + h / 2) / s) ** 2) * (w / s)
+        masses += (dens[:-1] + 4.0 * mids + dens[1:]) * (h / 6.0)
+    return shape_from_masses(masses)
+
+
+def empirical_table(counts: np.ndarray) -> np.ndarray:
+    """Integer CDF over keys (uint32[257], 0 .. ONE) from per-key counts.
+
+    ``counts`` has one entry per key (65,536 or 256, numeric order as in ``dist_kernels``)
+    or already one per top-byte bucket (256). Within a bucket the coder interpolates
+    linearly in the key.
+    """
+    c = np.asarray(counts, np.int64)
+    if c.ndim != 1 or c.size % EMP_POINTS or (c < 0).any() or c.sum() == 0:
+        raise ValueError("counts must be a non-empty 1-d multiple of 256 non-negative integers")
+    buckets = c.reshape(EMP_POINTS, -1).sum(axis=1)
+    cum = [0]
+    for b in buckets.tolist():
+        cum.append(cum[-1] + b)
+    return np.array([v * ONE // cum[-1] for v in cum], np.uint32)
+
+
+def _check_cdf(name: str, table: np.ndarray, width: int) -> np.ndarray:
+    t = np.asarray(table)
+    if t.ndim == 1:
+        t = t[None]
+    if t.ndim != 2 or t.shape[1] != width:
+        raise ValueError(f"{name} tables must have {width} entries, got shape {t.shape}")
+    t64 = t.astype(np.int64)
+    if (t64[:, 0] != 0).any() or (t64[:, -1] != ONE).any() or (np.diff(t64, axis=1) < 0).any():
+        raise ValueError(f"{name} tables must rise from 0 to 2**31")
+    return np.ascontiguousarray(t64.astype(np.uint32))
+
+
+def _inverse(shapes: np.ndarray) -> np.ndarray:
+    # z at CDF fractions i / INV_POINTS: only a start for the decoder's exact search.
+    q = np.arange(_k.INV_POINTS + 1, dtype=np.float64) / _k.INV_POINTS * ONE
+    z = z_grid()
+    out = np.empty((shapes.shape[0], q.size))
+    for m, t in enumerate(shapes.astype(np.float64)):
+        keep = np.concatenate(([True], np.diff(t) > 0))
+        out[m] = np.interp(q, t[keep], z[keep])
+    return out
+
+
+class CoderModel:
+    """The residual shapes the coder may use: one or more (shape, empirical, weight).
+
+    Model ``m`` gives key k the smooth CDF
+    ``S = ((2**16 - w_m) * shape_m(z(k)) + w_m * emp_m(k)) >> 16`` (``dist_kernels``).
+    ``shapes``: uint32[M, Z_POINTS + 1]; ``emps``: uint32[M, 257] (default: uniform over
+    keys, unused at weight 0); ``weights``: ints in [0, 2**16) per model.
+    """
+
+    def __init__(self, shapes: np.ndarray, emps: np.ndarray | None = None,
+                 weights: Sequence[int] | np.ndarray | None = None) -> None:
+        self.shapes = _check_cdf("shape", shapes, Z_POINTS + 1)
+        count = self.shapes.shape[0]
+        # The kernels' copy: one more entry (= ONE) so the table end needs no branch.
+        self.padded = np.ascontiguousarray(
+            np.concatenate([self.shapes, np.full((count, 1), ONE, np.uint32)], axis=1))
+        if emps is None:
+            emps = np.tile(np.linspace(0, ONE, EMP_POINTS + 1).astype(np.int64), (count, 1))
+        self.emps = _check_cdf("empirical", emps, EMP_POINTS + 1)
+        w = np.zeros(count, np.int64) if weights is None else np.asarray(weights, np.int64)
+        if w.shape != (count,) or self.emps.shape[0] != count:
+            raise ValueError(f"need one empirical table and weight per shape ({count})")
+        if ((w < 0) | (w >= _k.WEIGHT_ONE)).any():
+            raise ValueError("empirical weights must be in [0, 65536)")
+        self.weights = np.ascontiguousarray(w)
+        self.inverse = _inverse(self.shapes)
+        self.fingerprint = zlib.crc32(
+            self.shapes.tobytes() + self.emps.tobytes() + self.weights.astype("<i8").tobytes()
+        )
+
+    def __len__(self) -> int:
+        return self.shapes.shape[0]
+
+
+def gaussian_model() -> CoderModel:
+    """One standard Gaussian shape, no empirical component."""
+    return CoderModel(gaussian_shape())
+
+
+# ---- frame ---------------------------------------------------------------------------
+
+
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # pragma: no cover - non-Linux
+            return max(1, os.cpu_count() or 1)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def _run(fn: Callable[[int], Any], count: int, threads: int | None) -> list[Any]:
+    t = _threads(threads)
+    if count <= 1 or t == 1:
+        return [fn(i) for i in range(count)]
+    with ThreadPoolExecutor(max_workers=min(t, count)) as pool:
+        return list(pool.map(fn, range(count)))
+
+
+def _as_params(mu: Any, sigma: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    out = []
+    for name, a in (("mu", mu), ("sigma", sigma)):
+        arr = np.ascontiguousarray(np.asarray(a, dtype=np.float32)).reshape(-1)
+        if arr.size != n:
+            raise ValueError(f"{name} has {arr.size} entries for {n} values")
+        out.append(arr)
+    bad = ~(np.isfinite(out[0]) & np.isfinite(out[1]) & (out[1] > 0))
+    if bad.any():
+        raise _bad_param(int(np.argmax(bad)), out[0].view(np.uint32), out[1].view(np.uint32))
+    return out[0].view(np.uint32), out[1].view(np.uint32)
+
+
+def _as_index(model_index: Any, model: CoderModel, n: int) -> np.ndarray:
+    if model_index is None:
+        return np.zeros(1, np.uint16)
+    idx = np.asarray(model_index).reshape(-1)
+    if idx.size != n or idx.dtype.kind not in "iu":
+        raise ValueError(f"model_index must be {n} integers")
+    if n and (idx.min() < 0 or idx.max() >= len(model)):
+        raise ValueError(f"model_index out of range for a model of {len(model)} shapes")
+    return np.ascontiguousarray(idx, np.uint16)
+
+
+def _bad_param(i: int, mu: np.ndarray, sigma: np.ndarray) -> ValueError:
+    return ValueError(
+        f"value {i}: mu={mu.view(np.float32)[i]!r}, sigma={sigma.view(np.float32)[i]!r}; "
+        "need finite mu and finite sigma > 0"
+    )
+
+
+def _check_chunk(chunk_size: int) -> None:
+    if not MIN_CHUNK <= chunk_size <= MAX_CHUNK or chunk_size % _k.LANES:
+        raise ValueError(f"chunk_size must be a multiple of 32 in [{MIN_CHUNK}, {MAX_CHUNK}], "
+                         f"got {chunk_size}")
+
+
+def encode(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
+           fmt: str | ValueFormat | None = None, model_index: Any = None,
+           precision: int = DEFAULT_PRECISION, chunk_size: int = DEFAULT_CHUNK,
+           threads: int | None = None) -> bytes:
+    """Code ``values`` under per-value distributions into a self-describing frame.
+
+    Value i is coded under model ``model_index[i]`` (default 0) centred at ``mu[i]`` with
+    scale ``sigma[i]`` (float32; finite, sigma > 0). ``precision`` (12..16) is the
+    probability resolution of each 256-symbol rANS stage.
+    """
+    bits, f = value_bits(values, fmt)
+    if not 12 <= precision <= 16:
+        raise ValueError(f"precision must be in 12..16, got {precision}")
+    _check_chunk(chunk_size)
+    n = bits.size
+    mu_b, sg_b = _as_params(mu, sigma, n)
+    midx = _as_index(model_index, model, n)
+    fp = f.params
+    n_chunks = -(-n // chunk_size)
+
+    def one(i: int) -> tuple[int, int, np.ndarray]:
+        sl = slice(i * chunk_size, (i + 1) * chunk_size)
+        part = bits[sl]
+        out = np.empty(part.nbytes, np.uint8)  # coded must be smaller than raw to be kept
+        status, start = _k.encode_chunk(
+            part, mu_b[sl], sg_b[sl], midx[sl] if midx.size > 1 else midx, fp, model.padded,
+            model.emps, model.weights, _RTAB, precision, np.empty((5, _k.LANES), np.int64), out)
+        if status == 2:
+            raise _bad_param(i * chunk_size + start, mu_b, sg_b)
+        crc = zlib.crc32(part)
+        if status == 1:
+            return MODE_RAW, crc, part.view(np.uint8)
+        return MODE_CODED, crc, out[start:]
+
+    results = _run(one, n_chunks, threads)
+    head = _HEADER.pack(MAGIC, VERSION, precision, _k.LANES, f.code, n, chunk_size, n_chunks,
+                        model.fingerprint)
+    lengths = np.array([r[2].size for r in results], "<u4")
+    crcs = np.array([r[1] for r in results], "<u4")
+    modes = np.array([r[0] for r in results], np.uint8)
+    parts = [head, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
+    return b"".join(parts + [memoryview(r[2]) for r in results])
+
+
+@dataclass(frozen=True)
+class FrameInfo:
+    """A parsed, validated frame header and chunk directory."""
+
+    precision: int
+    fmt: ValueFormat
+    n: int
+    chunk_size: int
+    fingerprint: int
+    lengths: np.ndarray
+    crcs: np.ndarray
+    modes: np.ndarray
+    offsets: np.ndarray
+
+
+def parse(blob: bytes | memoryview | np.ndarray) -> FrameInfo:
+    """Validate a frame's header and directory; ``CorruptDataError`` on any mismatch."""
+    mv = memoryview(blob).cast("B") if not isinstance(blob, np.ndarray) else blob.data
+    size = len(mv)
+    if size < HEADER_SIZE:
+        raise CorruptDataError(f"KV frame truncated: {size} bytes, header needs {HEADER_SIZE}")
+    magic, version, precision, lanes, code, n, chunk_size, n_chunks, fprint = (
+        _HEADER.unpack_from(mv, 0))
+    if magic != MAGIC:
+        raise CorruptDataError(f"not a distribution-rANS frame: magic {bytes(magic)!r} at "
+                               f"byte 0, expected {MAGIC!r}")
+    if version != VERSION:
+        raise CorruptDataError(f"distribution-rANS frame version {version} unsupported (byte 4)")
+    if not 12 <= precision <= 16:
+        raise CorruptDataError(f"distribution-rANS frame precision {precision} at byte 5")
+    if lanes != _k.LANES:
+        raise CorruptDataError(f"distribution-rANS frame lanes {lanes} at byte 6, expected 32")
+    if code not in _BY_CODE:
+        raise CorruptDataError(f"distribution-rANS frame value format {code} at byte 7")
+    try:
+        _check_chunk(chunk_size)
+    except ValueError as e:
+        raise CorruptDataError(f"distribution-rANS frame chunk size at byte 16: {e}") from None
+    if n_chunks != -(-n // chunk_size):
+        raise CorruptDataError(f"distribution-rANS frame: {n_chunks} chunks (byte 20) do not "
+                               f"cover {n} values of {chunk_size}")
+    off = HEADER_SIZE
+    dir_size = 9 * n_chunks
+    if off + dir_size > size:
+        raise CorruptDataError(f"distribution-rANS frame truncated in chunk directory at byte "
+                               f"{off} ({n_chunks} chunks need {dir_size} bytes)")
+    lengths = np.frombuffer(mv, "<u4", n_chunks, off).astype(np.int64)
+    crcs = np.frombuffer(mv, "<u4", n_chunks, off + 4 * n_chunks)
+    modes = np.frombuffer(mv, np.uint8, n_chunks, off + 8 * n_chunks)
+    off += dir_size
+    offsets = off + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    end = off + int(lengths.sum())
+    if end != size:
+        what = "truncated" if end > size else "followed by trailing bytes"
+        raise CorruptDataError(f"distribution-rANS frame {what}: payloads end at byte {end}, "
+                               f"frame has {size} bytes")
+    bad = np.flatnonzero(modes > MODE_RAW)
+    if bad.size:
+        raise CorruptDataError(f"distribution-rANS frame chunk {bad[0]}: unknown mode "
+                               f"{modes[bad[0]]}")
+    return FrameInfo(precision, _BY_CODE[code], n, chunk_size, fprint, lengths, crcs, modes,
+                     offsets)
+
+
+def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: CoderModel, *,
+           model_index: Any = None, threads: int | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """Decode a frame back into value bits (uint16 / uint8, flat).
+
+    ``mu``, ``sigma``, ``model`` and ``model_index`` must be exactly the encoder's.
+    ``CorruptDataError`` for a malformed frame, a model whose fingerprint differs, or a
+    chunk whose decoded values fail their CRC; ``ValueError`` for invalid mu / sigma.
+    """
+    info = parse(blob)
+    if info.fingerprint != model.fingerprint:
+        raise CorruptDataError(f"frame was coded with model {info.fingerprint:#010x}, "
+                               f"decoder has {model.fingerprint:#010x} (byte 24)")
+    f = info.fmt
+    n = info.n
+    mu_b, sg_b = _as_params(mu, sigma, n)
+    midx = _as_index(model_index, model, n)
+    buf = blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, np.uint8)
+    if out is None:
+        out = np.empty(n, f.storage)
+    elif out.dtype != f.storage or out.shape != (n,):
+        raise ValueError(f"out must be {f.storage} of shape ({n},)")
+    fp = f.params
+    cs = info.chunk_size
+
+    def one(i: int) -> str | None:
+        sl = slice(i * cs, (i + 1) * cs)
+        dst = out[sl]
+        start, length = int(info.offsets[i]), int(info.lengths[i])
+        if info.modes[i] == MODE_RAW:
+            if length != dst.nbytes:
+                return f"raw payload is {length} bytes, chunk holds {dst.nbytes}"
+            dst.view(np.uint8)[:] = buf[start : start + length]
+        else:
+            code = _k.decode_chunk(buf, start, length, mu_b[sl], sg_b[sl],
+                                   mu_b[sl].view(np.float32),
+                                   midx[sl] if midx.size > 1 else midx, fp, model.padded,
+                                   model.inverse, model.emps, model.weights, _RTAB,
+                                   info.precision, np.empty((9, _k.LANES), np.int64),
+                                   np.empty(1, np.float32), dst)
+            if code < 0:
+                raise _bad_param(i * cs - code - 1, mu_b, sg_b)
+            if code != _k.OK:
+                return _k.MESSAGES[code]
+        if zlib.crc32(dst) != int(info.crcs[i]):
+            return "CRC-32 of decoded values does not match"
+        return None
+
+    for i, err in enumerate(_run(one, len(info.lengths), threads)):
+        if err is not None:
+            raise CorruptDataError(f"distribution-rANS frame chunk {i} (payload at byte "
+                                   f"{int(info.offsets[i])}): {err}")
+    return out
+
+
+def value_costs(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
+                fmt: str | ValueFormat | None = None, model_index: Any = None,
+                precision: int = DEFAULT_PRECISION) -> np.ndarray:
+    """-log2 P(value) of each value under the coder's own quantized distributions.
+
+    What ``encode`` would spend on each value, stream overhead aside (float64, flat).
+    """
+    bits, f = value_bits(values, fmt)
+    mu_b, sg_b = _as_params(mu, sigma, bits.size)
+    midx = _as_index(model_index, model, bits.size)
+    out = np.empty(bits.size)
+    bad = _k.cost(bits, mu_b, sg_b, midx, f.params, model.padded, model.emps, model.weights,
+                  _RTAB, precision, out)
+    if bad >= 0:
+        raise _bad_param(bad, mu_b, sg_b)
+    return out
+
+
+__all__ = [
+    "FORMATS", "CoderModel", "FrameInfo", "ValueFormat", "decode", "empirical_table",
+    "encode", "gaussian_model", "gaussian_shape", "parse", "shape_from_masses", "value_bits",
+    "value_costs", "value_format", "z_grid",
+]
