@@ -377,3 +377,4 @@ def test_kernel_source_ships_and_uses_only_the_layout_columns():
     used = set(re.findall(r"\bD_[A-Z]+\b", src))
     assert used and used <= {k for k in dir(lay) if k.startswith("D_")}
     assert "N_COLS" in src and "rans_decode" in src
+    assert "relayout" in resources.files("entropykit.gpu").joinpath("_relayout.cu").read_text()

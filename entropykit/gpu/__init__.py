@@ -4,7 +4,8 @@ What it is: the device decoder of ``entropykit.rans`` frames (same bits as the C
 decoder). ``decode_batch`` decodes uint8 fields; ``decode_bf16`` / ``decode_bf16_batch``
 decode a BF16 tensor's ``exponent`` and ``sign_mantissa`` frames together and write the
 bf16 values themselves. For repeated decodes of one set of frames, ``prepare_u8`` /
-``prepare_bf16`` build the host plan once and ``upload`` it.
+``prepare_bf16`` build the host plan once and ``upload`` it. Whole compressed files go
+through ``entropykit.load_file(path, device="cuda")`` (``fileplan.py``, ``load.py``).
 What it is not: an encoder, or a CRC check: the kernel checks what the CPU decoder's rANS
 kernel checks (start states, exact word count, final states); the per-chunk CRC-32 stays
 with the CPU ``verify`` path.
