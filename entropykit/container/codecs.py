@@ -52,6 +52,15 @@ RAW_OVERHEAD = _CRC.size  # a raw payload is the symbols plus this; no codec is 
 TARGETS = ("cpu", "gpu")
 GPU_CHUNK = 1 << 16
 GPU_MIN_SAVING = 0.01
+# Decoding an entropy-coded field costs ~3x copying a raw one, so a field without a context
+# is entropy-coded only where its order-0 estimate saves MIN_SAVING of its raw size (F16 low
+# bytes save ~0.05%: MiniLM F16 loses 1 KB of 23 MB and decodes ~1.6x faster). With a
+# context the order-0 estimate understates the saving, so there it must only beat raw.
+# fast=True: a field saving less than FAST_MIN_SAVING is stored raw without coding or trials
+# (BF16/F32 mantissa bytes save 0.3-2%), and zstd is judged only on fields small enough to
+# be coded whole.
+MIN_SAVING = 0.001
+FAST_MIN_SAVING = 0.02
 
 
 def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None,
@@ -166,22 +175,25 @@ class Choice:
     entropy_bits: float
 
 
-def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu") -> Choice:
+def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu", *,
+           fast: bool = False) -> Choice:
     """Code a field with the codec expected to be smallest, never larger than raw.
 
     The entropy coder is rANS for a field with a context (only rANS conditions on one), rANS
     at ``WIDE_PRECISION`` for a wide skewed alphabet, and tANS otherwise (smaller than rANS
     on real weights: fewer state bytes per chunk). Its size is estimated from the order-0
-    entropy, zstd's by coding the field (or a spread sample of it), raw's is exact; the
-    smallest estimate is coded, and the result replaced by raw if it is not smaller. Only
-    one coder runs over the whole field, once: the histogram (with a context, the joint
-    histogram) is taken once and handed to the coder, and a field small enough to be
-    judged whole keeps its zstd trial as its payload.
+    entropy (a candidate only where that saves ``MIN_SAVING``), zstd's by coding the field
+    (or a spread sample of it), raw's is exact; the smallest estimate is coded, and the
+    result replaced by raw if it is not smaller. Only one coder runs over the whole field,
+    once: the histogram (with a context, the joint histogram) is taken once and handed to
+    the coder, and a field small enough to be judged whole keeps its zstd trial as its
+    payload.
     ``target="gpu"`` writes what ``entropykit.gpu`` decodes fastest (see ``GPU_CHUNK``):
     rANS at ``RANS_PRECISION`` in chunks of ``GPU_CHUNK``, no context, zstd only for
     fields small enough to be judged whole (the host decodes those), and raw unless the
     estimate saves ``GPU_MIN_SAVING``.
-    Deterministic: the same symbols always give the same choice.
+    ``fast`` trades size for speed both ways (see ``FAST_MIN_SAVING``).
+    Deterministic: the same symbols and options always give the same choice.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
@@ -191,17 +203,29 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu")
         return Choice("raw", encode("raw", symbols, None), 0.0)
     gpu = target == "gpu"
     context = None if gpu else context
-    joint = None if context is None else contexts.joint_histogram(context, symbols)
-    counts = tables.histogram(symbols) if joint is None else joint.sum(axis=0)
+    joint = None
+    if context is not None and not fast:
+        joint = contexts.joint_histogram(context, symbols)  # its column sums are the counts
+        counts = joint.sum(axis=0)
+    else:
+        counts = tables.histogram(symbols)
     bits = tables.entropy_bits(counts)
+    estimate = _entropy_estimate(counts, bits, n)
+    min_saving = FAST_MIN_SAVING if fast else 0.0 if context is not None else MIN_SAVING
+    entropy_pays = estimate <= (1 - min_saving) * raw
+    if fast and not entropy_pays:
+        return Choice("raw", encode("raw", symbols, None), bits)
+    if context is not None and joint is None:
+        joint = contexts.joint_histogram(context, symbols)
     wide = int(np.count_nonzero(counts)) > _WIDE_SYMBOLS and bits < _WIDE_MAX_BITS * n
     entropy_codec = "rans" if context is not None or wide or gpu else "tans"
     precision = WIDE_PRECISION if context is None and wide and not gpu else RANS_PRECISION
     chunk = GPU_CHUNK if gpu else frame.DEFAULT_CHUNK
-    estimate = _entropy_estimate(counts, bits, n)
-    estimates = {entropy_codec: int(estimate / (1 - GPU_MIN_SAVING)) if gpu else estimate}
+    estimates = {}
+    if entropy_pays:
+        estimates[entropy_codec] = int(estimate / (1 - GPU_MIN_SAVING)) if gpu else estimate
     whole = None  # zstd's payload, when it was judged on the whole field
-    if not gpu or n <= EXACT_LIMIT:
+    if not (gpu or fast) or n <= EXACT_LIMIT:
         estimates["zstd"], whole = _zstd_estimate(symbols)
     estimates["raw"] = raw
     codec = min(estimates, key=lambda c: (estimates[c], c != entropy_codec))
