@@ -176,6 +176,52 @@ def test_compression_pays_on_real_weights(tmp_path: Path) -> None:
     assert c.record.tensors["w"].codecs == (("tans", "rans"),)
 
 
+def _codecs_by_field(packed: Path, name: str) -> dict[str, set[str]]:
+    c = Compressed(np.fromfile(packed, np.uint8))
+    t = c.record.tensors[name]
+    return {f: {seg[i] for seg in t.codecs} for i, (f, _) in enumerate(t.fields)}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fast_mode_roundtrips_every_dtype(model: Path, tmp_path: Path, threads: int) -> None:
+    roundtrip(model, tmp_path, threads=threads, fast=True, segment_bytes=4096)
+
+
+def test_fast_mode_stores_near_incompressible_fields_raw(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    src = tmp_path / "w.safetensors"
+    save_file({"w": (torch.randn(512, 512, generator=g) * 0.02).to(torch.bfloat16)}, src)
+    slow, fast = roundtrip(src, tmp_path), tmp_path / "fast.ek"
+    files.compress_file(src, fast, fast=True)
+    assert _codecs_by_field(slow, "w") == {"exponent": {"tans"}, "sign_mantissa": {"rans"}}
+    # sign+mantissa saves ~0.4% (under codecs.FAST_MIN_SAVING): stored raw; the
+    # exponent (2.6 of 8 bits) is still coded, so the file stays small.
+    assert _codecs_by_field(fast, "w") == {"exponent": {"tans"}, "sign_mantissa": {"raw"}}
+    n = 512 * 512
+    assert slow.stat().st_size < fast.stat().st_size < slow.stat().st_size + 0.01 * n
+    assert fast.stat().st_size < 0.7 * src.stat().st_size
+    files.compress_file(src, tmp_path / "fast2.ek", fast=True, threads=2)
+    assert (tmp_path / "fast2.ek").read_bytes() == fast.read_bytes()  # deterministic
+
+
+def test_field_saving_under_min_saving_is_stored_raw(tmp_path: Path) -> None:
+    # Bytes that are uniform but for a little extra weight on 0: an entropy coder would save
+    # ~0.06% of them (under codecs.MIN_SAVING), not worth a coded field's decode time, so
+    # they stay raw; with twice the skew (~0.25%) they are coded.
+    rng = np.random.default_rng(3)
+    n = 1 << 21
+    out = {}
+    for name, extra in (("slight", 0.008), ("more", 0.016)):
+        p = np.full(256, 1.0)
+        p[0] += extra * 256
+        out[name] = torch.from_numpy(rng.choice(256, size=n, p=p / p.sum()).astype(np.uint8))
+    src = tmp_path / "u.safetensors"
+    save_file(out, src)
+    packed = roundtrip(src, tmp_path)
+    assert _codecs_by_field(packed, "slight") == {"byte0": {"raw"}}
+    assert _codecs_by_field(packed, "more") == {"byte0": {"tans"}}
+
+
 @pytest.mark.parametrize("header", [
     # Not what safetensors writes: spaces, key order, metadata last, padding of newlines,
     # tensors listed out of data order, a zero-size tensor between others, non-ASCII names.
