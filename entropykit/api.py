@@ -70,7 +70,8 @@ def _progress(progress: ProgressArg, label: str) -> tuple[Callable | None, Bar |
 
 
 def compress_file(src: PathLike, dst: PathLike | None = None, *, threads: int | None = None,
-                  progress: ProgressArg = False, force: bool = False) -> Summary:
+                  progress: ProgressArg = False, force: bool = False,
+                  fast: bool = False) -> Summary:
     """Compress a safetensors file (or a checkpoint directory) to ``dst``.
 
     ``dst`` defaults to ``<name>.ek.safetensors`` (``<dir>.ek`` for a directory). The
@@ -79,15 +80,17 @@ def compress_file(src: PathLike, dst: PathLike | None = None, *, threads: int | 
     to every available core; ``progress`` is True for a line on stderr, or a callable
     ``(bytes done, bytes total)``. Refuses to overwrite ``dst`` unless ``force``. The input
     is only read; the output appears (renamed from a temporary name) only when complete.
+    ``fast`` stores fields that entropy coding would shrink by under 2% raw (BF16/F32
+    mantissa bytes): both ways ~1.5x faster for ~0.5% (BF16) to ~1% (F32) more bytes.
     Returns the sizes, ratio and timings.
     """
     cb, bar = _progress(progress, f"compress {Path(src).name}")
     try:
         if Path(src).is_dir():
             return checkpoint.compress_dir(Path(src), _opt(dst), threads=threads, force=force,
-                                           progress=cb)
+                                           progress=cb, fast=fast)
         return files.compress_file(Path(src), _opt(dst), threads=threads, force=force,
-                                   progress=cb)
+                                   progress=cb, fast=fast)
     finally:
         if bar is not None:
             bar.close()

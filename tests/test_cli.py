@@ -58,6 +58,19 @@ def test_compress_verify_decompress(model: Path, capsys: pytest.CaptureFixture[s
     assert code == 0 and model.read_bytes() == before
 
 
+def test_fast_flag(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import entropykit
+
+    code, _, err = _run(capsys, "compress", model, "--fast", "-o", tmp_path / "f.ek")
+    assert code == 0 and err == ""
+    entropykit.compress_file(model, tmp_path / "api.ek", fast=True)
+    entropykit.compress_file(model, tmp_path / "slow.ek")
+    fast = (tmp_path / "f.ek").read_bytes()
+    assert fast == (tmp_path / "api.ek").read_bytes() != (tmp_path / "slow.ek").read_bytes()
+    code, _, _ = _run(capsys, "decompress", tmp_path / "f.ek", "-o", tmp_path / "back")
+    assert code == 0 and (tmp_path / "back").read_bytes() == model.read_bytes()
+
+
 def test_refuses_to_overwrite(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = model.with_name("o.safetensors")
     out.write_bytes(b"precious")

@@ -57,6 +57,19 @@ def test_directory_roundtrip(ckpt: Path, tmp_path: Path) -> None:
     assert _tree(tmp_path / "back") == before == _tree(ckpt)
 
 
+def test_fast_directory_is_each_file_compressed_fast(ckpt: Path, tmp_path: Path) -> None:
+    from entropykit.container import files
+
+    checkpoint.compress_dir(ckpt, tmp_path / "fast.ek", fast=True)
+    shard = "model-00001-of-00002.safetensors"
+    files.compress_file(ckpt / shard, tmp_path / "one.ek", fast=True)
+    assert (tmp_path / "fast.ek" / shard).read_bytes() == (tmp_path / "one.ek").read_bytes()
+    files.compress_file(ckpt / shard, tmp_path / "slow.ek")
+    assert (tmp_path / "slow.ek").read_bytes() != (tmp_path / "one.ek").read_bytes()
+    checkpoint.decompress_dir(tmp_path / "fast.ek", tmp_path / "back")
+    assert _tree(tmp_path / "back") == _tree(ckpt)
+
+
 def test_verify_dir_finds_differences(ckpt: Path, tmp_path: Path) -> None:
     checkpoint.compress_dir(ckpt, tmp_path / "c")
     (ckpt / "config.json").write_text("{}")
