@@ -108,7 +108,8 @@ def count(codec: str, data: np.ndarray) -> int:
 
 def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
     """Decode ``data`` (uint8 view of one payload) into ``n`` symbols; CorruptDataError if
-    it is malformed, holds another count, or fails its checksum."""
+    it is malformed, holds another count, or fails its checksum. The result may be
+    read-only and share memory with ``data`` (raw, zstd): read it, do not write it."""
     if codec in ("rans", "tans"):
         mod = rans if codec == "rans" else tans
         head = bytes(data[:frame.HEADER_SIZE])
@@ -135,7 +136,7 @@ def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> 
     if codec == "raw":
         if data.size != n + _CRC.size:
             raise CorruptDataError(f"raw field is {data.size} bytes, expected {n + _CRC.size}")
-        out = data[_CRC.size:].copy()
+        out = data[_CRC.size:]  # a view: the caller only reads the symbols
         if crc32(out) != _CRC.unpack(data[:_CRC.size].tobytes())[0]:
             raise CorruptDataError("raw field fails its CRC-32")
         return out
