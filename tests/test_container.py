@@ -190,13 +190,17 @@ def test_fast_mode_roundtrips_every_dtype(model: Path, tmp_path: Path, threads: 
 def test_fast_mode_stores_near_incompressible_fields_raw(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(1)
     src = tmp_path / "w.safetensors"
-    save_file({"w": (torch.randn(512, 512, generator=g) * 0.02).to(torch.bfloat16)}, src)
+    save_file({"w": (torch.randn(512, 512, generator=g) * 0.02).to(torch.bfloat16),
+               "b": (torch.randn(2000, generator=g) * 0.02).to(torch.bfloat16)}, src)
     slow, fast = roundtrip(src, tmp_path), tmp_path / "fast.ek"
     files.compress_file(src, fast, fast=True)
     assert _codecs_by_field(slow, "w") == {"exponent": {"tans"}, "sign_mantissa": {"rans"}}
     # sign+mantissa saves ~0.4% (under codecs.FAST_MIN_SAVING): stored raw; the
-    # exponent (2.6 of 8 bits) is still coded, so the file stays small.
-    assert _codecs_by_field(fast, "w") == {"exponent": {"tans"}, "sign_mantissa": {"raw"}}
+    # exponent (2.6 of 8 bits) is still coded, so the file stays small, by rANS (faster;
+    # its lane states cost under codecs.FAST_TANS_GAIN here), but by tANS in a field
+    # of 2000 symbols, where 128 bytes of states would cost ~20%.
+    assert _codecs_by_field(fast, "w") == {"exponent": {"rans"}, "sign_mantissa": {"raw"}}
+    assert _codecs_by_field(fast, "b")["exponent"] == {"tans"}
     n = 512 * 512
     assert slow.stat().st_size < fast.stat().st_size < slow.stat().st_size + 0.01 * n
     assert fast.stat().st_size < 0.7 * src.stat().st_size
