@@ -1,6 +1,7 @@
-"""Atomic output with background writeback (container/_atomic.py): the bytes written
-through ``output_file`` (writes, seeks back, truncation) are exactly the file that
-appears; writeback runs while writing; a failing writeback or block leaves no output."""
+"""Atomic output with a background writer and writeback (container/_atomic.py): the bytes
+written through ``output_file`` (writes, seeks back, truncation) are exactly the file that
+appears, with a small or large write queue; writeback runs while writing; a failing write,
+writeback or block raises its error and leaves no output."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ def _write_pattern(out, blob: bytes) -> None:
     out.truncate()
 
 
-def test_writes_seeks_and_truncation_give_the_exact_file(tmp_path: Path,
+@pytest.mark.parametrize("queue", [1000, 64 << 20])
+def test_writes_seeks_and_truncation_give_the_exact_file(tmp_path: Path, queue: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_atomic, "SYNC_BYTES", 1000)
+    monkeypatch.setattr(_atomic, "QUEUE_BYTES", queue)
     synced = []
     real = os.fdatasync
     monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
@@ -37,7 +40,10 @@ def test_writes_seeks_and_truncation_give_the_exact_file(tmp_path: Path,
     dst = tmp_path / "out.bin"
     with _atomic.output_file(dst) as out:
         _write_pattern(out, blob)
+        assert out.tell() == 16 + len(blob)
         assert not dst.exists()
+        with pytest.raises(ValueError, match="absolute"):
+            out.seek(0, os.SEEK_END)
     assert dst.read_bytes() == b"H" * 16 + blob
     assert synced  # writeback started before the end (10 kicks, coalesced)
     assert os.listdir(tmp_path) == ["out.bin"]
@@ -78,3 +84,36 @@ def test_existing_target_kept_without_force(tmp_path: Path) -> None:
     with _atomic.output_file(dst, force=True) as out:
         out.write(b"new")
     assert dst.read_bytes() == b"new"
+
+
+class _FullDisk:
+    """A file whose writes fail once ``room`` bytes are written (like ENOSPC)."""
+
+    def __init__(self, f, room: int) -> None:
+        self._f, self._room = f, room
+
+    def write(self, data) -> int:
+        self._room -= memoryview(data).nbytes
+        if self._room < 0:
+            raise OSError(28, "No space left on device")
+        return self._f.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
+def test_failing_write_raises_in_the_caller_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: _FullDisk(real(fd, mode), 5000))
+    with pytest.raises(OSError, match="No space left"):
+        with _atomic.output_file(tmp_path / "out.bin") as out:
+            for _ in range(100):  # the error surfaces in a later call or at the end
+                out.write(b"y" * 1000)
+    assert os.listdir(tmp_path) == []
