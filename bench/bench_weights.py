@@ -361,8 +361,10 @@ fsync'd output; each timed run writes a new file), at 1 thread and {n_all} threa
 the restored file equals the original (`filecmp`, byte for byte), and the 1- and
 {n_all}-thread compressed files are identical. `--fast` (`compress_file(..., fast=True)`)
 stores fields that entropy coding would shrink by under 2% raw (BF16/F32 mantissa bytes),
-codes the rest with rANS where tANS would not save 0.5%, and tries zstd on small fields
-only; decompression needs no option.
+codes the rest with rANS at 12 bits (tANS only where it saves 0.5%: small fields), and
+tries zstd on small fields only; decompression needs no option. One thread's time is now
+mostly the coder kernels (## Coders) and the format split/join; their speed, not the
+container, bounds MB/s.
 zipnn and zstd-3: `shared/peers/cpu_peers.py` (one thread, data in memory), which casts the
 fp32 file itself; ratio over the concatenated floating tensor bytes. zipnn's "exact": its
 decoded bytes equal its input (checked by cpu_peers.py); zstd-3's: its decoded bytes equal
