@@ -71,7 +71,7 @@ def _progress(progress: ProgressArg, label: str) -> tuple[Callable | None, Bar |
 
 def compress_file(src: PathLike, dst: PathLike | None = None, *, threads: int | None = None,
                   progress: ProgressArg = False, force: bool = False,
-                  fast: bool = False) -> Summary:
+                  fast: bool = False, target: str = "cpu") -> Summary:
     """Compress a safetensors file (or a checkpoint directory) to ``dst``.
 
     ``dst`` defaults to ``<name>.ek.safetensors`` (``<dir>.ek`` for a directory). The
@@ -82,15 +82,17 @@ def compress_file(src: PathLike, dst: PathLike | None = None, *, threads: int | 
     is only read; the output appears (renamed from a temporary name) only when complete.
     ``fast`` stores fields that entropy coding would shrink by under 2% raw (BF16/F32
     mantissa bytes): both ways ~1.5x faster for ~0.5% (BF16) to ~1% (F32) more bytes.
+    ``target="gpu"`` codes every entropy-coded field with rANS in GPU-sized chunks, so that
+    ``load_file(..., device="cuda")`` decodes all of it on the GPU (default ``"cpu"``).
     Returns the sizes, ratio and timings.
     """
     cb, bar = _progress(progress, f"compress {Path(src).name}")
     try:
         if Path(src).is_dir():
             return checkpoint.compress_dir(Path(src), _opt(dst), threads=threads, force=force,
-                                           progress=cb, fast=fast)
+                                           progress=cb, fast=fast, target=target)
         return files.compress_file(Path(src), _opt(dst), threads=threads, force=force,
-                                   progress=cb, fast=fast)
+                                   progress=cb, fast=fast, target=target)
     finally:
         if bar is not None:
             bar.close()

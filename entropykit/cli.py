@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace, on_file: Callable, on_dir: Callable, verb: st
 
 def _compress(args: argparse.Namespace) -> int:
     s, dst = _run(args, files.compress_file, checkpoint.compress_dir, "compress", True,
-                  fast=args.fast)
+                  fast=args.fast, target=args.target)
     _report("compress", s, True, Path(args.path), dst)
     return EXIT_OK
 
@@ -223,6 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--fast", action="store_true",
                    help="store fields that would shrink by under 2%% raw: compress and "
                         "decompress ~1.5x faster, files ~0.5-1%% larger")
+    c.add_argument("--target", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu: rANS only, in GPU-sized chunks, so that "
+                        "load_file(..., device='cuda') decodes everything on the GPU")
     c.add_argument("--keep", action="store_true",
                    help="keep the input (always: entropykit never deletes or modifies its "
                         "input; accepted for gzip-style scripts)")

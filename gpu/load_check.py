@@ -3,7 +3,7 @@
 What it is: the script the lent GPU runs (through the ``device`` tool) for the loader. From
 the carried compressed files (MiniLM-L6 cast to bf16 and to fp8 e4m3, and a subset of its
 fp32 tensors: layer 0 and the position/type embeddings) it restores the originals
-(``decompress_file``), compresses each again for the GPU (``codecs.choose(target="gpu")``),
+(``decompress_file``), compresses each again for the GPU (``compress_file(target="gpu")``),
 and builds a bf16 file of MiniLM tiled to >= 1 GiB (compressed both ways). For every
 compressed file it checks that ``load_file(..., device="cuda")`` returns the tensors of
 ``load_file(..., device="cpu")`` bit for bit (names, dtypes, shapes, bytes; the caching
@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 import entropykit  # noqa: E402
 from entropykit import CorruptDataError  # noqa: E402
-from entropykit.container import codecs  # noqa: E402
 from entropykit.container.reader import Compressed  # noqa: E402
 from entropykit.gpu import fileplan  # noqa: E402
 
@@ -48,18 +46,6 @@ DEV = "cuda:0"
 
 def log(*a) -> None:
     print(*a, flush=True)
-
-
-@contextmanager
-def gpu_target():
-    """Compress for the GPU: ``codecs.choose(..., target="gpu")`` for every field. (The
-    writer has no target argument yet; this routes the one call it makes.)"""
-    orig = codecs.choose
-    codecs.choose = functools.partial(orig, target="gpu")
-    try:
-        yield
-    finally:
-        codecs.choose = orig
 
 
 def poison(nbytes: int) -> None:
@@ -223,8 +209,7 @@ def main() -> None:
         orig = work / f"{stem}.safetensors"
         entropykit.decompress_file(ek, orig, force=True)
         gpu_ek = work / f"{stem}.gpu.ek.safetensors"
-        with gpu_target():
-            entropykit.compress_file(orig, gpu_ek, force=True)
+        entropykit.compress_file(orig, gpu_ek, force=True, target="gpu")
         sets.append((stem, orig, {"cpu": ek, "gpu": gpu_ek}))
     for stem, orig, eks in sets:
         check_and_time(stem, orig, eks, res, args.reps)
@@ -240,11 +225,7 @@ def main() -> None:
         for target in ("cpu", "gpu"):
             t = time.perf_counter()
             dst = work / f"{kind}_bf16.{target}.ek.safetensors"
-            if target == "gpu":
-                with gpu_target():
-                    s = entropykit.compress_file(big, dst, force=True)
-            else:
-                s = entropykit.compress_file(big, dst, force=True)
+            s = entropykit.compress_file(big, dst, force=True, target=target)
             comp[target] = dst
             log(f"  compress for {target}: {time.perf_counter() - t:.1f} s, ratio "
                 f"{s.compressed_bytes / s.original_bytes:.4f}")

@@ -207,3 +207,24 @@ def test_runs_as_a_module() -> None:
     r = subprocess.run([sys.executable, "-m", "entropykit.cli", "info", "--help"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "usage: entropykit info" in r.stdout
+
+
+def test_gpu_target(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import entropykit
+    from entropykit.container.reader import Compressed
+
+    code, _, err = _run(capsys, "compress", model, "--target", "gpu", "-o", tmp_path / "g.ek")
+    assert code == 0 and err == ""
+    entropykit.compress_file(model, tmp_path / "api.ek", target="gpu")
+    gpu = (tmp_path / "g.ek").read_bytes()
+    assert gpu == (tmp_path / "api.ek").read_bytes()
+    used = {c for t in Compressed(gpu).record.tensors.values() for seg in t.codecs for c in seg}
+    assert "rans" in used and "tans" not in used  # the GPU kernel decodes rANS only
+    code, _, _ = _run(capsys, "decompress", tmp_path / "g.ek", "-o", tmp_path / "back")
+    assert code == 0 and (tmp_path / "back").read_bytes() == model.read_bytes()
+    with pytest.raises(ValueError, match="target must be one of"):
+        entropykit.compress_file(model, tmp_path / "x.ek", target="tpu")
+    assert not (tmp_path / "x.ek").exists()
+    with pytest.raises(SystemExit) as exc:  # argparse rejects the choice: usage error
+        _run(capsys, "compress", model, "--target", "tpu", "-o", tmp_path / "y.ek")
+    assert exc.value.code == 2 and not (tmp_path / "y.ek").exists()

@@ -9,7 +9,6 @@ of every dtype, both codec targets (``codecs.choose(target=...)``), several segm
 group sizes, and on damaged files. The device itself runs gpu/load_check.py.
 """
 
-import functools
 import sys
 import zlib
 
@@ -48,12 +47,6 @@ def _emulated_load(path, threads=1, **kw) -> dict[str, np.ndarray]:
 def _cpu_bytes(path) -> dict[str, np.ndarray]:
     return {k: v.reshape(-1).view(torch.uint8).numpy()
             for k, v in entropykit.load_file(path, threads=1).items()}
-
-
-@pytest.fixture
-def gpu_target(monkeypatch):
-    """The writer calls ``codecs.choose(symbols, context)``; route it to target="gpu"."""
-    monkeypatch.setattr(codecs, "choose", functools.partial(codecs.choose, target="gpu"))
 
 
 def _bf16_weights(rng, n):
@@ -139,12 +132,10 @@ def test_placement_refuses_splits_it_does_not_know():
 @pytest.mark.parametrize("target", ["cpu", "gpu"])
 @pytest.mark.parametrize(("segment_bytes", "group_bytes", "warps"),
                          [(1 << 24, fileplan.GROUP_BYTES, gplan.WARPS), (1 << 16, 1 << 17, 3)])
-def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, monkeypatch, target,
+def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, target,
                                            segment_bytes, group_bytes, warps):
-    if target == "gpu":
-        monkeypatch.setattr(codecs, "choose", functools.partial(codecs.choose, target="gpu"))
     ek = tmp_path / "m.ek.safetensors"
-    files.compress_file(model_file, ek, threads=2, segment_bytes=segment_bytes)
+    files.compress_file(model_file, ek, threads=2, segment_bytes=segment_bytes, target=target)
     used = _codecs_used(ek)
     if target == "cpu":  # every path of the plan runs: kernel, copies, host decodes
         assert {("exponent", "tans"), ("sign_mantissa", "rans"), ("byte0", "zstd"),
@@ -163,14 +154,11 @@ def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, monkeypatch, ta
 
 
 @pytest.mark.parametrize("target", ["cpu", "gpu"])
-def test_staging_moves_every_payload_to_the_decoders_layout(model_file, tmp_path,
-                                                           monkeypatch, target):
+def test_staging_moves_every_payload_to_the_decoders_layout(model_file, tmp_path, target):
     """What the loader stages and ``_relayout.cu`` moves is exactly each batch's payload
     buffer (plan.py's aligned layout), tables and descriptors, within bounds."""
-    if target == "gpu":
-        monkeypatch.setattr(codecs, "choose", functools.partial(codecs.choose, target="gpu"))
     ek = tmp_path / "m.ek.safetensors"
-    files.compress_file(model_file, ek, threads=2, segment_bytes=1 << 16)
+    files.compress_file(model_file, ek, threads=2, segment_bytes=1 << 16, target=target)
     buf = np.fromfile(ek, np.uint8)
     for group in fileplan.groups(Compressed(buf), buf, 2, group_bytes=1 << 18):
         st = _staging.Staging.of(group)
@@ -237,10 +225,9 @@ def _damaged(path, out, name, field, where: float, codec: str):
     return out
 
 
-def test_damaged_files_are_caught_where_the_gpu_loader_checks(model_file, tmp_path,
-                                                              gpu_target):
+def test_damaged_files_are_caught_where_the_gpu_loader_checks(model_file, tmp_path):
     ek = tmp_path / "m.ek.safetensors"
-    files.compress_file(model_file, ek, threads=2)
+    files.compress_file(model_file, ek, threads=2, target="gpu")
     # A coded chunk: the kernel's state checks (emulated) name tensor, field and chunk.
     bad = _damaged(ek, tmp_path / "a.safetensors", "big.bf16", "exponent", 0.6, "rans")
     with pytest.raises(CorruptDataError, match=r"^tensor 'big\.bf16' segment 0: field "

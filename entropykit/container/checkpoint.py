@@ -86,13 +86,13 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
 
 def compress_dir(src: Path, dst: Path | None = None, *, threads: int | None = None,
                  force: bool = False, progress: Progress | None = None,
-                 fast: bool = False) -> Summary:
+                 fast: bool = False, target: str = "cpu") -> Summary:
     """Compress checkpoint directory ``src`` into ``dst`` (default ``<src>.ek``); ``fast``
-    as for ``files.compress_file``."""
+    and ``target`` as for ``files.compress_file``."""
     src = Path(src)
     return _each(src, dst, files.default_output(src, True), force,
                  lambda s, d, p: files.compress_file(s, d, threads=threads, progress=p,
-                                                     fast=fast),
+                                                     fast=fast, target=target),
                  progress)
 
 

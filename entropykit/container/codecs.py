@@ -194,6 +194,12 @@ class Choice:
     entropy_bits: float
 
 
+def check_target(target: str) -> None:
+    """ValueError unless ``target`` is one of ``TARGETS``."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+
+
 def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu", *,
            fast: bool = False) -> Choice:
     """Code a field with the codec expected to be smallest, never larger than raw.
@@ -214,8 +220,7 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     ``fast`` trades size for speed both ways (``FAST_MIN_SAVING``, ``FAST_TANS_GAIN``).
     Deterministic: the same symbols and options always give the same choice.
     """
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    check_target(target)
     n = symbols.size
     raw = n + _CRC.size
     if n == 0:

@@ -89,9 +89,11 @@ def source(buf: np.ndarray) -> Source:
 
 def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = None,
                   force: bool = False, progress: Progress | None = None,
-                  segment_bytes: int = SEGMENT_BYTES, fast: bool = False) -> Summary:
+                  segment_bytes: int = SEGMENT_BYTES, fast: bool = False,
+                  target: str = "cpu") -> Summary:
     """Compress safetensors file ``src`` to ``dst`` (default ``default_output``); ``fast``
-    stores near-incompressible fields raw (``codecs.FAST_MIN_SAVING``)."""
+    stores near-incompressible fields raw (``codecs.FAST_MIN_SAVING``); ``target="gpu"``
+    writes what ``entropykit.gpu`` decodes fastest (``codecs.choose``)."""
     src = Path(src)
     dst = default_output(src, True) if dst is None else Path(dst)
     n = resolve(threads)
@@ -104,7 +106,7 @@ def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = N
             raise ValueError(f"not a valid safetensors file: {e}") from None
         with _atomic.output_file(dst, force) as out:
             summary = write(s, out, threads=n, progress=progress,
-                            segment_bytes=segment_bytes, fast=fast)
+                            segment_bytes=segment_bytes, fast=fast, target=target)
     summary.seconds = time.perf_counter() - t0
     return summary
 

@@ -77,9 +77,9 @@ class Split:
 
 
 def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
-           fast: bool = False) -> Coded:
-    """Split ``raw`` (uint8 bytes of whole elements) and code every field (``fast``: see
-    ``codecs.choose``).
+           fast: bool = False, target: str = "cpu") -> Coded:
+    """Split ``raw`` (uint8 bytes of whole elements) and code every field (``fast`` and
+    ``target``: see ``codecs.choose``).
 
     RuntimeError if ``formats`` splits it otherwise than ``split`` says (the container's
     size bounds rest on it).
@@ -96,7 +96,8 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
         if (f.name, _context_name(f.context, done, f.name)) != field or sym.size != n:
             raise RuntimeError(f"formats split {raw.size} bytes of {dtype} otherwise than "
                                f"probed: field {f.name!r} of {sym.size} symbols")
-        choice = codecs.choose(sym, None if field[1] is None else done[field[1]], fast=fast)
+        choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
+                                fast=fast)
         done[f.name] = sym
         names.append(choice.codec)
         parts.append(choice.blob)

@@ -109,9 +109,11 @@ def check_input(source: Source) -> None:
 
 
 def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = SEGMENT_BYTES,
-          progress: Progress | None = None, fast: bool = False) -> Summary:
+          progress: Progress | None = None, fast: bool = False,
+          target: str = "cpu") -> Summary:
     """Compress ``source`` into the seekable binary stream ``out`` (from its position 0);
-    ``fast`` as for ``codecs.choose``."""
+    ``fast`` and ``target`` as for ``codecs.choose``."""
+    codecs.check_target(target)
     check_input(source)
     if segment_bytes < 8 or segment_bytes % 8:
         raise ValueError(f"segment_bytes must be a positive multiple of 8, got {segment_bytes}")
@@ -126,7 +128,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     def work(job: tuple[_Plan, int, int]) -> segment.Coded:
         p, lo, hi = job
         return segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split,
-                              fast=fast)
+                              fast=fast, target=target)
 
     summary = Summary(original_bytes=source.header.file_size(), files=1)
     chosen: dict[str, list[tuple[str, ...]]] = {p.entry.name: [] for p in plans}
