@@ -303,21 +303,6 @@ frame. "exact" means the decoded array equals the input (and, for entropykit, th
 """
 
 
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace (or append) this benchmark's section of RESULTS.md, keeping all the others."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="timed runs per measurement (>= 1)")
@@ -353,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
                    time.perf_counter() - t_start)
     print(text)
     if args.write:
-        write_section(text)
+        results.write_section(text, SECTION, RESULTS)
         print(f"wrote {SECTION!r} to {RESULTS}", file=sys.stderr)
 
 

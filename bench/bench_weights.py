@@ -44,6 +44,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import bench_coders  # noqa: E402 - bench/ is a folder of scripts, not a package
 import data  # noqa: E402
+import results  # noqa: E402
 
 SECTION = "## Weights (issue 3)"
 RESULTS = BENCH / "RESULTS.md"
@@ -380,25 +381,6 @@ F32 norms left out), codes as `<name>_blocks` U8 (…, 16) and (d, m) as `<name>
 """
 
 
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace (or append) this benchmark's section of RESULTS.md, keeping all the others.
-
-    bench_coders.write_section does the same for its own section name only (a module
-    constant), so it cannot be reused here without a ``section`` argument.
-    """
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="timed runs per measurement (>= 3)")
@@ -441,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
                    time.perf_counter() - t_start)
     print(text)
     if args.write:
-        write_section(text)
+        results.write_section(text, SECTION, RESULTS)
         print(f"wrote {SECTION!r} to {RESULTS}", file=sys.stderr)
 
 
