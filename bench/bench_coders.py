@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data  # noqa: E402 - bench/ is a folder of scripts, not a package
+import results as results_md  # noqa: E402
 
 SECTION = "## Coders (issue 2)"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
                    time.perf_counter() - t_start)
     print(text)
     if args.write:
-        results.write_section(text, SECTION, RESULTS)
+        results_md.write_section(text, SECTION, RESULTS)
         print(f"wrote {SECTION!r} to {RESULTS}", file=sys.stderr)
 
 

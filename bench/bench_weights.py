@@ -44,7 +44,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import bench_coders  # noqa: E402 - bench/ is a folder of scripts, not a package
 import data  # noqa: E402
-import results  # noqa: E402
+import results as results_md  # noqa: E402
 
 SECTION = "## Weights (issue 3)"
 RESULTS = BENCH / "RESULTS.md"
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
                    time.perf_counter() - t_start)
     print(text)
     if args.write:
-        results.write_section(text, SECTION, RESULTS)
+        results_md.write_section(text, SECTION, RESULTS)
         print(f"wrote {SECTION!r} to {RESULTS}", file=sys.stderr)
 
 
