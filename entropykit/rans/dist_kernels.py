@@ -15,7 +15,7 @@ and NaN keys get no smooth mass and the largest finite value takes the tail.
 Smooth CDF at a key boundary, in fixed point ONE = 2**31 (integers only from here on):
     sigma -> (e, r): sigma ~ (1 + r/2**8) * 2**e          (8 mantissa bits, rounded)
     u = 2**(e - 16);  mu_u = round(mu / u)                  (mu grid: sigma/65536)
-    D(k) = floor(B(k) / u) - mu_u, clamped to +-2**23     (exact dyadic shifts)
+    D(k) = floor(B(k) / u) - mu_u, clamped where |z| = 32 (exact dyadic shifts)
     z(k) = (D * R[r]) >> 32 = D * 2**-16 / (1 + r/2**8) in units of 2**-22
     F(k) = shape table interpolated at z (64 points per unit, z in [-32, 32])
     S(k) = (F * (2**16 - w) + E(k) * w) >> 16              (E: empirical table over keys)
@@ -65,7 +65,7 @@ Z_SHIFT = Z_GRID_BITS + Z_FRAC  # z in fixed point: units of 2**-22
 MU_BITS = 16  # mu grid step: sigma's power of two / 2**16
 SIGMA_BITS = 8  # mantissa bits of the quantized sigma
 R_SHIFT = 32
-D_MAX = 1 << 23  # |z| >= 64 beyond this: far outside the shape table
+D_BIG = 1 << 40  # D of a boundary next to inf / NaN: beyond any clamp
 EMP_POINTS = 256  # intervals of the empirical table (one per top-byte value)
 INV_POINTS = 4096  # intervals of the float inverse-shape table (guesses only)
 WEIGHT_ONE = 1 << 16
@@ -88,14 +88,16 @@ MESSAGES = {
 
 # The value format and one value's quantized parameters, as the helpers see them.
 Fmt = namedtuple("Fmt", "nkeys mant bias nonfinite es")
-Val = namedtuple("Val", "mu_u ue rr m w")
+Val = namedtuple("Val", "mu_u ue rr m w dl cb")
 
 
 def reciprocals() -> np.ndarray:
-    """R[r] = round(2**(R_SHIFT + 22 - MU_BITS) / (1 + r / 2**SIGMA_BITS)), int64[256]."""
-    num = 1 << (R_SHIFT + Z_GRID_BITS + Z_FRAC - MU_BITS + SIGMA_BITS)
-    den = np.arange(1 << SIGMA_BITS, 2 << SIGMA_BITS, dtype=np.int64)
-    return np.array([(num + int(d) // 2) // int(d) for d in den], np.int64)
+    """int64[2, 256] by sigma mantissa r: R = round(2**(R_SHIFT + 22 - MU_BITS) / (1 + r/256))
+    and the clamp dl = floor(Z_MAX * 2**(22 + R_SHIFT) / R) that keeps |z| <= Z_MAX."""
+    num = 1 << (R_SHIFT + Z_SHIFT - MU_BITS + SIGMA_BITS)
+    den = range(1 << SIGMA_BITS, 2 << SIGMA_BITS)
+    rr = [(num + d // 2) // d for d in den]
+    return np.array([rr, [(Z_MAX << (Z_SHIFT + R_SHIFT)) // r for r in rr]], np.int64)
 
 
 @_inline
@@ -104,14 +106,14 @@ def _fmt(fp):
 
 
 @_inline
-def _params(mu_bits, sg_bits, m, ws, rtab):
+def _params(mu_bits, sg_bits, m, ws, rtab, f):
     """Quantize one (mu, sigma) pair given as float32 bits: (ok, Val)."""
     sb = np.int64(sg_bits)
     e = (sb >> 23) & 0xFF
     mb = np.int64(mu_bits)
     em = (mb >> 23) & 0xFF
     if sb >> 31 or e == 0xFF or sb == 0 or em == 0xFF:
-        return False, Val(0, 0, 0, 0, 0)
+        return False, Val(0, 0, 0, 0, 0, 0, 0)
     if e == 0:  # subnormal sigma: use the smallest normal one
         e, r = 1, 0
     else:
@@ -134,7 +136,8 @@ def _params(mu_bits, sg_bits, m, ws, rtab):
         mu_u = (mm + (1 << (-sh - 1))) >> -sh
     if mb >> 31:
         mu_u = -mu_u
-    return True, Val(mu_u, ue, rtab[r], np.int64(m), ws[m])
+    return True, Val(mu_u, ue, rtab[0, r], np.int64(m), ws[m], rtab[1, r],
+                     f.bias + f.mant + 1 + ue)
 
 
 @_inline
@@ -149,17 +152,16 @@ def _offset(k, v, f):
         return -v.mu_u
     a = abs(y) - 1  # the smaller magnitude of keys k-1 and k
     if a + 1 >= f.nonfinite:
-        return D_MAX if y > 0 else -D_MAX
+        return D_BIG if y > 0 else -D_BIG
     neg = (y >> 63) & 1
-    ef = a >> f.mant
-    mid = 2 * (a & ((1 << f.mant) - 1)) + 1 + (min(ef, 1) << (f.mant + 1))  # odd
-    sh = max(ef, 1) - f.bias - f.mant - 1 - v.ue
-    right = min(max(-sh, 0), 62)
-    lo = (mid << min(max(sh, 0), 50)) >> right  # floor(mid / u)
-    # ceil(mid / u) = lo + 1 when any bit was shifted out (mid is odd), and for a negative
-    # boundary floor(-mid / u) = -ceil(mid / u): (c ^ -neg) + neg negates c when neg = 1.
-    c = lo + min(right, 1) * neg
-    return ((c ^ -neg) + neg) - v.mu_u
+    e1 = max(a >> f.mant, 1)  # exponent field, subnormals read as 1
+    # B = +-mid * 2**(e1 - cb) with mid = 2 * (implicit bit | mantissa) + 1, odd.
+    mid = 2 * a + 1 - ((e1 - 1) << (f.mant + 1))
+    sh = min(max(e1 - v.cb, -62), 50)
+    # floor(mid * 2**sh) for B > 0; floor(-mid * 2**sh) = ~floor((mid * 2**sh - 1)) for
+    # B < 0 (mid is odd, so a right shift always drops a non-zero remainder).
+    t = ((mid << max(sh, 0)) - neg) >> max(-sh, 0)
+    return (t ^ -neg) - v.mu_u
 
 
 @_inline
@@ -173,13 +175,13 @@ def _smooth_cdf(k, v, f, shapes, emps):
         return 0
     if k >= f.nkeys:
         return ONE
-    d = min(max(_offset(k, v, f), -D_MAX), D_MAX)
-    zf = min(max((d * v.rr) >> R_SHIFT, -(Z_MAX << Z_SHIFT)), Z_MAX << Z_SHIFT)
-    ix = (zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS)
+    d = min(max(_offset(k, v, f), -v.dl), v.dl)  # so |z| <= Z_MAX, and no overflow
+    zf = (d * v.rr) >> R_SHIFT
+    ix = np.uint64((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS))  # >= 0: unsigned skips wraparound
     t0 = np.int64(shapes[v.m, ix])
     s = t0 + (((np.int64(shapes[v.m, ix + 1]) - t0) * (zf & ((1 << Z_FRAC) - 1))) >> Z_FRAC)
     if v.w:
-        b = k >> f.es
+        b = np.uint64(k >> f.es)
         e0 = np.int64(emps[v.m, b])
         e = e0 + (((np.int64(emps[v.m, b + 1]) - e0) * (k & ((1 << f.es) - 1))) >> f.es)
         s = (s * (WEIGHT_ONE - v.w) + e * v.w) >> 16
@@ -262,8 +264,7 @@ def encode_chunk(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, preci
             return 1, 0
         for lane in range(m):
             i = g0 + lane
-            ok, v = _params(mu_bits[i], sg_bits[i], midx[i] if per_value else midx[0], ws,
-                            rtab)
+            ok, v = _params(mu_bits[i], sg_bits[i], midx[i] if per_value else midx[0], ws, rtab, f)
             if not ok:
                 return 2, i
             st[1, lane], st[2, lane], st[3, lane], st[4, lane] = _value_cdfs(
@@ -293,7 +294,7 @@ def cost(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, precision, ou
     spread = (1 << precision) - 256
     per_value = midx.size > 1
     for i in range(vals.size):
-        ok, v = _params(mu_bits[i], sg_bits[i], midx[i] if per_value else midx[0], ws, rtab)
+        ok, v = _params(mu_bits[i], sg_bits[i], midx[i] if per_value else midx[0], ws, rtab, f)
         if not ok:
             return i
         t0, t1, l0, l1 = _value_cdfs(_key(np.int64(vals[i]), f.nkeys), v, f, shapes, emps,
@@ -336,19 +337,13 @@ def _grid_sigma(bits, scratch, scratch_bits):
 
 
 @_kernel
-def _search(slot, j, b, sh, sb, t, spread, v, f, shapes, emps):
-    """(j, S_j, S_j+1, cdf(j), cdf(j+1)) with cdf(j) <= slot < cdf(j+1), S_j = S(b + j 2**sh).
+def _search_from(slot, j, sj, c, b, sh, sb, t, spread, v, f, shapes, emps):
+    """(j, S_j, S_j+1, cdf(j), cdf(j+1)) with cdf(j) <= slot < cdf(j+1), S_j = S(b + j 2**sh),
+    when the guess ``j`` (with its S_j and cdf(j)) missed.
 
-    Starts at the guess ``j``, gallops away from it, then bisects. cdf(0) = 0 <= slot <
-    2**p = cdf(256) and every frequency is >= 1, so it always ends, whatever the payload.
+    Gallops away from the guess, then bisects. cdf(0) = 0 <= slot < 2**p = cdf(256) and
+    every frequency is >= 1, so it always ends, whatever the payload holds.
     """
-    j = min(max(j, 0), 255)
-    sj = _smooth_cdf(b + (j << sh), v, f, shapes, emps)
-    sn = _smooth_cdf(b + ((j + 1) << sh), v, f, shapes, emps)
-    c = _stage_cdf(j, sj, sb, t, spread)
-    cn = _stage_cdf(j + 1, sn, sb, t, spread)
-    if c <= slot < cn:  # the guess was right: two independent evaluations, one branch
-        return j, sj, sn, c, cn
     step = 1
     if c <= slot:
         lo, slo, clo = j, sj, c
@@ -399,87 +394,134 @@ def _read_word(xs, buf, ptr, end):
     return xs, ptr if xs >= L else -1
 
 
+# Rows of the decoder's per-lane scratch ``ln`` (int64[LANE_ROWS, 32]): the lane state; the
+# top-byte symbol and S at its two ends (the low-byte step's range); the current step's
+# symbol, S and cdf at its two ends; the lane's quantized parameters (a Val).
+_X, _T, _SB, _SE, _G, _SJ, _SN, _C0, _C1, _V = range(10)
+LANE_ROWS = _V + len(Val._fields)
+
+
 @_inline
-def _dec_stage(xs, b, sh, sb, t, mf, sf, v, f, shapes, zinv, emps, precision, scratch,
-               scratch_bits):
-    """One stage from state ``xs``; symbol j is keys b + j 2**sh: (j, S_j, S_j+1, next state)."""
+def _lane_val(ln, q):
+    return Val(ln[_V, q], ln[_V + 1, q], ln[_V + 2, q], ln[_V + 3, q], ln[_V + 4, q],
+               ln[_V + 5, q], ln[_V + 6, q])
+
+
+@_inline
+def _lane_range(ln, q, low, f):
+    """(b, sh, S_b, T) of lane q's step: symbol j is keys b + j 2**sh, mass S_b .. S_b + T."""
+    if low:
+        return ln[_T, q] << f.es, 0, ln[_SB, q], ln[_SE, q] - ln[_SB, q]
+    return 0, f.es, 0, ONE
+
+
+@_inline
+def _stage_guess(xs, b, sh, sb, t, mf, sf, m, f, zinv, precision, scratch, scratch_bits):
+    """Float guess of the symbol (keys b + j 2**sh) that state ``xs`` decodes to."""
     spread = (1 << precision) - 256
     slot = xs & ((1 << precision) - 1)
     frac = (sb + (slot + 0.5) * (1.0 / (1 << precision)) * t) * (1.0 / ONE)
-    g = _guess_key(frac, mf, sf, zinv, v.m, f, scratch, scratch_bits)
+    g = _guess_key(frac, mf, sf, zinv, m, f, scratch, scratch_bits)
     if sh == 0:
         # slot = j + spread * (S_j - S_b) / T: take the first guess's j out and guess again
         # (one float guess is cheaper than the CDF evaluations a near miss costs).
         j0 = min(max(g - b, 0), 255)
         frac = (sb + (slot - j0 + 0.5) * (1.0 / spread) * t) * (1.0 / ONE)
-        g = _guess_key(frac, mf, sf, zinv, v.m, f, scratch, scratch_bits)
-    j, sj, sn, c0, c1 = _search(slot, (g - b) >> sh, b, sh, sb, t, spread, v, f, shapes,
-                                emps)
-    return j, sj, sn, (c1 - c0) * (xs >> precision) + slot - c0
+        g = _guess_key(frac, mf, sf, zinv, m, f, scratch, scratch_bits)
+    return min(max((g - b) >> sh, 0), 255)
+
+
+@_kernel
+def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, mu_f, midx, f, shapes,
+                 zinv, emps, ws, rtab, precision, scratch, out):
+    """One rANS step of lanes 0..m-1 (values g0..g0+m-1): top bytes, or (``low``) low bytes.
+
+    Three passes over the lanes so that the lanes' long dependency chains (float guess,
+    CDF evaluations, state update) overlap in the CPU instead of running one after the
+    other: (A) parameters and the float guess, (B) the two exact CDF evaluations that
+    check it, (C) in lane order, as the stream requires: search on a missed guess, update
+    the state, read a word. ``fl`` (float64[2, 32]) holds each lane's mu and grid sigma.
+    Returns (OK, new ptr), (ERR_TRUNCATED, 0) or (-1, index of an invalid mu/sigma).
+    """
+    spread = (1 << precision) - 256
+    mask = (1 << precision) - 1
+    scratch_bits = scratch.view(np.uint32)
+    per_value = midx.size > 1
+    for q in range(m):  # (A)
+        i = g0 + q
+        if not low:
+            ok, v = _params(mu_bits[i], sg_bits[i], midx[i] if per_value else midx[0], ws,
+                            rtab, f)
+            if not ok:
+                return -1, i
+            for r in range(len(v)):
+                ln[_V + r, q] = v[r]
+            fl[0, q] = mu_f[i]
+            fl[1, q] = _grid_sigma(sg_bits[i], scratch, scratch_bits)
+        b, sh, sb, t = _lane_range(ln, q, low, f)
+        ln[_G, q] = _stage_guess(ln[_X, q], b, sh, sb, t, fl[0, q], fl[1, q], ln[_V + 3, q],
+                                 f, zinv, precision, scratch, scratch_bits)
+    for q in range(m):  # (B)
+        v = _lane_val(ln, q)
+        b, sh, sb, t = _lane_range(ln, q, low, f)
+        j = ln[_G, q]
+        ln[_SJ, q] = sj = _smooth_cdf(b + (j << sh), v, f, shapes, emps)
+        ln[_SN, q] = sn = _smooth_cdf(b + ((j + 1) << sh), v, f, shapes, emps)
+        ln[_C0, q] = _stage_cdf(j, sj, sb, t, spread)
+        ln[_C1, q] = _stage_cdf(j + 1, sn, sb, t, spread)
+    for q in range(m):  # (C)
+        xs = ln[_X, q]
+        slot = xs & mask
+        j, sj, sn, c0, c1 = ln[_G, q], ln[_SJ, q], ln[_SN, q], ln[_C0, q], ln[_C1, q]
+        b, sh, sb, t = _lane_range(ln, q, low, f)
+        if not c0 <= slot < c1:
+            j, sj, sn, c0, c1 = _search_from(slot, j, sj, c0, b, sh, sb, t, spread,
+                                             _lane_val(ln, q), f, shapes, emps)
+        ln[_X, q], ptr = _read_word((c1 - c0) * (xs >> precision) + slot - c0, buf, ptr, end)
+        if ptr < 0:
+            return ERR_TRUNCATED, 0
+        if low or f.es == 0:
+            out[g0 + q] = _bits(b + j, f.nkeys)
+        else:
+            ln[_T, q], ln[_SB, q], ln[_SE, q] = j, sj, sn
+    return OK, ptr
 
 
 @_kernel
 def decode_chunk(buf, start, length, mu_bits, sg_bits, mu_f, midx, fp, shapes, zinv,
-                 emps, ws, rtab, precision, st, scratch, out):
+                 emps, ws, rtab, precision, ln, fl, scratch, out):
     """Decode ``out.size`` values from ``buf[start:start+length]``; return an error code.
 
-    ``mu_f`` is a float32 view of ``mu_bits``; ``st`` (int64[9, 32])
-    and ``scratch`` (float32[1]) are scratch. An invalid (mu, sigma) pair comes back as
-    -(index + 1).
+    ``mu_f`` is a float32 view of ``mu_bits``; ``ln`` (int64[LANE_ROWS, 32]), ``fl``
+    (float64[2, 32]) and ``scratch`` (float32[1]) are scratch. An invalid (mu, sigma) pair
+    comes back as -(index + 1).
     """
     f = _fmt(fp)
     n = out.size
     end = start + length
     if length < STATE_BYTES or (length - STATE_BYTES) & 1 or end > buf.size or start < 0:
         return ERR_ODD
-    per_value = midx.size > 1
-    scratch_bits = scratch.view(np.uint32)
     for lane in range(LANES):
         o = start + 4 * lane
         s = (np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8) | (np.int64(buf[o + 2]) << 16)
              | (np.int64(buf[o + 3]) << 24))
         if s < L:
             return ERR_STATE
-        st[0, lane] = s
+        ln[_X, lane] = s
     ptr = start + STATE_BYTES
     for g0 in range(0, n, LANES):
         m = min(LANES, n - g0)
-        # Top byte of every lane's value: a stage over the whole key space.
-        for lane in range(m):
-            i = g0 + lane
-            ok, v = _params(mu_bits[i], sg_bits[i], midx[i] if per_value else midx[0], ws,
-                            rtab)
-            if not ok:
-                return -(i + 1)
-            j, s0, s1, xs = _dec_stage(st[0, lane], 0, f.es, 0, ONE, np.float64(mu_f[i]),
-                                       _grid_sigma(sg_bits[i], scratch, scratch_bits), v, f,
-                                       shapes, zinv, emps,
-                                       precision, scratch, scratch_bits)
-            st[0, lane], ptr = _read_word(xs, buf, ptr, end)
-            if ptr < 0:
-                return ERR_TRUNCATED
-            st[1, lane], st[2, lane], st[3, lane] = j, s0, s1
-            st[4, lane], st[5, lane], st[6, lane], st[7, lane], st[8, lane] = v
-            out[i] = _bits(j, f.nkeys)
-        if f.es == 0:
-            continue
-        # Low byte given the top byte: keys b .. b + 255, mass s0 .. s1.
-        for lane in range(m):
-            i = g0 + lane
-            v = Val(st[4, lane], st[5, lane], st[6, lane], st[7, lane], st[8, lane])
-            b = st[1, lane] << f.es
-            s0 = st[2, lane]
-            lo, _, _, xs = _dec_stage(st[0, lane], b, 0, s0, st[3, lane] - s0,
-                                      np.float64(mu_f[i]),
-                                      _grid_sigma(sg_bits[i], scratch, scratch_bits), v, f, shapes,
-                                      zinv, emps, precision, scratch, scratch_bits)
-            st[0, lane], ptr = _read_word(xs, buf, ptr, end)
-            if ptr < 0:
-                return ERR_TRUNCATED
-            out[i] = _bits(b + lo, f.nkeys)
+        for low in range(2 if f.es else 1):
+            status, ptr = _decode_step(low == 1, g0, m, ln, fl, buf, ptr, end, mu_bits,
+                                       sg_bits, mu_f, midx, f, shapes, zinv, emps, ws, rtab,
+                                       precision, scratch, out)
+            if status == -1:
+                return -(ptr + 1)
+            if status != OK:
+                return status
     if ptr != end:
         return ERR_TRAILING
     for lane in range(LANES):
-        if st[0, lane] != L:
+        if ln[_X, lane] != L:
             return ERR_FINAL
     return OK

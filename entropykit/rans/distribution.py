@@ -474,8 +474,8 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
                                    mu_b[sl].view(np.float32),
                                    midx[sl] if midx.size > 1 else midx, fp, model.padded,
                                    model.inverse, model.emps, model.weights, _RTAB,
-                                   info.precision, np.empty((9, _k.LANES), np.int64),
-                                   np.empty(1, np.float32), dst)
+                                   info.precision, np.empty((_k.LANE_ROWS, _k.LANES), np.int64),
+                                   np.empty((2, _k.LANES)), np.empty(1, np.float32), dst)
             if code < 0:
                 raise _bad_param(i * cs - code - 1, mu_b, sg_b)
             if code != _k.OK:
