@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers  # the kv extra; .ci/run installs it
 
-transformers = pytest.importorskip("transformers")
-
-from entropykit import CorruptDataError  # noqa: E402
-from entropykit import predictive as P  # noqa: E402
+from entropykit import CorruptDataError
+from entropykit import predictive as P
 
 LAYERS = 3
 
