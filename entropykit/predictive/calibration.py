@@ -1,10 +1,13 @@
 """Calibration: fit the residual models of a (target, predictor) pair on sample prompts.
 
 What it is: ``calibrate(target, predictor, prompts)`` runs both models on the prompts and
-fits, per channel (layer, k/v, kv head, dim), the residual bias and std and the adaptive
-model's scale coefficients, per (layer, k/v) the adaptive model's shape and the empirical
-value distributions (bf16 keys, and fp8 e4m3 keys under per-layer scaling); ``Calibration``
-holds them, saves them to a small safetensors file and builds the coder's tables.
+fits per channel (layer, k/v, kv head, dim) the residual bias and std, and for each cache
+format (bf16; fp8 e4m3 with one scale per layer and k/v, whose coarse values need their
+own fit) the conditional model: per (layer, k/v) its linear maps, conditional std and
+shape; plus the empirical value distributions of each format. ``Calibration`` holds them,
+saves them to a safetensors file and builds the coder's tables. Size: the int8 maps
+dominate, 2 * 5 * (heads * dim)^2 bytes per layer and format (SmolLM2-135M: ~0.37 MB per
+layer, ~11 MB per format).
 What it is not: the codec (``codec``) or the residual models' definitions (``residual``).
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,49 +25,70 @@ import torch
 
 from ..rans import distribution as dist
 from . import residual
+from ._linear import affine
 from .kvcache import FP8_MAX, from_transformers
 from .predictors import Predictor
 
 VERSION = 1
-_ARRAYS = ("bias", "std", "coef", "shapes", "emp_bf16", "emp_fp8")
+FORMATS = ("bf16", "fp8_e4m3")
+_SUFFIX = {"bf16": "bf16", "fp8_e4m3": "fp8"}
+_PER_FORMAT = ("cstd", "cond", "cscale", "shapes", "emp")
 
 
 @dataclass(eq=False)
 class Calibration:
     """Fitted residual parameters of one (target, predictor) pair; see module docstring.
 
-    bias, std: float32 [layers, 2, heads, dim]; coef: float32 [layers, 2, heads, dim, 3];
-    shapes: uint32 [2 layers, Z_POINTS + 1]; emp_bf16, emp_fp8: uint32 [2 layers, 257].
+    ``arrays``: bias, std: float32 [layers, 2, heads, dim]; and per calibrated format f
+    ("bf16" or "fp8"): cstd_f float32 [layers, 2, heads, dim], cond_f int8 [layers, 2, 5,
+    heads * dim, heads * dim] and cscale_f float32 [layers, 2, 5, heads * dim] (the
+    conditional maps, one block per source, ``residual.sources``), shapes_f uint32
+    [2 layers, Z_POINTS + 1], emp_f uint32 [2 layers, 257].
     """
 
     predictor: str
-    bias: np.ndarray
-    std: np.ndarray
-    coef: np.ndarray
-    shapes: np.ndarray
-    emp_bf16: np.ndarray
-    emp_fp8: np.ndarray
+    arrays: dict[str, np.ndarray]
     tokens: int = 0
     _models: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def bias(self) -> np.ndarray:
+        return self.arrays["bias"]
+
+    @property
+    def std(self) -> np.ndarray:
+        return self.arrays["std"]
 
     @property
     def layers(self) -> int:
         return self.bias.shape[0]
 
     @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(f for f in FORMATS if f"cstd_{_SUFFIX[f]}" in self.arrays)
+
+    def get(self, name: str, fmt: str) -> np.ndarray:
+        """A per-format array ("cstd", "cond", "shapes", "emp") of cache format ``fmt``."""
+        if fmt not in self.formats:
+            raise ValueError(f"this calibration has no {fmt} fit (it has {self.formats}); "
+                             f"calibrate with formats including {fmt!r}")
+        return self.arrays[f"{name}_{_SUFFIX[fmt]}"]
+
+    @property
     def fingerprint(self) -> int:
         """CRC-32 of every array and the predictor's name: the codec records it."""
         crc = zlib.crc32(self.predictor.encode())
-        for name in _ARRAYS:
-            crc = zlib.crc32(np.ascontiguousarray(getattr(self, name)).tobytes(), crc)
+        for name in sorted(self.arrays):
+            crc = zlib.crc32(name.encode(), crc)
+            crc = zlib.crc32(np.ascontiguousarray(self.arrays[name]).tobytes(), crc)
         return crc
 
     def coder_model(self, kind: str, fmt: str) -> dist.CoderModel:
         """The coder's tables for residual model ``kind`` and value format ``fmt``."""
         key = (kind, fmt)
         if key not in self._models:
-            emps = self.emp_bf16 if fmt == "bf16" else self.emp_fp8
-            self._models[key] = residual.coder_model(kind, self.shapes, emps)
+            self._models[key] = residual.coder_model(kind, self.get("shapes", fmt),
+                                                     self.get("emp", fmt))
         return self._models[key]
 
     def save(self, path: str | Path) -> None:
@@ -72,7 +96,7 @@ class Calibration:
 
         meta = {"entropykit_kv_calibration": json.dumps(
             {"version": VERSION, "predictor": self.predictor, "tokens": self.tokens})}
-        save_file({n: np.ascontiguousarray(getattr(self, n)) for n in _ARRAYS}, str(path),
+        save_file({n: np.ascontiguousarray(a) for n, a in self.arrays.items()}, str(path),
                   metadata=meta)
 
     @classmethod
@@ -84,49 +108,106 @@ class Calibration:
             if not meta or meta.get("version") != VERSION:
                 raise ValueError(f"{path} is not an entropykit KV calibration (version "
                                  f"{VERSION})")
-            arrays = {n: f.get_tensor(n) for n in _ARRAYS}
-        cal = cls(meta["predictor"], tokens=meta["tokens"], **arrays)
+            arrays = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118 - not a dict
+        cal = cls(meta["predictor"], arrays, meta["tokens"])
         cal.validate()
         return cal
 
     def validate(self) -> None:
-        l2 = 2 * self.layers
-        shapes = {"std": self.bias.shape, "coef": self.bias.shape + (3,),
-                  "shapes": (l2, dist.Z_POINTS + 1), "emp_bf16": (l2, dist.EMP_POINTS + 1),
-                  "emp_fp8": (l2, dist.EMP_POINTS + 1)}
-        for name, shape in shapes.items():
-            if getattr(self, name).shape != shape:
-                raise ValueError(f"calibration {name} has shape {getattr(self, name).shape}, "
+        """Check every array's shape and every table (raises ``ValueError``)."""
+        if "bias" not in self.arrays or "std" not in self.arrays:
+            raise ValueError("a calibration needs bias and std")
+        base = self.bias.shape
+        if len(base) != 4 or base[1] != 2:
+            raise ValueError(f"calibration bias has shape {base}")
+        hd = base[2] * base[3]
+        l2 = 2 * base[0]
+        want = {"std": base}
+        for f in self.formats:
+            s = _SUFFIX[f]
+            cond = (base[0], 2, residual.MAX_SOURCES, hd, hd)
+            want |= {f"cstd_{s}": base, f"cond_{s}": cond, f"cscale_{s}": cond[:-1],
+                     f"shapes_{s}": (l2, dist.Z_POINTS + 1), f"emp_{s}": (l2, dist.EMP_POINTS + 1)}
+        for name, shape in want.items():
+            if self.arrays[name].shape != shape:
+                raise ValueError(f"calibration {name} has shape {self.arrays[name].shape}, "
                                  f"expected {shape}")
-        for kind in residual.KINDS:  # tables rise from 0 to ONE etc.
-            self.coder_model(kind, "bf16")
-            self.coder_model(kind, "fp8_e4m3")
+        for f in self.formats:  # tables rise from 0 to ONE etc.
+            for kind in residual.KINDS:
+                self.coder_model(kind, f)
 
 
-def _keys16(x: torch.Tensor) -> np.ndarray:
-    bits = x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-    return np.where(bits & 0x8000, bits ^ 0xFFFF, bits ^ 0x8000).reshape(-1)
+def _fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """x through e4m3 with one scale (max |x| / 448), back in real units: ``to_fp8``'s."""
+    amax = float(x.abs().max())
+    scale = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
-def _keys8(x: torch.Tensor) -> np.ndarray:
+def _key_counts(x: torch.Tensor, fmt: str) -> np.ndarray:
+    """Counts of each key (numeric order, as the coder's) of ``x`` in format ``fmt``."""
+    if fmt == "bf16":
+        bits = x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+        keys = np.where(bits & 0x8000, bits ^ 0xFFFF, bits ^ 0x8000)
+        return np.bincount(keys.reshape(-1), minlength=1 << 16)
     amax = float(x.abs().max())
     scale = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
     q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     bits = q.contiguous().view(torch.uint8).numpy()
-    return np.where(bits & 0x80, bits ^ 0xFF, bits ^ 0x80).reshape(-1)
+    return np.bincount(np.where(bits & 0x80, bits ^ 0xFF, bits ^ 0x80).reshape(-1),
+                       minlength=1 << 8)
 
 
-def calibrate(target: torch.nn.Module, predictor: Predictor,
-              prompts: Iterable[Any]) -> Calibration:
+def _fit_conditional(xs: list[np.ndarray], ps: list[np.ndarray], bias: np.ndarray,
+                     exact: int, out: dict[str, np.ndarray], suffix: str) -> None:
+    """Fit the conditional model of one format from its values ``xs`` and guesses ``ps``
+    (per group, real units, [1, heads, tokens, dim]) into ``out``."""
+    n = len(xs) // 2
+    heads, dim = xs[0].shape[1], xs[0].shape[3]
+    hd = heads * dim
+    cstd = np.ones((n, 2, heads, dim), np.float32)
+    cond = np.zeros((n, 2, residual.MAX_SOURCES, hd, hd), np.int8)
+    cscale = np.ones((n, 2, residual.MAX_SOURCES, hd), np.float32)
+    shapes = np.tile(dist.gaussian_shape(), (2 * n, 1))
+    residuals: dict[tuple[int, int], np.ndarray] = {}
+    guesses = {(g // 2, g % 2): p for g, p in enumerate(ps)}
+    for g in range(2 * n):
+        layer, kv = divmod(g, 2)
+        base = ps[g] if layer < exact else ps[g] + bias[layer, kv][None, :, None, :]
+        r = xs[g] - base
+        residuals[(layer, kv)] = r
+        if layer < exact:
+            continue  # coded as exact: nothing to fit
+        target = r.transpose(0, 2, 1, 3).reshape(-1, hd)
+        feats = residual.features(residuals, guesses, layer, kv)
+        k = len(residual.sources(layer, kv))
+        cond[layer, kv], cscale[layer, kv] = residual.quantize(
+            residual.fit_conditional(feats, target), k, hd)
+        # The coder uses the int8 maps: so does the fit of what remains.
+        w = residual.dequantize(cond[layer, kv], cscale[layer, kv], k)
+        err = target - affine(np.zeros_like(target), feats, w)
+        cstd[layer, kv] = np.sqrt((err.astype(np.float64) ** 2).mean(axis=0)).reshape(
+            heads, dim)
+        mean = base.transpose(0, 2, 1, 3).reshape(-1, hd)
+        sigma = residual.floor(np.broadcast_to(cstd[layer, kv].reshape(hd), err.shape), mean)
+        shapes[g] = residual.fit_shape((err / sigma).reshape(-1))
+    out |= {f"cstd_{suffix}": cstd, f"cond_{suffix}": cond, f"cscale_{suffix}": cscale,
+            f"shapes_{suffix}": shapes}
+
+
+def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[Any],
+              formats: Sequence[str] = FORMATS) -> Calibration:
     """Fit every residual model of (``target``, ``predictor``) on ``prompts``.
 
-    ``prompts`` are token-id sequences (1-d tensors, lists, or [1, seq] tensors). Layers the
-    predictor reproduces exactly are not fitted (they are coded as exact).
+    ``prompts`` are token-id sequences (1-d tensors, lists, or [1, seq] tensors);
+    ``formats`` the cache formats to fit the conditional model for. Layers the predictor
+    reproduces exactly are not fitted (they are coded as exact).
     """
-    xs: list[list[torch.Tensor]] = []
-    ps: list[list[torch.Tensor]] = []
-    counts16: list[np.ndarray] = []
-    counts8: list[np.ndarray] = []
+    if not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(f"formats must be a non-empty subset of {FORMATS}")
+    xs: dict[str, list[list[np.ndarray]]] = {}
+    ps: list[list[np.ndarray]] = []
+    counts: dict[str, list[np.ndarray]] = {}
     tokens = 0
     for prompt in prompts:
         ids = torch.as_tensor(prompt).reshape(1, -1)
@@ -134,44 +215,40 @@ def calibrate(target: torch.nn.Module, predictor: Predictor,
         with torch.inference_mode():
             cache = from_transformers(target(ids, use_cache=True).past_key_values)
         guess = predictor.predict(ids)
-        n = len(cache.keys)
-        if not counts16:
-            counts16 = [np.zeros(1 << 16, np.int64) for _ in range(2 * n)]
-            counts8 = [np.zeros(1 << 8, np.int64) for _ in range(2 * n)]
-            xs = [[] for _ in range(2 * n)]
-            ps = [[] for _ in range(2 * n)]
-        for layer in range(n):
-            for kv in (0, 1):
-                g = 2 * layer + kv
-                x = cache.real(layer, kv)
-                counts16[g] += np.bincount(_keys16(x), minlength=1 << 16)
-                counts8[g] += np.bincount(_keys8(x), minlength=1 << 8)
-                xs[g].append(x)
-                ps[g].append(torch.zeros_like(x) if guess is None else guess[layer][kv])
-    if not xs:
+        groups = 2 * len(cache.keys)
+        if not ps:
+            ps = [[] for _ in range(groups)]
+            xs = {f: [[] for _ in range(groups)] for f in ("bf16", *formats)}
+            counts = {f: [0] * groups for f in formats}
+        for g in range(groups):
+            layer, kv = divmod(g, 2)
+            x = cache.real(layer, kv)
+            ps[g].append(np.zeros(x.shape, np.float32) if guess is None
+                         else guess[layer][kv].numpy())
+            for f in xs:
+                xs[f][g].append((x if f == "bf16" else _fp8_round(x)).numpy())
+            for f in formats:
+                counts[f][g] = counts[f][g] + _key_counts(x, f)
+    if not ps:
         raise ValueError("calibrate needs at least one prompt")
-    n = len(xs) // 2
-    heads, dim = xs[0][0].shape[1], xs[0][0].shape[3]
+    p = [np.concatenate(a, axis=2) for a in ps]
+    x16 = [np.concatenate(a, axis=2) for a in xs["bf16"]]
+    n = len(p) // 2
+    heads, dim = p[0].shape[1], p[0].shape[3]
     bias = np.zeros((n, 2, heads, dim), np.float32)
     std = np.ones((n, 2, heads, dim), np.float32)
-    coef = np.zeros((n, 2, heads, dim, 3), np.float32)
-    coef[..., 0] = 1.0
-    shapes = np.tile(dist.gaussian_shape(), (2 * n, 1))
     for g in range(2 * n):
         layer, kv = divmod(g, 2)
-        if layer < predictor.exact_layers:
-            continue
-        x = torch.cat(xs[g], dim=2).numpy()
-        p = torch.cat(ps[g], dim=2).numpy()
-        r = x - p
-        b = r.mean(axis=(0, 2))
-        r -= b[None, :, None, :]
-        bias[layer, kv] = b
-        std[layer, kv] = np.sqrt((r.astype(np.float64) ** 2).mean(axis=(0, 2)))
-        coef[layer, kv] = residual.fit_adaptive(r, p)
-        sigma = residual.floor(residual.scales("adaptive", p, std[layer, kv], coef[layer, kv]),
-                               p + b[None, :, None, :])
-        shapes[g] = residual.fit_shape((r / sigma).reshape(-1))
-    emp16 = np.stack([dist.empirical_table(c) for c in counts16])
-    emp8 = np.stack([dist.empirical_table(c) for c in counts8])
-    return Calibration(predictor.describe(), bias, std, coef, shapes, emp16, emp8, tokens)
+        if layer >= predictor.exact_layers:
+            r = x16[g] - p[g]
+            bias[layer, kv] = r.mean(axis=(0, 2))
+            r -= bias[layer, kv][None, :, None, :]
+            std[layer, kv] = np.sqrt((r.astype(np.float64) ** 2).mean(axis=(0, 2)))
+    arrays: dict[str, np.ndarray] = {"bias": bias, "std": std}
+    for f in formats:
+        vals = x16 if f == "bf16" else [np.concatenate(a, axis=2) for a in xs[f]]
+        _fit_conditional(vals, p, bias, predictor.exact_layers, arrays, _SUFFIX[f])
+        arrays[f"emp_{_SUFFIX[f]}"] = np.stack([dist.empirical_table(c) for c in counts[f]])
+    cal = Calibration(predictor.describe(), arrays, tokens)
+    cal.validate()
+    return cal

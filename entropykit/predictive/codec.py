@@ -17,11 +17,15 @@ Blob v1 (little-endian):
     8       20    layers, batch, kv heads, seq, head dim (u32 each)
     28      4     exact layers (coded with mu = guess, sigma -> 0)
     32      4     calibration fingerprint (CRC-32)
-    36      4     CRC-32 of the mu and sigma arrays the encoder coded under
+    36      4     CRC-32 of the predictor's guess (float32 bytes, layer by layer, k then v)
     40      2     n: length of the predictor's description, then n bytes of UTF-8
-    ...           batch * seq token ids (i32), then for fp8 layers * 2 scales (f32)
+    ...           batch * seq token ids (i32), then for fp8 layers * 2 scales (f32), then
+                  layers * 2 frame lengths (u32)
     ...           CRC-32 (u32) of every byte above
-    ...           the distribution-rANS frame (to the end of the blob)
+    ...           one distribution-rANS frame per (layer, k/v), in order, back to back
+
+Each (layer, k/v) tensor is its own frame because with the conditional residual model its
+(mu, sigma) depend on the groups decoded before it.
 
 Determinism: the decoder must compute the same (mu, sigma) bits as the encoder (see
 ``predictors``); when it does not, decompress_kv raises ``CorruptDataError`` saying so
@@ -43,51 +47,71 @@ from ..rans import distribution as dist
 from . import residual
 from .calibration import Calibration
 from .kvcache import FP8, KVCache, as_kvcache
-from .predictors import Predictor
+from .predictors import Prediction, Predictor
 
 MAGIC = b"EKKV"
 VERSION = 1
 _HEAD = struct.Struct("<4sBBBBIIIIIIIIH")
+CHUNK = 1 << 16  # values per chunk: a layer's tensor splits across threads
 _FORMATS = {"bf16": torch.bfloat16, "fp8_e4m3": FP8}
 
 
-def _distribution(cache_shape: tuple[int, ...], layers: int, fmt: str, kind: str,
-                  guess: list | None, exact: int, scales: torch.Tensor | None,
-                  cal: Calibration) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(mu, sigma, model index) of every value, in blob order: layer, k/v, then the
-    tensor's own [batch, heads, seq, dim] order."""
-    per = int(np.prod(cache_shape))
-    mu = np.empty(2 * layers * per, np.float32)
-    sigma = np.empty_like(mu)
-    index = np.empty(mu.size, np.uint16)
-    exact_model = 2 * layers  # residual.coder_model's last model
-    for layer in range(layers):
-        for kv in (0, 1):
-            sl = slice((2 * layer + kv) * per, (2 * layer + kv + 1) * per)
-            p = (np.zeros(cache_shape, np.float32) if guess is None
-                 else guess[layer][kv].numpy().astype(np.float32, copy=False))
-            if layer < exact:
-                m = p
-                s = np.zeros(cache_shape, np.float32)
-                index[sl] = exact_model
-            else:
-                m = p + cal.bias[layer, kv][None, :, None, :]
-                s = residual.scales(kind, p, cal.std[layer, kv], cal.coef[layer, kv])
-                index[sl] = 2 * layer + kv
-            if scales is not None:
-                sc = np.float32(scales[layer, kv])
-                m, s = m / sc, s / sc
-            mu[sl] = m.reshape(-1)
-            sigma[sl] = residual.floor(s, m).reshape(-1)
-    return mu, sigma, index
+def _guess_arrays(guess: Prediction | None, layers: int,
+                  shape: tuple) -> dict[tuple[int, int], np.ndarray]:
+    """The predictor's guess per (layer, k/v) as float32 arrays (zeros without a guess)."""
+    if guess is None:
+        zero = np.zeros(shape, np.float32)
+        return {(layer, kv): zero for layer in range(layers) for kv in (0, 1)}
+    return {(layer, kv): guess[layer][kv].numpy().astype(np.float32, copy=False)
+            for layer in range(layers) for kv in (0, 1)}
 
 
-def _param_crc(mu: np.ndarray, sigma: np.ndarray) -> int:
-    return zlib.crc32(sigma.view(np.uint8), zlib.crc32(mu.view(np.uint8)))
+def _group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: int,
+                        kind: str, cal: Calibration, scales: torch.Tensor | None,
+                        residuals: dict) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """(mu, sigma, model index, base mean in real units) of one (layer, k/v) tensor.
+
+    mu and sigma are flat in the tensor's order and in the cache's units (fp8: divided by
+    the scale); ``residuals`` holds the real-unit residuals of the groups already coded.
+    """
+    p = guesses[(layer, kv)]
+    if layer < exact:
+        base, mean = p, p
+        sigma = np.zeros(shape, np.float32)
+        index = 2 * cal.layers  # residual.coder_model's last model
+    else:
+        base = p + cal.bias[layer, kv][None, :, None, :]
+        if kind == "conditional":
+            fmt = "bf16" if scales is None else "fp8_e4m3"
+            mean = residual.conditional_mean(base, residuals, guesses, layer, kv,
+                                             cal.get("cond", fmt)[layer, kv],
+                                             cal.get("cscale", fmt)[layer, kv])
+            sd = cal.get("cstd", fmt)[layer, kv]
+        else:
+            mean, sd = base, cal.std[layer, kv]
+        sigma = np.broadcast_to(sd[None, :, None, :], shape)
+        index = 2 * layer + kv
+    if scales is not None:
+        sc = np.float32(scales[layer, kv])
+        mean, sigma = mean / sc, sigma / sc
+    return mean.reshape(-1), residual.floor(sigma, mean).reshape(-1), index, base
+
+
+def _guess_crc(guess: Prediction | None) -> int:
+    crc = 0
+    for pair in guess or []:
+        for t in pair:
+            crc = zlib.crc32(np.ascontiguousarray(t.numpy(), np.float32).view(np.uint8), crc)
+    return crc
+
+
+def _storage(fmt: str) -> tuple[np.dtype, torch.dtype]:
+    return (np.dtype(np.uint16), torch.int16) if fmt == "bf16" else (np.dtype(np.uint8),
+                                                                      torch.uint8)
 
 
 def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
-                calibration: Calibration, *, model: str = "adaptive",
+                calibration: Calibration, *, model: str = "conditional",
                 threads: int | None = None) -> bytes:
     """Code ``cache`` (a ``KVCache`` or transformers ``Cache``; bf16, or fp8 ``KVCache``)
     of the prompt ``input_ids`` ([batch, seq]) against ``predictor``'s guess."""
@@ -108,23 +132,31 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     if model not in kinds:
         raise ValueError(f"unknown residual model {model!r}; known: {kinds}")
     guess = predictor.predict(ids)
-    mu, sigma, index = _distribution(kv.shape, layers, kv.format, model, guess,
-                                     predictor.exact_layers, kv.scales, calibration)
-    storage = np.uint16 if kv.format == "bf16" else np.uint8
-    bits = np.concatenate([kv.tensor(layer, k).contiguous().view(
-        torch.int16 if storage is np.uint16 else torch.uint8).numpy().view(storage).reshape(-1)
-        for layer in range(layers) for k in (0, 1)])
-    frame = dist.encode(bits, mu, sigma, calibration.coder_model(model, kv.format),
-                        fmt=kv.format, model_index=index, threads=threads)
+    guesses = _guess_arrays(guess, layers, kv.shape)
+    model_tables = calibration.coder_model(model, kv.format)
+    np_dtype, view = _storage(kv.format)
+    frames, residuals = [], {}
+    for layer in range(layers):
+        for k in (0, 1):
+            mu, sigma, index, base = _group_distribution(
+                layer, k, guesses, kv.shape, predictor.exact_layers, model, calibration,
+                kv.scales, residuals)
+            t = kv.tensor(layer, k)
+            bits = t.contiguous().view(view).numpy().view(np_dtype).reshape(-1)
+            frames.append(dist.encode(bits, mu, sigma, model_tables, fmt=kv.format,
+                                      model_index=index, chunk_size=CHUNK, threads=threads))
+            if model == "conditional":
+                residuals[(layer, k)] = kv.real(layer, k).numpy() - base
     desc = predictor.describe().encode()
     head = _HEAD.pack(MAGIC, VERSION, dist.FORMATS[kv.format].code, kinds.index(model), 0,
                       layers, batch, heads, seq, dim, predictor.exact_layers,
-                      calibration.fingerprint, _param_crc(mu, sigma), len(desc))
+                      calibration.fingerprint, _guess_crc(guess), len(desc))
     parts = [head, desc, ids.to(torch.int32).numpy().astype("<i4").tobytes()]
     if kv.scales is not None:
         parts.append(kv.scales.numpy().astype("<f4").tobytes())
+    parts.append(np.array([len(f) for f in frames], "<u4").tobytes())
     front = b"".join(parts)
-    return front + struct.pack("<I", zlib.crc32(front)) + frame
+    return b"".join([front, struct.pack("<I", zlib.crc32(front))] + frames)
 
 
 @dataclass(frozen=True)
@@ -141,7 +173,7 @@ class _Front:
     predictor: str
     ids: torch.Tensor
     scales: torch.Tensor | None
-    frame: int  # offset of the frame
+    frames: list[tuple[int, int]]  # (offset, length) of each (layer, k/v) frame
 
 
 def _front(blob: bytes | memoryview) -> _Front:
@@ -162,7 +194,7 @@ def _front(blob: bytes | memoryview) -> _Front:
     off = _HEAD.size
     n_ids = batch * seq
     scale_bytes = 8 * layers if fmt == "fp8_e4m3" else 0
-    end = off + dlen + 4 * n_ids + scale_bytes
+    end = off + dlen + 4 * n_ids + scale_bytes + 8 * layers
     if end + 4 > len(mv):
         raise CorruptDataError("KV blob truncated before its coded values")
     if zlib.crc32(mv[:end]) != struct.unpack_from("<I", mv, end)[0]:
@@ -178,8 +210,15 @@ def _front(blob: bytes | memoryview) -> _Front:
             layers, 2)
         if not torch.isfinite(scales).all() or (scales <= 0).any():
             raise CorruptDataError("KV blob fp8 scales are not finite positive numbers")
+        off += scale_bytes
+    lengths = np.frombuffer(mv, "<u4", 2 * layers, off).astype(np.int64)
+    starts = end + 4 + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    if end + 4 + int(lengths.sum()) != len(mv):
+        raise CorruptDataError(f"KV blob frames end at byte {end + 4 + int(lengths.sum())}, "
+                               f"the blob has {len(mv)} bytes")
     return _Front(fmt, residual.KINDS[kcode], layers, (batch, heads, seq, dim), exact,
-                  cal_crc, par_crc, desc, ids, scales, end + 4)
+                  cal_crc, par_crc, desc, ids, scales,
+                  [(int(a), int(n)) for a, n in zip(starts, lengths, strict=True)])
 
 
 def token_ids(blob: bytes) -> torch.Tensor:
@@ -208,22 +247,29 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         guess = predictor.predict(h.ids)
     except (IndexError, RuntimeError, ValueError) as e:
         raise CorruptDataError(f"the predictor cannot run on the blob's token ids: {e}") from e
-    mu, sigma, index = _distribution(h.shape, h.layers, h.fmt, h.kind, guess, h.exact,
-                                     h.scales, calibration)
-    if _param_crc(mu, sigma) != h.params:
+    if _guess_crc(guess) != h.params:
         raise CorruptDataError(
-            "the predictor's guess here differs from the encoder's (CRC of mu/sigma): "
+            "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
             "decoding needs the same weights, torch build, device type and thread count")
-    mv = memoryview(blob)
-    frame = np.frombuffer(mv, np.uint8, len(mv) - h.frame, h.frame)
-    info = dist.parse(frame)
-    if info.fmt.name != h.fmt or info.n != mu.size:
-        raise CorruptDataError(f"KV blob frame holds {info.n} {info.fmt.name} values, header "
-                               f"says {mu.size} {h.fmt}")
-    bits = dist.decode(frame, mu, sigma, calibration.coder_model(h.kind, h.fmt),
-                       model_index=index, threads=threads)
+    guesses = _guess_arrays(guess, h.layers, h.shape)
+    buf = np.frombuffer(memoryview(blob), np.uint8)
+    model_tables = calibration.coder_model(h.kind, h.fmt)
+    np_dtype, _ = _storage(h.fmt)
     dtype = _FORMATS[h.fmt]
-    per = int(np.prod(h.shape))
-    tensors = [torch.from_numpy(bits[g * per : (g + 1) * per].copy()).view(dtype).reshape(
-        h.shape) for g in range(2 * h.layers)]
+    tensors, residuals = [], {}
+    for g, (start, length) in enumerate(h.frames):
+        layer, k = divmod(g, 2)
+        mu, sigma, index, base = _group_distribution(layer, k, guesses, h.shape, h.exact,
+                                                     h.kind, calibration, h.scales, residuals)
+        frame = buf[start : start + length]
+        info = dist.parse(frame)
+        if info.fmt.name != h.fmt or info.n != mu.size:
+            raise CorruptDataError(f"KV blob frame {g} holds {info.n} {info.fmt.name} values, "
+                                   f"the header says {mu.size} {h.fmt}")
+        bits = dist.decode(frame, mu, sigma, model_tables, model_index=index, threads=threads)
+        t = torch.from_numpy(bits).view(dtype).reshape(h.shape)
+        tensors.append(t)
+        if h.kind == "conditional":
+            real = t.float() if h.scales is None else t.float() * h.scales[layer, k]
+            residuals[(layer, k)] = real.numpy() - base
     return KVCache(tensors[0::2], tensors[1::2], h.scales)

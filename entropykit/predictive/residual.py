@@ -1,19 +1,24 @@
 """Residual models: the distribution of a cached value around its predictor's guess.
 
-What it is: for each model kind, the per-value (mu, sigma) and the coder's shape tables
-(``rans.distribution.CoderModel``), from a prediction and calibrated parameters, and the
-fitting of those parameters from calibration residuals. What it is not: a predictor, or the
-loop that collects calibration data (``calibration``).
+What it is: for each model kind, the per-value (mu, sigma) of one (layer, k/v) tensor and
+the coder's shape tables (``rans.distribution.CoderModel``), and the fitting of their
+parameters from calibration residuals. What it is not: a predictor, or the loop that
+collects calibration data (``calibration``).
 
-Kinds (p = the predictor's guess, r = x - p, per channel c = (layer, k/v, head, dim)):
-- ``gaussian``: mu = p + bias_c, sigma = std_c, a Gaussian shape.
+Notation: p = the predictor's guess, c = a channel (layer, k/v, kv head, dim), base
+mean m = p + bias_c, residual r = x - m.
+- ``gaussian``: mu = m, sigma = std_c (residual std), a Gaussian shape.
 - ``mixture``: same mu, sigma; shape 0.95 N(0, 1) + 0.03 N(0, 3^2), plus 0.02 of an
   empirical distribution of the cached values per (layer, k/v) (the published baseline).
-- ``adaptive`` (ours): mu = p + bias_c and a per-value scale
-  sigma^2 = a_c + b_c p^2 + g_c n_t^2, n_t^2 = mean of p^2 over the token's head vector,
-  so tokens and values the predictor sees as large get a wider distribution (the residual
-  of a quantized predictor grows with the activations); the shape of r / sigma is learned
-  per (layer, k/v) from calibration (heavy tails as they are), plus 0.5% empirical.
+- ``conditional`` (ours): values are coded (layer, k/v) group by group, and a group's mean
+  is conditioned on what the decoder already has for the same token: the residuals of
+  the keys and values of layer l-1 (and, for values, of layer l's keys) and the guesses
+  for layer l's keys and values. mu = m + sum_s f_s W_s (linear maps per (layer, k/v)
+  fitted by ridge regression on calibration data: the predictor's errors propagate
+  through the layers, so the previous layer's errors predict much of this one's),
+  sigma = the conditional residual std per channel, and the shape of the standardized
+  conditional residual is learned per (layer, k/v) (heavy tails as they are), plus 0.5%
+  empirical. The maps are stored as int8 with one scale per block and output channel.
 Layers the predictor reproduces exactly (early exit) get mu = p and sigma = 0; every sigma
 is then raised to ``floor``.
 """
@@ -23,10 +28,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..rans import distribution as dist
+from ._linear import affine
 
-KINDS = ("gaussian", "mixture", "adaptive")
+KINDS = ("gaussian", "mixture", "conditional")
 MIXTURE_EMPIRICAL = 0.02
-ADAPTIVE_EMPIRICAL = 0.005
+CONDITIONAL_EMPIRICAL = 0.005
+MAX_SOURCES = 5
+RIDGE = 1e-2
 TINY = np.float32(1e-30)
 RELATIVE_FLOOR = np.float32(2.0**-12)  # far below the spacing of bf16 (2**-8) and fp8 values
 
@@ -48,7 +56,7 @@ def coder_model(kind: str, shapes: np.ndarray, emps: np.ndarray) -> dist.CoderMo
     """The coder's tables for ``kind``: model index = layer * 2 + k/v, then one last model
     (a Gaussian, no empirical part) for exactly predicted layers.
 
-    ``shapes`` (uint32[groups, Z_POINTS + 1]) are the learned shapes (adaptive only);
+    ``shapes`` (uint32[groups, Z_POINTS + 1]) are the learned shapes (conditional only);
     ``emps`` (uint32[groups, 257]) the empirical tables of the cache's value format.
     """
     groups = emps.shape[0]
@@ -58,8 +66,8 @@ def coder_model(kind: str, shapes: np.ndarray, emps: np.ndarray) -> dist.CoderMo
     elif kind == "mixture":
         mix = dist.gaussian_shape((1.0, 3.0), (0.95, 0.03))
         sh, w = np.tile(mix, (groups, 1)), [_weight(MIXTURE_EMPIRICAL)] * groups
-    elif kind == "adaptive":
-        sh, w = shapes, [_weight(ADAPTIVE_EMPIRICAL)] * groups
+    elif kind == "conditional":
+        sh, w = shapes, [_weight(CONDITIONAL_EMPIRICAL)] * groups
     else:
         raise ValueError(f"unknown residual model {kind!r}; known: {KINDS}")
     uniform = np.linspace(0, dist.ONE, dist.EMP_POINTS + 1).astype(np.int64)[None]
@@ -67,62 +75,72 @@ def coder_model(kind: str, shapes: np.ndarray, emps: np.ndarray) -> dist.CoderMo
                            np.concatenate([emps, uniform]), list(w) + [0])
 
 
-def scales(kind: str, p: np.ndarray, std: np.ndarray, coef: np.ndarray) -> np.ndarray:
-    """sigma (float32) of every value of one (layer, k/v) tensor [batch, heads, seq, dim].
+def sources(layer: int, kv: int) -> list[tuple[str, int, int]]:
+    """What conditions group (layer, kv), in order: ("r", l, k) a decoded residual,
+    ("g", l, k) the predictor's guess."""
+    prev = [("r", layer - 1, 0), ("r", layer - 1, 1)] if layer > 0 else []
+    own = [("r", layer, 0)] if kv == 1 else []
+    return prev + own + [("g", layer, 0), ("g", layer, 1)]
 
-    ``p`` is the prediction (zeros without a predictor), ``std`` [heads, dim] the channel
-    residual std, ``coef`` [heads, dim, 3] the adaptive model's (a, b, g).
-    """
-    if kind != "adaptive":
-        return np.broadcast_to(std[None, :, None, :], p.shape).astype(np.float32)
-    # Element-wise IEEE operations in a fixed order only (no reductions whose summation
-    # order numpy may choose per CPU): encoder and decoder must get the same bits.
-    p = p.astype(np.float32)
-    p2 = p * p
-    n2 = np.zeros(p.shape[:-1] + (1,), np.float32)
-    for d in range(p.shape[-1]):
-        n2 += p2[..., d : d + 1]
-    n2 /= np.float32(p.shape[-1])
-    c = coef.astype(np.float32)[None, :, None, :, :]
-    var = c[..., 0] + c[..., 1] * p2 + c[..., 2] * n2
-    return np.sqrt(np.maximum(var, 0)).astype(np.float32)
+
+def features(residuals: dict[tuple[int, int], np.ndarray],
+             guesses: dict[tuple[int, int], np.ndarray], layer: int, kv: int) -> np.ndarray:
+    """float32 [batch * seq, sources * heads * dim]: each token's conditioning vector."""
+    blocks = []
+    for kind, src_layer, src_kv in sources(layer, kv):
+        a = (residuals if kind == "r" else guesses)[(src_layer, src_kv)]  # [b, h, s, d]
+        blocks.append(a.transpose(0, 2, 1, 3).reshape(a.shape[0] * a.shape[2], -1))
+    return np.concatenate(blocks, axis=1).astype(np.float32)
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, n: int) -> np.ndarray:
+    """float32 [n * hd, hd] map from int8 blocks q [>= n, hd, hd] and scales [>= n, hd]."""
+    return (q[:n].astype(np.float32) * scale[:n, None, :]).reshape(-1, q.shape[-1])
+
+
+def quantize(w: np.ndarray, n: int, hd: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 blocks [MAX_SOURCES, hd, hd] and float32 scales [MAX_SOURCES, hd] of a
+    [n * hd, hd] map: one scale per block and output channel."""
+    blocks = w.reshape(n, hd, hd)
+    scale = np.abs(blocks).max(axis=1) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.zeros((MAX_SOURCES, hd, hd), np.int8)
+    s = np.ones((MAX_SOURCES, hd), np.float32)
+    q[:n] = np.clip(np.rint(blocks / scale[:, None, :]), -127, 127)
+    s[:n] = scale
+    return q, s
+
+
+def conditional_mean(base: np.ndarray, residuals: dict, guesses: dict, layer: int, kv: int,
+                     q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """base [batch, heads, seq, dim] + the conditional shift, with the group's int8 map
+    ``q`` [MAX_SOURCES, hd, hd] and ``scale`` [MAX_SOURCES, hd] (calibration)."""
+    b, h, s, d = base.shape
+    w = dequantize(q, scale, len(sources(layer, kv)))
+    flat = base.astype(np.float32).transpose(0, 2, 1, 3).reshape(b * s, h * d)
+    out = affine(flat, features(residuals, guesses, layer, kv), w)
+    return out.reshape(b, s, h, d).transpose(0, 2, 1, 3)
 
 
 # ---- fitting ---------------------------------------------------------------------------
 
 
-def fit_adaptive(r: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """(a, b, g) >= 0 per channel from residuals ``r`` and guesses ``p`` [N, heads, T, dim].
+def fit_conditional(feats: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Ridge regression of ``target`` [T, C] on ``feats`` [T, F]: weights [F, C] (float64).
 
-    Least squares of r^2 on (1, p^2, n_t^2) per channel, the best of the non-negative
-    solutions over the 7 subsets of features (an exact small NNLS). r^2 is clipped at 50x
-    its channel mean first so that a few outliers do not set the slope.
+    Features are standardized first (residuals and guesses differ in scale by ~20x), the
+    penalty is RIDGE times the mean energy of the standardized features.
     """
-    y = r.astype(np.float64) ** 2
-    y = np.minimum(y, 50 * y.mean(axis=(0, 2), keepdims=True))
-    p2 = p.astype(np.float64) ** 2
-    feats = [np.ones_like(p2), p2, np.broadcast_to(p2.mean(axis=-1, keepdims=True), p2.shape)]
-    heads, dim = r.shape[1], r.shape[3]
-    gram = np.empty((heads, dim, 3, 3))
-    rhs = np.empty((heads, dim, 3))
-    for i in range(3):
-        rhs[..., i] = (feats[i] * y).sum(axis=(0, 2))
-        for j in range(3):
-            gram[..., i, j] = (feats[i] * feats[j]).sum(axis=(0, 2))
-    yy = (y * y).sum(axis=(0, 2))
-    best = np.zeros((heads, dim, 3))
-    best_err = yy.copy()  # the all-zero solution
-    for mask in range(1, 8):
-        idx = [i for i in range(3) if mask >> i & 1]
-        g = gram[..., idx, :][..., :, idx] + 1e-12 * np.eye(len(idx))
-        sol = np.linalg.solve(g, rhs[..., idx][..., None])[..., 0]
-        full = np.zeros((heads, dim, 3))
-        full[..., idx] = sol
-        err = yy - 2 * (full * rhs).sum(-1) + np.einsum("hdi,hdij,hdj->hd", full, gram, full)
-        ok = (sol >= 0).all(-1) & (err < best_err)
-        best[ok] = full[ok]
-        best_err[ok] = err[ok]
-    return best.astype(np.float32)
+    f = feats.astype(np.float64)
+    sd = f.std(axis=0)
+    sd = np.where(sd > 0, sd, 1.0)
+    f /= sd
+    gram = f.T @ f
+    energy = np.trace(gram) / max(f.shape[1], 1)
+    if energy == 0:  # nothing to condition on
+        return np.zeros((f.shape[1], target.shape[1]))
+    gram += RIDGE * energy * np.eye(f.shape[1])
+    return np.linalg.solve(gram, f.T @ target.astype(np.float64)) / sd[:, None]
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
@@ -130,8 +148,7 @@ def fit_shape(z: np.ndarray) -> np.ndarray:
     grid, smoothed over +-4 bins and mixed with 0.1% of N(0, 4^2) so no region is empty."""
     edges = dist.z_grid()
     hist = np.histogram(np.clip(z, edges[0], edges[-1]), bins=edges)[0].astype(np.float64)
-    kernel = np.ones(9) / 9
-    smooth = np.convolve(hist, kernel, mode="same")
+    smooth = np.convolve(hist, np.ones(9) / 9, mode="same")
     smooth /= max(smooth.sum(), 1.0)
     wide = np.diff(dist.gaussian_shape((4.0,), (1.0,)).astype(np.float64)) / dist.ONE
     return dist.shape_from_masses(0.999 * smooth + 0.001 * wide)

@@ -306,7 +306,12 @@ def _as_params(mu: Any, sigma: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _as_index(model_index: Any, model: CoderModel, n: int) -> np.ndarray:
     if model_index is None:
-        return np.zeros(1, np.uint16)
+        model_index = 0
+    if isinstance(model_index, (int, np.integer)):  # one model for every value
+        if not 0 <= model_index < len(model):
+            raise ValueError(f"model_index {model_index} out of range for a model of "
+                             f"{len(model)} shapes")
+        return np.array([model_index], np.uint16)
     idx = np.asarray(model_index).reshape(-1)
     if idx.size != n or idx.dtype.kind not in "iu":
         raise ValueError(f"model_index must be {n} integers")
@@ -334,9 +339,10 @@ def encode(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
            threads: int | None = None) -> bytes:
     """Code ``values`` under per-value distributions into a self-describing frame.
 
-    Value i is coded under model ``model_index[i]`` (default 0) centred at ``mu[i]`` with
-    scale ``sigma[i]`` (float32; finite, sigma > 0). ``precision`` (12..16) is the
-    probability resolution of each 256-symbol rANS stage.
+    Value i is coded under model ``model_index[i]`` (or ``model_index`` itself when it is
+    an int; default 0) centred at ``mu[i]`` with scale ``sigma[i]`` (float32; finite,
+    sigma > 0). ``precision`` (12..16) is the probability resolution of each 256-symbol
+    rANS stage.
     """
     bits, f = value_bits(values, fmt)
     if not 12 <= precision <= 16:
