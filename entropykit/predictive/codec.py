@@ -56,7 +56,7 @@ CHUNK = 1 << 16  # values per chunk: a layer's tensor splits across threads
 _FORMATS = {"bf16": torch.bfloat16, "fp8_e4m3": FP8}
 
 
-def _guess_arrays(guess: Prediction | None, layers: int,
+def guess_arrays(guess: Prediction | None, layers: int,
                   shape: tuple) -> dict[tuple[int, int], np.ndarray]:
     """The predictor's guess per (layer, k/v) as float32 arrays (zeros without a guess)."""
     if guess is None:
@@ -66,7 +66,7 @@ def _guess_arrays(guess: Prediction | None, layers: int,
             for layer in range(layers) for kv in (0, 1)}
 
 
-def _group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: int,
+def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: int,
                         kind: str, cal: Calibration, scales: torch.Tensor | None,
                         residuals: dict) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
     """(mu, sigma, model index, base mean in real units) of one (layer, k/v) tensor.
@@ -132,13 +132,13 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     if model not in kinds:
         raise ValueError(f"unknown residual model {model!r}; known: {kinds}")
     guess = predictor.predict(ids)
-    guesses = _guess_arrays(guess, layers, kv.shape)
+    guesses = guess_arrays(guess, layers, kv.shape)
     model_tables = calibration.coder_model(model, kv.format)
     np_dtype, view = _storage(kv.format)
     frames, residuals = [], {}
     for layer in range(layers):
         for k in (0, 1):
-            mu, sigma, index, base = _group_distribution(
+            mu, sigma, index, base = group_distribution(
                 layer, k, guesses, kv.shape, predictor.exact_layers, model, calibration,
                 kv.scales, residuals)
             t = kv.tensor(layer, k)
@@ -251,7 +251,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         raise CorruptDataError(
             "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
             "decoding needs the same weights, torch build, device type and thread count")
-    guesses = _guess_arrays(guess, h.layers, h.shape)
+    guesses = guess_arrays(guess, h.layers, h.shape)
     buf = np.frombuffer(memoryview(blob), np.uint8)
     model_tables = calibration.coder_model(h.kind, h.fmt)
     np_dtype, _ = _storage(h.fmt)
@@ -259,7 +259,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
     tensors, residuals = [], {}
     for g, (start, length) in enumerate(h.frames):
         layer, k = divmod(g, 2)
-        mu, sigma, index, base = _group_distribution(layer, k, guesses, h.shape, h.exact,
+        mu, sigma, index, base = group_distribution(layer, k, guesses, h.shape, h.exact,
                                                      h.kind, calibration, h.scales, residuals)
         frame = buf[start : start + length]
         info = dist.parse(frame)
