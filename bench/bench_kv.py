@@ -2,9 +2,13 @@
 
 What it is: ``--part coder`` times entropykit's per-symbol-distribution rANS against
 constriction's QuantizedGaussian on the same (symbols, mu, sigma) arrays, one thread, and
-compares each coder's size with its own model's ideal code length. ``--part kv`` (added with
-the predictive package) measures bits per cached value on SmolLM2-135M.
-``--write`` replaces the "## KV coder (issue 6)" section of bench/RESULTS.md.
+compares each coder's size with its own model's ideal code length. ``--part kv`` measures
+bits per cached value of SmolLM2-135M's KV cache (bf16, and fp8 e4m3 with one scale per
+layer and k/v) on natural-language prompts: byte-plane entropy, no predictor, FP8-of-target
+and early exit at several k, each with the gaussian, mixture and conditional residual
+models, calibrated and evaluated on disjoint text (bench/data.py's prose split).
+``--write`` replaces the "## KV coder (issue 6)" / "## KV cache (issue 6)" section of
+bench/RESULTS.md.
 What it is not: a test; round trips are checked but correctness lives in tests/.
 
 Data for the coder part (synthetic, seeded):
@@ -28,6 +32,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results as results_md  # noqa: E402 - bench/ is a folder of scripts, not a package
 
 SECTION = "## KV coder (issue 6)"
+KV_SECTION = "## KV cache (issue 6)"
 SEED = 20261122
+SEQ = 512
 
 
 def _timed(fn: Callable[[], object], reps: int) -> tuple[float, object]:
@@ -169,19 +176,159 @@ def coder_section(rows: list[dict], n: int, reps: int, load: tuple[float, float]
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- KV part
+
+
+def _byte_plane_bits(caches: list) -> float:
+    """Order-0 entropy of each byte plane per (layer, k/v) tensor, summed over the planes,
+    in bits per value (histograms over all evaluated caches)."""
+    import torch
+
+    total, count = 0.0, 0
+    for g in range(2 * len(caches[0].keys)):
+        layer, kv = divmod(g, 2)
+        data = np.concatenate([c.tensor(layer, kv).contiguous().view(torch.uint8).numpy()
+                               .reshape(-1, c.tensor(layer, kv).element_size())
+                               for c in caches])
+        for plane in data.T:
+            p = np.bincount(plane, minlength=256) / plane.size
+            p = p[p > 0]
+            total += float(-(p * np.log2(p)).sum()) * plane.size
+        count += data.shape[0]
+    return total / count
+
+
+def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int) -> dict:
+    import data
+    import torch
+    import transformers
+
+    from entropykit import predictive as P
+
+    path = data.smollm2_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    calib_ids = tok(data.prose_text("calib"), return_tensors="pt").input_ids[0]
+    eval_ids = tok(data.prose_text("eval"), return_tensors="pt").input_ids[0]
+    if calib_ids.numel() < n_calib * SEQ or eval_ids.numel() < n_eval * SEQ:
+        raise SystemExit("not enough prose tokens for the requested sequences")
+    calib = [calib_ids[i * SEQ : (i + 1) * SEQ] for i in range(n_calib)]
+    evals = [eval_ids[i * SEQ : (i + 1) * SEQ][None] for i in range(n_eval)]
+    caches = []
+    for ids in evals:
+        with torch.inference_mode():
+            caches.append(P.from_transformers(model(ids, use_cache=True).past_key_values))
+    fp8_caches = [P.to_fp8(c) for c in caches]
+    values = 2 * len(caches[0].keys) * int(np.prod(caches[0].shape))
+    out = {"model": model, "n_calib": n_calib, "n_eval": n_eval, "values": values,
+           "byte_plane": {"bf16": _byte_plane_bits(caches), "fp8": _byte_plane_bits(fp8_caches)},
+           "rows": []}
+    predictors = [P.NoPredictor(), P.FP8Predictor(model)]
+    predictors += [P.EarlyExitPredictor(model, k) for k in exits]
+    for pred in predictors:
+        t = time.perf_counter()
+        cal = P.calibrate(model, pred, calib)
+        t_cal = time.perf_counter() - t
+        with tempfile.TemporaryDirectory() as tmp:
+            cal.save(Path(tmp) / "cal.safetensors")
+            cal_bytes = (Path(tmp) / "cal.safetensors").stat().st_size
+        row = {"predictor": pred.describe(), "flops": pred.flops_fraction(), "cal_s": t_cal,
+               "cal_bytes": cal_bytes, "bits": {}, "exact": True, "enc_s": 0.0, "dec_s": 0.0}
+        for fmt, cs in (("bf16", caches), ("fp8", fp8_caches)):
+            for kind in P.KINDS:
+                sizes = []
+                for i, (ids, cache) in enumerate(zip(evals, cs, strict=True)):
+                    t = time.perf_counter()
+                    blob = P.compress_kv(cache, ids, pred, cal, model=kind, threads=threads)
+                    t_enc = time.perf_counter() - t
+                    sizes.append(len(blob))
+                    if i == 0 and kind == "conditional":  # one exact round trip per setting
+                        t = time.perf_counter()
+                        back = P.decompress_kv(blob, pred, cal, threads=threads)
+                        row["dec_s"] += time.perf_counter() - t
+                        row["enc_s"] += t_enc
+                        row["exact"] &= back.equal(cache)
+                row["bits"][(fmt, kind)] = 8 * sum(sizes) / (values * len(evals))
+        print(row["predictor"], {f"{k[0]}/{k[1]}": round(v, 3) for k, v in row["bits"].items()},
+              file=sys.stderr, flush=True)
+        out["rows"].append(row)
+    return out
+
+
+def kv_section(res: dict, load: tuple[float, float], elapsed: float) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cfg = res["model"].config
+    lines = [
+        KV_SECTION, "",
+        f"Produced by `python bench/bench_kv.py --part kv --write` on {now} in "
+        f"{elapsed / 60:.0f} min.", "",
+        f"- Target: SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to bf16; {cfg.num_hidden_layers} "
+        f"layers, {cfg.num_key_value_heads} KV heads of {cfg.head_dim}), CPU.",
+        f"- Prompts: {res['n_eval']} evaluation sequences of {SEQ} tokens from bench/data.py's "
+        f"\"eval\" prose; calibration on {res['n_calib']} sequences of {SEQ} tokens of the "
+        "disjoint \"calib\" prose.",
+        f"- {res['values']:,} cached values per sequence. Sizes are whole `compress_kv` blobs "
+        "(header, token ids, 60 frames with CRC-32s), in bits per cached value.",
+        "- fp8 caches: e4m3 with one scale per layer and k/v (max |x| / 448), coded as e4m3 "
+        "values (8 bits raw).",
+        "- Residual models: gaussian (per-channel std), mixture (0.95 N(s) + 0.03 N(3s) + 0.02 "
+        "empirical: the published baseline), conditional (ours: mean conditioned on the "
+        "previous layer's decoded residuals and this layer's guesses, learned shape; "
+        "`entropykit/predictive/residual.py`).",
+        "- Predictor FLOPs: Linear-layer FLOPs per token over the target's (FP8-of-target "
+        "runs the same matmuls on fp8-rounded weights).",
+        f"- Load average {load[0]:.2f} before, {load[1]:.2f} after.", "",
+        f"Byte-plane entropy (order-0 per byte plane and tensor): bf16 "
+        f"{res['byte_plane']['bf16']:.3f}, fp8 {res['byte_plane']['fp8']:.3f} bits/value.", "",
+        "| predictor | FLOPs | bf16 gaussian | bf16 mixture | bf16 conditional | "
+        "conditional - mixture | fp8 gaussian | fp8 mixture | fp8 conditional | "
+        "conditional - mixture | exact |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in res["rows"]:
+        b = r["bits"]
+        cells = [r["predictor"], f"{r['flops']:.2f}"]
+        for fmt in ("bf16", "fp8"):
+            cells += [f"{b[(fmt, k)]:.3f}" for k in ("gaussian", "mixture", "conditional")]
+            cells.append(f"{b[(fmt, 'conditional')] - b[(fmt, 'mixture')]:+.3f}")
+        cells.append("yes" if r["exact"] else "NO")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Calibration and whole-cache codec time (one thread for the coder; the "
+              "predictor and target use torch's threads):", "",
+              "| predictor | calibrate s | calibration file MB | compress_kv s/seq | "
+              "decompress_kv s/seq |", "|---|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['predictor']} | {r['cal_s']:.0f} | {r['cal_bytes'] / 1e6:.1f} | "
+                     f"{r['enc_s'] / 2:.2f} | {r['dec_s'] / 2:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["coder"], default="coder")
+    ap.add_argument("--part", choices=["coder", "kv"], default="coder")
     ap.add_argument("--n", type=int, default=1 << 20, help="values per coder row")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--calib", type=int, default=32, help="calibration sequences (kv part)")
+    ap.add_argument("--eval", type=int, default=16, help="evaluation sequences (kv part)")
+    ap.add_argument("--exits", type=str, default="4,10,20", help="early-exit layers k")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
-    rows = coder_rows(args.n, args.reps)
-    text = coder_section(rows, args.n, args.reps, (load0, os.getloadavg()[0]))
+    t0 = time.perf_counter()
+    if args.part == "coder":
+        rows = coder_rows(args.n, args.reps)
+        text = coder_section(rows, args.n, args.reps, (load0, os.getloadavg()[0]))
+        section = SECTION
+    else:
+        res = kv_rows(args.calib, args.eval, [int(k) for k in args.exits.split(",") if k],
+                      args.threads)
+        text = kv_section(res, (load0, os.getloadavg()[0]), time.perf_counter() - t0)
+        section = KV_SECTION
     print(text)
     if args.write:
-        results_md.write_section(text, SECTION)
+        results_md.write_section(text, section)
 
 
 if __name__ == "__main__":
