@@ -27,7 +27,7 @@ from ..rans import distribution as dist
 from . import residual
 from ._linear import affine
 from .kvcache import FP8_MAX, from_transformers
-from .predictors import Predictor
+from .predictors import Predictor, model_device
 
 VERSION = 1
 FORMATS = ("bf16", "fp8_e4m3")
@@ -213,7 +213,8 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
         ids = torch.as_tensor(prompt).reshape(1, -1)
         tokens += ids.shape[1]
         with torch.inference_mode():
-            cache = from_transformers(target(ids, use_cache=True).past_key_values)
+            out = target(ids.to(model_device(target)), use_cache=True)
+            cache = from_transformers(out.past_key_values)
         guess = predictor.predict(ids)
         groups = 2 * len(cache.keys)
         if not ps:
@@ -222,9 +223,9 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
             counts = {f: [0] * groups for f in formats}
         for g in range(groups):
             layer, kv = divmod(g, 2)
-            x = cache.real(layer, kv)
+            x = cache.real(layer, kv).cpu()
             ps[g].append(np.zeros(x.shape, np.float32) if guess is None
-                         else guess[layer][kv].numpy())
+                         else guess[layer][kv].cpu().numpy())
             for f in xs:
                 xs[f][g].append((x if f == "bf16" else _fp8_round(x)).numpy())
             for f in formats:

@@ -62,7 +62,7 @@ def guess_arrays(guess: Prediction | None, layers: int,
     if guess is None:
         zero = np.zeros(shape, np.float32)
         return {(layer, kv): zero for layer in range(layers) for kv in (0, 1)}
-    return {(layer, kv): guess[layer][kv].numpy().astype(np.float32, copy=False)
+    return {(layer, kv): _host(guess[layer][kv]).numpy().astype(np.float32, copy=False)
             for layer in range(layers) for kv in (0, 1)}
 
 
@@ -97,11 +97,17 @@ def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: 
     return mean.reshape(-1), residual.floor(sigma, mean).reshape(-1), index, base
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (the coder runs on the CPU; a CUDA tensor is copied)."""
+    return t.detach().cpu()
+
+
 def _guess_crc(guess: Prediction | None) -> int:
     crc = 0
     for pair in guess or []:
         for t in pair:
-            crc = zlib.crc32(np.ascontiguousarray(t.numpy(), np.float32).view(np.uint8), crc)
+            crc = zlib.crc32(np.ascontiguousarray(_host(t).numpy(), np.float32).view(np.uint8),
+                             crc)
     return crc
 
 
@@ -116,7 +122,7 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     """Code ``cache`` (a ``KVCache`` or transformers ``Cache``; bf16, or fp8 ``KVCache``)
     of the prompt ``input_ids`` ([batch, seq]) against ``predictor``'s guess."""
     kv = as_kvcache(cache)
-    ids = torch.as_tensor(input_ids)
+    ids = _host(torch.as_tensor(input_ids))
     if ids.dim() == 1:
         ids = ids[None]
     batch, heads, seq, dim = kv.shape
@@ -142,18 +148,18 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
                 layer, k, guesses, kv.shape, predictor.exact_layers, model, calibration,
                 kv.scales, residuals)
             t = kv.tensor(layer, k)
-            bits = t.contiguous().view(view).numpy().view(np_dtype).reshape(-1)
+            bits = _host(t).contiguous().view(view).numpy().view(np_dtype).reshape(-1)
             frames.append(dist.encode(bits, mu, sigma, model_tables, fmt=kv.format,
                                       model_index=index, chunk_size=CHUNK, threads=threads))
             if model == "conditional":
-                residuals[(layer, k)] = kv.real(layer, k).numpy() - base
+                residuals[(layer, k)] = _host(kv.real(layer, k)).numpy() - base
     desc = predictor.describe().encode()
     head = _HEAD.pack(MAGIC, VERSION, dist.FORMATS[kv.format].code, kinds.index(model), 0,
                       layers, batch, heads, seq, dim, predictor.exact_layers,
                       calibration.fingerprint, _guess_crc(guess), len(desc))
     parts = [head, desc, ids.to(torch.int32).numpy().astype("<i4").tobytes()]
     if kv.scales is not None:
-        parts.append(kv.scales.numpy().astype("<f4").tobytes())
+        parts.append(_host(kv.scales).numpy().astype("<f4").tobytes())
     parts.append(np.array([len(f) for f in frames], "<u4").tobytes())
     front = b"".join(parts)
     return b"".join([front, struct.pack("<I", zlib.crc32(front))] + frames)
@@ -227,9 +233,9 @@ def token_ids(blob: bytes) -> torch.Tensor:
 
 
 def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *,
-                  threads: int | None = None) -> KVCache:
-    """The cache back from a ``compress_kv`` blob, bit for bit (``token_ids`` reads the
-    prompt the blob carries).
+                  threads: int | None = None, device: str | torch.device = "cpu") -> KVCache:
+    """The cache back from a ``compress_kv`` blob, bit for bit, its tensors on ``device``
+    (``token_ids`` reads the prompt the blob carries).
 
     ``CorruptDataError`` if the blob is malformed, or was coded with another calibration
     or predictor, or the predictor's guess here differs from the encoder's.
@@ -272,4 +278,5 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         if h.kind == "conditional":
             real = t.float() if h.scales is None else t.float() * h.scales[layer, k]
             residuals[(layer, k)] = real.numpy() - base
+    tensors = [t.to(device) for t in tensors]
     return KVCache(tensors[0::2], tensors[1::2], h.scales)

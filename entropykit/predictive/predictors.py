@@ -1,13 +1,13 @@
 """Predictors: cheap models that guess a target model's KV cache from the same tokens.
 
 What it is: one small interface (``Predictor.predict(input_ids)`` -> per layer (keys,
-values) guesses in real units, float32, the cache's shape; or None for "no guess") and
-three predictors: ``NoPredictor`` (no model: the calibrated per-channel means are the
-whole guess), ``FP8Predictor`` (the target with every Linear weight quantized to float8
-e4m3, one scale per output channel, run in the target's dtype) and ``EarlyExitPredictor``
-(the target's first k layers run exactly; every deeper layer's keys and values are its own
-projections of the hidden state after layer k). What it is not: a residual model (how far
-the truth lands from the guess is ``residual``'s business).
+values) guesses in real units, float32, the cache's shape, on the target's device; or None
+for "no guess") and three predictors: ``NoPredictor`` (no model: the calibrated
+per-channel means are the whole guess), ``FP8Predictor`` (the target with every Linear
+weight quantized to float8 e4m3, one scale per output channel, run in the target's dtype)
+and ``EarlyExitPredictor`` (the target's first k layers run exactly; every deeper layer's
+keys and values are its own projections of the hidden state after layer k). What it is
+not: a residual model (how far the truth lands from the guess is ``residual``'s business).
 
 Determinism: encoder and decoder run the same predictor and must get bit-identical
 guesses: same weights, torch build, device type and ``torch.get_num_threads()``. The
@@ -51,6 +51,11 @@ def _cache_tensors(cache: Any, n_layers: int) -> Prediction:
     return [(layer.keys.float(), layer.values.float()) for layer in cache.layers[:n_layers]]
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s weights live: the device its inputs must be on."""
+    return next(model.parameters()).device
+
+
 def _layer_flops(cfg: Any) -> tuple[float, float]:
     """(all Linear FLOPs of one decoder layer, those of its k_proj + v_proj), per token."""
     h = cfg.hidden_size
@@ -92,7 +97,7 @@ class FP8Predictor(Predictor):
 
     def predict(self, input_ids: torch.Tensor) -> Prediction:
         with torch.inference_mode():
-            out = self.model.model(input_ids, use_cache=True)
+            out = self.model.model(input_ids.to(model_device(self.model)), use_cache=True)
         return _cache_tensors(out.past_key_values, self.n_layers)
 
     def flops_fraction(self) -> float:
@@ -132,7 +137,7 @@ class EarlyExitPredictor(Predictor):
         body.layers = nn.ModuleList(list(layers)[: self.k])
         try:
             with torch.inference_mode():
-                out = body(input_ids, use_cache=True)
+                out = body(input_ids.to(model_device(body)), use_cache=True)
         finally:
             body.layers = layers
             hook.remove()
@@ -140,7 +145,7 @@ class EarlyExitPredictor(Predictor):
         h = captured["h"]
         b, s = input_ids.shape
         with torch.inference_mode():
-            positions = torch.arange(s).unsqueeze(0).expand(b, s)
+            positions = torch.arange(s, device=h.device).unsqueeze(0).expand(b, s)
             cos, sin = body.rotary_emb(h, positions)
             for layer in layers[self.k :]:
                 attn = layer.self_attn
