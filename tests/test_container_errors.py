@@ -91,7 +91,12 @@ def _rewrite_record(blob: bytes, edit) -> bytes:
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda r: r.update(version=2), "version 2 unsupported"),
+    (lambda r: r.update(version=3), "version 3 unsupported"),
+    (lambda r: r.update(version=True), "version True unsupported"),
+    (lambda r: r["tensors"]["w"]["codecs"][0].__setitem__(0, "rans2d"),
+     "version 1 record names a codec of version 2"),
+    (lambda r: (r.update(version=2), r["tensors"]["w"]["codecs"][0].__setitem__(0, "rans2d")),
+     "rans2d"),
     (lambda r: r.update(header_crc32=r["header_crc32"] ^ 1), "CRC-32"),
     (lambda r: r.update(header="!!"), "does not decode"),
     (lambda r: r["tensors"]["w"].update(dtype="F16"), "record says F16"),

@@ -10,12 +10,15 @@ container layout.
 Codec payloads:
     rans  an rANS frame (``entropykit.rans``), conditioned on the field's context if any
     tans  a tANS frame (``entropykit.tans``); never conditioned
+    rans2d  row / column class maps, then an rANS frame conditioned on each symbol's class
+          (``classed.py``); only for a field of one symbol per element of a 2-D tensor
     zstd  one zstd frame (level 3) with content size and content checksum
     raw   u32 CRC-32 of the symbols, then the symbols
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -28,6 +31,7 @@ from ..coding import contexts, frame, tables
 from ..coding.crc32 import crc32
 from ..rans import static as rans_static
 from ..tans import static as tans_static
+from . import classed
 
 ZSTD_LEVEL = 3
 TANS_LOG = 12  # the largest tANS table: least quantization loss (0.16% on MiniLM exponents)
@@ -69,6 +73,11 @@ FAST_MIN_SAVING = 0.02
 # where the states are a large share), and codes wide alphabets at 12 bits too (fp8:
 # decode ~15% faster, ratio +0.0017 e4m3, +0.0025 e5m2 on MiniLM).
 FAST_TANS_GAIN = 0.005
+# Row / column classes (classed.py) pay for their maps, tables and the slower context
+# decode only where their estimate saves CLASSED_MIN_SAVING of the plain entropy coder's;
+# they code at WIDE_PRECISION (measured on MiniLM: 14 bits beat 12 by 0.02-0.1% of the
+# field with 16-64 tables: BF16 exponent, F16 high byte, fp8 bytes).
+CLASSED_MIN_SAVING = 0.005
 _RANS_STATES = 4 * 32  # bytes of lane states per rANS chunk (rans/kernels.py)
 _TANS_STATES = 7  # bytes of states and marker per tANS chunk, at most
 
@@ -86,6 +95,8 @@ def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None,
     if codec == "tans":
         return frame.encode(tans_static.CODER, symbols, TANS_LOG, frame.DEFAULT_CHUNK, 1,
                             counts=counts)
+    if codec == "rans2d":
+        raise ValueError("rans2d payloads are made by choose() (they need the tensor's grid)")
     if codec == "zstd":
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True,
                                         write_content_size=True)
@@ -101,6 +112,8 @@ def count(codec: str, data: np.ndarray) -> int:
         if data.size < frame.HEADER_SIZE:
             raise CorruptDataError(f"{codec} frame truncated: {data.size} bytes")
         return int(data[8:16].view("<u8")[0])
+    if codec == "rans2d":
+        return classed.count(data)
     if codec == "zstd":
         try:
             n = zstandard.frame_content_size(data.data)
@@ -135,6 +148,8 @@ def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> 
             raise
         except ValueError as e:  # e.g. a context flag on a field that has no context
             raise CorruptDataError(f"{codec} frame: {e}") from None
+    if codec == "rans2d":  # self-contained: its context is in its own payload
+        return classed.decode(data, n)
     if codec == "zstd":
         try:
             if zstandard.frame_content_size(data.data) != n:
@@ -200,8 +215,17 @@ def check_target(target: str) -> None:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
 
 
+def grid_of(shape: tuple[int, ...], first: int) -> tuple[int, int] | None:
+    """``choose``'s ``grid`` for a field of one symbol per element of a tensor of ``shape``
+    whose first symbol is element ``first``: (symbols per row, column of the first), the
+    tensor taken as rows of its last dimension; None for fewer than 2 rows or columns."""
+    if len(shape) < 2 or shape[-1] < 2 or math.prod(shape[:-1]) < 2:
+        return None
+    return shape[-1], first % shape[-1]
+
+
 def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu", *,
-           fast: bool = False) -> Choice:
+           fast: bool = False, grid: tuple[int, int] | None = None) -> Choice:
     """Code a field with the codec expected to be smallest, never larger than raw.
 
     The entropy coder is rANS for a field with a context (only rANS conditions on one), rANS
@@ -218,6 +242,9 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     fields small enough to be judged whole (the host decodes those), and raw unless the
     estimate saves ``GPU_MIN_SAVING``.
     ``fast`` trades size for speed both ways (``FAST_MIN_SAVING``, ``FAST_TANS_GAIN``).
+    ``grid`` (``grid_of``): the field has one symbol per element of a 2-D tensor; then a
+    field without a context may be coded "rans2d" (target "cpu", not fast) where that
+    saves ``CLASSED_MIN_SAVING``.
     Deterministic: the same symbols and options always give the same choice.
     """
     check_target(target)
@@ -261,9 +288,21 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     if not (gpu or fast) or n <= EXACT_LIMIT:
         estimates["zstd"], whole = _zstd_estimate(symbols)
     estimates["raw"] = raw
+    plan = None
+    # Near-uniform fields (mantissa bytes) gain nothing from classes: no plan is tried.
+    if (grid is not None and context is None and entropy_pays and not (gpu or fast)
+            and bits < _WIDE_MAX_BITS * n):
+        plan = classed.plan(symbols, *grid)
+        states = _RANS_STATES if entropy_codec == "rans" else _TANS_STATES
+        plain = estimate + states * -(-n // frame.DEFAULT_CHUNK)
+        if plan is not None and plan.estimate <= (1 - CLASSED_MIN_SAVING) * plain:
+            estimates["rans2d"] = plan.estimate
     codec = min(estimates, key=lambda c: (estimates[c], c != entropy_codec))
     if codec == "zstd" and whole is not None:
         blob = whole
+    elif codec == "rans2d":
+        assert grid is not None and plan is not None
+        blob = classed.encode(symbols, *grid, plan, WIDE_PRECISION)
     else:
         blob = encode(codec, symbols, context, precision, chunk,
                       counts=counts if joint is None else joint)

@@ -8,9 +8,10 @@ what makes decompression byte-exact. What it is not: the frames (they live in th
 tensor payloads, see ``payload.py``) nor the original tensor offsets (they are in the
 original header).
 
-Record v1 (JSON object, keys in this order):
+Record v2 (JSON object, keys in this order):
     format         "entropykit"
-    version        1
+    version        2 when a codec is "rans2d", else 1 (so files without it stay readable
+                   by v1 readers); v1 records may not name "rans2d"
     segment_bytes  bytes of original data per segment (tensors are coded in segments)
     header_crc32   CRC-32 of the original header JSON bytes (padding included)
     header_size    length of the original header JSON bytes
@@ -35,8 +36,10 @@ from .header import MAX_HEADER
 
 KEY = "entropykit"
 FORMAT = "entropykit"
-VERSION = 1
-CODECS = ("rans", "tans", "zstd", "raw")
+VERSION = 2  # the newest this module reads and writes
+VERSIONS = (1, 2)
+CODECS = ("rans", "tans", "zstd", "raw", "rans2d")
+_V2_CODECS = frozenset({"rans2d"})  # codecs a v1 record may not name
 _LONGEST_CODEC = max(CODECS, key=len)
 
 
@@ -68,9 +71,15 @@ class Record:
     header: bytes  # original header JSON, exactly as in the original file
     tensors: dict[str, TensorRecord]
 
+    @property
+    def version(self) -> int:
+        """The oldest record version that can describe these tensors."""
+        used = {c for t in self.tensors.values() for seg in t.codecs for c in seg}
+        return 2 if used & _V2_CODECS else 1
+
     def to_json(self) -> str:
         obj = {
-            "format": FORMAT, "version": VERSION, "segment_bytes": self.segment_bytes,
+            "format": FORMAT, "version": self.version, "segment_bytes": self.segment_bytes,
             "header_crc32": zlib.crc32(self.header), "header_size": len(self.header),
             "header": base64.b64encode(
                 zstandard.ZstdCompressor(level=10).compress(self.header)).decode("ascii"),
@@ -119,8 +128,9 @@ def parse(text: str) -> Record:
         raise _fail(f"not JSON ({e})") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise _fail("format is not 'entropykit'")
-    if obj.get("version") != VERSION:
-        raise _fail(f"version {obj.get('version')!r} unsupported (this reader: {VERSION})")
+    version = obj.get("version")
+    if type(version) is not int or version not in VERSIONS:
+        raise _fail(f"version {version!r} unsupported (this reader: {list(VERSIONS)})")
     seg, crc, size = obj.get("segment_bytes"), obj.get("header_crc32"), obj.get("header_size")
     if not all(type(x) is int and x >= 0 for x in (seg, crc, size)) or seg == 0 or seg % 8:
         raise _fail("segment_bytes, header_crc32 and header_size must be integers")
@@ -136,4 +146,7 @@ def parse(text: str) -> Record:
         raise _fail(f"original header does not decode ({e})") from None
     if len(header) != size or zlib.crc32(header) != crc:
         raise _fail("original header fails its CRC-32 / size check")
-    return Record(seg, header, {k: _tensor(k, v) for k, v in tensors.items()})
+    rec = Record(seg, header, {k: _tensor(k, v) for k, v in tensors.items()})
+    if rec.version > version:
+        raise _fail(f"version {version} record names a codec of version {rec.version}")
+    return rec
