@@ -378,3 +378,35 @@ def test_kernel_source_ships_and_uses_only_the_layout_columns():
     assert used and used <= {k for k in dir(lay) if k.startswith("D_")}
     assert "N_COLS" in src and "rans_decode" in src
     assert "relayout" in resources.files("entropykit.gpu").joinpath("_relayout.cu").read_text()
+
+
+def _byte_perm(x: np.ndarray, y: int, sel: int) -> np.ndarray:
+    """CUDA's __byte_perm: byte n of the result is byte (sel >> 4 n) & 7 of y:x."""
+    both = x.astype(np.uint64) | (np.uint64(y) << np.uint64(32))
+    out = np.zeros_like(x, dtype=np.uint64)
+    for n in range(4):
+        k = (sel >> (4 * n)) & 7
+        out |= ((both >> np.uint64(8 * k)) & np.uint64(0xFF)) << np.uint64(8 * n)
+    return out.astype(np.uint32)
+
+
+def test_staged_output_packing_is_the_scalar_bf16_formula():
+    """The kernel's staged path (VEC: bf16x2 / bf16x8) packs two values a 32-bit word with
+    byte permutes and masks; for every exponent and sign_mantissa byte at either byte pair
+    of the word it must give the scalar path's (sm >> 7) << 15 | exp << 7 | (sm & 0x7f)."""
+    src = resources.files("entropykit.gpu").joinpath("_kernel.cu").read_text()
+    assert "(e2 << 7) | ((m2 << 8) & 0x80008000u) | (m2 & 0x007f007fu)" in src
+    e, m = (a.ravel().astype(np.uint32) for a in np.meshgrid(np.arange(256), np.arange(256)))
+    rng = np.random.default_rng(7)
+    e_next, m_next = rng.permutation(e), rng.permutation(m)  # the other value of the pair
+    scalar = ((m >> 7) << 15) | (e << 7) | (m & 0x7F)
+    scalar_next = ((m_next >> 7) << 15) | (e_next << 7) | (m_next & 0x7F)
+    for sel, shift in ((0x4140, 0), (0x4342, 16)):
+        # the two symbols sit at bytes (0, 1) or (2, 3) of the staged word; junk elsewhere
+        junk = rng.integers(0, 1 << 16, e.size, dtype=np.uint32) << np.uint32(16 - shift)
+        ew = ((e | e_next << 8) << shift) | junk
+        mw = ((m | m_next << 8) << shift) | junk
+        e2, m2 = _byte_perm(ew, 0, sel), _byte_perm(mw, 0, sel)
+        word = (e2 << 7) | ((m2 << 8) & 0x80008000) | (m2 & 0x007F007F)
+        assert np.array_equal(word & 0xFFFF, scalar)
+        assert np.array_equal(word >> 16, scalar_next)

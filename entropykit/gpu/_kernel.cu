@@ -34,11 +34,26 @@
 // stream a, 16-31 for b, so each lane's copy groups belong to one stream) AHEAD windows
 // ahead of the window being read. Raw chunks go through the same ring (16 words a step).
 // Raw/coded is fixed per stream, so each combination gets its own loop.
+//
+// Staged output (VEC builds, bf16 mode, no contexts): a pair whose exponent stream is coded,
+// whose output is contiguous (step 1) and 16-byte aligned decodes in rounds of 16 steps
+// (512 symbols): each step only drops its symbols into the warp's staging bytes in shared
+// memory; at the round's end lane k turns symbols 16 k .. 16 k + 15 into bf16 values with
+// byte permutes and writes them as two 16-byte stores. A raw sign_mantissa stream then skips
+// its ring: lane k reads its 16 bytes of the round with one 16-byte load, issued a round
+// ahead. This cuts the per-symbol instructions (no per-step 2-byte store, address math,
+// compose, raw ring read or ring slide for b), which bound the kernel (gpu/README.md).
+// The round's tail (< 512 symbols) takes the scalar path with the same output place.
+
+#if VEC && (CTX || !BF16)
+#error "VEC (staged output) is a bf16-mode build without contexts"
+#endif
 
 #define LB 65536u
 #define FULL_MASK 0xffffffffu
 #define SMEM_STREAM (4096 + 1024)  // bytes of one table set in shared memory
-#define WARP_SMEM (4 * RING)  // bytes of shared memory a warp: its two word rings
+#define STAGE (VEC ? 1024 : 0)  // staging bytes a warp: a round's exponents, then sm bytes
+#define WARP_SMEM (4 * RING + STAGE)  // bytes of shared memory a warp: word rings, staging
 
 #define RING (64 * RING_WINDOWS)  // words per stream ring: windows of 64 (128 bytes)
 #define AHEAD (RING_WINDOWS - 2)   // windows copied ahead of the one being read
@@ -77,7 +92,7 @@ __device__ __forceinline__ void landed(const Stream& s, int lane) {
 
 __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
         const unsigned char* buf, const unsigned char* symt, const unsigned* infot,
-        unsigned short* ring, int owner, int lane) {
+        unsigned short* ring, int owner, int lane, bool ringed = true) {
     long long off = d[D_OFF], len = d[D_LEN];
     s.n = (int)d[D_N];
     s.p = (unsigned)d[D_PREC];
@@ -94,7 +109,8 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
     s.ring = ring;
     s.ring_addr = (unsigned)__cvta_generic_to_shared(ring);
     s.owner = owner;
-    for (int j = 0; j <= AHEAD; ++j) fetch(s, j, lane);
+    if (ringed)  // a staged raw stream is read straight from global memory, not its ring
+        for (int j = 0; j <= AHEAD; ++j) fetch(s, j, lane);
     s.sym = symt + max(d[D_SYM], 0LL);  // plain streams (-1) have no tables, read none
     s.info = infot + max(d[D_INFO], 0LL);
 }
@@ -202,6 +218,67 @@ __device__ __forceinline__ void run_pair(Stream& a, Stream& b, Pair& q, int lane
     for (; s < steps; ++s, i += 32) pair_step<false, RAW_A, RAW_B>(a, b, q, i, lt);
 }
 
+#if VEC
+// Two bf16 values (low half: symbol j, high half: symbol j + 1) from two exponent bytes and
+// two sign_mantissa bytes, which sit at byte h and h + 1 of e and m (h = 0 or 2):
+// (m >> 7) << 15 | e << 7 | (m & 0x7f) in each 16-bit half (no half spills into the other).
+__device__ __forceinline__ unsigned bf16x2(unsigned e, unsigned m, unsigned sel) {
+    const unsigned e2 = __byte_perm(e, 0u, sel), m2 = __byte_perm(m, 0u, sel);
+    return (e2 << 7) | ((m2 << 8) & 0x80008000u) | (m2 & 0x007f007fu);
+}
+
+// Eight bf16 values (16 bytes) from 8 exponent and 8 sign_mantissa bytes.
+__device__ __forceinline__ uint4 bf16x8(unsigned e0, unsigned e1, unsigned m0, unsigned m1) {
+    return make_uint4(bf16x2(e0, m0, 0x4140u), bf16x2(e0, m0, 0x4342u),
+                      bf16x2(e1, m1, 0x4140u), bf16x2(e1, m1, 0x4342u));
+}
+
+// The staged pair loop (see the header): a coded exponent stream a, b coded or raw (RAW_B),
+// out = this pair's first output element, 16-byte aligned; stage = the warp's 1 KiB.
+template <bool RAW_B>
+__device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane, unsigned lt,
+                                        unsigned char* stage) {
+    unsigned short* out = reinterpret_cast<unsigned short*>(q.out) + q.out_a;
+    const uint4* smv = reinterpret_cast<const uint4*>(b.bytes);  // raw: 16-byte aligned
+    const int rounds = a.n >> 9;  // a.n == b.n (plan.py pairs equal lengths)
+    uint4 m = make_uint4(0u, 0u, 0u, 0u);
+    if (RAW_B) m = __ldg(smv + lane);  // round 0's sm bytes (rounds >= 1 here)
+    int i = lane;
+    for (int r = 0; r < rounds; ++r) {
+        uint4 next = m;
+        if (RAW_B && r + 1 < rounds) next = __ldg(smv + 32 * (r + 1) + lane);
+#pragma unroll
+        for (int k = 0; k < 16; ++k, i += 32) {
+            stage[32 * k + lane] = (unsigned char)rans_step<true>(a, i, lane, lt, q.sa, q.ia);
+            if (!RAW_B)
+                stage[512 + 32 * k + lane] =
+                    (unsigned char)rans_step<true>(b, i, lane, lt, q.sb, q.ib);
+            slide(a, lane);
+            if (!RAW_B) slide(b, lane);
+        }
+        __syncwarp();
+        const uint4 e = reinterpret_cast<const uint4*>(stage)[lane];
+        if (!RAW_B) m = reinterpret_cast<const uint4*>(stage + 512)[lane];
+        __syncwarp();  // every lane has its bytes before the next round overwrites them
+        uint4* dst = reinterpret_cast<uint4*>(out + 512 * r + 16 * lane);
+        dst[0] = bf16x8(e.x, e.y, m.x, m.y);
+        dst[1] = bf16x8(e.z, e.w, m.z, m.w);
+        m = next;
+    }
+    // The last < 512 symbols one step at a time (b raw: its bytes straight from global).
+    const int steps = (a.n + 31) >> 5;
+    for (int s = rounds << 4; s < steps; ++s, i += 32) {
+        const unsigned ea = rans_step<false>(a, i, lane, lt, q.sa, q.ia);
+        unsigned eb;
+        if (RAW_B) eb = i < b.n ? (unsigned)__ldg(b.bytes + i) : 0u;
+        else eb = rans_step<false>(b, i, lane, lt, q.sb, q.ib);
+        if (i < a.n) out[i] = (unsigned short)(((eb >> 7) << 15) | (ea << 7) | (eb & 0x7fu));
+        slide(a, lane);
+        if (!RAW_B) slide(b, lane);
+    }
+}
+#endif
+
 __device__ __forceinline__ int status_of(const Stream& s) {
     const unsigned x0min = __reduce_min_sync(FULL_MASK, s.x0);
     const bool final_bad = __any_sync(FULL_MASK, s.x != LB);
@@ -247,10 +324,18 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lt));
     const long long* d = desc + (long long)pair * 2 * N_COLS;
     unsigned char* mine = smem + (SMEM ? n_slots * SMEM_STREAM : 0) + (threadIdx.x >> 5) * WARP_SMEM;
+#if VEC
+    // Staged output (header): warp-uniform, from the row and the output's address.
+    const bool vec = d[D_MODE] == 0 && d[D_N] >= 512 && d[D_STEP] == 1 &&
+        ((reinterpret_cast<unsigned long long>(out) + 2ull * d[D_OUT]) & 15) == 0;
+#else
+    const bool vec = false;
+#endif
     Stream a, b;
     load_stream(a, d, buf, symt, infot, reinterpret_cast<unsigned short*>(mine), 0, lane);
     load_stream(b, d + N_COLS, buf, symt, infot,
-                reinterpret_cast<unsigned short*>(mine + 2 * RING), 16, lane);
+                reinterpret_cast<unsigned short*>(mine + 2 * RING), 16, lane,
+                !(vec && d[N_COLS + D_MODE] == 1));
     Pair q;
     q.cmaps = cmaps;
     q.cmap_b = d[N_COLS + D_CMAP];
@@ -274,6 +359,12 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     // (Each lane waits on its own stream's copies: lanes 0-15 issued only a's.)
     asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1) : "memory");
     __syncwarp();
+#if VEC
+    if (vec) {
+        if (b.is_raw) run_vec<true>(a, b, q, lane, lt, mine + 4 * RING);
+        else run_vec<false>(a, b, q, lane, lt, mine + 4 * RING);
+    } else
+#endif
     if (a.is_raw) {
         if (b.is_raw) run_pair<true, true>(a, b, q, lane, lt);
         else run_pair<true, false>(a, b, q, lane, lt);

@@ -26,6 +26,7 @@ from . import _device, _layout, check_outputs
 from .plan import Batch
 
 TABLE_SET_BYTES = 4096 + 1024  # _kernel.cu's SMEM_STREAM
+STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in VEC builds
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,21 @@ class Tuning:
     smem: bool = True  # tables in shared memory (batches with every p <= 12)
     ring_windows: int = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
+    vec: bool = True  # bf16 mode without contexts: staged output, 16-byte stores (_kernel.cu)
 
 
 _lock = threading.Lock()
 _kernels: dict[tuple, cp.RawKernel] = {}
+
+
+def _vec(bf16: bool, ctx: bool, t: Tuning) -> bool:
+    """Whether the build stages its output (_kernel.cu's VEC): bf16 mode, no contexts."""
+    return t.vec and bf16 and not ctx
+
+
+def warp_smem(bf16: bool, ctx: bool, t: Tuning) -> int:
+    """Shared-memory bytes a warp of this build uses: two word rings (+ staging)."""
+    return 256 * t.ring_windows + (STAGE_BYTES if _vec(bf16, ctx, t) else 0)
 
 
 def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawKernel:
@@ -50,10 +62,12 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawK
             cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
             opts = ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}",
                     f"-DSMEM={int(smem)}", f"-DWARPS={warps}",
-                    f"-DRING_WINDOWS={t.ring_windows}", f"-DMIN_BLOCKS={t.min_blocks}", *cols)
+                    f"-DRING_WINDOWS={t.ring_windows}", f"-DMIN_BLOCKS={t.min_blocks}",
+                    f"-DVEC={int(_vec(bf16, ctx, t))}", *cols)
             k = cp.RawKernel(src, "rans_decode", options=opts)
-            # The most a block of this build may ask for: two table sets and the rings.
-            k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * 256 * t.ring_windows
+            # The most a block of this build may ask for: two table sets and the warps'.
+            k.max_dynamic_shared_size_bytes = (2 * TABLE_SET_BYTES
+                                               + warps * warp_smem(bf16, ctx, t))
             _kernels[key] = k
         return _kernels[key]
 
@@ -109,7 +123,8 @@ class Launch:
         self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, t) if self.pairs else None)
         self.grid = (-(-self.pairs // b.warps),)
         self.block = (32 * b.warps,)
-        self.shared = (b.slots * TABLE_SET_BYTES if smem else 0) + b.warps * 256 * t.ring_windows
+        self.shared = ((b.slots * TABLE_SET_BYTES if smem else 0)
+                       + b.warps * warp_smem(b.bf16, b.context, t))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
 
     def __call__(self) -> None:
