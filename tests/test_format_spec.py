@@ -138,3 +138,59 @@ def test_reference_decoder_context_frame_and_raw_chunks():
     noise = rng.integers(0, 256, 3000).astype(np.uint8)
     g = rans.encode(noise, chunk_size=1024)
     np.testing.assert_array_equal(_reference_decode(g), noise)
+
+
+def _rans2d_rows() -> list[tuple[int, int, str]]:
+    section = SPEC.split("#### rans2d payload", 1)[1].split("###", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| ([a-z]+) \|", section, re.M)
+    return [(int(o), int(s), f) for o, s, f in rows]
+
+
+def _reference_rans2d(payload: bytes) -> np.ndarray:
+    """Decode a rans2d payload as the docs/format.md prose says."""
+    h = {}
+    for off, size, name in _rans2d_rows():
+        raw = payload[off : off + size]
+        h[name] = raw if name == "magic" else struct.unpack("<" + _SIZES[size], raw)[0]
+    assert h["magic"] == b"EK2D" and h["version"] == 1 and h["reserved"] == 0
+    n, cols, phase, kr, kc = h["n"], h["cols"], h["phase"], h["kr"], h["kc"]
+    rows = -(-(phase + n) // cols)
+    off = 32
+
+    def classes(count: int, k: int) -> list[int]:
+        nonlocal off
+        w = (k - 1).bit_length()
+        size = -(-count * w // 8)
+        bits = int.from_bytes(payload[off : off + size], "little")
+        off += size
+        out = [(bits >> (j * w)) & ((1 << w) - 1) for j in range(count)]
+        assert all(c < k for c in out) and bits >> (count * w) == 0
+        return out
+
+    rmap = classes(rows, kr) if kr > 1 else [0] * rows
+    cmap = classes(cols, kc) if kc > 1 else [0] * cols
+    ctx = np.array([rmap[(phase + i) // cols] * kc + cmap[(phase + i) % cols]
+                    for i in range(n)], np.uint8)
+    return _reference_decode(payload[off:], ctx)
+
+
+@pytest.mark.parametrize("cols, phase, kr, kc", [(64, 0, 4, 1), (50, 17, 3, 4), (7, 6, 1, 5)])
+def test_reference_rans2d_decoder_from_the_spec(cols, phase, kr, kc):
+    from entropykit.coding import lines
+    from entropykit.container import classed
+
+    rng = np.random.default_rng(cols)
+    n = 3000
+    rows = rng.integers(0, kr, lines.n_rows(n, cols, phase)).astype(np.uint8)
+    columns = rng.integers(0, kc, cols).astype(np.uint8)
+    ctx = lines.context(n, cols, phase, rows if kr > 1 else None,
+                        columns if kc > 1 else None, kc)
+    sym = (rng.geometric(0.4, n) + 40 * (ctx % 5)).astype(np.uint8)
+    joint = np.zeros((256, 256), np.int64)
+    np.add.at(joint, (ctx.astype(np.int64), sym.astype(np.int64)), 1)
+    p = classed.Plan(kr, kc, rows if kr > 1 else None, columns if kc > 1 else None, joint, 0)
+    payload = classed.encode(sym, cols, phase, p, 12)
+    assert [r[0] for r in _rans2d_rows()] == [0, 4, 5, 6, 7, 8, 16, 24]
+    assert payload[32 + (lines.map_bytes(len(rows), kr) if kr > 1 else 0)
+                   + (lines.map_bytes(cols, kc) if kc > 1 else 0) + 7] == 1  # context flag
+    np.testing.assert_array_equal(_reference_rans2d(payload), sym)
