@@ -280,3 +280,8 @@ def test_file_with_rans2d_roundtrips(tmp_path, monkeypatch: pytest.MonkeyPatch) 
     assert c.record.tensors["w"].codecs == (("rans2d", "rans"),)
     assert torch.equal(entropykit.load_file(packed)["w"], w)
     assert np.array_equal(c.tensor("w"), w.view(torch.uint8).numpy().reshape(-1))
+    # The GPU loader's plan (emulated on the CPU) decodes rans2d fields on the host.
+    from test_gpu_load import _cpu_bytes, _emulated_load
+    got, want = _emulated_load(packed, 2), _cpu_bytes(packed)
+    assert list(got) == list(want)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
