@@ -1,0 +1,572 @@
+// CUDA kernels of per-symbol-distribution rANS (entropykit/rans/dist_kernels.py on a GPU),
+// compiled at first use by NVRTC, one build per value format (NKEYS, MANT, BIAS, NONFINITE,
+// ES come in as -D macros; dist.py passes them from rans.distribution.FORMATS).
+//
+// What it is: dist_encode and dist_decode, one warp per chunk of the frame and one lane per
+// interleaved rANS lane (value i of a chunk is on lane i % 32), many chunks a launch; the
+// integer CDF of dist_kernels.py ported line for line (every probability is integer
+// arithmetic; floats only pick where the decoder's exact search starts); the chunk's CRC-32
+// (zlib's) computed by the warp; dist_gather, which packs the encoder's per-chunk payloads
+// and directory into the frame. What it is not: the frame parser or the frame header
+// (dist.py, on the host: it has validated every offset and length the decoder gets).
+//
+// Word order (the CPU kernels'): a group of 32 values is one step of top bytes, then (16-bit
+// formats) one step of low bytes; the decoder reads words forwards, lanes 0..31 in a step,
+// each lane that needs a word taking the next one: lane q reads word
+// wp + popc(ballot & lanes below q). The encoder runs the same order backwards, writing
+// downwards: lane q's word lands at pos - 2 (1 + popc(ballot & lanes above q)).
+//
+// Untrusted frames: every payload read is checked against the chunk's payload (a lane that
+// needs a word past the end is ERR_TRUNCATED), and each chunk reports the CPU kernel's error
+// code, or ERR_CRC / ERR_RAW, or ERR_PARAM with the index of an invalid (mu, sigma) (which
+// takes precedence, as on the CPU, which checks every (mu, sigma) before decoding).
+
+#define LANES 32
+#define LB 65536u
+#define FULL 0xffffffffu
+#define ONE (1LL << 31)
+#define ONE_BITS 31
+#define Z_GRID_BITS 6
+#define Z_MAX 32
+#define Z_FRAC 16
+#define MU_BITS 16
+#define R_SHIFT 32
+#define D_BIG (1LL << 40)
+#define WEIGHT_ONE 65536
+#define INV_POINTS 4096
+#define SHAPE_W ((2 * Z_MAX << Z_GRID_BITS) + 2)  // 4097 entries + one padding entry
+#define EMP_W 257
+#define HALF (NKEYS / 2)
+#define BYTES (NKEYS > 256 ? 2 : 1)
+#define CRC_POLY 0xedb88320u
+
+// Status codes: dist_kernels.py's, then the GPU path's own.
+#define ERR_STATE 1
+#define ERR_TRUNCATED 2
+#define ERR_TRAILING 3
+#define ERR_FINAL 4
+#define ERR_ODD 5
+#define ERR_CRC 6
+#define ERR_RAW 7
+#define ERR_PARAM 8
+#define MODE_CODED 0
+#define MODE_RAW 1
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// One value's quantized parameters (dist_kernels.Val, without ue which only feeds cb).
+struct Val {
+    i64 mu_u, rr, dl;
+    int cb, m, w;
+};
+
+// Model tables: shapes (M x SHAPE_W) and emps (M x 257) in shared memory with SMEM, else
+// read through L1; inverse-shape floats (guesses only) and sigma reciprocals through L1.
+struct Model {
+    const unsigned* shapes;
+    const unsigned* emps;
+    const int* weights;
+    const double* zinv;
+    const i64* rtab;
+};
+
+__device__ __forceinline__ bool param_ok(unsigned mub, unsigned sgb) {
+    // finite mu, finite sigma > 0: dist_kernels._params's test, distribution._as_params's.
+    return !((sgb >> 31) || ((sgb >> 23) & 0xFF) == 0xFF || sgb == 0 || ((mub >> 23) & 0xFF) == 0xFF);
+}
+
+__device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const Model& md) {
+    int e = (sgb >> 23) & 0xFF;
+    const int em = (mub >> 23) & 0xFF;
+    int r;
+    if (e == 0) {  // subnormal sigma: the smallest normal one
+        e = 1;
+        r = 0;
+    } else {
+        r = ((sgb & 0x7FFFFF) + (1 << 14)) >> 15;
+        if (r == 256) {
+            r = 0;
+            e += 1;
+            if (e == 0xFF) { e = 0xFE; r = 255; }
+        }
+    }
+    const int ue = e - 127 - MU_BITS;
+    i64 mm = mub & 0x7FFFFF;
+    if (em > 0) mm |= 1 << 23;
+    const int sh = max(em, 1) - 150 - ue;
+    i64 mu_u;
+    if (sh >= 0) mu_u = mm << min(sh, 36);
+    else if (sh < -40) mu_u = 0;
+    else mu_u = (mm + (1LL << (-sh - 1))) >> -sh;
+    if (mub >> 31) mu_u = -mu_u;
+    Val v;
+    v.mu_u = mu_u;
+    v.rr = __ldg(md.rtab + r);
+    v.dl = __ldg(md.rtab + 256 + r);
+    v.cb = BIAS + MANT + 1 + ue;
+    v.m = m;
+    v.w = md.weights[m];
+    return v;
+}
+
+// D(k) = floor(B(k) / u) - mu_u for 0 < k < NKEYS (dist_kernels._offset).
+__device__ __forceinline__ i64 offset(int k, const Val& v) {
+    const int y = k - HALF;
+    if (y == 0) return -v.mu_u;
+    const int a = abs(y) - 1;
+    if (a + 1 >= NONFINITE) return y > 0 ? D_BIG : -D_BIG;
+    const i64 neg = y < 0;
+    const int e1 = max(a >> MANT, 1);
+    const i64 mid = 2 * (i64)a + 1 - ((i64)(e1 - 1) << (MANT + 1));
+    const int sh = min(max(e1 - v.cb, -62), 50);
+    const i64 t = ((mid << max(sh, 0)) - neg) >> max(-sh, 0);
+    return (t ^ -neg) - v.mu_u;
+}
+
+// S(k): mass of all keys below k in units of 2^-31 (dist_kernels._smooth_cdf).
+__device__ __forceinline__ i64 smooth(int k, const Val& v, const Model& md) {
+    if (k <= 0) return 0;
+    if (k >= NKEYS) return ONE;
+    const i64 d = min(max(offset(k, v), -v.dl), v.dl);  // |z| <= Z_MAX, no overflow
+    const i64 zf = (d * v.rr) >> R_SHIFT;
+    const unsigned ix = (unsigned)((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS));
+    const unsigned* sh = md.shapes + v.m * SHAPE_W;
+    const i64 t0 = sh[ix];
+    i64 s = t0 + ((((i64)sh[ix + 1] - t0) * (zf & ((1 << Z_FRAC) - 1))) >> Z_FRAC);
+    if (v.w) {
+        const unsigned* em = md.emps + v.m * EMP_W;
+        const int b = k >> ES;
+        const i64 e0 = em[b];
+        const i64 e = e0 + ((((i64)em[b + 1] - e0) * (k & ((1 << ES) - 1))) >> ES);
+        s = (s * (WEIGHT_ONE - v.w) + e * v.w) >> 16;
+    }
+    return s;
+}
+
+// cdf(j) of a stage with mass S_b .. S_b + T (dist_kernels._stage_cdf, in its int64 /
+// uint64 arithmetic). When 0 <= S_j - S_b <= T (S non-decreasing) the quotient is exact in
+// double: a = spread (S_j - S_b) < 2^47 and T <= 2^31 are exact, a / T <= spread < 2^16, so
+// the rounding error (< 2^-37) is below 1 / T, the least distance from a non-integer
+// quotient to the next integer. Otherwise (S not monotone: see gpu/README.md) the CPU's
+// uint64 division of the wrapped operands, as it does.
+__device__ __forceinline__ i64 stage_cdf(int j, i64 sj, i64 sb, i64 t, int spread) {
+    if (t == ONE) return j + ((spread * (sj - sb)) >> ONE_BITS);
+    if (t == 0) return (i64)j * ((spread + 256) >> 8);
+    const i64 a = spread * (sj - sb);
+    if (sj >= sb && sj - sb <= t) return j + (i64)floor(__ddiv_rn((double)a, (double)t));
+    return j + (i64)((u64)a / (u64)t);
+}
+
+__device__ __forceinline__ int key_of(unsigned bits) {
+    return (bits & HALF) ? bits ^ (NKEYS - 1) : bits ^ HALF;
+}
+
+__device__ __forceinline__ unsigned bits_of(int key) {
+    return key >= HALF ? key ^ HALF : key ^ (NKEYS - 1);
+}
+
+// ---- CRC-32 (zlib's) of a chunk, by the whole warp ---------------------------------------
+
+// a * b modulo the CRC polynomial, bit-reflected (zlib's multmodp, fixed 32 rounds).
+__device__ __forceinline__ unsigned multmodp(unsigned a, unsigned b) {
+    unsigned p = 0;
+#pragma unroll
+    for (int i = 31; i >= 0; --i) {
+        if (a & (1u << i)) p ^= b;
+        b = (b & 1) ? (b >> 1) ^ CRC_POLY : b >> 1;
+    }
+    return p;
+}
+
+// Lane k takes crc32 of its slice (4-byte aligned, in order), shifted over the bytes after
+// it (crc(A B) = crc(A) x^(8 |B|) + crc(B), zlib's crc32_combine); the warp XORs them.
+// xpow[i] = x^(2^i) mod P. p must be 4-byte aligned.
+__device__ unsigned warp_crc(const unsigned char* p, int nbytes, int lane, const unsigned* tab,
+                             const unsigned* xpow) {
+    const int seg = ((nbytes + LANES - 1) / LANES + 3) & ~3;
+    const int lo = min(lane * seg, nbytes), hi = min(lo + seg, nbytes);
+    unsigned c = FULL;
+    int i = lo;
+    for (; i + 4 <= hi; i += 4) {
+        c ^= *reinterpret_cast<const unsigned*>(p + i);
+        c = tab[c & 255] ^ (c >> 8);
+        c = tab[c & 255] ^ (c >> 8);
+        c = tab[c & 255] ^ (c >> 8);
+        c = tab[c & 255] ^ (c >> 8);
+    }
+    for (; i < hi; ++i) c = tab[(c ^ p[i]) & 255] ^ (c >> 8);
+    c = ~c;
+    unsigned after = (unsigned)(nbytes - hi), k = 3;  // x^(8 after) = prod x^(2^(3 + bit))
+    for (; after; after >>= 1, ++k)
+        if (after & 1) c = multmodp(__ldg(xpow + (k & 31)), c);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) c ^= __shfl_xor_sync(FULL, c, o);
+    return c;
+}
+
+__device__ __forceinline__ void crc_table(unsigned* tab) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        unsigned c = i;
+        for (int b = 0; b < 8; ++b) c = (c & 1) ? (c >> 1) ^ CRC_POLY : c >> 1;
+        tab[i] = c;
+    }
+}
+
+// Block prologue: CRC table, and (SMEM) the model tables into shared memory.
+__device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shapes,
+        const unsigned* emps, int models, const int* weights, const double* zinv,
+        const i64* rtab) {
+    crc_table(tab);
+    Model md;
+#if SMEM
+    extern __shared__ unsigned smem[];
+    for (int i = threadIdx.x; i < models * SHAPE_W; i += blockDim.x) smem[i] = shapes[i];
+    for (int i = threadIdx.x; i < models * EMP_W; i += blockDim.x)
+        smem[models * SHAPE_W + i] = emps[i];
+    md.shapes = smem;
+    md.emps = smem + models * SHAPE_W;
+#else
+    md.shapes = shapes;
+    md.emps = emps;
+#endif
+    md.weights = weights;
+    md.zinv = zinv;
+    md.rtab = rtab;
+    __syncthreads();
+    return md;
+}
+
+// First value index in [from, to) of the chunk whose (mu, sigma) is invalid, or -1 (warp).
+__device__ int first_bad(const unsigned* mu, const unsigned* sg, i64 first, int from, int to,
+                         int lane) {
+    for (int g0 = from; g0 < to; g0 += LANES) {
+        const i64 i = first + g0 + lane;
+        const bool bad = g0 + lane < to && !param_ok(mu[i], sg[i]);
+        const unsigned bal = __ballot_sync(FULL, bad);
+        if (bal) return g0 + __ffs(bal) - 1;
+    }
+    return -1;
+}
+
+// ---- encoder ---------------------------------------------------------------------------
+
+// Push [c0, c1) onto x (dist_kernels._enc_step, int64 state as there). All lanes call it,
+// live or not; the words land below pos in lane order.
+__device__ __forceinline__ void enc_step(i64& x, bool live, i64 c0, i64 c1, int p, int lane,
+                                         unsigned char* out, int& pos) {
+    const i64 fr = c1 - c0;
+    const bool emit = live && x >= (i64)((u64)fr << (32 - p));
+    const unsigned b = __ballot_sync(FULL, emit);
+    if (emit) {
+        const unsigned above = lane == 31 ? 0u : b & (FULL << (lane + 1));
+        const int at = pos - 2 * (1 + __popc(above));
+        out[at] = x & 0xFF;
+        out[at + 1] = (x >> 8) & 0xFF;
+        x >>= 16;
+    }
+    pos -= 2 * __popc(b);
+    if (live) {  // 32-bit division whenever the operands allow (always, for monotone S)
+        const u64 q = ((u64)x >> 32 == 0 && (u64)fr >> 32 == 0)
+                          ? (u64)((unsigned)x / (unsigned)fr) : (u64)x / (u64)fr;
+        x = (i64)((q << p) + ((u64)x - q * (u64)fr) + (u64)c0);
+    }
+}
+
+// res per chunk (i64 x 4): mode (0 coded, 1 raw, ERR_PARAM), payload start within the
+// chunk's scratch (or the invalid value's index in the chunk), payload length, CRC-32.
+// The chunk's scratch is scratch[c * chunk_size * BYTES ...][: its bytes] (as big as raw:
+// a payload that would not be smaller is not kept, exactly as dist_kernels decides).
+extern "C" __global__ void __launch_bounds__(WARPS * 32) dist_encode(
+        const unsigned char* vals, const unsigned* mu, const unsigned* sg,
+        const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
+        const unsigned* shapes, const unsigned* emps, int models, const int* weights,
+        const double* zinv, const i64* rtab, const unsigned* xpow, unsigned char* scratch,
+        i64* res) {
+    __shared__ unsigned tab[256];
+    const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
+    const int lane = threadIdx.x & 31;
+    const int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (c >= n_chunks) return;
+    const i64 first = (i64)c * chunk_size;
+    const int cn = (int)min((i64)chunk_size, n - first);
+    const int nbytes = cn * BYTES;
+    unsigned char* out = scratch + first * BYTES;
+    const unsigned char* src = vals + first * BYTES;
+    const int spread = (1 << p) - 256;
+    i64* r = res + 4 * (i64)c;
+    i64 x = LB;
+    int pos = nbytes;
+    i64 mode = MODE_CODED;
+    int unchecked = cn;  // values [unchecked, cn) have valid (mu, sigma)
+    for (int g0 = (cn - 1) & -LANES; g0 >= 0; g0 -= LANES) {  // groups, last first
+        const int m = min(LANES, cn - g0);
+        if (pos - 4 * m < 4 * LANES) { mode = MODE_RAW; break; }  // room for the group's words
+        const bool live = lane < m;
+        const i64 i = first + g0 + lane;
+        i64 t0 = 0, t1 = 1, l0 = 0, l1 = 1;
+        bool ok = true;
+        if (live) {
+            const unsigned mub = mu[i], sgb = sg[i];
+            ok = param_ok(mub, sgb);
+            if (ok) {
+                const Val v = params(mub, sgb, midx ? midx[i] : m0, md);
+                const int key = key_of(BYTES == 2 ? ((const unsigned short*)vals)[i] : vals[i]);
+                const int j = key >> ES, b = j << ES;
+                const i64 s0 = smooth(b, v, md), s1 = smooth(b + (1 << ES), v, md);
+                t0 = stage_cdf(j, s0, 0, ONE, spread);
+                t1 = stage_cdf(j + 1, s1, 0, ONE, spread);
+                if (ES) {
+                    const int lo = key - b;
+                    l0 = stage_cdf(lo, smooth(key, v, md), s0, s1 - s0, spread);
+                    l1 = stage_cdf(lo + 1, smooth(key + 1, v, md), s0, s1 - s0, spread);
+                }
+            }
+        }
+        if (__ballot_sync(FULL, !ok)) { mode = ERR_PARAM; unchecked = g0 + m; break; }
+        unchecked = g0;
+        if (ES) enc_step(x, live, l0, l1, p, lane, out, pos);  // low bytes are read last
+        enc_step(x, live, t0, t1, p, lane, out, pos);
+    }
+    // Every (mu, sigma) is checked, as the CPU checks them all first: the lowest bad index.
+    const int where = first_bad(mu, sg, first, 0, unchecked, lane);
+    if (where >= 0) mode = ERR_PARAM;
+    if (mode == MODE_CODED) {
+        pos -= 4 * LANES;
+        const int at = pos + 4 * lane;
+        out[at] = x & 0xFF;
+        out[at + 1] = (x >> 8) & 0xFF;
+        out[at + 2] = (x >> 16) & 0xFF;
+        out[at + 3] = x >> 24;
+    }
+    const unsigned crc = warp_crc(src, nbytes, lane, tab, xpow);
+    if (lane == 0) {
+        r[0] = mode;
+        r[1] = mode == MODE_CODED ? pos : where;
+        r[2] = mode == MODE_CODED ? nbytes - pos : nbytes;
+        r[3] = crc;
+    }
+}
+
+// Copy each chunk's payload to frame + base + dst[c] and write its directory entry
+// (u32 length at 28 + 4c, u32 CRC at 28 + 4 nc + 4c, u8 mode at 28 + 8 nc + c). One block
+// a chunk (grid-stride); modes are 0 or 1 here (dist.py raised on ERR_PARAM before).
+extern "C" __global__ void dist_gather(const unsigned char* scratch, const unsigned char* vals,
+        const i64* res, const i64* dst, i64 chunk_bytes, int n_chunks, i64 base,
+        unsigned char* frame) {
+    for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const i64* r = res + 4 * (i64)c;
+        const i64 len = r[2];
+        const unsigned char* s = r[0] == MODE_RAW ? vals + c * chunk_bytes
+                                                  : scratch + c * chunk_bytes + r[1];
+        unsigned char* d = frame + base + dst[c];
+        for (i64 k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
+        if (threadIdx.x < 4) {
+            frame[28 + 4 * (i64)c + threadIdx.x] = (unsigned char)(len >> (8 * threadIdx.x));
+            frame[28 + 4 * (i64)n_chunks + 4 * c + threadIdx.x] =
+                (unsigned char)(r[3] >> (8 * threadIdx.x));
+        }
+        if (threadIdx.x == 0) frame[28 + 8 * (i64)n_chunks + c] = (unsigned char)r[0];
+    }
+}
+
+// ---- decoder ---------------------------------------------------------------------------
+
+// The decoder's guesses are the CPU's to the bit (float64, float32 where it stores one, no
+// fused multiply-adds), so that even where S is not monotone the search starts where the
+// CPU's does and ends on the same symbol.
+#define DADD __dadd_rn
+#define DMUL __dmul_rn
+
+// A key near CDF fraction g (dist_kernels._guess_key).
+__device__ __forceinline__ int guess_key(double g, float mu, double sg, const double* zinv) {
+    const double t = DMUL(fmin(fmax(g, 0.0), 1.0), (double)INV_POINTS);
+    const int i = min((int)t, INV_POINTS - 1);
+    const double z0 = __ldg(zinv + i), z1 = __ldg(zinv + i + 1);
+    const double z = DADD(z0, DMUL(DADD(z1, -z0), DADD(t, -(double)i)));
+    const unsigned b = __float_as_uint(__double2float_rn(DADD((double)mu, DMUL(sg, z))));
+    unsigned a = b & 0x7FFFFFFF;
+    int ex = (int)(a >> 23) - 127 + BIAS;
+    int mag;
+    if (ex >= 1) {  // round |value| to the nearest format value
+        a += 1u << (22 - MANT);
+        ex = (int)(a >> 23) - 127 + BIAS;
+        mag = min((ex << MANT) | (int)((a & 0x7FFFFF) >> (23 - MANT)), NONFINITE - 1);
+    } else if (ex > -MANT - 1) {
+        const int sh = 24 - MANT - ex;
+        mag = (int)((((a & 0x7FFFFF) | (1u << 23)) + (1u << (sh - 1))) >> sh);
+    } else {
+        mag = 0;
+    }
+    return (b >> 31) ? HALF - 1 - mag : HALF + mag;
+}
+
+// The symbol (keys b + j 2^sh) that slot decodes to, guessed (dist_kernels._stage_guess).
+__device__ __forceinline__ int stage_guess(i64 slot, int b, int sh, i64 sb, i64 t, float mu,
+        double sg, const double* zinv, int p) {
+    const double dt = (double)t, dsb = (double)sb, one = 1.0 / ONE;
+    double frac = DMUL(DADD(dsb, DMUL(DMUL(DADD((double)slot, 0.5), 1.0 / (1 << p)), dt)), one);
+    int g = guess_key(frac, mu, sg, zinv);
+    if (sh == 0) {  // take the first guess's j out of slot = j + spread (S_j - S_b) / T
+        const int j0 = min(max(g - b, 0), 255);
+        const double inv = __ddiv_rn(1.0, (double)((1 << p) - 256));
+        frac = DMUL(DADD(dsb, DMUL(DMUL(DADD((double)(slot - j0), 0.5), inv), dt)), one);
+        g = guess_key(frac, mu, sg, zinv);
+    }
+    return min(max((g - b) >> sh, 0), 255);
+}
+
+struct Sym {
+    int j;
+    i64 sj, sn, c0, c1;
+};
+
+// Gallop from a missed guess, then bisect (dist_kernels._search_from). cdf(0) = 0 <= slot
+// < 2^p = cdf(256) and every frequency is >= 1, so it ends whatever the payload holds.
+__device__ Sym search(i64 slot, Sym g, int b, int sh, i64 sb, i64 t, int spread, const Val& v,
+                      const Model& md) {
+    int lo, hi;
+    i64 slo, shi, clo, chi;
+    int step = 1;
+    if (g.c0 <= slot) {
+        lo = g.j; slo = g.sj; clo = g.c0;
+        while (true) {
+            const int k = lo + step;
+            if (k >= 256) { hi = 256; shi = sb + t; chi = spread + 256; break; }
+            const i64 sk = smooth(b + (k << sh), v, md), ck = stage_cdf(k, sk, sb, t, spread);
+            if (ck > slot) { hi = k; shi = sk; chi = ck; break; }
+            lo = k; slo = sk; clo = ck;
+            step *= 2;
+        }
+    } else {
+        hi = g.j; shi = g.sj; chi = g.c0;
+        while (true) {
+            const int k = hi - step;
+            if (k <= 0) { lo = 0; slo = sb; clo = 0; break; }
+            const i64 sk = smooth(b + (k << sh), v, md), ck = stage_cdf(k, sk, sb, t, spread);
+            if (ck <= slot) { lo = k; slo = sk; clo = ck; break; }
+            hi = k; shi = sk; chi = ck;
+            step *= 2;
+        }
+    }
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        const i64 sm = smooth(b + (mid << sh), v, md), cm = stage_cdf(mid, sm, sb, t, spread);
+        if (cm <= slot) { lo = mid; slo = sm; clo = cm; }
+        else { hi = mid; shi = sm; chi = cm; }
+    }
+    Sym s;
+    s.j = lo; s.sj = slo; s.sn = shi; s.c0 = clo; s.c1 = chi;
+    return s;
+}
+
+// One decode step of a lane (live or not): find the symbol, update x, take a word, in the
+// CPU's int64 arithmetic (dist_kernels._decode_step). Returns false (warp-uniform) if some
+// lane needs a word past the payload.
+__device__ __forceinline__ bool dec_step(i64& x, Sym& s, bool live, int b, int sh, i64 sb,
+        i64 t, const Val& v, float muf, double sgf, const Model& md, int p,
+        const unsigned char* words, int n_words, int& wp, int lane) {
+    const int spread = (1 << p) - 256;
+    const i64 slot = x & ((1 << p) - 1);
+    bool need = false;
+    if (live) {
+        s.j = stage_guess(slot, b, sh, sb, t, muf, sgf, md.zinv + v.m * (INV_POINTS + 1), p);
+        s.sj = smooth(b + (s.j << sh), v, md);
+        s.sn = smooth(b + ((s.j + 1) << sh), v, md);
+        s.c0 = stage_cdf(s.j, s.sj, sb, t, spread);
+        s.c1 = stage_cdf(s.j + 1, s.sn, sb, t, spread);
+        if (!(s.c0 <= slot && slot < s.c1)) s = search(slot, s, b, sh, sb, t, spread, v, md);
+        x = (i64)((u64)(s.c1 - s.c0) * (u64)(x >> p) + (u64)(slot - s.c0));
+        need = x < LB;
+    }
+    const unsigned bal = __ballot_sync(FULL, need);
+    const int at = wp + __popc(bal & ((1u << lane) - 1u));
+    wp += __popc(bal);
+    if (wp > n_words) return false;
+    if (need) x = (i64)(((u64)x << 16) | words[2 * at] | ((unsigned)words[2 * at + 1] << 8));
+    return true;
+}
+
+// desc per chunk (i64 x 4): payload offset in frame, length, mode, CRC-32 (all checked by
+// dist.py against the frame size). status per chunk (i32 x 2): code, value index in chunk.
+extern "C" __global__ void __launch_bounds__(WARPS * 32) dist_decode(
+        const unsigned char* frame, const i64* desc, const unsigned* mu, const unsigned* sg,
+        const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
+        const unsigned* shapes, const unsigned* emps, int models, const int* weights,
+        const double* zinv, const i64* rtab, const unsigned* xpow, unsigned char* outb,
+        int* status) {
+    __shared__ unsigned tab[256];
+    const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
+    const int lane = threadIdx.x & 31;
+    const int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (c >= n_chunks) return;
+    const i64 first = (i64)c * chunk_size;
+    const int cn = (int)min((i64)chunk_size, n - first);
+    const int nbytes = cn * BYTES;
+    const i64* d = desc + 4 * (i64)c;
+    const unsigned char* pay = frame + d[0];
+    const int len = (int)d[1];
+    unsigned char* out = outb + first * BYTES;
+    int code = 0, checked = 0;  // values [0, checked) have valid (mu, sigma)
+    if (d[2] == MODE_RAW) {
+        if (len != nbytes) code = ERR_RAW;
+        else for (int k = lane; k < len; k += LANES) out[k] = pay[k];
+    } else if (len < 4 * LANES || ((len - 4 * LANES) & 1)) {
+        code = ERR_ODD;
+    } else {
+        const unsigned char* s = pay + 4 * lane;
+        i64 x = s[0] | (s[1] << 8) | (s[2] << 16) | ((unsigned)s[3] << 24);
+        if (__ballot_sync(FULL, x < LB)) code = ERR_STATE;
+        const unsigned char* words = pay + 4 * LANES;
+        const int n_words = (len - 4 * LANES) >> 1;
+        int wp = 0;
+        for (int g0 = 0; g0 < cn && !code; g0 += LANES) {
+            const bool live = g0 + lane < cn;
+            const i64 i = first + g0 + lane;
+            bool ok = true;
+            Val v;
+            float muf = 0.f;
+            double sgf = 0.0;
+            if (live) {
+                const unsigned mub = mu[i], sgb = sg[i];
+                ok = param_ok(mub, sgb);
+                if (ok) {
+                    v = params(mub, sgb, midx ? midx[i] : m0, md);
+                    muf = __uint_as_float(mub);
+                    sgf = __uint_as_float((sgb + (1u << 14)) & ~0x7FFFu);  // sigma's grid
+                }
+            }
+            if (__ballot_sync(FULL, !ok)) { checked = g0; code = ERR_PARAM; break; }
+            checked = g0 + LANES;
+            Sym top;
+            if (!dec_step(x, top, live, 0, ES, 0, ONE, v, muf, sgf, md, p, words, n_words, wp,
+                          lane)) { code = ERR_TRUNCATED; break; }
+            int key = top.j;
+            if (ES) {
+                Sym low;
+                const int b = top.j << ES;
+                if (!dec_step(x, low, live, b, 0, top.sj, top.sn - top.sj, v, muf, sgf, md, p,
+                              words, n_words, wp, lane)) { code = ERR_TRUNCATED; break; }
+                key = b + low.j;
+            }
+            if (live) {
+                if (BYTES == 2) reinterpret_cast<unsigned short*>(out)[g0 + lane] = bits_of(key);
+                else out[g0 + lane] = bits_of(key);
+            }
+        }
+        if (!code && wp != n_words) code = ERR_TRAILING;
+        if (!code && __ballot_sync(FULL, x != LB)) code = ERR_FINAL;
+    }
+    // Every (mu, sigma) is checked, as the CPU checks them all before decoding.
+    const int bad = first_bad(mu, sg, first, checked, cn, lane);
+    int where = 0;
+    if (bad >= 0) { code = ERR_PARAM; where = bad; }
+    if (!code) {
+        __syncwarp();  // the lanes' output stores are visible to the whole warp
+        if (warp_crc(out, nbytes, lane, tab, xpow) != (unsigned)d[3]) code = ERR_CRC;
+    }
+    if (lane == 0) {
+        status[2 * c] = code;
+        status[2 * c + 1] = where;
+    }
+}

@@ -1,0 +1,398 @@
+"""Per-symbol-distribution rANS on a CUDA device: the frames of ``rans.distribution``.
+
+What it is: ``encode`` and ``decode`` with values, mu and sigma as CUDA tensors (as a
+predictor on the GPU gives them), producing and reading exactly the bytes of the CPU coder
+(``entropykit.rans.distribution``: same frame, same payloads, same CRC-32s). The kernels
+(``_dist_kernel.cu``, CUDA C++ compiled by NVRTC through CuPy at first use, one build per
+value format) run one warp per chunk, every chunk of a frame in one launch, with the CPU
+kernels' integer CDF. The encoder codes each chunk into a scratch copy as large as the raw
+values (a payload is kept only if it fits, the CPU rule), reads the payload lengths back
+(one small device-to-host copy, which also sizes the frame), then one launch packs payloads
+and chunk directory into the frame. The decoder parses the header and directory on the host
+(``distribution.parse``; a frame on the device sends only those bytes back) and checks each
+chunk's CRC-32 on the GPU. Errors come back per chunk: ``CorruptDataError`` naming the chunk,
+``ValueError`` naming the first invalid (mu, sigma), as on the CPU.
+
+What it is not: a model builder, a predictor or a CPU fallback (``rans.distribution`` is
+the CPU coder; this module's host half, which tests import without a GPU, is plain numpy).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptDataError
+from ..rans import dist_kernels as _k
+from ..rans import distribution as D
+
+GPU_CHUNK = 1 << 14  # values a chunk: a warp each, so ~8 k warps for 256 MiB of bf16
+HEADER_SIZE = D.HEADER_SIZE
+ERR_CRC = 6
+ERR_RAW = 7
+ERR_PARAM = 8
+MESSAGES = {**_k.MESSAGES, ERR_CRC: "CRC-32 of decoded values does not match",
+            ERR_RAW: "raw payload length differs from the chunk's values"}
+_CRC_POLY = 0xEDB88320
+_TORCH_FORMATS = {"torch.bfloat16": "bf16", "torch.float16": "fp16",
+                  "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2"}
+_SMEM_LIMIT = 96 * 1024  # model tables in shared memory up to this (else through L1)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Kernel build knobs (results are the same bits either way; for measurements)."""
+
+    warps: int = 4  # warps (chunks) per block
+    smem: bool = True  # model tables in shared memory when they fit _SMEM_LIMIT
+
+
+# ---- host logic (no GPU needed) ------------------------------------------------------
+
+
+def format_of(dtype: Any, fmt: str | D.ValueFormat | None) -> D.ValueFormat:
+    """The value format of a tensor of ``dtype`` (``value_bits``'s rules): a float dtype
+    names its format; integer bits of the format's width need ``fmt``."""
+    name = _TORCH_FORMATS.get(str(dtype))
+    if name is not None:
+        if fmt is not None and D.value_format(fmt).name != name:
+            raise ValueError(f"values are {dtype} but fmt is {D.value_format(fmt).name}")
+        return D.FORMATS[name]
+    if fmt is None:
+        raise TypeError(f"cannot infer the value format of dtype {dtype}; pass fmt=")
+    f = D.value_format(fmt)
+    want = ("torch.int16", "torch.uint16") if f.bits == 16 else ("torch.uint8", "torch.int8")
+    if str(dtype) not in want:
+        raise TypeError(f"{f.name} bits must be one of {want}, got {dtype}")
+    return f
+
+
+def x_powers() -> np.ndarray:
+    """uint32[32]: x^(2^i) modulo the CRC-32 polynomial, bit-reflected (zlib's x2n_table)."""
+    def mul(a: int, b: int) -> int:
+        p = 0
+        for i in range(31, -1, -1):
+            if a >> i & 1:
+                p ^= b
+            b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+        return p
+
+    out, p = [], 1 << 30  # x^1 (bit 31 is x^0)
+    for _ in range(32):
+        out.append(p)
+        p = mul(p, p)
+    return np.array(out, np.uint32)
+
+
+def header(f: D.ValueFormat, n: int, chunk_size: int, precision: int, fingerprint: int) -> bytes:
+    """The frame's 28 header bytes (``distribution``'s layout v1)."""
+    return D._HEADER.pack(D.MAGIC, D.VERSION, precision, _k.LANES, f.code, n, chunk_size,
+                          -(-n // chunk_size), fingerprint)
+
+
+def check_encode_args(f: D.ValueFormat, n: int, precision: int, chunk_size: int) -> int:
+    """Validate the coding options as ``distribution.encode`` does; the chunk count."""
+    if not 12 <= precision <= 16:
+        raise ValueError(f"precision must be in 12..16, got {precision}")
+    D._check_chunk(chunk_size)
+    return -(-n // chunk_size)
+
+
+def parse_head(head: np.ndarray, size: int) -> D.FrameInfo:
+    """``distribution.parse`` of a frame of ``size`` bytes whose first bytes are ``head``
+    (header and chunk directory; parse reads nothing else), without its payloads."""
+    buf = np.empty(max(size, head.size), np.uint8)  # untouched pages: never read
+    buf[: head.size] = head
+    return D.parse(buf[:size])
+
+
+def decode_desc(info: D.FrameInfo) -> np.ndarray:
+    """int64[n_chunks, 4] the decoder reads: payload offset, length, mode, CRC-32."""
+    return np.ascontiguousarray(np.stack(
+        [info.offsets, info.lengths, info.modes.astype(np.int64),
+         info.crcs.astype(np.int64)], axis=1), np.int64)
+
+
+def chunk_error(codes: np.ndarray, offsets: np.ndarray) -> tuple[int, str] | None:
+    """(chunk, message) of the first chunk that failed, or None. ``codes`` are the
+    kernel's per-chunk status codes (ERR_PARAM handled by the caller first)."""
+    bad = np.flatnonzero(codes)
+    if not bad.size:
+        return None
+    c = int(bad[0])
+    code = int(codes[c])
+    msg = MESSAGES.get(code, f"unknown status {code}")
+    return c, (f"distribution-rANS frame chunk {c} (payload at byte {int(offsets[c])}): "
+               f"{msg}")
+
+
+def first_bad_param(codes: np.ndarray, where: np.ndarray, chunk_size: int) -> int:
+    """Global index of the first invalid (mu, sigma) from per-chunk (code, index), or -1."""
+    bad = np.flatnonzero(codes == ERR_PARAM)
+    return -1 if not bad.size else int(bad[0]) * chunk_size + int(where[bad[0]])
+
+
+def model_arrays(model: D.CoderModel) -> dict[str, np.ndarray]:
+    """The model as the kernels read it: padded shapes and empirical CDFs (uint32), weights
+    (int32), inverse shapes (float64, guesses only), sigma reciprocals (int64[2, 256])."""
+    return {"shapes": np.ascontiguousarray(model.padded, np.uint32).reshape(-1),
+            "emps": np.ascontiguousarray(model.emps, np.uint32).reshape(-1),
+            "weights": model.weights.astype(np.int32),
+            "zinv": np.ascontiguousarray(model.inverse, np.float64).reshape(-1),
+            "rtab": np.ascontiguousarray(D._RTAB, np.int64).reshape(-1)}
+
+
+def smem_bytes(model: D.CoderModel, t: Tuning) -> int:
+    """Dynamic shared memory of a launch: the model tables, if they go there."""
+    size = len(model) * (model.padded.shape[1] + model.emps.shape[1]) * 4
+    return size if t.smem and size <= _SMEM_LIMIT else 0
+
+
+# ---- device ----------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_modules: dict[tuple, Any] = {}
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _runtime(device: Any) -> Any:
+    from . import _load_runtime  # checks torch, CUDA and CuPy; GpuUnavailableError
+
+    return _load_runtime(device)
+
+
+def _kernels(f: D.ValueFormat, smem: bool, warps: int) -> Any:
+    import cupy as cp
+
+    key = (f.name, smem, warps)
+    with _lock:
+        if key not in _modules:
+            src = resources.files(__package__).joinpath("_dist_kernel.cu").read_text()
+            opts = ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
+                    f"-DBIAS={f.bias}", f"-DNONFINITE={f.nonfinite}", f"-DES={f.bits - 8}",
+                    f"-DSMEM={int(smem)}", f"-DWARPS={warps}")
+            _modules[key] = cp.RawModule(code=src, options=opts)
+        return _modules[key]
+
+
+def _device_tables(model: D.CoderModel, device: Any) -> dict[str, Any]:
+    import torch
+
+    with _lock:
+        per = _tables.setdefault(model, {})
+        if device not in per:
+            arrs = model_arrays(model)
+            arrs["xpow"] = x_powers()
+            per[device] = {k: torch.from_numpy(v.view(np.int32) if v.dtype == np.uint32 else v)
+                           .to(device) for k, v in arrs.items()}
+        return per[device]
+
+
+def _flat(t: Any, name: str, n: int, device: Any) -> Any:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(np.asarray(t, np.float32))
+    t = t.to(device=device, dtype=torch.float32).reshape(-1)
+    if t.numel() != n:
+        raise ValueError(f"{name} has {t.numel()} entries for {n} values")
+    return t.contiguous()
+
+
+def _index(model_index: Any, model: D.CoderModel, n: int, device: Any) -> tuple[Any, int]:
+    """(per-value uint16 index tensor or None, the one model index)."""
+    import torch
+
+    if model_index is None or isinstance(model_index, (int, np.integer)):
+        m = int(model_index or 0)
+        if not 0 <= m < len(model):
+            raise ValueError(f"model_index {m} out of range for a model of {len(model)} shapes")
+        return None, m
+    idx = torch.as_tensor(model_index).reshape(-1)
+    if idx.numel() != n or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+        raise ValueError(f"model_index must be {n} integers")
+    idx = idx.to(device)
+    if n:
+        lo_hi = torch.stack([idx.min(), idx.max()]).to(torch.int64).cpu()
+        if lo_hi[0] < 0 or lo_hi[1] >= len(model):
+            raise ValueError(f"model_index out of range for a model of {len(model)} shapes")
+    return idx.to(torch.int16).contiguous(), 0  # < len(model) <= 2**15: uint16 bits
+
+
+def _aligned(t: Any) -> Any:
+    # The kernels read chunks as 32-bit words (CRC): start on a 16-byte boundary.
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _bad_param(i: int, mu: Any, sigma: Any) -> ValueError:
+    return ValueError(f"value {i}: mu={float(mu[i])!r}, sigma={float(sigma[i])!r}; "
+                      "need finite mu and finite sigma > 0")
+
+
+def _args(*xs: Any) -> tuple:
+    """Kernel arguments: tensors by device address (None: a null pointer), ints as int64
+    unless wrapped in np.int32 already."""
+    import torch
+
+    out = []
+    for x in xs:
+        if x is None:
+            out.append(np.uint64(0))
+        elif isinstance(x, torch.Tensor):
+            out.append(np.uint64(x.data_ptr()))
+        elif isinstance(x, np.integer):
+            out.append(x)
+        else:
+            out.append(np.int64(x))
+    return tuple(out)
+
+
+def _launch(kernel: Any, device: Any, grid: int, block: int, args: tuple, shared: int) -> None:
+    import cupy as cp
+
+    rt = _runtime(device)
+    if shared > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = shared
+    with cp.cuda.Device(device.index), rt._stream():
+        kernel((grid,), (block,), args, shared_mem=shared)
+
+
+def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
+           fmt: str | D.ValueFormat | None = None, model_index: Any = None,
+           precision: int = D.DEFAULT_PRECISION, chunk_size: int = GPU_CHUNK,
+           tuning: Tuning | None = None) -> Any:
+    """Code ``values`` (a CUDA tensor) into a frame: a CUDA uint8 tensor holding exactly
+    ``distribution.encode(values, mu, sigma, model, ...)``'s bytes.
+
+    ``values``: bfloat16 / float16 / float8 tensor, or int16/uint16/uint8 bits with
+    ``fmt``. ``mu``, ``sigma``: float32 with one entry per value (moved to the device if
+    not there). ``model_index``: an int, or one integer per value. Synchronizes once (the
+    frame's size); ``ValueError`` for an invalid (mu, sigma), as on the CPU.
+    """
+    import torch
+
+    t = tuning or Tuning()
+    rt = _runtime(values.device)
+    dev = rt.cuda_device(values.device)
+    f = format_of(values.dtype, fmt)
+    flat = _aligned(values.reshape(-1).contiguous())
+    n = flat.numel()
+    nc = check_encode_args(f, n, precision, chunk_size)
+    mu_t, sg_t = _flat(mu, "mu", n, dev), _flat(sigma, "sigma", n, dev)
+    midx, m0 = _index(model_index, model, n, dev)
+    head = header(f, n, chunk_size, precision, model.fingerprint)
+    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    if nc == 0:
+        return head_t.to(dev)
+    raw = flat.view(torch.uint8)
+    tb = _device_tables(model, dev)
+    mod = _kernels(f, smem_bytes(model, t) > 0, t.warps)
+    scratch = torch.empty_like(raw)
+    res = torch.empty((nc, 4), dtype=torch.int64, device=dev)
+    _launch(mod.get_function("dist_encode"), dev, -(-nc // t.warps), 32 * t.warps,
+            _args(raw, mu_t, sg_t, midx, np.int32(m0), n, np.int32(chunk_size), np.int32(nc),
+                  np.int32(precision), tb["shapes"], tb["emps"], np.int32(len(model)),
+                  tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], scratch, res),
+            smem_bytes(model, t))
+    lengths = res[:, 2]
+    dst = torch.cumsum(lengths, 0) - lengths
+    chunks = torch.arange(nc, device=dev)
+    first_bad = torch.where(res[:, 0] == ERR_PARAM, chunks, nc).min()
+    total, bad = (int(v) for v in torch.stack([lengths.sum(), first_bad]).cpu())
+    if bad < nc:
+        raise _bad_param(bad * chunk_size + int(res[bad, 1]), mu_t, sg_t)
+    base = HEADER_SIZE + 9 * nc
+    frame = torch.empty(base + total, dtype=torch.uint8, device=dev)
+    frame[:HEADER_SIZE].copy_(head_t)
+    _launch(mod.get_function("dist_gather"), dev, min(nc, 65535), 256,
+            _args(scratch, raw, res, dst, chunk_size * (f.bits // 8), np.int32(nc), base,
+                  frame), 0)
+    return frame
+
+
+def _frame_info(frame: Any) -> tuple[D.FrameInfo, Any]:
+    """(parsed header and directory, the frame as a uint8 tensor where it lies)."""
+    import torch
+
+    if isinstance(frame, torch.Tensor):
+        if frame.dtype != torch.uint8 or frame.dim() != 1:
+            raise TypeError(f"a frame tensor must be flat uint8, got {frame.dtype} "
+                            f"{tuple(frame.shape)}")
+        frame = frame.contiguous()
+        if frame.device.type == "cpu":
+            return D.parse(frame.numpy()), frame
+        size = frame.numel()
+        head = frame[: min(size, HEADER_SIZE)].cpu().numpy()
+        nc = int(head[20:24].view("<u4")[0]) if head.size == HEADER_SIZE else 0
+        head = frame[: min(size, HEADER_SIZE + 9 * nc)].cpu().numpy()
+        return parse_head(head, size), frame
+    buf = frame if isinstance(frame, np.ndarray) else np.frombuffer(frame, np.uint8)
+    buf = buf.reshape(-1).view(np.uint8)
+    return D.parse(buf), torch.from_numpy(buf)
+
+
+def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index: Any = None,
+           out: Any = None, device: Any = None, tuning: Tuning | None = None) -> Any:
+    """Decode a frame into value bits on a CUDA device (flat; int16 for 16-bit formats,
+    view it as bfloat16 / float16; uint8 for fp8), one launch for every chunk.
+
+    ``frame``: bytes / numpy (uploaded once), or a uint8 torch tensor (CPU: pinned memory
+    uploads asynchronously; CUDA: used in place). ``mu``, ``sigma``, ``model``,
+    ``model_index`` must be the encoder's. ``out``: a contiguous CUDA tensor of n elements
+    of the format's width. ``device``: default ``out``'s, else mu's if on CUDA, else
+    "cuda". ``CorruptDataError`` names the first bad chunk; ``ValueError`` an invalid
+    (mu, sigma) or arguments that do not fit.
+    """
+    import torch
+
+    t = tuning or Tuning()
+    if device is None:
+        device = out.device if out is not None else (
+            mu.device if isinstance(mu, torch.Tensor) and mu.is_cuda else "cuda")
+    rt = _runtime(device)
+    dev = rt.cuda_device(device)
+    info, ft = _frame_info(frame)
+    if info.fingerprint != model.fingerprint:
+        raise CorruptDataError(f"frame was coded with model {info.fingerprint:#010x}, "
+                               f"decoder has {model.fingerprint:#010x} (byte 24)")
+    f, n, cs = info.fmt, info.n, info.chunk_size
+    mu_t, sg_t = _flat(mu, "mu", n, dev), _flat(sigma, "sigma", n, dev)
+    midx, m0 = _index(model_index, model, n, dev)
+    width = f.bits // 8
+    if out is None:
+        out = torch.empty(n, dtype=torch.int16 if width == 2 else torch.uint8, device=dev)
+    elif (not isinstance(out, torch.Tensor) or out.device != dev or out.numel() != n
+          or out.element_size() != width or not out.is_contiguous()
+          or out.data_ptr() % 16):
+        raise ValueError(f"out must be a contiguous, 16-byte aligned tensor of {n} "
+                         f"{width}-byte elements on {dev}")
+    nc = len(info.lengths)
+    if nc == 0:
+        return out
+    if ft.device != dev:
+        ft = ft.to(dev, non_blocking=ft.is_pinned())
+    tb = _device_tables(model, dev)
+    desc = torch.from_numpy(decode_desc(info)).to(dev)
+    status = torch.empty((nc, 2), dtype=torch.int32, device=dev)
+    mod = _kernels(f, smem_bytes(model, t) > 0, t.warps)
+    _launch(mod.get_function("dist_decode"), dev, -(-nc // t.warps), 32 * t.warps,
+            _args(ft, desc, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
+                  np.int32(info.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
+                  tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], out, status),
+            smem_bytes(model, t))
+    st = status.cpu().numpy()
+    bad = first_bad_param(st[:, 0], st[:, 1], cs)
+    if bad >= 0:
+        raise _bad_param(bad, mu_t, sg_t)
+    err = chunk_error(st[:, 0], info.offsets)
+    if err is not None:
+        raise CorruptDataError(err[1])
+    return out
+
+
+__all__ = ["GPU_CHUNK", "Tuning", "decode", "encode"]

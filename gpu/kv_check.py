@@ -1,0 +1,412 @@
+"""Device-side check and benchmark of entropykit.gpu.dist (distribution rANS on the GPU).
+
+What it is: the script the lent GPU runs (through the ``device`` tool). It checks the GPU
+coder against the CPU coder (``entropykit.rans.distribution``, Numba, on the device's
+CPUs) bit for bit both ways — GPU encode = CPU encode byte for byte (so the CPU decodes
+it), CPU frame -> GPU decode, GPU -> GPU — on bf16 and fp8 e4m3 values drawn as
+mu + sigma * heavy-tailed noise with NaN / inf / -0 / subnormal values mixed in, extreme
+(mu, sigma), the whole value space, chunk-boundary sizes, raw chunks, per-value models and
+precision 12; corrupted frames must fail exactly as on the CPU (same chunk, same message)
+or decode to the CPU's output; invalid (mu, sigma) raise ValueError naming the value.
+Outputs are poisoned before every decode. Then it times encode and decode (CUDA events,
+median of several runs) on >= 256 MiB of cache values per format against a plain device
+copy and pinned PCIe copies of the same bytes, and prints a table; results.json and
+frames of the check cases (for a CPU decode back home) go to ``--out``.
+
+What it is not: a CPU test (tests/test_gpu_dist_logic.py) or a model-quality benchmark.
+
+There (entropykit imports zstandard, which the device image lacks; carry its cp312 wheel):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site python3 gpu/kv_check.py --out $OUT
+Back here: ``python gpu/kv_check.py --verify DIR`` CPU-decodes the returned frames, and
+``--write-results DIR/results.json`` writes the bench/RESULTS.md section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+from entropykit import CorruptDataError  # noqa: E402
+from entropykit.rans import distribution as D  # noqa: E402
+
+SECTION = "## KV coder, GPU (issue 6)"
+POISON = {16: 0x7FA5, 8: 0xA5}
+SPECIALS = {  # NaN payloads, +-inf, +-0, subnormals, extremes
+    "bf16": [0x7FC1, 0xFFFF, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8005, 0x007F,
+             0x7F7F, 0xFF7F],
+    "fp8_e4m3": [0x7F, 0xFF, 0x00, 0x80, 0x01, 0x87, 0x7E, 0xFE],
+}
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def model() -> D.CoderModel:
+    """The issue's mixture (0.95 N(0,1) + 0.03 N(0,9) + 0.02 empirical) and a Gaussian."""
+    counts = np.ones(65536, np.int64)
+    counts[0x8000 + 0x3F00 : 0x8000 + 0x4000] = 1000
+    mix = D.gaussian_shape((1.0, 3.0), (0.95, 0.03))
+    emp = D.empirical_table(counts)
+    return D.CoderModel(np.stack([mix, D.gaussian_shape()]), np.stack([emp, emp]), [1311, 0])
+
+
+def sample(torch, fmt: str, n: int, seed: int, dev, specials: float = 0.01):
+    """(bits, mu, sigma) on ``dev``: values = mu + sigma * t4 noise, some specials."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda: torch.randn(n, generator=g, device=dev)  # noqa: E731
+    u = lambda: torch.rand(n, generator=g, device=dev)  # noqa: E731
+    if fmt == "bf16":  # a bf16 KV residual: |mu| ~ 1, ~6-7 bits a value
+        mu, sigma, dtype, bits = r(), 0.15 * torch.exp(0.5 * r()), torch.bfloat16, torch.int16
+    else:  # an fp8 e4m3 cache in its scaled units, ~2-3 bits a value
+        mu, sigma = 20 * r(), 2 * torch.exp(0.5 * r())
+        dtype, bits = torch.float8_e4m3fn, torch.uint8
+    t4 = r() / torch.sqrt(-0.5 * torch.log(u() * u()).clamp_min(1e-12))  # Student t, 4 dof
+    x = (mu + sigma * t4).to(dtype).view(bits)
+    sp = torch.tensor(SPECIALS[fmt], device=dev).to(bits)
+    pick = u() < specials
+    x[pick] = sp[torch.randint(len(sp), (int(pick.sum()),), generator=g, device=dev)]
+    return x, mu.contiguous(), sigma.contiguous()
+
+
+def extreme_params(torch, mu, sigma, seed: int):
+    """Extreme but valid (mu, sigma) in 1% of the places: tiny/huge/subnormal."""
+    g = torch.Generator(device=mu.device).manual_seed(seed)
+    n = mu.numel()
+    for vals, arr in (([1e-30, 1e30, 1e-40, 3.0e-45, 1e-3], sigma),
+                      ([1e30, -1e30, 1e-40, -0.0, 3.0e38], mu)):
+        pick = torch.rand(n, generator=g, device=mu.device) < 0.002
+        v = torch.tensor(vals, device=mu.device)
+        arr[pick] = v[torch.randint(len(vals), (int(pick.sum()),), generator=g,
+                                    device=mu.device)]
+
+
+def host(t) -> np.ndarray:
+    a = t.cpu().numpy()
+    return a.view(np.uint16) if a.dtype == np.int16 else a
+
+
+def timed(torch, fn, reps: int, warm: int = 2) -> list[float]:
+    """Seconds of ``fn()`` per run, CUDA events (fn may synchronize itself)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return out
+
+
+class Checker:
+    def __init__(self, torch, dist, dev, out_dir: Path) -> None:
+        self.torch, self.dist, self.dev, self.out_dir = torch, dist, dev, out_dir
+        self.model = model()
+        self.failures: list[str] = []
+        self.count = 0
+        self.saved: dict[str, np.ndarray] = {}
+
+    def expect(self, ok: bool, what: str) -> None:
+        self.count += 1
+        if not ok:
+            self.failures.append(what)
+            log("FAIL", what)
+
+    def poisoned(self, n: int, bits: int):
+        t = self.torch
+        out = t.empty(n, dtype=t.int16 if bits == 16 else t.uint8, device=self.dev)
+        return out.fill_(POISON[bits])
+
+    def roundtrip(self, name: str, fmt: str, x, mu, sigma, *, midx=None, save=False, **kw):
+        """GPU frame == CPU frame; CPU frame -> GPU decode; GPU -> GPU; GPU -> CPU."""
+        t, dist, m = self.torch, self.dist, self.model
+        f = D.FORMATS[fmt]
+        xb, mub, sgb = host(x), mu.cpu().numpy(), sigma.cpu().numpy()
+        mi = None if midx is None else midx.cpu().numpy()
+        cs = kw.get("chunk_size", dist.GPU_CHUNK)
+        cpu = D.encode(xb, mub, sgb, m, fmt=fmt, model_index=mi, chunk_size=cs,
+                       precision=kw.get("precision", D.DEFAULT_PRECISION))
+        gpu = dist.encode(x, mu, sigma, m, fmt=fmt, model_index=midx, **kw)
+        gb = gpu.cpu().numpy().tobytes()
+        self.expect(gb == cpu, f"{name}: GPU frame == CPU frame ({len(gb)} vs {len(cpu)} B)")
+        for label, frame in (("CPU frame", cpu), ("GPU frame", gpu)):
+            out = self.poisoned(x.numel(), f.bits)
+            dist.decode(frame, mu, sigma, m, model_index=midx, out=out)
+            self.expect(bool(t.equal(out.view(x.dtype), x)), f"{name}: {label} -> GPU decode")
+        back = D.decode(gb, mub, sgb, m, model_index=mi)
+        self.expect(np.array_equal(back, xb), f"{name}: GPU frame -> CPU decode")
+        if save:
+            self.saved[f"{name}.frame"] = np.frombuffer(gb, np.uint8)
+            self.saved[f"{name}.bits"] = xb
+            self.saved[f"{name}.mu"] = mub
+            self.saved[f"{name}.sigma"] = sgb
+            if mi is not None:
+                self.saved[f"{name}.midx"] = mi
+        return cpu, len(gb) / max(1, xb.nbytes)
+
+    def run_exactness(self) -> dict:
+        t, dev = self.torch, self.dev
+        ratios = {}
+        for fmt in ("bf16", "fp8_e4m3"):
+            f = D.FORMATS[fmt]
+            n = 3_000_017
+            x, mu, sigma = sample(t, fmt, n, 1, dev)
+            extreme_params(t, mu, sigma, 2)
+            midx = t.randint(0, 2, (n,), device=dev, dtype=t.int32)
+            _, ratios[fmt] = self.roundtrip(f"{fmt} realistic+specials", fmt, x, mu, sigma,
+                                            save=False)
+            self.roundtrip(f"{fmt} per-value models", fmt, x, mu, sigma, midx=midx)
+            small = 200_003
+            self.roundtrip(f"{fmt} small", fmt, x[:small].clone(), mu[:small].clone(),
+                           sigma[:small].clone(), midx=midx[:small].clone(), save=True,
+                           chunk_size=4096)
+            self.roundtrip(f"{fmt} p12 chunk 2^15", fmt, x, mu, sigma, precision=12,
+                           chunk_size=1 << 15)
+            keys = t.arange(1 << f.bits, device=dev)
+            allv = (keys.to(t.int16) if f.bits == 16 else keys.to(t.uint8)).repeat(3)
+            nn = allv.numel()
+            for mu0, s0 in [(1.0, 1e-3), (0.0, 1e4), (-3.0, 0.5)]:
+                self.roundtrip(f"{fmt} all values mu={mu0} sigma={s0}", fmt, allv,
+                               t.full((nn,), mu0, device=dev), t.full((nn,), s0, device=dev),
+                               midx=(t.arange(nn, device=dev) % 2).to(t.int32), chunk_size=1024)
+            for size in (1, 31, 32, 33, 1023, 1024, 1025, 4097, 16385):
+                self.roundtrip(f"{fmt} n={size}", fmt, x[:size].clone(), mu[:size].clone(),
+                               sigma[:size].clone(), chunk_size=1024)
+            rb = t.randint(0, 1 << f.bits, (5000,), device=dev)
+            rb = rb.to(t.int16) if f.bits == 16 else rb.to(t.uint8)
+            cpu, _ = self.roundtrip(f"{fmt} incompressible (raw chunks)", fmt, rb,
+                                    t.zeros(5000, device=dev), t.full((5000,), 1e-6, device=dev),
+                                    chunk_size=1024)
+            self.expect(set(D.parse(cpu).modes.tolist()) == {D.MODE_RAW},
+                        f"{fmt} incompressible chunks stored raw")
+        return ratios
+
+    def run_errors(self) -> None:
+        t, dist, m, dev = self.torch, self.dist, self.model, self.dev
+        n = 65_536 + 77
+        x, mu, sigma = sample(t, "bf16", n, 5, dev)
+        mub, sgb = mu.cpu().numpy(), sigma.cpu().numpy()
+        frame = dist.encode(x, mu, sigma, m, chunk_size=1024).cpu().numpy().tobytes()
+        xb = host(x)
+        rng = np.random.default_rng(0)
+
+        def both(blob: bytes, label: str, on_device: bool, mu_t=mu, mub_=mub) -> None:
+            try:
+                want = ("ok", D.decode(blob, mub_, sgb, m))
+            except CorruptDataError as e:
+                want = ("corrupt", str(e))
+            src = t.frombuffer(bytearray(blob), dtype=t.uint8).to(dev) if on_device else blob
+            out = self.poisoned(n, 16)
+            try:
+                dist.decode(src, mu_t, sigma, m, out=out)
+                got = ("ok", host(out))
+            except CorruptDataError as e:
+                got = ("corrupt", str(e))
+            same = got[0] == want[0] and (np.array_equal(got[1], want[1]) if got[0] == "ok"
+                                          else got[1] == want[1])
+            self.expect(same, f"{label}: GPU {got[0]} {str(got[1])[:90]!r} vs CPU "
+                              f"{want[0]} {str(want[1])[:90]!r}")
+            if got[0] == "ok":
+                self.expect(np.array_equal(got[1], xb), f"{label}: decoded output exact")
+
+        head = D.HEADER_SIZE + 9 * len(D.parse(frame).lengths)
+        for k in range(300):  # one flipped byte in the payloads or directory
+            b = bytearray(frame)
+            pos = int(rng.integers(D.HEADER_SIZE, len(b)))
+            b[pos] ^= int(rng.integers(1, 256))
+            both(bytes(b), f"flip byte {pos}", on_device=k % 2 == 0)
+        for k in range(40):  # a run of garbage in one chunk's payload
+            b = bytearray(frame)
+            pos = int(rng.integers(head, len(b) - 64))
+            b[pos : pos + 64] = rng.integers(0, 256, 64, np.uint8).tobytes()
+            both(bytes(b), f"garbage at {pos}", on_device=k % 2 == 1)
+        k_dev = lambda c: c % 2 == 1  # noqa: E731 - odd cuts from the device, even from bytes
+        for cut in (0, 5, 27, 28, 40, head + 3, len(frame) - 1, len(frame) - 2):
+            both(frame[:cut], f"truncated to {cut}", on_device=cut > 0 and k_dev(cut))
+        both(frame + b"\0", "trailing byte", on_device=True)
+        both(frame, "wrong mu", on_device=True, mu_t=mu + 0.25, mub_=mub + np.float32(0.25))
+        for where in (57, 5000, n - 1):  # invalid (mu, sigma): ValueError naming the value
+            for arr, bad in ((mu, float("nan")), (sigma, 0.0), (sigma, -1.0),
+                             (mu, float("inf"))):
+                a = arr.clone()
+                a[where] = bad
+                args = (a, sigma) if arr is mu else (mu, a)
+                for what, fn in (("encode", partial(dist.encode, x, *args, m, chunk_size=1024)),
+                                 ("decode", partial(dist.decode, frame, *args, m))):
+                    try:
+                        fn()
+                        ok = False
+                    except CorruptDataError:
+                        ok = False
+                    except ValueError as e:
+                        ok = f"value {where}:" in str(e)
+                    self.expect(ok, f"{what} with {bad} at {where}: ValueError naming it")
+        try:
+            dist.decode(frame, mu, sigma, D.gaussian_model())
+            self.expect(False, "model fingerprint mismatch raises")
+        except CorruptDataError as e:
+            self.expect("model" in str(e), "model fingerprint mismatch raises")
+
+
+def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
+    """Encode/decode GB/s of ``mib`` MiB of cache values for each (chunk, tuning)."""
+    f = D.FORMATS[fmt]
+    n = (mib << 20) // (f.bits // 8)
+    x, mu, sigma = sample(torch, fmt, n, 11, dev)
+    m = model()
+    nbytes = x.numel() * x.element_size()
+
+    def one(chunk: int, tune) -> dict:
+        enc = partial(dist.encode, x, mu, sigma, m, chunk_size=chunk, tuning=tune)
+        frame = enc()
+        out = torch.empty_like(x).fill_(POISON[f.bits])
+        dist.decode(frame, mu, sigma, m, out=out, tuning=tune)
+        exact = bool(torch.equal(out, x))
+        te = timed(torch, enc, reps)
+        td = timed(torch, partial(dist.decode, frame, mu, sigma, m, out=out, tuning=tune), reps)
+        pinned = torch.empty(frame.numel(), dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(frame)
+        tdh = timed(torch, partial(dist.decode, pinned, mu, sigma, m, out=out, tuning=tune),
+                    reps)
+        row = {"fmt": fmt, "chunk": chunk, "warps": tune.warps, "smem": tune.smem,
+               "mib": nbytes / 2**20, "ratio": frame.numel() / nbytes, "exact": exact,
+               "enc_s": statistics.median(te), "dec_s": statistics.median(td),
+               "dec_host_s": statistics.median(tdh), "enc_all": te, "dec_all": td}
+        row["enc_gbs"] = nbytes / row["enc_s"] / 1e9
+        row["dec_gbs"] = nbytes / row["dec_s"] / 1e9
+        row["dec_host_gbs"] = nbytes / row["dec_host_s"] / 1e9
+        log(f"{fmt} chunk {chunk} warps {tune.warps} smem {tune.smem}: ratio "
+            f"{row['ratio']:.4f} exact {exact} enc {row['enc_gbs']:.1f} GB/s dec "
+            f"{row['dec_gbs']:.1f} GB/s (from pinned host {row['dec_host_gbs']:.1f})")
+        return row
+
+    rows = [one(chunk, tune) for chunk, tune in variants]
+    # The same bytes moved plainly: device copy, pinned PCIe both ways.
+    flat = x.view(torch.uint8)
+    dst = torch.empty_like(flat)
+    hbuf = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+    copies = {
+        "d2d_s": statistics.median(timed(torch, lambda: dst.copy_(flat), reps)),
+        "h2d_s": statistics.median(timed(torch, lambda: dst.copy_(hbuf, non_blocking=True),
+                                         reps)),
+        "d2h_s": statistics.median(timed(torch, lambda: hbuf.copy_(flat, non_blocking=True),
+                                         reps)),
+    }
+    for k in list(copies):
+        copies[k.replace("_s", "_gbs")] = nbytes / copies[k] / 1e9
+    log(f"{fmt} copies of {nbytes / 2**20:.0f} MiB: device {copies['d2d_gbs']:.0f} GB/s, "
+        f"H2D pinned {copies['h2d_gbs']:.1f}, D2H pinned {copies['d2h_gbs']:.1f}")
+    return {"rows": rows, "copies": copies, "bytes": nbytes}
+
+
+def device_main(args) -> None:
+    import torch
+
+    import entropykit.gpu.dist as dist
+
+    dev = torch.device("cuda", 0)
+    p = torch.cuda.get_device_properties(dev)
+    res = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "gpu": p.name,
+           "sms": p.multi_processor_count, "torch": torch.__version__,
+           "command": "python3 gpu/kv_check.py --out $OUT" + (f" --mib {args.mib}"
+                                                               if args.mib != 256 else "")}
+    log(f"{p.name}, {p.multi_processor_count} SMs, torch {torch.__version__}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ck = Checker(torch, dist, dev, out)
+    t0 = time.time()
+    res["ratios_check"] = ck.run_exactness()
+    log(f"exactness: {ck.count} checks, {len(ck.failures)} failed ({time.time() - t0:.1f} s)")
+    t0 = time.time()
+    ck.run_errors()
+    log(f"with errors: {ck.count} checks, {len(ck.failures)} failed ({time.time() - t0:.1f} s)")
+    res["checks"], res["failures"] = ck.count, ck.failures[:50]
+    np.savez(out / "frames.npz", **ck.saved)
+    if ck.failures and not args.force:
+        (out / "results.json").write_text(json.dumps(res, indent=1))
+        sys.exit("failures: no timings")
+    T = dist.Tuning
+    variants = {
+        "bf16": [(1 << 14, T(4, True)), (1 << 14, T(4, False)), (1 << 13, T(4, True)),
+                 (1 << 15, T(4, True)), (1 << 14, T(8, True))],
+        "fp8_e4m3": [(1 << 14, T(4, True)), (1 << 14, T(4, False)), (1 << 15, T(4, True))],
+    }
+    res["bench"] = {fmt: bench(torch, dist, dev, fmt, args.mib, v, args.reps)
+                    for fmt, v in variants.items()}
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    log(table(res))
+
+
+def table(res: dict) -> str:
+    lines = [f"GPU: {res['gpu']} ({res['sms']} SMs), torch {res['torch']}, {res['date']}",
+             f"command: `{res['command']}`",
+             f"exactness and error checks: {res['checks']} run, {len(res['failures'])} failed",
+             "",
+             "| format | chunk | warps/block | tables | ratio | encode GB/s | decode GB/s | "
+             "decode from pinned host GB/s |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for fmt, b in res["bench"].items():
+        for r in b["rows"]:
+            lines.append(f"| {fmt} | {r['chunk']} | {r['warps']} | "
+                         f"{'smem' if r['smem'] else 'L1'} | {r['ratio']:.4f} | "
+                         f"{r['enc_gbs']:.1f} | {r['dec_gbs']:.1f} | {r['dec_host_gbs']:.1f} |")
+    lines += ["", "| format | MiB of cache | device copy GB/s | PCIe H2D pinned GB/s | "
+              "PCIe D2H pinned GB/s |", "| --- | ---: | ---: | ---: | ---: |"]
+    for fmt, b in res["bench"].items():
+        c = b["copies"]
+        lines.append(f"| {fmt} | {b['bytes'] / 2**20:.0f} | {c['d2d_gbs']:.0f} | "
+                     f"{c['h2d_gbs']:.1f} | {c['d2h_gbs']:.1f} |")
+    return "\n".join(lines)
+
+
+def verify(folder: str) -> None:
+    """CPU-decode the GPU frames a device run returned (GPU encode -> CPU decode here)."""
+    z = np.load(Path(folder) / "frames.npz")
+    m = model()
+    names = sorted({k.rsplit(".", 1)[0] for k in z.files})
+    for name in names:
+        mi = z[f"{name}.midx"] if f"{name}.midx" in z.files else None
+        back = D.decode(z[f"{name}.frame"], z[f"{name}.mu"], z[f"{name}.sigma"], m,
+                        model_index=mi)
+        ok = np.array_equal(back, z[f"{name}.bits"])
+        print(f"{name}: GPU frame -> CPU decode here: {'exact' if ok else 'MISMATCH'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="kv_out")
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--force", action="store_true", help="time even after failed checks")
+    ap.add_argument("--verify", metavar="DIR")
+    ap.add_argument("--write-results", metavar="JSON")
+    args = ap.parse_args()
+    if args.verify:
+        verify(args.verify)
+    elif args.write_results:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        from results import write_section
+
+        res = json.loads(Path(args.write_results).read_text())
+        write_section(f"{SECTION}\n\n{table(res)}\n", SECTION)
+    else:
+        device_main(args)
+
+
+if __name__ == "__main__":
+    main()
