@@ -49,38 +49,71 @@ MESSAGES = {
 }
 
 
+@njit(nogil=True, cache=True)
+def _encode_tables(f, precision, t):
+    # One pass per table; shift = ceil(log2 f) is the bit length of f - 1 (0 for f = 1).
+    for k in range(f.shape[0]):
+        start = 0
+        for s in range(256):
+            fs = f[k, s]
+            if fs == 0:
+                t[k, s, 0] = 0
+                t[k, s, 1] = 0
+                continue
+            shift = 0
+            while (fs - 1) >> shift:
+                shift += 1
+            rcp = ((np.int64(1) << (32 + shift)) + fs - 1) // fs - (np.int64(1) << 32)
+            xmax_m1 = (fs << (32 - precision)) - 1
+            t[k, s, 0] = np.uint64(rcp) | (np.uint64(xmax_m1) << np.uint64(32))
+            t[k, s, 1] = np.uint64(fs | (start << 16) | (shift << 32))
+            start += fs
+
+
 def encode_tables(freqs: np.ndarray, precision: int) -> np.ndarray:
     """Packed encoder records, uint64[n_tables, 256, 2].
 
     [..., 0] = rcp | (xmax - 1) << 32 and [..., 1] = freq | start << 16 | shift << 32, with
     xmax = freq << (32 - precision) the renormalization bound. Absent symbols are all 0.
+    ``freqs`` (int[256] or int[n_tables, 256]) each sum to ``2**precision``.
     """
-    f = np.atleast_2d(np.asarray(freqs, np.int64))
-    start = np.cumsum(f, axis=1) - f
-    fz = np.maximum(f, 1)
-    shift = np.zeros_like(f)
-    for b in range(16):  # shift = ceil(log2 f), exactly, in integers
-        shift += (fz - 1) >> b > 0
-    rcp = ((np.int64(1) << (32 + shift)) + fz - 1) // fz - (np.int64(1) << 32)
-    xmax_m1 = (fz << (32 - precision)) - 1
-    t = np.zeros(f.shape + (2,), np.uint64)
-    t[..., 0] = rcp.astype(np.uint64) | xmax_m1.astype(np.uint64) << np.uint64(32)
-    t[..., 1] = (f | start << 16 | shift << 32).astype(np.uint64)
-    t[f == 0] = 0
+    f = np.ascontiguousarray(np.atleast_2d(freqs), dtype=np.int64)
+    _check_tables(f, precision)
+    t = np.empty(f.shape + (2,), np.uint64)
+    _encode_tables(f, precision, t)
     return t
 
 
-def decode_table(freqs: np.ndarray, precision: int) -> np.ndarray:
-    """Packed decode entries, uint64[n_tables, 2**precision]: bias | freq << 16 | sym << 32."""
-    f = np.atleast_2d(np.asarray(freqs, np.int64))
-    size = 1 << precision
-    entries = np.empty((f.shape[0], size), np.uint64)
-    slots = np.arange(size, dtype=np.int64)
+@njit(nogil=True, cache=True)
+def _decode_table(f, entries):
+    # Slots c_s .. c_s + f_s - 1 hold s; the row sums are the table size (checked).
     for k in range(f.shape[0]):
-        sym = np.repeat(np.arange(256, dtype=np.int64), f[k])
-        start = (np.cumsum(f[k]) - f[k])[sym]
-        entries[k] = (slots - start | f[k][sym] << 16 | sym << 32).astype(np.uint64)
+        slot = 0
+        for s in range(256):
+            packed = (np.int64(s) << 32) | (f[k, s] << 16)
+            for bias in range(f[k, s]):
+                entries[k, slot] = np.uint64(packed | bias)
+                slot += 1
+
+
+def decode_table(freqs: np.ndarray, precision: int) -> np.ndarray:
+    """Packed decode entries, uint64[n_tables, 2**precision]: bias | freq << 16 | sym << 32.
+
+    ``freqs`` as for ``encode_tables``.
+    """
+    f = np.ascontiguousarray(np.atleast_2d(freqs), dtype=np.int64)
+    _check_tables(f, precision)
+    entries = np.empty((f.shape[0], 1 << precision), np.uint64)
+    _decode_table(f, entries)
     return entries
+
+
+def _check_tables(f: np.ndarray, precision: int) -> None:
+    # The kernels index and size their output by these facts; ValueError, never a bad write.
+    if (f.ndim != 2 or f.shape[1] != 256 or not 8 <= precision <= 15 or (f < 0).any()
+            or (f.sum(axis=1) != 1 << precision).any()):
+        raise ValueError(f"freqs must be rows of 256 non-negative counts summing to "
+                         f"2**{precision} (precision 8..15)")
 
 
 @njit(nogil=True, cache=True)
