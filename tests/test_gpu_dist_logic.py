@@ -1,0 +1,463 @@
+"""The GPU distribution-rANS path's logic on the CPU: host half, warp algorithm, CRC, errors.
+
+The kernels (entropykit/gpu/_dist_kernel.cu) run only on the device machine, where
+gpu/kv_check.py checks them bit for bit against the CPU coder. Their per-value arithmetic is
+the CPU kernels' (dist_kernels), ported line for line; what the port adds is the warp's
+structure, which the twin here replays in numpy from the kernels' own buffers (model
+arrays, per-chunk result rows, gather offsets, decode descriptors, status codes): the
+encoder's backwards ballot word placement and room check into a raw-sized scratch, the
+gather into the frame and its directory, the decoder's forwards ballot word reads with
+its bounds checks, the per-lane CRC-32 slices combined by x^(8 n) shifts, and how per-chunk
+status becomes the CPU's exceptions. Each lane's symbol arithmetic comes from dist_kernels
+itself (an njit helper below), so a frame from the twin equals ``distribution.encode``'s
+only if the warp structure is right.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from numba import njit
+
+from entropykit import CorruptDataError
+from entropykit.gpu import dist as G
+from entropykit.rans import dist_kernels as K
+from entropykit.rans import distribution as D
+
+LANES = 32
+L = 1 << 16
+
+
+def _model() -> D.CoderModel:
+    counts = np.ones(65536, np.int64)
+    counts[0x8000 + 0x3F00 : 0x8000 + 0x4000] = 1000
+    mix = D.gaussian_shape((1.0, 3.0), (0.95, 0.03))
+    emp = D.empirical_table(counts)
+    return D.CoderModel(np.stack([mix, D.gaussian_shape()]), np.stack([emp, emp]), [1311, 0])
+
+
+MODEL = _model()
+ARR = G.model_arrays(MODEL)
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn}
+
+
+# ---- the per-lane arithmetic, from dist_kernels (what each lane of the warp computes) ----
+
+
+@njit(cache=False)
+def _value_cdfs(vals, mu, sg, midx, fp, shapes, emps, ws, rtab, p, out):
+    """out[i] = (t0, t1, l0, l1, ok) of value i: its stage CDFs, or ok = 0 (bad mu/sigma)."""
+    f = K._fmt(fp)
+    for i in range(vals.size):
+        ok, v = K._params(mu[i], sg[i], midx[i], ws, rtab, f)
+        out[i, 4] = ok
+        if ok:
+            out[i, 0], out[i, 1], out[i, 2], out[i, 3] = K._value_cdfs(
+                K._key(np.int64(vals[i]), f.nkeys), v, f, shapes, emps, (1 << p) - 256)
+
+
+@njit(cache=False)
+def _lane_symbols(xs, low, b, sb, t, mu, mu_f, sg, midx, fp, shapes, zinv, emps, ws, rtab, p, out):
+    """Each live lane's step: out[q] = (j, S_j, S_j+1, new state before renormalization),
+    found as the kernel does (CPU float guess, two exact CDFs, search on a miss)."""
+    f = K._fmt(fp)
+    spread = (1 << p) - 256
+    scratch = np.zeros(1, np.float32)
+    sbits = scratch.view(np.uint32)
+    for q in range(xs.size):
+        ok, v = K._params(mu[q], sg[q], midx[q], ws, rtab, f)
+        sh = 0 if low else f.es
+        bq, sbq, tq = (b[q], sb[q], t[q]) if low else (0, 0, K.ONE)
+        x = xs[q]
+        slot = x & ((1 << p) - 1)
+        j = K._stage_guess(x, bq, sh, sbq, tq, np.float64(mu_f[q]),
+                           K._grid_sigma(sg[q], scratch, sbits), v.m, f, zinv, p, scratch,
+                           sbits)
+        sj = K._smooth_cdf(bq + (j << sh), v, f, shapes, emps)
+        sn = K._smooth_cdf(bq + ((j + 1) << sh), v, f, shapes, emps)
+        c0 = K._stage_cdf(j, sj, sbq, tq, spread)
+        c1 = K._stage_cdf(j + 1, sn, sbq, tq, spread)
+        if not c0 <= slot < c1:
+            j, sj, sn, c0, c1 = K._search_from(slot, j, sj, c0, bq, sh, sbq, tq, spread, v, f,
+                                               shapes, emps)
+        out[q, 0], out[q, 1], out[q, 2] = j, sj, sn
+        out[q, 3] = (c1 - c0) * (x >> p) + slot - c0
+
+
+# ---- the warp twin -------------------------------------------------------------------------
+
+
+def _ballot_above(emit: np.ndarray) -> np.ndarray:
+    """popc(ballot & lanes above q), per lane q."""
+    c = np.cumsum(emit[::-1])[::-1]
+    return c - emit
+
+
+def _ballot_below(need: np.ndarray) -> np.ndarray:
+    """popc(ballot & lanes below q), per lane q."""
+    return np.cumsum(need) - need
+
+
+def _warp_crc(data: np.ndarray) -> int:
+    """The kernel's warp_crc: lane slices of ceil(n / 32) rounded up to 4 bytes, each
+    crc32'd and shifted over the bytes after it by x^(8 after) (x_powers), XORed."""
+    n = data.size
+    seg = (-(-n // LANES) + 3) & ~3
+    xp = G.x_powers()
+
+    def mult(a: int, b: int) -> int:
+        p = 0
+        for i in range(31, -1, -1):
+            if a >> i & 1:
+                p ^= b
+            b = (b >> 1) ^ 0xEDB88320 if b & 1 else b >> 1
+        return p
+
+    out = 0
+    for lane in range(LANES):
+        lo = min(lane * seg, n)
+        hi = min(lo + seg, n)
+        c = zlib.crc32(data[lo:hi].tobytes())
+        after, k = n - hi, 3
+        while after:
+            if after & 1:
+                c = mult(int(xp[k & 31]), c)
+            after >>= 1
+            k += 1
+        out ^= c
+    return out
+
+
+def _twin_encode(bits: np.ndarray, mu: np.ndarray, sigma: np.ndarray, fmt: str, midx=None,
+                 precision: int = 16, chunk_size: int = 1024) -> bytes:
+    """dist.encode's flow with the warp's algorithm in numpy: dist_encode per chunk into the
+    scratch and result rows, the host's lengths / cumsum, dist_gather into the frame."""
+    f = D.FORMATS[fmt]
+    n = bits.size
+    nc = G.check_encode_args(f, n, precision, chunk_size)
+    width = f.bits // 8
+    raw = np.ascontiguousarray(bits).view(np.uint8)
+    idx = np.zeros(n, np.uint16) if midx is None else midx.astype(np.uint16)
+    cdf = np.zeros((n, 5), np.int64)
+    _value_cdfs(bits, mu.view(np.uint32), sigma.view(np.uint32), idx, f.params, MODEL.padded,
+                MODEL.emps, MODEL.weights, D._RTAB, precision, cdf)
+    scratch = np.full(raw.size, 0xEE, np.uint8)  # poisoned: every kept byte is written
+    res = np.zeros((nc, 4), np.int64)
+    for c in range(nc):
+        first = c * chunk_size
+        cn = min(chunk_size, n - first)
+        nbytes = cn * width
+        out = scratch[first * width : first * width + nbytes]
+        x = np.full(LANES, L, np.int64)
+        pos, mode, unchecked = nbytes, D.MODE_CODED, cn
+        for g0 in range((cn - 1) & -LANES, -1, -LANES):
+            m = min(LANES, cn - g0)
+            if pos - 4 * m < 4 * LANES:
+                mode = D.MODE_RAW
+                break
+            rows = cdf[first + g0 : first + g0 + m]
+            if not rows[:, 4].all():
+                mode, unchecked = G.ERR_PARAM, g0 + m
+                break
+            unchecked = g0
+            stages = ((2, 3), (0, 1)) if f.bits == 16 else ((0, 1),)
+            for a, b in stages:  # the low-byte step first: the decoder reads it last
+                fr = rows[:, b] - rows[:, a]
+                emit = x[:m] >= fr << (32 - precision)
+                at = pos - 2 * (1 + _ballot_above(emit.astype(np.int64)))
+                for q in np.flatnonzero(emit):
+                    out[at[q]], out[at[q] + 1] = x[q] & 0xFF, (x[q] >> 8) & 0xFF
+                xs = np.where(emit, x[:m] >> 16, x[:m])
+                q = xs // fr
+                x[:m] = (q << precision) + (xs - q * fr) + rows[:, a]
+                pos -= 2 * int(emit.sum())
+        bad = np.flatnonzero(~cdf[first : first + unchecked, 4].astype(bool))
+        if bad.size:
+            mode = G.ERR_PARAM
+        if mode == D.MODE_CODED:
+            pos -= 4 * LANES
+            out[pos : pos + 4 * LANES] = x.astype("<u4").view(np.uint8)
+        crc = _warp_crc(raw[first * width : first * width + nbytes])
+        assert crc == zlib.crc32(raw[first * width : first * width + nbytes])
+        res[c] = (mode, pos if mode == D.MODE_CODED else (bad[0] if bad.size else -1),
+                  nbytes - pos if mode == D.MODE_CODED else nbytes, crc)
+    if (res[:, 0] == G.ERR_PARAM).any():
+        c = int(np.flatnonzero(res[:, 0] == G.ERR_PARAM)[0])
+        raise ValueError(f"value {c * chunk_size + int(res[c, 1])}")
+    lengths = res[:, 2]
+    dst = np.cumsum(lengths) - lengths
+    base = G.HEADER_SIZE + 9 * nc
+    frame = np.full(base + int(lengths.sum()), 0xCC, np.uint8)
+    frame[: G.HEADER_SIZE] = np.frombuffer(G.header(f, n, chunk_size, precision,
+                                                    MODEL.fingerprint), np.uint8)
+    for c in range(nc):  # dist_gather
+        s0 = c * chunk_size * width + (res[c, 1] if res[c, 0] == D.MODE_CODED else 0)
+        src = scratch if res[c, 0] == D.MODE_CODED else raw
+        frame[base + dst[c] : base + dst[c] + lengths[c]] = src[s0 : s0 + lengths[c]]
+        frame[28 + 4 * c : 32 + 4 * c] = np.array([lengths[c]], "<u4").view(np.uint8)
+        frame[28 + 4 * nc + 4 * c : 32 + 4 * nc + 4 * c] = np.array([res[c, 3]],
+                                                                    "<u4").view(np.uint8)
+        frame[28 + 8 * nc + c] = res[c, 0]
+    return frame.tobytes()
+
+
+def _twin_decode(blob: bytes, mu: np.ndarray, sigma: np.ndarray, midx=None) -> np.ndarray:
+    """dist.decode's flow with dist_decode's warp algorithm in numpy: descriptors from the
+    host parse, per-chunk status codes, then the exceptions the host raises from them."""
+    info = D.parse(blob)
+    f, n, cs, p = info.fmt, info.n, info.chunk_size, info.precision
+    width = f.bits // 8
+    frame = np.frombuffer(blob, np.uint8)
+    desc = G.decode_desc(info)
+    nc = desc.shape[0]
+    out = np.full(n, 0x7FA5 if width == 2 else 0xA5, f.storage)
+    ob = out.view(np.uint8)
+    idx = np.zeros(n, np.uint16) if midx is None else midx.astype(np.uint16)
+    mub, sgb = mu.view(np.uint32), sigma.view(np.uint32)
+    valid = np.isfinite(mu) & np.isfinite(sigma) & (sigma > 0)
+    status = np.zeros((nc, 2), np.int32)
+    for c in range(nc):
+        first = c * cs
+        cn = min(cs, n - first)
+        off, length, mode, crc = (int(v) for v in desc[c])
+        pay = frame[off : off + length]
+        code, checked = 0, 0
+        if mode == D.MODE_RAW:
+            if length != cn * width:
+                code = G.ERR_RAW
+            else:
+                ob[first * width : (first + cn) * width] = pay
+        elif length < 4 * LANES or (length - 4 * LANES) & 1:
+            code = K.ERR_ODD
+        else:
+            x = pay[: 4 * LANES].view("<u4").astype(np.int64)
+            code = K.ERR_STATE if (x < L).any() else 0
+            words = pay[4 * LANES :]
+            n_words, wp = (length - 4 * LANES) >> 1, 0
+            for g0 in range(0, cn, LANES):
+                if code:
+                    break
+                m = min(LANES, cn - g0)
+                sl = slice(first + g0, first + g0 + m)
+                if not valid[sl].all():
+                    checked, code = g0, G.ERR_PARAM
+                    break
+                checked = g0 + LANES
+                step = np.zeros((m, 4), np.int64)
+                top = None
+                for low in range(2 if width == 2 else 1):
+                    b = np.zeros(m, np.int64) if top is None else top[:, 0] << 8
+                    sb = np.zeros(m, np.int64) if top is None else top[:, 1]
+                    t = np.zeros(m, np.int64) if top is None else top[:, 2] - top[:, 1]
+                    _lane_symbols(x[:m].copy(), low == 1, b, sb, t, mub[sl], mu[sl], sgb[sl],
+                                  idx[sl], f.params, MODEL.padded, MODEL.inverse, MODEL.emps,
+                                  MODEL.weights, D._RTAB, p, step)
+                    xs = step[:, 3].copy()
+                    need = (xs < L).astype(np.int64)
+                    at = wp + _ballot_below(need)
+                    wp += int(need.sum())
+                    if wp > n_words:
+                        code = K.ERR_TRUNCATED
+                        break
+                    for q in np.flatnonzero(need):
+                        w = int(words[2 * at[q]]) | int(words[2 * at[q] + 1]) << 8
+                        xs[q] = (xs[q] << 16) | w
+                    x[:m] = xs
+                    if top is None and width == 2:
+                        top = step.copy()
+                if code:
+                    break
+                key = step[:, 0] if width == 1 else (top[:, 0] << 8) + step[:, 0]
+                half = 1 << (f.bits - 1)
+                out[sl] = np.where(key >= half, key ^ half, key ^ (2 * half - 1))
+            if not code and wp != n_words:
+                code = K.ERR_TRAILING
+            if not code and (x != L).any():
+                code = K.ERR_FINAL
+        bad = np.flatnonzero(~valid[first + checked : first + cn])
+        where = 0
+        if bad.size:
+            code, where = G.ERR_PARAM, checked + int(bad[0])
+        if not code and _warp_crc(ob[first * width : (first + cn) * width]) != crc:
+            code = G.ERR_CRC
+        status[c] = code, where
+    bad = G.first_bad_param(status[:, 0], status[:, 1], cs)
+    if bad >= 0:
+        raise ValueError(f"value {bad}: invalid mu/sigma")
+    err = G.chunk_error(status[:, 0], info.offsets)
+    if err is not None:
+        raise CorruptDataError(err[1])
+    return out
+
+
+def _sample(fmt: str, n: int, seed: int):
+    f = D.FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    mu = (rng.normal(0, 20 if f.bits == 8 else 1, n)).astype(np.float32)
+    sigma = np.exp(rng.normal(0.5 if f.bits == 8 else -2, 0.5, n)).astype(np.float32)
+    with np.errstate(all="ignore"):
+        x = (mu + sigma * rng.standard_t(4, n)).astype(DTYPES[fmt]).view(f.storage).copy()
+    special = rng.random(n) < 0.02  # NaN payloads, infinities, -0, subnormals
+    x[special] = rng.integers(0, 1 << f.bits, int(special.sum()))
+    return x, mu, sigma, rng.integers(0, 2, n)
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("n", [1, 31, 33, 1024, 1025, 3000])
+@pytest.mark.parametrize("precision", [12, 16])
+def test_twin_frames_equal_cpu_frames(fmt, n, precision):
+    x, mu, sigma, midx = _sample(fmt, n, n + precision)
+    cpu = D.encode(x, mu, sigma, MODEL, fmt=fmt, model_index=midx, precision=precision,
+                   chunk_size=1024)
+    assert _twin_encode(x, mu, sigma, fmt, midx, precision) == cpu
+    np.testing.assert_array_equal(_twin_decode(cpu, mu, sigma, midx), x)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_twin_raw_chunks_and_whole_value_space(fmt):
+    f = D.FORMATS[fmt]
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 1 << f.bits, 2100).astype(f.storage)  # far from a narrow model: raw
+    mu, sg = np.zeros(2100, np.float32), np.full(2100, 1e-6, np.float32)
+    cpu = D.encode(x, mu, sg, MODEL, fmt=fmt, chunk_size=1024)
+    assert set(D.parse(cpu).modes.tolist()) == {D.MODE_RAW}
+    assert _twin_encode(x, mu, sg, fmt) == cpu
+    np.testing.assert_array_equal(_twin_decode(cpu, mu, sg), x)
+    keys = np.arange(1 << f.bits).astype(f.storage)  # every bit pattern, narrow and wide
+    for m0, s0 in [(1.0, 1e-3), (0.0, 1e4)]:
+        mu, sg = np.full(keys.size, m0, np.float32), np.full(keys.size, s0, np.float32)
+        cpu = D.encode(keys, mu, sg, MODEL, fmt=fmt, chunk_size=1024)
+        assert _twin_encode(keys, mu, sg, fmt) == cpu
+        np.testing.assert_array_equal(_twin_decode(cpu, mu, sg), keys)
+
+
+BITS, MU, SIGMA, _ = _sample("bf16", 3100, 11)
+BLOB = D.encode(BITS, MU, SIGMA, MODEL, fmt="bf16", chunk_size=1024)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pos=st.integers(D.HEADER_SIZE, len(BLOB) - 1), xor=st.integers(1, 255))
+def test_twin_fails_like_the_cpu_on_a_flipped_byte(pos, xor):
+    # Same chunk, same message as the CPU decoder, or the same (exact) output.
+    b = bytearray(BLOB)
+    b[pos] ^= xor
+    b = bytes(b)
+    try:
+        want = D.decode(b, MU, SIGMA, MODEL)
+    except CorruptDataError as e:
+        with pytest.raises(CorruptDataError) as got:
+            _twin_decode(b, MU, SIGMA)
+        assert str(got.value) == str(e)
+        return
+    np.testing.assert_array_equal(_twin_decode(b, MU, SIGMA), want)
+    np.testing.assert_array_equal(want, BITS)
+
+
+@pytest.mark.parametrize("where", [0, 1500, 3099])
+def test_invalid_parameter_is_reported_by_index(where):
+    # A NaN sigma anywhere (a raw or coded chunk, any group) is the first error reported,
+    # even when an earlier chunk is corrupt, as on the CPU (which checks them first).
+    sg = SIGMA.copy()
+    sg[where] = np.nan
+    with pytest.raises(ValueError, match=f"value {where}"):
+        _twin_encode(BITS, MU, sg, "bf16")
+    b = bytearray(BLOB)
+    b[D.HEADER_SIZE + 9 * 4 + 200] ^= 0x55  # garbage in chunk 0
+    for blob in (BLOB, bytes(b)):
+        with pytest.raises(ValueError, match=f"value {where}"):
+            _twin_decode(blob, MU, sg)
+        with pytest.raises(ValueError, match=f"value {where}") as e:
+            D.decode(blob, MU, sg, MODEL)
+        assert not isinstance(e.value, CorruptDataError)
+
+
+@given(data=st.binary(min_size=0, max_size=700))
+@settings(max_examples=60, deadline=None)
+def test_warp_crc_is_zlib_crc32(data):
+    assert _warp_crc(np.frombuffer(data, np.uint8)) == zlib.crc32(data)
+
+
+def test_x_powers_are_zlibs():
+    xp = G.x_powers()
+    # x, x^2, and x^32 = the polynomial's lower terms (bit-reflected, x^0 in bit 31)
+    assert xp[0] == 1 << 30 and xp[1] == 1 << 29 and xp[5] == 0xEDB88320
+    # crc32_combine: crc(A B) = crc(A) x^(8 |B|) + crc(B), with x^(8 |B|) from the table.
+    a, b = b"entropy", b"kit on a GPU, in slices"
+    assert _warp_crc(np.frombuffer(a + b, np.uint8)) == zlib.crc32(a + b)
+
+
+def test_header_and_head_parse():
+    info = D.parse(BLOB)
+    assert G.header(info.fmt, info.n, info.chunk_size, info.precision,
+                    info.fingerprint) == BLOB[: G.HEADER_SIZE]
+    head = np.frombuffer(BLOB[: G.HEADER_SIZE + 9 * len(info.lengths)], np.uint8)
+    got = G.parse_head(head, len(BLOB))
+    for field in ("lengths", "crcs", "modes", "offsets"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(info, field))
+    desc = G.decode_desc(info)
+    assert desc.dtype == np.int64 and desc.shape == (4, 4)
+    np.testing.assert_array_equal(desc[:, 0] + desc[:, 1], np.append(info.offsets[1:],
+                                                                      len(BLOB)))
+    with pytest.raises(CorruptDataError, match="truncated"):
+        G.parse_head(head, len(BLOB) - 1)
+    with pytest.raises(CorruptDataError, match="trailing"):
+        G.parse_head(head, len(BLOB) + 1)
+    with pytest.raises(CorruptDataError, match="truncated"):
+        G.parse_head(head[:10], 10)
+
+
+def test_status_to_errors():
+    offsets = np.array([100, 200, 300])
+    assert G.chunk_error(np.zeros(3, np.int32), offsets) is None
+    c, msg = G.chunk_error(np.array([0, K.ERR_FINAL, G.ERR_CRC]), offsets)
+    assert c == 1 and msg == ("distribution-rANS frame chunk 1 (payload at byte 200): "
+                              + K.MESSAGES[K.ERR_FINAL])
+    codes = np.array([K.ERR_TRUNCATED, G.ERR_PARAM, G.ERR_PARAM])
+    assert G.first_bad_param(codes, np.array([0, 7, 3]), 1024) == 1024 + 7
+    assert G.first_bad_param(np.zeros(2, np.int32), np.zeros(2, np.int32), 1024) == -1
+
+
+def test_format_of_torch_dtypes():
+    assert G.format_of(torch.bfloat16, None).name == "bf16"
+    assert G.format_of(torch.float8_e4m3fn, "fp8_e4m3").name == "fp8_e4m3"
+    assert G.format_of(torch.int16, "fp16").name == "fp16"
+    assert G.format_of(torch.uint8, "fp8_e5m2").name == "fp8_e5m2"
+    with pytest.raises(TypeError, match="pass fmt"):
+        G.format_of(torch.int16, None)
+    with pytest.raises(TypeError, match="bits must be"):
+        G.format_of(torch.int32, "bf16")
+    with pytest.raises(ValueError, match="fmt"):
+        G.format_of(torch.bfloat16, "fp16")
+    with pytest.raises(ValueError, match="precision"):
+        G.check_encode_args(D.FORMATS["bf16"], 10, 17, 1024)
+    with pytest.raises(ValueError, match="chunk_size"):
+        G.check_encode_args(D.FORMATS["bf16"], 10, 16, 1000)
+    assert G.check_encode_args(D.FORMATS["bf16"], 2049, 16, 1024) == 3
+
+
+def test_model_arrays_and_shared_memory_plan():
+    a = G.model_arrays(MODEL)
+    assert a["shapes"].size == len(MODEL) * (K.Z_POINTS + 2)  # SHAPE_W in the kernel
+    assert a["emps"].size == len(MODEL) * (K.EMP_POINTS + 1)
+    assert a["zinv"].dtype == np.float64 and a["zinv"].size == len(MODEL) * (K.INV_POINTS + 1)
+    assert a["rtab"].size == 512
+    assert G.smem_bytes(MODEL, G.Tuning()) == len(MODEL) * (4098 + 257) * 4
+    assert G.smem_bytes(MODEL, G.Tuning(smem=False)) == 0
+    many = D.CoderModel(np.stack([D.gaussian_shape()] * 8))
+    assert G.smem_bytes(many, G.Tuning()) == 0  # over the limit: tables through L1
+
+
+def test_gpu_calls_need_cuda():
+    # Without CUDA the API says so (CPU tensors are not accepted), before any work.
+    x = torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises((ValueError, RuntimeError), match="CUDA|cuda|torch|cupy"):
+        G.encode(x, torch.zeros(8), torch.ones(8), MODEL)
