@@ -5,7 +5,8 @@ formats split (the fields the coders see) gets its exact histogram; every field 
 context gets the joint histogram with it; and the two most significant fields of a
 multi-byte tensor get their joint histogram, which for a float is the histogram of its
 value at 16-bit resolution (magnitude.py reads it). The tensor is split in slices, so
-memory stays bounded whatever its size. What it is not: entropy arithmetic (report.py).
+memory stays bounded whatever its size; counts of several tensors of one dtype add up
+(``Counts.add``: a stream of KV caches). What it is not: entropy arithmetic (report.py).
 
 Speed: the split (~2 GB/s) and one Numba pass per histogram; the two top fields' order-0
 histograms are the marginals of their joint one, so a BF16 tensor costs one split and one
@@ -72,6 +73,16 @@ class Counts:
     def top(self) -> np.ndarray | None:
         """Joint histogram of fields 0 and 1 (the value's top 16 bits), or None."""
         return self.joints.get((0, 1))
+
+    def add(self, other: Counts) -> None:
+        """Add ``other``'s counts (same dtype and layout) to these: the counts of the two
+        tensors' values together, as of their concatenation (a stream of KV caches)."""
+        if (other.dtype, other.layout) != (self.dtype, self.layout):
+            raise ValueError(f"cannot add counts of {other.dtype} (layout {other.layout}) to "
+                             f"counts of {self.dtype} (layout {self.layout})")
+        self.hists += other.hists
+        for pair, joint in other.joints.items():
+            self.joints[pair] += joint
 
 
 def _pairs(names: tuple[str, ...], contexts: tuple[str | None, ...]) -> list[tuple[int, int]]:
