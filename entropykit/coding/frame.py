@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from numba import njit
 
 from .._errors import CorruptDataError
 from . import contexts, tables
@@ -316,21 +317,39 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInf
             f"{coder.name} frame truncated in chunk directory at byte {off} "
             f"({n_chunks} chunks need {dir_size} bytes, {size - off} left)"
         )
-    lengths = buf[off : off + 4 * n_chunks].view("<u4").astype(np.int64)
+    lengths = np.empty(n_chunks, np.int64)
+    offsets = np.empty(n_chunks, np.int64)
+    end, bad = _directory(buf, off, lengths, offsets)
     crcs = buf[off + 4 * n_chunks : off + 8 * n_chunks].view("<u4")
     modes = buf[off + 8 * n_chunks : off + 9 * n_chunks]
-    off += dir_size
-    offsets = off + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    end = off + int(lengths.sum())
     if end != size:
         what = "truncated" if end > size else "followed by trailing bytes"
         raise CorruptDataError(
             f"{coder.name} frame {what}: payloads end at byte {end}, frame has {size} bytes"
         )
-    bad = np.flatnonzero(modes > MODE_RAW)
-    if bad.size:
-        raise CorruptDataError(f"{coder.name} frame chunk {bad[0]}: unknown mode {modes[bad[0]]}")
+    if bad >= 0:
+        raise CorruptDataError(f"{coder.name} frame chunk {bad}: unknown mode {modes[bad]}")
     return FrameInfo(param, n, chunk_size, freqs, cmap, lengths, crcs, modes, offsets, end)
+
+
+@njit(nogil=True, cache=True)
+def _directory(buf, off, lengths, offsets):
+    """Read the chunk directory at ``buf[off:]`` (the caller checked that its 9 bytes per
+    chunk are inside ``buf``): fill ``lengths`` and payload ``offsets``; return where the
+    payloads end and the first chunk with an unknown mode (-1 if none)."""
+    n = lengths.size
+    pos = off + 9 * n  # the first payload starts right after the directory
+    bad = -1
+    for i in range(n):
+        o = off + 4 * i
+        length = (np.int64(buf[o]) | np.int64(buf[o + 1]) << 8 | np.int64(buf[o + 2]) << 16
+                  | np.int64(buf[o + 3]) << 24)
+        lengths[i] = length
+        offsets[i] = pos
+        pos += length
+        if bad < 0 and buf[off + 8 * n + i] > MODE_RAW:
+            bad = i
+    return pos, bad
 
 
 def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,

@@ -28,10 +28,9 @@ for the k-th slot ``u`` of ``s`` (``c_s`` = cumulative frequency). To encode ``s
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import leading_zeros
 
 ALPHABET = 256
 
@@ -64,8 +63,8 @@ def spread(freqs: np.ndarray, table_log: int) -> np.ndarray:
 
 @njit(nogil=True, cache=True)
 def _floor_log2(v: int) -> int:
-    # frexp is exact for integers below 2**53: v = m * 2**e with m in [0.5, 1).
-    return math.frexp(v)[1] - 1
+    # v >= 1: the index of its highest set bit (one count-leading-zeros instruction).
+    return 63 - np.int64(leading_zeros(np.uint64(v)))
 
 
 @njit(nogil=True, cache=True)
@@ -73,11 +72,11 @@ def _decode_table(f: np.ndarray, table_log: int, out: np.ndarray) -> None:
     size = 1 << table_log
     sym = np.empty(size, np.uint8)
     _spread(f, table_log, sym)
-    seen = np.zeros(ALPHABET, np.int64)  # k: slots below u holding the same symbol
+    y_next = f.copy()  # f_s + k, k = slots below u holding the same symbol
     for u in range(size):
         s = sym[u]
-        y = f[s] + seen[s]
-        seen[s] += 1
+        y = y_next[s]
+        y_next[s] = y + 1
         nb = table_log - _floor_log2(y)
         out[u] = s | (nb << 8) | (((y << nb) - size) << 16)
 
