@@ -9,6 +9,7 @@ import transformers  # the kv extra; .ci/run installs it
 
 from entropykit import CorruptDataError
 from entropykit import predictive as P
+from entropykit.predictive import residual
 
 LAYERS = 3
 
@@ -23,7 +24,8 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 MODEL = _model()
 GEN = torch.Generator().manual_seed(1)
-PROMPTS = [torch.randint(0, 256, (48,), generator=GEN) for _ in range(3)]
+# Enough tokens (4 x 96) for the conditional maps' folds: the round trips run real maps.
+PROMPTS = [torch.randint(0, 256, (96,), generator=GEN) for _ in range(4)]
 IDS = torch.randint(0, 256, (2, 40), generator=GEN)  # batch of 2, disjoint from calibration
 
 
@@ -54,6 +56,37 @@ def test_roundtrip(pred, kind, fp8):
     assert torch.equal(P.token_ids(blob), IDS)
     # A predictor makes the cache cheaper than its raw 16 / 8 bits per value.
     assert len(blob) * 8 / _values(cache) < (8 if fp8 else 16)
+
+
+def test_conditional_maps_are_fitted():
+    # The round trips above exercise non-zero maps (not the "too little data" fallback).
+    for name in ("none", "fp8"):
+        for fmt in ("bf16", "fp8"):
+            cond = CALS[name].arrays[f"cond_{fmt}"]
+            assert np.count_nonzero(cond[1:]) > 0, (name, fmt)
+
+
+def test_fit_conditional_recovers_a_linear_map():
+    rng = np.random.default_rng(5)
+    feats = rng.standard_normal((2000, 12)).astype(np.float32)
+    w = rng.standard_normal((12, 3))
+    target = (feats @ w + 0.1 * rng.standard_normal((2000, 3))).astype(np.float32)
+    weights, oof = residual.fit_conditional(feats, target)
+    np.testing.assert_allclose(weights, w, atol=0.02)
+    np.testing.assert_allclose((target - oof).std(axis=0), 0.1, rtol=0.1)
+
+
+def test_fit_conditional_ignores_noise():
+    # Unrelated features and few tokens: the map must not do worse than no map on new data.
+    rng = np.random.default_rng(6)
+    feats = rng.standard_normal((400, 60)).astype(np.float32)
+    target = rng.standard_normal((400, 4)).astype(np.float32)
+    weights, _ = residual.fit_conditional(feats, target)
+    new_f, new_t = rng.standard_normal((20000, 60)), rng.standard_normal((20000, 4))
+    assert ((new_t - new_f @ weights) ** 2).mean() < 1.03 * (new_t**2).mean()
+    # Below the minimum fold size no map is fitted at all.
+    weights, oof = residual.fit_conditional(feats[:100], target[:100])
+    assert not weights.any() and not oof.any()
 
 
 def test_fp8_predictor_beats_no_predictor():

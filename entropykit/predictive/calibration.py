@@ -25,7 +25,6 @@ import torch
 
 from ..rans import distribution as dist
 from . import residual
-from ._linear import affine
 from .kvcache import FP8_MAX, from_transformers
 from .predictors import Predictor, model_device
 
@@ -181,11 +180,10 @@ def _fit_conditional(xs: list[np.ndarray], ps: list[np.ndarray], bias: np.ndarra
         target = r.transpose(0, 2, 1, 3).reshape(-1, hd)
         feats = residual.features(residuals, guesses, layer, kv)
         k = len(residual.sources(layer, kv))
-        cond[layer, kv], cscale[layer, kv] = residual.quantize(
-            residual.fit_conditional(feats, target), k, hd)
-        # The coder uses the int8 maps: so does the fit of what remains.
-        w = residual.dequantize(cond[layer, kv], cscale[layer, kv], k)
-        err = target - affine(np.zeros_like(target), feats, w)
+        weights, oof = residual.fit_conditional(feats, target)
+        cond[layer, kv], cscale[layer, kv] = residual.quantize(weights, k, hd)
+        # What remains, for the std and shape: out-of-fold, as new text will see it.
+        err = target - oof.astype(np.float32)
         cstd[layer, kv] = np.sqrt((err.astype(np.float64) ** 2).mean(axis=0)).reshape(
             heads, dim)
         mean = base.transpose(0, 2, 1, 3).reshape(-1, hd)

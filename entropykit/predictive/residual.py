@@ -14,11 +14,12 @@ mean m = p + bias_c, residual r = x - m.
   is conditioned on what the decoder already has for the same token: the residuals of
   the keys and values of layer l-1 (and, for values, of layer l's keys) and the guesses
   for layer l's keys and values. mu = m + sum_s f_s W_s (linear maps per (layer, k/v)
-  fitted by ridge regression on calibration data: the predictor's errors propagate
-  through the layers, so the previous layer's errors predict much of this one's),
-  sigma = the conditional residual std per channel, and the shape of the standardized
-  conditional residual is learned per (layer, k/v) (heavy tails as they are), plus 0.5%
-  empirical. The maps are stored as int8 with one scale per block and output channel.
+  fitted by ridge regression on calibration data, the penalty chosen on held-out
+  tokens: the predictor's errors propagate through the layers, so the previous layer's
+  errors predict much of this one's), sigma = the conditional residual std per channel,
+  and the shape of the standardized conditional residual is learned per (layer, k/v)
+  (heavy tails as they are), both from out-of-fold residuals, plus 0.5% empirical. The
+  maps are stored as int8 with one scale per block and output channel.
 Layers the predictor reproduces exactly (early exit) get mu = p and sigma = 0; every sigma
 is then raised to ``floor``.
 """
@@ -34,7 +35,10 @@ KINDS = ("gaussian", "mixture", "conditional")
 MIXTURE_EMPIRICAL = 0.02
 CONDITIONAL_EMPIRICAL = 0.005
 MAX_SOURCES = 5
-RIDGE = 1e-2
+RIDGES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # candidate penalties (``fit_conditional``)
+FOLDS = 5
+FOLD_BLOCK = 32  # tokens per block of a fold
+MIN_FOLD = 64  # tokens per fold below which no map is fitted
 TINY = np.float32(1e-30)
 RELATIVE_FLOOR = np.float32(2.0**-12)  # far below the spacing of bf16 (2**-8) and fp8 values
 
@@ -125,22 +129,64 @@ def conditional_mean(base: np.ndarray, residuals: dict, guesses: dict, layer: in
 # ---- fitting ---------------------------------------------------------------------------
 
 
-def fit_conditional(feats: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Ridge regression of ``target`` [T, C] on ``feats`` [T, F]: weights [F, C] (float64).
+def folds(tokens: int) -> np.ndarray:
+    """int [tokens]: each calibration token's fold, 0..FOLDS-1, in blocks of FOLD_BLOCK
+    tokens (neighbouring tokens are alike, so whole blocks)."""
+    return (np.arange(tokens) // FOLD_BLOCK) % FOLDS
 
-    Features are standardized first (residuals and guesses differ in scale by ~20x), the
-    penalty is RIDGE times the mean energy of the standardized features.
+
+def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ridge regression of ``target`` [T, C] on ``feats`` [T, F]: (weights [F, C], float64;
+    the out-of-fold prediction of every token [T, C]).
+
+    Features are standardized first (residuals and guesses differ in scale by ~20x). The
+    penalty, RIDGES[i] times the mean energy of the standardized features, or no map at
+    all, is the one that codes the last fold best when fitted on the others: the smallest
+    sum over channels of log(mean squared error), i.e. of the Gaussian code length. So few
+    calibration tokens give a weak map or none, never one fitted to noise. The weights are
+    then refitted on every token; the out-of-fold predictions (each fold predicted by a
+    map fitted without it) give honest residuals for the std and shape: in-sample ones
+    would be too narrow.
     """
     f = feats.astype(np.float64)
+    t = target.astype(np.float64)
     sd = f.std(axis=0)
     sd = np.where(sd > 0, sd, 1.0)
     f /= sd
-    gram = f.T @ f
-    energy = np.trace(gram) / max(f.shape[1], 1)
-    if energy == 0:  # nothing to condition on
-        return np.zeros((f.shape[1], target.shape[1]))
-    gram += RIDGE * energy * np.eye(f.shape[1])
-    return np.linalg.solve(gram, f.T @ target.astype(np.float64)) / sd[:, None]
+    n_feat = f.shape[1]
+    zero = np.zeros((n_feat, t.shape[1]))
+    fold = folds(f.shape[0])
+    if np.bincount(fold, minlength=FOLDS).min() < MIN_FOLD:
+        return zero, np.zeros_like(t)  # too little data to tell a map from noise
+    parts = [(f[fold == k].T @ f[fold == k], f[fold == k].T @ t[fold == k])
+             for k in range(FOLDS)]
+    gram = sum(g for g, _ in parts)
+    cross = sum(c for _, c in parts)
+    eye = np.eye(n_feat)
+
+    def solve(ridge: float, k: int | None) -> np.ndarray:
+        g = gram - parts[k][0] if k is not None else gram
+        c = cross - parts[k][1] if k is not None else cross
+        return np.linalg.solve(g + ridge * (np.trace(g) / n_feat) * eye, c)
+
+    last = fold == FOLDS - 1
+
+    def score(w: np.ndarray) -> float:
+        err = t[last] - f[last] @ w
+        return float(np.log((err * err).mean(axis=0) + 1e-30).sum())
+
+    best, best_score = None, score(zero)
+    if np.trace(gram) > 0:
+        for ridge in RIDGES:
+            s = score(solve(ridge, FOLDS - 1))
+            if s < best_score:
+                best, best_score = ridge, s
+    if best is None:
+        return zero, np.zeros_like(t)
+    oof = np.empty_like(t)
+    for k in range(FOLDS):
+        oof[fold == k] = f[fold == k] @ solve(best, k)
+    return solve(best, None) / sd[:, None], oof
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
