@@ -264,8 +264,9 @@ def bench_entropykit(ds: DataSet, sm_rule: str, reps: int, tunings) -> None:
         db.check()  # raises on a bad chunk status
         exact = bool(torch.equal(arena, ds.data))
         k = launch.kernel
-        label = ("entropykit" if ds.width == 1 else
-                 f"entropykit (sm {sm_rule}{', staged' if tu.vec else ', unstaged'})")
+        staged = "staged" if tu.vec else "unstaged"
+        label = (f"entropykit ({staged})" if ds.width == 1 else
+                 f"entropykit (sm {sm_rule}, {staged})")
         row(ds, label, ratio, ts, exact, note=note, regs=getattr(k, "num_regs", None),
             plan_upload_s=round(t_plan, 2), pairs=len(batch.desc) // 2)
 
@@ -421,7 +422,7 @@ def main() -> None:
     ap.add_argument("--sets", default="minilm-bf16,synth-bf16,minilm-e4m3")
     ap.add_argument("--tools", default="copy,entropykit,nvcomp,df11")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--profile-reps", type=int, default=6)
+    ap.add_argument("--profile-reps", type=int, default=24)
     ap.add_argument("--df11-selftest", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -458,7 +459,7 @@ def main() -> None:
         if "copy" in tools:
             attempt(ds, "device-to-device copy", bench_copy, ds, args.reps)
         if "entropykit" in tools:
-            both = [Tuning(), Tuning(vec=False)] if ds.width == 2 else [Tuning()]
+            both = [Tuning(), Tuning(vec=False)]
             attempt(ds, "entropykit", bench_entropykit, ds, "gpu", args.reps, both)
             if name == "minilm-bf16":
                 attempt(ds, "entropykit", bench_entropykit, ds, "coded", args.reps, both)

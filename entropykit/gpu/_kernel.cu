@@ -35,18 +35,19 @@
 // ahead of the window being read. Raw chunks go through the same ring (16 words a step).
 // Raw/coded is fixed per stream, so each combination gets its own loop.
 //
-// Staged output (VEC builds, bf16 mode, no contexts): a pair whose exponent stream is coded,
-// whose output is contiguous (step 1) and 16-byte aligned decodes in rounds of 16 steps
-// (512 symbols): each step only drops its symbols into the warp's staging bytes in shared
-// memory; at the round's end lane k turns symbols 16 k .. 16 k + 15 into bf16 values with
-// byte permutes and writes them as two 16-byte stores. A raw sign_mantissa stream then skips
-// its ring: lane k reads its 16 bytes of the round with one 16-byte load, issued a round
-// ahead. This cuts the per-symbol instructions (no per-step 2-byte store, address math,
-// compose, raw ring read or ring slide for b), which bound the kernel (gpu/README.md).
-// The round's tail (< 512 symbols) takes the scalar path with the same output place.
+// Staged output (VEC builds, no contexts): a pair whose outputs are contiguous (step 1) and
+// 16-byte aligned (and, in bf16 mode, whose exponent stream is coded) decodes in rounds of
+// 16 steps (512 symbols): each step only drops a coded stream's symbols into the warp's
+// staging bytes in shared memory; at the round's end lane k takes symbols 16 k .. 16 k + 15
+// and writes them with 16-byte stores (bf16 mode: turned into bf16 values with byte
+// permutes first). A raw stream then skips its ring: lane k reads its 16 bytes of the
+// round with one 16-byte load, issued a round ahead (u8 mode: a raw chunk is a 16-byte
+// copy). This cuts the per-symbol instructions (no per-step narrow store and its address
+// math, compose, raw ring read or ring slide), which bound the kernel (gpu/README.md).
+// The last < 512 symbols take a scalar path with the same output places.
 
-#if VEC && (CTX || !BF16)
-#error "VEC (staged output) is a bf16-mode build without contexts"
+#if VEC && CTX
+#error "VEC (staged output) is a build without contexts"
 #endif
 
 #define LB 65536u
@@ -218,7 +219,7 @@ __device__ __forceinline__ void run_pair(Stream& a, Stream& b, Pair& q, int lane
     for (; s < steps; ++s, i += 32) pair_step<false, RAW_A, RAW_B>(a, b, q, i, lt);
 }
 
-#if VEC
+#if VEC && BF16
 // Two bf16 values (low half: symbol j, high half: symbol j + 1) from two exponent bytes and
 // two sign_mantissa bytes, which sit at byte h and h + 1 of e and m (h = 0 or 2):
 // (m >> 7) << 15 | e << 7 | (m & 0x7f) in each 16-bit half (no half spills into the other).
@@ -279,6 +280,65 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
 }
 #endif
 
+#if VEC && !BF16
+// A stream's symbol i outside the rounds: a raw stream's byte from global memory (its ring
+// is unused in VEC mode), a coded stream's next step.
+template <bool RAW>
+__device__ __forceinline__ unsigned tail_step(Stream& s, int i, int lane, unsigned lt,
+                                              const unsigned char* sym, const unsigned* info) {
+    if (RAW) return i < s.n ? (unsigned)__ldg(s.bytes + i) : 0u;
+    return rans_step<false>(s, i, lane, lt, sym, info);
+}
+
+// The staged pair loop of u8 mode (see the header): two chunks with their own outputs,
+// each coded (staged) or raw (copied 16 bytes a lane); stage = the warp's 1 KiB.
+template <bool RAW_A, bool RAW_B>
+__device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane, unsigned lt,
+                                        unsigned char* stage) {
+    unsigned char* oa = reinterpret_cast<unsigned char*>(q.out) + q.out_a;
+    unsigned char* ob = reinterpret_cast<unsigned char*>(q.out) + q.out_b;
+    const uint4* rawa = reinterpret_cast<const uint4*>(a.bytes);  // raw: 16-byte aligned
+    const uint4* rawb = reinterpret_cast<const uint4*>(b.bytes);
+    const int rounds = min(a.n, b.n) >> 9;
+    int i = lane;
+    for (int r = 0; r < rounds; ++r) {
+        uint4 va = make_uint4(0u, 0u, 0u, 0u), vb = va;
+        if (RAW_A) va = __ldg(rawa + 32 * r + lane);
+        if (RAW_B) vb = __ldg(rawb + 32 * r + lane);
+        if (!RAW_A || !RAW_B) {
+#pragma unroll
+            for (int k = 0; k < 16; ++k, i += 32) {
+                if (!RAW_A)
+                    stage[32 * k + lane] =
+                        (unsigned char)rans_step<true>(a, i, lane, lt, q.sa, q.ia);
+                if (!RAW_B)
+                    stage[512 + 32 * k + lane] =
+                        (unsigned char)rans_step<true>(b, i, lane, lt, q.sb, q.ib);
+                if (!RAW_A) slide(a, lane);
+                if (!RAW_B) slide(b, lane);
+            }
+            __syncwarp();
+            if (!RAW_A) va = reinterpret_cast<const uint4*>(stage)[lane];
+            if (!RAW_B) vb = reinterpret_cast<const uint4*>(stage + 512)[lane];
+            __syncwarp();  // every lane has its bytes before the next round overwrites them
+        } else {
+            i += 512;
+        }
+        reinterpret_cast<uint4*>(oa + 512 * r)[lane] = va;
+        reinterpret_cast<uint4*>(ob + 512 * r)[lane] = vb;
+    }
+    const int steps = (max(a.n, b.n) + 31) >> 5;
+    for (int s = rounds << 4; s < steps; ++s, i += 32) {
+        const unsigned ea = tail_step<RAW_A>(a, i, lane, lt, q.sa, q.ia);
+        const unsigned eb = tail_step<RAW_B>(b, i, lane, lt, q.sb, q.ib);
+        if (i < a.n) oa[i] = (unsigned char)ea;
+        if (i < b.n) ob[i] = (unsigned char)eb;
+        if (!RAW_A) slide(a, lane);
+        if (!RAW_B) slide(b, lane);
+    }
+}
+#endif
+
 __device__ __forceinline__ int status_of(const Stream& s) {
     const unsigned x0min = __reduce_min_sync(FULL_MASK, s.x0);
     const bool final_bad = __any_sync(FULL_MASK, s.x != LB);
@@ -324,15 +384,21 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lt));
     const long long* d = desc + (long long)pair * 2 * N_COLS;
     unsigned char* mine = smem + (SMEM ? n_slots * SMEM_STREAM : 0) + (threadIdx.x >> 5) * WARP_SMEM;
-#if VEC
-    // Staged output (header): warp-uniform, from the row and the output's address.
+    // Staged output (header): warp-uniform, from the rows and the outputs' addresses.
+    const unsigned long long at = reinterpret_cast<unsigned long long>(out);
+#if VEC && BF16
     const bool vec = d[D_MODE] == 0 && d[D_N] >= 512 && d[D_STEP] == 1 &&
-        ((reinterpret_cast<unsigned long long>(out) + 2ull * d[D_OUT]) & 15) == 0;
+        ((at + 2ull * d[D_OUT]) & 15) == 0;
+#elif VEC
+    const bool vec = min(d[D_N], d[N_COLS + D_N]) >= 512 && d[D_STEP] == 1 &&
+        d[N_COLS + D_STEP] == 1 && ((at + d[D_OUT]) & 15) == 0 &&
+        ((at + d[N_COLS + D_OUT]) & 15) == 0;
 #else
-    const bool vec = false;
+    const bool vec = at != at;  // false (at is used)
 #endif
     Stream a, b;
-    load_stream(a, d, buf, symt, infot, reinterpret_cast<unsigned short*>(mine), 0, lane);
+    load_stream(a, d, buf, symt, infot, reinterpret_cast<unsigned short*>(mine), 0, lane,
+                !(vec && d[D_MODE] == 1));
     load_stream(b, d + N_COLS, buf, symt, infot,
                 reinterpret_cast<unsigned short*>(mine + 2 * RING), 16, lane,
                 !(vec && d[N_COLS + D_MODE] == 1));
@@ -359,10 +425,21 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     // (Each lane waits on its own stream's copies: lanes 0-15 issued only a's.)
     asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1) : "memory");
     __syncwarp();
-#if VEC
+#if VEC && BF16
     if (vec) {
         if (b.is_raw) run_vec<true>(a, b, q, lane, lt, mine + 4 * RING);
         else run_vec<false>(a, b, q, lane, lt, mine + 4 * RING);
+    } else
+#elif VEC
+    if (vec) {
+        unsigned char* stage = mine + 4 * RING;
+        if (a.is_raw) {
+            if (b.is_raw) run_vec<true, true>(a, b, q, lane, lt, stage);
+            else run_vec<true, false>(a, b, q, lane, lt, stage);
+        } else {
+            if (b.is_raw) run_vec<false, true>(a, b, q, lane, lt, stage);
+            else run_vec<false, false>(a, b, q, lane, lt, stage);
+        }
     } else
 #endif
     if (a.is_raw) {

@@ -36,8 +36,11 @@ class Tuning:
 
     smem: bool = True  # tables in shared memory (batches with every p <= 12)
     ring_windows: int = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
-    min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
-    vec: bool = True  # bf16 mode without contexts: staged output, 16-byte stores (_kernel.cu)
+    # __launch_bounds__ blocks per SM (caps registers when > 1); 0: enough blocks for 32
+    # warps an SM, so at most 64 registers (the staged u8 build would take 72 and halve
+    # the resident warps; every other build needs <= 64 uncapped, bar SMEM=0: 4 B spilled)
+    min_blocks: int = 0
+    vec: bool = True  # builds without contexts: staged output, 16-byte stores (_kernel.cu)
 
 
 _lock = threading.Lock()
@@ -45,8 +48,8 @@ _kernels: dict[tuple, cp.RawKernel] = {}
 
 
 def _vec(bf16: bool, ctx: bool, t: Tuning) -> bool:
-    """Whether the build stages its output (_kernel.cu's VEC): bf16 mode, no contexts."""
-    return t.vec and bf16 and not ctx
+    """Whether the build stages its output (_kernel.cu's VEC): builds without contexts."""
+    return t.vec and not ctx
 
 
 def warp_smem(bf16: bool, ctx: bool, t: Tuning) -> int:
@@ -62,7 +65,8 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawK
             cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
             opts = ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}",
                     f"-DSMEM={int(smem)}", f"-DWARPS={warps}",
-                    f"-DRING_WINDOWS={t.ring_windows}", f"-DMIN_BLOCKS={t.min_blocks}",
+                    f"-DRING_WINDOWS={t.ring_windows}",
+                    f"-DMIN_BLOCKS={t.min_blocks or max(1, 32 // warps)}",
                     f"-DVEC={int(_vec(bf16, ctx, t))}", *cols)
             k = cp.RawKernel(src, "rans_decode", options=opts)
             # The most a block of this build may ask for: two table sets and the warps'.
