@@ -63,6 +63,11 @@ SMEM_MAX_PRECISION = 12  # a shared-memory table set holds 2**12 slots per strea
 # Bookkeeping columns appended to descriptor rows while building (never uploaded).
 _SRC, _C, _AT, _OUTPUT = range(N_COLS, N_COLS + 4)
 _WIDTH = N_COLS + 4
+# Columns of a registered stream (Planner.specs): stream index, symbols, chunk size,
+# chunks, table offsets, precision, context map offset, output place.
+(_S_SRC, _S_N, _S_CHUNK, _S_COUNT, _S_SYM, _S_INFO, _S_PREC, _S_CMAP, _S_OUT, _S_AT,
+ _S_STEP) = range(11)
+_SPEC = 11
 
 FrameBytes = bytes | memoryview | np.ndarray
 
@@ -212,30 +217,56 @@ class Origins:
         return CorruptDataError(f"{self.labels[s]} chunk {c} (payload at byte {at}): {what}")
 
 
-def _chunk_rows(info: _frame.FrameInfo, label: str) -> np.ndarray:
-    """Per chunk: frame offset, length, first symbol, symbols, mode; checks payload sizes."""
-    count = len(info.lengths)
-    out = np.empty((count, 5), np.int64)
-    out[:, 0] = info.offsets
-    length = out[:, 1]
-    length[:] = info.lengths
-    first = out[:, 2]
-    first[:] = np.arange(0, count * info.chunk_size, info.chunk_size)
-    n = out[:, 3]
-    np.minimum(info.chunk_size, info.n - first, out=n)
-    mode = out[:, 4]
-    mode[:] = info.modes
-    raw = mode == _frame.MODE_RAW
-    # Raw payloads hold every symbol; coded ones the states and whole 16-bit words.
-    bad = np.where(raw, length != n, (length < _rk.STATE_BYTES) | (length & 1 == 1))
-    if bad.any():
-        c = int(np.argmax(bad))
-        msg = (f"raw payload is {int(length[c])} bytes, chunk has {int(n[c])} symbols"
-               if raw[c] else _rk.MESSAGES[_rk.ERR_ODD])
-        raise CorruptDataError(
-            f"{label} chunk {c} (payload at byte {int(info.offsets[c])}): {msg}"
-        )
-    return out
+def _chunk_rows(streams: Sequence[Stream], specs: np.ndarray) -> np.ndarray:
+    """Rows of every registered stream's chunks, in order (D_OFF still relative to the
+    stream's bytes); checks the payload sizes of frame chunks.
+
+    ``specs``: one int64 row per stream, ``_SPEC`` columns. Vectorized over all streams at
+    once: per stream a handful of numpy calls on a few chunks cost ~100 us, which made the
+    host plan the limit of loading files with many small tensors (gpu/README.md).
+    """
+    counts = specs[:, _S_COUNT]
+    total = int(counts.sum())
+    which = np.repeat(np.arange(len(specs)), counts)  # spec of each row
+    c = np.arange(total, dtype=np.int64) - (np.cumsum(counts) - counts)[which]
+    chunk = specs[which, _S_CHUNK]
+    first = c * chunk
+    n = np.minimum(chunk, specs[which, _S_N] - first)
+    off, length, mode = first.copy(), n.copy(), np.full(total, _frame.MODE_RAW, np.int64)
+    infos = [streams[k].info for k in specs[:, _S_SRC].tolist()]
+    framed = np.array([i is not None for i in infos], bool)
+    if framed.any():
+        on = framed[which]
+        off[on] = np.concatenate([i.offsets for i in infos if i is not None])
+        length[on] = np.concatenate([i.lengths for i in infos if i is not None])
+        mode[on] = np.concatenate([i.modes for i in infos if i is not None])
+        raw = mode == _frame.MODE_RAW
+        # Raw payloads hold every symbol; coded ones the states and whole 16-bit words.
+        bad = on & np.where(raw, length != n, (length < _rk.STATE_BYTES) | (length & 1 == 1))
+        if bad.any():
+            r = int(np.argmax(bad))
+            msg = (f"raw payload is {int(length[r])} bytes, chunk has {int(n[r])} symbols"
+                   if raw[r] else _rk.MESSAGES[_rk.ERR_ODD])
+            label = streams[int(specs[which[r], _S_SRC])].label
+            raise CorruptDataError(f"{label} chunk {int(c[r])} (payload at byte {int(off[r])}): "
+                                   f"{msg}")
+    per = specs[which]
+    rows = np.empty((total, _WIDTH), np.int64)
+    rows[:, D_OFF] = off
+    rows[:, D_LEN] = length
+    rows[:, D_OUT] = first * per[:, _S_STEP] + per[:, _S_AT]
+    rows[:, D_N] = n
+    rows[:, D_SYM] = per[:, _S_SYM]
+    rows[:, D_INFO] = per[:, _S_INFO]
+    rows[:, D_PREC] = per[:, _S_PREC]
+    rows[:, D_MODE] = mode
+    rows[:, D_CMAP] = per[:, _S_CMAP]
+    rows[:, D_STEP] = per[:, _S_STEP]
+    rows[:, _SRC] = per[:, _S_SRC]
+    rows[:, _C] = c
+    rows[:, _AT] = off
+    rows[:, _OUTPUT] = per[:, _S_OUT]
+    return rows
 
 
 def _padding_like(rows: np.ndarray) -> np.ndarray:
@@ -265,7 +296,8 @@ class Planner:
         self.known: dict[tuple[int, bytes, bytes], tuple[int, int]] = {}
         self.cmaps: list[np.ndarray] = []
         self.streams: list[Stream] = []
-        self.pairs: list[np.ndarray] = []  # each int64[k, 2, _WIDTH]
+        self.specs: list[tuple[int, ...]] = []  # per non-empty stream, _SPEC columns
+        self.units: list[int] = []  # chunks of each add (u8) / add_pair (bf16), in order
 
     def _tables(self, info: _frame.FrameInfo) -> tuple[int, int]:
         """Offsets of a frame's tables; equal frames' tables are stored once."""
@@ -280,34 +312,28 @@ class Planner:
                 self.sym_size += sym.size
         return self.known[key]
 
-    def _rows(self, s: Stream, place: Place, chunk: int) -> np.ndarray:
-        """Rows of one stream's chunks (D_OFF still relative to the stream's bytes)."""
+    def _register(self, s: Stream, place: Place, chunk: int) -> int:
+        """Note a stream's chunks (``finish`` builds the rows); returns how many. Plain
+        streams are cut into chunks of ``chunk`` symbols, frames as they are."""
         if s.n == 0:
-            return np.zeros((0, _WIDTH), np.int64)
+            return 0
         if s.info is not None:
-            chunks = _chunk_rows(s.info, s.label)
+            chunk = s.info.chunk_size
+            count = len(s.info.lengths)
             sym_off, info_off = self._tables(s.info)
             prec = s.info.param
         else:
-            first = np.arange(0, s.n, chunk, dtype=np.int64)
-            n = np.minimum(chunk, s.n - first)
-            chunks = np.stack([first, n, first, n, np.full_like(n, _frame.MODE_RAW)], axis=1)
+            count = -(-s.n // chunk)
             sym_off = info_off = -1
             prec = 0
         cmap_off = -1
         if s.context:
             cmap_off = 256 * len(self.cmaps)
             self.cmaps.append(np.asarray(s.info.cmap, np.uint8))
-        rows = np.empty((len(chunks), _WIDTH), np.int64)
-        rows[:, [D_OFF, D_LEN, D_OUT, D_N, D_MODE]] = chunks
-        rows[:, D_OUT] *= place.step
-        rows[:, D_OUT] += place.at
-        rows[:, [D_SYM, D_INFO, D_PREC, D_CMAP, D_STEP, _SRC, _OUTPUT]] = (
-            sym_off, info_off, prec, cmap_off, place.step, len(self.streams), place.out)
-        rows[:, _C] = np.arange(len(chunks))
-        rows[:, _AT] = chunks[:, 0]
+        self.specs.append((len(self.streams), s.n, chunk, count, sym_off, info_off, prec,
+                           cmap_off, place.out, place.at, place.step))
         self.streams.append(s)
-        return rows
+        return count
 
     def add(self, s: Stream, place: Place) -> None:
         """u8 mode: decode ``s`` into bytes of output ``place.out``."""
@@ -318,10 +344,7 @@ class Planner:
                 f"{s.label} is context-conditioned: decode it with its context field "
                 "(decode_bf16 for a BF16 sign_mantissa field)"
             )
-        rows = self._rows(s, place, RAW_CHUNK)
-        if len(rows) % 2:
-            rows = np.concatenate([rows, _padding_like(rows[-1:])])
-        self.pairs.append(rows.reshape(-1, 2, _WIDTH))
+        self.units.append(self._register(s, place, RAW_CHUNK))
 
     def add_pair(self, exp: Stream, sm: Stream, place: Place) -> None:
         """bf16 mode: write (sm >> 7) << 15 | exp << 7 | (sm & 0x7f) as 16-bit elements.
@@ -341,8 +364,32 @@ class Planner:
                 return f"{s.n} symbols{cut}"
             raise ValueError(f"{exp.label} has {says(exp)}, {sm.label} {says(sm)}")
         chunk = chunks.pop() if chunks else RAW_CHUNK
-        a, b = self._rows(exp, place, chunk), self._rows(sm, place, chunk)
-        self.pairs.append(np.stack([a, b], axis=1))
+        count = self._register(exp, place, chunk)
+        self._register(sm, place, chunk)  # as many chunks: same symbols, same cut
+        self.units.append(count)
+
+    def _pairs(self) -> np.ndarray:
+        """Every add's rows as pairs (int64[k, 2, _WIDTH]), in the order added: a stream's
+        chunks two by two (u8; an odd last chunk with a padding row), or an exponent chunk
+        with the sign_mantissa chunk at the same place (bf16)."""
+        if not self.specs:
+            return np.zeros((0, 2, _WIDTH), np.int64)
+        rows = _chunk_rows(self.streams, np.array(self.specs, np.int64).reshape(-1, _SPEC))
+        k = np.array(self.units, np.int64)
+        per_add = 2 * k if self.bf16 else k  # rows each add registered
+        start = np.cumsum(per_add) - per_add
+        pairs_per = k if self.bf16 else (k + 1) // 2
+        unit = np.repeat(np.arange(len(k)), pairs_per)
+        j = np.arange(int(pairs_per.sum()), dtype=np.int64) - (np.cumsum(pairs_per)
+                                                                - pairs_per)[unit]
+        if self.bf16:
+            a = start[unit] + j
+            return np.stack([rows[a], rows[a + k[unit]]], axis=1)
+        a = start[unit] + 2 * j
+        odd = a + 1 >= start[unit] + k[unit]  # the stream's last chunk has no partner
+        second = rows[np.where(odd, a, a + 1)]
+        second[odd] = _padding_like(rows[a[odd]])
+        return np.stack([rows[a], second], axis=1)
 
     def _blocks(self, pairs: np.ndarray) -> np.ndarray:
         """Pairs grouped into blocks of ``warps`` with one table set each (see module
@@ -353,16 +400,18 @@ class Planner:
         _, group = np.unique(keys, axis=0, return_inverse=True)
         group = group.reshape(-1)
         order = np.lexsort((-steps, group))  # by table set, longest first within one
-        cuts = np.flatnonzero(np.diff(group[order])) + 1
-        blocks = []
-        for idx in np.split(order, cuts):
-            part = pairs[idx]
-            spare = -len(part) % w
-            if spare:
-                pad = np.stack([_padding_like(part[-1:, 0]), _padding_like(part[-1:, 1])], 1)
-                part = np.concatenate([part, np.repeat(pad, spare, axis=0)])
-            blocks.append(part.reshape(-1, w, 2, _WIDTH))
-        blocks_arr = np.concatenate(blocks)
+        size = np.bincount(group)  # pairs of each table set (sets appear in id order)
+        padded = -(-size // w) * w
+        start = np.cumsum(size) - size
+        g = np.repeat(np.arange(len(size)), padded)
+        j = np.arange(int(padded.sum())) - (np.cumsum(padded) - padded)[g]
+        # A set's last block is filled up with padding rows made from its last pair.
+        blocks_arr = pairs[order[start[g] + np.minimum(j, size[g] - 1)]]
+        pad = j >= size[g]
+        if pad.any():
+            blocks_arr[pad] = np.stack([_padding_like(blocks_arr[pad, 0]),
+                                        _padding_like(blocks_arr[pad, 1])], axis=1)
+        blocks_arr = blocks_arr.reshape(-1, w, 2, _WIDTH)
         longest = np.maximum(blocks_arr[:, 0, 0, D_N], blocks_arr[:, 0, 1, D_N])
         return blocks_arr[np.argsort(-longest, kind="stable")].reshape(-1, 2, _WIDTH)
 
@@ -376,8 +425,7 @@ class Planner:
 
     def finish(self, sizes: Sequence[int]) -> Batch:
         """The batch; output k has ``sizes[k]`` elements (bytes in u8 mode, 16-bit in bf16)."""
-        pairs = (np.concatenate(self.pairs) if self.pairs
-                 else np.zeros((0, 2, _WIDTH), np.int64))
+        pairs = self._pairs()
         if len(pairs):
             pairs = self._blocks(pairs)
         n_rows = 2 * len(pairs)
