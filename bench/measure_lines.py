@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from entropykit import formats
-from entropykit.coding import frame, lines
+from entropykit.coding import frame, lines, tables
 from entropykit.container import codecs
 from entropykit.rans import static as rans_static
 
@@ -38,13 +38,13 @@ def load(path: Path) -> dict[str, tuple[tuple[int, ...], np.ndarray]]:
 
 
 def coded(sym, cols, kr, kc, iters, precision, max_tables):
-    rcls = ccls = np.zeros(1, np.uint8)
+    rcls = ccls = None
+    index, magnitude = lines.buckets(tables.histogram(sym))
+    hr, hc = lines.line_histograms(sym, index, magnitude.size, cols, 0)
     if kr > 1:
-        h, present = lines.line_histograms(sym, cols, 0, False)
-        rcls = lines.assign(h, present, kr, iters)
+        rcls = lines.assign(hr, magnitude, kr, iters)
     if kc > 1:
-        h, present = lines.line_histograms(sym, cols, 0, True)
-        ccls = lines.assign(h, present, kc, iters)
+        ccls = lines.assign(hc, magnitude, kc, iters)
     ctx = lines.context(sym.size, cols, 0, rcls, ccls, kc)
     side = 28 + (lines.map_bytes(rcls.size, kr) if kr > 1 else 0) + (
         lines.map_bytes(cols, kc) if kc > 1 else 0)

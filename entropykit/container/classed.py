@@ -33,18 +33,17 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from .. import rans
 from .._errors import CorruptDataError
-from ..coding import frame, lines
+from ..coding import frame, lines, tables
 from ..rans import static as rans_static
 
 MAGIC = b"EK2D"
 VERSION = 1
 _HEAD = struct.Struct("<4sBBBBQQQ")
 HEADER_SIZE = _HEAD.size  # 32
-KS = (4,)  # classes per axis tried (8 as well: -0.0001 to -0.0007 ratio, compress ~2x slower)
+K = 4  # classes per classed axis (bench/measure_lines.py: 8 or 16 gain <= 0.0007 of ratio)
 MAX_TABLES = 64  # tables a frame may use: rows x columns make up to 64 classes
 MIN_SYMBOLS = 1 << 12
 # Lines are classed only where their histograms stay small next to the field (memory).
@@ -61,32 +60,7 @@ class Plan:
     columns: np.ndarray | None  # uint8 class per column; None when kc == 1
     joint: np.ndarray  # int64[256, 256] (context, symbol) counts, for the frame
     estimate: int
-
-
-@njit(nogil=True, cache=True)
-def _hist3(sym, dense, n_dense, cols, phase, rcls, kr):
-    # h[row class, column, symbol]; invariant as lines._line_hist (row r < len(rcls)).
-    h = np.zeros((kr, cols, n_dense), np.int32)
-    j = phase
-    r = 0
-    for i in range(sym.size):
-        h[rcls[r], j, dense[sym[i]]] += 1
-        j += 1
-        if j == cols:
-            j = 0
-            r += 1
-    return h
-
-
-def _joint(h3: np.ndarray, present: np.ndarray, ccls: np.ndarray, kc: int) -> np.ndarray:
-    """(row class * kc + column class, symbol) counts from h3[row class, column, symbol]."""
-    kr = h3.shape[0]
-    per = np.zeros((kr, kc, h3.shape[2]), np.int64)
-    for c in range(kc):
-        per[:, c] = h3[:, ccls == c].sum(axis=1)
-    joint = np.zeros((256, 256), np.int64)
-    joint[: kr * kc, present] = per.reshape(kr * kc, -1)[:, : present.size]
-    return joint
+    context: np.ndarray | None = None  # each symbol's context, when plan() made it
 
 
 def _estimate(joint: np.ndarray, n: int, cols: int, phase: int, kr: int, kc: int) -> int:
@@ -96,49 +70,48 @@ def _estimate(joint: np.ndarray, n: int, cols: int, phase: int, kr: int, kc: int
             + frame.HEADER_SIZE + (9 + 4 * rans_static.CODER.lanes) * chunks)
 
 
-def plan(symbols: np.ndarray, cols: int, phase: int) -> Plan | None:
-    """The classing of rows (``KS`` or none) and columns (``KS`` or none) with the smallest
-    estimated payload, or None where the field is too small or its lines too many."""
+def plan(symbols: np.ndarray, cols: int, phase: int, counts: np.ndarray | None = None
+         ) -> Plan | None:
+    """The classing with the smallest estimated payload among rows in ``K`` classes,
+    columns in ``K`` classes, and both; None where the field is too small or its lines
+    too many. ``counts``: the symbols' histogram, when the caller has it.
+
+    Two passes over the field: the line histograms (of ``lines.buckets``), then the
+    context of every symbol with both axes classed and its joint histogram, from which
+    the one-axis joints are sums."""
     n = symbols.size
     if n < MIN_SYMBOLS or not 0 <= phase < cols or cols < 2:
         return None
-    index, present = lines.dense(symbols)
-    n_dense = max(1, present.size)
+    index, magnitude = lines.buckets(tables.histogram(symbols) if counts is None else counts)
+    width = max(1, magnitude.size)
     rows = lines.n_rows(n, cols, phase)
-    by_rows = rows >= 2 and rows * n_dense <= max(n, _HIST_ENTRIES)
-    by_cols = n >= cols and max(KS) * cols * n_dense <= max(n, _HIST_ENTRIES)
+    by_rows = rows >= 2 and rows * width <= max(n, _HIST_ENTRIES)
+    by_cols = n >= cols and cols * width <= max(n, _HIST_ENTRIES)
     if not (by_rows or by_cols):
         return None
-    row_options = [(1, np.zeros(rows, np.uint8))]  # kr == 1: every row in class 0
-    if by_rows:
-        hr = lines.line_histograms(symbols, index, n_dense, cols, phase, False)
-        row_options += [(k, lines.assign(hr, present, k)) for k in KS]
-    col_options = [(1, np.zeros(cols, np.uint8))]
-    if by_cols:
-        hc = lines.line_histograms(symbols, index, n_dense, cols, phase, True)
-        col_options += [(k, lines.assign(hc, present, k)) for k in KS]
-    best: Plan | None = None
-    for kr, rcls in row_options:
-        for kc, ccls in col_options:
-            if kr == kc == 1:
-                continue
-            if kc == 1:
-                joint = lines.joint_from_lines(hr, present, rcls)
-            else:
-                if kc == col_options[1][0]:  # first column option: (row class, column) counts
-                    h3 = (hc[None] if kr == 1 else _hist3(symbols, index, n_dense, cols, phase,
-                                                          rcls.astype(np.int64), kr))
-                joint = _joint(h3, present, ccls, kc)
-            size = _estimate(joint, n, cols, phase, kr, kc)
-            if best is None or size < best.estimate:
-                best = Plan(kr, kc, rcls if kr > 1 else None, ccls if kc > 1 else None,
-                            joint, size)
+    hr, hc = lines.line_histograms(symbols, index, width, cols, phase, by_rows, by_cols)
+    rcls = lines.assign(hr, magnitude, K) if by_rows else None
+    ccls = lines.assign(hc, magnitude, K) if by_cols else None
+    kr, kc = (K if by_rows else 1), (K if by_cols else 1)
+    ctx, joint = lines.context_joint(symbols, cols, phase, rcls, ccls, kc)
+    best = Plan(kr, kc, rcls, ccls, joint, _estimate(joint, n, cols, phase, kr, kc), ctx)
+    if by_rows and by_cols:
+        per = joint[: K * K].reshape(K, K, 256)
+        for one_kr, one_kc, part in ((K, 1, per.sum(axis=1)), (1, K, per.sum(axis=0))):
+            one = np.zeros((256, 256), np.int64)
+            one[:K] = part
+            size = _estimate(one, n, cols, phase, one_kr, one_kc)
+            if size < best.estimate:
+                best = Plan(one_kr, one_kc, rcls if one_kr > 1 else None,
+                            ccls if one_kc > 1 else None, one, size)
     return best
 
 
 def encode(symbols: np.ndarray, cols: int, phase: int, p: Plan, precision: int) -> bytes:
     """The payload of ``symbols`` classed as ``p`` says."""
-    ctx = lines.context(symbols.size, cols, phase, p.rows, p.columns, p.kc)
+    ctx = p.context
+    if ctx is None:
+        ctx = lines.context(symbols.size, cols, phase, p.rows, p.columns, p.kc)
     head = _HEAD.pack(MAGIC, VERSION, p.kr, p.kc, 0, symbols.size, cols, phase)
     maps = (b"" if p.rows is None else lines.pack(p.rows, p.kr)) + (
         b"" if p.columns is None else lines.pack(p.columns, p.kc))

@@ -292,7 +292,7 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     # Near-uniform fields (mantissa bytes) gain nothing from classes: no plan is tried.
     if (grid is not None and context is None and entropy_pays and not (gpu or fast)
             and bits < _WIDE_MAX_BITS * n):
-        plan = classed.plan(symbols, *grid)
+        plan = classed.plan(symbols, *grid, counts)
         states = _RANS_STATES if entropy_codec == "rans" else _TANS_STATES
         plain = estimate + states * -(-n // frame.DEFAULT_CHUNK)
         if plan is not None and plan.estimate <= (1 - CLASSED_MIN_SAVING) * plain:
