@@ -372,9 +372,15 @@ extern "C" __global__ void dist_gather(const unsigned char* scratch, const unsig
 
 // ---- decoder ---------------------------------------------------------------------------
 
-// The decoder's guesses are the CPU's to the bit (float64, float32 where it stores one, no
-// fused multiply-adds), so that even where S is not monotone the search starts where the
-// CPU's does and ends on the same symbol.
+// Which symbol a slot decodes to. A value is regular when |mu_u| < 2^(MANT + 50): then the
+// shifts in offset() are exact or saturate beyond the clamp +-dl, so S is non-decreasing in
+// k, every stage CDF strictly increases (frequencies >= 1), and exactly one symbol holds
+// the slot: any guess and any search find the CPU's. For regular values the decoder guesses
+// better than the CPU (it takes the empirical component and the stage's j-term out of the
+// target before inverting the shape) and searches from the known neighbour. Otherwise
+// (|mu| beyond ~2^42 sigma) S can fall where a shift saturates, and the decoder retraces
+// the CPU's float64 guess (float32 where it stores one, no fused multiply-adds) and search
+// step for step, so that it lands on the CPU's symbol there too.
 #define DADD __dadd_rn
 #define DMUL __dmul_rn
 
@@ -414,6 +420,35 @@ __device__ __forceinline__ int stage_guess(i64 slot, int b, int sh, i64 sb, i64 
         g = guess_key(frac, mu, sg, zinv);
     }
     return min(max((g - b) >> sh, 0), 255);
+}
+
+__device__ __forceinline__ bool regular(const Val& v) {
+    return v.mu_u < (1LL << (MANT + 50)) && v.mu_u > -(1LL << (MANT + 50));
+}
+
+// E(k) of the value's model (smooth()'s empirical term), in units of 2^-31.
+__device__ __forceinline__ i64 emp_at(int k, const Val& v, const Model& md) {
+    const unsigned* em = md.emps + v.m * EMP_W;
+    const int b = min(max(k, 0), NKEYS - 1) >> ES;
+    const i64 e0 = em[b];
+    return e0 + ((((i64)em[b + 1] - e0) * (k & ((1 << ES) - 1))) >> ES);
+}
+
+// The regular values' guess: the target S* from slot = j + spread (S_j - S_b) / T with j
+// from a first guess, then F* = (2^16 S* - w E(k)) / (2^16 - w) at that guess's key k,
+// inverted through the shape.
+__device__ __forceinline__ int fast_guess(i64 slot, int b, int sh, i64 sb, i64 t, float mu,
+        double sg, const double* zinv, const Val& v, const Model& md, int p) {
+    const double dt = (double)t, dsb = (double)sb;
+    int k = guess_key((dsb + ((double)slot + 0.5) * (1.0 / (1 << p)) * dt) * (1.0 / ONE), mu,
+                      sg, zinv);
+    const int j0 = min(max((k - b) >> sh, 0), 255);
+    double target = dsb + ((double)(slot - j0) + 0.5) / ((1 << p) - 256) * dt;
+    if (v.w)
+        target = (target * WEIGHT_ONE - (double)v.w * (double)emp_at(k, v, md))
+                 / (double)(WEIGHT_ONE - v.w);
+    k = guess_key(target * (1.0 / ONE), mu, sg, zinv);
+    return min(max((k - b) >> sh, 0), 255);
 }
 
 struct Sym {
@@ -460,22 +495,67 @@ __device__ Sym search(i64 slot, Sym g, int b, int sh, i64 sb, i64 t, int spread,
     return s;
 }
 
+// A regular value's search after a missed guess (its CDF strictly increases, so any
+// bracketing search finds the CPU's symbol). The first probe steps by the guessed symbol's
+// own frequency, the next ones interpolate and bisect in turn, so a near miss costs one or
+// two CDFs and no miss more than about twice a bisection's 8.
+__device__ Sym fast_search(i64 slot, const Sym& g, int b, int sh, i64 sb, i64 t, int spread,
+                           const Val& v, const Model& md) {
+    int lo, hi, k;
+    i64 slo, shi, clo, chi;
+    const i64 dens = max(g.c1 - g.c0, 1LL);
+    if (g.c1 <= slot) {
+        lo = g.j + 1; slo = g.sn; clo = g.c1;
+        hi = 256; shi = sb + t; chi = spread + 256;
+        k = lo + 1 + (int)min((slot - clo) / dens, 256LL);
+    } else {
+        hi = g.j; shi = g.sj; chi = g.c0;
+        lo = 0; slo = sb; clo = 0;
+        k = hi - (int)min((chi - slot + dens - 1) / dens, 256LL);
+    }
+    bool interp = false;
+    while (hi - lo > 1) {
+        k = min(max(k, lo + 1), hi - 1);
+        const i64 sk = smooth(b + (k << sh), v, md), ck = stage_cdf(k, sk, sb, t, spread);
+        if (ck <= slot) { lo = k; slo = sk; clo = ck; }
+        else { hi = k; shi = sk; chi = ck; }
+        interp = !interp;
+        k = interp ? lo + (int)((slot - clo) * (hi - lo) / (chi - clo)) : (lo + hi) >> 1;
+    }
+    Sym s;
+    s.j = lo; s.sj = slo; s.sn = shi; s.c0 = clo; s.c1 = chi;
+    return s;
+}
+
+// The symbol of slot in a stage (keys b + j 2^sh, mass S_b .. S_b + T), with S and cdf at
+// both its ends: guess, check with two exact CDFs, search on a miss.
+__device__ __forceinline__ Sym find_symbol(i64 slot, int b, int sh, i64 sb, i64 t, const Val& v,
+        float muf, double sgf, const Model& md, int p) {
+    const int spread = (1 << p) - 256;
+    const double* zinv = md.zinv + v.m * (INV_POINTS + 1);
+    const bool reg = regular(v);
+    Sym s;
+    s.j = reg ? fast_guess(slot, b, sh, sb, t, muf, sgf, zinv, v, md, p)
+              : stage_guess(slot, b, sh, sb, t, muf, sgf, zinv, p);
+    s.sj = smooth(b + (s.j << sh), v, md);
+    s.sn = smooth(b + ((s.j + 1) << sh), v, md);
+    s.c0 = stage_cdf(s.j, s.sj, sb, t, spread);
+    s.c1 = stage_cdf(s.j + 1, s.sn, sb, t, spread);
+    if (s.c0 <= slot && slot < s.c1) return s;
+    return reg ? fast_search(slot, s, b, sh, sb, t, spread, v, md)
+               : search(slot, s, b, sh, sb, t, spread, v, md);
+}
+
 // One decode step of a lane (live or not): find the symbol, update x, take a word, in the
 // CPU's int64 arithmetic (dist_kernels._decode_step). Returns false (warp-uniform) if some
 // lane needs a word past the payload.
 __device__ __forceinline__ bool dec_step(i64& x, Sym& s, bool live, int b, int sh, i64 sb,
         i64 t, const Val& v, float muf, double sgf, const Model& md, int p,
         const unsigned char* words, int n_words, int& wp, int lane) {
-    const int spread = (1 << p) - 256;
     const i64 slot = x & ((1 << p) - 1);
     bool need = false;
     if (live) {
-        s.j = stage_guess(slot, b, sh, sb, t, muf, sgf, md.zinv + v.m * (INV_POINTS + 1), p);
-        s.sj = smooth(b + (s.j << sh), v, md);
-        s.sn = smooth(b + ((s.j + 1) << sh), v, md);
-        s.c0 = stage_cdf(s.j, s.sj, sb, t, spread);
-        s.c1 = stage_cdf(s.j + 1, s.sn, sb, t, spread);
-        if (!(s.c0 <= slot && slot < s.c1)) s = search(slot, s, b, sh, sb, t, spread, v, md);
+        s = find_symbol(slot, b, sh, sb, t, v, muf, sgf, md, p);
         x = (i64)((u64)(s.c1 - s.c0) * (u64)(x >> p) + (u64)(slot - s.c0));
         need = x < LB;
     }

@@ -20,6 +20,7 @@ the CPU coder; this module's host half, which tests import without a GPU, is pla
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from importlib import resources
@@ -333,7 +334,9 @@ def _frame_info(frame: Any) -> tuple[D.FrameInfo, Any]:
         return parse_head(head, size), frame
     buf = frame if isinstance(frame, np.ndarray) else np.frombuffer(frame, np.uint8)
     buf = buf.reshape(-1).view(np.uint8)
-    return D.parse(buf), torch.from_numpy(buf)
+    with warnings.catch_warnings():  # read-only bytes: the tensor is only read (uploaded)
+        warnings.simplefilter("ignore", UserWarning)
+        return D.parse(buf), torch.from_numpy(buf)
 
 
 def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index: Any = None,
