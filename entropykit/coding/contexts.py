@@ -94,8 +94,14 @@ def classes(cmap: np.ndarray, context: np.ndarray) -> np.ndarray:
     return _lookup(cmap, context)
 
 
+@njit(nogil=True, cache=True)
+def _class_counts(joint: np.ndarray, cmap: np.ndarray, n_tables: int) -> np.ndarray:
+    out = np.zeros((n_tables, 256), np.int64)
+    for c in range(256):
+        out[cmap[c]] += joint[c]
+    return out
+
+
 def class_counts(joint: np.ndarray, cmap: np.ndarray) -> np.ndarray:
     """int64[n_tables, 256]: symbol counts of each context class."""
-    onehot = np.zeros((int(cmap.max()) + 1, 256), np.int64)
-    onehot[cmap, np.arange(256)] = 1
-    return onehot @ joint
+    return _class_counts(np.ascontiguousarray(joint, np.int64), cmap, int(cmap.max()) + 1)

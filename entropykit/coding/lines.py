@@ -206,23 +206,35 @@ def assign(h: np.ndarray, magnitude: np.ndarray, k: int, iters: int | None = Non
 
 
 @njit(nogil=True, cache=True)
-def _context(sym, n, cols, phase, rcls, ccls, kc, out, joint, count):
-    # Invariant: rcls has n_rows entries, ccls has cols entries (one entry when kc == 1,
-    # then only ccls[0] is read); with ``count``, sym has n symbols. Row by row, as above.
+def _context(n, cols, phase, rcls, ccls, kc, out):
+    # Invariant: rcls has n_rows entries, ccls has cols entries when kc > 1 (else unused).
+    # Row by row: within a row the context is a constant plus the column's class.
     i = 0
     r = 0
     j0 = phase
     while i < n:
         end = min(n, i + cols - j0)
         base = rcls[r] * kc
-        for t in range(i, end):
-            c = base + ccls[(j0 + t - i) if kc > 1 else 0]
-            out[t] = c
-            if count:  # four interleaved counts: no increment waits on the previous one
-                joint[t & 3, c, sym[t]] += 1
+        if kc > 1:
+            for t in range(i, end):
+                out[t] = base + ccls[j0 + t - i]
+        else:
+            out[i:end] = base
         i = end
         r += 1
         j0 = 0
+
+
+@njit(nogil=True, cache=True)
+def _count(ctx, sym, kmax):
+    # (context, symbol) counts, four interleaved copies: no increment waits on the last.
+    parts = np.zeros((4, kmax, 256), np.int64)
+    for t in range(sym.size):
+        parts[t & 3, ctx[t], sym[t]] += 1
+    joint = np.zeros((256, 256), np.int64)
+    for q in range(4):
+        joint[:kmax] += parts[q]
+    return joint
 
 
 def _context_args(n: int, cols: int, phase: int, rcls: np.ndarray | None,
@@ -244,22 +256,17 @@ def context(n: int, cols: int, phase: int, rcls: np.ndarray | None,
     """
     rc, cc = _context_args(n, cols, phase, rcls, ccls, kc)
     out = np.empty(n, np.uint8)
-    _context(out, n, cols, phase, rc, cc, kc, out, np.zeros((1, 1, 1), np.int32), False)
+    _context(n, cols, phase, rc, cc, kc, out)
     return out
 
 
 def context_joint(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | None,
                   ccls: np.ndarray | None, kc: int) -> tuple[np.ndarray, np.ndarray]:
-    """``context(...)`` of ``sym`` and the int64[256, 256] (context, symbol) counts, in one
-    pass."""
+    """``context(...)`` of ``sym`` and the int64[256, 256] (context, symbol) counts."""
     rc, cc = _context_args(sym.size, cols, phase, rcls, ccls, kc)
-    out = np.empty(sym.size, np.uint8)
+    ctx = context(sym.size, cols, phase, rcls, ccls, kc)
     kmax = int(rc.max(initial=0)) * kc + int(cc.max(initial=0)) + 1  # contexts in use
-    parts = np.zeros((4, kmax, 256), np.int64)
-    _context(sym, sym.size, cols, phase, rc, cc, kc, out, parts, True)
-    joint = np.zeros((256, 256), np.int64)
-    joint[:kmax] = parts.sum(axis=0, dtype=np.int64)
-    return out, joint
+    return ctx, _count(ctx, sym, kmax)
 
 
 def map_bytes(count: int, k: int) -> int:

@@ -75,8 +75,9 @@ FAST_MIN_SAVING = 0.02
 FAST_TANS_GAIN = 0.005
 # Row / column classes (classed.py) pay for their maps, tables and the slower context
 # decode only where their estimate saves CLASSED_MIN_SAVING of the plain entropy coder's;
-# they code at WIDE_PRECISION (measured on MiniLM: 14 bits beat 12 by 0.02-0.1% of the
-# field with 16-64 tables: BF16 exponent, F16 high byte, fp8 bytes).
+# they code wide alphabets at WIDE_PRECISION (MiniLM fp8 bytes: 14 bits beat 12 by 0.1%
+# of the field with 16 tables), others at RANS_PRECISION (BF16 exponents, F16 high
+# bytes: 14 bits gain < 0.03% but make 4x larger decode tables).
 CLASSED_MIN_SAVING = 0.005
 _RANS_STATES = 4 * 32  # bytes of lane states per rANS chunk (rans/kernels.py)
 _TANS_STATES = 7  # bytes of states and marker per tANS chunk, at most
@@ -302,7 +303,7 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
         blob = whole
     elif codec == "rans2d":
         assert grid is not None and plan is not None
-        blob = classed.encode(symbols, *grid, plan, WIDE_PRECISION)
+        blob = classed.encode(symbols, *grid, plan, WIDE_PRECISION if wide else RANS_PRECISION)
     else:
         blob = encode(codec, symbols, context, precision, chunk,
                       counts=counts if joint is None else joint)
