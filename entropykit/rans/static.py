@@ -37,6 +37,12 @@ class _RansCoder:
         start = kernels.encode_chunk(symbols, tabs, param, out, ctx)
         return None if start < 0 else out[start:]
 
+    def decode_chunks(self, buf, starts, lengths, tabs, param, out, ctx, lo, hi
+                      ) -> list[str | None]:
+        errors = np.empty(len(starts), np.int64)
+        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx, lo, hi, errors)
+        return [None if c == kernels.OK else kernels.MESSAGES[c] for c in errors.tolist()]
+
     def decode_chunk(self, buf, start, length, tabs, param, out, ctx) -> str | None:
         code = kernels.decode_chunk(buf, start, length, tabs, param, out, ctx)
         return None if code == kernels.OK else kernels.MESSAGES[code]

@@ -46,6 +46,15 @@ class _TansCoder:
         start = kernels.encode_chunk(symbols, symbol_tt, state_table, param, out)
         return None if start < 0 else out[start:]
 
+    def decode_chunks(
+        self, buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, tabs: np.ndarray,
+        param: int, out: np.ndarray, ctx: np.ndarray | None, lo: np.ndarray, hi: np.ndarray,
+    ) -> list[str | None]:
+        _no_context(ctx)
+        errors = np.empty(len(starts), np.int64)
+        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, lo, hi, errors)
+        return [None if c == kernels.OK else kernels.MESSAGES[c] for c in errors.tolist()]
+
     def decode_chunk(
         self, buf: np.ndarray, start: int, length: int, tabs: np.ndarray, param: int,
         out: np.ndarray, ctx: np.ndarray | None = None,

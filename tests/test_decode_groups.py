@@ -1,0 +1,137 @@
+"""Chunks decoded together (``decode_chunks`` of both coders, ``frame.DECODE_GROUP``): the
+same symbols as one chunk at a time, errors on the right chunk, bounds refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from entropykit import CorruptDataError
+from entropykit.coding import contexts, frame
+from entropykit.rans import static as rans_static
+from entropykit.tans import static as tans_static
+
+CHUNK = 1 << 10
+CODERS = [rans_static.CODER, tans_static.CODER]
+
+
+def _symbols(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.geometric(0.3, n), 255).astype(np.uint8)
+
+
+def _parts(coder, sym, ctx=None):
+    buf = np.frombuffer(frame.encode(coder, sym, 12, CHUNK, threads=1, context=ctx), np.uint8)
+    info = frame.parse(coder, buf)
+    tabs = coder.decode_tables(info.freqs if coder.supports_context else info.freqs[0], 12)
+    tidx = None if info.cmap is None else contexts.classes(info.cmap, ctx)
+    return buf, info, tabs, tidx
+
+
+def _decode_group(coder, buf, info, tabs, tidx, chunks, n):
+    idx = np.array(chunks, np.int64)
+    lo = idx * CHUNK
+    hi = np.minimum(lo + CHUNK, n)
+    out = np.zeros(n, np.uint8)
+    errs = coder.decode_chunks(buf, info.offsets[idx], info.lengths[idx], tabs, 12, out,
+                               tidx, lo, hi)
+    return out, errs
+
+
+@pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)
+@pytest.mark.parametrize("n", [CHUNK * 5, CHUNK * 5 - 1, CHUNK * 4 + 3, CHUNK * 4 + 40])
+@pytest.mark.parametrize("group", [[0, 1], [0, 1, 2], [0, 1, 2, 3, 4], [4, 0, 2], [3]])
+def test_group_gives_the_symbols_of_each_chunk(coder, n, group):
+    sym = _symbols(n, n)
+    buf, info, tabs, tidx = _parts(coder, sym)
+    group = [i for i in group if info.modes[i] == frame.MODE_CODED]  # a short tail is raw
+    assert group
+    out, errs = _decode_group(coder, buf, info, tabs, tidx, group, n)
+    assert errs == [None] * len(group)
+    for i in group:
+        assert np.array_equal(out[i * CHUNK : (i + 1) * CHUNK], sym[i * CHUNK : (i + 1) * CHUNK])
+    untouched = np.ones(n, bool)
+    for i in group:
+        untouched[i * CHUNK : (i + 1) * CHUNK] = False
+    assert not out[untouched].any()  # nothing written outside the group's chunks
+
+
+def test_rans_group_with_context_tables():
+    n = CHUNK * 4 + 700
+    rng = np.random.default_rng(5)
+    ctx = rng.integers(0, 3, n).astype(np.uint8)
+    sym = (_symbols(n, 1) + 40 * ctx).astype(np.uint8)
+    coder = rans_static.CODER
+    buf, info, tabs, tidx = _parts(coder, sym, ctx)
+    assert info.cmap is not None and not info.modes.any()  # all five chunks coded
+    out, errs = _decode_group(coder, buf, info, tabs, tidx, [0, 1, 2, 3, 4], n)
+    assert errs == [None] * 5 and np.array_equal(out, sym)
+
+
+@pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)
+def test_corrupt_chunk_is_reported_alone(coder):
+    n = CHUNK * 4
+    sym = _symbols(n, 2)
+    buf, info, tabs, tidx = _parts(coder, sym)
+    bad = buf.copy()
+    at = int(info.offsets[2]) + int(info.lengths[2]) // 2
+    bad[at] ^= 0xFF
+    out, errs = _decode_group(coder, bad, info, tabs, tidx, [0, 1, 2, 3], n)
+    assert errs[0] is None and errs[1] is None and errs[3] is None
+    if errs[2] is None:  # decoded without a structural error: the frame's CRC must catch it
+        assert not np.array_equal(out[2 * CHUNK : 3 * CHUNK], sym[2 * CHUNK : 3 * CHUNK])
+    for i in (0, 1, 3):
+        assert np.array_equal(out[i * CHUNK : (i + 1) * CHUNK], sym[i * CHUNK : (i + 1) * CHUNK])
+
+
+@pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)
+def test_chunks_outside_the_output_are_refused(coder):
+    n = CHUNK * 2
+    buf, info, tabs, tidx = _parts(coder, _symbols(n, 3))
+    starts, lengths = info.offsets[:2], info.lengths[:2]
+    out = np.zeros(n, np.uint8)
+    for lo, hi in (([0, CHUNK], [CHUNK, n + 1]), ([-1, CHUNK], [CHUNK, n]),
+                   ([0, CHUNK + 1], [CHUNK, CHUNK])):
+        errs = coder.decode_chunks(buf, starts, lengths, tabs, 12, out, tidx,
+                                   np.array(lo, np.int64), np.array(hi, np.int64))
+        assert "outside the output" in " ".join(e for e in errs if e)
+
+
+@pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)
+def test_payload_outside_the_buffer_is_refused(coder):
+    n = CHUNK * 2
+    buf, info, tabs, tidx = _parts(coder, _symbols(n, 4))
+    starts = info.offsets[:2].copy()
+    starts[1] = buf.size - 3  # its payload would run past the end of buf
+    errs = coder.decode_chunks(buf, starts, info.lengths[:2], tabs, 12, np.zeros(n, np.uint8),
+                               tidx, np.array([0, CHUNK]), np.array([CHUNK, n]))
+    assert errs[0] is None and errs[1] is not None
+
+
+@pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)
+@pytest.mark.parametrize("bad_chunk", [0, 3, 4, 5, 9])
+def test_frame_names_the_failing_chunk_across_groups(coder, bad_chunk):
+    n = CHUNK * 10 - 5
+    sym = _symbols(n, 6)
+    sym[CHUNK * 7 : CHUNK * 8] = np.arange(CHUNK) % 256  # a raw chunk inside a group
+    buf = np.frombuffer(frame.encode(coder, sym, 12, CHUNK, threads=1), np.uint8).copy()
+    info = frame.parse(coder, buf)
+    assert info.modes[7] == frame.MODE_RAW
+    for threads in (1, 2):
+        assert np.array_equal(frame.decode(coder, buf, threads=threads), sym)
+    directory = int(info.offsets[0]) - 9 * 10  # 10 chunks: lengths, CRCs, modes
+    crcs = buf[directory + 4 * 10 : directory + 8 * 10].view("<u4")
+    crcs[bad_chunk] ^= 1
+    with pytest.raises(CorruptDataError, match=f"chunk {bad_chunk} .*CRC-32"):
+        frame.decode(coder, buf, threads=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6 * CHUNK), st.integers(0, 2**32 - 1),
+       st.sampled_from(CODERS), st.integers(1, 2))
+def test_frame_round_trip_property(n, seed, coder, threads):
+    sym = _symbols(n, seed)
+    blob = frame.encode(coder, sym, 12, CHUNK, threads=1)
+    assert np.array_equal(frame.decode(coder, blob, threads=threads), sym)
