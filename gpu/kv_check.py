@@ -347,9 +347,9 @@ def device_main(args) -> None:
         sys.exit("failures: no timings")
     T = dist.Tuning
     variants = {
-        "bf16": [(1 << 14, T(8, True)), (1 << 14, T(8, False)), (1 << 14, T(4, True)),
-                 (1 << 13, T(8, True)), (1 << 15, T(8, True))],
-        "fp8_e4m3": [(1 << 14, T(8, True)), (1 << 14, T(4, True)), (1 << 13, T(8, True))],
+        "bf16": [(1 << 14, T(8, True)), (1 << 14, T(8, False)), (1 << 13, T(8, True)),
+                 (1 << 15, T(8, True))],
+        "fp8_e4m3": [(1 << 14, T(8, True)), (1 << 14, T(8, False)), (1 << 13, T(8, True))],
     }
     res["bench"] = {fmt: bench(torch, dist, dev, fmt, args.mib, v, args.reps)
                     for fmt, v in variants.items()}

@@ -145,16 +145,21 @@ __device__ __forceinline__ i64 smooth(int k, const Val& v, const Model& md) {
 }
 
 // cdf(j) of a stage with mass S_b .. S_b + T (dist_kernels._stage_cdf, in its int64 /
-// uint64 arithmetic). When 0 <= S_j - S_b <= T (S non-decreasing) the quotient is exact in
-// double: a = spread (S_j - S_b) < 2^47 and T <= 2^31 are exact, a / T <= spread < 2^16, so
-// the rounding error (< 2^-37) is below 1 / T, the least distance from a non-integer
-// quotient to the next integer. Otherwise (S not monotone: see gpu/README.md) the CPU's
-// uint64 division of the wrapped operands, as it does.
+// uint64 arithmetic). When 0 <= S_j - S_b <= T (S non-decreasing), q = floor(a / T) with
+// a = spread (S_j - S_b) is at most spread < 2^16: a float reciprocal puts it within 0.05,
+// so the truncated product is q - 1, q or q + 1, and one integer remainder makes it exact.
+// Otherwise (S not monotone: see find_symbol) the CPU's uint64 division of the wrapped
+// operands, as it does.
 __device__ __forceinline__ i64 stage_cdf(int j, i64 sj, i64 sb, i64 t, int spread) {
     if (t == ONE) return j + ((spread * (sj - sb)) >> ONE_BITS);
     if (t == 0) return (i64)j * ((spread + 256) >> 8);
     const i64 a = spread * (sj - sb);
-    if (sj >= sb && sj - sb <= t) return j + (i64)floor(__ddiv_rn((double)a, (double)t));
+    if (sj >= sb && sj - sb <= t) {
+        int q = (int)((float)a * __fdividef(1.0f, (float)t));
+        const i64 r = a - (i64)q * t;
+        q += (int)(r >= t) - (int)(r < 0);
+        return j + q;
+    }
     return j + (i64)((u64)a / (u64)t);
 }
 
@@ -381,16 +386,22 @@ extern "C" __global__ void dist_gather(const unsigned char* scratch, const unsig
 // (|mu| beyond ~2^42 sigma) S can fall where a shift saturates, and the decoder retraces
 // the CPU's float64 guess (float32 where it stores one, no fused multiply-adds) and search
 // step for step, so that it lands on the CPU's symbol there too.
-#define DADD __dadd_rn
-#define DMUL __dmul_rn
+// float64 as the CPU rounds it (no contraction into fused multiply-adds); float32 for the
+// regular values' guesses, where any rounding will do.
+__device__ __forceinline__ double radd(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double rmul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float radd(float a, float b) { return a + b; }
+__device__ __forceinline__ float rmul(float a, float b) { return a * b; }
 
-// A key near CDF fraction g (dist_kernels._guess_key).
-__device__ __forceinline__ int guess_key(double g, float mu, double sg, const double* zinv) {
-    const double t = DMUL(fmin(fmax(g, 0.0), 1.0), (double)INV_POINTS);
+// A key near CDF fraction g (dist_kernels._guess_key), in R = double (the CPU's) or float.
+template <typename R>
+__device__ __forceinline__ int guess_key(R g, float mu, R sg, const double* zinv) {
+    const R c = g > (R)1 ? (R)1 : g;
+    const R t = rmul(c < (R)0 ? (R)0 : c, (R)INV_POINTS);
     const int i = min((int)t, INV_POINTS - 1);
-    const double z0 = __ldg(zinv + i), z1 = __ldg(zinv + i + 1);
-    const double z = DADD(z0, DMUL(DADD(z1, -z0), DADD(t, -(double)i)));
-    const unsigned b = __float_as_uint(__double2float_rn(DADD((double)mu, DMUL(sg, z))));
+    const R z0 = (R)__ldg(zinv + i), z1 = (R)__ldg(zinv + i + 1);
+    const R z = radd(z0, rmul(radd(z1, -z0), radd(t, -(R)i)));
+    const unsigned b = __float_as_uint((float)radd((R)mu, rmul(sg, z)));
     unsigned a = b & 0x7FFFFFFF;
     int ex = (int)(a >> 23) - 127 + BIAS;
     int mag;
@@ -411,13 +422,13 @@ __device__ __forceinline__ int guess_key(double g, float mu, double sg, const do
 __device__ __forceinline__ int stage_guess(i64 slot, int b, int sh, i64 sb, i64 t, float mu,
         double sg, const double* zinv, int p) {
     const double dt = (double)t, dsb = (double)sb, one = 1.0 / ONE;
-    double frac = DMUL(DADD(dsb, DMUL(DMUL(DADD((double)slot, 0.5), 1.0 / (1 << p)), dt)), one);
-    int g = guess_key(frac, mu, sg, zinv);
+    double frac = rmul(radd(dsb, rmul(rmul(radd((double)slot, 0.5), 1.0 / (1 << p)), dt)), one);
+    int g = guess_key<double>(frac, mu, sg, zinv);
     if (sh == 0) {  // take the first guess's j out of slot = j + spread (S_j - S_b) / T
         const int j0 = min(max(g - b, 0), 255);
         const double inv = __ddiv_rn(1.0, (double)((1 << p) - 256));
-        frac = DMUL(DADD(dsb, DMUL(DMUL(DADD((double)(slot - j0), 0.5), inv), dt)), one);
-        g = guess_key(frac, mu, sg, zinv);
+        frac = rmul(radd(dsb, rmul(rmul(radd((double)(slot - j0), 0.5), inv), dt)), one);
+        g = guess_key<double>(frac, mu, sg, zinv);
     }
     return min(max((g - b) >> sh, 0), 255);
 }
@@ -438,16 +449,16 @@ __device__ __forceinline__ i64 emp_at(int k, const Val& v, const Model& md) {
 // from a first guess, then F* = (2^16 S* - w E(k)) / (2^16 - w) at that guess's key k,
 // inverted through the shape.
 __device__ __forceinline__ int fast_guess(i64 slot, int b, int sh, i64 sb, i64 t, float mu,
-        double sg, const double* zinv, const Val& v, const Model& md, int p) {
-    const double dt = (double)t, dsb = (double)sb;
-    int k = guess_key((dsb + ((double)slot + 0.5) * (1.0 / (1 << p)) * dt) * (1.0 / ONE), mu,
-                      sg, zinv);
+        float sg, const double* zinv, const Val& v, const Model& md, int p) {
+    const float ft = (float)t, fsb = (float)sb;
+    int k = guess_key<float>((fsb + ((float)slot + 0.5f) * (1.0f / (1 << p)) * ft)
+                             * (1.0f / ONE), mu, sg, zinv);
     const int j0 = min(max((k - b) >> sh, 0), 255);
-    double target = dsb + ((double)(slot - j0) + 0.5) / ((1 << p) - 256) * dt;
+    float target = fsb + ((float)(slot - j0) + 0.5f) * __fdividef(1.0f, (1 << p) - 256) * ft;
     if (v.w)
-        target = (target * WEIGHT_ONE - (double)v.w * (double)emp_at(k, v, md))
-                 / (double)(WEIGHT_ONE - v.w);
-    k = guess_key(target * (1.0 / ONE), mu, sg, zinv);
+        target = (target * WEIGHT_ONE - (float)v.w * (float)emp_at(k, v, md))
+                 * __fdividef(1.0f, (float)(WEIGHT_ONE - v.w));
+    k = guess_key<float>(target * (1.0f / ONE), mu, sg, zinv);
     return min(max((k - b) >> sh, 0), 255);
 }
 
@@ -535,7 +546,7 @@ __device__ __forceinline__ Sym find_symbol(i64 slot, int b, int sh, i64 sb, i64 
     const double* zinv = md.zinv + v.m * (INV_POINTS + 1);
     const bool reg = regular(v);
     Sym s;
-    s.j = reg ? fast_guess(slot, b, sh, sb, t, muf, sgf, zinv, v, md, p)
+    s.j = reg ? fast_guess(slot, b, sh, sb, t, muf, (float)sgf, zinv, v, md, p)
               : stage_guess(slot, b, sh, sb, t, muf, sgf, zinv, p);
     s.sj = smooth(b + (s.j << sh), v, md);
     s.sn = smooth(b + ((s.j + 1) << sh), v, md);
