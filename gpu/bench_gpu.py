@@ -25,7 +25,8 @@ What it is not: the kernel's correctness test (device_check.py) or the loader's
 (load_check.py).
 
     python3 gpu/bench_gpu.py --data .gpu-data/load/minilm_bf16.ek.safetensors --out $OUT
-    python3 gpu/bench_gpu.py --data ... --profile    (two launches for ncu: staged or not)
+    python3 gpu/bench_gpu.py --data ... --profile    (three launches for ncu: staged, not
+                                                      staged, other ring-check spacing)
     python3 gpu/bench_gpu.py --df11-selftest         (CPU: df11_codec vs DFloat11's encoder)
 """
 
@@ -264,7 +265,8 @@ def bench_entropykit(ds: DataSet, sm_rule: str, reps: int, tunings) -> None:
         db.check()  # raises on a bad chunk status
         exact = bool(torch.equal(arena, ds.data))
         k = launch.kernel
-        staged = "staged" if tu.vec else "unstaged"
+        staged = ("staged" + (", ring checks every 2nd step" if tu.slide2 else "")
+                  if tu.vec else "unstaged")
         label = (f"entropykit ({staged})" if ds.width == 1 else
                  f"entropykit (sm {sm_rule}, {staged})")
         row(ds, label, ratio, ts, exact, note=note, regs=getattr(k, "num_regs", None),
@@ -406,11 +408,11 @@ def profile(args) -> None:
             p.add_pair(es, ss, plan.Place(r * len(per) + k))
     db = upload(p.finish(sizes), DEV)
     arena = torch.empty_like(ds.data)
-    for tu in (Tuning(), Tuning(vec=False)):
+    for tu in (Tuning(), Tuning(vec=False), Tuning(slide2=not Tuning().slide2)):
         arena.fill_(POISON[2])
         db.bind(list(torch.split(arena, sizes)), tu)()
         db.check()
-        log(f"vec={tu.vec}: exact {bool(torch.equal(arena, ds.data))}")
+        log(f"{tu}: exact {bool(torch.equal(arena, ds.data))}")
 
 
 def main() -> None:
@@ -421,6 +423,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sets", default="minilm-bf16,synth-bf16,minilm-e4m3")
     ap.add_argument("--tools", default="copy,entropykit,nvcomp,df11")
+    ap.add_argument("--slide2", action="store_true",
+                    help="also time the staged build with the other ring-check spacing")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-reps", type=int, default=24)
     ap.add_argument("--df11-selftest", action="store_true")
@@ -459,7 +463,8 @@ def main() -> None:
         if "copy" in tools:
             attempt(ds, "device-to-device copy", bench_copy, ds, args.reps)
         if "entropykit" in tools:
-            both = [Tuning(), Tuning(vec=False)]
+            both = [Tuning(), Tuning(vec=False)] + (
+                [Tuning(slide2=not Tuning().slide2)] if args.slide2 else [])
             attempt(ds, "entropykit", bench_entropykit, ds, "gpu", args.reps, both)
             if name == "minilm-bf16":
                 attempt(ds, "entropykit", bench_entropykit, ds, "coded", args.reps, both)

@@ -15,6 +15,10 @@ export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit \
     --format=csv | tee "$OUT/smi.txt"
 STEPS=${STEPS:-check,bench,ncu}
+if [[ $STEPS == *stress* ]]; then
+    python3 gpu/stress_check.py > "$OUT/stress_check.log" 2>&1
+    echo "stress_check rc=$?"; tail -n 20 "$OUT/stress_check.log"
+fi
 if [[ $STEPS == *check* ]]; then
     python3 gpu/device_check.py --data $DATA --out "$OUT" > "$OUT/device_check.log" 2>&1
     echo "device_check rc=$?"; tail -n 25 "$OUT/device_check.log"
@@ -24,7 +28,7 @@ if [[ $STEPS == *bench* ]]; then
         | grep -v '^{' | tail -n 40
 fi
 if [[ $STEPS == *ncu* ]] && command -v ncu > /dev/null; then
-    timeout 240 ncu --clock-control none -k regex:rans_decode -c 2 \
+    timeout 240 ncu --clock-control none -k regex:rans_decode -c 3 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section LaunchStats --section WarpStateStats --section InstructionStats \
         --section SchedulerStats --section ComputeWorkloadAnalysis \

@@ -119,6 +119,9 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
 // After a step: once wp leaves window base / 64, start copying the window AHEAD past the
 // new one (over the slot read two windows ago) and wait until the new window and the next
 // have landed. A step reads at most 32 words from wp, and wp - base < 64 at its start.
+// SLIDE2 builds check only after every second step of a staged round: from wp - base < 64
+// two steps read below base + 128 (windows base / 64 and the next, both landed) and leave
+// wp - base < 128, which one slide brings back under 64.
 __device__ __forceinline__ void slide(Stream& s, int lane) {
     if (s.wp - s.base >= 64) {
         s.base += 64;
@@ -254,8 +257,10 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
             if (!RAW_B)
                 stage[512 + 32 * k + lane] =
                     (unsigned char)rans_step<true>(b, i, lane, lt, q.sb, q.ib);
-            slide(a, lane);
-            if (!RAW_B) slide(b, lane);
+            if (!SLIDE2 || (k & 1)) {
+                slide(a, lane);
+                if (!RAW_B) slide(b, lane);
+            }
         }
         __syncwarp();
         const uint4 e = reinterpret_cast<const uint4*>(stage)[lane];
@@ -314,8 +319,10 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
                 if (!RAW_B)
                     stage[512 + 32 * k + lane] =
                         (unsigned char)rans_step<true>(b, i, lane, lt, q.sb, q.ib);
-                if (!RAW_A) slide(a, lane);
-                if (!RAW_B) slide(b, lane);
+                if (!SLIDE2 || (k & 1)) {
+                    if (!RAW_A) slide(a, lane);
+                    if (!RAW_B) slide(b, lane);
+                }
             }
             __syncwarp();
             if (!RAW_A) va = reinterpret_cast<const uint4*>(stage)[lane];

@@ -41,6 +41,7 @@ class Tuning:
     # the resident warps; every other build needs <= 64 uncapped, bar SMEM=0: 4 B spilled)
     min_blocks: int = 0
     vec: bool = True  # builds without contexts: staged output, 16-byte stores (_kernel.cu)
+    slide2: bool = True  # staged rounds check their word rings every second step only
 
 
 _lock = threading.Lock()
@@ -67,7 +68,7 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawK
                     f"-DSMEM={int(smem)}", f"-DWARPS={warps}",
                     f"-DRING_WINDOWS={t.ring_windows}",
                     f"-DMIN_BLOCKS={t.min_blocks or max(1, 32 // warps)}",
-                    f"-DVEC={int(_vec(bf16, ctx, t))}", *cols)
+                    f"-DVEC={int(_vec(bf16, ctx, t))}", f"-DSLIDE2={int(t.slide2)}", *cols)
             k = cp.RawKernel(src, "rans_decode", options=opts)
             # The most a block of this build may ask for: two table sets and the warps'.
             k.max_dynamic_shared_size_bytes = (2 * TABLE_SET_BYTES
