@@ -285,3 +285,32 @@ def test_file_with_rans2d_roundtrips(tmp_path, monkeypatch: pytest.MonkeyPatch) 
     got, want = _emulated_load(packed, 2), _cpu_bytes(packed)
     assert list(got) == list(want)
     assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_fp8_bytes_are_classed_on_coarse_buckets() -> None:
+    # More than 64 symbols present: the line histograms count the top 6 bits; the frame
+    # codes the whole bytes, at 14 bits (a wide alphabet).
+    w = (_scaled_rows(600, 384, seed=2).float() * 2000).to(torch.float8_e4m3fn)
+    sym = w.view(torch.uint8).numpy().reshape(-1).copy()
+    index, magnitude = lines.buckets(np.bincount(sym, minlength=256))
+    assert np.count_nonzero(np.bincount(sym)) > 64 and magnitude.size <= 64
+    got = codecs.choose(sym, None, grid=(384, 0))
+    assert got.codec == "rans2d" and len(got.blob) < len(codecs.choose(sym, None).blob)
+    p = classed.plan(sym, 384, 0)
+    frame_at = classed.HEADER_SIZE + (lines.map_bytes(600, p.kr) if p.kr > 1 else 0) + (
+        lines.map_bytes(384, p.kc) if p.kc > 1 else 0)
+    assert got.blob[frame_at + 5] == codecs.WIDE_PRECISION
+    assert np.array_equal(codecs.decode("rans2d", np.frombuffer(got.blob, np.uint8),
+                                        sym.size, None), sym)
+
+
+def test_short_lines_are_not_classed() -> None:
+    # A line must hold at least as many symbols as its histogram has buckets: rows of 2
+    # are not classed (their 2 long columns may be).
+    sym = _exponents(_scaled_rows(20_000, 2))
+    p = classed.plan(sym, 2, 0)
+    assert p is None or p.kr == 1
+    width = lines.buckets(np.bincount(sym, minlength=256))[1].size
+    tall = _exponents(_scaled_rows(width - 1, 3000))  # columns of width - 1 symbols
+    p = classed.plan(tall, 3000, 0)
+    assert p is None or p.kc == 1

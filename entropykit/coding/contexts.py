@@ -36,7 +36,8 @@ def joint_histogram(context: np.ndarray, symbols: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
-def _table_bits(row: np.ndarray) -> float:
+def table_bits(row: np.ndarray) -> float:
+    """Estimated bits of the serialized table of a histogram row."""
     present = 0
     for c in row:
         present += c > 0
@@ -60,7 +61,7 @@ def _choose(joint: np.ndarray, order: np.ndarray, max_tables: int) -> np.ndarray
             break  # c is the last context in the shared class; nothing to split
         remain_bits = tables.entropy_bits_exact(remain)
         saved = (rest_bits - remain_bits - tables.entropy_bits_exact(joint[c])
-                 - _table_bits(joint[c]))
+                 - table_bits(joint[c]))
         if saved > 0:
             n_own += 1
             cmap[c] = n_own

@@ -12,10 +12,12 @@ first symbol at column ``phase`` (a segment of a tensor starts anywhere in a row
 are the ``ceil((phase + n) / cols)`` rows it touches; its columns are all ``cols``.
 
 Assignment (deterministic: integer counts, IEEE-exact float operations in a fixed order,
-the machine-independent log2 of ``tables``): lines (rows or columns) are sorted by their
-mean magnitude (symbol & 0x7F: the exponent bits of a float's top byte; ties by index) and
-cut into ``k`` classes of equal symbol counts, then refined by Lloyd iterations on coded
-size: each line moves to the class whose current distribution codes it in fewest bits.
+the machine-independent log2 of ``tables``): lines (rows or columns) are histogrammed over
+``buckets`` of symbols, sorted by their mean magnitude (symbol & 0x7F: the exponent bits of
+a float's top byte; ties by index) and cut into ``k`` classes of equal symbol counts, then
+refined by Lloyd iterations on coded size (each line moves to the class whose current
+distribution codes it in fewest bits), fitted on a spread sample of lines; then every line
+takes its cheapest class.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from . import contexts, tables
 from .tables import _log2
 
 MAX_CLASSES = 16  # per axis; a symbol's context (row class * kc + column class) fits a byte
-_ITERS = 4  # Lloyd iterations: measured on MiniLM, later ones change < 0.05% of the size
+# Lloyd iterations. MiniLM e4m3 bytes, against 4: none +0.28% of the field, 2 +0.09%.
+_ITERS = 4
 _MAGNITUDE = 0x7F
 _BUCKETS = 64  # most buckets a line histogram has
 _SHIFT = 2  # coarse buckets: symbol >> _SHIFT
@@ -263,9 +266,8 @@ def context(n: int, cols: int, phase: int, rcls: np.ndarray | None,
 def context_joint(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | None,
                   ccls: np.ndarray | None, kc: int) -> tuple[np.ndarray, np.ndarray]:
     """``context(...)`` of ``sym`` and the int64[256, 256] (context, symbol) counts."""
-    rc, cc = _context_args(sym.size, cols, phase, rcls, ccls, kc)
     ctx = context(sym.size, cols, phase, rcls, ccls, kc)
-    kmax = int(rc.max(initial=0)) * kc + int(cc.max(initial=0)) + 1  # contexts in use
+    kmax = int(ctx.max(initial=0)) + 1  # contexts in use
     return ctx, _count(ctx, sym, kmax)
 
 
@@ -310,8 +312,8 @@ def estimate_bits(joint: np.ndarray, max_tables: int = contexts.DEFAULT_MAX_TABL
     cmap = contexts.choose(joint, max_tables)
     if cmap is None:
         counts = joint.sum(axis=0)
-        return tables.entropy_bits(counts) + contexts._table_bits(counts)
+        return tables.entropy_bits(counts) + contexts.table_bits(counts)
     bits = 8.0 * 257  # the frame's class count and context map
     for counts in contexts.class_counts(joint, cmap):
-        bits += tables.entropy_bits(counts) + contexts._table_bits(counts)
+        bits += tables.entropy_bits(counts) + contexts.table_bits(counts)
     return bits
