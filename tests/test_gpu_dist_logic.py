@@ -50,7 +50,7 @@ DTYPES = {"bf16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn}
 # ---- the per-lane arithmetic, from dist_kernels (what each lane of the warp computes) ----
 
 
-@njit(cache=False)
+@njit(cache=True)
 def _value_cdfs(vals, mu, sg, midx, fp, shapes, emps, ws, rtab, p, out):
     """out[i] = (t0, t1, l0, l1, ok) of value i: its stage CDFs, or ok = 0 (bad mu/sigma)."""
     f = K._fmt(fp)
@@ -62,7 +62,7 @@ def _value_cdfs(vals, mu, sg, midx, fp, shapes, emps, ws, rtab, p, out):
                 K._key(np.int64(vals[i]), f.nkeys), v, f, shapes, emps, (1 << p) - 256)
 
 
-@njit(cache=False)
+@njit(cache=True)
 def _lane_symbols(xs, low, b, sb, t, mu, mu_f, sg, midx, fp, shapes, zinv, emps, ws, rtab, p, out):
     """Each live lane's step: out[q] = (j, S_j, S_j+1, new state before renormalization),
     found as the kernel does (CPU float guess, two exact CDFs, search on a miss)."""
@@ -461,3 +461,125 @@ def test_gpu_calls_need_cuda():
     x = torch.zeros(8, dtype=torch.bfloat16)
     with pytest.raises((ValueError, RuntimeError), match="CUDA|cuda|torch|cupy"):
         G.encode(x, torch.zeros(8), torch.ones(8), MODEL)
+
+
+# ---- the decoder's fast path for regular values ---------------------------------------------
+
+
+@njit(cache=True)
+def _all_s(mu_bits, sg_bits, m, fp, shapes, emps, ws, rtab, out):
+    """S(k) for every key boundary k = 0..nkeys of one (mu, sigma); returns mu_u."""
+    f = K._fmt(fp)
+    ok, v = K._params(mu_bits, sg_bits, m, ws, rtab, f)
+    for k in range(f.nkeys + 1):
+        out[k] = K._smooth_cdf(k, v, f, shapes, emps)
+    return v.mu_u
+
+
+def _regular(mu_u: int, fmt: str) -> bool:
+    """The kernel's regular(): |mu_u| < 2^(MANT + 50)."""
+    return abs(mu_u) < 1 << (D.FORMATS[fmt].mantissa + 50)
+
+
+def _s_of(mu: float, sigma: float, fmt: str, m: int = 0) -> tuple[np.ndarray, int]:
+    f = D.FORMATS[fmt]
+    out = np.zeros((1 << f.bits) + 1, np.int64)
+    mu_u = _all_s(np.float32(mu).view(np.uint32), np.float32(sigma).view(np.uint32), m,
+                  f.params, MODEL.padded, MODEL.emps, MODEL.weights, D._RTAB, out)
+    return out, int(mu_u)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(["bf16", "fp8_e4m3"]), m=st.integers(0, 1),
+       mu=st.floats(allow_nan=False, allow_infinity=False, width=32),
+       sigma=st.floats(min_value=0.0, exclude_min=True, allow_infinity=False, width=32))
+def test_regular_values_have_monotone_cdfs(fmt, m, mu, sigma):
+    # The premise of the decoder's fast guess and search: for a regular value S never
+    # falls, so each slot has exactly one symbol and any search finds the CPU's.
+    s, mu_u = _s_of(mu, sigma, fmt, m)
+    if _regular(mu_u, fmt):
+        assert (np.diff(s) >= 0).all() and s[0] == 0 and s[-1] == K.ONE
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_regular_bound_is_where_monotonicity_can_end(fmt):
+    # Just inside the bound S rises everywhere; far beyond it a shift in the CPU's offset
+    # saturates and S falls somewhere: those values take the CPU's exact guess and search.
+    bits = D.FORMATS[fmt].mantissa + 50 - 16  # log2 of mu / sigma at the bound, roughly
+    s, mu_u = _s_of(2.0 ** (bits - 1), 1.0, fmt)
+    assert _regular(mu_u, fmt) and (np.diff(s) >= 0).all()
+    falls = []
+    for e in range(bits + 1, bits + 8):
+        s, mu_u = _s_of(3.0, 3.0 * 2.0**-e, fmt)
+        assert not _regular(mu_u, fmt)
+        falls.append((np.diff(s) < 0).any())
+    assert any(falls)
+
+
+@njit(cache=True)
+def _fast_search(slot, j, b, sh, sb, t, spread, mu_bits, sg_bits, m, fp, shapes, emps, ws,
+                 rtab):
+    """The kernel's fast_search from a guess j (any j in 0..255), as (j, cdf(j), cdf(j+1))."""
+    f = K._fmt(fp)
+    ok, v = K._params(mu_bits, sg_bits, m, ws, rtab, f)
+    sj = K._smooth_cdf(b + (j << sh), v, f, shapes, emps)
+    sn = K._smooth_cdf(b + ((j + 1) << sh), v, f, shapes, emps)
+    c0 = K._stage_cdf(j, sj, sb, t, spread)
+    c1 = K._stage_cdf(j + 1, sn, sb, t, spread)
+    if c0 <= slot < c1:
+        return j, c0, c1
+    dens = max(c1 - c0, 1)
+    if c1 <= slot:
+        lo, clo, hi, chi = j + 1, c1, 256, spread + 256
+        k = lo + 1 + min((slot - clo) // dens, 256)
+    else:
+        hi, chi, lo, clo = j, c0, 0, 0
+        k = hi - min((chi - slot + dens - 1) // dens, 256)
+    interp = False
+    while hi - lo > 1:
+        k = min(max(k, lo + 1), hi - 1)
+        ck = K._stage_cdf(k, K._smooth_cdf(b + (k << sh), v, f, shapes, emps), sb, t, spread)
+        if ck <= slot:
+            lo, clo = k, ck
+        else:
+            hi, chi = k, ck
+        interp = not interp
+        k = lo + (slot - clo) * (hi - lo) // (chi - clo) if interp else (lo + hi) >> 1
+    return lo, clo, chi
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_fast_search_finds_the_symbol_from_any_guess(fmt):
+    f = D.FORMATS[fmt]
+    rng = np.random.default_rng(5)
+    p = 16
+    spread = (1 << p) - 256
+    for mu, sigma, m in [(0.3, 0.15, 0), (-2.0, 1e-3, 0), (20.0, 2.0, 1), (0.0, 1e4, 0)]:
+        mb, sb_ = np.float32(mu).view(np.uint32), np.float32(sigma).view(np.uint32)
+        s, _ = _s_of(mu, sigma, fmt, m)
+        b, sh, s0, t = 0, f.bits - 8, 0, K.ONE  # the top stage over keys j << sh
+        cdf = np.array([K._stage_cdf(j, s[j << sh], s0, t, spread) for j in range(257)])
+        for slot in rng.integers(0, 1 << p, 200):
+            want = int(np.searchsorted(cdf, slot, side="right")) - 1
+            for guess in (0, 255, want, max(want - 1, 0), min(want + 1, 255),
+                          int(rng.integers(0, 256))):
+                j, c0, c1 = _fast_search(int(slot), guess, b, sh, s0, t, spread, mb, sb_, m,
+                                         f.params, MODEL.padded, MODEL.emps, MODEL.weights,
+                                         D._RTAB)
+                assert (j, c0, c1) == (want, cdf[want], cdf[want + 1])
+
+
+def test_stage_quotient_from_an_approximate_reciprocal_is_exact():
+    # stage_cdf's q = floor(a / T) for 0 <= a <= spread T, T <= 2^31: the float product
+    # with a reciprocal a few ulps off, truncated, is within one; one remainder fixes it.
+    rng = np.random.default_rng(2)
+    t = rng.integers(1, 1 << 31, 20000, dtype=np.int64)
+    t[:4] = [1, 2, (1 << 31) - 1, 1 << 31]
+    a = (rng.random(t.size) * 65280 * t).astype(np.int64)
+    a[4:8] = [0, 65280 * t[4], 65280 * t[5] - 1, t[6] * 7]
+    for ulps in (-4, 0, 4):
+        rt = (np.float32(1.0) / t.astype(np.float32)) * np.float32(1 + ulps * 2.0**-23)
+        q = (a.astype(np.float32) * rt).astype(np.int64)
+        r = a - q * t
+        q += (r >= t).astype(np.int64) - (r < 0)
+        np.testing.assert_array_equal(q, a // t)
