@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from entropykit import CorruptDataError
-from entropykit.coding import contexts, frame
+from entropykit.coding import frame
 from entropykit.rans import static as rans_static
 from entropykit.tans import static as tans_static
 
@@ -26,17 +26,16 @@ def _parts(coder, sym, ctx=None):
     buf = np.frombuffer(frame.encode(coder, sym, 12, CHUNK, threads=1, context=ctx), np.uint8)
     info = frame.parse(coder, buf)
     tabs = coder.decode_tables(info.freqs if coder.supports_context else info.freqs[0], 12)
-    tidx = None if info.cmap is None else contexts.classes(info.cmap, ctx)
-    return buf, info, tabs, tidx
+    return buf, info, tabs, (None if info.cmap is None else ctx)
 
 
-def _decode_group(coder, buf, info, tabs, tidx, chunks, n):
+def _decode_group(coder, buf, info, tabs, ctx, chunks, n):
     idx = np.array(chunks, np.int64)
     lo = idx * CHUNK
     hi = np.minimum(lo + CHUNK, n)
     out = np.zeros(n, np.uint8)
     errs = coder.decode_chunks(buf, info.offsets[idx], info.lengths[idx], tabs, 12, out,
-                               tidx, lo, hi)
+                               ctx, info.cmap, lo, hi)
     return out, errs
 
 
@@ -45,10 +44,10 @@ def _decode_group(coder, buf, info, tabs, tidx, chunks, n):
 @pytest.mark.parametrize("group", [[0, 1], [0, 1, 2], [0, 1, 2, 3, 4], [4, 0, 2], [3]])
 def test_group_gives_the_symbols_of_each_chunk(coder, n, group):
     sym = _symbols(n, n)
-    buf, info, tabs, tidx = _parts(coder, sym)
+    buf, info, tabs, ctx = _parts(coder, sym)
     group = [i for i in group if info.modes[i] == frame.MODE_CODED]  # a short tail is raw
     assert group
-    out, errs = _decode_group(coder, buf, info, tabs, tidx, group, n)
+    out, errs = _decode_group(coder, buf, info, tabs, ctx, group, n)
     assert errs == [None] * len(group)
     for i in group:
         assert np.array_equal(out[i * CHUNK : (i + 1) * CHUNK], sym[i * CHUNK : (i + 1) * CHUNK])
@@ -64,9 +63,9 @@ def test_rans_group_with_context_tables():
     ctx = rng.integers(0, 3, n).astype(np.uint8)
     sym = (_symbols(n, 1) + 40 * ctx).astype(np.uint8)
     coder = rans_static.CODER
-    buf, info, tabs, tidx = _parts(coder, sym, ctx)
+    buf, info, tabs, ctx = _parts(coder, sym, ctx)
     assert info.cmap is not None and not info.modes.any()  # all five chunks coded
-    out, errs = _decode_group(coder, buf, info, tabs, tidx, [0, 1, 2, 3, 4], n)
+    out, errs = _decode_group(coder, buf, info, tabs, ctx, [0, 1, 2, 3, 4], n)
     assert errs == [None] * 5 and np.array_equal(out, sym)
 
 
@@ -74,11 +73,11 @@ def test_rans_group_with_context_tables():
 def test_corrupt_chunk_is_reported_alone(coder):
     n = CHUNK * 4
     sym = _symbols(n, 2)
-    buf, info, tabs, tidx = _parts(coder, sym)
+    buf, info, tabs, ctx = _parts(coder, sym)
     bad = buf.copy()
     at = int(info.offsets[2]) + int(info.lengths[2]) // 2
     bad[at] ^= 0xFF
-    out, errs = _decode_group(coder, bad, info, tabs, tidx, [0, 1, 2, 3], n)
+    out, errs = _decode_group(coder, bad, info, tabs, ctx, [0, 1, 2, 3], n)
     assert errs[0] is None and errs[1] is None and errs[3] is None
     if errs[2] is None:  # decoded without a structural error: the frame's CRC must catch it
         assert not np.array_equal(out[2 * CHUNK : 3 * CHUNK], sym[2 * CHUNK : 3 * CHUNK])
@@ -89,12 +88,12 @@ def test_corrupt_chunk_is_reported_alone(coder):
 @pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)
 def test_chunks_outside_the_output_are_refused(coder):
     n = CHUNK * 2
-    buf, info, tabs, tidx = _parts(coder, _symbols(n, 3))
+    buf, info, tabs, ctx = _parts(coder, _symbols(n, 3))
     starts, lengths = info.offsets[:2], info.lengths[:2]
     out = np.zeros(n, np.uint8)
     for lo, hi in (([0, CHUNK], [CHUNK, n + 1]), ([-1, CHUNK], [CHUNK, n]),
                    ([0, CHUNK + 1], [CHUNK, CHUNK])):
-        errs = coder.decode_chunks(buf, starts, lengths, tabs, 12, out, tidx,
+        errs = coder.decode_chunks(buf, starts, lengths, tabs, 12, out, ctx, None,
                                    np.array(lo, np.int64), np.array(hi, np.int64))
         assert "outside the output" in " ".join(e for e in errs if e)
 
@@ -102,11 +101,11 @@ def test_chunks_outside_the_output_are_refused(coder):
 @pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)
 def test_payload_outside_the_buffer_is_refused(coder):
     n = CHUNK * 2
-    buf, info, tabs, tidx = _parts(coder, _symbols(n, 4))
+    buf, info, tabs, ctx = _parts(coder, _symbols(n, 4))
     starts = info.offsets[:2].copy()
     starts[1] = buf.size - 3  # its payload would run past the end of buf
     errs = coder.decode_chunks(buf, starts, info.lengths[:2], tabs, 12, np.zeros(n, np.uint8),
-                               tidx, np.array([0, CHUNK]), np.array([CHUNK, n]))
+                               ctx, None, np.array([0, CHUNK]), np.array([CHUNK, n]))
     assert errs[0] is None and errs[1] is not None
 
 
@@ -135,3 +134,21 @@ def test_frame_round_trip_property(n, seed, coder, threads):
     sym = _symbols(n, seed)
     blob = frame.encode(coder, sym, 12, CHUNK, threads=1)
     assert np.array_equal(frame.decode(coder, blob, threads=threads), sym)
+
+
+def test_rans_context_map_outside_the_tables_is_refused():
+    n = CHUNK * 2
+    rng = np.random.default_rng(8)
+    ctx = rng.integers(0, 3, n).astype(np.uint8)
+    sym = (_symbols(n, 9) + 40 * ctx).astype(np.uint8)
+    coder = rans_static.CODER
+    buf, info, tabs, ctx_used = _parts(coder, sym, ctx)
+    n_tables = tabs.shape[0]
+    lo, hi = np.array([0, CHUNK]), np.array([CHUNK, n])
+    for cmap, short in ((np.full(256, n_tables, np.uint8), ctx_used),
+                        (info.cmap[:255], ctx_used), (info.cmap, ctx_used[:-1])):
+        out = np.zeros(n, np.uint8)
+        errs = coder.decode_chunks(buf, info.offsets[:2], info.lengths[:2], tabs, 12, out,
+                                   short, cmap, lo, hi)
+        assert errs == ["context does not match the chunk's symbols or the frame's tables"] * 2
+        assert not out.any()

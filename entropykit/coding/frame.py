@@ -89,11 +89,13 @@ class ChunkCoder(Protocol):
 
     def decode_chunks(
         self, buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, tabs: Any,
-        param: int, out: np.ndarray, ctx: np.ndarray | None, lo: np.ndarray, hi: np.ndarray,
+        param: int, out: np.ndarray, ctx: np.ndarray | None, cmap: np.ndarray | None,
+        lo: np.ndarray, hi: np.ndarray,
     ) -> list[str | None]:
         """Decode payload j (``buf[starts[j]:starts[j]+lengths[j]]``) into ``out[lo[j]:hi[j]]``
         for every j (int64 arrays); error text or None per payload. ``ctx`` is None or the
-        table index of every symbol of ``out``."""
+        context value of every symbol of ``out`` (only if ``supports_context``), and then
+        a symbol's table is ``cmap[its context value]`` (uint8[256])."""
 
 
 @dataclass(frozen=True)
@@ -409,9 +411,9 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
         if coded:
             idx = np.array(coded, np.int64)
             lo = idx * cs - lo0
-            tidx = None if ctx is None else contexts.classes(info.cmap, ctx[lo0:hi0])
             found = coder.decode_chunks(buf, info.offsets[idx], info.lengths[idx], tabs,
-                                        info.param, out[lo0:hi0], tidx, lo,
+                                        info.param, out[lo0:hi0],
+                                        None if ctx is None else ctx[lo0:hi0], info.cmap, lo,
                                         np.minimum(lo + cs, hi0 - lo0))
             for i, err in zip(coded, found, strict=True):
                 errors[i - first] = err

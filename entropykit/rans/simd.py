@@ -8,7 +8,8 @@ take the next words of the stream in lane order, exactly the order the format pr
 On AVX-512 VBMI2 these are ``vpexpandw`` / ``vpcompressw``; elsewhere LLVM lowers the same
 intrinsics to scalar code, so results are identical on every machine.
 What it is not: bounds checking. The callers guarantee 32 symbols at ``base``, table
-indices in range, and 64 bytes of stream room at ``ptr`` / below ``pos``.
+indices in range (``cmap`` of 256 entries, each a table), and 64 bytes of stream room at
+``ptr`` / below ``pos``.
 """
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ def _declare(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) ->
 
 
 @intrinsic
-def decode_step(typingctx, x, table, precision, tidx, base, out, buf, ptr):
-    """Decode lanes 0..31 of one step; return the stream position after its words."""
-    sig = types.intp(x, table, precision, tidx, base, out, buf, ptr)
-    conditional = not isinstance(tidx, types.NoneType)
+def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
+    """Decode lanes 0..31 of one step; return the stream position after its words.
+
+    With a context, symbol i uses table ``cmap[ctx[i]]`` (``cmap`` int64[256], each value
+    < the number of tables): the table index of each lane is gathered from ``cmap``, so no
+    separate pass maps the context to table indices.
+    """
+    sig = types.intp(x, table, precision, ctx, cmap, base, out, buf, ptr)
+    conditional = not isinstance(ctx, types.NoneType)
 
     def codegen(context, builder, signature, args):
-        x_v, table_v, prec_v, tidx_v, base_v, out_v, buf_v, ptr_v = args
+        x_v, table_v, prec_v, ctx_v, cmap_v, base_v, out_v, buf_v, ptr_v = args
 
         def data(k, v):
             return context.make_array(signature.args[k])(context, builder, v).data
@@ -66,15 +72,17 @@ def decode_step(typingctx, x, table, precision, tidx, base, out, buf, ptr):
         p = _splat(builder, builder.trunc(prec_v, _I32), _I32)
         mask = builder.sub(builder.shl(_splat_const(_I32, 1), p), _splat_const(_I32, 1))
         slot = builder.zext(builder.and_(xs, mask), _vec(_I64))
-        if conditional:  # row k of the table: slot += k << precision
-            k_ptr = builder.bitcast(builder.gep(data(3, tidx_v), [base_v]), _vec(_I8).as_pointer())
-            k = builder.zext(builder.load(k_ptr, align=1), _vec(_I64))
+        if conditional:  # row k = cmap[ctx] of the table: slot += k << precision
+            c_ptr = builder.bitcast(builder.gep(data(3, ctx_v), [base_v]), _vec(_I8).as_pointer())
+            c = builder.zext(builder.load(c_ptr, align=1), _vec(_I64))
+            cmap0 = _splat(builder, builder.ptrtoint(data(4, cmap_v), _I64), _I64)
+            k = _gather(builder, builder.add(cmap0, builder.shl(c, _splat_const(_I64, 3))))
             slot = builder.add(slot, builder.shl(k, builder.zext(p, _vec(_I64))))
         row0 = _splat(builder, builder.ptrtoint(data(1, table_v), _I64), _I64)
         e = _gather(builder, builder.add(row0, builder.shl(slot, _splat_const(_I64, 3))))
         # entry = bias | freq << 16 | sym << 32
         sym = builder.trunc(builder.lshr(e, _splat_const(_I64, 32)), _vec(_I8))
-        out_ptr = builder.bitcast(builder.gep(data(5, out_v), [base_v]), _vec(_I8).as_pointer())
+        out_ptr = builder.bitcast(builder.gep(data(6, out_v), [base_v]), _vec(_I8).as_pointer())
         builder.store(sym, out_ptr, align=1)
         lo16 = _splat_const(_I64, 0xFFFF)
         freq = builder.lshr(e, _splat_const(_I64, 16))
@@ -83,7 +91,7 @@ def decode_step(typingctx, x, table, precision, tidx, base, out, buf, ptr):
         xs = builder.add(builder.mul(freq, builder.lshr(xs, p)), bias)
         # Renormalize: x < 2**16 takes the next word; the words are consecutive in lane order.
         need = builder.icmp_unsigned("<", xs, _splat_const(_I32, 1 << 16))
-        src = builder.bitcast(builder.gep(data(6, buf_v), [ptr_v]), _I16.as_pointer())
+        src = builder.bitcast(builder.gep(data(7, buf_v), [ptr_v]), _I16.as_pointer())
         expand = _declare(mod, "llvm.masked.expandload.v32i16", _vec(_I16),
                           [_I16.as_pointer(), _vec(_I1), _vec(_I16)])
         words = builder.call(expand, [src, need, _splat_const(_I16, 0)])

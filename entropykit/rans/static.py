@@ -37,10 +37,12 @@ class _RansCoder:
         start = kernels.encode_chunk(symbols, tabs, param, out, ctx)
         return None if start < 0 else out[start:]
 
-    def decode_chunks(self, buf, starts, lengths, tabs, param, out, ctx, lo, hi
+    def decode_chunks(self, buf, starts, lengths, tabs, param, out, ctx, cmap, lo, hi
                       ) -> list[str | None]:
         errors = np.empty(len(starts), np.int64)
-        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx, lo, hi, errors)
+        cmap = None if ctx is None else np.asarray(cmap, np.int64)
+        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx, cmap, lo, hi,
+                              errors)
         return [None if c == kernels.OK else kernels.MESSAGES[c] for c in errors.tolist()]
 
     def decode_chunk(self, buf, start, length, tabs, param, out, ctx) -> str | None:

@@ -48,7 +48,8 @@ class _TansCoder:
 
     def decode_chunks(
         self, buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, tabs: np.ndarray,
-        param: int, out: np.ndarray, ctx: np.ndarray | None, lo: np.ndarray, hi: np.ndarray,
+        param: int, out: np.ndarray, ctx: np.ndarray | None, cmap: np.ndarray | None,
+        lo: np.ndarray, hi: np.ndarray,
     ) -> list[str | None]:
         _no_context(ctx)
         errors = np.empty(len(starts), np.int64)
