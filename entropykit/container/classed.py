@@ -48,7 +48,7 @@ VERSION = 1
 _HEAD = struct.Struct("<4sBBBBQQQ")
 HEADER_SIZE = _HEAD.size  # 32
 K = 4  # classes per classed axis (bench/measure_lines.py: 8 or 16 gain <= 0.0007 of ratio)
-MAX_TABLES = 64  # tables a frame may use: rows x columns make up to 64 classes
+MAX_TABLES = K * K  # tables a frame may use: one per (row class, column class)
 MIN_SYMBOLS = 1 << 12
 
 
