@@ -222,6 +222,17 @@ __device__ __forceinline__ void run_pair(Stream& a, Stream& b, Pair& q, int lane
     for (; s < steps; ++s, i += 32) pair_step<false, RAW_A, RAW_B>(a, b, q, i, lt);
 }
 
+#if VEC
+// A stream's symbol i outside the rounds: a raw stream's byte from global memory (its ring
+// is unused in VEC mode), a coded stream's next step.
+template <bool RAW>
+__device__ __forceinline__ unsigned tail_step(Stream& s, int i, int lane, unsigned lt,
+                                              const unsigned char* sym, const unsigned* info) {
+    if (RAW) return i < s.n ? (unsigned)__ldg(s.bytes + i) : 0u;
+    return rans_step<false>(s, i, lane, lt, sym, info);
+}
+#endif
+
 #if VEC && BF16
 // Two bf16 values (low half: symbol j, high half: symbol j + 1) from two exponent bytes and
 // two sign_mantissa bytes, which sit at byte h and h + 1 of e and m (h = 0 or 2):
@@ -274,10 +285,8 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
     // The last < 512 symbols one step at a time (b raw: its bytes straight from global).
     const int steps = (a.n + 31) >> 5;
     for (int s = rounds << 4; s < steps; ++s, i += 32) {
-        const unsigned ea = rans_step<false>(a, i, lane, lt, q.sa, q.ia);
-        unsigned eb;
-        if (RAW_B) eb = i < b.n ? (unsigned)__ldg(b.bytes + i) : 0u;
-        else eb = rans_step<false>(b, i, lane, lt, q.sb, q.ib);
+        const unsigned ea = tail_step<false>(a, i, lane, lt, q.sa, q.ia);
+        const unsigned eb = tail_step<RAW_B>(b, i, lane, lt, q.sb, q.ib);
         if (i < a.n) out[i] = (unsigned short)(((eb >> 7) << 15) | (ea << 7) | (eb & 0x7fu));
         slide(a, lane);
         if (!RAW_B) slide(b, lane);
@@ -286,15 +295,6 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
 #endif
 
 #if VEC && !BF16
-// A stream's symbol i outside the rounds: a raw stream's byte from global memory (its ring
-// is unused in VEC mode), a coded stream's next step.
-template <bool RAW>
-__device__ __forceinline__ unsigned tail_step(Stream& s, int i, int lane, unsigned lt,
-                                              const unsigned char* sym, const unsigned* info) {
-    if (RAW) return i < s.n ? (unsigned)__ldg(s.bytes + i) : 0u;
-    return rans_step<false>(s, i, lane, lt, sym, info);
-}
-
 // The staged pair loop of u8 mode (see the header): two chunks with their own outputs,
 // each coded (staged) or raw (copied 16 bytes a lane); stage = the warp's 1 KiB.
 template <bool RAW_A, bool RAW_B>
