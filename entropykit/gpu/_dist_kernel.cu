@@ -282,7 +282,7 @@ __device__ __forceinline__ void enc_step(i64& x, bool live, i64 c0, i64 c1, int 
 // chunk's scratch (or the invalid value's index in the chunk), payload length, CRC-32.
 // The chunk's scratch is scratch[c * chunk_size * BYTES ...][: its bytes] (as big as raw:
 // a payload that would not be smaller is not kept, exactly as dist_kernels decides).
-extern "C" __global__ void __launch_bounds__(WARPS * 32) dist_encode(
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_encode(
         const unsigned char* vals, const unsigned* mu, const unsigned* sg,
         const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
         const unsigned* shapes, const unsigned* emps, int models, const int* weights,
@@ -580,7 +580,7 @@ __device__ __forceinline__ bool dec_step(i64& x, Sym& s, bool live, int b, int s
 
 // desc per chunk (i64 x 4): payload offset in frame, length, mode, CRC-32 (all checked by
 // dist.py against the frame size). status per chunk (i32 x 2): code, value index in chunk.
-extern "C" __global__ void __launch_bounds__(WARPS * 32) dist_decode(
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode(
         const unsigned char* frame, const i64* desc, const unsigned* mu, const unsigned* sg,
         const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
         const unsigned* shapes, const unsigned* emps, int models, const int* weights,

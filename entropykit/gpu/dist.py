@@ -51,6 +51,7 @@ class Tuning:
 
     warps: int = 4  # warps (chunks) per block
     smem: bool = True  # model tables in shared memory when they fit _SMEM_LIMIT
+    min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
 
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
@@ -167,16 +168,16 @@ def _runtime(device: Any) -> Any:
     return _load_runtime(device)
 
 
-def _kernels(f: D.ValueFormat, smem: bool, warps: int) -> Any:
+def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
     import cupy as cp
 
-    key = (f.name, smem, warps)
+    key = (f.name, smem, t)
     with _lock:
         if key not in _modules:
             src = resources.files(__package__).joinpath("_dist_kernel.cu").read_text()
             opts = ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
                     f"-DBIAS={f.bias}", f"-DNONFINITE={f.nonfinite}", f"-DES={f.bits - 8}",
-                    f"-DSMEM={int(smem)}", f"-DWARPS={warps}")
+                    f"-DSMEM={int(smem)}", f"-DWARPS={t.warps}", f"-DMIN_BLOCKS={t.min_blocks}")
             _modules[key] = cp.RawModule(code=src, options=opts)
         return _modules[key]
 
@@ -292,7 +293,7 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         return head_t.to(dev)
     raw = flat.view(torch.uint8)
     tb = _device_tables(model, dev)
-    mod = _kernels(f, smem_bytes(model, t) > 0, t.warps)
+    mod = _kernels(f, smem_bytes(model, t) > 0, t)
     scratch = torch.empty_like(raw)
     res = torch.empty((nc, 4), dtype=torch.int64, device=dev)
     _launch(mod.get_function("dist_encode"), dev, -(-nc // t.warps), 32 * t.warps,
@@ -382,7 +383,7 @@ def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index:
     tb = _device_tables(model, dev)
     desc = torch.from_numpy(decode_desc(info)).to(dev)
     status = torch.empty((nc, 2), dtype=torch.int32, device=dev)
-    mod = _kernels(f, smem_bytes(model, t) > 0, t.warps)
+    mod = _kernels(f, smem_bytes(model, t) > 0, t)
     _launch(mod.get_function("dist_decode"), dev, -(-nc // t.warps), 32 * t.warps,
             _args(ft, desc, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
                   np.int32(info.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
