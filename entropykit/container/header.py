@@ -91,14 +91,22 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
+def _naturals(values: list) -> bool:
+    # Every value a plain int >= 0 (bool is not: JSON true/false must not pass as 1/0).
+    for x in values:
+        if type(x) is not int or x < 0:
+            return False
+    return True
+
+
 def _entry(name: str, spec: object) -> Entry:
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise ValueError(f"tensor {name!r}: entry must have dtype, shape and data_offsets")
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if dtype not in DTYPE_BITS:
         raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    ints = (shape, offsets)
-    if not all(isinstance(s, list) and all(type(x) is int and x >= 0 for x in s) for s in ints):
+    if not (type(shape) is list and type(offsets) is list and _naturals(shape)
+            and _naturals(offsets)):
         raise ValueError(f"tensor {name!r}: shape and data_offsets must be non-negative ints")
     if len(offsets) != 2 or offsets[0] > offsets[1]:
         raise ValueError(f"tensor {name!r}: bad data_offsets {offsets}")

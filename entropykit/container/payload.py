@@ -48,13 +48,15 @@ def unpack(buf: np.ndarray, count: int) -> list[np.ndarray]:
     start = _HEAD.size + 8 * k
     if buf.size < start:
         raise CorruptDataError(f"payload index truncated: {buf.size} bytes, index needs {start}")
-    lengths = buf[_HEAD.size : start].view("<u8")
     # Python ints: a hostile index must not wrap an int64 sum into a plausible total.
-    if sum(lengths.tolist()) != buf.size - start:
+    lengths = buf[_HEAD.size : start].view("<u8").tolist()
+    if sum(lengths) != buf.size - start:
         raise CorruptDataError(
-            f"payload index lists {sum(lengths.tolist())} bytes of field payloads, "
+            f"payload index lists {sum(lengths)} bytes of field payloads, "
             f"{buf.size - start} follow it"
         )
-    lengths = lengths.astype(np.int64)
-    ends = start + np.cumsum(lengths)
-    return [buf[int(e - n) : int(e)] for n, e in zip(lengths, ends, strict=True)]
+    parts = []
+    for n in lengths:
+        parts.append(buf[start : start + n])
+        start += n
+    return parts
