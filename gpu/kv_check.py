@@ -409,17 +409,19 @@ GPU decode, GPU -> GPU, GPU frame -> CPU decode; corrupt frames fail with the CP
 chunk and message).
 
 State against the target (>= 50 GB/s of cache both ways, faster than the PCIe link it
-saves): encode reaches it (~51 GB/s), decode does not (~19 GB/s bf16, ~22 fp8 with the
-mixture + empirical model), and neither beats the ~55 GB/s pinned PCIe link yet: moving
-cache off the GPU coded is slower than moving it raw. What limits decode: each value costs
-the encoder 4 exact CDF evaluations (2 per 8-bit stage), the decoder the same plus a float
-guess, and a warp waits for its slowest lane: a missed guess costs that lane a search
-(interpolation / bisection, ~2-5 more evaluations), and with 32 lanes most warp steps
-hold one. With the mixture + empirical model the guesses miss more (the empirical term
-bends the CDF where the shape's inverse cannot see it); the Gaussian rows show the gap.
-Next levers: fewer evaluations per value (share S at stage boundaries, cheaper offset
-arithmetic), a warp-cooperative search (idle lanes probe for the missing one), better
-guesses in the tails.
+saves): encode is at the line (47-54 GB/s over the rows; the same row differs by ~3% from
+run to run), decode is not (~18-20 GB/s bf16, ~21-23 fp8), and neither beats the ~55 GB/s
+pinned PCIe link yet: moving cache off the GPU coded (encode, then D2H of ~half the bytes)
+is slower than moving it raw. What limits
+decode: per value it does the encoder's 4 exact CDF evaluations (2 per 8-bit stage) plus
+float guesses, but as one dependent chain per step (guess -> CDFs -> state -> word read ->
+the low byte's guess ...), where the encoder's evaluations are independent of each other;
+and a warp waits for its slowest lane, so a missed guess (a search of ~2-5 more
+evaluations) costs the whole warp. The Gaussian rows (fewer misses) decode only ~5% faster,
+and capping registers for 40 / 48 resident warps (">= 5 / 6 blocks/SM") did not help, so
+the chain's latency and instruction count, not misses or occupancy alone, is the limit.
+Next levers: two chunks a warp in lock step (two independent chains), fewer and cheaper
+evaluations (S at stage ends is known; offset() in 32-bit where the range allows).
 """
 
 
