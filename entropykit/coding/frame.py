@@ -79,12 +79,14 @@ class ChunkCoder(Protocol):
         """As encode_tables, for the decoder."""
 
     def encode_chunk(
-        self, symbols: np.ndarray, tabs: Any, param: int, ctx: np.ndarray | None
+        self, symbols: np.ndarray, tabs: Any, param: int, ctx: np.ndarray | None,
+        cmap: np.ndarray | None,
     ) -> np.ndarray | None:
         """Coded payload as uint8, or None when it would not be smaller than raw.
 
-        ``ctx`` is None for a one-table frame, else the chunk's table index per symbol
-        (uint8, same length as ``symbols``); only coders with ``supports_context`` get one.
+        ``ctx`` is None for a one-table frame, else the chunk's context value per symbol
+        (uint8, same length as ``symbols``), and symbol i then uses table
+        ``cmap[ctx[i]]`` (uint8[256]); only coders with ``supports_context`` get one.
         """
 
     def decode_chunks(
@@ -223,8 +225,8 @@ def encode(
         lo, hi = i * chunk_size, min(n, (i + 1) * chunk_size)
         part = sym[lo:hi]
         crc = crc32(part)
-        tidx = None if cmap is None else contexts.classes(cmap, ctx[lo:hi])
-        payload = coder.encode_chunk(part, tabs, param, tidx)
+        payload = coder.encode_chunk(part, tabs, param, None if cmap is None else ctx[lo:hi],
+                                     cmap)
         if payload is None:
             return MODE_RAW, crc, part
         return MODE_CODED, crc, payload

@@ -139,33 +139,37 @@ def _encode_symbol(x, lane, s, k, tab, precision, out, pos):
 
 
 @njit(nogil=True, cache=True)
-def encode_chunk(sym, tab, precision, out, tidx):
+def encode_chunk(sym, tab, precision, out, ctx, cmap):
     """Encode ``sym`` into ``out``; return the payload's start offset in ``out``, or -1.
 
-    ``tab`` is ``encode_tables``' uint64[n_tables, 256, 2]; ``tidx`` the table of each
-    symbol (uint8 array) or None for table 0. The payload is ``out[start:]``: 128 bytes of
-    states then the words. -1 means it did not fit in ``out`` (the caller stores raw).
+    ``tab`` is ``encode_tables``' uint64[n_tables, 256, 2]. ``ctx`` is None (table 0 for
+    every symbol) or the context value of each symbol (uint8, same size), and then symbol
+    i uses table ``cmap[ctx[i]]`` (``cmap`` int64[256], checked against the tables). The
+    payload is ``out[start:]``: 128 bytes of states then the words. -1 means it did not
+    fit in ``out`` (the caller stores raw) or the context does not fit.
     """
     n = sym.size
-    if tidx is not None and tidx.size != n:
-        return -1
+    if ctx is not None:
+        if (ctx.size != n or cmap.size != 256 or cmap.min() < 0
+                or cmap.max() >= tab.shape[0]):
+            return -1
     x = np.full(LANES, L, np.uint32)
     pos = out.size  # words are written downward, ending at out.size
     full = n - n % LANES
     k = 0
     for i in range(n - 1, full - 1, -1):  # the last, partial step
-        if tidx is not None:
-            k = tidx[i]
+        if ctx is not None:
+            k = cmap[ctx[i]]
         pos = _encode_symbol(x, i - full, sym[i], k, tab, precision, out, pos)
         if pos < 0:
             return -1
     for base in range(full - LANES, -1, -LANES):
         if pos - 2 * LANES >= STATE_BYTES:
-            pos = encode_step(x, tab, precision, tidx, base, sym, out, pos)
+            pos = encode_step(x, tab, precision, ctx, cmap, base, sym, out, pos)
             continue
         for lane in range(LANES - 1, -1, -1):
-            if tidx is not None:
-                k = tidx[base + lane]
+            if ctx is not None:
+                k = cmap[ctx[base + lane]]
             pos = _encode_symbol(x, lane, sym[base + lane], k, tab, precision, out, pos)
             if pos < 0:
                 return -1
@@ -279,17 +283,14 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
                                 table, precision, out, ctx, cmap)
 
 
-def decode_chunk(buf, start, length, table, precision, out, tidx):
+def decode_chunk(buf, start, length, table, precision, out, ctx, cmap):
     """Decode ``out.size`` symbols from ``buf[start:start+length]``; return an error code.
 
-    ``table`` is uint64[n_tables, 2**precision]; ``tidx`` as in ``encode_chunk`` (the
-    table of each symbol, or None). One chunk of ``decode_chunks``.
+    ``table`` is uint64[n_tables, 2**precision]; ``ctx`` and ``cmap`` as in
+    ``encode_chunk``. One chunk of ``decode_chunks``.
     """
     errors = np.empty(1, np.int64)
-    # tidx is its own class (values past the last table read the last: memory-safe, and
-    # the frame's CRC reports the wrong symbols).
-    cmap = None if tidx is None else np.minimum(np.arange(256), table.shape[0] - 1)
     decode_chunks(buf, np.array([start], np.int64), np.array([length], np.int64), table,
-                  precision, out, tidx, cmap, np.zeros(1, np.int64),
+                  precision, out, ctx, cmap, np.zeros(1, np.int64),
                   np.array([out.size], np.int64), errors)
     return int(errors[0])

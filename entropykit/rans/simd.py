@@ -106,17 +106,18 @@ def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
 
 
 @intrinsic
-def encode_step(typingctx, x, tab, precision, tidx, base, sym, out, pos):
+def encode_step(typingctx, x, tab, precision, ctx, cmap, base, sym, out, pos):
     """Encode symbols base..base+31 (all lanes of one step); return the new write position.
 
     ``tab`` is uint64[n_tables, 256, 2]: rcp | (xmax - 1) << 32, freq | start << 16 |
-    shift << 32. Emitted words are stored just below ``pos`` in lane order.
+    shift << 32. With a context, symbol i uses table ``cmap[ctx[i]]`` (gathered, as in
+    ``decode_step``). Emitted words are stored just below ``pos`` in lane order.
     """
-    sig = types.intp(x, tab, precision, tidx, base, sym, out, pos)
-    conditional = not isinstance(tidx, types.NoneType)
+    sig = types.intp(x, tab, precision, ctx, cmap, base, sym, out, pos)
+    conditional = not isinstance(ctx, types.NoneType)
 
     def codegen(context, builder, signature, args):
-        x_v, tab_v, prec_v, tidx_v, base_v, sym_v, out_v, pos_v = args
+        x_v, tab_v, prec_v, ctx_v, cmap_v, base_v, sym_v, out_v, pos_v = args
 
         def data(k, v):
             return context.make_array(signature.args[k])(context, builder, v).data
@@ -126,9 +127,12 @@ def encode_step(typingctx, x, tab, precision, tidx, base, sym, out, pos):
             return builder.zext(builder.load(ptr, align=1), _vec(_I64))
 
         mod = builder.module
-        idx = load8(5, sym_v)
-        if conditional:
-            idx = builder.add(idx, builder.shl(load8(3, tidx_v), _splat_const(_I64, 8)))
+        idx = load8(6, sym_v)
+        if conditional:  # record of table k = cmap[ctx]: idx += k << 8
+            cmap0 = _splat(builder, builder.ptrtoint(data(4, cmap_v), _I64), _I64)
+            k = _gather(builder, builder.add(cmap0, builder.shl(load8(3, ctx_v),
+                                                               _splat_const(_I64, 3))))
+            idx = builder.add(idx, builder.shl(k, _splat_const(_I64, 8)))
         rec = builder.add(_splat(builder, builder.ptrtoint(data(1, tab_v), _I64), _I64),
                           builder.shl(idx, _splat_const(_I64, 4)))
         r0 = _gather(builder, rec)
@@ -147,7 +151,7 @@ def encode_step(typingctx, x, tab, precision, tidx, base, sym, out, pos):
         popcnt = _declare(mod, "llvm.ctpop.i32", _I32, [_I32])
         taken = builder.zext(builder.call(popcnt, [builder.bitcast(need, _I32)]), _I64)
         new_pos = builder.sub(pos_v, builder.shl(taken, ir.Constant(_I64, 1)))
-        dst = builder.bitcast(builder.gep(data(6, out_v), [new_pos]), _I16.as_pointer())
+        dst = builder.bitcast(builder.gep(data(7, out_v), [new_pos]), _I16.as_pointer())
         compress = _declare(mod, "llvm.masked.compressstore.v32i16", ir.VoidType(),
                             [_vec(_I16), _I16.as_pointer(), _vec(_I1)])
         builder.call(compress, [builder.trunc(xs, _vec(_I16)), dst, need])

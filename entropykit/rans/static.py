@@ -32,22 +32,32 @@ class _RansCoder:
     def decode_tables(self, freqs: np.ndarray, param: int) -> np.ndarray:
         return kernels.decode_table(freqs, param)
 
-    def encode_chunk(self, symbols, tabs, param, ctx) -> np.ndarray | None:
+    def encode_chunk(self, symbols, tabs, param, ctx, cmap=None) -> np.ndarray | None:
         out = np.empty(symbols.size, np.uint8)  # coded must be smaller than raw to be kept
-        start = kernels.encode_chunk(symbols, tabs, param, out, ctx)
+        start = kernels.encode_chunk(symbols, tabs, param, out, ctx, _int_map(ctx, cmap))
         return None if start < 0 else out[start:]
 
     def decode_chunks(self, buf, starts, lengths, tabs, param, out, ctx, cmap, lo, hi
                       ) -> list[str | None]:
         errors = np.empty(len(starts), np.int64)
-        cmap = None if ctx is None else np.asarray(cmap, np.int64)
-        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx, cmap, lo, hi,
-                              errors)
+        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx, _int_map(ctx, cmap),
+                              lo, hi, errors)
         return [None if c == kernels.OK else kernels.MESSAGES[c] for c in errors.tolist()]
 
-    def decode_chunk(self, buf, start, length, tabs, param, out, ctx) -> str | None:
-        code = kernels.decode_chunk(buf, start, length, tabs, param, out, ctx)
+    def decode_chunk(self, buf, start, length, tabs, param, out, ctx, cmap=None
+                     ) -> str | None:
+        code = kernels.decode_chunk(buf, start, length, tabs, param, out, ctx,
+                                    _int_map(ctx, cmap))
         return None if code == kernels.OK else kernels.MESSAGES[code]
+
+
+def _int_map(ctx: np.ndarray | None, cmap: np.ndarray | None) -> np.ndarray | None:
+    """The kernels' form of a context map (int64[256], gathered as 64-bit lanes)."""
+    if ctx is None:
+        return None
+    if cmap is None:
+        raise ValueError("a context needs its context map (cmap)")
+    return np.asarray(cmap, np.int64)
 
 
 CODER = _RansCoder()

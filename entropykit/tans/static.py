@@ -37,7 +37,7 @@ class _TansCoder:
 
     def encode_chunk(
         self, symbols: np.ndarray, tabs: tuple[np.ndarray, np.ndarray], param: int,
-        ctx: np.ndarray | None = None,
+        ctx: np.ndarray | None = None, cmap: np.ndarray | None = None,
     ) -> np.ndarray | None:
         _no_context(ctx)
         symbol_tt, state_table = tabs
