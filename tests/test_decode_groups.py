@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from entropykit import CorruptDataError
-from entropykit.coding import frame
+from entropykit.coding import frame, tables
 from entropykit.rans import static as rans_static
 from entropykit.tans import static as tans_static
 
@@ -152,3 +152,29 @@ def test_rans_context_map_outside_the_tables_is_refused():
                                    short, cmap, lo, hi)
         assert errs == ["context does not match the chunk's symbols or the frame's tables"] * 2
         assert not out.any()
+
+
+def test_rans_chunk_coded_with_a_context_map_round_trips_and_refuses_bad_maps():
+    n = CHUNK
+    rng = np.random.default_rng(10)
+    ctx = rng.integers(0, 4, n).astype(np.uint8)
+    sym = (_symbols(n, 11) + 30 * ctx).astype(np.uint8)
+    coder = rans_static.CODER
+    cmap = np.zeros(256, np.uint8)
+    cmap[:4] = [0, 1, 1, 0]  # two tables shared by four context values
+    freqs = np.stack([np.bincount(sym[np.isin(ctx, vals)], minlength=256)
+                      for vals in ([0, 3], [1, 2])])
+    freqs = np.stack([tables.quantize(f, 12) for f in freqs])
+    payload = coder.encode_chunk(sym, coder.encode_tables(freqs, 12), 12, ctx, cmap)
+    assert payload is not None and payload.size < n
+    buf = payload.copy()
+    out = np.zeros(n, np.uint8)
+    tabs = coder.decode_tables(freqs, 12)
+    assert coder.decode_chunk(buf, 0, buf.size, tabs, 12, out, ctx, cmap) is None
+    assert np.array_equal(out, sym)
+    too_far = cmap.copy()
+    too_far[7] = 2  # names a third table: refused, nothing coded or decoded with it
+    assert coder.encode_chunk(sym, coder.encode_tables(freqs, 12), 12, ctx, too_far) is None
+    assert coder.decode_chunk(buf, 0, buf.size, tabs, 12, out, ctx, too_far) is not None
+    with pytest.raises(ValueError, match="context map"):
+        coder.encode_chunk(sym, coder.encode_tables(freqs, 12), 12, ctx)
