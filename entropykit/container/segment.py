@@ -18,6 +18,7 @@ import numpy as np
 from .. import formats
 from .._errors import CorruptDataError
 from . import codecs
+from . import header as hdr
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class Split:
 
 
 def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
-           fast: bool = False, target: str = "cpu") -> Coded:
+           fast: bool = False, target: str = "cpu",
+           grid: tuple[int, int] | None = None) -> Coded:
     """Split ``raw`` (uint8 bytes of whole elements) and code every field (``fast`` and
     ``target``: see ``codecs.choose``).
 
@@ -91,13 +93,14 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
     want = split.symbols(raw.size)
     if len(got) != len(want):
         raise RuntimeError(f"formats split {dtype} into {len(got)} fields, probed {len(want)}")
+    elements = raw.size * 8 // hdr.DTYPE_BITS[dtype]  # grid applies to one symbol each
     for f, field, n in zip(got, split.fields, want, strict=True):
         sym = np.ascontiguousarray(f.symbols, dtype=np.uint8).reshape(-1)
         if (f.name, _context_name(f.context, done, f.name)) != field or sym.size != n:
             raise RuntimeError(f"formats split {raw.size} bytes of {dtype} otherwise than "
                                f"probed: field {f.name!r} of {sym.size} symbols")
         choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
-                                fast=fast)
+                                fast=fast, grid=grid if n == elements else None)
         done[f.name] = sym
         names.append(choice.codec)
         parts.append(choice.blob)

@@ -127,8 +127,10 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
 
     def work(job: tuple[_Plan, int, int]) -> segment.Coded:
         p, lo, hi = job
+        grid = None if p.layout else codecs.grid_of(
+            p.entry.shape, lo * 8 // hdr.DTYPE_BITS[p.entry.dtype])
         return segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split,
-                              fast=fast, target=target)
+                              fast=fast, target=target, grid=grid)
 
     summary = Summary(original_bytes=source.header.file_size(), files=1)
     chosen: dict[str, list[tuple[str, ...]]] = {p.entry.name: [] for p in plans}
