@@ -306,12 +306,9 @@ def cost(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, precision, ou
 
 
 @_inline
-def _guess_key(g, mu_f, sg_f, zinv, m, f, scratch, scratch_bits):
-    """A key near the one holding CDF fraction ``g`` (floats: a search start only)."""
-    t = min(max(g, 0.0), 1.0) * INV_POINTS
-    i = min(int(t), INV_POINTS - 1)
-    z = zinv[m, i] + (zinv[m, i + 1] - zinv[m, i]) * (t - i)
-    scratch[0] = mu_f + sg_f * z
+def _nearest_key(x, f, scratch, scratch_bits):
+    """The key of the format value nearest to float ``x`` (a search start only)."""
+    scratch[0] = x
     b = np.int64(scratch_bits[0])
     a = b & 0x7FFFFFFF
     # Round |value| to the nearest format value: key k's bin is centred on its value.
@@ -327,6 +324,15 @@ def _guess_key(g, mu_f, sg_f, zinv, m, f, scratch, scratch_bits):
         mag = 0
     half = f.nkeys >> 1
     return half - 1 - mag if b >> 31 else half + mag
+
+
+@_inline
+def _guess_key(g, mu_f, sg_f, zinv, m, f, scratch, scratch_bits):
+    """A key near the one holding CDF fraction ``g`` (floats: a search start only)."""
+    t = min(max(g, 0.0), 1.0) * INV_POINTS
+    i = min(int(t), INV_POINTS - 1)
+    z = zinv[m, i] + (zinv[m, i + 1] - zinv[m, i]) * (t - i)
+    return _nearest_key(mu_f + sg_f * z, f, scratch, scratch_bits)
 
 
 @_inline
@@ -396,8 +402,9 @@ def _read_word(xs, buf, ptr, end):
 
 # Rows of the decoder's per-lane scratch ``ln`` (int64[LANE_ROWS, 32]): the lane state; the
 # top-byte symbol and S at its two ends (the low-byte step's range); the current step's
-# symbol, S and cdf at its two ends; the lane's quantized parameters (a Val).
-_X, _T, _SB, _SE, _G, _SJ, _SN, _C0, _C1, _V = range(10)
+# symbol, S and cdf at its two ends; the key nearest to mu (for guesses); the lane's
+# quantized parameters (a Val).
+_X, _T, _SB, _SE, _G, _SJ, _SN, _C0, _C1, _KM, _V = range(11)
 LANE_ROWS = _V + len(Val._fields)
 
 
@@ -416,22 +423,29 @@ def _lane_range(ln, q, low, f):
 
 
 @_inline
-def _stage_guess(xs, b, sh, sb, t, mf, sf, m, f, zinv, precision, scratch, scratch_bits):
-    """Float guess of the symbol (keys b + j 2**sh) that state ``xs`` decodes to."""
+def _guess_symbol(xs, b, sh, sb, t, km, mf, sf, m, f, zinv, precision, scratch, scratch_bits):
+    """Float guess of the symbol (keys b + j 2**sh) that state ``xs`` decodes to; ``km`` is
+    the key nearest to mu (``_nearest_key``), the same for both stages of a value."""
     spread = (1 << precision) - 256
     slot = xs & ((1 << precision) - 1)
-    frac = (sb + (slot + 0.5) * (1.0 / (1 << precision)) * t) * (1.0 / ONE)
+    # slot = j + spread * (S_j - S_b) / T: invert S at (slot - j) / spread with mu's own j
+    # standing in for the unknown j. Near mu that is the decoded j or close to it; where
+    # it is not (wide distributions, keys crowding near zero) the search takes a few more
+    # steps, which costs less on average than a second guess from the first.
+    jm = min(max((km - b) >> sh, 0), 255)
+    frac = (sb + (slot - jm + 0.5) * (1.0 / spread) * t) * (1.0 / ONE)
     g = _guess_key(frac, mf, sf, zinv, m, f, scratch, scratch_bits)
-    if sh == 0:
-        # slot = j + spread * (S_j - S_b) / T: take the first guess's j out and guess again
-        # (one float guess is cheaper than the CDF evaluations a near miss costs).
-        j0 = min(max(g - b, 0), 255)
-        frac = (sb + (slot - j0 + 0.5) * (1.0 / spread) * t) * (1.0 / ONE)
-        g = _guess_key(frac, mf, sf, zinv, m, f, scratch, scratch_bits)
     return min(max((g - b) >> sh, 0), 255)
 
 
-@_kernel
+@_inline
+def _stage_guess(xs, b, sh, sb, t, mf, sf, m, f, zinv, precision, scratch, scratch_bits):
+    """``_guess_symbol`` from mu itself: one lane's guess, as the GPU twin's test takes it."""
+    return _guess_symbol(xs, b, sh, sb, t, _nearest_key(mf, f, scratch, scratch_bits), mf, sf,
+                         m, f, zinv, precision, scratch, scratch_bits)
+
+
+@_inline
 def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, mu_f, midx, f, shapes,
                  zinv, emps, ws, rtab, precision, scratch, out):
     """One rANS step of lanes 0..m-1 (values g0..g0+m-1): top bytes, or (``low``) low bytes.
@@ -458,9 +472,10 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, mu_f, midx
                 ln[_V + r, q] = v[r]
             fl[0, q] = mu_f[i]
             fl[1, q] = _grid_sigma(sg_bits[i], scratch, scratch_bits)
+            ln[_KM, q] = _nearest_key(fl[0, q], f, scratch, scratch_bits)
         b, sh, sb, t = _lane_range(ln, q, low, f)
-        ln[_G, q] = _stage_guess(ln[_X, q], b, sh, sb, t, fl[0, q], fl[1, q], ln[_V + 3, q],
-                                 f, zinv, precision, scratch, scratch_bits)
+        ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t, ln[_KM, q], fl[0, q], fl[1, q],
+                                  ln[_V + 3, q], f, zinv, precision, scratch, scratch_bits)
     for q in range(m):  # (B)
         v = _lane_val(ln, q)
         b, sh, sb, t = _lane_range(ln, q, low, f)
@@ -474,7 +489,10 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, mu_f, midx
         slot = xs & mask
         j, sj, sn, c0, c1 = ln[_G, q], ln[_SJ, q], ln[_SN, q], ln[_C0, q], ln[_C1, q]
         b, sh, sb, t = _lane_range(ln, q, low, f)
-        if not c0 <= slot < c1:
+        if slot >= c1:  # gallop up from j + 1 (j < 255 here: cdf(256) = 2**p > slot)
+            j, sj, sn, c0, c1 = _search_from(slot, j + 1, sn, c1, b, sh, sb, t, spread,
+                                             _lane_val(ln, q), f, shapes, emps)
+        elif slot < c0:
             j, sj, sn, c0, c1 = _search_from(slot, j, sj, c0, b, sh, sb, t, spread,
                                              _lane_val(ln, q), f, shapes, emps)
         ln[_X, q], ptr = _read_word((c1 - c0) * (xs >> precision) + slot - c0, buf, ptr, end)
