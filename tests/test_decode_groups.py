@@ -178,3 +178,16 @@ def test_rans_chunk_coded_with_a_context_map_round_trips_and_refuses_bad_maps():
     assert coder.decode_chunk(buf, 0, buf.size, tabs, 12, out, ctx, too_far) is not None
     with pytest.raises(ValueError, match="context map"):
         coder.encode_chunk(sym, coder.encode_tables(freqs, 12), 12, ctx)
+
+
+@pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)
+def test_table_of_another_precision_is_refused(coder):
+    n = CHUNK * 2
+    buf, info, tabs, _ = _parts(coder, _symbols(n, 12))
+    small = coder.decode_tables(tables.quantize(np.ones(256, np.int64), 10)[None, :]
+                                if coder.supports_context
+                                else tables.quantize(np.ones(256, np.int64), 10), 10)
+    out = np.zeros(n, np.uint8)
+    errs = coder.decode_chunks(buf, info.offsets[:2], info.lengths[:2], small, 12, out, None,
+                               None, np.array([0, CHUNK]), np.array([CHUNK, n]))
+    assert all(e is not None and "slots" in e for e in errs) and not out.any()

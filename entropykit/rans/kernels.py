@@ -40,6 +40,7 @@ ERR_FINAL = 4  # a lane did not end in the encoder's initial state
 ERR_ODD = 5  # payload is not states + whole words
 ERR_CONTEXT = 6  # context length differs from the chunk's, or a class outside the tables
 ERR_BOUNDS = 7  # a chunk's symbols lie outside the output
+ERR_TABLE = 8  # the decode table does not have 2**precision slots per row
 MESSAGES = {
     ERR_STATE: "a lane's start state is below 2**16",
     ERR_TRUNCATED: "payload ends before the last symbol",
@@ -48,6 +49,7 @@ MESSAGES = {
     ERR_ODD: "payload is not 128 state bytes plus whole 16-bit words",
     ERR_CONTEXT: "context does not match the chunk's symbols or the frame's tables",
     ERR_BOUNDS: "chunk's symbols lie outside the output array",
+    ERR_TABLE: "decode table does not have 2**precision slots",
 }
 
 
@@ -258,6 +260,9 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
     for j in range(g):
         if not 0 <= lo[j] <= hi[j] <= out.size:
             errors[j] = ERR_BOUNDS
+            continue
+        if table.shape[1] != 1 << precision:
+            errors[j] = ERR_TABLE
             continue
         if bad_context:
             errors[j] = ERR_CONTEXT

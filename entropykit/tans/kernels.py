@@ -56,6 +56,7 @@ ERR_TRUNCATED = 3  # bit-stream exhausted before the last symbol
 ERR_TRAILING = 4  # bits left after the last symbol
 ERR_FINAL = 5  # a lane did not end in state 0
 ERR_BOUNDS = 6  # a chunk's symbols lie outside the output
+ERR_TABLE = 7  # the decode table does not have 2**table_log slots
 MESSAGES = {
     ERR_EMPTY: "payload is empty or outside the frame",
     ERR_MARKER: "payload's first byte is 0 (no start marker bit)",
@@ -63,6 +64,7 @@ MESSAGES = {
     ERR_TRAILING: "bit-stream has bits left after the last symbol",
     ERR_FINAL: "a state did not end at 0 (corrupt payload or table)",
     ERR_BOUNDS: "chunk's symbols lie outside the output array",
+    ERR_TABLE: "decode table does not have 2**table_log slots",
 }
 
 
@@ -313,6 +315,9 @@ def decode_chunks(buf, starts, lengths, dtable, table_log, out, lo, hi, errors):
     for j in range(g):
         if not 0 <= lo[j] <= hi[j] <= out.size:
             errors[j] = ERR_BOUNDS
+            continue
+        if dtable.size != 1 << table_log:  # states index the table: it must hold them all
+            errors[j] = ERR_TABLE
             continue
         errors[j] = _start(buf, starts[j], lengths[j], table_log, state[j])
         pos[j] = lo[j]
