@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -198,7 +199,22 @@ def _byte_plane_bits(caches: list) -> float:
     return total / count
 
 
-def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int) -> dict:
+def _save_rows(path: Path, rows: list[dict]) -> None:
+    plain = [{**r, "bits": [[f, k, v] for (f, k), v in r["bits"].items()]} for r in rows]
+    path.write_text(json.dumps(plain, indent=1))
+
+
+def _load_rows(path: Path | None) -> dict[str, dict]:
+    if path is None or not path.exists():
+        return {}
+    rows = json.loads(path.read_text())
+    return {r["predictor"]: {**r, "bits": {(f, k): v for f, k, v in r["bits"]}} for r in rows}
+
+
+def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int,
+            rows_file: Path | None = None) -> dict:
+    """Measure every predictor; ``rows_file`` (JSON) keeps each finished predictor's row so
+    that an interrupted run resumes where it stopped (same arguments assumed)."""
     import data
     import torch
     import transformers
@@ -224,9 +240,13 @@ def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int) -> dict:
     out = {"model": model, "n_calib": n_calib, "n_eval": n_eval, "values": values,
            "byte_plane": {"bf16": _byte_plane_bits(caches), "fp8": _byte_plane_bits(fp8_caches)},
            "rows": []}
-    predictors = [P.NoPredictor(), P.FP8Predictor(model)]
-    predictors += [P.EarlyExitPredictor(model, k) for k in exits]
+    predictors = [P.FP8Predictor(model)] + [P.EarlyExitPredictor(model, k) for k in exits]
+    predictors.append(P.NoPredictor())
+    done = _load_rows(rows_file)
     for pred in predictors:
+        if pred.describe() in done:  # measured by an earlier, interrupted run
+            out["rows"].append(done[pred.describe()])
+            continue
         t = time.perf_counter()
         cal = P.calibrate(model, pred, calib)
         t_cal = time.perf_counter() - t
@@ -253,6 +273,8 @@ def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int) -> dict:
         print(row["predictor"], {f"{k[0]}/{k[1]}": round(v, 3) for k, v in row["bits"].items()},
               file=sys.stderr, flush=True)
         out["rows"].append(row)
+        if rows_file is not None:
+            _save_rows(rows_file, out["rows"])
     return out
 
 
@@ -313,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval", type=int, default=16, help="evaluation sequences (kv part)")
     ap.add_argument("--exits", type=str, default="4,10,20", help="early-exit layers k")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=Path, help="kv part: JSON file of finished rows (resume)")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
@@ -323,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         section = SECTION
     else:
         res = kv_rows(args.calib, args.eval, [int(k) for k in args.exits.split(",") if k],
-                      args.threads)
+                      args.threads, args.rows)
         text = kv_section(res, (load0, os.getloadavg()[0]), time.perf_counter() - t0)
         section = KV_SECTION
     print(text)
