@@ -329,9 +329,9 @@ def _nearest_key(x, f, scratch, scratch_bits):
 @_inline
 def _guess_key(g, mu_f, sg_f, zinv, m, f, scratch, scratch_bits):
     """A key near the one holding CDF fraction ``g`` (floats: a search start only)."""
-    t = min(max(g, 0.0), 1.0) * INV_POINTS
-    i = min(int(t), INV_POINTS - 1)
-    z = zinv[m, i] + (zinv[m, i + 1] - zinv[m, i]) * (t - i)
+    # The nearest table point, not interpolated: that would lengthen every guess's chain
+    # to save a search step in the far tails only. >= 0, so unsigned skips wraparound.
+    z = zinv[m, np.uint64(min(max(g, 0.0), 1.0) * INV_POINTS + 0.5)]
     return _nearest_key(mu_f + sg_f * z, f, scratch, scratch_bits)
 
 
@@ -489,10 +489,9 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, mu_f, midx
         slot = xs & mask
         j, sj, sn, c0, c1 = ln[_G, q], ln[_SJ, q], ln[_SN, q], ln[_C0, q], ln[_C1, q]
         b, sh, sb, t = _lane_range(ln, q, low, f)
-        if slot >= c1:  # gallop up from j + 1 (j < 255 here: cdf(256) = 2**p > slot)
-            j, sj, sn, c0, c1 = _search_from(slot, j + 1, sn, c1, b, sh, sb, t, spread,
-                                             _lane_val(ln, q), f, shapes, emps)
-        elif slot < c0:
+        if not c0 <= slot < c1:
+            if slot >= c1:  # search up from j + 1 (j < 255 here: cdf(256) = 2**p > slot)
+                j, sj, c0 = j + 1, sn, c1
             j, sj, sn, c0, c1 = _search_from(slot, j, sj, c0, b, sh, sb, t, spread,
                                              _lane_val(ln, q), f, shapes, emps)
         ln[_X, q], ptr = _read_word((c1 - c0) * (xs >> precision) + slot - c0, buf, ptr, end)
