@@ -161,6 +161,26 @@ def test_invalid_parameters(bad):
         D.encode(bits, mu, sigma, MIXED, fmt="fp8_e4m3", model_index=np.full(100, 2))
 
 
+def test_first_invalid_parameter_is_reported():
+    # The one-pass check agrees with "finite mu, finite sigma > 0" on every edge float and
+    # names the first offender when there are several.
+    edges = np.array([0.0, -0.0, 1e-45, -1e-45, 1.0, -2.0, 3e38, -3e38, np.inf, -np.inf,
+                      np.nan, -np.nan], np.float32)
+    mu, sigma = (a.ravel() for a in np.meshgrid(edges, edges))
+    valid = np.isfinite(mu) & np.isfinite(sigma) & (sigma > 0)
+    bits = np.zeros(mu.size, np.uint8)
+    for i in range(mu.size):
+        if valid[i]:
+            D.encode(bits[i : i + 1], mu[i : i + 1], sigma[i : i + 1], GAUSS, fmt="fp8_e4m3")
+        else:
+            with pytest.raises(ValueError, match="value 0"):
+                D.encode(bits[i : i + 1], mu[i : i + 1], sigma[i : i + 1], GAUSS, fmt="fp8_e4m3")
+    order = np.argsort(valid, kind="stable")[::-1]  # valid pairs first, then the invalid
+    first = int(np.count_nonzero(valid))
+    with pytest.raises(ValueError, match=f"value {first}:"):
+        D.encode(bits, mu[order], sigma[order], GAUSS, fmt="fp8_e4m3")
+
+
 def test_model_validation():
     good = D.gaussian_shape()
     with pytest.raises(ValueError, match="entries"):

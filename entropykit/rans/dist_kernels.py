@@ -106,14 +106,36 @@ def _fmt(fp):
 
 
 @_inline
+def _invalid(mu_bits, sg_bits):
+    """1 unless mu is finite and sigma finite and > 0 (float32 bits), else 0."""
+    sb = np.int64(sg_bits)
+    return ((sb >> 31) | (sb == 0) | ((sb >> 23) & 0xFF == 0xFF)
+            | ((np.int64(mu_bits) >> 23) & 0xFF == 0xFF))
+
+
+@_kernel
+def first_invalid(mu_bits, sg_bits):
+    """Index of the first (mu, sigma) pair ``_params`` refuses, or -1."""
+    n = mu_bits.size
+    bad = 0
+    for i in range(n):  # no early exit: a vectorizable OR over the valid common case
+        bad |= _invalid(mu_bits[i], sg_bits[i])
+    if bad:
+        for i in range(n):
+            if _invalid(mu_bits[i], sg_bits[i]):
+                return i
+    return -1
+
+
+@_inline
 def _params(mu_bits, sg_bits, m, ws, rtab, f):
     """Quantize one (mu, sigma) pair given as float32 bits: (ok, Val)."""
+    if _invalid(mu_bits, sg_bits):
+        return False, Val(0, 0, 0, 0, 0, 0, 0)
     sb = np.int64(sg_bits)
     e = (sb >> 23) & 0xFF
     mb = np.int64(mu_bits)
     em = (mb >> 23) & 0xFF
-    if sb >> 31 or e == 0xFF or sb == 0 or em == 0xFF:
-        return False, Val(0, 0, 0, 0, 0, 0, 0)
     if e == 0:  # subnormal sigma: use the smallest normal one
         e, r = 1, 0
     else:

@@ -298,10 +298,11 @@ def _as_params(mu: Any, sigma: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
         if arr.size != n:
             raise ValueError(f"{name} has {arr.size} entries for {n} values")
         out.append(arr)
-    bad = ~(np.isfinite(out[0]) & np.isfinite(out[1]) & (out[1] > 0))
-    if bad.any():
-        raise _bad_param(int(np.argmax(bad)), out[0].view(np.uint32), out[1].view(np.uint32))
-    return out[0].view(np.uint32), out[1].view(np.uint32)
+    mu_b, sg_b = out[0].view(np.uint32), out[1].view(np.uint32)
+    bad = _k.first_invalid(mu_b, sg_b)
+    if bad >= 0:
+        raise _bad_param(bad, mu_b, sg_b)
+    return mu_b, sg_b
 
 
 def _as_index(model_index: Any, model: CoderModel, n: int) -> np.ndarray:
