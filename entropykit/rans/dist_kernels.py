@@ -107,7 +107,7 @@ def _fmt(fp):
 
 @_inline
 def _invalid(mu_bits, sg_bits):
-    """1 unless mu is finite and sigma finite and > 0 (float32 bits), else 0."""
+    """Non-zero unless mu is finite and sigma is finite and > 0 (both as float32 bits)."""
     sb = np.int64(sg_bits)
     return ((sb >> 31) | (sb == 0) | ((sb >> 23) & 0xFF == 0xFF)
             | ((np.int64(mu_bits) >> 23) & 0xFF == 0xFF))
