@@ -30,36 +30,24 @@ ALPHABET = 256
 _LIST_MAX = 32
 
 
-_BLOCK_WORDS = 1 << 28  # u64 words per block: each u32 sub-count stays below 2**32
-
-
 @njit(nogil=True, cache=True)
 def _histogram(symbols: np.ndarray) -> np.ndarray:
-    # Eight u32 sub-histograms, one per byte of a u64 word: each word is one load, and
-    # repeated symbols update different counters (no store-to-load dependency). The
-    # sub-counts are added into the int64 result every block, so none can overflow.
+    # Four sub-histograms break the store-to-load dependency on repeated symbols.
+    h = np.zeros((4, ALPHABET), np.int64)
     n = symbols.size
-    whole = n - n % 8
-    words = symbols[:whole].view(np.uint64)
+    i = 0
+    while i + 4 <= n:
+        h[0, symbols[i]] += 1
+        h[1, symbols[i + 1]] += 1
+        h[2, symbols[i + 2]] += 1
+        h[3, symbols[i + 3]] += 1
+        i += 4
+    while i < n:
+        h[0, symbols[i]] += 1
+        i += 1
     out = np.zeros(ALPHABET, np.int64)
-    h = np.zeros((8, ALPHABET), np.uint32)
-    for lo in range(0, words.size, _BLOCK_WORDS):
-        for j in range(lo, min(words.size, lo + _BLOCK_WORDS)):
-            v = words[j]
-            h[0, v & 0xFF] += 1
-            h[1, (v >> 8) & 0xFF] += 1
-            h[2, (v >> 16) & 0xFF] += 1
-            h[3, (v >> 24) & 0xFF] += 1
-            h[4, (v >> 32) & 0xFF] += 1
-            h[5, (v >> 40) & 0xFF] += 1
-            h[6, (v >> 48) & 0xFF] += 1
-            h[7, v >> 56] += 1
-        for k in range(8):
-            for s in range(ALPHABET):
-                out[s] += h[k, s]
-                h[k, s] = 0
-    for i in range(whole, n):
-        out[symbols[i]] += 1
+    for s in range(ALPHABET):
+        out[s] = h[0, s] + h[1, s] + h[2, s] + h[3, s]
     return out
 
 
