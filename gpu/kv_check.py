@@ -90,6 +90,8 @@ def extreme_params(torch, mu, sigma, seed: int):
         v = torch.tensor(vals, device=mu.device)
         arr[pick] = v[torch.randint(len(vals), (int(pick.sum()),), generator=g,
                                     device=mu.device)]
+    # Within the coder's range (dist_kernels._invalid: |mu| < ~2**34 sigma).
+    torch.maximum(sigma, mu.abs() * 2.0**-33, out=sigma)
 
 
 def host(t) -> np.ndarray:
@@ -246,10 +248,14 @@ class Checker:
         both(frame, "wrong mu", on_device=True, mu_t=mu + 0.25, mub_=mub + np.float32(0.25))
         for where in (57, 5000, n - 1):  # invalid (mu, sigma): ValueError naming the value
             for arr, bad in ((mu, float("nan")), (sigma, 0.0), (sigma, -1.0),
-                             (mu, float("inf"))):
+                             (mu, float("inf")), (sigma, 2.0**-45)):
                 a = arr.clone()
                 a[where] = bad
                 args = (a, sigma) if arr is mu else (mu, a)
+                if bad == 2.0**-45:  # with mu = 1: beyond the coder's range
+                    far = mu.clone()
+                    far[where] = 1.0
+                    args = (far, a)
                 for what, fn in (("encode", partial(dist.encode, x, *args, m, fmt="bf16",
                                                      chunk_size=1024)),
                                  ("decode", partial(dist.decode, frame, *args, m))):

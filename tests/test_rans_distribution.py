@@ -161,13 +161,33 @@ def test_invalid_parameters(bad):
         D.encode(bits, mu, sigma, MIXED, fmt="fp8_e4m3", model_index=np.full(100, 2))
 
 
+def _in_range(mu: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+    """mu's float32 exponent field below sigma's (subnormals: 1) + 34: the coder's rule."""
+    em = (mu.view(np.uint32) >> 23) & 0xFF
+    es = np.maximum((sigma.view(np.uint32) >> 23) & 0xFF, 1)
+    return em.astype(np.int64) - es < 34
+
+
+def test_mu_far_beyond_sigma_is_refused():
+    # Far beyond sigma the fixed-point CDF need not be monotone (bf16 frames at 2**42 did not
+    # decode): such pairs are refused on both sides; just inside the limit they round trip.
+    bits = np.full(64, 0x4248, np.uint16)  # bf16 50.0
+    mu = np.full(64, 50.0, np.float32)
+    inside = (mu * np.float32(2.0**-33)).astype(np.float32)
+    _roundtrip(bits, mu, inside, "bf16")
+    for e in (35, 42, 60):
+        sigma = (mu * np.float32(2.0**-e)).astype(np.float32)
+        with pytest.raises(ValueError, match="2\\*\\*34 sigma"):
+            D.encode(bits, mu, sigma, GAUSS, fmt="bf16")
+
+
 def test_first_invalid_parameter_is_reported():
-    # The one-pass check agrees with "finite mu, finite sigma > 0" on every edge float and
-    # names the first offender when there are several.
+    # The one-pass check agrees with "finite mu, finite sigma > 0, mu within 2**34 sigma"
+    # on every edge float and names the first offender when there are several.
     edges = np.array([0.0, -0.0, 1e-45, -1e-45, 1.0, -2.0, 3e38, -3e38, np.inf, -np.inf,
                       np.nan, -np.nan], np.float32)
     mu, sigma = (a.ravel() for a in np.meshgrid(edges, edges))
-    valid = np.isfinite(mu) & np.isfinite(sigma) & (sigma > 0)
+    valid = np.isfinite(mu) & np.isfinite(sigma) & (sigma > 0) & _in_range(mu, sigma)
     bits = np.zeros(mu.size, np.uint8)
     for i in range(mu.size):
         if valid[i]:
@@ -280,5 +300,6 @@ def test_roundtrip_property(fmt, data, n, seed):
         with np.errstate(all="ignore"):
             x = mu + sigma * rng.normal(size=n).astype(np.float32)
         bits = x.astype(DTYPES[fmt]).view(f.storage)
+    sigma = np.maximum(sigma, np.abs(mu) * np.float32(2.0**-33))  # the coder's range
     idx = rng.integers(0, 2, n)
     _roundtrip(bits, mu, sigma, fmt, model=MIXED, model_index=idx)

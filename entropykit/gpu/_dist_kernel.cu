@@ -72,8 +72,9 @@ struct Model {
 };
 
 __device__ __forceinline__ bool param_ok(unsigned mub, unsigned sgb) {
-    // finite mu, finite sigma > 0: dist_kernels._params's test, distribution._as_params's.
-    return !((sgb >> 31) || ((sgb >> 23) & 0xFF) == 0xFF || sgb == 0 || ((mub >> 23) & 0xFF) == 0xFF);
+    // finite mu, finite sigma > 0, mu's exponent field < sigma's + 34: dist_kernels._invalid.
+    const int em = (mub >> 23) & 0xFF, es = (sgb >> 23) & 0xFF;
+    return !((sgb >> 31) || es == 0xFF || sgb == 0 || em == 0xFF || em - max(es, 1) >= 34);
 }
 
 __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const Model& md) {

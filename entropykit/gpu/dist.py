@@ -233,7 +233,7 @@ def _aligned(t: Any) -> Any:
 
 def _bad_param(i: int, mu: Any, sigma: Any) -> ValueError:
     return ValueError(f"value {i}: mu={float(mu[i])!r}, sigma={float(sigma[i])!r}; "
-                      "need finite mu and finite sigma > 0")
+                      "need finite mu, finite sigma > 0 and |mu| < ~2**34 sigma")
 
 
 def _args(*xs: Any) -> tuple:

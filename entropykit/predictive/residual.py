@@ -47,7 +47,7 @@ def floor(sigma: np.ndarray, mu: np.ndarray) -> np.ndarray:
     """sigma raised to at least |mu| 2**-12 and 1e-30.
 
     A value predicted exactly gets (nearly) all the mass of its own key, and the coder's
-    grid stays exact (it needs |mu| < 2**44 sigma; see rans.dist_kernels).
+    grid stays exact (it refuses |mu| >= ~2**34 sigma; see rans.dist_kernels).
     """
     return np.maximum(np.maximum(sigma, np.abs(mu) * RELATIVE_FLOOR), TINY).astype(np.float32)
 

@@ -62,6 +62,7 @@ Z_MAX = 32
 Z_POINTS = (2 * Z_MAX) << Z_GRID_BITS  # intervals of the shape table (4097 entries)
 Z_FRAC = 16  # interpolation bits between shape table points
 Z_SHIFT = Z_GRID_BITS + Z_FRAC  # z in fixed point: units of 2**-22
+MU_RANGE = 34  # refused: mu's exponent field >= sigma's + MU_RANGE (``_invalid``)
 MU_BITS = 16  # mu grid step: sigma's power of two / 2**16
 SIGMA_BITS = 8  # mantissa bits of the quantized sigma
 R_SHIFT = 32
@@ -107,10 +108,14 @@ def _fmt(fp):
 
 @_inline
 def _invalid(mu_bits, sg_bits):
-    """Non-zero unless mu is finite and sigma is finite and > 0 (both as float32 bits)."""
+    """Non-zero unless mu is finite, sigma is finite and > 0, and mu's exponent field is
+    below sigma's + MU_RANGE (|mu| < 2**35 sigma; both as float32 bits). Beyond ~2**(mant
+    + 33) sigma (2**35 for e5m2) the fixed-point shifts saturate inside the clamp and S
+    need not be monotone (bf16 frames at 2**42 did not decode): such pairs are refused."""
     sb = np.int64(sg_bits)
-    return ((sb >> 31) | (sb == 0) | ((sb >> 23) & 0xFF == 0xFF)
-            | ((np.int64(mu_bits) >> 23) & 0xFF == 0xFF))
+    em = (np.int64(mu_bits) >> 23) & 0xFF
+    return ((sb >> 31) | (sb == 0) | ((sb >> 23) & 0xFF == 0xFF) | (em == 0xFF)
+            | (em - max((sb >> 23) & 0xFF, 1) >= MU_RANGE))
 
 
 @_kernel
@@ -151,7 +156,7 @@ def _params(mu_bits, sg_bits, m, ws, rtab, f):
         mm |= 1 << 23
     sh = max(em, 1) - 150 - ue
     if sh >= 0:
-        mu_u = mm << min(sh, 36)  # saturates for |mu| > 2**44 sigma (documented)
+        mu_u = mm << min(sh, 36)  # |mu| < 2**35 sigma here (``_invalid``)
     elif sh < -40:
         mu_u = 0
     else:

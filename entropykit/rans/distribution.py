@@ -324,7 +324,7 @@ def _as_index(model_index: Any, model: CoderModel, n: int) -> np.ndarray:
 def _bad_param(i: int, mu: np.ndarray, sigma: np.ndarray) -> ValueError:
     return ValueError(
         f"value {i}: mu={mu.view(np.float32)[i]!r}, sigma={sigma.view(np.float32)[i]!r}; "
-        "need finite mu and finite sigma > 0"
+        "need finite mu, finite sigma > 0 and |mu| < ~2**34 sigma"
     )
 
 
