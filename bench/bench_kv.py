@@ -212,9 +212,11 @@ def _load_rows(path: Path | None) -> dict[str, dict]:
 
 
 def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int,
-            rows_file: Path | None = None) -> dict:
-    """Measure every predictor; ``rows_file`` (JSON) keeps each finished predictor's row so
-    that an interrupted run resumes where it stopped (same arguments assumed)."""
+            rows_files: list[Path] = (), only: set[str] | None = None) -> dict:
+    """Measure every predictor (or those named in ``only``). Rows found in ``rows_files``
+    (JSON; same arguments assumed) are taken as measured; the first file receives each row
+    this run finishes, so an interrupted run resumes, and runs measuring different
+    predictors in parallel each write their own file and a last run joins them."""
     import data
     import torch
     import transformers
@@ -242,10 +244,14 @@ def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int,
            "rows": []}
     predictors = [P.FP8Predictor(model)] + [P.EarlyExitPredictor(model, k) for k in exits]
     predictors.append(P.NoPredictor())
-    done = _load_rows(rows_file)
+    done: dict[str, dict] = {}
+    for f in rows_files:
+        done |= _load_rows(f)
     for pred in predictors:
-        if pred.describe() in done:  # measured by an earlier, interrupted run
+        if pred.describe() in done:  # measured by an earlier or a parallel run
             out["rows"].append(done[pred.describe()])
+            continue
+        if only is not None and pred.describe() not in only:
             continue
         t = time.perf_counter()
         cal = P.calibrate(model, pred, calib)
@@ -273,8 +279,8 @@ def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int,
         print(row["predictor"], {f"{k[0]}/{k[1]}": round(v, 3) for k, v in row["bits"].items()},
               file=sys.stderr, flush=True)
         out["rows"].append(row)
-        if rows_file is not None:
-            _save_rows(rows_file, out["rows"])
+        if rows_files:
+            _save_rows(rows_files[0], [r for r in out["rows"] if r["predictor"] not in done])
     return out
 
 
@@ -335,7 +341,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval", type=int, default=16, help="evaluation sequences (kv part)")
     ap.add_argument("--exits", type=str, default="4,10,20", help="early-exit layers k")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rows", type=Path, help="kv part: JSON file of finished rows (resume)")
+    ap.add_argument("--rows", type=Path, nargs="*",
+                    help="kv part: JSON files of finished rows (the first receives new ones)")
+    ap.add_argument("--predictors", help="kv part: measure only these (e.g. none,early-exit-20)")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
@@ -346,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         section = SECTION
     else:
         res = kv_rows(args.calib, args.eval, [int(k) for k in args.exits.split(",") if k],
-                      args.threads, args.rows)
+                      args.threads, args.rows or [],
+                      set(args.predictors.split(",")) if args.predictors else None)
         text = kv_section(res, (load0, os.getloadavg()[0]), time.perf_counter() - t0)
         section = KV_SECTION
     print(text)
