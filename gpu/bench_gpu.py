@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import df11_codec  # noqa: E402
+from device_check import timed  # noqa: E402 - CUDA-event timing, shared
 
 from entropykit import rans  # noqa: E402
 from entropykit.coding import tables  # noqa: E402
@@ -119,27 +120,6 @@ def synthetic_bf16(gib: float, seed: int = 0, rows: int = 4096, cols: int = 8192
 
 
 # ---------------------------------------------------------------- timing
-
-
-def timed(before, fn, reps: int, warm_s: float = 0.3) -> list[float]:
-    """Seconds of ``reps`` runs of ``fn`` by CUDA events, ``before`` (untimed) ahead of each;
-    the GPU first runs both back to back for ``warm_s`` (an idle GPU drops its clock)."""
-    t = time.perf_counter()
-    while time.perf_counter() - t < warm_s:
-        for _ in range(3):
-            before()
-            fn()
-        torch.cuda.synchronize()
-    ev = []
-    for _ in range(reps):
-        before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        ev.append((a, b))
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) / 1e3 for a, b in ev]
 
 
 def host_timed(fn, reps: int, warm: int = 2) -> list[float]:
