@@ -21,7 +21,6 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -204,16 +203,6 @@ def measure(coder: Coder, symbols: np.ndarray, reps: int) -> Row:
 # ---------------------------------------------------------------- report
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _versions() -> str:
     import constriction
     import numba
@@ -228,15 +217,7 @@ def _versions() -> str:
         except PackageNotFoundError:
             return getattr(sys.modules.get(name), "__version__", "?")
 
-    repo = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True,
-                              cwd=repo).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "?"
-    if git("status", "--porcelain", "--untracked-files=all", "entropykit"):
-        commit += " + uncommitted changes"
+    commit = results_md.git_commit()
     parts = [f"entropykit {entropykit.__version__} (git {commit})",
              f"Python {platform.python_version()}", f"numpy {np.__version__}",
              f"numba {numba.__version__}", f"zstandard {zstandard.__version__}",
@@ -285,7 +266,7 @@ def section(results: list, reps: int, load: tuple[float, float], elapsed: float)
 
 Produced by `python bench/bench_coders.py --write` on {date}.
 
-- Machine: {_cpu_model()}, {cores} cores available; load average {load[0]:.2f} before
+- Machine: {results_md.cpu_model()}, {cores} cores available; load average {load[0]:.2f} before
   and {load[1]:.2f} after (other work on the machine makes throughput noisy).
 - Software: {_versions()}.
 - Run: {elapsed:.0f} s, median of {reps} timed runs after one warm-up run per measurement,

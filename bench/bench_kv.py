@@ -30,8 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -126,27 +124,6 @@ def coder_rows(n: int, reps: int) -> list[dict]:
     return rows
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "entropykit"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return rev + (" + uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def coder_section(rows: list[dict], n: int, reps: int, load: tuple[float, float]) -> str:
     from importlib.metadata import version
 
@@ -156,10 +133,10 @@ def coder_section(rows: list[dict], n: int, reps: int, load: tuple[float, float]
     lines = [
         SECTION, "",
         f"Produced by `python bench/bench_kv.py --part coder --write` on {now}.", "",
-        f"- Machine: {_cpu_model()}, {len(os.sched_getaffinity(0))} cores available; load "
-        f"average {load[0]:.2f} before and {load[1]:.2f} after (other work on the machine "
-        "makes throughput noisy).",
-        f"- Software: entropykit (git {_git()}), numpy {np.__version__}, numba "
+        f"- Machine: {results_md.cpu_model()}, {len(os.sched_getaffinity(0))} cores "
+        f"available; load average {load[0]:.2f} before and {load[1]:.2f} after (other work "
+        "on the machine makes throughput noisy).",
+        f"- Software: entropykit (git {results_md.git_commit()}), numpy {np.__version__}, numba "
         f"{numba.__version__}, constriction {version('constriction')}.",
         f"- {n:,} values per row, one thread, best of {reps} timed runs after a warm-up.",
         "- bits/value is the whole coded size (entropykit: frame with chunk directory and "

@@ -348,7 +348,7 @@ def section(cases: list[dict], reps: int, n_all: int, load: tuple[float, float],
 
 Produced by `python bench/bench_weights.py --write` on {date}.
 
-- Machine: {bench_coders._cpu_model()}, {n_all} cores available; load average
+- Machine: {results_md.cpu_model()}, {n_all} cores available; load average
   {load[0]:.2f} before and {load[1]:.2f} after: {busy}.
 - Software: {bench_coders._versions()}, zipnn {version('zipnn')}, torch {version('torch')}.
 - Run: {elapsed:.0f} s; every timing is the median of {reps} runs after one warm-up run

@@ -1,10 +1,40 @@
-"""bench/RESULTS.md sections: replace one benchmark's section, keep every other one."""
+"""bench/RESULTS.md sections: replace one benchmark's section, keep every other one; and
+the machine and source facts every section states (CPU model, git commit)."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+REPO = RESULTS.parent.parent
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    """The short commit of HEAD, "+ uncommitted changes" when entropykit/ differs from it."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True,
+                                  cwd=REPO).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "?"
+    if git("status", "--porcelain", "--untracked-files=all", "entropykit"):
+        commit += " + uncommitted changes"
+    return commit
 
 
 def write_section(text: str, section: str, path: Path = RESULTS) -> None:
