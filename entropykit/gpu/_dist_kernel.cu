@@ -220,6 +220,15 @@ __device__ __forceinline__ void crc_table(unsigned* tab) {
 }
 
 // Block prologue: CRC table, and (SMEM) the model tables into shared memory.
+// The chunk this warp codes: chunk c of chunk_size values, values [first, first + cn).
+struct WarpChunk { int c; i64 first; int cn; };
+
+__device__ __forceinline__ WarpChunk warp_chunk(i64 n, int chunk_size) {
+    const int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const i64 first = (i64)c * chunk_size;
+    return {c, first, (int)min((i64)chunk_size, n - first)};
+}
+
 __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shapes,
         const unsigned* emps, int models, const int* weights, const double* zinv,
         const i64* rtab) {
@@ -292,11 +301,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_encode
     __shared__ unsigned tab[256];
     const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
     const int lane = threadIdx.x & 31;
-    const int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (c >= n_chunks) return;
-    const i64 first = (i64)c * chunk_size;
-    const int cn = (int)min((i64)chunk_size, n - first);
-    const int nbytes = cn * BYTES;
+    const WarpChunk wc = warp_chunk(n, chunk_size);
+    if (wc.c >= n_chunks) return;
+    const int c = wc.c, cn = wc.cn, nbytes = cn * BYTES;
+    const i64 first = wc.first;
     unsigned char* out = scratch + first * BYTES;
     const unsigned char* src = vals + first * BYTES;
     const int spread = (1 << p) - 256;
@@ -590,11 +598,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode
     __shared__ unsigned tab[256];
     const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
     const int lane = threadIdx.x & 31;
-    const int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (c >= n_chunks) return;
-    const i64 first = (i64)c * chunk_size;
-    const int cn = (int)min((i64)chunk_size, n - first);
-    const int nbytes = cn * BYTES;
+    const WarpChunk wc = warp_chunk(n, chunk_size);
+    if (wc.c >= n_chunks) return;
+    const int c = wc.c, cn = wc.cn, nbytes = cn * BYTES;
+    const i64 first = wc.first;
     const i64* d = desc + 4 * (i64)c;
     const unsigned char* pay = frame + d[0];
     const int len = (int)d[1];
