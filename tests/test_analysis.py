@@ -14,6 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from _entropy import h as _h  # tests/ is on sys.path under pytest
+from _entropy import h_given as _h_given
 from safetensors.torch import save_file
 
 from entropykit import CorruptDataError
@@ -42,18 +44,6 @@ def _fields_ref(dtype: str, raw: np.ndarray) -> dict[str, np.ndarray]:
     return {"byte0": raw.astype(np.int64)}  # one-byte dtypes
 
 
-def _h(symbols: np.ndarray) -> float:
-    """Order-0 entropy in bits per symbol."""
-    c = np.bincount(symbols, minlength=256).astype(np.float64)
-    p = c[c > 0] / symbols.size
-    return float(-(p * np.log2(p)).sum())
-
-
-def _h_given(ctx: np.ndarray, symbols: np.ndarray) -> float:
-    """H(symbols | ctx) in bits per symbol: H(ctx, symbols) - H(ctx)."""
-    pair = np.bincount(ctx * 256 + symbols, minlength=65536).astype(np.float64)
-    p = pair[pair > 0] / symbols.size
-    return float(-(p * np.log2(p)).sum()) - _h(ctx)
 
 
 _CONTEXT = {"sign_mantissa": "exponent"}

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 import transformers  # the kv extra; .ci/run installs it
+from _entropy import h as _h  # tests/ is on sys.path under pytest
+from _entropy import h_given as _h_given
 
 from entropykit import predictive as P
 from entropykit.analysis import Report, analyze
@@ -39,16 +41,6 @@ CACHES = [P.from_transformers(_transformers_cache(ids)) for ids in IDS]
 # --- the independent reference ----------------------------------------------------------
 
 
-def _h(symbols: np.ndarray) -> float:
-    c = np.bincount(symbols, minlength=256).astype(np.float64)
-    p = c[c > 0] / symbols.size
-    return float(-(p * np.log2(p)).sum())
-
-
-def _h_given(ctx: np.ndarray, symbols: np.ndarray) -> float:
-    pair = np.bincount(ctx * 256 + symbols, minlength=65536).astype(np.float64)
-    p = pair[pair > 0] / symbols.size
-    return float(-(p * np.log2(p)).sum()) - _h(ctx)
 
 
 def _bf16_fields(t: torch.Tensor) -> dict[str, np.ndarray]:
