@@ -94,8 +94,20 @@ def test_fp8_predictor_beats_no_predictor():
     assert sizes["fp8"] < 0.8 * sizes["none"]
 
 
+@pytest.mark.parametrize("k", range(1, LAYERS + 1))
+def test_early_exit_reproduces_layers_up_to_k(k):
+    # Layers 0..k-1 are run, and layer k's projections see the hidden state that enters it.
+    pred = P.EarlyExitPredictor(MODEL, k)
+    assert pred.exact_layers == min(k + 1, LAYERS)
+    guess = pred.predict(IDS)
+    for layer in range(LAYERS):
+        same = (torch.equal(guess[layer][0], CACHE.keys[layer].float())
+                and torch.equal(guess[layer][1], CACHE.values[layer].float()))
+        assert same == (layer < pred.exact_layers), layer
+
+
 def test_exact_layers_cost_almost_nothing():
-    pred = P.EarlyExitPredictor(MODEL, LAYERS)  # every layer run exactly
+    pred = P.EarlyExitPredictor(MODEL, LAYERS - 1)  # layers 0..LAYERS-1 guessed exactly
     cal = P.calibrate(MODEL, pred, PROMPTS[:1])
     blob = P.compress_kv(CACHE, IDS, pred, cal)
     assert (len(blob) - 2000) * 8 / _values(CACHE) < 0.02

@@ -109,6 +109,8 @@ class EarlyExitPredictor(Predictor):
 
     Layer l's guess is layer l's own input norm, k/v projections and rotary embedding
     applied to the hidden state that leaves layer k-1 (instead of the one entering l).
+    For l = k that hidden state is the one entering layer k, and the same operations give
+    layer k's cache bit for bit: ``exact_layers`` is k + 1 (k for k = n).
     """
 
     name = "early-exit"
@@ -118,7 +120,7 @@ class EarlyExitPredictor(Predictor):
         if not 1 <= k <= n:
             raise ValueError(f"k must be in 1..{n}, got {k}")
         self.target, self.k, self.n_layers = target, k, n
-        self.exact_layers = k
+        self.exact_layers = min(k + 1, n)
 
     def describe(self) -> str:
         return f"{self.name}-{self.k}"
