@@ -43,26 +43,34 @@ def n_rows(n: int, cols: int, phase: int) -> int:
 
 
 @njit(nogil=True, cache=True)
-def _line_hists(sym, dense, hr, hr2, hc, cols, phase, rows, columns):
-    # Invariant: 0 <= phase < cols; hr and hr2 have n_rows lines if rows, hc has cols if
-    # columns; dense[s] < their width. Row by row, so no index leaves its line. Odd
-    # positions of a row count into hr2 (summed by the caller): runs of one symbol would
-    # otherwise stall each increment on the previous one's store.
+def _line_hists(sym, dense, hr, hc, cols, phase):
+    # Invariant: 0 <= phase < cols; hr has n_rows lines or none (rows not asked), hc has
+    # cols lines or none, both C-contiguous; dense[s] < their width. Row by row, so no
+    # index leaves its line. A row's counts go to four interleaved copies (acc): runs of
+    # one symbol would otherwise stall each increment on the previous one's store. hc is
+    # indexed flat: column j's bucket d is hcf[j * width + d].
     n = sym.size
+    width = hr.shape[1]
+    rows = hr.shape[0] > 0
+    columns = hc.shape[0] > 0
+    acc = np.zeros(4 * width, np.int64)
+    hcf = hc.reshape(-1)
     i = 0
     r = 0
     j0 = phase
     while i < n:
         end = min(n, i + cols - j0)
+        off = (j0 - i) * width  # column j0 + t - i of symbol t starts at off + t * width
         for t in range(i, end):
             d = dense[sym[t]]
             if rows:
-                if t & 1:
-                    hr2[r, d] += 1
-                else:
-                    hr[r, d] += 1
+                acc[(t & 3) * width + d] += 1
             if columns:
-                hc[j0 + t - i, d] += 1
+                hcf[off + t * width + d] += 1
+        if rows:
+            for d in range(width):
+                hr[r, d] = acc[d] + acc[width + d] + acc[2 * width + d] + acc[3 * width + d]
+            acc[:] = 0
         i = end
         r += 1
         j0 = 0
@@ -94,26 +102,37 @@ def _costs(tot):
     return cost
 
 
+_TILE = 64  # lines whose bits are summed together (independent sums: no stall on one)
+
+
 @njit(nogil=True, cache=True)
-def _reassign(ptr, held, cnt, lines, cls, cost):
-    # Move each of ``lines`` to the class that codes it in fewest bits (ties: lowest class);
-    # a line's bits sum over the symbols it holds (CSR ptr/held/cnt), in a fixed order.
+def _reassign(h, lines, cls, cost):
+    # Move each of ``lines`` to the class that codes it in fewest bits (ties: lowest class).
+    # A line's bits for class c: sum over buckets s, in increasing s, of h[line, s] *
+    # cost[s, c]; zero counts add +0.0, which leaves a sum of non-negative terms unchanged,
+    # so this equals the sum over the line's nonzero buckets only. Lines go in tiles so
+    # that the sums advanced together are independent.
     k = cost.shape[1]
-    bits = np.empty(k, np.float64)
+    width = h.shape[1]
+    bits = np.empty((_TILE, k), np.float64)
     moved = 0
-    for line in lines:
-        bits[:] = 0.0
-        for p in range(ptr[line], ptr[line + 1]):
-            s = held[p]
-            for c in range(k):
-                bits[c] += cnt[p] * cost[s, c]
-        best = 0
-        for c in range(1, k):
-            if bits[c] < bits[best]:
-                best = c
-        if best != cls[line]:
-            moved += 1
-            cls[line] = best
+    for t0 in range(0, lines.size, _TILE):
+        m = min(_TILE, lines.size - t0)
+        bits[:m] = 0.0
+        for s in range(width):
+            for q in range(m):
+                v = np.float64(h[lines[t0 + q], s])
+                for c in range(k):
+                    bits[q, c] += v * cost[s, c]
+        for q in range(m):
+            best = 0
+            for c in range(1, k):
+                if bits[q, c] < bits[q, best]:
+                    best = c
+            line = lines[t0 + q]
+            if best != cls[line]:
+                moved += 1
+                cls[line] = best
     return moved
 
 
@@ -121,30 +140,15 @@ def _reassign(ptr, held, cnt, lines, cls, cost):
 def _lloyd(h, cls, k, iters, fit):
     # Lloyd iterations on the lines ``fit`` (a spread sample of at most _FIT_LINES), then
     # every line assigned once against the classes they fitted: a pass costs the lines'
-    # nonzero counts x k, so fitting on every line of a large tensor would dominate.
-    n_lines, n_dense = h.shape
-    ptr = np.zeros(n_lines + 1, np.int64)
-    for line in range(n_lines):
-        nz = 0
-        for s in range(n_dense):
-            nz += h[line, s] != 0
-        ptr[line + 1] = ptr[line] + nz
-    held = np.empty(ptr[n_lines], np.int64)
-    cnt = np.empty(ptr[n_lines], np.float64)
-    for line in range(n_lines):
-        p = ptr[line]
-        for s in range(n_dense):
-            if h[line, s]:
-                held[p] = s
-                cnt[p] = h[line, s]
-                p += 1
+    # buckets x k, so fitting on every line of a large tensor would dominate.
+    n_lines = h.shape[0]
     for _ in range(iters):
         cost = _costs(_group(h[fit], cls[fit], k))
-        if _reassign(ptr, held, cnt, fit, cls, cost) == 0:
+        if _reassign(h, fit, cls, cost) == 0:
             break
     if fit.size < n_lines:
         cost = _costs(_group(h[fit], cls[fit], k))
-        _reassign(ptr, held, cnt, np.arange(n_lines), cls, cost)
+        _reassign(h, np.arange(n_lines), cls, cost)
     return cls
 
 
@@ -174,9 +178,7 @@ def line_histograms(sym: np.ndarray, index: np.ndarray, n_buckets: int, cols: in
     hr = np.zeros((n_rows(sym.size, cols, phase) if rows else 0, n_buckets), wide)
     hc = np.zeros((cols if columns else 0, n_buckets), wide)
     if rows or columns:
-        hr2 = np.zeros_like(hr)
-        _line_hists(sym, index, hr, hr2, hc, cols, phase, rows, columns)
-        hr += hr2
+        _line_hists(sym, index.astype(np.uint8), hr, hc, cols, phase)
     return hr, hc
 
 
@@ -209,21 +211,17 @@ def assign(h: np.ndarray, magnitude: np.ndarray, k: int, iters: int | None = Non
 
 
 @njit(nogil=True, cache=True)
-def _context(n, cols, phase, rcls, ccls, kc, out):
-    # Invariant: rcls has n_rows entries, ccls has cols entries when kc > 1 (else unused).
-    # Row by row: within a row the context is a constant plus the column's class.
+def _context(n, cols, phase, rcls, pattern, out):
+    # Invariant: rcls has n_rows entries, each < pattern.shape[0]; pattern[k] (cols
+    # entries) is row class k's contexts along a row. So each row is a slice copy, which
+    # Numba makes a plain memory copy (an element loop does the byte arithmetic in int64).
     i = 0
     r = 0
     j0 = phase
     while i < n:
-        end = min(n, i + cols - j0)
-        base = rcls[r] * kc
-        if kc > 1:
-            for t in range(i, end):
-                out[t] = base + ccls[j0 + t - i]
-        else:
-            out[i:end] = base
-        i = end
+        m = min(n - i, cols - j0)
+        out[i : i + m] = pattern[rcls[r], j0 : j0 + m]
+        i += m
         r += 1
         j0 = 0
 
@@ -242,11 +240,16 @@ def _count(ctx, sym, kmax):
 
 def _context_args(n: int, cols: int, phase: int, rcls: np.ndarray | None,
                   ccls: np.ndarray | None, kc: int) -> tuple[np.ndarray, np.ndarray]:
-    rc = (np.zeros(max(1, n_rows(n, cols, phase)), np.int64) if rcls is None
+    """(row classes, uint8[kr, cols] contexts along a row of each row class)."""
+    rows = n_rows(n, cols, phase)
+    assert (rcls is None or rcls.size == rows) and (kc == 1 or ccls is not None
+                                                   and ccls.size == cols)
+    rc = (np.zeros(max(1, rows), np.int64) if rcls is None
           else np.ascontiguousarray(rcls, np.int64))
-    cc = np.zeros(1, np.int64) if ccls is None else np.ascontiguousarray(ccls, np.int64)
-    assert (rcls is None or rc.size == n_rows(n, cols, phase)) and (kc == 1 or cc.size == cols)
-    return rc, cc
+    kr = int(rc.max(initial=0)) + 1
+    along = np.zeros(cols, np.int64) if ccls is None else np.asarray(ccls, np.int64)
+    pattern = (np.arange(kr, dtype=np.int64)[:, None] * kc + along[None, :]).astype(np.uint8)
+    return rc, pattern
 
 
 def context(n: int, cols: int, phase: int, rcls: np.ndarray | None,
@@ -257,18 +260,19 @@ def context(n: int, cols: int, phase: int, rcls: np.ndarray | None,
     ``ccls``: one per column (``cols``), or None (then ``kc`` must be 1). The caller
     checks that the classes make contexts below 256.
     """
-    rc, cc = _context_args(n, cols, phase, rcls, ccls, kc)
+    rc, pattern = _context_args(n, cols, phase, rcls, ccls, kc)
     out = np.empty(n, np.uint8)
-    _context(n, cols, phase, rc, cc, kc, out)
+    _context(n, cols, phase, rc, pattern, out)
     return out
 
 
 def context_joint(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | None,
                   ccls: np.ndarray | None, kc: int) -> tuple[np.ndarray, np.ndarray]:
     """``context(...)`` of ``sym`` and the int64[256, 256] (context, symbol) counts."""
-    ctx = context(sym.size, cols, phase, rcls, ccls, kc)
-    kmax = int(ctx.max(initial=0)) + 1  # contexts in use
-    return ctx, _count(ctx, sym, kmax)
+    rc, pattern = _context_args(sym.size, cols, phase, rcls, ccls, kc)
+    ctx = np.empty(sym.size, np.uint8)
+    _context(sym.size, cols, phase, rc, pattern, ctx)
+    return ctx, _count(ctx, sym, int(pattern.max(initial=0)) + 1)  # contexts below it
 
 
 def map_bytes(count: int, k: int) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import formats
 from .._errors import CorruptDataError
+from ..coding import contexts
 from . import codecs
 from . import header as hdr
 
@@ -94,18 +95,38 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
     if len(got) != len(want):
         raise RuntimeError(f"formats split {dtype} into {len(got)} fields, probed {len(want)}")
     elements = raw.size * 8 // hdr.DTYPE_BITS[dtype]  # grid applies to one symbol each
+    syms = []
     for f, field, n in zip(got, split.fields, want, strict=True):
         sym = np.ascontiguousarray(f.symbols, dtype=np.uint8).reshape(-1)
         if (f.name, _context_name(f.context, done, f.name)) != field or sym.size != n:
             raise RuntimeError(f"formats split {raw.size} bytes of {dtype} otherwise than "
                                f"probed: field {f.name!r} of {sym.size} symbols")
-        choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
-                                fast=fast, grid=grid if n == elements else None)
         done[f.name] = sym
+        syms.append(sym)
+    counts = _counts(split.fields, syms) if target == "cpu" and not fast else {}
+    for sym, field, n in zip(syms, split.fields, want, strict=True):
+        choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
+                               fast=fast, grid=grid if n == elements else None,
+                               counts=counts.get(field[0]))
         names.append(choice.codec)
         parts.append(choice.blob)
         bits += choice.entropy_bits
     return Coded(split.fields, tuple(names), tuple(parts), bits)
+
+
+def _counts(fields: tuple[tuple[str, str | None], ...], syms: list[np.ndarray]
+            ) -> dict[str, np.ndarray]:
+    """Histograms that ``codecs.choose`` would take, from one pass per context pair: a
+    conditioned field's joint histogram with its context, whose row sums are the context
+    field's own histogram (BF16, F32: the exponent is counted with its sign_mantissa)."""
+    by_name = dict(zip((name for name, _ in fields), syms, strict=True))
+    out: dict[str, np.ndarray] = {}
+    for name, ctx in fields:
+        if ctx is not None:
+            joint = contexts.joint_histogram(by_name[ctx], by_name[name])
+            out[name] = joint
+            out.setdefault(ctx, joint.sum(axis=1))
+    return out
 
 
 def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], ...],
