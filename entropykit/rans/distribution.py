@@ -465,6 +465,8 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
         out = np.empty(n, f.storage)
     elif out.dtype != f.storage or out.shape != (n,):
         raise ValueError(f"out must be {f.storage} of shape ({n},)")
+    elif np.may_share_memory(out, buf):  # the kernel reads the frame while it writes out
+        raise ValueError("out must not overlap the frame")
     fp = f.params
     cs = info.chunk_size
 
@@ -478,11 +480,10 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
             dst.view(np.uint8)[:] = buf[start : start + length]
         else:
             code = _k.decode_chunk(buf, start, length, mu_b[sl], sg_b[sl],
-                                   mu_b[sl].view(np.float32),
                                    midx[sl] if midx.size > 1 else midx, fp, model.padded,
                                    model.inverse, model.emps, model.weights, _RTAB,
                                    info.precision, np.empty((_k.LANE_ROWS, _k.LANES), np.int64),
-                                   np.empty((2, _k.LANES)), np.empty(1, np.float32), dst)
+                                   np.empty((2, _k.LANES)), dst)
             if code < 0:
                 raise _bad_param(i * cs - code - 1, mu_b, sg_b)
             if code != _k.OK:
