@@ -267,58 +267,81 @@ def _value_cdfs(key, v, f, shapes, emps, spread):
     return t0, t1, l0, l1
 
 
+# Rows of the encoder's per-lane scratch ``st`` (int64[ENC_ROWS, 32]): the lane state; the
+# top byte's [cdf0, cdf1), the low byte's; the step's word and whether it is emitted.
+_EX, _ET0, _ET1, _EL0, _EL1, _EW, _EE = range(7)
+ENC_ROWS = 7
+
+
 @_inline
-def _enc_step(xs, c0, c1, precision, out, pos):
-    """Push one symbol of [c0, c1) onto state ``xs``; ``out[pos-2:pos]`` must exist.
+def _enc_lanes(st, r0, m, precision):
+    """Push each lane's symbol [st[r0], st[r0 + 1]) onto its state, lanes 0..m-1 at once
+    (vectorized): the new state, and the word each lane emits before it (``_put_words``).
 
-    The word is stored whether or not it is emitted: an unused store lies below the
-    payload and is overwritten or dropped, and the renormalization stays branch-free.
+    The quotient by the frequency is a float64 division (vectorizes; exact: x < 2**32 and
+    fr <= 2**16, so x / fr is never within half an ulp below the next integer).
     """
-    fr = c1 - c0
-    emit = xs >= fr << (32 - precision)
-    out[pos - 2] = xs & 0xFF
-    out[pos - 1] = (xs >> 8) & 0xFF
-    xs = xs >> 16 if emit else xs
-    q = np.int64(np.uint64(xs) // np.uint64(fr))  # both >= 0: unsigned division is cheaper
-    return (q << precision) + (xs - q * fr) + c0, pos - 2 * emit
+    for q in range(m):
+        xs, c0 = st[_EX, q], st[r0, q]
+        fr = st[r0 + 1, q] - c0
+        emit = xs >= fr << (32 - precision)
+        st[_EW, q], st[_EE, q] = xs & 0xFFFF, emit
+        xs = xs >> 16 if emit else xs
+        d = np.int64(np.float64(xs) / np.float64(fr))
+        st[_EX, q] = (d << precision) + (xs - d * fr) + c0
 
 
-@_kernel
+@_inline
+def _put_words(st, m, out, pos):
+    """Write the emitted words of lanes m-1..0 downward from ``out[pos]``; new pos.
+    ``out[pos - 2 m:pos]`` must exist: each word is stored whether or not it is emitted
+    (an unused store lies below the payload and is overwritten or dropped), so the loop
+    has no branch."""
+    for q in range(m - 1, -1, -1):
+        w = st[_EW, q]
+        out[pos - 2] = w & 0xFF
+        out[pos - 1] = w >> 8
+        pos -= 2 * st[_EE, q]
+    return pos
+
+
+@_lane_kernel
 def encode_chunk(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, precision, st, out):
     """Encode ``vals`` (format bits) into ``out``; return (status, start).
 
-    ``st`` is int64[5, 32] scratch (lane states, then each lane's stage CDFs). status 0:
-    the payload is ``out[start:]``. status 1: it did not fit (store raw). status 2:
-    mu/sigma at index ``start`` are invalid (NaN, inf, sigma <= 0).
+    ``st`` is int64[ENC_ROWS, 32] scratch. status 0: the payload is ``out[start:]``.
+    status 1: it did not fit (store raw). status 2: mu/sigma at index ``start`` are invalid
+    (NaN, inf, sigma <= 0). No argument may overlap another that the kernel writes.
     """
     f = _fmt(fp)
     n = vals.size
     spread = (1 << precision) - 256
-    per_value = midx.size > 1
-    two = f.nkeys > 256
-    st[0, :] = L
+    pv = -1 if midx.size > 1 else 0  # index mask: per-value model indices, or one for all
+    st[_EX, :] = L
     pos = out.size
     for g0 in range((n - 1) & -LANES, -1, -LANES):  # groups of 32 values, last first
         m = min(LANES, n - g0)
         if pos - 4 * m < STATE_BYTES:  # room for the group's words, written branch-free
             return 1, 0
-        for lane in range(m):
-            i = g0 + lane
-            ok, v = _params(mu_bits[i], sg_bits[i], midx[i] if per_value else midx[0], ws, rtab, f)
-            if not ok:
-                return 2, i
-            st[1, lane], st[2, lane], st[3, lane], st[4, lane] = _value_cdfs(
+        bad = False
+        for q in range(m):  # vectorized: an invalid pair is found afterwards
+            i = g0 + q
+            ok, v = _params(mu_bits[i], sg_bits[i], midx[i & pv], ws, rtab, f)
+            bad |= not ok
+            st[_ET0, q], st[_ET1, q], st[_EL0, q], st[_EL1, q] = _value_cdfs(
                 _key(np.int64(vals[i]), f.nkeys), v, f, shapes, emps, spread)
-        if two:  # the low-byte step last: the decoder reads it after the top-byte step
-            for lane in range(m - 1, -1, -1):
-                st[0, lane], pos = _enc_step(st[0, lane], st[3, lane], st[4, lane], precision,
-                                             out, pos)
-        for lane in range(m - 1, -1, -1):
-            st[0, lane], pos = _enc_step(st[0, lane], st[1, lane], st[2, lane], precision,
-                                         out, pos)
+        if bad:
+            for q in range(m):
+                if _invalid(mu_bits[g0 + q], sg_bits[g0 + q]):
+                    return 2, g0 + q
+        if f.es:  # the low-byte step last: the decoder reads it after the top-byte step
+            _enc_lanes(st, _EL0, m, precision)
+            pos = _put_words(st, m, out, pos)
+        _enc_lanes(st, _ET0, m, precision)
+        pos = _put_words(st, m, out, pos)
     pos -= STATE_BYTES
     for lane in range(LANES):
-        s = st[0, lane]
+        s = st[_EX, lane]
         o = pos + 4 * lane
         out[o] = s & 0xFF
         out[o + 1] = (s >> 8) & 0xFF

@@ -361,7 +361,8 @@ def encode(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
         out = np.empty(part.nbytes, np.uint8)  # coded must be smaller than raw to be kept
         status, start = _k.encode_chunk(
             part, mu_b[sl], sg_b[sl], midx[sl] if midx.size > 1 else midx, fp, model.padded,
-            model.emps, model.weights, _RTAB, precision, np.empty((5, _k.LANES), np.int64), out)
+            model.emps, model.weights, _RTAB, precision,
+            np.empty((_k.ENC_ROWS, _k.LANES), np.int64), out)
         if status == 2:
             raise _bad_param(i * chunk_size + start, mu_b, sg_b)
         crc = zlib.crc32(part)
