@@ -10,6 +10,10 @@ a safetensors file of packed 4-bit U8 blocks — that measures, per file:
   timed run writes a new file: the previous output is removed before the clock starts);
   the restored file compared with the original byte for byte, and the compressed files of
   both thread counts compared with each other (determinism);
+- entropykit in memory, one thread, on the footing of the peers' numbers: the file's bytes
+  already in memory compressed into a bytes buffer (``container.writer.write``), and the
+  compressed file's bytes decoded into the original file's bytes
+  (``Compressed.restored``), both checked against the file-to-file results;
 - zipnn and zstd-3 (one thread), measured by ``shared/peers/cpu_peers.py`` itself (imported;
   its timer swapped for the median used here), round trips checked there;
 - the order-0 entropy bound of the tensor bytes (per tensor, per field: cpu_peers.py's split).
@@ -56,6 +60,7 @@ RATIO_TARGETS = {"BF16": 0.660, "F16": 0.845, "F8_E4M3": 0.815}
 SPEED_FACTOR = 3.0  # entropykit >= 3x zipnn's MB/s at one thread, both ways
 # Our format name -> the name cpu_peers.py measures it under (it has no e5m2 or 4-bit).
 PEER_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8"}
+ALL_FORMATS = ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "Q4_1")
 
 
 # ---------------------------------------------------------------- data
@@ -166,8 +171,8 @@ def _median_timer(reps: int, results: list, keep: Callable[[int], bool]) -> Call
     return timed
 
 
-def measure_peers(reps: int) -> tuple[dict[str, dict], object]:
-    """cpu_peers.py's rows for the MiniLM formats it knows, keyed by our format name.
+def measure_peers(reps: int, formats: list[str]) -> tuple[dict[str, dict], object]:
+    """cpu_peers.py's rows for ``formats`` (ours, those it knows), keyed by our format name.
 
     Run in this process on the original fp32 file: it casts the floating tensors itself with
     the same arithmetic as ``data.cast_file`` (round to nearest even; fp8 scaled by max/448).
@@ -176,6 +181,8 @@ def measure_peers(reps: int) -> tuple[dict[str, dict], object]:
     bytes, which checks zstd's round trip and that both sides coded the same data.
     """
     peers = _peers_module()
+    if not formats:
+        return {}, peers
     results: list = []
     groups: list[list] = []
     convert = peers.convert
@@ -191,7 +198,7 @@ def measure_peers(reps: int) -> tuple[dict[str, dict], object]:
     peers.convert = marking_convert
     argv = sys.argv
     sys.argv = ["cpu_peers.py", str(data.minilm_path()),
-                "--formats", ",".join(PEER_FORMATS.values())]
+                "--formats", ",".join(PEER_FORMATS[f] for f in formats)]
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
@@ -212,7 +219,7 @@ class Ours:
 
     original: int = 0
     compressed: int = 0
-    speeds: dict[str, float] = field(default_factory=dict)  # "c1", "d1", "cN", "dN"
+    speeds: dict[str, float] = field(default_factory=dict)  # "c1", "d1", "cN", "dN", "cm", "dm"
     exact: bool = True
     deterministic: bool = True
     error: str = ""
@@ -222,13 +229,14 @@ class Ours:
         return self.compressed / self.original
 
 
-def _timed_to(out: Path, fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``reps`` runs of ``fn`` (which writes ``out``) after a warm-up run;
-    ``out`` is removed before every run, outside the timing, so no run pays for deleting
-    the previous one's output (~15 ms for 45 MB here)."""
+def _timed_to(out: Path | None, fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``reps`` runs of ``fn`` (which writes ``out``, if not None) after a
+    warm-up run; ``out`` is removed before every run, outside the timing, so no run pays
+    for deleting the previous one's output (~15 ms for 45 MB here)."""
     times = []
     for i in range(reps + 1):
-        out.unlink(missing_ok=True)
+        if out is not None:
+            out.unlink(missing_ok=True)
         t0 = time.perf_counter()
         fn()
         if i:
@@ -257,6 +265,9 @@ def measure_ours(path: Path, thread_counts: tuple[int, ...], reps: int, tmp: Pat
             outputs.append(packed)
         r.compressed = outputs[0].stat().st_size
         r.deterministic = all(filecmp.cmp(outputs[0], p, shallow=False) for p in outputs[1:])
+        packed = outputs[0].read_bytes()
+        r.speeds["cm"], r.speeds["dm"], same = _in_memory(path, packed, reps, fast)
+        r.exact &= same
     except Exception as e:  # a failure is a row of the table, not a crash of the run
         r.error = f"{type(e).__name__}: {e}"[:160]
         r.exact = False
@@ -264,6 +275,33 @@ def measure_ours(path: Path, thread_counts: tuple[int, ...], reps: int, tmp: Pat
         for p in outputs:
             p.unlink(missing_ok=True)
     return r
+
+
+def _in_memory(path: Path, packed: bytes, reps: int, fast: bool) -> tuple[float, float, bool]:
+    """(compress MB/s, decompress MB/s, both outputs right) at one thread, data in memory:
+    the original file's bytes coded into a bytes buffer, and ``packed`` (the file-to-file
+    result, which the buffer must equal) decoded into the original file's bytes."""
+    from entropykit.container import files
+    from entropykit.container.reader import Compressed
+    from entropykit.container.writer import write
+
+    original = np.fromfile(path, np.uint8)
+    blob = np.frombuffer(packed, np.uint8)
+    coded: list[bytes] = []
+
+    def compress() -> None:
+        out = io.BytesIO()
+        write(files.source(original), out, threads=1, fast=fast)
+        coded[:] = [out.getvalue()]
+
+    def decompress() -> None:
+        coded[:] = [Compressed(blob).restored(1)]
+
+    c = _timed_to(None, compress, reps)
+    same = coded[0] == packed
+    d = _timed_to(None, decompress, reps)
+    same &= np.array_equal(coded[0], original)
+    return original.size / c / 1e6, original.size / d / 1e6, same
 
 
 # ---------------------------------------------------------------- report
@@ -287,48 +325,53 @@ def _targets(fmt: str, ours: Ours, peer: dict | None) -> str:
         # Against a zipnn whose output is wrong the verdict stands, but says so.
         inexact = "" if peer["zipnn_exact"] else ", zipnn inexact"
         for key, what in (("c", "compress"), ("d", "decompress")):
-            times = ours.speeds.get(f"{key}1", 0.0) / peer[f"zipnn_{key}_MBps"]
+            # Same footing as zipnn's figure: one thread, data in memory.
+            times = ours.speeds.get(f"{key}m", 0.0) / peer[f"zipnn_{key}_MBps"]
             notes.append(f"{what} ≥ {SPEED_FACTOR:.0f}× zipnn 1T: "
                          f"{_verdict(times >= SPEED_FACTOR)} ({times:.1f}×{inexact})")
     return "; ".join(notes)
 
 
 def table(cases: list[dict], n_all: int) -> str:
-    head = (f"| format | tool | ratio | compress MB/s 1T | decompress MB/s 1T "
-            f"| compress MB/s {n_all}T | decompress MB/s {n_all}T | exact | DESIGN §9 targets |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    head = (f"| format | tool | ratio | compress MB/s 1T memory | decompress MB/s 1T memory "
+            f"| compress MB/s 1T file | decompress MB/s 1T file "
+            f"| compress MB/s {n_all}T file | decompress MB/s {n_all}T file | exact "
+            f"| DESIGN §9 targets |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    blank = "| | | |"  # the file columns, which peers do not have
     for c in cases:
         fmt, peer = c["label"], c["peer"]
         for tool, o in (("entropykit", c["ours"]), ("entropykit --fast", c["fast"])):
             lines.append(_our_row(fmt, tool, o, n_all, _targets(c["fmt"], o, peer)))
         if peer is None:
-            lines.append(f"| {fmt} | zipnn, zstd-3 | | | | | | | not measured: cpu_peers.py "
-                         "has no such format |")
+            lines.append(f"| {fmt} | zipnn, zstd-3 | | | {blank} | | not measured: "
+                         "cpu_peers.py has no such format |")
         else:
             if "zipnn_error" in peer:
-                lines.append(f"| {fmt} | zipnn | | | | | | error: {peer['zipnn_error']} | |")
+                lines.append(f"| {fmt} | zipnn | | | {blank} | | error: {peer['zipnn_error']} | |")
             else:
                 ok = peer["zipnn_exact"]
                 speeds = (f"{_mb(peer['zipnn_c_MBps'])} | {_mb(peer['zipnn_d_MBps'])}" if ok else
                           f"({_mb(peer['zipnn_c_MBps'])}) | ({_mb(peer['zipnn_d_MBps'])})")
-                lines.append(f"| {fmt} | zipnn | {peer['zipnn_ratio']:.4f} | {speeds} | | "
+                lines.append(f"| {fmt} | zipnn | {peer['zipnn_ratio']:.4f} | {speeds} {blank} "
                              f"| {'yes' if ok else '**NO: output differs from input**'} | |")
             lines.append(f"| {fmt} | zstd-3 | {peer['zstd3_ratio']:.4f} "
-                         f"| {_mb(peer['zstd3_c_MBps'])} | {_mb(peer['zstd3_d_MBps'])} | | "
+                         f"| {_mb(peer['zstd3_c_MBps'])} | {_mb(peer['zstd3_d_MBps'])} {blank} "
                          f"| {'yes' if peer['zstd3_exact'] else '**NO** (or other data)'} | |")
-        lines.append(f"| {fmt} | order-0 bound | {c['bound']:.4f} | | | | | | |")
+        lines.append(f"| {fmt} | order-0 bound | {c['bound']:.4f} | | {blank} | | | |")
     return "\n".join(lines)
 
 
 def _our_row(fmt: str, tool: str, o: Ours, n_all: int, targets: str) -> str:
     if o.error:
-        return f"| {fmt} | {tool} | | | | | | error: {o.error} | |"
+        return f"| {fmt} | {tool} | | | | | | | | error: {o.error} | |"
     exact = "yes" if o.exact else "**NO**"
     if not o.deterministic:
         exact += f" (**1T and {n_all}T outputs differ**)"
-    return (f"| {fmt} | {tool} | {o.ratio:.4f} | {_mb(o.speeds.get('c1'))} "
-            f"| {_mb(o.speeds.get('d1'))} | {_mb(o.speeds.get(f'c{n_all}'))} "
-            f"| {_mb(o.speeds.get(f'd{n_all}'))} | {exact} | {targets} |")
+    sp = o.speeds
+    return (f"| {fmt} | {tool} | {o.ratio:.4f} | {_mb(sp.get('cm'))} | {_mb(sp.get('dm'))} "
+            f"| {_mb(sp.get('c1'))} | {_mb(sp.get('d1'))} | {_mb(sp.get(f'c{n_all}'))} "
+            f"| {_mb(sp.get(f'd{n_all}'))} | {exact} | {targets} |")
 
 
 def section(cases: list[dict], reps: int, n_all: int, load: tuple[float, float],
@@ -357,10 +400,14 @@ Produced by `python bench/bench_weights.py --write` on {date}.
 {files}
 
 entropykit: ratio = compressed file bytes / original file bytes; MB/s = original bytes per
-second of `entropykit.compress_file` / `decompress_file`, file to file on disk (page cache,
-fsync'd output; each timed run writes a new file), at 1 thread and {n_all} threads; "exact" =
-the restored file equals the original (`filecmp`, byte for byte), and the 1- and
-{n_all}-thread compressed files are identical. `--fast` (`compress_file(..., fast=True)`)
+second. "memory": one thread, the file's bytes already in memory coded into a bytes buffer
+(`container.writer.write`) and the compressed bytes decoded into the original file's bytes
+(`Compressed.restored`), the footing of the peers' figures (the §9 speed verdicts use
+these); "file": `entropykit.compress_file` / `decompress_file`, file to file on disk (page
+cache, fsync'd output; each timed run writes a new file), at 1 thread and {n_all} threads.
+"exact" = the restored file equals the original (`filecmp`, byte for byte), the in-memory
+results equal the file results, and the 1- and {n_all}-thread compressed files are
+identical. `--fast` (`compress_file(..., fast=True)`)
 stores fields that entropy coding would shrink by under 2% raw (BF16/F32 mantissa bytes),
 codes the rest with rANS at 12 bits (tANS only where it saves 0.5%: small fields), and
 tries zstd on small fields only; decompression needs no option. One thread's time is now
@@ -385,6 +432,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="timed runs per measurement (>= 3)")
     ap.add_argument("--no-q4", action="store_true", help="skip the SmolLM2 Q4_1 file")
+    ap.add_argument("--formats", default=",".join(ALL_FORMATS),
+                    help=f"comma-separated subset of {','.join(ALL_FORMATS)} (quick runs: "
+                    "e.g. --formats BF16; peers are measured for those only)")
     ap.add_argument("--write", action="store_true", help=f"replace {SECTION!r} in {RESULTS}")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -394,13 +444,16 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     n_all = len(os.sched_getaffinity(0))
     thread_counts = (1,) if n_all == 1 else (1, n_all)
+    chosen = [f for f in args.formats.split(",") if f]
+    if not chosen or set(chosen) - set(ALL_FORMATS):
+        ap.error(f"--formats: choose from {','.join(ALL_FORMATS)}")
     plan = [(fmt, f"MiniLM {fmt}", data.minilm_cast_path(fmt))
-            for fmt in ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")]
-    if not args.no_q4:
+            for fmt in ALL_FORMATS[:-1] if fmt in chosen]
+    if "Q4_1" in chosen and not args.no_q4:
         plan.append(("Q4_1", "SmolLM2 Q4_1 blocks", q4_1_blocks_path()))
 
     print("peers (cpu_peers.py) ...", file=sys.stderr, flush=True)
-    peer_rows, peers = measure_peers(args.reps)
+    peer_rows, peers = measure_peers(args.reps, [f for f in chosen if f in PEER_FORMATS])
     cases = []
     with tempfile.TemporaryDirectory(prefix="ek-bench-", dir=data.cache_dir()) as tmp:
         for fmt, label, path in plan:

@@ -304,6 +304,9 @@ def test_property_roundtrip(blob: bytes, segment: int, threads: int) -> None:
     buf = np.frombuffer(blob, np.uint8)
     out = io.BytesIO()
     writer.write(files.source(buf), out, threads=threads, segment_bytes=segment)
+    c = Compressed(np.frombuffer(out.getvalue(), np.uint8))
     back = io.BytesIO()
-    Compressed(np.frombuffer(out.getvalue(), np.uint8)).restore(back, threads=threads)
+    c.restore(back, threads=threads)
     assert back.getvalue() == blob
+    whole = c.restored(threads)  # in memory, segments decoded in place
+    assert whole.tobytes() == blob and whole.flags.writeable

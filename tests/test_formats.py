@@ -200,6 +200,21 @@ def test_one_byte_split_is_a_view_and_join_a_copy():
     assert not np.shares_memory(out, raw)
 
 
+@pytest.mark.parametrize("dtype", ["BF16", "F32", "F8_E4M3", "I64"])
+def test_join_into_out_writes_that_array(dtype):
+    raw = np.random.default_rng(4).integers(0, 256, 8 * 300, dtype=np.uint8)
+    fields = {f.name: f.symbols.copy() for f in split(dtype, raw)}
+    buf = np.zeros(raw.size + 16, np.uint8)
+    got = join(dtype, fields, raw.size, out=buf[8:-8])
+    assert np.shares_memory(got, buf)
+    np.testing.assert_array_equal(buf[8:-8], raw)
+    assert not buf[:8].any() and not buf[-8:].any()  # nothing written outside out
+    for bad in (np.zeros(raw.size - 1, np.uint8), np.zeros(raw.size, np.int8),
+                np.zeros(2 * raw.size, np.uint8)[::2], np.frombuffer(bytes(raw.size), np.uint8)):
+        with pytest.raises(ValueError, match="out must be"):
+            join(dtype, fields, raw.size, out=bad)
+
+
 # Rejected input ----------------------------------------------------------------------------
 
 def test_unknown_dtype_and_layout():

@@ -99,18 +99,24 @@ class Compressed:
         except CorruptDataError as err:
             raise CorruptDataError(f"tensor {e.name!r}: {err}") from None
 
-    def _jobs(self, entries: list[hdr.Entry]) -> Iterator[tuple[hdr.Entry, int, int, list]]:
+    def _jobs(self, entries: list[hdr.Entry], into: np.ndarray | None = None, at: int = 0
+              ) -> Iterator[tuple[hdr.Entry, int, int, list, np.ndarray | None]]:
+        """One job per segment of ``entries``; with ``into``, each job's destination is its
+        slice of ``into``, where the data section starts at ``at``."""
         for e in entries:
             parts = self._parts(e)
             nf = len(self.record.tensors[e.name].fields)
+            base = at + e.begin
             for s, (lo, hi) in enumerate(self.bounds(e)):
-                yield e, s, hi - lo, parts[s * nf : (s + 1) * nf]
+                dest = None if into is None else into[base + lo : base + hi]
+                yield e, s, hi - lo, parts[s * nf : (s + 1) * nf], dest
 
-    def _decode(self, job: tuple[hdr.Entry, int, int, list]) -> np.ndarray:
-        e, s, nbytes, parts = job
+    def _decode(self, job: tuple[hdr.Entry, int, int, list, np.ndarray | None]) -> np.ndarray:
+        e, s, nbytes, parts, dest = job
         t = self.record.tensors[e.name]
         try:
-            return segment.decode(e.dtype, t.layout, t.fields, t.codecs[s], parts, nbytes)
+            return segment.decode(e.dtype, t.layout, t.fields, t.codecs[s], parts, nbytes,
+                                  out=dest)
         except CorruptDataError as err:
             raise CorruptDataError(f"tensor {e.name!r} segment {s}: {err}") from None
 
@@ -118,9 +124,19 @@ class Compressed:
         """The original bytes of tensor ``name`` (uint8, writable, freshly allocated)."""
         e = self.entry(name)
         out = np.empty(e.nbytes, np.uint8)
-        for (lo, hi), seg in zip(self.bounds(e), imap(self._decode, self._jobs([e]), threads),
-                                 strict=True):
-            out[lo:hi] = seg
+        for _ in imap(self._decode, self._jobs([e], out, -e.begin), threads):
+            pass  # each segment is decoded straight into its slice of out
+        return out
+
+    def restored(self, threads: int = 1) -> np.ndarray:
+        """The whole original file in memory (uint8, writable): every segment decoded
+        straight into its place, no copy."""
+        head = hdr.prefix(self.record.header) + self.record.header
+        out = np.empty(self.original.file_size(), np.uint8)
+        out[: len(head)] = np.frombuffer(head, np.uint8)
+        for _ in imap(self._decode, self._jobs(self.original.by_offset, out, len(head)),
+                      threads):
+            pass
         return out
 
     def restore(self, out: BinaryIO, threads: int = 1, progress: Progress | None = None,

@@ -130,8 +130,10 @@ def _counts(fields: tuple[tuple[str, str | None], ...], syms: list[np.ndarray]
 
 
 def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], ...],
-           codec_names: tuple[str, ...], parts: list[np.ndarray], nbytes: int) -> np.ndarray:
-    """The ``nbytes`` original bytes of a segment from its field payloads."""
+           codec_names: tuple[str, ...], parts: list[np.ndarray], nbytes: int,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """The ``nbytes`` original bytes of a segment from its field payloads; written into
+    ``out`` when given (see ``formats.join``) and returned."""
     done: dict[str, np.ndarray] = {}
     for (name, ctx), codec, part in zip(fields, codec_names, parts, strict=True):
         n = codecs.count(codec, part)
@@ -142,7 +144,7 @@ def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None],
         except CorruptDataError as e:
             raise CorruptDataError(f"field {name!r} ({codec}): {e}") from None
     try:
-        out = formats.join(dtype, done, nbytes, layout=layout)
+        out = formats.join(dtype, done, nbytes, layout=layout, out=out)
     except CorruptDataError:
         raise
     except (ValueError, KeyError) as e:

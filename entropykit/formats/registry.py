@@ -74,9 +74,12 @@ def split(dtype: str, raw: np.ndarray, *, layout: str | None = None) -> list[Fie
 
 
 def join(
-    dtype: str, fields: Mapping[str, np.ndarray], nbytes: int, *, layout: str | None = None
+    dtype: str, fields: Mapping[str, np.ndarray], nbytes: int, *, layout: str | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The tensor's bytes (a new uint8 array of ``nbytes``) from the fields ``split`` gave."""
+    """The tensor's bytes (uint8 array of ``nbytes``) from the fields ``split`` gave:
+    written into ``out`` when given (a writable, contiguous 1-D uint8 array of exactly
+    ``nbytes``, which is returned: a restored file's slice, saving a copy), else new."""
     plan = _plan(dtype, layout)
     nbytes = operator.index(nbytes)
     itemsize = _ITEMSIZE[dtype]
@@ -100,7 +103,11 @@ def join(
         view = np.ascontiguousarray(a).view()
         view.flags.writeable = False
         planes.append(view)
-    out = np.empty(nbytes, np.uint8)
+    if out is None:
+        out = np.empty(nbytes, np.uint8)
+    elif (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (nbytes,)
+          or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"out must be a writable contiguous uint8 array of shape ({nbytes},)")
     if plan.word == 1:
         out[:] = planes[0]
     else:
