@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from entropykit.container import files, record, writer
+from entropykit.container import codecs, files, record, writer
 from entropykit.container import header as hdr
 from entropykit.container.reader import Compressed
 
@@ -206,6 +206,18 @@ def test_fast_mode_stores_near_incompressible_fields_raw(tmp_path: Path) -> None
     assert fast.stat().st_size < 0.7 * src.stat().st_size
     files.compress_file(src, tmp_path / "fast2.ek", fast=True, threads=2)
     assert (tmp_path / "fast2.ek").read_bytes() == fast.read_bytes()  # deterministic
+
+
+def test_zstd_wins_large_fields_where_lz_matching_pays() -> None:
+    # A large periodic field (an integer table's low byte plane): its middle probe beats the
+    # entropy estimate, so the sample is tried and zstd chosen; a skewed i.i.d. field of the
+    # same size never gets past the probe.
+    n = 5 * codecs.EXACT_LIMIT
+    periodic = np.tile(np.random.default_rng(5).integers(0, 256, 1000, dtype=np.uint8),
+                       n // 1000 + 1)[:n]
+    assert codecs.choose(periodic, None).codec == "zstd"
+    iid = np.random.default_rng(6).geometric(0.3, n).clip(0, 255).astype(np.uint8)
+    assert codecs.choose(iid, None).codec == "tans"
 
 
 def test_field_saving_under_min_saving_is_stored_raw(tmp_path: Path) -> None:
