@@ -107,7 +107,7 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
     for sym, field, n in zip(syms, split.fields, want, strict=True):
         choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
                                fast=fast, grid=grid if n == elements else None,
-                               counts=counts.get(field[0]))
+                               counts=_expand(counts.pop(field[0], None)))
         names.append(choice.codec)
         parts.append(choice.blob)
         bits += choice.entropy_bits
@@ -115,18 +115,33 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
 
 
 def _counts(fields: tuple[tuple[str, str | None], ...], syms: list[np.ndarray]
-            ) -> dict[str, np.ndarray]:
+            ) -> dict[str, np.ndarray | tuple[np.ndarray, np.ndarray]]:
     """Histograms that ``codecs.choose`` would take, from one pass per context pair: a
     conditioned field's joint histogram with its context, whose row sums are the context
-    field's own histogram (BF16, F32: the exponent is counted with its sign_mantissa)."""
+    field's own histogram (BF16, F32: the exponent is counted with its sign_mantissa).
+    A joint is kept as (present context values, their rows) until its field is coded
+    (``_expand``): the full 512 KiB would otherwise be held through the context field's
+    coding, a fixed cost that is a large share of small segments."""
     by_name = dict(zip((name for name, _ in fields), syms, strict=True))
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, np.ndarray | tuple[np.ndarray, np.ndarray]] = {}
     for name, ctx in fields:
         if ctx is not None:
             joint = contexts.joint_histogram(by_name[ctx], by_name[name])
-            out[name] = joint
-            out.setdefault(ctx, joint.sum(axis=1))
+            per = joint.sum(axis=1)
+            present = np.flatnonzero(per)
+            out[name] = (present, joint[present])
+            out.setdefault(ctx, per)
     return out
+
+
+def _expand(counts: np.ndarray | tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:
+    """A histogram as ``_counts`` keeps it, in the form ``codecs.choose`` takes."""
+    if not isinstance(counts, tuple):
+        return counts
+    present, rows = counts
+    joint = np.zeros((256, 256), np.int64)
+    joint[present] = rows
+    return joint
 
 
 def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], ...],
