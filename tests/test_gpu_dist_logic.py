@@ -448,7 +448,7 @@ def test_model_arrays_and_shared_memory_plan():
     a = G.model_arrays(MODEL)
     assert a["shapes"].size == len(MODEL) * (K.Z_POINTS + 2)  # SHAPE_W in the kernel
     assert a["emps"].size == len(MODEL) * (K.EMP_POINTS + 1)
-    assert a["zinv"].dtype == np.float64 and a["zinv"].size == len(MODEL) * (K.INV_POINTS + 1)
+    assert a["zinv"].dtype == np.float32 and a["zinv"].size == len(MODEL) * (K.INV_POINTS + 1)
     assert a["rtab"].size == 512
     assert G.smem_bytes(MODEL, G.Tuning()) == len(MODEL) * (4098 + 257) * 4
     assert G.smem_bytes(MODEL, G.Tuning(smem=False)) == 0
@@ -530,13 +530,14 @@ def _fast_search(slot, j, b, sh, sb, t, spread, mu_bits, sg_bits, m, fp, shapes,
     c1 = K._stage_cdf(j + 1, sn, sb, t, spread)
     if c0 <= slot < c1:
         return j, c0, c1
-    dens = max(c1 - c0, 1)
+    # The kernel's probes are float quotients (any probe in (lo, hi) is as exact).
+    rdens = np.float32(1.0) / np.float32(max(c1 - c0, 1))
     if c1 <= slot:
         lo, clo, hi, chi = j + 1, c1, 256, spread + 256
-        k = lo + 1 + min((slot - clo) // dens, 256)
+        k = lo + 1 + int(min(np.float32(slot - clo) * rdens, np.float32(256.0)))
     else:
         hi, chi, lo, clo = j, c0, 0, 0
-        k = hi - min((chi - slot + dens - 1) // dens, 256)
+        k = hi - int(min(np.ceil(np.float32(chi - slot) * rdens), np.float32(256.0)))
     interp = False
     while hi - lo > 1:
         k = min(max(k, lo + 1), hi - 1)
@@ -546,7 +547,8 @@ def _fast_search(slot, j, b, sh, sb, t, spread, mu_bits, sg_bits, m, fp, shapes,
         else:
             hi, chi = k, ck
         interp = not interp
-        k = lo + (slot - clo) * (hi - lo) // (chi - clo) if interp else (lo + hi) >> 1
+        q = np.float32((slot - clo) * (hi - lo)) * (np.float32(1.0) / np.float32(chi - clo))
+        k = lo + int(q) if interp else (lo + hi) >> 1
     return lo, clo, chi
 
 
@@ -572,16 +574,17 @@ def test_fast_search_finds_the_symbol_from_any_guess(fmt):
 
 
 def test_stage_quotient_from_an_approximate_reciprocal_is_exact():
-    # stage_cdf's q = floor(a / T) for 0 <= a <= spread T, T <= 2^31: the float product
-    # with a reciprocal a few ulps off, truncated, is within one; one remainder fixes it.
+    # stage_cdf's q = floor(spread d / T) for 0 <= d <= T <= 2^31: float(d) times spread
+    # times a reciprocal a few ulps off, truncated, is within one; one remainder fixes it.
     rng = np.random.default_rng(2)
-    t = rng.integers(1, 1 << 31, 20000, dtype=np.int64)
-    t[:4] = [1, 2, (1 << 31) - 1, 1 << 31]
-    a = (rng.random(t.size) * 65280 * t).astype(np.int64)
-    a[4:8] = [0, 65280 * t[4], 65280 * t[5] - 1, t[6] * 7]
-    for ulps in (-4, 0, 4):
-        rt = (np.float32(1.0) / t.astype(np.float32)) * np.float32(1 + ulps * 2.0**-23)
-        q = (a.astype(np.float32) * rt).astype(np.int64)
-        r = a - q * t
-        q += (r >= t).astype(np.int64) - (r < 0)
-        np.testing.assert_array_equal(q, a // t)
+    for spread in (65280, 3840):  # precision 16 and 12
+        t = rng.integers(1, 1 << 31, 20000, dtype=np.int64)
+        t[:4] = [1, 2, (1 << 31) - 1, 1 << 31]
+        d = (rng.random(t.size) * t).astype(np.int64)
+        d[4:8] = [0, t[5], t[6] - 1, t[7] // 7]
+        for ulps in (-4, 0, 4):
+            rt = (np.float32(1.0) / t.astype(np.float32)) * np.float32(1 + ulps * 2.0**-23)
+            q = (d.astype(np.float32) * (np.float32(spread) * rt)).astype(np.int64)
+            r = spread * d - q * t
+            q += (r >= t).astype(np.int64) - (r < 0)
+            np.testing.assert_array_equal(q, spread * d // t)

@@ -67,7 +67,7 @@ struct Model {
     const unsigned* shapes;
     const unsigned* emps;
     const int* weights;
-    const double* zinv;
+    const float* zinv;
     const i64* rtab;
 };
 
@@ -111,57 +111,64 @@ __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const M
     return v;
 }
 
-// D(k) = floor(B(k) / u) - mu_u for 0 < k < NKEYS (dist_kernels._offset).
+// D(k) = floor(B(k) / u) - mu_u for 0 < k < NKEYS (dist_kernels._offset): B = +-mid 2^sh
+// with mid = 2 (implicit bit | mantissa) + 1 odd and < 2^(MANT + 2); left shifts of mid
+// stop at 50 and right ones leave 0 from 31 on, as the CPU's clamped shifts do.
 __device__ __forceinline__ i64 offset(int k, const Val& v) {
     const int y = k - HALF;
     if (y == 0) return -v.mu_u;
     const int a = abs(y) - 1;
     if (a + 1 >= NONFINITE) return y > 0 ? D_BIG : -D_BIG;
-    const i64 neg = y < 0;
+    const int neg = y < 0;
     const int e1 = max(a >> MANT, 1);
-    const i64 mid = 2 * (i64)a + 1 - ((i64)(e1 - 1) << (MANT + 1));
-    const int sh = min(max(e1 - v.cb, -62), 50);
-    const i64 t = ((mid << max(sh, 0)) - neg) >> max(-sh, 0);
-    return (t ^ -neg) - v.mu_u;
+    const int mid = 2 * a + 1 - ((e1 - 1) << (MANT + 1));
+    const int sh = e1 - v.cb;
+    const i64 t = sh >= 0 ? ((i64)mid << min(sh, 50)) - neg
+                          : (i64)((mid - neg) >> min(-sh, 31));
+    return (t ^ -(i64)neg) - v.mu_u;
 }
 
-// S(k): mass of all keys below k in units of 2^-31 (dist_kernels._smooth_cdf).
-__device__ __forceinline__ i64 smooth(int k, const Val& v, const Model& md) {
+// k's place in its empirical bucket as a 32-bit fraction: E's interpolation weight.
+__device__ __forceinline__ unsigned low_bits(int k) {
+    return (unsigned)(k & ((1 << ES) - 1)) << (ES ? 32 - ES : 0);
+}
+
+// S(k): mass of all keys below k in units of 2^-31 (dist_kernels._smooth_cdf), in 32-bit
+// words where the CPU's int64 values fit them: |D| <= dl < 2^22 after the clamp, |zf| <=
+// Z_MAX 2^22, tables rise (CoderModel checks them), so each interpolation's product
+// shifted right is a high word (__umulhi) and S <= 2^31.
+__device__ __forceinline__ unsigned smooth(int k, const Val& v, const Model& md) {
     if (k <= 0) return 0;
     if (k >= NKEYS) return ONE;
-    const i64 d = min(max(offset(k, v), -v.dl), v.dl);  // |z| <= Z_MAX, no overflow
-    const i64 zf = (d * v.rr) >> R_SHIFT;
+    const int d = (int)min(max(offset(k, v), -v.dl), v.dl);
+    const int zf = (int)(((i64)d * v.rr) >> R_SHIFT);
     const unsigned ix = (unsigned)((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS));
     const unsigned* sh = md.shapes + v.m * SHAPE_W;
-    const i64 t0 = sh[ix];
-    i64 s = t0 + ((((i64)sh[ix + 1] - t0) * (zf & ((1 << Z_FRAC) - 1))) >> Z_FRAC);
+    const unsigned t0 = sh[ix];
+    unsigned s = t0 + __umulhi(sh[ix + 1] - t0, (unsigned)(zf & ((1 << Z_FRAC) - 1)) << 16);
     if (v.w) {
         const unsigned* em = md.emps + v.m * EMP_W;
         const int b = k >> ES;
-        const i64 e0 = em[b];
-        const i64 e = e0 + ((((i64)em[b + 1] - e0) * (k & ((1 << ES) - 1))) >> ES);
-        s = (s * (WEIGHT_ONE - v.w) + e * v.w) >> 16;
+        unsigned e = em[b];
+        if (ES) e += __umulhi(em[b + 1] - e, low_bits(k));
+        s = (unsigned)(((u64)s * (unsigned)(WEIGHT_ONE - v.w) + (u64)e * (unsigned)v.w) >> 16);
     }
     return s;
 }
 
-// cdf(j) of a stage with mass S_b .. S_b + T (dist_kernels._stage_cdf, in its int64 /
-// uint64 arithmetic). When 0 <= S_j - S_b <= T (S non-decreasing), q = floor(a / T) with
-// a = spread (S_j - S_b) is at most spread < 2^16: a float reciprocal puts it within 0.05,
-// so the truncated product is q - 1, q or q + 1, and one integer remainder makes it exact.
-// Otherwise (S not monotone: see find_symbol) the CPU's uint64 division of the wrapped
-// operands, as it does.
-__device__ __forceinline__ i64 stage_cdf(int j, i64 sj, i64 sb, i64 t, int spread) {
-    if (t == ONE) return j + ((spread * (sj - sb)) >> ONE_BITS);
-    if (t == 0) return (i64)j * ((spread + 256) >> 8);
-    const i64 a = spread * (sj - sb);
-    if (sj >= sb && sj - sb <= t) {
-        int q = (int)((float)a * __fdividef(1.0f, (float)t));
-        const i64 r = a - (i64)q * t;
-        q += (int)(r >= t) - (int)(r < 0);
-        return j + q;
-    }
-    return j + (i64)((u64)a / (u64)t);
+// cdf(j) of a stage with mass S_b .. S_b + T (dist_kernels._stage_cdf). S never falls for
+// a value the coder accepts (see find_symbol), so 0 <= S_j - S_b <= T and q = floor(spread
+// (S_j - S_b) / T) <= spread < 2^16: float products put it within 0.05, so the truncated
+// one is q - 1, q or q + 1, and one integer remainder makes it exact.
+__device__ __forceinline__ int stage_cdf(int j, unsigned sj, unsigned sb, unsigned t,
+                                         int spread) {
+    if (t == ONE) return j + (int)__umulhi(2u * spread, sj - sb);  // (spread d) >> 31
+    if (t == 0) return j * ((spread + 256) >> 8);
+    const unsigned d = sj - sb;
+    int q = (int)((float)d * ((float)spread * __fdividef(1.0f, (float)t)));
+    const i64 r = (i64)((u64)spread * d - (u64)(unsigned)q * t);  // in [-T, 2T)
+    q += (int)(r >= (i64)t) - (int)(r < 0);
+    return j + q;
 }
 
 __device__ __forceinline__ int key_of(unsigned bits) {
@@ -230,7 +237,7 @@ __device__ __forceinline__ WarpChunk warp_chunk(i64 n, int chunk_size) {
 }
 
 __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shapes,
-        const unsigned* emps, int models, const int* weights, const double* zinv,
+        const unsigned* emps, int models, const int* weights, const float* zinv,
         const i64* rtab) {
     crc_table(tab);
     Model md;
@@ -296,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_encode
         const unsigned char* vals, const unsigned* mu, const unsigned* sg,
         const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
         const unsigned* shapes, const unsigned* emps, int models, const int* weights,
-        const double* zinv, const i64* rtab, const unsigned* xpow, unsigned char* scratch,
+        const float* zinv, const i64* rtab, const unsigned* xpow, unsigned char* scratch,
         i64* res) {
     __shared__ unsigned tab[256];
     const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
@@ -327,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_encode
                 const Val v = params(mub, sgb, midx ? midx[i] : m0, md);
                 const int key = key_of(BYTES == 2 ? ((const unsigned short*)vals)[i] : vals[i]);
                 const int j = key >> ES, b = j << ES;
-                const i64 s0 = smooth(b, v, md), s1 = smooth(b + (1 << ES), v, md);
+                const unsigned s0 = smooth(b, v, md), s1 = smooth(b + (1 << ES), v, md);
                 t0 = stage_cdf(j, s0, 0, ONE, spread);
                 t1 = stage_cdf(j + 1, s1, 0, ONE, spread);
                 if (ES) {
@@ -386,31 +393,21 @@ extern "C" __global__ void dist_gather(const unsigned char* scratch, const unsig
 
 // ---- decoder ---------------------------------------------------------------------------
 
-// Which symbol a slot decodes to. A value is regular when |mu_u| < 2^(MANT + 50): then the
-// shifts in offset() are exact or saturate beyond the clamp +-dl, so S is non-decreasing in
-// k, every stage CDF strictly increases (frequencies >= 1), and exactly one symbol holds
-// the slot: any guess and any search find the CPU's. For regular values the decoder guesses
-// better than the CPU (it takes the empirical component and the stage's j-term out of the
-// target before inverting the shape) and searches from the known neighbour. Otherwise
-// (|mu| beyond ~2^42 sigma) S can fall where a shift saturates, and the decoder retraces
-// the CPU's float64 guess (float32 where it stores one, no fused multiply-adds) and search
-// step for step, so that it lands on the CPU's symbol there too.
-// float64 as the CPU rounds it (no contraction into fused multiply-adds); float32 for the
-// regular values' guesses, where any rounding will do.
-__device__ __forceinline__ double radd(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ double rmul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float radd(float a, float b) { return a + b; }
-__device__ __forceinline__ float rmul(float a, float b) { return a * b; }
+// Which symbol a slot decodes to. Every value the coder accepts (param_ok: mu's exponent
+// field < sigma's + 34) has |mu_u| < 2^50 <= 2^(MANT + 48): then the shifts in offset() are
+// exact or saturate beyond the clamp +-dl, so S is non-decreasing in k, every stage CDF
+// strictly increases (frequencies >= 1), and exactly one symbol holds the slot, so any
+// guess and any bracketing search find the CPU's symbol (tests/test_gpu_dist_logic.py:
+// every accepted value is regular). The decoder guesses its own way, in float32, better
+// than the CPU does, and searches from the guessed symbol.
 
-// A key near CDF fraction g (dist_kernels._guess_key), in R = double (the CPU's) or float.
-template <typename R>
-__device__ __forceinline__ int guess_key(R g, float mu, R sg, const double* zinv) {
-    const R c = g > (R)1 ? (R)1 : g;
-    const R t = rmul(c < (R)0 ? (R)0 : c, (R)INV_POINTS);
+// A key near CDF fraction g: the inverse shape (INV_POINTS intervals) interpolated, then
+// mu + sigma z rounded to the nearest format value (dist_kernels._nearest_key).
+__device__ __forceinline__ int guess_key(float g, float mu, float sg, const float* zinv) {
+    const float t = fminf(fmaxf(g, 0.0f), 1.0f) * INV_POINTS;
     const int i = min((int)t, INV_POINTS - 1);
-    const R z0 = (R)__ldg(zinv + i), z1 = (R)__ldg(zinv + i + 1);
-    const R z = radd(z0, rmul(radd(z1, -z0), radd(t, -(R)i)));
-    const unsigned b = __float_as_uint((float)radd((R)mu, rmul(sg, z)));
+    const float z0 = __ldg(zinv + i), z1 = __ldg(zinv + i + 1);
+    const unsigned b = __float_as_uint(mu + sg * (z0 + (z1 - z0) * (t - (float)i)));
     unsigned a = b & 0x7FFFFFFF;
     int ex = (int)(a >> 23) - 127 + BIAS;
     int mag;
@@ -427,120 +424,76 @@ __device__ __forceinline__ int guess_key(R g, float mu, R sg, const double* zinv
     return (b >> 31) ? HALF - 1 - mag : HALF + mag;
 }
 
-// The symbol (keys b + j 2^sh) that slot decodes to, guessed (dist_kernels._stage_guess).
-__device__ __forceinline__ int stage_guess(i64 slot, int b, int sh, i64 sb, i64 t, float mu,
-        double sg, const double* zinv, int p) {
-    const double dt = (double)t, dsb = (double)sb, one = 1.0 / ONE;
-    double frac = rmul(radd(dsb, rmul(rmul(radd((double)slot, 0.5), 1.0 / (1 << p)), dt)), one);
-    int g = guess_key<double>(frac, mu, sg, zinv);
-    if (sh == 0) {  // take the first guess's j out of slot = j + spread (S_j - S_b) / T
-        const int j0 = min(max(g - b, 0), 255);
-        const double inv = __ddiv_rn(1.0, (double)((1 << p) - 256));
-        frac = rmul(radd(dsb, rmul(rmul(radd((double)(slot - j0), 0.5), inv), dt)), one);
-        g = guess_key<double>(frac, mu, sg, zinv);
-    }
-    return min(max((g - b) >> sh, 0), 255);
-}
-
-__device__ __forceinline__ bool regular(const Val& v) {
-    return v.mu_u < (1LL << (MANT + 50)) && v.mu_u > -(1LL << (MANT + 50));
-}
-
 // E(k) of the value's model (smooth()'s empirical term), in units of 2^-31.
-__device__ __forceinline__ i64 emp_at(int k, const Val& v, const Model& md) {
+__device__ __forceinline__ unsigned emp_at(int k, const Val& v, const Model& md) {
     const unsigned* em = md.emps + v.m * EMP_W;
     const int b = min(max(k, 0), NKEYS - 1) >> ES;
-    const i64 e0 = em[b];
-    return e0 + ((((i64)em[b + 1] - e0) * (k & ((1 << ES) - 1))) >> ES);
+    const unsigned e = em[b];
+    return ES ? e + __umulhi(em[b + 1] - e, low_bits(k)) : e;
 }
 
-// The regular values' guess: the target S* from slot = j + spread (S_j - S_b) / T with j
-// from a first guess, then F* = (2^16 S* - w E(k)) / (2^16 - w) at that guess's key k,
-// inverted through the shape.
-__device__ __forceinline__ int fast_guess(i64 slot, int b, int sh, i64 sb, i64 t, float mu,
-        float sg, const double* zinv, const Val& v, const Model& md, int p) {
+// The guess: the target S* from slot = j + spread (S_j - S_b) / T and
+// F* = (2^16 S* - w E(k)) / (2^16 - w), inverted through the shape, with j and k from the
+// previous guess (the first one inverts slot / 2^p alone). GUESS_ROUNDS = 1 takes j and E
+// from that first guess only; but with w > 0 its key is off by many keys wherever w E is
+// far from w F (2% of the empirical mass on bf16 values near 1 moves it ~100 keys), so j
+// is off as much and the target by ~j T / spread: about one symbol where keys are dense.
+// A second round from the first round's key halves the misses (bf16 low bytes: 8.7% ->
+// 3.8% of steps on kv_check's data, a CPU emulation), and a miss stalls its whole warp.
+__device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, unsigned t, float mu,
+        float sg, const float* zinv, const Val& v, const Model& md, int p) {
     const float ft = (float)t, fsb = (float)sb;
-    int k = guess_key<float>((fsb + ((float)slot + 0.5f) * (1.0f / (1 << p)) * ft)
+    int k = guess_key((fsb + ((float)slot + 0.5f) * (1.0f / (1 << p)) * ft)
                              * (1.0f / ONE), mu, sg, zinv);
-    const int j0 = min(max((k - b) >> sh, 0), 255);
-    float target = fsb + ((float)(slot - j0) + 0.5f) * __fdividef(1.0f, (1 << p) - 256) * ft;
-    if (v.w)
-        target = (target * WEIGHT_ONE - (float)v.w * (float)emp_at(k, v, md))
-                 * __fdividef(1.0f, (float)(WEIGHT_ONE - v.w));
-    k = guess_key<float>(target * (1.0f / ONE), mu, sg, zinv);
+    const float unit = __fdividef(ft, (float)((1 << p) - 256));
+#pragma unroll
+    for (int round = 0; round < GUESS_ROUNDS; ++round) {
+        const int j0 = min(max((k - b) >> sh, 0), 255);
+        float target = fsb + ((float)(slot - j0) + 0.5f) * unit;
+        if (v.w)
+            target = (target * WEIGHT_ONE - (float)v.w * (float)emp_at(k, v, md))
+                     * __fdividef(1.0f, (float)(WEIGHT_ONE - v.w));
+        k = guess_key(target * (1.0f / ONE), mu, sg, zinv);
+    }
     return min(max((k - b) >> sh, 0), 255);
 }
 
 struct Sym {
-    int j;
-    i64 sj, sn, c0, c1;
+    int j, c0, c1;     // symbol, cdf(j), cdf(j + 1)
+    unsigned sj, sn;   // S at its two ends
 };
 
-// Gallop from a missed guess, then bisect (dist_kernels._search_from). cdf(0) = 0 <= slot
-// < 2^p = cdf(256) and every frequency is >= 1, so it ends whatever the payload holds.
-__device__ Sym search(i64 slot, Sym g, int b, int sh, i64 sb, i64 t, int spread, const Val& v,
-                      const Model& md) {
-    int lo, hi;
-    i64 slo, shi, clo, chi;
-    int step = 1;
-    if (g.c0 <= slot) {
-        lo = g.j; slo = g.sj; clo = g.c0;
-        while (true) {
-            const int k = lo + step;
-            if (k >= 256) { hi = 256; shi = sb + t; chi = spread + 256; break; }
-            const i64 sk = smooth(b + (k << sh), v, md), ck = stage_cdf(k, sk, sb, t, spread);
-            if (ck > slot) { hi = k; shi = sk; chi = ck; break; }
-            lo = k; slo = sk; clo = ck;
-            step *= 2;
-        }
-    } else {
-        hi = g.j; shi = g.sj; chi = g.c0;
-        while (true) {
-            const int k = hi - step;
-            if (k <= 0) { lo = 0; slo = sb; clo = 0; break; }
-            const i64 sk = smooth(b + (k << sh), v, md), ck = stage_cdf(k, sk, sb, t, spread);
-            if (ck <= slot) { lo = k; slo = sk; clo = ck; break; }
-            hi = k; shi = sk; chi = ck;
-            step *= 2;
-        }
-    }
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        const i64 sm = smooth(b + (mid << sh), v, md), cm = stage_cdf(mid, sm, sb, t, spread);
-        if (cm <= slot) { lo = mid; slo = sm; clo = cm; }
-        else { hi = mid; shi = sm; chi = cm; }
-    }
-    Sym s;
-    s.j = lo; s.sj = slo; s.sn = shi; s.c0 = clo; s.c1 = chi;
-    return s;
-}
-
-// A regular value's search after a missed guess (its CDF strictly increases, so any
-// bracketing search finds the CPU's symbol). The first probe steps by the guessed symbol's
+// The search after a missed guess (the CDF strictly increases, so any bracketing
+// search finds the CPU's symbol). The first probe steps by the guessed symbol's
 // own frequency, the next ones interpolate and bisect in turn, so a near miss costs one or
 // two CDFs and no miss more than about twice a bisection's 8.
-__device__ Sym fast_search(i64 slot, const Sym& g, int b, int sh, i64 sb, i64 t, int spread,
-                           const Val& v, const Model& md) {
-    int lo, hi, k;
-    i64 slo, shi, clo, chi;
-    const i64 dens = max(g.c1 - g.c0, 1LL);
+__device__ Sym fast_search(int slot, const Sym& g, int b, int sh, unsigned sb, unsigned t,
+                           int spread, const Val& v, const Model& md) {
+    int lo, hi, k, clo, chi;
+    unsigned slo, shi;
+    // Probe positions only need to lie in (lo, hi), where they are clamped: float
+    // quotients (cdf values are < 2^16 + 256, exact in float) instead of int64 divisions.
+    const float rdens = __fdividef(1.0f, (float)max(g.c1 - g.c0, 1));
     if (g.c1 <= slot) {
         lo = g.j + 1; slo = g.sn; clo = g.c1;
         hi = 256; shi = sb + t; chi = spread + 256;
-        k = lo + 1 + (int)min((slot - clo) / dens, 256LL);
+        k = lo + 1 + (int)fminf((float)(slot - clo) * rdens, 256.0f);
     } else {
         hi = g.j; shi = g.sj; chi = g.c0;
         lo = 0; slo = sb; clo = 0;
-        k = hi - (int)min((chi - slot + dens - 1) / dens, 256LL);
+        k = hi - (int)fminf(ceilf((float)(chi - slot) * rdens), 256.0f);
     }
     bool interp = false;
     while (hi - lo > 1) {
         k = min(max(k, lo + 1), hi - 1);
-        const i64 sk = smooth(b + (k << sh), v, md), ck = stage_cdf(k, sk, sb, t, spread);
+        const unsigned sk = smooth(b + (k << sh), v, md);
+        const int ck = stage_cdf(k, sk, sb, t, spread);
         if (ck <= slot) { lo = k; slo = sk; clo = ck; }
         else { hi = k; shi = sk; chi = ck; }
         interp = !interp;
-        k = interp ? lo + (int)((slot - clo) * (hi - lo) / (chi - clo)) : (lo + hi) >> 1;
+        k = interp ? lo + (int)((float)((slot - clo) * (hi - lo))
+                                * __fdividef(1.0f, (float)(chi - clo)))
+                   : (lo + hi) >> 1;
     }
     Sym s;
     s.j = lo; s.sj = slo; s.sn = shi; s.c0 = clo; s.c1 = chi;
@@ -549,41 +502,39 @@ __device__ Sym fast_search(i64 slot, const Sym& g, int b, int sh, i64 sb, i64 t,
 
 // The symbol of slot in a stage (keys b + j 2^sh, mass S_b .. S_b + T), with S and cdf at
 // both its ends: guess, check with two exact CDFs, search on a miss.
-__device__ __forceinline__ Sym find_symbol(i64 slot, int b, int sh, i64 sb, i64 t, const Val& v,
-        float muf, double sgf, const Model& md, int p) {
+__device__ __forceinline__ Sym find_symbol(int slot, int b, int sh, unsigned sb, unsigned t,
+        const Val& v, float muf, float sgf, const Model& md, int p) {
     const int spread = (1 << p) - 256;
-    const double* zinv = md.zinv + v.m * (INV_POINTS + 1);
-    const bool reg = regular(v);
     Sym s;
-    s.j = reg ? fast_guess(slot, b, sh, sb, t, muf, (float)sgf, zinv, v, md, p)
-              : stage_guess(slot, b, sh, sb, t, muf, sgf, zinv, p);
+    s.j = fast_guess(slot, b, sh, sb, t, muf, sgf, md.zinv + v.m * (INV_POINTS + 1), v, md, p);
     s.sj = smooth(b + (s.j << sh), v, md);
     s.sn = smooth(b + ((s.j + 1) << sh), v, md);
     s.c0 = stage_cdf(s.j, s.sj, sb, t, spread);
     s.c1 = stage_cdf(s.j + 1, s.sn, sb, t, spread);
     if (s.c0 <= slot && slot < s.c1) return s;
-    return reg ? fast_search(slot, s, b, sh, sb, t, spread, v, md)
-               : search(slot, s, b, sh, sb, t, spread, v, md);
+    return fast_search(slot, s, b, sh, sb, t, spread, v, md);
 }
 
-// One decode step of a lane (live or not): find the symbol, update x, take a word, in the
-// CPU's int64 arithmetic (dist_kernels._decode_step). Returns false (warp-uniform) if some
-// lane needs a word past the payload.
-__device__ __forceinline__ bool dec_step(i64& x, Sym& s, bool live, int b, int sh, i64 sb,
-        i64 t, const Val& v, float muf, double sgf, const Model& md, int p,
+// One decode step of a lane (live or not): find the symbol, update x, take a word
+// (dist_kernels._decode_step). The state fits 32 bits whatever the payload: x < 2^32 and
+// a frequency f <= 2^p - 255 give f (x >> p) + (slot - c0) < f 2^(32 - p) < 2^32, and a
+// word is shifted in only below 2^16. Returns false (warp-uniform) if some lane needs a
+// word past the payload.
+__device__ __forceinline__ bool dec_step(unsigned& x, Sym& s, bool live, int b, int sh,
+        unsigned sb, unsigned t, const Val& v, float muf, float sgf, const Model& md, int p,
         const unsigned char* words, int n_words, int& wp, int lane) {
-    const i64 slot = x & ((1 << p) - 1);
+    const int slot = (int)(x & ((1u << p) - 1));
     bool need = false;
     if (live) {
         s = find_symbol(slot, b, sh, sb, t, v, muf, sgf, md, p);
-        x = (i64)((u64)(s.c1 - s.c0) * (u64)(x >> p) + (u64)(slot - s.c0));
+        x = (unsigned)(s.c1 - s.c0) * (x >> p) + (unsigned)(slot - s.c0);
         need = x < LB;
     }
     const unsigned bal = __ballot_sync(FULL, need);
     const int at = wp + __popc(bal & ((1u << lane) - 1u));
     wp += __popc(bal);
     if (wp > n_words) return false;
-    if (need) x = (i64)(((u64)x << 16) | words[2 * at] | ((unsigned)words[2 * at + 1] << 8));
+    if (need) x = (x << 16) | words[2 * at] | ((unsigned)words[2 * at + 1] << 8);
     return true;
 }
 
@@ -593,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode
         const unsigned char* frame, const i64* desc, const unsigned* mu, const unsigned* sg,
         const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
         const unsigned* shapes, const unsigned* emps, int models, const int* weights,
-        const double* zinv, const i64* rtab, const unsigned* xpow, unsigned char* outb,
+        const float* zinv, const i64* rtab, const unsigned* xpow, unsigned char* outb,
         int* status) {
     __shared__ unsigned tab[256];
     const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
@@ -614,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode
         code = ERR_ODD;
     } else {
         const unsigned char* s = pay + 4 * lane;
-        i64 x = s[0] | (s[1] << 8) | (s[2] << 16) | ((unsigned)s[3] << 24);
+        unsigned x = s[0] | (s[1] << 8) | (s[2] << 16) | ((unsigned)s[3] << 24);
         if (__ballot_sync(FULL, x < LB)) code = ERR_STATE;
         const unsigned char* words = pay + 4 * LANES;
         const int n_words = (len - 4 * LANES) >> 1;
@@ -625,7 +576,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode
             bool ok = true;
             Val v;
             float muf = 0.f;
-            double sgf = 0.0;
+            float sgf = 0.0f;
             if (live) {
                 const unsigned mub = mu[i], sgb = sg[i];
                 ok = param_ok(mub, sgb);

@@ -52,6 +52,7 @@ class Tuning:
     warps: int = 4  # warps (chunks) per block
     smem: bool = True  # model tables in shared memory when they fit _SMEM_LIMIT
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
+    guess_rounds: int = 2  # decoder's guess refinements (1: the earlier kernel's single one)
 
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
@@ -141,11 +142,11 @@ def first_bad_param(codes: np.ndarray, where: np.ndarray, chunk_size: int) -> in
 
 def model_arrays(model: D.CoderModel) -> dict[str, np.ndarray]:
     """The model as the kernels read it: padded shapes and empirical CDFs (uint32), weights
-    (int32), inverse shapes (float64, guesses only), sigma reciprocals (int64[2, 256])."""
+    (int32), inverse shapes (float32, guesses only), sigma reciprocals (int64[2, 256])."""
     return {"shapes": np.ascontiguousarray(model.padded, np.uint32).reshape(-1),
             "emps": np.ascontiguousarray(model.emps, np.uint32).reshape(-1),
             "weights": model.weights.astype(np.int32),
-            "zinv": np.ascontiguousarray(model.inverse, np.float64).reshape(-1),
+            "zinv": np.ascontiguousarray(model.inverse, np.float32).reshape(-1),
             "rtab": np.ascontiguousarray(D._RTAB, np.int64).reshape(-1)}
 
 
@@ -177,7 +178,8 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
             src = resources.files(__package__).joinpath("_dist_kernel.cu").read_text()
             opts = ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
                     f"-DBIAS={f.bias}", f"-DNONFINITE={f.nonfinite}", f"-DES={f.bits - 8}",
-                    f"-DSMEM={int(smem)}", f"-DWARPS={t.warps}", f"-DMIN_BLOCKS={t.min_blocks}")
+                    f"-DSMEM={int(smem)}", f"-DWARPS={t.warps}", f"-DMIN_BLOCKS={t.min_blocks}",
+                    f"-DGUESS_ROUNDS={t.guess_rounds}")
             _modules[key] = cp.RawModule(code=src, options=opts)
         return _modules[key]
 
