@@ -52,6 +52,24 @@ def test_missing_or_wrong_context():
         rans.decode(f, context=wrong)
 
 
+@pytest.mark.parametrize("n", [2000, 2048 + 31, 4096 * 3 + 17])
+def test_mapped_context_decodes_like_the_map(n):
+    # A caller may hand the table index of every symbol (cmap[context]) instead of the
+    # context: same symbols; an index beyond the tables is refused, never read.
+    ctx, sym = _conditioned(np.random.default_rng(7), n)
+    f = rans.encode(sym, context=ctx, chunk_size=1024)
+    info = frame.parse(rans.static.CODER, f)
+    assert info.cmap is not None and info.freqs.shape[0] > 1
+    mapped = info.cmap[ctx]
+    for threads in (1, 2):
+        got = frame.decode(rans.static.CODER, f, threads, context=mapped, mapped=True)
+        np.testing.assert_array_equal(got, sym)
+    bad = mapped.copy()
+    bad[n // 2] = info.freqs.shape[0]
+    with pytest.raises(entropykit.CorruptDataError, match="context does not match"):
+        frame.decode(rans.static.CODER, f, 1, context=bad, mapped=True)
+
+
 def test_max_tables_is_respected():
     ctx, sym = _conditioned(np.random.default_rng(3), 200_000, k=12)
     for m in (1, 2, 5):

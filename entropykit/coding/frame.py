@@ -97,7 +97,8 @@ class ChunkCoder(Protocol):
         """Decode payload j (``buf[starts[j]:starts[j]+lengths[j]]``) into ``out[lo[j]:hi[j]]``
         for every j (int64 arrays); error text or None per payload. ``ctx`` is None or the
         context value of every symbol of ``out`` (only if ``supports_context``), and then
-        a symbol's table is ``cmap[its context value]`` (uint8[256])."""
+        a symbol's table is ``cmap[its context value]`` (uint8[256]), or with ``cmap``
+        None the context value itself (``decode``'s ``mapped``)."""
 
 
 @dataclass(frozen=True)
@@ -364,14 +365,18 @@ def _directory(buf, off, lengths, offsets):
 
 def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
            threads: int | None = None, out: np.ndarray | None = None,
-           context: Any = None) -> np.ndarray:
+           context: Any = None, *, info: FrameInfo | None = None,
+           mapped: bool = False) -> np.ndarray:
     """Decode a frame into uint8 symbols (into ``out`` when given, which must fit exactly).
 
     A context-conditioned frame needs the ``context`` it was encoded with (ValueError if
-    missing); a one-table frame ignores it.
+    missing); a one-table frame ignores it. ``mapped``: the context already holds each
+    symbol's table index, ``info.cmap[context value]`` (a caller that makes its contexts
+    can map them as it goes, sparing the kernel a lookup per symbol; every index is
+    checked against the tables). ``info``: this frame's ``parse``, if the caller has it.
     """
     buf = _as_bytes(frame)
-    info = parse(coder, buf)
+    info = parse(coder, buf) if info is None else info
     if out is None:
         out = np.empty(info.n, np.uint8)
     elif out.dtype != np.uint8 or out.shape != (info.n,):
@@ -415,7 +420,8 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
             lo = idx * cs - lo0
             found = coder.decode_chunks(buf, info.offsets[idx], info.lengths[idx], tabs,
                                         info.param, out[lo0:hi0],
-                                        None if ctx is None else ctx[lo0:hi0], info.cmap, lo,
+                                        None if ctx is None else ctx[lo0:hi0],
+                                        None if mapped else info.cmap, lo,
                                         np.minimum(lo + cs, hi0 - lo0))
             for i, err in zip(coded, found, strict=True):
                 errors[i - first] = err

@@ -239,8 +239,10 @@ def _count(ctx, sym, kmax):
 
 
 def _context_args(n: int, cols: int, phase: int, rcls: np.ndarray | None,
-                  ccls: np.ndarray | None, kc: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row classes, uint8[kr, cols] contexts along a row of each row class)."""
+                  ccls: np.ndarray | None, kc: int, cmap: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(row classes, uint8[kr, cols] contexts along a row of each row class, each mapped
+    through ``cmap`` if given)."""
     rows = n_rows(n, cols, phase)
     assert (rcls is None or rcls.size == rows) and (kc == 1 or ccls is not None
                                                    and ccls.size == cols)
@@ -249,18 +251,19 @@ def _context_args(n: int, cols: int, phase: int, rcls: np.ndarray | None,
     kr = int(rc.max(initial=0)) + 1
     along = np.zeros(cols, np.int64) if ccls is None else np.asarray(ccls, np.int64)
     pattern = (np.arange(kr, dtype=np.int64)[:, None] * kc + along[None, :]).astype(np.uint8)
-    return rc, pattern
+    return rc, pattern if cmap is None else np.asarray(cmap, np.uint8)[pattern]
 
 
 def context(n: int, cols: int, phase: int, rcls: np.ndarray | None,
-            ccls: np.ndarray | None, kc: int) -> np.ndarray:
-    """uint8[n]: each symbol's class, ``rcls[row] * kc + ccls[column]``.
+            ccls: np.ndarray | None, kc: int, cmap: np.ndarray | None = None) -> np.ndarray:
+    """uint8[n]: each symbol's class, ``rcls[row] * kc + ccls[column]``, or with ``cmap``
+    (uint8[256]) its image ``cmap[class]`` (a frame's table index, at no extra cost).
 
     ``rcls``: one class per row touched (``n_rows``), or None for no row classes;
     ``ccls``: one per column (``cols``), or None (then ``kc`` must be 1). The caller
     checks that the classes make contexts below 256.
     """
-    rc, pattern = _context_args(n, cols, phase, rcls, ccls, kc)
+    rc, pattern = _context_args(n, cols, phase, rcls, ccls, kc, cmap)
     out = np.empty(n, np.uint8)
     _context(n, cols, phase, rc, pattern, out)
     return out

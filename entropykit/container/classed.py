@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import rans
 from .._errors import CorruptDataError
 from ..coding import frame, lines, tables
 from ..rans import static as rans_static
@@ -166,9 +165,15 @@ def decode(data: np.ndarray, n: int) -> np.ndarray:
             raise CorruptDataError(f"rans2d payload: column class map at byte "
                                    f"{HEADER_SIZE + row_bytes} names a class >= {kc} or "
                                    "sets padding bits")
-    ctx = lines.context(n, cols, phase, rcls, ccls, kc)
+    body = data[start:]
     try:
-        return rans.decode(data[start:], threads=1, out=np.empty(n, np.uint8), context=ctx)
+        info = frame.parse(rans_static.CODER, body)
+        # Each symbol's table index straight from the maps (cmap folded into the row
+        # patterns): the kernel skips its cmap lookup. A one-table frame needs no context.
+        ctx = None if info.cmap is None else lines.context(n, cols, phase, rcls, ccls, kc,
+                                                           info.cmap)
+        return frame.decode(rans_static.CODER, body, 1, np.empty(n, np.uint8), ctx,
+                            info=info, mapped=True)
     except CorruptDataError as e:
         raise CorruptDataError(f"rans2d frame: {e}") from None
     except ValueError as e:

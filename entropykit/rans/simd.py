@@ -55,10 +55,13 @@ def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
 
     With a context, symbol i uses table ``cmap[ctx[i]]`` (``cmap`` int64[256], each value
     < the number of tables): the table index of each lane is gathered from ``cmap``, so no
-    separate pass maps the context to table indices.
+    separate pass maps the context to table indices. With ``cmap`` None the context values
+    are the table indices themselves (a caller that makes the contexts maps them as it
+    goes: no gather).
     """
     sig = types.intp(x, table, precision, ctx, cmap, base, out, buf, ptr)
     conditional = not isinstance(ctx, types.NoneType)
+    direct = isinstance(cmap, types.NoneType)
 
     def codegen(context, builder, signature, args):
         x_v, table_v, prec_v, ctx_v, cmap_v, base_v, out_v, buf_v, ptr_v = args
@@ -74,9 +77,10 @@ def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
         slot = builder.zext(builder.and_(xs, mask), _vec(_I64))
         if conditional:  # row k = cmap[ctx] of the table: slot += k << precision
             c_ptr = builder.bitcast(builder.gep(data(3, ctx_v), [base_v]), _vec(_I8).as_pointer())
-            c = builder.zext(builder.load(c_ptr, align=1), _vec(_I64))
-            cmap0 = _splat(builder, builder.ptrtoint(data(4, cmap_v), _I64), _I64)
-            k = _gather(builder, builder.add(cmap0, builder.shl(c, _splat_const(_I64, 3))))
+            k = builder.zext(builder.load(c_ptr, align=1), _vec(_I64))
+            if not direct:
+                cmap0 = _splat(builder, builder.ptrtoint(data(4, cmap_v), _I64), _I64)
+                k = _gather(builder, builder.add(cmap0, builder.shl(k, _splat_const(_I64, 3))))
             slot = builder.add(slot, builder.shl(k, builder.zext(p, _vec(_I64))))
         row0 = _splat(builder, builder.ptrtoint(data(1, table_v), _I64), _I64)
         e = _gather(builder, builder.add(row0, builder.shl(slot, _splat_const(_I64, 3))))

@@ -39,9 +39,10 @@ class _RansCoder:
 
     def decode_chunks(self, buf, starts, lengths, tabs, param, out, ctx, cmap, lo, hi
                       ) -> list[str | None]:
+        # A context without a map holds table indices (frame.decode's ``mapped``).
         errors = np.empty(len(starts), np.int64)
-        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx, _int_map(ctx, cmap),
-                              lo, hi, errors)
+        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx,
+                              None if cmap is None else _int_map(ctx, cmap), lo, hi, errors)
         return [None if c == kernels.OK else kernels.MESSAGES[c] for c in errors.tolist()]
 
     def decode_chunk(self, buf, start, length, tabs, param, out, ctx, cmap=None
