@@ -102,7 +102,14 @@ def _costs(tot):
     return cost
 
 
-_TILE = 64  # lines whose bits are summed together (independent sums: no stall on one)
+_TILE = 64  # lines whose bits are summed together, as one vector per class
+
+
+@njit(nogil=True, cache=True)
+def _add_scaled(acc, v, w, m):
+    # acc[:m] += v[:m] * w, element by element (a loop of its own: LLVM vectorizes it).
+    for q in range(m):
+        acc[q] += v[q] * w
 
 
 @njit(nogil=True, cache=True)
@@ -110,24 +117,28 @@ def _reassign(h, lines, cls, cost):
     # Move each of ``lines`` to the class that codes it in fewest bits (ties: lowest class).
     # A line's bits for class c: sum over buckets s, in increasing s, of h[line, s] *
     # cost[s, c]; zero counts add +0.0, which leaves a sum of non-negative terms unchanged,
-    # so this equals the sum over the line's nonzero buckets only. Lines go in tiles so
-    # that the sums advanced together are independent.
+    # so this equals the sum over the line's nonzero buckets only. Lines go in tiles,
+    # transposed (ht[s, q]), so the sums of a tile's lines advance together as vectors:
+    # each line's own sum still runs in increasing s.
     k = cost.shape[1]
     width = h.shape[1]
-    bits = np.empty((_TILE, k), np.float64)
+    ht = np.empty((width, _TILE), np.float64)
+    bits = np.empty((k, _TILE), np.float64)
     moved = 0
     for t0 in range(0, lines.size, _TILE):
         m = min(_TILE, lines.size - t0)
-        bits[:m] = 0.0
+        for q in range(m):
+            line = lines[t0 + q]
+            for s in range(width):
+                ht[s, q] = h[line, s]
+        bits[:, :m] = 0.0
         for s in range(width):
-            for q in range(m):
-                v = np.float64(h[lines[t0 + q], s])
-                for c in range(k):
-                    bits[q, c] += v * cost[s, c]
+            for c in range(k):
+                _add_scaled(bits[c], ht[s], cost[s, c], m)
         for q in range(m):
             best = 0
             for c in range(1, k):
-                if bits[q, c] < bits[q, best]:
+                if bits[c, q] < bits[best, q]:
                     best = c
             line = lines[t0 + q]
             if best != cls[line]:
@@ -184,13 +195,18 @@ def line_histograms(sym: np.ndarray, index: np.ndarray, n_buckets: int, cols: in
 
 @njit(nogil=True, cache=True)
 def _line_sums(h, mag):
-    # (symbols of each line, sum of their magnitudes), int64.
-    counts = np.zeros(h.shape[0], np.int64)
-    sums = np.zeros(h.shape[0], np.int64)
+    # (symbols of each line, sum of their magnitudes), int64; each line summed in registers.
+    counts = np.empty(h.shape[0], np.int64)
+    sums = np.empty(h.shape[0], np.int64)
     for line in range(h.shape[0]):
+        c = 0
+        t = 0
         for s in range(h.shape[1]):
-            counts[line] += h[line, s]
-            sums[line] += np.int64(h[line, s]) * mag[s]
+            v = np.int64(h[line, s])
+            c += v
+            t += v * mag[s]
+        counts[line] = c
+        sums[line] = t
     return counts, sums
 
 
