@@ -46,26 +46,42 @@ def table_bits(row: np.ndarray) -> float:
 
 
 @njit(nogil=True, cache=True)
-def _choose(joint: np.ndarray, order: np.ndarray, max_tables: int) -> np.ndarray:
-    rest = np.zeros(256, np.int64)
+def _choose(joint: np.ndarray, max_tables: int) -> np.ndarray:
+    # Greedy split (module docstring) over the present context values, by decreasing count
+    # (a stable sort: ties to the lower value); only present rows are ever read, and one
+    # buffer holds each candidate's remainder.
+    per = np.zeros(256, np.int64)
     for c in range(256):
-        rest += joint[c]
+        t = 0
+        for s in range(256):
+            t += joint[c, s]
+        per[c] = t
+    present = np.flatnonzero(per)
+    order = present[np.argsort(-per[present], kind="mergesort")]
+    rest = np.zeros(256, np.int64)
+    for c in present:
+        for s in range(256):
+            rest[s] += joint[c, s]
+    rest_total = per.sum()
     cmap = np.zeros(256, np.uint8)
+    remain = np.empty(256, np.int64)
     n_own = 0
     rest_bits = tables.entropy_bits_exact(rest)
     for c in order:
         if n_own + 1 >= max_tables:
             break
-        remain = rest - joint[c]
-        if remain.sum() == 0:
+        if rest_total == per[c]:
             break  # c is the last context in the shared class; nothing to split
+        for s in range(256):
+            remain[s] = rest[s] - joint[c, s]
         remain_bits = tables.entropy_bits_exact(remain)
         saved = (rest_bits - remain_bits - tables.entropy_bits_exact(joint[c])
                  - table_bits(joint[c]))
         if saved > 0:
             n_own += 1
             cmap[c] = n_own
-            rest = remain
+            rest[:] = remain
+            rest_total -= per[c]
             rest_bits = remain_bits
     return cmap
 
@@ -74,11 +90,7 @@ def choose(joint: np.ndarray, max_tables: int = DEFAULT_MAX_TABLES) -> np.ndarra
     """Context value -> table index (uint8[256]), or None when one table is as cheap."""
     if not 1 <= max_tables <= 256:
         raise ValueError(f"max_tables must be in 1..256, got {max_tables}")
-    per_ctx = joint.sum(axis=1)
-    present = np.flatnonzero(per_ctx)
-    # Decreasing count, ties to the lower context value (a stable sort keeps value order).
-    order = present[np.argsort(-per_ctx[present], kind="stable")]
-    cmap = _choose(np.ascontiguousarray(joint, np.int64), order, max_tables)
+    cmap = _choose(np.ascontiguousarray(joint, np.int64), max_tables)
     return cmap if cmap.any() else None
 
 

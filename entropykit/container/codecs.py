@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,12 +108,28 @@ def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None,
     if codec == "rans2d":
         raise ValueError("rans2d payloads are made by choose() (they need the tensor's grid)")
     if codec == "zstd":
-        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True,
-                                        write_content_size=True)
-        return cctx.compress(symbols.data)
+        return _zstd().compress(symbols.data)
     if codec == "raw":
         return b"".join((_CRC.pack(crc32(symbols)), symbols.data))  # one copy
     raise ValueError(f"unknown codec {codec!r}")
+
+
+_LOCAL = threading.local()  # one zstd (de)compressor per thread: making one costs ~8 us
+
+
+def _zstd() -> zstandard.ZstdCompressor:
+    cctx = getattr(_LOCAL, "cctx", None)
+    if cctx is None:
+        cctx = _LOCAL.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True,
+                                                      write_content_size=True)
+    return cctx
+
+
+def _unzstd() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_LOCAL, "dctx", None)
+    if dctx is None:
+        dctx = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    return dctx
 
 
 def count(codec: str, data: np.ndarray) -> int:
@@ -163,7 +180,7 @@ def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> 
         try:
             if zstandard.frame_content_size(data.data) != n:
                 raise CorruptDataError(f"zstd frame does not hold {n} bytes")
-            out = zstandard.ZstdDecompressor().decompress(data.data, max_output_size=n)
+            out = _unzstd().decompress(data.data, max_output_size=n)
         except zstandard.ZstdError as e:
             raise CorruptDataError(f"zstd frame: {e}") from None
         return np.frombuffer(out, np.uint8)
