@@ -201,12 +201,13 @@ def _offset(k, v, f):
 
 
 @_inline
-def _smooth_cdf(k, v, f, shapes, emps):
+def _smooth_cdf(k, v, f, shapes, emps, mix=True):
     """S(k): mass of all keys below k, in units of 2**-31 (module docstring).
 
     Branch-free (see ``_offset``): k is clamped into 1..nkeys-1 for the table reads and the
     ends S(k <= 0) = 0, S(k >= nkeys) = ONE selected at the end; the empirical term is
-    always computed (weight 0 leaves s unchanged: (s * 2**16) >> 16 = s). ``shapes`` rows
+    always computed (weight 0 leaves s unchanged: (s * 2**16) >> 16 = s) unless ``mix`` is
+    False, which the kernels pass (a constant) when every model's weight is 0. ``shapes`` rows
     carry one padding entry (= ONE) so that z clamped to +Z_MAX reads
     T[Z_POINTS] + 0 * (T[Z_POINTS+1] - T[Z_POINTS]) without a branch.
     """
@@ -216,10 +217,11 @@ def _smooth_cdf(k, v, f, shapes, emps):
     ix = np.uint64((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS))  # >= 0: unsigned skips wraparound
     t0 = np.int64(shapes[v.m, ix])
     s = t0 + (((np.int64(shapes[v.m, ix + 1]) - t0) * (zf & ((1 << Z_FRAC) - 1))) >> Z_FRAC)
-    b = np.uint64(kc >> f.es)
-    e0 = np.int64(emps[v.m, b])
-    e = e0 + (((np.int64(emps[v.m, b + 1]) - e0) * (kc & ((1 << f.es) - 1))) >> f.es)
-    s = (s * (WEIGHT_ONE - v.w) + e * v.w) >> 16
+    if mix:
+        b = np.uint64(kc >> f.es)
+        e0 = np.int64(emps[v.m, b])
+        e = e0 + (((np.int64(emps[v.m, b + 1]) - e0) * (kc & ((1 << f.es) - 1))) >> f.es)
+        s = (s * (WEIGHT_ONE - v.w) + e * v.w) >> 16
     s = 0 if k <= 0 else s
     return ONE if k >= f.nkeys else s
 
@@ -251,19 +253,19 @@ def _bits(key, nkeys):
 
 
 @_inline
-def _value_cdfs(key, v, f, shapes, emps, spread):
+def _value_cdfs(key, v, f, shapes, emps, spread, mix=True):
     """[cdf(j), cdf(j+1)) of the key's top byte, then of its low byte (16-bit formats)."""
     j = key >> f.es  # the top byte: keys j * 2**es .. (j+1) * 2**es - 1
     b = j << f.es
-    s0 = _smooth_cdf(b, v, f, shapes, emps)
-    s1 = _smooth_cdf(b + (1 << f.es), v, f, shapes, emps)
+    s0 = _smooth_cdf(b, v, f, shapes, emps, mix)
+    s1 = _smooth_cdf(b + (1 << f.es), v, f, shapes, emps, mix)
     t0 = _stage_cdf(j, s0, 0, ONE, spread)
     t1 = _stage_cdf(j + 1, s1, 0, ONE, spread)
     if f.es == 0:
         return t0, t1, 0, 0
     lo = key - b
-    l0 = _stage_cdf(lo, _smooth_cdf(key, v, f, shapes, emps), s0, s1 - s0, spread)
-    l1 = _stage_cdf(lo + 1, _smooth_cdf(key + 1, v, f, shapes, emps), s0, s1 - s0, spread)
+    l0 = _stage_cdf(lo, _smooth_cdf(key, v, f, shapes, emps, mix), s0, s1 - s0, spread)
+    l1 = _stage_cdf(lo + 1, _smooth_cdf(key + 1, v, f, shapes, emps, mix), s0, s1 - s0, spread)
     return t0, t1, l0, l1
 
 
@@ -305,21 +307,24 @@ def _put_words(st, m, out, pos):
     return pos
 
 
-@_lane_kernel
-def encode_chunk(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, precision, st, out):
-    """Encode ``vals`` (format bits) into ``out``; return (status, start).
+@_inline
+def _mixed(ws):
+    """Whether any model has an empirical term (weight > 0)."""
+    w = 0
+    for m in range(ws.size):
+        w |= ws[m]
+    return w != 0
 
-    ``st`` is int64[ENC_ROWS, 32] scratch. status 0: the payload is ``out[start:]``.
-    status 1: it did not fit (store raw). status 2: mu/sigma at index ``start`` are invalid
-    (NaN, inf, sigma <= 0). No argument may overlap another that the kernel writes.
-    """
-    f = _fmt(fp)
+
+@_inline
+def _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab, precision, st, out,
+                   mix):
+    """The groups of 32 values, last first, onto the lane states: (status, pos)."""
     n = vals.size
     spread = (1 << precision) - 256
     pv = -1 if midx.size > 1 else 0  # index mask: per-value model indices, or one for all
-    st[_EX, :] = L
     pos = out.size
-    for g0 in range((n - 1) & -LANES, -1, -LANES):  # groups of 32 values, last first
+    for g0 in range((n - 1) & -LANES, -1, -LANES):
         m = min(LANES, n - g0)
         if pos - 4 * m < STATE_BYTES:  # room for the group's words, written branch-free
             return 1, 0
@@ -329,7 +334,7 @@ def encode_chunk(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, preci
             ok, v = _params(mu_bits[i], sg_bits[i], midx[i & pv], ws, rtab, f)
             bad |= not ok
             st[_ET0, q], st[_ET1, q], st[_EL0, q], st[_EL1, q] = _value_cdfs(
-                _key(np.int64(vals[i]), f.nkeys), v, f, shapes, emps, spread)
+                _key(np.int64(vals[i]), f.nkeys), v, f, shapes, emps, spread, mix)
         if bad:
             for q in range(m):
                 if _invalid(mu_bits[g0 + q], sg_bits[g0 + q]):
@@ -339,6 +344,28 @@ def encode_chunk(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, preci
             pos = _put_words(st, m, out, pos)
         _enc_lanes(st, _ET0, m, precision)
         pos = _put_words(st, m, out, pos)
+    return 0, pos
+
+
+@_lane_kernel
+def encode_chunk(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, precision, st, out):
+    """Encode ``vals`` (format bits) into ``out``; return (status, start).
+
+    ``st`` is int64[ENC_ROWS, 32] scratch. status 0: the payload is ``out[start:]``.
+    status 1: it did not fit (store raw). status 2: mu/sigma at index ``start`` are invalid
+    (NaN, inf, sigma <= 0). No argument may overlap another that the kernel writes.
+    """
+    f = _fmt(fp)
+    st[_EX, :] = L
+    # Two compiled copies: with the empirical term, and without it when no model uses one.
+    if _mixed(ws):
+        status, pos = _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab,
+                                     precision, st, out, True)
+    else:
+        status, pos = _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab,
+                                     precision, st, out, False)
+    if status:
+        return status, pos
     pos -= STATE_BYTES
     for lane in range(LANES):
         s = st[_EX, lane]
@@ -509,33 +536,32 @@ def _lane_val(ln, q):
 
 
 @_inline
-def _guess_symbol(xs, b, sh, sb, t, km, mf, sf, m, f, zinv, precision):
-    """Float guess of the symbol (keys b + j 2**sh) that state ``xs`` decodes to; ``km`` is
-    the key nearest to mu (``_nearest_key``), the same for both stages of a value."""
+def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision):
+    """Float guess of the symbol (keys b + j 2**sh) that state ``xs`` decodes to, given a
+    stand-in ``j`` for it (a previous guess, or the symbol nearest to mu)."""
     spread = (1 << precision) - 256
     slot = xs & ((1 << precision) - 1)
     # slot = j + spread * (S_j - S_b) / T: invert S at (slot - j) / spread for the unknown
-    # j, first with mu's own j standing in, then with that first guess. The second pass
-    # matters in the low byte, where j's share of the slot is up to a symbol's width
-    # (misses on bf16 Gaussian data 15% -> 4%); a third gains nothing.
-    j = min(max((km - b) >> sh, 0), 255)
-    for _ in range(2):
-        frac = (sb + (slot - j + 0.5) * (1.0 / spread) * t) * (1.0 / ONE)
-        j = min(max((_guess_key(frac, mf, sf, zinv, m, f) - b) >> sh, 0), 255)
-    return j
+    # j, with the stand-in in its place.
+    frac = (sb + (slot - j + 0.5) * (1.0 / spread) * t) * (1.0 / ONE)
+    return min(max((_guess_key(frac, mf, sf, zinv, m, f) - b) >> sh, 0), 255)
 
 
 @_inline
 def _stage_guess(xs, b, sh, sb, t, mf, sf, m, f, zinv, precision, _scratch=None,
                  _scratch_bits=None):
-    """``_guess_symbol`` from mu itself: one lane's guess, as the GPU twin's test takes it.
-    (The scratch arguments are unused; that test still passes them.)"""
-    return _guess_symbol(xs, b, sh, sb, t, _nearest_key(mf, f), mf, sf, m, f, zinv, precision)
+    """The decoder's guess in a low-byte step, from mu (both rounds of ``_decode_step``'s
+    pass A), as the GPU twin's test takes it. (The scratch arguments are unused; that
+    test still passes them.)"""
+    j = min(max((_nearest_key(mf, f) - b) >> sh, 0), 255)
+    for _ in range(2):
+        j = _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision)
+    return j
 
 
 @_inline
 def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, shapes,
-                 zinv, emps, ws, rtab, precision, out):
+                 zinv, emps, ws, rtab, precision, out, mix):
     """One rANS step of lanes 0..m-1 (values g0..g0+m-1): top bytes, or (``low``) low bytes.
 
     Three passes over the lanes so that the lanes' long dependency chains (float guess,
@@ -564,14 +590,24 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
             for q in range(m):
                 if _invalid(mu_bits[g0 + q], sg_bits[g0 + q]):
                     return -1, g0 + q
-    for q in range(m):  # (A1) the float guesses
-        ln[_G, q] = _guess_symbol(ln[_X, q], ln[_B, q], sh, ln[_SB, q], ln[_TS, q], ln[_KM, q],
-                                  fl[0, q], fl[1, q], ln[_V + 3, q], f, zinv, precision)
+    for q in range(m):  # (A1) the float guesses, from mu's own symbol
+        b = ln[_B, q]
+        ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, ln[_SB, q], ln[_TS, q],
+                                  min(max((ln[_KM, q] - b) >> sh, 0), 255), fl[0, q], fl[1, q],
+                                  ln[_V + 3, q], f, zinv, precision)
+    if low:
+        # (A2) A second round from the first guess. It matters in the low byte, where j's
+        # share of the slot is up to a symbol's width (misses on bf16 Gaussian data 15% ->
+        # 4%); in the top byte misses are rare already (0.3%) and it did not pay.
+        for q in range(m):
+            ln[_G, q] = _guess_symbol(ln[_X, q], ln[_B, q], sh, ln[_SB, q], ln[_TS, q],
+                                      ln[_G, q], fl[0, q], fl[1, q], ln[_V + 3, q], f, zinv,
+                                      precision)
     for q in range(m):  # (B): branch-free, so that it vectorizes across the lanes
         v = _lane_val(ln, q)
         b, sb, t, j = ln[_B, q], ln[_SB, q], ln[_TS, q], ln[_G, q]
-        ln[_SJ, q] = sj = _smooth_cdf(b + (j << sh), v, f, shapes, emps)
-        ln[_SN, q] = sn = _smooth_cdf(b + ((j + 1) << sh), v, f, shapes, emps)
+        ln[_SJ, q] = sj = _smooth_cdf(b + (j << sh), v, f, shapes, emps, mix)
+        ln[_SN, q] = sn = _smooth_cdf(b + ((j + 1) << sh), v, f, shapes, emps, mix)
         ln[_C0, q] = _stage_cdf(j, sj, sb, t, spread)
         ln[_C1, q] = _stage_cdf(j + 1, sn, sb, t, spread)
     for q in range(m):  # (C)
@@ -594,6 +630,25 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
     return OK, ptr
 
 
+@_inline
+def _decode_groups(ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, shapes, zinv, emps, ws,
+                   rtab, precision, out, mix):
+    """Every group of 32 values: ``_decode_step``'s (status, ptr) of the first that fails,
+    else (OK, ptr after the last word read). ``low`` is a constant at each call, so that
+    each step compiles without the other's selects."""
+    for g0 in range(0, out.size, LANES):
+        m = min(LANES, out.size - g0)
+        status, ptr = _decode_step(False, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits,
+                                   midx, f, shapes, zinv, emps, ws, rtab, precision, out, mix)
+        if status == OK and f.es:
+            status, ptr = _decode_step(True, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits,
+                                       midx, f, shapes, zinv, emps, ws, rtab, precision, out,
+                                       mix)
+        if status != OK:
+            return status, ptr
+    return OK, ptr
+
+
 @_lane_kernel
 def decode_chunk(buf, start, length, mu_bits, sg_bits, midx, fp, shapes, zinv,
                  emps, ws, rtab, precision, ln, fl, out):
@@ -604,7 +659,6 @@ def decode_chunk(buf, start, length, mu_bits, sg_bits, midx, fp, shapes, zinv,
     comes back as -(index + 1).
     """
     f = _fmt(fp)
-    n = out.size
     end = start + length
     if length < STATE_BYTES or (length - STATE_BYTES) & 1 or end > buf.size or start < 0:
         return ERR_ODD
@@ -616,16 +670,17 @@ def decode_chunk(buf, start, length, mu_bits, sg_bits, midx, fp, shapes, zinv,
             return ERR_STATE
         ln[_X, lane] = s
     ptr = start + STATE_BYTES
-    for g0 in range(0, n, LANES):
-        m = min(LANES, n - g0)
-        for low in range(2 if f.es else 1):
-            status, ptr = _decode_step(low == 1, g0, m, ln, fl, buf, ptr, end, mu_bits,
-                                       sg_bits, midx, f, shapes, zinv, emps, ws, rtab,
-                                       precision, out)
-            if status == -1:
-                return -(ptr + 1)
-            if status != OK:
-                return status
+    # Two compiled copies: with the empirical term, and without it when no model uses one.
+    if _mixed(ws):
+        status, ptr = _decode_groups(ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, shapes,
+                                     zinv, emps, ws, rtab, precision, out, True)
+    else:
+        status, ptr = _decode_groups(ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, shapes,
+                                     zinv, emps, ws, rtab, precision, out, False)
+    if status == -1:
+        return -(ptr + 1)
+    if status != OK:
+        return status
     if ptr != end:
         return ERR_TRAILING
     for lane in range(LANES):
