@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from .. import formats
 from .._errors import CorruptDataError
@@ -138,9 +139,16 @@ def _expand(counts: np.ndarray | tuple[np.ndarray, np.ndarray] | None) -> np.nda
     """A histogram as ``_counts`` keeps it, in the form ``codecs.choose`` takes."""
     if not isinstance(counts, tuple):
         return counts
-    present, rows = counts
+    return _scatter(*counts)
+
+
+@njit(nogil=True, cache=True)
+def _scatter(present, rows):
+    # The full joint from its present rows, allocated where contexts.joint_histogram
+    # allocates it (the Numba runtime): the memory it took before it was kept compact.
     joint = np.zeros((256, 256), np.int64)
-    joint[present] = rows
+    for i in range(present.size):
+        joint[present[i]] = rows[i]
     return joint
 
 
