@@ -64,6 +64,22 @@ def test_mapped_context_decodes_like_the_map(n):
     for threads in (1, 2):
         got = frame.decode(rans.static.CODER, f, threads, context=mapped, mapped=True)
         np.testing.assert_array_equal(got, sym)
+    for threads in (1, 2):  # contexts asked for group by group (raw chunks need none)
+        asked: list[tuple[int, int]] = []
+
+        def part(lo, hi, asked=asked):
+            asked.append((lo, hi))
+            return mapped[lo:hi].copy()
+
+        got = frame.decode(rans.static.CODER, f, threads, context=part, mapped=True)
+        np.testing.assert_array_equal(got, sym)
+        spans = sorted(asked)
+        assert spans[0][0] == 0 and spans[-1][1] <= n
+        assert len(spans) <= -(-n // (1024 * frame.DECODE_GROUP))  # one per coded group
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    with pytest.raises(entropykit.CorruptDataError, match="context does not match"):
+        frame.decode(rans.static.CODER, f, 1, context=lambda lo, hi: mapped[lo : hi - 1],
+                     mapped=True)  # one short: refused by the kernel
     bad = mapped.copy()
     bad[n // 2] = info.freqs.shape[0]
     with pytest.raises(entropykit.CorruptDataError, match="context does not match"):

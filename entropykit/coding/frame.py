@@ -370,7 +370,10 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
     """Decode a frame into uint8 symbols (into ``out`` when given, which must fit exactly).
 
     A context-conditioned frame needs the ``context`` it was encoded with (ValueError if
-    missing); a one-table frame ignores it. ``mapped``: the context already holds each
+    missing); a one-table frame ignores it. ``context`` may also be a function of (lo, hi)
+    giving the contexts of symbols lo..hi-1 (uint8): they are then asked for group by
+    group, as the chunks decode, and never all held at once. ``mapped``: the context
+    already holds each
     symbol's table index, ``info.cmap[context value]`` (a caller that makes its contexts
     can map them as it goes, sparing the kernel a lookup per symbol; every index is
     checked against the tables). ``info``: this frame's ``parse``, if the caller has it.
@@ -387,8 +390,8 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
     if info.cmap is not None:
         if context is None:
             raise ValueError(f"this {coder.name} frame is context-conditioned: pass context=")
-        ctx = _as_symbols(context)
-        if ctx.size != info.n:
+        ctx = context if callable(context) else _as_symbols(context)
+        if not callable(ctx) and ctx.size != info.n:
             raise CorruptDataError(
                 f"{coder.name} frame holds {info.n} symbols (byte 8), context has {ctx.size}"
             )
@@ -418,9 +421,11 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
         if coded:
             idx = np.array(coded, np.int64)
             lo = idx * cs - lo0
+            part = None  # the group's contexts: the kernel checks their count
+            if ctx is not None:
+                part = _as_symbols(ctx(lo0, hi0)) if callable(ctx) else ctx[lo0:hi0]
             found = coder.decode_chunks(buf, info.offsets[idx], info.lengths[idx], tabs,
-                                        info.param, out[lo0:hi0],
-                                        None if ctx is None else ctx[lo0:hi0],
+                                        info.param, out[lo0:hi0], part,
                                         None if mapped else info.cmap, lo,
                                         np.minimum(lo + cs, hi0 - lo0))
             for i, err in zip(coded, found, strict=True):

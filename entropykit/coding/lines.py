@@ -22,6 +22,8 @@ takes its cheapest class.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numba import njit
 
@@ -227,16 +229,16 @@ def assign(h: np.ndarray, magnitude: np.ndarray, k: int, iters: int | None = Non
 
 
 @njit(nogil=True, cache=True)
-def _context(n, cols, phase, rcls, pattern, out):
-    # Invariant: rcls has n_rows entries, each < pattern.shape[0]; pattern[k] (cols
-    # entries) is row class k's contexts along a row. So each row is a slice copy, which
-    # Numba makes a plain memory copy (an element loop does the byte arithmetic in int64).
-    i = 0
-    r = 0
-    j0 = phase
-    while i < n:
-        m = min(n - i, cols - j0)
-        out[i : i + m] = pattern[rcls[r], j0 : j0 + m]
+def _context(lo, hi, cols, phase, rcls, pattern, out):
+    # out[i - lo] = the context of symbol i, lo <= i < hi. Invariant: 0 <= lo <= hi <= n,
+    # rcls has n_rows entries, each < pattern.shape[0]; pattern[k] (cols entries) is row
+    # class k's contexts along a row. So each row is a slice copy, which Numba makes a
+    # plain memory copy (an element loop does the byte arithmetic in int64).
+    r, j0 = divmod(phase + lo, cols)
+    i = lo
+    while i < hi:
+        m = min(hi - i, cols - j0)
+        out[i - lo : i - lo + m] = pattern[rcls[r], j0 : j0 + m]
         i += m
         r += 1
         j0 = 0
@@ -279,10 +281,25 @@ def context(n: int, cols: int, phase: int, rcls: np.ndarray | None,
     ``ccls``: one per column (``cols``), or None (then ``kc`` must be 1). The caller
     checks that the classes make contexts below 256.
     """
+    return context_source(n, cols, phase, rcls, ccls, kc, cmap)(0, n)
+
+
+def context_source(n: int, cols: int, phase: int, rcls: np.ndarray | None,
+                   ccls: np.ndarray | None, kc: int, cmap: np.ndarray | None = None
+                   ) -> Callable[[int, int], np.ndarray]:
+    """``context``'s values on demand: a function of (lo, hi) giving those of symbols
+    lo..hi-1 (uint8, new), so a decoder can make them group by group while they are in
+    cache instead of n bytes up front. ValueError unless 0 <= lo <= hi <= n."""
     rc, pattern = _context_args(n, cols, phase, rcls, ccls, kc, cmap)
-    out = np.empty(n, np.uint8)
-    _context(n, cols, phase, rc, pattern, out)
-    return out
+
+    def part(lo: int, hi: int) -> np.ndarray:
+        if not 0 <= lo <= hi <= n:
+            raise ValueError(f"contexts of symbols {lo}..{hi} asked, the field has {n}")
+        out = np.empty(hi - lo, np.uint8)
+        _context(lo, hi, cols, phase, rc, pattern, out)
+        return out
+
+    return part
 
 
 def context_joint(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | None,
@@ -290,7 +307,7 @@ def context_joint(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | Non
     """``context(...)`` of ``sym`` and the int64[256, 256] (context, symbol) counts."""
     rc, pattern = _context_args(sym.size, cols, phase, rcls, ccls, kc)
     ctx = np.empty(sym.size, np.uint8)
-    _context(sym.size, cols, phase, rc, pattern, ctx)
+    _context(0, sym.size, cols, phase, rc, pattern, ctx)
     return ctx, _count(ctx, sym, int(pattern.max(initial=0)) + 1)  # contexts below it
 
 

@@ -169,9 +169,10 @@ def decode(data: np.ndarray, n: int) -> np.ndarray:
     try:
         info = frame.parse(rans_static.CODER, body)
         # Each symbol's table index straight from the maps (cmap folded into the row
-        # patterns): the kernel skips its cmap lookup. A one-table frame needs no context.
-        ctx = None if info.cmap is None else lines.context(n, cols, phase, rcls, ccls, kc,
-                                                           info.cmap)
+        # patterns): the kernel skips its cmap lookup; made group by group as the chunks
+        # decode (in cache). A one-table frame needs no context.
+        ctx = None if info.cmap is None else lines.context_source(n, cols, phase, rcls,
+                                                                  ccls, kc, info.cmap)
         return frame.decode(rans_static.CODER, body, 1, np.empty(n, np.uint8), ctx,
                             info=info, mapped=True)
     except CorruptDataError as e:
