@@ -86,6 +86,25 @@ def test_mapped_context_decodes_like_the_map(n):
         frame.decode(rans.static.CODER, f, 1, context=bad, mapped=True)
 
 
+def test_context_function_encodes_like_the_array():
+    ctx, sym = _conditioned(np.random.default_rng(8), 10_000)
+    joint = contexts.joint_histogram(ctx, sym)
+    asked: list[tuple[int, int]] = []
+
+    def part(lo, hi):
+        asked.append((lo, hi))
+        return ctx[lo:hi]
+
+    f = frame.encode(rans.static.CODER, sym, 12, 1024, 1, part, counts=joint)
+    assert f == frame.encode(rans.static.CODER, sym, 12, 1024, 1, ctx)
+    assert sorted(asked) == [(lo, min(lo + 1024, sym.size)) for lo in range(0, sym.size, 1024)]
+    with pytest.raises(ValueError, match="counts"):
+        frame.encode(rans.static.CODER, sym, 12, 1024, 1, part)
+    with pytest.raises(ValueError, match="context has"):
+        frame.encode(rans.static.CODER, sym, 12, 1024, 1, lambda lo, hi: ctx[lo : hi - 1],
+                     counts=joint)
+
+
 def test_max_tables_is_respected():
     ctx, sym = _conditioned(np.random.default_rng(3), 200_000, k=12)
     for m in (1, 2, 5):

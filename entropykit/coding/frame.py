@@ -184,7 +184,9 @@ def encode(
     """Encode uint8 ``symbols`` into a frame with ``coder``.
 
     With ``context`` (uint8, one value per symbol) the coder may use one table per context
-    class; the same context must then be given to ``decode``. ``counts``, when the caller
+    class; the same context must then be given to ``decode``. ``context`` may also be a
+    function of (lo, hi) giving the contexts of symbols lo..hi-1, asked chunk by chunk
+    (then ``counts`` is required). ``counts``, when the caller
     already has it, saves a pass over the data: the histogram of ``symbols``
     (``tables.histogram``, int64[256]), or with a context their joint histogram
     (``contexts.joint_histogram(context, symbols)``, int64[256, 256]). It must be exact:
@@ -200,7 +202,12 @@ def encode(
     if context is not None:
         if not coder.supports_context:
             raise ValueError(f"{coder.name} does not support context-conditioned coding")
-        ctx = _as_context(context, n)
+        if callable(context):
+            if counts is None:
+                raise ValueError("a context function needs the joint counts (counts=)")
+            ctx = context
+        else:
+            ctx = _as_context(context, n)
         joint = contexts.joint_histogram(ctx, sym) if counts is None else counts
         _check_counts(joint, (256, 256), n)
         cmap = contexts.choose(joint, max_tables)
@@ -226,8 +233,10 @@ def encode(
         lo, hi = i * chunk_size, min(n, (i + 1) * chunk_size)
         part = sym[lo:hi]
         crc = crc32(part)
-        payload = coder.encode_chunk(part, tabs, param, None if cmap is None else ctx[lo:hi],
-                                     cmap)
+        part_ctx = None
+        if cmap is not None:
+            part_ctx = _as_context(ctx(lo, hi), hi - lo) if callable(ctx) else ctx[lo:hi]
+        payload = coder.encode_chunk(part, tabs, param, part_ctx, cmap)
         if payload is None:
             return MODE_RAW, crc, part
         return MODE_CODED, crc, payload

@@ -245,11 +245,24 @@ def _context(lo, hi, cols, phase, rcls, pattern, out):
 
 
 @njit(nogil=True, cache=True)
-def _count(ctx, sym, kmax):
-    # (context, symbol) counts, four interleaved copies: no increment waits on the last.
+def _count(sym, cols, phase, rcls, pattern, kmax):
+    # (context, symbol) counts of the contexts _context would make, without making them
+    # (same invariant; every context < kmax), in four interleaved copies so that no
+    # increment waits on the last.
     parts = np.zeros((4, kmax, 256), np.int64)
-    for t in range(sym.size):
-        parts[t & 3, ctx[t], sym[t]] += 1
+    n = sym.size
+    i = 0
+    r = 0
+    j0 = phase
+    while i < n:
+        m = min(n - i, cols - j0)
+        row = pattern[rcls[r]]
+        for q in range(m):
+            t = i + q
+            parts[t & 3, row[j0 + q], sym[t]] += 1
+        i += m
+        r += 1
+        j0 = 0
     joint = np.zeros((256, 256), np.int64)
     for q in range(4):
         joint[:kmax] += parts[q]
@@ -302,13 +315,12 @@ def context_source(n: int, cols: int, phase: int, rcls: np.ndarray | None,
     return part
 
 
-def context_joint(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | None,
-                  ccls: np.ndarray | None, kc: int) -> tuple[np.ndarray, np.ndarray]:
-    """``context(...)`` of ``sym`` and the int64[256, 256] (context, symbol) counts."""
+def context_counts(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | None,
+                   ccls: np.ndarray | None, kc: int) -> np.ndarray:
+    """The int64[256, 256] (context, symbol) counts of ``sym`` with ``context(...)``'s
+    contexts, without making them (one pass over ``sym``)."""
     rc, pattern = _context_args(sym.size, cols, phase, rcls, ccls, kc)
-    ctx = np.empty(sym.size, np.uint8)
-    _context(0, sym.size, cols, phase, rc, pattern, ctx)
-    return ctx, _count(ctx, sym, int(pattern.max(initial=0)) + 1)  # contexts below it
+    return _count(sym, cols, phase, rc, pattern, int(pattern.max(initial=0)) + 1)
 
 
 def map_bytes(count: int, k: int) -> int:

@@ -61,7 +61,6 @@ class Plan:
     columns: np.ndarray | None  # uint8 class per column; None when kc == 1
     joint: np.ndarray  # int64[256, 256] (context, symbol) counts, for the frame
     estimate: int
-    context: np.ndarray | None = None  # each symbol's context, when plan() made it
 
 
 def _estimate(joint: np.ndarray, n: int, cols: int, phase: int, kr: int, kc: int) -> int:
@@ -78,7 +77,7 @@ def plan(symbols: np.ndarray, cols: int, phase: int, counts: np.ndarray | None =
     too many. ``counts``: the symbols' histogram, when the caller has it.
 
     Two passes over the field: the line histograms (of ``lines.buckets``), then the
-    context of every symbol with both axes classed and its joint histogram, from which
+    joint histogram of the symbols and their contexts with both axes classed, from which
     the one-axis joints are sums."""
     n = symbols.size
     if n < MIN_SYMBOLS or not 0 <= phase < cols or cols < 2:
@@ -97,8 +96,8 @@ def plan(symbols: np.ndarray, cols: int, phase: int, counts: np.ndarray | None =
     rcls = lines.assign(hr, magnitude, K) if by_rows else None
     ccls = lines.assign(hc, magnitude, K) if by_cols else None
     kr, kc = (K if by_rows else 1), (K if by_cols else 1)
-    ctx, joint = lines.context_joint(symbols, cols, phase, rcls, ccls, kc)
-    best = Plan(kr, kc, rcls, ccls, joint, _estimate(joint, n, cols, phase, kr, kc), ctx)
+    joint = lines.context_counts(symbols, cols, phase, rcls, ccls, kc)
+    best = Plan(kr, kc, rcls, ccls, joint, _estimate(joint, n, cols, phase, kr, kc))
     if by_rows and by_cols:
         per = joint[: K * K].reshape(K, K, 256)
         for one_kr, one_kc, part in ((K, 1, per.sum(axis=1)), (1, K, per.sum(axis=0))):
@@ -113,9 +112,8 @@ def plan(symbols: np.ndarray, cols: int, phase: int, counts: np.ndarray | None =
 
 def encode(symbols: np.ndarray, cols: int, phase: int, p: Plan, precision: int) -> bytes:
     """The payload of ``symbols`` classed as ``p`` says."""
-    ctx = p.context
-    if ctx is None:
-        ctx = lines.context(symbols.size, cols, phase, p.rows, p.columns, p.kc)
+    # The contexts are made chunk by chunk as the frame codes them (in cache).
+    ctx = lines.context_source(symbols.size, cols, phase, p.rows, p.columns, p.kc)
     head = _HEAD.pack(MAGIC, VERSION, p.kr, p.kc, 0, symbols.size, cols, phase)
     maps = (b"" if p.rows is None else lines.pack(p.rows, p.kr)) + (
         b"" if p.columns is None else lines.pack(p.columns, p.kc))
