@@ -297,9 +297,10 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
             return Choice("raw", encode("raw", symbols, None), h * n)
     joint = None
     if context is not None and not fast:
-        # The joint histogram's column sums are the counts.
+        # The joint histogram's column sums are the counts; a pass over a small field
+        # costs less than summing the 256 x 256 joint.
         joint = contexts.joint_histogram(context, symbols) if counts is None else counts
-        counts = joint.sum(axis=0)
+        counts = tables.histogram(symbols) if n < 1 << 15 else joint.sum(axis=0)
     elif counts is None:
         counts = tables.histogram(symbols)
     bits = tables.entropy_bits(counts)

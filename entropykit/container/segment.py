@@ -104,7 +104,10 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
                                f"probed: field {f.name!r} of {sym.size} symbols")
         done[f.name] = sym
         syms.append(sym)
-    counts = _counts(split.fields, syms) if target == "cpu" and not fast else {}
+    # Sharing a pass pays on large segments only: for a few hundred symbols the 256 x 256
+    # joint's bookkeeping costs more than the histograms it spares.
+    shared = target == "cpu" and not fast and min(want, default=0) >= _SHARE_MIN
+    counts = _counts(split.fields, syms) if shared else {}
     for sym, field, n in zip(syms, split.fields, want, strict=True):
         choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
                                fast=fast, grid=grid if n == elements else None,
@@ -113,6 +116,9 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
         parts.append(choice.blob)
         bits += choice.entropy_bits
     return Coded(split.fields, tuple(names), tuple(parts), bits)
+
+
+_SHARE_MIN = 1 << 16  # symbols per field from which _counts is taken
 
 
 def _counts(fields: tuple[tuple[str, str | None], ...], syms: list[np.ndarray]
