@@ -362,6 +362,14 @@ def device_main(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ck = Checker(torch, dist, dev, out)
+    T = dist.Tuning
+    if args.occupancy:  # timings only (each row still checks its own round trip)
+        occ = [(c, T(8, True, mb), 0) for c in (1 << 14, 1 << 13) for mb in (1, 5)]
+        res["checks"], res["failures"] = 0, []
+        res["bench"] = {fmt: bench(torch, dist, dev, fmt, args.mib, occ, args.reps)
+                        for fmt in ("bf16", "fp8_e4m3")}
+        log(table(res))
+        return
     t0 = time.time()
     res["ratios_check"] = ck.run_exactness()
     log(f"exactness: {ck.count} checks, {len(ck.failures)} failed ({time.time() - t0:.1f} s)")
@@ -373,7 +381,6 @@ def device_main(args) -> None:
     if ck.failures and not args.force:
         (out / "results.json").write_text(json.dumps(res, indent=1))
         sys.exit("failures: no timings")
-    T = dist.Tuning
     variants = {  # (chunk, tuning, model index: 0 mixture + empirical, 1 Gaussian)
         "bf16": [(1 << 14, T(8, True), 0), (1 << 14, T(8, True, guess_rounds=1), 0),
                  (1 << 13, T(8, True), 0), (1 << 14, T(8, True), 1)],
@@ -435,19 +442,25 @@ GPU decode, GPU -> GPU, GPU frame -> CPU decode; corrupt frames fail with the CP
 chunk and message).
 
 State against the target (>= 50 GB/s of cache both ways, faster than the PCIe link it
-saves): encode is at the line (47-54 GB/s over the rows; the same row differs by ~3% from
-run to run), decode is not (~18-20 GB/s bf16, ~21-23 fp8), and neither beats the ~55 GB/s
-pinned PCIe link yet: moving cache off the GPU coded (encode, then D2H of ~half the bytes)
-is slower than moving it raw. What limits
-decode: per value it does the encoder's 4 exact CDF evaluations (2 per 8-bit stage) plus
-float guesses, but as one dependent chain per step (guess -> CDFs -> state -> word read ->
-the low byte's guess ...), where the encoder's evaluations are independent of each other;
-and a warp waits for its slowest lane, so a missed guess (a search of ~2-5 more
-evaluations) costs the whole warp. The Gaussian rows (fewer misses) decode only ~5% faster,
-and capping registers for 40 / 48 resident warps (">= 5 / 6 blocks/SM") did not help, so
-the chain's latency and instruction count, not misses or occupancy alone, is the limit.
-Next levers: two chunks a warp in lock step (two independent chains), fewer and cheaper
-evaluations (S at stage ends is known; offset() in 32-bit where the range allows).
+saves): encode meets it (55-62 GB/s over the rows; the same row differs by up to ~5% from
+run to run); decode does not (~28-30 GB/s bf16 and fp8), and neither beats the ~55 GB/s
+pinned PCIe link: moving cache off the GPU coded (encode, then D2H of ~half the bytes) is
+still slower than moving it raw. What moved decode from ~19 to ~29 GB/s (ncu on the bf16
+decode at 256 MiB: 2160 -> 1464 warp instructions per 32 values, 11.6 -> 8.4 ms): the CDF
+in 32-bit words where the CPU's int64 values fit (interpolations as __umulhi, state, S
+and cdf as u32; also +20% encode), probe positions from float quotients instead of int64
+divisions, and a second guess refinement ("guess rounds" 2; rows with 1 are the single
+refinement before), which halves missed guesses where the empirical component pulls the
+first guess ~100 keys off (bf16 low bytes 8.7% -> 3.8% of lane steps, CPU emulation).
+What limits decode now: it is issue-bound (~73% of issue slots busy at 27 of 32 resident
+warps; capping registers for 40 warps, prefetching mu/sigma and payload words a step
+ahead, a branch-free CDF, paired search probes and a whole-warp search of a missed guess
+were each measured no faster or slower and not kept): per 32 values ~30% of instructions
+are the float guesses (3 inversions a stage), ~35% the searches of missed guesses (1.4%
+of top-byte and 3.8% of low-byte lane steps miss; each stalls its warp for ~2 CDF probes
+at one active lane), the rest the two exact CDFs a stage that check a guess. Next levers:
+fewer misses in the empirical-dominated tails (solve the linear E part directly), and
+fewer instructions per CDF evaluation.
 """
 
 
@@ -472,6 +485,8 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="time even after failed checks")
     ap.add_argument("--verify", metavar="DIR")
     ap.add_argument("--profile", metavar="FMTS", help="one encode + decode per format (ncu)")
+    ap.add_argument("--occupancy", action="store_true",
+                    help="only time chunk 2^14 / 2^13 at 4 and >= 5 blocks an SM")
     ap.add_argument("--write-results", metavar="JSON")
     args = ap.parse_args()
     if args.verify:
