@@ -218,6 +218,12 @@ def test_zstd_wins_large_fields_where_lz_matching_pays() -> None:
     assert codecs.choose(periodic, None).codec == "zstd"
     iid = np.random.default_rng(6).geometric(0.3, n).clip(0, 255).astype(np.uint8)
     assert codecs.choose(iid, None).codec == "tans"
+    # LZ matching only in the field's first third (an embedding's untrained rows), order-0
+    # uniform throughout: the probe must look where the sample looks, not only mid-field.
+    part = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+    part[: n // 3] = np.tile(np.arange(256, dtype=np.uint8), n // 768 + 1)[: n // 3]
+    got = codecs.choose(part, None)
+    assert got.codec == "zstd" and len(got.blob) < 0.8 * n
 
 
 def test_field_saving_under_min_saving_is_stored_raw(tmp_path: Path) -> None:

@@ -44,14 +44,15 @@ WIDE_PRECISION = 14
 _WIDE_SYMBOLS = 128
 _WIDE_MAX_BITS = 7.5
 # zstd is judged on fields up to this many symbols whole, on larger ones by a sample of
-# _BLOCKS blocks of _BLOCK symbols spread evenly. On a larger field _PROBE symbols from its
-# middle are tried first (~30 us; a 16 Ki block of exponent-like bytes costs ~120 us),
-# and the sample only where they alone beat the best other codec's estimate: on weights
-# LZ matching never wins (zstd's sample estimate was never below the best other on any
-# large MiniLM field, bf16 to e5m2, but its trials were ~15% of compress time;
-# near-incompressible fields come within 0.1% of raw, so a looser test would let them all
-# through), while where it does win (integer tables) it wins by far more than the probe's
-# noise.
+# _BLOCKS blocks of _BLOCK symbols spread evenly. On a larger field a probe is tried
+# first, the first _PROBE / _BLOCKS symbols of each of those blocks (~30 us; the sample
+# of exponent-like bytes costs ~500 us), and the sample only where the probe beats the
+# best other codec's estimate: on most weights LZ matching never wins (zstd's sample
+# estimate was never below the best other on any large MiniLM bf16 to e5m2 field, but its
+# trials were ~15% of compress time; near-incompressible fields come within 0.1% of raw,
+# so a looser test would let them all through), and where it does (integer tables, F32
+# word embeddings' low mantissa bytes, whose untrained rows sit in one block) the probe
+# tracks the sample within ~3% (one block from the middle missed the latter).
 _BLOCK = 1 << 14
 _BLOCKS = 4
 EXACT_LIMIT = _BLOCK * _BLOCKS
@@ -194,23 +195,24 @@ def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> 
     raise CorruptDataError(f"unknown codec {codec!r}")
 
 
-def _sample(a: np.ndarray) -> np.ndarray:
+def _sample(a: np.ndarray, width: int = _BLOCK) -> np.ndarray:
+    """The first ``width`` symbols of each of the _BLOCKS spread blocks, joined."""
     step = (a.size - _BLOCK) // (_BLOCKS - 1)
-    return np.concatenate([a[i * step : i * step + _BLOCK] for i in range(_BLOCKS)])
+    return np.concatenate([a[i * step : i * step + width] for i in range(_BLOCKS)])
 
 
 def _zstd_estimate(symbols: np.ndarray, rival: int) -> tuple[int, bytes | None]:
     """(estimated size, the payload itself when the field was coded whole). ``rival``: the
-    best other codec's estimate; a large field whose middle block's estimate does not beat
-    it gets that estimate, without the spread sample's."""
+    best other codec's estimate; a large field whose probe's estimate does not beat it
+    gets that estimate, without the spread sample's."""
     n = symbols.size
     if n <= EXACT_LIMIT:
         blob = encode("zstd", symbols, None)
         return len(blob), blob
-    mid = (n - _PROBE) // 2
-    probe = len(encode("zstd", symbols[mid : mid + _PROBE], None)) * n // _PROBE
-    if probe >= rival:
-        return probe, None
+    probe = _sample(symbols, _PROBE // _BLOCKS)
+    probe_size = len(encode("zstd", probe, None)) * n // probe.size
+    if probe_size >= rival:
+        return probe_size, None
     sample = _sample(symbols)
     return len(encode("zstd", sample, None)) * n // sample.size, None
 
@@ -291,9 +293,16 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
         return Choice("raw", encode("raw", symbols, None), 0.0)
     gpu = target == "gpu"
     context = None if gpu else context
-    if fast and n > EXACT_LIMIT:  # a sample says whether a pass over the field can pay
+    if n > EXACT_LIMIT and (fast or (context is None and not gpu and counts is None)):
+        # A sample says whether a pass over the field can pay. Its plug-in entropy is low
+        # (by ~0.003 bit for near-uniform bytes, with a spread of ~0.0001), so where it
+        # says entropy coding cannot save MIN_SAVING the whole field's count agrees; by
+        # default raw is then taken without that pass unless zstd's probe beats it
+        # (F16 low bytes, F32 low mantissa bytes).
         h = _sample_bits(symbols)
-        if h > 8 * (1 - FAST_MIN_SAVING):
+        if fast and h > 8 * (1 - FAST_MIN_SAVING):
+            return Choice("raw", encode("raw", symbols, None), h * n)
+        if not fast and h > 8 * (1 - MIN_SAVING) and _zstd_estimate(symbols, raw)[0] > raw:
             return Choice("raw", encode("raw", symbols, None), h * n)
     joint = None
     if context is not None and not fast:
