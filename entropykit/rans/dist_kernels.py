@@ -45,7 +45,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core.compiler import CompilerBase, DefaultPassBuilder
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 # No kernel allocates: callers pass every buffer in. That lets them run without Numba's
 # reference counting, whose incref/decref pairs around inlined helpers taking arrays were
@@ -200,27 +200,53 @@ def _offset(k, v, f):
     return big if a + 1 >= f.nonfinite else d
 
 
+def _interp(table, m, i, frac, bits):
+    """Row m of a CDF table at point i + frac / 2**bits, interpolated in integers.
+
+    ``table`` is either the CDF points (uint32; a shape row padded with one more ONE, so
+    that the clamped end i = Z_POINTS reads a zero step) or the kernels' packed copy,
+    int64 point | step << 32 per point (``pairs``): one gather instead of two.
+    """
+
+
+@overload(_interp, inline="always", jit_options={"cache": True, "_nrt": False})
+def _interp_impl(table, m, i, frac, bits):
+    if table.dtype.bitwidth == 64:
+        def packed(table, m, i, frac, bits):
+            pr = table[m, i]
+            return (pr & 0xFFFFFFFF) + (((pr >> 32) * frac) >> bits)
+        return packed
+
+    def points(table, m, i, frac, bits):
+        t0 = np.int64(table[m, i])
+        return t0 + (((np.int64(table[m, i + 1]) - t0) * frac) >> bits)
+    return points
+
+
+def pairs(table: np.ndarray) -> np.ndarray:
+    """The packed copy of CDF rows (``_interp``): int64 point | (next point - point) << 32,
+    one per point but the last of each row."""
+    t = np.asarray(table, np.int64)
+    return np.ascontiguousarray(t[:, :-1] | ((t[:, 1:] - t[:, :-1]) << 32))
+
+
 @_inline
 def _smooth_cdf(k, v, f, shapes, emps, mix=True):
     """S(k): mass of all keys below k, in units of 2**-31 (module docstring).
 
-    Branch-free (see ``_offset``): k is clamped into 1..nkeys-1 for the table reads and the
-    ends S(k <= 0) = 0, S(k >= nkeys) = ONE selected at the end; the empirical term is
+    ``shapes`` and ``emps`` are CDF tables as ``_interp`` takes them. Branch-free (see
+    ``_offset``): k is clamped into 1..nkeys-1 for the table reads and the ends
+    S(k <= 0) = 0, S(k >= nkeys) = ONE selected at the end; the empirical term is
     always computed (weight 0 leaves s unchanged: (s * 2**16) >> 16 = s) unless ``mix`` is
-    False, which the kernels pass (a constant) when every model's weight is 0. ``shapes`` rows
-    carry one padding entry (= ONE) so that z clamped to +Z_MAX reads
-    T[Z_POINTS] + 0 * (T[Z_POINTS+1] - T[Z_POINTS]) without a branch.
+    False, which the kernels pass (a constant) when every model's weight is 0.
     """
     kc = min(max(k, 1), f.nkeys - 1)
     d = min(max(_offset(kc, v, f), -v.dl), v.dl)  # so |z| <= Z_MAX, and no overflow
     zf = (d * v.rr) >> R_SHIFT
     ix = np.uint64((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS))  # >= 0: unsigned skips wraparound
-    t0 = np.int64(shapes[v.m, ix])
-    s = t0 + (((np.int64(shapes[v.m, ix + 1]) - t0) * (zf & ((1 << Z_FRAC) - 1))) >> Z_FRAC)
+    s = _interp(shapes, v.m, ix, zf & ((1 << Z_FRAC) - 1), Z_FRAC)
     if mix:
-        b = np.uint64(kc >> f.es)
-        e0 = np.int64(emps[v.m, b])
-        e = e0 + (((np.int64(emps[v.m, b + 1]) - e0) * (kc & ((1 << f.es) - 1))) >> f.es)
+        e = _interp(emps, v.m, np.uint64(kc >> f.es), kc & ((1 << f.es) - 1), f.es)
         s = (s * (WEIGHT_ONE - v.w) + e * v.w) >> 16
     s = 0 if k <= 0 else s
     return ONE if k >= f.nkeys else s

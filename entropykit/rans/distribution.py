@@ -255,6 +255,9 @@ class CoderModel:
         if ((w < 0) | (w >= _k.WEIGHT_ONE)).any():
             raise ValueError("empirical weights must be in [0, 65536)")
         self.weights = np.ascontiguousarray(w)
+        # The CPU kernels' copies: packed (point, step) pairs, one table read per lookup.
+        self.shape_pairs = _k.pairs(self.padded)
+        self.emp_pairs = _k.pairs(self.emps)
         self.inverse = _inverse(self.shapes)
         self.fingerprint = zlib.crc32(
             self.shapes.tobytes() + self.emps.tobytes() + self.weights.astype("<i8").tobytes()
@@ -360,8 +363,8 @@ def encode(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
         part = bits[sl]
         out = np.empty(part.nbytes, np.uint8)  # coded must be smaller than raw to be kept
         status, start = _k.encode_chunk(
-            part, mu_b[sl], sg_b[sl], midx[sl] if midx.size > 1 else midx, fp, model.padded,
-            model.emps, model.weights, _RTAB, precision,
+            part, mu_b[sl], sg_b[sl], midx[sl] if midx.size > 1 else midx, fp,
+            model.shape_pairs, model.emp_pairs, model.weights, _RTAB, precision,
             np.empty((_k.ENC_ROWS, _k.LANES), np.int64), out)
         if status == 2:
             raise _bad_param(i * chunk_size + start, mu_b, sg_b)
@@ -481,8 +484,9 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
             dst.view(np.uint8)[:] = buf[start : start + length]
         else:
             code = _k.decode_chunk(buf, start, length, mu_b[sl], sg_b[sl],
-                                   midx[sl] if midx.size > 1 else midx, fp, model.padded,
-                                   model.inverse, model.emps, model.weights, _RTAB,
+                                   midx[sl] if midx.size > 1 else midx, fp,
+                                   model.shape_pairs, model.inverse, model.emp_pairs,
+                                   model.weights, _RTAB,
                                    info.precision, np.empty((_k.LANE_ROWS, _k.LANES), np.int64),
                                    np.empty((2, _k.LANES)), dst)
             if code < 0:
@@ -511,8 +515,8 @@ def value_costs(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
     mu_b, sg_b = _as_params(mu, sigma, bits.size)
     midx = _as_index(model_index, model, bits.size)
     out = np.empty(bits.size)
-    bad = _k.cost(bits, mu_b, sg_b, midx, f.params, model.padded, model.emps, model.weights,
-                  _RTAB, precision, out)
+    bad = _k.cost(bits, mu_b, sg_b, midx, f.params, model.shape_pairs, model.emp_pairs,
+                  model.weights, _RTAB, precision, out)
     if bad >= 0:
         raise _bad_param(bad, mu_b, sg_b)
     return out
