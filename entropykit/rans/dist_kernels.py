@@ -456,8 +456,9 @@ def _nearest_key(x, f):
     # Round |value| to the nearest format value: key k's bin is centred on its value.
     # Normal, subnormal and underflowing results all computed, one selected (no branch).
     ex = (a >> 23) - 127 + f.bias
-    an = a + (1 << (22 - f.mant))
-    normal = min((((an >> 23) - 127 + f.bias) << f.mant) | ((an & 0x7FFFFF) >> (23 - f.mant)),
+    # Normal: the float32 exponent and top mantissa bits, rounded, read as one integer,
+    # rebased from float32's exponent bias to the format's.
+    normal = min(((a + (1 << (22 - f.mant))) >> (23 - f.mant)) - ((127 - f.bias) << f.mant),
                  f.nonfinite - 1)
     sh = min(max(24 - f.mant - ex, 1), 40)  # 24 - mant - ex where subnormal is selected
     sub = (((a & 0x7FFFFF) | (1 << 23)) + (1 << (sh - 1))) >> sh
@@ -541,12 +542,21 @@ def _read_word(xs, buf, ptr, end):
 
 
 # Rows of the decoder's per-lane scratch ``ln`` (int64[LANE_ROWS, 32]): the lane state; the
-# current step's range (first key b, S_b, T: symbol j is keys b + j 2**sh); its guessed
+# low-byte step's range (first key b, S_b, T: symbol j is keys b + j 2**sh); its guessed
 # symbol, S and cdf at the symbol's two ends; the key nearest to mu (for guesses); the
 # lane's quantized parameters (a Val). One row per quantity, so that a pass over the lanes
 # reads each as one vector.
 _X, _B, _SB, _TS, _G, _SJ, _SN, _C0, _C1, _KM, _V = range(11)
 LANE_ROWS = _V + len(Val._fields)
+
+
+@_inline
+def _lane_range(ln, q, low):
+    """(b, S_b, T) of lane q's step (``low`` a constant): the whole key range in the top
+    byte, where the constants spare the low byte's division (``_stage_cdf``)."""
+    if low:
+        return ln[_B, q], ln[_SB, q], ln[_TS, q]
+    return 0, 0, ONE
 
 
 @_inline
@@ -611,14 +621,13 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
             fl[0, q] = mf = np.float64(_bits_f32(mu_bits[i]))
             fl[1, q] = _grid_sigma(sg_bits[i])
             ln[_KM, q] = _nearest_key(mf, f)
-            ln[_B, q], ln[_SB, q], ln[_TS, q] = 0, 0, ONE
         if bad:
             for q in range(m):
                 if _invalid(mu_bits[g0 + q], sg_bits[g0 + q]):
                     return -1, g0 + q
     for q in range(m):  # (A1) the float guesses, from mu's own symbol
-        b = ln[_B, q]
-        ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, ln[_SB, q], ln[_TS, q],
+        b, sb, t = _lane_range(ln, q, low)
+        ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t,
                                   min(max((ln[_KM, q] - b) >> sh, 0), 255), fl[0, q], fl[1, q],
                                   ln[_V + 3, q], f, zinv, precision)
     if low:
@@ -626,12 +635,14 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
         # share of the slot is up to a symbol's width (misses on bf16 Gaussian data 15% ->
         # 4%); in the top byte misses are rare already (0.3%) and it did not pay.
         for q in range(m):
-            ln[_G, q] = _guess_symbol(ln[_X, q], ln[_B, q], sh, ln[_SB, q], ln[_TS, q],
+            b, sb, t = _lane_range(ln, q, low)
+            ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t,
                                       ln[_G, q], fl[0, q], fl[1, q], ln[_V + 3, q], f, zinv,
                                       precision)
     for q in range(m):  # (B): branch-free, so that it vectorizes across the lanes
         v = _lane_val(ln, q)
-        b, sb, t, j = ln[_B, q], ln[_SB, q], ln[_TS, q], ln[_G, q]
+        b, sb, t = _lane_range(ln, q, low)
+        j = ln[_G, q]
         ln[_SJ, q] = sj = _smooth_cdf(b + (j << sh), v, f, shapes, emps, mix)
         ln[_SN, q] = sn = _smooth_cdf(b + ((j + 1) << sh), v, f, shapes, emps, mix)
         ln[_C0, q] = _stage_cdf(j, sj, sb, t, spread)
@@ -640,7 +651,7 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
         xs = ln[_X, q]
         slot = xs & mask
         j, sj, sn, c0, c1 = ln[_G, q], ln[_SJ, q], ln[_SN, q], ln[_C0, q], ln[_C1, q]
-        b, sb, t = ln[_B, q], ln[_SB, q], ln[_TS, q]
+        b, sb, t = _lane_range(ln, q, low)
         if not c0 <= slot < c1:
             if slot >= c1:  # search up from j + 1 (j < 255 here: cdf(256) = 2**p > slot)
                 j, sj, c0 = j + 1, sn, c1
