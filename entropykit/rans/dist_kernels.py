@@ -35,6 +35,13 @@ step for the low bytes; each lane that needs a word takes the next one. The enco
 the same order backwards, writing words downward. Payload = 32 u32 start states, then the
 u16 words. Decoding guesses each symbol from a float inverse of the shape
 (any guess is fine: it only sets where the exact integer search starts).
+
+Speed. Both kernels work on 32 lanes at a time in passes that LLVM vectorizes (AVX2 /
+AVX-512 gathers into the tables): parameters, guesses, S evaluations, state updates. So
+the helpers those passes inline are branch-free (selects), read the model tables as
+packed (point, step) pairs, divide in float64 where the floor is provably exact, and the
+kernels are compiled with ``noalias`` arguments (``_NoAlias``). Only the search after a
+missed guess and the word order of the stream stay serial.
 """
 
 from __future__ import annotations
