@@ -448,7 +448,8 @@ def test_model_arrays_and_shared_memory_plan():
     a = G.model_arrays(MODEL)
     assert a["shapes"].size == len(MODEL) * (K.Z_POINTS + 2)  # SHAPE_W in the kernel
     assert a["emps"].size == len(MODEL) * (K.EMP_POINTS + 1)
-    assert a["zinv"].dtype == np.float32 and a["zinv"].size == len(MODEL) * (K.INV_POINTS + 1)
+    assert a["zinv"].dtype == np.float32
+    assert a["zinv"].size == len(MODEL) * (K.INV_POINTS + 1 + 2 * (G.TAIL_POINTS + 1))
     assert a["rtab"].size == 512
     assert G.smem_bytes(MODEL, G.Tuning()) == len(MODEL) * (4098 + 257) * 4
     assert G.smem_bytes(MODEL, G.Tuning(smem=False)) == 0
@@ -588,3 +589,20 @@ def test_stage_quotient_from_an_approximate_reciprocal_is_exact():
             r = spread * d - q * t
             q += (r >= t).astype(np.int64) - (r < 0)
             np.testing.assert_array_equal(q, spread * d // t)
+
+
+def test_tail_inverse_continues_the_uniform_inverse_and_inverts_the_shape():
+    tails = G.tail_inverse(MODEL)
+    assert tails.shape == (len(MODEL), 2, G.TAIL_POINTS + 1) and tails.dtype == np.float32
+    z = D.z_grid()
+    for m in range(len(MODEL)):
+        lo, hi = tails[m]
+        # the first tail point is the uniform inverse's end interval's inner point
+        np.testing.assert_allclose([lo[0], hi[0]], MODEL.inverse[m][[1, -2]], atol=1e-4)
+        assert np.all(np.diff(lo) <= 0) and np.all(np.diff(hi) >= 0)  # outwards
+        # each point holds its tail mass (the shape interpolated there), where resolvable
+        mass = 2.0 ** -(G.TAIL_FROM + np.arange(G.TAIL_POINTS + 1) / G.TAIL_STEPS)
+        shape = MODEL.shapes[m].astype(np.float64) / D.ONE
+        fine = mass * D.ONE >= 64
+        np.testing.assert_allclose(np.interp(lo[fine], z, shape), mass[fine], rtol=1e-2)
+        np.testing.assert_allclose(1 - np.interp(hi[fine], z, shape), mass[fine], rtol=1e-2)

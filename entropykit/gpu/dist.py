@@ -43,6 +43,9 @@ _CRC_POLY = 0xEDB88320
 _TORCH_FORMATS = {"torch.bfloat16": "bf16", "torch.float16": "fp16",
                   "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2"}
 _SMEM_LIMIT = 96 * 1024  # model tables in shared memory up to this (else through L1)
+TAIL_FROM = 12  # tail inverse: from mass 2**-12 (the uniform inverse's end interval) ...
+TAIL_STEPS = 8  # ... in steps of 2**(-1/8) ...
+TAIL_POINTS = 20 * TAIL_STEPS  # ... down to 2**-32 (S is in units of 2**-31)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class Tuning:
     smem: bool = True  # model tables in shared memory when they fit _SMEM_LIMIT
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
     guess_rounds: int = 2  # decoder's guess refinements (1: the earlier kernel's single one)
+    guess_newton: bool = True  # then one Newton step on the stage's slot equation
+    tail_inverse: bool = True  # guesses in the end intervals from log-spaced tail points
 
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
@@ -140,13 +145,38 @@ def first_bad_param(codes: np.ndarray, where: np.ndarray, chunk_size: int) -> in
     return -1 if not bad.size else int(bad[0]) * chunk_size + int(where[bad[0]])
 
 
+def tail_inverse(model: D.CoderModel) -> np.ndarray:
+    """z at tail masses 2**(-TAIL_FROM - i / TAIL_STEPS), i = 0..TAIL_POINTS, below (row 0)
+    and above (row 1) each shape: float32[M, 2, TAIL_POINTS + 1], guesses only.
+
+    The uniform inverse (``model.inverse``) has end intervals [0, 2**-12) and
+    (1 - 2**-12, 1] that span z from its clamp (+-32) to its first inner point (-+7.2 for
+    kv_check's mixture, -+3.5 for a Gaussian): a value in a t-distributed tail guessed
+    there lands tens of keys off. These points are even in log2 of the tail mass."""
+    q = 2.0 ** -(TAIL_FROM + np.arange(TAIL_POINTS + 1) / TAIL_STEPS) * D.ONE
+    z = D.z_grid()
+    out = np.empty((len(model), 2, q.size))
+    for m, t in enumerate(model.shapes.astype(np.float64)):
+        # Where the CDF is flat, the run's end nearer the centre: below, the last point of
+        # a run (np.interp needs rising points), above, the first.
+        last = np.concatenate((np.diff(t) > 0, [True]))
+        first = np.concatenate(([True], np.diff(t) > 0))
+        out[m, 0] = np.interp(q, t[last], z[last])
+        out[m, 1] = np.interp(D.ONE - q, t[first], z[first])
+    return out.astype(np.float32)
+
+
 def model_arrays(model: D.CoderModel) -> dict[str, np.ndarray]:
     """The model as the kernels read it: padded shapes and empirical CDFs (uint32), weights
-    (int32), inverse shapes (float32, guesses only), sigma reciprocals (int64[2, 256])."""
+    (int32), inverse shapes (float32, guesses only: a row is the uniform inverse's
+    INV_POINTS + 1 points, then ``tail_inverse``'s two rows), sigma reciprocals
+    (int64[2, 256])."""
+    inv = np.concatenate([np.asarray(model.inverse, np.float64),
+                          tail_inverse(model).reshape(len(model), -1)], axis=1)
     return {"shapes": np.ascontiguousarray(model.padded, np.uint32).reshape(-1),
             "emps": np.ascontiguousarray(model.emps, np.uint32).reshape(-1),
             "weights": model.weights.astype(np.int32),
-            "zinv": np.ascontiguousarray(model.inverse, np.float32).reshape(-1),
+            "zinv": np.ascontiguousarray(inv, np.float32).reshape(-1),
             "rtab": np.ascontiguousarray(D._RTAB, np.int64).reshape(-1)}
 
 
@@ -179,7 +209,9 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
             opts = ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
                     f"-DBIAS={f.bias}", f"-DNONFINITE={f.nonfinite}", f"-DES={f.bits - 8}",
                     f"-DSMEM={int(smem)}", f"-DWARPS={t.warps}", f"-DMIN_BLOCKS={t.min_blocks}",
-                    f"-DGUESS_ROUNDS={t.guess_rounds}")
+                    f"-DGUESS_ROUNDS={t.guess_rounds}", f"-DGUESS_NEWTON={int(t.guess_newton)}",
+                    f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
+                    f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
             _modules[key] = cp.RawModule(code=src, options=opts)
         return _modules[key]
 
