@@ -297,6 +297,7 @@ def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
         row = {"fmt": fmt, "chunk": chunk, "warps": tune.warps, "smem": tune.smem,
                "min_blocks": tune.min_blocks, "guess_rounds": tune.guess_rounds,
                "guess_newton": tune.guess_newton, "tail_inverse": tune.tail_inverse,
+               "pure_rounds": tune.pure_rounds,
                "model": ["mixture+empirical", "gaussian"][mi],
                "mib": nbytes / 2**20, "ratio": frame.numel() / nbytes, "exact": exact,
                "enc_s": statistics.median(te), "dec_s": statistics.median(td),
@@ -383,7 +384,7 @@ def device_main(args) -> None:
         (out / "results.json").write_text(json.dumps(res, indent=1))
         sys.exit("failures: no timings")
     # the guess before the tail points and the Newton step, for comparison
-    old = T(8, True, guess_newton=False, tail_inverse=False)
+    old = T(8, True, guess_newton=False, tail_inverse=False, pure_rounds=2)
     variants = {  # (chunk, tuning, model index: 0 mixture + empirical, 1 Gaussian)
         "bf16": [(1 << 14, T(8, True), 0), (1 << 14, old, 0), (1 << 13, T(8, True), 0),
                  (1 << 14, T(8, True), 1), (1 << 14, old, 1)],
@@ -398,7 +399,9 @@ def device_main(args) -> None:
 
 def guess(r: dict) -> str:
     """The decoder's guess of a row: refinement rounds, tail points, Newton step."""
-    return (f"{r.get('guess_rounds', 1)} rounds" + (" + tails" if r.get("tail_inverse") else "")
+    rounds, pure = r.get("guess_rounds", 1), r.get("pure_rounds", r.get("guess_rounds", 1))
+    return (f"{rounds} rounds" + (f" ({pure} at w = 0)" if pure < rounds else "")
+            + (" + tails" if r.get("tail_inverse") else "")
             + (" + Newton" if r.get("guess_newton") else ""))
 
 
@@ -462,18 +465,22 @@ divisions, and a second guess refinement ("guess rounds" 2; rows with 1 are the 
 refinement before), which halves missed guesses where the empirical component pulls the
 first guess ~100 keys off (bf16 low bytes 8.7% -> 3.8% of lane steps, CPU emulation).
 What limits decode now: it is issue-bound (~73% of issue slots busy at 27 of 32 resident
-warps; capping registers for 40 warps, prefetching mu/sigma and payload words a step
-ahead, a branch-free CDF, paired search probes and a whole-warp search of a missed guess
-were each measured no faster or slower and not kept): per 32 values ~30% of instructions
-are the float guesses (3 inversions a stage), ~35% the searches of missed guesses, the rest
-the two exact CDFs a stage that check a guess. Guess rows: "tails" reads the end intervals
-of the inverse (tail mass < 2^-12) from points even in log2 of the mass, "Newton" ends with
-one Newton step on the stage's slot equation (S and the symbol's own j term linear). Misses
-per value (counted on an H200, top/low byte): bf16 mixture 1.4/3.8% -> 0.8/2.3%, Gaussian
-1.5/4.1% -> 0.5/3.0%; fp8 mixture 1.9% -> 1.0%, Gaussian 2.9% -> 1.6%. Decode: Gaussian
-rows +12-17% (bf16 27.4 -> 32.0, fp8 28.4 -> 31.8 GB/s), mixture rows unchanged within
-noise (interleaved repeats: bf16 +1%, fp8 -0.5%): there the step costs what the fewer
-misses save. One round plus the step (instead of two rounds) was slower (bf16 25-26 GB/s).
+warps; capping registers for 40 warps, prefetching mu/sigma and payload words a step ahead,
+a branch-free CDF, paired search probes and a whole-warp search of a missed guess were each
+measured no faster or slower and not kept): per 32 values ~30% of instructions are the
+float guesses (3 inversions a stage), ~35% the searches of missed guesses, the rest the two
+exact CDFs a stage that check a guess. Guess rows: "tails" reads the end intervals of the
+inverse (tail mass < 2^-12) from points even in log2 of the mass, "Newton" ends with one
+Newton step on the stage's slot equation (S and the symbol's own j term linear). Misses per
+value (H200 counts, 2 rounds everywhere, top/low byte): bf16 mixture 1.4/3.8% -> 0.8/2.3%,
+Gaussian 1.5/4.1% -> 0.5/3.0%; fp8 mixture 1.9% -> 1.0%, Gaussian 2.9% -> 1.6%. A model
+without an empirical term (w = 0) runs 1 refinement round ("1 at w = 0"): there a round
+only refines the symbol's j term, which the step does too. Decode, new vs old rows:
+Gaussian bf16 28.3 -> 35.8, fp8 29.1 -> 37.3 GB/s; mixture rows unchanged within noise
+(bf16 29.3 -> 29.4, fp8 30.4 -> 30.2; interleaved repeats +1% / -0.5%): there the step
+costs what the fewer misses save, and one round plus the step (instead of two) is slower
+(bf16 25 GB/s). Warps per block: 4 decodes ~15% slower than 8 (the library default is now
+8); 16 decodes +3-4% but encodes fp8 5% slower.
 """
 
 
