@@ -220,6 +220,8 @@ def _interp(table, m, i, frac, bits):
 
 @overload(_interp, inline="always", jit_options={"cache": True, "_nrt": False})
 def _interp_impl(table, m, i, frac, bits):
+    if isinstance(table, types.NoneType):  # no table (a helper's default): never read
+        return lambda table, m, i, frac, bits: 0
     if table.dtype.bitwidth == 64:
         def packed(table, m, i, frac, bits):
             pr = table[m, i]
@@ -581,14 +583,22 @@ def _lane_val(ln, q):
 
 
 @_inline
-def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision):
+def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision, emps=None, w=0,
+                  mix=False):
     """Float guess of the symbol (keys b + j 2**sh) that state ``xs`` decodes to, given a
-    stand-in ``j`` for it (a previous guess, or the symbol nearest to mu)."""
+    stand-in ``j`` for it (a previous guess, or the symbol nearest to mu). With ``mix``,
+    the empirical term (weight ``w``, table ``emps``) is taken out at the stand-in's key."""
     spread = (1 << precision) - 256
     slot = xs & ((1 << precision) - 1)
     # slot = j + spread * (S_j - S_b) / T: invert S at (slot - j) / spread for the unknown
     # j, with the stand-in in its place.
     frac = (sb + (slot - j + 0.5) * (1.0 / spread) * t) * (1.0 / ONE)
+    if mix:
+        # S = ((2**16 - w) F + w E) / 2**16 and only F has an inverse table. Even a 2%
+        # empirical weight moves F's inverse by a key or more (bf16 low-byte misses 66%).
+        k = min(max(b + (j << sh), 1), f.nkeys - 1)
+        e = _interp(emps, m, np.uint64(k >> f.es), k & ((1 << f.es) - 1), f.es) * (1.0 / ONE)
+        frac = (frac * WEIGHT_ONE - w * e) / (WEIGHT_ONE - w)
     return min(max((_guess_key(frac, mf, sf, zinv, m, f) - b) >> sh, 0), 255)
 
 
@@ -638,7 +648,7 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
         b, sb, t = _lane_range(ln, q, low)
         ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t,
                                   min(max((ln[_KM, q] - b) >> sh, 0), 255), fl[0, q], fl[1, q],
-                                  ln[_V + 3, q], f, zinv, precision)
+                                  ln[_V + 3, q], f, zinv, precision, emps, ln[_V + 4, q], mix)
     if low:
         # (A2) A second round from the first guess. It matters in the low byte, where j's
         # share of the slot is up to a symbol's width (misses on bf16 Gaussian data 15% ->
@@ -647,7 +657,7 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
             b, sb, t = _lane_range(ln, q, low)
             ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t,
                                       ln[_G, q], fl[0, q], fl[1, q], ln[_V + 3, q], f, zinv,
-                                      precision)
+                                      precision, emps, ln[_V + 4, q], mix)
     for q in range(m):  # (B): branch-free, so that it vectorizes across the lanes
         v = _lane_val(ln, q)
         b, sb, t = _lane_range(ln, q, low)
