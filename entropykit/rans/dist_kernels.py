@@ -326,7 +326,7 @@ def _enc_lanes(st, r0, m, precision):
         emit = xs >= fr << (32 - precision)
         st[_EW, q], st[_EE, q] = xs & 0xFFFF, emit
         xs = xs >> 16 if emit else xs
-        d = np.int64(np.float64(xs) / np.float64(fr))
+        d = np.int64(np.float64(xs) / np.float64(max(fr, 1)))  # fr >= 1; see _guess_symbol
         st[_EX, q] = (d << precision) + (xs - d * fr) + c0
 
 
@@ -598,7 +598,9 @@ def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision, emps=None,
         # empirical weight moves F's inverse by a key or more (bf16 low-byte misses 66%).
         k = min(max(b + (j << sh), 1), f.nkeys - 1)
         e = _interp(emps, m, np.uint64(k >> f.es), k & ((1 << f.es) - 1), f.es) * (1.0 / ONE)
-        frac = (frac * WEIGHT_ONE - w * e) / (WEIGHT_ONE - w)
+        # w < 2**16; the max() lets LLVM drop Numba's zero-division check, which would
+        # keep the lane loop from vectorizing.
+        frac = (frac * WEIGHT_ONE - w * e) / max(WEIGHT_ONE - w, 1)
     return min(max((_guess_key(frac, mf, sf, zinv, m, f) - b) >> sh, 0), 255)
 
 
