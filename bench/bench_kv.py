@@ -80,11 +80,9 @@ def _mixture_model(values: np.ndarray):
     from entropykit.predictive import residual
     from entropykit.rans import distribution as dist
 
-    bits, fmt = dist.value_bits(values)
-    width = 8 * bits.dtype.itemsize
-    half = 1 << (width - 1)
-    keys = np.where(bits & half, bits ^ ((1 << width) - 1), bits ^ half)
-    emps = dist.empirical_table(np.bincount(keys, minlength=1 << width))
+    bits, _ = dist.value_bits(values)
+    keys = dist.value_keys(bits)
+    emps = dist.empirical_table(np.bincount(keys, minlength=1 << (8 * bits.dtype.itemsize)))
     return residual.coder_model("mixture", None, emps[None])
 
 

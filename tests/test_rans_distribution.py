@@ -318,3 +318,18 @@ def test_roundtrip_property(fmt, data, n, seed):
         _roundtrip(bits, mu, sigma, fmt, model=GAUSS)
     else:
         _roundtrip(bits, mu, sigma, fmt, model=MIXED, model_index=rng.integers(0, 2, n))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_value_keys_order_every_pattern_numerically(fmt):
+    f = D.FORMATS[fmt]
+    bits = np.arange(1 << f.bits).astype(f.storage)
+    keys = D.value_keys(bits)
+    assert keys.dtype == f.storage
+    assert np.array_equal(np.sort(keys), np.arange(1 << f.bits))  # a permutation
+    with np.errstate(invalid="ignore"):  # NaN patterns: left out below
+        x = bits.view(DTYPES[fmt]).astype(np.float64)
+    finite = np.isfinite(x)
+    order = np.argsort(keys[finite], kind="stable")
+    assert (np.diff(x[finite][order]) >= 0).all()
+    assert int(keys[1 << (f.bits - 1)]) + 1 == int(keys[0])  # -0 sits just below +0

@@ -147,14 +147,12 @@ def _key_counts(x: torch.Tensor, fmt: str) -> np.ndarray:
     """Counts of each key (numeric order, as the coder's) of ``x`` in format ``fmt``."""
     if fmt == "bf16":
         bits = x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-        keys = np.where(bits & 0x8000, bits ^ 0xFFFF, bits ^ 0x8000)
-        return np.bincount(keys.reshape(-1), minlength=1 << 16)
+        return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << 16)
     amax = float(x.abs().max())
     scale = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
     q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     bits = q.contiguous().view(torch.uint8).numpy()
-    return np.bincount(np.where(bits & 0x80, bits ^ 0xFF, bits ^ 0x80).reshape(-1),
-                       minlength=1 << 8)
+    return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << 8)
 
 
 def _fit_conditional(xs: list[np.ndarray], ps: list[np.ndarray], bias: np.ndarray,

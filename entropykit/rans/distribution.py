@@ -131,6 +131,15 @@ def value_bits(values: Any, fmt: str | ValueFormat | None = None) -> tuple[np.nd
     return np.ascontiguousarray(arr).reshape(-1).view(f.storage), f
 
 
+
+def value_keys(bits: np.ndarray) -> np.ndarray:
+    """Each value's key in the coder's value space (numeric order: -NaN payloads < -inf <
+    ... < -0 < +0 < ... < +NaN payloads) from its uint8 / uint16 bit patterns."""
+    width = 8 * bits.dtype.itemsize
+    half = 1 << (width - 1)
+    return np.where(bits & half, bits ^ ((1 << width) - 1), bits ^ half).astype(bits.dtype)
+
+
 # ---- model tables -------------------------------------------------------------------
 
 
