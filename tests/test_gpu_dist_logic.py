@@ -68,17 +68,14 @@ def _lane_symbols(xs, low, b, sb, t, mu, mu_f, sg, midx, fp, shapes, zinv, emps,
     found as the kernel does (CPU float guess, two exact CDFs, search on a miss)."""
     f = K._fmt(fp)
     spread = (1 << p) - 256
-    scratch = np.zeros(1, np.float32)
-    sbits = scratch.view(np.uint32)
     for q in range(xs.size):
         ok, v = K._params(mu[q], sg[q], midx[q], ws, rtab, f)
         sh = 0 if low else f.es
         bq, sbq, tq = (b[q], sb[q], t[q]) if low else (0, 0, K.ONE)
         x = xs[q]
         slot = x & ((1 << p) - 1)
-        j = K._stage_guess(x, bq, sh, sbq, tq, np.float64(mu_f[q]),
-                           K._grid_sigma(sg[q], scratch, sbits), v.m, f, zinv, p, scratch,
-                           sbits)
+        j = K._stage_guess(x, bq, sh, sbq, tq, np.float64(mu_f[q]), K._grid_sigma(sg[q]), v.m,
+                           f, zinv, p)
         sj = K._smooth_cdf(bq + (j << sh), v, f, shapes, emps)
         sn = K._smooth_cdf(bq + ((j + 1) << sh), v, f, shapes, emps)
         c0 = K._stage_cdf(j, sj, sbq, tq, spread)

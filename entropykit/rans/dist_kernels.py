@@ -488,9 +488,8 @@ def _guess_key(g, mu_f, sg_f, zinv, m, f):
 
 
 @_inline
-def _grid_sigma(bits, _scratch=None, _scratch_bits=None):
-    """sigma (float32 bits) on the coder's 8-bit-mantissa grid, as a float: for guesses.
-    (The scratch arguments are unused; the GPU twin's test still passes them.)"""
+def _grid_sigma(bits):
+    """sigma (float32 bits) on the coder's 8-bit-mantissa grid, as a float: for guesses."""
     return np.float64(_bits_f32((np.int64(bits) + (1 << 14)) & ~0x7FFF))
 
 
@@ -605,11 +604,9 @@ def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision, emps=None,
 
 
 @_inline
-def _stage_guess(xs, b, sh, sb, t, mf, sf, m, f, zinv, precision, _scratch=None,
-                 _scratch_bits=None):
+def _stage_guess(xs, b, sh, sb, t, mf, sf, m, f, zinv, precision):
     """The decoder's guess in a low-byte step, from mu (both rounds of ``_decode_step``'s
-    pass A), as the GPU twin's test takes it. (The scratch arguments are unused; that
-    test still passes them.)"""
+    pass A), as the GPU twin's test takes it."""
     j = min(max((_nearest_key(mf, f) - b) >> sh, 0), 255)
     for _ in range(2):
         j = _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision)
