@@ -571,6 +571,91 @@ def test_fast_search_finds_the_symbol_from_any_guess(fmt):
                 assert (j, c0, c1) == (want, cdf[want], cdf[want + 1])
 
 
+@njit(cache=True)
+def _cdf_at(k, b, sh, sb, t, spread, v, f, shapes, emps):
+    sk = K._smooth_cdf(b + (k << sh), v, f, shapes, emps)
+    return sk, K._stage_cdf(k, sk, sb, t, spread)
+
+
+@njit(cache=True)
+def _warp_search(slot, j, b, sh, sb, t, spread, mu_bits, sg_bits, m, fp, shapes, emps, ws,
+                 rtab):
+    """The kernel's search when a guess j misses (WARP_SEARCH): near_symbol's one probe on
+    the slot's side, then warp_search's two ballots (lane i: cdf(8 i); then nine lanes:
+    cdf(base .. base + 8)); returns (j, S_j, S_j+1, cdf(j), cdf(j+1), probes)."""
+    f = K._fmt(fp)
+    ok, v = K._params(mu_bits, sg_bits, m, ws, rtab, f)
+    sj, c0 = _cdf_at(j, b, sh, sb, t, spread, v, f, shapes, emps)
+    sn, c1 = _cdf_at(j + 1, b, sh, sb, t, spread, v, f, shapes, emps)
+    if c0 <= slot < c1:
+        return j, sj, sn, c0, c1, 0
+    up = slot >= c1  # near_symbol
+    k = j + 2 if up else j - 1
+    if not (up and k > 256):
+        sk, ck = _cdf_at(k, b, sh, sb, t, spread, v, f, shapes, emps)
+        if up and slot < ck:
+            return j + 1, sn, sk, c1, ck, 1
+        if not up and slot >= ck:
+            return j - 1, sk, sj, ck, c0, 1
+    ball = 0  # warp_search: bit i = cdf(8 i) <= slot
+    for lane in range(32):
+        if _cdf_at(8 * lane, b, sh, sb, t, spread, v, f, shapes, emps)[1] <= slot:
+            ball |= 1 << lane
+    base = 8 * _top_bit(ball)
+    s2 = np.zeros(9, np.int64)
+    c2 = np.zeros(9, np.int64)
+    ball = 0
+    for lane in range(9):
+        s2[lane], c2[lane] = _cdf_at(base + lane, b, sh, sb, t, spread, v, f, shapes, emps)
+        if c2[lane] <= slot:
+            ball |= 1 << lane
+    r = _top_bit(ball)
+    return base + r, s2[r], s2[r + 1], c2[r], c2[r + 1], 3
+
+
+@njit(cache=True)
+def _top_bit(x):
+    """The highest set bit's index of a non-zero ballot (the kernel's 31 - __clz)."""
+    i = 31
+    while not x >> i & 1:
+        i -= 1
+    return i
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_warp_search_finds_the_symbol_from_any_guess(fmt):
+    # Any slot, any guess (near, far, at either end), each stage kind: the neighbour probe
+    # and the two ballots find the one symbol whose [cdf(j), cdf(j+1)) holds the slot, with
+    # S and cdf at both its ends as the exact evaluations give them.
+    f = D.FORMATS[fmt]
+    rng = np.random.default_rng(6)
+    p = 16
+    spread = (1 << p) - 256
+    for mu, sigma, m in [(0.3, 0.15, 0), (-2.0, 1e-3, 0), (20.0, 2.0, 1), (0.0, 1e4, 0)]:
+        mb, sb_ = np.float32(mu).view(np.uint32), np.float32(sigma).view(np.uint32)
+        s, _ = _s_of(mu, sigma, fmt, m)
+        stages = [(0, f.bits - 8)]  # the top stage, then (16-bit) a low stage near mu
+        if f.bits == 16:
+            key = int(np.searchsorted(s, K.ONE // 2))
+            stages.append(((key >> 8) << 8, 0))
+        for b, sh in stages:
+            sb = int(s[b]) if b else 0
+            t = int(s[b + (256 << sh)]) - sb if b else K.ONE
+            ks = b + (np.arange(257) << sh)
+            cdf = np.array([K._stage_cdf(j, s[k], sb, t, spread) for j, k in enumerate(ks)])
+            for slot in np.concatenate([rng.integers(0, 1 << p, 150), [0, (1 << p) - 1]]):
+                want = int(np.searchsorted(cdf, slot, side="right")) - 1
+                for guess in {0, 255, want, max(want - 1, 0), min(want + 1, 255),
+                              int(rng.integers(0, 256))}:
+                    got = _warp_search(int(slot), guess, b, sh, sb, t, spread, mb, sb_, m,
+                                       f.params, MODEL.padded, MODEL.emps, MODEL.weights,
+                                       D._RTAB)
+                    assert got[:5] == (want, s[ks[want]], s[ks[want + 1]], cdf[want],
+                                       cdf[want + 1])
+                    assert got[5] == (0 if guess == want else 1 if abs(guess - want) == 1
+                                      else 3)
+
+
 def test_stage_quotient_from_an_approximate_reciprocal_is_exact():
     # stage_cdf's q = floor(spread d / T) for 0 <= d <= T <= 2^31: float(d) times spread
     # times a reciprocal a few ulps off, truncated, is within one; one remainder fixes it.
@@ -603,3 +688,70 @@ def test_tail_inverse_continues_the_uniform_inverse_and_inverts_the_shape():
         fine = mass * D.ONE >= 64
         np.testing.assert_allclose(np.interp(lo[fine], z, shape), mass[fine], rtol=1e-2)
         np.testing.assert_allclose(1 - np.interp(hi[fine], z, shape), mass[fine], rtol=1e-2)
+
+
+# ---- the kernel's 32-bit offset (clamped_offset) ---------------------------------------------
+
+_MU32, _SAT32 = 1 << 29, 1 << 30
+
+
+@njit(cache=True)
+def _offsets_both(mu_bits, sg_bits, fp, ws, rtab, out):
+    """For keys k = 1..nkeys-1 of one value: out[k] = (the CPU's D clamped to +-dl, the
+    kernel's clamped_offset, largest |intermediate| of the port); returns whether big."""
+    f = K._fmt(fp)
+    ok, v = K._params(mu_bits, sg_bits, 0, ws, rtab, f)
+    half = f.nkeys >> 1
+    big = v.mu_u >= _MU32 or v.mu_u <= -_MU32
+    mu32 = v.mu_u  # read only when not big
+    for k in range(1, f.nkeys):
+        out[k, 0] = min(max(K._offset(k, v, f), -v.dl), v.dl)
+        if big:  # the kernel's 64-bit offset(): the CPU's arithmetic
+            out[k, 1], out[k, 2] = out[k, 0], 0
+            continue
+        y = k - half
+        a = abs(y) - 1
+        e1 = max(a >> f.mant, 1)
+        mid = 2 * a + 1 - ((e1 - 1) << (f.mant + 1))
+        sh = min(max(e1 - v.cb, -126), 64)
+        prod = np.float32(-mid if y < 0 else mid) * np.float32(2.0**sh)  # exact, float32
+        fl = min(max(np.floor(prod), -2.0**31), 2.0**31 - 1)  # cvt.rmi.s32: saturating
+        if abs(y) >= f.nonfinite:
+            t = -_SAT32 if y < 0 else _SAT32
+        else:
+            t = min(max(int(fl), -_SAT32), _SAT32)
+        d = -mu32 if y == 0 else t - (0 if abs(y) >= f.nonfinite else mu32)
+        out[k, 1] = min(max(d, -v.dl), v.dl)
+        out[k, 2] = max(abs(t), abs(d))
+    return big
+
+
+@pytest.mark.parametrize("fmt", sorted(D.FORMATS))
+def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
+    # Every key of values from tiny to the coder's largest |mu| / sigma, both signs, and
+    # subnormal, tiny and huge sigma: the kernel's 32-bit D equals the CPU's int64 D after
+    # the clamp, no intermediate leaves int32, and only |mu| >~ 2^13 sigma takes the 64-bit
+    # path (big mu).
+    f = D.FORMATS[fmt]
+    rng = np.random.default_rng(7)
+    sig = np.concatenate([[1e-45, 1e-40, 1e-3, 0.15, 1.0, 3.0e38],
+                          10.0 ** rng.uniform(-30, 30, 40)])
+    out = np.zeros((1 << f.bits, 3), np.int64)
+    n_big = n_small = 0
+    for s in sig.astype(np.float32):
+        ratios = np.concatenate([[0.0, 1.0, 2.0**13, 2.0**14, 2.0**33.9],
+                                 2.0 ** rng.uniform(-20, 34, 12)])
+        for r in ratios:
+            if r * float(s) > np.finfo(np.float32).max:
+                continue
+            for mu in (np.float32(r * s), np.float32(-r * s)):
+                mb, sb = mu.view(np.uint32), s.view(np.uint32)
+                if K._invalid(mb, sb):
+                    continue
+                big = _offsets_both(mb, sb, f.params, MODEL.weights, D._RTAB, out)
+                n_big += big
+                n_small += not big
+                assert not big or r > 2.0**12
+                np.testing.assert_array_equal(out[1:, 1], out[1:, 0], err_msg=f"{mu} {s}")
+                assert out[1:, 2].max() < 1 << 31
+    assert n_small > 0 and n_big > 0

@@ -32,6 +32,8 @@
 #define MU_BITS 16
 #define R_SHIFT 32
 #define D_BIG (1LL << 40)
+#define MU32 (1 << 29)  // offset32's range of mu_u
+#define SAT32 (1 << 30)  // offset32's saturated |floor(B / u)|
 #define WEIGHT_ONE 65536
 #define INV_POINTS 4096
 #define ZTAIL (INV_POINTS + 1)                // a zinv row: the uniform points, then tails
@@ -57,10 +59,13 @@
 typedef long long i64;
 typedef unsigned long long u64;
 
-// One value's quantized parameters (dist_kernels.Val, without ue which only feeds cb).
+// One value's quantized parameters (dist_kernels.Val, without ue which only feeds cb), and
+// mu_u as offset32() takes it: mu32 = mu_u where |mu_u| < MU32 (big = false, every value
+// of realistic data: |mu| < 2^13 sigma), else offset() in 64 bits (big = true).
 struct Val {
-    i64 mu_u, rr, dl;
-    int cb, m, w;
+    i64 mu_u, rr;
+    int dl, cb, m, w, mu32;
+    bool big;
 };
 
 // Model tables: shapes (M x SHAPE_W) and emps (M x 257) in shared memory with SMEM, else
@@ -105,8 +110,10 @@ __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const M
     if (mub >> 31) mu_u = -mu_u;
     Val v;
     v.mu_u = mu_u;
+    v.big = mu_u >= MU32 || mu_u <= -MU32;
+    v.mu32 = (int)mu_u;  // read only when !big
     v.rr = __ldg(md.rtab + r);
-    v.dl = __ldg(md.rtab + 256 + r);
+    v.dl = (int)__ldg(md.rtab + 256 + r);  // < 2^22 (dist_kernels.reciprocals)
     v.cb = BIAS + MANT + 1 + ue;
     v.m = m;
     v.w = md.weights[m];
@@ -130,6 +137,29 @@ __device__ __forceinline__ i64 offset(int k, const Val& v) {
     return (t ^ -(i64)neg) - v.mu_u;
 }
 
+// offset(k, v) clamped to +-dl, in 32-bit words where |mu_u| < MU32 (!v.big). floor(B / u)
+// = floor(+-mid 2^sh) is one float product, exact (mid < 2^(MANT + 2) < 2^24; sh clamped to
+// [-126, 64]: below, +-mid 2^sh lies strictly between -1 and 1 either way, above, it is
+// >= 2^64 either way), floored and saturated by the conversion, then clamped to +-SAT32.
+// Where |floor(B / u)| >= SAT32 the true D and this one both exceed dl in magnitude
+// (>= 2^30 - 2^29 > 2^22 > dl) with B's sign, so both clamp to the same end; a non-finite
+// neighbour (D_BIG) is +-SAT32 here, clamped alike; no sum leaves int32 (|d| < 2^30 +
+// 2^29). The 64-bit offset() runs only for big mu (|mu| >~ 2^13 sigma), which realistic
+// data never has (tests/test_gpu_dist_logic.py checks this port on every key of many
+// values, big and not).
+__device__ __forceinline__ int clamped_offset(int k, const Val& v) {
+    if (v.big) return (int)min(max(offset(k, v), (i64)-v.dl), (i64)v.dl);
+    const int y = k - HALF;
+    const int a = abs(y) - 1;
+    const int e1 = max(a >> MANT, 1);
+    const int mid = 2 * a + 1 - ((e1 - 1) << (MANT + 1));
+    const float scale = __int_as_float((min(max(e1 - v.cb, -126), 64) + 127) << 23);
+    const int fl = __float2int_rd((float)(y < 0 ? -mid : mid) * scale);
+    const int t = abs(y) >= NONFINITE ? (y < 0 ? -SAT32 : SAT32) : min(max(fl, -SAT32), SAT32);
+    const int d = y == 0 ? -v.mu32 : t - (abs(y) >= NONFINITE ? 0 : v.mu32);
+    return min(max(d, -v.dl), v.dl);
+}
+
 // k's place in its empirical bucket as a 32-bit fraction: E's interpolation weight.
 __device__ __forceinline__ unsigned low_bits(int k) {
     return (unsigned)(k & ((1 << ES) - 1)) << (ES ? 32 - ES : 0);
@@ -142,7 +172,7 @@ __device__ __forceinline__ unsigned low_bits(int k) {
 __device__ __forceinline__ unsigned smooth(int k, const Val& v, const Model& md) {
     if (k <= 0) return 0;
     if (k >= NKEYS) return ONE;
-    const int d = (int)min(max(offset(k, v), -v.dl), v.dl);
+    const int d = clamped_offset(k, v);
     const int zf = (int)(((i64)d * v.rr) >> R_SHIFT);
     const unsigned ix = (unsigned)((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS));
     const unsigned* sh = md.shapes + v.m * SHAPE_W;
@@ -159,7 +189,7 @@ __device__ __forceinline__ unsigned smooth(int k, const Val& v, const Model& md)
 }
 
 // cdf(j) of a stage with mass S_b .. S_b + T (dist_kernels._stage_cdf). S never falls for
-// a value the coder accepts (see find_symbol), so 0 <= S_j - S_b <= T and q = floor(spread
+// a value the coder accepts (see the decoder), so 0 <= S_j - S_b <= T and q = floor(spread
 // (S_j - S_b) / T) <= spread < 2^16: float products put it within 0.05, so the truncated
 // one is q - 1, q or q + 1, and one integer remainder makes it exact.
 __device__ __forceinline__ int stage_cdf(int j, unsigned sj, unsigned sb, unsigned t,
@@ -503,8 +533,7 @@ __device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, 
                      * __fdividef(1.0f, (float)(WEIGHT_ONE - v.w));
         k = guess_key(target * (1.0f / ONE), mu, sg, zinv, &lin);
     }
-#if GUESS_NEWTON
-    {
+    if (GUESS_NEWTON) {
         // Solve S(k) = S_b + (slot + 1/2 - j(k)) T / spread for k, S and j(k) = (k - b) / 2^sh
         // linear around the last inversion's key kf.
         const float wf = (float)v.w * (1.0f / WEIGHT_ONE);
@@ -526,7 +555,6 @@ __device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, 
         k = __float2int_rn(fminf(fmaxf(lin.kf + __fdividef(target - est, slope), -1.0f),
                                  (float)NKEYS));
     }
-#endif
     return min(max((k - b) >> sh, 0), 255);
 }
 
@@ -572,41 +600,140 @@ __device__ Sym fast_search(int slot, const Sym& g, int b, int sh, unsigned sb, u
     return s;
 }
 
-// The symbol of slot in a stage (keys b + j 2^sh, mass S_b .. S_b + T), with S and cdf at
-// both its ends: guess, check with two exact CDFs, search on a miss.
-__device__ __forceinline__ Sym find_symbol(int slot, int b, int sh, unsigned sb, unsigned t,
+// A stage: keys b + j 2^sh, mass S_b .. S_b + T.
+struct Stage {
+    int b;
+    unsigned sb, t;
+};
+
+// The guessed symbol of slot in a stage, with S and cdf at both its ends (two exact CDFs);
+// true if it holds the slot.
+__device__ __forceinline__ bool guess_symbol(Sym& s, int slot, const Stage& st, int sh,
         const Val& v, float muf, float sgf, const Model& md, int p) {
     const int spread = (1 << p) - 256;
-    Sym s;
-    s.j = fast_guess(slot, b, sh, sb, t, muf, sgf, md.zinv + v.m * ZROW, v, md, p);
-    s.sj = smooth(b + (s.j << sh), v, md);
-    s.sn = smooth(b + ((s.j + 1) << sh), v, md);
-    s.c0 = stage_cdf(s.j, s.sj, sb, t, spread);
-    s.c1 = stage_cdf(s.j + 1, s.sn, sb, t, spread);
-    if (s.c0 <= slot && slot < s.c1) return s;
-    return fast_search(slot, s, b, sh, sb, t, spread, v, md);
+    s.j = fast_guess(slot, st.b, sh, st.sb, st.t, muf, sgf, md.zinv + v.m * ZROW, v, md, p);
+    s.sj = smooth(st.b + (s.j << sh), v, md);
+    s.sn = smooth(st.b + ((s.j + 1) << sh), v, md);
+    s.c0 = stage_cdf(s.j, s.sj, st.sb, st.t, spread);
+    s.c1 = stage_cdf(s.j + 1, s.sn, st.sb, st.t, spread);
+    return s.c0 <= slot && slot < s.c1;
 }
 
-// One decode step of a lane (live or not): find the symbol, update x, take a word
-// (dist_kernels._decode_step). The state fits 32 bits whatever the payload: x < 2^32 and
-// a frequency f <= 2^p - 255 give f (x >> p) + (slot - c0) < f 2^(32 - p) < 2^32, and a
-// word is shifted in only below 2^16. Returns false (warp-uniform) if some lane needs a
+// After a missed guess, its neighbour on the slot's side with one more exact CDF (most
+// misses are by one symbol); true if that one holds the slot (then s is it).
+__device__ __forceinline__ bool near_symbol(Sym& s, int slot, const Stage& st, int sh,
+                                            int spread, const Val& v, const Model& md) {
+    const bool up = slot >= s.c1;  // else slot < c0: the symbol below (j > 0, as cdf(0) = 0)
+    const int k = up ? s.j + 2 : s.j - 1;
+    if (up && k > 256) return false;  // j = 255 and slot >= 2^p: a corrupt state
+    const unsigned sk = smooth(st.b + (k << sh), v, md);
+    const int ck = stage_cdf(k, sk, st.sb, st.t, spread);
+    if (up ? slot >= ck : slot < ck) return false;
+    if (up) { s.j += 1; s.c0 = s.c1; s.c1 = ck; s.sj = s.sn; s.sn = sk; }
+    else { s.j -= 1; s.c1 = s.c0; s.c0 = ck; s.sn = s.sj; s.sj = sk; }
+    return true;
+}
+
+// The symbol of lane q's slot, searched by the whole warp (called by all lanes, q
+// warp-uniform): every lane evaluates one of the cdf(8 i), i = 0..31, a ballot brackets the
+// slot in 8 symbols, nine lanes evaluate those, a second ballot picks the symbol. The CDF
+// strictly increases (cdf(0) = 0 <= slot < cdf(256) = 2^p: any slot, corrupt payloads too),
+// so this is the CPU's symbol. Two CDFs a lane instead of a lane's serial search of up to
+// ~16 while the warp waits: for the misses that one neighbour did not fix (far ones:
+// values where the guess's float model is poor, as NaN / inf / subnormal keys in flat
+// stretches of the CDF).
+__device__ __forceinline__ void warp_search(Sym& s, int q, int slot, const Stage& st, int sh,
+        int spread, const Val& v, const Model& md, int lane) {
+    Val w;
+    w.mu_u = __shfl_sync(FULL, v.mu_u, q);
+    w.rr = __shfl_sync(FULL, v.rr, q);
+    w.dl = __shfl_sync(FULL, v.dl, q);
+    w.cb = __shfl_sync(FULL, v.cb, q);
+    w.m = __shfl_sync(FULL, v.m, q);
+    w.w = __shfl_sync(FULL, v.w, q);
+    w.mu32 = __shfl_sync(FULL, v.mu32, q);
+    w.big = __shfl_sync(FULL, (int)v.big, q);
+    const int sl = __shfl_sync(FULL, slot, q);
+    Stage sq;
+    sq.b = __shfl_sync(FULL, st.b, q);
+    sq.sb = __shfl_sync(FULL, st.sb, q);
+    sq.t = __shfl_sync(FULL, st.t, q);
+    const int k1 = 8 * lane;
+    const int c1 = stage_cdf(k1, smooth(sq.b + (k1 << sh), w, md), sq.sb, sq.t, spread);
+    const int base = 8 * (31 - __clz(__ballot_sync(FULL, c1 <= sl)));
+    const int k2 = base + min(lane, 8);
+    const unsigned s2 = smooth(sq.b + (k2 << sh), w, md);
+    const int c2 = stage_cdf(k2, s2, sq.sb, sq.t, spread);
+    const int r = 31 - __clz(__ballot_sync(FULL, c2 <= sl) & 0x1FFu);
+    const int c0 = __shfl_sync(FULL, c2, r), cn = __shfl_sync(FULL, c2, r + 1);
+    const unsigned sj = __shfl_sync(FULL, s2, r), sn = __shfl_sync(FULL, s2, r + 1);
+    if (lane == q) { s.j = base + r; s.c0 = c0; s.c1 = cn; s.sj = sj; s.sn = sn; }
+}
+
+#if COUNT_MISSES
+// Missed guesses per stage (sh > 0: a 16-bit format's top byte; else the low byte or an
+// 8-bit format's only stage), then per stage those the lane resolved alone (without the
+// warp's search), for measurements (Tuning.count_misses builds only).
+__device__ unsigned long long miss_counts[4];
+#endif
+
+// The chunk a warp decodes: its stream, this lane's state and value.
+struct Chain {
+    const unsigned char* words;  // the payload's 16-bit words
+    int n_words, wp;             // words, words read
+    unsigned x;                  // this lane's rANS state
+    bool live;                   // this lane has a value in the current group
+    Val v;
+    float muf, sgf;
+};
+
+// One decode step of a lane (live or not; dist_kernels._decode_step): guess and check the
+// symbol; on a miss (WARP_SEARCH) try its neighbour, then the warp searches each lane's
+// remaining miss, or (else) the lane searches alone; update x, take a word. Which pays
+// depends on the misses: kv_check's fp8 e4m3 mixture rows (0.5% of values missed by 16+
+// symbols, in flat stretches) decode ~10% faster with the warp's search, bf16 rows ~4%
+// slower (dist.Tuning.warp_search picks by format). The state fits 32 bits whatever the
+// payload: x < 2^32
+// and a frequency f <= 2^p - 255 give f (x >> p) + (slot - c0) < f 2^(32 - p) < 2^32, and
+// a word is shifted in only below 2^16. Returns false (warp-uniform) if some lane needs a
 // word past the payload.
-__device__ __forceinline__ bool dec_step(unsigned& x, Sym& s, bool live, int b, int sh,
-        unsigned sb, unsigned t, const Val& v, float muf, float sgf, const Model& md, int p,
-        const unsigned char* words, int n_words, int& wp, int lane) {
-    const int slot = (int)(x & ((1u << p) - 1));
+__device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, int sh,
+                                         const Model& md, int p, int lane) {
+    const int spread = (1 << p) - 256;
+    const int slot = (int)(c.x & ((1u << p) - 1));
+    bool miss = false;
+    [[maybe_unused]] bool fixed = false;  // read by COUNT_MISSES builds
+    if (c.live && !guess_symbol(s, slot, st, sh, c.v, c.muf, c.sgf, md, p)) {
+#if WARP_SEARCH
+        fixed = near_symbol(s, slot, st, sh, spread, c.v, md);
+        miss = !fixed;
+#else
+        s = fast_search(slot, s, st.b, sh, st.sb, st.t, spread, c.v, md);
+        fixed = true;
+#endif
+    }
+    unsigned far = __ballot_sync(FULL, miss);
+#if COUNT_MISSES
+    const unsigned nf = __ballot_sync(FULL, fixed);
+    if (lane == 0 && (far | nf)) {
+        atomicAdd(miss_counts + (sh ? 0 : 1), (unsigned long long)__popc(far | nf));
+        atomicAdd(miss_counts + 2 + (sh ? 0 : 1), (unsigned long long)__popc(nf));
+    }
+#endif
+    while (far) {  // warp-uniform
+        warp_search(s, __ffs(far) - 1, slot, st, sh, spread, c.v, md, lane);
+        far &= far - 1;
+    }
     bool need = false;
-    if (live) {
-        s = find_symbol(slot, b, sh, sb, t, v, muf, sgf, md, p);
-        x = (unsigned)(s.c1 - s.c0) * (x >> p) + (unsigned)(slot - s.c0);
-        need = x < LB;
+    if (c.live) {
+        c.x = (unsigned)(s.c1 - s.c0) * (c.x >> p) + (unsigned)(slot - s.c0);
+        need = c.x < LB;
     }
     const unsigned bal = __ballot_sync(FULL, need);
-    const int at = wp + __popc(bal & ((1u << lane) - 1u));
-    wp += __popc(bal);
-    if (wp > n_words) return false;
-    if (need) x = (x << 16) | words[2 * at] | ((unsigned)words[2 * at + 1] << 8);
+    const int at = c.wp + __popc(bal & ((1u << lane) - 1u));
+    c.wp += __popc(bal);
+    if (c.wp > c.n_words) return false;
+    if (need) c.x = (c.x << 16) | c.words[2 * at] | ((unsigned)c.words[2 * at + 1] << 8);
     return true;
 }
 
@@ -636,48 +763,51 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode
     } else if (len < 4 * LANES || ((len - 4 * LANES) & 1)) {
         code = ERR_ODD;
     } else {
+        Chain ch;
         const unsigned char* s = pay + 4 * lane;
-        unsigned x = s[0] | (s[1] << 8) | (s[2] << 16) | ((unsigned)s[3] << 24);
-        if (__ballot_sync(FULL, x < LB)) code = ERR_STATE;
-        const unsigned char* words = pay + 4 * LANES;
-        const int n_words = (len - 4 * LANES) >> 1;
-        int wp = 0;
+        ch.x = s[0] | (s[1] << 8) | (s[2] << 16) | ((unsigned)s[3] << 24);
+        if (__ballot_sync(FULL, ch.x < LB)) code = ERR_STATE;
+        ch.words = pay + 4 * LANES;
+        ch.n_words = (len - 4 * LANES) >> 1;
+        ch.wp = 0;
         for (int g0 = 0; g0 < cn && !code; g0 += LANES) {
-            const bool live = g0 + lane < cn;
+            ch.live = g0 + lane < cn;
             const i64 i = first + g0 + lane;
             bool ok = true;
-            Val v;
-            float muf = 0.f;
-            float sgf = 0.0f;
-            if (live) {
+            ch.muf = ch.sgf = 0.0f;
+            if (ch.live) {
                 const unsigned mub = mu[i], sgb = sg[i];
                 ok = param_ok(mub, sgb);
                 if (ok) {
-                    v = params(mub, sgb, midx ? midx[i] : m0, md);
-                    muf = __uint_as_float(mub);
-                    sgf = __uint_as_float((sgb + (1u << 14)) & ~0x7FFFu);  // sigma's grid
+                    ch.v = params(mub, sgb, midx ? midx[i] : m0, md);
+                    ch.muf = __uint_as_float(mub);
+                    ch.sgf = __uint_as_float((sgb + (1u << 14)) & ~0x7FFFu);  // sigma's grid
                 }
             }
             if (__ballot_sync(FULL, !ok)) { checked = g0; code = ERR_PARAM; break; }
             checked = g0 + LANES;
             Sym top;
-            if (!dec_step(x, top, live, 0, ES, 0, ONE, v, muf, sgf, md, p, words, n_words, wp,
-                          lane)) { code = ERR_TRUNCATED; break; }
+            if (!dec_step(ch, top, {0, 0u, (unsigned)ONE}, ES, md, p, lane)) {
+                code = ERR_TRUNCATED;
+                break;
+            }
             int key = top.j;
             if (ES) {
                 Sym low;
                 const int b = top.j << ES;
-                if (!dec_step(x, low, live, b, 0, top.sj, top.sn - top.sj, v, muf, sgf, md, p,
-                              words, n_words, wp, lane)) { code = ERR_TRUNCATED; break; }
+                if (!dec_step(ch, low, {b, top.sj, top.sn - top.sj}, 0, md, p, lane)) {
+                    code = ERR_TRUNCATED;
+                    break;
+                }
                 key = b + low.j;
             }
-            if (live) {
+            if (ch.live) {
                 if (BYTES == 2) reinterpret_cast<unsigned short*>(out)[g0 + lane] = bits_of(key);
                 else out[g0 + lane] = bits_of(key);
             }
         }
-        if (!code && wp != n_words) code = ERR_TRAILING;
-        if (!code && __ballot_sync(FULL, x != LB)) code = ERR_FINAL;
+        if (!code && ch.wp != ch.n_words) code = ERR_TRAILING;
+        if (!code && __ballot_sync(FULL, ch.x != LB)) code = ERR_FINAL;
     }
     // Every (mu, sigma) is checked, as the CPU checks them all before decoding.
     const int bad = first_bad(mu, sg, first, checked, cn, lane);

@@ -19,6 +19,7 @@ the CPU coder; this module's host half, which tests import without a GPU, is pla
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -59,6 +60,11 @@ class Tuning:
     guess_newton: bool = True  # then one Newton step on the stage's slot equation
     pure_rounds: int = 1  # of those, the ones a model without empirical term (w = 0) runs
     tail_inverse: bool = True  # guesses in the end intervals from log-spaced tail points
+    count_misses: bool = False  # count missed guesses (``miss_counts``; slower)
+    # a missed guess: its neighbour, then a search by the whole warp (True), or the lane's
+    # own search (False); None: the warp's for 8-bit formats (kv_check: fp8 e4m3 mixture
+    # +12%, bf16 -4..6%)
+    warp_search: bool | None = None
 
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
@@ -207,15 +213,36 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
     with _lock:
         if key not in _modules:
             src = resources.files(__package__).joinpath("_dist_kernel.cu").read_text()
+            ws = f.bits == 8 if t.warp_search is None else t.warp_search
             opts = ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
                     f"-DBIAS={f.bias}", f"-DNONFINITE={f.nonfinite}", f"-DES={f.bits - 8}",
                     f"-DSMEM={int(smem)}", f"-DWARPS={t.warps}", f"-DMIN_BLOCKS={t.min_blocks}",
                     f"-DGUESS_ROUNDS={t.guess_rounds}", f"-DGUESS_NEWTON={int(t.guess_newton)}",
                     f"-DPURE_ROUNDS={t.pure_rounds}",
+                    f"-DCOUNT_MISSES={int(t.count_misses)}", f"-DWARP_SEARCH={int(ws)}",
                     f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
                     f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
+            if os.environ.get("ENTROPYKIT_LINEINFO"):  # source lines for a profiler
+                opts += ("-lineinfo",)
             _modules[key] = cp.RawModule(code=src, options=opts)
         return _modules[key]
+
+
+def miss_counts(f: D.ValueFormat, model: D.CoderModel, tuning: Tuning,
+                reset: bool = False) -> np.ndarray:
+    """Missed decoder guesses counted by ``tuning`` (count_misses) builds since the last
+    reset (``reset`` zeroes them): uint64[4], per stage (a 16-bit format's top byte, then
+    the low byte or an 8-bit format's only stage) the misses, then per stage those that the
+    lane resolved alone (the rest the whole warp searched)."""
+    import cupy as cp
+
+    mod = _kernels(f, smem_bytes(model, tuning) > 0, tuning)
+    ptr = mod.get_global("miss_counts")
+    arr = cp.ndarray((4,), cp.uint64, ptr)
+    got = cp.asnumpy(arr)
+    if reset:
+        arr.fill(0)
+    return got
 
 
 def _device_tables(model: D.CoderModel, device: Any) -> dict[str, Any]:
