@@ -86,6 +86,29 @@ def test_probabilities_sum_to_one(fmt):
             assert c.max() <= 16 * (f.bits // 8)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_all_mass_in_one_table_interval(fmt):
+    # A table step of 2**31 (every count in one empirical bucket, a shape with one
+    # non-empty bin) fills the sign bit of the kernels' packed (point, step) pair: it must
+    # still read as +2**31 (it read as -2**31: NaN costs, frames that did not decode).
+    f = D.FORMATS[fmt]
+    n = 1 << f.bits
+    counts = np.zeros(n, np.int64)
+    counts[n // 2 + 3] = 7
+    masses = np.zeros(D.Z_POINTS)
+    masses[D.Z_POINTS // 2] = 1.0
+    model = D.CoderModel(np.stack([D.gaussian_shape(), D.shape_from_masses(masses)]),
+                         np.stack([D.empirical_table(counts)] * 2), [30000, 1311])
+    assert D.ONE in np.diff(model.emps.astype(np.int64))
+    bits = np.arange(n, dtype=np.int64).astype(f.storage)
+    for mu, sigma in [(0.0, 0.01), (0.0, 1.0), (-3.0, 0.5)]:
+        mus, sigmas = np.full(n, mu, np.float32), np.full(n, sigma, np.float32)
+        for m in (0, 1):
+            c = D.value_costs(bits, mus, sigmas, model, fmt=fmt, model_index=m)
+            assert math.isclose(math.fsum(2.0 ** -c), 1.0, rel_tol=1e-12)
+        _roundtrip(bits, mus, sigmas, fmt, model=model, model_index=np.arange(n) % 2)
+
+
 def test_size_matches_model_and_entropy():
     # bf16 values of N(mu, sigma): coded size ~ the model's own cost, which is within a few
     # hundredths of a bit of -log2 of the exact Gaussian mass of each value's bin.

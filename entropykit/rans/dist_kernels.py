@@ -262,8 +262,11 @@ def _interp_impl(table, m, i, frac, bits):
         return lambda table, m, i, frac, bits: 0
     if table.dtype.bitwidth == 64:
         def packed(table, m, i, frac, bits):
+            # Both words unsigned: a step of 2**31 (all of a row's mass in one interval)
+            # sets the sign bit, which an arithmetic shift would carry down. As 32-bit
+            # operands (frac < 2**16), the product is also one 32x32 -> 64 multiply.
             pr = table[m, i]
-            return (pr & 0xFFFFFFFF) + (((pr >> 32) * frac) >> bits)
+            return (pr & 0xFFFFFFFF) + ((((pr >> 32) & 0xFFFFFFFF) * (frac & 0xFFFF)) >> bits)
         return packed
 
     def points(table, m, i, frac, bits):
@@ -274,9 +277,17 @@ def _interp_impl(table, m, i, frac, bits):
 
 def pairs(table: np.ndarray) -> np.ndarray:
     """The packed copy of CDF rows (``_interp``): int64 point | (next point - point) << 32,
-    one per point but the last of each row."""
+    one per point but the last of each row (a step of 2**31 wraps to the sign bit; the
+    kernels read the high word unsigned)."""
     t = np.asarray(table, np.int64)
     return np.ascontiguousarray(t[:, :-1] | ((t[:, 1:] - t[:, :-1]) << 32))
+
+
+@_inline
+def _emp_cdf(k, m, f, emps):
+    """E(k) of model m, k clamped into 1..nkeys-1 (``_smooth_cdf``'s empirical term)."""
+    kc = min(max(k, 1), f.nkeys - 1)
+    return _interp(emps, m, np.uint64(kc >> f.es), kc & ((1 << f.es) - 1), f.es)
 
 
 @_inline
@@ -289,14 +300,24 @@ def _smooth_cdf(k, v, f, shapes, emps, mix=True):
     always computed (weight 0 leaves s unchanged: (s * 2**16) >> 16 = s) unless ``mix`` is
     False, which the kernels pass (a constant) when every model's weight is 0.
     """
+    e = _emp_cdf(k, v.m, f, emps) if mix else 0
+    return _smooth_with(k, e, v, f, shapes, mix)
+
+
+@_inline
+def _smooth_with(k, e, v, f, shapes, mix):
+    """``_smooth_cdf`` given E(k) = ``e`` (read by the caller; any value where k <= 0 or
+    k >= nkeys, whose S is selected)."""
     kc = min(max(k, 1), f.nkeys - 1)
     d = min(max(_offset(kc, v, f), -v.dl), v.dl)  # so |z| <= Z_MAX, and no overflow
     zf = (d * v.rr) >> R_SHIFT
     ix = np.uint64((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS))  # >= 0: unsigned skips wraparound
     s = _interp(shapes, v.m, ix, zf & ((1 << Z_FRAC) - 1), Z_FRAC)
     if mix:
-        e = _interp(emps, v.m, np.uint64(kc >> f.es), kc & ((1 << f.es) - 1), f.es)
-        s = (s * (WEIGHT_ONE - v.w) + e * v.w) >> 16
+        # s, e <= ONE and w < 2**16: masks that change no value and let LLVM multiply in
+        # 32 x 32 -> 64 bits (one instruction per vector instead of three).
+        s = ((s & 0xFFFFFFFF) * ((WEIGHT_ONE - v.w) & 0x1FFFF)
+             + (e & 0xFFFFFFFF) * (v.w & 0xFFFF)) >> 16
     s = 0 if k <= 0 else s
     return ONE if k >= f.nkeys else s
 
@@ -590,12 +611,15 @@ def _read_word(xs, buf, ptr, end):
 
 
 # Rows of the decoder's per-lane scratch ``ln`` (int64[LANE_ROWS, 32]): the lane state; the
-# low-byte step's range (first key b, S_b, T: symbol j is keys b + j 2**sh); its guessed
-# symbol, S and cdf at the symbol's two ends; the key nearest to mu (for guesses); the
-# lane's quantized parameters (a Val). One row per quantity, so that a pass over the lanes
-# reads each as one vector.
-_X, _B, _SB, _TS, _G, _SJ, _SN, _C0, _C1, _KM, _V = range(11)
+# low-byte step's range (first key b, S_b, T: symbol j is keys b + j 2**sh) and the
+# empirical table's (point, step) over it; its guessed symbol, S and cdf at the symbol's two
+# ends; the key nearest to mu (for guesses); the lane's quantized parameters (a Val). One
+# row per quantity, so that a pass over the lanes reads each as one vector.
+_X, _B, _SB, _TS, _EB, _ED, _G, _SJ, _SN, _C0, _C1, _KM, _V = range(13)
 LANE_ROWS = _V + len(Val._fields)
+# Rows of the decoder's float scratch ``fl`` (float64[FLOAT_ROWS, 32]): mu, grid sigma, and
+# ``_unmix``'s (a, c).
+FLOAT_ROWS = 4
 
 
 @_inline
@@ -605,6 +629,18 @@ def _lane_range(ln, q, low):
     if low:
         return ln[_B, q], ln[_SB, q], ln[_TS, q]
     return 0, 0, ONE
+
+
+@_inline
+def _lane_emp(ln, q, k, f, emps, low, mix):
+    """E(k) of lane q's model for a key k of its step (``low``, ``mix``: constants): in the
+    low step from the lane's (E_b, step) (see ``_decode_step``), else from the table."""
+    if not mix:
+        return 0
+    if low:
+        # k - b in 0..256 (masked for a 32-bit multiply, see ``_interp``)
+        return ln[_EB, q] + (((ln[_ED, q] & 0xFFFFFFFF) * ((k - ln[_B, q]) & 0x1FF)) >> f.es)
+    return _emp_cdf(k, ln[_V + 3, q], f, emps)
 
 
 @_inline
@@ -620,11 +656,11 @@ def _lane_val(ln, q):
 
 
 @_inline
-def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision, emps=None, w=0,
+def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision, e=0, mx=(1.0, 0.0),
                   mix=False):
     """Float guess of the symbol (keys b + j 2**sh) that state ``xs`` decodes to, given a
     stand-in ``j`` for it (a previous guess, or the symbol nearest to mu). With ``mix``,
-    the empirical term (weight ``w``, table ``emps``) is taken out at the stand-in's key."""
+    the empirical term E = ``e`` at the stand-in's key is taken out (``mx``: ``_unmix``)."""
     spread = (1 << precision) - 256
     slot = xs & ((1 << precision) - 1)
     # slot = j + spread * (S_j - S_b) / T: invert S at (slot - j) / spread for the unknown
@@ -633,12 +669,17 @@ def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision, emps=None,
     if mix:
         # S = ((2**16 - w) F + w E) / 2**16 and only F has an inverse table. Even a 2%
         # empirical weight moves F's inverse by a key or more (bf16 low-byte misses 66%).
-        k = min(max(b + (j << sh), 1), f.nkeys - 1)
-        e = _interp(emps, m, np.uint64(k >> f.es), k & ((1 << f.es) - 1), f.es) * (1.0 / ONE)
-        # w < 2**16; the max() lets LLVM drop Numba's zero-division check, which would
-        # keep the lane loop from vectorizing.
-        frac = (frac * WEIGHT_ONE - w * e) / max(WEIGHT_ONE - w, 1)
+        frac = frac * mx[0] - e * mx[1]
     return min(max((_guess_key(frac, mf, sf, zinv, m, f) - b) >> sh, 0), 255)
+
+
+@_inline
+def _unmix(w):
+    """(a, c) with F = a S - c E (E in units of 2**-31) for empirical weight w: one
+    division per value, not one per guess. w < 2**16; the max() lets LLVM drop Numba's
+    zero-division check, which would keep the lane loop from vectorizing."""
+    a = WEIGHT_ONE / max(WEIGHT_ONE - w, 1)
+    return a, a * w * (1.0 / (WEIGHT_ONE * ONE))
 
 
 @_inline
@@ -660,7 +701,8 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
     CDF evaluations, state update) overlap in the CPU instead of running one after the
     other: (A) parameters and the float guess, (B) the two exact CDF evaluations that
     check it, (C) in lane order, as the stream requires: search on a missed guess, update
-    the state, read a word. ``fl`` (float64[2, 32]) holds each lane's mu and grid sigma.
+    the state, read a word. ``fl`` (float64[FLOAT_ROWS, 32]) holds each lane's mu, grid
+    sigma and ``_unmix`` factors.
     Returns (OK, new ptr), (ERR_TRUNCATED, 0) or (-1, index of an invalid mu/sigma).
     """
     spread = (1 << precision) - 256
@@ -676,31 +718,48 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
             _store_val(ln, q, v)
             fl[0, q] = mf = np.float64(_bits_f32(mu_bits[i]))
             fl[1, q] = _grid_sigma(sg_bits[i])
+            fl[2, q], fl[3, q] = _unmix(v.w)
             ln[_KM, q] = _nearest_key(mf, f)
         if bad:
             for q in range(m):
                 if _invalid(mu_bits[g0 + q], sg_bits[g0 + q]):
                     return -1, g0 + q
+    elif mix:
+        # The low step's keys b..b+256 lie in one interval of the empirical table (b is a
+        # top byte's first key), where E is linear: E(b + j) = E_b + ((E_b+256 - E_b) j
+        # >> es), which is what ``_interp`` computes there (and S is selected at keys 0 and
+        # nkeys, where the clamp inside ``_emp_cdf`` would differ). One table read per
+        # value instead of one per guess and CDF evaluation.
+        for q in range(m):
+            pr = emps[ln[_V + 3, q], ln[_B, q] >> f.es]
+            ln[_EB, q], ln[_ED, q] = pr & 0xFFFFFFFF, (pr >> 32) & 0xFFFFFFFF  # (``_interp``)
     for q in range(m):  # (A1) the float guesses, from mu's own symbol
         b, sb, t = _lane_range(ln, q, low)
-        ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t,
-                                  min(max((ln[_KM, q] - b) >> sh, 0), 255), fl[0, q], fl[1, q],
-                                  ln[_V + 3, q], f, zinv, precision, emps, ln[_V + 4, q], mix)
+        j = min(max((ln[_KM, q] - b) >> sh, 0), 255)
+        ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t, j, fl[0, q], fl[1, q],
+                                  ln[_V + 3, q], f, zinv, precision,
+                                  _lane_emp(ln, q, b + (j << sh), f, emps, low, mix),
+                                  (fl[2, q], fl[3, q]), mix)
     if low:
         # (A2) A second round from the first guess. It matters in the low byte, where j's
         # share of the slot is up to a symbol's width (misses on bf16 Gaussian data 15% ->
         # 4%); in the top byte misses are rare already (0.3%) and it did not pay.
         for q in range(m):
             b, sb, t = _lane_range(ln, q, low)
-            ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t,
-                                      ln[_G, q], fl[0, q], fl[1, q], ln[_V + 3, q], f, zinv,
-                                      precision, emps, ln[_V + 4, q], mix)
+            j = ln[_G, q]
+            ln[_G, q] = _guess_symbol(ln[_X, q], b, sh, sb, t, j, fl[0, q], fl[1, q],
+                                      ln[_V + 3, q], f, zinv, precision,
+                                      _lane_emp(ln, q, b + j, f, emps, low, mix),
+                                      (fl[2, q], fl[3, q]), mix)
     for q in range(m):  # (B): branch-free, so that it vectorizes across the lanes
         v = _lane_val(ln, q)
         b, sb, t = _lane_range(ln, q, low)
         j = ln[_G, q]
-        ln[_SJ, q] = sj = _smooth_cdf(b + (j << sh), v, f, shapes, emps, mix)
-        ln[_SN, q] = sn = _smooth_cdf(b + ((j + 1) << sh), v, f, shapes, emps, mix)
+        k0, k1 = b + (j << sh), b + ((j + 1) << sh)
+        ln[_SJ, q] = sj = _smooth_with(k0, _lane_emp(ln, q, k0, f, emps, low, mix), v, f,
+                                       shapes, mix)
+        ln[_SN, q] = sn = _smooth_with(k1, _lane_emp(ln, q, k1, f, emps, low, mix), v, f,
+                                       shapes, mix)
         ln[_C0, q] = _stage_cdf(j, sj, sb, t, spread)
         ln[_C1, q] = _stage_cdf(j + 1, sn, sb, t, spread)
     for q in range(m):  # (C)
@@ -747,9 +806,9 @@ def decode_chunk(buf, start, length, mu_bits, sg_bits, midx, fp, shapes, zinv,
                  emps, ws, rtab, precision, ln, fl, out):
     """Decode ``out.size`` values from ``buf[start:start+length]``; return an error code.
 
-    ``ln`` (int64[LANE_ROWS, 32]) and ``fl`` (float64[2, 32]) are scratch; no argument may
-    overlap another that the kernel writes (``_NoAlias``). An invalid (mu, sigma) pair
-    comes back as -(index + 1).
+    ``ln`` (int64[LANE_ROWS, 32]) and ``fl`` (float64[FLOAT_ROWS, 32]) are scratch; no
+    argument may overlap another that the kernel writes (``_NoAlias``). An invalid
+    (mu, sigma) pair comes back as -(index + 1).
     """
     f = _fmt(fp)
     end = start + length

@@ -497,7 +497,7 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
                                    model.shape_pairs, model.inverse, model.emp_pairs,
                                    model.weights, _RTAB,
                                    info.precision, np.empty((_k.LANE_ROWS, _k.LANES), np.int64),
-                                   np.empty((2, _k.LANES)), dst)
+                                   np.empty((_k.FLOAT_ROWS, _k.LANES)), dst)
             if code < 0:
                 raise _bad_param(i * cs - code - 1, mu_b, sg_b)
             if code != _k.OK:
