@@ -613,9 +613,10 @@ def _read_word(xs, buf, ptr, end):
 # Rows of the decoder's per-lane scratch ``ln`` (int64[LANE_ROWS, 32]): the lane state; the
 # low-byte step's range (first key b, S_b, T: symbol j is keys b + j 2**sh) and the
 # empirical table's (point, step) over it; its guessed symbol, S and cdf at the symbol's two
-# ends; the key nearest to mu (for guesses); the lane's quantized parameters (a Val). One
-# row per quantity, so that a pass over the lanes reads each as one vector.
-_X, _B, _SB, _TS, _EB, _ED, _G, _SJ, _SN, _C0, _C1, _KM, _V = range(13)
+# ends; the key nearest to mu (for guesses); the state after the step if the guess is
+# right; the lane's quantized parameters (a Val). One row per quantity, so that a pass
+# over the lanes reads each as one vector.
+_X, _B, _SB, _TS, _EB, _ED, _G, _SJ, _SN, _C0, _C1, _KM, _XN, _V = range(14)
 LANE_ROWS = _V + len(Val._fields)
 # Rows of the decoder's float scratch ``fl`` (float64[FLOAT_ROWS, 32]): mu, grid sigma, and
 # ``_unmix``'s (a, c).
@@ -700,9 +701,9 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
     Three passes over the lanes so that the lanes' long dependency chains (float guess,
     CDF evaluations, state update) overlap in the CPU instead of running one after the
     other: (A) parameters and the float guess, (B) the two exact CDF evaluations that
-    check it, (C) in lane order, as the stream requires: search on a missed guess, update
-    the state, read a word. ``fl`` (float64[FLOAT_ROWS, 32]) holds each lane's mu, grid
-    sigma and ``_unmix`` factors.
+    check it, (C) the state update and, in lane order as the stream requires, the search
+    on a missed guess and the word reads. ``fl`` (float64[FLOAT_ROWS, 32]) holds each
+    lane's mu, grid sigma and ``_unmix`` factors.
     Returns (OK, new ptr), (ERR_TRUNCATED, 0) or (-1, index of an invalid mu/sigma).
     """
     spread = (1 << precision) - 256
@@ -762,23 +763,35 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
                                        shapes, mix)
         ln[_C0, q] = _stage_cdf(j, sj, sb, t, spread)
         ln[_C1, q] = _stage_cdf(j + 1, sn, sb, t, spread)
-    for q in range(m):  # (C)
-        xs = ln[_X, q]
+    for q in range(m):  # (C1) vectorized: each lane's next state if its guess is right
+        xs, c0, c1 = ln[_X, q], ln[_C0, q], ln[_C1, q]
+        ln[_XN, q] = (c1 - c0) * (xs >> precision) + (xs & mask) - c0
+    # (C2) In lane order, as the stream requires: search where the guess missed, read the
+    # words. Only this loop is serial; it is kept short (the state update before it, the
+    # step's result after it, vectorized) because in the kernel's one big function its
+    # values live on the stack: every row it touches is a load or a store.
+    for q in range(m):
+        xs, xn = ln[_X, q], ln[_XN, q]
         slot = xs & mask
-        j, sj, sn, c0, c1 = ln[_G, q], ln[_SJ, q], ln[_SN, q], ln[_C0, q], ln[_C1, q]
-        b, sb, t = _lane_range(ln, q, low)
-        if not c0 <= slot < c1:
+        if not ln[_C0, q] <= slot < ln[_C1, q]:
+            j, sj, sn, c0, c1 = ln[_G, q], ln[_SJ, q], ln[_SN, q], ln[_C0, q], ln[_C1, q]
+            b, sb, t = _lane_range(ln, q, low)
             if slot >= c1:  # search up from j + 1 (j < 255 here: cdf(256) = 2**p > slot)
                 j, sj, c0 = j + 1, sn, c1
             j, sj, sn, c0, c1 = _search_from(slot, j, sj, c0, b, sh, sb, t, spread,
                                              _lane_val(ln, q), f, shapes, emps)
-        ln[_X, q], ptr = _read_word((c1 - c0) * (xs >> precision) + slot - c0, buf, ptr, end)
+            ln[_G, q], ln[_SJ, q], ln[_SN, q] = j, sj, sn
+            xn = (c1 - c0) * (xs >> precision) + slot - c0
+        ln[_X, q], ptr = _read_word(xn, buf, ptr, end)
         if ptr < 0:
             return ERR_TRUNCATED, 0
+    for q in range(m):  # (C3) vectorized: the step's result
+        j = ln[_G, q]
         if low or f.es == 0:
-            out[g0 + q] = _bits(b + j, f.nkeys)
+            out[g0 + q] = _bits((ln[_B, q] if low else 0) + j, f.nkeys)
         else:  # the low-byte step's range: the top byte's keys
-            ln[_B, q], ln[_SB, q], ln[_TS, q] = j << f.es, sj, sn - sj
+            sj = ln[_SJ, q]
+            ln[_B, q], ln[_SB, q], ln[_TS, q] = j << f.es, sj, ln[_SN, q] - sj
     return OK, ptr
 
 
