@@ -755,3 +755,12 @@ def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
                 np.testing.assert_array_equal(out[1:, 1], out[1:, 0], err_msg=f"{mu} {s}")
                 assert out[1:, 2].max() < 1 << 31
     assert n_small > 0 and n_big > 0
+
+
+def test_tuning_defaults_by_format():
+    # None knobs take the format's measured defaults; explicit ones are kept.
+    bf16, fp8 = D.FORMATS["bf16"], D.FORMATS["fp8_e4m3"]
+    assert G.Tuning().for_format(bf16) == G.Tuning(guess_rounds=2, warp_search=False)
+    assert G.Tuning().for_format(fp8) == G.Tuning(guess_rounds=1, warp_search=True)
+    t = G.Tuning(guess_rounds=3, warp_search=False)
+    assert t.for_format(fp8) == t

@@ -674,7 +674,8 @@ __device__ __forceinline__ void warp_search(Sym& s, int q, int slot, const Stage
 // Missed guesses per stage (sh > 0: a 16-bit format's top byte; else the low byte or an
 // 8-bit format's only stage), then per stage those the lane resolved alone (without the
 // warp's search), for measurements (Tuning.count_misses builds only).
-__device__ unsigned long long miss_counts[4];
+__device__ unsigned long long miss_counts[10];  // then far misses (2+ symbols) a stage
+// by where the symbol lies: in a flat stretch (frequency <= 2), else S above or below 1/2
 #endif
 
 // The chunk a warp decodes: its stream, this lane's state and value.
@@ -703,7 +704,9 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, int 
     const int slot = (int)(c.x & ((1u << p) - 1));
     bool miss = false;
     [[maybe_unused]] bool fixed = false;  // read by COUNT_MISSES builds
+    [[maybe_unused]] int gj = -9;  // the guess, where it missed (COUNT_MISSES builds)
     if (c.live && !guess_symbol(s, slot, st, sh, c.v, c.muf, c.sgf, md, p)) {
+        gj = s.j;
 #if WARP_SEARCH
         fixed = near_symbol(s, slot, st, sh, spread, c.v, md);
         miss = !fixed;
@@ -724,6 +727,11 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, int 
         warp_search(s, __ffs(far) - 1, slot, st, sh, spread, c.v, md, lane);
         far &= far - 1;
     }
+#if COUNT_MISSES
+    if (gj != -9 && abs(s.j - gj) >= 2)
+        atomicAdd(miss_counts + 4 + 3 * (sh ? 0 : 1)
+                  + (s.c1 - s.c0 <= 2 ? 0 : s.sj >= (unsigned)(ONE / 2) ? 1 : 2), 1ull);
+#endif
     bool need = false;
     if (c.live) {
         c.x = (unsigned)(s.c1 - s.c0) * (c.x >> p) + (unsigned)(slot - s.c0);

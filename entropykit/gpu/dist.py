@@ -23,7 +23,7 @@ import os
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -56,15 +56,25 @@ class Tuning:
     warps: int = 8  # warps (chunks) per block (H200: 8 decodes ~17% faster than 4)
     smem: bool = True  # model tables in shared memory when they fit _SMEM_LIMIT
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
-    guess_rounds: int = 2  # decoder's guess refinements (1: the earlier kernel's single one)
+    # the decoder's guess refinements; None: 2 for 16-bit formats, 1 for 8-bit ones
+    # (kv_check, A/B on the H200: bf16 mixture 2 rounds 28.0-28.8 GB/s, 1: 24.5-26.1, 3: 23.1;
+    # fp8 e4m3 mixture 1 round 32.1-35.3, 2: 31.2-33.0, 0: 27.2)
+    guess_rounds: int | None = None
     guess_newton: bool = True  # then one Newton step on the stage's slot equation
     pure_rounds: int = 1  # of those, the ones a model without empirical term (w = 0) runs
     tail_inverse: bool = True  # guesses in the end intervals from log-spaced tail points
     count_misses: bool = False  # count missed guesses (``miss_counts``; slower)
     # a missed guess: its neighbour, then a search by the whole warp (True), or the lane's
     # own search (False); None: the warp's for 8-bit formats (kv_check: fp8 e4m3 mixture
-    # +12%, bf16 -4..6%)
+    # +9-12%, bf16 -4..8%)
     warp_search: bool | None = None
+
+    def for_format(self, f: D.ValueFormat) -> Tuning:
+        """These knobs with the format's defaults in place of None."""
+        return replace(self, guess_rounds=(2 if f.bits == 16 else 1) if self.guess_rounds
+                       is None else self.guess_rounds,
+                       warp_search=f.bits == 8 if self.warp_search is None
+                       else self.warp_search)
 
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
@@ -209,17 +219,19 @@ def _runtime(device: Any) -> Any:
 def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
     import cupy as cp
 
+    t = t.for_format(f)
     key = (f.name, smem, t)
     with _lock:
         if key not in _modules:
-            src = resources.files(__package__).joinpath("_dist_kernel.cu").read_text()
-            ws = f.bits == 8 if t.warp_search is None else t.warp_search
+            alt = os.environ.get("ENTROPYKIT_DIST_KERNEL")  # another source: A/B timings
+            src = (open(alt).read() if alt else
+                   resources.files(__package__).joinpath("_dist_kernel.cu").read_text())
             opts = ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
                     f"-DBIAS={f.bias}", f"-DNONFINITE={f.nonfinite}", f"-DES={f.bits - 8}",
                     f"-DSMEM={int(smem)}", f"-DWARPS={t.warps}", f"-DMIN_BLOCKS={t.min_blocks}",
                     f"-DGUESS_ROUNDS={t.guess_rounds}", f"-DGUESS_NEWTON={int(t.guess_newton)}",
                     f"-DPURE_ROUNDS={t.pure_rounds}",
-                    f"-DCOUNT_MISSES={int(t.count_misses)}", f"-DWARP_SEARCH={int(ws)}",
+                    f"-DCOUNT_MISSES={int(t.count_misses)}", f"-DWARP_SEARCH={int(t.warp_search)}",
                     f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
                     f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
             if os.environ.get("ENTROPYKIT_LINEINFO"):  # source lines for a profiler
@@ -231,14 +243,16 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
 def miss_counts(f: D.ValueFormat, model: D.CoderModel, tuning: Tuning,
                 reset: bool = False) -> np.ndarray:
     """Missed decoder guesses counted by ``tuning`` (count_misses) builds since the last
-    reset (``reset`` zeroes them): uint64[4], per stage (a 16-bit format's top byte, then
+    reset (``reset`` zeroes them): uint64[10], per stage (a 16-bit format's top byte, then
     the low byte or an 8-bit format's only stage) the misses, then per stage those that the
-    lane resolved alone (the rest the whole warp searched)."""
+    lane resolved alone (the rest the whole warp searched), then per stage the misses by 2+
+    symbols by where the symbol lies: a flat stretch (frequency <= 2 slots), else S >= 1/2,
+    else S < 1/2."""
     import cupy as cp
 
     mod = _kernels(f, smem_bytes(model, tuning) > 0, tuning)
     ptr = mod.get_global("miss_counts")
-    arr = cp.ndarray((4,), cp.uint64, ptr)
+    arr = cp.ndarray((10,), cp.uint64, ptr)
     got = cp.asnumpy(arr)
     if reset:
         arr.fill(0)
