@@ -477,46 +477,45 @@ What the rows are: `entropykit.gpu.dist.encode` / `decode` (CUDA C++ through NVR
 per chunk, all chunks in one launch) on 256 MiB of cache values drawn as mu + sigma * t(4)
 noise with 1% NaN / inf / -0 / subnormal values (bf16: |mu| ~ 1, sigma ~ 0.15; fp8 e4m3 in
 scaled units: |mu| ~ 20, sigma ~ 2), mu and sigma float32 on the device. GB/s = cache bytes
-per second of the whole call (CUDA events, median of 7 after 2 warm-ups): encode includes
-the one device-to-host read of the chunk lengths that sizes the frame and the gather
-launch; decode includes the host parse of the frame's directory (read back from the device)
-and the status read; "from pinned host" decodes a frame in pinned host memory, its upload
-included. CRC-32 (zlib's, the frame's) is computed on the GPU in both directions (a warp
-per chunk: lanes crc32 slices, combined by x^(8n) shifts), inside these times. "Offload via
-PCIe" = cache bytes / (encode time + coded bytes over the measured D2H link), serial.
-Outputs are poisoned before each checked decode; every row was bit-exact, and the frames
-equal the CPU coder's byte for byte (checks above: GPU frame == CPU frame, CPU frame ->
-GPU decode, GPU -> GPU, GPU frame -> CPU decode; corrupt frames fail with the CPU's
-chunk and message).
+per second of the whole call (CUDA events, median of 7 after 2 warm-ups and a second of
+warm-up encodes per format): encode includes the one device-to-host read of the chunk
+lengths that sizes the frame and the gather launch; decode includes the host parse of the
+frame's directory (read back from the device) and the status read; "from pinned host"
+decodes a frame in pinned host memory, its upload included. CRC-32 (zlib's, the frame's)
+is computed on the GPU in both directions, inside these times. "Offload via PCIe" = cache
+bytes / (encode time + coded bytes over the measured D2H link), serial. Outputs are
+poisoned before each checked decode; every row was bit-exact, and the frames equal the CPU
+coder's byte for byte (checks above: GPU frame == CPU frame, CPU frame -> GPU decode,
+GPU -> GPU, GPU frame -> CPU decode; corrupt frames fail with the CPU's chunk and message).
+The same row moves by up to ~8% between runs (fresh machines); A/B decisions below come
+from interleaved repeats in one run.
 
-State against the target (>= 50 GB/s of cache both ways, faster than the PCIe link it
-saves): encode meets it (55-62 GB/s over the rows; the same row differs by up to ~5% from
-run to run); decode does not (~28-30 GB/s bf16 and fp8), and neither beats the ~55 GB/s
-pinned PCIe link: moving cache off the GPU coded (encode, then D2H of ~half the bytes) is
-still slower than moving it raw. What moved decode from ~19 to ~29 GB/s (ncu on the bf16
-decode at 256 MiB: 2160 -> 1464 warp instructions per 32 values, 11.6 -> 8.4 ms): the CDF
-in 32-bit words where the CPU's int64 values fit (interpolations as __umulhi, state, S
-and cdf as u32; also +20% encode), probe positions from float quotients instead of int64
-divisions, and a second guess refinement ("guess rounds" 2; rows with 1 are the single
-refinement before), which halves missed guesses where the empirical component pulls the
-first guess ~100 keys off (bf16 low bytes 8.7% -> 3.8% of lane steps, CPU emulation).
-What limits decode now: it is issue-bound (~73% of issue slots busy at 27 of 32 resident
-warps; capping registers for 40 warps, prefetching mu/sigma and payload words a step ahead,
-a branch-free CDF, paired search probes and a whole-warp search of a missed guess were each
-measured no faster or slower and not kept): per 32 values ~30% of instructions are the
-float guesses (3 inversions a stage), ~35% the searches of missed guesses, the rest the two
-exact CDFs a stage that check a guess. Guess rows: "tails" reads the end intervals of the
-inverse (tail mass < 2^-12) from points even in log2 of the mass, "Newton" ends with one
-Newton step on the stage's slot equation (S and the symbol's own j term linear). Misses per
-value (H200 counts, 2 rounds everywhere, top/low byte): bf16 mixture 1.4/3.8% -> 0.8/2.3%,
-Gaussian 1.5/4.1% -> 0.5/3.0%; fp8 mixture 1.9% -> 1.0%, Gaussian 2.9% -> 1.6%. A model
-without an empirical term (w = 0) runs 1 refinement round ("1 at w = 0"): there a round
-only refines the symbol's j term, which the step does too. Decode, new vs old rows:
-Gaussian bf16 28.3 -> 35.8, fp8 29.1 -> 37.3 GB/s; mixture rows unchanged within noise
-(bf16 29.3 -> 29.4, fp8 30.4 -> 30.2; interleaved repeats +1% / -0.5%): there the step
-costs what the fewer misses save, and one round plus the step (instead of two) is slower
-(bf16 25 GB/s). Warps per block: 4 decodes ~15% slower than 8 (the library default is now
-8); 16 decodes +3-4% but encodes fp8 5% slower.
+Guess and search (the "guess" column): the decoder guesses each symbol in float32 (2
+refinement rounds for 16-bit formats, 1 for 8-bit ones; 1 at w = 0; tail points; one Newton
+step), checks it with two exact CDFs, and on a miss either the lane searches alone ("lane
+search", bf16's default) or tries the neighbour, then the whole warp searches each remaining
+miss with two ballots over cdf(8 i) and then 9 symbols ("warp search", fp8's default:
+mixture +9-12%, bf16 -4..8%, interleaved A/B). Rounds, A/B: bf16 mixture 2 rounds 27.4-28.9
+GB/s, 1: 25.1-25.9, 3: 23.1 (misses rise: the fixed-point rounds oscillate); fp8 mixture 1
+round 35.6-36.2, 2: 33.0-33.5. Misses per value are counted by a separate counting build
+(same guesses).
+
+State against the target (>= 50 GB/s of cache both ways): encode meets it (56-67 GB/s over
+the rows and runs); decode does not: bf16 ~28 (mixture) / ~34-36 (Gaussian), fp8 e4m3
+~33-36 / ~38-40 GB/s, up from 26.5 / 33.0 and 29.6 / 36.7 before this round. What moved
+it: S(k)'s key offset in 32-bit words (clamped_offset: exact wherever |mu| < 2^13 sigma,
+the 64-bit path only beyond; +8-13% decode, encode too), the warp's search for fp8 and one
+guess round for fp8. Measured and not kept: two chunks a warp interleaved with one merged
+search loop (108 registers, 16 warps an SM: decode halved, the compiler does not overlap
+the two chains' branchy guesses), 48 / 64 warps an SM by register caps (spills, and 8192
+warps in 1.3 waves; no faster), fewer top-byte rounds (within noise), branch-free ends of
+S and the Newton data from the last inversion only (no faster). Where the time goes (ncu,
+bf16 mixture, per 32 values): ~1460 warp instructions at ~0.7 issued per cycle and
+scheduler; the float guesses ~35%, the exact S evaluations (checks and search probes) ~40%,
+the rest the state, words, parameters and output. Misses (per value, top / low byte):
+bf16 mixture 0.83% / 2.27%, Gaussian 0.49% / 3.01%; fp8 mixture 1.11%, Gaussian 1.69%; of
+bf16 mixture's misses by 2+ symbols, 0.38% (top) are symbols of flat stretches (the NaN /
+inf / 0 / subnormal keys) and 0.98% / 0.41% (low) symbols above / below S = 1/2.
 """
 
 
@@ -542,7 +541,8 @@ def main() -> None:
     ap.add_argument("--verify", metavar="DIR")
     ap.add_argument("--profile", metavar="FMTS", help="one encode + decode per format (ncu)")
     ap.add_argument("--occupancy", action="store_true",
-                    help="only time chunks 2^14 / 2^13 at 32, 48 and 64 warps an SM")
+                    help="timings only: the library's tuning, both models (each row still "
+                         "checks its own round trip)")
     ap.add_argument("--write-results", metavar="JSON")
     args = ap.parse_args()
     if args.verify:

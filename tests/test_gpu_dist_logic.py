@@ -8,7 +8,9 @@ arrays, per-chunk result rows, gather offsets, decode descriptors, status codes)
 encoder's backwards ballot word placement and room check into a raw-sized scratch, the
 gather into the frame and its directory, the decoder's forwards ballot word reads with
 its bounds checks, the per-lane CRC-32 slices combined by x^(8 n) shifts, and how per-chunk
-status becomes the CPU's exceptions. Each lane's symbol arithmetic comes from dist_kernels
+status becomes the CPU's exceptions; and the decoder's own arithmetic where it departs from
+the CPU's: S's key offset in 32-bit words, and both searches of a missed guess (the lane's,
+the neighbour then the warp's two ballots) from any guess. Each lane's symbol arithmetic comes from dist_kernels
 itself (an njit helper below), so a frame from the twin equals ``distribution.encode``'s
 only if the warp structure is right.
 """
