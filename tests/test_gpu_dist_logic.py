@@ -10,9 +10,9 @@ gather into the frame and its directory, the decoder's forwards ballot word read
 its bounds checks, the per-lane CRC-32 slices combined by x^(8 n) shifts, and how per-chunk
 status becomes the CPU's exceptions; and the decoder's own arithmetic where it departs from
 the CPU's: S's key offset in 32-bit words, and both searches of a missed guess (the lane's,
-the neighbour then the warp's two ballots) from any guess. Each lane's symbol arithmetic comes from dist_kernels
-itself (an njit helper below), so a frame from the twin equals ``distribution.encode``'s
-only if the warp structure is right.
+the neighbour then the warp's two ballots) from any guess. Each lane's symbol arithmetic
+comes from dist_kernels itself (an njit helper below), so a frame from the twin equals
+``distribution.encode``'s only if the warp structure is right.
 """
 
 from __future__ import annotations
