@@ -1,0 +1,257 @@
+"""The GPU decoder's float32 guess (``fast_guess`` in _dist_kernel.cu) replayed in numpy, and
+the missed guesses it yields on kv_check's data, so that guess ideas are tried in seconds on
+the CPU instead of in device runs.
+
+What it is: a vectorized float32 port of ``guess_key`` and ``fast_guess`` (same tables from
+``dist.model_arrays``, same constants, same order of operations; the device's fused
+multiply-adds and approximate ``__fdividef`` / ``__log2f`` are plain float32 operations here,
+so a guess can differ in rare last-bit cases), and the exact symbols of each value's stages
+from dist_kernels (the CPU coder's integer CDF). A value's slot is drawn uniformly in its
+symbol's [cdf(j), cdf(j + 1)), as an rANS state's low bits are. What it is not: the decoder
+(no states, words or searches) or a proof of anything: it estimates miss rates, which the
+device's miss counters (kv_check) confirm.
+
+    python gpu/guess_emulator.py [--n N] [--fmt bf16 fp8_e4m3] [--rounds R] [--variant V]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+from entropykit.gpu import dist as G  # noqa: E402
+from entropykit.rans import dist_kernels as K  # noqa: E402
+from entropykit.rans import distribution as D  # noqa: E402
+
+F32 = np.float32
+INV_POINTS = 4096
+ZTAIL = INV_POINTS + 1
+ONE = 1 << 31
+WEIGHT_ONE = 65536
+
+
+@njit(cache=True)
+def _truth(vals, mu, sg, m, fp, shapes, emps, ws, rtab, p, out):
+    """out[i] = (key, t0, t1, l0, l1, S_b, S_b+T, ok) of value i (its stages' exact CDFs)."""
+    f = K._fmt(fp)
+    spread = (1 << p) - 256
+    for i in range(vals.size):
+        ok, v = K._params(mu[i], sg[i], m, ws, rtab, f)
+        key = K._key(np.int64(vals[i]), f.nkeys)
+        out[i, 0] = key
+        out[i, 7] = ok
+        if ok:
+            t0, t1, l0, l1 = K._value_cdfs(key, v, f, shapes, emps, spread)
+            b = (key >> f.es) << f.es
+            out[i, 1], out[i, 2], out[i, 3], out[i, 4] = t0, t1, l0, l1
+            out[i, 5] = K._smooth_cdf(b, v, f, shapes, emps)
+            out[i, 6] = K._smooth_cdf(b + (1 << f.es), v, f, shapes, emps)
+
+
+@dataclass
+class Fmt:
+    nkeys: int
+    mant: int
+    bias: int
+    nonfinite: int
+    es: int
+
+    @property
+    def half(self) -> int:
+        return self.nkeys // 2
+
+
+def _fmt(f: D.ValueFormat) -> Fmt:
+    return Fmt(1 << f.bits, f.mantissa, f.bias, f.nonfinite, f.bits - 8)
+
+
+@dataclass
+class Lin:
+    g: np.ndarray
+    kf: np.ndarray
+    dzdg: np.ndarray
+    ulp: np.ndarray
+
+
+def guess_key(g, mu, sg, zinv, f: Fmt, tail: bool = True):
+    """The kernel's guess_key: (key, Lin), zinv the model's row (float32[ZROW])."""
+    gc = np.clip(g.astype(F32), F32(0), F32(1))
+    t = gc * F32(INV_POINTS)
+    i = np.minimum(t.astype(np.int32), INV_POINTS - 1)
+    dtdg = np.full(g.shape, F32(INV_POINTS))
+    off = np.zeros(g.shape, np.int32)
+    if tail:
+        tm = (t < 1) | (t > INV_POINTS - 1)
+        up = t > 1
+        q = np.maximum(np.where(up, F32(1) - gc, gc), F32(1e-12))
+        with np.errstate(divide="ignore"):
+            tt = np.clip((-np.log2(q) - F32(G.TAIL_FROM)) * F32(G.TAIL_STEPS), F32(0),
+                         F32(G.TAIL_POINTS - 0.01))
+        ti = np.minimum(tt.astype(np.int32), G.TAIL_POINTS - 1)
+        t = np.where(tm, tt, t)
+        i = np.where(tm, ti, i)
+        off = np.where(tm, ZTAIL + np.where(up, G.TAIL_POINTS + 1, 0), 0)
+        sgn = np.where(up, F32(G.TAIL_STEPS / 0.6931472), F32(-G.TAIL_STEPS / 0.6931472))
+        dtdg = np.where(tm, sgn / q, dtdg).astype(F32)
+    z0, z1 = zinv[off + i], zinv[off + i + 1]
+    val = (mu + sg * (z0 + (z1 - z0) * (t - i.astype(F32)))).astype(F32)
+    b = val.view(np.uint32).astype(np.int64)
+    a = b & 0x7FFFFFFF
+    ex = (a >> 23) - 127 + f.bias
+    maghat = np.minimum(a.astype(F32) * F32(1.0 / (1 << (23 - f.mant)))
+                        - F32((127 - f.bias) << f.mant), F32(f.nonfinite - 1))
+    a2 = a + (1 << (22 - f.mant))
+    ex2 = (a2 >> 23) - 127 + f.bias
+    mag_n = np.minimum((ex2 << f.mant) | ((a2 & 0x7FFFFF) >> (23 - f.mant)), f.nonfinite - 1)
+    sh = np.clip(24 - f.mant - ex, 1, 62)
+    mag_s = (((a & 0x7FFFFF) | (1 << 23)) + (1 << (sh - 1))) >> sh
+    mag = np.where(ex >= 1, mag_n, np.where(ex > -f.mant - 1, mag_s, 0))
+    maghat = np.where(ex >= 1, maghat, mag.astype(F32))
+    fe = np.where(ex >= 1, (b >> 23) & 0xFF, 127 - f.bias + 1)
+    neg = (b >> 31) == 1
+    kf = np.where(neg, F32(f.half - 1) - maghat, F32(f.half) + maghat).astype(F32)
+    ulp = (np.maximum(fe - f.mant, 1) << 23).astype(np.uint32).view(F32)
+    key = np.where(neg, f.half - 1 - mag, f.half + mag)
+    return key, Lin(gc, kf, ((z1 - z0) * dtdg).astype(F32), ulp)
+
+
+def emp_at(k, emps, f: Fmt):
+    """E(k) (the kernel's emp_at), emps the model's row (uint32[257])."""
+    bb = np.clip(k, 0, f.nkeys - 1) >> f.es
+    e = emps[bb].astype(np.int64)
+    if f.es:
+        low = (k & ((1 << f.es) - 1)).astype(np.int64) << (32 - f.es)
+        e = e + (((emps[bb + 1].astype(np.int64) - e) & 0xFFFFFFFF) * low >> 32)
+    return e
+
+
+@dataclass
+class Setup:
+    """One stage's inputs, per value: slot, stage (b, sh, S_b, T), value (mu, sigma grid)."""
+
+    slot: np.ndarray
+    b: np.ndarray
+    sh: int
+    sb: np.ndarray
+    t: np.ndarray
+    mu: np.ndarray
+    sg: np.ndarray
+    w: int
+    zinv: np.ndarray
+    emps: np.ndarray
+    f: Fmt
+    p: int
+
+
+def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1):
+    """The kernel's fast_guess: the guessed symbol of each slot."""
+    f, p, sh = s.f, s.p, s.sh
+    ft, fsb = s.t.astype(F32), s.sb.astype(F32)
+    slot = s.slot
+    g = (fsb + (slot.astype(F32) + F32(0.5)) * F32(1.0 / (1 << p)) * ft) * F32(1.0 / ONE)
+    k, lin = guess_key(g, s.mu, s.sg, s.zinv, f)
+    unit = ft / F32((1 << p) - 256)
+    for r in range(rounds):
+        if r >= pure_rounds and not s.w:
+            break
+        j0 = np.clip((k - s.b) >> sh, 0, 255)
+        target = fsb + ((slot - j0).astype(F32) + F32(0.5)) * unit
+        if s.w:
+            target = ((target * F32(WEIGHT_ONE) - F32(s.w) * emp_at(k, s.emps, f).astype(F32))
+                      * F32(1.0 / (WEIGHT_ONE - s.w)))
+        k, lin = guess_key(target * F32(1.0 / ONE), s.mu, s.sg, s.zinv, f)
+    if newton:
+        wf = F32(s.w / WEIGHT_ONE)
+        est = (F32(1) - wf) * F32(ONE) * lin.g
+        with np.errstate(divide="ignore", invalid="ignore"):
+            slope = ((F32(1) - wf) * F32(ONE) * (lin.ulp / (s.sg * lin.dzdg))
+                     + unit * F32(1.0 / (1 << sh)))
+        if s.w:
+            bb = np.clip(k, 0, f.nkeys - 1) >> f.es
+            e0 = s.emps[bb].astype(F32)
+            de = (s.emps[bb + 1].astype(np.int64) - s.emps[bb]).astype(F32) * F32(1.0 / (1 << f.es))
+            est = est + wf * (e0 + de * (lin.kf + F32(0.5) - (bb << f.es).astype(F32)))
+            slope = slope + wf * de
+        target = fsb + ((slot.astype(F32) + F32(0.5))
+                        - (lin.kf - s.b.astype(F32)) * F32(1.0 / (1 << sh))) * unit
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kn = lin.kf + (target - est) / slope
+        kn = np.clip(np.nan_to_num(kn, nan=-1.0), F32(-1), F32(f.nkeys))
+        k = np.rint(kn).astype(np.int64)
+    return np.clip((k - s.b) >> sh, 0, 255)
+
+
+def stages(fmt: str, n: int, mi: int, seed: int = 11, p: int = D.DEFAULT_PRECISION):
+    """kv_check's sample (on the CPU) with each value's exact stages and a slot in each:
+    (top Setup, true top symbols, low Setup or None, true low symbols)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kv_check
+
+    bits, mu, sigma = kv_check.sample(torch, fmt, n, seed, torch.device("cpu"))
+    vals = kv_check.host(bits)
+    mu, sigma = mu.numpy(), sigma.numpy()
+    model = kv_check.model()
+    df = D.FORMATS[fmt]
+    f = _fmt(df)
+    out = np.zeros((n, 8), np.int64)
+    _truth(vals, mu.view(np.uint32), sigma.view(np.uint32), mi, df.params, model.padded,
+           model.emps, model.weights, D._RTAB, p, out)
+    assert out[:, 7].all()
+    arr = G.model_arrays(model)
+    zrow = arr["zinv"].size // len(model)
+    zinv = arr["zinv"][mi * zrow:(mi + 1) * zrow]
+    emps = np.asarray(model.emps[mi], np.uint32)
+    w = int(model.weights[mi])
+    sgb = sigma.view(np.uint32)
+    sgf = ((sgb + (1 << 14)) & ~np.uint32(0x7FFF)).view(F32)
+    rng = np.random.default_rng(seed)
+    key = out[:, 0]
+
+    def slot(c0, c1):
+        return c0 + np.floor(rng.random(n) * (c1 - c0)).astype(np.int64)
+
+    zero = np.zeros(n, np.int64)
+    top = Setup(slot(out[:, 1], out[:, 2]), zero, f.es, zero, np.full(n, ONE, np.int64),
+                mu.astype(F32), sgf, w, zinv, emps, f, p)
+    if not f.es:
+        return top, key, None, None
+    low = Setup(slot(out[:, 3], out[:, 4]), (key >> f.es) << f.es, 0, out[:, 5],
+                out[:, 6] - out[:, 5], mu.astype(F32), sgf, w, zinv, emps, f, p)
+    return top, key >> f.es, low, key & ((1 << f.es) - 1)
+
+
+def misses(guess, true) -> tuple[float, float]:
+    """(missed, missed by 2+ symbols) per value."""
+    d = np.abs(guess - true)
+    return float(np.mean(d > 0)), float(np.mean(d > 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=1 << 20)
+    ap.add_argument("--fmt", nargs="*", default=["bf16", "fp8_e4m3"])
+    ap.add_argument("--rounds", type=int, default=None)
+    a = ap.parse_args()
+    for fmt in a.fmt:
+        for mi, name in ((0, "mixture"), (1, "Gaussian")):
+            top, jt, low, jl = stages(fmt, a.n, mi)
+            r = a.rounds if a.rounds is not None else (2 if low is not None else 1)
+            mt = misses(fast_guess(top, r), jt)
+            row = f"{fmt:9s} {name:8s} rounds {r}: top {100 * mt[0]:.2f}% (2+ {100 * mt[1]:.2f}%)"
+            if low is not None:
+                ml = misses(fast_guess(low, r), jl)
+                row += f", low {100 * ml[0]:.2f}% (2+ {100 * ml[1]:.2f}%)"
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
