@@ -426,8 +426,8 @@ def _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab, prec
             return 1, 0
         bad = False
         for q in range(m):  # vectorized: an invalid pair is found afterwards
-            i = g0 + q
-            ok, v = _params(mu_bits[i], sg_bits[i], midx[i & pv], ws, rtab, f)
+            i = np.uint64(g0 + q)  # unsigned: see _decode_step
+            ok, v = _params(mu_bits[i], sg_bits[i], midx[np.uint64((g0 + q) & pv)], ws, rtab, f)
             bad |= not ok
             st[_ET0, q], st[_ET1, q], st[_EL0, q], st[_EL1, q] = _value_cdfs(
                 _key(np.int64(vals[i]), f.nkeys), v, f, shapes, emps, spread, mix)
@@ -713,8 +713,10 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
     if not low:
         bad = False
         for q in range(m):  # (A0) parameters, vectorized: an invalid pair found afterwards
-            i = g0 + q
-            ok, v = _params(mu_bits[i], sg_bits[i], midx[i & pv], ws, rtab, f)
+            # Unsigned indices: Numba wraps a signed index that may be negative, and the
+            # select that does it turns these contiguous loads into gathers.
+            i = np.uint64(g0 + q)
+            ok, v = _params(mu_bits[i], sg_bits[i], midx[np.uint64((g0 + q) & pv)], ws, rtab, f)
             bad |= not ok
             _store_val(ln, q, v)
             fl[0, q] = mf = np.float64(_bits_f32(mu_bits[i]))
@@ -788,7 +790,7 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
     for q in range(m):  # (C3) vectorized: the step's result
         j = ln[_G, q]
         if low or f.es == 0:
-            out[g0 + q] = _bits((ln[_B, q] if low else 0) + j, f.nkeys)
+            out[np.uint64(g0 + q)] = _bits((ln[_B, q] if low else 0) + j, f.nkeys)
         else:  # the low-byte step's range: the top byte's keys
             sj = ln[_SJ, q]
             ln[_B, q], ln[_SB, q], ln[_TS, q] = j << f.es, sj, ln[_SN, q] - sj
