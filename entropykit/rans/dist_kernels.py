@@ -635,13 +635,28 @@ def _lane_range(ln, q, low):
 @_inline
 def _lane_emp(ln, q, k, f, emps, low, mix):
     """E(k) of lane q's model for a key k of its step (``low``, ``mix``: constants): in the
-    low step from the lane's (E_b, step) (see ``_decode_step``), else from the table."""
+    low step from the lane's (E_b, step) (``_top_emp``), else from the table."""
     if not mix:
         return 0
     if low:
         # k - b in 0..256 (masked for a 32-bit multiply, see ``_interp``)
         return ln[_EB, q] + (((ln[_ED, q] & 0xFFFFFFFF) * ((k - ln[_B, q]) & 0x1FF)) >> f.es)
     return _emp_cdf(k, ln[_V + 3, q], f, emps)
+
+
+@_inline
+def _top_emp(ln, q, emps, m, j):
+    """Lane q's (E_b, step) rows from model m's empirical interval j, read unsigned (see
+    ``_interp``).
+
+    Top byte j's keys are j 2**es .. (j+1) 2**es, the ends of that interval, so its one
+    table entry holds E at both ends of the top step's symbol (point, point + step) and,
+    once j is decoded, E over the low step's keys: E(b + i) = E_b + ((step i) >> es) for i
+    in 0..256, what ``_interp`` computes there (k = 0 and k = nkeys, where the clamp inside
+    ``_emp_cdf`` reads elsewhere, have S selected). One table read per value instead of
+    one per guess and CDF evaluation."""
+    pr = emps[m, np.uint64(j)]
+    ln[_EB, q], ln[_ED, q] = pr & 0xFFFFFFFF, (pr >> 32) & 0xFFFFFFFF
 
 
 @_inline
@@ -727,15 +742,6 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
             for q in range(m):
                 if _invalid(mu_bits[g0 + q], sg_bits[g0 + q]):
                     return -1, g0 + q
-    elif mix:
-        # The low step's keys b..b+256 lie in one interval of the empirical table (b is a
-        # top byte's first key), where E is linear: E(b + j) = E_b + ((E_b+256 - E_b) j
-        # >> es), which is what ``_interp`` computes there (and S is selected at keys 0 and
-        # nkeys, where the clamp inside ``_emp_cdf`` would differ). One table read per
-        # value instead of one per guess and CDF evaluation.
-        for q in range(m):
-            pr = emps[ln[_V + 3, q], ln[_B, q] >> f.es]
-            ln[_EB, q], ln[_ED, q] = pr & 0xFFFFFFFF, (pr >> 32) & 0xFFFFFFFF  # (``_interp``)
     for q in range(m):  # (A1) the float guesses, from mu's own symbol
         b, sb, t = _lane_range(ln, q, low)
         j = min(max((ln[_KM, q] - b) >> sh, 0), 255)
@@ -759,10 +765,14 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
         b, sb, t = _lane_range(ln, q, low)
         j = ln[_G, q]
         k0, k1 = b + (j << sh), b + ((j + 1) << sh)
-        ln[_SJ, q] = sj = _smooth_with(k0, _lane_emp(ln, q, k0, f, emps, low, mix), v, f,
-                                       shapes, mix)
-        ln[_SN, q] = sn = _smooth_with(k1, _lane_emp(ln, q, k1, f, emps, low, mix), v, f,
-                                       shapes, mix)
+        if mix and not low:
+            _top_emp(ln, q, emps, v.m, j)
+            e0, e1 = ln[_EB, q], ln[_EB, q] + ln[_ED, q]
+        else:
+            e0 = _lane_emp(ln, q, k0, f, emps, low, mix)
+            e1 = _lane_emp(ln, q, k1, f, emps, low, mix)
+        ln[_SJ, q] = sj = _smooth_with(k0, e0, v, f, shapes, mix)
+        ln[_SN, q] = sn = _smooth_with(k1, e1, v, f, shapes, mix)
         ln[_C0, q] = _stage_cdf(j, sj, sb, t, spread)
         ln[_C1, q] = _stage_cdf(j + 1, sn, sb, t, spread)
     for q in range(m):  # (C1) vectorized: each lane's next state if its guess is right
@@ -783,6 +793,8 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
             j, sj, sn, c0, c1 = _search_from(slot, j, sj, c0, b, sh, sb, t, spread,
                                              _lane_val(ln, q), f, shapes, emps)
             ln[_G, q], ln[_SJ, q], ln[_SN, q] = j, sj, sn
+            if mix and not low:  # the top byte changed: its empirical interval too
+                _top_emp(ln, q, emps, ln[_V + 3, q], j)
             xn = (c1 - c0) * (xs >> precision) + slot - c0
         ln[_X, q], ptr = _read_word(xn, buf, ptr, end)
         if ptr < 0:
