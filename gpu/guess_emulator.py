@@ -11,7 +11,8 @@ symbol's [cdf(j), cdf(j + 1)), as an rANS state's low bits are. What it is not: 
 (no states, words or searches) or a proof of anything: it estimates miss rates, which the
 device's miss counters (kv_check) confirm.
 
-    python gpu/guess_emulator.py [--n N] [--fmt bf16 fp8_e4m3] [--rounds R] [--variant V]
+    python gpu/guess_emulator.py [--n N] [--fmt bf16 fp8_e4m3] [--rounds R] [--fwd F]
+                                 [--low-rounds L]
 """
 
 from __future__ import annotations
@@ -148,15 +149,22 @@ class Setup:
     emps: np.ndarray
     f: Fmt
     p: int
+    shape: np.ndarray  # the model's shape CDF points (uint32, padded)
 
 
-def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1):
-    """The kernel's fast_guess: the guessed symbol of each slot."""
+def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1,
+               fwd: int = 0, low_rounds: int | None = None):
+    """The kernel's fast_guess and guess_symbol's answer for a stage of no mass: the
+    guessed symbol of each slot (``rounds`` = GUESS_ROUNDS, ``fwd`` = FWD_STEPS,
+    ``low_rounds`` = LOW_ROUNDS; the last two only in a 16-bit format's low stage)."""
     f, p, sh = s.f, s.p, s.sh
+    low = f.es > 0 and sh == 0
+    if low and low_rounds is not None:
+        rounds = min(rounds, low_rounds)
     ft, fsb = s.t.astype(F32), s.sb.astype(F32)
     slot = s.slot
-    g = (fsb + (slot.astype(F32) + F32(0.5)) * F32(1.0 / (1 << p)) * ft) * F32(1.0 / ONE)
-    k, lin = guess_key(g, s.mu, s.sg, s.zinv, f)
+    k, lin = guess_key((fsb + (slot.astype(F32) + F32(0.5)) * F32(1.0 / (1 << p)) * ft)
+                       * F32(1.0 / ONE), s.mu, s.sg, s.zinv, f)
     unit = ft / F32((1 << p) - 256)
     for r in range(rounds):
         if r >= pure_rounds and not s.w:
@@ -175,9 +183,10 @@ def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1)
                      + unit * F32(1.0 / (1 << sh)))
         if s.w:
             bb = np.clip(k, 0, f.nkeys - 1) >> f.es
-            e0 = s.emps[bb].astype(F32)
-            de = (s.emps[bb + 1].astype(np.int64) - s.emps[bb]).astype(F32) * F32(1.0 / (1 << f.es))
-            est = est + wf * (e0 + de * (lin.kf + F32(0.5) - (bb << f.es).astype(F32)))
+            de = ((s.emps[bb + 1].astype(np.int64) - s.emps[bb]).astype(F32)
+                  * F32(1.0 / (1 << f.es)))
+            est = est + wf * (s.emps[bb].astype(F32)
+                              + de * (lin.kf + F32(0.5) - (bb << f.es).astype(F32)))
             slope = slope + wf * de
         target = fsb + ((slot.astype(F32) + F32(0.5))
                         - (lin.kf - s.b.astype(F32)) * F32(1.0 / (1 << sh))) * unit
@@ -185,7 +194,57 @@ def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1)
             kn = lin.kf + (target - est) / slope
         kn = np.clip(np.nan_to_num(kn, nan=-1.0), F32(-1), F32(f.nkeys))
         k = np.rint(kn).astype(np.int64)
-    return np.clip((k - s.b) >> sh, 0, 255)
+    if low and fwd:
+        with np.errstate(all="ignore"):
+            k = fwd_steps(k, s, fwd, unit)
+    j = np.clip((k - s.b) >> sh, 0, 255)
+    return np.where(s.t == 0, slot >> (p - 8), j)  # a stage of no mass: exact
+
+
+def key_value(k, f: Fmt):
+    """(value of key k, its value step): the kernel's key_value."""
+    y = k - f.half
+    a = np.minimum(np.where(y < 0, -y - 1, y), f.nonfinite - 1)
+    e1 = a >> f.mant
+    normal = (((e1 + 127 - f.bias) << 23) | ((a & ((1 << f.mant) - 1)) << (23 - f.mant)))
+    sub = a.astype(F32) * F32(1.0 / (1 << f.mant)) * F32(2.0 ** (1 - f.bias))
+    v = np.where(e1 > 0, normal.astype(np.uint32).view(F32), sub)
+    ulp = ((np.maximum(e1, 1) + 127 - f.bias) << 23).astype(np.uint32).view(F32)
+    return np.where(y < 0, -v, v).astype(F32), ulp * F32(1.0 / (1 << f.mant))
+
+
+def fwd_steps(k, s: Setup, steps: int, unit):
+    """The kernel's fwd_steps (a 16-bit format's low stage, sh = 0; see its comment):
+    Newton on c(u) = slot + 1/2, c(u) = u - b + (S(u) - S_b) / unit, S = (1 - w) F + w E
+    forwards from the shape's points and the stage's empirical bucket."""
+    f = s.f
+    x, ulp = key_value(np.clip(k, 0, f.nkeys - 1), f)
+    u = k.astype(F32) + F32(0.5)
+    wf = F32(s.w / WEIGHT_ONE)
+    rs = F32(1) / unit
+    zs = F32(64) / s.sg
+    sb = s.sb
+    bb = s.b >> f.es
+    e0 = (s.emps[bb].astype(np.int64) - sb).astype(F32)
+    de = (s.emps[bb + 1].astype(np.int64) - s.emps[bb]).astype(F32) * F32(1.0 / (1 << f.es))
+    target = s.slot.astype(F32) + F32(0.5)
+    for _ in range(steps):
+        zf = np.nan_to_num((x - s.mu) * zs + F32(2048), nan=4095.99)
+        zf = np.clip(zf, F32(0), F32(4096 - 0.01))
+        i = zf.astype(np.int32)
+        t0, t1 = s.shape[i].astype(np.int64), s.shape[i + 1].astype(np.int64)
+        dt = (t1 - t0).astype(F32)
+        rel = (F32(1) - wf) * ((t0 - sb).astype(F32) + dt * (zf - i.astype(F32)))
+        dsl = (F32(1) - wf) * dt * zs * ulp
+        if s.w:
+            rel = rel + wf * (e0 + de * (u - s.b.astype(F32)))
+            dsl = dsl + wf * de
+        c = u - s.b.astype(F32) + rel * rs
+        d = np.clip(np.nan_to_num((target - c) / (F32(1) + dsl * rs), nan=512.0),
+                    F32(-512), F32(512))
+        u = u + d
+        x = x + d * ulp
+    return np.floor(u).astype(np.int64)
 
 
 def stages(fmt: str, n: int, mi: int, seed: int = 11, p: int = D.DEFAULT_PRECISION):
@@ -210,6 +269,7 @@ def stages(fmt: str, n: int, mi: int, seed: int = 11, p: int = D.DEFAULT_PRECISI
     zrow = arr["zinv"].size // len(model)
     zinv = arr["zinv"][mi * zrow:(mi + 1) * zrow]
     emps = np.asarray(model.emps[mi], np.uint32)
+    shape = np.asarray(model.padded[mi], np.uint32)
     w = int(model.weights[mi])
     sgb = sigma.view(np.uint32)
     sgf = ((sgb + (1 << 14)) & ~np.uint32(0x7FFF)).view(F32)
@@ -221,11 +281,11 @@ def stages(fmt: str, n: int, mi: int, seed: int = 11, p: int = D.DEFAULT_PRECISI
 
     zero = np.zeros(n, np.int64)
     top = Setup(slot(out[:, 1], out[:, 2]), zero, f.es, zero, np.full(n, ONE, np.int64),
-                mu.astype(F32), sgf, w, zinv, emps, f, p)
+                mu.astype(F32), sgf, w, zinv, emps, f, p, shape)
     if not f.es:
         return top, key, None, None
     low = Setup(slot(out[:, 3], out[:, 4]), (key >> f.es) << f.es, 0, out[:, 5],
-                out[:, 6] - out[:, 5], mu.astype(F32), sgf, w, zinv, emps, f, p)
+                out[:, 6] - out[:, 5], mu.astype(F32), sgf, w, zinv, emps, f, p, shape)
     return top, key >> f.es, low, key & ((1 << f.es) - 1)
 
 
@@ -240,6 +300,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1 << 20)
     ap.add_argument("--fmt", nargs="*", default=["bf16", "fp8_e4m3"])
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--fwd", type=int, default=0, help="FWD_STEPS")
+    ap.add_argument("--low-rounds", type=int, default=None, help="LOW_ROUNDS")
     a = ap.parse_args()
     for fmt in a.fmt:
         for mi, name in ((0, "mixture"), (1, "Gaussian")):
@@ -248,7 +310,7 @@ def main() -> None:
             mt = misses(fast_guess(top, r), jt)
             row = f"{fmt:9s} {name:8s} rounds {r}: top {100 * mt[0]:.2f}% (2+ {100 * mt[1]:.2f}%)"
             if low is not None:
-                ml = misses(fast_guess(low, r), jl)
+                ml = misses(fast_guess(low, r, fwd=a.fwd, low_rounds=a.low_rounds), jl)
                 row += f", low {100 * ml[0]:.2f}% (2+ {100 * ml[1]:.2f}%)"
             print(row, flush=True)
 

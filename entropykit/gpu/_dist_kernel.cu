@@ -499,6 +499,68 @@ __device__ __forceinline__ unsigned emp_at(int k, const Val& v, const Model& md)
     return ES ? e + __umulhi(em[b + 1] - e, low_bits(k)) : e;
 }
 
+// Key k's value and (*ulp) the value step there, as float32 (guesses only; NaN / inf keys
+// read as the largest finite magnitude). Format subnormals scale by 2^(1 - BIAS) after
+// 2^-MANT, so that no factor is a float32 subnormal (bf16's 2^-133 is).
+__device__ __forceinline__ float key_value(int k, float* ulp) {
+    const int y = k - HALF;
+    const int a = min(y < 0 ? -y - 1 : y, NONFINITE - 1);
+    const int e1 = a >> MANT;
+    *ulp = __int_as_float((max(e1, 1) + 127 - BIAS) << 23) * (1.0f / (1 << MANT));
+    const float v = e1 ? __int_as_float(((e1 + 127 - BIAS) << 23)
+                                        | ((a & ((1 << MANT) - 1)) << (23 - MANT)))
+                       : (float)a * (1.0f / (1 << MANT)) * __int_as_float((128 - BIAS) << 23);
+    return y < 0 ? -v : v;
+}
+
+// FWD_STEPS Newton steps on a 16-bit format's low stage (sh = 0), from key k: solve
+// c(u) = slot + 1/2 in the boundary coordinate u (key k spans [k, k + 1)), with
+// c(u) = u - b + (S(u) - S_b) / unit and S = (1 - w) F + w E evaluated forwards: F from the
+// shape's own CDF points at z = (x(u) - mu) / sigma (the points S interpolates, so no error
+// of the inverse table's interpolation), E linear over the stage (the stage is one
+// empirical bucket), both taken relative to S_b in exact integers first (near S = 1 a float
+// S has only 2^-24 of resolution, ~1/spread of a small stage's mass). Started at key k's
+// value (u = k + 1/2); x moves with u by the step there. c rises with slope >= 1, so a
+// step is finite; it is clamped all the same, and any key is a valid start for the checks.
+// kv_check's data (H200 counters; gpu/guess_emulator.py predicted them within 0.07%):
+// bf16 low-byte misses per value 2.27% -> 1.64% (1 step) -> 1.04% (2) with the mixture,
+// 2.07% -> 0.88% (2) Gaussian; but decode is no faster (dist.Tuning.fwd_steps: off by
+// default). Not for the 8-bit formats' only stage: a key there spans ~1 sigma, too curved
+// for one linearization (emulated fp8 e4m3 misses 1.1% -> 9%).
+__device__ __forceinline__ int fwd_steps(int k, int slot, int b, unsigned sb, float unit,
+        float mu, float sg, const Val& v, const Model& md) {
+    float ulp;
+    float x = key_value(min(max(k, 0), NKEYS - 1), &ulp);
+    float u = (float)k + 0.5f;
+    const float rs = __fdividef(1.0f, unit);  // slots per unit of S
+    const float zs = __fdividef((float)(1 << Z_GRID_BITS), sg);  // shape points per value
+    const float wf = (float)v.w * (1.0f / WEIGHT_ONE);
+    const unsigned* shp = md.shapes + v.m * SHAPE_W;
+    const unsigned* em = md.emps + v.m * EMP_W + (b >> ES);
+    const float e0 = (float)(int)(em[0] - sb);
+    const float de = (float)(em[1] - em[0]) * (1.0f / (1 << ES));  // per key
+    const float target = (float)slot + 0.5f;
+#pragma unroll
+    for (int i = 0; i < FWD_STEPS; ++i) {
+        const float zf = fminf(fmaxf((x - mu) * zs + (float)(Z_MAX << Z_GRID_BITS), 0.0f),
+                               (float)(2 * Z_MAX << Z_GRID_BITS) - 0.01f);
+        const int ix = (int)zf;
+        const unsigned t0 = shp[ix], t1 = shp[ix + 1];
+        const float dt = (float)(t1 - t0);
+        float rel = (1.0f - wf) * ((float)(int)(t0 - sb) + dt * (zf - (float)ix));
+        float dsl = (1.0f - wf) * dt * zs * ulp;  // dS/du
+        if (v.w) {
+            rel += wf * (e0 + de * (u - (float)b));
+            dsl += wf * de;
+        }
+        const float c = u - (float)b + rel * rs;
+        const float d = fminf(fmaxf(__fdividef(target - c, 1.0f + dsl * rs), -512.0f), 512.0f);
+        u += d;
+        x += d * ulp;
+    }
+    return __float2int_rd(u);
+}
+
 // The guess: the target S* from slot = j + spread (S_j - S_b) / T and
 // F* = (2^16 S* - w E(k)) / (2^16 - w), inverted through the shape, with j and k from the
 // previous guess (the first one inverts slot / 2^p alone). GUESS_ROUNDS = 1 takes j and E
@@ -515,7 +577,8 @@ __device__ __forceinline__ unsigned emp_at(int k, const Val& v, const Model& md)
 // bf16 top/low bytes 1.4/3.8% -> 0.8/2.3% (mixture), 1.5/4.1% -> 0.5/3.0% (Gaussian);
 // fp8 e4m3 1.9% -> 1.0% (mixture), 2.9% -> 1.6% (Gaussian). Without an empirical term
 // (w = 0) a round only refines j, which the step does too: such a value runs PURE_ROUNDS
-// (kv_check's Gaussian rows: 1 round decodes ~10% faster than 2 or 0).
+// (kv_check's Gaussian rows: 1 round decodes ~10% faster than 2 or 0). A 16-bit format's
+// low stage runs LOW_ROUNDS of them, then FWD_STEPS (fwd_steps).
 __device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, unsigned t, float mu,
         float sg, const float* zinv, const Val& v, const Model& md, int p) {
     const float ft = (float)t, fsb = (float)sb;
@@ -526,6 +589,7 @@ __device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, 
 #pragma unroll
     for (int round = 0; round < GUESS_ROUNDS; ++round) {
         if (round >= PURE_ROUNDS && !v.w) break;
+        if (ES && sh == 0 && round >= LOW_ROUNDS) break;  // a 16-bit format's low stage
         const int j0 = min(max((k - b) >> sh, 0), 255);
         float target = fsb + ((float)(slot - j0) + 0.5f) * unit;
         if (v.w)
@@ -555,6 +619,7 @@ __device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, 
         k = __float2int_rn(fminf(fmaxf(lin.kf + __fdividef(target - est, slope), -1.0f),
                                  (float)NKEYS));
     }
+    if (FWD_STEPS && ES && sh == 0) k = fwd_steps(k, slot, b, sb, unit, mu, sg, v, md);
     return min(max((k - b) >> sh, 0), 255);
 }
 
@@ -607,10 +672,20 @@ struct Stage {
 };
 
 // The guessed symbol of slot in a stage, with S and cdf at both its ends (two exact CDFs);
-// true if it holds the slot.
+// true if it holds the slot. A stage of no mass (T = 0: a low byte under a top-byte symbol
+// where S is flat, as NaN / inf keys under a Gaussian) has cdf(j) = j 2^(p - 8) exactly:
+// its symbol is the slot's top byte, with no guess and no check (kv_check's Gaussian bf16
+// rows: 0.9% of values, each a far miss of the float guess before).
 __device__ __forceinline__ bool guess_symbol(Sym& s, int slot, const Stage& st, int sh,
         const Val& v, float muf, float sgf, const Model& md, int p) {
     const int spread = (1 << p) - 256;
+    if (st.t == 0) {  // a low stage of no mass: cdf(j) = j 2^(p - 8), S flat at S_b
+        s.j = slot >> (p - 8);
+        s.c0 = s.j << (p - 8);
+        s.c1 = s.c0 + (1 << (p - 8));
+        s.sj = s.sn = st.sb;
+        return true;
+    }
     s.j = fast_guess(slot, st.b, sh, st.sb, st.t, muf, sgf, md.zinv + v.m * ZROW, v, md, p);
     s.sj = smooth(st.b + (s.j << sh), v, md);
     s.sn = smooth(st.b + ((s.j + 1) << sh), v, md);

@@ -68,6 +68,13 @@ class Tuning:
     # own search (False); None: the warp's for 8-bit formats (kv_check: fp8 e4m3 mixture
     # +9-12%, bf16 -4..8%)
     warp_search: bool | None = None
+    # Newton steps of a 16-bit format's low-byte guess from the shape's own CDF points
+    # (_dist_kernel.cu's fwd_steps; 8-bit formats never take them). They halve the low
+    # byte's misses (kv_check bf16 mixture 2.27% -> 1.04% of values with 2) but decode no
+    # faster (H200, interleaved A/B, 3 runs each: 0 steps 27.6-28.5 GB/s, 2: 27.4-27.9;
+    # 2 in place of the low stage's second round, low_rounds = 1: 28.1-28.4), so none
+    fwd_steps: int = 0
+    low_rounds: int | None = None  # a 16-bit format's low stage's rounds; None: guess_rounds
 
     def for_format(self, f: D.ValueFormat) -> Tuning:
         """These knobs with the format's defaults in place of None."""
@@ -232,6 +239,8 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
                     f"-DGUESS_ROUNDS={t.guess_rounds}", f"-DGUESS_NEWTON={int(t.guess_newton)}",
                     f"-DPURE_ROUNDS={t.pure_rounds}",
                     f"-DCOUNT_MISSES={int(t.count_misses)}", f"-DWARP_SEARCH={int(t.warp_search)}",
+                    f"-DFWD_STEPS={t.fwd_steps}",
+                    f"-DLOW_ROUNDS={t.guess_rounds if t.low_rounds is None else t.low_rounds}",
                     f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
                     f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
             if os.environ.get("ENTROPYKIT_LINEINFO"):  # source lines for a profiler
