@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -143,14 +144,17 @@ def coder_rows(n: int, reps: int) -> list[dict]:
 
 
 def _best_rows(rounds: list[list[dict]]) -> list[dict]:
-    """Each row's best speeds over rounds of every row in turn: this VM's host speed drifts
-    for seconds at a time (constriction's own row moved 15 -> 23 M values/s between two
-    runs a minute apart), so a row measured in one stretch can land in a slow one."""
+    """Each row's best and median speeds over rounds of every row in turn: this VM's host
+    alternates between a fast phase and one ~35 % slower for seconds to minutes at a time
+    (the same decode, same process: 25 then 16 M values/s), so a row measured in one
+    stretch can land in a slow one. The best is the machine's speed; the median says how
+    often the slow phase came."""
     best = [dict(r) for r in rounds[0]]
-    for rows in rounds[1:]:
-        for b, r in zip(best, rows, strict=True):
-            b["enc"], b["dec"] = max(b["enc"], r["enc"]), max(b["dec"], r["dec"])
-            b["exact"] &= r["exact"]
+    for i, b in enumerate(best):
+        for key in ("enc", "dec"):
+            speeds = [rows[i][key] for rows in rounds]
+            b[key], b[f"{key}_median"] = max(speeds), statistics.median(speeds)
+        b["exact"] = all(rows[i]["exact"] for rows in rounds)
     return best
 
 
@@ -170,18 +174,20 @@ def coder_section(rows: list[dict], n: int, reps: int, load: tuple[float, float]
         f"- Software: entropykit (git {results_md.git_commit()}), numpy {np.__version__}, numba "
         f"{numba.__version__}, constriction {version('constriction')}.",
         f"- {n:,} values per row, one thread, best of {reps} timed runs after a warm-up, in "
-        f"{rounds} rounds over all rows (the best round kept: the host's speed drifts).",
+        f"{rounds} rounds over all rows: the best round, and in parentheses the median "
+        "round (this VM's host alternates between a fast phase and one ~35 % slower).",
         "- bits/value is the whole coded size (entropykit: frame with chunk directory and "
         "CRC-32s; constriction: its 32-bit words). \"ideal\" is each coder's own quantized "
         "model's code length, so bits - ideal is the coder's overhead.", "",
-        "| data | coder | bits/value | ideal | overhead | enc M values/s | dec M values/s "
-        "| exact |",
+        "| data | coder | bits/value | ideal | overhead | enc M values/s (median) "
+        "| dec M values/s (median) | exact |",
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         over = (r["bits"] / r["ideal"] - 1) * 100
         lines.append(f"| {r['data']} | {r['coder']} | {r['bits']:.4f} | {r['ideal']:.4f} | "
-                     f"{over:+.2f}% | {r['enc']:.1f} | {r['dec']:.1f} | "
+                     f"{over:+.2f}% | {r['enc']:.1f} ({r['enc_median']:.1f}) | "
+                     f"{r['dec']:.1f} ({r['dec_median']:.1f}) | "
                      f"{'yes' if r['exact'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
