@@ -11,9 +11,9 @@ its bounds checks, the per-lane CRC-32 slices combined by x^(8 n) shifts, and ho
 status becomes the CPU's exceptions; and the decoder's own arithmetic where it departs from
 the CPU's: S's key offset in 32-bit words, both searches of a missed guess (the lane's,
 the neighbour then the warp's two ballots) from any guess, and the direct answer of a low
-stage of no mass; and gpu/guess_emulator.py, the float guess's CPU replay. Each lane's symbol arithmetic
-comes from dist_kernels itself (an njit helper below), so a frame from the twin equals
-``distribution.encode``'s only if the warp structure is right.
+stage of no mass; and gpu/guess_emulator.py, the float guess's CPU replay. Each lane's
+symbol arithmetic comes from dist_kernels itself (an njit helper below), so a frame from
+the twin equals ``distribution.encode``'s only if the warp structure is right.
 """
 
 from __future__ import annotations
@@ -554,27 +554,6 @@ def _fast_search(slot, j, b, sh, sb, t, spread, mu_bits, sg_bits, m, fp, shapes,
     return lo, clo, chi
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
-def test_fast_search_finds_the_symbol_from_any_guess(fmt):
-    f = D.FORMATS[fmt]
-    rng = np.random.default_rng(5)
-    p = 16
-    spread = (1 << p) - 256
-    for mu, sigma, m in [(0.3, 0.15, 0), (-2.0, 1e-3, 0), (20.0, 2.0, 1), (0.0, 1e4, 0)]:
-        mb, sb_ = np.float32(mu).view(np.uint32), np.float32(sigma).view(np.uint32)
-        s, _ = _s_of(mu, sigma, fmt, m)
-        b, sh, s0, t = 0, f.bits - 8, 0, K.ONE  # the top stage over keys j << sh
-        cdf = np.array([K._stage_cdf(j, s[j << sh], s0, t, spread) for j in range(257)])
-        for slot in rng.integers(0, 1 << p, 200):
-            want = int(np.searchsorted(cdf, slot, side="right")) - 1
-            for guess in (0, 255, want, max(want - 1, 0), min(want + 1, 255),
-                          int(rng.integers(0, 256))):
-                j, c0, c1 = _fast_search(int(slot), guess, b, sh, s0, t, spread, mb, sb_, m,
-                                         f.params, MODEL.padded, MODEL.emps, MODEL.weights,
-                                         D._RTAB)
-                assert (j, c0, c1) == (want, cdf[want], cdf[want + 1])
-
-
 @njit(cache=True)
 def _cdf_at(k, b, sh, sb, t, spread, v, f, shapes, emps):
     sk = K._smooth_cdf(b + (k << sh), v, f, shapes, emps)
@@ -626,11 +605,13 @@ def _top_bit(x):
     return i
 
 
+@pytest.mark.parametrize("search", ["lane", "warp"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
-def test_warp_search_finds_the_symbol_from_any_guess(fmt):
-    # Any slot, any guess (near, far, at either end), each stage kind: the neighbour probe
-    # and the two ballots find the one symbol whose [cdf(j), cdf(j+1)) holds the slot, with
-    # S and cdf at both its ends as the exact evaluations give them.
+def test_search_finds_the_symbol_from_any_guess(fmt, search):
+    # Any slot, any guess (near, far, at either end), each stage kind: the lane's own
+    # search (fast_search), and the warp's (the neighbour probe, then two ballots), find the
+    # one symbol whose [cdf(j), cdf(j+1)) holds the slot, with cdf (and for the warp's, S)
+    # at both its ends as the exact evaluations give them.
     f = D.FORMATS[fmt]
     rng = np.random.default_rng(6)
     p = 16
@@ -651,9 +632,12 @@ def test_warp_search_finds_the_symbol_from_any_guess(fmt):
                 want = int(np.searchsorted(cdf, slot, side="right")) - 1
                 for guess in {0, 255, want, max(want - 1, 0), min(want + 1, 255),
                               int(rng.integers(0, 256))}:
-                    got = _warp_search(int(slot), guess, b, sh, sb, t, spread, mb, sb_, m,
-                                       f.params, MODEL.padded, MODEL.emps, MODEL.weights,
-                                       D._RTAB)
+                    args = (int(slot), guess, b, sh, sb, t, spread, mb, sb_, m, f.params,
+                            MODEL.padded, MODEL.emps, MODEL.weights, D._RTAB)
+                    if search == "lane":
+                        assert _fast_search(*args) == (want, cdf[want], cdf[want + 1])
+                        continue
+                    got = _warp_search(*args)
                     assert got[:5] == (want, s[ks[want]], s[ks[want + 1]], cdf[want],
                                        cdf[want + 1])
                     assert got[5] == (0 if guess == want else 1 if abs(guess - want) == 1
