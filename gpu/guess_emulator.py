@@ -32,10 +32,8 @@ from entropykit.rans import dist_kernels as K  # noqa: E402
 from entropykit.rans import distribution as D  # noqa: E402
 
 F32 = np.float32
-INV_POINTS = 4096
-ZTAIL = INV_POINTS + 1
-ONE = 1 << 31
-WEIGHT_ONE = 65536
+INV_POINTS, ONE, WEIGHT_ONE = K.INV_POINTS, K.ONE, K.WEIGHT_ONE
+ZTAIL = INV_POINTS + 1  # a zinv row: the uniform points, then the tails
 
 
 @njit(cache=True)
