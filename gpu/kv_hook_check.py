@@ -6,8 +6,12 @@ device="cuda")`` give back every bit, bf16 and fp8, every residual model; (2)
 ``model.generate`` with ``transformers.Cache(layers=[PredictiveOffloadedLayer...],
 offloading=True)`` — transformers' own offloading, prefetch stream and all — and with
 ``PredictiveOffloadedCache`` gives the same tokens and logits at every step as a plain
-``DynamicCache``; it prints the transformers version it ran with. It exits non-zero on
-any mismatch. What it is not: a benchmark (the coder's GPU speed is ``kv_check.py``'s).
+``DynamicCache``; it prints the transformers version it ran with; (3) the offload codec's
+GPU coder: its (mu, sigma) on the device are the CPU's bit for bit, its frames decode with
+the CPU coder and the CPU coder's with it, and generate() is equal with it, with the
+FP8-of-target predictor and with none; (4) per-layer offload and prefetch times of a
+larger prompt's cache (plain copies, the GPU coder, the CPU coder), a short table. It
+exits non-zero on any mismatch. What it is not: the coder's benchmark (``kv_check.py``).
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site python3 gpu/kv_hook_check.py
@@ -91,8 +95,111 @@ def main() -> int:
                   f"prompt cache {packed:,} bytes compressed")
             if not same or packed == 0:
                 failures.append(f"generate {label} {kind}")
+    failures += _gpu_coder(model, pred, cal, prompts, gen)
     print("FAILURES: " + ", ".join(failures) if failures else "ALL OK")
     return 1 if failures else 0
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def _gpu_coder(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
+               prompts: list, gen: torch.Generator) -> list[str]:
+    """Checks (3) and timings (4); the failures' names."""
+    failures = []
+    layers = model.config.num_hidden_layers
+    none = P.NoPredictor()
+    none_cal = P.calibrate(model, none, prompts, formats=("bf16",))
+    prompt = torch.randint(0, 512, (2, 256), generator=gen).to(DEV)
+    with torch.inference_mode():
+        cache = model(prompt, use_cache=True).past_key_values
+    for name, pr, cl in (("fp8-of-target", pred, cal), ("none", none, none_cal)):
+        for kind in ("gaussian", "mixture"):
+            gpu = KVOffloadCodec(pr, cl, model=kind, coder="gpu")
+            cpu = KVOffloadCodec(pr, cl, model=kind, coder="cpu")
+            gpu.set_prompt(prompt)
+            cpu.set_prompt(prompt)
+            ok = True
+            for i in range(layers):
+                for kv in (0, 1):
+                    a = [x.cpu().view(torch.int32) for x in gpu.distribution(i, kv, DEV)[:2]]
+                    b = [x.view(torch.int32) for x in cpu.distribution(i, kv)[:2]]
+                    same = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+                    t = (cache.layers[i].keys, cache.layers[i].values)[kv]
+                    fg, fc = gpu.encode(i, kv, t), cpu.encode(i, kv, t)
+                    back = (gpu.decode(i, kv, fc, DEV), cpu.decode(i, kv, fg, DEV),
+                            gpu.decode(i, kv, fg, DEV))
+                    exact = all(torch.equal(_bits(x), _bits(t)) for x in back)
+                    ok = ok and same and exact and fg.is_pinned()
+            print(f"offload codec, {name}, {kind}: GPU (mu, sigma) = CPU's, frames decode "
+                  f"across coders: {ok}")
+            if not ok:
+                failures.append(f"gpu coder {name} {kind}")
+            codec = KVOffloadCodec(pr, cl, model=kind, coder="gpu")
+            codec.set_prompt(prompt[:1])
+            ref = model.generate(prompt[:1], max_new_tokens=8, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 past_key_values=transformers.DynamicCache())
+            c = transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i)
+                                           for i in range(layers)], offloading=True)
+            out = model.generate(prompt[:1], max_new_tokens=8, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 past_key_values=c)
+            same = torch.equal(out.sequences, ref.sequences) and all(
+                torch.equal(a, b) for a, b in zip(out.logits, ref.logits, strict=True))
+            print(f"generate, Cache(offloading=True), GPU coder, {name}, {kind}: identical "
+                  f"tokens and logits {same}")
+            if not same:
+                failures.append(f"generate gpu coder {name} {kind}")
+    failures += _timings(model, pred, cal, none, none_cal, gen)
+    return failures
+
+
+def _best(fn, reps: int = 5) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _timings(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
+             none: P.Predictor, none_cal: P.Calibration, gen: torch.Generator) -> list[str]:
+    """Per (layer, k/v) tensor of a 16 x 1024-token prompt (2 kv heads x 64: 2 M values,
+    4 MiB of bf16): offload (to host) and prefetch (back) times, best of 5."""
+    prompt = torch.randint(0, 512, (16, 1024), generator=gen).to(DEV)
+    with torch.inference_mode():
+        t = model(prompt, use_cache=True).past_key_values.layers[2].keys
+    mib = t.numel() * 2 / 2**20
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pageable = t.to("cpu")
+    rows = [("plain copy, pageable", lambda: t.to("cpu"), lambda: pageable.to(DEV)),
+            ("plain copy, pinned", lambda: host.copy_(t),
+             lambda: host.to(DEV, non_blocking=True))]
+    failures = []
+    for label, pr, cl, coder, threads in (("none, GPU coder", none, none_cal, "gpu", 1),
+                                          ("fp8-of-target, GPU coder", pred, cal, "gpu", 1),
+                                          ("none, CPU coder, 16 threads", none, none_cal,
+                                           "cpu", 16)):
+        codec = KVOffloadCodec(pr, cl, model="mixture", coder=coder, threads=threads)
+        codec.set_prompt(prompt)
+        frame = codec.encode(2, 0, t)
+        if not torch.equal(_bits(codec.decode(2, 0, frame, DEV)), _bits(t)):
+            failures.append(f"timing round trip {label}")
+        rows.append((f"{label} ({8 * len(frame) / t.numel():.2f} bits/value)",
+                     lambda c=codec: c.encode(2, 0, t),
+                     lambda c=codec, f=frame: c.decode(2, 0, f, DEV)))
+    print(f"\nper (layer, k/v) tensor, {t.numel():,} values ({mib:.0f} MiB bf16), best of 5:")
+    print("| path | offload ms | prefetch ms | prefetch GB/s of cache |")
+    print("|---|---:|---:|---:|")
+    for label, off, pre in rows:
+        a, b = _best(off), _best(pre)
+        print(f"| {label} | {1e3 * a:.2f} | {1e3 * b:.2f} | {mib * 2**20 / b / 1e9:.1f} |")
+    return failures
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from entropykit import predictive as P  # noqa: E402
+from entropykit.predictive import codec as C  # noqa: E402
 from entropykit.predictive.hook import (  # noqa: E402
     KVOffloadCodec,
     PredictiveOffloadedCache,
@@ -23,11 +25,42 @@ GEN = torch.Generator().manual_seed(3)
 PROMPTS = [torch.randint(0, 256, (48,), generator=GEN) for _ in range(3)]
 PRED = P.FP8Predictor(MODEL)
 CAL = P.calibrate(MODEL, PRED, PROMPTS, formats=("bf16",))
+EARLY = P.EarlyExitPredictor(MODEL, 1)
+EARLY_CAL = P.calibrate(MODEL, EARLY, PROMPTS, formats=("bf16",))
+NONE = P.NoPredictor()
+NONE_CAL = P.calibrate(MODEL, NONE, PROMPTS, formats=("bf16",))
 
 
 def _generate(ids, cache):
     return MODEL.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, past_key_values=cache)
+
+
+class _Fixed(P.Predictor):
+    """A predictor whose guess is given: adversarial means (±0, subnormals, huge, values
+    bf16 cannot hold) for the offloaded layers' distribution."""
+
+    def __init__(self, guess, name, exact=0):
+        self.guess, self.name, self.exact_layers = guess, name, exact
+
+    def predict(self, input_ids):
+        return self.guess
+
+
+def _adversarial_guess(seq):
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for layer in range(CFG.num_hidden_layers):
+        pair = []
+        for kv in range(2):
+            g = torch.randn(1, 2, seq, 16, generator=gen) * 3.0
+            g.view(-1)[:8] = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 3e38, -3e38, 1e-30,
+                                           2.0**-126])
+            if (layer + kv) % 2:  # bf16 values as float32: kept as bf16
+                g = g.to(torch.bfloat16).float()
+            pair.append(g)
+        out.append(tuple(pair))
+    return out
 
 
 @pytest.mark.parametrize("model", ["gaussian", "mixture"])
@@ -48,20 +81,25 @@ def test_generate_equality(model, batch):
     assert all(0 < layer.compressed_bytes() < raw for layer in cache.layers)
 
 
-def test_offload_prefetch_roundtrip():
+@pytest.mark.parametrize("kind", ["fp8", "none", "adversarial"])
+def test_offload_prefetch_roundtrip(kind):
     ids = torch.randint(0, 256, (1, 40), generator=GEN)
     with torch.inference_mode():
         ref = MODEL(ids, use_cache=True).past_key_values
-    codec = KVOffloadCodec(PRED, CAL)
+    pred, cal = {"fp8": (PRED, CAL), "none": (NONE, NONE_CAL),
+                 "adversarial": (_Fixed(_adversarial_guess(40), CAL.predictor), CAL)}[kind]
+    codec = KVOffloadCodec(pred, cal)
     codec.set_prompt(ids)
-    layer = PredictiveOffloadedLayer(codec, 1)
-    layer.update(ref.layers[1].keys.clone(), ref.layers[1].values.clone())
-    layer.offload()
-    assert layer.offloaded and layer.keys is None and layer.get_seq_length() == 40
-    layer.prefetch()
-    assert not layer.offloaded
-    assert torch.equal(layer.keys, ref.layers[1].keys)
-    assert torch.equal(layer.values, ref.layers[1].values)
+    for i in range(CFG.num_hidden_layers):
+        layer = PredictiveOffloadedLayer(codec, i)
+        layer.update(ref.layers[i].keys.clone(), ref.layers[i].values.clone())
+        layer.offload()
+        assert layer.offloaded and layer.keys is None and layer.get_seq_length() == 40
+        layer.prefetch()
+        assert not layer.offloaded
+        assert torch.equal(layer.keys.view(torch.int16), ref.layers[i].keys.view(torch.int16))
+        assert torch.equal(layer.values.view(torch.int16),
+                           ref.layers[i].values.view(torch.int16))
 
 
 def test_codec_arguments():
@@ -73,3 +111,60 @@ def test_codec_arguments():
     codec.set_prompt(torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="expected bf16"):
         codec.encode(0, 0, torch.zeros(1, 2, 9, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="coder must be one of"):
+        KVOffloadCodec(PRED, CAL, coder="cuda")
+    codec = KVOffloadCodec(PRED, CAL, coder="gpu")
+    codec.set_prompt(torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="needs the layer on a CUDA device, not cpu"):
+        codec.encode(0, 0, torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "early-exit", "none", "adversarial"])
+@pytest.mark.parametrize("model", ["gaussian", "mixture"])
+def test_distribution_is_the_codecs(kind, model):
+    """The hook's torch (mu, sigma) are codec.group_distribution's numpy ones, bit for bit,
+    for exactly guessed layers, calibrated ones, no guess at all, and adversarial means."""
+    ids = torch.randint(0, 256, (1, 24), generator=GEN)
+    if kind == "fp8":
+        pred, cal = PRED, CAL
+    elif kind == "early-exit":
+        pred, cal = EARLY, EARLY_CAL
+    elif kind == "none":
+        pred, cal = NONE, NONE_CAL
+    else:
+        pred = _Fixed(_adversarial_guess(24), CAL.predictor, exact=1)
+        cal = CAL
+    codec = KVOffloadCodec(pred, cal, model=model)
+    codec.set_prompt(ids)
+    guess = pred.predict(ids)
+    shape = (1, 2, 24, 16)
+    guesses = C.guess_arrays(guess, cal.layers, shape)
+    for layer in range(cal.layers):
+        for kv in (0, 1):
+            mu, sigma, index = codec.distribution(layer, kv)
+            want = C.group_distribution(layer, kv, guesses, shape, pred.exact_layers, model,
+                                        cal, None, {})
+            assert index == want[2]
+            assert mu.dtype == sigma.dtype == torch.float32
+            assert np.array_equal(mu.numpy().view(np.uint32),
+                                  np.asarray(want[0], np.float32).view(np.uint32))
+            assert np.array_equal(sigma.numpy().view(np.uint32), want[1].view(np.uint32))
+            stored = codec._guesses.get((layer, kv))
+            if kind == "adversarial":
+                assert stored.dtype == (torch.bfloat16 if (layer + kv) % 2 else torch.float32)
+            elif kind == "none":
+                assert stored is None
+
+
+def test_no_predictor_generate_equality():
+    """With no predictor nothing is kept per value, and generate() is still equal."""
+    ids = torch.randint(0, 256, (1, 40), generator=GEN)
+    ref = _generate(ids, transformers.DynamicCache())
+    codec = KVOffloadCodec(NONE, NONE_CAL, model="mixture", coder="cpu")
+    codec.set_prompt(ids)
+    assert codec._guesses == {}
+    cache = PredictiveOffloadedCache(codec, CFG.num_hidden_layers)
+    out = _generate(ids, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits, strict=True))
+    assert all(layer.offloaded and layer.compressed_bytes() > 0 for layer in cache.layers)

@@ -7,7 +7,8 @@ of one cache share (predictor, calibration, residual model, the prompt's guess),
 ``PredictiveOffloadedCache``, a ``Cache`` of such layers that offloads each layer after
 its update and prefetches the next one without CUDA streams, so it also runs on a CPU.
 On a GPU, ``transformers.Cache(layers=[PredictiveOffloadedLayer(...)...],
-offloading=True)`` uses the same layers. What it is not: a whole-cache codec (that is
+offloading=True)`` uses the same layers, and the frames are coded on the device where the
+GPU coder can run (``KVOffloadCodec``'s ``coder``). What it is not: a whole-cache codec (that is
 ``compress_kv``; the ``conditional`` residual model needs the whole cache, so offloaded
 layers, coded one at a time, use ``gaussian`` or ``mixture``).
 
@@ -25,30 +26,48 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..rans import distribution as dist
+from . import residual
 from .calibration import Calibration
-from .codec import CHUNK, group_distribution, guess_arrays
+from .codec import CHUNK
 from .predictors import Predictor
 
 LAYER_MODELS = ("gaussian", "mixture")
+CODERS = ("auto", "cpu", "gpu")
 
 
 class KVOffloadCodec:
     """What the offloaded layers of one cache share; call ``set_prompt`` before the model
-    runs on the prompt. The guess is kept (float32, host) so that prefetches need not
-    re-run the predictor: memory traded for time."""
+    runs on the prompt.
+
+    ``coder``: where the frames are coded. "gpu" runs the coder on the layer's CUDA device
+    (``entropykit.gpu.dist``, needs CuPy): only the frame crosses PCIe, into pinned host
+    memory, and back. "cpu" copies the layer to the host and codes it there with
+    ``threads`` threads. "auto" (default): "gpu" for CUDA tensors where the GPU coder can
+    run, else "cpu". Both write the same frame format, so either decodes the other's.
+
+    The predictor's guess is kept in host memory (bfloat16 where that holds it exactly,
+    else float32), so prefetches need not re-run the predictor. The guess is as large as
+    the prompt's cache: with a predictor, offloaded layers cost the guess plus the frames,
+    and pay off only where the guess is needed anyway. With ``NoPredictor`` nothing is
+    kept per value (the distribution is the calibration's per-channel statistics), so
+    host memory and, with the GPU coder, PCIe traffic shrink to the frames' size.
+    """
 
     def __init__(self, predictor: Predictor, calibration: Calibration,
-                 model: str = "mixture", threads: int | None = 1) -> None:
+                 model: str = "mixture", threads: int | None = 1, coder: str = "auto") -> None:
         if model not in LAYER_MODELS:
             raise ValueError(f"offloaded layers are coded one at a time: model must be one of "
                              f"{LAYER_MODELS}, got {model!r}")
+        if coder not in CODERS:
+            raise ValueError(f"coder must be one of {CODERS}, got {coder!r}")
         if predictor.describe() != calibration.predictor:
             raise ValueError("the calibration was fitted with another predictor")
         self.predictor, self.calibration, self.model = predictor, calibration, model
-        self.threads = threads
+        self.threads, self.coder = threads, coder
         self.prompt_len = 0
-        self._guesses: dict[tuple[int, int], np.ndarray] = {}
+        self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._shape: tuple[int, int, int, int] | None = None
+        self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_prompt(self, input_ids: torch.Tensor) -> None:
         """Run the predictor on the prompt ([batch, seq]) whose cache will be offloaded."""
@@ -56,34 +75,101 @@ class KVOffloadCodec:
         ids = ids[None] if ids.dim() == 1 else ids
         guess = self.predictor.predict(ids)
         cal = self.calibration
-        shape = (ids.shape[0], cal.bias.shape[2], ids.shape[1], cal.bias.shape[3])
-        self._guesses = guess_arrays(guess, cal.layers, shape)
-        self._shape = shape
+        self._shape = (ids.shape[0], cal.bias.shape[2], ids.shape[1], cal.bias.shape[3])
+        self._guesses = {} if guess is None else {
+            (layer, kv): _compact(guess[layer][kv]) for layer in range(cal.layers)
+            for kv in (0, 1)}
         self.prompt_len = ids.shape[1]
 
-    def _distribution(self, layer: int, kv: int) -> tuple[np.ndarray, np.ndarray, int]:
-        mu, sigma, index, _ = group_distribution(
-            layer, kv, self._guesses, self._shape, self.predictor.exact_layers, self.model,
-            self.calibration, None, {})
-        return mu, sigma, index
+    def distribution(self, layer: int, kv: int, device: torch.device | str = "cpu"
+                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(mu, sigma, model index) of one layer's keys (kv = 0) or values over the prompt:
+        flat float32 tensors on ``device``, bit for bit ``codec.group_distribution``'s
+        (the same float32 additions, products and maxima, on any device)."""
+        device = torch.device(device)
+        if device not in self._stats:
+            self._stats[device] = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                                        for a in (self.calibration.bias, self.calibration.std))
+        bias, std = self._stats[device]
+        g = self._guesses.get((layer, kv))
+        p = (torch.zeros((), dtype=torch.float32, device=device) if g is None
+             else g.to(device, non_blocking=g.is_pinned()).float())
+        if layer < self.predictor.exact_layers:
+            mean = p.expand(self._shape)
+            sigma = torch.zeros((), dtype=torch.float32, device=device).expand(self._shape)
+            index = 2 * self.calibration.layers  # residual.coder_model's last model
+        else:
+            mean = (p + bias[layer, kv][None, :, None, :]).expand(self._shape)
+            sigma = std[layer, kv][None, :, None, :].expand(self._shape)
+            index = 2 * layer + kv
+        floor = torch.maximum(torch.maximum(sigma, mean.abs() * float(residual.RELATIVE_FLOOR)),
+                              torch.tensor(residual.TINY, device=device))
+        return (mean.float().reshape(-1).contiguous(), floor.float().reshape(-1).contiguous(),
+                index)
 
-    def encode(self, layer: int, kv: int, t: torch.Tensor) -> bytes:
+    def _on_gpu(self, device: torch.device) -> bool:
+        if self.coder == "cpu" or device.type != "cuda":
+            if self.coder == "gpu":
+                raise ValueError(f"coder 'gpu' needs the layer on a CUDA device, not {device}")
+            return False
+        if self.coder == "gpu":
+            return True
+        from ..gpu import GpuUnavailableError, _load_runtime
+
+        try:
+            _load_runtime(device)
+        except GpuUnavailableError:
+            return False
+        return True
+
+    def encode(self, layer: int, kv: int, t: torch.Tensor) -> bytes | torch.Tensor:
         """One layer's keys (kv = 0) or values over the prompt, bf16 [batch, heads, seq,
-        dim] on any device, as a distribution-rANS frame."""
+        dim] on any device, as a distribution-rANS frame: bytes (CPU coder), or a uint8
+        tensor in pinned host memory (GPU coder)."""
         if t.dtype != torch.bfloat16 or tuple(t.shape) != self._shape:
             raise ValueError(f"expected bf16 {self._shape}, got {t.dtype} {tuple(t.shape)}")
-        mu, sigma, index = self._distribution(layer, kv)
-        bits = t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-        return dist.encode(bits.reshape(-1), mu, sigma, self.calibration.coder_model(
-            self.model, "bf16"), fmt="bf16", model_index=index, chunk_size=CHUNK,
-            threads=self.threads)
+        model = self.calibration.coder_model(self.model, "bf16")
+        if self._on_gpu(t.device):
+            from ..gpu import dist as gpu_dist
 
-    def decode(self, layer: int, kv: int, frame: bytes) -> torch.Tensor:
-        """``encode``'s tensor back (bf16, CPU)."""
-        mu, sigma, index = self._distribution(layer, kv)
-        bits = dist.decode(frame, mu, sigma, self.calibration.coder_model(self.model, "bf16"),
-                           model_index=index, threads=self.threads)
-        return torch.from_numpy(bits).view(torch.bfloat16).reshape(self._shape)
+            mu, sigma, index = self.distribution(layer, kv, t.device)
+            frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model,
+                                    model_index=index)
+            host = torch.empty(frame.numel(), dtype=torch.uint8, pin_memory=True)
+            return host.copy_(frame)
+        mu, sigma, index = self.distribution(layer, kv)
+        bits = t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+        return dist.encode(bits.reshape(-1), mu.numpy(), sigma.numpy(), model, fmt="bf16",
+                           model_index=index, chunk_size=CHUNK, threads=self.threads)
+
+    def decode(self, layer: int, kv: int, frame: bytes | torch.Tensor,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+        """``encode``'s tensor back, bf16 on ``device`` (decoded there when the GPU coder
+        runs, else on the CPU and moved)."""
+        device = torch.device(device)
+        model = self.calibration.coder_model(self.model, "bf16")
+        if self._on_gpu(device):
+            from ..gpu import dist as gpu_dist
+
+            mu, sigma, index = self.distribution(layer, kv, device)
+            bits = gpu_dist.decode(frame, mu, sigma, model, model_index=index, device=device)
+            return bits.view(torch.bfloat16).reshape(self._shape)
+        mu, sigma, index = self.distribution(layer, kv)
+        if isinstance(frame, torch.Tensor):
+            frame = frame.numpy()
+        bits = dist.decode(frame, mu.numpy(), sigma.numpy(), model, model_index=index,
+                           threads=self.threads)
+        return torch.from_numpy(bits).view(torch.bfloat16).reshape(self._shape).to(device)
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A guess in host memory: bfloat16 where that holds every value exactly (a bf16
+    predictor's cache, read as float32), else float32; pinned where CUDA is, for uploads."""
+    host = t.detach().to("cpu", torch.float32)
+    small = host.to(torch.bfloat16)
+    if torch.equal(small.float().view(torch.int32), host.view(torch.int32)):
+        host = small
+    return host.pin_memory() if torch.cuda.is_available() else host
 
 
 class PredictiveOffloadedLayer(DynamicLayer):
@@ -92,7 +178,7 @@ class PredictiveOffloadedLayer(DynamicLayer):
     def __init__(self, codec: KVOffloadCodec, layer_idx: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.codec, self.layer_idx = codec, layer_idx
-        self._frames: tuple[bytes, bytes] | None = None
+        self._frames: tuple[bytes | torch.Tensor, bytes | torch.Tensor] | None = None
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
         self._length = 0
 
@@ -118,7 +204,8 @@ class PredictiveOffloadedLayer(DynamicLayer):
         """Decode the prompt part back and put the whole layer on its device again."""
         if not self.offloaded:
             return
-        parts = [self.codec.decode(self.layer_idx, kv, self._frames[kv]) for kv in (0, 1)]
+        parts = [self.codec.decode(self.layer_idx, kv, self._frames[kv], self.device)
+                 for kv in (0, 1)]
         self.keys, self.values = (torch.cat([p, t], dim=-2).to(self.device)
                                   for p, t in zip(parts, self._tail, strict=True))
         self._tail = None
