@@ -2,15 +2,18 @@
 
 Runs ``model.generate`` twice with greedy decoding: once with transformers' plain
 ``DynamicCache``, once with ``PredictiveOffloadedCache``, whose layers code the prompt's keys
-and values against an FP8-of-target predictor's guess into host memory after every update
-and decode them back before the next one. It checks that the generated tokens and every
-step's logits are identical and prints what the offloaded prompt cache costs.
+and values against a predictor's guess into host memory after every update and decode them
+back before the next one. It checks that the generated tokens and every step's logits are
+identical and prints what the offloaded prompt cache costs: the frames, and the guess the
+codec keeps to decode them (none with ``--predictor none``).
 
     python examples/kv_offload_generate.py                     # a tiny random Llama
     python examples/kv_offload_generate.py --gguf PATH.gguf    # e.g. SmolLM2-135M (bench/data.py)
+    python examples/kv_offload_generate.py --predictor none --device cuda
 
-On a CUDA machine, ``transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i) ...],
-offloading=True)`` works the same way with transformers' own prefetch stream.
+On a CUDA device, ``transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i) ...],
+offloading=True)`` works the same way with transformers' own prefetch stream, and the
+layers are coded on the GPU where CuPy is installed.
 """
 
 from __future__ import annotations
@@ -53,9 +56,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, help="a Llama-family GGUF file (default: tiny model)")
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--predictor", choices=("fp8", "none"), default="fp8",
+                    help="FP8-of-target (fewer bits, keeps a guess as large as the cache) "
+                         "or none (per-channel statistics, keeps nothing per value)")
+    ap.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
     args = ap.parse_args()
     model, calib, prompt = _gguf_model(args.gguf) if args.gguf else _tiny_model()
-    predictor = P.FP8Predictor(model)
+    model, prompt = model.to(args.device), prompt.to(args.device)
+    predictor = P.FP8Predictor(model) if args.predictor == "fp8" else P.NoPredictor()
     calibration = P.calibrate(model, predictor, calib, formats=("bf16",))
 
     def generate(cache):
@@ -81,7 +89,8 @@ def main() -> None:
     print(f"prompt {prompt.shape[1]} tokens, {args.new_tokens} generated, {layers} layers")
     print(f"identical tokens: {same_tokens}; identical logits at every step: {same_logits}")
     print(f"offloaded prompt cache: {packed:,} bytes vs {raw:,} bf16 "
-          f"({8 * packed / (raw / 2):.2f} bits/value)")
+          f"({8 * packed / (raw / 2):.2f} bits/value); the codec also keeps the "
+          f"{args.predictor} predictor's guess: {codec.guess_bytes():,} bytes")
     print(f"generate: {t_ref:.2f} s plain, {t_off:.2f} s with compressed offloading")
     if not (same_tokens and same_logits):
         raise SystemExit("MISMATCH")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -168,3 +172,17 @@ def test_no_predictor_generate_equality():
     assert torch.equal(out.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits, strict=True))
     assert all(layer.offloaded and layer.compressed_bytes() > 0 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("predictor", ["fp8", "none"])
+def test_example_runs(predictor):
+    """examples/kv_offload_generate.py (the issue's generate-equality example) passes."""
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "examples" / "kv_offload_generate.py"),
+                          "--predictor", predictor, "--new-tokens", "4"],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "identical tokens: True; identical logits at every step: True" in run.stdout
+    kept = int(run.stdout.split("guess: ")[1].split(" bytes")[0].replace(",", ""))
+    # 4 layers, k and v, 2 kv heads, 1024 tokens, head dim 32, as bf16 (exact there)
+    assert kept == (0 if predictor == "none" else 4 * 2 * 2 * 1024 * 32 * 2)

@@ -81,6 +81,10 @@ class KVOffloadCodec:
             for kv in (0, 1)}
         self.prompt_len = ids.shape[1]
 
+    def guess_bytes(self) -> int:
+        """Host memory the kept guess takes (0 without a predictor)."""
+        return sum(g.numel() * g.element_size() for g in self._guesses.values())
+
     def distribution(self, layer: int, kv: int, device: torch.device | str = "cpu"
                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(mu, sigma, model index) of one layer's keys (kv = 0) or values over the prompt:
