@@ -181,11 +181,15 @@ def _timings(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
             ("plain copy, pinned", lambda: host.copy_(t),
              lambda: host.to(DEV, non_blocking=True))]
     failures = []
-    for label, pr, cl, coder, threads in (("none, GPU coder", none, none_cal, "gpu", 1),
-                                          ("fp8-of-target, GPU coder", pred, cal, "gpu", 1),
-                                          ("none, CPU coder, 16 threads", none, none_cal,
-                                           "cpu", 16)):
-        codec = KVOffloadCodec(pr, cl, model="mixture", coder=coder, threads=threads)
+    for label, pr, cl, coder, threads, chunk in (
+            ("none, GPU coder", none, none_cal, "gpu", 1, None),
+            ("none, GPU coder, chunks of 4096", none, none_cal, "gpu", 1, 4096),
+            ("none, GPU coder, chunks of 2048", none, none_cal, "gpu", 1, 2048),
+            ("fp8-of-target, GPU coder", pred, cal, "gpu", 1, None),
+            ("fp8-of-target, GPU coder, chunks of 2048", pred, cal, "gpu", 1, 2048),
+            ("none, CPU coder, 16 threads", none, none_cal, "cpu", 16, None)):
+        codec = KVOffloadCodec(pr, cl, model="mixture", coder=coder, threads=threads,
+                               chunk_size=chunk)
         codec.set_prompt(prompt)
         frame = codec.encode(2, 0, t)
         if not torch.equal(_bits(codec.decode(2, 0, frame, DEV)), _bits(t)):

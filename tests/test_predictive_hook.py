@@ -186,3 +186,23 @@ def test_example_runs(predictor):
     kept = int(run.stdout.split("guess: ")[1].split(" bytes")[0].replace(",", ""))
     # 4 layers, k and v, 2 kv heads, 1024 tokens, head dim 32, as bf16 (exact there)
     assert kept == (0 if predictor == "none" else 4 * 2 * 2 * 1024 * 32 * 2)
+
+
+@pytest.mark.parametrize("chunk", [None, 1024, 1056, 1 << 12])
+def test_chunk_size(chunk):
+    """The codec's chunk size reaches the frame, and every size decodes exactly (a short
+    last chunk, one chunk for all); a size the coder refuses is refused at once."""
+    from entropykit.rans import distribution as dist
+
+    ids = torch.randint(0, 256, (1, 40), generator=GEN)
+    with torch.inference_mode():
+        keys = MODEL(ids, use_cache=True).past_key_values.layers[0].keys
+    codec = KVOffloadCodec(PRED, CAL, chunk_size=chunk)
+    codec.set_prompt(ids)
+    frame = codec.encode(0, 0, keys)
+    info = dist.parse(np.frombuffer(frame, np.uint8))
+    assert info.chunk_size == (chunk or C.CHUNK)
+    assert len(info.lengths) == -(-keys.numel() // info.chunk_size)
+    assert torch.equal(codec.decode(0, 0, frame).view(torch.int16), keys.view(torch.int16))
+    with pytest.raises(ValueError, match="chunk_size must be a multiple of 32 in"):
+        KVOffloadCodec(PRED, CAL, chunk_size=1000)

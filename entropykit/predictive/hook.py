@@ -44,6 +44,11 @@ class KVOffloadCodec:
     memory, and back. "cpu" copies the layer to the host and codes it there with
     ``threads`` threads. "auto" (default): "gpu" for CUDA tensors where the GPU coder can
     run, else "cpu". Both write the same frame format, so either decodes the other's.
+    ``chunk_size``: values a frame chunk (None: the coder's default, 2^14 on the GPU, 2^16
+    on the CPU). On the GPU a chunk is one warp's serial work, so a layer's decode takes
+    at least one chunk's time however few chunks there are: smaller chunks cut that
+    latency for small layers, at ~137 bytes a chunk (its lanes' final states and its
+    directory entry).
 
     The predictor's guess is kept in host memory (bfloat16 where that holds it exactly,
     else float32), so prefetches need not re-run the predictor. The guess is as large as
@@ -54,7 +59,8 @@ class KVOffloadCodec:
     """
 
     def __init__(self, predictor: Predictor, calibration: Calibration,
-                 model: str = "mixture", threads: int | None = 1, coder: str = "auto") -> None:
+                 model: str = "mixture", threads: int | None = 1, coder: str = "auto",
+                 chunk_size: int | None = None) -> None:
         if model not in LAYER_MODELS:
             raise ValueError(f"offloaded layers are coded one at a time: model must be one of "
                              f"{LAYER_MODELS}, got {model!r}")
@@ -62,8 +68,10 @@ class KVOffloadCodec:
             raise ValueError(f"coder must be one of {CODERS}, got {coder!r}")
         if predictor.describe() != calibration.predictor:
             raise ValueError("the calibration was fitted with another predictor")
+        if chunk_size is not None:
+            dist._check_chunk(chunk_size)  # refused here, not at the first offload
         self.predictor, self.calibration, self.model = predictor, calibration, model
-        self.threads, self.coder = threads, coder
+        self.threads, self.coder, self.chunk_size = threads, coder, chunk_size
         self.prompt_len = 0
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._shape: tuple[int, int, int, int] | None = None
@@ -138,13 +146,15 @@ class KVOffloadCodec:
 
             mu, sigma, index = self.distribution(layer, kv, t.device)
             frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model,
-                                    model_index=index)
+                                    model_index=index,
+                                    chunk_size=self.chunk_size or gpu_dist.GPU_CHUNK)
             host = torch.empty(frame.numel(), dtype=torch.uint8, pin_memory=True)
             return host.copy_(frame)
         mu, sigma, index = self.distribution(layer, kv)
         bits = t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
         return dist.encode(bits.reshape(-1), mu.numpy(), sigma.numpy(), model, fmt="bf16",
-                           model_index=index, chunk_size=CHUNK, threads=self.threads)
+                           model_index=index, chunk_size=self.chunk_size or CHUNK,
+                           threads=self.threads)
 
     def decode(self, layer: int, kv: int, frame: bytes | torch.Tensor,
                device: torch.device | str = "cpu") -> torch.Tensor:
@@ -210,7 +220,7 @@ class PredictiveOffloadedLayer(DynamicLayer):
             return
         parts = [self.codec.decode(self.layer_idx, kv, self._frames[kv], self.device)
                  for kv in (0, 1)]
-        self.keys, self.values = (torch.cat([p, t], dim=-2).to(self.device)
+        self.keys, self.values = (torch.cat([p, t.to(self.device)], dim=-2)
                                   for p, t in zip(parts, self._tail, strict=True))
         self._tail = None
 
