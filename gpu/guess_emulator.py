@@ -104,15 +104,13 @@ def guess_key(g, mu, sg, zinv, f: Fmt, tail: bool = True):
     b = val.view(np.uint32).astype(np.int64)
     a = b & 0x7FFFFFFF
     ex = (a >> 23) - 127 + f.bias
-    maghat = np.minimum(a.astype(F32) * F32(1.0 / (1 << (23 - f.mant)))
-                        - F32((127 - f.bias) << f.mant), F32(f.nonfinite - 1))
-    a2 = a + (1 << (22 - f.mant))
-    ex2 = (a2 >> 23) - 127 + f.bias
-    mag_n = np.minimum((ex2 << f.mant) | ((a2 & 0x7FFFFF) >> (23 - f.mant)), f.nonfinite - 1)
-    sh = np.clip(24 - f.mant - ex, 1, 62)
-    mag_s = (((a & 0x7FFFFF) | (1 << 23)) + (1 << (sh - 1))) >> sh
-    mag = np.where(ex >= 1, mag_n, np.where(ex > -f.mant - 1, mag_s, 0))
-    maghat = np.where(ex >= 1, maghat, mag.astype(F32))
+    with np.errstate(over="ignore", invalid="ignore"):
+        sub = (a.astype(np.uint32).view(F32) * F32(1 << f.mant)
+               * F32(2.0 ** (f.bias - 1)))  # format subnormals: linear in |value|
+    maghat = np.where(ex >= 1, np.minimum(a.astype(F32) * F32(1.0 / (1 << (23 - f.mant)))
+                                          - F32((127 - f.bias) << f.mant), F32(f.nonfinite - 1)),
+                      sub).astype(F32)
+    mag = np.rint(maghat).astype(np.int64)
     fe = np.where(ex >= 1, (b >> 23) & 0xFF, 127 - f.bias + 1)
     neg = (b >> 31) == 1
     kf = np.where(neg, F32(f.half - 1) - maghat, F32(f.half) + maghat).astype(F32)
@@ -170,7 +168,12 @@ def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1,
         j0 = np.clip((k - s.b) >> sh, 0, 255)
         target = fsb + ((slot - j0).astype(F32) + F32(0.5)) * unit
         if s.w:
-            target = ((target * F32(WEIGHT_ONE) - F32(s.w) * emp_at(k, s.emps, f).astype(F32))
+            e = emp_at(k, s.emps, f)
+            if low:  # the stage's bucket, at the key clamped into the stage
+                e0 = s.emps[s.b >> f.es].astype(np.int64)
+                de = s.emps[(s.b >> f.es) + 1].astype(np.int64) - e0
+                e = e0 + ((de * np.clip(k - s.b, 0, 1 << f.es)) >> f.es)
+            target = ((target * F32(WEIGHT_ONE) - F32(s.w) * e.astype(F32))
                       * F32(1.0 / (WEIGHT_ONE - s.w)))
         k, lin = guess_key(target * F32(1.0 / ONE), s.mu, s.sg, s.zinv, f)
     if newton:
@@ -180,7 +183,7 @@ def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1,
             slope = ((F32(1) - wf) * F32(ONE) * (lin.ulp / (s.sg * lin.dzdg))
                      + unit * F32(1.0 / (1 << sh)))
         if s.w:
-            bb = np.clip(k, 0, f.nkeys - 1) >> f.es
+            bb = s.b >> f.es if low else np.clip(k, 0, f.nkeys - 1) >> f.es
             de = ((s.emps[bb + 1].astype(np.int64) - s.emps[bb]).astype(F32)
                   * F32(1.0 / (1 << f.es)))
             est = est + wf * (s.emps[bb].astype(F32)

@@ -372,6 +372,53 @@ def profile_main(args) -> None:
         log(f"{fmt}: exact {bool(torch.equal(out, x))}, ratio {ratio:.4f}")
 
 
+def ab_main(args) -> None:
+    """Decode GB/s of the library's kernel and of each ``--ab`` source (Tuning.source), the
+    variants taking turns ``--rounds`` times (the GPU's clocks drift between runs), each
+    variant's decode of every row checked exact first (poisoned output); the encoder is the
+    library's. Timings only: a variant's numbers count once a full run passes with it."""
+    import torch
+
+    import entropykit.gpu.dist as dist
+
+    dev = torch.device("cuda", 0)
+    srcs = [None] + args.ab.split(",")
+    names = ["lib"] + [Path(s).stem for s in srcs[1:]]
+    m = model()
+    res: dict = {}
+    for fmt in ("bf16", "fp8_e4m3"):
+        f = D.FORMATS[fmt]
+        n = (args.mib << 20) // (f.bits // 8)
+        x, mu, sigma = sample(torch, fmt, n, 11, dev)
+        for mi in (0, 1):
+            frame = dist.encode(x, mu, sigma, m, fmt=fmt, model_index=mi)
+            out = torch.empty_like(x)
+            runs = []
+            for src, name in zip(srcs, names, strict=True):
+                tune = dist.Tuning(source=src)
+                out.fill_(POISON[f.bits])
+                dist.decode(frame, mu, sigma, m, model_index=mi, out=out, tuning=tune)
+                ok = bool(torch.equal(out, x))
+                k = dist._kernels(f, dist.smem_bytes(m, tune) > 0, tune).get_function(
+                    "dist_decode")
+                log(f"{fmt} {mi} {name}: exact {ok}, {k.num_regs} registers, "
+                    f"{k.local_size_bytes} B local")
+                if not ok:
+                    sys.exit(f"{name} is not exact on {fmt} model {mi}")
+                runs.append(partial(dist.decode, frame, mu, sigma, m, model_index=mi,
+                                    out=out, tuning=tune))
+            times: list[list[float]] = [[] for _ in srcs]
+            for _ in range(args.rounds):
+                for i, fn in enumerate(runs):
+                    times[i] += timed(torch, fn, 3, warm=1)
+            for name, ts in zip(names, times, strict=True):
+                gbs = sorted(x.numel() * x.element_size() / t / 1e9 for t in ts)
+                res[f"{fmt} {mi} {name}"] = gbs
+                log(f"| {fmt} | {['mixture', 'gaussian'][mi]} | {name} | "
+                    f"{statistics.median(gbs):.1f} | {gbs[0]:.1f}-{gbs[-1]:.1f} |")
+    (Path(args.out) / "ab.json").write_text(json.dumps(res, indent=1))
+
+
 def device_main(args) -> None:
     import torch
 
@@ -563,11 +610,17 @@ def main() -> None:
                     help="timings only: the library's tuning, both models (each row still "
                          "checks its own round trip)")
     ap.add_argument("--write-results", metavar="JSON")
+    ap.add_argument("--ab", metavar="FILES", help="decode timings only: the library's kernel "
+                    "against these .cu sources (comma-separated), interleaved")
+    ap.add_argument("--rounds", type=int, default=4, help="--ab: turns of each variant")
     args = ap.parse_args()
     if args.verify:
         verify(args.verify)
     elif args.profile:
         profile_main(args)
+    elif args.ab:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        ab_main(args)
     elif args.write_results:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
         from results import write_section

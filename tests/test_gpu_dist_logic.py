@@ -645,20 +645,51 @@ def test_search_finds_the_symbol_from_any_guess(fmt, search):
 
 
 def test_stage_quotient_from_an_approximate_reciprocal_is_exact():
-    # stage_cdf's q = floor(spread d / T) for 0 <= d <= T <= 2^31: float(d) times spread
-    # times a reciprocal a few ulps off, truncated, is within one; one remainder fixes it.
+    # stage_cdf's q = floor(spread d / T) for 0 <= d <= T < 2^31: float(d) times spread
+    # times a reciprocal a few ulps off, rounded to the nearest integer, is q or q + 1; the
+    # remainder's low 32 bits as int32 (the kernel's wrapping arithmetic) say which.
     rng = np.random.default_rng(2)
     for spread in (65280, 3840):  # precision 16 and 12
         t = rng.integers(1, 1 << 31, 20000, dtype=np.int64)
-        t[:4] = [1, 2, (1 << 31) - 1, 1 << 31]
+        t[:4] = [1, 2, (1 << 31) - 1, (1 << 31) - 2]
+        t[8:2000] = rng.integers(1, 1 << 12, 1992)  # small stages: d / T far from floats'
         d = (rng.random(t.size) * t).astype(np.int64)
         d[4:8] = [0, t[5], t[6] - 1, t[7] // 7]
+        d[2000:2100] = t[2000:2100]  # d = T: the quotient is spread exactly
         for ulps in (-4, 0, 4):
-            rt = (np.float32(1.0) / t.astype(np.float32)) * np.float32(1 + ulps * 2.0**-23)
-            q = (d.astype(np.float32) * (np.float32(spread) * rt)).astype(np.int64)
-            r = spread * d - q * t
-            q += (r >= t).astype(np.int64) - (r < 0)
+            rq = (np.float32(spread) * ((np.float32(1.0) / t.astype(np.float32))
+                                        * np.float32(1 + ulps * 2.0**-23))).astype(np.float32)
+            q = np.rint(d.astype(np.float32) * rq).astype(np.int64)
+            r = ((spread * d - q * t) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+            assert np.all(np.abs(spread * d - q * t) < 1 << 31)  # int32 holds it
+            q -= (r < 0).astype(np.int64)
             np.testing.assert_array_equal(q, spread * d // t)
+
+
+@njit(cache=True)
+def _emp_all(m, fp, emps, out):
+    """out[k] = the CPU's E(k) of model m for every key k = 1..nkeys-1."""
+    f = K._fmt(fp)
+    for k in range(1, f.nkeys):
+        out[k] = K._emp_cdf(k, m, f, emps)
+
+
+@pytest.mark.parametrize("m", [0, 1])
+def test_stage_empirical_term_from_the_bucket(m):
+    # The decoder's E in a stage (stage_s): the top stage's keys j 2^8 are bucket starts,
+    # E = em[j]; a low stage is bucket j, E(b + i) = em[j] + floor(de i / 2^8) for i = 0..256
+    # with de = em[j + 1] - em[j] (i = 256: the next bucket's start, em[j + 1]). Both are the
+    # CPU's E on every key 1..65535 of the bf16 space, and at i = 256 too.
+    em = MODEL.emps[m].astype(np.int64)
+    cpu = np.zeros(1 << 16, np.int64)
+    _emp_all(m, D.FORMATS["bf16"].params, MODEL.emps, cpu)
+    j, i = np.divmod(np.arange(1 << 16), 256)
+    lin = em[j] + (((em[j + 1] - em[j]) * i) >> 8)
+    np.testing.assert_array_equal(lin[1:], cpu[1:])
+    top = np.arange(1, 256) << 8
+    np.testing.assert_array_equal(em[top >> 8], cpu[top])
+    nxt = em[:256] + (((em[1:] - em[:256]) * 256) >> 8)  # i = 256 of bucket j: key (j + 1) 2^8
+    np.testing.assert_array_equal(nxt[:255], cpu[top])
 
 
 def test_tail_inverse_continues_the_uniform_inverse_and_inverts_the_shape():
@@ -702,16 +733,32 @@ def _offsets_both(mu_bits, sg_bits, fp, ws, rtab, out):
         e1 = max(a >> f.mant, 1)
         mid = 2 * a + 1 - ((e1 - 1) << (f.mant + 1))
         sh = min(max(e1 - v.cb, -126), 64)
-        prod = np.float32(-mid if y < 0 else mid) * np.float32(2.0**sh)  # exact, float32
+        # exact, float32; key HALF (+0) multiplies 0
+        prod = np.float32(-mid if y < 0 else mid if y > 0 else 0) * np.float32(2.0**sh)
         fl = min(max(np.floor(prod), -2.0**31), 2.0**31 - 1)  # cvt.rmi.s32: saturating
-        if abs(y) >= f.nonfinite:
-            t = -_SAT32 if y < 0 else _SAT32
+        t = min(max(int(fl), -_SAT32), _SAT32)
+        d = t - mu32
+        if abs(y) >= f.nonfinite:  # the clamp's end on the key's side
+            out[k, 1] = -v.dl if y < 0 else v.dl
         else:
-            t = min(max(int(fl), -_SAT32), _SAT32)
-        d = -mu32 if y == 0 else t - (0 if abs(y) >= f.nonfinite else mu32)
-        out[k, 1] = min(max(d, -v.dl), v.dl)
+            out[k, 1] = min(max(d, -v.dl), v.dl)
         out[k, 2] = max(abs(t), abs(d))
     return big
+
+
+@njit(cache=True)
+def _top_offsets(mu_bits, sg_bits, fp, ws, rtab, out):
+    """The kernel's top_offset (bf16: a top-stage key step is two binades) at keys j 2^8,
+    j = 1..255, of a value that is not big: out[j]."""
+    f = K._fmt(fp)
+    ok, v = K._params(mu_bits, sg_bits, 0, ws, rtab, f)
+    mid = (1 << (f.es + 1)) - 1
+    for j in range(1, 256):
+        y = j - (f.nkeys >> (f.es + 1))
+        sh = min(max(2 * abs(y) - 1 - v.cb, -126), 64)
+        prod = np.float32(-mid if y < 0 else mid if y > 0 else 0) * np.float32(2.0**sh)
+        fl = min(max(np.floor(prod), -2.0**31), 2.0**31 - 1)
+        out[j] = min(max(min(max(int(fl), -_SAT32), _SAT32) - v.mu_u, -v.dl), v.dl)
 
 
 @pytest.mark.parametrize("fmt", sorted(D.FORMATS))
@@ -725,6 +772,7 @@ def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
     sig = np.concatenate([[1e-45, 1e-40, 1e-3, 0.15, 1.0, 3.0e38],
                           10.0 ** rng.uniform(-30, 30, 40)])
     out = np.zeros((1 << f.bits, 3), np.int64)
+    top = np.zeros(256, np.int64)
     n_big = n_small = 0
     for s in sig.astype(np.float32):
         ratios = np.concatenate([[0.0, 1.0, 2.0**13, 2.0**14, 2.0**33.9],
@@ -742,6 +790,9 @@ def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
                 assert not big or r > 2.0**12
                 np.testing.assert_array_equal(out[1:, 1], out[1:, 0], err_msg=f"{mu} {s}")
                 assert out[1:, 2].max() < 1 << 31
+                if fmt == "bf16" and not big:  # the top stage's keys (top_offset)
+                    _top_offsets(mb, sb, f.params, MODEL.weights, D._RTAB, top)
+                    np.testing.assert_array_equal(top[1:], out[256:65536:256, 0])
     assert n_small > 0 and n_big > 0
 
 

@@ -43,6 +43,9 @@
 #define HALF (NKEYS / 2)
 #define BYTES (NKEYS > 256 ? 2 : 1)
 #define CRC_POLY 0xedb88320u
+#ifndef TOP_ROUNDS
+#define TOP_ROUNDS GUESS_ROUNDS  // a 16-bit format's top stage's guess rounds (A/B builds)
+#endif
 
 // Status codes: dist_kernels.py's, then the GPU path's own.
 #define ERR_STATE 1
@@ -147,6 +150,8 @@ __device__ __forceinline__ i64 offset(int k, const Val& v) {
 // 2^29). The 64-bit offset() runs only for big mu (|mu| >~ 2^13 sigma), which realistic
 // data never has (tests/test_gpu_dist_logic.py checks this port on every key of many
 // values, big and not).
+// Branch-free: key HALF (+0, B = 0) multiplies 0, and a non-finite key (D_BIG) is the clamp's
+// end on its side.
 __device__ __forceinline__ int clamped_offset(int k, const Val& v) {
     if (v.big) return (int)min(max(offset(k, v), (i64)-v.dl), (i64)v.dl);
     const int y = k - HALF;
@@ -154,10 +159,9 @@ __device__ __forceinline__ int clamped_offset(int k, const Val& v) {
     const int e1 = max(a >> MANT, 1);
     const int mid = 2 * a + 1 - ((e1 - 1) << (MANT + 1));
     const float scale = __int_as_float((min(max(e1 - v.cb, -126), 64) + 127) << 23);
-    const int fl = __float2int_rd((float)(y < 0 ? -mid : mid) * scale);
-    const int t = abs(y) >= NONFINITE ? (y < 0 ? -SAT32 : SAT32) : min(max(fl, -SAT32), SAT32);
-    const int d = y == 0 ? -v.mu32 : t - (abs(y) >= NONFINITE ? 0 : v.mu32);
-    return min(max(d, -v.dl), v.dl);
+    const int fl = __float2int_rd((float)(y < 0 ? -mid : y > 0 ? mid : 0) * scale);
+    const int d = min(max(fl, -SAT32), SAT32) - v.mu32;
+    return abs(y) >= NONFINITE ? (y < 0 ? -v.dl : v.dl) : min(max(d, -v.dl), v.dl);
 }
 
 // k's place in its empirical bucket as a 32-bit fraction: E's interpolation weight.
@@ -165,42 +169,98 @@ __device__ __forceinline__ unsigned low_bits(int k) {
     return (unsigned)(k & ((1 << ES) - 1)) << (ES ? 32 - ES : 0);
 }
 
-// S(k): mass of all keys below k in units of 2^-31 (dist_kernels._smooth_cdf), in 32-bit
-// words where the CPU's int64 values fit them: |D| <= dl < 2^22 after the clamp, |zf| <=
-// Z_MAX 2^22, tables rise (CoderModel checks them), so each interpolation's product
-// shifted right is a high word (__umulhi) and S <= 2^31.
-__device__ __forceinline__ unsigned smooth(int k, const Val& v, const Model& md) {
-    if (k <= 0) return 0;
-    if (k >= NKEYS) return ONE;
-    const int d = clamped_offset(k, v);
+// S(k) given E(k) = e and D = clamped_offset(k, v) (dist_kernels._smooth_with): mass of
+// all keys below k in units of 2^-31, in 32-bit words where the CPU's int64 values fit them:
+// |D| <= dl < 2^22 after the clamp, |zf| <= Z_MAX 2^22, tables rise (CoderModel checks
+// them), so each interpolation's product shifted right is a high word (__umulhi) and S <=
+// 2^31. Branch-free: for 0 <= k <= NKEYS every read is in its table (the ends' D is +-dl),
+// and the ends are selected last.
+__device__ __forceinline__ unsigned smooth_with(int k, unsigned e, int d, const Val& v,
+                                                const Model& md) {
     const int zf = (int)(((i64)d * v.rr) >> R_SHIFT);
     const unsigned ix = (unsigned)((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS));
     const unsigned* sh = md.shapes + v.m * SHAPE_W;
     const unsigned t0 = sh[ix];
     unsigned s = t0 + __umulhi(sh[ix + 1] - t0, (unsigned)(zf & ((1 << Z_FRAC) - 1)) << 16);
-    if (v.w) {
-        const unsigned* em = md.emps + v.m * EMP_W;
-        const int b = k >> ES;
-        unsigned e = em[b];
-        if (ES) e += __umulhi(em[b + 1] - e, low_bits(k));
+    if (v.w)
         s = (unsigned)(((u64)s * (unsigned)(WEIGHT_ONE - v.w) + (u64)e * (unsigned)v.w) >> 16);
+    return k <= 0 ? 0u : k >= NKEYS ? (unsigned)ONE : s;
+}
+
+// E(k) of the value's model (smooth()'s empirical term), in units of 2^-31.
+__device__ __forceinline__ unsigned emp_at(int k, const Val& v, const Model& md) {
+    const unsigned* em = md.emps + v.m * EMP_W;
+    const int b = min(max(k, 0), NKEYS - 1) >> ES;
+    const unsigned e = em[b];
+    return ES ? e + __umulhi(em[b + 1] - e, low_bits(k)) : e;
+}
+
+// S(k) for 0 <= k <= NKEYS (dist_kernels._smooth_cdf).
+__device__ __forceinline__ unsigned smooth(int k, const Val& v, const Model& md) {
+    return smooth_with(k, v.w ? emp_at(k, v, md) : 0u, clamped_offset(k, v), v, md);
+}
+
+// clamped_offset(j 2^ES, v) where a key step of the top stage is two binades (bf16: ES = MANT
+// + 1): for 1 <= m = |j - HALF / 2^ES| <= 127, |y| = m 2^ES, so e1 = (m 2^ES - 1) >> MANT =
+// 2m - 1 and mid = 2^(ES + 1) - 1 for every j; no key but the ends (m = 128, S selected) is
+// non-finite (NONFINITE > HALF - 2^ES); m = 0 is key HALF (+0, B = 0).
+#define TOP_BINADES (ES == MANT + 1 && NONFINITE > HALF - (1 << ES))
+__device__ __forceinline__ int top_offset(int j, const Val& v) {
+    if (!TOP_BINADES || v.big) return clamped_offset(j << ES, v);
+    const int y = j - (HALF >> ES), e1 = 2 * abs(y) - 1, mid = (1 << (ES + 1)) - 1;
+    const float scale = __int_as_float((min(max(e1 - v.cb, -126), 64) + 127) << 23);
+    const int fl = __float2int_rd((float)(y < 0 ? -mid : y > 0 ? mid : 0) * scale);
+    return min(max(min(max(fl, -SAT32), SAT32) - v.mu32, -v.dl), v.dl);
+}
+
+// A stage of the decoder: keys b + j 2^sh (j = 0..256), mass S_b .. S_b + T. The top stage
+// (a 16-bit format's top byte, an 8-bit format's only stage: TOP) is b = 0, S_b = 0, T = ONE,
+// sh = ES, its keys E's bucket starts, where E = em[k >> ES] (low_bits(k) = 0). A 16-bit
+// format's low stage (sh = 0) is one empirical bucket j = b >> ES, where E is linear: E(b +
+// i) = em[j] + floor((em[j + 1] - em[j]) i / 2^ES) for i = 0..2^ES (i = 2^ES: em[j + 1], the
+// next bucket's start), e0 and de below; rq = spread / T as stage_cdf's float quotient takes it.
+struct Stage {
+    int b;
+    unsigned sb, t, e0, de;
+    float rq;
+};
+
+template <bool TOP>
+__device__ __forceinline__ unsigned stage_s(int j, const Stage& st, const Val& v,
+                                            const Model& md) {
+    if (TOP) {
+        return smooth_with(j << ES, v.w ? md.emps[v.m * EMP_W + j] : 0u, top_offset(j, v), v,
+                           md);
     }
-    return s;
+    return smooth_with(st.b + j, st.e0 + (unsigned)(((u64)st.de * (unsigned)j) >> ES),
+                       clamped_offset(st.b + j, v), v, md);
 }
 
 // cdf(j) of a stage with mass S_b .. S_b + T (dist_kernels._stage_cdf). S never falls for
 // a value the coder accepts (see the decoder), so 0 <= S_j - S_b <= T and q = floor(spread
-// (S_j - S_b) / T) <= spread < 2^16: float products put it within 0.05, so the truncated
-// one is q - 1, q or q + 1, and one integer remainder makes it exact.
+// (S_j - S_b) / T) <= spread < 2^16. For 0 < T < 2^31 float products put spread (S_j - S_b)
+// / T within 2^-5 of its value (relative errors: d, T, the approximate reciprocal's 2 ulps
+// and two products, <= 2^-21 of < 2^16), so the nearest integer is q or q + 1, the remainder
+// is in [-T, T) (which int32 holds: its low 32 bits are exact) and one compare makes it q.
+// rq = spread / T in float (stage_rq).
+__device__ __forceinline__ float stage_rq(unsigned t, int spread) {
+    return (float)spread * __fdividef(1.0f, (float)t);
+}
+
 __device__ __forceinline__ int stage_cdf(int j, unsigned sj, unsigned sb, unsigned t,
-                                         int spread) {
+                                         int spread, float rq) {
     if (t == ONE) return j + (int)__umulhi(2u * spread, sj - sb);  // (spread d) >> 31
     if (t == 0) return j * ((spread + 256) >> 8);
     const unsigned d = sj - sb;
-    int q = (int)((float)d * ((float)spread * __fdividef(1.0f, (float)t)));
-    const i64 r = (i64)((u64)spread * d - (u64)(unsigned)q * t);  // in [-T, 2T)
-    q += (int)(r >= (i64)t) - (int)(r < 0);
-    return j + q;
+    const int q = __float2int_rn((float)d * rq);
+    const int r = (int)((unsigned)spread * d - (unsigned)q * t);  // in [-T, T)
+    return j + q - (r < 0);
+}
+
+template <bool TOP>
+__device__ __forceinline__ int stage_c(int j, unsigned sj, const Stage& st, int spread) {
+    if (TOP) return j + (int)__umulhi(2u * spread, sj);
+    return stage_cdf(j, sj, st.sb, st.t, spread, st.rq);
 }
 
 __device__ __forceinline__ int key_of(unsigned bits) {
@@ -367,12 +427,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_encode
                 const int key = key_of(BYTES == 2 ? ((const unsigned short*)vals)[i] : vals[i]);
                 const int j = key >> ES, b = j << ES;
                 const unsigned s0 = smooth(b, v, md), s1 = smooth(b + (1 << ES), v, md);
-                t0 = stage_cdf(j, s0, 0, ONE, spread);
-                t1 = stage_cdf(j + 1, s1, 0, ONE, spread);
+                t0 = stage_cdf(j, s0, 0, ONE, spread, 0.0f);
+                t1 = stage_cdf(j + 1, s1, 0, ONE, spread, 0.0f);
                 if (ES) {
                     const int lo = key - b;
-                    l0 = stage_cdf(lo, smooth(key, v, md), s0, s1 - s0, spread);
-                    l1 = stage_cdf(lo + 1, smooth(key + 1, v, md), s0, s1 - s0, spread);
+                    const float rq = stage_rq(s1 - s0, spread);
+                    l0 = stage_cdf(lo, smooth(key, v, md), s0, s1 - s0, spread, rq);
+                    l1 = stage_cdf(lo + 1, smooth(key + 1, v, md), s0, s1 - s0, spread, rq);
                 }
             }
         }
@@ -462,25 +523,18 @@ __device__ __forceinline__ int guess_key(float g, float mu, float sg, const floa
 #endif
     const float z0 = __ldg(zinv + i), z1 = __ldg(zinv + i + 1);
     const unsigned b = __float_as_uint(mu + sg * (z0 + (z1 - z0) * (t - (float)i)));
-    unsigned a = b & 0x7FFFFFFF;
-    int ex = (int)(a >> 23) - 127 + BIAS;
-    int mag;
-    float maghat = 0.0f;
-    if (ex >= 1) {  // round |value| to the nearest format value
-        // |value| in key steps, unrounded: (float) a drops < 2^-8 of a key step
-        maghat = fminf((float)a * (1.0f / (1 << (23 - MANT))) - (float)((127 - BIAS) << MANT),
-                       (float)(NONFINITE - 1));
-        a += 1u << (22 - MANT);
-        ex = (int)(a >> 23) - 127 + BIAS;
-        mag = min((ex << MANT) | (int)((a & 0x7FFFFF) >> (23 - MANT)), NONFINITE - 1);
-    } else if (ex > -MANT - 1) {
-        const int sh = 24 - MANT - ex;
-        mag = (int)((((a & 0x7FFFFF) | (1u << 23)) + (1u << (sh - 1))) >> sh);
-    } else {
-        mag = 0;
-    }
+    const unsigned a = b & 0x7FFFFFFF;
+    const int ex = (int)(a >> 23) - 127 + BIAS;  // the format's exponent field
+    // |value| in key steps, unrounded: within the format's binades the float's bits are
+    // linear in it ((float) a drops < 2^-8 of a key step), among its subnormals (ex < 1)
+    // |value| 2^(MANT + BIAS - 1) (two factors: bf16's 2^133 is no float); rounded to the
+    // nearest key, NaN / inf as the largest finite one.
+    const float maghat = ex >= 1
+        ? fminf((float)a * (1.0f / (1 << (23 - MANT))) - (float)((127 - BIAS) << MANT),
+                (float)(NONFINITE - 1))
+        : __uint_as_float(a) * (float)(1 << MANT) * __int_as_float((BIAS + 126) << 23);
+    const int mag = __float2int_rn(maghat);
     if (lin) {
-        if (ex < 1) maghat = (float)mag;  // format subnormals (rare): the rounded key
         // 2^(exponent - MANT) as float bits, floored at the smallest normal float
         const int fe = ex >= 1 ? (int)((b >> 23) & 0xFF) : 127 - BIAS + 1;
         lin->g = gc;
@@ -489,14 +543,6 @@ __device__ __forceinline__ int guess_key(float g, float mu, float sg, const floa
         lin->ulp = __int_as_float(max(fe - MANT, 1) << 23);
     }
     return (b >> 31) ? HALF - 1 - mag : HALF + mag;
-}
-
-// E(k) of the value's model (smooth()'s empirical term), in units of 2^-31.
-__device__ __forceinline__ unsigned emp_at(int k, const Val& v, const Model& md) {
-    const unsigned* em = md.emps + v.m * EMP_W;
-    const int b = min(max(k, 0), NKEYS - 1) >> ES;
-    const unsigned e = em[b];
-    return ES ? e + __umulhi(em[b + 1] - e, low_bits(k)) : e;
 }
 
 // Key k's value and (*ulp) the value step there, as float32 (guesses only; NaN / inf keys
@@ -579,8 +625,14 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, int b, unsigned sb, fl
 // (w = 0) a round only refines j, which the step does too: such a value runs PURE_ROUNDS
 // (kv_check's Gaussian rows: 1 round decodes ~10% faster than 2 or 0). A 16-bit format's
 // low stage runs LOW_ROUNDS of them, then FWD_STEPS (fwd_steps).
-__device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, unsigned t, float mu,
-        float sg, const float* zinv, const Val& v, const Model& md, int p) {
+// A 16-bit format's low stage takes E from its bucket (Stage: e0, de; E at the key clamped
+// into the stage, exact for keys in it, and a guess's key outside it misses anyway).
+template <bool TOP>
+__device__ __forceinline__ int fast_guess(int slot, const Stage& st, float mu, float sg,
+        const float* zinv, const Val& v, const Model& md, int p) {
+    constexpr int sh = TOP ? ES : 0;
+    const int b = TOP ? 0 : st.b;
+    const unsigned sb = TOP ? 0u : st.sb, t = TOP ? (unsigned)ONE : st.t;
     const float ft = (float)t, fsb = (float)sb;
     Lin lin;
     int k = guess_key((fsb + ((float)slot + 0.5f) * (1.0f / (1 << p)) * ft)
@@ -589,12 +641,16 @@ __device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, 
 #pragma unroll
     for (int round = 0; round < GUESS_ROUNDS; ++round) {
         if (round >= PURE_ROUNDS && !v.w) break;
-        if (ES && sh == 0 && round >= LOW_ROUNDS) break;  // a 16-bit format's low stage
+        if (!TOP && round >= LOW_ROUNDS) break;  // a 16-bit format's low stage
+        if (TOP && ES && round >= TOP_ROUNDS) break;  // its top stage
         const int j0 = min(max((k - b) >> sh, 0), 255);
         float target = fsb + ((float)(slot - j0) + 0.5f) * unit;
-        if (v.w)
-            target = (target * WEIGHT_ONE - (float)v.w * (float)emp_at(k, v, md))
+        if (v.w) {
+            const unsigned e = TOP ? emp_at(k, v, md) : st.e0 + (unsigned)(((u64)st.de
+                                     * (unsigned)min(max(k - b, 0), 1 << ES)) >> ES);
+            target = (target * WEIGHT_ONE - (float)v.w * (float)e)
                      * __fdividef(1.0f, (float)(WEIGHT_ONE - v.w));
+        }
         k = guess_key(target * (1.0f / ONE), mu, sg, zinv, &lin);
     }
     if (GUESS_NEWTON) {
@@ -606,11 +662,12 @@ __device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, 
                       + unit * (1.0f / (1 << sh));
         if (v.w) {
             const unsigned* em = md.emps + v.m * EMP_W;
-            const int bb = min(max(k, 0), NKEYS - 1) >> ES;
-            const float de = (float)(em[bb + 1] - em[bb]) * (1.0f / (1 << ES));  // per key
+            const int bb = TOP ? min(max(k, 0), NKEYS - 1) >> ES : b >> ES;
+            const unsigned e0 = TOP ? em[bb] : st.e0;
+            const float de = (float)(TOP ? em[bb + 1] - e0 : st.de) * (1.0f / (1 << ES));
             // E at boundary kf + 1/2 (key k's bin starts at boundary k, at value
-            // coordinate k - 1/2)
-            est += wf * ((float)em[bb] + de * (lin.kf + 0.5f - (float)(bb << ES)));
+            // coordinate k - 1/2), per key
+            est += wf * ((float)e0 + de * (lin.kf + 0.5f - (float)(bb << ES)));
             slope += wf * de;
         }
         const float target = fsb + ((float)slot + 0.5f
@@ -619,7 +676,7 @@ __device__ __forceinline__ int fast_guess(int slot, int b, int sh, unsigned sb, 
         k = __float2int_rn(fminf(fmaxf(lin.kf + __fdividef(target - est, slope), -1.0f),
                                  (float)NKEYS));
     }
-    if (FWD_STEPS && ES && sh == 0) k = fwd_steps(k, slot, b, sb, unit, mu, sg, v, md);
+    if (FWD_STEPS && !TOP) k = fwd_steps(k, slot, b, sb, unit, mu, sg, v, md);
     return min(max((k - b) >> sh, 0), 255);
 }
 
@@ -632,8 +689,9 @@ struct Sym {
 // search finds the CPU's symbol). The first probe steps by the guessed symbol's
 // own frequency, the next ones interpolate and bisect in turn, so a near miss costs one or
 // two CDFs and no miss more than about twice a bisection's 8.
-__device__ Sym fast_search(int slot, const Sym& g, int b, int sh, unsigned sb, unsigned t,
-                           int spread, const Val& v, const Model& md) {
+template <bool TOP>
+__device__ Sym fast_search(int slot, const Sym& g, const Stage& st, int spread, const Val& v,
+                           const Model& md) {
     int lo, hi, k, clo, chi;
     unsigned slo, shi;
     // Probe positions only need to lie in (lo, hi), where they are clamped: float
@@ -641,18 +699,18 @@ __device__ Sym fast_search(int slot, const Sym& g, int b, int sh, unsigned sb, u
     const float rdens = __fdividef(1.0f, (float)max(g.c1 - g.c0, 1));
     if (g.c1 <= slot) {
         lo = g.j + 1; slo = g.sn; clo = g.c1;
-        hi = 256; shi = sb + t; chi = spread + 256;
+        hi = 256; shi = TOP ? (unsigned)ONE : st.sb + st.t; chi = spread + 256;
         k = lo + 1 + (int)fminf((float)(slot - clo) * rdens, 256.0f);
     } else {
         hi = g.j; shi = g.sj; chi = g.c0;
-        lo = 0; slo = sb; clo = 0;
+        lo = 0; slo = TOP ? 0u : st.sb; clo = 0;
         k = hi - (int)fminf(ceilf((float)(chi - slot) * rdens), 256.0f);
     }
     bool interp = false;
     while (hi - lo > 1) {
         k = min(max(k, lo + 1), hi - 1);
-        const unsigned sk = smooth(b + (k << sh), v, md);
-        const int ck = stage_cdf(k, sk, sb, t, spread);
+        const unsigned sk = stage_s<TOP>(k, st, v, md);
+        const int ck = stage_c<TOP>(k, sk, st, spread);
         if (ck <= slot) { lo = k; slo = sk; clo = ck; }
         else { hi = k; shi = sk; chi = ck; }
         interp = !interp;
@@ -665,44 +723,40 @@ __device__ Sym fast_search(int slot, const Sym& g, int b, int sh, unsigned sb, u
     return s;
 }
 
-// A stage: keys b + j 2^sh, mass S_b .. S_b + T.
-struct Stage {
-    int b;
-    unsigned sb, t;
-};
-
 // The guessed symbol of slot in a stage, with S and cdf at both its ends (two exact CDFs);
 // true if it holds the slot. A stage of no mass (T = 0: a low byte under a top-byte symbol
 // where S is flat, as NaN / inf keys under a Gaussian) has cdf(j) = j 2^(p - 8) exactly:
 // its symbol is the slot's top byte, with no guess and no check (kv_check's Gaussian bf16
 // rows: 0.9% of values, each a far miss of the float guess before).
-__device__ __forceinline__ bool guess_symbol(Sym& s, int slot, const Stage& st, int sh,
-        const Val& v, float muf, float sgf, const Model& md, int p) {
+template <bool TOP>
+__device__ __forceinline__ bool guess_symbol(Sym& s, int slot, const Stage& st, const Val& v,
+        float muf, float sgf, const Model& md, int p) {
     const int spread = (1 << p) - 256;
-    if (st.t == 0) {  // a low stage of no mass: cdf(j) = j 2^(p - 8), S flat at S_b
+    if (!TOP && st.t == 0) {  // a low stage of no mass: cdf(j) = j 2^(p - 8), S flat at S_b
         s.j = slot >> (p - 8);
         s.c0 = s.j << (p - 8);
         s.c1 = s.c0 + (1 << (p - 8));
         s.sj = s.sn = st.sb;
         return true;
     }
-    s.j = fast_guess(slot, st.b, sh, st.sb, st.t, muf, sgf, md.zinv + v.m * ZROW, v, md, p);
-    s.sj = smooth(st.b + (s.j << sh), v, md);
-    s.sn = smooth(st.b + ((s.j + 1) << sh), v, md);
-    s.c0 = stage_cdf(s.j, s.sj, st.sb, st.t, spread);
-    s.c1 = stage_cdf(s.j + 1, s.sn, st.sb, st.t, spread);
+    s.j = fast_guess<TOP>(slot, st, muf, sgf, md.zinv + v.m * ZROW, v, md, p);
+    s.sj = stage_s<TOP>(s.j, st, v, md);
+    s.sn = stage_s<TOP>(s.j + 1, st, v, md);
+    s.c0 = stage_c<TOP>(s.j, s.sj, st, spread);
+    s.c1 = stage_c<TOP>(s.j + 1, s.sn, st, spread);
     return s.c0 <= slot && slot < s.c1;
 }
 
 // After a missed guess, its neighbour on the slot's side with one more exact CDF (most
 // misses are by one symbol); true if that one holds the slot (then s is it).
-__device__ __forceinline__ bool near_symbol(Sym& s, int slot, const Stage& st, int sh,
-                                            int spread, const Val& v, const Model& md) {
+template <bool TOP>
+__device__ __forceinline__ bool near_symbol(Sym& s, int slot, const Stage& st, int spread,
+                                            const Val& v, const Model& md) {
     const bool up = slot >= s.c1;  // else slot < c0: the symbol below (j > 0, as cdf(0) = 0)
     const int k = up ? s.j + 2 : s.j - 1;
     if (up && k > 256) return false;  // j = 255 and slot >= 2^p: a corrupt state
-    const unsigned sk = smooth(st.b + (k << sh), v, md);
-    const int ck = stage_cdf(k, sk, st.sb, st.t, spread);
+    const unsigned sk = stage_s<TOP>(k, st, v, md);
+    const int ck = stage_c<TOP>(k, sk, st, spread);
     if (up ? slot >= ck : slot < ck) return false;
     if (up) { s.j += 1; s.c0 = s.c1; s.c1 = ck; s.sj = s.sn; s.sn = sk; }
     else { s.j -= 1; s.c1 = s.c0; s.c0 = ck; s.sn = s.sj; s.sj = sk; }
@@ -717,7 +771,8 @@ __device__ __forceinline__ bool near_symbol(Sym& s, int slot, const Stage& st, i
 // ~16 while the warp waits: for the misses that one neighbour did not fix (far ones:
 // values where the guess's float model is poor, as NaN / inf / subnormal keys in flat
 // stretches of the CDF).
-__device__ __forceinline__ void warp_search(Sym& s, int q, int slot, const Stage& st, int sh,
+template <bool TOP>
+__device__ __forceinline__ void warp_search(Sym& s, int q, int slot, const Stage& st,
         int spread, const Val& v, const Model& md, int lane) {
     Val w;
     w.mu_u = __shfl_sync(FULL, v.mu_u, q);
@@ -729,16 +784,21 @@ __device__ __forceinline__ void warp_search(Sym& s, int q, int slot, const Stage
     w.mu32 = __shfl_sync(FULL, v.mu32, q);
     w.big = __shfl_sync(FULL, (int)v.big, q);
     const int sl = __shfl_sync(FULL, slot, q);
-    Stage sq;
-    sq.b = __shfl_sync(FULL, st.b, q);
-    sq.sb = __shfl_sync(FULL, st.sb, q);
-    sq.t = __shfl_sync(FULL, st.t, q);
+    Stage sq = st;
+    if (!TOP) {
+        sq.b = __shfl_sync(FULL, st.b, q);
+        sq.sb = __shfl_sync(FULL, st.sb, q);
+        sq.t = __shfl_sync(FULL, st.t, q);
+        sq.e0 = __shfl_sync(FULL, st.e0, q);
+        sq.de = __shfl_sync(FULL, st.de, q);
+        sq.rq = __shfl_sync(FULL, st.rq, q);
+    }
     const int k1 = 8 * lane;
-    const int c1 = stage_cdf(k1, smooth(sq.b + (k1 << sh), w, md), sq.sb, sq.t, spread);
+    const int c1 = stage_c<TOP>(k1, stage_s<TOP>(k1, sq, w, md), sq, spread);
     const int base = 8 * (31 - __clz(__ballot_sync(FULL, c1 <= sl)));
     const int k2 = base + min(lane, 8);
-    const unsigned s2 = smooth(sq.b + (k2 << sh), w, md);
-    const int c2 = stage_cdf(k2, s2, sq.sb, sq.t, spread);
+    const unsigned s2 = stage_s<TOP>(k2, sq, w, md);
+    const int c2 = stage_c<TOP>(k2, s2, sq, spread);
     const int r = 31 - __clz(__ballot_sync(FULL, c2 <= sl) & 0x1FFu);
     const int c0 = __shfl_sync(FULL, c2, r), cn = __shfl_sync(FULL, c2, r + 1);
     const unsigned sj = __shfl_sync(FULL, s2, r), sn = __shfl_sync(FULL, s2, r + 1);
@@ -773,20 +833,22 @@ struct Chain {
 // and a frequency f <= 2^p - 255 give f (x >> p) + (slot - c0) < f 2^(32 - p) < 2^32, and
 // a word is shifted in only below 2^16. Returns false (warp-uniform) if some lane needs a
 // word past the payload.
-__device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, int sh,
-                                         const Model& md, int p, int lane) {
+template <bool TOP>
+__device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, const Model& md,
+                                         int p, int lane) {
+    constexpr int sh = TOP ? ES : 0;  // keys b + j 2^sh
     const int spread = (1 << p) - 256;
     const int slot = (int)(c.x & ((1u << p) - 1));
     bool miss = false;
     [[maybe_unused]] bool fixed = false;  // read by COUNT_MISSES builds
     [[maybe_unused]] int gj = -9;  // the guess, where it missed (COUNT_MISSES builds)
-    if (c.live && !guess_symbol(s, slot, st, sh, c.v, c.muf, c.sgf, md, p)) {
+    if (c.live && !guess_symbol<TOP>(s, slot, st, c.v, c.muf, c.sgf, md, p)) {
         gj = s.j;
 #if WARP_SEARCH
-        fixed = near_symbol(s, slot, st, sh, spread, c.v, md);
+        fixed = near_symbol<TOP>(s, slot, st, spread, c.v, md);
         miss = !fixed;
 #else
-        s = fast_search(slot, s, st.b, sh, st.sb, st.t, spread, c.v, md);
+        s = fast_search<TOP>(slot, s, st, spread, c.v, md);
         fixed = true;
 #endif
     }
@@ -799,7 +861,7 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, int 
     }
 #endif
     while (far) {  // warp-uniform
-        warp_search(s, __ffs(far) - 1, slot, st, sh, spread, c.v, md, lane);
+        warp_search<TOP>(s, __ffs(far) - 1, slot, st, spread, c.v, md, lane);
         far &= far - 1;
     }
 #if COUNT_MISSES
@@ -820,9 +882,16 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, int 
     return true;
 }
 
+// Resident blocks the decoder asks ptxas for: MIN_BLOCKS, or by default for 16-bit formats
+// 32 warps an SM (64 registers): the bf16 decoder issues ~0.7 instructions a cycle and
+// scheduler with 8 warps each, and its 67 registers uncapped leave 24 (H200 A/B: capped
+// +7-9%, no spills). 8-bit formats fit 64 uncapped, and the cap there costs ~4% more
+// instructions (-3-5% speed).
+#define DEC_BLOCKS (MIN_BLOCKS > 1 ? MIN_BLOCKS : ES ? 32 / WARPS : 1)
+
 // desc per chunk (i64 x 4): payload offset in frame, length, mode, CRC-32 (all checked by
 // dist.py against the frame size). status per chunk (i32 x 2): code, value index in chunk.
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode(
+extern "C" __global__ void __launch_bounds__(WARPS * 32, DEC_BLOCKS) dist_decode(
         const unsigned char* frame, const i64* desc, const unsigned* mu, const unsigned* sg,
         const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
         const unsigned* shapes, const unsigned* emps, int models, const int* weights,
@@ -870,7 +939,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode
             if (__ballot_sync(FULL, !ok)) { checked = g0; code = ERR_PARAM; break; }
             checked = g0 + LANES;
             Sym top;
-            if (!dec_step(ch, top, {0, 0u, (unsigned)ONE}, ES, md, p, lane)) {
+            if (!dec_step<true>(ch, top, Stage{}, md, p, lane)) {
                 code = ERR_TRUNCATED;
                 break;
             }
@@ -878,7 +947,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_decode
             if (ES) {
                 Sym low;
                 const int b = top.j << ES;
-                if (!dec_step(ch, low, {b, top.sj, top.sn - top.sj}, 0, md, p, lane)) {
+                Stage st;  // the top symbol's bucket (Stage)
+                st.b = b;
+                st.sb = top.sj;
+                st.t = top.sn - top.sj;
+                st.rq = stage_rq(st.t, (1 << p) - 256);
+                if (ch.live && ch.v.w) {
+                    const unsigned* em = md.emps + ch.v.m * EMP_W + top.j;
+                    st.e0 = em[0];
+                    st.de = em[1] - em[0];
+                } else {
+                    st.e0 = st.de = 0;
+                }
+                if (!dec_step<false>(ch, low, st, md, p, lane)) {
                     code = ERR_TRUNCATED;
                     break;
                 }

@@ -75,6 +75,9 @@ class Tuning:
     # 2 in place of the low stage's second round, low_rounds = 1: 28.1-28.4), so none
     fwd_steps: int = 0
     low_rounds: int | None = None  # a 16-bit format's low stage's rounds; None: guess_rounds
+    # another kernel source file in place of _dist_kernel.cu (A/B timings in one process;
+    # the ENTROPYKIT_DIST_KERNEL environment variable sets it for every build)
+    source: str | None = None
 
     def for_format(self, f: D.ValueFormat) -> Tuning:
         """These knobs with the format's defaults in place of None."""
@@ -230,7 +233,7 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
     key = (f.name, smem, t)
     with _lock:
         if key not in _modules:
-            alt = os.environ.get("ENTROPYKIT_DIST_KERNEL")  # another source: A/B timings
+            alt = t.source or os.environ.get("ENTROPYKIT_DIST_KERNEL")  # A/B timings
             src = (open(alt).read() if alt else
                    resources.files(__package__).joinpath("_dist_kernel.cu").read_text())
             opts = ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
