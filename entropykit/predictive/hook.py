@@ -114,8 +114,8 @@ class KVOffloadCodec:
             mean = (p + bias[layer, kv][None, :, None, :]).expand(self._shape)
             sigma = std[layer, kv][None, :, None, :].expand(self._shape)
             index = 2 * layer + kv
-        floor = torch.maximum(torch.maximum(sigma, mean.abs() * float(residual.RELATIVE_FLOOR)),
-                              torch.tensor(residual.TINY, device=device))
+        floor = torch.maximum(sigma, mean.abs() * float(residual.RELATIVE_FLOOR)).clamp_min(
+            float(residual.TINY))  # residual.floor; both float32 constants, exact as floats
         return (mean.float().reshape(-1).contiguous(), floor.float().reshape(-1).contiguous(),
                 index)
 
