@@ -12,7 +12,7 @@ symbol's [cdf(j), cdf(j + 1)), as an rANS state's low bits are. What it is not: 
 device's miss counters (kv_check) confirm.
 
     python gpu/guess_emulator.py [--n N] [--fmt bf16 fp8_e4m3] [--rounds R] [--fwd F]
-                                 [--low-rounds L]
+                                 [--low-rounds L]      (defaults: dist.Tuning's per format)
 """
 
 from __future__ import annotations
@@ -301,18 +301,22 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1 << 20)
     ap.add_argument("--fmt", nargs="*", default=["bf16", "fp8_e4m3"])
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--fwd", type=int, default=0, help="FWD_STEPS")
-    ap.add_argument("--low-rounds", type=int, default=None, help="LOW_ROUNDS")
+    ap.add_argument("--fwd", type=int, default=None, help="FWD_STEPS (default: dist.Tuning's)")
+    ap.add_argument("--low-rounds", type=int, default=None,
+                    help="LOW_ROUNDS (default: dist.Tuning's)")
     a = ap.parse_args()
     for fmt in a.fmt:
         for mi, name in ((0, "mixture"), (1, "Gaussian")):
             top, jt, low, jl = stages(fmt, a.n, mi)
-            r = a.rounds if a.rounds is not None else (2 if low is not None else 1)
+            t = G.Tuning(guess_rounds=a.rounds, fwd_steps=a.fwd,
+                         low_rounds=a.low_rounds).for_format(D.FORMATS[fmt])
+            r = t.guess_rounds
             mt = misses(fast_guess(top, r), jt)
             row = f"{fmt:9s} {name:8s} rounds {r}: top {100 * mt[0]:.2f}% (2+ {100 * mt[1]:.2f}%)"
             if low is not None:
-                ml = misses(fast_guess(low, r, fwd=a.fwd, low_rounds=a.low_rounds), jl)
-                row += f", low {100 * ml[0]:.2f}% (2+ {100 * ml[1]:.2f}%)"
+                ml = misses(fast_guess(low, r, fwd=t.fwd_steps, low_rounds=t.low_rounds), jl)
+                row += (f", low ({t.low_rounds} rounds, {t.fwd_steps} steps) {100 * ml[0]:.2f}% "
+                        f"(2+ {100 * ml[1]:.2f}%)")
             print(row, flush=True)
 
 

@@ -103,18 +103,19 @@ __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const M
         }
     }
     const int ue = e - 127 - MU_BITS;
-    i64 mm = mub & 0x7FFFFF;
-    if (em > 0) mm |= 1 << 23;
+    const unsigned mm = (mub & 0x7FFFFF) | (em > 0 ? 1u << 23 : 0u);  // < 2^24
     const int sh = max(em, 1) - 150 - ue;
-    i64 mu_u;
-    if (sh >= 0) mu_u = mm << min(sh, 36);
-    else if (sh < -40) mu_u = 0;
-    else mu_u = (mm + (1LL << (-sh - 1))) >> -sh;
-    if (mub >> 31) mu_u = -mu_u;
+    // |mu_u| = mm 2^sh, rounded half up where sh < 0 (0 from sh <= -25 on: mm < 2^24), in
+    // 32 bits wherever it is below MU32 = 2^29 (always where sh < 0); big only where sh >= 0
+    // and mm >= 2^(29 - sh). The CPU's int64 shifts (left ones stop at 36) only then.
+    const bool big = sh >= 0 && mm && (sh >= 29 || (mm >> (29 - sh)));
+    const unsigned mag = sh >= 0 ? mm << min(sh, 31)
+                                 : sh <= -25 ? 0u : (mm + (1u << (-sh - 1))) >> -sh;
     Val v;
-    v.mu_u = mu_u;
-    v.big = mu_u >= MU32 || mu_u <= -MU32;
-    v.mu32 = (int)mu_u;  // read only when !big
+    v.mu32 = (mub >> 31) ? -(int)mag : (int)mag;  // read only when !big
+    v.mu_u = v.mu32;
+    if (big) v.mu_u = (mub >> 31) ? -((i64)mm << min(sh, 36)) : (i64)mm << min(sh, 36);
+    v.big = big;  // read only when !big
     v.rr = __ldg(md.rtab + r);
     v.dl = (int)__ldg(md.rtab + 256 + r);  // < 2^22 (dist_kernels.reciprocals)
     v.cb = BIAS + MANT + 1 + ue;
@@ -126,18 +127,25 @@ __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const M
 // D(k) = floor(B(k) / u) - mu_u for 0 < k < NKEYS (dist_kernels._offset): B = +-mid 2^sh
 // with mid = 2 (implicit bit | mantissa) + 1 odd and < 2^(MANT + 2); left shifts of mid
 // stop at 50 and right ones leave 0 from 31 on, as the CPU's clamped shifts do.
-__device__ __forceinline__ i64 offset(int k, const Val& v) {
+__device__ __forceinline__ i64 offset(int k, i64 mu_u, int cb) {
     const int y = k - HALF;
-    if (y == 0) return -v.mu_u;
+    if (y == 0) return -mu_u;
     const int a = abs(y) - 1;
     if (a + 1 >= NONFINITE) return y > 0 ? D_BIG : -D_BIG;
     const int neg = y < 0;
     const int e1 = max(a >> MANT, 1);
     const int mid = 2 * a + 1 - ((e1 - 1) << (MANT + 1));
-    const int sh = e1 - v.cb;
+    const int sh = e1 - cb;
     const i64 t = sh >= 0 ? ((i64)mid << min(sh, 50)) - neg
                           : (i64)((mid - neg) >> min(-sh, 31));
-    return (t ^ -(i64)neg) - v.mu_u;
+    return (t ^ -(i64)neg) - mu_u;
+}
+
+// offset() clamped to +-dl, out of line: only big mu (|mu| >~ 2^13 sigma) takes it, and ten
+// inlined copies of its 64-bit shifts made the hot code ~14% longer (instruction fetch
+// stalls).
+__device__ __noinline__ int big_offset(int k, i64 mu_u, int cb, int dl) {
+    return (int)min(max(offset(k, mu_u, cb), (i64)-dl), (i64)dl);
 }
 
 // offset(k, v) clamped to +-dl, in 32-bit words where |mu_u| < MU32 (!v.big). floor(B / u)
@@ -153,7 +161,7 @@ __device__ __forceinline__ i64 offset(int k, const Val& v) {
 // Branch-free: key HALF (+0, B = 0) multiplies 0, and a non-finite key (D_BIG) is the clamp's
 // end on its side.
 __device__ __forceinline__ int clamped_offset(int k, const Val& v) {
-    if (v.big) return (int)min(max(offset(k, v), (i64)-v.dl), (i64)v.dl);
+    if (v.big) return big_offset(k, v.mu_u, v.cb, v.dl);
     const int y = k - HALF;
     const int a = abs(y) - 1;
     const int e1 = max(a >> MANT, 1);
@@ -573,8 +581,10 @@ __device__ __forceinline__ float key_value(int k, float* ulp) {
 // 2.07% -> 0.88% (2) Gaussian; but decode is no faster (dist.Tuning.fwd_steps: off by
 // default). Not for the 8-bit formats' only stage: a key there spans ~1 sigma, too curved
 // for one linearization (emulated fp8 e4m3 misses 1.1% -> 9%).
-__device__ __forceinline__ int fwd_steps(int k, int slot, int b, unsigned sb, float unit,
+__device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float unit,
         float mu, float sg, const Val& v, const Model& md) {
+    const int b = st.b;
+    const unsigned sb = st.sb;
     float ulp;
     float x = key_value(min(max(k, 0), NKEYS - 1), &ulp);
     float u = (float)k + 0.5f;
@@ -582,9 +592,8 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, int b, unsigned sb, fl
     const float zs = __fdividef((float)(1 << Z_GRID_BITS), sg);  // shape points per value
     const float wf = (float)v.w * (1.0f / WEIGHT_ONE);
     const unsigned* shp = md.shapes + v.m * SHAPE_W;
-    const unsigned* em = md.emps + v.m * EMP_W + (b >> ES);
-    const float e0 = (float)(int)(em[0] - sb);
-    const float de = (float)(em[1] - em[0]) * (1.0f / (1 << ES));  // per key
+    const float e0 = (float)(int)(st.e0 - sb);
+    const float de = (float)st.de * (1.0f / (1 << ES));  // per key
     const float target = (float)slot + 0.5f;
 #pragma unroll
     for (int i = 0; i < FWD_STEPS; ++i) {
@@ -676,7 +685,7 @@ __device__ __forceinline__ int fast_guess(int slot, const Stage& st, float mu, f
         k = __float2int_rn(fminf(fmaxf(lin.kf + __fdividef(target - est, slope), -1.0f),
                                  (float)NKEYS));
     }
-    if (FWD_STEPS && !TOP) k = fwd_steps(k, slot, b, sb, unit, mu, sg, v, md);
+    if (FWD_STEPS && !TOP) k = fwd_steps(k, slot, st, unit, mu, sg, v, md);
     return min(max((k - b) >> sh, 0), 255);
 }
 

@@ -69,22 +69,29 @@ class Tuning:
     # +9-12%, bf16 -4..8%)
     warp_search: bool | None = None
     # Newton steps of a 16-bit format's low-byte guess from the shape's own CDF points
-    # (_dist_kernel.cu's fwd_steps; 8-bit formats never take them). They halve the low
-    # byte's misses (kv_check bf16 mixture 2.27% -> 1.04% of values with 2) but decode no
-    # faster (H200, interleaved A/B, 3 runs each: 0 steps 27.6-28.5 GB/s, 2: 27.4-27.9;
-    # 2 in place of the low stage's second round, low_rounds = 1: 28.1-28.4), so none
-    fwd_steps: int = 0
-    low_rounds: int | None = None  # a 16-bit format's low stage's rounds; None: guess_rounds
+    # (_dist_kernel.cu's fwd_steps; 8-bit formats never take them), and that stage's guess
+    # rounds before them; None: 2 steps after 1 round for 16-bit formats. H200, interleaved
+    # A/B after the decoder's instruction cuts (bf16 mixture / Gaussian GB/s): 0 steps, 2
+    # rounds 33.2 / 40.3; 0, 1 round 34.5 / 40.9; 1 step 35.0 / 41.2; 2 steps 35.0 / 41.3;
+    # 3 steps 35.2 / 40.8; 2 steps after 2 rounds 33.8 / 41.9 (low-byte misses per value
+    # 2.06% -> 0.73%; before those cuts the steps did not pay)
+    fwd_steps: int | None = None
+    low_rounds: int | None = None
     # another kernel source file in place of _dist_kernel.cu (A/B timings in one process;
     # the ENTROPYKIT_DIST_KERNEL environment variable sets it for every build)
     source: str | None = None
 
     def for_format(self, f: D.ValueFormat) -> Tuning:
         """These knobs with the format's defaults in place of None."""
-        return replace(self, guess_rounds=(2 if f.bits == 16 else 1) if self.guess_rounds
-                       is None else self.guess_rounds,
-                       warp_search=f.bits == 8 if self.warp_search is None
-                       else self.warp_search)
+        wide = f.bits == 16
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        rounds = pick(self.guess_rounds, 2 if wide else 1)
+        return replace(self, guess_rounds=rounds, warp_search=pick(self.warp_search, not wide),
+                       fwd_steps=pick(self.fwd_steps, 2 if wide else 0),
+                       low_rounds=pick(self.low_rounds, 1 if wide else rounds))
 
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
@@ -243,7 +250,7 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
                     f"-DPURE_ROUNDS={t.pure_rounds}",
                     f"-DCOUNT_MISSES={int(t.count_misses)}", f"-DWARP_SEARCH={int(t.warp_search)}",
                     f"-DFWD_STEPS={t.fwd_steps}",
-                    f"-DLOW_ROUNDS={t.guess_rounds if t.low_rounds is None else t.low_rounds}",
+                    f"-DLOW_ROUNDS={t.low_rounds}",
                     f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
                     f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
             if os.environ.get("ENTROPYKIT_LINEINFO"):  # source lines for a profiler
