@@ -14,7 +14,7 @@ layers, coded one at a time, use ``gaussian`` or ``mixture``).
 
 Positions beyond the prompt (tokens generated after ``set_prompt``) stay uncompressed in
 host memory: the predictor's guess covers the prompt only. Supported transformers: 5.x
-(tested with 5.23.0, whose ``Cache(offloading=True)`` needs CUDA).
+(tested with 5.23.0 on a CPU and 5.17.0 on an H200; ``Cache(offloading=True)`` needs CUDA).
 """
 
 from __future__ import annotations
