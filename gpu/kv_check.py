@@ -302,7 +302,7 @@ def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
         dist.decode(frame, mu, sigma, m, out=out, model_index=mi, tuning=counting)
         misses = dist.miss_counts(f, m, counting) / x.numel()
         row = {"fmt": fmt, "chunk": chunk, "warps": tune.warps, "smem": tune.smem,
-               "warp_search": tune.warp_search,
+               "warp_search": tune.warp_search, "warp_search_top": tune.warp_search_top,
                "miss_top": float(misses[0]), "miss_low": float(misses[1]),
                "near_top": float(misses[2]), "near_low": float(misses[3]),
                "far_top": misses[4:7].tolist(), "far_low": misses[7:10].tolist(),
@@ -453,11 +453,11 @@ def device_main(args) -> None:
     if ck.failures and not args.force:
         (out / "results.json").write_text(json.dumps(res, indent=1))
         sys.exit("failures: no timings")
-    # the library's tuning, and for comparison: bf16 with the previous default guess of the
-    # low byte (2 rounds, no forward steps), fp8 with the lane's search (the other knobs' A/B
-    # rows: NOTES)
+    # the library's tuning, and for comparison: bf16 with the session's earlier defaults
+    # (low byte: 2 rounds, no forward steps; top byte: the lane's search), fp8 with the
+    # lane's search (the other knobs' A/B rows: NOTES)
     lib, lane = T(8, True), T(8, True, warp_search=False)
-    prev = T(8, True, fwd_steps=0, low_rounds=2)
+    prev = T(8, True, fwd_steps=0, low_rounds=2, warp_search_top=False)
     variants = {  # (chunk, tuning, model index: 0 mixture + empirical, 1 Gaussian)
         "bf16": [(1 << 14, lib, 0), (1 << 14, prev, 0), (1 << 14, lib, 1), (1 << 14, prev, 1)],
         "fp8_e4m3": [(1 << 14, lib, 0), (1 << 14, lane, 0), (1 << 14, lib, 1)],
@@ -479,7 +479,10 @@ def guess(r: dict) -> str:
            + (" + Newton" if r.get("guess_newton") else "")
            + (f" + {r['fwd_steps']} fwd" if r.get("fwd_steps") else ""))
     if "warp_search" in r:
-        out += "; warp search" if r["warp_search"] else "; lane search"
+        name = {True: "warp search", False: "lane search"}
+        top = r.get("warp_search_top", r["warp_search"])
+        out += (f"; {name[r['warp_search']]}" if r["fmt"] != "bf16" or top == r["warp_search"]
+                else f"; {name[top]} (top), {name[r['warp_search']]} (low)")
     return out
 
 

@@ -43,6 +43,9 @@
 #define HALF (NKEYS / 2)
 #define BYTES (NKEYS > 256 ? 2 : 1)
 #define CRC_POLY 0xedb88320u
+#ifndef WARP_SEARCH_TOP
+#define WARP_SEARCH_TOP WARP_SEARCH  // a 16-bit format's top stage's search (A/B builds)
+#endif
 #ifndef TOP_ROUNDS
 #define TOP_ROUNDS GUESS_ROUNDS  // a 16-bit format's top stage's guess rounds (A/B builds)
 #endif
@@ -103,19 +106,18 @@ __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const M
         }
     }
     const int ue = e - 127 - MU_BITS;
-    const unsigned mm = (mub & 0x7FFFFF) | (em > 0 ? 1u << 23 : 0u);  // < 2^24
+    i64 mm = mub & 0x7FFFFF;
+    if (em > 0) mm |= 1 << 23;
     const int sh = max(em, 1) - 150 - ue;
-    // |mu_u| = mm 2^sh, rounded half up where sh < 0 (0 from sh <= -25 on: mm < 2^24), in
-    // 32 bits wherever it is below MU32 = 2^29 (always where sh < 0); big only where sh >= 0
-    // and mm >= 2^(29 - sh). The CPU's int64 shifts (left ones stop at 36) only then.
-    const bool big = sh >= 0 && mm && (sh >= 29 || (mm >> (29 - sh)));
-    const unsigned mag = sh >= 0 ? mm << min(sh, 31)
-                                 : sh <= -25 ? 0u : (mm + (1u << (-sh - 1))) >> -sh;
+    i64 mu_u;
+    if (sh >= 0) mu_u = mm << min(sh, 36);
+    else if (sh < -40) mu_u = 0;
+    else mu_u = (mm + (1LL << (-sh - 1))) >> -sh;
+    if (mub >> 31) mu_u = -mu_u;
     Val v;
-    v.mu32 = (mub >> 31) ? -(int)mag : (int)mag;  // read only when !big
-    v.mu_u = v.mu32;
-    if (big) v.mu_u = (mub >> 31) ? -((i64)mm << min(sh, 36)) : (i64)mm << min(sh, 36);
-    v.big = big;  // read only when !big
+    v.mu_u = mu_u;
+    v.big = mu_u >= MU32 || mu_u <= -MU32;
+    v.mu32 = (int)mu_u;  // read only when !big
     v.rr = __ldg(md.rtab + r);
     v.dl = (int)__ldg(md.rtab + 256 + r);  // < 2^22 (dist_kernels.reciprocals)
     v.cb = BIAS + MANT + 1 + ue;
@@ -833,15 +835,15 @@ struct Chain {
 };
 
 // One decode step of a lane (live or not; dist_kernels._decode_step): guess and check the
-// symbol; on a miss (WARP_SEARCH) try its neighbour, then the warp searches each lane's
-// remaining miss, or (else) the lane searches alone; update x, take a word. Which pays
-// depends on the misses: kv_check's fp8 e4m3 mixture rows (0.5% of values missed by 16+
-// symbols, in flat stretches) decode ~10% faster with the warp's search, bf16 rows ~4%
-// slower (dist.Tuning.warp_search picks by format). The state fits 32 bits whatever the
-// payload: x < 2^32
-// and a frequency f <= 2^p - 255 give f (x >> p) + (slot - c0) < f 2^(32 - p) < 2^32, and
-// a word is shifted in only below 2^16. Returns false (warp-uniform) if some lane needs a
-// word past the payload.
+// symbol; on a miss (WARP_SEARCH; WARP_SEARCH_TOP for a 16-bit format's top stage) try its
+// neighbour, then the warp searches each lane's remaining miss, or (else) the lane searches
+// alone; update x, take a word. Which pays depends on the misses: kv_check's fp8 e4m3
+// mixture rows (0.5% of values missed by 16+ symbols, in flat stretches) decode ~10% faster
+// with the warp's search; bf16's top byte (far misses: NaN / inf / 0 / subnormal keys) ~5%
+// faster, its low byte (0.7% misses, mostly near) no faster (dist.Tuning picks by format).
+// The state fits 32 bits whatever the payload: x < 2^32 and a frequency f <= 2^p - 255 give
+// f (x >> p) + (slot - c0) < f 2^(32 - p) < 2^32, and a word is shifted in only below 2^16.
+// Returns false (warp-uniform) if some lane needs a word past the payload.
 template <bool TOP>
 __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, const Model& md,
                                          int p, int lane) {
@@ -853,13 +855,13 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, cons
     [[maybe_unused]] int gj = -9;  // the guess, where it missed (COUNT_MISSES builds)
     if (c.live && !guess_symbol<TOP>(s, slot, st, c.v, c.muf, c.sgf, md, p)) {
         gj = s.j;
-#if WARP_SEARCH
-        fixed = near_symbol<TOP>(s, slot, st, spread, c.v, md);
-        miss = !fixed;
-#else
-        s = fast_search<TOP>(slot, s, st, spread, c.v, md);
-        fixed = true;
-#endif
+        if constexpr (TOP && ES ? WARP_SEARCH_TOP : WARP_SEARCH) {
+            fixed = near_symbol<TOP>(s, slot, st, spread, c.v, md);
+            miss = !fixed;
+        } else {
+            s = fast_search<TOP>(slot, s, st, spread, c.v, md);
+            fixed = true;
+        }
     }
     unsigned far = __ballot_sync(FULL, miss);
 #if COUNT_MISSES

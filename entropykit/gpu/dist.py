@@ -64,10 +64,15 @@ class Tuning:
     pure_rounds: int = 1  # of those, the ones a model without empirical term (w = 0) runs
     tail_inverse: bool = True  # guesses in the end intervals from log-spaced tail points
     count_misses: bool = False  # count missed guesses (``miss_counts``; slower)
-    # a missed guess: its neighbour, then a search by the whole warp (True), or the lane's
-    # own search (False); None: the warp's for 8-bit formats (kv_check: fp8 e4m3 mixture
-    # +9-12%, bf16 -4..8%)
+    # a missed guess (a 16-bit format's low stage, an 8-bit format's only one): its
+    # neighbour, then a search by the whole warp (True), or the lane's own search (False);
+    # None: the warp's for 8-bit formats (kv_check: fp8 e4m3 mixture +9-12%, bf16 -4..8%)
     warp_search: bool | None = None
+    # the same for a 16-bit format's top stage; None: the warp's (H200 A/B after this
+    # session's instruction cuts, bf16 mixture / Gaussian GB/s: lane search everywhere
+    # 33.9 / 39.2, warp search for the top byte 35.5 / 40.0, for both bytes 35.8 / 40.0 with
+    # 2% more instructions than the top byte's alone)
+    warp_search_top: bool | None = None
     # Newton steps of a 16-bit format's low-byte guess from the shape's own CDF points
     # (_dist_kernel.cu's fwd_steps; 8-bit formats never take them), and that stage's guess
     # rounds before them; None: 2 steps after 1 round for 16-bit formats. H200, interleaved
@@ -89,7 +94,9 @@ class Tuning:
             return default if value is None else value
 
         rounds = pick(self.guess_rounds, 2 if wide else 1)
-        return replace(self, guess_rounds=rounds, warp_search=pick(self.warp_search, not wide),
+        warp = pick(self.warp_search, not wide)
+        return replace(self, guess_rounds=rounds, warp_search=warp,
+                       warp_search_top=pick(self.warp_search_top, True if wide else warp),
                        fwd_steps=pick(self.fwd_steps, 2 if wide else 0),
                        low_rounds=pick(self.low_rounds, 1 if wide else rounds))
 
@@ -249,6 +256,7 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
                     f"-DGUESS_ROUNDS={t.guess_rounds}", f"-DGUESS_NEWTON={int(t.guess_newton)}",
                     f"-DPURE_ROUNDS={t.pure_rounds}",
                     f"-DCOUNT_MISSES={int(t.count_misses)}", f"-DWARP_SEARCH={int(t.warp_search)}",
+                    f"-DWARP_SEARCH_TOP={int(t.warp_search_top)}",
                     f"-DFWD_STEPS={t.fwd_steps}",
                     f"-DLOW_ROUNDS={t.low_rounds}",
                     f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
