@@ -544,46 +544,42 @@ The same row moves by up to ~8% between runs (fresh machines); A/B decisions bel
 from interleaved repeats in one run.
 
 Guess and search (the "guess" column): the decoder guesses each symbol in float32 (2
-refinement rounds for 16-bit formats, 1 for 8-bit ones; 1 at w = 0; tail points; one Newton
-step), checks it with two exact CDFs, and on a miss either the lane searches alone ("lane
-search", bf16's default) or tries the neighbour, then the whole warp searches each remaining
-miss with two ballots over cdf(8 i) and then 9 symbols ("warp search", fp8's default:
-mixture +9-12%, bf16 -4..8%, interleaved A/B). Rounds, A/B: bf16 mixture 2 rounds 27.4-28.9
-GB/s, 1: 25.1-25.9, 3: 23.1 (misses rise: the fixed-point rounds oscillate); fp8 mixture 1
-round 35.6-36.2, 2: 33.0-33.5. Misses per value are counted by a separate counting build
-(same guesses).
+refinement rounds for bf16's top byte, 1 for 8-bit formats, 1 at w = 0; tail points; one
+Newton step; bf16's low byte: 1 round, Newton, then 2 forward Newton steps on the shape's
+own CDF points), checks it with two exact CDFs, and on a miss either the lane searches
+alone ("lane search", bf16's low byte) or tries the neighbour, then the whole warp searches
+each remaining miss with two ballots over cdf(8 i) and then 9 symbols ("warp search": bf16's
+top byte, 8-bit formats). Misses per value are counted by a separate counting build (same
+guesses).
 
-State against the target (>= 50 GB/s of cache both ways): encode meets it (56-67 GB/s over
-the rows and runs); decode does not: bf16 ~28 (mixture) / ~34-36 (Gaussian), fp8 e4m3
-~33-36 / ~38-40 GB/s, up from 26.5 / 33.0 and 29.6 / 36.7 before this round. What moved
-it: S(k)'s key offset in 32-bit words (clamped_offset: exact wherever |mu| < 2^13 sigma,
-the 64-bit path only beyond; +8-13% decode, encode too), the warp's search for fp8 and one
-guess round for fp8. Measured and not kept: two chunks a warp interleaved with one merged
-search loop (108 registers, 16 warps an SM: decode halved, the compiler does not overlap
-the two chains' branchy guesses), 48 / 64 warps an SM by register caps (spills, and 8192
-warps in 1.3 waves; no faster), fewer top-byte rounds (within noise), branch-free ends of
-S and the Newton data from the last inversion only (no faster). Where the time goes (ncu,
-bf16 mixture, per 32 values): ~1460 warp instructions at ~0.7 issued per cycle and
-scheduler; the float guesses ~35%, the exact S evaluations (checks and search probes) ~40%,
-the rest the state, words, parameters and output. Misses (per value, top / low byte):
-bf16 mixture 0.83% / 2.27%, Gaussian 0.49% / 2.07%; fp8 mixture 1.11%, Gaussian 1.69%; of
-bf16 mixture's misses by 2+ symbols, 0.38% (top) are symbols of flat stretches (the NaN /
-inf / 0 / subnormal keys) and 0.98% / 0.41% (low) symbols above / below S = 1/2.
-
-Low-byte guesses (gpu/guess_emulator.py replays the float guess on the CPU: its miss rates
-on this data match the counters within 0.07%): a low stage of no mass (T = 0: the low byte
-of a NaN / inf key under a Gaussian) is answered directly (cdf(j) = j 2^(p - 8): exact, no
-guess, no check; Gaussian low-byte misses 3.0% -> 2.1%). Forward Newton steps on the slot
-equation, with S from the shape's own CDF points instead of the inverse table
-(Tuning.fwd_steps), halve the rest (2 steps: mixture 2.27% -> 1.04%, Gaussian 2.07% ->
-0.88%; 1 step: 1.64%), but decode is no faster: interleaved A/B, 3 repeats in one run,
-bf16 mixture 0 steps 27.6-28.5 GB/s, 2 steps 27.4-27.9, 2 steps in place of the low
-stage's second round 28.1-28.4 (misses 1.40%); Gaussian 34.3-36.2 / 35.0-36.0. So the
-low byte's misses (mostly near ones, which one or two probes fix) are not where decode
-time goes; kept as knobs, off. Not kept either: targets and the Newton residual relative
-to the stage's ends in exact integers (float S near 1 has 2^-24 resolution): misses
-2.27% -> 2.18% only; forward Newton from the stage's secant (no inversion at all): no
-bracket, 50%+ misses.
+State against the target (>= 50 GB/s of cache both ways): encode meets it (57-68 GB/s);
+decode does not: bf16 36.1 (mixture) / 41.6 (Gaussian), fp8 e4m3 35.2 / 38.2 GB/s, up from
+29.1 / 36.2 and 35.6 / 39.6 at the start of this round (08:07; fresh machines differ by up
+to ~8% on the same kernel, so each lever was decided by an interleaved A/B in one run,
+`kv_check.py --ab`). This round cut instructions, which bound the kernel (ncu: the ALU pipe
+at 70% and throttling): warp instructions per 32 values (mixture, 128 MiB) bf16 1507 ->
+1147, fp8 594 -> 538. By lever (bf16; A/B GB/s mixture / Gaussian): S specialized by stage
+(top stage: E at bucket starts and, bf16's top-byte step being two binades, a key offset
+with a constant mid; low stage: E linear in its one bucket), stage_cdf's remainder in 32
+bits from a rounded float quotient, branch-free key offset and S ends, 64 registers for
+16-bit formats (67 uncapped leave 24 warps an SM): 1507 -> 1372, 28.5 -> 31.0 / 36.3 ->
+39.8; guess_key's rounding from its float magnitude 1340; the low byte's guesses with the
+stage's E 1281 (32.2 / 40.2); the top-stage offset 1258; the low byte with 1 round + 2
+forward steps 1190 (+5% / +2.5%; low-byte misses 2.06% -> 0.73%: before this round's cuts
+the steps did not pay); the 64-bit offset of big mu out of line (3920 -> 3552 SASS
+instructions, 1214 executed, within noise); the warp's search for the top byte 1147 (+5% /
++2%). Each exactness argument is a comment in the kernel and a CPU test
+(tests/test_gpu_dist_logic.py). Measured and not kept: 40 warps an SM by a 48-register cap
+(spills; -6..8%), 16-bit word reads (+2.5% instructions), mu_u in 32 bits in params (+1%),
+the warp's search for both bf16 bytes (same speed, +2% instructions), 1 top-byte round
+with the warp's search (+1.7%, within noise); earlier rounds: two chunks a warp
+interleaved (halved speed), 3 guess rounds (misses rise: the rounds oscillate). Where the
+rest goes (ncu source counters, bf16): float guesses ~40% (6 inversions a value), exact S
+and stage CDFs ~30%, searches ~5%, state, words, parameters and output ~20%; the ALU pipe
+no longer throttles (math-pipe stall 1.69 -> 0.93 cycles an instruction), dependency
+latency does (stall "wait" 2.1, long scoreboard 1.6; ~2 eligible of ~6.6 warps a
+scheduler). Misses (per value, top / low byte): bf16 mixture 0.83% / 0.73%, Gaussian 0.49%
+/ 0.88%; fp8 mixture 1.10%, Gaussian 1.67%.
 """
 
 

@@ -578,11 +578,11 @@ __device__ __forceinline__ float key_value(int k, float* ulp) {
 // S has only 2^-24 of resolution, ~1/spread of a small stage's mass). Started at key k's
 // value (u = k + 1/2); x moves with u by the step there. c rises with slope >= 1, so a
 // step is finite; it is clamped all the same, and any key is a valid start for the checks.
-// kv_check's data (H200 counters; gpu/guess_emulator.py predicted them within 0.07%):
-// bf16 low-byte misses per value 2.27% -> 1.64% (1 step) -> 1.04% (2) with the mixture,
-// 2.07% -> 0.88% (2) Gaussian; but decode is no faster (dist.Tuning.fwd_steps: off by
-// default). Not for the 8-bit formats' only stage: a key there spans ~1 sigma, too curved
-// for one linearization (emulated fp8 e4m3 misses 1.1% -> 9%).
+// kv_check's data (H200 counters; gpu/guess_emulator.py predicts them): 2 steps after 1
+// round (dist.Tuning's default for 16-bit formats) take bf16 low-byte misses per value
+// from 2.06% (2 rounds, no steps) to 0.73% with the mixture, 2.07% -> 0.88% Gaussian, and
+// decode ~5% / ~2.5% faster (interleaved A/B). Not for the 8-bit formats' only stage: a key
+// there spans ~1 sigma, too curved for one linearization (emulated fp8 misses 1.1% -> 9%).
 __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float unit,
         float mu, float sg, const Val& v, const Model& md) {
     const int b = st.b;
