@@ -156,7 +156,7 @@ def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1,
     f, p, sh = s.f, s.p, s.sh
     low = f.es > 0 and sh == 0
     if low and low_rounds is not None:
-        rounds = min(rounds, low_rounds)
+        rounds = low_rounds
     ft, fsb = s.t.astype(F32), s.sb.astype(F32)
     slot = s.slot
     k, lin = guess_key((fsb + (slot.astype(F32) + F32(0.5)) * F32(1.0 / (1 << p)) * ft)

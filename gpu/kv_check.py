@@ -454,10 +454,10 @@ def device_main(args) -> None:
         (out / "results.json").write_text(json.dumps(res, indent=1))
         sys.exit("failures: no timings")
     # the library's tuning, and for comparison: bf16 with the session's earlier defaults
-    # (low byte: 2 rounds, no forward steps; top byte: the lane's search), fp8 with the
+    # (2 rounds; low byte: no forward steps; top byte: the lane's search), fp8 with the
     # lane's search (the other knobs' A/B rows: NOTES)
     lib, lane = T(8, True), T(8, True, warp_search=False)
-    prev = T(8, True, fwd_steps=0, low_rounds=2, warp_search_top=False)
+    prev = T(8, True, guess_rounds=2, fwd_steps=0, low_rounds=2, warp_search_top=False)
     variants = {  # (chunk, tuning, model index: 0 mixture + empirical, 1 Gaussian)
         "bf16": [(1 << 14, lib, 0), (1 << 14, prev, 0), (1 << 14, lib, 1), (1 << 14, prev, 1)],
         "fp8_e4m3": [(1 << 14, lib, 0), (1 << 14, lane, 0), (1 << 14, lib, 1)],

@@ -799,7 +799,7 @@ def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
 def test_tuning_defaults_by_format():
     # None knobs take the format's measured defaults; explicit ones are kept.
     bf16, fp8 = D.FORMATS["bf16"], D.FORMATS["fp8_e4m3"]
-    assert G.Tuning().for_format(bf16) == G.Tuning(guess_rounds=2, warp_search=False,
+    assert G.Tuning().for_format(bf16) == G.Tuning(guess_rounds=1, warp_search=False,
                                                    warp_search_top=True, fwd_steps=2,
                                                    low_rounds=1)
     assert G.Tuning().for_format(fp8) == G.Tuning(guess_rounds=1, warp_search=True,

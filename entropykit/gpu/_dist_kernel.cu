@@ -46,9 +46,6 @@
 #ifndef WARP_SEARCH_TOP
 #define WARP_SEARCH_TOP WARP_SEARCH  // a 16-bit format's top stage's search (A/B builds)
 #endif
-#ifndef TOP_ROUNDS
-#define TOP_ROUNDS GUESS_ROUNDS  // a 16-bit format's top stage's guess rounds (A/B builds)
-#endif
 
 // Status codes: dist_kernels.py's, then the GPU path's own.
 #define ERR_STATE 1
@@ -635,7 +632,7 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float
 // fp8 e4m3 1.9% -> 1.0% (mixture), 2.9% -> 1.6% (Gaussian). Without an empirical term
 // (w = 0) a round only refines j, which the step does too: such a value runs PURE_ROUNDS
 // (kv_check's Gaussian rows: 1 round decodes ~10% faster than 2 or 0). A 16-bit format's
-// low stage runs LOW_ROUNDS of them, then FWD_STEPS (fwd_steps).
+// low stage runs LOW_ROUNDS in place of GUESS_ROUNDS, then FWD_STEPS (fwd_steps).
 // A 16-bit format's low stage takes E from its bucket (Stage: e0, de; E at the key clamped
 // into the stage, exact for keys in it, and a guess's key outside it misses anyway).
 template <bool TOP>
@@ -650,10 +647,8 @@ __device__ __forceinline__ int fast_guess(int slot, const Stage& st, float mu, f
                              * (1.0f / ONE), mu, sg, zinv, &lin);
     const float unit = __fdividef(ft, (float)((1 << p) - 256));
 #pragma unroll
-    for (int round = 0; round < GUESS_ROUNDS; ++round) {
+    for (int round = 0; round < (TOP ? GUESS_ROUNDS : LOW_ROUNDS); ++round) {
         if (round >= PURE_ROUNDS && !v.w) break;
-        if (!TOP && round >= LOW_ROUNDS) break;  // a 16-bit format's low stage
-        if (TOP && ES && round >= TOP_ROUNDS) break;  // its top stage
         const int j0 = min(max((k - b) >> sh, 0), 255);
         float target = fsb + ((float)(slot - j0) + 0.5f) * unit;
         if (v.w) {

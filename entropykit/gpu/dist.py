@@ -56,9 +56,12 @@ class Tuning:
     warps: int = 8  # warps (chunks) per block (H200: 8 decodes ~17% faster than 4)
     smem: bool = True  # model tables in shared memory when they fit _SMEM_LIMIT
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
-    # the decoder's guess refinements; None: 2 for 16-bit formats, 1 for 8-bit ones
-    # (kv_check, A/B on the H200: bf16 mixture 2 rounds 28.0-28.8 GB/s, 1: 24.5-26.1, 3: 23.1;
-    # fp8 e4m3 mixture 1 round 32.1-35.3, 2: 31.2-33.0, 0: 27.2)
+    # the decoder's guess refinements (a 16-bit format's top stage; its low stage takes
+    # low_rounds); None: 1. kv_check, A/B on the H200: fp8 e4m3 mixture 1 round 32.1-35.3
+    # GB/s, 2: 31.2-33.0, 0: 27.2; bf16 mixture's top byte, with the lane's search 2 rounds
+    # 28.0-28.8, 1: 24.5-26.1, 3: 23.1 (earlier rounds), with the warp's search and this
+    # round's instruction cuts 2 rounds 35.8 / 36.3, 1: 36.4 / 37.1 (two runs; top-byte misses
+    # 0.83% -> ~1.4%, far ones searched by the warp)
     guess_rounds: int | None = None
     guess_newton: bool = True  # then one Newton step on the stage's slot equation
     pure_rounds: int = 1  # of those, the ones a model without empirical term (w = 0) runs
@@ -93,7 +96,7 @@ class Tuning:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
-        rounds = pick(self.guess_rounds, 2 if wide else 1)
+        rounds = pick(self.guess_rounds, 1)
         warp = pick(self.warp_search, not wide)
         return replace(self, guess_rounds=rounds, warp_search=warp,
                        warp_search_top=pick(self.warp_search_top, True if wide else warp),
