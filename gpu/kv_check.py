@@ -543,43 +543,43 @@ GPU -> GPU, GPU frame -> CPU decode; corrupt frames fail with the CPU's chunk an
 The same row moves by up to ~8% between runs (fresh machines); A/B decisions below come
 from interleaved repeats in one run.
 
-Guess and search (the "guess" column): the decoder guesses each symbol in float32 (2
-refinement rounds for bf16's top byte, 1 for 8-bit formats, 1 at w = 0; tail points; one
-Newton step; bf16's low byte: 1 round, Newton, then 2 forward Newton steps on the shape's
-own CDF points), checks it with two exact CDFs, and on a miss either the lane searches
-alone ("lane search", bf16's low byte) or tries the neighbour, then the whole warp searches
-each remaining miss with two ballots over cdf(8 i) and then 9 symbols ("warp search": bf16's
-top byte, 8-bit formats). Misses per value are counted by a separate counting build (same
-guesses).
+Guess and search (the "guess" column): the decoder guesses each symbol in float32 (1
+refinement round; tail points; one Newton step; bf16's low byte then 2 forward Newton steps
+on the shape's own CDF points), checks it with two exact CDFs, and on a miss either the lane
+searches alone ("lane search", bf16's low byte) or tries the neighbour, then the whole warp
+searches each remaining miss with two ballots over cdf(8 i) and then 9 symbols ("warp
+search": bf16's top byte, 8-bit formats). Misses per value are counted by a separate
+counting build (same guesses).
 
-State against the target (>= 50 GB/s of cache both ways): encode meets it (57-68 GB/s);
-decode does not: bf16 36.1 (mixture) / 41.6 (Gaussian), fp8 e4m3 35.2 / 38.2 GB/s, up from
-29.1 / 36.2 and 35.6 / 39.6 at the start of this round (08:07; fresh machines differ by up
-to ~8% on the same kernel, so each lever was decided by an interleaved A/B in one run,
-`kv_check.py --ab`). This round cut instructions, which bound the kernel (ncu: the ALU pipe
-at 70% and throttling): warp instructions per 32 values (mixture, 128 MiB) bf16 1507 ->
-1147, fp8 594 -> 538. By lever (bf16; A/B GB/s mixture / Gaussian): S specialized by stage
-(top stage: E at bucket starts and, bf16's top-byte step being two binades, a key offset
-with a constant mid; low stage: E linear in its one bucket), stage_cdf's remainder in 32
-bits from a rounded float quotient, branch-free key offset and S ends, 64 registers for
-16-bit formats (67 uncapped leave 24 warps an SM): 1507 -> 1372, 28.5 -> 31.0 / 36.3 ->
-39.8; guess_key's rounding from its float magnitude 1340; the low byte's guesses with the
-stage's E 1281 (32.2 / 40.2); the top-stage offset 1258; the low byte with 1 round + 2
-forward steps 1190 (+5% / +2.5%; low-byte misses 2.06% -> 0.73%: before this round's cuts
-the steps did not pay); the 64-bit offset of big mu out of line (3920 -> 3552 SASS
-instructions, 1214 executed, within noise); the warp's search for the top byte 1147 (+5% /
-+2%). Each exactness argument is a comment in the kernel and a CPU test
+State against the target (>= 50 GB/s of cache both ways): encode meets it (57-67 GB/s);
+decode does not: bf16 36.2 (mixture) / 41.1 (Gaussian), fp8 e4m3 35.7 / 38.5 GB/s (the same
+fp8 kernel 37.4 / 40.9 on another machine minutes before), from 29.1 / 36.2 and 35.6 / 39.6
+at the start of this round (08:07; fresh machines differ by up to ~8% on the same kernel, so
+each lever was decided by an interleaved A/B in one run, `kv_check.py --ab`). This round cut
+instructions, which bound the kernel (ncu: the ALU pipe at 70% and throttling): warp
+instructions per 32 values (mixture, 128 MiB) bf16 1507 -> 1117, fp8 594 -> 538. By lever
+(bf16; A/B GB/s mixture / Gaussian): S specialized by stage (top stage: E at bucket starts
+and, bf16's top-byte step being two binades, a key offset with a constant mid; low stage: E
+linear in its one bucket), stage_cdf's remainder in 32 bits from a rounded float quotient,
+branch-free key offset and S ends, 64 registers for 16-bit formats (67 uncapped leave 24
+warps an SM): 1507 -> 1372, 28.5 -> 31.0 / 36.3 -> 39.8; guess_key's rounding from its float
+magnitude 1340; the low byte's guesses with the stage's E 1281 (32.2 / 40.2); the top-stage
+offset 1258; the low byte with 1 round + 2 forward steps 1190 (+5% / +2.5%; low-byte misses
+2.06% -> 0.73%: before this round's cuts the steps did not pay); the 64-bit offset of big mu
+out of line (3920 -> 3552 SASS instructions, 1214 executed, within noise); the warp's search
+for the top byte 1147 (+5% / +2%); 1 top-byte round in place of 2 1117 (+1.7%, +2.2%, +2.4%
+in three runs). Each exactness argument is a comment in the kernel and a CPU test
 (tests/test_gpu_dist_logic.py). Measured and not kept: 40 warps an SM by a 48-register cap
 (spills; -6..8%), 16-bit word reads (+2.5% instructions), mu_u in 32 bits in params (+1%),
-the warp's search for both bf16 bytes (same speed, +2% instructions), 1 top-byte round
-with the warp's search (+1.7%, within noise); earlier rounds: two chunks a warp
-interleaved (halved speed), 3 guess rounds (misses rise: the rounds oscillate). Where the
-rest goes (ncu source counters, bf16): float guesses ~40% (6 inversions a value), exact S
-and stage CDFs ~30%, searches ~5%, state, words, parameters and output ~20%; the ALU pipe
-no longer throttles (math-pipe stall 1.69 -> 0.93 cycles an instruction), dependency
-latency does (stall "wait" 2.1, long scoreboard 1.6; ~2 eligible of ~6.6 warps a
-scheduler). Misses (per value, top / low byte): bf16 mixture 0.83% / 0.73%, Gaussian 0.49%
-/ 0.88%; fp8 mixture 1.10%, Gaussian 1.67%.
+the warp's search for both bf16 bytes (same speed, +2% instructions), the key offset's float
+built from the key's bits (more SASS); earlier rounds: two chunks a warp interleaved (halved
+speed), 3 guess rounds (misses rise: the rounds oscillate). Where the rest goes (ncu source
+counters, bf16): float guesses ~40% (6 inversions a value), exact S and stage CDFs ~30%,
+searches ~5%, state, words, parameters and output ~20%; the ALU pipe no longer throttles
+(math-pipe stall 1.69 -> 0.93 cycles an instruction), dependency latency does (stall "wait"
+2.1, long scoreboard 1.6; ~2 eligible of ~6.6 warps a scheduler). Misses (per value, top /
+low byte): bf16 mixture 1.42% / 0.73%, Gaussian 0.49% / 0.88%; fp8 mixture 1.10%, Gaussian
+1.67%.
 """
 
 
