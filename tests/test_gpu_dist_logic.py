@@ -801,13 +801,13 @@ def test_tuning_defaults_by_format():
     bf16, fp8 = D.FORMATS["bf16"], D.FORMATS["fp8_e4m3"]
     assert G.Tuning().for_format(bf16) == G.Tuning(guess_rounds=1, warp_search=False,
                                                    warp_search_top=True, fwd_steps=2,
-                                                   low_rounds=1)
+                                                   low_rounds=1, dyn_chunks=False)
     assert G.Tuning().for_format(fp8) == G.Tuning(guess_rounds=1, warp_search=True,
                                                   warp_search_top=True, fwd_steps=0,
-                                                  low_rounds=1)
+                                                  low_rounds=1, dyn_chunks=True)
     assert G.Tuning(warp_search=False).for_format(fp8).warp_search_top is False
     t = G.Tuning(guess_rounds=3, warp_search=False, warp_search_top=True, fwd_steps=1,
-                 low_rounds=2)
+                 low_rounds=2, dyn_chunks=False)
     assert t.for_format(fp8) == t
 
 

@@ -3,7 +3,8 @@
 // ES come in as -D macros; dist.py passes them from rans.distribution.FORMATS).
 //
 // What it is: dist_encode and dist_decode, one warp per chunk of the frame and one lane per
-// interleaved rANS lane (value i of a chunk is on lane i % 32), many chunks a launch; the
+// interleaved rANS lane (value i of a chunk is on lane i % 32), many chunks a launch (the
+// decoder's warps, with DYN_CHUNKS, take chunks from a counter until none is left); the
 // integer CDF of dist_kernels.py ported line for line (every probability is integer
 // arithmetic; floats only pick where the decoder's exact search starts); the chunk's CRC-32
 // (zlib's) computed by the warp; dist_gather, which packs the encoder's per-chunk payloads
@@ -43,6 +44,12 @@
 #define HALF (NKEYS / 2)
 #define BYTES (NKEYS > 256 ? 2 : 1)
 #define CRC_POLY 0xedb88320u
+#ifndef DYN_CHUNKS  // (dist.Tuning passes these two)
+#define DYN_CHUNKS (ES == 0)  // the decoder's warps take chunks from a counter (next_chunk)
+#endif
+#ifndef PREFETCH
+#define PREFETCH 1  // the decoder loads the next group's (mu, sigma, model) a group early
+#endif
 #ifndef WARP_SEARCH_TOP
 #define WARP_SEARCH_TOP WARP_SEARCH  // a 16-bit format's top stage's search (A/B builds)
 #endif
@@ -329,10 +336,58 @@ __device__ __forceinline__ void crc_table(unsigned* tab) {
 // The chunk this warp codes: chunk c of chunk_size values, values [first, first + cn).
 struct WarpChunk { int c; i64 first; int cn; };
 
-__device__ __forceinline__ WarpChunk warp_chunk(i64 n, int chunk_size) {
-    const int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
+__device__ __forceinline__ WarpChunk chunk_at(int c, i64 n, int chunk_size) {
     const i64 first = (i64)c * chunk_size;
     return {c, first, (int)min((i64)chunk_size, n - first)};
+}
+
+__device__ __forceinline__ WarpChunk warp_chunk(i64 n, int chunk_size) {
+    return chunk_at(blockIdx.x * WARPS + (threadIdx.x >> 5), n, chunk_size);
+}
+
+// The decoder's next chunk for this warp (DYN_CHUNKS): taken from a counter shared by the
+// launch (zeroed by dist.py), so a warp that finishes early takes more work; a block's
+// warp slots stay filled until the last chunks (static assignment, one chunk a warp, left
+// them to the slowest chunk of each block). Which warp decodes a chunk changes nothing in
+// the output or the status (both indexed by chunk). H200 A/B with PREFETCH: fp8 e4m3
+// mixture / Gaussian 36.0 / 39.3 -> 37.2 / 40.2 GB/s; bf16 34.0 / 39.8 from 38.3 / 42.5:
+// at its 64-register cap, the loop over chunks spills (cn, the word pointer, the count of
+// words: ~6 local loads a group), so bf16 keeps one chunk a warp.
+// The warp's chunk is kept in shared memory (ChunkQueue) and re-read where needed: a value
+// in a register would stay live through the whole group loop, which is at its register cap.
+struct ChunkQueue {
+    int* ctr;           // chunks taken: status[2 n_chunks] (dist.py zeroes it)
+    int chunk[WARPS];   // each warp's current chunk
+};
+
+__device__ __forceinline__ int warp_chunk_id(const ChunkQueue& q) {
+#if DYN_CHUNKS
+    return ((const volatile int*)q.chunk)[threadIdx.x >> 5];
+#else
+    return blockIdx.x * WARPS + (int)(threadIdx.x >> 5);
+#endif
+}
+
+__device__ __forceinline__ int next_chunk(ChunkQueue& q, int n_chunks, int lane) {
+#if DYN_CHUNKS
+    int c = 0;
+    // the counter's address is re-read from shared memory too (set by the block)
+    if (lane == 0) c = atomicAdd(*(int* const volatile*)&q.ctr, 1);
+    c = __shfl_sync(FULL, c, 0);
+    if (lane == 0) ((volatile int*)q.chunk)[threadIdx.x >> 5] = c;
+    __syncwarp();
+    return c;
+#else
+    return n_chunks;  // one chunk a warp
+#endif
+}
+
+__device__ __forceinline__ int first_chunk(ChunkQueue& q, int lane) {
+#if DYN_CHUNKS
+    return next_chunk(q, 0, lane);
+#else
+    return warp_chunk_id(q);
+#endif
 }
 
 __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shapes,
@@ -888,28 +943,23 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, cons
     return true;
 }
 
-// Resident blocks the decoder asks ptxas for: MIN_BLOCKS, or by default for 16-bit formats
-// 32 warps an SM (64 registers): the bf16 decoder issues ~0.7 instructions a cycle and
-// scheduler with 8 warps each, and its 67 registers uncapped leave 24 (H200 A/B: capped
-// +7-9%, no spills). 8-bit formats fit 64 uncapped, and the cap there costs ~4% more
-// instructions (-3-5% speed).
-#define DEC_BLOCKS (MIN_BLOCKS > 1 ? MIN_BLOCKS : ES ? 32 / WARPS : 1)
+// Resident blocks the decoder asks ptxas for: MIN_BLOCKS, or by default 32 warps an SM (64
+// registers): the bf16 decoder issues ~0.7 instructions a cycle and scheduler with 8 warps
+// each, and its 67 registers uncapped leave 24 (H200 A/B: capped +7-9%, no spills). fp8's
+// default build (PREFETCH, DYN_CHUNKS) needs 60-62 uncapped; its build without DYN_CHUNKS
+// would take 66-68 and so 24 warps (H200 A/B: -7-8%) but for the cap.
+#ifndef DEC_BLOCKS
+#define DEC_BLOCKS (MIN_BLOCKS > 1 ? MIN_BLOCKS : 32 / WARPS)
+#endif
 
-// desc per chunk (i64 x 4): payload offset in frame, length, mode, CRC-32 (all checked by
-// dist.py against the frame size). status per chunk (i32 x 2): code, value index in chunk.
-extern "C" __global__ void __launch_bounds__(WARPS * 32, DEC_BLOCKS) dist_decode(
-        const unsigned char* frame, const i64* desc, const unsigned* mu, const unsigned* sg,
-        const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
-        const unsigned* shapes, const unsigned* emps, int models, const int* weights,
-        const float* zinv, const i64* rtab, const unsigned* xpow, unsigned char* outb,
-        int* status) {
-    __shared__ unsigned tab[256];
-    const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
-    const int lane = threadIdx.x & 31;
-    const WarpChunk wc = warp_chunk(n, chunk_size);
-    if (wc.c >= n_chunks) return;
-    const int c = wc.c, cn = wc.cn, nbytes = cn * BYTES;
-    const i64 first = wc.first;
+// Decode chunk c0 into outb and write its status (the warp; Model and tab from the block).
+__device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
+        const i64* desc, const unsigned* mu, const unsigned* sg, const unsigned short* midx,
+        int m0, i64 n, int chunk_size, int p, const Model& md, const unsigned* tab,
+        const ChunkQueue& q, const unsigned* xpow, unsigned char* outb, int* status, int lane) {
+    const WarpChunk wc0 = chunk_at(c0, n, chunk_size);
+    const int c = c0, cn = wc0.cn, nbytes = cn * BYTES;
+    const i64 first = wc0.first;
     const i64* d = desc + 4 * (i64)c;
     const unsigned char* pay = frame + d[0];
     const int len = (int)d[1];
@@ -928,16 +978,41 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, DEC_BLOCKS) dist_decode
         ch.words = pay + 4 * LANES;
         ch.n_words = (len - 4 * LANES) >> 1;
         ch.wp = 0;
+#if PREFETCH
+        // The next group's raw (mu, sigma, model) are loaded a group ahead: they do not
+        // depend on the state, and their global loads then wait behind a group's decoding
+        // rather than at its start (H200 A/B, mixture / Gaussian: bf16 36.8 / 42.5 -> 38.3 /
+        // 42.5 GB/s; fp8 e4m3 with the 64-register cap 34.9 / 38.0 -> 36.0 / 39.3).
+        unsigned nmu = 0, nsg = 0;
+        int nm = m0;
+        if (lane < cn) {
+            nmu = mu[first + lane];
+            nsg = sg[first + lane];
+            if (midx) nm = midx[first + lane];
+        }
+#endif
         for (int g0 = 0; g0 < cn && !code; g0 += LANES) {
             ch.live = g0 + lane < cn;
-            const i64 i = first + g0 + lane;
+            // value index (the chunk re-read: nothing of it stays live through the group)
+            const i64 i = chunk_at(warp_chunk_id(q), n, chunk_size).first + g0 + lane;
             bool ok = true;
             ch.muf = ch.sgf = 0.0f;
+#if PREFETCH
+            const unsigned mub = nmu, sgb = nsg;
+            const int mi = nm;
+            if (g0 + LANES + lane < cn) {
+                nmu = mu[i + LANES];
+                nsg = sg[i + LANES];
+                if (midx) nm = midx[i + LANES];
+            }
+#else
+            const unsigned mub = ch.live ? mu[i] : 0u, sgb = ch.live ? sg[i] : 0u;
+            const int mi = ch.live && midx ? (int)midx[i] : m0;
+#endif
             if (ch.live) {
-                const unsigned mub = mu[i], sgb = sg[i];
                 ok = param_ok(mub, sgb);
                 if (ok) {
-                    ch.v = params(mub, sgb, midx ? midx[i] : m0, md);
+                    ch.v = params(mub, sgb, mi, md);
                     ch.muf = __uint_as_float(mub);
                     ch.sgf = __uint_as_float((sgb + (1u << 14)) & ~0x7FFFu);  // sigma's grid
                 }
@@ -972,23 +1047,55 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, DEC_BLOCKS) dist_decode
                 key = b + low.j;
             }
             if (ch.live) {
-                if (BYTES == 2) reinterpret_cast<unsigned short*>(out)[g0 + lane] = bits_of(key);
-                else out[g0 + lane] = bits_of(key);
+                if (BYTES == 2) reinterpret_cast<unsigned short*>(outb)[i] = bits_of(key);
+                else outb[i] = bits_of(key);
             }
         }
         if (!code && ch.wp != ch.n_words) code = ERR_TRAILING;
         if (!code && __ballot_sync(FULL, ch.x != LB)) code = ERR_FINAL;
     }
-    // Every (mu, sigma) is checked, as the CPU checks them all before decoding.
-    const int bad = first_bad(mu, sg, first, checked, cn, lane);
-    int where = 0;
-    if (bad >= 0) { code = ERR_PARAM; where = bad; }
-    if (!code) {
-        __syncwarp();  // the lanes' output stores are visible to the whole warp
-        if (warp_crc(out, nbytes, lane, tab, xpow) != (unsigned)d[3]) code = ERR_CRC;
+    {
+        // the chunk re-read (as in the group loop)
+        const int c = warp_chunk_id(q);
+        const WarpChunk wc = chunk_at(c, n, chunk_size);
+        const int cn = wc.cn, nbytes = cn * BYTES;
+        const i64 first = wc.first;
+        unsigned char* out = outb + first * BYTES;
+        // Every (mu, sigma) is checked, as the CPU checks them all before decoding.
+        const int bad = first_bad(mu, sg, first, checked, cn, lane);
+        int where = 0;
+        if (bad >= 0) { code = ERR_PARAM; where = bad; }
+        if (!code) {
+            __syncwarp();  // the lanes' output stores are visible to the whole warp
+            if (warp_crc(out, nbytes, lane, tab, xpow) != (unsigned)desc[4 * (i64)c + 3])
+                code = ERR_CRC;
+        }
+        if (lane == 0) {
+            status[2 * c] = code;
+            status[2 * c + 1] = where;
+        }
     }
-    if (lane == 0) {
-        status[2 * c] = code;
-        status[2 * c + 1] = where;
-    }
+}
+
+// desc per chunk (i64 x 4): payload offset in frame, length, mode, CRC-32 (all checked by
+// dist.py against the frame size). status per chunk (i32 x 2): code, value index in chunk.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, DEC_BLOCKS) dist_decode(
+        const unsigned char* frame, const i64* desc, const unsigned* mu, const unsigned* sg,
+        const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
+        const unsigned* shapes, const unsigned* emps, int models, const int* weights,
+        const float* zinv, const i64* rtab, const unsigned* xpow, unsigned char* outb,
+        int* status) {
+    __shared__ unsigned tab[256];
+    __shared__ ChunkQueue q;  // DYN_CHUNKS
+#if DYN_CHUNKS
+    // a block that starts after the last chunk was taken skips the table prologue
+    if (__syncthreads_or(threadIdx.x == 0
+                         && *(volatile int*)(status + 2 * n_chunks) >= n_chunks)) return;
+    if (threadIdx.x == 0) q.ctr = status + 2 * n_chunks;  // before block_model's barrier
+#endif
+    const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
+    const int lane = threadIdx.x & 31;
+    for (int c = first_chunk(q, lane); c < n_chunks; c = next_chunk(q, n_chunks, lane))
+        decode_chunk(c, frame, desc, mu, sg, midx, m0, n, chunk_size, p, md, tab, q, xpow,
+                     outb, status, lane);
 }
