@@ -528,21 +528,21 @@ def table(res: dict) -> str:
 
 NOTES = """\
 What the rows are: `entropykit.gpu.dist.encode` / `decode` (CUDA C++ through NVRTC, one warp
-per chunk, all chunks in one launch) on 256 MiB of cache values drawn as mu + sigma * t(4)
-noise with 1% NaN / inf / -0 / subnormal values (bf16: |mu| ~ 1, sigma ~ 0.15; fp8 e4m3 in
-scaled units: |mu| ~ 20, sigma ~ 2), mu and sigma float32 on the device. GB/s = cache bytes
-per second of the whole call (CUDA events, median of 7 after 2 warm-ups and a second of
-warm-up encodes per format): encode includes the one device-to-host read of the chunk
-lengths that sizes the frame and the gather launch; decode includes the host parse of the
-frame's directory (read back from the device) and the status read; "from pinned host"
-decodes a frame in pinned host memory, its upload included. CRC-32 (zlib's, the frame's)
-is computed on the GPU in both directions, inside these times. "Offload via PCIe" = cache
-bytes / (encode time + coded bytes over the measured D2H link), serial. Outputs are
-poisoned before each checked decode; every row was bit-exact, and the frames equal the CPU
-coder's byte for byte (checks above: GPU frame == CPU frame, CPU frame -> GPU decode,
-GPU -> GPU, GPU frame -> CPU decode; corrupt frames fail with the CPU's chunk and message).
-The same row moves by up to ~8% between runs (fresh machines); A/B decisions below come
-from interleaved repeats in one run.
+per chunk, all chunks in one launch; fp8's decoder warps take chunks from a counter) on 256
+MiB of cache values drawn as mu + sigma * t(4) noise with 1% NaN / inf / -0 / subnormal
+values (bf16: |mu| ~ 1, sigma ~ 0.15; fp8 e4m3 in scaled units: |mu| ~ 20, sigma ~ 2), mu
+and sigma float32 on the device. GB/s = cache bytes per second of the whole call (CUDA
+events, median of 7 after 2 warm-ups and a second of warm-up encodes per format): encode
+includes the one device-to-host read of the chunk lengths that sizes the frame and the
+gather launch; decode includes the host parse of the frame's directory (read back from the
+device) and the status read; "from pinned host" decodes a frame in pinned host memory, its
+upload included. CRC-32 (zlib's, the frame's) is computed on the GPU in both directions,
+inside these times. "Offload via PCIe" = cache bytes / (encode time + coded bytes over the
+measured D2H link), serial. Outputs are poisoned before each checked decode; every row was
+bit-exact, and the frames equal the CPU coder's byte for byte (checks above: GPU frame ==
+CPU frame, CPU frame -> GPU decode, GPU -> GPU, GPU frame -> CPU decode; corrupt frames fail
+with the CPU's chunk and message). The same row moves by up to ~8% between runs (fresh
+machines); A/B decisions below come from interleaved repeats in one run.
 
 Guess and search (the "guess" column): the decoder guesses each symbol in float32 (1
 refinement round; tail points; one Newton step; bf16's low byte then 2 forward Newton steps
@@ -581,6 +581,24 @@ searches ~5%, state, words, parameters and output ~20%; the ALU pipe no longer t
 2.1, long scoreboard 1.6; ~2 eligible of ~6.6 warps a scheduler). Misses (per value, top /
 low byte): bf16 mixture 1.42% / 0.73%, Gaussian 0.49% / 0.88%; fp8 mixture 1.10%, Gaussian
 1.67%.
+
+Latency round (the next helper, 09:40-10:00): the decoder loads each group's (mu, sigma,
+model index) a group ahead (`Tuning.prefetch`), and fp8's warps take chunks from a
+launch-wide counter until none is left (`Tuning.dyn_chunks`; bf16 keeps one chunk a warp:
+at its 64-register cap the chunk loop spills), 64 registers for every format. Interleaved
+H200 A/B in one run against the previous kernel (GB/s, mixture / Gaussian): bf16 38.6 ->
+39.2 / 43.2 -> 44.4, fp8 e4m3 38.3 -> 39.3 / 41.9 -> 43.3; an earlier run by part (vs the
+previous kernel 36.8 / 42.5 and 35.8 / 39.2): prefetch alone bf16 38.3 / 42.5, fp8 (capped)
+36.0 / 39.3; both on fp8 37.2 / 40.2; the chunk counter on bf16 34.0 / 39.8 (spills). ncu,
+256 MiB, previous -> now, cycles an issued instruction: long-scoreboard stall bf16 1.39 ->
+0.82, fp8 2.13 -> 0.90; warps eligible a scheduler bf16 2.27 -> 2.48 (of 6.8 active), fp8
+2.18 -> 2.71 (active 7.32 -> 7.48); "wait" unchanged (2.1-2.2), math-pipe throttle back up
+(bf16 1.05 -> 1.14, fp8 1.08 -> 1.29), issue slots busy bf16 0.75 -> 0.76, fp8 0.75 -> 0.80;
+warp instructions per 32 values bf16 1117 -> 1123, fp8 538 -> 563 (the counter and the
+cap). Not kept: the payload's words read a step ahead into a per-lane window (bf16 -4%, fp8
+even: the extra registers spill the prefetched parameters). Left: the fixed-latency chain
+(stall "wait") and the instruction count again (the ALU pipe is back near its limit);
+occupancy is capped by 64 registers and by shared memory alike (4 blocks of 8 warps).
 """
 
 
