@@ -24,6 +24,7 @@ import time
 
 import torch
 import transformers
+from transformers.cache_utils import DynamicLayer
 
 from entropykit import predictive as P
 from entropykit.predictive.hook import (
@@ -152,8 +153,71 @@ def _gpu_coder(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
                   f"tokens and logits {same}")
             if not same:
                 failures.append(f"generate gpu coder {name} {kind}")
+    failures += _corrupt(model, none, none_cal, cache, prompt)
     failures += _timings(model, pred, cal, none, none_cal, gen)
     return failures
+
+
+def _corrupt(model: torch.nn.Module, none: P.Predictor, none_cal: P.Calibration,
+             cache: transformers.Cache, prompt: torch.Tensor) -> list[str]:
+    """A flipped payload byte under the GPU coder: prefetch() only queues the decode; the
+    first read of keys raises CorruptDataError, and so does every later one."""
+    from entropykit import CorruptDataError
+
+    codec = KVOffloadCodec(none, none_cal, coder="gpu")
+    codec.set_prompt(prompt)
+    layer = PredictiveOffloadedLayer(codec, 1)
+    layer.update(cache.layers[1].keys.clone(), cache.layers[1].values.clone())
+    layer.offload()
+    frame = layer._frames[0].clone()
+    frame[frame.numel() // 2] ^= 0x10
+    layer._frames = (frame, layer._frames[1])
+    layer.prefetch()
+    raised = 0
+    for _ in range(2):
+        try:
+            layer.keys  # noqa: B018 - the read is the check
+        except CorruptDataError as e:
+            raised += 1
+            msg = str(e)
+    ok = raised == 2 and "chunk" in msg
+    print(f"GPU coder, corrupt frame: prefetch queued, each read of keys raised "
+          f"CorruptDataError: {ok} ({msg[:80]})")
+    return [] if ok else ["gpu coder corrupt frame"]
+
+
+def _generate_times(model: torch.nn.Module, none: P.Predictor, none_cal: P.Calibration,
+                    prompt: torch.Tensor, gen: torch.Generator) -> None:
+    """generate() of 16 tokens after the 16 x 1024-token prompt: no offloading, transformers'
+    offloading, and it with compressed layers (no predictor, GPU coder), best of 3."""
+    layers = model.config.num_hidden_layers
+
+    def run(make) -> float:
+        def once():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+                           do_sample=False, past_key_values=make())
+        return _best(once, 3)
+
+    def ours(chunk):
+        def make():
+            codec = KVOffloadCodec(none, none_cal, coder="gpu", chunk_size=chunk)
+            codec.set_prompt(prompt)
+            return transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i)
+                                              for i in range(layers)], offloading=True)
+        return make
+
+    rows = [("DynamicCache, no offloading", transformers.DynamicCache),
+            ("Cache(offloading=True), plain layers",
+             lambda: transformers.Cache(layers=[DynamicLayer()
+                                                for _ in range(layers)], offloading=True)),
+            ("Cache(offloading=True), compressed, chunks of 16384", ours(None)),
+            ("Cache(offloading=True), compressed, chunks of 2048", ours(2048))]
+    print(f"\ngenerate(16 new tokens) after a {tuple(prompt.shape)} prompt, {layers} layers, "
+          "best of 3:")
+    print("| cache | s |")
+    print("|---|---:|")
+    for label, make in rows:
+        print(f"| {label} | {run(make):.3f} |")
 
 
 def _best(fn, reps: int = 5) -> float:
@@ -197,6 +261,7 @@ def _timings(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
         rows.append((f"{label} ({8 * len(frame) / t.numel():.2f} bits/value)",
                      lambda c=codec: c.encode(2, 0, t),
                      lambda c=codec, f=frame: c.decode(2, 0, f, DEV)))
+    _generate_times(model, none, none_cal, prompt, gen)
     print(f"\nper (layer, k/v) tensor, {t.numel():,} values ({mib:.0f} MiB bf16), best of 5:")
     print("| path | offload ms | prefetch ms | prefetch GB/s of cache |")
     print("|---|---:|---:|---:|")

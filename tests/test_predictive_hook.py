@@ -206,3 +206,45 @@ def test_chunk_size(chunk):
     assert torch.equal(codec.decode(0, 0, frame).view(torch.int16), keys.view(torch.int16))
     with pytest.raises(ValueError, match="chunk_size must be a multiple of 32 in"):
         KVOffloadCodec(PRED, CAL, chunk_size=1000)
+
+
+def test_corrupt_frame_raises_on_prefetch():
+    """A flipped byte in an offloaded layer's frame: CorruptDataError, never a wrong cache."""
+    from entropykit import CorruptDataError
+
+    ids = torch.randint(0, 256, (1, 40), generator=GEN)
+    with torch.inference_mode():
+        ref = MODEL(ids, use_cache=True).past_key_values
+    codec = KVOffloadCodec(PRED, CAL)
+    codec.set_prompt(ids)
+    layer = PredictiveOffloadedLayer(codec, 0)
+    layer.update(ref.layers[0].keys.clone(), ref.layers[0].values.clone())
+    layer.offload()
+    bad = bytearray(layer._frames[1])
+    bad[len(bad) // 2] ^= 0x10
+    layer._frames = (layer._frames[0], bytes(bad))
+    with pytest.raises(CorruptDataError):
+        layer.prefetch()
+
+
+def test_unchecked_prefetch_is_never_read():
+    """Until a prefetch's checks pass, reading keys or values runs them, and a failing
+    check raises on every read (the GPU coder's decode is checked this way)."""
+    from entropykit import CorruptDataError
+
+    layer = PredictiveOffloadedLayer(KVOffloadCodec(PRED, CAL), 0)
+    k, v = torch.zeros(1, 2, 3, 16), torch.ones(1, 2, 3, 16)
+    layer.keys, layer.values = k, v
+    calls = []
+
+    def bad():
+        calls.append(1)
+        raise CorruptDataError("chunk 0: bad")
+
+    layer._checks = [lambda: calls.append(0), bad]
+    for name in ("keys", "values", "keys"):
+        with pytest.raises(CorruptDataError, match="chunk 0"):
+            getattr(layer, name)
+    assert calls == [0, 1, 0, 1, 0, 1]
+    layer._checks = [lambda: calls.append(2)]
+    assert layer.keys is k and layer.values is v and calls[-1] == 2 and layer._checks == []

@@ -469,6 +469,57 @@ def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index:
     "cuda". ``CorruptDataError`` names the first bad chunk; ``ValueError`` an invalid
     (mu, sigma) or arguments that do not fit.
     """
+    return decode_async(frame, mu, sigma, model, model_index=model_index, out=out,
+                        device=device, tuning=tuning).result()
+
+
+class PendingDecode:
+    """A decode launched on the current CUDA stream: ``result()`` waits for it, checks every
+    chunk's status and returns the values, or raises what ``decode`` raises. Until then
+    the output must not be trusted: it holds whatever a corrupt frame decoded to."""
+
+    def __init__(self, out: Any, status: Any, keep: tuple, info: D.FrameInfo,
+                 mu: Any, sigma: Any) -> None:
+        import torch
+
+        self.out = out
+        # the chunks' status, copied to pinned memory behind the launch on its stream
+        self._status = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+        with torch.cuda.device(status.device):
+            self._status.copy_(status, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._keep = keep  # the launch's inputs stay alive until it has run
+        self._info, self._mu, self._sigma = info, mu, sigma
+        self._checked = False
+
+    def done(self) -> bool:
+        """Whether the decode has finished (``result`` would not wait)."""
+        return self._done.query()
+
+    def result(self) -> Any:
+        """The decoded values, once every chunk is known to be right."""
+        if not self._checked:
+            self._done.synchronize()
+            info = self._info
+            nc, cs = len(info.lengths), info.chunk_size
+            st = self._status[: 2 * nc].view(nc, 2).numpy()
+            bad = first_bad_param(st[:, 0], st[:, 1], cs)
+            if bad >= 0:
+                raise _bad_param(bad, self._mu, self._sigma)
+            err = chunk_error(st[:, 0], info.offsets)
+            if err is not None:
+                raise CorruptDataError(err[1])
+            self._checked, self._keep = True, ()
+        return self.out
+
+
+def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
+                 model_index: Any = None, out: Any = None, device: Any = None,
+                 tuning: Tuning | None = None) -> PendingDecode:
+    """``decode``, launched on the current stream without waiting for it: the host goes on
+    (e.g. to queue compute that overlaps the decode) and reads the result later with
+    ``PendingDecode.result()``. Frame and argument errors still raise here."""
     import torch
 
     t = tuning or Tuning()
@@ -493,28 +544,21 @@ def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index:
         raise ValueError(f"out must be a contiguous, 16-byte aligned tensor of {n} "
                          f"{width}-byte elements on {dev}")
     nc = len(info.lengths)
+    # per chunk (code, where), then the count of chunks the warps took (zeroed: DYN_CHUNKS)
+    status = torch.zeros(2 * nc + 1, dtype=torch.int32, device=dev)
     if nc == 0:
-        return out
+        return PendingDecode(out, status, (), info, mu_t, sg_t)
     if ft.device != dev:
         ft = ft.to(dev, non_blocking=ft.is_pinned())
     tb = _device_tables(model, dev)
     desc = torch.from_numpy(decode_desc(info)).to(dev)
-    # per chunk (code, where), then the count of chunks the warps took (zeroed: DYN_CHUNKS)
-    status = torch.zeros(2 * nc + 1, dtype=torch.int32, device=dev)
     mod = _kernels(f, smem_bytes(model, t) > 0, t)
     _launch(mod.get_function("dist_decode"), dev, -(-nc // t.warps), 32 * t.warps,
             _args(ft, desc, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
                   np.int32(info.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
                   tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], out, status),
             smem_bytes(model, t))
-    st = status[: 2 * nc].view(nc, 2).cpu().numpy()
-    bad = first_bad_param(st[:, 0], st[:, 1], cs)
-    if bad >= 0:
-        raise _bad_param(bad, mu_t, sg_t)
-    err = chunk_error(st[:, 0], info.offsets)
-    if err is not None:
-        raise CorruptDataError(err[1])
-    return out
+    return PendingDecode(out, status, (ft, desc, mu_t, sg_t, midx), info, mu_t, sg_t)
 
 
-__all__ = ["GPU_CHUNK", "Tuning", "decode", "encode"]
+__all__ = ["GPU_CHUNK", "PendingDecode", "Tuning", "decode", "decode_async", "encode"]

@@ -19,6 +19,7 @@ host memory: the predictor's guess covers the prompt only. Supported transformer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -160,20 +161,33 @@ class KVOffloadCodec:
                device: torch.device | str = "cpu") -> torch.Tensor:
         """``encode``'s tensor back, bf16 on ``device`` (decoded there when the GPU coder
         runs, else on the CPU and moved)."""
+        values, check = self.start_decode(layer, kv, frame, device)
+        check()
+        return values
+
+    def start_decode(self, layer: int, kv: int, frame: bytes | torch.Tensor,
+                     device: torch.device | str = "cpu"
+                     ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``decode`` without waiting where the GPU coder runs: (the tensor, a check).
+        The tensor is queued on the current CUDA stream, so work queued after it may use
+        it, but its values are right only once ``check()`` has returned (it waits for the
+        decode and raises ``CorruptDataError`` for a bad chunk)."""
         device = torch.device(device)
         model = self.calibration.coder_model(self.model, "bf16")
         if self._on_gpu(device):
             from ..gpu import dist as gpu_dist
 
             mu, sigma, index = self.distribution(layer, kv, device)
-            bits = gpu_dist.decode(frame, mu, sigma, model, model_index=index, device=device)
-            return bits.view(torch.bfloat16).reshape(self._shape)
+            pending = gpu_dist.decode_async(frame, mu, sigma, model, model_index=index,
+                                            device=device)
+            return pending.out.view(torch.bfloat16).reshape(self._shape), pending.result
         mu, sigma, index = self.distribution(layer, kv)
         if isinstance(frame, torch.Tensor):
             frame = frame.numpy()
         bits = dist.decode(frame, mu.numpy(), sigma.numpy(), model, model_index=index,
                            threads=self.threads)
-        return torch.from_numpy(bits).view(torch.bfloat16).reshape(self._shape).to(device)
+        values = torch.from_numpy(bits).view(torch.bfloat16).reshape(self._shape)
+        return values.to(device), lambda: None
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -187,14 +201,33 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 
 class PredictiveOffloadedLayer(DynamicLayer):
-    """A dynamic cache layer whose offloaded prompt part lives as compressed bytes."""
+    """A dynamic cache layer whose offloaded prompt part lives as compressed bytes.
+
+    ``prefetch()`` only queues the decode on the current stream (transformers' prefetch
+    stream, with the GPU coder), so it overlaps the compute queued after it; the first read
+    of ``keys`` or ``values`` then waits for it and checks it, and raises
+    ``CorruptDataError`` (on every read) if a chunk was bad."""
 
     def __init__(self, codec: KVOffloadCodec, layer_idx: int, **kwargs: Any) -> None:
+        self._checks: list[Callable[[], None]] = []
         super().__init__(**kwargs)
         self.codec, self.layer_idx = codec, layer_idx
         self._frames: tuple[bytes | torch.Tensor, bytes | torch.Tensor] | None = None
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
         self._length = 0
+
+    def _settled(self, name: str) -> torch.Tensor | None:
+        if self._checks:
+            for check in self._checks:
+                check()  # raises, and again on the next read: the tensors stay unchecked
+            self._checks = []
+        return self.__dict__[name]
+
+    # transformers reads and assigns ``keys`` / ``values`` as plain attributes
+    keys = property(lambda self: self._settled("_keys"),
+                    lambda self, v: self.__dict__.__setitem__("_keys", v))
+    values = property(lambda self: self._settled("_values"),
+                      lambda self, v: self.__dict__.__setitem__("_values", v))
 
     @property
     def offloaded(self) -> bool:
@@ -215,13 +248,14 @@ class PredictiveOffloadedLayer(DynamicLayer):
         self.keys = self.values = None
 
     def prefetch(self) -> None:
-        """Decode the prompt part back and put the whole layer on its device again."""
+        """Queue the prompt part's decode and the whole layer's return to its device."""
         if not self.offloaded:
             return
-        parts = [self.codec.decode(self.layer_idx, kv, self._frames[kv], self.device)
-                 for kv in (0, 1)]
+        started = [self.codec.start_decode(self.layer_idx, kv, self._frames[kv], self.device)
+                   for kv in (0, 1)]
         self.keys, self.values = (torch.cat([p, t.to(self.device)], dim=-2)
-                                  for p, t in zip(parts, self._tail, strict=True))
+                                  for (p, _), t in zip(started, self._tail, strict=True))
+        self._checks = [check for _, check in started]
         self._tail = None
 
     def compressed_bytes(self) -> int:
