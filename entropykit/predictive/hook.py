@@ -221,7 +221,7 @@ class PredictiveOffloadedLayer(DynamicLayer):
             for check in self._checks:
                 check()  # raises, and again on the next read: the tensors stay unchecked
             self._checks = []
-        return self.__dict__[name]
+        return self.__dict__.get(name)  # None before the first update, as DynamicLayer
 
     # transformers reads and assigns ``keys`` / ``values`` as plain attributes
     keys = property(lambda self: self._settled("_keys"),
