@@ -83,10 +83,41 @@ struct Val {
 struct Model {
     const unsigned* shapes;
     const unsigned* emps;
+    unsigned sh_s, em_s;  // SMEM: their shared-window addresses (shape_w / emp_w)
     const int* weights;
     const float* zinv;
     const i64* rtab;
 };
+
+// Word i of the shapes / emps tables. With SMEM_ADDR, an ld.shared from a 32-bit address
+// held in a register: through the C++ pointer, Hopper rebuilds the shared window's base (S2UR
+// of the CTA's id in its cluster, then 3 uniform instructions) before most table reads. Not
+// volatile (the compiler may merge or speculate reads: the tables are constant once filled).
+__device__ __forceinline__ unsigned smem_word(unsigned addr) {
+    unsigned r;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr));
+    return r;
+}
+
+#ifndef SMEM_ADDR  // (A/B builds)
+#define SMEM_ADDR (SMEM && ES == 0)  // bf16's decoder, at its register cap, spills with it
+#endif
+
+__device__ __forceinline__ unsigned shape_w(const Model& md, int i) {
+#if SMEM_ADDR
+    return smem_word(md.sh_s + 4 * (unsigned)i);
+#else
+    return md.shapes[i];
+#endif
+}
+
+__device__ __forceinline__ unsigned emp_w(const Model& md, int i) {
+#if SMEM_ADDR
+    return smem_word(md.em_s + 4 * (unsigned)i);
+#else
+    return md.emps[i];
+#endif
+}
 
 __device__ __forceinline__ bool param_ok(unsigned mub, unsigned sgb) {
     // finite mu, finite sigma > 0, mu's exponent field < sigma's + 34: dist_kernels._invalid.
@@ -193,9 +224,10 @@ __device__ __forceinline__ unsigned smooth_with(int k, unsigned e, int d, const 
                                                 const Model& md) {
     const int zf = (int)(((i64)d * v.rr) >> R_SHIFT);
     const unsigned ix = (unsigned)((zf >> Z_FRAC) + (Z_MAX << Z_GRID_BITS));
-    const unsigned* sh = md.shapes + v.m * SHAPE_W;
-    const unsigned t0 = sh[ix];
-    unsigned s = t0 + __umulhi(sh[ix + 1] - t0, (unsigned)(zf & ((1 << Z_FRAC) - 1)) << 16);
+    const int sh = v.m * SHAPE_W + (int)ix;
+    const unsigned t0 = shape_w(md, sh);
+    unsigned s = t0 + __umulhi(shape_w(md, sh + 1) - t0,
+                               (unsigned)(zf & ((1 << Z_FRAC) - 1)) << 16);
     if (v.w)
         s = (unsigned)(((u64)s * (unsigned)(WEIGHT_ONE - v.w) + (u64)e * (unsigned)v.w) >> 16);
     return k <= 0 ? 0u : k >= NKEYS ? (unsigned)ONE : s;
@@ -203,10 +235,9 @@ __device__ __forceinline__ unsigned smooth_with(int k, unsigned e, int d, const 
 
 // E(k) of the value's model (smooth()'s empirical term), in units of 2^-31.
 __device__ __forceinline__ unsigned emp_at(int k, const Val& v, const Model& md) {
-    const unsigned* em = md.emps + v.m * EMP_W;
-    const int b = min(max(k, 0), NKEYS - 1) >> ES;
-    const unsigned e = em[b];
-    return ES ? e + __umulhi(em[b + 1] - e, low_bits(k)) : e;
+    const int b = v.m * EMP_W + (min(max(k, 0), NKEYS - 1) >> ES);
+    const unsigned e = emp_w(md, b);
+    return ES ? e + __umulhi(emp_w(md, b + 1) - e, low_bits(k)) : e;
 }
 
 // S(k) for 0 <= k <= NKEYS (dist_kernels._smooth_cdf).
@@ -243,8 +274,8 @@ template <bool TOP>
 __device__ __forceinline__ unsigned stage_s(int j, const Stage& st, const Val& v,
                                             const Model& md) {
     if (TOP) {
-        return smooth_with(j << ES, v.w ? md.emps[v.m * EMP_W + j] : 0u, top_offset(j, v), v,
-                           md);
+        return smooth_with(j << ES, v.w ? emp_w(md, v.m * EMP_W + j) : 0u, top_offset(j, v),
+                           v, md);
     }
     return smooth_with(st.b + j, st.e0 + (unsigned)(((u64)st.de * (unsigned)j) >> ES),
                        clamped_offset(st.b + j, v), v, md);
@@ -410,6 +441,14 @@ __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shap
     md.zinv = zinv;
     md.rtab = rtab;
     __syncthreads();
+#if SMEM_ADDR
+    // held in a register, not rebuilt at each read; after the barrier (volatile: it stays
+    // there), so no table read (smem_word) can be placed before the tables are filled
+    unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("" : "+r"(a));
+    md.sh_s = a;
+    md.em_s = a + 4 * models * SHAPE_W;
+#endif
     return md;
 }
 
@@ -645,7 +684,7 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float
     const float rs = __fdividef(1.0f, unit);  // slots per unit of S
     const float zs = __fdividef((float)(1 << Z_GRID_BITS), sg);  // shape points per value
     const float wf = (float)v.w * (1.0f / WEIGHT_ONE);
-    const unsigned* shp = md.shapes + v.m * SHAPE_W;
+    const int shp = v.m * SHAPE_W;
     const float e0 = (float)(int)(st.e0 - sb);
     const float de = (float)st.de * (1.0f / (1 << ES));  // per key
     const float target = (float)slot + 0.5f;
@@ -654,7 +693,7 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float
         const float zf = fminf(fmaxf((x - mu) * zs + (float)(Z_MAX << Z_GRID_BITS), 0.0f),
                                (float)(2 * Z_MAX << Z_GRID_BITS) - 0.01f);
         const int ix = (int)zf;
-        const unsigned t0 = shp[ix], t1 = shp[ix + 1];
+        const unsigned t0 = shape_w(md, shp + ix), t1 = shape_w(md, shp + ix + 1);
         const float dt = (float)(t1 - t0);
         float rel = (1.0f - wf) * ((float)(int)(t0 - sb) + dt * (zf - (float)ix));
         float dsl = (1.0f - wf) * dt * zs * ulp;  // dS/du
@@ -663,7 +702,8 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float
             dsl += wf * de;
         }
         const float c = u - (float)b + rel * rs;
-        const float d = fminf(fmaxf(__fdividef(target - c, 1.0f + dsl * rs), -512.0f), 512.0f);
+        const float d =
+            fminf(fmaxf(__fdividef(target - c, 1.0f + dsl * rs), -512.0f), 512.0f);
         u += d;
         x += d * ulp;
     }
@@ -722,10 +762,11 @@ __device__ __forceinline__ int fast_guess(int slot, const Stage& st, float mu, f
         float slope = (1.0f - wf) * (float)ONE * __fdividef(lin.ulp, sg * lin.dzdg)
                       + unit * (1.0f / (1 << sh));
         if (v.w) {
-            const unsigned* em = md.emps + v.m * EMP_W;
+            const int em = v.m * EMP_W;
             const int bb = TOP ? min(max(k, 0), NKEYS - 1) >> ES : b >> ES;
-            const unsigned e0 = TOP ? em[bb] : st.e0;
-            const float de = (float)(TOP ? em[bb + 1] - e0 : st.de) * (1.0f / (1 << ES));
+            const unsigned e0 = TOP ? emp_w(md, em + bb) : st.e0;
+            const float de = (float)(TOP ? emp_w(md, em + bb + 1) - e0 : st.de)
+                             * (1.0f / (1 << ES));
             // E at boundary kf + 1/2 (key k's bin starts at boundary k, at value
             // coordinate k - 1/2), per key
             est += wf * ((float)e0 + de * (lin.kf + 0.5f - (float)(bb << ES)));
@@ -1034,9 +1075,9 @@ __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
                 st.t = top.sn - top.sj;
                 st.rq = stage_rq(st.t, (1 << p) - 256);
                 if (ch.live && ch.v.w) {
-                    const unsigned* em = md.emps + ch.v.m * EMP_W + top.j;
-                    st.e0 = em[0];
-                    st.de = em[1] - em[0];
+                    const int em = ch.v.m * EMP_W + top.j;
+                    st.e0 = emp_w(md, em);
+                    st.de = emp_w(md, em + 1) - st.e0;
                 } else {
                     st.e0 = st.de = 0;
                 }
