@@ -601,6 +601,20 @@ even: the extra registers spill the prefetched parameters). Left: the fixed-late
 occupancy is capped by 64 registers and by shared memory alike (4 blocks of 8 warps).
 Full runs at this state (521 checks pass): 09:53 decode bf16 38.0 / 40.1, fp8 37.1 / 40.6,
 encode 61-66 GB/s; 09:48 (another machine) 39.3 / 41.5, 39.6 / 43.5, encode 62-69.
+Shared-address round (10:05-10:12): the decoder's model-table reads go through shape_w /
+emp_w; for 8-bit formats (SMEM_ADDR) they are ld.shared from a 32-bit address held in a
+register: through the C++ pointer, Hopper rebuilt the shared window's base (S2UR of the
+CTA's cluster id + 3 uniform instructions) before most reads (bf16 keeps pointer reads: the
+extra register spills in its group loop, 12 B). Warp instructions per 32 values (ncu,
+mixture, 128 MiB): fp8 563.4 -> 549.1, bf16 1122.8 -> 1110.8 (the reads' index form).
+Interleaved H200 A/B vs the previous kernel, three runs (mixture / Gaussian): fp8 +3.9 /
++0.5, +4.4 / +1.7, +1.9 / +1.2 %; bf16 +0.8 / +0.5, +0.8 / +0.7, +1.3 / +0.5 %. Not kept:
+MUFU.RCP alone (rcp.approx.ftz) in place of __fdividef in the float guesses and stage_rq
+(3-4 SASS instructions fewer a division, 72 static in bf16's kernel, but executed bf16
+1122.8 -> 1126.6, fp8 563.4 -> 560.3; A/B -1.8..+2.4 %, i.e. noise, in three runs). Full
+run at this state (H200 10:10, 521 checks pass, frames CPU-decode here): decode bf16 37.9 /
+41.0, fp8 38.5 / 42.3 GB/s, encode 63-67 (the same machine 5 minutes before, this kernel
+with the reciprocals: 39.4 / 44.3, 40.8 / 42.6: its runs drift by ~4%).
 """
 
 
