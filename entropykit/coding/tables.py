@@ -19,6 +19,7 @@ Serialized table (little-endian, see docs/format.md):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -87,7 +88,11 @@ def _log2_table(n: int) -> np.ndarray:
     return t
 
 
-_LOG2 = _log2_table((1 << 15) + 2)  # log2 f for every frequency a table can hold
+@functools.cache
+def _log2f() -> np.ndarray:
+    # log2 f for every frequency a table can hold; built at first use, not at import (a
+    # first Numba call loads its whole target registry: ~0.3 s of `import entropykit`).
+    return _log2_table((1 << 15) + 2)
 
 
 @njit(nogil=True, cache=True)
@@ -186,7 +191,7 @@ def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
             f"{present} distinct symbols do not fit precision {precision} "
             f"({1 << precision} slots); use a higher precision"
         )
-    return _quantize(counts, precision, _LOG2)
+    return _quantize(counts, precision, _log2f())
 
 
 _SERIAL_MAX = 1 + _LIST_MAX + 3 * ALPHABET  # count, bitmap (32 bytes) or list, 3-byte varints
