@@ -2,7 +2,7 @@
 
 What it is: a script for the lent GPU machine. With a tiny random Llama in bf16 on
 ``cuda:0`` it checks (1) ``compress_kv`` of a CUDA cache and ``decompress_kv(...,
-device="cuda")`` give back every bit, bf16 and fp8, every residual model; (2)
+device="cuda")`` give back every bit, bf16 and fp8, every residual model (see (5)); (2)
 ``model.generate`` with ``transformers.Cache(layers=[PredictiveOffloadedLayer...],
 offloading=True)`` — transformers' own offloading, prefetch stream and all — and with
 ``PredictiveOffloadedCache`` gives the same tokens and logits at every step as a plain
@@ -10,7 +10,10 @@ offloading=True)`` — transformers' own offloading, prefetch stream and all —
 GPU coder: its (mu, sigma) on the device are the CPU's bit for bit, its frames decode with
 the CPU coder and the CPU coder's with it, and generate() is equal with it, with the
 FP8-of-target predictor and with none; (4) per-layer offload and prefetch times of a
-larger prompt's cache (plain copies, the GPU coder, the CPU coder), a short table. It
+larger prompt's cache (plain copies, the GPU coder, the CPU coder), a short table; (5)
+``compress_kv`` with the GPU coder writes the CPU coder's blob byte for byte (every model,
+the conditional one's affine on the device included) and each decodes the other's, and
+both coders' times on a larger cache. It
 exits non-zero on any mismatch. What it is not: the coder's benchmark (``kv_check.py``).
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -60,14 +63,20 @@ def main() -> int:
     with torch.inference_mode():
         cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
     for name, c in (("bf16", cache), ("fp8", P.to_fp8(cache))):
+        c = P.KVCache([k.to(DEV) for k in c.keys], [v.to(DEV) for v in c.values], c.scales)
         for kind in P.KINDS:
-            blob = P.compress_kv(c, ids, pred, cal, model=kind)
-            back = P.decompress_kv(blob, pred, cal, device=DEV)
-            ok = back.equal(c) and back.keys[0].device == c.keys[0].device
+            blob = P.compress_kv(c, ids, pred, cal, model=kind, coder="gpu")
+            host = P.compress_kv(c, ids, pred, cal, model=kind, coder="cpu")
+            back = P.decompress_kv(host, pred, cal, device=DEV, coder="gpu")
+            back_cpu = P.decompress_kv(blob, pred, cal, device=DEV, coder="cpu")
+            ok = (blob == host and back.equal(c) and back_cpu.equal(c)
+                  and back.keys[0].device == c.keys[0].device)
             bits = 8 * len(blob) / (2 * len(c.keys) * c.keys[0].numel())
-            print(f"compress_kv {name:4s} {kind:11s}: {bits:6.3f} bits/value, exact {ok}")
+            print(f"compress_kv {name:4s} {kind:11s}: {bits:6.3f} bits/value; GPU blob == "
+                  f"CPU blob {blob == host}, each decodes on the other's coder {ok}")
             if not ok:
                 failures.append(f"compress_kv {name} {kind}")
+    failures += _codec_times(gen)
 
     prompt = torch.randint(0, 512, (1, 300), generator=gen).to(DEV)
 
@@ -218,6 +227,46 @@ def _generate_times(model: torch.nn.Module, none: P.Predictor, none_cal: P.Calib
     print("|---|---:|")
     for label, make in rows:
         print(f"| {label} | {run(make):.3f} |")
+
+
+def _codec_times(gen: torch.Generator) -> list[str]:
+    """compress_kv / decompress_kv of a larger cache on the GPU coder and the CPU's (16
+    threads): a random 4-layer Llama (8 heads, 4 kv heads x 64), 2 x 2048 tokens, bf16."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).to(DEV).eval()
+    none = P.NoPredictor()
+    cal = P.calibrate(model, none, [torch.randint(0, 512, (512,), generator=gen)
+                                     for _ in range(4)])
+    ids = torch.randint(0, 512, (2, 2048), generator=gen).to(DEV)
+    with torch.inference_mode():
+        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
+    n = 2 * len(cache.keys) * cache.keys[0].numel()
+    failures = []
+    print(f"\ncompress_kv / decompress_kv of {n:,} bf16 values ({2 * n / 2**20:.0f} MiB), "
+          "NoPredictor, best of 3 (s):")
+    print("| model | coder | compress s | decompress s | bits/value |")
+    print("|---|---|---:|---:|---:|")
+    for kind in ("mixture", "conditional"):
+        blobs = {}
+        for coder in ("gpu", "cpu"):
+            blobs[coder] = P.compress_kv(cache, ids, none, cal, model=kind, coder=coder,
+                                         threads=16)
+            back = P.decompress_kv(blobs[coder], none, cal, device=DEV, coder=coder,
+                                   threads=16)
+            if not back.equal(cache):
+                failures.append(f"codec timing round trip {kind} {coder}")
+            enc = _best(lambda c=coder, k=kind: P.compress_kv(
+                cache, ids, none, cal, model=k, coder=c, threads=16), 3)
+            dec = _best(lambda c=coder, b=blobs[coder]: P.decompress_kv(
+                b, none, cal, device=DEV, coder=c, threads=16), 3)
+            print(f"| {kind} | {coder} | {enc:.3f} | {dec:.3f} | "
+                  f"{8 * len(blobs[coder]) / n:.3f} |")
+        if blobs["gpu"] != blobs["cpu"]:
+            failures.append(f"codec timing blobs differ {kind}")
+    return failures
 
 
 def _best(fn, reps: int = 5) -> float:

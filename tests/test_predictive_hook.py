@@ -119,7 +119,7 @@ def test_codec_arguments():
         KVOffloadCodec(PRED, CAL, coder="cuda")
     codec = KVOffloadCodec(PRED, CAL, coder="gpu")
     codec.set_prompt(torch.zeros(1, 8, dtype=torch.long))
-    with pytest.raises(ValueError, match="needs the layer on a CUDA device, not cpu"):
+    with pytest.raises(ValueError, match="needs tensors on a CUDA device, not cpu"):
         codec.encode(0, 0, torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16))
 
 

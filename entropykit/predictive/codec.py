@@ -3,8 +3,10 @@
 What it is: the blob format and the two calls. Both sides run the predictor on the token
 ids (which travel in the blob) and turn its guess into per-value (mu, sigma) with the
 calibrated residual model; the encoder codes the true cache under them with the
-per-symbol-distribution rANS, the decoder reproduces it bit for bit. What it is not: the
-predictors, residual models or the coder themselves.
+per-symbol-distribution rANS, the decoder reproduces it bit for bit. Either side codes on
+the host (the CPU coder) or, for a CUDA cache, on its device (the GPU coder, with (mu,
+sigma) from ``_torchdist``): the same blob either way. What it is not: the predictors,
+residual models or the coder themselves.
 
 Blob v1 (little-endian):
 
@@ -44,6 +46,7 @@ import torch
 
 from .._errors import CorruptDataError
 from ..rans import distribution as dist
+from . import _torchdist as T
 from . import residual
 from .calibration import Calibration
 from .kvcache import FP8, KVCache, as_kvcache
@@ -118,9 +121,14 @@ def _storage(fmt: str) -> tuple[np.dtype, torch.dtype]:
 
 def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
                 calibration: Calibration, *, model: str = "conditional",
-                threads: int | None = None) -> bytes:
+                threads: int | None = None, coder: str = "auto") -> bytes:
     """Code ``cache`` (a ``KVCache`` or transformers ``Cache``; bf16, or fp8 ``KVCache``)
-    of the prompt ``input_ids`` ([batch, seq]) against ``predictor``'s guess."""
+    of the prompt ``input_ids`` ([batch, seq]) against ``predictor``'s guess.
+
+    ``coder``: "gpu" codes a CUDA cache on its device (``entropykit.gpu.dist``, needs
+    CuPy; (mu, sigma) computed there too), "cpu" on the host with ``threads`` threads,
+    "auto" (default) the GPU where the cache is on CUDA and the GPU coder runs. The blob
+    is the same bytes either way."""
     kv = as_kvcache(cache)
     ids = _host(torch.as_tensor(input_ids))
     if ids.dim() == 1:
@@ -137,22 +145,31 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     kinds = residual.KINDS
     if model not in kinds:
         raise ValueError(f"unknown residual model {model!r}; known: {kinds}")
+    device = kv.keys[0].device
+    groups = _Groups(calibration, predictor, model, kv.shape, kv.scales, layers,
+                     device if T.on_gpu(coder, device) else None)
     guess = predictor.predict(ids)
-    guesses = guess_arrays(guess, layers, kv.shape)
+    groups.set_guess(guess)
     model_tables = calibration.coder_model(model, kv.format)
     np_dtype, view = _storage(kv.format)
-    frames, residuals = [], {}
+    frames = []
     for layer in range(layers):
         for k in (0, 1):
-            mu, sigma, index, base = group_distribution(
-                layer, k, guesses, kv.shape, predictor.exact_layers, model, calibration,
-                kv.scales, residuals)
+            mu, sigma, index = groups.distribution(layer, k)
             t = kv.tensor(layer, k)
-            bits = _host(t).contiguous().view(view).numpy().view(np_dtype).reshape(-1)
-            frames.append(dist.encode(bits, mu, sigma, model_tables, fmt=kv.format,
-                                      model_index=index, chunk_size=CHUNK, threads=threads))
-            if model == "conditional":
-                residuals[(layer, k)] = _host(kv.real(layer, k)).numpy() - base
+            if groups.device is not None:
+                from ..gpu import dist as gpu_dist
+
+                frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model_tables,
+                                        fmt=kv.format, model_index=index, chunk_size=CHUNK)
+                frames.append(frame.cpu().numpy().tobytes())
+            else:
+                bits = _host(t).contiguous().view(view).numpy().view(np_dtype).reshape(-1)
+                frames.append(dist.encode(bits, mu, sigma, model_tables, fmt=kv.format,
+                                          model_index=index, chunk_size=CHUNK,
+                                          threads=threads))
+            if groups.conditional:
+                groups.decoded(layer, k, kv.real(layer, k))
     desc = predictor.describe().encode()
     head = _HEAD.pack(MAGIC, VERSION, dist.FORMATS[kv.format].code, kinds.index(model), 0,
                       layers, batch, heads, seq, dim, predictor.exact_layers,
@@ -163,6 +180,47 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     parts.append(np.array([len(f) for f in frames], "<u4").tobytes())
     front = b"".join(parts)
     return b"".join([front, struct.pack("<I", zlib.crc32(front))] + frames)
+
+
+class _Groups:
+    """The (mu, sigma) of each (layer, k/v) group in coding order: numpy on the host
+    (``group_distribution``), or torch on ``device`` for the GPU coder (``_torchdist``,
+    the same bits); ``decoded`` hands over each group's true values for the conditional
+    model's residuals (``conditional``: it needs them)."""
+
+    def __init__(self, cal: Calibration, predictor: Predictor, kind: str, shape: tuple,
+                 scales: torch.Tensor | None, layers: int, device: torch.device | None) -> None:
+        self.cal, self.kind, self.shape, self.layers = cal, kind, shape, layers
+        self.conditional = kind == "conditional"
+        self.exact, self.scales, self.device = predictor.exact_layers, scales, device
+        self.dcal = None if device is None else T.DeviceCalibration(cal, device)
+        self.residuals: dict = {}
+        self.bases: dict = {}
+        self.guesses: dict = {}
+
+    def set_guess(self, guess: Prediction | None) -> None:
+        self.guesses = (guess_arrays(guess, self.layers, self.shape) if self.device is None
+                        else T.guess_tensors(guess, self.layers, self.device))
+
+    def distribution(self, layer: int, kv: int) -> tuple[Any, Any, int]:
+        if self.device is None:
+            mu, sigma, index, base = group_distribution(
+                layer, kv, self.guesses, self.shape, self.exact, self.kind, self.cal,
+                self.scales, self.residuals)
+        else:
+            scale = None if self.scales is None else self.scales[layer, kv].to(self.device)
+            mu, sigma, index, base = T.group_distribution(
+                layer, kv, self.guesses, self.shape, self.exact, self.kind, self.dcal, scale,
+                self.residuals)
+        if self.conditional:
+            self.bases[(layer, kv)] = base
+        return mu, sigma, index
+
+    def decoded(self, layer: int, kv: int, real: torch.Tensor) -> None:
+        """Group (layer, kv)'s values in real units (float32), coded or decoded."""
+        base = self.bases.pop((layer, kv))
+        self.residuals[(layer, kv)] = (_host(real).numpy() - base if self.device is None
+                                       else real.to(self.device) - base)
 
 
 @dataclass(frozen=True)
@@ -233,14 +291,18 @@ def token_ids(blob: bytes) -> torch.Tensor:
 
 
 def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *,
-                  threads: int | None = None, device: str | torch.device = "cpu") -> KVCache:
+                  threads: int | None = None, device: str | torch.device = "cpu",
+                  coder: str = "auto") -> KVCache:
     """The cache back from a ``compress_kv`` blob, bit for bit, its tensors on ``device``
-    (``token_ids`` reads the prompt the blob carries).
+    (``token_ids`` reads the prompt the blob carries). ``coder`` as in ``compress_kv``:
+    "auto" decodes on ``device`` where it is CUDA and the GPU coder runs.
 
     ``CorruptDataError`` if the blob is malformed, or was coded with another calibration
     or predictor, or the predictor's guess here differs from the encoder's.
     """
     h = _front(blob)
+    dev = torch.device(device)
+    on_device = T.on_gpu(coder, dev)
     if (h.calibration != calibration.fingerprint or h.predictor != predictor.describe()
             or h.exact != predictor.exact_layers):
         raise CorruptDataError(
@@ -257,26 +319,35 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         raise CorruptDataError(
             "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
             "decoding needs the same weights, torch build, device type and thread count")
-    guesses = guess_arrays(guess, h.layers, h.shape)
+    groups = _Groups(calibration, predictor, h.kind, h.shape, h.scales, h.layers,
+                     dev if on_device else None)
+    groups.set_guess(guess)
     buf = np.frombuffer(memoryview(blob), np.uint8)
     model_tables = calibration.coder_model(h.kind, h.fmt)
-    np_dtype, _ = _storage(h.fmt)
     dtype = _FORMATS[h.fmt]
-    tensors, residuals = [], {}
+    tensors, n = [], int(np.prod(h.shape))
     for g, (start, length) in enumerate(h.frames):
         layer, k = divmod(g, 2)
-        mu, sigma, index, base = group_distribution(layer, k, guesses, h.shape, h.exact,
-                                                     h.kind, calibration, h.scales, residuals)
+        mu, sigma, index = groups.distribution(layer, k)
         frame = buf[start : start + length]
         info = dist.parse(frame)
-        if info.fmt.name != h.fmt or info.n != mu.size:
+        if info.fmt.name != h.fmt or info.n != n:
             raise CorruptDataError(f"KV blob frame {g} holds {info.n} {info.fmt.name} values, "
-                                   f"the header says {mu.size} {h.fmt}")
-        bits = dist.decode(frame, mu, sigma, model_tables, model_index=index, threads=threads)
-        t = torch.from_numpy(bits).view(dtype).reshape(h.shape)
+                                   f"the header says {n} {h.fmt}")
+        if groups.device is not None:
+            from ..gpu import dist as gpu_dist
+
+            bits = gpu_dist.decode(frame, mu, sigma, model_tables, model_index=index,
+                                   device=groups.device)
+            t = bits.view(dtype).reshape(h.shape)
+        else:
+            bits = dist.decode(frame, mu, sigma, model_tables, model_index=index,
+                               threads=threads)
+            t = torch.from_numpy(bits).view(dtype).reshape(h.shape)
         tensors.append(t)
-        if h.kind == "conditional":
-            real = t.float() if h.scales is None else t.float() * h.scales[layer, k]
-            residuals[(layer, k)] = real.numpy() - base
-    tensors = [t.to(device) for t in tensors]
+        if groups.conditional:
+            real = t.float()
+            groups.decoded(layer, k, real if h.scales is None
+                           else real * h.scales[layer, k].to(real.device))
+    tensors = [t.to(dev) for t in tensors]
     return KVCache(tensors[0::2], tensors[1::2], h.scales)

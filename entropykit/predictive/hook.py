@@ -27,13 +27,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..rans import distribution as dist
-from . import residual
+from ._torchdist import CODERS, DeviceCalibration, group_distribution, on_gpu
 from .calibration import Calibration
 from .codec import CHUNK
 from .predictors import Predictor
 
 LAYER_MODELS = ("gaussian", "mixture")
-CODERS = ("auto", "cpu", "gpu")
 
 
 class KVOffloadCodec:
@@ -76,7 +75,7 @@ class KVOffloadCodec:
         self.prompt_len = 0
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._shape: tuple[int, int, int, int] | None = None
-        self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dcal: dict[torch.device, DeviceCalibration] = {}
 
     def set_prompt(self, input_ids: torch.Tensor) -> None:
         """Run the predictor on the prompt ([batch, seq]) whose cache will be offloaded."""
@@ -98,42 +97,17 @@ class KVOffloadCodec:
                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(mu, sigma, model index) of one layer's keys (kv = 0) or values over the prompt:
         flat float32 tensors on ``device``, bit for bit ``codec.group_distribution``'s
-        (the same float32 additions, products and maxima, on any device)."""
+        (``_torchdist``: the same float32 operations, on any device)."""
         device = torch.device(device)
-        if device not in self._stats:
-            self._stats[device] = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device)
-                                        for a in (self.calibration.bias, self.calibration.std))
-        bias, std = self._stats[device]
+        if device not in self._dcal:
+            self._dcal[device] = DeviceCalibration(self.calibration, device)
         g = self._guesses.get((layer, kv))
-        p = (torch.zeros((), dtype=torch.float32, device=device) if g is None
-             else g.to(device, non_blocking=g.is_pinned()).float())
-        if layer < self.predictor.exact_layers:
-            mean = p.expand(self._shape)
-            sigma = torch.zeros((), dtype=torch.float32, device=device).expand(self._shape)
-            index = 2 * self.calibration.layers  # residual.coder_model's last model
-        else:
-            mean = (p + bias[layer, kv][None, :, None, :]).expand(self._shape)
-            sigma = std[layer, kv][None, :, None, :].expand(self._shape)
-            index = 2 * layer + kv
-        floor = torch.maximum(sigma, mean.abs() * float(residual.RELATIVE_FLOOR)).clamp_min(
-            float(residual.TINY))  # residual.floor; both float32 constants, exact as floats
-        return (mean.float().reshape(-1).contiguous(), floor.float().reshape(-1).contiguous(),
-                index)
-
-    def _on_gpu(self, device: torch.device) -> bool:
-        if self.coder == "cpu" or device.type != "cuda":
-            if self.coder == "gpu":
-                raise ValueError(f"coder 'gpu' needs the layer on a CUDA device, not {device}")
-            return False
-        if self.coder == "gpu":
-            return True
-        from ..gpu import GpuUnavailableError, _load_runtime
-
-        try:
-            _load_runtime(device)
-        except GpuUnavailableError:
-            return False
-        return True
+        guesses = {} if g is None else {
+            (layer, kv): g.to(device, non_blocking=g.is_pinned()).float()}
+        mu, sigma, index, _ = group_distribution(
+            layer, kv, guesses, self._shape, self.predictor.exact_layers, self.model,
+            self._dcal[device], None, {})
+        return mu, sigma, index
 
     def encode(self, layer: int, kv: int, t: torch.Tensor) -> bytes | torch.Tensor:
         """One layer's keys (kv = 0) or values over the prompt, bf16 [batch, heads, seq,
@@ -142,7 +116,7 @@ class KVOffloadCodec:
         if t.dtype != torch.bfloat16 or tuple(t.shape) != self._shape:
             raise ValueError(f"expected bf16 {self._shape}, got {t.dtype} {tuple(t.shape)}")
         model = self.calibration.coder_model(self.model, "bf16")
-        if self._on_gpu(t.device):
+        if on_gpu(self.coder, t.device):
             from ..gpu import dist as gpu_dist
 
             mu, sigma, index = self.distribution(layer, kv, t.device)
@@ -174,7 +148,7 @@ class KVOffloadCodec:
         decode and raises ``CorruptDataError`` for a bad chunk)."""
         device = torch.device(device)
         model = self.calibration.coder_model(self.model, "bf16")
-        if self._on_gpu(device):
+        if on_gpu(self.coder, device):
             from ..gpu import dist as gpu_dist
 
             mu, sigma, index = self.distribution(layer, kv, device)

@@ -1,0 +1,62 @@
+"""``base + feats @ weights`` on a CUDA device, bit for bit ``predictive._linear.affine``.
+
+What it is: the conditional residual model's one matrix product as a CUDA kernel (NVRTC
+through CuPy, on torch's current stream) that sums every output over the features in
+index order, each product and each sum rounded on its own (``__fmul_rn`` / ``__fadd_rn``:
+no FMA contraction) from the base value up, exactly as the Numba loop does, so a
+``compress_kv`` blob coded on a GPU decodes on a CPU and back. What it is not: fast
+linear algebra (one thread an output, the features read in order).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+_SRC = r"""
+extern "C" __global__ void affine_in_order(const float* feats, const float* w, float* out,
+                                           long long rows, int n_feats, int n_out) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= rows * n_out) return;
+    const long long t = i / n_out;
+    const int c = (int)(i - t * n_out);
+    const float* row = feats + t * n_feats;
+    float acc = out[i];
+    for (int f = 0; f < n_feats; ++f)
+        acc = __fadd_rn(acc, __fmul_rn(row[f], w[(long long)f * n_out + c]));
+    out[i] = acc;
+}
+"""
+_BLOCK = 256
+_lock = threading.Lock()
+_kernel: list[Any] = []
+
+
+def _function() -> Any:
+    import cupy as cp
+
+    with _lock:
+        if not _kernel:
+            _kernel.append(cp.RawKernel(_SRC, "affine_in_order"))
+        return _kernel[0]
+
+
+def affine(base: Any, feats: Any, weights: Any) -> Any:
+    """float32 CUDA tensors base [T, C], feats [T, F], weights [F, C] -> a new [T, C]."""
+    import torch
+
+    from .dist import _args, _launch, _runtime
+
+    out = base.to(torch.float32).contiguous().clone()
+    f = feats.to(torch.float32).contiguous()
+    w = weights.to(torch.float32).contiguous()
+    if f.shape != (out.shape[0], w.shape[0]) or w.shape[1] != out.shape[1]:
+        raise ValueError(f"shapes {tuple(f.shape)} @ {tuple(w.shape)} do not give "
+                         f"{tuple(out.shape)}")
+    if out.numel():
+        dev = _runtime(out.device).cuda_device(out.device)
+        _launch(_function(), dev, -(-out.numel() // _BLOCK), _BLOCK,
+                _args(f, w, out, out.shape[0], np.int32(f.shape[1]), np.int32(w.shape[1])), 0)
+    return out

@@ -1,0 +1,132 @@
+"""``codec.group_distribution`` in torch: a group's (mu, sigma) on the cache's own device.
+
+What it is: the numpy reference's float32 sums, products, maxima and divisions, and the
+conditional model's fixed-order affine (``gpu.affine`` on CUDA, ``_linear.affine`` on a
+CPU), done on torch tensors wherever the cache lives, so the GPU coder gets (mu, sigma)
+without a round trip through host memory; bit for bit the numpy ones, so frames coded
+either way are the same bytes (tests compare every model kind on the CPU here, and
+gpu/kv_hook_check.py on CUDA). Also where the GPU coder may run (``on_gpu``).
+What it is not: a second model: each formula is ``codec`` / ``residual``'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import residual
+from ._linear import affine as _host_affine
+from .calibration import Calibration
+
+CODERS = ("auto", "cpu", "gpu")
+Guesses = dict[tuple[int, int], torch.Tensor | None]
+
+
+def on_gpu(coder: str, device: torch.device | str) -> bool:
+    """Whether ``coder`` ("auto", "cpu" or "gpu") codes tensors on ``device`` with the GPU
+    coder: "gpu" needs a CUDA device (else ``ValueError``); "auto" takes it where it runs
+    (torch with CUDA and CuPy)."""
+    if coder not in CODERS:
+        raise ValueError(f"coder must be one of {CODERS}, got {coder!r}")
+    device = torch.device(device)
+    if coder == "cpu" or device.type != "cuda":
+        if coder == "gpu":
+            raise ValueError(f"coder 'gpu' needs tensors on a CUDA device, not {device}")
+        return False
+    if coder == "gpu":
+        return True
+    from ..gpu import GpuUnavailableError, _load_runtime
+
+    try:
+        _load_runtime(device)
+    except GpuUnavailableError:
+        return False
+    return True
+
+
+class DeviceCalibration:
+    """A calibration's arrays as tensors on one device, each uploaded at first use."""
+
+    def __init__(self, calibration: Calibration, device: torch.device | str) -> None:
+        self.calibration, self.device = calibration, torch.device(device)
+        self._arrays: dict[tuple[str, str | None], torch.Tensor] = {}
+
+    def get(self, name: str, fmt: str | None = None) -> torch.Tensor:
+        """``bias`` / ``std`` (fmt None), or a per-format array (``Calibration.get``)."""
+        key = (name, fmt)
+        if key not in self._arrays:
+            cal = self.calibration
+            a = cal.arrays[name] if fmt is None else cal.get(name, fmt)
+            self._arrays[key] = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return self._arrays[key]
+
+
+def guess_tensors(guess: list | None, layers: int, device: torch.device | str) -> Guesses:
+    """``codec.guess_arrays`` on ``device``: float32 tensors, None where there is no guess."""
+    return {(layer, kv): None if guess is None else guess[layer][kv].to(device).float()
+            for layer in range(layers) for kv in (0, 1)}
+
+
+def _guess(guesses: Guesses, key: tuple[int, int], shape: tuple, device: torch.device
+           ) -> torch.Tensor:
+    g = guesses.get(key)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return (zero if g is None else g).expand(shape)
+
+
+def _affine(base: torch.Tensor, feats: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    if base.device.type == "cuda":
+        from ..gpu.affine import affine
+
+        return affine(base, feats, weights)
+    out = _host_affine(base.numpy(), feats.numpy(), weights.numpy())
+    return torch.from_numpy(out)
+
+
+def _conditional_mean(base: torch.Tensor, residuals: dict, guesses: Guesses, layer: int,
+                      kv: int, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``residual.conditional_mean`` (features, dequantized map, affine) in torch."""
+    b, h, s, d = base.shape
+    srcs = residual.sources(layer, kv)
+    w = (q[: len(srcs)].float() * scale[: len(srcs), None, :]).reshape(-1, q.shape[-1])
+    blocks = []
+    for kind, src_layer, src_kv in srcs:
+        a = (residuals[(src_layer, src_kv)] if kind == "r"
+             else _guess(guesses, (src_layer, src_kv), base.shape, base.device))
+        blocks.append(a.permute(0, 2, 1, 3).reshape(b * s, -1))
+    feats = torch.cat(blocks, dim=1).float()
+    flat = base.float().permute(0, 2, 1, 3).reshape(b * s, h * d)
+    return _affine(flat, feats, w).reshape(b, s, h, d).permute(0, 2, 1, 3)
+
+
+def group_distribution(layer: int, kv: int, guesses: Guesses, shape: tuple, exact: int,
+                       kind: str, cal: DeviceCalibration, scale: torch.Tensor | None,
+                       residuals: dict) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """``codec.group_distribution`` on ``cal.device``: (mu, sigma) flat float32, the model
+    index, and the base mean [batch, heads, seq, dim]; ``scale`` (fp8 caches) a 0-d float32
+    tensor on the device, ``residuals`` the real-unit residuals of the groups coded before
+    (tensors on the device)."""
+    dev = cal.device
+    p = _guess(guesses, (layer, kv), shape, dev)
+    if layer < exact:
+        base = mean = p
+        sigma = torch.zeros((), dtype=torch.float32, device=dev).expand(shape)
+        index = 2 * cal.calibration.layers  # residual.coder_model's last model
+    else:
+        base = p + cal.get("bias")[layer, kv][None, :, None, :]
+        if kind == "conditional":
+            fmt = "bf16" if scale is None else "fp8_e4m3"
+            mean = _conditional_mean(base, residuals, guesses, layer, kv,
+                                     cal.get("cond", fmt)[layer, kv],
+                                     cal.get("cscale", fmt)[layer, kv])
+            sd = cal.get("cstd", fmt)[layer, kv]
+        else:
+            mean, sd = base, cal.get("std")[layer, kv]
+        sigma = sd[None, :, None, :].expand(shape)
+        index = 2 * layer + kv
+    if scale is not None:  # a 0-d tensor: true division (a CPU scalar would be a reciprocal)
+        mean, sigma = mean / scale, sigma / scale
+    floor = torch.maximum(sigma, mean.abs() * float(residual.RELATIVE_FLOOR)).clamp_min(
+        float(residual.TINY))  # residual.floor; both float32 constants, exact as floats
+    return (mean.float().reshape(-1).contiguous(), floor.float().reshape(-1).contiguous(),
+            index, base)
