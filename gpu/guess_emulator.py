@@ -149,22 +149,29 @@ class Setup:
 
 
 def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1,
-               fwd: int = 0, low_rounds: int | None = None):
+               fwd: int = 0, low_rounds: int | None = None, low_e_start: bool = False):
     """The kernel's fast_guess and guess_symbol's answer for a stage of no mass: the
     guessed symbol of each slot (``rounds`` = GUESS_ROUNDS, ``fwd`` = FWD_STEPS,
-    ``low_rounds`` = LOW_ROUNDS; the last two only in a 16-bit format's low stage)."""
+    ``low_rounds`` = LOW_ROUNDS, ``low_e_start`` = LOW_E_START; the last three only in a
+    16-bit format's low stage)."""
     f, p, sh = s.f, s.p, s.sh
     low = f.es > 0 and sh == 0
     if low and low_rounds is not None:
         rounds = low_rounds
     ft, fsb = s.t.astype(F32), s.sb.astype(F32)
     slot = s.slot
-    k, lin = guess_key((fsb + (slot.astype(F32) + F32(0.5)) * F32(1.0 / (1 << p)) * ft)
-                       * F32(1.0 / ONE), s.mu, s.sg, s.zinv, f)
+    gs = (slot.astype(F32) + F32(0.5)) * F32(1.0 / (1 << p))  # the slot's fraction
+    g0 = (fsb + gs * ft) * F32(1.0 / ONE)
+    if low and low_e_start and s.w:  # E at the slot's linear place in the stage's bucket
+        e0 = s.emps[s.b >> f.es].astype(F32)
+        de = (s.emps[(s.b >> f.es) + 1].astype(np.int64)
+              - s.emps[s.b >> f.es]).astype(np.uint32).astype(F32)
+        g0 = ((g0 * F32(WEIGHT_ONE) - F32(s.w) * (e0 + de * gs) * F32(1.0 / ONE))
+              * (F32(1) / F32(WEIGHT_ONE - s.w)))
+    k, lin = guess_key(g0, s.mu, s.sg, s.zinv, f)
     unit = ft / F32((1 << p) - 256)
-    for r in range(rounds):
-        if r >= pure_rounds and not s.w:
-            break
+    # rounds with an empirical term; without, pure_rounds (at most the low stage's rounds)
+    for _ in range(rounds if s.w else pure_rounds if not low else min(rounds, pure_rounds)):
         j0 = np.clip((k - s.b) >> sh, 0, 255)
         target = fsb + ((slot - j0).astype(F32) + F32(0.5)) * unit
         if s.w:
@@ -314,7 +321,8 @@ def main() -> None:
             mt = misses(fast_guess(top, r), jt)
             row = f"{fmt:9s} {name:8s} rounds {r}: top {100 * mt[0]:.2f}% (2+ {100 * mt[1]:.2f}%)"
             if low is not None:
-                ml = misses(fast_guess(low, r, fwd=t.fwd_steps, low_rounds=t.low_rounds), jl)
+                ml = misses(fast_guess(low, r, fwd=t.fwd_steps, low_rounds=t.low_rounds,
+                                   low_e_start=t.low_e_start), jl)
                 row += (f", low ({t.low_rounds} rounds, {t.fwd_steps} steps) {100 * ml[0]:.2f}% "
                         f"(2+ {100 * ml[1]:.2f}%)")
             print(row, flush=True)

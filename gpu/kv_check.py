@@ -309,7 +309,8 @@ def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
                "min_blocks": tune.min_blocks, "guess_rounds": tune.guess_rounds,
                "guess_newton": tune.guess_newton, "tail_inverse": tune.tail_inverse,
                "pure_rounds": tune.pure_rounds, "fwd_steps": tune.fwd_steps,
-               "low_rounds": tune.low_rounds, "prefetch": tune.prefetch,
+               "low_rounds": tune.low_rounds, "low_e_start": tune.low_e_start,
+               "prefetch": tune.prefetch,
                "dyn_chunks": tune.dyn_chunks,
                "model": ["mixture+empirical", "gaussian"][mi],
                "mib": nbytes / 2**20, "ratio": frame.numel() / nbytes, "exact": exact,
@@ -458,7 +459,8 @@ def device_main(args) -> None:
     # (2 rounds; low byte: no forward steps; top byte: the lane's search), fp8 with the
     # lane's search (the other knobs' A/B rows: NOTES)
     lib, lane = T(8, True), T(8, True, warp_search=False)
-    prev = T(8, True, guess_rounds=2, fwd_steps=0, low_rounds=2, warp_search_top=False)
+    prev = T(8, True, guess_rounds=2, fwd_steps=0, low_rounds=2, warp_search_top=False,
+             low_e_start=False)
     variants = {  # (chunk, tuning, model index: 0 mixture + empirical, 1 Gaussian)
         "bf16": [(1 << 14, lib, 0), (1 << 14, prev, 0), (1 << 14, lib, 1), (1 << 14, prev, 1)],
         "fp8_e4m3": [(1 << 14, lib, 0), (1 << 14, lane, 0), (1 << 14, lib, 1)],
@@ -475,7 +477,8 @@ def guess(r: dict) -> str:
     rounds, pure = r.get("guess_rounds", 1), r.get("pure_rounds", r.get("guess_rounds", 1))
     low = r.get("low_rounds")
     low = f" ({low} low)" if low is not None and r["fmt"] == "bf16" and low != rounds else ""
-    out = (f"{rounds} rounds{low}" + (f" ({pure} at w = 0)" if pure < rounds else "")
+    out = (f"{rounds} rounds{low}" + (f" ({pure} at w = 0)" if pure != rounds else "")
+           + (" + E start (low)" if r.get("low_e_start") and r["fmt"] == "bf16" else "")
            + (" + tails" if r.get("tail_inverse") else "")
            + (" + Newton" if r.get("guess_newton") else "")
            + (f" + {r['fwd_steps']} fwd" if r.get("fwd_steps") else ""))

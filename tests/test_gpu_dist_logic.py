@@ -796,18 +796,76 @@ def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
     assert n_small > 0 and n_big > 0
 
 
+def _grid_exponent(sg_bits: int) -> int:
+    """ue: the exponent of mu's grid step (the kernel's params())."""
+    e = (sg_bits >> 23) & 0xFF
+    if e == 0:  # subnormal sigma: the smallest normal one
+        e = 1
+    elif ((sg_bits & 0x7FFFFF) + (1 << 14)) >> 15 == 256:
+        e = min(e + 1, 0xFE)
+    return e - 127 - 16  # MU_BITS
+
+
+def _params32(mu_bits: int, sg_bits: int) -> tuple[bool, int]:
+    """The kernel's params(): (big, mu32), mu_u in 32-bit words (read only when not big)."""
+    ue = _grid_exponent(sg_bits)
+    em = (mu_bits >> 23) & 0xFF
+    mm = (mu_bits & 0x7FFFFF) | ((1 << 23) if em else 0)
+    sh = max(em, 1) - 150 - ue
+    rs = min(-sh, 25)
+    mag = (mm << min(sh, 5)) if sh >= 0 else (mm + (1 << (rs - 1))) >> rs
+    assert mag < 1 << 32  # a 32-bit word
+    return sh >= 6, -mag if mu_bits >> 31 else mag
+
+
+def test_params_mu_in_32_bits_is_the_cpus():
+    # mu_u (mu on sigma's grid, rounded half up in magnitude) from 32-bit words wherever
+    # |mu_u| < MU32, and big exactly where it is not: every sigma exponent (normal, the
+    # rounding's carry into the next one, subnormal), mu 0, -0, subnormal, at the big edge
+    # (mu_u = 2^29 - 1, 2^29), at each right shift's rounding tie and beyond 25 bits.
+    f = K._fmt(D.FORMATS["bf16"].params)
+    rng = np.random.default_rng(5)
+    sig = [np.uint32(b) for b in (1, 0x7FFFFF, 0x00800000, 0x3F7FC000, 0x3F7FBFFF,
+                                  0x7F7FFFFF, 0x7F7FC000)]
+    sig += [np.uint32((e << 23) | int(rng.integers(1 << 23))) for e in range(1, 255)]
+    n_big = n_small = 0
+    for sb in sig:
+        s, u = float(sb.view(np.float32)), 2.0 ** _grid_exponent(int(sb))  # u: mu's grid step
+        mus = [0.0, -0.0, 1e-45, -3e-39, 1.0, -1.5]
+        mus += [u * r for r in (2.0**29 - 64, 2.0**29, -(2.0**29), 2.0**28 + 0.5, 2.0**13 + 0.5,
+                                0.5, -2.5, 1.5 * 2.0**-24, 2.0**-25, 2.0**-26, 2.0**-41)]
+        mus += list(s * 2.0 ** rng.uniform(-40, 34, 20) * rng.choice([-1, 1], 20))
+        for mu in mus:
+            if not abs(mu) < 3.4e38:
+                continue
+            mb = int(np.float32(mu).view(np.uint32))
+            if K._invalid(np.uint32(mb), sb):
+                continue
+            ok, v = K._params(np.uint32(mb), sb, 0, MODEL.weights, D._RTAB, f)
+            big, mu32 = _params32(mb, int(sb))
+            assert big == (abs(v.mu_u) >= _MU32), (mu, s)
+            assert big or mu32 == v.mu_u, (mu, s, mu32, v.mu_u)
+            n_big += big
+            n_small += not big
+    assert n_big > 100 and n_small > 1000
+
+
 def test_tuning_defaults_by_format():
     # None knobs take the format's measured defaults; explicit ones are kept.
     bf16, fp8 = D.FORMATS["bf16"], D.FORMATS["fp8_e4m3"]
-    assert G.Tuning().for_format(bf16) == G.Tuning(guess_rounds=1, warp_search=False,
+    assert G.Tuning().for_format(bf16) == G.Tuning(guess_rounds=0, warp_search=False,
                                                    warp_search_top=True, fwd_steps=2,
-                                                   low_rounds=1, dyn_chunks=False)
+                                                   low_rounds=0, low_e_start=True,
+                                                   dyn_chunks=False)
     assert G.Tuning().for_format(fp8) == G.Tuning(guess_rounds=1, warp_search=True,
                                                   warp_search_top=True, fwd_steps=0,
-                                                  low_rounds=1, dyn_chunks=True)
+                                                  low_rounds=1, low_e_start=False,
+                                                  dyn_chunks=True)
+    # without the low stage's E start, its round is back (the earlier default)
+    assert G.Tuning(low_e_start=False).for_format(bf16).low_rounds == 1
     assert G.Tuning(warp_search=False).for_format(fp8).warp_search_top is False
     t = G.Tuning(guess_rounds=3, warp_search=False, warp_search_top=True, fwd_steps=1,
-                 low_rounds=2, dyn_chunks=False)
+                 low_rounds=2, low_e_start=False, dyn_chunks=False)
     assert t.for_format(fp8) == t
 
 

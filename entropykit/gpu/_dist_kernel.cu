@@ -53,6 +53,9 @@
 #ifndef WARP_SEARCH_TOP
 #define WARP_SEARCH_TOP WARP_SEARCH  // a 16-bit format's top stage's search (A/B builds)
 #endif
+#ifndef LOW_E_START
+#define LOW_E_START 0  // a low stage's first guess takes E at the slot's linear place (fast_guess)
+#endif
 
 // Status codes: dist_kernels.py's, then the GPU path's own.
 #define ERR_STATE 1
@@ -70,10 +73,12 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 // One value's quantized parameters (dist_kernels.Val, without ue which only feeds cb), and
-// mu_u as offset32() takes it: mu32 = mu_u where |mu_u| < MU32 (big = false, every value
-// of realistic data: |mu| < 2^13 sigma), else offset() in 64 bits (big = true).
+// mu_u as clamped_offset() takes it: mu32 = mu_u where |mu_u| < MU32 (big = false, every
+// value of realistic data: |mu| < 2^13 sigma), else offset() in 64 bits (big = true), from
+// mu_u that big_offset() rebuilds from mu's bits (mub) and cb.
 struct Val {
-    i64 mu_u, rr;
+    i64 rr;
+    unsigned mub;
     int dl, cb, m, w, mu32;
     bool big;
 };
@@ -125,6 +130,20 @@ __device__ __forceinline__ bool param_ok(unsigned mub, unsigned sgb) {
     return !((sgb >> 31) || es == 0xFF || sgb == 0 || em == 0xFF || em - max(es, 1) >= 34);
 }
 
+// mu_u = round(mu / 2^ue) in 64 bits (dist_kernels._params): mu's significand mm shifted
+// by sh = max(em, 1) - 150 - ue, right shifts rounding half up in magnitude.
+__device__ __forceinline__ i64 mu_units(unsigned mub, int ue) {
+    const int em = (mub >> 23) & 0xFF;
+    i64 mm = mub & 0x7FFFFF;
+    if (em > 0) mm |= 1 << 23;
+    const int sh = max(em, 1) - 150 - ue;
+    i64 mu_u;
+    if (sh >= 0) mu_u = mm << min(sh, 36);
+    else if (sh < -40) mu_u = 0;
+    else mu_u = (mm + (1LL << (-sh - 1))) >> -sh;
+    return (mub >> 31) ? -mu_u : mu_u;
+}
+
 __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const Model& md) {
     int e = (sgb >> 23) & 0xFF;
     const int em = (mub >> 23) & 0xFF;
@@ -141,18 +160,17 @@ __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const M
         }
     }
     const int ue = e - 127 - MU_BITS;
-    i64 mm = mub & 0x7FFFFF;
-    if (em > 0) mm |= 1 << 23;
-    const int sh = max(em, 1) - 150 - ue;
-    i64 mu_u;
-    if (sh >= 0) mu_u = mm << min(sh, 36);
-    else if (sh < -40) mu_u = 0;
-    else mu_u = (mm + (1LL << (-sh - 1))) >> -sh;
-    if (mub >> 31) mu_u = -mu_u;
+    // mu_units() in 32 bits where it is below MU32: mm < 2^24, so 0 <= sh <= 5 leaves
+    // mm 2^sh < 2^29 = MU32, and sh >= 6 (big) gives >= 2^29 (mm >= 2^23: a subnormal mu
+    // has sh = -149 - ue <= -7, as ue >= -142); for sh < 0 the sum is < 2^25, and -sh >= 25
+    // rounds to 0 (mm + 2^(-sh - 1) < 2^-sh), as it does clamped to 25 (test_gpu_dist_logic).
+    const unsigned mm = (mub & 0x7FFFFF) | (em ? 1u << 23 : 0u);
+    const int sh = max(em, 1) - 150 - ue, rs = min(-sh, 25);
+    const unsigned mag = sh >= 0 ? mm << min(sh, 5) : (mm + (1u << (rs - 1))) >> rs;
     Val v;
-    v.mu_u = mu_u;
-    v.big = mu_u >= MU32 || mu_u <= -MU32;
-    v.mu32 = (int)mu_u;  // read only when !big
+    v.mub = mub;
+    v.big = sh >= 6;
+    v.mu32 = (mub >> 31) ? -(int)mag : (int)mag;  // read only when !big
     v.rr = __ldg(md.rtab + r);
     v.dl = (int)__ldg(md.rtab + 256 + r);  // < 2^22 (dist_kernels.reciprocals)
     v.cb = BIAS + MANT + 1 + ue;
@@ -181,7 +199,8 @@ __device__ __forceinline__ i64 offset(int k, i64 mu_u, int cb) {
 // offset() clamped to +-dl, out of line: only big mu (|mu| >~ 2^13 sigma) takes it, and ten
 // inlined copies of its 64-bit shifts made the hot code ~14% longer (instruction fetch
 // stalls).
-__device__ __noinline__ int big_offset(int k, i64 mu_u, int cb, int dl) {
+__device__ __noinline__ int big_offset(int k, unsigned mub, int cb, int dl) {
+    const i64 mu_u = mu_units(mub, cb - (BIAS + MANT + 1));  // cb = BIAS + MANT + 1 + ue
     return (int)min(max(offset(k, mu_u, cb), (i64)-dl), (i64)dl);
 }
 
@@ -198,7 +217,7 @@ __device__ __noinline__ int big_offset(int k, i64 mu_u, int cb, int dl) {
 // Branch-free: key HALF (+0, B = 0) multiplies 0, and a non-finite key (D_BIG) is the clamp's
 // end on its side.
 __device__ __forceinline__ int clamped_offset(int k, const Val& v) {
-    if (v.big) return big_offset(k, v.mu_u, v.cb, v.dl);
+    if (v.big) return big_offset(k, v.mub, v.cb, v.dl);
     const int y = k - HALF;
     const int a = abs(y) - 1;
     const int e1 = max(a >> MANT, 1);
@@ -726,8 +745,10 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float
 // bf16 top/low bytes 1.4/3.8% -> 0.8/2.3% (mixture), 1.5/4.1% -> 0.5/3.0% (Gaussian);
 // fp8 e4m3 1.9% -> 1.0% (mixture), 2.9% -> 1.6% (Gaussian). Without an empirical term
 // (w = 0) a round only refines j, which the step does too: such a value runs PURE_ROUNDS
-// (kv_check's Gaussian rows: 1 round decodes ~10% faster than 2 or 0). A 16-bit format's
-// low stage runs LOW_ROUNDS in place of GUESS_ROUNDS, then FWD_STEPS (fwd_steps).
+// in the top stage, whatever GUESS_ROUNDS (kv_check's Gaussian rows: 1 round decodes ~10%
+// faster than 2 or 0; bf16's top byte with w > 0 is faster with none: dist.Tuning). A
+// 16-bit format's low stage runs LOW_ROUNDS in place of GUESS_ROUNDS (PURE_ROUNDS at most
+// at w = 0), then FWD_STEPS (fwd_steps); with LOW_E_START its first guess takes E too.
 // A 16-bit format's low stage takes E from its bucket (Stage: e0, de; E at the key clamped
 // into the stage, exact for keys in it, and a guess's key outside it misses anyway).
 template <bool TOP>
@@ -738,12 +759,24 @@ __device__ __forceinline__ int fast_guess(int slot, const Stage& st, float mu, f
     const unsigned sb = TOP ? 0u : st.sb, t = TOP ? (unsigned)ONE : st.t;
     const float ft = (float)t, fsb = (float)sb;
     Lin lin;
-    int k = guess_key((fsb + ((float)slot + 0.5f) * (1.0f / (1 << p)) * ft)
-                             * (1.0f / ONE), mu, sg, zinv, &lin);
+    // the slot's fraction of the stage: the first target S_b + gs T (the top stage's is gs)
+    const float gs = ((float)slot + 0.5f) * (1.0f / (1 << p));
+    float g0 = TOP ? gs : (fsb + gs * ft) * (1.0f / ONE);
+    if (!TOP && LOW_E_START && v.w) {
+        // E from the stage's bucket at the key where S linear in the key would put the slot
+        // (gs of the way), as a round takes E at the last guess's key: LOW_ROUNDS = 0
+        const float e = (float)st.e0 + (float)st.de * gs;
+        g0 = (g0 * WEIGHT_ONE - (float)v.w * e * (1.0f / ONE))
+             * __fdividef(1.0f, (float)(WEIGHT_ONE - v.w));
+    }
+    int k = guess_key(g0, mu, sg, zinv, &lin);
     const float unit = __fdividef(ft, (float)((1 << p) - 256));
+    // rounds with an empirical term, and without (w = 0: at most LOW_ROUNDS in a low stage)
+    constexpr int emp_rounds = TOP ? GUESS_ROUNDS : LOW_ROUNDS;
+    constexpr int pure_rounds = TOP || PURE_ROUNDS < LOW_ROUNDS ? PURE_ROUNDS : LOW_ROUNDS;
 #pragma unroll
-    for (int round = 0; round < (TOP ? GUESS_ROUNDS : LOW_ROUNDS); ++round) {
-        if (round >= PURE_ROUNDS && !v.w) break;
+    for (int round = 0; round < (emp_rounds > pure_rounds ? emp_rounds : pure_rounds); ++round) {
+        if (round >= (v.w ? emp_rounds : pure_rounds)) break;
         const int j0 = min(max((k - b) >> sh, 0), 255);
         float target = fsb + ((float)(slot - j0) + 0.5f) * unit;
         if (v.w) {
@@ -877,7 +910,7 @@ template <bool TOP>
 __device__ __forceinline__ void warp_search(Sym& s, int q, int slot, const Stage& st,
         int spread, const Val& v, const Model& md, int lane) {
     Val w;
-    w.mu_u = __shfl_sync(FULL, v.mu_u, q);
+    w.mub = __shfl_sync(FULL, v.mub, q);
     w.rr = __shfl_sync(FULL, v.rr, q);
     w.dl = __shfl_sync(FULL, v.dl, q);
     w.cb = __shfl_sync(FULL, v.cb, q);
@@ -980,7 +1013,10 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, cons
     const int at = c.wp + __popc(bal & ((1u << lane) - 1u));
     c.wp += __popc(bal);
     if (c.wp > c.n_words) return false;
-    if (need) c.x = (c.x << 16) | c.words[2 * at] | ((unsigned)c.words[2 * at + 1] << 8);
+    if (need) {  // one address for both bytes (at >= 0)
+        const unsigned char* wd = c.words + 2 * (unsigned)at;
+        c.x = (c.x << 16) | wd[0] | ((unsigned)wd[1] << 8);
+    }
     return true;
 }
 

@@ -56,15 +56,20 @@ class Tuning:
     warps: int = 8  # warps (chunks) per block (H200: 8 decodes ~17% faster than 4)
     smem: bool = True  # model tables in shared memory when they fit _SMEM_LIMIT
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
-    # the decoder's guess refinements (a 16-bit format's top stage; its low stage takes
-    # low_rounds); None: 1. kv_check, A/B on the H200: fp8 e4m3 mixture 1 round 32.1-35.3
-    # GB/s, 2: 31.2-33.0, 0: 27.2; bf16 mixture's top byte, with the lane's search 2 rounds
-    # 28.0-28.8, 1: 24.5-26.1, 3: 23.1 (earlier rounds), with the warp's search and this
-    # round's instruction cuts 2 rounds 35.8 / 36.3, 1: 36.4 / 37.1 (two runs; top-byte misses
-    # 0.83% -> ~1.4%, far ones searched by the warp)
+    # the decoder's guess refinements of values with an empirical term (w > 0; a 16-bit
+    # format's top stage; its low stage takes low_rounds); None: 1 for 8-bit formats, 0 for
+    # 16-bit ones. kv_check, A/B on the H200: fp8 e4m3 mixture 1 round 32.1-35.3 GB/s, 2:
+    # 31.2-33.0, 0: 27.2; bf16 mixture's top byte, with the lane's search 2 rounds 28.0-28.8,
+    # 1: 24.5-26.1, 3: 23.1 (earlier rounds), with the warp's search and the instruction cuts
+    # 2 rounds 35.8 / 36.3, 1: 36.4 / 37.1; with low_e_start (two runs, mixture / Gaussian,
+    # rounds for w > 0 and w = 0 alike) 1 round 39.1 / 43.4, 0: 39.9 / 42.2 (top-byte misses
+    # emulated 1.39% / 0.48% -> 2.63% / 2.04%), so the Gaussian keeps pure_rounds; then 0
+    # rounds at w > 0 only: mixture 41.1 -> 41.8 (a third run)
     guess_rounds: int | None = None
     guess_newton: bool = True  # then one Newton step on the stage's slot equation
-    pure_rounds: int = 1  # of those, the ones a model without empirical term (w = 0) runs
+    # the top stage's rounds for a model without empirical term (w = 0), in place of
+    # guess_rounds (a low stage's: at most low_rounds)
+    pure_rounds: int = 1
     tail_inverse: bool = True  # guesses in the end intervals from log-spaced tail points
     count_misses: bool = False  # count missed guesses (``miss_counts``; slower)
     # a missed guess (a 16-bit format's low stage, an 8-bit format's only one): its
@@ -85,6 +90,12 @@ class Tuning:
     # 2.06% -> 0.73%; before those cuts the steps did not pay)
     fwd_steps: int | None = None
     low_rounds: int | None = None
+    # a 16-bit format's low-stage first guess takes E (the stage's empirical bucket) at the
+    # key where S linear in the key would put the slot (None: for 16-bit formats), so that
+    # it needs no round: low_rounds None is then 0 (emulated bf16 low-byte misses, mixture /
+    # Gaussian: 1 round + 2 steps 0.72% / 0.86%; 0 rounds with E 0.92% / 1.28%; ncu 1.4%
+    # fewer instructions; H200 A/B, two runs: decode +1.3% / -0.2%, +1.2% / 0.0%)
+    low_e_start: bool | None = None
     # the decoder loads each group's (mu, sigma, model) a group ahead (H200 A/B, decode GB/s
     # mixture / Gaussian vs without: bf16 38.3 / 42.5 vs 36.8 / 42.5, fp8 e4m3 36.0 / 39.3 vs
     # 35.8 / 39.2)
@@ -104,13 +115,15 @@ class Tuning:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
-        rounds = pick(self.guess_rounds, 1)
+        rounds = pick(self.guess_rounds, 0 if wide else 1)
+        e_start = pick(self.low_e_start, wide)
         warp = pick(self.warp_search, not wide)
         return replace(self, guess_rounds=rounds, warp_search=warp,
                        dyn_chunks=pick(self.dyn_chunks, not wide),
                        warp_search_top=pick(self.warp_search_top, True if wide else warp),
                        fwd_steps=pick(self.fwd_steps, 2 if wide else 0),
-                       low_rounds=pick(self.low_rounds, 1 if wide else rounds))
+                       low_e_start=e_start,
+                       low_rounds=pick(self.low_rounds, 0 if e_start else 1 if wide else rounds))
 
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
@@ -270,7 +283,8 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
                     f"-DCOUNT_MISSES={int(t.count_misses)}", f"-DWARP_SEARCH={int(t.warp_search)}",
                     f"-DWARP_SEARCH_TOP={int(t.warp_search_top)}",
                     f"-DFWD_STEPS={t.fwd_steps}",
-                    f"-DLOW_ROUNDS={t.low_rounds}", f"-DPREFETCH={int(t.prefetch)}",
+                    f"-DLOW_ROUNDS={t.low_rounds}", f"-DLOW_E_START={int(t.low_e_start)}",
+                    f"-DPREFETCH={int(t.prefetch)}",
                     f"-DDYN_CHUNKS={int(t.dyn_chunks)}",
                     f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
                     f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
