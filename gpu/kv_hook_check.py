@@ -132,16 +132,15 @@ def _gpu_coder(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
             cpu.set_prompt(prompt)
             ok = True
             for i in range(layers):
-                for kv in (0, 1):
-                    a = [x.cpu().view(torch.int32) for x in gpu.distribution(i, kv, DEV)[:2]]
-                    b = [x.view(torch.int32) for x in cpu.distribution(i, kv)[:2]]
-                    same = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-                    t = (cache.layers[i].keys, cache.layers[i].values)[kv]
-                    fg, fc = gpu.encode(i, kv, t), cpu.encode(i, kv, t)
-                    back = (gpu.decode(i, kv, fc, DEV), cpu.decode(i, kv, fg, DEV),
-                            gpu.decode(i, kv, fg, DEV))
-                    exact = all(torch.equal(_bits(x), _bits(t)) for x in back)
-                    ok = ok and same and exact and fg.is_pinned()
+                a = [x.cpu().view(torch.int32) for x in gpu.layer_distribution(i, DEV)[:2]]
+                b = [x.view(torch.int32) for x in cpu.layer_distribution(i)[:2]]
+                same = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+                k, v = cache.layers[i].keys, cache.layers[i].values
+                fg, fc = gpu.encode(i, k, v), cpu.encode(i, k, v)
+                back = (gpu.decode(i, fc, DEV), cpu.decode(i, fg, DEV), gpu.decode(i, fg, DEV))
+                exact = all(torch.equal(_bits(x), _bits(k)) and torch.equal(_bits(y), _bits(v))
+                            for x, y in back)
+                ok = ok and same and exact and fg.is_pinned()
             print(f"offload codec, {name}, {kind}: GPU (mu, sigma) = CPU's, frames decode "
                   f"across coders: {ok}")
             if not ok:
@@ -178,9 +177,9 @@ def _corrupt(model: torch.nn.Module, none: P.Predictor, none_cal: P.Calibration,
     layer = PredictiveOffloadedLayer(codec, 1)
     layer.update(cache.layers[1].keys.clone(), cache.layers[1].values.clone())
     layer.offload()
-    frame = layer._frames[0].clone()
-    frame[frame.numel() // 2] ^= 0x10
-    layer._frames = (frame, layer._frames[1])
+    frame = layer._frame.clone()
+    frame[frame.numel() // 4] ^= 0x10  # in the keys' half
+    layer._frame = frame
     layer.prefetch()
     raised = 0
     for _ in range(2):
@@ -282,17 +281,20 @@ def _best(fn, reps: int = 5) -> float:
 
 def _timings(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
              none: P.Predictor, none_cal: P.Calibration, gen: torch.Generator) -> list[str]:
-    """Per (layer, k/v) tensor of a 16 x 1024-token prompt (2 kv heads x 64: 2 M values,
-    4 MiB of bf16): offload (to host) and prefetch (back) times, best of 5."""
+    """Per layer of a 16 x 1024-token prompt (keys and values, 2 kv heads x 64: 2 x 2 M
+    values, 8 MiB of bf16): offload (to host) and prefetch (back) times, best of 5."""
     prompt = torch.randint(0, 512, (16, 1024), generator=gen).to(DEV)
     with torch.inference_mode():
-        t = model(prompt, use_cache=True).past_key_values.layers[2].keys
-    mib = t.numel() * 2 / 2**20
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    pageable = t.to("cpu")
-    rows = [("plain copy, pageable", lambda: t.to("cpu"), lambda: pageable.to(DEV)),
-            ("plain copy, pinned", lambda: host.copy_(t),
-             lambda: host.to(DEV, non_blocking=True))]
+        layer = model(prompt, use_cache=True).past_key_values.layers[2]
+    k, v = layer.keys, layer.values
+    n = k.numel() + v.numel()
+    mib = n * 2 / 2**20
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (k, v)]
+    pageable = [t.to("cpu") for t in (k, v)]
+    rows = [("plain copy, pageable", lambda: (k.to("cpu"), v.to("cpu")),
+             lambda: [t.to(DEV) for t in pageable]),
+            ("plain copy, pinned", lambda: (host[0].copy_(k), host[1].copy_(v)),
+             lambda: [t.to(DEV, non_blocking=True) for t in host])]
     failures = []
     for label, pr, cl, coder, threads, chunk in (
             ("none, GPU coder", none, none_cal, "gpu", 1, None),
@@ -304,14 +306,16 @@ def _timings(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
         codec = KVOffloadCodec(pr, cl, model="mixture", coder=coder, threads=threads,
                                chunk_size=chunk)
         codec.set_prompt(prompt)
-        frame = codec.encode(2, 0, t)
-        if not torch.equal(_bits(codec.decode(2, 0, frame, DEV)), _bits(t)):
+        frame = codec.encode(2, k, v)
+        bk, bv = codec.decode(2, frame, DEV)
+        if not (torch.equal(_bits(bk), _bits(k)) and torch.equal(_bits(bv), _bits(v))):
             failures.append(f"timing round trip {label}")
-        rows.append((f"{label} ({8 * len(frame) / t.numel():.2f} bits/value)",
-                     lambda c=codec: c.encode(2, 0, t),
-                     lambda c=codec, f=frame: c.decode(2, 0, f, DEV)))
+        rows.append((f"{label} ({8 * len(frame) / n:.2f} bits/value)",
+                     lambda c=codec: c.encode(2, k, v),
+                     lambda c=codec, f=frame: c.decode(2, f, DEV)))
     _generate_times(model, none, none_cal, prompt, gen)
-    print(f"\nper (layer, k/v) tensor, {t.numel():,} values ({mib:.0f} MiB bf16), best of 5:")
+    print(f"\nper layer (keys and values, one frame), {n:,} values ({mib:.0f} MiB bf16), "
+          "best of 5:")
     print("| path | offload ms | prefetch ms | prefetch GB/s of cache |")
     print("|---|---:|---:|---:|")
     for label, off, pre in rows:

@@ -113,14 +113,17 @@ def test_codec_arguments():
         KVOffloadCodec(P.NoPredictor(), CAL)
     codec = KVOffloadCodec(PRED, CAL)
     codec.set_prompt(torch.zeros(1, 8, dtype=torch.long))
+    good = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="expected bf16"):
-        codec.encode(0, 0, torch.zeros(1, 2, 9, 16, dtype=torch.bfloat16))
+        codec.encode(0, good, torch.zeros(1, 2, 9, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="expected bf16"):
+        codec.encode(0, good.float(), good)
     with pytest.raises(ValueError, match="coder must be one of"):
         KVOffloadCodec(PRED, CAL, coder="cuda")
     codec = KVOffloadCodec(PRED, CAL, coder="gpu")
     codec.set_prompt(torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="needs tensors on a CUDA device, not cpu"):
-        codec.encode(0, 0, torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16))
+        codec.encode(0, good, good)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "early-exit", "none", "adversarial"])
@@ -160,6 +163,28 @@ def test_distribution_is_the_codecs(kind, model):
                 assert stored is None
 
 
+@pytest.mark.parametrize("pred", ["fp8", "early-exit"])
+def test_layer_distribution_joins_keys_and_values(pred):
+    """One frame a layer: keys' then values' (mu, sigma); one model index where both use
+    the same model (an exactly guessed layer), else one per value."""
+    predictor, cal = (PRED, CAL) if pred == "fp8" else (EARLY, EARLY_CAL)
+    ids = torch.randint(0, 256, (1, 24), generator=GEN)
+    codec = KVOffloadCodec(predictor, cal)
+    codec.set_prompt(ids)
+    n = 2 * 24 * 16
+    for layer in range(cal.layers):
+        mu, sigma, index = codec.layer_distribution(layer)
+        parts = [codec.distribution(layer, kv) for kv in (0, 1)]
+        assert torch.equal(mu, torch.cat([parts[0][0], parts[1][0]]))
+        assert torch.equal(sigma, torch.cat([parts[0][1], parts[1][1]]))
+        if layer < predictor.exact_layers:
+            assert index == parts[0][2] == parts[1][2] == 2 * cal.layers
+        else:
+            assert index.dtype == torch.int16 and index.shape == (2 * n,)
+            assert set(index[:n].tolist()) == {2 * layer}
+            assert set(index[n:].tolist()) == {2 * layer + 1}
+
+
 def test_no_predictor_generate_equality():
     """With no predictor nothing is kept per value, and generate() is still equal."""
     ids = torch.randint(0, 256, (1, 40), generator=GEN)
@@ -196,14 +221,17 @@ def test_chunk_size(chunk):
 
     ids = torch.randint(0, 256, (1, 40), generator=GEN)
     with torch.inference_mode():
-        keys = MODEL(ids, use_cache=True).past_key_values.layers[0].keys
+        layer = MODEL(ids, use_cache=True).past_key_values.layers[1]
     codec = KVOffloadCodec(PRED, CAL, chunk_size=chunk)
     codec.set_prompt(ids)
-    frame = codec.encode(0, 0, keys)
+    frame = codec.encode(1, layer.keys, layer.values)
     info = dist.parse(np.frombuffer(frame, np.uint8))
     assert info.chunk_size == (chunk or C.CHUNK)
-    assert len(info.lengths) == -(-keys.numel() // info.chunk_size)
-    assert torch.equal(codec.decode(0, 0, frame).view(torch.int16), keys.view(torch.int16))
+    assert info.n == 2 * layer.keys.numel()  # keys then values, one frame
+    assert len(info.lengths) == -(-info.n // info.chunk_size)
+    keys, values = codec.decode(1, frame)
+    assert torch.equal(keys.view(torch.int16), layer.keys.view(torch.int16))
+    assert torch.equal(values.view(torch.int16), layer.values.view(torch.int16))
     with pytest.raises(ValueError, match="chunk_size must be a multiple of 32 in"):
         KVOffloadCodec(PRED, CAL, chunk_size=1000)
 
@@ -220,9 +248,9 @@ def test_corrupt_frame_raises_on_prefetch():
     layer = PredictiveOffloadedLayer(codec, 0)
     layer.update(ref.layers[0].keys.clone(), ref.layers[0].values.clone())
     layer.offload()
-    bad = bytearray(layer._frames[1])
+    bad = bytearray(layer._frame)
     bad[len(bad) // 2] ^= 0x10
-    layer._frames = (layer._frames[0], bytes(bad))
+    layer._frame = bytes(bad)
     with pytest.raises(CorruptDataError):
         layer.prefetch()
 

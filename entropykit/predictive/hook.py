@@ -109,59 +109,83 @@ class KVOffloadCodec:
             self._dcal[device], None, {})
         return mu, sigma, index
 
-    def encode(self, layer: int, kv: int, t: torch.Tensor) -> bytes | torch.Tensor:
-        """One layer's keys (kv = 0) or values over the prompt, bf16 [batch, heads, seq,
-        dim] on any device, as a distribution-rANS frame: bytes (CPU coder), or a uint8
-        tensor in pinned host memory (GPU coder)."""
-        if t.dtype != torch.bfloat16 or tuple(t.shape) != self._shape:
-            raise ValueError(f"expected bf16 {self._shape}, got {t.dtype} {tuple(t.shape)}")
+    def layer_distribution(self, layer: int, device: torch.device | str = "cpu"
+                           ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
+        """(mu, sigma, model index) of one layer's keys then values, as ``encode`` codes
+        them in one frame: the two ``distribution``s joined, the index per value (int16)
+        where keys and values use different models."""
+        mk, sk, ik = self.distribution(layer, 0, device)
+        mv, sv, iv = self.distribution(layer, 1, device)
+        index: int | torch.Tensor = ik
+        if ik != iv:
+            index = torch.cat([torch.full(mk.shape, ik, dtype=torch.int16, device=mk.device),
+                               torch.full(mv.shape, iv, dtype=torch.int16, device=mv.device)])
+        return torch.cat([mk, mv]), torch.cat([sk, sv]), index
+
+    def encode(self, layer: int, keys: torch.Tensor, values: torch.Tensor
+               ) -> bytes | torch.Tensor:
+        """One layer's keys and values over the prompt, bf16 [batch, heads, seq, dim] on
+        any device, as one distribution-rANS frame (keys, then values: one launch and one
+        directory a layer): bytes (CPU coder), or a uint8 tensor in pinned host memory
+        (GPU coder)."""
+        for t in (keys, values):
+            if t.dtype != torch.bfloat16 or tuple(t.shape) != self._shape:
+                raise ValueError(f"expected bf16 {self._shape}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
         model = self.calibration.coder_model(self.model, "bf16")
-        if on_gpu(self.coder, t.device):
+        if keys.device != values.device:
+            raise ValueError(f"keys on {keys.device}, values on {values.device}")
+        both = torch.cat([keys.detach().reshape(-1), values.detach().reshape(-1)])
+        if on_gpu(self.coder, both.device):
             from ..gpu import dist as gpu_dist
 
-            mu, sigma, index = self.distribution(layer, kv, t.device)
-            frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model,
-                                    model_index=index,
+            mu, sigma, index = self.layer_distribution(layer, both.device)
+            frame = gpu_dist.encode(both, mu, sigma, model, model_index=index,
                                     chunk_size=self.chunk_size or gpu_dist.GPU_CHUNK)
             host = torch.empty(frame.numel(), dtype=torch.uint8, pin_memory=True)
             return host.copy_(frame)
-        mu, sigma, index = self.distribution(layer, kv)
-        bits = t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-        return dist.encode(bits.reshape(-1), mu.numpy(), sigma.numpy(), model, fmt="bf16",
-                           model_index=index, chunk_size=self.chunk_size or CHUNK,
+        mu, sigma, index = self.layer_distribution(layer)
+        bits = both.cpu().view(torch.int16).numpy().view(np.uint16)
+        return dist.encode(bits, mu.numpy(), sigma.numpy(), model, fmt="bf16",
+                           model_index=_host_index(index), chunk_size=self.chunk_size or CHUNK,
                            threads=self.threads)
 
-    def decode(self, layer: int, kv: int, frame: bytes | torch.Tensor,
-               device: torch.device | str = "cpu") -> torch.Tensor:
-        """``encode``'s tensor back, bf16 on ``device`` (decoded there when the GPU coder
-        runs, else on the CPU and moved)."""
-        values, check = self.start_decode(layer, kv, frame, device)
+    def decode(self, layer: int, frame: bytes | torch.Tensor, device: torch.device | str = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encode``'s keys and values back, bf16 on ``device`` (decoded there when the
+        GPU coder runs, else on the CPU and moved)."""
+        keys, values, check = self.start_decode(layer, frame, device)
         check()
-        return values
+        return keys, values
 
-    def start_decode(self, layer: int, kv: int, frame: bytes | torch.Tensor,
+    def start_decode(self, layer: int, frame: bytes | torch.Tensor,
                      device: torch.device | str = "cpu"
-                     ) -> tuple[torch.Tensor, Callable[[], None]]:
-        """``decode`` without waiting where the GPU coder runs: (the tensor, a check).
-        The tensor is queued on the current CUDA stream, so work queued after it may use
-        it, but its values are right only once ``check()`` has returned (it waits for the
-        decode and raises ``CorruptDataError`` for a bad chunk)."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+        """``decode`` without waiting where the GPU coder runs: (keys, values, a check).
+        The tensors are queued on the current CUDA stream, so work queued after them may
+        use them, but their values are right only once ``check()`` has returned (it waits
+        for the decode and raises ``CorruptDataError`` for a bad chunk)."""
         device = torch.device(device)
         model = self.calibration.coder_model(self.model, "bf16")
         if on_gpu(self.coder, device):
             from ..gpu import dist as gpu_dist
 
-            mu, sigma, index = self.distribution(layer, kv, device)
+            mu, sigma, index = self.layer_distribution(layer, device)
             pending = gpu_dist.decode_async(frame, mu, sigma, model, model_index=index,
                                             device=device)
-            return pending.out.view(torch.bfloat16).reshape(self._shape), pending.result
-        mu, sigma, index = self.distribution(layer, kv)
+            keys, values = pending.out.view(torch.bfloat16).reshape(2, *self._shape)
+            return keys, values, pending.result
+        mu, sigma, index = self.layer_distribution(layer)
         if isinstance(frame, torch.Tensor):
             frame = frame.numpy()
-        bits = dist.decode(frame, mu.numpy(), sigma.numpy(), model, model_index=index,
-                           threads=self.threads)
-        values = torch.from_numpy(bits).view(torch.bfloat16).reshape(self._shape)
-        return values.to(device), lambda: None
+        bits = dist.decode(frame, mu.numpy(), sigma.numpy(), model,
+                           model_index=_host_index(index), threads=self.threads)
+        keys, values = torch.from_numpy(bits).view(torch.bfloat16).reshape(2, *self._shape)
+        return keys.to(device), values.to(device), lambda: None
+
+
+def _host_index(index: int | torch.Tensor) -> int | np.ndarray:
+    return index if isinstance(index, int) else index.numpy()
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +210,7 @@ class PredictiveOffloadedLayer(DynamicLayer):
         self._checks: list[Callable[[], None]] = []
         super().__init__(**kwargs)
         self.codec, self.layer_idx = codec, layer_idx
-        self._frames: tuple[bytes | torch.Tensor, bytes | torch.Tensor] | None = None
+        self._frame: bytes | torch.Tensor | None = None  # keys and values of the prompt
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
         self._length = 0
 
@@ -214,9 +238,9 @@ class PredictiveOffloadedLayer(DynamicLayer):
         n = self.codec.prompt_len
         if self.keys.shape[-2] < n or n == 0:
             return  # not the prompt's cache (yet): keep it as it is
-        if self._frames is None:
-            self._frames = (self.codec.encode(self.layer_idx, 0, self.keys[..., :n, :]),
-                            self.codec.encode(self.layer_idx, 1, self.values[..., :n, :]))
+        if self._frame is None:
+            self._frame = self.codec.encode(self.layer_idx, self.keys[..., :n, :],
+                                            self.values[..., :n, :])
         self._tail = (self.keys[..., n:, :].to("cpu"), self.values[..., n:, :].to("cpu"))
         self._length = self.keys.shape[-2]
         self.keys = self.values = None
@@ -225,15 +249,14 @@ class PredictiveOffloadedLayer(DynamicLayer):
         """Queue the prompt part's decode and the whole layer's return to its device."""
         if not self.offloaded:
             return
-        started = [self.codec.start_decode(self.layer_idx, kv, self._frames[kv], self.device)
-                   for kv in (0, 1)]
+        keys, values, check = self.codec.start_decode(self.layer_idx, self._frame, self.device)
         self.keys, self.values = (torch.cat([p, t.to(self.device)], dim=-2)
-                                  for (p, _), t in zip(started, self._tail, strict=True))
-        self._checks = [check for _, check in started]
+                                  for p, t in zip((keys, values), self._tail, strict=True))
+        self._checks = [check]
         self._tail = None
 
     def compressed_bytes(self) -> int:
-        return 0 if self._frames is None else sum(len(f) for f in self._frames)
+        return 0 if self._frame is None else len(self._frame)
 
     def get_seq_length(self) -> int:
         return self._length if self.offloaded else super().get_seq_length()
