@@ -130,3 +130,26 @@ def test_coder_argument():
     with pytest.raises(ValueError, match="needs tensors on a CUDA device, not cpu"):
         P.decompress_kv(blob, PREDICTORS["none"], CALS["none"], coder="gpu")
     assert P.decompress_kv(blob, PREDICTORS["none"], CALS["none"], coder="cpu").equal(CACHE)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 63, 64, 65, 200, 1031])
+def test_affine_is_one_order_on_any_threads(rows):
+    """_linear.affine: each output summed over the features in index order, products and
+    sums rounded one by one (a float32 reference loop), whatever the thread count."""
+    from entropykit.predictive._linear import affine
+
+    gen = np.random.default_rng(rows)
+    base = gen.standard_normal((rows, 5)).astype(np.float32)
+    feats = (gen.standard_normal((rows, 7)) * 10.0 ** gen.integers(-3, 4, (rows, 7))
+             ).astype(np.float32)
+    if rows:
+        feats[0, :3] = [np.float32(1e-40), -0.0, np.float32(1e30)]  # subnormal, -0, large
+    w = gen.standard_normal((7, 5)).astype(np.float32)
+    want, base0 = base.copy(), base.copy()
+    for f in range(7):  # numpy float32: one rounding per product, one per sum
+        want += feats[:, f : f + 1] * w[f]
+    for threads in (1, 2, 3, 8):
+        got = affine(base, feats, w, threads)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), threads
+        assert got.shape == (rows, 5) and got.dtype == np.float32
+    assert np.array_equal(base, base0)  # base is not written

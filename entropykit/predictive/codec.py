@@ -71,7 +71,8 @@ def guess_arrays(guess: Prediction | None, layers: int,
 
 def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: int,
                         kind: str, cal: Calibration, scales: torch.Tensor | None,
-                        residuals: dict) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+                        residuals: dict, threads: int | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
     """(mu, sigma, model index, base mean in real units) of one (layer, k/v) tensor.
 
     mu and sigma are flat in the tensor's order and in the cache's units (fp8: divided by
@@ -88,7 +89,7 @@ def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: 
             fmt = "bf16" if scales is None else "fp8_e4m3"
             mean = residual.conditional_mean(base, residuals, guesses, layer, kv,
                                              cal.get("cond", fmt)[layer, kv],
-                                             cal.get("cscale", fmt)[layer, kv])
+                                             cal.get("cscale", fmt)[layer, kv], threads)
             sd = cal.get("cstd", fmt)[layer, kv]
         else:
             mean, sd = base, cal.std[layer, kv]
@@ -147,7 +148,7 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
         raise ValueError(f"unknown residual model {model!r}; known: {kinds}")
     device = kv.keys[0].device
     groups = _Groups(calibration, predictor, model, kv.shape, kv.scales, layers,
-                     device if T.on_gpu(coder, device) else None)
+                     device if T.on_gpu(coder, device) else None, threads)
     guess = predictor.predict(ids)
     groups.set_guess(guess)
     model_tables = calibration.coder_model(model, kv.format)
@@ -189,10 +190,12 @@ class _Groups:
     model's residuals (``conditional``: it needs them)."""
 
     def __init__(self, cal: Calibration, predictor: Predictor, kind: str, shape: tuple,
-                 scales: torch.Tensor | None, layers: int, device: torch.device | None) -> None:
+                 scales: torch.Tensor | None, layers: int, device: torch.device | None,
+                 threads: int | None) -> None:
         self.cal, self.kind, self.shape, self.layers = cal, kind, shape, layers
         self.conditional = kind == "conditional"
         self.exact, self.scales, self.device = predictor.exact_layers, scales, device
+        self.threads = threads
         self.dcal = None if device is None else T.DeviceCalibration(cal, device)
         self.residuals: dict = {}
         self.bases: dict = {}
@@ -206,7 +209,7 @@ class _Groups:
         if self.device is None:
             mu, sigma, index, base = group_distribution(
                 layer, kv, self.guesses, self.shape, self.exact, self.kind, self.cal,
-                self.scales, self.residuals)
+                self.scales, self.residuals, self.threads)
         else:
             scale = None if self.scales is None else self.scales[layer, kv].to(self.device)
             mu, sigma, index, base = T.group_distribution(
@@ -320,7 +323,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
             "decoding needs the same weights, torch build, device type and thread count")
     groups = _Groups(calibration, predictor, h.kind, h.shape, h.scales, h.layers,
-                     dev if on_device else None)
+                     dev if on_device else None, threads)
     groups.set_guess(guess)
     buf = np.frombuffer(memoryview(blob), np.uint8)
     model_tables = calibration.coder_model(h.kind, h.fmt)

@@ -116,13 +116,15 @@ def quantize(w: np.ndarray, n: int, hd: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def conditional_mean(base: np.ndarray, residuals: dict, guesses: dict, layer: int, kv: int,
-                     q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+                     q: np.ndarray, scale: np.ndarray, threads: int | None = None
+                     ) -> np.ndarray:
     """base [batch, heads, seq, dim] + the conditional shift, with the group's int8 map
-    ``q`` [MAX_SOURCES, hd, hd] and ``scale`` [MAX_SOURCES, hd] (calibration)."""
+    ``q`` [MAX_SOURCES, hd, hd] and ``scale`` [MAX_SOURCES, hd] (calibration), on
+    ``threads`` threads (the same bits on any number)."""
     b, h, s, d = base.shape
     w = dequantize(q, scale, len(sources(layer, kv)))
     flat = base.astype(np.float32).transpose(0, 2, 1, 3).reshape(b * s, h * d)
-    out = affine(flat, features(residuals, guesses, layer, kv), w)
+    out = affine(flat, features(residuals, guesses, layer, kv), w, threads)
     return out.reshape(b, s, h, d).transpose(0, 2, 1, 3)
 
 
