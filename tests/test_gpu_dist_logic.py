@@ -761,6 +761,33 @@ def _top_offsets(mu_bits, sg_bits, fp, ws, rtab, out):
         out[j] = min(max(min(max(int(fl), -_SAT32), _SAT32) - v.mu_u, -v.dl), v.dl)
 
 
+@njit(cache=True)
+def _table_offsets(mu_bits, sg_bits, fp, ws, rtab, out):
+    """The kernel's clamped_offset with KEY_TABLE (8-bit formats) at keys k = 0..nkeys of a
+    value that is not big: out[k]; returns the smallest nonzero |product| floored."""
+    f = K._fmt(fp)
+    ok, v = K._params(mu_bits, sg_bits, 0, ws, rtab, f)
+    half = f.nkeys >> 1
+    scale = np.float32(2.0 ** min(max(1 - v.cb, -126), 64))
+    smallest = np.inf
+    for k in range(f.nkeys + 1):
+        y = k - half
+        a = abs(y) - 1
+        e1 = max(a >> f.mant, 1)
+        mid = 2 * a + 1 - ((e1 - 1) << (f.mant + 1))
+        if abs(y) >= f.nonfinite:  # key_boundary()
+            kb = np.float32(-np.inf if y < 0 else np.inf)
+        else:
+            kb = np.float32(-mid if y < 0 else mid if y > 0 else 0) * np.float32(2.0 ** (e1 - 1))
+        prod = kb * scale  # float32, exact where finite
+        if prod != 0 and abs(prod) < smallest:
+            smallest = abs(prod)
+        fl = min(max(np.floor(prod), -2.0**31), 2.0**31 - 1)  # cvt.rmi.s32: saturating
+        t = min(max(int(fl), -_SAT32), _SAT32)
+        out[k] = min(max(t - v.mu_u, -v.dl), v.dl)
+    return smallest
+
+
 @pytest.mark.parametrize("fmt", sorted(D.FORMATS))
 def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
     # Every key of values from tiny to the coder's largest |mu| / sigma, both signs, and
@@ -773,6 +800,7 @@ def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
                           10.0 ** rng.uniform(-30, 30, 40)])
     out = np.zeros((1 << f.bits, 3), np.int64)
     top = np.zeros(256, np.int64)
+    table = np.zeros((1 << f.bits) + 1, np.int64)
     n_big = n_small = 0
     for s in sig.astype(np.float32):
         ratios = np.concatenate([[0.0, 1.0, 2.0**13, 2.0**14, 2.0**33.9],
@@ -793,6 +821,12 @@ def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
                 if fmt == "bf16" and not big:  # the top stage's keys (top_offset)
                     _top_offsets(mb, sb, f.params, MODEL.weights, D._RTAB, top)
                     np.testing.assert_array_equal(top[1:], out[256:65536:256, 0])
+                if f.bits == 8 and not big:  # KEY_TABLE: no float32 subnormal products
+                    low = _table_offsets(mb, sb, f.params, MODEL.weights, D._RTAB, table)
+                    assert low >= 2.0**-126
+                    np.testing.assert_array_equal(table[1:-1], out[1:, 0], err_msg=f"{mu} {s}")
+                    ok, v = K._params(mb, sb, 0, MODEL.weights, D._RTAB, K._fmt(f.params))
+                    assert table[0] == -v.dl and table[-1] == v.dl
     assert n_small > 0 and n_big > 0
 
 

@@ -89,6 +89,7 @@ struct Model {
     const unsigned* shapes;
     const unsigned* emps;
     unsigned sh_s, em_s;  // SMEM: their shared-window addresses (shape_w / emp_w)
+    unsigned kb_s;        // KEY_TABLE: key_bound's
     const int* weights;
     const float* zinv;
     const i64* rtab;
@@ -218,8 +219,33 @@ __device__ __noinline__ int big_offset(int k, unsigned mub, int cb, int dl) {
 // values, big and not).
 // Branch-free: key HALF (+0, B = 0) multiplies 0, and a non-finite key (D_BIG) is the clamp's
 // end on its side.
-__device__ __forceinline__ int clamped_offset(int k, const Val& v) {
+// KEY_TABLE (8-bit formats with their tables in shared memory): +-mid 2^(e1 - 1) of every key
+// k = 0..NKEYS is a float in a shared table (key_bound; +-inf for non-finite keys, 0 for key
+// HALF), times 2^s with s = 1 - cb clamped to [-126, 64]. Unclamped, the product is the one
+// above, and normal (e1 - cb >= 1 - cb >= -126); s = -126 leaves it in [2^-126, 1) in
+// magnitude (mid 2^(e1 - 1) < 2^36 for 8-bit formats), where the true +-mid 2^(e1 - cb) is
+// too (e1 - cb < e1 - 127), so both floor to 0 or -1 alike; s = 64 puts both >= 2^64 (no
+// float overflow: < 2^100); +-inf floors to the saturated ends, clamped to +-dl as D_BIG is.
+#define KEY_TABLE (ES == 0 && SMEM_ADDR)
+#if KEY_TABLE
+__shared__ float key_bound[NKEYS + 1];
+
+__device__ __forceinline__ float key_boundary(int k) {  // key_bound[k] (block_model fills it)
+    const int y = k - HALF, a = abs(y) - 1, e1 = max(a >> MANT, 1);
+    const int mid = 2 * a + 1 - ((e1 - 1) << (MANT + 1));
+    if (abs(y) >= NONFINITE) return __int_as_float(y < 0 ? 0xff800000 : 0x7f800000);  // -+inf
+    return (float)(y < 0 ? -mid : y > 0 ? mid : 0) * __int_as_float((e1 - 1 + 127) << 23);
+}
+#endif
+
+__device__ __forceinline__ int clamped_offset(int k, const Val& v, const Model& md) {
     if (v.big) return big_offset(k, v.mub, v.cb, v.dl);
+#if KEY_TABLE
+    const float scale = __int_as_float((min(max(1 - v.cb, -126), 64) + 127) << 23);
+    const float kb = __uint_as_float(smem_word(md.kb_s + 4 * (unsigned)k));
+    const int fl = __float2int_rd(kb * scale);
+    return min(max(min(max(fl, -SAT32), SAT32) - v.mu32, -v.dl), v.dl);
+#else
     const int y = k - HALF;
     const int a = abs(y) - 1;
     const int e1 = max(a >> MANT, 1);
@@ -228,6 +254,7 @@ __device__ __forceinline__ int clamped_offset(int k, const Val& v) {
     const int fl = __float2int_rd((float)(y < 0 ? -mid : y > 0 ? mid : 0) * scale);
     const int d = min(max(fl, -SAT32), SAT32) - v.mu32;
     return abs(y) >= NONFINITE ? (y < 0 ? -v.dl : v.dl) : min(max(d, -v.dl), v.dl);
+#endif
 }
 
 // k's place in its empirical bucket as a 32-bit fraction: E's interpolation weight.
@@ -263,7 +290,7 @@ __device__ __forceinline__ unsigned emp_at(int k, const Val& v, const Model& md)
 
 // S(k) for 0 <= k <= NKEYS (dist_kernels._smooth_cdf).
 __device__ __forceinline__ unsigned smooth(int k, const Val& v, const Model& md) {
-    return smooth_with(k, v.w ? emp_at(k, v, md) : 0u, clamped_offset(k, v), v, md);
+    return smooth_with(k, v.w ? emp_at(k, v, md) : 0u, clamped_offset(k, v, md), v, md);
 }
 
 // clamped_offset(j 2^ES, v) where a key step of the top stage is two binades (bf16: ES = MANT
@@ -271,8 +298,8 @@ __device__ __forceinline__ unsigned smooth(int k, const Val& v, const Model& md)
 // 2m - 1 and mid = 2^(ES + 1) - 1 for every j; no key but the ends (m = 128, S selected) is
 // non-finite (NONFINITE > HALF - 2^ES); m = 0 is key HALF (+0, B = 0).
 #define TOP_BINADES (ES == MANT + 1 && NONFINITE > HALF - (1 << ES))
-__device__ __forceinline__ int top_offset(int j, const Val& v) {
-    if (!TOP_BINADES || v.big) return clamped_offset(j << ES, v);
+__device__ __forceinline__ int top_offset(int j, const Val& v, const Model& md) {
+    if (!TOP_BINADES || v.big) return clamped_offset(j << ES, v, md);
     const int y = j - (HALF >> ES), e1 = 2 * abs(y) - 1, mid = (1 << (ES + 1)) - 1;
     const float scale = __int_as_float((min(max(e1 - v.cb, -126), 64) + 127) << 23);
     const int fl = __float2int_rd((float)(y < 0 ? -mid : y > 0 ? mid : 0) * scale);
@@ -295,11 +322,11 @@ template <bool TOP>
 __device__ __forceinline__ unsigned stage_s(int j, const Stage& st, const Val& v,
                                             const Model& md) {
     if (TOP) {
-        return smooth_with(j << ES, v.w ? emp_w(md, v.m * EMP_W + j) : 0u, top_offset(j, v),
+        return smooth_with(j << ES, v.w ? emp_w(md, v.m * EMP_W + j) : 0u, top_offset(j, v, md),
                            v, md);
     }
     return smooth_with(st.b + j, st.e0 + (unsigned)(((u64)st.de * (unsigned)j) >> ES),
-                       clamped_offset(st.b + j, v), v, md);
+                       clamped_offset(st.b + j, v, md), v, md);
 }
 
 // cdf(j) of a stage with mass S_b .. S_b + T (dist_kernels._stage_cdf). S never falls for
@@ -454,6 +481,9 @@ __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shap
         smem[models * SHAPE_W + i] = emps[i];
     md.shapes = smem;
     md.emps = smem + models * SHAPE_W;
+#if KEY_TABLE
+    for (int k = threadIdx.x; k <= NKEYS; k += blockDim.x) key_bound[k] = key_boundary(k);
+#endif
 #else
     md.shapes = shapes;
     md.emps = emps;
@@ -469,6 +499,11 @@ __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shap
     asm volatile("" : "+r"(a));
     md.sh_s = a;
     md.em_s = a + 4 * models * SHAPE_W;
+#endif
+#if KEY_TABLE
+    unsigned kb = (unsigned)__cvta_generic_to_shared(key_bound);  // likewise
+    asm volatile("" : "+r"(kb));
+    md.kb_s = kb;
 #endif
     return md;
 }
