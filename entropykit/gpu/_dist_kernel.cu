@@ -72,6 +72,14 @@
 typedef long long i64;
 typedef unsigned long long u64;
 
+// Model-table reads from a 32-bit shared address (shape_w / emp_w): every format since Val's
+// 64-bit mu_u went (bf16's decoder spilled with it before; H200 A/B bf16 mixture / Gaussian
+// +2.0% / +1.6%, ncu 1048.9 -> 1031.5 warp instructions per 32 values).
+#ifndef SMEM_ADDR  // (A/B builds)
+#define SMEM_ADDR SMEM
+#endif
+#define KEY_TABLE (ES == 0 && SMEM_ADDR)  // clamped_offset's key table (8-bit formats)
+
 // One value's quantized parameters (dist_kernels.Val, without ue which only feeds cb), and
 // mu_u as clamped_offset() takes it: mu32 = mu_u where |mu_u| < MU32 (big = false, every
 // value of realistic data: |mu| < 2^13 sigma), else offset() in 64 bits (big = true), from
@@ -81,6 +89,9 @@ struct Val {
     unsigned mub;
     int dl, cb, m, w, mu32;
     bool big;
+#if KEY_TABLE
+    float ksc;  // clamped_offset's scale: 2^(1 - cb), the exponent clamped to [-126, 64]
+#endif
 };
 
 // Model tables: shapes (M x SHAPE_W) and emps (M x 257) in shared memory with SMEM, else
@@ -104,12 +115,6 @@ __device__ __forceinline__ unsigned smem_word(unsigned addr) {
     asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr));
     return r;
 }
-
-#ifndef SMEM_ADDR  // (A/B builds)
-// every format since Val's 64-bit mu_u went (bf16's decoder spilled with it before; H200
-// A/B bf16 mixture / Gaussian +2.0% / +1.6%, ncu 1048.9 -> 1031.5 warp instructions per 32)
-#define SMEM_ADDR SMEM
-#endif
 
 __device__ __forceinline__ unsigned shape_w(const Model& md, int i) {
 #if SMEM_ADDR
@@ -177,6 +182,9 @@ __device__ __forceinline__ Val params(unsigned mub, unsigned sgb, int m, const M
     v.rr = __ldg(md.rtab + r);
     v.dl = (int)__ldg(md.rtab + 256 + r);  // < 2^22 (dist_kernels.reciprocals)
     v.cb = BIAS + MANT + 1 + ue;
+#if KEY_TABLE
+    v.ksc = __int_as_float((min(max(1 - v.cb, -126), 64) + 127) << 23);
+#endif
     v.m = m;
     v.w = md.weights[m];
     return v;
@@ -226,7 +234,6 @@ __device__ __noinline__ int big_offset(int k, unsigned mub, int cb, int dl) {
 // magnitude (mid 2^(e1 - 1) < 2^36 for 8-bit formats), where the true +-mid 2^(e1 - cb) is
 // too (e1 - cb < e1 - 127), so both floor to 0 or -1 alike; s = 64 puts both >= 2^64 (no
 // float overflow: < 2^100); +-inf floors to the saturated ends, clamped to +-dl as D_BIG is.
-#define KEY_TABLE (ES == 0 && SMEM_ADDR)
 #if KEY_TABLE
 __shared__ float key_bound[NKEYS + 1];
 
@@ -241,7 +248,7 @@ __device__ __forceinline__ float key_boundary(int k) {  // key_bound[k] (block_m
 __device__ __forceinline__ int clamped_offset(int k, const Val& v, const Model& md) {
     if (v.big) return big_offset(k, v.mub, v.cb, v.dl);
 #if KEY_TABLE
-    const float scale = __int_as_float((min(max(1 - v.cb, -126), 64) + 127) << 23);
+    const float scale = v.ksc;
     const float kb = __uint_as_float(smem_word(md.kb_s + 4 * (unsigned)k));
     const int fl = __float2int_rd(kb * scale);
     return min(max(min(max(fl, -SAT32), SAT32) - v.mu32, -v.dl), v.dl);
@@ -955,6 +962,9 @@ __device__ __forceinline__ void warp_search(Sym& s, int q, int slot, const Stage
     w.w = __shfl_sync(FULL, v.w, q);
     w.mu32 = __shfl_sync(FULL, v.mu32, q);
     w.big = __shfl_sync(FULL, (int)v.big, q);
+#if KEY_TABLE
+    w.ksc = __shfl_sync(FULL, v.ksc, q);
+#endif
     const int sl = __shfl_sync(FULL, slot, q);
     Stage sq = st;
     if (!TOP) {
