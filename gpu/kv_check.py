@@ -618,6 +618,18 @@ MUFU.RCP alone (rcp.approx.ftz) in place of __fdividef in the float guesses and 
 run at this state (H200 10:10, 521 checks pass, frames CPU-decode here): decode bf16 37.9 /
 41.0, fp8 38.5 / 42.3 GB/s, encode 63-67 (the same machine 5 minutes before, this kernel
 with the reciprocals: 39.4 / 44.3, 40.8 / 42.6: its runs drift by ~4%).
+Instruction round (10:24-11:07): ncu showed no pipe saturated (ALU, the busiest, ~55% of
+its peak; issue slots ~71-75% busy), so the cuts went where the instructions were. Warp
+instructions per 32 values bf16 1110.8 -> 1031.5, fp8 549.1 -> 486.4: params' mu_u in 32-bit
+words, the payload word's bytes from one address (bf16 +1.5 / +1.1%, fp8 +1.0 / +2.1%);
+bf16's low stage with E in its first guess and no round (+1.2 / 0.0%); bf16's top stage
+without a round for models with an empirical term (mixture +1.7..2.4%; the Gaussian keeps
+its round: without, -1.4..2.8%); bf16's table reads from a 32-bit shared address (+2.0 /
++1.6%); 8-bit formats' key offsets from a shared table of key boundaries times a per-value
+power of two (fp8 +5.5 / +5.4%, then +2.3 / +2.5%). Not kept: 3 forward steps (-1.1 /
+-1.4%), the warp's search for bf16's low byte (-1.0 / -0.2%). Full run at this state (H200
+11:06, 521 checks pass, frames CPU-decode here): decode bf16 42.8 / 44.9, fp8 44.1 / 48.7
+GB/s, encode 65-71.
 """
 
 
