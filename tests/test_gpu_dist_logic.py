@@ -31,6 +31,7 @@ from numba import njit
 
 from entropykit import CorruptDataError
 from entropykit.gpu import dist as G
+from entropykit.gpu._directory import check, directory
 from entropykit.rans import dist_kernels as K
 from entropykit.rans import distribution as D
 
@@ -215,7 +216,7 @@ def _twin_decode(blob: bytes, mu: np.ndarray, sigma: np.ndarray, midx=None) -> n
     f, n, cs, p = info.fmt, info.n, info.chunk_size, info.precision
     width = f.bits // 8
     frame = np.frombuffer(blob, np.uint8)
-    desc = G.decode_desc(info)
+    desc = directory(torch.from_numpy(frame.copy()), info.header)[0].numpy()
     nc = desc.shape[0]
     out = np.full(n, 0x7FA5 if width == 2 else 0xA5, f.storage)
     ob = out.view(np.uint8)
@@ -396,24 +397,49 @@ def test_x_powers_are_zlibs():
     assert _warp_crc(np.frombuffer(a + b, np.uint8)) == zlib.crc32(a + b)
 
 
-def test_header_and_head_parse():
+def test_header_and_directory():
+    """The header the encoder writes; the device-side directory (torch, here on the CPU):
+    the decoder's table is parse's offsets, lengths, modes and CRCs, and a corrupt
+    directory gives parse's error, an all-empty table (the kernel reads no payload), and
+    nothing else."""
     info = D.parse(BLOB)
     assert G.header(info.fmt, info.n, info.chunk_size, info.precision,
                     info.fingerprint) == BLOB[: G.HEADER_SIZE]
-    head = np.frombuffer(BLOB[: G.HEADER_SIZE + 9 * len(info.lengths)], np.uint8)
-    got = G.parse_head(head, len(BLOB))
-    for field in ("lengths", "crcs", "modes", "offsets"):
-        np.testing.assert_array_equal(getattr(got, field), getattr(info, field))
-    desc = G.decode_desc(info)
-    assert desc.dtype == np.int64 and desc.shape == (4, 4)
-    np.testing.assert_array_equal(desc[:, 0] + desc[:, 1], np.append(info.offsets[1:],
-                                                                      len(BLOB)))
+    assert D.parse_header(BLOB[: G.HEADER_SIZE], len(BLOB)) == info.header
+    frame = torch.frombuffer(bytearray(BLOB), dtype=torch.uint8)
+    table, facts = directory(frame, info.header)
+    assert table.dtype == torch.int64 and table.shape == (4, 4)
+    np.testing.assert_array_equal(table.numpy(), np.stack(
+        [info.offsets, info.lengths, info.modes.astype(np.int64),
+         info.crcs.astype(np.int64)], axis=1))
+    assert facts.tolist() == [len(BLOB), -1, 0]
+    check(facts.tolist(), len(BLOB))  # no error
+    nc = len(info.lengths)
+    cases = {"length": (G.HEADER_SIZE + 1, 0x01), "length high byte": (G.HEADER_SIZE + 7, 0x80),
+             "mode": (G.HEADER_SIZE + 8 * nc + 2, 0x02), "mode 255": (G.HEADER_SIZE + 8 * nc, 0xFD)}
+    for name, (pos, flip) in cases.items():
+        bad = bytearray(BLOB)
+        bad[pos] ^= flip
+        with pytest.raises(CorruptDataError) as want:
+            D.parse(bytes(bad))
+        h = D.parse_header(bytes(bad[: G.HEADER_SIZE]), len(bad))
+        table, facts = directory(torch.frombuffer(bad, dtype=torch.uint8), h)
+        assert not table.any(), name
+        with pytest.raises(CorruptDataError) as got:
+            check(facts.tolist(), len(bad))
+        assert str(got.value) == str(want.value), name
+    for size in (len(BLOB) - 1, len(BLOB) + 1):  # payloads end before / after the frame
+        frame = torch.zeros(size, dtype=torch.uint8)
+        frame[: min(size, len(BLOB))] = torch.frombuffer(bytearray(BLOB[:size]),
+                                                         dtype=torch.uint8)
+        table, facts = directory(frame, D.parse_header(BLOB[: G.HEADER_SIZE], size))
+        assert not table.any()
+        with pytest.raises(CorruptDataError, match="truncated|trailing"):
+            check(facts.tolist(), size)
     with pytest.raises(CorruptDataError, match="truncated"):
-        G.parse_head(head, len(BLOB) - 1)
-    with pytest.raises(CorruptDataError, match="trailing"):
-        G.parse_head(head, len(BLOB) + 1)
-    with pytest.raises(CorruptDataError, match="truncated"):
-        G.parse_head(head[:10], 10)
+        D.parse_header(BLOB[:10], 10)
+    with pytest.raises(CorruptDataError, match="chunk directory"):
+        D.parse_header(BLOB[: G.HEADER_SIZE], G.HEADER_SIZE + 9 * nc - 1)
 
 
 def test_status_to_errors():

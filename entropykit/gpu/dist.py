@@ -177,21 +177,6 @@ def check_encode_args(f: D.ValueFormat, n: int, precision: int, chunk_size: int)
     return -(-n // chunk_size)
 
 
-def parse_head(head: np.ndarray, size: int) -> D.FrameInfo:
-    """``distribution.parse`` of a frame of ``size`` bytes whose first bytes are ``head``
-    (header and chunk directory; parse reads nothing else), without its payloads."""
-    buf = np.empty(max(size, head.size), np.uint8)  # untouched pages: never read
-    buf[: head.size] = head
-    return D.parse(buf[:size])
-
-
-def decode_desc(info: D.FrameInfo) -> np.ndarray:
-    """int64[n_chunks, 4] the decoder reads: payload offset, length, mode, CRC-32."""
-    return np.ascontiguousarray(np.stack(
-        [info.offsets, info.lengths, info.modes.astype(np.int64),
-         info.crcs.astype(np.int64)], axis=1), np.int64)
-
-
 def chunk_error(codes: np.ndarray, offsets: np.ndarray) -> tuple[int, str] | None:
     """(chunk, message) of the first chunk that failed, or None. ``codes`` are the
     kernel's per-chunk status codes (ERR_PARAM handled by the caller first)."""
@@ -448,8 +433,10 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     return frame
 
 
-def _frame_info(frame: Any) -> tuple[D.FrameInfo, Any]:
-    """(parsed header and directory, the frame as a uint8 tensor where it lies)."""
+def _frame_info(frame: Any) -> tuple[D.FrameHeader, Any, D.FrameInfo | None]:
+    """(validated header, the frame as a uint8 tensor where it lies, its parsed directory
+    for a frame in host memory (``parse``: checked here), or None for a CUDA frame, whose
+    directory is read and checked on the device (``_directory``): one 28-byte read)."""
     import torch
 
     if isinstance(frame, torch.Tensor):
@@ -458,17 +445,16 @@ def _frame_info(frame: Any) -> tuple[D.FrameInfo, Any]:
                             f"{tuple(frame.shape)}")
         frame = frame.contiguous()
         if frame.device.type == "cpu":
-            return D.parse(frame.numpy()), frame
+            info = D.parse(frame.numpy())
+            return info.header, frame, info
         size = frame.numel()
-        head = frame[: min(size, HEADER_SIZE)].cpu().numpy()
-        nc = int(head[20:24].view("<u4")[0]) if head.size == HEADER_SIZE else 0
-        head = frame[: min(size, HEADER_SIZE + 9 * nc)].cpu().numpy()
-        return parse_head(head, size), frame
+        return D.parse_header(frame[: min(size, HEADER_SIZE)].cpu().numpy(), size), frame, None
     buf = frame if isinstance(frame, np.ndarray) else np.frombuffer(frame, np.uint8)
     buf = buf.reshape(-1).view(np.uint8)
+    info = D.parse(buf)
     with warnings.catch_warnings():  # read-only bytes: the tensor is only read (uploaded)
         warnings.simplefilter("ignore", UserWarning)
-        return D.parse(buf), torch.from_numpy(buf)
+        return info.header, torch.from_numpy(buf), info
 
 
 def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index: Any = None,
@@ -488,23 +474,30 @@ def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index:
 
 
 class PendingDecode:
-    """A decode launched on the current CUDA stream: ``result()`` waits for it, checks every
-    chunk's status and returns the values, or raises what ``decode`` raises. Until then
-    the output must not be trusted: it holds whatever a corrupt frame decoded to."""
+    """A decode launched on the current CUDA stream: ``result()`` waits for it, checks the
+    frame's directory (a CUDA frame's, read on the device) and every chunk's status and
+    returns the values, or raises what ``decode`` raises. Until then the output must not
+    be trusted: it holds whatever a corrupt frame decoded to."""
 
-    def __init__(self, out: Any, status: Any, keep: tuple, info: D.FrameInfo,
-                 mu: Any, sigma: Any) -> None:
+    def __init__(self, out: Any, status: Any, facts: Any, keep: tuple,
+                 header: D.FrameHeader, size: int, table: Any, mu: Any, sigma: Any) -> None:
         import torch
 
         self.out = out
-        # the chunks' status, copied to pinned memory behind the launch on its stream
+        # the chunks' status (and a CUDA frame's directory facts), copied to pinned memory
+        # behind the launch on its stream
         self._status = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+        self._facts = None if facts is None else torch.empty(3, dtype=torch.int64,
+                                                             pin_memory=True)
         with torch.cuda.device(status.device):
             self._status.copy_(status, non_blocking=True)
+            if facts is not None:
+                self._facts.copy_(facts, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
         self._keep = keep  # the launch's inputs stay alive until it has run
-        self._info, self._mu, self._sigma = info, mu, sigma
+        self._header, self._size, self._table = header, size, table
+        self._mu, self._sigma = mu, sigma
         self._checked = False
 
     def done(self) -> bool:
@@ -515,16 +508,19 @@ class PendingDecode:
         """The decoded values, once every chunk is known to be right."""
         if not self._checked:
             self._done.synchronize()
-            info = self._info
-            nc, cs = len(info.lengths), info.chunk_size
+            if self._facts is not None:  # as parse would have, before any chunk's error
+                from ._directory import check
+
+                check(self._facts.tolist(), self._size)
+            nc, cs = self._header.n_chunks, self._header.chunk_size
             st = self._status[: 2 * nc].view(nc, 2).numpy()
             bad = first_bad_param(st[:, 0], st[:, 1], cs)
             if bad >= 0:
                 raise _bad_param(bad, self._mu, self._sigma)
-            err = chunk_error(st[:, 0], info.offsets)
+            err = chunk_error(st[:, 0], self._table[:, 0] if nc else ())
             if err is not None:
                 raise CorruptDataError(err[1])
-            self._checked, self._keep = True, ()
+            self._checked, self._keep, self._table = True, (), None
         return self.out
 
 
@@ -533,7 +529,9 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
                  tuning: Tuning | None = None) -> PendingDecode:
     """``decode``, launched on the current stream without waiting for it: the host goes on
     (e.g. to queue compute that overlaps the decode) and reads the result later with
-    ``PendingDecode.result()``. Frame and argument errors still raise here."""
+    ``PendingDecode.result()``. Argument and header errors raise here, directory errors
+    here for a frame in host memory and from ``result()`` for a CUDA frame (whose
+    directory is read on the device, so that nothing waits for it here)."""
     import torch
 
     t = tuning or Tuning()
@@ -542,11 +540,11 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
             mu.device if isinstance(mu, torch.Tensor) and mu.is_cuda else "cuda")
     rt = _runtime(device)
     dev = rt.cuda_device(device)
-    info, ft = _frame_info(frame)
-    if info.fingerprint != model.fingerprint:
-        raise CorruptDataError(f"frame was coded with model {info.fingerprint:#010x}, "
+    head, ft, info = _frame_info(frame)
+    if head.fingerprint != model.fingerprint:
+        raise CorruptDataError(f"frame was coded with model {head.fingerprint:#010x}, "
                                f"decoder has {model.fingerprint:#010x} (byte 24)")
-    f, n, cs = info.fmt, info.n, info.chunk_size
+    f, n, cs, nc = head.fmt, head.n, head.chunk_size, head.n_chunks
     mu_t, sg_t = _flat(mu, "mu", n, dev), _flat(sigma, "sigma", n, dev)
     midx, m0 = _index(model_index, model, n, dev)
     width = f.bits // 8
@@ -557,22 +555,25 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
           or out.data_ptr() % 16):
         raise ValueError(f"out must be a contiguous, 16-byte aligned tensor of {n} "
                          f"{width}-byte elements on {dev}")
-    nc = len(info.lengths)
     # per chunk (code, where), then the count of chunks the warps took (zeroed: DYN_CHUNKS)
     status = torch.zeros(2 * nc + 1, dtype=torch.int32, device=dev)
+    size = ft.numel()
     if nc == 0:
-        return PendingDecode(out, status, (), info, mu_t, sg_t)
+        return PendingDecode(out, status, None, (), head, size, None, mu_t, sg_t)
     if ft.device != dev:
         ft = ft.to(dev, non_blocking=ft.is_pinned())
+    from ._directory import directory
+
     tb = _device_tables(model, dev)
-    desc = torch.from_numpy(decode_desc(info)).to(dev)
+    table, facts = directory(ft, head)
     mod = _kernels(f, smem_bytes(model, t) > 0, t)
     _launch(mod.get_function("dist_decode"), dev, -(-nc // t.warps), 32 * t.warps,
-            _args(ft, desc, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
-                  np.int32(info.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
+            _args(ft, table, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
+                  np.int32(head.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
                   tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], out, status),
             smem_bytes(model, t))
-    return PendingDecode(out, status, (ft, desc, mu_t, sg_t, midx), info, mu_t, sg_t)
+    return PendingDecode(out, status, facts if info is None else None,
+                         (ft, table, mu_t, sg_t, midx), head, size, table, mu_t, sg_t)
 
 
 __all__ = ["GPU_CHUNK", "PendingDecode", "Tuning", "decode", "decode_async", "encode"]

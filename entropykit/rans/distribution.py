@@ -406,12 +406,35 @@ class FrameInfo:
     modes: np.ndarray
     offsets: np.ndarray
 
+    @property
+    def header(self) -> FrameHeader:
+        return FrameHeader(self.precision, self.fmt, self.n, self.chunk_size,
+                           len(self.lengths), self.fingerprint)
 
-def parse(blob: bytes | memoryview | np.ndarray) -> FrameInfo:
-    """Validate a frame's header and directory; ``CorruptDataError`` on any mismatch."""
-    mv = memoryview(blob).cast("B") if not isinstance(blob, np.ndarray) else blob.data
-    size = len(mv)
-    if size < HEADER_SIZE:
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A validated frame header (its 28 bytes, checked against the frame's size)."""
+
+    precision: int
+    fmt: ValueFormat
+    n: int
+    chunk_size: int
+    n_chunks: int
+    fingerprint: int
+
+    @property
+    def payload_base(self) -> int:
+        """Byte where the first chunk's payload starts (after the directory)."""
+        return HEADER_SIZE + 9 * self.n_chunks
+
+
+def parse_header(head: bytes | memoryview | np.ndarray, size: int) -> FrameHeader:
+    """Validate the header ``head`` (a frame's first bytes, at least 28 of them where the
+    frame has them) of a ``size``-byte frame: ``parse``'s checks that need no directory
+    byte; ``CorruptDataError`` on any mismatch."""
+    mv = memoryview(head).cast("B") if not isinstance(head, np.ndarray) else head.data
+    if size < HEADER_SIZE or len(mv) < HEADER_SIZE:
         raise CorruptDataError(f"KV frame truncated: {size} bytes, header needs {HEADER_SIZE}")
     magic, version, precision, lanes, code, n, chunk_size, n_chunks, fprint = (
         _HEADER.unpack_from(mv, 0))
@@ -433,27 +456,44 @@ def parse(blob: bytes | memoryview | np.ndarray) -> FrameInfo:
     if n_chunks != -(-n // chunk_size):
         raise CorruptDataError(f"distribution-rANS frame: {n_chunks} chunks (byte 20) do not "
                                f"cover {n} values of {chunk_size}")
-    off = HEADER_SIZE
-    dir_size = 9 * n_chunks
-    if off + dir_size > size:
+    if HEADER_SIZE + 9 * n_chunks > size:
         raise CorruptDataError(f"distribution-rANS frame truncated in chunk directory at byte "
-                               f"{off} ({n_chunks} chunks need {dir_size} bytes)")
-    lengths = np.frombuffer(mv, "<u4", n_chunks, off).astype(np.int64)
-    crcs = np.frombuffer(mv, "<u4", n_chunks, off + 4 * n_chunks)
-    modes = np.frombuffer(mv, np.uint8, n_chunks, off + 8 * n_chunks)
-    off += dir_size
-    offsets = off + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-    end = off + int(lengths.sum())
+                               f"{HEADER_SIZE} ({n_chunks} chunks need {9 * n_chunks} bytes)")
+    return FrameHeader(precision, _BY_CODE[code], n, chunk_size, n_chunks, fprint)
+
+
+def directory_error(end: int, size: int, bad_mode: int, mode: int) -> str | None:
+    """What ``parse`` says of a directory whose payloads end at byte ``end`` of a
+    ``size``-byte frame and whose first chunk of unknown mode is ``bad_mode`` (its mode
+    ``mode``; -1: none), or None where both are right."""
     if end != size:
         what = "truncated" if end > size else "followed by trailing bytes"
-        raise CorruptDataError(f"distribution-rANS frame {what}: payloads end at byte {end}, "
-                               f"frame has {size} bytes")
+        return (f"distribution-rANS frame {what}: payloads end at byte {end}, "
+                f"frame has {size} bytes")
+    if bad_mode >= 0:
+        return f"distribution-rANS frame chunk {bad_mode}: unknown mode {mode}"
+    return None
+
+
+def parse(blob: bytes | memoryview | np.ndarray) -> FrameInfo:
+    """Validate a frame's header and directory; ``CorruptDataError`` on any mismatch."""
+    mv = memoryview(blob).cast("B") if not isinstance(blob, np.ndarray) else blob.data
+    size = len(mv)
+    h = parse_header(mv, size)
+    nc, off = h.n_chunks, HEADER_SIZE
+    lengths = np.frombuffer(mv, "<u4", nc, off).astype(np.int64)
+    crcs = np.frombuffer(mv, "<u4", nc, off + 4 * nc)
+    modes = np.frombuffer(mv, np.uint8, nc, off + 8 * nc)
+    off = h.payload_base
+    offsets = off + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     bad = np.flatnonzero(modes > MODE_RAW)
-    if bad.size:
-        raise CorruptDataError(f"distribution-rANS frame chunk {bad[0]}: unknown mode "
-                               f"{modes[bad[0]]}")
-    return FrameInfo(precision, _BY_CODE[code], n, chunk_size, fprint, lengths, crcs, modes,
-                     offsets)
+    first = int(bad[0]) if bad.size else -1
+    err = directory_error(off + int(lengths.sum()), size, first,
+                          int(modes[first]) if bad.size else 0)
+    if err is not None:
+        raise CorruptDataError(err)
+    return FrameInfo(h.precision, h.fmt, h.n, h.chunk_size, h.fingerprint, lengths, crcs,
+                     modes, offsets)
 
 
 def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: CoderModel, *,
