@@ -237,6 +237,11 @@ class Checker:
             pos = int(rng.integers(D.HEADER_SIZE, len(b)))
             b[pos] ^= int(rng.integers(1, 256))
             both(bytes(b), f"flip byte {pos}", on_device=k % 2 == 0)
+        for k in range(24):  # the chunk directory itself, read on the device from a CUDA frame
+            b = bytearray(frame)
+            pos = int(rng.integers(D.HEADER_SIZE, head))
+            b[pos] ^= int(rng.integers(1, 256))
+            both(bytes(b), f"flip directory byte {pos}", on_device=k % 3 != 0)
         for k in range(40):  # a run of garbage in one chunk's payload
             b = bytearray(frame)
             pos = int(rng.integers(head, len(b) - 64))

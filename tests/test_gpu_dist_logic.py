@@ -31,7 +31,6 @@ from numba import njit
 
 from entropykit import CorruptDataError
 from entropykit.gpu import dist as G
-from entropykit.gpu._directory import check, directory
 from entropykit.rans import dist_kernels as K
 from entropykit.rans import distribution as D
 
@@ -216,7 +215,7 @@ def _twin_decode(blob: bytes, mu: np.ndarray, sigma: np.ndarray, midx=None) -> n
     f, n, cs, p = info.fmt, info.n, info.chunk_size, info.precision
     width = f.bits // 8
     frame = np.frombuffer(blob, np.uint8)
-    desc = directory(torch.from_numpy(frame.copy()), info.header)[0].numpy()
+    desc = _directory_twin(frame, len(info.lengths))[0]
     nc = desc.shape[0]
     out = np.full(n, 0x7FA5 if width == 2 else 0xA5, f.storage)
     ob = out.view(np.uint8)
@@ -397,24 +396,54 @@ def test_x_powers_are_zlibs():
     assert _warp_crc(np.frombuffer(a + b, np.uint8)) == zlib.crc32(a + b)
 
 
+def _directory_twin(frame: np.ndarray, nc: int) -> tuple[np.ndarray, list[int]]:
+    """dist_directory in numpy, run by run as its threads go: each of DIR_THREADS threads
+    sums a run of lengths, an inclusive scan of the runs gives each run's start; the table
+    (zeroed where the directory fails parse's checks) and the facts (end, bad chunk, mode)."""
+    threads = G.DIR_THREADS
+    per = -(-nc // threads)
+    lens = frame[28 : 28 + 4 * nc].view("<u4").astype(np.int64)
+    crcs = frame[28 + 4 * nc : 28 + 8 * nc].view("<u4").astype(np.int64)
+    modes = frame[28 + 8 * nc : 28 + 9 * nc].astype(np.int64)
+    runs = [(min(t * per, nc), min(t * per + per, nc)) for t in range(threads)]
+    sums = np.array([lens[lo:hi].sum() for lo, hi in runs], np.int64)
+    part = np.cumsum(sums)
+    base = 28 + 9 * nc
+    end = int(base + part[-1])
+    bad = int(np.flatnonzero(modes > D.MODE_RAW)[0]) if (modes > D.MODE_RAW).any() else nc
+    ok = end == frame.size and bad == nc
+    table = np.zeros((nc, 4), np.int64)
+    for t, (lo, hi) in enumerate(runs):
+        off = base + part[t] - sums[t]
+        for c in range(lo, hi):
+            if ok:
+                table[c] = (off, lens[c], modes[c], crcs[c])
+            off += lens[c]
+    return table, [end, bad if bad < nc else -1, int(modes[bad]) if bad < nc else 0]
+
+
+def _directory_check(facts: list[int], size: int) -> None:
+    err = D.directory_error(facts[0], size, facts[1], facts[2])  # PendingDecode.result's
+    if err is not None:
+        raise CorruptDataError(err)
+
+
 def test_header_and_directory():
-    """The header the encoder writes; the device-side directory (torch, here on the CPU):
-    the decoder's table is parse's offsets, lengths, modes and CRCs, and a corrupt
-    directory gives parse's error, an all-empty table (the kernel reads no payload), and
-    nothing else."""
+    """The header the encoder writes; dist_directory's algorithm (numpy twin): its table is
+    parse's offsets, lengths, modes and CRCs, and a corrupt directory gives parse's error,
+    an all-empty table (the decoder reads no payload) and nothing else."""
     info = D.parse(BLOB)
     assert G.header(info.fmt, info.n, info.chunk_size, info.precision,
                     info.fingerprint) == BLOB[: G.HEADER_SIZE]
     assert D.parse_header(BLOB[: G.HEADER_SIZE], len(BLOB)) == info.header
-    frame = torch.frombuffer(bytearray(BLOB), dtype=torch.uint8)
-    table, facts = directory(frame, info.header)
-    assert table.dtype == torch.int64 and table.shape == (4, 4)
-    np.testing.assert_array_equal(table.numpy(), np.stack(
+    frame = np.frombuffer(BLOB, np.uint8)
+    nc = len(info.lengths)
+    table, facts = _directory_twin(frame, nc)
+    np.testing.assert_array_equal(table, np.stack(
         [info.offsets, info.lengths, info.modes.astype(np.int64),
          info.crcs.astype(np.int64)], axis=1))
-    assert facts.tolist() == [len(BLOB), -1, 0]
-    check(facts.tolist(), len(BLOB))  # no error
-    nc = len(info.lengths)
+    assert facts == [len(BLOB), -1, 0]
+    _directory_check(facts, len(BLOB))  # no error
     cases = {"length": (G.HEADER_SIZE + 1, 0x01), "length high byte": (G.HEADER_SIZE + 7, 0x80),
              "mode": (G.HEADER_SIZE + 8 * nc + 2, 0x02), "mode 255": (G.HEADER_SIZE + 8 * nc, 0xFD)}
     for name, (pos, flip) in cases.items():
@@ -422,24 +451,39 @@ def test_header_and_directory():
         bad[pos] ^= flip
         with pytest.raises(CorruptDataError) as want:
             D.parse(bytes(bad))
-        h = D.parse_header(bytes(bad[: G.HEADER_SIZE]), len(bad))
-        table, facts = directory(torch.frombuffer(bad, dtype=torch.uint8), h)
+        table, facts = _directory_twin(np.frombuffer(bytes(bad), np.uint8), nc)
         assert not table.any(), name
         with pytest.raises(CorruptDataError) as got:
-            check(facts.tolist(), len(bad))
+            _directory_check(facts, len(bad))
         assert str(got.value) == str(want.value), name
-    for size in (len(BLOB) - 1, len(BLOB) + 1):  # payloads end before / after the frame
-        frame = torch.zeros(size, dtype=torch.uint8)
-        frame[: min(size, len(BLOB))] = torch.frombuffer(bytearray(BLOB[:size]),
-                                                         dtype=torch.uint8)
-        table, facts = directory(frame, D.parse_header(BLOB[: G.HEADER_SIZE], size))
+    for size in (len(BLOB) - 1, len(BLOB) + 1):  # payloads end after / before the frame
+        cut = np.frombuffer((BLOB + b"\0")[:size], np.uint8)
+        table, facts = _directory_twin(cut, nc)
         assert not table.any()
         with pytest.raises(CorruptDataError, match="truncated|trailing"):
-            check(facts.tolist(), size)
+            _directory_check(facts, size)
     with pytest.raises(CorruptDataError, match="truncated"):
         D.parse_header(BLOB[:10], 10)
     with pytest.raises(CorruptDataError, match="chunk directory"):
         D.parse_header(BLOB[: G.HEADER_SIZE], G.HEADER_SIZE + 9 * nc - 1)
+
+
+@pytest.mark.parametrize("nc", [1, 2, 1023, 1024, 1025, 3000])
+def test_directory_runs(nc):
+    """Chunk counts around the block's thread count: the runs' scan still gives parse's
+    offsets (random lengths, both modes)."""
+    rng = np.random.default_rng(nc)
+    lens = rng.integers(0, 300, nc).astype("<u4")
+    crcs = rng.integers(0, 2**32, nc, dtype=np.uint64).astype("<u4")
+    modes = rng.integers(0, 2, nc).astype(np.uint8)
+    head = np.zeros(G.HEADER_SIZE, np.uint8)
+    frame = np.concatenate([head, lens.view(np.uint8), crcs.view(np.uint8), modes,
+                            np.zeros(int(lens.sum()), np.uint8)])
+    table, facts = _directory_twin(frame, nc)
+    starts = 28 + 9 * nc + np.concatenate(([0], np.cumsum(lens.astype(np.int64))[:-1]))
+    np.testing.assert_array_equal(table[:, 0], starts)
+    np.testing.assert_array_equal(table[:, 1:], np.stack([lens, modes, crcs], 1).astype(np.int64))
+    assert facts == [frame.size, -1, 0]
 
 
 def test_status_to_errors():

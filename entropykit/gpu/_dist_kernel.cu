@@ -648,6 +648,67 @@ extern "C" __global__ void dist_gather(const unsigned char* scratch, const unsig
     }
 }
 
+// The decoder's chunk table from a frame's directory, on the device (dist.py reads only the
+// 28-byte header on the host): per chunk the payload offset, length, mode and CRC-32, and
+// distribution.parse's two directory facts in facts[0..2] (the byte where the payloads end,
+// the first chunk of unknown mode or -1, its mode). A directory that fails them (end !=
+// size, or a mode > MODE_RAW) gives a table of empty coded chunks: the decoder then reads
+// no payload byte (ERR_ODD), and the host raises parse's error from the facts before any
+// chunk's. Where it passes, chunk c spans [base + sum of lengths before c, + its length),
+// inside the frame. Also zeroes the decoder's status (2 nc + 1 ints). One block of
+// DIR_THREADS: each thread sums a run of lengths, a block-wide scan of those sums gives
+// each run's start.
+#define DIR_THREADS 1024
+
+__device__ __forceinline__ i64 le32(const unsigned char* p) {
+    return (i64)(p[0] | (p[1] << 8) | (p[2] << 16) | ((unsigned)p[3] << 24));
+}
+
+extern "C" __global__ void __launch_bounds__(DIR_THREADS) dist_directory(
+        const unsigned char* frame, i64 size, int nc, i64* table, i64* facts, int* status) {
+    __shared__ i64 part[DIR_THREADS];
+    __shared__ int bad;
+    const int t = threadIdx.x;
+    const int per = (nc + DIR_THREADS - 1) / DIR_THREADS;
+    const int lo = min(t * per, nc), hi = min(lo + per, nc);
+    const unsigned char* lens = frame + 28;
+    const unsigned char* crcs = lens + 4 * (i64)nc;
+    const unsigned char* modes = lens + 8 * (i64)nc;
+    if (t == 0) bad = nc;
+    for (int i = t; i < 2 * nc + 1; i += DIR_THREADS) status[i] = 0;
+    __syncthreads();
+    i64 sum = 0;
+    for (int c = lo; c < hi; ++c) {
+        sum += le32(lens + 4 * c);
+        if (modes[c] > MODE_RAW) atomicMin(&bad, c);
+    }
+    part[t] = sum;
+    __syncthreads();
+    for (int s = 1; s < DIR_THREADS; s <<= 1) {  // inclusive scan of the runs' sums
+        const i64 v = t >= s ? part[t - s] : 0;
+        __syncthreads();
+        part[t] += v;
+        __syncthreads();
+    }
+    const i64 base = 28 + 9 * (i64)nc, end = base + part[DIR_THREADS - 1];
+    const bool ok = end == size && bad == nc;
+    i64 off = base + part[t] - sum;
+    for (int c = lo; c < hi; ++c) {
+        const i64 len = le32(lens + 4 * c);
+        i64* row = table + 4 * (i64)c;
+        row[0] = ok ? off : 0;
+        row[1] = ok ? len : 0;
+        row[2] = ok ? modes[c] : MODE_CODED;
+        row[3] = ok ? le32(crcs + 4 * c) : 0;
+        off += len;
+    }
+    if (t == 0) {
+        facts[0] = end;
+        facts[1] = bad < nc ? bad : -1;
+        facts[2] = bad < nc ? modes[bad] : 0;
+    }
+}
+
 // ---- decoder ---------------------------------------------------------------------------
 
 // Which symbol a slot decodes to. Every value the coder accepts (param_ok: mu's exponent

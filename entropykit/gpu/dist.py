@@ -433,10 +433,13 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     return frame
 
 
+DIR_THREADS = 1024  # _dist_kernel.cu's dist_directory block
+
+
 def _frame_info(frame: Any) -> tuple[D.FrameHeader, Any, D.FrameInfo | None]:
     """(validated header, the frame as a uint8 tensor where it lies, its parsed directory
     for a frame in host memory (``parse``: checked here), or None for a CUDA frame, whose
-    directory is read and checked on the device (``_directory``): one 28-byte read)."""
+    directory is read and checked on the device (``dist_directory``): one 28-byte read)."""
     import torch
 
     if isinstance(frame, torch.Tensor):
@@ -509,9 +512,10 @@ class PendingDecode:
         if not self._checked:
             self._done.synchronize()
             if self._facts is not None:  # as parse would have, before any chunk's error
-                from ._directory import check
-
-                check(self._facts.tolist(), self._size)
+                end, bad, mode = self._facts.tolist()
+                err = D.directory_error(end, self._size, bad, mode)
+                if err is not None:
+                    raise CorruptDataError(err)
             nc, cs = self._header.n_chunks, self._header.chunk_size
             st = self._status[: 2 * nc].view(nc, 2).numpy()
             bad = first_bad_param(st[:, 0], st[:, 1], cs)
@@ -555,18 +559,21 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
           or out.data_ptr() % 16):
         raise ValueError(f"out must be a contiguous, 16-byte aligned tensor of {n} "
                          f"{width}-byte elements on {dev}")
-    # per chunk (code, where), then the count of chunks the warps took (zeroed: DYN_CHUNKS)
-    status = torch.zeros(2 * nc + 1, dtype=torch.int32, device=dev)
     size = ft.numel()
     if nc == 0:
+        status = torch.zeros(1, dtype=torch.int32, device=dev)
         return PendingDecode(out, status, None, (), head, size, None, mu_t, sg_t)
     if ft.device != dev:
         ft = ft.to(dev, non_blocking=ft.is_pinned())
-    from ._directory import directory
-
     tb = _device_tables(model, dev)
-    table, facts = directory(ft, head)
     mod = _kernels(f, smem_bytes(model, t) > 0, t)
+    # per chunk (code, where), then the count of chunks the warps took (DYN_CHUNKS): zeroed
+    # by dist_directory, which also builds the chunk table and the directory's facts
+    status = torch.empty(2 * nc + 1, dtype=torch.int32, device=dev)
+    table = torch.empty((nc, 4), dtype=torch.int64, device=dev)
+    facts = torch.empty(3, dtype=torch.int64, device=dev)
+    _launch(mod.get_function("dist_directory"), dev, 1, DIR_THREADS,
+            _args(ft, size, np.int32(nc), table, facts, status), 0)
     _launch(mod.get_function("dist_decode"), dev, -(-nc // t.warps), 32 * t.warps,
             _args(ft, table, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
                   np.int32(head.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
