@@ -253,10 +253,10 @@ def _runtime(device: Any) -> Any:
 def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
     import cupy as cp
 
-    t = t.for_format(f)
     key = (f.name, smem, t)
     with _lock:
         if key not in _modules:
+            t = t.for_format(f)
             alt = t.source or os.environ.get("ENTROPYKIT_DIST_KERNEL")  # A/B timings
             src = (open(alt).read() if alt else
                    resources.files(__package__).joinpath("_dist_kernel.cu").read_text())
@@ -371,13 +371,20 @@ def _args(*xs: Any) -> tuple:
 
 
 def _launch(kernel: Any, device: Any, grid: int, block: int, args: tuple, shared: int) -> None:
+    _launch_all(device, [(kernel, grid, block, args, shared)])
+
+
+def _launch_all(device: Any, launches: list[tuple[Any, int, int, tuple, int]]) -> None:
+    """(kernel, grid, block, args, shared bytes) launches in order on torch's current
+    stream of ``device`` (one CuPy device and stream context for all)."""
     import cupy as cp
 
     rt = _runtime(device)
-    if shared > 48 * 1024:
-        kernel.max_dynamic_shared_size_bytes = shared
     with cp.cuda.Device(device.index), rt._stream():
-        kernel((grid,), (block,), args, shared_mem=shared)
+        for kernel, grid, block, args, shared in launches:
+            if shared > 48 * 1024:
+                kernel.max_dynamic_shared_size_bytes = shared
+            kernel((grid,), (block,), args, shared_mem=shared)
 
 
 def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
@@ -572,13 +579,14 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     status = torch.empty(2 * nc + 1, dtype=torch.int32, device=dev)
     table = torch.empty((nc, 4), dtype=torch.int64, device=dev)
     facts = torch.empty(3, dtype=torch.int64, device=dev)
-    _launch(mod.get_function("dist_directory"), dev, 1, DIR_THREADS,
-            _args(ft, size, np.int32(nc), table, facts, status), 0)
-    _launch(mod.get_function("dist_decode"), dev, -(-nc // t.warps), 32 * t.warps,
-            _args(ft, table, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
-                  np.int32(head.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
-                  tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], out, status),
-            smem_bytes(model, t))
+    _launch_all(dev, [
+        (mod.get_function("dist_directory"), 1, DIR_THREADS,
+         _args(ft, size, np.int32(nc), table, facts, status), 0),
+        (mod.get_function("dist_decode"), -(-nc // t.warps), 32 * t.warps,
+         _args(ft, table, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
+               np.int32(head.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
+               tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], out, status),
+         smem_bytes(model, t))])
     return PendingDecode(out, status, facts if info is None else None,
                          (ft, table, mu_t, sg_t, midx), head, size, table, mu_t, sg_t)
 
