@@ -542,10 +542,11 @@ values (bf16: |mu| ~ 1, sigma ~ 0.15; fp8 e4m3 in scaled units: |mu| ~ 20, sigma
 and sigma float32 on the device. GB/s = cache bytes per second of the whole call (CUDA
 events, median of 7 after 2 warm-ups and a second of warm-up encodes per format): encode
 includes the one device-to-host read of the chunk lengths that sizes the frame and the
-gather launch; decode includes the host parse of the frame's directory (read back from the
-device) and the status read; "from pinned host" decodes a frame in pinned host memory, its
-upload included. CRC-32 (zlib's, the frame's) is computed on the GPU in both directions,
-inside these times. "Offload via PCIe" = cache bytes / (encode time + coded bytes over the
+gather launch; decode includes the read of the frame's 28-byte header, the directory
+kernel (the chunk table, on the device) and the status read; "from pinned host" decodes a
+frame in pinned host memory (its directory parsed on the host), its upload included.
+CRC-32 (zlib's, the frame's) is computed on the GPU in both directions, inside these
+times. "Offload via PCIe" = cache bytes / (encode time + coded bytes over the
 measured D2H link), serial. Outputs are poisoned before each checked decode; every row was
 bit-exact, and the frames equal the CPU coder's byte for byte (checks above: GPU frame ==
 CPU frame, CPU frame -> GPU decode, GPU -> GPU, GPU frame -> CPU decode; corrupt frames fail
