@@ -486,6 +486,31 @@ def test_directory_runs(nc):
     assert facts == [frame.size, -1, 0]
 
 
+def test_model_index_checked_once_per_contents():
+    """A flat int16 index on the device (here the CPU) is range-checked once; reused
+    unchanged it is not checked again (no wait on its stream), changed it is."""
+    model = D.CoderModel(np.stack([D.gaussian_shape()] * 3))
+    idx = torch.tensor([0, 2, 1, 2], dtype=torch.int16)
+    got, m0 = G._index(idx, model, 4, torch.device("cpu"))
+    assert got is idx and m0 == 0
+    assert G._checked[id(idx)][1:] == (idx._version, 4, 3, "cpu")
+    assert G._index(idx, model, 4, torch.device("cpu"))[0] is idx
+    idx[1] = 3  # out of range: the version moves, so it is checked again
+    with pytest.raises(ValueError, match="out of range"):
+        G._index(idx, model, 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="out of range"):  # and not remembered as good
+        G._index(idx, model, 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="out of range"):  # a smaller model: checked again
+        G._index(torch.tensor([0, 2], dtype=torch.int16), D.CoderModel(
+            np.stack([D.gaussian_shape()] * 2)), 2, torch.device("cpu"))
+    other = np.array([1, 0, 2, 2], np.int64)  # not a flat int16 tensor: converted, checked
+    conv, _ = G._index(other, model, 4, torch.device("cpu"))
+    assert conv.dtype == torch.int16 and conv.tolist() == [1, 0, 2, 2]
+    key = id(idx)
+    del idx, got
+    assert key not in G._checked  # forgotten with the tensor
+
+
 def test_status_to_errors():
     offsets = np.array([100, 200, 300])
     assert G.chunk_error(np.zeros(3, np.int32), offsets) is None

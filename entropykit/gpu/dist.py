@@ -242,6 +242,7 @@ def smem_bytes(model: D.CoderModel, t: Tuning) -> int:
 _lock = threading.Lock()
 _modules: dict[tuple, Any] = {}
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_checked: dict[int, tuple] = {}  # _index's checked tensors: id -> (weak ref, version, key)
 
 
 def _runtime(device: Any) -> Any:
@@ -323,7 +324,13 @@ def _flat(t: Any, name: str, n: int, device: Any) -> Any:
 
 
 def _index(model_index: Any, model: D.CoderModel, n: int, device: Any) -> tuple[Any, int]:
-    """(per-value uint16 index tensor or None, the one model index)."""
+    """(per-value uint16 index tensor or None, the one model index).
+
+    A per-value index is range-checked once per contents: a CUDA tensor's check waits for
+    its stream (the min / max come back to the host), so an index tensor already checked,
+    unchanged since (its version counter) and used as given (flat int16 on ``device``) is
+    not checked again: a caller that reuses one (the offload hook, per layer) keeps its
+    decodes asynchronous."""
     import torch
 
     if model_index is None or isinstance(model_index, (int, np.integer)):
@@ -331,15 +338,27 @@ def _index(model_index: Any, model: D.CoderModel, n: int, device: Any) -> tuple[
         if not 0 <= m < len(model):
             raise ValueError(f"model_index {m} out of range for a model of {len(model)} shapes")
         return None, m
+    key = (n, len(model), str(device))
+    direct = (isinstance(model_index, torch.Tensor) and model_index.dim() == 1
+              and model_index.dtype == torch.int16 and model_index.is_contiguous()
+              and model_index.device == torch.device(device))
+    if direct:
+        seen = _checked.get(id(model_index))
+        if seen and seen[0]() is model_index and seen[1:] == (model_index._version, *key):
+            return model_index, 0
     idx = torch.as_tensor(model_index).reshape(-1)
     if idx.numel() != n or idx.dtype.is_floating_point or idx.dtype == torch.bool:
         raise ValueError(f"model_index must be {n} integers")
-    idx = idx.to(device)
     if n:
         lo_hi = torch.stack([idx.min(), idx.max()]).to(torch.int64).cpu()
         if lo_hi[0] < 0 or lo_hi[1] >= len(model):
             raise ValueError(f"model_index out of range for a model of {len(model)} shapes")
-    return idx.to(torch.int16).contiguous(), 0  # < len(model) <= 2**15: uint16 bits
+    if direct:
+        i = id(model_index)
+        _checked[i] = (weakref.ref(model_index, lambda _: _checked.pop(i, None)),
+                       model_index._version, *key)
+        return model_index, 0
+    return idx.to(device=device, dtype=torch.int16).contiguous(), 0  # < 2**15 models
 
 
 def _aligned(t: Any) -> Any:

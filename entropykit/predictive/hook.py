@@ -76,6 +76,7 @@ class KVOffloadCodec:
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._shape: tuple[int, int, int, int] | None = None
         self._dcal: dict[torch.device, DeviceCalibration] = {}
+        self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def set_prompt(self, input_ids: torch.Tensor) -> None:
         """Run the predictor on the prompt ([batch, seq]) whose cache will be offloaded."""
@@ -88,6 +89,7 @@ class KVOffloadCodec:
             (layer, kv): _compact(guess[layer][kv]) for layer in range(cal.layers)
             for kv in (0, 1)}
         self.prompt_len = ids.shape[1]
+        self._index = {}  # per-value model indices of the old prompt's shape
 
     def guess_bytes(self) -> int:
         """Host memory the kept guess takes (0 without a predictor)."""
@@ -117,9 +119,13 @@ class KVOffloadCodec:
         mk, sk, ik = self.distribution(layer, 0, device)
         mv, sv, iv = self.distribution(layer, 1, device)
         index: int | torch.Tensor = ik
-        if ik != iv:
-            index = torch.cat([torch.full(mk.shape, ik, dtype=torch.int16, device=mk.device),
-                               torch.full(mv.shape, iv, dtype=torch.int16, device=mv.device)])
+        if ik != iv:  # one tensor a layer and device, reused: the GPU coder checks it once
+            key = (layer, mk.device)
+            if key not in self._index:
+                self._index[key] = torch.cat([
+                    torch.full(mk.shape, ik, dtype=torch.int16, device=mk.device),
+                    torch.full(mv.shape, iv, dtype=torch.int16, device=mv.device)])
+            index = self._index[key]
         return torch.cat([mk, mv]), torch.cat([sk, sv]), index
 
     def encode(self, layer: int, keys: torch.Tensor, values: torch.Tensor
