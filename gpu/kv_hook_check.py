@@ -218,8 +218,8 @@ def _generate_times(model: torch.nn.Module, none: P.Predictor, none_cal: P.Calib
             ("Cache(offloading=True), plain layers",
              lambda: transformers.Cache(layers=[DynamicLayer()
                                                 for _ in range(layers)], offloading=True)),
-            ("Cache(offloading=True), compressed, chunks of 16384", ours(None)),
-            ("Cache(offloading=True), compressed, chunks of 2048", ours(2048))]
+            ("Cache(offloading=True), compressed, default chunks (by layer size)", ours(None)),
+            ("Cache(offloading=True), compressed, chunks of 16384", ours(16384))]
     print(f"\ngenerate(16 new tokens) after a {tuple(prompt.shape)} prompt, {layers} layers, "
           "best of 3:")
     print("| cache | s |")
@@ -297,11 +297,11 @@ def _timings(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
              lambda: [t.to(DEV, non_blocking=True) for t in host])]
     failures = []
     for label, pr, cl, coder, threads, chunk in (
-            ("none, GPU coder", none, none_cal, "gpu", 1, None),
+            ("none, GPU coder, default chunks (by layer size)", none, none_cal, "gpu", 1, None),
             ("none, GPU coder, chunks of 4096", none, none_cal, "gpu", 1, 4096),
-            ("none, GPU coder, chunks of 2048", none, none_cal, "gpu", 1, 2048),
-            ("fp8-of-target, GPU coder", pred, cal, "gpu", 1, None),
-            ("fp8-of-target, GPU coder, chunks of 2048", pred, cal, "gpu", 1, 2048),
+            ("none, GPU coder, chunks of 16384", none, none_cal, "gpu", 1, 16384),
+            ("fp8-of-target, GPU coder, default chunks", pred, cal, "gpu", 1, None),
+            ("fp8-of-target, GPU coder, chunks of 16384", pred, cal, "gpu", 1, 16384),
             ("none, CPU coder, 16 threads", none, none_cal, "cpu", 16, None)):
         codec = KVOffloadCodec(pr, cl, model="mixture", coder=coder, threads=threads,
                                chunk_size=chunk)

@@ -276,3 +276,18 @@ def test_unchecked_prefetch_is_never_read():
     assert calls == [0, 1, 0, 1, 0, 1]
     layer._checks = [lambda: calls.append(2)]
     assert layer.keys is k and layer.values is v and calls[-1] == 2 and layer._checks == []
+
+
+def test_gpu_chunk_by_layer_size():
+    """The GPU coder's default chunk: 2^11 until a layer makes ~2^13 chunks of it, then
+    doubling up to 2^14; always a chunk size the coder takes."""
+    from entropykit.predictive.hook import gpu_chunk
+    from entropykit.rans import distribution as dist
+
+    assert [gpu_chunk(n) for n in (0, 1, 2_097_152, (1 << 25) - 1, 1 << 25, 1 << 26,
+                                   (1 << 27) - 1, 1 << 27, 1 << 30)] == [
+        2048, 2048, 2048, 2048, 4096, 8192, 8192, 16384, 16384]
+    for n in (1, 5_000, 1 << 24, 3 << 25, 1 << 28):
+        c = gpu_chunk(n)
+        dist._check_chunk(c)
+        assert c == 2048 or -(-n // c) >= 1 << 13  # larger only while chunks stay many
