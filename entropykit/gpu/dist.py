@@ -243,6 +243,7 @@ _lock = threading.Lock()
 _modules: dict[tuple, Any] = {}
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _checked: dict[int, tuple] = {}  # _index's checked tensors: id -> (weak ref, version, key)
+_functions: dict[tuple[int, str], Any] = {}  # kernels of the modules in _modules (kept alive)
 
 
 def _runtime(device: Any) -> Any:
@@ -393,12 +394,13 @@ def _launch(kernel: Any, device: Any, grid: int, block: int, args: tuple, shared
     _launch_all(device, [(kernel, grid, block, args, shared)])
 
 
-def _launch_all(device: Any, launches: list[tuple[Any, int, int, tuple, int]]) -> None:
+def _launch_all(device: Any, launches: list[tuple[Any, int, int, tuple, int]],
+                rt: Any = None) -> None:
     """(kernel, grid, block, args, shared bytes) launches in order on torch's current
     stream of ``device`` (one CuPy device and stream context for all)."""
     import cupy as cp
 
-    rt = _runtime(device)
+    rt = rt or _runtime(device)
     with cp.cuda.Device(device.index), rt._stream():
         for kernel, grid, block, args, shared in launches:
             if shared > 48 * 1024:
@@ -508,22 +510,19 @@ class PendingDecode:
     returns the values, or raises what ``decode`` raises. Until then the output must not
     be trusted: it holds whatever a corrupt frame decoded to."""
 
-    def __init__(self, out: Any, status: Any, facts: Any, keep: tuple,
+    def __init__(self, out: Any, tail: Any, nc: int, check_dir: bool, keep: tuple,
                  header: D.FrameHeader, size: int, table: Any, mu: Any, sigma: Any) -> None:
         import torch
 
         self.out = out
-        # the chunks' status (and a CUDA frame's directory facts), copied to pinned memory
-        # behind the launch on its stream
-        self._status = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
-        self._facts = None if facts is None else torch.empty(3, dtype=torch.int64,
-                                                             pin_memory=True)
-        with torch.cuda.device(status.device):
-            self._status.copy_(status, non_blocking=True)
-            if facts is not None:
-                self._facts.copy_(facts, non_blocking=True)
+        # the directory's facts and the chunks' status (``_work``'s tail), copied to pinned
+        # memory behind the launch on its stream
+        self._tail = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=True)
+        with torch.cuda.device(tail.device):
+            self._tail.copy_(tail, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
+        self._nc, self._check_dir = nc, check_dir
         self._keep = keep  # the launch's inputs stay alive until it has run
         self._header, self._size, self._table = header, size, table
         self._mu, self._sigma = mu, sigma
@@ -535,15 +534,17 @@ class PendingDecode:
 
     def result(self) -> Any:
         """The decoded values, once every chunk is known to be right."""
+        import torch
+
         if not self._checked:
             self._done.synchronize()
-            if self._facts is not None:  # as parse would have, before any chunk's error
-                end, bad, mode = self._facts.tolist()
+            if self._check_dir:  # as parse would have, before any chunk's error
+                end, bad, mode = self._tail[:3].tolist()
                 err = D.directory_error(end, self._size, bad, mode)
                 if err is not None:
                     raise CorruptDataError(err)
-            nc, cs = self._header.n_chunks, self._header.chunk_size
-            st = self._status[: 2 * nc].view(nc, 2).numpy()
+            nc, cs = self._nc, self._header.chunk_size
+            st = self._tail[3:].view(torch.int32)[: 2 * nc].view(nc, 2).numpy()
             bad = first_bad_param(st[:, 0], st[:, 1], cs)
             if bad >= 0:
                 raise _bad_param(bad, self._mu, self._sigma)
@@ -586,28 +587,44 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         raise ValueError(f"out must be a contiguous, 16-byte aligned tensor of {n} "
                          f"{width}-byte elements on {dev}")
     size = ft.numel()
+    table, tail, facts, status = _work(nc, dev)
     if nc == 0:
-        status = torch.zeros(1, dtype=torch.int32, device=dev)
-        return PendingDecode(out, status, None, (), head, size, None, mu_t, sg_t)
+        status.zero_()
+        return PendingDecode(out, tail, nc, False, (), head, size, None, mu_t, sg_t)
     if ft.device != dev:
         ft = ft.to(dev, non_blocking=ft.is_pinned())
     tb = _device_tables(model, dev)
     mod = _kernels(f, smem_bytes(model, t) > 0, t)
-    # per chunk (code, where), then the count of chunks the warps took (DYN_CHUNKS): zeroed
-    # by dist_directory, which also builds the chunk table and the directory's facts
-    status = torch.empty(2 * nc + 1, dtype=torch.int32, device=dev)
-    table = torch.empty((nc, 4), dtype=torch.int64, device=dev)
-    facts = torch.empty(3, dtype=torch.int64, device=dev)
-    _launch_all(dev, [
-        (mod.get_function("dist_directory"), 1, DIR_THREADS,
+    _launch_all(dev, [  # dist_directory also zeroes the status
+        (_function(mod, "dist_directory"), 1, DIR_THREADS,
          _args(ft, size, np.int32(nc), table, facts, status), 0),
-        (mod.get_function("dist_decode"), -(-nc // t.warps), 32 * t.warps,
+        (_function(mod, "dist_decode"), -(-nc // t.warps), 32 * t.warps,
          _args(ft, table, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
                np.int32(head.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
                tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], out, status),
-         smem_bytes(model, t))])
-    return PendingDecode(out, status, facts if info is None else None,
-                         (ft, table, mu_t, sg_t, midx), head, size, table, mu_t, sg_t)
+         smem_bytes(model, t))], rt)
+    return PendingDecode(out, tail, nc, info is None, (ft, table, mu_t, sg_t, midx), head,
+                         size, table, mu_t, sg_t)
+
+
+def _work(nc: int, dev: Any) -> tuple[Any, Any, Any, Any]:
+    """One device buffer for a decode's chunk table (int64 [nc, 4]), then its tail: the
+    directory's facts (int64 [3]) and the status (int32 [2 nc + 1]: per chunk code and
+    index, then DYN_CHUNKS' counter), read back in one copy. (table, tail, facts, status)"""
+    import torch
+
+    buf = torch.empty(4 * nc + 3 + nc + 1, dtype=torch.int64, device=dev)
+    tail = buf[4 * nc :]
+    return (buf[: 4 * nc].view(nc, 4), tail, tail[:3],
+            tail[3:].view(torch.int32)[: 2 * nc + 1])
+
+
+def _function(mod: Any, name: str) -> Any:
+    with _lock:
+        key = (id(mod), name)
+        if key not in _functions:
+            _functions[key] = mod.get_function(name)
+        return _functions[key]
 
 
 __all__ = ["GPU_CHUNK", "PendingDecode", "Tuning", "decode", "decode_async", "encode"]
