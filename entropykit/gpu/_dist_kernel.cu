@@ -116,20 +116,21 @@ __device__ __forceinline__ unsigned smem_word(unsigned addr) {
     return r;
 }
 
-__device__ __forceinline__ unsigned shape_w(const Model& md, int i) {
+// Word i of a model table: its shared-window address s with SMEM_ADDR, else its pointer t.
+__device__ __forceinline__ unsigned table_w(const unsigned* t, unsigned s, int i) {
 #if SMEM_ADDR
-    return smem_word(md.sh_s + 4 * (unsigned)i);
+    return smem_word(s + 4 * (unsigned)i);
 #else
-    return md.shapes[i];
+    return t[i];
 #endif
 }
 
+__device__ __forceinline__ unsigned shape_w(const Model& md, int i) {
+    return table_w(md.shapes, md.sh_s, i);
+}
+
 __device__ __forceinline__ unsigned emp_w(const Model& md, int i) {
-#if SMEM_ADDR
-    return smem_word(md.em_s + 4 * (unsigned)i);
-#else
-    return md.emps[i];
-#endif
+    return table_w(md.emps, md.em_s, i);
 }
 
 __device__ __forceinline__ bool param_ok(unsigned mub, unsigned sgb) {
