@@ -94,10 +94,22 @@ def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> Non
                                (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)))
 
 
+_external: dict[int, cp.cuda.Stream] = {}  # CuPy's views of torch's streams, by handle
+
+
 def _stream() -> cp.cuda.Stream:
-    """Torch's current stream, as CuPy sees it, so launches order with torch's work."""
+    """Torch's current stream, as CuPy sees it, so launches order with torch's work. The
+    view of a handle is kept (a stream's handle names it until it is destroyed, and the
+    view holds nothing else), so a decode call does not build one each time."""
     handle = torch.cuda.current_stream().cuda_stream
-    return cp.cuda.ExternalStream(handle) if handle else cp.cuda.Stream.null
+    if not handle:
+        return cp.cuda.Stream.null
+    s = _external.get(handle)
+    if s is None:
+        if len(_external) >= 256:  # streams made and dropped in a loop: start over
+            _external.clear()
+        s = _external[handle] = cp.cuda.ExternalStream(handle)
+    return s
 
 
 def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor | None]:

@@ -126,6 +126,8 @@ class Tuning:
                        low_rounds=pick(self.low_rounds, 0 if e_start else 1 if wide else rounds))
 
 
+_DEFAULT_TUNING = Tuning()
+
 # ---- host logic (no GPU needed) ------------------------------------------------------
 
 
@@ -231,9 +233,11 @@ def model_arrays(model: D.CoderModel) -> dict[str, np.ndarray]:
             "rtab": np.ascontiguousarray(D._RTAB, np.int64).reshape(-1)}
 
 
-def smem_bytes(model: D.CoderModel, t: Tuning) -> int:
-    """Dynamic shared memory of a launch: the model tables, if they go there."""
-    size = len(model) * (model.padded.shape[1] + model.emps.shape[1]) * 4
+def smem_bytes(model: D.CoderModel, t: Tuning, models: int | None = None) -> int:
+    """Dynamic shared memory of a launch: the model tables (of ``models`` shapes, default
+    all), if they go there."""
+    size = (len(model) if models is None else models) * (
+        model.padded.shape[1] + model.emps.shape[1]) * 4
     return size if t.smem and size <= _SMEM_LIMIT else 0
 
 
@@ -242,6 +246,8 @@ def smem_bytes(model: D.CoderModel, t: Tuning) -> int:
 _lock = threading.Lock()
 _modules: dict[tuple, Any] = {}
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_targs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # _table_args'
+_devices: dict[Any, tuple[Any, Any]] = {}  # _device_runtime's: device -> (runtime, device)
 _checked: dict[int, tuple] = {}  # _index's checked tensors: id -> (weak ref, version, key)
 _functions: dict[tuple[int, str], Any] = {}  # kernels of the modules in _modules (kept alive)
 
@@ -250,6 +256,19 @@ def _runtime(device: Any) -> Any:
     from . import _load_runtime  # checks torch, CUDA and CuPy; GpuUnavailableError
 
     return _load_runtime(device)
+
+
+def _device_runtime(device: Any) -> tuple[Any, Any]:
+    """(runtime, torch.device with its index) of ``device``; the checks run once for an
+    indexed torch.device (what tensors report), every time for "cuda" / ints / strings
+    (their meaning follows the current device)."""
+    got = _devices.get(device)
+    if got is None:
+        rt = _runtime(device)
+        got = (rt, rt.cuda_device(device))
+        if getattr(device, "index", None) is not None:
+            _devices[device] = got
+    return got
 
 
 def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
@@ -311,6 +330,30 @@ def _device_tables(model: D.CoderModel, device: Any) -> dict[str, Any]:
             per[device] = {k: torch.from_numpy(v.view(np.int32) if v.dtype == np.uint32 else v)
                            .to(device) for k, v in arrs.items()}
         return per[device]
+
+
+def _table_args(model: D.CoderModel, device: Any, first: int = 0,
+                models: int | None = None) -> tuple:
+    """The kernel arguments (shapes, emps, models, weights, zinv, rtab, xpow) of the model's
+    shapes first .. first + models - 1 (default all), built once per model, device and
+    range (the tensors stay alive in ``_tables``). A launch that uses one shape gets its
+    rows alone, as a model of one shape (index 0): the kernel indexes every per-shape table
+    by the index, so the rows read are the same, and one shape's tables fit in shared
+    memory where a calibration's 61 do not."""
+    models = len(model) - first if models is None else models
+    key = (device, first, models)
+    with _lock:
+        got = _targs.get(model, {}).get(key)
+    if got is None:
+        tb = _device_tables(model, device)
+        rows = {k: tb[k].numel() // len(model) * tb[k].element_size()
+                for k in ("shapes", "emps", "weights", "zinv")}
+        at = {k: np.uint64(tb[k].data_ptr() + first * r) for k, r in rows.items()}
+        got = (at["shapes"], at["emps"], np.int32(models), at["weights"], at["zinv"],
+               *_args(tb["rtab"], tb["xpow"]))
+        with _lock:
+            _targs.setdefault(model, {})[key] = got
+    return got
 
 
 def _flat(t: Any, name: str, n: int, device: Any) -> Any:
@@ -400,7 +443,7 @@ def _launch_all(device: Any, launches: list[tuple[Any, int, int, tuple, int]],
     stream of ``device`` (one CuPy device and stream context for all)."""
     import cupy as cp
 
-    rt = rt or _runtime(device)
+    rt = rt or _device_runtime(device)[0]
     with cp.cuda.Device(device.index), rt._stream():
         for kernel, grid, block, args, shared in launches:
             if shared > 48 * 1024:
@@ -422,9 +465,8 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     """
     import torch
 
-    t = tuning or Tuning()
-    rt = _runtime(values.device)
-    dev = rt.cuda_device(values.device)
+    t = tuning or _DEFAULT_TUNING
+    dev = _device_runtime(values.device)[1]
     f = format_of(values.dtype, fmt)
     flat = _aligned(values.reshape(-1).contiguous())
     n = flat.numel()
@@ -436,15 +478,15 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     if nc == 0:
         return head_t.to(dev)
     raw = flat.view(torch.uint8)
-    tb = _device_tables(model, dev)
-    mod = _kernels(f, smem_bytes(model, t) > 0, t)
+    first, models, m0 = (0, None, m0) if midx is not None else (m0, 1, 0)
+    smem = smem_bytes(model, t, models)
+    mod = _kernels(f, smem > 0, t)
     scratch = torch.empty_like(raw)
     res = torch.empty((nc, 4), dtype=torch.int64, device=dev)
-    _launch(mod.get_function("dist_encode"), dev, -(-nc // t.warps), 32 * t.warps,
-            _args(raw, mu_t, sg_t, midx, np.int32(m0), n, np.int32(chunk_size), np.int32(nc),
-                  np.int32(precision), tb["shapes"], tb["emps"], np.int32(len(model)),
-                  tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], scratch, res),
-            smem_bytes(model, t))
+    _launch(_function(mod, "dist_encode"), dev, -(-nc // t.warps), 32 * t.warps,
+            (*_args(raw, mu_t, sg_t, midx, np.int32(m0), n, np.int32(chunk_size),
+                    np.int32(nc), np.int32(precision)),
+             *_table_args(model, dev, first, models), *_args(scratch, res)), smem)
     lengths = res[:, 2]
     dst = torch.cumsum(lengths, 0) - lengths
     chunks = torch.arange(nc, device=dev)
@@ -455,7 +497,7 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     base = HEADER_SIZE + 9 * nc
     frame = torch.empty(base + total, dtype=torch.uint8, device=dev)
     frame[:HEADER_SIZE].copy_(head_t)
-    _launch(mod.get_function("dist_gather"), dev, min(nc, 65535), 256,
+    _launch(_function(mod, "dist_gather"), dev, min(nc, 65535), 256,
             _args(scratch, raw, res, dst, chunk_size * (f.bits // 8), np.int32(nc), base,
                   frame), 0)
     return frame
@@ -510,21 +552,26 @@ class PendingDecode:
     returns the values, or raises what ``decode`` raises. Until then the output must not
     be trusted: it holds whatever a corrupt frame decoded to."""
 
-    def __init__(self, out: Any, tail: Any, nc: int, check_dir: bool, keep: tuple,
-                 header: D.FrameHeader, size: int, table: Any, mu: Any, sigma: Any) -> None:
+    def __init__(self, out: Any, work: Any, nc: int, check_dir: bool, keep: tuple,
+                 header: D.FrameHeader, size: int, mu: Any, sigma: Any) -> None:
         import torch
 
         self.out = out
         # the directory's facts and the chunks' status (``_work``'s tail), copied to pinned
         # memory behind the launch on its stream
+        tail = work[4 * nc :]
         self._tail = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=True)
-        with torch.cuda.device(tail.device):
+        self._done = torch.cuda.Event()
+        if tail.device.index == torch.cuda.current_device():
             self._tail.copy_(tail, non_blocking=True)
-            self._done = torch.cuda.Event()
             self._done.record()
-        self._nc, self._check_dir = nc, check_dir
+        else:
+            with torch.cuda.device(tail.device):
+                self._tail.copy_(tail, non_blocking=True)
+                self._done.record()
+        self._work, self._nc, self._check_dir = work, nc, check_dir
         self._keep = keep  # the launch's inputs stay alive until it has run
-        self._header, self._size, self._table = header, size, table
+        self._header, self._size = header, size
         self._mu, self._sigma = mu, sigma
         self._checked = False
 
@@ -534,24 +581,25 @@ class PendingDecode:
 
     def result(self) -> Any:
         """The decoded values, once every chunk is known to be right."""
-        import torch
-
         if not self._checked:
             self._done.synchronize()
+            tail = self._tail.numpy()
             if self._check_dir:  # as parse would have, before any chunk's error
-                end, bad, mode = self._tail[:3].tolist()
+                end, bad, mode = (int(v) for v in tail[:3])
                 err = D.directory_error(end, self._size, bad, mode)
                 if err is not None:
                     raise CorruptDataError(err)
-            nc, cs = self._nc, self._header.chunk_size
-            st = self._tail[3:].view(torch.int32)[: 2 * nc].view(nc, 2).numpy()
-            bad = first_bad_param(st[:, 0], st[:, 1], cs)
-            if bad >= 0:
-                raise _bad_param(bad, self._mu, self._sigma)
-            err = chunk_error(st[:, 0], self._table[:, 0] if nc else ())
-            if err is not None:
-                raise CorruptDataError(err[1])
-            self._checked, self._keep, self._table = True, (), None
+            nc = self._nc
+            st = tail[3:].view(np.int32)[: 2 * nc].reshape(nc, 2)
+            if st[:, 0].any():
+                bad = first_bad_param(st[:, 0], st[:, 1], self._header.chunk_size)
+                if bad >= 0:
+                    raise _bad_param(bad, self._mu, self._sigma)
+                offsets = self._work[: 4 * nc].view(nc, 4)[:, 0]  # the chunks' payloads
+                err = chunk_error(st[:, 0], offsets)
+                if err is not None:
+                    raise CorruptDataError(err[1])
+            self._checked, self._keep, self._work = True, (), None
         return self.out
 
 
@@ -565,12 +613,11 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     directory is read on the device, so that nothing waits for it here)."""
     import torch
 
-    t = tuning or Tuning()
+    t = tuning or _DEFAULT_TUNING
     if device is None:
         device = out.device if out is not None else (
             mu.device if isinstance(mu, torch.Tensor) and mu.is_cuda else "cuda")
-    rt = _runtime(device)
-    dev = rt.cuda_device(device)
+    rt, dev = _device_runtime(device)
     head, ft, info = _frame_info(frame)
     if head.fingerprint != model.fingerprint:
         raise CorruptDataError(f"frame was coded with model {head.fingerprint:#010x}, "
@@ -587,36 +634,36 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         raise ValueError(f"out must be a contiguous, 16-byte aligned tensor of {n} "
                          f"{width}-byte elements on {dev}")
     size = ft.numel()
-    table, tail, facts, status = _work(nc, dev)
+    work, table, facts, status = _work(nc, dev)
     if nc == 0:
-        status.zero_()
-        return PendingDecode(out, tail, nc, False, (), head, size, None, mu_t, sg_t)
+        work.zero_()
+        return PendingDecode(out, work, nc, False, (), head, size, mu_t, sg_t)
     if ft.device != dev:
         ft = ft.to(dev, non_blocking=ft.is_pinned())
-    tb = _device_tables(model, dev)
-    mod = _kernels(f, smem_bytes(model, t) > 0, t)
+    first, models, m0 = (0, None, m0) if midx is not None else (m0, 1, 0)
+    smem = smem_bytes(model, t, models)
+    mod = _kernels(f, smem > 0, t)
     _launch_all(dev, [  # dist_directory also zeroes the status
         (_function(mod, "dist_directory"), 1, DIR_THREADS,
          _args(ft, size, np.int32(nc), table, facts, status), 0),
         (_function(mod, "dist_decode"), -(-nc // t.warps), 32 * t.warps,
-         _args(ft, table, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
-               np.int32(head.precision), tb["shapes"], tb["emps"], np.int32(len(model)),
-               tb["weights"], tb["zinv"], tb["rtab"], tb["xpow"], out, status),
-         smem_bytes(model, t))], rt)
-    return PendingDecode(out, tail, nc, info is None, (ft, table, mu_t, sg_t, midx), head,
-                         size, table, mu_t, sg_t)
+         (*_args(ft, table, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
+                 np.int32(head.precision)), *_table_args(model, dev, first, models),
+          *_args(out, status)), smem)], rt)
+    return PendingDecode(out, work, nc, info is None, (ft, mu_t, sg_t, midx), head, size,
+                         mu_t, sg_t)
 
 
-def _work(nc: int, dev: Any) -> tuple[Any, Any, Any, Any]:
-    """One device buffer for a decode's chunk table (int64 [nc, 4]), then its tail: the
-    directory's facts (int64 [3]) and the status (int32 [2 nc + 1]: per chunk code and
-    index, then DYN_CHUNKS' counter), read back in one copy. (table, tail, facts, status)"""
+def _work(nc: int, dev: Any) -> tuple[Any, np.uint64, np.uint64, np.uint64]:
+    """One device buffer (int64) for a decode: the chunk table ([nc, 4]), then its tail,
+    read back in one copy: the directory's facts ([3]) and the status (int32 [2 nc + 1]:
+    per chunk code and index, then DYN_CHUNKS' counter). (buffer, then the device
+    addresses of table, facts and status as kernel arguments)"""
     import torch
 
     buf = torch.empty(4 * nc + 3 + nc + 1, dtype=torch.int64, device=dev)
-    tail = buf[4 * nc :]
-    return (buf[: 4 * nc].view(nc, 4), tail, tail[:3],
-            tail[3:].view(torch.int32)[: 2 * nc + 1])
+    at = buf.data_ptr()
+    return buf, np.uint64(at), np.uint64(at + 32 * nc), np.uint64(at + 32 * nc + 24)
 
 
 def _function(mod: Any, name: str) -> Any:

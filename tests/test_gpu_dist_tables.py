@@ -1,0 +1,61 @@
+"""The GPU coder's model-table arguments (entropykit.gpu.dist._table_args), on the CPU.
+
+A launch whose values all use one shape gets that shape's rows alone, as a model of one
+shape: the kernel indexes every per-shape table by the model index, so the rows it reads
+must be byte for byte the tables of the one-shape model. Checked here through the
+addresses the kernel would get (tables on the CPU: the arithmetic is the same)."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from entropykit.gpu import dist  # noqa: E402
+from entropykit.rans import distribution as D  # noqa: E402
+
+
+def _model(shapes: int) -> D.CoderModel:
+    counts = np.ones(65536, np.int64)
+    rows, emps = [], []
+    for m in range(shapes):
+        rows.append(D.gaussian_shape((1.0, 2.0 + m), (0.9, 0.1)))
+        counts[0x8000 + 0x3F00 + m : 0x8000 + 0x3F80 + m] += 100 * (m + 1)
+        emps.append(D.empirical_table(counts))
+    return D.CoderModel(np.stack(rows), np.stack(emps), [100 * m for m in range(shapes)])
+
+
+def _read(addr: int, like: np.ndarray) -> np.ndarray:
+    return np.frombuffer(ctypes.string_at(int(addr), like.nbytes), like.dtype)
+
+
+@pytest.mark.parametrize("m", [0, 1, 4])
+def test_one_shape_rows_are_the_one_shape_model(m):
+    model = _model(5)
+    one = D.CoderModel(model.shapes[m : m + 1], model.emps[m : m + 1], model.weights[m : m + 1])
+    want = dist.model_arrays(one)
+    shapes, emps, count, weights, zinv, rtab, xpow = dist._table_args(
+        model, torch.device("cpu"), m, 1)
+    assert int(count) == 1
+    for name, addr in (("shapes", shapes), ("emps", emps), ("weights", weights),
+                       ("zinv", zinv), ("rtab", rtab)):
+        np.testing.assert_array_equal(_read(addr, want[name]), want[name], err_msg=name)
+    np.testing.assert_array_equal(_read(xpow, dist.x_powers()), dist.x_powers())
+
+
+def test_all_shapes_by_default_and_cached():
+    model = _model(3)
+    args = dist._table_args(model, torch.device("cpu"))
+    assert int(args[2]) == 3
+    np.testing.assert_array_equal(_read(args[0], dist.model_arrays(model)["shapes"]),
+                                  dist.model_arrays(model)["shapes"])
+    assert dist._table_args(model, torch.device("cpu")) is args
+    assert dist._table_args(model, torch.device("cpu"), 1, 1) is not args
+
+
+def test_one_shape_fits_shared_memory_where_a_calibrations_do_not():
+    model = _model(61)  # a SmolLM2-135M calibration: 2 x 30 layers + the exact model
+    t = dist.Tuning()
+    assert dist.smem_bytes(model, t) == 0
+    assert dist.smem_bytes(model, t, 1) == model.padded.shape[1] * 4 + model.emps.shape[1] * 4
