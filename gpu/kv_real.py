@@ -111,16 +111,21 @@ def streams(data_dir: Path, device):
     return out, meta
 
 
-def _timed_group(fmt: str, x, mu, sigma, index: int, model, mib: int, reps: int) -> dict:
-    """Whole-call encode / decode GB/s of one group's values repeated to ``mib`` MiB (one
-    frame, one model index: compress_kv's layout of a group, as a large layer has it)."""
+def _timed_layer(fmt: str, keys: tuple, values: tuple, model, mib: int, reps: int) -> dict:
+    """Whole-call encode / decode GB/s of one layer as the offload hook frames it (keys,
+    then values: two runs of models), each repeated so that the frame holds ``mib`` MiB
+    (a large layer)."""
     import torch
     from kv_check import timed
 
     from entropykit.gpu import dist
 
-    copies = max(1, (mib << 20) // (x.numel() * x.element_size()))
-    xs, mus, sgs = (a.repeat(copies) for a in (x, mu, sigma))
+    (xk, mk, sk, ik), (xv, mv, sv, iv) = keys, values
+    width = xk.element_size()
+    copies = max(1, (mib << 20) // ((xk.numel() + xv.numel()) * width))
+    xs, mus, sgs = (torch.cat([a.repeat(copies), b.repeat(copies)])
+                    for a, b in ((xk, xv), (mk, mv), (sk, sv)))
+    index = ik if ik == iv else [(ik, copies * xk.numel()), (iv, copies * xv.numel())]
     enc = partial(dist.encode, xs, mus, sgs, model, fmt=fmt, model_index=index)
     frame = enc()
     out = torch.empty_like(xs)
@@ -128,7 +133,7 @@ def _timed_group(fmt: str, x, mu, sigma, index: int, model, mib: int, reps: int)
     dec()
     exact = bool(torch.equal(out, xs))
     te, td = timed(torch, enc, reps), timed(torch, dec, reps)
-    nbytes = xs.numel() * xs.element_size()
+    nbytes = xs.numel() * width
     return {"copies": copies, "mib": nbytes / 2**20, "exact": exact,
             "enc_gbs": nbytes / statistics.median(te) / 1e9,
             "dec_gbs": nbytes / statistics.median(td) / 1e9}
@@ -141,21 +146,21 @@ def device_main(args) -> None:
 
     dev = torch.device("cuda:0")
     st, meta = streams(Path(args.data), dev)
-    picks = [(layer, kv) for layer in args.layers for kv in (0, 1)]
     rows = []
     for (fmt, kind), (groups, model) in st.items():
         size = values = 0
         exact = True
         timings = []
-        for layer, kv, x, mu, sigma, index in groups:
+        for _, _, x, mu, sigma, index in groups:  # compress_kv's frames: one a group
             frame = dist.encode(x, mu, sigma, model, fmt=fmt, model_index=index)
             size, values = size + frame.numel(), values + x.numel()
             exact &= bool(torch.equal(dist.decode(frame, mu, sigma, model,
                                                   model_index=index), x))
-            if (layer, kv) in picks:
-                r = _timed_group(fmt, x, mu, sigma, index, model, args.mib, args.reps)
-                exact &= r["exact"]
-                timings.append({"layer": layer, "kv": kv, **r})
+        for layer in args.layers:
+            r = _timed_layer(fmt, groups[2 * layer][2:], groups[2 * layer + 1][2:], model,
+                             args.mib, args.reps)
+            exact &= r["exact"]
+            timings.append({"layer": layer, **r})
         enc = [r["enc_gbs"] for r in timings]
         dec = [r["dec_gbs"] for r in timings]
         row = {"fmt": fmt, "kind": kind, "values": values, "bits": 8 * size / values,
@@ -164,7 +169,7 @@ def device_main(args) -> None:
                "enc_range": [min(enc), max(enc)], "dec_range": [min(dec), max(dec)]}
         rows.append(row)
         print(f"{fmt:9s} {kind:12s} {row['bits']:.3f} bits/value exact {exact}; "
-              f"{len(timings)} groups at {timings[0]['mib']:.0f} MiB: enc median "
+              f"{len(timings)} layers at {timings[0]['mib']:.0f} MiB: enc median "
               f"{row['enc_gbs']:.1f} ({min(enc):.1f}-{max(enc):.1f}) GB/s, dec median "
               f"{row['dec_gbs']:.1f} ({min(dec):.1f}-{max(dec):.1f})", flush=True)
         torch.cuda.empty_cache()

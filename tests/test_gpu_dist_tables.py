@@ -59,3 +59,34 @@ def test_one_shape_fits_shared_memory_where_a_calibrations_do_not():
     t = dist.Tuning()
     assert dist.smem_bytes(model, t) == 0
     assert dist.smem_bytes(model, t, 1) == model.padded.shape[1] * 4 + model.emps.shape[1] * 4
+
+
+@pytest.mark.parametrize(("runs", "n"), [
+    ([(3, 98304), (4, 98304)], 196608),         # a hook layer: keys then values
+    ([(1, 192000), (2, 192000)], 384000),       # boundary 2^9 * 375
+    ([(2, 7), (0, 5)], 12),                      # odd boundary: one entry per value
+    ([(4, 0), (1, 64), (4, 64), (2, 1)], 129),   # empty run, three models
+    ([(2, 1 << 20), (3, 5)], (1 << 20) + 5),     # last run shorter than an entry
+])
+def test_model_runs_become_a_coarse_index(runs, n):
+    """_models: value i's model is first + midx[i >> shift], exactly the runs' per-value
+    index; the tables are the rows of the models used."""
+    model = _model(5)
+    ms = dist._models(runs, model, n, torch.device("cpu"))
+    want = D._as_index(runs, model, n)
+    got = ms.first + ms.midx.numpy()[np.arange(n) >> ms.shift]
+    np.testing.assert_array_equal(got, want)
+    used = [m for m, c in runs if c]
+    assert (ms.first, ms.count) == (min(used), max(used) - min(used) + 1)
+    assert ms.midx.numel() == -(-n >> ms.shift)
+    assert dist._models(runs, model, n, torch.device("cpu")).midx is ms.midx  # kept
+
+
+def test_one_model_runs_and_ints_need_no_index():
+    model = _model(3)
+    for index in (2, [(2, 10), (2, 6)], [(1, 0), (2, 16)]):
+        ms = dist._models(index, model, 16, torch.device("cpu"))
+        assert (ms.midx, ms.m0, ms.first, ms.count) == (None, 0, 2, 1)
+    per_value = torch.tensor([0, 1] * 8, dtype=torch.int16)
+    ms = dist._models(per_value, model, 16, torch.device("cpu"))
+    assert (ms.shift, ms.first, ms.count) == (0, 0, None) and torch.equal(ms.midx, per_value)

@@ -356,3 +356,32 @@ def test_value_keys_order_every_pattern_numerically(fmt):
     order = np.argsort(keys[finite], kind="stable")
     assert (np.diff(x[finite][order]) >= 0).all()
     assert int(keys[1 << (f.bits - 1)]) + 1 == int(keys[0])  # -0 sits just below +0
+
+
+@pytest.mark.parametrize("runs", [[(1, 40), (0, 60)], [(0, 0), (1, 100)], [(1, 100)],
+                                  [(0, 33), (1, 1), (0, 66)]])
+def test_model_runs_code_as_the_per_value_index(runs):
+    """Runs [(model, count), ...] are the per-value index they expand to: same frame."""
+    rng = np.random.default_rng(7)
+    mu = rng.normal(0, 1, 100).astype(np.float32)
+    sigma = np.full(100, 0.2, np.float32)
+    bits = (mu + sigma * rng.standard_t(4, 100).astype(np.float32)).astype(
+        ml_dtypes.bfloat16).view(np.uint16)
+    per_value = np.repeat([m for m, _ in runs], [c for _, c in runs])
+    blob = D.encode(bits, mu, sigma, MIXED, fmt="bf16", model_index=runs)
+    assert blob == D.encode(bits, mu, sigma, MIXED, fmt="bf16", model_index=per_value)
+    np.testing.assert_array_equal(D.decode(blob, mu, sigma, MIXED, model_index=runs), bits)
+
+
+@pytest.mark.parametrize(("runs", "match"), [
+    ([(0, 50), (1, 49)], "cover 99 values, not 100"),
+    ([(0, 50), (2, 50)], "model_index 2 out of range"),
+    ([(0, -1), (1, 101)], "must be .model, count. pairs"),
+    ([(0, 50, 1), (1, 50)], "must be .model, count. pairs"),
+    ([(0.5, 50), (1, 50)], "must be .model, count. pairs"),
+])
+def test_bad_model_runs_raise(runs, match):
+    bits = np.zeros(100, np.uint16)
+    mu, sigma = np.zeros(100, np.float32), np.ones(100, np.float32)
+    with pytest.raises(ValueError, match=match):
+        D.encode(bits, mu, sigma, MIXED, fmt="bf16", model_index=runs)

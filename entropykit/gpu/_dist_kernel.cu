@@ -558,8 +558,8 @@ __device__ __forceinline__ void enc_step(i64& x, bool live, i64 c0, i64 c1, int 
 // a payload that would not be smaller is not kept, exactly as dist_kernels decides).
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_encode(
         const unsigned char* vals, const unsigned* mu, const unsigned* sg,
-        const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
-        const unsigned* shapes, const unsigned* emps, int models, const int* weights,
+        const unsigned short* midx, int mshift, int m0, i64 n, int chunk_size, int n_chunks,
+        int p, const unsigned* shapes, const unsigned* emps, int models, const int* weights,
         const float* zinv, const i64* rtab, const unsigned* xpow, unsigned char* scratch,
         i64* res) {
     __shared__ unsigned tab[256];
@@ -588,7 +588,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_encode
             const unsigned mub = mu[i], sgb = sg[i];
             ok = param_ok(mub, sgb);
             if (ok) {
-                const Val v = params(mub, sgb, midx ? midx[i] : m0, md);
+                const Val v = params(mub, sgb, midx ? midx[i >> mshift] : m0, md);
                 const int key = key_of(BYTES == 2 ? ((const unsigned short*)vals)[i] : vals[i]);
                 const int j = key >> ES, b = j << ES;
                 const unsigned s0 = smooth(b, v, md), s1 = smooth(b + (1 << ES), v, md);
@@ -1141,7 +1141,7 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, cons
 // Decode chunk c0 into outb and write its status (the warp; Model and tab from the block).
 __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
         const i64* desc, const unsigned* mu, const unsigned* sg, const unsigned short* midx,
-        int m0, i64 n, int chunk_size, int p, const Model& md, const unsigned* tab,
+        int mshift, int m0, i64 n, int chunk_size, int p, const Model& md, const unsigned* tab,
         const ChunkQueue& q, const unsigned* xpow, unsigned char* outb, int* status, int lane) {
     const WarpChunk wc0 = chunk_at(c0, n, chunk_size);
     const int c = c0, cn = wc0.cn, nbytes = cn * BYTES;
@@ -1174,7 +1174,7 @@ __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
         if (lane < cn) {
             nmu = mu[first + lane];
             nsg = sg[first + lane];
-            if (midx) nm = midx[first + lane];
+            if (midx) nm = midx[(first + lane) >> mshift];
         }
 #endif
         for (int g0 = 0; g0 < cn && !code; g0 += LANES) {
@@ -1189,11 +1189,11 @@ __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
             if (g0 + LANES + lane < cn) {
                 nmu = mu[i + LANES];
                 nsg = sg[i + LANES];
-                if (midx) nm = midx[i + LANES];
+                if (midx) nm = midx[(i + LANES) >> mshift];
             }
 #else
             const unsigned mub = ch.live ? mu[i] : 0u, sgb = ch.live ? sg[i] : 0u;
-            const int mi = ch.live && midx ? (int)midx[i] : m0;
+            const int mi = ch.live && midx ? (int)midx[i >> mshift] : m0;
 #endif
             if (ch.live) {
                 ok = param_ok(mub, sgb);
@@ -1265,10 +1265,13 @@ __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
 
 // desc per chunk (i64 x 4): payload offset in frame, length, mode, CRC-32 (all checked by
 // dist.py against the frame size). status per chunk (i32 x 2): code, value index in chunk.
+// Model index of value i (both kernels): midx[i >> mshift] (one index per value at mshift
+// 0; runs of models, as the offload hook's keys then values, one per 2^mshift values, so
+// a layer needs a few entries: dist._Models), or m0 where midx is null; in range (dist.py).
 extern "C" __global__ void __launch_bounds__(WARPS * 32, DEC_BLOCKS) dist_decode(
         const unsigned char* frame, const i64* desc, const unsigned* mu, const unsigned* sg,
-        const unsigned short* midx, int m0, i64 n, int chunk_size, int n_chunks, int p,
-        const unsigned* shapes, const unsigned* emps, int models, const int* weights,
+        const unsigned short* midx, int mshift, int m0, i64 n, int chunk_size, int n_chunks,
+        int p, const unsigned* shapes, const unsigned* emps, int models, const int* weights,
         const float* zinv, const i64* rtab, const unsigned* xpow, unsigned char* outb,
         int* status) {
     __shared__ unsigned tab[256];
@@ -1282,6 +1285,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, DEC_BLOCKS) dist_decode
     const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab);
     const int lane = threadIdx.x & 31;
     for (int c = first_chunk(q, lane); c < n_chunks; c = next_chunk(q, n_chunks, lane))
-        decode_chunk(c, frame, desc, mu, sg, midx, m0, n, chunk_size, p, md, tab, q, xpow,
-                     outb, status, lane);
+        decode_chunk(c, frame, desc, mu, sg, midx, mshift, m0, n, chunk_size, p, md, tab, q,
+                     xpow, outb, status, lane);
 }

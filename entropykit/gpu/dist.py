@@ -405,6 +405,60 @@ def _index(model_index: Any, model: D.CoderModel, n: int, device: Any) -> tuple[
     return idx.to(device=device, dtype=torch.int16).contiguous(), 0  # < 2**15 models
 
 
+@dataclass(frozen=True)
+class _Models:
+    """Which model each value of a launch uses, as the kernels take it: value i's is
+    midx[i >> shift] (an int16 tensor; one entry per value at shift 0), or m0 where midx is
+    None; and the rows of the model the launch gets (shapes first .. first + count - 1, the
+    indices relative to first; count None: every shape), so that a launch of one or two
+    adjacent shapes has their tables in shared memory."""
+
+    midx: Any
+    shift: int
+    m0: int
+    first: int
+    count: int | None
+
+    def args(self) -> tuple:
+        return _args(self.midx, np.int32(self.shift), np.int32(self.m0))
+
+
+_run_index: dict[tuple, Any] = {}  # _models' run index tensors, by layout and device
+
+
+def _models(model_index: Any, model: D.CoderModel, n: int, device: Any) -> _Models:
+    """``model_index`` (an int, one integer per value, or ``distribution.model_runs``'
+    runs) for a launch of n values. Runs become one index entry per 2^shift values, 2^shift
+    the largest power of two dividing every run boundary (the offload hook's keys then
+    values: a few entries a layer), relative to the runs' lowest model; the tensor is kept
+    per (relative runs, device): its upload waits for the stream once, later launches of
+    that layout (every layer of a cache) wait for nothing."""
+    import torch
+
+    runs = D.model_runs(model_index, model, n)
+    if runs is None:
+        midx, m0 = _index(model_index, model, n, device)
+        return _Models(None, 0, 0, m0, 1) if midx is None else _Models(midx, 0, 0, 0, None)
+    runs = [r for r in runs if r[1]]
+    models = {m for m, _ in runs}
+    if len(models) <= 1:
+        return _Models(None, 0, 0, models.pop() if models else 0, 1)
+    lo, hi = min(models), max(models)
+    ends = np.cumsum([c for _, c in runs])
+    shift = min(int(b & -b).bit_length() - 1 for b in ends[:-1].tolist())
+    key = (tuple((m - lo, c) for m, c in runs), str(device))
+    got = _run_index.get(key)
+    if got is None:
+        starts = np.concatenate(([0], ends[:-1])) >> shift
+        sizes = np.diff(np.append(starts, -(-n >> shift)))
+        rel = np.repeat(np.array([m - lo for m, _ in runs], np.int16), sizes)
+        if len(_run_index) >= 256:
+            _run_index.clear()
+        # a blocking upload, once per layout: any stream may then read it
+        got = _run_index[key] = torch.from_numpy(rel).to(device)
+    return _Models(got, shift, 0, lo, hi - lo + 1)
+
+
 def _aligned(t: Any) -> Any:
     # The kernels read chunks as 32-bit words (CRC): start on a 16-byte boundary.
     return t if t.data_ptr() % 16 == 0 else t.clone()
@@ -460,7 +514,8 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
 
     ``values``: bfloat16 / float16 / float8 tensor, or int16/uint16/uint8 bits with
     ``fmt``. ``mu``, ``sigma``: float32 with one entry per value (moved to the device if
-    not there). ``model_index``: an int, or one integer per value. Synchronizes once (the
+    not there). ``model_index``: an int, one integer per value, or runs ``[(model, count),
+    ...]`` (``distribution.model_runs``; no per-value tensor needed). Synchronizes once (the
     frame's size); ``ValueError`` for an invalid (mu, sigma), as on the CPU.
     """
     import torch
@@ -472,21 +527,20 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     n = flat.numel()
     nc = check_encode_args(f, n, precision, chunk_size)
     mu_t, sg_t = _flat(mu, "mu", n, dev), _flat(sigma, "sigma", n, dev)
-    midx, m0 = _index(model_index, model, n, dev)
+    ms = _models(model_index, model, n, dev)
     head = header(f, n, chunk_size, precision, model.fingerprint)
     head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     if nc == 0:
         return head_t.to(dev)
     raw = flat.view(torch.uint8)
-    first, models, m0 = (0, None, m0) if midx is not None else (m0, 1, 0)
-    smem = smem_bytes(model, t, models)
+    smem = smem_bytes(model, t, ms.count)
     mod = _kernels(f, smem > 0, t)
     scratch = torch.empty_like(raw)
     res = torch.empty((nc, 4), dtype=torch.int64, device=dev)
     _launch(_function(mod, "dist_encode"), dev, -(-nc // t.warps), 32 * t.warps,
-            (*_args(raw, mu_t, sg_t, midx, np.int32(m0), n, np.int32(chunk_size),
-                    np.int32(nc), np.int32(precision)),
-             *_table_args(model, dev, first, models), *_args(scratch, res)), smem)
+            (*_args(raw, mu_t, sg_t), *ms.args(),
+             *_args(n, np.int32(chunk_size), np.int32(nc), np.int32(precision)),
+             *_table_args(model, dev, ms.first, ms.count), *_args(scratch, res)), smem)
     lengths = res[:, 2]
     dst = torch.cumsum(lengths, 0) - lengths
     chunks = torch.arange(nc, device=dev)
@@ -624,7 +678,7 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
                                f"decoder has {model.fingerprint:#010x} (byte 24)")
     f, n, cs, nc = head.fmt, head.n, head.chunk_size, head.n_chunks
     mu_t, sg_t = _flat(mu, "mu", n, dev), _flat(sigma, "sigma", n, dev)
-    midx, m0 = _index(model_index, model, n, dev)
+    ms = _models(model_index, model, n, dev)
     width = f.bits // 8
     if out is None:
         out = torch.empty(n, dtype=torch.int16 if width == 2 else torch.uint8, device=dev)
@@ -640,17 +694,16 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         return PendingDecode(out, work, nc, False, (), head, size, mu_t, sg_t)
     if ft.device != dev:
         ft = ft.to(dev, non_blocking=ft.is_pinned())
-    first, models, m0 = (0, None, m0) if midx is not None else (m0, 1, 0)
-    smem = smem_bytes(model, t, models)
+    smem = smem_bytes(model, t, ms.count)
     mod = _kernels(f, smem > 0, t)
     _launch_all(dev, [  # dist_directory also zeroes the status
         (_function(mod, "dist_directory"), 1, DIR_THREADS,
          _args(ft, size, np.int32(nc), table, facts, status), 0),
         (_function(mod, "dist_decode"), -(-nc // t.warps), 32 * t.warps,
-         (*_args(ft, table, mu_t, sg_t, midx, np.int32(m0), n, np.int32(cs), np.int32(nc),
-                 np.int32(head.precision)), *_table_args(model, dev, first, models),
-          *_args(out, status)), smem)], rt)
-    return PendingDecode(out, work, nc, info is None, (ft, mu_t, sg_t, midx), head, size,
+         (*_args(ft, table, mu_t, sg_t), *ms.args(),
+          *_args(n, np.int32(cs), np.int32(nc), np.int32(head.precision)),
+          *_table_args(model, dev, ms.first, ms.count), *_args(out, status)), smem)], rt)
+    return PendingDecode(out, work, nc, info is None, (ft, mu_t, sg_t, ms.midx), head, size,
                          mu_t, sg_t)
 
 

@@ -76,7 +76,6 @@ class KVOffloadCodec:
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._shape: tuple[int, int, int, int] | None = None
         self._dcal: dict[torch.device, DeviceCalibration] = {}
-        self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def set_prompt(self, input_ids: torch.Tensor) -> None:
         """Run the predictor on the prompt ([batch, seq]) whose cache will be offloaded."""
@@ -89,7 +88,6 @@ class KVOffloadCodec:
             (layer, kv): _compact(guess[layer][kv]) for layer in range(cal.layers)
             for kv in (0, 1)}
         self.prompt_len = ids.shape[1]
-        self._index = {}  # per-value model indices of the old prompt's shape
 
     def guess_bytes(self) -> int:
         """Host memory the kept guess takes (0 without a predictor)."""
@@ -112,20 +110,14 @@ class KVOffloadCodec:
         return mu, sigma, index
 
     def layer_distribution(self, layer: int, device: torch.device | str = "cpu"
-                           ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
+                           ) -> tuple[torch.Tensor, torch.Tensor, int | list[tuple[int, int]]]:
         """(mu, sigma, model index) of one layer's keys then values, as ``encode`` codes
-        them in one frame: the two ``distribution``s joined, the index per value (int16)
-        where keys and values use different models."""
+        them in one frame: the two ``distribution``s joined; the index an int where keys
+        and values use one model, else runs [(keys' model, n), (values' model, n)]
+        (``rans.distribution.model_runs``: no per-value index is made or kept)."""
         mk, sk, ik = self.distribution(layer, 0, device)
         mv, sv, iv = self.distribution(layer, 1, device)
-        index: int | torch.Tensor = ik
-        if ik != iv:  # one tensor a layer and device, reused: the GPU coder checks it once
-            key = (layer, mk.device)
-            if key not in self._index:
-                self._index[key] = torch.cat([
-                    torch.full(mk.shape, ik, dtype=torch.int16, device=mk.device),
-                    torch.full(mv.shape, iv, dtype=torch.int16, device=mv.device)])
-            index = self._index[key]
+        index = ik if ik == iv else [(ik, mk.numel()), (iv, mv.numel())]
         return torch.cat([mk, mv]), torch.cat([sk, sv]), index
 
     def encode(self, layer: int, keys: torch.Tensor, values: torch.Tensor
@@ -153,7 +145,7 @@ class KVOffloadCodec:
         mu, sigma, index = self.layer_distribution(layer)
         bits = both.cpu().view(torch.int16).numpy().view(np.uint16)
         return dist.encode(bits, mu.numpy(), sigma.numpy(), model, fmt="bf16",
-                           model_index=_host_index(index), chunk_size=self.chunk_size or CHUNK,
+                           model_index=index, chunk_size=self.chunk_size or CHUNK,
                            threads=self.threads)
 
     def decode(self, layer: int, frame: bytes | torch.Tensor, device: torch.device | str = "cpu"
@@ -185,7 +177,7 @@ class KVOffloadCodec:
         if isinstance(frame, torch.Tensor):
             frame = frame.numpy()
         bits = dist.decode(frame, mu.numpy(), sigma.numpy(), model,
-                           model_index=_host_index(index), threads=self.threads)
+                           model_index=index, threads=self.threads)
         keys, values = torch.from_numpy(bits).view(torch.bfloat16).reshape(2, *self._shape)
         return keys.to(device), values.to(device), lambda: None
 
@@ -205,10 +197,6 @@ def gpu_chunk(n: int) -> int:
     while c < GPU_MAX_CHUNK and n >= 2 * c * GPU_TARGET_CHUNKS:
         c *= 2
     return c
-
-
-def _host_index(index: int | torch.Tensor) -> int | np.ndarray:
-    return index if isinstance(index, int) else index.numpy()
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:

@@ -317,9 +317,33 @@ def _as_params(mu: Any, sigma: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     return mu_b, sg_b
 
 
+def model_runs(model_index: Any, model: CoderModel, n: int) -> list[tuple[int, int]] | None:
+    """``model_index`` given as runs: a list or tuple of (model, count) pairs, value after
+    value (the offload hook's layer frame is its keys' model, then its values'), checked
+    against the model and the n values; None for an int or a per-value index."""
+    if not (isinstance(model_index, (list, tuple)) and model_index
+            and isinstance(model_index[0], (list, tuple))):
+        return None
+    runs = []
+    for run in model_index:
+        if (len(run) != 2 or not all(isinstance(v, (int, np.integer)) for v in run)
+                or run[1] < 0):
+            raise ValueError(f"model_index runs must be (model, count) pairs, got {run!r}")
+        if not 0 <= run[0] < len(model):
+            raise ValueError(f"model_index {run[0]} out of range for a model of "
+                             f"{len(model)} shapes")
+        runs.append((int(run[0]), int(run[1])))
+    if sum(c for _, c in runs) != n:
+        raise ValueError(f"model_index runs cover {sum(c for _, c in runs)} values, not {n}")
+    return runs
+
+
 def _as_index(model_index: Any, model: CoderModel, n: int) -> np.ndarray:
     if model_index is None:
         model_index = 0
+    runs = model_runs(model_index, model, n)
+    if runs is not None:
+        return np.repeat(np.array([m for m, _ in runs], np.uint16), [c for _, c in runs])
     if isinstance(model_index, (int, np.integer)):  # one model for every value
         if not 0 <= model_index < len(model):
             raise ValueError(f"model_index {model_index} out of range for a model of "
@@ -353,7 +377,8 @@ def encode(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
     """Code ``values`` under per-value distributions into a self-describing frame.
 
     Value i is coded under model ``model_index[i]`` (or ``model_index`` itself when it is
-    an int; default 0) centred at ``mu[i]`` with scale ``sigma[i]`` (float32; finite,
+    an int, default 0; or runs, ``[(model, count), ...]`` value after value: ``model_runs``)
+    centred at ``mu[i]`` with scale ``sigma[i]`` (float32; finite,
     sigma > 0). ``precision`` (12..16) is the probability resolution of each 256-symbol
     rANS stage.
     """
