@@ -7,10 +7,11 @@ and the FP8-of-target predictor's guess (bf16 values, saved exactly), and calibr
 residual models on ``--calib`` disjoint prose sequences. ``--data DIR`` (on the device, no
 network needed) rebuilds the cache's (values, mu, sigma, model index) streams exactly as
 ``compress_kv``'s GPU path does (``codec._Groups`` on the device) for bf16 and fp8 e4m3
-caches and each residual model, checks that a GPU frame of the whole cache decodes exactly,
-and times whole ``dist.encode`` / ``dist.decode`` calls on the cache repeated to ``--mib``
-MiB (the coder's speed does not depend on repetition; the frame of one copy gives the
-bits per value). ``--write-results FILE`` puts the device run's table into bench/RESULTS.md.
+caches and each residual model, codes each (layer, k/v) group as compress_kv does (bits per
+value; every frame decodes exactly), and times whole ``dist.encode`` / ``dist.decode``
+calls on a few layers framed as the offload hook frames them (keys then values), each
+repeated to ``--mib`` MiB as a large layer (the coder's speed does not depend on
+repetition). ``--write-results FILE`` puts a run's table into bench/RESULTS.md.
 What it is not: the synthetic stress benchmark with its checks (kv_check.py: adversarial
 specials, corrupt frames) or the bits-per-value study (bench/bench_kv.py, 16 sequences).
 """
@@ -182,6 +183,45 @@ def device_main(args) -> None:
     print("ALL EXACT" if res["all_exact"] else "NOT EXACT", flush=True)
 
 
+SECTION = "## KV coder, GPU, real caches (issue 6)"
+
+
+def write_results(path: Path, commit: str) -> None:
+    """bench/RESULTS.md's section of a device run's real.json."""
+    import results as results_md  # bench/results.py
+
+    res = json.loads(path.read_text())
+    meta = res["meta"]
+    lines = [
+        SECTION, "",
+        f"GPU: {res['device']}, torch {res['torch']}, {res['time']} (entropykit {commit})",
+        "command: `python3 gpu/kv_real.py --data DIR --out $OUT` (DIR from `--prepare`)", "",
+        f"- Cache: SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to bf16) on one "
+        f"{meta['tokens']}-token prose sequence (bench/data.py's \"eval\" split): "
+        f"{res['rows'][0]['values']:,} values, bf16, and fp8 e4m3 with one scale per layer "
+        f"and k/v.",
+        f"- Guess: {meta['predictor']}; calibration on {meta['calib_sequences']} disjoint "
+        f"{meta['tokens']}-token \"calib\" sequences (bench_kv.py's table uses 16, so its "
+        f"bits differ slightly); (mu, sigma, model) computed on the device exactly as "
+        f"`compress_kv`'s GPU path does.",
+        "- bits/value: every (layer, k/v) group coded as its own frame (compress_kv's "
+        "layout, GPU chunks of 16384), all decoded exactly on the GPU.",
+        f"- GB/s: whole `dist.encode` / `dist.decode` calls (CUDA events, host work "
+        f"included) on one layer framed as the offload hook frames it (keys, then values: "
+        f"two model runs), each layer's values repeated to "
+        f"{res['rows'][0]['groups'][0]['mib']:.0f} MiB (a large layer); layers "
+        f"{', '.join(map(str, res['layers']))}: median (min-max).", "",
+        "| cache | residual model | bits/value | encode GB/s | decode GB/s | exact |",
+        "|---|---|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['fmt']} | {r['kind']} | {r['bits']:.3f} | {r['enc_gbs']:.1f} "
+            f"({r['enc_range'][0]:.1f}-{r['enc_range'][1]:.1f}) | {r['dec_gbs']:.1f} "
+            f"({r['dec_range'][0]:.1f}-{r['dec_range'][1]:.1f}) | "
+            f"{'yes' if r['exact'] else 'NO'} |")
+    results_md.write_section("\n".join(lines) + "\n", SECTION)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prepare", metavar="DIR", help="write the cache, guess and calibration")
@@ -192,13 +232,18 @@ def main() -> None:
     ap.add_argument("--layers", type=lambda v: [int(x) for x in v.split(",")],
                     default=[0, 10, 20, 29], help="layers whose groups are timed")
     ap.add_argument("--out", help="folder for real.json (device runs)")
+    ap.add_argument("--write-results", metavar="JSON", help="a device run's real.json into "
+                    "bench/RESULTS.md")
+    ap.add_argument("--commit", default="", help="the run's entropykit commit (--write-results)")
     args = ap.parse_args()
-    if args.prepare:
+    if args.write_results:
+        write_results(Path(args.write_results), args.commit)
+    elif args.prepare:
         prepare(Path(args.prepare), args.calib)
     elif args.data:
         device_main(args)
     else:
-        ap.error("give --prepare DIR or --data DIR")
+        ap.error("give --prepare DIR, --data DIR or --write-results JSON")
 
 
 if __name__ == "__main__":
