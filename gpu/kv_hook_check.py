@@ -76,6 +76,8 @@ def main() -> int:
                   f"CPU blob {blob == host}, each decodes on the other's coder {ok}")
             if not ok:
                 failures.append(f"compress_kv {name} {kind}")
+            if kind == "conditional":  # later groups' models rest on a corrupt group's values
+                failures += _corrupt_blob(host, pred, cal, name)
     failures += _codec_times(gen)
 
     prompt = torch.randint(0, 512, (1, 300), generator=gen).to(DEV)
@@ -164,6 +166,25 @@ def _gpu_coder(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
     failures += _corrupt(model, none, none_cal, cache, prompt)
     failures += _timings(model, pred, cal, none, none_cal, gen)
     return failures
+
+
+def _corrupt_blob(blob: bytes, pred: P.Predictor, cal: P.Calibration, name: str) -> list[str]:
+    """A flipped payload byte mid-blob: decompress_kv raises CorruptDataError on both
+    coders (the GPU's decodes are all queued first and checked in order)."""
+    from entropykit import CorruptDataError
+
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 0x40
+    msgs = {}
+    for coder in ("gpu", "cpu"):
+        try:
+            P.decompress_kv(bytes(bad), pred, cal, device=DEV, coder=coder)
+        except CorruptDataError as e:
+            msgs[coder] = str(e)
+    ok = len(msgs) == 2
+    print(f"decompress_kv {name} conditional, a flipped byte mid-blob: CorruptDataError on "
+          f"both coders {ok} ({msgs.get('gpu', 'no error')[:70]})")
+    return [] if ok else [f"decompress_kv {name} corrupt blob"]
 
 
 def _corrupt(model: torch.nn.Module, none: P.Predictor, none_cal: P.Calibration,

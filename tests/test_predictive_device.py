@@ -6,6 +6,8 @@ the device path runs on the CPU with the CPU coder standing in for it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -88,11 +90,13 @@ def _cpu_encode(values, mu, sigma, model, *, fmt, model_index, chunk_size):
                  model_index=model_index, chunk_size=chunk_size), np.uint8).copy())
 
 
-def _cpu_decode(frame, mu, sigma, model, *, model_index, device):
+def _cpu_decode_async(frame, mu, sigma, model, *, model_index, device):
     CALLS["decode"] += 1
     assert mu.dtype == sigma.dtype == torch.float32
-    out = D.decode(frame, mu.numpy(), sigma.numpy(), model, model_index=model_index)
-    return torch.from_numpy(out.view(np.int16) if out.dtype == np.uint16 else out).to(device)
+    assert isinstance(frame, torch.Tensor) and frame.dtype == torch.uint8  # a host slice
+    out = D.decode(frame.numpy(), mu.numpy(), sigma.numpy(), model, model_index=model_index)
+    out = torch.from_numpy(out.view(np.int16) if out.dtype == np.uint16 else out).to(device)
+    return SimpleNamespace(out=out, result=lambda: out)
 
 
 @pytest.fixture
@@ -101,7 +105,7 @@ def device_path(monkeypatch):
     standing in for the GPU's (same signature, same frames)."""
     monkeypatch.setattr(T, "on_gpu", lambda coder, device: coder != "cpu")
     monkeypatch.setattr(gpu_dist, "encode", _cpu_encode)
-    monkeypatch.setattr(gpu_dist, "decode", _cpu_decode)
+    monkeypatch.setattr(gpu_dist, "decode_async", _cpu_decode_async)
 
 
 @pytest.mark.parametrize("pred", sorted(PREDICTORS))

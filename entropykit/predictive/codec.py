@@ -329,6 +329,14 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
     model_tables = calibration.coder_model(h.kind, h.fmt)
     dtype = _FORMATS[h.fmt]
     tensors, n = [], int(np.prod(h.shape))
+    pending = []  # the GPU's decodes, checked in order once all are queued
+    if groups.device is not None:
+        from ..gpu import dist as gpu_dist
+
+        # frames upload asynchronously from pinned memory; each group's decode, and the
+        # conditional model's use of its values, queue on the stream behind the last one
+        host = torch.empty(buf.size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        host.numpy()[:] = buf
     for g, (start, length) in enumerate(h.frames):
         layer, k = divmod(g, 2)
         mu, sigma, index = groups.distribution(layer, k)
@@ -338,11 +346,10 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             raise CorruptDataError(f"KV blob frame {g} holds {info.n} {info.fmt.name} values, "
                                    f"the header says {n} {h.fmt}")
         if groups.device is not None:
-            from ..gpu import dist as gpu_dist
-
-            bits = gpu_dist.decode(frame, mu, sigma, model_tables, model_index=index,
-                                   device=groups.device)
-            t = bits.view(dtype).reshape(h.shape)
+            pending.append(gpu_dist.decode_async(host[start : start + length], mu, sigma,
+                                                 model_tables, model_index=index,
+                                                 device=groups.device))
+            t = pending[-1].out.view(dtype).reshape(h.shape)
         else:
             bits = dist.decode(frame, mu, sigma, model_tables, model_index=index,
                                threads=threads)
@@ -352,5 +359,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             real = t.float()
             groups.decoded(layer, k, real if h.scales is None
                            else real * h.scales[layer, k].to(real.device))
+    for p in pending:  # the first bad frame's error; later groups may rest on its values
+        p.result()
     tensors = [t.to(dev) for t in tensors]
     return KVCache(tensors[0::2], tensors[1::2], h.scales)
