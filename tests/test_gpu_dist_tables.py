@@ -9,11 +9,10 @@ import ctypes
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from entropykit.gpu import dist  # noqa: E402
-from entropykit.rans import distribution as D  # noqa: E402
+from entropykit.gpu import dist
+from entropykit.rans import distribution as D
 
 
 def _model(shapes: int) -> D.CoderModel:
