@@ -149,11 +149,13 @@ class Setup:
 
 
 def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1,
-               fwd: int = 0, low_rounds: int | None = None, low_e_start: bool = False):
+               fwd: int = 0, low_rounds: int | None = None, low_e_start: bool = False,
+               top_ends: bool = False, low_bound: bool = False):
     """The kernel's fast_guess and guess_symbol's answer for a stage of no mass: the
     guessed symbol of each slot (``rounds`` = GUESS_ROUNDS, ``fwd`` = FWD_STEPS,
-    ``low_rounds`` = LOW_ROUNDS, ``low_e_start`` = LOW_E_START; the last three only in a
-    16-bit format's low stage)."""
+    ``low_rounds`` = LOW_ROUNDS, ``low_e_start`` = LOW_E_START, ``low_bound`` = LOW_BOUND:
+    only in a 16-bit format's low stage; ``top_ends`` = TOP_ENDS: only in a 16-bit format's
+    top stage)."""
     f, p, sh = s.f, s.p, s.sh
     low = f.es > 0 and sh == 0
     if low and low_rounds is not None:
@@ -206,7 +208,42 @@ def fast_guess(s: Setup, rounds: int, newton: bool = True, pure_rounds: int = 1,
         with np.errstate(all="ignore"):
             k = fwd_steps(k, s, fwd, unit)
     j = np.clip((k - s.b) >> sh, 0, 255)
+    if low and low_bound:
+        j = low_bounds(j, s)
+    if f.es and not low and top_ends and s.w:
+        j = top_bounds(j, s)
     return np.where(s.t == 0, slot >> (p - 8), j)  # a stage of no mass: exact
+
+
+def low_bounds(j, s: Setup):
+    """The kernel's low_bounds: the low-stage symbol clamped into ((slot - 1 - spread + 255
+    a) / (1 + a), (slot + 1/2) / (1 + a)], a = spread we / (256 T) the slots a key that the
+    stage's (linear) empirical term alone gives, we = floor(w de / 2^16)."""
+    bb = s.b >> s.f.es
+    de = (s.emps[bb + 1].astype(np.int64) - s.emps[bb]) & 0xFFFFFFFF
+    we = (de * s.w) >> 16
+    with np.errstate(all="ignore"):
+        rq = F32((1 << s.p) - 256) * (F32(1) / s.t.astype(F32))  # stage_rq
+        a = we.astype(F32) * rq * F32(1 / 256)
+        r = F32(1) / (F32(1) + a)
+        hi = np.floor((s.slot.astype(F32) + F32(0.5)) * r)
+        lo = np.floor(((s.slot + 255 - (1 << s.p)).astype(F32) + F32(255) * a) * r) + 1
+    hi = np.nan_to_num(hi, nan=255, posinf=255, neginf=0)  # (T = 0 is answered before)
+    lo = np.nan_to_num(lo, nan=0, posinf=255, neginf=0)
+    return np.clip(np.clip(j, lo, hi), 0, 255).astype(np.int64)
+
+
+def top_bounds(j, s: Setup):
+    """The kernel's top_bounds (a model with an empirical term): the top-stage symbol at most
+    (slot + 1/2) / r0 and at least 255 - (2^p - slot - 1/2) / r1, r0 = 1 + spread w E(1) /
+    2^47 and r1 = 1 + spread w (1 - E(255)) / 2^47 the slots a symbol of the flat ends."""
+    rate = F32((1 << s.p) - 256) * F32(s.w) * F32(1.0 / ONE / WEIGHT_ONE)
+    r0 = F32(1) + rate * F32(s.emps[1])
+    r1 = F32(1) + rate * F32(ONE - int(s.emps[255]))
+    s5 = s.slot.astype(F32) + F32(0.5)
+    hi = np.floor(s5 / r0)
+    lo = 255 - np.floor((F32(1 << s.p) - s5) / r1)
+    return np.minimum(np.maximum(j, lo), hi).astype(np.int64)
 
 
 def key_value(k, f: Fmt):
@@ -318,11 +355,11 @@ def main() -> None:
             t = G.Tuning(guess_rounds=a.rounds, fwd_steps=a.fwd,
                          low_rounds=a.low_rounds).for_format(D.FORMATS[fmt])
             r = t.guess_rounds
-            mt = misses(fast_guess(top, r), jt)
+            mt = misses(fast_guess(top, r, top_ends=t.top_ends), jt)
             row = f"{fmt:9s} {name:8s} rounds {r}: top {100 * mt[0]:.2f}% (2+ {100 * mt[1]:.2f}%)"
             if low is not None:
                 ml = misses(fast_guess(low, r, fwd=t.fwd_steps, low_rounds=t.low_rounds,
-                                   low_e_start=t.low_e_start), jl)
+                                   low_e_start=t.low_e_start, low_bound=t.low_bound), jl)
                 row += (f", low ({t.low_rounds} rounds, {t.fwd_steps} steps) {100 * ml[0]:.2f}% "
                         f"(2+ {100 * ml[1]:.2f}%)")
             print(row, flush=True)

@@ -315,6 +315,7 @@ def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
                "guess_newton": tune.guess_newton, "tail_inverse": tune.tail_inverse,
                "pure_rounds": tune.pure_rounds, "fwd_steps": tune.fwd_steps,
                "low_rounds": tune.low_rounds, "low_e_start": tune.low_e_start,
+               "low_bound": tune.low_bound, "top_ends": tune.top_ends,
                "prefetch": tune.prefetch,
                "dyn_chunks": tune.dyn_chunks,
                "model": ["mixture+empirical", "gaussian"][mi],
@@ -465,7 +466,7 @@ def device_main(args) -> None:
     # lane's search (the other knobs' A/B rows: NOTES)
     lib, lane = T(8, True), T(8, True, warp_search=False)
     prev = T(8, True, guess_rounds=2, fwd_steps=0, low_rounds=2, warp_search_top=False,
-             low_e_start=False)
+             low_e_start=False, low_bound=False, top_ends=False)
     variants = {  # (chunk, tuning, model index: 0 mixture + empirical, 1 Gaussian)
         "bf16": [(1 << 14, lib, 0), (1 << 14, prev, 0), (1 << 14, lib, 1), (1 << 14, prev, 1)],
         "fp8_e4m3": [(1 << 14, lib, 0), (1 << 14, lane, 0), (1 << 14, lib, 1)],
@@ -486,7 +487,8 @@ def guess(r: dict) -> str:
            + (" + E start (low)" if r.get("low_e_start") and r["fmt"] == "bf16" else "")
            + (" + tails" if r.get("tail_inverse") else "")
            + (" + Newton" if r.get("guess_newton") else "")
-           + (f" + {r['fwd_steps']} fwd" if r.get("fwd_steps") else ""))
+           + (f" + {r['fwd_steps']} fwd" if r.get("fwd_steps") else "")
+           + (" + flat bounds" if r.get("low_bound") and r["fmt"] == "bf16" else ""))
     if "warp_search" in r:
         name = {True: "warp search", False: "lane search"}
         top = r.get("warp_search_top", r["warp_search"])

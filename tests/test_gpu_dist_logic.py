@@ -841,19 +841,41 @@ def _offsets_both(mu_bits, sg_bits, fp, ws, rtab, out):
     return big
 
 
+_TOP_FMAX = 127 + 29  # the kernel's TOP_FMAX
+
+
 @njit(cache=True)
 def _top_offsets(mu_bits, sg_bits, fp, ws, rtab, out):
     """The kernel's top_offset (bf16: a top-stage key step is two binades) at keys j 2^8,
-    j = 1..255, of a value that is not big: out[j]."""
+    j = 1..255, of a value that is not big: out[j]. Its float, built from bits (exponent
+    field f clamped to [1, TOP_FMAX], the mantissa's top ES bits set, y's sign), is
+    +-(2^(ES + 1) - 1) 2^(f - 127 - ES) (test_top_offset_float_bits), exact in float64."""
     f = K._fmt(fp)
     ok, v = K._params(mu_bits, sg_bits, 0, ws, rtab, f)
     mid = (1 << (f.es + 1)) - 1
+    widest = np.int64(0)
     for j in range(1, 256):
         y = j - (f.nkeys >> (f.es + 1))
-        sh = min(max(2 * abs(y) - 1 - v.cb, -126), 64)
-        prod = np.float32(-mid if y < 0 else mid if y > 0 else 0) * np.float32(2.0**sh)
-        fl = min(max(np.floor(prod), -2.0**31), 2.0**31 - 1)
-        out[j] = min(max(min(max(int(fl), -_SAT32), _SAT32) - v.mu_u, -v.dl), v.dl)
+        fe = min(max(2 * abs(y) + (f.es + 126) - v.cb, 1), _TOP_FMAX)
+        prod = (-mid if y < 0 else mid) * 2.0 ** (fe - 127 - f.es)
+        fl = np.int64(np.floor(prod)) if y != 0 else np.int64(0)
+        widest = max(widest, abs(fl))
+        out[j] = min(max(fl - v.mu_u, -v.dl), v.dl)
+    return widest  # |floor(B / u)|, which the kernel subtracts mu_u from in int32
+
+
+def test_top_offset_float_bits():
+    # top_offset's float from bits: exponent field f, the mantissa's top ES bits, the sign
+    # is +-(2^(ES + 1) - 1) 2^(f - 127 - ES), a normal float, for every f it can take.
+    es = D.FORMATS["bf16"].bits - 8
+    fe = np.arange(1, _TOP_FMAX + 1, dtype=np.uint32)
+    for sign in (0, 1):
+        bits = (np.uint32(sign) << np.uint32(31)) | (fe << np.uint32(23)) \
+            | np.uint32(((1 << es) - 1) << (23 - es))
+        got = bits.view(np.float32).astype(np.float64)
+        want = (-1.0) ** sign * ((1 << (es + 1)) - 1) * 2.0 ** (fe.astype(np.float64) - 127 - es)
+        np.testing.assert_array_equal(got, want)
+        assert np.all(np.abs(got) >= 2.0**-126) and np.all(np.abs(got) < 2.0**30)
 
 
 @njit(cache=True)
@@ -914,8 +936,10 @@ def test_clamped_offset_in_32_bits_is_the_cpus(fmt):
                 np.testing.assert_array_equal(out[1:, 1], out[1:, 0], err_msg=f"{mu} {s}")
                 assert out[1:, 2].max() < 1 << 31
                 if fmt == "bf16" and not big:  # the top stage's keys (top_offset)
-                    _top_offsets(mb, sb, f.params, MODEL.weights, D._RTAB, top)
+                    widest = _top_offsets(mb, sb, f.params, MODEL.weights, D._RTAB, top)
                     np.testing.assert_array_equal(top[1:], out[256:65536:256, 0])
+                    ok, v = K._params(mb, sb, 0, MODEL.weights, D._RTAB, K._fmt(f.params))
+                    assert widest < 1 << 30 and abs(v.mu_u) < 1 << 29  # int32: no overflow
                 if f.bits == 8 and not big:  # KEY_TABLE: no float32 subnormal products
                     low = _table_offsets(mb, sb, f.params, MODEL.weights, D._RTAB, table)
                     assert low >= 2.0**-126
@@ -1069,3 +1093,39 @@ def test_emulated_guesses_and_forward_steps():
         np.testing.assert_array_equal(g0[low.t == 0], jl[low.t == 0])
         assert E.misses(g2, jl)[0] < 0.7 * E.misses(g0, jl)[0]
         assert E.misses(E.fast_guess(top, 2), jt)[0] < 0.02
+
+
+def test_emulated_bounds_of_flat_stretches():
+    # The guesses' bounds from flat stretches (low_bounds, top_bounds in the kernel, as the
+    # emulator ports them) on kv_check's data: guesses stay symbols, and the misses fall
+    # where the stretches are (the mixture's NaN / inf / 0 / subnormal keys, the Gaussian's
+    # tails beyond F's mass); the Gaussian's top stage (w = 0) is left alone.
+    E = _emulator()
+    for mi in (0, 1):
+        top, jt, low, jl = E.stages("bf16", 1 << 16, mi)
+        plain = E.fast_guess(low, 0, fwd=2, low_rounds=0, low_e_start=True)
+        bound = E.fast_guess(low, 0, fwd=2, low_rounds=0, low_e_start=True, low_bound=True)
+        assert bound.min() >= 0 and bound.max() <= 255
+        np.testing.assert_array_equal(bound[low.t == 0], jl[low.t == 0])
+        assert E.misses(bound, jl)[0] < 0.85 * E.misses(plain, jl)[0]
+        t0, t1 = E.fast_guess(top, 0), E.fast_guess(top, 0, top_ends=True)
+        assert t1.min() >= 0 and t1.max() <= 255
+        if mi == 0:
+            assert E.misses(t1, jt)[1] < 0.75 * E.misses(t0, jt)[1]  # far misses
+        else:
+            np.testing.assert_array_equal(t1, t0)
+    # a flat stage, S linear in the key (T is the empirical term's share alone, a = 255):
+    # the bounds leave the slot's symbol, slot >> (p - 8), or (float rounding at a
+    # symbol's edge) its neighbour, whatever the float guess
+    f = E._fmt(D.FORMATS["bf16"])
+    n = 1 << 16
+    emps = np.zeros(257, np.uint32)
+    emps[0x41:] = 1 << 24  # bucket 0x40: de = 2^24
+    we = ((1 << 24) * 1311) >> 16
+    s = E.Setup(np.arange(n), np.full(n, 0x4000), 0, np.zeros(n, np.int64),
+                np.full(n, we, np.int64), np.zeros(n, np.float32), np.ones(n, np.float32),
+                1311, None, emps, f, 16, None)
+    rng = np.random.default_rng(5)
+    for start in (np.zeros(n, np.int64), np.full(n, 255), rng.integers(0, 256, n)):
+        d = E.low_bounds(start, s) - (np.arange(n) >> 8)
+        assert np.abs(d).max() <= 1 and np.mean(d == 0) > 0.99

@@ -96,6 +96,15 @@ class Tuning:
     # Gaussian: 1 round + 2 steps 0.72% / 0.86%; 0 rounds with E 0.92% / 1.28%; ncu 1.4%
     # fewer instructions; H200 A/B, two runs: decode +1.3% / -0.2%, +1.2% / 0.0%)
     low_e_start: bool | None = None
+    # a 16-bit format's guesses clamped into the bounds of flat stretches (_dist_kernel.cu:
+    # low_bounds, the low stage's from its empirical term and each symbol's own slot;
+    # top_bounds, the top stage's flat ends, for values with an empirical term). Emulated
+    # bf16 misses, mixture / Gaussian: low byte 0.92% / 1.31% -> 0.59% / 1.05%, top byte
+    # (mixture) 2.62% -> 2.13%, by 2+ symbols 1.67% -> 1.07%. H200 A/B (bf16 mixture /
+    # Gaussian GB/s): both 45.0 -> 46.1 / 48.2 -> 46.8 with the top bounds at w = 0 too, 47.1
+    # -> 47.7 / 50.7 -> 51.0 as kept
+    low_bound: bool = True
+    top_ends: bool = True
     # the decoder loads each group's (mu, sigma, model) a group ahead (H200 A/B, decode GB/s
     # mixture / Gaussian vs without: bf16 38.3 / 42.5 vs 36.8 / 42.5, fp8 e4m3 36.0 / 39.3 vs
     # 35.8 / 39.2)
@@ -290,6 +299,7 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
                     f"-DWARP_SEARCH_TOP={int(t.warp_search_top)}",
                     f"-DFWD_STEPS={t.fwd_steps}",
                     f"-DLOW_ROUNDS={t.low_rounds}", f"-DLOW_E_START={int(t.low_e_start)}",
+                    f"-DLOW_BOUND={int(t.low_bound)}", f"-DTOP_ENDS={int(t.top_ends)}",
                     f"-DPREFETCH={int(t.prefetch)}",
                     f"-DDYN_CHUNKS={int(t.dyn_chunks)}",
                     f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
