@@ -570,10 +570,11 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
 DIR_THREADS = 1024  # _dist_kernel.cu's dist_directory block
 
 
-def _frame_info(frame: Any) -> tuple[D.FrameHeader, Any, D.FrameInfo | None]:
-    """(validated header, the frame as a uint8 tensor where it lies, its parsed directory
-    for a frame in host memory (``parse``: checked here), or None for a CUDA frame, whose
-    directory is read and checked on the device (``dist_directory``): one 28-byte read)."""
+def _frame_info(frame: Any) -> tuple[D.FrameHeader, Any]:
+    """(validated header, the frame as a uint8 tensor where it lies). Only the 28-byte
+    header is read here (from host memory, or one read of a CUDA frame's); the directory is
+    read and checked on the device (``dist_directory``) wherever the frame lies, so a host
+    frame's is not parsed on the host too (~30 us for a hook layer's 1024 chunks)."""
     import torch
 
     if isinstance(frame, torch.Tensor):
@@ -581,17 +582,16 @@ def _frame_info(frame: Any) -> tuple[D.FrameHeader, Any, D.FrameInfo | None]:
             raise TypeError(f"a frame tensor must be flat uint8, got {frame.dtype} "
                             f"{tuple(frame.shape)}")
         frame = frame.contiguous()
-        if frame.device.type == "cpu":
-            info = D.parse(frame.numpy())
-            return info.header, frame, info
         size = frame.numel()
-        return D.parse_header(frame[: min(size, HEADER_SIZE)].cpu().numpy(), size), frame, None
+        head = frame[: min(size, HEADER_SIZE)]
+        return D.parse_header((head if frame.device.type == "cpu" else head.cpu()).numpy(),
+                              size), frame
     buf = frame if isinstance(frame, np.ndarray) else np.frombuffer(frame, np.uint8)
     buf = buf.reshape(-1).view(np.uint8)
-    info = D.parse(buf)
+    head = D.parse_header(buf[:HEADER_SIZE], buf.size)
     with warnings.catch_warnings():  # read-only bytes: the tensor is only read (uploaded)
         warnings.simplefilter("ignore", UserWarning)
-        return info.header, torch.from_numpy(buf), info
+        return head, torch.from_numpy(buf)
 
 
 def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index: Any = None,
@@ -612,7 +612,7 @@ def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index:
 
 class PendingDecode:
     """A decode launched on the current CUDA stream: ``result()`` waits for it, checks the
-    frame's directory (a CUDA frame's, read on the device) and every chunk's status and
+    frame's directory (read on the device) and every chunk's status and
     returns the values, or raises what ``decode`` raises. Until then the output must not
     be trusted: it holds whatever a corrupt frame decoded to."""
 
@@ -672,9 +672,9 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
                  tuning: Tuning | None = None) -> PendingDecode:
     """``decode``, launched on the current stream without waiting for it: the host goes on
     (e.g. to queue compute that overlaps the decode) and reads the result later with
-    ``PendingDecode.result()``. Argument and header errors raise here, directory errors
-    here for a frame in host memory and from ``result()`` for a CUDA frame (whose
-    directory is read on the device, so that nothing waits for it here)."""
+    ``PendingDecode.result()``. Argument and header errors raise here, directory and
+    chunk errors from ``result()`` (the directory is read on the device wherever the frame
+    lies, so that nothing waits for it here)."""
     import torch
 
     t = tuning or _DEFAULT_TUNING
@@ -682,7 +682,7 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         device = out.device if out is not None else (
             mu.device if isinstance(mu, torch.Tensor) and mu.is_cuda else "cuda")
     rt, dev = _device_runtime(device)
-    head, ft, info = _frame_info(frame)
+    head, ft = _frame_info(frame)
     if head.fingerprint != model.fingerprint:
         raise CorruptDataError(f"frame was coded with model {head.fingerprint:#010x}, "
                                f"decoder has {model.fingerprint:#010x} (byte 24)")
@@ -699,7 +699,10 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
                          f"{width}-byte elements on {dev}")
     size = ft.numel()
     work, table, facts, status = _work(nc, dev)
-    if nc == 0:
+    if nc == 0:  # no directory: the frame is its header
+        err = D.directory_error(HEADER_SIZE, size, -1, 0)
+        if err is not None:
+            raise CorruptDataError(err)
         work.zero_()
         return PendingDecode(out, work, nc, False, (), head, size, mu_t, sg_t)
     if ft.device != dev:
@@ -713,7 +716,7 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
          (*_args(ft, table, mu_t, sg_t), *ms.args(),
           *_args(n, np.int32(cs), np.int32(nc), np.int32(head.precision)),
           *_table_args(model, dev, ms.first, ms.count), *_args(out, status)), smem)], rt)
-    return PendingDecode(out, work, nc, info is None, (ft, mu_t, sg_t, ms.midx), head, size,
+    return PendingDecode(out, work, nc, True, (ft, mu_t, sg_t, ms.midx), head, size,
                          mu_t, sg_t)
 
 

@@ -341,7 +341,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         layer, k = divmod(g, 2)
         mu, sigma, index = groups.distribution(layer, k)
         frame = buf[start : start + length]
-        info = dist.parse(frame)
+        info = dist.parse_header(frame[: dist.HEADER_SIZE], frame.size)  # the coders check
         if info.fmt.name != h.fmt or info.n != n:
             raise CorruptDataError(f"KV blob frame {g} holds {info.n} {info.fmt.name} values, "
                                    f"the header says {n} {h.fmt}")
