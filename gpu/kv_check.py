@@ -638,6 +638,14 @@ power of two (fp8 +5.5 / +5.4%, then +2.3 / +2.5%). Not kept: 3 forward steps (-
 -1.4%), the warp's search for bf16's low byte (-1.0 / -0.2%). Full run at this state (H200
 11:06, 521 checks pass, frames CPU-decode here): decode bf16 42.8 / 44.9, fp8 44.1 / 48.7
 GB/s, encode 65-71.
+Decode-kernel round (12:00-12:50): the default precision as a compile-time build of the
+chunk decoder, one shared-memory block a model, w and the sigma reciprocals from shared
+memory (bf16), the top stage's key offset from float bits, bf16's guesses clamped into the
+bounds of flat stretches ("flat bounds": misses bf16 mixture 2.62% / 0.92% -> 2.12% /
+0.61%, Gaussian low byte 1.31% -> 1.05%). Warp instructions per 32 values bf16 1031.3 ->
+950.7, fp8 486.3 -> 462.2; interleaved H200 A/B vs the previous kernel (mixture /
+Gaussian): bf16 +8.4 / +7.2%, fp8 +3.3 / +4.1%. Full run (H200 12:36, 545 checks pass,
+frames CPU-decode here): decode bf16 49.5 / 51.4, fp8 50.7 / 56.2 GB/s, encode 69-73.
 """
 
 

@@ -100,9 +100,9 @@ class Tuning:
     # low_bounds, the low stage's from its empirical term and each symbol's own slot;
     # top_bounds, the top stage's flat ends, for values with an empirical term). Emulated
     # bf16 misses, mixture / Gaussian: low byte 0.92% / 1.31% -> 0.59% / 1.05%, top byte
-    # (mixture) 2.62% -> 2.13%, by 2+ symbols 1.67% -> 1.07%. H200 A/B (bf16 mixture /
-    # Gaussian GB/s): both 45.0 -> 46.1 / 48.2 -> 46.8 with the top bounds at w = 0 too, 47.1
-    # -> 47.7 / 50.7 -> 51.0 as kept
+    # (mixture) 2.62% -> 2.13%, by 2+ symbols 1.67% -> 1.07%. H200 A/B vs the kernel without
+    # them (bf16 mixture / Gaussian GB/s): 47.1 -> 47.7 / 50.7 -> 51.0; the top bounds at w
+    # = 0 too lost 2.5% on the Gaussian (and 3-7% on fp8, which takes neither)
     low_bound: bool = True
     top_ends: bool = True
     # the decoder loads each group's (mu, sigma, model) a group ahead (H200 A/B, decode GB/s
