@@ -89,3 +89,19 @@ def test_one_model_runs_and_ints_need_no_index():
     per_value = torch.tensor([0, 1] * 8, dtype=torch.int16)
     ms = dist._models(per_value, model, 16, torch.device("cpu"))
     assert (ms.shift, ms.first, ms.count) == (0, 0, None) and torch.equal(ms.midx, per_value)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 7, 64), (2, 2, 1, 8), (3, 1, 5, 4), (1, 1, 1, 1)])
+def test_group_params_channel_of_each_value(shape):
+    """gpu.groupparams' kernel reads bias / std at channel c(i) = ((i / dim / seq) % heads)
+    dim + i % dim for flat value i of [batch, heads, seq, dim]: the (head, dim) a broadcast
+    of a [heads, dim] table gives (its float math is the reference's, checked on CUDA by
+    gpu/kv_hook_check.py)."""
+    b, h, s, d = shape
+    i = np.arange(b * h * s * d)
+    row = i // d
+    c = ((row // s) % h) * d + (i - row * d)
+    want = np.broadcast_to(np.arange(h * d).reshape(1, h, 1, d), shape).reshape(-1)
+    np.testing.assert_array_equal(c, want)
+    from entropykit.gpu import groupparams
+    assert "((row / seq) % heads) * dim + (int)(i - row * dim)" in groupparams._SRC

@@ -481,7 +481,7 @@ def _bad_param(i: int, mu: Any, sigma: Any) -> ValueError:
 
 def _args(*xs: Any) -> tuple:
     """Kernel arguments: tensors by device address (None: a null pointer), ints as int64
-    unless wrapped in np.int32 already."""
+    unless wrapped in a numpy scalar already (np.int32, np.float32)."""
     import torch
 
     out = []
@@ -490,7 +490,7 @@ def _args(*xs: Any) -> tuple:
             out.append(np.uint64(0))
         elif isinstance(x, torch.Tensor):
             out.append(np.uint64(x.data_ptr()))
-        elif isinstance(x, np.integer):
+        elif isinstance(x, (np.integer, np.floating)):
             out.append(x)
         else:
             out.append(np.int64(x))

@@ -101,12 +101,25 @@ def _conditional_mean(base: torch.Tensor, residuals: dict, guesses: Guesses, lay
 
 def group_distribution(layer: int, kv: int, guesses: Guesses, shape: tuple, exact: int,
                        kind: str, cal: DeviceCalibration, scale: torch.Tensor | None,
-                       residuals: dict) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+                       residuals: dict, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """``codec.group_distribution`` on ``cal.device``: (mu, sigma) flat float32, the model
-    index, and the base mean [batch, heads, seq, dim]; ``scale`` (fp8 caches) a 0-d float32
-    tensor on the device, ``residuals`` the real-unit residuals of the groups coded before
-    (tensors on the device)."""
+    index, and the base mean [batch, heads, seq, dim] (None where the model does not use
+    it: not the conditional one); ``scale`` (fp8 caches) a 0-d float32 tensor on the
+    device, ``residuals`` the real-unit residuals of the groups coded before (tensors on
+    the device). ``out``: flat float32 tensors (mu, sigma) to write them into."""
     dev = cal.device
+    if kind != "conditional" and layer >= exact and dev.type == "cuda":
+        from ..gpu.groupparams import group_params  # one kernel for ~6 launches
+
+        n = int(np.prod(shape))
+        mu, sg = out or (torch.empty(n, dtype=torch.float32, device=dev),
+                         torch.empty(n, dtype=torch.float32, device=dev))
+        g = guesses.get((layer, kv))
+        group_params(None if g is None else g.contiguous(), cal.get("bias")[layer, kv],
+                     cal.get("std")[layer, kv], shape, scale, float(residual.RELATIVE_FLOOR),
+                     float(residual.TINY), mu, sg)
+        return mu, sg, 2 * layer + kv, None
     p = _guess(guesses, (layer, kv), shape, dev)
     if layer < exact:
         base = mean = p
@@ -128,5 +141,9 @@ def group_distribution(layer: int, kv: int, guesses: Guesses, shape: tuple, exac
         mean, sigma = mean / scale, sigma / scale
     floor = torch.maximum(sigma, mean.abs() * float(residual.RELATIVE_FLOOR)).clamp_min(
         float(residual.TINY))  # residual.floor; both float32 constants, exact as floats
-    return (mean.float().reshape(-1).contiguous(), floor.float().reshape(-1).contiguous(),
-            index, base)
+    mu, sg = mean.float().reshape(-1), floor.float().reshape(-1)
+    if out is not None:
+        out[0].copy_(mu)
+        out[1].copy_(sg)
+        return out[0], out[1], index, base
+    return mu.contiguous(), sg.contiguous(), index, base

@@ -93,11 +93,13 @@ class KVOffloadCodec:
         """Host memory the kept guess takes (0 without a predictor)."""
         return sum(g.numel() * g.element_size() for g in self._guesses.values())
 
-    def distribution(self, layer: int, kv: int, device: torch.device | str = "cpu"
+    def distribution(self, layer: int, kv: int, device: torch.device | str = "cpu",
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(mu, sigma, model index) of one layer's keys (kv = 0) or values over the prompt:
-        flat float32 tensors on ``device``, bit for bit ``codec.group_distribution``'s
-        (``_torchdist``: the same float32 operations, on any device)."""
+        flat float32 tensors on ``device`` (``out``'s, if given), bit for bit
+        ``codec.group_distribution``'s (``_torchdist``: the same float32 operations, on
+        any device)."""
         device = torch.device(device)
         if device not in self._dcal:
             self._dcal[device] = DeviceCalibration(self.calibration, device)
@@ -106,7 +108,7 @@ class KVOffloadCodec:
             (layer, kv): g.to(device, non_blocking=g.is_pinned()).float()}
         mu, sigma, index, _ = group_distribution(
             layer, kv, guesses, self._shape, self.predictor.exact_layers, self.model,
-            self._dcal[device], None, {})
+            self._dcal[device], None, {}, out)
         return mu, sigma, index
 
     def layer_distribution(self, layer: int, device: torch.device | str = "cpu"
@@ -115,10 +117,11 @@ class KVOffloadCodec:
         them in one frame: the two ``distribution``s joined; the index an int where keys
         and values use one model, else runs [(keys' model, n), (values' model, n)]
         (``rans.distribution.model_runs``: no per-value index is made or kept)."""
-        mk, sk, ik = self.distribution(layer, 0, device)
-        mv, sv, iv = self.distribution(layer, 1, device)
-        index = ik if ik == iv else [(ik, mk.numel()), (iv, mv.numel())]
-        return torch.cat([mk, mv]), torch.cat([sk, sv]), index
+        n = int(np.prod(self._shape))
+        mu, sigma = (torch.empty(2 * n, dtype=torch.float32, device=device) for _ in "ms")
+        ik = self.distribution(layer, 0, device, (mu[:n], sigma[:n]))[2]
+        iv = self.distribution(layer, 1, device, (mu[n:], sigma[n:]))[2]
+        return mu, sigma, ik if ik == iv else [(ik, n), (iv, n)]
 
     def encode(self, layer: int, keys: torch.Tensor, values: torch.Tensor
                ) -> bytes | torch.Tensor:
