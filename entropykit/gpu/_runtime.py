@@ -14,7 +14,7 @@ loader's staging (``load.py``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
@@ -45,7 +45,7 @@ class Tuning:
 
 
 _lock = threading.Lock()
-_kernels: dict[tuple, cp.RawKernel] = {}
+_kernels: dict[tuple | str, cp.RawKernel] = {}
 
 
 def _vec(bf16: bool, ctx: bool, t: Tuning) -> bool:
@@ -77,12 +77,19 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawK
         return _kernels[key]
 
 
-def _relayout_kernel() -> cp.RawKernel:
+def cached_kernel(name: str, source: Callable[[], str], options: tuple = ()) -> cp.RawKernel:
+    """The RawKernel ``name`` of the CUDA source ``source()``, built once a process (the
+    small kernels beside the decoders: relayout, affine, group_params)."""
     with _lock:
-        if "relayout" not in _kernels:
-            src = resources.files(__package__).joinpath("_relayout.cu").read_text()
-            _kernels["relayout"] = cp.RawKernel(src, "relayout", options=("--std=c++17",))
-        return _kernels["relayout"]
+        if name not in _kernels:
+            _kernels[name] = cp.RawKernel(source(), name, options=options)
+        return _kernels[name]
+
+
+def _relayout_kernel() -> cp.RawKernel:
+    return cached_kernel(
+        "relayout", lambda: resources.files(__package__).joinpath("_relayout.cu").read_text(),
+        ("--std=c++17",))
 
 
 def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> None:

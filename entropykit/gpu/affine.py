@@ -10,7 +10,6 @@ linear algebra (one thread an output, the features read in order).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -30,17 +29,12 @@ extern "C" __global__ void affine_in_order(const float* feats, const float* w, f
 }
 """
 _BLOCK = 256
-_lock = threading.Lock()
-_kernel: list[Any] = []
 
 
 def _function() -> Any:
-    import cupy as cp
+    from ._runtime import cached_kernel
 
-    with _lock:
-        if not _kernel:
-            _kernel.append(cp.RawKernel(_SRC, "affine_in_order"))
-        return _kernel[0]
+    return cached_kernel("affine_in_order", lambda: _SRC)
 
 
 def affine(base: Any, feats: Any, weights: Any) -> Any:

@@ -14,7 +14,6 @@ What it is not: the conditional model's mean (``affine``) or its exact layers (t
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -42,17 +41,12 @@ extern "C" __global__ void group_params(const float* guess, const float* bias,
 }
 """
 _BLOCK = 256
-_lock = threading.Lock()
-_kernel: list[Any] = []
 
 
 def _function() -> Any:
-    import cupy as cp
+    from ._runtime import cached_kernel
 
-    with _lock:
-        if not _kernel:
-            _kernel.append(cp.RawKernel(_SRC, "group_params"))
-        return _kernel[0]
+    return cached_kernel("group_params", lambda: _SRC)
 
 
 def group_params(guess: Any, bias: Any, std: Any, shape: tuple, scale: Any, rf: float,
