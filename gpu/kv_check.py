@@ -317,7 +317,7 @@ def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
                "low_rounds": tune.low_rounds, "low_e_start": tune.low_e_start,
                "low_bound": tune.low_bound, "top_ends": tune.top_ends,
                "prefetch": tune.prefetch,
-               "dyn_chunks": tune.dyn_chunks,
+               "dyn_chunks": tune.dyn_chunks, "zinv_models": tune.zinv_models,
                "model": ["mixture+empirical", "gaussian"][mi],
                "mib": nbytes / 2**20, "ratio": frame.numel() / nbytes, "exact": exact,
                "enc_s": statistics.median(te), "dec_s": statistics.median(td),
@@ -380,50 +380,89 @@ def profile_main(args) -> None:
         log(f"{fmt}: exact {bool(torch.equal(out, x))}, ratio {ratio:.4f}")
 
 
+def ab_variants(spec: str, dist) -> list[tuple[str, object]]:
+    """``--ab``'s variants after the library's default: a .cu source (Tuning.source), or
+    NAME:KNOB=V+KNOB=V (Tuning knobs: ints, or a source's path; e.g. z0:zinv_models=0)."""
+    out = [("lib", dist.Tuning())]
+    for item in spec.split(","):
+        if ":" not in item:
+            out.append((Path(item).stem, dist.Tuning(source=item)))
+            continue
+        name, _, knobs = item.partition(":")
+        kw = {k: v if k == "source" else int(v)
+              for k, v in (kv.split("=") for kv in knobs.split("+") if kv)}
+        out.append((name, dist.Tuning(**kw)))
+    return out
+
+
+def ab_cases(torch, dist, dev, args):
+    """(label, values, decode(tuning, out)) of the A/B: kv_check's rows (one shape a launch),
+    then with ``--ab-real DIR`` kv_real's layers 10 and 20 framed as the hook frames them
+    (keys then values: two shapes a launch)."""
+    m = model()
+    for fmt in ("bf16", "fp8_e4m3"):
+        f = D.FORMATS[fmt]
+        x, mu, sigma = sample(torch, fmt, (args.mib << 20) // (f.bits // 8), 11, dev)
+        for mi in (0, 1):
+            frame = dist.encode(x, mu, sigma, m, fmt=fmt, model_index=mi)
+            yield (f"{fmt} | {['mixture', 'gaussian'][mi]}", x,
+                   partial(dist.decode, frame, mu, sigma, m, model_index=mi))
+    if not args.ab_real:
+        return
+    import kv_real
+
+    st, _ = kv_real.streams(Path(args.ab_real), dev)
+    for (fmt, kind), (groups, rm) in st.items():
+        if kind == "conditional":
+            continue
+        for layer in (10, 20):
+            (xk, mk, sk, ik), (xv, mv, sv, iv) = (g[2:] for g in groups[2 * layer:2 * layer + 2])
+            copies = max(1, (args.mib << 20) // ((xk.numel() + xv.numel()) * xk.element_size()))
+            xs, mus, sgs = (torch.cat([a.repeat(copies), b.repeat(copies)])
+                            for a, b in ((xk, xv), (mk, mv), (sk, sv)))
+            index = ik if ik == iv else [(ik, copies * xk.numel()), (iv, copies * xv.numel())]
+            frame = dist.encode(xs, mus, sgs, rm, fmt=fmt, model_index=index)
+            yield (f"{fmt} | real {kind} L{layer}", xs,
+                   partial(dist.decode, frame, mus, sgs, rm, model_index=index))
+
+
 def ab_main(args) -> None:
-    """Decode GB/s of the library's kernel and of each ``--ab`` source (Tuning.source), the
-    variants taking turns ``--rounds`` times (the GPU's clocks drift between runs), each
-    variant's decode of every row checked exact first (poisoned output); the encoder is the
-    library's. Timings only: a variant's numbers count once a full run passes with it."""
+    """Decode GB/s of the library's kernel and of each ``--ab`` variant, the variants taking
+    turns ``--rounds`` times (the GPU's clocks drift between runs), each variant's decode of
+    every case checked exact first (poisoned output); the encoder is the library's.
+    Timings only: a variant's numbers count once a full run passes with it."""
     import torch
 
     import entropykit.gpu.dist as dist
 
     dev = torch.device("cuda", 0)
-    srcs = [None] + args.ab.split(",")
-    names = ["lib"] + [Path(s).stem for s in srcs[1:]]
-    m = model()
+    variants = ab_variants(args.ab, dist)
     res: dict = {}
-    for fmt in ("bf16", "fp8_e4m3"):
-        f = D.FORMATS[fmt]
-        n = (args.mib << 20) // (f.bits // 8)
-        x, mu, sigma = sample(torch, fmt, n, 11, dev)
-        for mi in (0, 1):
-            frame = dist.encode(x, mu, sigma, m, fmt=fmt, model_index=mi)
-            out = torch.empty_like(x)
-            runs = []
-            for src, name in zip(srcs, names, strict=True):
-                tune = dist.Tuning(source=src)
-                out.fill_(POISON[f.bits])
-                dist.decode(frame, mu, sigma, m, model_index=mi, out=out, tuning=tune)
-                ok = bool(torch.equal(out, x))
-                k = dist._kernels(f, dist.smem_bytes(m, tune) > 0, tune).get_function(
-                    "dist_decode")
-                log(f"{fmt} {mi} {name}: exact {ok}, {k.num_regs} registers, "
-                    f"{k.local_size_bytes} B local")
-                if not ok:
-                    sys.exit(f"{name} is not exact on {fmt} model {mi}")
-                runs.append(partial(dist.decode, frame, mu, sigma, m, model_index=mi,
-                                    out=out, tuning=tune))
-            times: list[list[float]] = [[] for _ in srcs]
-            for _ in range(args.rounds):
-                for i, fn in enumerate(runs):
-                    times[i] += timed(torch, fn, 3, warm=1)
-            for name, ts in zip(names, times, strict=True):
-                gbs = sorted(x.numel() * x.element_size() / t / 1e9 for t in ts)
-                res[f"{fmt} {mi} {name}"] = gbs
-                log(f"| {fmt} | {['mixture', 'gaussian'][mi]} | {name} | "
-                    f"{statistics.median(gbs):.1f} | {gbs[0]:.1f}-{gbs[-1]:.1f} |")
+    for label, x, dec in ab_cases(torch, dist, dev, args):
+        out = torch.empty_like(x)
+        runs = []
+        for name, tune in variants:
+            out.fill_(POISON[x.element_size() * 8])
+            dec(out=out, tuning=tune)
+            if not torch.equal(out, x):
+                sys.exit(f"{name} is not exact on {label}")
+            runs.append(partial(dec, out=out, tuning=tune))
+        times: list[list[float]] = [[] for _ in variants]
+        for _ in range(args.rounds):
+            for i, fn in enumerate(runs):
+                times[i] += timed(torch, fn, 3, warm=1)
+        base = statistics.median(times[0])
+        for (name, _), ts in zip(variants, times, strict=True):
+            gbs = sorted(x.numel() * x.element_size() / t / 1e9 for t in ts)
+            res[f"{label} | {name}"] = gbs
+            log(f"| {label} | {name} | {statistics.median(gbs):.1f} | {gbs[0]:.1f}-"
+                f"{gbs[-1]:.1f} | {100 * (base / statistics.median(ts) - 1):+.1f}% |")
+        del out, runs
+        torch.cuda.empty_cache()
+    for name, tune in variants:
+        for fmt in ("bf16", "fp8_e4m3"):
+            k = dist._kernels(D.FORMATS[fmt], True, tune).get_function("dist_decode")
+            log(f"{name} {fmt}: {k.num_regs} registers, {k.local_size_bytes} B local")
     (Path(args.out) / "ab.json").write_text(json.dumps(res, indent=1))
 
 
@@ -674,9 +713,12 @@ def main() -> None:
                     help="timings only: the library's tuning, both models (each row still "
                          "checks its own round trip)")
     ap.add_argument("--write-results", metavar="JSON")
-    ap.add_argument("--ab", metavar="FILES", help="decode timings only: the library's kernel "
-                    "against these .cu sources (comma-separated), interleaved")
+    ap.add_argument("--ab", metavar="VARIANTS", help="decode timings only: the library's "
+                    "kernel against these .cu sources or NAME:KNOB=V+... Tuning variants "
+                    "(comma-separated), interleaved")
     ap.add_argument("--rounds", type=int, default=4, help="--ab: turns of each variant")
+    ap.add_argument("--ab-real", metavar="DIR", help="--ab: kv_real's two-shape layers too "
+                    "(a kv_real.py --prepare folder)")
     args = ap.parse_args()
     if args.verify:
         verify(args.verify)

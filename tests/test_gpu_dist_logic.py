@@ -1009,16 +1009,16 @@ def test_tuning_defaults_by_format():
     assert G.Tuning().for_format(bf16) == G.Tuning(guess_rounds=0, warp_search=False,
                                                    warp_search_top=True, fwd_steps=2,
                                                    low_rounds=0, low_e_start=True,
-                                                   dyn_chunks=False)
+                                                   dyn_chunks=False, zinv_models=1)
     assert G.Tuning().for_format(fp8) == G.Tuning(guess_rounds=1, warp_search=True,
                                                   warp_search_top=True, fwd_steps=0,
                                                   low_rounds=1, low_e_start=False,
-                                                  dyn_chunks=True)
+                                                  dyn_chunks=True, zinv_models=0)
     # without the low stage's E start, its round is back (the earlier default)
     assert G.Tuning(low_e_start=False).for_format(bf16).low_rounds == 1
     assert G.Tuning(warp_search=False).for_format(fp8).warp_search_top is False
     t = G.Tuning(guess_rounds=3, warp_search=False, warp_search_top=True, fwd_steps=1,
-                 low_rounds=2, low_e_start=False, dyn_chunks=False)
+                 low_rounds=2, low_e_start=False, dyn_chunks=False, zinv_models=2)
     assert t.for_format(fp8) == t
 
 

@@ -93,6 +93,21 @@ typedef unsigned long long u64;
 #endif
 #define KEY_TABLE (ES == 0 && SMEM_ADDR)  // clamped_offset's key table (8-bit formats)
 
+// The decoder's inverse shapes (zinv, guesses only) in shared memory after the model
+// blocks, where the launch's dynamic shared memory holds them (dist.smem_bytes gives them
+// room in launches of Tuning.zinv_models shapes or fewer: 1, kv_check's rows and
+// compress_kv's groups; a hook layer's two shapes would leave 3 blocks an SM). block_model
+// sees the room from the size; guess_key reads them through a generic pointer (shared or
+// global: one build). H200 A/B, bf16 one-shape launches +0.6..1.5% (three runs), two-shape
+// ones even. Not kept: ld.shared from a 32-bit address in a build of its own (decode_chunk
+// <P, ZS>): +2.2..2.9% alone, but the two builds in one kernel spill 40 B (two-shape
+// layers -4%; decode_chunk out of line: -2..20%); fp8 (dist.Tuning.for_format: 0), where
+// neither paid.
+#if !defined(ZINV_SMEM) || !SMEM
+#undef ZINV_SMEM
+#define ZINV_SMEM 0
+#endif
+
 // One value's quantized parameters (dist_kernels.Val, without ue which only feeds cb), and
 // mu_u as clamped_offset() takes it: mu32 = mu_u where |mu_u| < MU32 (big = false, every
 // value of realistic data: |mu| < 2^13 sigma), else offset() in 64 bits (big = true), from
@@ -130,7 +145,7 @@ __shared__ float2 top_end_s[TOP_END_MODELS];  // block_model's top_ends of each 
 
 // Model tables: shapes (M x SHAPE_W) and emps (M x 257) in shared memory with SMEM (one
 // block a model: shape_row, emp_row), else read through L1; inverse-shape floats (guesses
-// only) through L1.
+// only) through L1, or from shared memory (ZINV_SMEM).
 struct Model {
     const unsigned* shapes;
     const unsigned* emps;
@@ -551,7 +566,7 @@ __device__ __forceinline__ int first_chunk(ChunkQueue& q, int lane) {
 
 __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shapes,
         const unsigned* emps, int models, const int* weights, const float* zinv,
-        const i64* rtab, int p) {
+        const i64* rtab, int p, bool guesses = false) {
     crc_table(tab);
 #if SMEM_PARAMS
     for (int i = threadIdx.x; i < 512; i += blockDim.x) rtab_s[i] = rtab[i];
@@ -569,6 +584,16 @@ __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shap
             smem[emp_row(m) + i] = emps[m * EMP_W + i];
     }
     md.shapes = md.emps = smem;
+#if ZINV_SMEM
+    // the decoder's inverse rows after the model blocks, if the launch gave them room
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (guesses && dyn >= (unsigned)models * (MODEL_W + ZROW) * 4u) {
+        float* zs = (float*)(smem + models * MODEL_W);
+        for (int i = threadIdx.x; i < models * ZROW; i += blockDim.x) zs[i] = zinv[i];
+        zinv = zs;
+    }
+#endif
 #if KEY_TABLE
     for (int k = threadIdx.x; k <= NKEYS; k += blockDim.x) key_bound[k] = key_boundary(k);
 #endif
@@ -827,7 +852,11 @@ __device__ __forceinline__ int guess_key(float g, float mu, float sg, const floa
         dtdg = __fdividef(up ? TAIL_STEPS / 0.6931472f : -TAIL_STEPS / 0.6931472f, q);
     }
 #endif
+#if ZINV_SMEM
+    const float z0 = zinv[i], z1 = zinv[i + 1];  // shared or global (block_model)
+#else
     const float z0 = __ldg(zinv + i), z1 = __ldg(zinv + i + 1);
+#endif
     const unsigned b = __float_as_uint(mu + sg * (z0 + (z1 - z0) * (t - (float)i)));
     const unsigned a = b & 0x7FFFFFFF;
     const int ex = (int)(a >> 23) - 127 + BIAS;  // the format's exponent field
@@ -1419,7 +1448,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, DEC_BLOCKS) dist_decode
                          && *(volatile int*)(status + 2 * n_chunks) >= n_chunks)) return;
     if (threadIdx.x == 0) q.ctr = status + 2 * n_chunks;  // before block_model's barrier
 #endif
-    const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab, p);
+    const Model md = block_model(tab, shapes, emps, models, weights, zinv, rtab, p, true);
     const int lane = threadIdx.x & 31;
     if (p == DEFAULT_P) {  // the default precision's build (decode_chunk's P)
         for (int c = first_chunk(q, lane); c < n_chunks; c = next_chunk(q, n_chunks, lane))

@@ -113,6 +113,14 @@ class Tuning:
     # 8-bit formats; with prefetch, H200 A/B fp8 e4m3 37.2 / 40.2 vs 36.0 / 39.3 GB/s; bf16
     # spills at its 64-register cap with it: 34.0 / 39.8 vs 38.3 / 42.5)
     dyn_chunks: bool | None = None
+    # the decoder's inverse shapes (zinv, ~17 KB a shape) in shared memory too, after the
+    # model tables, for launches of at most this many shapes (smem_bytes; 0: never, every
+    # guess reads them through L1); None: 1 for 16-bit formats, 0 for 8-bit ones. H200
+    # interleaved A/B vs 0 (decode GB/s, kv_check's one-shape rows, mixture / Gaussian):
+    # bf16 +1.2 / +1.5%, +1.1 / +1.4%, +0.8 / +0.6% (three runs; kv_real's two-shape
+    # layers even), fp8 e4m3 +0.1 / -0.3% and -3.0 / -1.3%; 2 (a hook layer's two shapes,
+    # 3 blocks an SM): kv_real's layers bf16 -2..4%, fp8 -8..10%
+    zinv_models: int | None = None
     # another kernel source file in place of _dist_kernel.cu (A/B timings in one process;
     # the ENTROPYKIT_DIST_KERNEL environment variable sets it for every build)
     source: str | None = None
@@ -131,7 +139,7 @@ class Tuning:
                        dyn_chunks=pick(self.dyn_chunks, not wide),
                        warp_search_top=pick(self.warp_search_top, True if wide else warp),
                        fwd_steps=pick(self.fwd_steps, 2 if wide else 0),
-                       low_e_start=e_start,
+                       low_e_start=e_start, zinv_models=pick(self.zinv_models, int(wide)),
                        low_rounds=pick(self.low_rounds, 0 if e_start else 1 if wide else rounds))
 
 
@@ -244,10 +252,17 @@ def model_arrays(model: D.CoderModel) -> dict[str, np.ndarray]:
 
 def smem_bytes(model: D.CoderModel, t: Tuning, models: int | None = None) -> int:
     """Dynamic shared memory of a launch: the model tables (of ``models`` shapes, default
-    all), if they go there."""
-    size = (len(model) if models is None else models) * (
-        model.padded.shape[1] + model.emps.shape[1]) * 4
-    return size if t.smem and size <= _SMEM_LIMIT else 0
+    all), if they go there, then their inverse shapes for a launch of at most
+    ``t.zinv_models`` shapes (a decoder built with them reads them there when the size
+    holds them; None, whose format is not known here, gives the room of 16-bit formats,
+    which an 8-bit format's build leaves unused)."""
+    models = len(model) if models is None else models
+    size = models * (model.padded.shape[1] + model.emps.shape[1]) * 4
+    if not t.smem or size > _SMEM_LIMIT:
+        return 0
+    zinv = models * (np.shape(model.inverse)[1] + 2 * (TAIL_POINTS + 1)) * 4  # ZROW floats
+    most = 1 if t.zinv_models is None else t.zinv_models
+    return size + zinv if models <= most and size + zinv <= _SMEM_LIMIT else size
 
 
 # ---- device ----------------------------------------------------------------------------
@@ -302,6 +317,7 @@ def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
                     f"-DLOW_BOUND={int(t.low_bound)}", f"-DTOP_ENDS={int(t.top_ends)}",
                     f"-DPREFETCH={int(t.prefetch)}",
                     f"-DDYN_CHUNKS={int(t.dyn_chunks)}",
+                    f"-DZINV_SMEM={int(t.zinv_models > 0)}",
                     f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
                     f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
             if os.environ.get("ENTROPYKIT_LINEINFO"):  # source lines for a profiler
