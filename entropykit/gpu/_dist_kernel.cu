@@ -101,7 +101,7 @@ typedef unsigned long long u64;
 // global: one build). H200 A/B, bf16 one-shape launches +0.6..1.5% (three runs), two-shape
 // ones even. Not kept: ld.shared from a 32-bit address in a build of its own (decode_chunk
 // <P, ZS>): +2.2..2.9% alone, but the two builds in one kernel spill 40 B (two-shape
-// layers -4%; decode_chunk out of line: -2..20%); fp8 (dist.Tuning.for_format: 0), where
+// layers -4%; decode_chunk out of line: -1..21%); fp8 (dist.Tuning.for_format: 0), where
 // neither paid.
 #if !defined(ZINV_SMEM) || !SMEM
 #undef ZINV_SMEM
