@@ -559,7 +559,7 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     if nc == 0:
         return head_t.to(dev)
     raw = flat.view(torch.uint8)
-    smem = smem_bytes(model, t, ms.count)
+    smem = smem_bytes(model, replace(t, zinv_models=0), ms.count)  # (guesses: decoder's)
     mod = _kernels(f, smem > 0, t)
     scratch = torch.empty_like(raw)
     res = torch.empty((nc, 4), dtype=torch.int64, device=dev)
@@ -723,7 +723,7 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         return PendingDecode(out, work, nc, False, (), head, size, mu_t, sg_t)
     if ft.device != dev:
         ft = ft.to(dev, non_blocking=ft.is_pinned())
-    smem = smem_bytes(model, t, ms.count)
+    smem = smem_bytes(model, _for_format(t, f), ms.count)  # (no inverse rows for fp8)
     mod = _kernels(f, smem > 0, t)
     _launch_all(dev, [  # dist_directory also zeroes the status
         (_function(mod, "dist_directory"), 1, DIR_THREADS,
@@ -746,6 +746,18 @@ def _work(nc: int, dev: Any) -> tuple[Any, np.uint64, np.uint64, np.uint64]:
     buf = torch.empty(4 * nc + 3 + nc + 1, dtype=torch.int64, device=dev)
     at = buf.data_ptr()
     return buf, np.uint64(at), np.uint64(at + 32 * nc), np.uint64(at + 32 * nc + 24)
+
+
+_formats: dict[tuple, Tuning] = {}  # _for_format's
+
+
+def _for_format(t: Tuning, f: D.ValueFormat) -> Tuning:
+    """``t.for_format(f)``, kept (decode_async's launches read it at every call)."""
+    key = (t, f.name)
+    got = _formats.get(key)
+    if got is None:
+        got = _formats[key] = t.for_format(f)
+    return got
 
 
 def _function(mod: Any, name: str) -> Any:
