@@ -585,7 +585,7 @@ events, median of 7 after 2 warm-ups and a second of warm-up encodes per format)
 includes the one device-to-host read of the chunk lengths that sizes the frame and the
 gather launch; decode includes the read of the frame's 28-byte header, the directory
 kernel (the chunk table, on the device) and the status read; "from pinned host" decodes a
-frame in pinned host memory (its directory parsed on the host), its upload included.
+frame in pinned host memory (its directory read on the device too), its upload included.
 CRC-32 (zlib's, the frame's) is computed on the GPU in both directions, inside these
 times. "Offload via PCIe" = cache bytes / (encode time + coded bytes over the
 measured D2H link), serial. Outputs are poisoned before each checked decode; every row was
@@ -685,6 +685,16 @@ bounds of flat stretches ("flat bounds": misses bf16 mixture 2.62% / 0.92% -> 2.
 950.7, fp8 486.3 -> 462.2; interleaved H200 A/B vs the previous kernel (mixture /
 Gaussian): bf16 +8.4 / +7.2%, fp8 +3.3 / +4.1%. Full run (H200 12:36, 545 checks pass,
 frames CPU-decode here): decode bf16 49.5 / 51.4, fp8 50.7 / 56.2 GB/s, encode 69-73.
+Shared-memory round (helper-32, 12:50-13:10): the inverse shapes in shared memory for
+one-shape launches (bf16 +0.6..1.5%, three runs). Host side (lead, 12:00-13:15): less glue
+per call (the GPU waits ~0.09 ms before the launches and ~0.06 ms after the kernel, from
+0.17-0.24 and 0.13-0.24), only the model shapes a launch uses go to the kernel (one for an
+int model index, as here; a real calibration's 61 shapes had sent every real launch to the
+L1 build), model runs for the hook's layers. Full runs at the session's end (545 checks
+pass, frames CPU-decode here): 13:02 decode bf16 49.1 / 53.2, fp8 50.3 / 56.3; 13:15 49.7 /
+53.6, 50.5 / 56.2 (with two decoder entry points, not kept: +1.4% vs the rows through L1,
+as the one build); 13:17 (96c776e, the table above) 49.1 / 52.7, 48.2 / 54.1; encode 66-74.
+The same code on a real SmolLM2-135M cache: the section "KV coder, GPU, real caches".
 """
 
 
