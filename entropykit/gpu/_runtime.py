@@ -101,21 +101,22 @@ def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> Non
                                (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)))
 
 
-_external: dict[int, cp.cuda.Stream] = {}  # CuPy's views of torch's streams, by handle
+_external: dict[tuple[int, int], cp.cuda.Stream] = {}  # CuPy's views of torch's streams
 
 
 def _stream() -> cp.cuda.Stream:
     """Torch's current stream, as CuPy sees it, so launches order with torch's work. The
-    view of a handle is kept (a stream's handle names it until it is destroyed, and the
-    view holds nothing else), so a decode call does not build one each time."""
+    view of a (handle, device) is kept (a stream's handle names it until it is destroyed,
+    and the view holds nothing else), so a decode call does not build one each time."""
     handle = torch.cuda.current_stream().cuda_stream
     if not handle:
         return cp.cuda.Stream.null
-    s = _external.get(handle)
+    key = (handle, cp.cuda.runtime.getDevice())
+    s = _external.get(key)
     if s is None:
         if len(_external) >= 256:  # streams made and dropped in a loop: start over
             _external.clear()
-        s = _external[handle] = cp.cuda.ExternalStream(handle)
+        s = _external[key] = cp.cuda.ExternalStream(handle)
     return s
 
 

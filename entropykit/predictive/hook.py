@@ -118,7 +118,8 @@ class KVOffloadCodec:
         and values use one model, else runs [(keys' model, n), (values' model, n)]
         (``rans.distribution.model_runs``: no per-value index is made or kept)."""
         n = int(np.prod(self._shape))
-        mu, sigma = (torch.empty(2 * n, dtype=torch.float32, device=device) for _ in "ms")
+        mu = torch.empty(2 * n, dtype=torch.float32, device=device)
+        sigma = torch.empty_like(mu)
         ik = self.distribution(layer, 0, device, (mu[:n], sigma[:n]))[2]
         iv = self.distribution(layer, 1, device, (mu[n:], sigma[n:]))[2]
         return mu, sigma, ik if ik == iv else [(ik, n), (iv, n)]
