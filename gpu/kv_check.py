@@ -251,6 +251,23 @@ class Checker:
         for cut in (0, 5, 27, 28, 40, head + 3, len(frame) - 1, len(frame) - 2):
             both(frame[:cut], f"truncated to {cut}", on_device=cut > 0 and k_dev(cut))
         both(frame + b"\0", "trailing byte", on_device=True)
+        both(frame + b"\0", "trailing byte, host frame", on_device=False)
+        z = np.zeros(0, np.float32)  # an empty frame: its header alone, then a stray byte
+        empty = D.encode(np.zeros(0, np.uint16), z, z, m, fmt="bf16")
+        for blob, label in ((empty, "empty frame"), (empty + b"\0", "empty frame + 1 byte")):
+            try:
+                want = ("ok", 0, "")
+                D.decode(blob, z, z, m)
+            except CorruptDataError as e:
+                want = ("corrupt", 0, str(e))
+            for on_device in (False, True):
+                src = t.frombuffer(bytearray(blob), dtype=t.uint8).to(dev) if on_device else blob
+                try:
+                    got = ("ok", dist.decode(src, t.zeros(0, device=dev), t.zeros(0, device=dev),
+                                             m).numel(), "")
+                except CorruptDataError as e:
+                    got = ("corrupt", 0, str(e))
+                self.expect(got == want, f"{label} (device {on_device}): GPU {got} vs CPU {want}")
         both(frame, "wrong mu", on_device=True, mu_t=mu + 0.25, mub_=mub + np.float32(0.25))
         for where in (57, 5000, n - 1):  # invalid (mu, sigma): ValueError naming the value
             for arr, bad in ((mu, float("nan")), (sigma, 0.0), (sigma, -1.0),
