@@ -12,7 +12,7 @@ symbol's [cdf(j), cdf(j + 1)), as an rANS state's low bits are. What it is not: 
 device's miss counters (kv_check) confirm.
 
     python gpu/guess_emulator.py [--n N] [--fmt bf16 fp8_e4m3] [--rounds R] [--fwd F]
-                                 [--low-rounds L]      (defaults: dist.Tuning's per format)
+                                 [--low-rounds L]      (defaults: the kernel's per format)
 """
 
 from __future__ import annotations
@@ -340,27 +340,34 @@ def misses(guess, true) -> tuple[float, float]:
     return float(np.mean(d > 0)), float(np.mean(d > 1))
 
 
+# The kernel's choices per format width (_dist_kernel.cu: GUESS_ROUNDS, FWD_STEPS,
+# LOW_ROUNDS, LOW_E_START; the flat-stretch bounds always)
+BUILT = {16: {"rounds": 0, "fwd": 2, "low_rounds": 0, "low_e_start": True},
+         8: {"rounds": 1, "fwd": 0, "low_rounds": 1, "low_e_start": False}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=1 << 20)
     ap.add_argument("--fmt", nargs="*", default=["bf16", "fp8_e4m3"])
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--fwd", type=int, default=None, help="FWD_STEPS (default: dist.Tuning's)")
+    ap.add_argument("--fwd", type=int, default=None, help="FWD_STEPS (default: the kernel's)")
     ap.add_argument("--low-rounds", type=int, default=None,
-                    help="LOW_ROUNDS (default: dist.Tuning's)")
+                    help="LOW_ROUNDS (default: the kernel's)")
     a = ap.parse_args()
     for fmt in a.fmt:
         for mi, name in ((0, "mixture"), (1, "Gaussian")):
             top, jt, low, jl = stages(fmt, a.n, mi)
-            t = G.Tuning(guess_rounds=a.rounds, fwd_steps=a.fwd,
-                         low_rounds=a.low_rounds).for_format(D.FORMATS[fmt])
-            r = t.guess_rounds
-            mt = misses(fast_guess(top, r, top_ends=t.top_ends), jt)
+            b = BUILT[D.FORMATS[fmt].bits]
+            r = b["rounds"] if a.rounds is None else a.rounds
+            fwd = b["fwd"] if a.fwd is None else a.fwd
+            lr = b["low_rounds"] if a.low_rounds is None else a.low_rounds
+            mt = misses(fast_guess(top, r, top_ends=True), jt)
             row = f"{fmt:9s} {name:8s} rounds {r}: top {100 * mt[0]:.2f}% (2+ {100 * mt[1]:.2f}%)"
             if low is not None:
-                ml = misses(fast_guess(low, r, fwd=t.fwd_steps, low_rounds=t.low_rounds,
-                                   low_e_start=t.low_e_start, low_bound=t.low_bound), jl)
-                row += (f", low ({t.low_rounds} rounds, {t.fwd_steps} steps) {100 * ml[0]:.2f}% "
+                ml = misses(fast_guess(low, r, fwd=fwd, low_rounds=lr,
+                                       low_e_start=b["low_e_start"], low_bound=True), jl)
+                row += (f", low ({lr} rounds, {fwd} steps) {100 * ml[0]:.2f}% "
                         f"(2+ {100 * ml[1]:.2f}%)")
             print(row, flush=True)
 

@@ -25,7 +25,6 @@ Back here: ``python gpu/kv_check.py --verify DIR`` CPU-decodes the returned fram
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import json
 import statistics
@@ -298,16 +297,15 @@ class Checker:
 
 
 def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
-    """Encode/decode GB/s of ``mib`` MiB of cache values for each (chunk, tuning)."""
+    """Encode/decode GB/s of ``mib`` MiB of cache values for each (chunk, model index)."""
     f = D.FORMATS[fmt]
     n = (mib << 20) // (f.bits // 8)
     x, mu, sigma = sample(torch, fmt, n, 11, dev)
     m = model()
     nbytes = x.numel() * x.element_size()
 
-    def one(chunk: int, tune, mi: int) -> dict:
-        tune = tune.for_format(f)  # the format's defaults, as the rows' labels say
-        kw = {"model_index": mi, "tuning": tune}
+    def one(chunk: int, mi: int) -> dict:
+        kw = {"model_index": mi}
         enc = partial(dist.encode, x, mu, sigma, m, fmt=fmt, chunk_size=chunk, **kw)
         frame = enc()
         out = torch.empty_like(x).fill_(POISON[f.bits])
@@ -318,23 +316,7 @@ def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
         pinned = torch.empty(frame.numel(), dtype=torch.uint8, pin_memory=True)
         pinned.copy_(frame)
         tdh = timed(torch, partial(dist.decode, pinned, mu, sigma, m, out=out, **kw), reps)
-        # missed guesses per value and stage, from a counting build of the same kernel
-        counting = dataclasses.replace(tune, count_misses=True)
-        dist.miss_counts(f, m, counting, reset=True)
-        dist.decode(frame, mu, sigma, m, out=out, model_index=mi, tuning=counting)
-        misses = dist.miss_counts(f, m, counting) / x.numel()
-        row = {"fmt": fmt, "chunk": chunk, "warps": tune.warps, "smem": tune.smem,
-               "warp_search": tune.warp_search, "warp_search_top": tune.warp_search_top,
-               "miss_top": float(misses[0]), "miss_low": float(misses[1]),
-               "near_top": float(misses[2]), "near_low": float(misses[3]),
-               "far_top": misses[4:7].tolist(), "far_low": misses[7:10].tolist(),
-               "min_blocks": tune.min_blocks, "guess_rounds": tune.guess_rounds,
-               "guess_newton": tune.guess_newton, "tail_inverse": tune.tail_inverse,
-               "pure_rounds": tune.pure_rounds, "fwd_steps": tune.fwd_steps,
-               "low_rounds": tune.low_rounds, "low_e_start": tune.low_e_start,
-               "low_bound": tune.low_bound, "top_ends": tune.top_ends,
-               "prefetch": tune.prefetch,
-               "dyn_chunks": tune.dyn_chunks, "zinv_models": tune.zinv_models,
+        row = {"fmt": fmt, "chunk": chunk, "warps": dist.WARPS, "smem": True,
                "model": ["mixture+empirical", "gaussian"][mi],
                "mib": nbytes / 2**20, "ratio": frame.numel() / nbytes, "exact": exact,
                "enc_s": statistics.median(te), "dec_s": statistics.median(td),
@@ -342,15 +324,9 @@ def bench(torch, dist, dev, fmt: str, mib: int, variants, reps: int) -> dict:
         row["enc_gbs"] = nbytes / row["enc_s"] / 1e9
         row["dec_gbs"] = nbytes / row["dec_s"] / 1e9
         row["dec_host_gbs"] = nbytes / row["dec_host_s"] / 1e9
-        log(f"{fmt} {row['model']} chunk {chunk} warps {tune.warps} smem {tune.smem} min_blocks "
-            f"{tune.min_blocks} guess {guess(row)}: ratio "
-            f"{row['ratio']:.4f} exact {exact} enc {row['enc_gbs']:.1f} GB/s dec "
-            f"{row['dec_gbs']:.1f} GB/s (from pinned host {row['dec_host_gbs']:.1f}); misses "
-            f"per value {100 * misses[0]:.2f}% top, {100 * misses[1]:.2f}% low/only, of them "
-            f"searched by the warp {100 * (misses[0] - misses[2]):.2f}% / "
-            f"{100 * (misses[1] - misses[3]):.2f}%; by 2+ symbols (flat, S >= 1/2, S < 1/2): "
-            f"top {' '.join(f'{100 * q:.2f}%' for q in misses[4:7])}, "
-            f"low/only {' '.join(f'{100 * q:.2f}%' for q in misses[7:10])}")
+        log(f"{fmt} {row['model']} chunk {chunk}: ratio {row['ratio']:.4f} exact {exact} "
+            f"enc {row['enc_gbs']:.1f} GB/s dec {row['dec_gbs']:.1f} GB/s (from pinned host "
+            f"{row['dec_host_gbs']:.1f})")
         return row
 
     # the GPU's clocks up before the first row (it times ~10% slow from an idle GPU)
@@ -388,32 +364,47 @@ def profile_main(args) -> None:
     for fmt in args.profile.split(","):
         f = D.FORMATS[fmt]
         x, mu, sigma = sample(torch, fmt, (args.mib << 20) // (f.bits // 8), 11, dev)
-        tune = dist.Tuning(8, True)
-        frame = dist.encode(x, mu, sigma, model(), fmt=fmt, tuning=tune)
+        frame = dist.encode(x, mu, sigma, model(), fmt=fmt)
         out = torch.empty_like(x)
-        dist.decode(frame, mu, sigma, model(), out=out, tuning=tune)
+        dist.decode(frame, mu, sigma, model(), out=out)
         torch.cuda.synchronize()
         ratio = frame.numel() / (x.numel() * x.element_size())
         log(f"{fmt}: exact {bool(torch.equal(out, x))}, ratio {ratio:.4f}")
 
 
 def ab_variants(spec: str, dist) -> list[tuple[str, object]]:
-    """``--ab``'s variants after the library's default: a .cu source (Tuning.source), or
-    NAME:KNOB=V+KNOB=V (Tuning knobs: ints, or a source's path; e.g. z0:zinv_models=0)."""
-    out = [("lib", dist.Tuning())]
+    """``--ab``'s variants after the library's kernel: (name, build) where build(f, smem)
+    is ``dist._kernels`` or a CuPy module of another .cu source, compiled with the
+    library's options for the format (``dist._build_options``)."""
+    import cupy as cp
+
+    out = [("lib", dist._kernels)]
     for item in spec.split(","):
-        if ":" not in item:
-            out.append((Path(item).stem, dist.Tuning(source=item)))
-            continue
-        name, _, knobs = item.partition(":")
-        kw = {k: v if k == "source" else int(v)
-              for k, v in (kv.split("=") for kv in knobs.split("+") if kv)}
-        out.append((name, dist.Tuning(**kw)))
+        src, built = Path(item).read_text(), {}
+
+        def build(f, smem, src=src, built=built):
+            key = (f.name, smem)
+            if key not in built:
+                built[key] = cp.RawModule(code=src, options=dist._build_options(f, smem))
+            return built[key]
+
+        out.append((Path(item).stem, build))
     return out
 
 
+def with_build(dist, build, fn):
+    """``fn`` run with the decoder's kernels from ``build`` (an --ab variant)."""
+    def run(**kw):
+        lib, dist._kernels = dist._kernels, build
+        try:
+            return fn(**kw)
+        finally:
+            dist._kernels = lib
+    return run
+
+
 def ab_cases(torch, dist, dev, args):
-    """(label, values, decode(tuning, out)) of the A/B: kv_check's rows (one shape a launch),
+    """(label, values, decode(out)) of the A/B: kv_check's rows (one shape a launch),
     then with ``--ab-real DIR`` kv_real's layers 10 and 20 framed as the hook frames them
     (keys then values: two shapes a launch)."""
     m = model()
@@ -458,12 +449,12 @@ def ab_main(args) -> None:
     for label, x, dec in ab_cases(torch, dist, dev, args):
         out = torch.empty_like(x)
         runs = []
-        for name, tune in variants:
+        for name, build in variants:
             out.fill_(POISON[x.element_size() * 8])
-            dec(out=out, tuning=tune)
+            with_build(dist, build, dec)(out=out)
             if not torch.equal(out, x):
                 sys.exit(f"{name} is not exact on {label}")
-            runs.append(partial(dec, out=out, tuning=tune))
+            runs.append(partial(with_build(dist, build, dec), out=out))
         times: list[list[float]] = [[] for _ in variants]
         for _ in range(args.rounds):
             for i, fn in enumerate(runs):
@@ -476,9 +467,9 @@ def ab_main(args) -> None:
                 f"{gbs[-1]:.1f} | {100 * (base / statistics.median(ts) - 1):+.1f}% |")
         del out, runs
         torch.cuda.empty_cache()
-    for name, tune in variants:
+    for name, build in variants:
         for fmt in ("bf16", "fp8_e4m3"):
-            k = dist._kernels(D.FORMATS[fmt], True, tune).get_function("dist_decode")
+            k = build(D.FORMATS[fmt], True).get_function("dist_decode")
             log(f"{name} {fmt}: {k.num_regs} registers, {k.local_size_bytes} B local")
     (Path(args.out) / "ab.json").write_text(json.dumps(res, indent=1))
 
@@ -498,9 +489,8 @@ def device_main(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ck = Checker(torch, dist, dev, out)
-    T = dist.Tuning
     if args.occupancy:  # timings only (each row still checks its own round trip)
-        occ = [(1 << 14, T(8, True), mi) for mi in (0, 1)]
+        occ = [(1 << 14, mi) for mi in (0, 1)]
         res["checks"], res["failures"] = 0, []
         res["bench"] = {fmt: bench(torch, dist, dev, fmt, args.mib, occ, args.reps)
                         for fmt in ("bf16", "fp8_e4m3")}
@@ -517,16 +507,8 @@ def device_main(args) -> None:
     if ck.failures and not args.force:
         (out / "results.json").write_text(json.dumps(res, indent=1))
         sys.exit("failures: no timings")
-    # the library's tuning, and for comparison: bf16 with the session's earlier defaults
-    # (2 rounds; low byte: no forward steps; top byte: the lane's search), fp8 with the
-    # lane's search (the other knobs' A/B rows: NOTES)
-    lib, lane = T(8, True), T(8, True, warp_search=False)
-    prev = T(8, True, guess_rounds=2, fwd_steps=0, low_rounds=2, warp_search_top=False,
-             low_e_start=False, low_bound=False, top_ends=False)
-    variants = {  # (chunk, tuning, model index: 0 mixture + empirical, 1 Gaussian)
-        "bf16": [(1 << 14, lib, 0), (1 << 14, prev, 0), (1 << 14, lib, 1), (1 << 14, prev, 1)],
-        "fp8_e4m3": [(1 << 14, lib, 0), (1 << 14, lane, 0), (1 << 14, lib, 1)],
-    }
+    # (chunk, model index: 0 mixture + empirical, 1 Gaussian)
+    variants = {fmt: [(1 << 14, 0), (1 << 14, 1)] for fmt in ("bf16", "fp8_e4m3")}
     res["bench"] = {fmt: bench(torch, dist, dev, fmt, args.mib, v, args.reps)
                     for fmt, v in variants.items()}
     (out / "results.json").write_text(json.dumps(res, indent=1))
@@ -535,7 +517,10 @@ def device_main(args) -> None:
 
 def guess(r: dict) -> str:
     """The decoder's guess of a row: refinement rounds, tail points, Newton step, and how
-    it searches a missed guess."""
+    it searches a missed guess (rows of earlier kernels with build knobs; else the
+    library's one build per format)."""
+    if "guess_rounds" not in r:
+        return "library"
     rounds, pure = r.get("guess_rounds", 1), r.get("pure_rounds", r.get("guess_rounds", 1))
     low = r.get("low_rounds")
     low = f" ({low} low)" if low is not None and r["fmt"] == "bf16" and low != rounds else ""
@@ -737,11 +722,11 @@ def main() -> None:
     ap.add_argument("--verify", metavar="DIR")
     ap.add_argument("--profile", metavar="FMTS", help="one encode + decode per format (ncu)")
     ap.add_argument("--occupancy", action="store_true",
-                    help="timings only: the library's tuning, both models (each row still "
+                    help="timings only: the library's kernel, both models (each row still "
                          "checks its own round trip)")
     ap.add_argument("--write-results", metavar="JSON")
-    ap.add_argument("--ab", metavar="VARIANTS", help="decode timings only: the library's "
-                    "kernel against these .cu sources or NAME:KNOB=V+... Tuning variants "
+    ap.add_argument("--ab", metavar="SOURCES", help="decode timings only: the library's "
+                    "kernel against these .cu sources built with the library's options "
                     "(comma-separated), interleaved")
     ap.add_argument("--rounds", type=int, default=4, help="--ab: turns of each variant")
     ap.add_argument("--ab-real", metavar="DIR", help="--ab: kv_real's two-shape layers too "

@@ -547,10 +547,10 @@ def test_model_arrays_and_shared_memory_plan():
     assert a["zinv"].dtype == np.float32
     assert a["zinv"].size == len(MODEL) * (K.INV_POINTS + 1 + 2 * (G.TAIL_POINTS + 1))
     assert a["rtab"].size == 512
-    assert G.smem_bytes(MODEL, G.Tuning()) == len(MODEL) * (4098 + 257) * 4
-    assert G.smem_bytes(MODEL, G.Tuning(smem=False)) == 0
+    assert G.smem_bytes(MODEL) == len(MODEL) * (4098 + 257) * 4
     many = D.CoderModel(np.stack([D.gaussian_shape()] * 8))
-    assert G.smem_bytes(many, G.Tuning()) == 0  # over the limit: tables through L1
+    assert G.smem_bytes(many) == 0  # over the limit: tables through L1
+    assert G.smem_bytes(many, zinv=True) == 0
 
 
 def test_gpu_calls_need_cuda():
@@ -1003,23 +1003,17 @@ def test_params_mu_in_32_bits_is_the_cpus():
     assert n_big > 100 and n_small > 1000
 
 
-def test_tuning_defaults_by_format():
-    # None knobs take the format's measured defaults; explicit ones are kept.
-    bf16, fp8 = D.FORMATS["bf16"], D.FORMATS["fp8_e4m3"]
-    assert G.Tuning().for_format(bf16) == G.Tuning(guess_rounds=0, warp_search=False,
-                                                   warp_search_top=True, fwd_steps=2,
-                                                   low_rounds=0, low_e_start=True,
-                                                   dyn_chunks=False, zinv_models=1)
-    assert G.Tuning().for_format(fp8) == G.Tuning(guess_rounds=1, warp_search=True,
-                                                  warp_search_top=True, fwd_steps=0,
-                                                  low_rounds=1, low_e_start=False,
-                                                  dyn_chunks=True, zinv_models=0)
-    # without the low stage's E start, its round is back (the earlier default)
-    assert G.Tuning(low_e_start=False).for_format(bf16).low_rounds == 1
-    assert G.Tuning(warp_search=False).for_format(fp8).warp_search_top is False
-    t = G.Tuning(guess_rounds=3, warp_search=False, warp_search_top=True, fwd_steps=1,
-                 low_rounds=2, low_e_start=False, dyn_chunks=False, zinv_models=2)
-    assert t.for_format(fp8) == t
+def test_one_build_per_format():
+    # A build's options are the format's constants and the table placement, nothing else.
+    for f in D.FORMATS.values():
+        for smem in (False, True):
+            opts = dict(o[2:].split("=") for o in G._build_options(f, smem) if o[:2] == "-D")
+            assert opts == {"NKEYS": str(1 << f.bits), "MANT": str(f.mantissa),
+                            "BIAS": str(f.bias), "NONFINITE": str(f.nonfinite),
+                            "ES": str(f.bits - 8), "SMEM": str(int(smem)),
+                            "WARPS": str(G.WARPS), "TAIL_FROM": str(G.TAIL_FROM),
+                            "TAIL_STEPS": str(G.TAIL_STEPS),
+                            "TAIL_POINTS": str(G.TAIL_POINTS)}
 
 
 # ---- the low stage's direct answer and the guess emulator (gpu/guess_emulator.py) -----------

@@ -68,30 +68,23 @@ def _kernel_words() -> tuple[int, int]:
 
 def test_one_shape_fits_shared_memory_where_a_calibrations_do_not():
     model = _model(61)  # a SmolLM2-135M calibration: 2 x 30 layers + the exact model
-    t = dist.Tuning(zinv_models=0)
-    assert dist.smem_bytes(model, t) == 0
-    assert dist.smem_bytes(model, t, 1) == model.padded.shape[1] * 4 + model.emps.shape[1] * 4
+    assert dist.smem_bytes(model) == 0
+    assert dist.smem_bytes(model, 1) == model.padded.shape[1] * 4 + model.emps.shape[1] * 4
 
 
-@pytest.mark.parametrize("fmt", [None, "bf16", "fp16", "fp8_e4m3"])
-def test_inverse_rows_in_shared_memory_for_one_shape_launches(fmt):
-    """The decoder's inverse rows follow the model blocks where the launch's size holds
-    them: exactly the kernel's words, for launches of zinv_models shapes or fewer (the
-    default 1, for 16-bit formats; 8-bit formats' builds take none)."""
+@pytest.mark.parametrize("zinv", [False, True])
+def test_inverse_rows_in_shared_memory_for_one_shape_launches(zinv):
+    """A 16-bit format's decoder (zinv) has its inverse rows follow the model blocks
+    where the launch's size holds them: exactly the kernel's words, for launches of one
+    shape; launches of more shapes, and 8-bit formats' and the encoder's, take none."""
     model = _model(5)
-    t = dist.Tuning() if fmt is None else dist.Tuning().for_format(D.FORMATS[fmt])
     model_w, zrow = _kernel_words()
     assert zrow == dist.model_arrays(model)["zinv"].size // len(model)
     tables = model.padded.shape[1] + model.emps.shape[1]
     assert tables == model_w
-    wide = fmt is None or D.FORMATS[fmt].bits == 16
-    assert dist.smem_bytes(model, t, 1) == 4 * (model_w + zrow * wide)
-    assert dist.smem_bytes(model, t, 2) == 4 * 2 * model_w
-    two = dist.Tuning(zinv_models=2)
-    assert dist.smem_bytes(model, two, 2) == 4 * 2 * (model_w + zrow)
-    # no room for three shapes' rows in _SMEM_LIMIT: the tables alone, still in shared memory
-    assert dist.smem_bytes(model, dist.Tuning(zinv_models=5), 3) == 4 * 3 * model_w
-    assert dist.smem_bytes(model, dist.Tuning(zinv_models=5, smem=False), 1) == 0
+    assert dist.smem_bytes(model, 1, zinv=zinv) == 4 * (model_w + zrow * zinv)
+    assert dist.smem_bytes(model, 2, zinv=zinv) == 4 * 2 * model_w
+    assert dist.smem_bytes(model, 3, zinv=zinv) == 4 * 3 * model_w
 
 
 @pytest.mark.parametrize(("runs", "n"), [

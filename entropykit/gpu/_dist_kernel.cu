@@ -51,24 +51,22 @@
 #define BYTES (NKEYS > 256 ? 2 : 1)
 #define CRC_POLY 0xedb88320u
 #define DEFAULT_P 16  // distribution.DEFAULT_PRECISION: decode_chunk's build for it (P)
-#ifndef DYN_CHUNKS  // (dist.Tuning passes these two)
+
+// What differs between 16-bit formats (ES > 0: a top and a low stage) and 8-bit ones (one
+// stage); docs/gpu.md says why each is chosen so.
 #define DYN_CHUNKS (ES == 0)  // the decoder's warps take chunks from a counter (next_chunk)
-#endif
-#ifndef PREFETCH
-#define PREFETCH 1  // the decoder loads the next group's (mu, sigma, model) a group early
-#endif
-#ifndef WARP_SEARCH_TOP
-#define WARP_SEARCH_TOP WARP_SEARCH  // a 16-bit format's top stage's search (A/B builds)
-#endif
-#ifndef TOP_ENDS
-#define TOP_ENDS 1  // fast_guess: the top stage's bounds from its flat ends (top_bounds)
-#endif
-#ifndef LOW_BOUND
-#define LOW_BOUND 1  // fast_guess: a 16-bit format's low-stage bounds (low_bounds)
-#endif
-#ifndef LOW_E_START
-#define LOW_E_START 0  // a low stage's first guess takes E at the slot's linear place (fast_guess)
-#endif
+// the top stage's guess rounds for values with an empirical term (w > 0), and without
+constexpr int GUESS_ROUNDS = ES ? 0 : 1;
+constexpr int PURE_ROUNDS = 1;
+// a 16-bit format's low stage: its guess rounds, and its first guess takes E at the slot's
+// linear place (fast_guess), then FWD_STEPS forward Newton steps (fwd_steps)
+constexpr int LOW_ROUNDS = ES ? 0 : 1;
+constexpr bool LOW_E_START = ES != 0;
+constexpr int FWD_STEPS = ES ? 2 : 0;
+// a missed guess is searched by the whole warp (warp_search), else by its lane alone: the
+// top stage always, a 16-bit format's low stage by its lane
+constexpr bool WARP_SEARCH = ES == 0;
+constexpr bool WARP_SEARCH_TOP = true;
 
 // Status codes: dist_kernels.py's, then the GPU path's own.
 #define ERR_STATE 1
@@ -88,10 +86,7 @@ typedef unsigned long long u64;
 // Model-table reads from a 32-bit shared address (shape_w / emp_w): every format since Val's
 // 64-bit mu_u went (bf16's decoder spilled with it before; H200 A/B bf16 mixture / Gaussian
 // +2.0% / +1.6%, ncu 1048.9 -> 1031.5 warp instructions per 32 values).
-#ifndef SMEM_ADDR  // (A/B builds)
-#define SMEM_ADDR SMEM
-#endif
-#define KEY_TABLE (ES == 0 && SMEM_ADDR)  // clamped_offset's key table (8-bit formats)
+#define KEY_TABLE (ES == 0 && SMEM)  // clamped_offset's key table (8-bit formats)
 
 // The decoder's inverse shapes (zinv, guesses only) in shared memory after the model
 // blocks, where the launch's dynamic shared memory holds them (dist.smem_bytes gives them
@@ -103,10 +98,7 @@ typedef unsigned long long u64;
 // <P, ZS>): +2.2..2.9% alone, but the two builds in one kernel spill 40 B (two-shape
 // layers -4%; decode_chunk out of line: -1..21%); fp8 (dist.Tuning.for_format: 0), where
 // neither paid.
-#if !defined(ZINV_SMEM) || !SMEM
-#undef ZINV_SMEM
-#define ZINV_SMEM 0
-#endif
+#define ZINV_SMEM (ES > 0 && SMEM)
 
 // One value's quantized parameters (dist_kernels.Val, without ue which only feeds cb), and
 // mu_u as clamped_offset() takes it: mu32 = mu_u where |mu_u| < MU32 (big = false, every
@@ -168,7 +160,7 @@ __device__ __forceinline__ unsigned smem_word(unsigned addr) {
 
 // Word i of a model table: its shared-window address s with SMEM_ADDR, else its pointer t.
 __device__ __forceinline__ unsigned table_w(const unsigned* t, unsigned s, int i) {
-#if SMEM_ADDR
+#if SMEM
     return smem_word(s + 4 * (unsigned)i);
 #else
     return t[i];
@@ -605,7 +597,7 @@ __device__ __forceinline__ Model block_model(unsigned* tab, const unsigned* shap
     md.zinv = zinv;
     md.rtab = rtab;
     __syncthreads();
-#if SMEM_ADDR
+#if SMEM
     // held in a register, not rebuilt at each read; after the barrier (volatile: it stays
     // there), so no table read (smem_word) can be placed before the tables are filled
     unsigned a = (unsigned)__cvta_generic_to_shared(smem);
@@ -661,7 +653,7 @@ __device__ __forceinline__ void enc_step(i64& x, bool live, i64 c0, i64 c1, int 
 // chunk's scratch (or the invalid value's index in the chunk), payload length, CRC-32.
 // The chunk's scratch is scratch[c * chunk_size * BYTES ...][: its bytes] (as big as raw:
 // a payload that would not be smaller is not kept, exactly as dist_kernels decides).
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) dist_encode(
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) dist_encode(
         const unsigned char* vals, const unsigned* mu, const unsigned* sg,
         const unsigned short* midx, int mshift, int m0, i64 n, int chunk_size, int n_chunks,
         int p, const unsigned* shapes, const unsigned* emps, int models, const int* weights,
@@ -840,7 +832,6 @@ __device__ __forceinline__ int guess_key(float g, float mu, float sg, const floa
     float t = gc * INV_POINTS;
     int i = min((int)t, INV_POINTS - 1);
     float dtdg = INV_POINTS;  // table steps per unit of g
-#if TAIL_INV
     // The end intervals (mass below or above g < 2^-TAIL_FROM): the row's tail points,
     // TAIL_STEPS a binade of that mass (dist.tail_inverse).
     if (t < 1.0f || t > INV_POINTS - 1) {
@@ -851,7 +842,6 @@ __device__ __forceinline__ int guess_key(float g, float mu, float sg, const floa
         zinv += ZTAIL + (up ? TAIL_POINTS + 1 : 0);
         dtdg = __fdividef(up ? TAIL_STEPS / 0.6931472f : -TAIL_STEPS / 0.6931472f, q);
     }
-#endif
 #if ZINV_SMEM
     const float z0 = zinv[i], z1 = zinv[i + 1];  // shared or global (block_model)
 #else
@@ -1046,7 +1036,7 @@ __device__ __forceinline__ int fast_guess(int slot, const Stage& st, float mu, f
         }
         k = guess_key(target * (1.0f / ONE), mu, sg, zinv, &lin);
     }
-    if (GUESS_NEWTON) {
+    {
         // Solve S(k) = S_b + (slot + 1/2 - j(k)) T / spread for k, S and j(k) = (k - b) / 2^sh
         // linear around the last inversion's key kf.
         const float wf = (float)v.w * (1.0f / WEIGHT_ONE);
@@ -1072,8 +1062,8 @@ __device__ __forceinline__ int fast_guess(int slot, const Stage& st, float mu, f
     }
     if (FWD_STEPS && !TOP) k = fwd_steps(k, slot, st, unit, mu, sg, v, md);
     int j = min(max((k - b) >> sh, 0), 255);
-    if (!TOP && ES && LOW_BOUND) j = low_bounds(j, slot, st, v, p);
-    if (TOP && ES && TOP_ENDS && v.w) j = top_bounds(j, slot, v, md, p);
+    if (!TOP && ES) j = low_bounds(j, slot, st, v, p);
+    if (TOP && ES && v.w) j = top_bounds(j, slot, v, md, p);
     return j;
 }
 
@@ -1205,13 +1195,6 @@ __device__ __forceinline__ void warp_search(Sym& s, int q, int slot, const Stage
     if (lane == q) { s.j = base + r; s.c0 = c0; s.c1 = cn; s.sj = sj; s.sn = sn; }
 }
 
-#if COUNT_MISSES
-// Missed guesses per stage (sh > 0: a 16-bit format's top byte; else the low byte or an
-// 8-bit format's only stage), then per stage those the lane resolved alone (without the
-// warp's search), for measurements (Tuning.count_misses builds only).
-__device__ unsigned long long miss_counts[10];  // then far misses (2+ symbols) a stage
-// by where the symbol lies: in a flat stretch (frequency <= 2), else S above or below 1/2
-#endif
 
 // The chunk a warp decodes: its stream, this lane's state and value.
 struct Chain {
@@ -1240,35 +1223,17 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, cons
     const int spread = (1 << p) - 256;
     const int slot = (int)(c.x & ((1u << p) - 1));
     bool miss = false;
-    [[maybe_unused]] bool fixed = false;  // read by COUNT_MISSES builds
-    [[maybe_unused]] int gj = -9;  // the guess, where it missed (COUNT_MISSES builds)
     if (c.live && !guess_symbol<TOP>(s, slot, st, c.v, c.muf, c.sgf, md, p)) {
-        gj = s.j;
-        if constexpr (TOP && ES ? WARP_SEARCH_TOP : WARP_SEARCH) {
-            fixed = near_symbol<TOP>(s, slot, st, spread, c.v, md);
-            miss = !fixed;
-        } else {
+        if constexpr (TOP && ES ? WARP_SEARCH_TOP : WARP_SEARCH)
+            miss = !near_symbol<TOP>(s, slot, st, spread, c.v, md);
+        else
             s = fast_search<TOP>(slot, s, st, spread, c.v, md);
-            fixed = true;
-        }
     }
     unsigned far = __ballot_sync(FULL, miss);
-#if COUNT_MISSES
-    const unsigned nf = __ballot_sync(FULL, fixed);
-    if (lane == 0 && (far | nf)) {
-        atomicAdd(miss_counts + (sh ? 0 : 1), (unsigned long long)__popc(far | nf));
-        atomicAdd(miss_counts + 2 + (sh ? 0 : 1), (unsigned long long)__popc(nf));
-    }
-#endif
     while (far) {  // warp-uniform
         warp_search<TOP>(s, __ffs(far) - 1, slot, st, spread, c.v, md, lane);
         far &= far - 1;
     }
-#if COUNT_MISSES
-    if (gj != -9 && abs(s.j - gj) >= 2)
-        atomicAdd(miss_counts + 4 + 3 * (sh ? 0 : 1)
-                  + (s.c1 - s.c0 <= 2 ? 0 : s.sj >= (unsigned)(ONE / 2) ? 1 : 2), 1ull);
-#endif
     bool need = false;
     if (c.live) {
         c.x = (unsigned)(s.c1 - s.c0) * (c.x >> p) + (unsigned)(slot - s.c0);
@@ -1290,9 +1255,7 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, cons
 // each, and its 67 registers uncapped leave 24 (H200 A/B: capped +7-9%, no spills). fp8's
 // default build (PREFETCH, DYN_CHUNKS) needs 60-62 uncapped; its build without DYN_CHUNKS
 // would take 66-68 and so 24 warps (H200 A/B: -7-8%) but for the cap.
-#ifndef DEC_BLOCKS
-#define DEC_BLOCKS (MIN_BLOCKS > 1 ? MIN_BLOCKS : 32 / WARPS)
-#endif
+#define DEC_BLOCKS (32 / WARPS)
 
 // Decode chunk c0 into outb and write its status (the warp; Model and tab from the block).
 // P > 0: the frame's precision p as a compile-time constant (P = p), so that the shifts,
@@ -1330,7 +1293,6 @@ __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
         ch.words = pay + 4 * LANES;
         ch.n_words = (len - 4 * LANES) >> 1;
         ch.wp = 0;
-#if PREFETCH
         // The next group's raw (mu, sigma, model) are loaded a group ahead: they do not
         // depend on the state, and their global loads then wait behind a group's decoding
         // rather than at its start (H200 A/B, mixture / Gaussian: bf16 36.8 / 42.5 -> 38.3 /
@@ -1342,14 +1304,12 @@ __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
             nsg = sg[first + lane];
             if (midx) nm = midx[(first + lane) >> mshift];
         }
-#endif
         for (int g0 = 0; g0 < cn && !code; g0 += LANES) {
             ch.live = g0 + lane < cn;
             // value index (the chunk re-read: nothing of it stays live through the group)
             const i64 i = chunk_at(warp_chunk_id(q), n, chunk_size).first + g0 + lane;
             bool ok = true;
             ch.muf = ch.sgf = 0.0f;
-#if PREFETCH
             const unsigned mub = nmu, sgb = nsg;
             const int mi = nm;
             if (g0 + LANES + lane < cn) {
@@ -1357,10 +1317,6 @@ __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
                 nsg = sg[i + LANES];
                 if (midx) nm = midx[(i + LANES) >> mshift];
             }
-#else
-            const unsigned mub = ch.live ? mu[i] : 0u, sgb = ch.live ? sg[i] : 0u;
-            const int mi = ch.live && midx ? (int)midx[i >> mshift] : m0;
-#endif
             if (ch.live) {
                 ok = param_ok(mub, sgb);
                 if (ok) {

@@ -19,11 +19,10 @@ the CPU coder; this module's host half, which tests import without a GPU, is pla
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -47,103 +46,9 @@ _SMEM_LIMIT = 96 * 1024  # model tables in shared memory up to this (else throug
 TAIL_FROM = 12  # tail inverse: from mass 2**-12 (the uniform inverse's end interval) ...
 TAIL_STEPS = 8  # ... in steps of 2**(-1/8) ...
 TAIL_POINTS = 20 * TAIL_STEPS  # ... down to 2**-32 (S is in units of 2**-31)
+WARPS = 8  # warps (chunks) a block
+_ZINV_MODELS = 1  # a 16-bit format's decoder: inverse rows in shared memory up to this many shapes
 
-
-@dataclass(frozen=True)
-class Tuning:
-    """Kernel build knobs (results are the same bits either way; for measurements)."""
-
-    warps: int = 8  # warps (chunks) per block (H200: 8 decodes ~17% faster than 4)
-    smem: bool = True  # model tables in shared memory when they fit _SMEM_LIMIT
-    min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers when > 1)
-    # the decoder's guess refinements of values with an empirical term (w > 0; a 16-bit
-    # format's top stage; its low stage takes low_rounds); None: 1 for 8-bit formats, 0 for
-    # 16-bit ones. kv_check, A/B on the H200: fp8 e4m3 mixture 1 round 32.1-35.3 GB/s, 2:
-    # 31.2-33.0, 0: 27.2; bf16 mixture's top byte, with the lane's search 2 rounds 28.0-28.8,
-    # 1: 24.5-26.1, 3: 23.1 (earlier rounds), with the warp's search and the instruction cuts
-    # 2 rounds 35.8 / 36.3, 1: 36.4 / 37.1; with low_e_start (two runs, mixture / Gaussian,
-    # rounds for w > 0 and w = 0 alike) 1 round 39.1 / 43.4, 0: 39.9 / 42.2 (top-byte misses
-    # emulated 1.39% / 0.48% -> 2.63% / 2.04%), so the Gaussian keeps pure_rounds; then 0
-    # rounds at w > 0 only: mixture 41.1 -> 41.8 (a third run)
-    guess_rounds: int | None = None
-    guess_newton: bool = True  # then one Newton step on the stage's slot equation
-    # the top stage's rounds for a model without empirical term (w = 0), in place of
-    # guess_rounds (a low stage's: at most low_rounds)
-    pure_rounds: int = 1
-    tail_inverse: bool = True  # guesses in the end intervals from log-spaced tail points
-    count_misses: bool = False  # count missed guesses (``miss_counts``; slower)
-    # a missed guess (a 16-bit format's low stage, an 8-bit format's only one): its
-    # neighbour, then a search by the whole warp (True), or the lane's own search (False);
-    # None: the warp's for 8-bit formats (kv_check: fp8 e4m3 mixture +9-12%, bf16 -4..8%)
-    warp_search: bool | None = None
-    # the same for a 16-bit format's top stage; None: the warp's (H200 A/B after this
-    # session's instruction cuts, bf16 mixture / Gaussian GB/s: lane search everywhere
-    # 33.9 / 39.2, warp search for the top byte 35.5 / 40.0, for both bytes 35.8 / 40.0 with
-    # 2% more instructions than the top byte's alone)
-    warp_search_top: bool | None = None
-    # Newton steps of a 16-bit format's low-byte guess from the shape's own CDF points
-    # (_dist_kernel.cu's fwd_steps; 8-bit formats never take them), and that stage's guess
-    # rounds before them; None: 2 steps after 1 round for 16-bit formats. H200, interleaved
-    # A/B after the decoder's instruction cuts (bf16 mixture / Gaussian GB/s): 0 steps, 2
-    # rounds 33.2 / 40.3; 0, 1 round 34.5 / 40.9; 1 step 35.0 / 41.2; 2 steps 35.0 / 41.3;
-    # 3 steps 35.2 / 40.8; 2 steps after 2 rounds 33.8 / 41.9 (low-byte misses per value
-    # 2.06% -> 0.73%; before those cuts the steps did not pay)
-    fwd_steps: int | None = None
-    low_rounds: int | None = None
-    # a 16-bit format's low-stage first guess takes E (the stage's empirical bucket) at the
-    # key where S linear in the key would put the slot (None: for 16-bit formats), so that
-    # it needs no round: low_rounds None is then 0 (emulated bf16 low-byte misses, mixture /
-    # Gaussian: 1 round + 2 steps 0.72% / 0.86%; 0 rounds with E 0.92% / 1.28%; ncu 1.4%
-    # fewer instructions; H200 A/B, two runs: decode +1.3% / -0.2%, +1.2% / 0.0%)
-    low_e_start: bool | None = None
-    # a 16-bit format's guesses clamped into the bounds of flat stretches (_dist_kernel.cu:
-    # low_bounds, the low stage's from its empirical term and each symbol's own slot;
-    # top_bounds, the top stage's flat ends, for values with an empirical term). Emulated
-    # bf16 misses, mixture / Gaussian: low byte 0.92% / 1.31% -> 0.59% / 1.05%, top byte
-    # (mixture) 2.62% -> 2.13%, by 2+ symbols 1.67% -> 1.07%. H200 A/B vs the kernel without
-    # them (bf16 mixture / Gaussian GB/s): 47.1 -> 47.7 / 50.7 -> 51.0; the top bounds at w
-    # = 0 too lost 2.5% on the Gaussian (and 3-7% on fp8, which takes neither)
-    low_bound: bool = True
-    top_ends: bool = True
-    # the decoder loads each group's (mu, sigma, model) a group ahead (H200 A/B, decode GB/s
-    # mixture / Gaussian vs without: bf16 38.3 / 42.5 vs 36.8 / 42.5, fp8 e4m3 36.0 / 39.3 vs
-    # 35.8 / 39.2)
-    prefetch: bool = True
-    # the decoder's warps take chunks from a shared counter, not one chunk each (None: for
-    # 8-bit formats; with prefetch, H200 A/B fp8 e4m3 37.2 / 40.2 vs 36.0 / 39.3 GB/s; bf16
-    # spills at its 64-register cap with it: 34.0 / 39.8 vs 38.3 / 42.5)
-    dyn_chunks: bool | None = None
-    # the decoder's inverse shapes (zinv, ~17 KB a shape) in shared memory too, after the
-    # model tables, for launches of at most this many shapes (smem_bytes; 0: never, every
-    # guess reads them through L1); None: 1 for 16-bit formats, 0 for 8-bit ones. H200
-    # interleaved A/B vs 0 (decode GB/s, kv_check's one-shape rows, mixture / Gaussian):
-    # bf16 +1.2 / +1.5%, +1.1 / +1.4%, +0.8 / +0.6% (three runs; kv_real's two-shape
-    # layers even), fp8 e4m3 +0.1 / -0.3% and -3.0 / -1.3%; 2 (a hook layer's two shapes,
-    # 3 blocks an SM): kv_real's layers bf16 -2..4%, fp8 -8..10%
-    zinv_models: int | None = None
-    # another kernel source file in place of _dist_kernel.cu (A/B timings in one process;
-    # the ENTROPYKIT_DIST_KERNEL environment variable sets it for every build)
-    source: str | None = None
-
-    def for_format(self, f: D.ValueFormat) -> Tuning:
-        """These knobs with the format's defaults in place of None."""
-        wide = f.bits == 16
-
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        rounds = pick(self.guess_rounds, 0 if wide else 1)
-        e_start = pick(self.low_e_start, wide)
-        warp = pick(self.warp_search, not wide)
-        return replace(self, guess_rounds=rounds, warp_search=warp,
-                       dyn_chunks=pick(self.dyn_chunks, not wide),
-                       warp_search_top=pick(self.warp_search_top, True if wide else warp),
-                       fwd_steps=pick(self.fwd_steps, 2 if wide else 0),
-                       low_e_start=e_start, zinv_models=pick(self.zinv_models, int(wide)),
-                       low_rounds=pick(self.low_rounds, 0 if e_start else 1 if wide else rounds))
-
-
-_DEFAULT_TUNING = Tuning()
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
 
@@ -250,19 +155,18 @@ def model_arrays(model: D.CoderModel) -> dict[str, np.ndarray]:
             "rtab": np.ascontiguousarray(D._RTAB, np.int64).reshape(-1)}
 
 
-def smem_bytes(model: D.CoderModel, t: Tuning, models: int | None = None) -> int:
+def smem_bytes(model: D.CoderModel, models: int | None = None, *, zinv: bool = False) -> int:
     """Dynamic shared memory of a launch: the model tables (of ``models`` shapes, default
-    all), if they go there, then their inverse shapes for a launch of at most
-    ``t.zinv_models`` shapes (a decoder built with them reads them there when the size
-    holds them; None, whose format is not known here, gives the room of 16-bit formats,
-    which an 8-bit format's build leaves unused)."""
+    all), if they fit ``_SMEM_LIMIT``, then, with ``zinv`` (a 16-bit format's decoder),
+    their inverse shapes for a launch of at most ``_ZINV_MODELS`` shapes where they fit too
+    (the decoder reads them there when the launch's size holds them)."""
     models = len(model) if models is None else models
     size = models * (model.padded.shape[1] + model.emps.shape[1]) * 4
-    if not t.smem or size > _SMEM_LIMIT:
+    if size > _SMEM_LIMIT:
         return 0
-    zinv = models * (np.shape(model.inverse)[1] + 2 * (TAIL_POINTS + 1)) * 4  # ZROW floats
-    most = 1 if t.zinv_models is None else t.zinv_models
-    return size + zinv if models <= most and size + zinv <= _SMEM_LIMIT else size
+    rows = models * (np.shape(model.inverse)[1] + 2 * (TAIL_POINTS + 1)) * 4  # ZROW floats
+    fits = zinv and models <= _ZINV_MODELS and size + rows <= _SMEM_LIMIT
+    return size + rows if fits else size
 
 
 # ---- device ----------------------------------------------------------------------------
@@ -295,54 +199,24 @@ def _device_runtime(device: Any) -> tuple[Any, Any]:
     return got
 
 
-def _kernels(f: D.ValueFormat, smem: bool, t: Tuning) -> Any:
+def _build_options(f: D.ValueFormat, smem: bool) -> tuple[str, ...]:
+    """NVRTC options of the format's build: the format's constants, whether the model
+    tables are in shared memory, and the constants shared with this module."""
+    return ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
+            f"-DBIAS={f.bias}", f"-DNONFINITE={f.nonfinite}", f"-DES={f.bits - 8}",
+            f"-DSMEM={int(smem)}", f"-DWARPS={WARPS}", f"-DTAIL_FROM={TAIL_FROM}",
+            f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
+
+
+def _kernels(f: D.ValueFormat, smem: bool) -> Any:
     import cupy as cp
 
-    key = (f.name, smem, t)
+    key = (f.name, smem)
     with _lock:
         if key not in _modules:
-            t = t.for_format(f)
-            alt = t.source or os.environ.get("ENTROPYKIT_DIST_KERNEL")  # A/B timings
-            src = (open(alt).read() if alt else
-                   resources.files(__package__).joinpath("_dist_kernel.cu").read_text())
-            opts = ("--std=c++17", f"-DNKEYS={1 << f.bits}", f"-DMANT={f.mantissa}",
-                    f"-DBIAS={f.bias}", f"-DNONFINITE={f.nonfinite}", f"-DES={f.bits - 8}",
-                    f"-DSMEM={int(smem)}", f"-DWARPS={t.warps}", f"-DMIN_BLOCKS={t.min_blocks}",
-                    f"-DGUESS_ROUNDS={t.guess_rounds}", f"-DGUESS_NEWTON={int(t.guess_newton)}",
-                    f"-DPURE_ROUNDS={t.pure_rounds}",
-                    f"-DCOUNT_MISSES={int(t.count_misses)}", f"-DWARP_SEARCH={int(t.warp_search)}",
-                    f"-DWARP_SEARCH_TOP={int(t.warp_search_top)}",
-                    f"-DFWD_STEPS={t.fwd_steps}",
-                    f"-DLOW_ROUNDS={t.low_rounds}", f"-DLOW_E_START={int(t.low_e_start)}",
-                    f"-DLOW_BOUND={int(t.low_bound)}", f"-DTOP_ENDS={int(t.top_ends)}",
-                    f"-DPREFETCH={int(t.prefetch)}",
-                    f"-DDYN_CHUNKS={int(t.dyn_chunks)}",
-                    f"-DZINV_SMEM={int(t.zinv_models > 0)}",
-                    f"-DTAIL_INV={int(t.tail_inverse)}", f"-DTAIL_FROM={TAIL_FROM}",
-                    f"-DTAIL_STEPS={TAIL_STEPS}", f"-DTAIL_POINTS={TAIL_POINTS}")
-            if os.environ.get("ENTROPYKIT_LINEINFO"):  # source lines for a profiler
-                opts += ("-lineinfo",)
-            _modules[key] = cp.RawModule(code=src, options=opts)
+            src = resources.files(__package__).joinpath("_dist_kernel.cu").read_text()
+            _modules[key] = cp.RawModule(code=src, options=_build_options(f, smem))
         return _modules[key]
-
-
-def miss_counts(f: D.ValueFormat, model: D.CoderModel, tuning: Tuning,
-                reset: bool = False) -> np.ndarray:
-    """Missed decoder guesses counted by ``tuning`` (count_misses) builds since the last
-    reset (``reset`` zeroes them): uint64[10], per stage (a 16-bit format's top byte, then
-    the low byte or an 8-bit format's only stage) the misses, then per stage those that the
-    lane resolved alone (the rest the whole warp searched), then per stage the misses by 2+
-    symbols by where the symbol lies: a flat stretch (frequency <= 2 slots), else S >= 1/2,
-    else S < 1/2."""
-    import cupy as cp
-
-    mod = _kernels(f, smem_bytes(model, tuning) > 0, tuning)
-    ptr = mod.get_global("miss_counts")
-    arr = cp.ndarray((10,), cp.uint64, ptr)
-    got = cp.asnumpy(arr)
-    if reset:
-        arr.fill(0)
-    return got
 
 
 def _device_tables(model: D.CoderModel, device: Any) -> dict[str, Any]:
@@ -533,8 +407,7 @@ def _launch_all(device: Any, launches: list[tuple[Any, int, int, tuple, int]],
 
 def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
            fmt: str | D.ValueFormat | None = None, model_index: Any = None,
-           precision: int = D.DEFAULT_PRECISION, chunk_size: int = GPU_CHUNK,
-           tuning: Tuning | None = None) -> Any:
+           precision: int = D.DEFAULT_PRECISION, chunk_size: int = GPU_CHUNK) -> Any:
     """Code ``values`` (a CUDA tensor) into a frame: a CUDA uint8 tensor holding exactly
     ``distribution.encode(values, mu, sigma, model, ...)``'s bytes.
 
@@ -546,7 +419,6 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     """
     import torch
 
-    t = tuning or _DEFAULT_TUNING
     dev = _device_runtime(values.device)[1]
     f = format_of(values.dtype, fmt)
     flat = _aligned(values.reshape(-1).contiguous())
@@ -559,11 +431,11 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     if nc == 0:
         return head_t.to(dev)
     raw = flat.view(torch.uint8)
-    smem = smem_bytes(model, replace(t, zinv_models=0), ms.count)  # (guesses: decoder's)
-    mod = _kernels(f, smem > 0, t)
+    smem = smem_bytes(model, ms.count)  # (no inverse rows: the encoder makes no guesses)
+    mod = _kernels(f, smem > 0)
     scratch = torch.empty_like(raw)
     res = torch.empty((nc, 4), dtype=torch.int64, device=dev)
-    _launch(_function(mod, "dist_encode"), dev, -(-nc // t.warps), 32 * t.warps,
+    _launch(_function(mod, "dist_encode"), dev, -(-nc // WARPS), 32 * WARPS,
             (*_args(raw, mu_t, sg_t), *ms.args(),
              *_args(n, np.int32(chunk_size), np.int32(nc), np.int32(precision)),
              *_table_args(model, dev, ms.first, ms.count), *_args(scratch, res)), smem)
@@ -611,7 +483,7 @@ def _frame_info(frame: Any) -> tuple[D.FrameHeader, Any]:
 
 
 def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index: Any = None,
-           out: Any = None, device: Any = None, tuning: Tuning | None = None) -> Any:
+           out: Any = None, device: Any = None) -> Any:
     """Decode a frame into value bits on a CUDA device (flat; int16 for 16-bit formats,
     view it as bfloat16 / float16; uint8 for fp8), one launch for every chunk.
 
@@ -623,7 +495,7 @@ def decode(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *, model_index:
     (mu, sigma) or arguments that do not fit.
     """
     return decode_async(frame, mu, sigma, model, model_index=model_index, out=out,
-                        device=device, tuning=tuning).result()
+                        device=device).result()
 
 
 class PendingDecode:
@@ -684,8 +556,8 @@ class PendingDecode:
 
 
 def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
-                 model_index: Any = None, out: Any = None, device: Any = None,
-                 tuning: Tuning | None = None) -> PendingDecode:
+                 model_index: Any = None, out: Any = None,
+                 device: Any = None) -> PendingDecode:
     """``decode``, launched on the current stream without waiting for it: the host goes on
     (e.g. to queue compute that overlaps the decode) and reads the result later with
     ``PendingDecode.result()``. Argument and header errors raise here, directory and
@@ -693,7 +565,6 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     lies, so that nothing waits for it here)."""
     import torch
 
-    t = tuning or _DEFAULT_TUNING
     if device is None:
         device = out.device if out is not None else (
             mu.device if isinstance(mu, torch.Tensor) and mu.is_cuda else "cuda")
@@ -723,12 +594,12 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         return PendingDecode(out, work, nc, False, (), head, size, mu_t, sg_t)
     if ft.device != dev:
         ft = ft.to(dev, non_blocking=ft.is_pinned())
-    smem = smem_bytes(model, _for_format(t, f), ms.count)  # (no inverse rows for fp8)
-    mod = _kernels(f, smem > 0, t)
+    smem = smem_bytes(model, ms.count, zinv=f.bits == 16)
+    mod = _kernels(f, smem > 0)
     _launch_all(dev, [  # dist_directory also zeroes the status
         (_function(mod, "dist_directory"), 1, DIR_THREADS,
          _args(ft, size, np.int32(nc), table, facts, status), 0),
-        (_function(mod, "dist_decode"), -(-nc // t.warps), 32 * t.warps,
+        (_function(mod, "dist_decode"), -(-nc // WARPS), 32 * WARPS,
          (*_args(ft, table, mu_t, sg_t), *ms.args(),
           *_args(n, np.int32(cs), np.int32(nc), np.int32(head.precision)),
           *_table_args(model, dev, ms.first, ms.count), *_args(out, status)), smem)], rt)
@@ -748,18 +619,6 @@ def _work(nc: int, dev: Any) -> tuple[Any, np.uint64, np.uint64, np.uint64]:
     return buf, np.uint64(at), np.uint64(at + 32 * nc), np.uint64(at + 32 * nc + 24)
 
 
-_formats: dict[tuple, Tuning] = {}  # _for_format's
-
-
-def _for_format(t: Tuning, f: D.ValueFormat) -> Tuning:
-    """``t.for_format(f)``, kept (decode_async's launches read it at every call)."""
-    key = (t, f.name)
-    got = _formats.get(key)
-    if got is None:
-        got = _formats[key] = t.for_format(f)
-    return got
-
-
 def _function(mod: Any, name: str) -> Any:
     with _lock:
         key = (id(mod), name)
@@ -768,4 +627,4 @@ def _function(mod: Any, name: str) -> Any:
         return _functions[key]
 
 
-__all__ = ["GPU_CHUNK", "PendingDecode", "Tuning", "decode", "decode_async", "encode"]
+__all__ = ["GPU_CHUNK", "PendingDecode", "decode", "decode_async", "encode"]
