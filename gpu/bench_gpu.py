@@ -1,6 +1,6 @@
-"""Side-by-side GPU decode benchmark (issue 5): entropykit, nvCOMP ANS, DFloat11, plain copy.
+"""Side-by-side GPU decode benchmark: entropykit, nvCOMP ANS, DFloat11, plain copy.
 
-What it is: the script the lent GPU runs (through the ``device`` tool) to decode the same
+What it is: the script a GPU machine runs to decode the same
 data with every tool in one run and print one table: decoded output GB/s, compression
 ratio and whether the round trip is exact. Data sets:
   minilm-bf16  MiniLM-L6 cast to bf16 (the carried compressed file, decoded on the host),

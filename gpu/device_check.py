@@ -1,6 +1,6 @@
 """Device-side test and benchmark of entropykit.gpu on real bf16 weights.
 
-What it is: the script the lent GPU runs (through the ``device`` tool). It encodes real bf16
+What it is: the script a GPU machine runs. It encodes real bf16
 weights with the CPU coder, checks the CPU decoder restores them, tiles the tensors to
 >= 1 GiB of bf16 output on the device, and for each variant poisons the outputs, decodes,
 checks every bit against the CPU decoder's output and the kernel's status, and times the

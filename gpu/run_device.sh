@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device run of issue 5's GPU work (through the `device` tool, carrying .gpu-bench):
+# One device run of the static decoder's checks and benchmarks (carrying .gpu-bench):
 # unpack the carried wheels, check the kernel (device_check.py), run the side-by-side
 # benchmark (bench_gpu.py), then profile two launches with Nsight Compute. Logs go to $OUT.
 #   .gpu-bench/minilm_bf16.ek.safetensors   compressed MiniLM-L6 bf16 (bench/data.py's cast)

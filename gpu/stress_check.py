@@ -1,6 +1,6 @@
 """Device check of the kernel's paths on adversarial sizes, placements and tunings.
 
-What it is: the script the lent GPU runs (through the ``device`` tool) to hold every build
+What it is: the script a GPU machine runs to hold every build
 of ``entropykit/gpu/_kernel.cu`` to the CPU decoder where real weights do not reach:
 symbol counts around the 32-symbol step, the 512-symbol staged round and the chunk
 (1 .. 200,003), chunks of 1,024 and 65,536 symbols, outputs whose start is 16-byte aligned

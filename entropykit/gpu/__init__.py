@@ -11,7 +11,7 @@ kernel checks (start states, exact word count, final states); the per-chunk CRC-
 with the CPU ``verify`` path.
 
 The kernel is CUDA C++ (``_kernel.cu``) compiled by NVRTC through CuPy at first use;
-gpu/README.md says why (measurements). Needs torch with CUDA and CuPy
+docs/gpu.md says why. Needs torch with CUDA and CuPy
 (``pip install 'entropykit[gpu]'``); importing this module does not, calling it does
 (``GpuUnavailableError`` says what is missing).
 """

@@ -1,6 +1,7 @@
 // CUDA kernels of per-symbol-distribution rANS (entropykit/rans/dist_kernels.py on a GPU),
 // compiled at first use by NVRTC, one build per value format (NKEYS, MANT, BIAS, NONFINITE,
-// ES come in as -D macros; dist.py passes them from rans.distribution.FORMATS).
+// ES come in as -D macros from rans.distribution.FORMATS) and table placement (SMEM); WARPS
+// and the TAIL_* constants come from dist.py too (dist._build_options).
 //
 // What it is: dist_encode and dist_decode, one warp per chunk of the frame and one lane per
 // interleaved rANS lane (value i of a chunk is on lane i % 32), many chunks a launch (the
@@ -43,8 +44,7 @@
 #define EMP_W 257
 // A shape row's last word (padding: smooth_with reads it only at z = +Z_MAX, with weight 0,
 // and fwd_steps never) holds, in shared memory, the model's weight w (block_model, params):
-// a shared read in place of a global one whose latency the guess waited for (ncu, bf16: 3%
-// of the stall samples on its first use)
+// a shared read in place of a global one whose latency the guess would wait for
 #define W_AT (SHAPE_W - 1)
 #define SMEM_PARAMS (SMEM && ES)  // w and the reciprocals from shared memory (16-bit formats)
 #define HALF (NKEYS / 2)
@@ -83,21 +83,13 @@ constexpr bool WARP_SEARCH_TOP = true;
 typedef long long i64;
 typedef unsigned long long u64;
 
-// Model-table reads from a 32-bit shared address (shape_w / emp_w): every format since Val's
-// 64-bit mu_u went (bf16's decoder spilled with it before; H200 A/B bf16 mixture / Gaussian
-// +2.0% / +1.6%, ncu 1048.9 -> 1031.5 warp instructions per 32 values).
 #define KEY_TABLE (ES == 0 && SMEM)  // clamped_offset's key table (8-bit formats)
 
-// The decoder's inverse shapes (zinv, guesses only) in shared memory after the model
-// blocks, where the launch's dynamic shared memory holds them (dist.smem_bytes gives them
-// room in launches of Tuning.zinv_models shapes or fewer: 1, kv_check's rows and
-// compress_kv's groups; a hook layer's two shapes would leave 3 blocks an SM). block_model
-// sees the room from the size; guess_key reads them through a generic pointer (shared or
-// global: one build). H200 A/B, bf16 one-shape launches +0.6..1.5% (three runs), two-shape
-// ones even. Not kept: ld.shared from a 32-bit address in a build of its own (decode_chunk
-// <P, ZS>): +2.2..2.9% alone, but the two builds in one kernel spill 40 B (two-shape
-// layers -4%; decode_chunk out of line: -1..21%); fp8 (dist.Tuning.for_format: 0), where
-// neither paid.
+// A 16-bit format's decoder reads its inverse shapes (zinv, guesses only) from shared memory
+// after the model blocks where the launch's dynamic shared memory holds them (dist.smem_bytes
+// gives them room in one-shape launches: two shapes' rows would leave too few blocks an
+// SM). block_model sees the room from the size; guess_key reads them through a generic
+// pointer, shared or global, so that one build serves both.
 #define ZINV_SMEM (ES > 0 && SMEM)
 
 // One value's quantized parameters (dist_kernels.Val, without ue which only feeds cb), and
@@ -116,8 +108,8 @@ struct Val {
 
 // The sigma reciprocals (dist_kernels.reciprocals: R, then dl) in shared memory for 16-bit
 // formats (SMEM_PARAMS, block_model), as w in W_AT: params reads them at the start of a
-// value's dependency chain (H200 A/B, bf16 mixture / Gaussian +1.1% / +1.3%; fp8 e4m3, whose
-// first use comes later, -1.3% / -0.6%: its global reads stay).
+// value's dependency chain. 8-bit formats use them later in the chain, where the global
+// reads' latency is hidden, and keep those.
 #if SMEM_PARAMS
 __shared__ i64 rtab_s[512];
 #endif
@@ -148,7 +140,7 @@ struct Model {
     const i64* rtab;
 };
 
-// Word i of the shapes / emps tables. With SMEM_ADDR, an ld.shared from a 32-bit address
+// Word i of the shapes / emps tables. With SMEM, an ld.shared from a 32-bit address
 // held in a register: through the C++ pointer, Hopper rebuilds the shared window's base (S2UR
 // of the CTA's id in its cluster, then 3 uniform instructions) before most table reads. Not
 // volatile (the compiler may merge or speculate reads: the tables are constant once filled).
@@ -158,7 +150,7 @@ __device__ __forceinline__ unsigned smem_word(unsigned addr) {
     return r;
 }
 
-// Word i of a model table: its shared-window address s with SMEM_ADDR, else its pointer t.
+// Word i of a model table: its shared-window address s with SMEM, else its pointer t.
 __device__ __forceinline__ unsigned table_w(const unsigned* t, unsigned s, int i) {
 #if SMEM
     return smem_word(s + 4 * (unsigned)i);
@@ -182,7 +174,7 @@ __device__ __forceinline__ unsigned emp_w(const Model& md, int i) {
 // Where model m's rows start in shape_w's and emp_w's index. With SMEM, one block of shared
 // memory a model, its shape row and then its empirical row, both read from one base
 // address: the empirical rows' own base (models x SHAPE_W words in) was rebuilt from the
-// kernel parameter before most of their reads (LDC + IMAD, ~11 instructions a value).
+// kernel parameter before most of their reads (LDC + IMAD).
 #if SMEM
 #define MODEL_W (SHAPE_W + EMP_W)
 __device__ __forceinline__ int shape_row(int m) { return m * MODEL_W; }
@@ -276,9 +268,8 @@ __device__ __forceinline__ i64 offset(int k, i64 mu_u, int cb) {
     return (t ^ -(i64)neg) - mu_u;
 }
 
-// offset() clamped to +-dl, out of line: only big mu (|mu| >~ 2^13 sigma) takes it, and ten
-// inlined copies of its 64-bit shifts made the hot code ~14% longer (instruction fetch
-// stalls).
+// offset() clamped to +-dl, out of line: only big mu (|mu| >~ 2^13 sigma) takes it, and
+// inlined copies of its 64-bit shifts would lengthen the hot code (instruction fetch stalls).
 __device__ __noinline__ int big_offset(int k, unsigned mub, int cb, int dl) {
     const i64 mu_u = mu_units(mub, cb - (BIAS + MANT + 1));  // cb = BIAS + MANT + 1 + ue
     return (int)min(max(offset(k, mu_u, cb), (i64)-dl), (i64)dl);
@@ -515,10 +506,8 @@ __device__ __forceinline__ WarpChunk warp_chunk(i64 n, int chunk_size) {
 // launch (zeroed by dist.py), so a warp that finishes early takes more work; a block's
 // warp slots stay filled until the last chunks (static assignment, one chunk a warp, left
 // them to the slowest chunk of each block). Which warp decodes a chunk changes nothing in
-// the output or the status (both indexed by chunk). H200 A/B with PREFETCH: fp8 e4m3
-// mixture / Gaussian 36.0 / 39.3 -> 37.2 / 40.2 GB/s; bf16 34.0 / 39.8 from 38.3 / 42.5:
-// at its 64-register cap, the loop over chunks spills (cn, the word pointer, the count of
-// words: ~6 local loads a group), so bf16 keeps one chunk a warp.
+// the output or the status (both indexed by chunk). 16-bit formats keep one chunk a warp:
+// at their 64-register cap the loop over chunks spills.
 // The warp's chunk is kept in shared memory (ChunkQueue) and re-read where needed: a value
 // in a register would stay live through the whole group loop, which is at its register cap.
 struct ChunkQueue {
@@ -893,11 +882,8 @@ __device__ __forceinline__ float key_value(int k, float* ulp) {
 // S has only 2^-24 of resolution, ~1/spread of a small stage's mass). Started at key k's
 // value (u = k + 1/2); x moves with u by the step there. c rises with slope >= 1, so a
 // step is finite; it is clamped all the same, and any key is a valid start for the checks.
-// kv_check's data (H200 counters; gpu/guess_emulator.py predicts them): 2 steps after 1
-// round (dist.Tuning's default for 16-bit formats) take bf16 low-byte misses per value
-// from 2.06% (2 rounds, no steps) to 0.73% with the mixture, 2.07% -> 0.88% Gaussian, and
-// decode ~5% / ~2.5% faster (interleaved A/B). Not for the 8-bit formats' only stage: a key
-// there spans ~1 sigma, too curved for one linearization (emulated fp8 misses 1.1% -> 9%).
+// They replace the low stage's guess rounds (a miss costs the whole warp). Not for the
+// 8-bit formats' only stage: a key there spans ~1 sigma, too curved for one linearization.
 __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float unit,
         float mu, float sg, const Val& v, const Model& md) {
     const int b = st.b;
@@ -934,7 +920,7 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float
     return __float2int_rd(u);
 }
 
-// Bounds of a 16-bit format's low-stage symbol (LOW_BOUND) from cdf(j) = j + floor(spread
+// Bounds of a 16-bit format's low-stage symbol from cdf(j) = j + floor(spread
 // (S(b + j) - S_b) / T) with S(b + j) - S_b >= w (E(b + j) - E(b)) / 2^16, E linear in the
 // stage (one empirical bucket), F not falling: with a = spread we / (256 T) slots a key from
 // E alone (we = floor(w de / 2^16), E's share of T), cdf(j) >= j (1 + a) and cdf(j + 1) <=
@@ -943,8 +929,7 @@ __device__ __forceinline__ int fwd_steps(int k, int slot, const Stage& st, float
 // is in: a stage of NaN / inf / 0 / subnormal keys with an empirical term (S linear: a ~
 // 255, the slot's symbol slot >> (p - 8)), a Gaussian tail whose slot lies beyond F's mass
 // (the j term alone: a = 0, symbol <= slot), where the forward steps approach it slowly
-// from the steep side. Emulated bf16 low-byte misses (mixture / Gaussian): 0.92% / 1.31% ->
-// 0.59% / 1.05%. A guess only (rounding aside): the exact CDFs check it.
+// from the steep side. A guess only (rounding aside): the exact CDFs check it.
 __device__ __forceinline__ int low_bounds(int j, int slot, const Stage& st, const Val& v,
                                           int p) {
     const unsigned we = __umulhi(st.de, (unsigned)v.w << 16);  // floor(de w / 2^16)
@@ -955,13 +940,13 @@ __device__ __forceinline__ int low_bounds(int j, int slot, const Stage& st, cons
     return min(max(min(max(j, lo), hi), 0), 255);
 }
 
-// The top stage's flat ends (TOP_ENDS): where F is 0 or 1 (NaN / inf / the largest
+// The top stage's flat ends: where F is 0 or 1 (NaN / inf / the largest
 // values), S = w E only, and E rises about linearly there (uniform counts), so cdf(j) ~
 // j r0 from the bottom, with r0 = 1 + spread w E(1) / 2^47 slots a symbol, and ~ 2^p - (256
 // - j) r1 from the top (r1 from 1 - E(255)): the slot's symbol is at most (slot + 1/2) / r0
 // and at least 255 - (2^p - slot - 1/2) / r1. Where they bind, the float guess (F's
-// inverse) cannot see the symbol (emulated bf16 mixture top-byte far misses 1.67% ->
-// 1.07%); elsewhere they are far from it. A guess only: the exact CDFs check it.
+// inverse) cannot see the symbol; elsewhere they are far from it. A guess only: the exact
+// CDFs check it.
 __device__ __forceinline__ int top_bounds(int j, int slot, const Val& v, const Model& md,
                                           int p) {
 #if SMEM_PARAMS
@@ -980,26 +965,21 @@ __device__ __forceinline__ int top_bounds(int j, int slot, const Val& v, const M
 // F* = (2^16 S* - w E(k)) / (2^16 - w), inverted through the shape, with j and k from the
 // previous guess (the first one inverts slot / 2^p alone). GUESS_ROUNDS = 1 takes j and E
 // from that first guess only; but with w > 0 its key is off by many keys wherever w E is
-// far from w F (2% of the empirical mass on bf16 values near 1 moves it ~100 keys), so j
-// is off as much and the target by ~j T / spread: about one symbol where keys are dense.
-// A second round from the first round's key halves the misses (bf16 low bytes: 8.7% ->
-// 3.8% of steps on kv_check's data), and a miss stalls its whole warp.
-// GUESS_NEWTON then takes one Newton step in keys from the last inversion: S linear
-// through its point (F's slope from the inverse's dz/dg there, E's from its bucket) and
-// the symbol's own term j(k) of the slot (slot ~ j + spread (S_j - S_b) / T: where S is
-// flat the j term decides, and the fixed-point rounds ignore its slope). With the tail
-// points (TAIL_INV) it cuts misses per value on kv_check's data (H200 counts, 2 rounds):
-// bf16 top/low bytes 1.4/3.8% -> 0.8/2.3% (mixture), 1.5/4.1% -> 0.5/3.0% (Gaussian);
-// fp8 e4m3 1.9% -> 1.0% (mixture), 2.9% -> 1.6% (Gaussian). Without an empirical term
-// (w = 0) a round only refines j, which the step does too: such a value runs PURE_ROUNDS
-// in the top stage, whatever GUESS_ROUNDS (kv_check's Gaussian rows: 1 round decodes ~10%
-// faster than 2 or 0; bf16's top byte with w > 0 is faster with none: dist.Tuning). A
-// 16-bit format's low stage runs LOW_ROUNDS in place of GUESS_ROUNDS (PURE_ROUNDS at most
-// at w = 0), then FWD_STEPS (fwd_steps); with LOW_E_START its first guess takes E too.
+// far from w F (a small share of empirical mass can move it ~100 keys), so j is off as
+// much and the target by ~j T / spread: about one symbol where keys are dense. A further
+// round from the last round's key refines j and E, and a miss stalls its whole warp.
+// Then one Newton step in keys from the last inversion: S linear through its point (F's
+// slope from the inverse's dz/dg there, E's from its bucket) and the symbol's own term
+// j(k) of the slot (slot ~ j + spread (S_j - S_b) / T: where S is flat the j term decides,
+// and the fixed-point rounds ignore its slope). Without an empirical term (w = 0) a round
+// only refines j, which the step does too: such a value runs PURE_ROUNDS in the top stage,
+// whatever GUESS_ROUNDS. A 16-bit format's low stage runs LOW_ROUNDS in place of
+// GUESS_ROUNDS (PURE_ROUNDS at most at w = 0), then FWD_STEPS (fwd_steps); with
+// LOW_E_START its first guess takes E too.
 // A 16-bit format's low stage takes E from its bucket (Stage: e0, de; E at the key clamped
 // into the stage, exact for keys in it, and a guess's key outside it misses anyway).
 // The guessed symbol is then clamped into the bounds of flat stretches: low_bounds
-// (LOW_BOUND), top_bounds (TOP_ENDS, a 16-bit format's top stage with w > 0).
+// (a 16-bit format's low stage), top_bounds (a 16-bit format's top stage with w > 0).
 template <bool TOP>
 __device__ __forceinline__ int fast_guess(int slot, const Stage& st, float mu, float sg,
         const float* zinv, const Val& v, const Model& md, int p) {
@@ -1113,8 +1093,8 @@ __device__ Sym fast_search(int slot, const Sym& g, const Stage& st, int spread, 
 // The guessed symbol of slot in a stage, with S and cdf at both its ends (two exact CDFs);
 // true if it holds the slot. A stage of no mass (T = 0: a low byte under a top-byte symbol
 // where S is flat, as NaN / inf keys under a Gaussian) has cdf(j) = j 2^(p - 8) exactly:
-// its symbol is the slot's top byte, with no guess and no check (kv_check's Gaussian bf16
-// rows: 0.9% of values, each a far miss of the float guess before).
+// its symbol is the slot's top byte, with no guess and no check (the float guess would
+// miss it by far).
 template <bool TOP>
 __device__ __forceinline__ bool guess_symbol(Sym& s, int slot, const Stage& st, const Val& v,
         float muf, float sgf, const Model& md, int p) {
@@ -1209,10 +1189,9 @@ struct Chain {
 // One decode step of a lane (live or not; dist_kernels._decode_step): guess and check the
 // symbol; on a miss (WARP_SEARCH; WARP_SEARCH_TOP for a 16-bit format's top stage) try its
 // neighbour, then the warp searches each lane's remaining miss, or (else) the lane searches
-// alone; update x, take a word. Which pays depends on the misses: kv_check's fp8 e4m3
-// mixture rows (0.5% of values missed by 16+ symbols, in flat stretches) decode ~10% faster
-// with the warp's search; bf16's top byte (far misses: NaN / inf / 0 / subnormal keys) ~5%
-// faster, its low byte (0.7% misses, mostly near) no faster (dist.Tuning picks by format).
+// alone; update x, take a word. The warp's search pays where misses are far (8-bit
+// formats, in flat stretches; a 16-bit format's top byte: NaN / inf / 0 / subnormal keys),
+// the lane's where they are few and near (a 16-bit format's low byte).
 // The state fits 32 bits whatever the payload: x < 2^32 and a frequency f <= 2^p - 255 give
 // f (x >> p) + (slot - c0) < f 2^(32 - p) < 2^32, and a word is shifted in only below 2^16.
 // Returns false (warp-uniform) if some lane needs a word past the payload.
@@ -1250,21 +1229,16 @@ __device__ __forceinline__ bool dec_step(Chain& c, Sym& s, const Stage& st, cons
     return true;
 }
 
-// Resident blocks the decoder asks ptxas for: MIN_BLOCKS, or by default 32 warps an SM (64
-// registers): the bf16 decoder issues ~0.7 instructions a cycle and scheduler with 8 warps
-// each, and its 67 registers uncapped leave 24 (H200 A/B: capped +7-9%, no spills). fp8's
-// default build (PREFETCH, DYN_CHUNKS) needs 60-62 uncapped; its build without DYN_CHUNKS
-// would take 66-68 and so 24 warps (H200 A/B: -7-8%) but for the cap.
+// Resident blocks the decoder asks ptxas for: 32 warps an SM, so at most 64 registers. The
+// decoder is latency-bound: uncapped, the 16-bit formats' build takes a few more registers
+// and leaves 24 warps, which lose more than the cap costs (it spills nothing).
 #define DEC_BLOCKS (32 / WARPS)
 
 // Decode chunk c0 into outb and write its status (the warp; Model and tab from the block).
 // P > 0: the frame's precision p as a compile-time constant (P = p), so that the shifts,
 // masks and spread it sets are immediates (a kernel parameter is re-read and rebuilt with
-// uniform instructions at each use: ~20 of them a value, ncu); P = 0 takes p as given.
-// dist_decode runs P = DEFAULT_P where the frame has it (the other build is cold code:
-// the hot one is as long as before). H200 A/B, with the one-block-a-model layout: bf16
-// mixture / Gaussian +4.2% / +4.3%, fp8 e4m3 +3.7% / +3.4% (ncu warp instructions per 32
-// values bf16 1031.3 -> 975.4, fp8 486.3 -> 459.2).
+// uniform instructions at each use); P = 0 takes p as given. dist_decode runs P = DEFAULT_P
+// where the frame has it (the other build is cold code: the hot one is as long as before).
 template <int P>
 __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
         const i64* desc, const unsigned* mu, const unsigned* sg, const unsigned short* midx,
@@ -1295,8 +1269,7 @@ __device__ __forceinline__ void decode_chunk(int c0, const unsigned char* frame,
         ch.wp = 0;
         // The next group's raw (mu, sigma, model) are loaded a group ahead: they do not
         // depend on the state, and their global loads then wait behind a group's decoding
-        // rather than at its start (H200 A/B, mixture / Gaussian: bf16 36.8 / 42.5 -> 38.3 /
-        // 42.5 GB/s; fp8 e4m3 with the 64-register cap 34.9 / 38.0 -> 36.0 / 39.3).
+        // rather than at its start.
         unsigned nmu = 0, nsg = 0;
         int nm = m0;
         if (lane < cn) {

@@ -22,7 +22,7 @@
 // Output: symbol i of a stream goes to element D_OUT + i * D_STEP of the output (bytes in u8
 // mode, 16-bit elements in bf16 mode), so a byte plane lands straight in a wider tensor.
 //
-// Speed (gpu/README.md has the measurements): each step's table reads are random gathers,
+// Speed (docs/gpu.md says why): each step's table reads are random gathers,
 // which through L1 cost ~20 cache wavefronts each; so with SMEM (every p <= 12) the block
 // copies its table sets into shared memory first (4 KiB of slot -> symbol bytes and 1 KiB of
 // f | start << 16 each). plan.py makes every warp of a block use the same tables, so one
@@ -43,7 +43,7 @@
 // permutes first). A raw stream then skips its ring: lane k reads its 16 bytes of the
 // round with one 16-byte load, issued a round ahead (u8 mode: a raw chunk is a 16-byte
 // copy). This cuts the per-symbol instructions (no per-step narrow store and its address
-// math, compose, raw ring read or ring slide), which bound the kernel (gpu/README.md).
+// math, compose, raw ring read or ring slide), which bound the kernel (docs/gpu.md).
 // The last < 512 symbols take a scalar path with the same output places.
 
 #if VEC && CTX

@@ -31,8 +31,9 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in VEC builds
 
 @dataclass(frozen=True)
 class Tuning:
-    """Kernel build knobs; the defaults are what gpu/README.md measured best. (Warps per
-    block are the batch's: plan.py lays the rows out for them.)"""
+    """Kernel build knobs; the defaults are the builds the package uses (docs/gpu.md says
+    why), the others are for the device checks. (Warps per block are the batch's: plan.py
+    lays the rows out for them.)"""
 
     smem: bool = True  # tables in shared memory (batches with every p <= 12)
     ring_windows: int = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)

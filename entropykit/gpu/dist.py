@@ -32,7 +32,7 @@ from .._errors import CorruptDataError
 from ..rans import dist_kernels as _k
 from ..rans import distribution as D
 
-GPU_CHUNK = 1 << 14  # values a chunk: a warp each, so ~8 k warps for 256 MiB of bf16
+GPU_CHUNK = 1 << 14  # values a chunk: a warp each, so many warps for a cache's layers
 HEADER_SIZE = D.HEADER_SIZE
 ERR_CRC = 6
 ERR_RAW = 7
@@ -47,7 +47,8 @@ TAIL_FROM = 12  # tail inverse: from mass 2**-12 (the uniform inverse's end inte
 TAIL_STEPS = 8  # ... in steps of 2**(-1/8) ...
 TAIL_POINTS = 20 * TAIL_STEPS  # ... down to 2**-32 (S is in units of 2**-31)
 WARPS = 8  # warps (chunks) a block
-_ZINV_MODELS = 1  # a 16-bit format's decoder: inverse rows in shared memory up to this many shapes
+# a 16-bit format's decoder: inverse rows in shared memory for launches of this many shapes
+_ZINV_MODELS = 1
 
 
 # ---- host logic (no GPU needed) ------------------------------------------------------
@@ -125,8 +126,8 @@ def tail_inverse(model: D.CoderModel) -> np.ndarray:
     and above (row 1) each shape: float32[M, 2, TAIL_POINTS + 1], guesses only.
 
     The uniform inverse (``model.inverse``) has end intervals [0, 2**-12) and
-    (1 - 2**-12, 1] that span z from its clamp (+-32) to its first inner point (-+7.2 for
-    kv_check's mixture, -+3.5 for a Gaussian): a value in a t-distributed tail guessed
+    (1 - 2**-12, 1] that span z from its clamp (+-32) to its first inner point (-+3.5 for a
+    Gaussian, further out for heavy-tailed shapes): a value in a t-distributed tail guessed
     there lands tens of keys off. These points are even in log2 of the tail mass."""
     q = 2.0 ** -(TAIL_FROM + np.arange(TAIL_POINTS + 1) / TAIL_STEPS) * D.ONE
     z = D.z_grid()
@@ -462,7 +463,7 @@ def _frame_info(frame: Any) -> tuple[D.FrameHeader, Any]:
     """(validated header, the frame as a uint8 tensor where it lies). Only the 28-byte
     header is read here (from host memory, or one read of a CUDA frame's); the directory is
     read and checked on the device (``dist_directory``) wherever the frame lies, so a host
-    frame's is not parsed on the host too (~30 us for a hook layer's 1024 chunks)."""
+    frame's is not parsed on the host too."""
     import torch
 
     if isinstance(frame, torch.Tensor):

@@ -58,7 +58,7 @@ from ._layout import (
 
 ALIGN = 16
 RAW_CHUNK = 1 << 16  # plain streams are cut into chunks of this many symbols
-WARPS = 16  # chunk pairs (warps) per block; gpu/README.md has the measurement
+WARPS = 16  # chunk pairs (warps) per block: one staged table set serves them (docs/gpu.md)
 SMEM_MAX_PRECISION = 12  # a shared-memory table set holds 2**12 slots per stream
 # Bookkeeping columns appended to descriptor rows while building (never uploaded).
 _SRC, _C, _AT, _OUTPUT = range(N_COLS, N_COLS + 4)
@@ -222,8 +222,8 @@ def _chunk_rows(streams: Sequence[Stream], specs: np.ndarray) -> np.ndarray:
     stream's bytes); checks the payload sizes of frame chunks.
 
     ``specs``: one int64 row per stream, ``_SPEC`` columns. Vectorized over all streams at
-    once: per stream a handful of numpy calls on a few chunks cost ~100 us, which made the
-    host plan the limit of loading files with many small tensors (gpu/README.md).
+    once: per-stream numpy calls would make the host plan the limit of loading files with
+    many small tensors (docs/gpu.md).
     """
     counts = specs[:, _S_COUNT]
     total = int(counts.sum())
