@@ -374,13 +374,15 @@ def profile_main(args) -> None:
 
 def ab_variants(spec: str, dist) -> list[tuple[str, object]]:
     """``--ab``'s variants after the library's kernel: (name, build) where build(f, smem)
-    is ``dist._kernels`` or a CuPy module of another .cu source, compiled with the
-    library's options for the format (``dist._build_options``)."""
+    is ``dist._kernels`` or a CuPy module of another .cu source, compiled as the library's
+    (the status prologue, then the source, with ``dist._build_options``)."""
     import cupy as cp
+
+    from entropykit._status import cuda_prologue
 
     out = [("lib", dist._kernels)]
     for item in spec.split(","):
-        src, built = Path(item).read_text(), {}
+        src, built = cuda_prologue() + Path(item).read_text(), {}
 
         def build(f, smem, src=src, built=built):
             key = (f.name, smem)

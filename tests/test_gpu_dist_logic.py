@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from numba import njit
 
 from entropykit import CorruptDataError
+from entropykit._status import Status
 from entropykit.gpu import dist as G
 from entropykit.rans import dist_kernels as K
 from entropykit.rans import distribution as D
@@ -164,7 +165,7 @@ def _twin_encode(bits: np.ndarray, mu: np.ndarray, sigma: np.ndarray, fmt: str, 
                 break
             rows = cdf[first + g0 : first + g0 + m]
             if not rows[:, 4].all():
-                mode, unchecked = G.ERR_PARAM, g0 + m
+                mode, unchecked = Status.PARAM, g0 + m
                 break
             unchecked = g0
             stages = ((2, 3), (0, 1)) if f.bits == 16 else ((0, 1),)
@@ -180,7 +181,7 @@ def _twin_encode(bits: np.ndarray, mu: np.ndarray, sigma: np.ndarray, fmt: str, 
                 pos -= 2 * int(emit.sum())
         bad = np.flatnonzero(~cdf[first : first + unchecked, 4].astype(bool))
         if bad.size:
-            mode = G.ERR_PARAM
+            mode = Status.PARAM
         if mode == D.MODE_CODED:
             pos -= 4 * LANES
             out[pos : pos + 4 * LANES] = x.astype("<u4").view(np.uint8)
@@ -188,8 +189,8 @@ def _twin_encode(bits: np.ndarray, mu: np.ndarray, sigma: np.ndarray, fmt: str, 
         assert crc == zlib.crc32(raw[first * width : first * width + nbytes])
         res[c] = (mode, pos if mode == D.MODE_CODED else (bad[0] if bad.size else -1),
                   nbytes - pos if mode == D.MODE_CODED else nbytes, crc)
-    if (res[:, 0] == G.ERR_PARAM).any():
-        c = int(np.flatnonzero(res[:, 0] == G.ERR_PARAM)[0])
+    if (res[:, 0] == Status.PARAM).any():
+        c = int(np.flatnonzero(res[:, 0] == Status.PARAM)[0])
         raise ValueError(f"value {c * chunk_size + int(res[c, 1])}")
     lengths = res[:, 2]
     dst = np.cumsum(lengths) - lengths
@@ -231,7 +232,7 @@ def _twin_decode(blob: bytes, mu: np.ndarray, sigma: np.ndarray, midx=None) -> n
         code, checked = 0, 0
         if mode == D.MODE_RAW:
             if length != cn * width:
-                code = G.ERR_RAW
+                code = Status.RAW
             else:
                 ob[first * width : (first + cn) * width] = pay
         elif length < 4 * LANES or (length - 4 * LANES) & 1:
@@ -247,7 +248,7 @@ def _twin_decode(blob: bytes, mu: np.ndarray, sigma: np.ndarray, midx=None) -> n
                 m = min(LANES, cn - g0)
                 sl = slice(first + g0, first + g0 + m)
                 if not valid[sl].all():
-                    checked, code = g0, G.ERR_PARAM
+                    checked, code = g0, Status.PARAM
                     break
                 checked = g0 + LANES
                 step = np.zeros((m, 4), np.int64)
@@ -284,9 +285,9 @@ def _twin_decode(blob: bytes, mu: np.ndarray, sigma: np.ndarray, midx=None) -> n
         bad = np.flatnonzero(~valid[first + checked : first + cn])
         where = 0
         if bad.size:
-            code, where = G.ERR_PARAM, checked + int(bad[0])
+            code, where = Status.PARAM, checked + int(bad[0])
         if not code and _warp_crc(ob[first * width : (first + cn) * width]) != crc:
-            code = G.ERR_CRC
+            code = Status.CRC
         status[c] = code, where
     bad = G.first_bad_param(status[:, 0], status[:, 1], cs)
     if bad >= 0:
@@ -514,10 +515,10 @@ def test_model_index_checked_once_per_contents():
 def test_status_to_errors():
     offsets = np.array([100, 200, 300])
     assert G.chunk_error(np.zeros(3, np.int32), offsets) is None
-    c, msg = G.chunk_error(np.array([0, K.ERR_FINAL, G.ERR_CRC]), offsets)
+    c, msg = G.chunk_error(np.array([0, K.ERR_FINAL, Status.CRC]), offsets)
     assert c == 1 and msg == ("distribution-rANS frame chunk 1 (payload at byte 200): "
                               + K.MESSAGES[K.ERR_FINAL])
-    codes = np.array([K.ERR_TRUNCATED, G.ERR_PARAM, G.ERR_PARAM])
+    codes = np.array([K.ERR_TRUNCATED, Status.PARAM, Status.PARAM])
     assert G.first_bad_param(codes, np.array([0, 7, 3]), 1024) == 1024 + 7
     assert G.first_bad_param(np.zeros(2, np.int32), np.zeros(2, np.int32), 1024) == -1
 

@@ -68,15 +68,7 @@ constexpr int FWD_STEPS = ES ? 2 : 0;
 constexpr bool WARP_SEARCH = ES == 0;
 constexpr bool WARP_SEARCH_TOP = true;
 
-// Status codes: dist_kernels.py's, then the GPU path's own.
-#define ERR_STATE 1
-#define ERR_TRUNCATED 2
-#define ERR_TRAILING 3
-#define ERR_FINAL 4
-#define ERR_ODD 5
-#define ERR_CRC 6
-#define ERR_RAW 7
-#define ERR_PARAM 8
+// Status codes (ERR_*) come from the build's prologue (entropykit._status.cuda_prologue).
 #define MODE_CODED 0
 #define MODE_RAW 1
 

@@ -9,8 +9,8 @@
 //     CTX: b's tables are chosen per symbol by the class of a's symbol (cmap[exp]).
 // What it is not: a parser. plan.py has checked every structural fact (offsets, lengths,
 // alignment, table sums, output sizes); the kernel checks what depends on the coded data
-// (start states, words missing, words left over, final states) and writes per stream the
-// CPU kernel's error code (entropykit/rans/kernels.py) to status. Every global read is
+// (start states, words missing, words left over, final states) and writes per stream its
+// status (ERR_*: entropykit._status, the CPU kernel's codes) to status. Every global read is
 // clamped into its stream's payload or table and every write into its stream's symbols,
 // so a hostile payload moves no access outside the buffers.
 //
@@ -350,10 +350,10 @@ __device__ __forceinline__ int status_of(const Stream& s) {
     const unsigned x0min = __reduce_min_sync(FULL_MASK, s.x0);
     const bool final_bad = __any_sync(FULL_MASK, s.x != LB);
     if (!s.coded) return 0;
-    if (x0min < LB) return 1;              // ERR_STATE
-    if (s.wp > s.n_words) return 2;        // ERR_TRUNCATED
-    if (s.wp < s.n_words) return 3;        // ERR_TRAILING
-    return final_bad ? 4 : 0;              // ERR_FINAL
+    if (x0min < LB) return ERR_STATE;
+    if (s.wp > s.n_words) return ERR_TRUNCATED;
+    if (s.wp < s.n_words) return ERR_TRAILING;
+    return final_bad ? ERR_FINAL : 0;
 }
 
 #if SMEM

@@ -22,6 +22,7 @@ import cupy as cp
 import numpy as np
 import torch
 
+from .._status import cuda_prologue
 from . import _device, _layout, check_outputs
 from .plan import Batch
 
@@ -70,7 +71,7 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawK
                     f"-DRING_WINDOWS={t.ring_windows}",
                     f"-DMIN_BLOCKS={t.min_blocks or max(1, 32 // warps)}",
                     f"-DVEC={int(_vec(bf16, ctx, t))}", f"-DSLIDE2={int(t.slide2)}", *cols)
-            k = cp.RawKernel(src, "rans_decode", options=opts)
+            k = cp.RawKernel(cuda_prologue() + src, "rans_decode", options=opts)
             # The most a block of this build may ask for: two table sets and the warps'.
             k.max_dynamic_shared_size_bytes = (2 * TABLE_SET_BYTES
                                                + warps * warp_smem(bf16, ctx, t))

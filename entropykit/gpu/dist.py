@@ -29,16 +29,17 @@ from typing import Any
 import numpy as np
 
 from .._errors import CorruptDataError
+from .._status import Status, by_status, cuda_prologue
 from ..rans import dist_kernels as _k
 from ..rans import distribution as D
 
 GPU_CHUNK = 1 << 14  # values a chunk: a warp each, so many warps for a cache's layers
 HEADER_SIZE = D.HEADER_SIZE
-ERR_CRC = 6
-ERR_RAW = 7
-ERR_PARAM = 8
-MESSAGES = {**_k.MESSAGES, ERR_CRC: "CRC-32 of decoded values does not match",
-            ERR_RAW: "raw payload length differs from the chunk's values"}
+# the kernels' chunk statuses, worded as the CPU coder words them (dist_kernels' codes are
+# Status numbers), then the GPU path's own
+MESSAGES = {**by_status(_k.MESSAGES),
+            Status.CRC: "CRC-32 of decoded values does not match",
+            Status.RAW: "raw payload length differs from the chunk's values"}
 _CRC_POLY = 0xEDB88320
 _TORCH_FORMATS = {"torch.bfloat16": "bf16", "torch.float16": "fp16",
                   "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2"}
@@ -104,20 +105,20 @@ def check_encode_args(f: D.ValueFormat, n: int, precision: int, chunk_size: int)
 
 def chunk_error(codes: np.ndarray, offsets: np.ndarray) -> tuple[int, str] | None:
     """(chunk, message) of the first chunk that failed, or None. ``codes`` are the
-    kernel's per-chunk status codes (ERR_PARAM handled by the caller first)."""
+    kernel's per-chunk ``Status`` codes (PARAM handled by the caller first)."""
     bad = np.flatnonzero(codes)
     if not bad.size:
         return None
     c = int(bad[0])
     code = int(codes[c])
-    msg = MESSAGES.get(code, f"unknown status {code}")
+    msg = MESSAGES.get(code, f"unknown status {code}")  # (a Status's hash is its number)
     return c, (f"distribution-rANS frame chunk {c} (payload at byte {int(offsets[c])}): "
                f"{msg}")
 
 
 def first_bad_param(codes: np.ndarray, where: np.ndarray, chunk_size: int) -> int:
     """Global index of the first invalid (mu, sigma) from per-chunk (code, index), or -1."""
-    bad = np.flatnonzero(codes == ERR_PARAM)
+    bad = np.flatnonzero(codes == Status.PARAM)
     return -1 if not bad.size else int(bad[0]) * chunk_size + int(where[bad[0]])
 
 
@@ -216,7 +217,8 @@ def _kernels(f: D.ValueFormat, smem: bool) -> Any:
     with _lock:
         if key not in _modules:
             src = resources.files(__package__).joinpath("_dist_kernel.cu").read_text()
-            _modules[key] = cp.RawModule(code=src, options=_build_options(f, smem))
+            _modules[key] = cp.RawModule(code=cuda_prologue() + src,
+                                         options=_build_options(f, smem))
         return _modules[key]
 
 
@@ -443,7 +445,7 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     lengths = res[:, 2]
     dst = torch.cumsum(lengths, 0) - lengths
     chunks = torch.arange(nc, device=dev)
-    first_bad = torch.where(res[:, 0] == ERR_PARAM, chunks, nc).min()
+    first_bad = torch.where(res[:, 0] == Status.PARAM, chunks, nc).min()
     total, bad = (int(v) for v in torch.stack([lengths.sum(), first_bad]).cpu())
     if bad < nc:
         raise _bad_param(bad * chunk_size + int(res[bad, 1]), mu_t, sg_t)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import CorruptDataError
+from .._status import Status, by_status
 from ..coding import frame as _frame
 from ..rans import kernels as _rk
 from ..rans.static import CODER
@@ -59,6 +60,8 @@ from ._layout import (
 ALIGN = 16
 RAW_CHUNK = 1 << 16  # plain streams are cut into chunks of this many symbols
 WARPS = 16  # chunk pairs (warps) per block: one staged table set serves them (docs/gpu.md)
+# the kernel's per-stream statuses, worded as the CPU decoder words them
+_MESSAGES = by_status(_rk.MESSAGES)
 SMEM_MAX_PRECISION = 12  # a shared-memory table set holds 2**12 slots per stream
 # Bookkeeping columns appended to descriptor rows while building (never uploaded).
 _SRC, _C, _AT, _OUTPUT = range(N_COLS, N_COLS + 4)
@@ -213,7 +216,7 @@ class Origins:
         row = int(bad[0])
         s, c, at = (int(v) for v in self.origin[row])
         code = int(status[row])
-        what = _rk.MESSAGES.get(code, f"unknown status {code}")
+        what = _MESSAGES.get(code, f"unknown status {code}")
         return CorruptDataError(f"{self.labels[s]} chunk {c} (payload at byte {at}): {what}")
 
 
@@ -246,7 +249,7 @@ def _chunk_rows(streams: Sequence[Stream], specs: np.ndarray) -> np.ndarray:
         if bad.any():
             r = int(np.argmax(bad))
             msg = (f"raw payload is {int(length[r])} bytes, chunk has {int(n[r])} symbols"
-                   if raw[r] else _rk.MESSAGES[_rk.ERR_ODD])
+                   if raw[r] else _MESSAGES[Status.ODD])
             label = streams[int(specs[which[r], _S_SRC])].label
             raise CorruptDataError(f"{label} chunk {int(c[r])} (payload at byte {int(off[r])}): "
                                    f"{msg}")

@@ -1,0 +1,48 @@
+"""Status codes of the decoding kernels: one number per meaning, shared by every kernel.
+
+What it is: ``Status`` (named codes with stable numbers; 0 is success) and
+``cuda_prologue``, the ``#define ERR_<NAME> <number>`` lines that every CUDA build is
+compiled with, so that the kernels name the codes rather than repeat their numbers.
+What it is not: the messages (each decoder words its own for its frames, keyed by these
+codes) or an exception (``CorruptDataError``).
+
+The CUDA kernels and the rANS Numba kernels (``rans.kernels``, ``rans.dist_kernels``)
+use these numbers; the tANS Numba kernels (``tans.kernels``) still number their codes
+their own way.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Status(IntEnum):
+    """What a kernel found in a chunk. Numbers never change: new codes take new ones."""
+
+    OK = 0
+    STATE = 1  # a lane's start state is below the coder's lower bound
+    TRUNCATED = 2  # the payload ends before the last symbol
+    TRAILING = 3  # the payload has words after the last symbol
+    FINAL = 4  # a lane did not end in the encoder's initial state
+    ODD = 5  # the payload is not the start states plus whole 16-bit words
+    CONTEXT = 6  # context symbols do not match the chunk or the frame's tables
+    BOUNDS = 7  # a chunk's symbols lie outside the output
+    TABLE = 8  # a decode table does not have 2**precision slots
+    CRC = 9  # the CRC-32 of the decoded values does not match
+    RAW = 10  # a raw payload's length differs from the chunk's values
+    PARAM = 11  # an invalid (mu, sigma) among the chunk's values
+    EMPTY = 12  # tANS: a payload is empty or outside the frame
+    MARKER = 13  # tANS: a payload's first byte has no start marker bit
+
+
+def by_status(messages: dict[int, str]) -> dict[Status, str]:
+    """A kernel's messages keyed by ``Status`` (``ValueError`` for a code that is none)."""
+    return {Status(code): text for code, text in messages.items()}
+
+
+def cuda_prologue() -> str:
+    """``#define ERR_<NAME> <number>`` for every code but OK, for CUDA sources."""
+    return "".join(f"#define ERR_{s.name} {s.value}\n" for s in Status if s)
+
+
+__all__ = ["Status", "by_status", "cuda_prologue"]
