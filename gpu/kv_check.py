@@ -140,7 +140,7 @@ class Checker:
         f = D.FORMATS[fmt]
         xb, mub, sgb = host(x), mu.cpu().numpy(), sigma.cpu().numpy()
         mi = None if midx is None else midx.cpu().numpy()
-        cs = kw.get("chunk_size", dist.GPU_CHUNK)
+        cs = kw.get("chunk_size", dist.DIST_CHUNK)
         cpu = D.encode(xb, mub, sgb, m, fmt=fmt, model_index=mi, chunk_size=cs,
                        precision=kw.get("precision", D.DEFAULT_PRECISION))
         gpu = dist.encode(x, mu, sigma, m, fmt=fmt, model_index=midx, **kw)

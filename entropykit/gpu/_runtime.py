@@ -13,17 +13,14 @@ loader's staging (``load.py``).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 
 import cupy as cp
 import numpy as np
 import torch
 
-from .._status import cuda_prologue
-from . import _device, _layout, check_outputs
+from . import _device, _layout, _nvrtc, check_outputs
 from .plan import Batch
 
 TABLE_SET_BYTES = 4096 + 1024  # _kernel.cu's SMEM_STREAM
@@ -46,10 +43,6 @@ class Tuning:
     slide2: bool = True  # staged rounds check their word rings every second step only
 
 
-_lock = threading.Lock()
-_kernels: dict[tuple | str, cp.RawKernel] = {}
-
-
 def _vec(bf16: bool, ctx: bool, t: Tuning) -> bool:
     """Whether the build stages its output (_kernel.cu's VEC): builds without contexts."""
     return t.vec and not ctx
@@ -61,65 +54,32 @@ def warp_smem(bf16: bool, ctx: bool, t: Tuning) -> int:
 
 
 def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawKernel:
-    key = (bf16, ctx, smem, warps, t)
-    with _lock:
-        if key not in _kernels:
-            src = resources.files(__package__).joinpath("_kernel.cu").read_text()
-            cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
-            opts = ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}",
-                    f"-DSMEM={int(smem)}", f"-DWARPS={warps}",
-                    f"-DRING_WINDOWS={t.ring_windows}",
-                    f"-DMIN_BLOCKS={t.min_blocks or max(1, 32 // warps)}",
-                    f"-DVEC={int(_vec(bf16, ctx, t))}", f"-DSLIDE2={int(t.slide2)}", *cols)
-            k = cp.RawKernel(cuda_prologue() + src, "rans_decode", options=opts)
-            # The most a block of this build may ask for: two table sets and the warps'.
-            k.max_dynamic_shared_size_bytes = (2 * TABLE_SET_BYTES
-                                               + warps * warp_smem(bf16, ctx, t))
-            _kernels[key] = k
-        return _kernels[key]
+    def build() -> cp.RawKernel:
+        cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
+        opts = ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}",
+                f"-DSMEM={int(smem)}", f"-DWARPS={warps}",
+                f"-DRING_WINDOWS={t.ring_windows}",
+                f"-DMIN_BLOCKS={t.min_blocks or max(1, 32 // warps)}",
+                f"-DVEC={int(_vec(bf16, ctx, t))}", f"-DSLIDE2={int(t.slide2)}", *cols)
+        k = cp.RawKernel(_nvrtc.source("_kernel.cu"), "rans_decode", options=opts)
+        # The most a block of this build may ask for: two table sets and the warps'.
+        k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(bf16, ctx, t)
+        return k
 
-
-def cached_kernel(name: str, source: Callable[[], str], options: tuple = ()) -> cp.RawKernel:
-    """The RawKernel ``name`` of the CUDA source ``source()``, built once a process (the
-    small kernels beside the decoders: relayout, affine, group_params)."""
-    with _lock:
-        if name not in _kernels:
-            _kernels[name] = cp.RawKernel(source(), name, options=options)
-        return _kernels[name]
+    return _nvrtc.cached(("rans", bf16, ctx, smem, warps, t), build)
 
 
 def _relayout_kernel() -> cp.RawKernel:
-    return cached_kernel(
-        "relayout", lambda: resources.files(__package__).joinpath("_relayout.cu").read_text(),
-        ("--std=c++17",))
+    return _nvrtc.kernel("relayout", lambda: _nvrtc.source("_relayout.cu"), ("--std=c++17",))
 
 
 def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> None:
     """Enqueue the copy of ``n`` staged payloads (int64 rows: src offset, dst offset,
     length, at device address ``rows``) from ``src`` to ``dst`` (16-byte aligned places)."""
     if n:
-        with cp.cuda.Device(device.index), _stream():
-            _relayout_kernel()((min(n, 4096),), (256,),
-                               (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)))
-
-
-_external: dict[tuple[int, int], cp.cuda.Stream] = {}  # CuPy's views of torch's streams
-
-
-def _stream() -> cp.cuda.Stream:
-    """Torch's current stream, as CuPy sees it, so launches order with torch's work. The
-    view of a (handle, device) is kept (a stream's handle names it until it is destroyed,
-    and the view holds nothing else), so a decode call does not build one each time."""
-    handle = torch.cuda.current_stream().cuda_stream
-    if not handle:
-        return cp.cuda.Stream.null
-    key = (handle, cp.cuda.runtime.getDevice())
-    s = _external.get(key)
-    if s is None:
-        if len(_external) >= 256:  # streams made and dropped in a loop: start over
-            _external.clear()
-        s = _external[key] = cp.cuda.ExternalStream(handle)
-    return s
+        _nvrtc.launch(device, [(_relayout_kernel(), min(n, 4096), 256,
+                                (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)),
+                                0)])
 
 
 def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor | None]:
@@ -157,7 +117,7 @@ class Launch:
     def __call__(self) -> None:
         if self.kernel is None:
             return
-        with cp.cuda.Device(self.device.index), _stream():
+        with cp.cuda.Device(self.device.index), _nvrtc.stream():
             self.kernel(self.grid, self.block, self.args, shared_mem=self.shared)
 
 

@@ -32,16 +32,17 @@ _BLOCK = 256
 
 
 def _function() -> Any:
-    from ._runtime import cached_kernel
+    from . import _nvrtc
 
-    return cached_kernel("affine_in_order", lambda: _SRC)
+    return _nvrtc.kernel("affine_in_order", lambda: _SRC)
 
 
 def affine(base: Any, feats: Any, weights: Any) -> Any:
     """float32 CUDA tensors base [T, C], feats [T, F], weights [F, C] -> a new [T, C]."""
     import torch
 
-    from .dist import _args, _launch, _runtime
+    from . import _nvrtc
+    from .dist import _runtime
 
     out = base.to(torch.float32).contiguous().clone()
     f = feats.to(torch.float32).contiguous()
@@ -51,6 +52,7 @@ def affine(base: Any, feats: Any, weights: Any) -> Any:
                          f"{tuple(out.shape)}")
     if out.numel():
         dev = _runtime(out.device).cuda_device(out.device)
-        _launch(_function(), dev, -(-out.numel() // _BLOCK), _BLOCK,
-                _args(f, w, out, out.shape[0], np.int32(f.shape[1]), np.int32(w.shape[1])), 0)
+        _nvrtc.launch(dev, [(_function(), -(-out.numel() // _BLOCK), _BLOCK,
+                             _nvrtc.args(f, w, out, out.shape[0], np.int32(f.shape[1]),
+                                         np.int32(w.shape[1])), 0)])
     return out

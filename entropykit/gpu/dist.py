@@ -23,17 +23,17 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import numpy as np
 
 from .._errors import CorruptDataError
-from .._status import Status, by_status, cuda_prologue
+from .._status import Status, by_status
 from ..rans import dist_kernels as _k
 from ..rans import distribution as D
+from . import _nvrtc
 
-GPU_CHUNK = 1 << 14  # values a chunk: a warp each, so many warps for a cache's layers
+DIST_CHUNK = 1 << 14  # values a chunk of a frame coded here: a warp each
 HEADER_SIZE = D.HEADER_SIZE
 # the kernels' chunk statuses, worded as the CPU coder words them (dist_kernels' codes are
 # Status numbers), then the GPU path's own
@@ -174,12 +174,10 @@ def smem_bytes(model: D.CoderModel, models: int | None = None, *, zinv: bool = F
 # ---- device ----------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_modules: dict[tuple, Any] = {}
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _targs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # _table_args'
 _devices: dict[Any, tuple[Any, Any]] = {}  # _device_runtime's: device -> (runtime, device)
 _checked: dict[int, tuple] = {}  # _index's checked tensors: id -> (weak ref, version, key)
-_functions: dict[tuple[int, str], Any] = {}  # kernels of the modules in _modules (kept alive)
 
 
 def _runtime(device: Any) -> Any:
@@ -213,13 +211,8 @@ def _build_options(f: D.ValueFormat, smem: bool) -> tuple[str, ...]:
 def _kernels(f: D.ValueFormat, smem: bool) -> Any:
     import cupy as cp
 
-    key = (f.name, smem)
-    with _lock:
-        if key not in _modules:
-            src = resources.files(__package__).joinpath("_dist_kernel.cu").read_text()
-            _modules[key] = cp.RawModule(code=cuda_prologue() + src,
-                                         options=_build_options(f, smem))
-        return _modules[key]
+    return _nvrtc.cached(("dist", f.name, smem), lambda: cp.RawModule(
+        code=_nvrtc.source("_dist_kernel.cu"), options=_build_options(f, smem)))
 
 
 def _device_tables(model: D.CoderModel, device: Any) -> dict[str, Any]:
@@ -253,7 +246,7 @@ def _table_args(model: D.CoderModel, device: Any, first: int = 0,
                 for k in ("shapes", "emps", "weights", "zinv")}
         at = {k: np.uint64(tb[k].data_ptr() + first * r) for k, r in rows.items()}
         got = (at["shapes"], at["emps"], np.int32(models), at["weights"], at["zinv"],
-               *_args(tb["rtab"], tb["xpow"]))
+               *_nvrtc.args(tb["rtab"], tb["xpow"]))
         with _lock:
             _targs.setdefault(model, {})[key] = got
     return got
@@ -323,7 +316,7 @@ class _Models:
     count: int | None
 
     def args(self) -> tuple:
-        return _args(self.midx, np.int32(self.shift), np.int32(self.m0))
+        return _nvrtc.args(self.midx, np.int32(self.shift), np.int32(self.m0))
 
 
 _run_index: dict[tuple, Any] = {}  # _models' run index tensors, by layout and device
@@ -372,45 +365,13 @@ def _bad_param(i: int, mu: Any, sigma: Any) -> ValueError:
                       "need finite mu, finite sigma > 0 and |mu| < ~2**34 sigma")
 
 
-def _args(*xs: Any) -> tuple:
-    """Kernel arguments: tensors by device address (None: a null pointer), ints as int64
-    unless wrapped in a numpy scalar already (np.int32, np.float32)."""
-    import torch
-
-    out = []
-    for x in xs:
-        if x is None:
-            out.append(np.uint64(0))
-        elif isinstance(x, torch.Tensor):
-            out.append(np.uint64(x.data_ptr()))
-        elif isinstance(x, (np.integer, np.floating)):
-            out.append(x)
-        else:
-            out.append(np.int64(x))
-    return tuple(out)
-
-
 def _launch(kernel: Any, device: Any, grid: int, block: int, args: tuple, shared: int) -> None:
-    _launch_all(device, [(kernel, grid, block, args, shared)])
-
-
-def _launch_all(device: Any, launches: list[tuple[Any, int, int, tuple, int]],
-                rt: Any = None) -> None:
-    """(kernel, grid, block, args, shared bytes) launches in order on torch's current
-    stream of ``device`` (one CuPy device and stream context for all)."""
-    import cupy as cp
-
-    rt = rt or _device_runtime(device)[0]
-    with cp.cuda.Device(device.index), rt._stream():
-        for kernel, grid, block, args, shared in launches:
-            if shared > 48 * 1024:
-                kernel.max_dynamic_shared_size_bytes = shared
-            kernel((grid,), (block,), args, shared_mem=shared)
+    _nvrtc.launch(device, [(kernel, grid, block, args, shared)])
 
 
 def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
            fmt: str | D.ValueFormat | None = None, model_index: Any = None,
-           precision: int = D.DEFAULT_PRECISION, chunk_size: int = GPU_CHUNK) -> Any:
+           precision: int = D.DEFAULT_PRECISION, chunk_size: int = DIST_CHUNK) -> Any:
     """Code ``values`` (a CUDA tensor) into a frame: a CUDA uint8 tensor holding exactly
     ``distribution.encode(values, mu, sigma, model, ...)``'s bytes.
 
@@ -438,10 +399,10 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     mod = _kernels(f, smem > 0)
     scratch = torch.empty_like(raw)
     res = torch.empty((nc, 4), dtype=torch.int64, device=dev)
-    _launch(_function(mod, "dist_encode"), dev, -(-nc // WARPS), 32 * WARPS,
-            (*_args(raw, mu_t, sg_t), *ms.args(),
-             *_args(n, np.int32(chunk_size), np.int32(nc), np.int32(precision)),
-             *_table_args(model, dev, ms.first, ms.count), *_args(scratch, res)), smem)
+    _launch(_nvrtc.function(mod, "dist_encode"), dev, -(-nc // WARPS), 32 * WARPS,
+            (*_nvrtc.args(raw, mu_t, sg_t), *ms.args(),
+             *_nvrtc.args(n, np.int32(chunk_size), np.int32(nc), np.int32(precision)),
+             *_table_args(model, dev, ms.first, ms.count), *_nvrtc.args(scratch, res)), smem)
     lengths = res[:, 2]
     dst = torch.cumsum(lengths, 0) - lengths
     chunks = torch.arange(nc, device=dev)
@@ -452,8 +413,8 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     base = HEADER_SIZE + 9 * nc
     frame = torch.empty(base + total, dtype=torch.uint8, device=dev)
     frame[:HEADER_SIZE].copy_(head_t)
-    _launch(_function(mod, "dist_gather"), dev, min(nc, 65535), 256,
-            _args(scratch, raw, res, dst, chunk_size * (f.bits // 8), np.int32(nc), base,
+    _launch(_nvrtc.function(mod, "dist_gather"), dev, min(nc, 65535), 256,
+            _nvrtc.args(scratch, raw, res, dst, chunk_size * (f.bits // 8), np.int32(nc), base,
                   frame), 0)
     return frame
 
@@ -571,7 +532,7 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     if device is None:
         device = out.device if out is not None else (
             mu.device if isinstance(mu, torch.Tensor) and mu.is_cuda else "cuda")
-    rt, dev = _device_runtime(device)
+    dev = _device_runtime(device)[1]
     head, ft = _frame_info(frame)
     if head.fingerprint != model.fingerprint:
         raise CorruptDataError(f"frame was coded with model {head.fingerprint:#010x}, "
@@ -599,13 +560,13 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         ft = ft.to(dev, non_blocking=ft.is_pinned())
     smem = smem_bytes(model, ms.count, zinv=f.bits == 16)
     mod = _kernels(f, smem > 0)
-    _launch_all(dev, [  # dist_directory also zeroes the status
-        (_function(mod, "dist_directory"), 1, DIR_THREADS,
-         _args(ft, size, np.int32(nc), table, facts, status), 0),
-        (_function(mod, "dist_decode"), -(-nc // WARPS), 32 * WARPS,
-         (*_args(ft, table, mu_t, sg_t), *ms.args(),
-          *_args(n, np.int32(cs), np.int32(nc), np.int32(head.precision)),
-          *_table_args(model, dev, ms.first, ms.count), *_args(out, status)), smem)], rt)
+    _nvrtc.launch(dev, [  # dist_directory also zeroes the status
+        (_nvrtc.function(mod, "dist_directory"), 1, DIR_THREADS,
+         _nvrtc.args(ft, size, np.int32(nc), table, facts, status), 0),
+        (_nvrtc.function(mod, "dist_decode"), -(-nc // WARPS), 32 * WARPS,
+         (*_nvrtc.args(ft, table, mu_t, sg_t), *ms.args(),
+          *_nvrtc.args(n, np.int32(cs), np.int32(nc), np.int32(head.precision)),
+          *_table_args(model, dev, ms.first, ms.count), *_nvrtc.args(out, status)), smem)])
     return PendingDecode(out, work, nc, True, (ft, mu_t, sg_t, ms.midx), head, size,
                          mu_t, sg_t)
 
@@ -622,12 +583,4 @@ def _work(nc: int, dev: Any) -> tuple[Any, np.uint64, np.uint64, np.uint64]:
     return buf, np.uint64(at), np.uint64(at + 32 * nc), np.uint64(at + 32 * nc + 24)
 
 
-def _function(mod: Any, name: str) -> Any:
-    with _lock:
-        key = (id(mod), name)
-        if key not in _functions:
-            _functions[key] = mod.get_function(name)
-        return _functions[key]
-
-
-__all__ = ["GPU_CHUNK", "PendingDecode", "decode", "decode_async", "encode"]
+__all__ = ["DIST_CHUNK", "PendingDecode", "decode", "decode_async", "encode"]

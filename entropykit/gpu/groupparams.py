@@ -44,9 +44,9 @@ _BLOCK = 256
 
 
 def _function() -> Any:
-    from ._runtime import cached_kernel
+    from . import _nvrtc
 
-    return cached_kernel("group_params", lambda: _SRC)
+    return _nvrtc.kernel("group_params", lambda: _SRC)
 
 
 def group_params(guess: Any, bias: Any, std: Any, shape: tuple, scale: Any, rf: float,
@@ -57,7 +57,8 @@ def group_params(guess: Any, bias: Any, std: Any, shape: tuple, scale: Any, rf: 
     (fp8 caches) or None; ``rf``, ``tiny``: the floor's constants (float32 values)."""
     import torch
 
-    from .dist import _args, _device_runtime, _launch
+    from . import _nvrtc
+    from .dist import _device_runtime
 
     n = int(np.prod(shape))
     dev = mu.device
@@ -70,7 +71,8 @@ def group_params(guess: Any, bias: Any, std: Any, shape: tuple, scale: Any, rf: 
     if bias.numel() != shape[1] * shape[3] or std.numel() != bias.numel():
         raise ValueError("group_params: bias and std must be [heads, dim]")
     if n:
-        _launch(_function(), _device_runtime(dev)[1], -(-n // _BLOCK), _BLOCK,
-                _args(guess, bias, std, n, np.int32(shape[1]), np.int32(shape[2]),
-                      np.int32(shape[3]), scale, np.float32(rf), np.float32(tiny), mu,
-                      sigma), 0)
+        _nvrtc.launch(_device_runtime(dev)[1], [(
+            _function(), -(-n // _BLOCK), _BLOCK,
+            _nvrtc.args(guess, bias, std, n, np.int32(shape[1]), np.int32(shape[2]),
+                        np.int32(shape[3]), scale, np.float32(rf), np.float32(tiny), mu,
+                        sigma), 0)])
