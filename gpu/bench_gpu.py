@@ -213,9 +213,8 @@ def ek_streams(ds: DataSet, sm_rule: str) -> tuple[list, int, str]:
     return per, stored, note
 
 
-def bench_entropykit(ds: DataSet, sm_rule: str, reps: int, tunings) -> None:
+def bench_entropykit(ds: DataSet, sm_rule: str, reps: int) -> None:
     from entropykit.gpu import upload
-    from entropykit.gpu._runtime import Tuning
 
     per, stored, note = ek_streams(ds, sm_rule)
     ratio = stored / (ds.values * ds.width)
@@ -239,18 +238,14 @@ def bench_entropykit(ds: DataSet, sm_rule: str, reps: int, tunings) -> None:
     def fill() -> None:
         arena.fill_(poison)
 
-    for tu in tunings or [Tuning()]:
-        launch = db.bind(outs, tu)
-        ts = timed(fill, launch, reps)
-        db.check()  # raises on a bad chunk status
-        exact = bool(torch.equal(arena, ds.data))
-        k = launch.kernel
-        staged = ("staged" + (", ring checks every 2nd step" if tu.slide2 else "")
-                  if tu.vec else "unstaged")
-        label = (f"entropykit ({staged})" if ds.width == 1 else
-                 f"entropykit (sm {sm_rule}, {staged})")
-        row(ds, label, ratio, ts, exact, note=note, regs=getattr(k, "num_regs", None),
-            plan_upload_s=round(t_plan, 2), pairs=len(batch.desc) // 2)
+    launch = db.bind(outs)
+    ts = timed(fill, launch, reps)
+    db.check()  # raises on a bad chunk status
+    exact = bool(torch.equal(arena, ds.data))
+    k = launch.kernel
+    label = "entropykit" if ds.width == 1 else f"entropykit (sm {sm_rule})"
+    row(ds, label, ratio, ts, exact, note=note, regs=getattr(k, "num_regs", None),
+        plan_upload_s=round(t_plan, 2), pairs=len(batch.desc) // 2)
 
 
 def bench_nvcomp(ds: DataSet, reps: int) -> None:
@@ -375,9 +370,8 @@ def selftest() -> None:
 
 
 def profile(args) -> None:
-    """Two checked launches of the MiniLM batch (staged output on, then off) for ncu."""
+    """A checked launch of the MiniLM batch, for ncu."""
     from entropykit.gpu import upload
-    from entropykit.gpu._runtime import Tuning
 
     ds = DataSet("minilm-bf16", minilm_bf16(args.data), args.profile_reps, "")
     per, _, _ = ek_streams(ds, "gpu")
@@ -388,11 +382,10 @@ def profile(args) -> None:
             p.add_pair(es, ss, plan.Place(r * len(per) + k))
     db = upload(p.finish(sizes), DEV)
     arena = torch.empty_like(ds.data)
-    for tu in (Tuning(), Tuning(vec=False), Tuning(slide2=not Tuning().slide2)):
-        arena.fill_(POISON[2])
-        db.bind(list(torch.split(arena, sizes)), tu)()
-        db.check()
-        log(f"{tu}: exact {bool(torch.equal(arena, ds.data))}")
+    arena.fill_(POISON[2])
+    db.bind(list(torch.split(arena, sizes)))()
+    db.check()
+    log(f"exact {bool(torch.equal(arena, ds.data))}")
 
 
 def main() -> None:
@@ -403,8 +396,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sets", default="minilm-bf16,synth-bf16,minilm-e4m3")
     ap.add_argument("--tools", default="copy,entropykit,nvcomp,df11")
-    ap.add_argument("--slide2", action="store_true",
-                    help="also time the staged build with the other ring-check spacing")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-reps", type=int, default=24)
     ap.add_argument("--df11-selftest", action="store_true")
@@ -416,8 +407,6 @@ def main() -> None:
     if args.profile:
         profile(args)
         return
-    from entropykit.gpu._runtime import Tuning
-
     meta = versions()
     log(json.dumps(meta))
     tools = set(args.tools.split(","))
@@ -443,11 +432,9 @@ def main() -> None:
         if "copy" in tools:
             attempt(ds, "device-to-device copy", bench_copy, ds, args.reps)
         if "entropykit" in tools:
-            both = [Tuning(), Tuning(vec=False)] + (
-                [Tuning(slide2=not Tuning().slide2)] if args.slide2 else [])
-            attempt(ds, "entropykit", bench_entropykit, ds, "gpu", args.reps, both)
+            attempt(ds, "entropykit", bench_entropykit, ds, "gpu", args.reps)
             if name == "minilm-bf16":
-                attempt(ds, "entropykit", bench_entropykit, ds, "coded", args.reps, both)
+                attempt(ds, "entropykit", bench_entropykit, ds, "coded", args.reps)
         if "nvcomp" in tools:
             attempt(ds, "nvCOMP", bench_nvcomp, ds, args.reps)
         if "df11" in tools and ds.width == 2:

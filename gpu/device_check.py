@@ -9,8 +9,7 @@ go to ``--out``/results.json.
 
 Variants: frame configurations (chunk size; sign_mantissa with one table, with context
 tables, or stored raw), warps per block (the warps of a block share one table set in
-shared memory), kernel tunings (tables in shared memory or through L1, register cap,
-ring size), the uint8 mode on the same fields, and a plain device-to-device copy; each
+shared memory), the uint8 mode on the same fields, and a plain device-to-device copy; each
 build's registers and resident warps per SM are printed. Corrupt frames are checked to
 raise the CPU decoder's error.
 
@@ -228,7 +227,7 @@ def main() -> None:
     ap.add_argument("--make-data", metavar="SAFETENSORS",
                     help="write --data from this model's floating tensors and exit (CPU)")
     ap.add_argument("--once", action="store_true",
-                    help="one checked launch (chunk 2^16, default tuning), for a profiler")
+                    help="one checked launch (chunk 2^16), for a profiler")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.make_data:
@@ -236,8 +235,6 @@ def main() -> None:
         return
     dev = torch.device("cuda", 0)
     import cupy
-
-    from entropykit.gpu._runtime import Tuning  # needs cupy
 
     p = torch.cuda.get_device_properties(dev)
     res: dict = {"date": _dt.date.today().isoformat(), "torch": torch.__version__,
@@ -321,23 +318,13 @@ def main() -> None:
             log(f"  warps {w}: host plan + upload {time.perf_counter() - t:.1f} s, "
                 f"{len(batch.desc) // 2} warps ({int((batch.desc[:, 3] > 0).sum()) // 2} "
                 f"live), payload {batch.payload_size / 2**20:.0f} MiB")
-            tunings = [Tuning()]
-            if chunk == 1 << 16 and sm_kind in ("one", "raw") and w >= 8:
-                # Registers capped for 48 and 64 resident warps an SM (55 uncapped: 32).
-                tunings += [Tuning(min_blocks=48 // w), Tuning(min_blocks=64 // w),
-                            Tuning(ring_windows=4, min_blocks=64 // w)]
-                if sm_kind == "one" and w == w0:
-                    tunings.append(Tuning(smem=False))
-            for tu in tunings:
-                knobs = (f"w {w} smem {int(tu.smem)} minb {tu.min_blocks} "
-                         f"ring {tu.ring_windows}")
-                t = time.perf_counter()
-                launch = dbatch.bind(outs, tu)
-                res.setdefault("bind_ms", (time.perf_counter() - t) * 1e3)
-                occ = occupancy(launch)
-                bench(f"{knobs} | {tag}", launch, arena, expect16, POISON_BF16, dbatch.check)
-                rows[-1].update(occ)
-                log(f"    {occ}")
+            t = time.perf_counter()
+            launch = dbatch.bind(outs)
+            res.setdefault("bind_ms", (time.perf_counter() - t) * 1e3)
+            occ = occupancy(launch)
+            bench(f"w {w} | {tag}", launch, arena, expect16, POISON_BF16, dbatch.check)
+            rows[-1].update(occ)
+            log(f"    {occ}")
             del dbatch, batch
         if chunk == 1 << 16 and sm_kind == "one":
             u8_frames = efs * reps + sfs * reps

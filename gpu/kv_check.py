@@ -637,8 +637,8 @@ low byte): bf16 mixture 1.42% / 0.73%, Gaussian 0.49% / 0.88%; fp8 mixture 1.10%
 1.67%.
 
 Latency round (the next helper, 09:40-10:00): the decoder loads each group's (mu, sigma,
-model index) a group ahead (`Tuning.prefetch`), and fp8's warps take chunks from a
-launch-wide counter until none is left (`Tuning.dyn_chunks`; bf16 keeps one chunk a warp:
+model index) a group ahead, and fp8's warps take chunks from a
+launch-wide counter until none is left (bf16 keeps one chunk a warp:
 at its 64-register cap the chunk loop spills), 64 registers for every format. Interleaved
 H200 A/B in one run against the previous kernel (GB/s, mixture / Gaussian): bf16 38.6 ->
 39.2 / 43.2 -> 44.4, fp8 e4m3 38.3 -> 39.3 / 41.9 -> 43.3; an earlier run by part (vs the

@@ -1,4 +1,4 @@
-"""Device check of the kernel's paths on adversarial sizes, placements and tunings.
+"""Device check of the kernel's paths on adversarial sizes and placements.
 
 What it is: the script a GPU machine runs to hold every build
 of ``entropykit/gpu/_kernel.cu`` to the CPU decoder where real weights do not reach:
@@ -7,10 +7,10 @@ symbol counts around the 32-symbol step, the 512-symbol staged round and the chu
 or off by 2 .. 14 bytes (staged or unstaged path per chunk pair), sign_mantissa coded,
 plain, in raw chunks or context-conditioned, u8 streams that are skewed, one symbol only
 (a frequency of 2^p), incompressible (raw chunks) or plain, and byte planes written at a
-stride of 2. Each batch runs under every tuning given (staged output on / off, ring checks
-every second step) into a poisoned arena: every byte must equal the data, padding between
-outputs must keep the poison, and every chunk's status must be clean. Damaged exponent
-chunks of a staged pair must raise the CPU decoder's error naming the chunk.
+stride of 2. Each batch decodes into a poisoned arena: every byte must equal the data,
+padding between outputs must keep the poison, and every chunk's status must be clean.
+Damaged exponent chunks of a staged pair must raise the CPU decoder's error naming the
+chunk.
 What it is not: a benchmark (bench_gpu.py) or the real-weights check (device_check.py).
 
     python3 gpu/stress_check.py
@@ -32,13 +32,11 @@ from device_check import all_raw, fields, rebuild, specials  # noqa: E402
 from entropykit import CorruptDataError, rans  # noqa: E402
 from entropykit.coding import frame as fr  # noqa: E402
 from entropykit.gpu import plan, upload  # noqa: E402
-from entropykit.gpu._runtime import Tuning  # noqa: E402
 from entropykit.rans.static import CODER  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 SIZES = [1, 31, 32, 33, 511, 512, 513, 1000, 1023, 1024, 1025, 2047, 4113, 65535, 65536,
          65537, 200_003]
-TUNINGS = [Tuning(), Tuning(slide2=not Tuning().slide2), Tuning(vec=False)]
 PAD = [0, 1, 0, 3, 0, 5]  # poison elements after a 16-byte boundary, before an output
 
 
@@ -58,9 +56,8 @@ def arena_layout(sizes: list[int], unit: int) -> tuple[list[int], int]:
     return starts, at + per16
 
 
-def run_batch(name: str, batch: plan.Batch, expect: list[np.ndarray], unit: int,
-              tunings: list[Tuning]) -> list[str]:
-    """Decode ``batch`` under each tuning into a poisoned arena; the failures found."""
+def run_batch(name: str, batch: plan.Batch, expect: list[np.ndarray], unit: int) -> list[str]:
+    """Decode ``batch`` into a poisoned arena; the failures found."""
     dtype, poison = (torch.int16, 0x7FA5) if unit == 2 else (torch.uint8, 0xA5)
     starts, total = arena_layout([e.size for e in expect], unit)
     want = np.full(total, poison, np.uint16 if unit == 2 else np.uint8)
@@ -71,16 +68,14 @@ def run_batch(name: str, batch: plan.Batch, expect: list[np.ndarray], unit: int,
     outs = [arena[s : s + e.size] for s, e in zip(starts, expect, strict=True)]
     db = upload(batch, DEV)
     bad = []
-    for tu in tunings:
-        arena.fill_(poison)
-        try:
-            db.decode(outs, tuning=tu)
-        except CorruptDataError as err:
-            bad.append(f"{name} {tu}: status error {err}")
-            continue
+    arena.fill_(poison)
+    try:
+        db.decode(outs)
         if not torch.equal(arena, want_t):
             wrong = (arena != want_t).nonzero().flatten()[:5].tolist()
-            bad.append(f"{name} {tu}: {int((arena != want_t).sum())} elements wrong, e.g. {wrong}")
+            bad.append(f"{name}: {int((arena != want_t).sum())} elements wrong, e.g. {wrong}")
+    except CorruptDataError as err:
+        bad.append(f"{name}: status error {err}")
     log(f"{name}: {len(expect)} outputs, {len(batch.desc) // 2} warps, "
         f"{'ok' if not bad else 'FAILED'}")
     return bad
@@ -153,20 +148,19 @@ def corruption(rng) -> list[str]:
             cpu = "no error"
         except CorruptDataError as e:
             cpu = str(e).split(": ", 1)[1]
-        for tu in TUNINGS:
-            p = plan.Planner(True)
-            p.add_pair(plan.Stream.frame(broken, "exponent"), plan.Stream.plain(sm, "sm"),
-                       plan.Place(0))
-            out = torch.empty(bits.size, dtype=torch.int16, device=DEV)
-            try:
-                upload(p.finish([bits.size]), DEV).decode([out], tuning=tu)
-                got = "no error"
-            except CorruptDataError as e:
-                got = str(e)
-            ok = got.startswith(f"exponent chunk {c} ") and got.endswith(cpu)
-            log(f"corrupt exponent, {name}, {tu}: {'ok' if ok else 'WRONG'} ({got})")
-            if not ok:
-                bad.append(f"corrupt {name} {tu}: {got} (cpu: {cpu})")
+        p = plan.Planner(True)
+        p.add_pair(plan.Stream.frame(broken, "exponent"), plan.Stream.plain(sm, "sm"),
+                   plan.Place(0))
+        out = torch.empty(bits.size, dtype=torch.int16, device=DEV)
+        try:
+            upload(p.finish([bits.size]), DEV).decode([out])
+            got = "no error"
+        except CorruptDataError as e:
+            got = str(e)
+        ok = got.startswith(f"exponent chunk {c} ") and got.endswith(cpu)
+        log(f"corrupt exponent, {name}: {'ok' if ok else 'WRONG'} ({got})")
+        if not ok:
+            bad.append(f"corrupt {name}: {got} (cpu: {cpu})")
     return bad
 
 
@@ -175,10 +169,9 @@ def main() -> None:
     log(torch.cuda.get_device_name(0))
     bad = []
     for chunk in (1024, 1 << 16):
-        bad += run_batch(f"bf16 chunk {chunk}", *bf16_cases(rng, chunk, False), 2, TUNINGS)
-        bad += run_batch(f"bf16 ctx chunk {chunk}", *bf16_cases(rng, chunk, True), 2,
-                         TUNINGS[:1])
-        bad += run_batch(f"u8 chunk {chunk}", *u8_cases(rng, chunk), 1, TUNINGS)
+        bad += run_batch(f"bf16 chunk {chunk}", *bf16_cases(rng, chunk, False), 2)
+        bad += run_batch(f"bf16 ctx chunk {chunk}", *bf16_cases(rng, chunk, True), 2)
+        bad += run_batch(f"u8 chunk {chunk}", *u8_cases(rng, chunk), 1)
     bad += corruption(rng)
     if bad:
         for b in bad:

@@ -46,9 +46,10 @@
 // math, compose, raw ring read or ring slide), which bound the kernel (docs/gpu.md).
 // The last < 512 symbols take a scalar path with the same output places.
 
-#if VEC && CTX
-#error "VEC (staged output) is a build without contexts"
-#endif
+#define VEC (!CTX)  // staged output: the builds without contexts
+// blocks an SM for 32 resident warps, so at most 64 registers a thread (the staged u8 build
+// would take more and halve the resident warps)
+#define MIN_BLOCKS (32 / WARPS > 1 ? 32 / WARPS : 1)
 
 #define LB 65536u
 #define FULL_MASK 0xffffffffu
@@ -119,7 +120,7 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
 // After a step: once wp leaves window base / 64, start copying the window AHEAD past the
 // new one (over the slot read two windows ago) and wait until the new window and the next
 // have landed. A step reads at most 32 words from wp, and wp - base < 64 at its start.
-// SLIDE2 builds check only after every second step of a staged round: from wp - base < 64
+// Staged rounds check only after every second step: from wp - base < 64
 // two steps read below base + 128 (windows base / 64 and the next, both landed) and leave
 // wp - base < 128, which one slide brings back under 64.
 __device__ __forceinline__ void slide(Stream& s, int lane) {
@@ -268,7 +269,7 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
             if (!RAW_B)
                 stage[512 + 32 * k + lane] =
                     (unsigned char)rans_step<true>(b, i, lane, lt, q.sb, q.ib);
-            if (!SLIDE2 || (k & 1)) {
+            if (k & 1) {
                 slide(a, lane);
                 if (!RAW_B) slide(b, lane);
             }
@@ -319,7 +320,7 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
                 if (!RAW_B)
                     stage[512 + 32 * k + lane] =
                         (unsigned char)rans_step<true>(b, i, lane, lt, q.sb, q.ib);
-                if (!SLIDE2 || (k & 1)) {
+                if (k & 1) {
                     if (!RAW_A) slide(a, lane);
                     if (!RAW_B) slide(b, lane);
                 }

@@ -14,7 +14,6 @@ loader's staging (``load.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
@@ -24,49 +23,30 @@ from . import _device, _layout, _nvrtc, check_outputs
 from .plan import Batch
 
 TABLE_SET_BYTES = 4096 + 1024  # _kernel.cu's SMEM_STREAM
-STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in VEC builds
+STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds without contexts
+RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
 
 
-@dataclass(frozen=True)
-class Tuning:
-    """Kernel build knobs; the defaults are the builds the package uses (docs/gpu.md says
-    why), the others are for the device checks. (Warps per block are the batch's: plan.py
-    lays the rows out for them.)"""
-
-    smem: bool = True  # tables in shared memory (batches with every p <= 12)
-    ring_windows: int = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
-    # __launch_bounds__ blocks per SM (caps registers when > 1); 0: enough blocks for 32
-    # warps an SM, so at most 64 registers (the staged u8 build would take 72 and halve
-    # the resident warps; every other build needs <= 64 uncapped, bar SMEM=0: 4 B spilled)
-    min_blocks: int = 0
-    vec: bool = True  # builds without contexts: staged output, 16-byte stores (_kernel.cu)
-    slide2: bool = True  # staged rounds check their word rings every second step only
+def warp_smem(ctx: bool) -> int:
+    """Shared-memory bytes a warp of a build uses: two word rings (+ staging, in builds
+    without contexts: _kernel.cu's VEC)."""
+    return 256 * RING_WINDOWS + (0 if ctx else STAGE_BYTES)
 
 
-def _vec(bf16: bool, ctx: bool, t: Tuning) -> bool:
-    """Whether the build stages its output (_kernel.cu's VEC): builds without contexts."""
-    return t.vec and not ctx
-
-
-def warp_smem(bf16: bool, ctx: bool, t: Tuning) -> int:
-    """Shared-memory bytes a warp of this build uses: two word rings (+ staging)."""
-    return 256 * t.ring_windows + (STAGE_BYTES if _vec(bf16, ctx, t) else 0)
-
-
-def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, t: Tuning) -> cp.RawKernel:
+def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int) -> cp.RawKernel:
+    """The build of a batch's kind (warps per block are the batch's: plan.py lays the rows
+    out for them)."""
     def build() -> cp.RawKernel:
         cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
         opts = ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}",
-                f"-DSMEM={int(smem)}", f"-DWARPS={warps}",
-                f"-DRING_WINDOWS={t.ring_windows}",
-                f"-DMIN_BLOCKS={t.min_blocks or max(1, 32 // warps)}",
-                f"-DVEC={int(_vec(bf16, ctx, t))}", f"-DSLIDE2={int(t.slide2)}", *cols)
+                f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={RING_WINDOWS}",
+                *cols)
         k = cp.RawKernel(_nvrtc.source("_kernel.cu"), "rans_decode", options=opts)
         # The most a block of this build may ask for: two table sets and the warps'.
-        k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(bf16, ctx, t)
+        k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(ctx)
         return k
 
-    return _nvrtc.cached(("rans", bf16, ctx, smem, warps, t), build)
+    return _nvrtc.cached(("rans", bf16, ctx, smem, warps), build)
 
 
 def _relayout_kernel() -> cp.RawKernel:
@@ -100,18 +80,16 @@ def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torc
 class Launch:
     """One launch of a batch's kernel with its buffers' device addresses fixed."""
 
-    def __init__(self, b: Batch, device: torch.device, ptrs: Sequence[int],
-                 tuning: Tuning | None = None) -> None:
+    def __init__(self, b: Batch, device: torch.device, ptrs: Sequence[int]) -> None:
         """``ptrs``: device addresses of desc, status, payload, sym, info, cmaps, output."""
-        t = tuning or Tuning()
         self.device = device
         self.pairs = len(b.desc) // 2
-        smem = t.smem and b.narrow
-        self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, t) if self.pairs else None)
+        smem = b.narrow  # tables in shared memory: batches with every p <= 12
+        self.kernel = (_kernel(b.bf16, b.context, smem, b.warps) if self.pairs else None)
         self.grid = (-(-self.pairs // b.warps),)
         self.block = (32 * b.warps,)
         self.shared = ((b.slots * TABLE_SET_BYTES if smem else 0)
-                       + b.warps * warp_smem(b.bf16, b.context, t))
+                       + b.warps * warp_smem(b.context))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
 
     def __call__(self) -> None:
@@ -144,22 +122,18 @@ class DeviceBatch:
         self.status = torch.zeros(max(1, len(batch.desc)), dtype=torch.int32,
                                   device=self.device)
 
-    def bind(self, outs: Sequence[torch.Tensor], tuning: Tuning | None = None) -> BoundDecode:
+    def bind(self, outs: Sequence[torch.Tensor]) -> BoundDecode:
         """Check ``outs`` and fix the launch that decodes into them (call it to run)."""
         check_outputs(self.batch, outs)
         if outs and outs[0].device != self.device:
             raise ValueError(f"outputs are on {outs[0].device}, the batch on {self.device}")
         desc, base = bound_desc(self.batch, outs)
         return BoundDecode(self, torch.from_numpy(desc).to(self.device),
-                           self.status if base is None else base, tuning)
+                           self.status if base is None else base)
 
-    def decode(self, outs: Sequence[torch.Tensor], *, check: bool = True,
-               tuning: Tuning | None = None) -> None:
-        """Decode into ``outs`` (one launch); with ``check``, wait and raise on corrupt data.
-
-        ``tuning`` changes the kernel build (for measurements; results are the same).
-        """
-        self.bind(outs, tuning)()
+    def decode(self, outs: Sequence[torch.Tensor], *, check: bool = True) -> None:
+        """Decode into ``outs`` (one launch); with ``check``, wait and raise on corrupt data."""
+        self.bind(outs)()
         if check:
             self.check()
 
@@ -173,10 +147,9 @@ class DeviceBatch:
 class BoundDecode(Launch):
     """One decode launch with its outputs fixed: calling it only enqueues the kernel."""
 
-    def __init__(self, db: DeviceBatch, desc: torch.Tensor, base: torch.Tensor,
-                 t: Tuning | None) -> None:
+    def __init__(self, db: DeviceBatch, desc: torch.Tensor, base: torch.Tensor) -> None:
         self.desc = desc  # keeps the device descriptor alive while launches use it
         self.outs_alive = base  # the outputs must outlive the launch
         ptrs = [x.data_ptr() for x in (desc, db.status, db.payload, db.sym_tables,
                                        db.info_tables, db.cmaps, base)]
-        super().__init__(db.batch, db.device, ptrs, t)
+        super().__init__(db.batch, db.device, ptrs)

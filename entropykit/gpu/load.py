@@ -54,11 +54,9 @@ class Stager:
     payload layout on the device (``_relayout.cu``), and decoded, one launch per batch.
     """
 
-    def __init__(self, device: torch.device, threads: int, tuning: rt.Tuning | None = None,
-                 ) -> None:
+    def __init__(self, device: torch.device, threads: int) -> None:
         self.device = device
         self.threads = threads
-        self.tuning = tuning
         self.slots: list[_Slot] = []
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
@@ -113,7 +111,7 @@ class Stager:
             ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
                     dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
                     (base if base is not None else status).data_ptr()]
-            rt.Launch(b, self.device, ptrs, self.tuning)()
+            rt.Launch(b, self.device, ptrs)()
             named.append((b.origins, row, len(b.desc)))
             row += len(b.desc)
         slot.done.record(cur)
@@ -140,8 +138,7 @@ class Stager:
 
 def load(c: Compressed, buf: np.ndarray, device: Any, dtypes: Mapping[str, torch.dtype],
          threads: int, *, warps: int = WARPS, group_bytes: int = fileplan.GROUP_BYTES,
-         tuning: rt.Tuning | None = None, seconds: dict[str, float] | None = None,
-         ) -> dict[str, torch.Tensor]:
+         seconds: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of ``c`` (a compressed file held in ``buf``) decoded on ``device``, in
     data order, as ``dtypes`` (safetensors dtype -> torch dtype) says. ``seconds``, if
     given, receives where the host's time went (waiting for the planner, for a staging
@@ -159,7 +156,7 @@ def load(c: Compressed, buf: np.ndarray, device: Any, dtypes: Mapping[str, torch
         def views(k: int, bf16: bool) -> torch.Tensor:
             return flat[k].view(torch.int16 if bf16 else torch.uint8)
 
-        stager = Stager(dev, threads, tuning)
+        stager = Stager(dev, threads)
         planned = fileplan.groups(c, buf, threads, warps=warps, group_bytes=group_bytes)
         wait = 0.0
         while True:
