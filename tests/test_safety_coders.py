@@ -13,12 +13,13 @@ import struct
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import numpy as np
 import pytest
 
 import entropykit
-from entropykit import rans
+from entropykit import CorruptDataError, rans, tans
 from entropykit.coding import frame, lines
 from entropykit.container import classed, codecs
 
@@ -132,3 +133,105 @@ def test_rans2d_indirect_columns_roundtrip() -> None:
                                   + ccls[(phase + np.arange(n)) % cols])
     np.testing.assert_array_equal(codecs.decode("rans2d", np.frombuffer(blob, np.uint8), n,
                                                 None), sym)
+
+
+# ---- frames: declared output -----------------------------------------------------------
+
+
+def _zeros_crc(n: int) -> int:
+    crc, block = 0, bytes(min(n, 1 << 20))
+    while n:
+        take = min(n, len(block))
+        crc = zlib.crc32(block[:take], crc)
+        n -= take
+    return crc
+
+
+def _one_symbol_frame(coder: str, n: int, chunk_size: int) -> bytes:
+    """A valid frame of ``n`` zero symbols whose every chunk is coded with a table that
+    gives symbol 0 every slot: such a chunk takes a fixed size (rANS: 32 start states of
+    2**16; tANS: a marker and four zero states) whatever its symbol count."""
+    param = 12
+    table = bytes([0, 0]) + bytes([0x80, 0x20])  # one symbol, 0, of frequency 2**12
+    if coder == "rans":
+        magic, lanes, payload = b"EKRA", 32, struct.pack("<32I", *[1 << 16] * 32)
+    else:
+        magic, lanes, payload = b"EKTA", 4, bytes([0x80]) + bytes(6)  # 7 pad bits, marker
+    n_chunks = -(-n // chunk_size)
+    sizes = [min(chunk_size, n - i * chunk_size) for i in range(n_chunks)]
+    crcs = {s: _zeros_crc(s) for s in set(sizes)}
+    head = struct.pack("<4sBBBBQIII", magic, 1, param, lanes, 0, n, chunk_size, n_chunks,
+                       len(table))
+    return b"".join([head, table, struct.pack(f"<{n_chunks}I", *[len(payload)] * n_chunks),
+                     struct.pack(f"<{n_chunks}I", *[crcs[s] for s in sizes]),
+                     bytes(n_chunks)] + [payload] * n_chunks)
+
+
+@pytest.mark.parametrize("coder", [rans, tans], ids=["rans", "tans"])
+def test_max_output_bounds_a_valid_frame(coder) -> None:
+    name = coder.__name__.rsplit(".", 1)[-1]
+    n = 3 * 4096 + 100
+    blob = _one_symbol_frame(name, n, 4096)
+    np.testing.assert_array_equal(coder.decode(blob), np.zeros(n, np.uint8))
+    np.testing.assert_array_equal(coder.decode(blob, max_output=n), np.zeros(n, np.uint8))
+    with pytest.raises(CorruptDataError, match=f"declares {n} symbols .*more than the {n - 1}"):
+        coder.decode(blob, max_output=n - 1)
+    with pytest.raises(CorruptDataError, match=f"more than the {n - 1}"):
+        coder.decode(blob, out=np.empty(n - 1, np.uint8))
+    assert frame.parse(coder.static.CODER, blob, max_output=n).n == n
+
+
+@pytest.mark.parametrize("name", ["rans", "tans"])
+def test_small_frame_declaring_4_gib_is_refused_unallocated(name: str) -> None:
+    # 8.8 KB (rANS) of valid frame that decodes to 2**32 zero symbols: beyond the default
+    # bound, so refused before anything is allocated (old code allocated 4 GiB).
+    blob = _one_symbol_frame(name, 1 << 32, frame.MAX_CHUNK)
+    assert len(blob) < 9000
+    got = _child("""
+        from entropykit import rans, tans
+        coder = rans if name == "rans" else tans
+        try:
+            coder.decode(bytes.fromhex(blob))
+            result = {"error": None}
+        except Exception as e:
+            result = {"error": type(e).__name__, "message": str(e)}
+    """, blob=blob.hex(), name=name)
+    assert got["error"] == "CorruptDataError", got
+    assert f"declares {1 << 32} symbols" in got["message"]
+    assert got["rss"] < 400 << 20
+
+
+def test_codecs_count_enforces_its_limit() -> None:
+    # A count read from a payload is never handed back unchecked: each codec's declared
+    # count against the caller's limit.
+    sym = np.arange(5000, dtype=np.uint8)
+    blobs = {c: np.frombuffer(codecs.encode(c, sym, None), np.uint8)
+             for c in ("rans", "tans", "zstd", "raw")}
+    hostile = bytearray(blobs["rans"])
+    struct.pack_into("<Q", hostile, 8, 1 << 40)
+    blobs["hostile"] = np.frombuffer(bytes(hostile), np.uint8)
+    for codec, data in blobs.items():
+        kind = "rans" if codec == "hostile" else codec
+        n = codecs.count(kind, data, limit=1 << 41)
+        assert n == (1 << 40 if codec == "hostile" else 5000)
+        with pytest.raises(CorruptDataError, match=f"declares {n} symbols, more than the"):
+            codecs.count(kind, data, limit=n - 1)
+    with pytest.raises(CorruptDataError, match="holds 1099511627776 symbols, field has 5000"):
+        codecs.decode("rans", blobs["hostile"], 5000, None)
+
+
+def test_distribution_frame_count_checked_before_allocation() -> None:
+    from entropykit.rans import distribution as dist
+
+    rng = np.random.default_rng(0)
+    n = 3000
+    mu = rng.normal(size=n).astype(np.float32)
+    sigma = np.full(n, 0.5, np.float32)
+    bits = (mu + 0.5 * rng.normal(size=n).astype(np.float32)).astype(np.float16).view(np.uint16)
+    model = dist.gaussian_model()
+    blob = dist.encode(bits, mu, sigma, model, fmt="fp16", chunk_size=1024)
+    np.testing.assert_array_equal(dist.decode(blob, mu, sigma, model, max_output=n), bits)
+    with pytest.raises(CorruptDataError, match=f"declares {n} values .*more than the {n - 1}"):
+        dist.decode(blob, mu, sigma, model, max_output=n - 1)
+    with pytest.raises(CorruptDataError, match=f"holds {n} values .*mu has {n - 1}"):
+        dist.decode(blob, mu[1:], sigma[1:], model)
