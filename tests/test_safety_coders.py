@@ -28,22 +28,24 @@ _LIMIT = 2 << 30  # address space of a child: far above what bounded decoding ne
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(entropykit.__file__)))
 
 
-def _child(body: str, **values: object) -> dict:
-    """Run ``body`` in a fresh interpreter under ``_LIMIT`` of address space; return the
-    JSON object it prints on its last line, with "rss" (its peak RSS, bytes) added.
+def _child(body: str, warm: str = "", **values: object) -> dict:
+    """Run ``warm`` then ``body`` in a fresh interpreter under ``_LIMIT`` of address space;
+    return the JSON object ``result`` that ``body`` sets, with "grew" added: how far
+    ``body`` raised the peak RSS above ``warm``'s, in bytes. ``warm`` runs the same kernels
+    on a small input first, so that compiling them (a cold Numba cache) is not counted.
     ``values`` are bound as globals (their repr)."""
     head = ["import json, resource\n",
-            f"resource.setrlimit(resource.RLIMIT_AS, ({_LIMIT}, {_LIMIT}))\n"]
+            f"resource.setrlimit(resource.RLIMIT_AS, ({_LIMIT}, {_LIMIT}))\n",
+            "def peak():\n    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"]
     head += [f"{k} = {v!r}\n" for k, v in values.items()]
-    tail = ('result["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n'
-            "print(json.dumps(result))\n")
-    code = "".join(head) + textwrap.dedent(body) + tail
+    code = "".join(head + [textwrap.dedent(warm), "base = peak()\n", textwrap.dedent(body),
+                           'result["grew"] = peak() - base\nprint(json.dumps(result))\n'])
     env = dict(os.environ, PYTHONPATH=_ROOT, NUMBA_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"child peak RSS {result['rss'] >> 20} MiB")
+    print(f"child's peak RSS grew {result['grew'] >> 20} MiB")
     return result
 
 
@@ -79,18 +81,20 @@ def test_rans2d_claimed_columns_cost_nothing(cols: int) -> None:
     struct.pack_into("<Q", hostile, 16, cols)
     hostile[classed.HEADER_SIZE] = 0b01  # one row, class 1
     got = _child("""
-        import numpy as np
-        from entropykit.container import codecs
         data = np.frombuffer(bytes.fromhex(blob), np.uint8)
         try:
             codecs.decode("rans2d", data, n, None)
             result = {"error": None}
         except Exception as e:
             result = {"error": type(e).__name__, "message": str(e)}
-    """, blob=bytes(hostile).hex(), n=n)
+    """, """
+        import numpy as np
+        from entropykit.container import codecs
+        codecs.decode("rans2d", np.frombuffer(bytes.fromhex(good), np.uint8), n, None)
+    """, blob=bytes(hostile).hex(), good=blob.hex(), n=n)
     assert got["error"] == "CorruptDataError", got
     assert got["message"].startswith("rans2d frame: rANS frame chunk 0")
-    assert got["rss"] < 400 << 20
+    assert got["grew"] < 50 << 20
 
 
 def test_rans2d_long_rows_segment_memory() -> None:
@@ -98,20 +102,24 @@ def test_rans2d_long_rows_segment_memory() -> None:
     # bf16 segment) that crosses its row boundary: classed by rows, and both coded and
     # decoded in memory that follows the segment, never the 37.7 M-column row.
     got = _child("""
-        import numpy as np, zlib
-        from entropykit.container import classed, codecs
-        n, cols = 1 << 23, 37748736
-        phase = cols - n // 2
-        rng = np.random.default_rng(0)
-        sym = np.concatenate([rng.geometric(0.3, n // 2) + 110,
-                              rng.geometric(0.6, n // 2) + 100]).clip(0, 255).astype(np.uint8)
-        choice = codecs.choose(sym, None, grid=(cols, phase))
-        out = codecs.decode(choice.codec, np.frombuffer(choice.blob, np.uint8), n, None)
-        result = {"codec": choice.codec, "same": bool(np.array_equal(out, sym)),
-                  "kr": choice.blob[5], "kc": choice.blob[6]}
+        result = roundtrip(1 << 23, 37748736)
+    """, """
+        import numpy as np
+        from entropykit.container import codecs
+
+        def roundtrip(n, cols):
+            rng = np.random.default_rng(0)
+            sym = np.concatenate([rng.geometric(0.3, n // 2) + 110, rng.geometric(0.6, n // 2)
+                                  + 100]).clip(0, 255).astype(np.uint8)
+            choice = codecs.choose(sym, None, grid=(cols, cols - n // 2))
+            out = codecs.decode(choice.codec, np.frombuffer(choice.blob, np.uint8), n, None)
+            return {"codec": choice.codec, "same": bool(np.array_equal(out, sym)),
+                    "kr": choice.blob[5], "kc": choice.blob[6]}
+
+        assert roundtrip(1 << 16, 300_000)["codec"] == "rans2d"
     """)
     assert (got["codec"], got["same"], got["kr"], got["kc"]) == ("rans2d", True, 4, 1)
-    assert got["rss"] < 450 << 20
+    assert got["grew"] < 200 << 20
 
 
 def test_rans2d_indirect_columns_roundtrip() -> None:
@@ -188,17 +196,19 @@ def test_small_frame_declaring_4_gib_is_refused_unallocated(name: str) -> None:
     blob = _one_symbol_frame(name, 1 << 32, frame.MAX_CHUNK)
     assert len(blob) < 9000
     got = _child("""
-        from entropykit import rans, tans
-        coder = rans if name == "rans" else tans
         try:
             coder.decode(bytes.fromhex(blob))
             result = {"error": None}
         except Exception as e:
             result = {"error": type(e).__name__, "message": str(e)}
-    """, blob=blob.hex(), name=name)
+    """, """
+        from entropykit import rans, tans
+        coder = rans if name == "rans" else tans
+        coder.decode(bytes.fromhex(small))
+    """, blob=blob.hex(), small=_one_symbol_frame(name, 5000, 1024).hex(), name=name)
     assert got["error"] == "CorruptDataError", got
     assert f"declares {1 << 32} symbols" in got["message"]
-    assert got["rss"] < 400 << 20
+    assert got["grew"] < 50 << 20
 
 
 def test_codecs_count_enforces_its_limit() -> None:
@@ -235,3 +245,100 @@ def test_distribution_frame_count_checked_before_allocation() -> None:
         dist.decode(blob, mu, sigma, model, max_output=n - 1)
     with pytest.raises(CorruptDataError, match=f"holds {n} values .*mu has {n - 1}"):
         dist.decode(blob, mu[1:], sigma[1:], model)
+
+
+# ---- KV blobs: validated before the predictor runs ----------------------------------
+
+
+class _Counting:
+    """A predictor that counts its ``predict`` calls (and otherwise is ``inner``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def predict(self, ids):
+        self.calls += 1
+        return self.inner.predict(ids)
+
+
+@pytest.fixture(scope="module")
+def kv():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from entropykit import predictive as P
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (48,), generator=gen) for _ in range(2)]
+    ids = torch.randint(0, 256, (1, 12), generator=gen)
+    with torch.inference_mode():
+        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
+    pred = P.FP8Predictor(model)
+    cal = P.calibrate(model, pred, prompts)
+    blob = P.compress_kv(cache, ids, pred, cal, model="gaussian")
+    assert P.decompress_kv(blob, pred, cal).equal(cache)
+    return P, pred, cal, blob
+
+
+def _claiming(blob: bytes, seq: int, frame_n: bool = False) -> bytes:
+    """``blob`` (bf16, batch 1) rewritten to claim ``seq`` tokens: new token ids, the
+    header CRC recomputed; with ``frame_n`` each frame's header claims the matching count
+    too (its directory still the old one)."""
+    head = struct.Struct("<4sBBBBIIIIIIIIH")
+    f = list(head.unpack_from(blob, 0))
+    layers, batch, heads, old_seq, dim, dlen = f[5], f[6], f[7], f[8], f[9], f[13]
+    assert batch == 1 and blob[5] == 1  # bf16: no scales
+    f[8] = seq
+    front_end = head.size + dlen + 4 * old_seq + 8 * layers
+    lengths = blob[front_end - 8 * layers : front_end]
+    ids = np.random.default_rng(0).integers(0, 256, seq).astype("<i4").tobytes()
+    front = b"".join([head.pack(*f), blob[head.size : head.size + dlen], ids, lengths])
+    frames = bytearray(blob[front_end + 4 :])
+    if frame_n:
+        pos = 0
+        n = heads * seq * dim
+        for length in np.frombuffer(lengths, "<u4").tolist():
+            chunk = struct.unpack_from("<I", frames, pos + 16)[0]
+            struct.pack_into("<Q", frames, pos + 8, n)
+            struct.pack_into("<I", frames, pos + 20, -(-n // chunk))
+            pos += length
+    return front + struct.pack("<I", zlib.crc32(front)) + bytes(frames)
+
+
+@pytest.mark.parametrize("frame_n", [False, True])
+def test_kv_blob_claiming_many_tokens_never_runs_the_predictor(kv, frame_n: bool) -> None:
+    P, pred, cal, blob = kv
+    hostile = _claiming(blob, 20_000, frame_n)
+    counting = _Counting(pred)
+    assert tuple(P.token_ids(hostile).shape) == (1, 20_000)
+    with pytest.raises(CorruptDataError) as err:
+        P.decompress_kv(hostile, counting, cal)
+    assert counting.calls == 0
+    assert str(err.value).startswith("KV blob frame 0 holds 192 " if not frame_n else
+                                     "distribution-rANS frame truncated")
+    # The blob it came from still decodes, and runs the predictor once.
+    P.decompress_kv(blob, counting, cal)
+    assert counting.calls == 1
+
+
+def test_kv_blob_caps(kv) -> None:
+    P, pred, cal, blob = kv
+    head = struct.Struct("<4sBBBBIIIIIIIIH")
+    f = list(head.unpack_from(blob, 0))
+    for field, value, what in ((8, P.codec.MAX_TOKENS + 1, "tokens"),
+                               (5, P.codec.MAX_LAYERS + 1, "layers"),
+                               (7, P.codec.MAX_HEADS + 1, "kv heads"),
+                               (9, P.codec.MAX_HEAD_DIM + 1, "head dim")):
+        g = list(f)
+        g[field] = value
+        counting = _Counting(pred)
+        with pytest.raises(CorruptDataError, match=f"claims {value} {what}"):
+            P.decompress_kv(head.pack(*g) + blob[head.size :], counting, cal)
+        assert counting.calls == 0

@@ -57,6 +57,7 @@ DEFAULT_CHUNK = 1 << 17
 MIN_CHUNK = 1 << 10
 MAX_CHUNK = 1 << 26
 ONE = _k.ONE
+STATE_BYTES = _k.STATE_BYTES  # a coded chunk: these start states, then 16-bit words
 Z_MAX = _k.Z_MAX
 Z_POINTS = _k.Z_POINTS
 EMP_POINTS = _k.EMP_POINTS
