@@ -17,10 +17,12 @@ import zlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import entropykit
 from entropykit import CorruptDataError, rans, tans
-from entropykit.coding import frame, lines
+from entropykit.coding import contexts, frame, lines
 from entropykit.container import classed, codecs
 
 _LIMIT = 2 << 30  # address space of a child: far above what bounded decoding needs
@@ -342,3 +344,81 @@ def test_kv_blob_caps(kv) -> None:
         with pytest.raises(CorruptDataError, match=f"claims {value} {what}"):
             P.decompress_kv(head.pack(*g) + blob[head.size :], counting, cal)
         assert counting.calls == 0
+
+
+# ---- kernels: every file-driven index checked -------------------------------------------
+
+
+def _guarded(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(an output of n bytes, the array it sits in between 64 guard bytes of 0xA5)."""
+    whole = np.full(n + 128, 0xA5, np.uint8)
+    return whole[64:-64], whole
+
+
+@pytest.mark.parametrize("name", ["rans", "tans"])
+def test_kernels_refuse_extents_outside_their_buffers(name: str) -> None:
+    # The chunk kernels read payloads at offsets and lengths taken from a frame and write
+    # chunk ranges the driver computes: each is checked against its buffer, and a bad one
+    # is an error code, never a read or write outside (the guards stay intact).
+    from entropykit.rans import kernels as rk
+    from entropykit.tans import kernels as tk
+
+    coder = rans if name == "rans" else tans
+    k = rk if name == "rans" else tk
+    sym = np.random.default_rng(0).geometric(0.3, 4096).clip(0, 255).astype(np.uint8)
+    blob = coder.encode(sym, chunk_size=4096)
+    info = frame.parse(coder.static.CODER, blob)
+    buf = np.frombuffer(blob, np.uint8)
+    tabs = coder.static.CODER.decode_tables(info.freqs[0], info.param)
+    start, length = int(info.offsets[0]), int(info.lengths[0])
+
+    def run(starts, lengths, lo, hi, out, table=tabs, ctx=None):
+        errors = np.empty(len(starts), np.int64)
+        args = (buf, np.array(starts, np.int64), np.array(lengths, np.int64), table,
+                info.param, out)
+        if name == "rans":
+            args += (ctx, None)
+        k.decode_chunks(*args, np.array(lo, np.int64), np.array(hi, np.int64), errors)
+        return errors.tolist()
+
+    out, whole = _guarded(sym.size)
+    assert run([start], [length], [0], [sym.size], out) == [k.OK]
+    np.testing.assert_array_equal(out, sym)
+    bad_extent = rk.ERR_ODD if name == "rans" else tk.ERR_EMPTY
+    out, whole = _guarded(sym.size)
+    assert run([start, -1, start, buf.size - 8], [length, length, buf.size, 64],
+               [0, 0, 0, 0], [sym.size] * 4, out) == [k.OK] + [bad_extent] * 3
+    assert run([start] * 3, [length] * 3, [-1, 0, 5], [sym.size, sym.size + 1, 4], out
+               ) == [k.ERR_BOUNDS] * 3
+    assert run([start], [length], [0], [sym.size], out, table=tabs[..., :-1]) == [k.ERR_TABLE]
+    if name == "rans":  # a context naming a table the frame does not have
+        ctx = np.zeros(sym.size, np.uint8)
+        ctx[-1] = 1
+        assert run([start], [length], [0], [sym.size], out, ctx=ctx) == [rk.ERR_CONTEXT]
+        assert run([start], [length], [0], [sym.size], out, ctx=ctx[:-1]) == [rk.ERR_CONTEXT]
+    assert (whole[:64] == 0xA5).all() and (whole[-64:] == 0xA5).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 3000), cols=st.sampled_from([1, 2, 7, 300, 5000, (1 << 20) + 3]),
+       phase=st.integers(0, 1 << 21), kr=st.integers(1, 16), kc=st.integers(1, 16),
+       seed=st.integers(0, 2**32 - 1))
+def test_line_contexts_match_their_definition(n, cols, phase, kr, kc, seed) -> None:
+    # Every layout of the contexts (along a row, one per row class, through the column
+    # classes) gives row class * kc + column class, mapped, for every symbol.
+    phase %= cols
+    rng = np.random.default_rng(seed)
+    rows = lines.n_rows(n, cols, phase)
+    rcls = rng.integers(0, kr, rows).astype(np.uint8) if kr > 1 else None
+    ccls = rng.integers(0, kc, cols).astype(np.uint8) if kc > 1 else None
+    cmap = rng.integers(0, 256, 256).astype(np.uint8)
+    pos = phase + np.arange(n)
+    want = ((0 if rcls is None else rcls[pos // cols].astype(np.int64)) * kc
+            + (0 if ccls is None else ccls[pos % cols]))
+    want = np.broadcast_to(want, (n,)).astype(np.uint8)
+    np.testing.assert_array_equal(lines.context(n, cols, phase, rcls, ccls, kc), want)
+    np.testing.assert_array_equal(lines.context(n, cols, phase, rcls, ccls, kc, cmap),
+                                  cmap[want])
+    sym = rng.integers(0, 256, n).astype(np.uint8)
+    np.testing.assert_array_equal(lines.context_counts(sym, cols, phase, rcls, ccls, kc),
+                                  contexts.joint_histogram(want, sym))
