@@ -422,3 +422,34 @@ def test_line_contexts_match_their_definition(n, cols, phase, kr, kc, seed) -> N
     sym = rng.integers(0, 256, n).astype(np.uint8)
     np.testing.assert_array_equal(lines.context_counts(sym, cols, phase, rcls, ccls, kc),
                                   contexts.joint_histogram(want, sym))
+
+
+def test_long_row_tensor_round_trip_memory() -> None:
+    # A whole [2, 37748736] bf16 tensor (151 MB) through the container: compress and
+    # decompress stay within its copies (input, blob, output) plus segments' working
+    # memory; rows laid out per segment took over 1.2 GB more.
+    got = _child("""
+        x = tensor(37748736)
+        base = peak()
+        same = torch.equal(entropykit.decompress(entropykit.compress(x, threads=1),
+                                                 threads=1), x)
+        result = {"same": same, "held": x.numel() * 2}
+    """, """
+        import numpy as np, torch
+        import entropykit
+
+        def tensor(cols):
+            # Rows of different scales: exponents from a block of each row's statistics,
+            # repeated (in uint16 throughout: the child's address space is limited).
+            rng = np.random.default_rng(0)
+            bits = rng.integers(0, 1 << 7, 2 * cols, dtype=np.uint16)
+            for row, (p, low) in enumerate(((0.3, 110), (0.6, 100))):
+                block = (rng.geometric(p, 1 << 16) + low).astype(np.uint16) << 7
+                bits[row * cols : (row + 1) * cols] |= np.resize(block, cols)
+            return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(2, cols)
+
+        small = tensor(300_000)
+        assert torch.equal(entropykit.decompress(entropykit.compress(small, threads=1)), small)
+    """)
+    assert got["same"]
+    assert got["grew"] < 2.5 * got["held"]
