@@ -294,7 +294,7 @@ def test_wrong_side_information():
         _decode(BLOB, mu=MU + np.float32(0.25))
     with pytest.raises(CorruptDataError, match="model"):
         _decode(BLOB, model=MIXED)
-    with pytest.raises(ValueError, match="entries"):
+    with pytest.raises(CorruptDataError, match="mu has"):
         _decode(BLOB, mu=MU[:-1])
 
 

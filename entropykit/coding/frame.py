@@ -56,6 +56,10 @@ HEADER_SIZE = _HEADER.size  # 28
 MIN_CHUNK = 1 << 10
 MAX_CHUNK = 1 << 26
 DEFAULT_CHUNK = 1 << 18
+# Symbols a frame may declare when its decoder is given no bound (``max_output`` / ``out``).
+# A frame's size does not bound its symbols: a chunk whose table gives one symbol every
+# slot codes any count in its fixed-size start states.
+DEFAULT_MAX_OUTPUT = 1 << 30
 # Chunks a coder decodes in one call: their serial dependency chains overlap in the CPU
 # (rANS ~1.5-1.8x, tANS ~1.3x faster than one chunk at a time) and four chunks of the
 # default size stay in a core's cache for their CRC check.
@@ -279,8 +283,11 @@ def _parse_tables(coder: ChunkCoder, buf: np.ndarray, off: int, end: int, param:
     return freqs, cmap
 
 
-def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInfo:
-    """Validate a frame's header and directory; raise ``CorruptDataError`` on any mismatch."""
+def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray, *,
+          max_output: int | None = None) -> FrameInfo:
+    """Validate a frame's header and directory; raise ``CorruptDataError`` on any mismatch,
+    and where it declares more than ``max_output`` symbols (None: no bound; parsing
+    itself allocates in proportion to the frame)."""
     buf = _as_bytes(frame)
     mv = buf.data
     size = buf.size
@@ -298,6 +305,11 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray) -> FrameInf
         )
     if version != VERSION:
         raise CorruptDataError(f"{coder.name} frame version {version} unsupported (byte 4)")
+    if max_output is not None and n > max_output:
+        raise CorruptDataError(
+            f"{coder.name} frame declares {n} symbols (byte 8), more than the {max_output} "
+            "its reader allows"
+        )
     try:
         coder.check_param(param)
     except ValueError as e:
@@ -375,8 +387,12 @@ def _directory(buf, off, lengths, offsets):
 def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
            threads: int | None = None, out: np.ndarray | None = None,
            context: Any = None, *, info: FrameInfo | None = None,
-           mapped: bool = False) -> np.ndarray:
+           mapped: bool = False, max_output: int | None = None) -> np.ndarray:
     """Decode a frame into uint8 symbols (into ``out`` when given, which must fit exactly).
+
+    ``max_output``: the most symbols the frame may declare (``CorruptDataError`` beyond,
+    checked before anything is allocated); None: ``out``'s size, or without ``out``
+    ``DEFAULT_MAX_OUTPUT``.
 
     A context-conditioned frame needs the ``context`` it was encoded with (ValueError if
     missing); a one-table frame ignores it. ``context`` may also be a function of (lo, hi)
@@ -388,7 +404,12 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
     checked against the tables). ``info``: this frame's ``parse``, if the caller has it.
     """
     buf = _as_bytes(frame)
-    info = parse(coder, buf) if info is None else info
+    if max_output is None:
+        max_output = DEFAULT_MAX_OUTPUT if out is None else out.size
+    info = parse(coder, buf, max_output=max_output) if info is None else info
+    if info.n > max_output:
+        raise CorruptDataError(f"{coder.name} frame declares {info.n} symbols (byte 8), more "
+                               f"than the {max_output} its reader allows")
     if out is None:
         out = np.empty(info.n, np.uint8)
     elif out.dtype != np.uint8 or out.shape != (info.n,):

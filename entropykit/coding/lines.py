@@ -229,27 +229,39 @@ def assign(h: np.ndarray, magnitude: np.ndarray, k: int, iters: int | None = Non
 
 
 @njit(nogil=True, cache=True)
-def _context(lo, hi, cols, phase, rcls, pattern, out):
+def _context(lo, hi, cols, phase, rcls, pattern, ccls, out):
     # out[i - lo] = the context of symbol i, lo <= i < hi. Invariant: 0 <= lo <= hi <= n,
-    # rcls has n_rows entries, each < pattern.shape[0]; pattern[k] (cols entries) is row
-    # class k's contexts along a row. So each row is a slice copy, which Numba makes a
-    # plain memory copy (an element loop does the byte arithmetic in int64).
+    # rcls has n_rows entries, each < pattern.shape[0]; with ``ccls`` empty, pattern[k] is
+    # row class k's contexts along a row (cols entries, or one where they do not vary),
+    # so each row is a slice copy or fill, which Numba makes a plain memory copy or set
+    # (an element loop does the byte arithmetic in int64); else ccls holds cols classes,
+    # each < pattern.shape[1], and the context of row class k, column class c is
+    # pattern[k, c].
+    along = pattern.shape[1] > 1
     r, j0 = divmod(phase + lo, cols)
     i = lo
     while i < hi:
         m = min(hi - i, cols - j0)
-        out[i - lo : i - lo + m] = pattern[rcls[r], j0 : j0 + m]
+        row = pattern[rcls[r]]
+        if ccls.size:
+            for q in range(m):
+                out[i - lo + q] = row[ccls[j0 + q]]
+        elif along:
+            out[i - lo : i - lo + m] = row[j0 : j0 + m]
+        else:
+            out[i - lo : i - lo + m] = row[0]
         i += m
         r += 1
         j0 = 0
 
 
 @njit(nogil=True, cache=True)
-def _count(sym, cols, phase, rcls, pattern, kmax):
+def _count(sym, cols, phase, rcls, pattern, ccls, kmax):
     # (context, symbol) counts of the contexts _context would make, without making them
     # (same invariant; every context < kmax), in four interleaved copies so that no
     # increment waits on the last.
     parts = np.zeros((4, kmax, 256), np.int64)
+    along = pattern.shape[1] > 1
     n = sym.size
     i = 0
     r = 0
@@ -257,9 +269,19 @@ def _count(sym, cols, phase, rcls, pattern, kmax):
     while i < n:
         m = min(n - i, cols - j0)
         row = pattern[rcls[r]]
-        for q in range(m):
-            t = i + q
-            parts[t & 3, row[j0 + q], sym[t]] += 1
+        if ccls.size:
+            for q in range(m):
+                t = i + q
+                parts[t & 3, row[ccls[j0 + q]], sym[t]] += 1
+        elif along:
+            for q in range(m):
+                t = i + q
+                parts[t & 3, row[j0 + q], sym[t]] += 1
+        else:
+            c = row[0]
+            for q in range(m):
+                t = i + q
+                parts[t & 3, c, sym[t]] += 1
         i += m
         r += 1
         j0 = 0
@@ -269,20 +291,40 @@ def _count(sym, cols, phase, rcls, pattern, kmax):
     return joint
 
 
+# A row class's contexts are laid out along a whole row (a slice copy per row) while all
+# of them take at most this many bytes per symbol of the field (plus _PATTERN_SLACK);
+# beyond, a symbol's context is looked up through its column's class, so that memory
+# follows the field, never a long row (the encoder classes columns only where each holds
+# a symbol at least: its patterns are always laid out).
+_PATTERN_PER_SYMBOL = 16
+_PATTERN_SLACK = 1 << 20
+
+
 def _context_args(n: int, cols: int, phase: int, rcls: np.ndarray | None,
                   ccls: np.ndarray | None, kc: int, cmap: np.ndarray | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(row classes, uint8[kr, cols] contexts along a row of each row class, each mapped
-    through ``cmap`` if given)."""
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row classes, pattern, column classes) for ``_context`` and ``_count``, each
+    context mapped through ``cmap`` if given: uint8[kr, cols] contexts along a row of
+    each row class and no column classes; uint8[kr, 1] when the columns are not classed
+    (a row's contexts are all its row class's, whatever ``cols`` is); or, where the
+    former would be large, uint8[kr, kc] by (row class, column class) and the uint8
+    column classes."""
     rows = n_rows(n, cols, phase)
     assert (rcls is None or rcls.size == rows) and (kc == 1 or ccls is not None
                                                    and ccls.size == cols)
     rc = (np.zeros(max(1, rows), np.int64) if rcls is None
           else np.ascontiguousarray(rcls, np.int64))
     kr = int(rc.max(initial=0)) + 1
-    along = np.zeros(cols, np.int64) if ccls is None else np.asarray(ccls, np.int64)
-    pattern = (np.arange(kr, dtype=np.int64)[:, None] * kc + along[None, :]).astype(np.uint8)
-    return rc, pattern if cmap is None else np.asarray(cmap, np.uint8)[pattern]
+    none = np.zeros(0, np.uint8)
+    if ccls is None:
+        along, indirect = np.zeros(1, np.uint8), none
+    elif kr * cols <= _PATTERN_PER_SYMBOL * n + _PATTERN_SLACK:
+        along, indirect = np.asarray(ccls, np.uint8), none
+    else:
+        along, indirect = np.arange(kc, dtype=np.uint8), np.ascontiguousarray(ccls, np.uint8)
+    # Contexts are below 256 (the caller checks), so uint8 arithmetic is exact.
+    pattern = np.arange(kr, dtype=np.uint8)[:, None] * np.uint8(kc) + along[None, :]
+    return rc, pattern if cmap is None else np.asarray(cmap, np.uint8)[pattern], indirect
 
 
 def context(n: int, cols: int, phase: int, rcls: np.ndarray | None,
@@ -303,13 +345,13 @@ def context_source(n: int, cols: int, phase: int, rcls: np.ndarray | None,
     """``context``'s values on demand: a function of (lo, hi) giving those of symbols
     lo..hi-1 (uint8, new), so a decoder can make them group by group while they are in
     cache instead of n bytes up front. ValueError unless 0 <= lo <= hi <= n."""
-    rc, pattern = _context_args(n, cols, phase, rcls, ccls, kc, cmap)
+    rc, pattern, indirect = _context_args(n, cols, phase, rcls, ccls, kc, cmap)
 
     def part(lo: int, hi: int) -> np.ndarray:
         if not 0 <= lo <= hi <= n:
             raise ValueError(f"contexts of symbols {lo}..{hi} asked, the field has {n}")
         out = np.empty(hi - lo, np.uint8)
-        _context(lo, hi, cols, phase, rc, pattern, out)
+        _context(lo, hi, cols, phase, rc, pattern, indirect, out)
         return out
 
     return part
@@ -319,8 +361,8 @@ def context_counts(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | No
                    ccls: np.ndarray | None, kc: int) -> np.ndarray:
     """The int64[256, 256] (context, symbol) counts of ``sym`` with ``context(...)``'s
     contexts, without making them (one pass over ``sym``)."""
-    rc, pattern = _context_args(sym.size, cols, phase, rcls, ccls, kc)
-    return _count(sym, cols, phase, rc, pattern, int(pattern.max(initial=0)) + 1)
+    rc, pattern, indirect = _context_args(sym.size, cols, phase, rcls, ccls, kc)
+    return _count(sym, cols, phase, rc, pattern, indirect, int(pattern.max(initial=0)) + 1)
 
 
 def map_bytes(count: int, k: int) -> int:
@@ -351,8 +393,9 @@ def unpack(buf: np.ndarray, count: int, k: int) -> np.ndarray | None:
     bits = np.unpackbits(buf, bitorder="little")
     if bits[count * w:].any():
         return None
-    weights = (1 << np.arange(w, dtype=np.uint8)).astype(np.uint8)
-    classes = (bits[: count * w].reshape(count, w) * weights).sum(axis=1).astype(np.uint8)
+    # A byte per class (w <= 8 bits each), never a wider integer per bit.
+    classes = np.packbits(bits[: count * w].reshape(count, w), axis=1,
+                          bitorder="little").reshape(count)
     if classes.size and int(classes.max()) >= k:
         return None
     return classes

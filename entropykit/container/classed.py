@@ -165,7 +165,7 @@ def decode(data: np.ndarray, n: int) -> np.ndarray:
                                    "sets padding bits")
     body = data[start:]
     try:
-        info = frame.parse(rans_static.CODER, body)
+        info = frame.parse(rans_static.CODER, body, max_output=n)
         # Each symbol's table index straight from the maps (cmap folded into the row
         # patterns): the kernel skips its cmap lookup; made group by group as the chunks
         # decode (in cache). A one-table frame needs no context.

@@ -133,8 +133,18 @@ def _unzstd() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-def count(codec: str, data: np.ndarray) -> int:
-    """How many symbols the payload ``data`` says it holds; CorruptDataError if unreadable."""
+def count(codec: str, data: np.ndarray, *, limit: int) -> int:
+    """How many symbols the payload ``data`` says it holds; CorruptDataError if unreadable
+    or more than ``limit`` (what the caller's segment can hold): a count read here may
+    size an allocation, so it is never returned unchecked."""
+    n = _declared(codec, data)
+    if n > limit:
+        raise CorruptDataError(f"{codec} payload declares {n} symbols, more than the {limit} "
+                               "its field can hold")
+    return n
+
+
+def _declared(codec: str, data: np.ndarray) -> int:
     if codec in ("rans", "tans"):
         if data.size < frame.HEADER_SIZE:
             raise CorruptDataError(f"{codec} frame truncated: {data.size} bytes")
@@ -158,19 +168,18 @@ def count(codec: str, data: np.ndarray) -> int:
 
 def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
     """Decode ``data`` (uint8 view of one payload) into ``n`` symbols; CorruptDataError if
-    it is malformed, holds another count, or fails its checksum. The result may be
-    read-only and share memory with ``data`` (raw, zstd): read it, do not write it."""
+    it is malformed, holds another count, or fails its checksum. ``n`` bounds what is
+    allocated: the payload's own count is checked against it first (``count``'s
+    ``limit`` bounds ``n`` where it came from the payload). The result may be read-only
+    and share memory with ``data`` (raw, zstd): read it, do not write it."""
     if codec in ("rans", "tans"):
         mod = rans if codec == "rans" else tans
-        head = bytes(data[:frame.HEADER_SIZE])
-        if len(head) == frame.HEADER_SIZE and int.from_bytes(head[8:16], "little") != n:
-            raise CorruptDataError(
-                f"{codec} frame holds {int.from_bytes(head[8:16], 'little')} symbols, "
-                f"field has {n}"
-            )
+        got = _declared(codec, data)
+        if got != n:
+            raise CorruptDataError(f"{codec} frame holds {got} symbols, field has {n}")
         kw = {"context": context} if codec == "rans" else {}
         try:
-            return mod.decode(data, threads=1, out=np.empty(n, np.uint8), **kw)
+            return mod.decode(data, threads=1, out=np.empty(n, np.uint8), max_output=n, **kw)
         except CorruptDataError:
             raise
         except ValueError as e:  # e.g. a context flag on a field that has no context

@@ -165,10 +165,9 @@ def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None],
     ``out`` when given (see ``formats.join``) and returned."""
     done: dict[str, np.ndarray] = {}
     for (name, ctx), codec, part in zip(fields, codec_names, parts, strict=True):
-        n = codecs.count(codec, part)
-        if n > 8 * nbytes:  # a field has at most one symbol per bit of the segment
-            raise CorruptDataError(f"field {name!r} claims {n} symbols in {nbytes} bytes")
         try:
+            # A field has at most one symbol per bit of the segment.
+            n = codecs.count(codec, part, limit=8 * nbytes)
             done[name] = codecs.decode(codec, part, n, None if ctx is None else done[ctx])
         except CorruptDataError as e:
             raise CorruptDataError(f"field {name!r} ({codec}): {e}") from None

@@ -106,7 +106,10 @@ def _check_raw_chunks(s: Stream) -> None:
 
 def _stream(codec: str, part: np.ndarray, n: int, ctx: str | None, label: str) -> Stream:
     """One field's stream: as the kernel will read it, checked as far as the host can."""
-    got = codecs.count(codec, part)
+    try:
+        got = codecs.count(codec, part, limit=n)
+    except CorruptDataError as e:
+        raise CorruptDataError(f"{label}: {e}") from None
     if got != n:
         raise CorruptDataError(f"{label}: holds {got} symbols, the segment has {n}")
     if codec == "rans":

@@ -29,6 +29,14 @@ Blob v1 (little-endian):
 Each (layer, k/v) tensor is its own frame because with the conditional residual model its
 (mu, sigma) depend on the groups decoded before it.
 
+Caps and checks: at most ``MAX_LAYERS`` layers, ``MAX_HEADS`` kv heads, ``MAX_HEAD_DIM``
+head dim and ``MAX_TOKENS`` tokens (batch * seq); the token ids and scales must lie inside
+the blob. Before the predictor runs (its cost grows with the tokens a blob claims) the
+decoder checks the whole blob: the header CRC, the shape against the calibration, and
+every frame's header and chunk directory: its format, its count (batch * kv heads * seq
+* head dim values), its model fingerprint, each raw chunk's length (the chunk's bytes)
+and each coded chunk's (128 state bytes plus whole 16-bit words).
+
 Determinism: the decoder must compute the same (mu, sigma) bits as the encoder (see
 ``predictors``); when it does not, decompress_kv raises ``CorruptDataError`` saying so
 instead of returning a wrong cache.
@@ -57,6 +65,21 @@ VERSION = 1
 _HEAD = struct.Struct("<4sBBBBIIIIIIIIH")
 CHUNK = 1 << 16  # values per chunk: a layer's tensor splits across threads
 _FORMATS = {"bf16": torch.bfloat16, "fp8_e4m3": FP8}
+# Far above any model's; a blob claiming more is refused before anything runs.
+MAX_LAYERS = 1 << 10
+MAX_HEADS = 1 << 10
+MAX_HEAD_DIM = 1 << 12
+MAX_TOKENS = 1 << 24
+
+
+def _cap_error(layers: int, batch: int, heads: int, seq: int, dim: int) -> str | None:
+    """What exceeds a cap of the blob format (module docstring), or None."""
+    for what, value, cap in (("layers", layers, MAX_LAYERS), ("kv heads", heads, MAX_HEADS),
+                             ("head dim", dim, MAX_HEAD_DIM),
+                             ("tokens (batch * seq)", batch * seq, MAX_TOKENS)):
+        if value > cap:
+            return f"{value} {what}, more than the format's {cap}"
+    return None
 
 
 def guess_arrays(guess: Prediction | None, layers: int,
@@ -138,6 +161,9 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     layers = len(kv.keys)
     if tuple(ids.shape) != (batch, seq):
         raise ValueError(f"input_ids has shape {tuple(ids.shape)}, the cache ({batch}, {seq})")
+    too_big = _cap_error(layers, batch, heads, seq, dim)
+    if too_big is not None:
+        raise ValueError(f"cannot code a KV cache of {too_big}")
     if calibration.bias.shape != (layers, 2, heads, dim):
         raise ValueError("the calibration was fitted for another model shape")
     if predictor.describe() != calibration.predictor:
@@ -258,6 +284,9 @@ def _front(blob: bytes | memoryview) -> _Front:
         raise CorruptDataError(f"KV blob value format {fcode} / model {kcode} (bytes 5-6)")
     if min(layers, batch, heads, seq, dim) < 1 or exact > layers:
         raise CorruptDataError("KV blob shape fields (bytes 8-31) are invalid")
+    too_big = _cap_error(layers, batch, heads, seq, dim)
+    if too_big is not None:
+        raise CorruptDataError(f"KV blob claims {too_big} (bytes 8-27)")
     off = _HEAD.size
     n_ids = batch * seq
     scale_bytes = 8 * layers if fmt == "fp8_e4m3" else 0
@@ -288,6 +317,33 @@ def _front(blob: bytes | memoryview) -> _Front:
                   [(int(a), int(n)) for a, n in zip(starts, lengths, strict=True)])
 
 
+def _check_frames(h: _Front, buf: np.ndarray, model: dist.CoderModel) -> None:
+    """Every frame's header and directory against the blob's header and ``model``
+    (module docstring); ``CorruptDataError`` naming the first frame that fails."""
+    n = int(np.prod(h.shape))
+    width = dist.FORMATS[h.fmt].storage.itemsize
+    for g, (start, length) in enumerate(h.frames):
+        frame = buf[start : start + length]
+        info = dist.parse(frame)
+        if info.fmt.name != h.fmt or info.n != n:
+            raise CorruptDataError(f"KV blob frame {g} holds {info.n} {info.fmt.name} values, "
+                                   f"the header says {n} {h.fmt}")
+        if info.fingerprint != model.fingerprint:
+            raise CorruptDataError(f"KV blob frame {g} was coded with model "
+                                   f"{info.fingerprint:#010x}, the calibration's is "
+                                   f"{model.fingerprint:#010x}")
+        values = np.minimum(info.chunk_size, n - info.chunk_size * np.arange(len(info.lengths)))
+        raw = info.modes == dist.MODE_RAW
+        bad = np.flatnonzero(np.where(raw, info.lengths != values * width,
+                                      (info.lengths < dist.STATE_BYTES)
+                                      | ((info.lengths - dist.STATE_BYTES) & 1 == 1)))
+        if bad.size:
+            c = int(bad[0])
+            raise CorruptDataError(f"KV blob frame {g} chunk {c}: a {'raw' if raw[c] else 'coded'}"
+                                   f" payload of {int(info.lengths[c])} bytes for "
+                                   f"{int(values[c])} values")
+
+
 def token_ids(blob: bytes) -> torch.Tensor:
     """The prompt's token ids ([batch, seq], int64) that a ``compress_kv`` blob carries."""
     return _front(blob).ids
@@ -314,6 +370,9 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             f"({predictor.exact_layers}) and {calibration.fingerprint:#010x}")
     if calibration.bias.shape != (h.layers, 2, h.shape[1], h.shape[3]):
         raise CorruptDataError("KV blob shape does not match the calibration's model")
+    buf = np.frombuffer(memoryview(blob), np.uint8)
+    model_tables = calibration.coder_model(h.kind, h.fmt)
+    _check_frames(h, buf, model_tables)  # all of the blob, before the predictor runs
     try:
         guess = predictor.predict(h.ids)
     except (IndexError, RuntimeError, ValueError) as e:
@@ -325,10 +384,8 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
     groups = _Groups(calibration, predictor, h.kind, h.shape, h.scales, h.layers,
                      dev if on_device else None, threads)
     groups.set_guess(guess)
-    buf = np.frombuffer(memoryview(blob), np.uint8)
-    model_tables = calibration.coder_model(h.kind, h.fmt)
     dtype = _FORMATS[h.fmt]
-    tensors, n = [], int(np.prod(h.shape))
+    tensors = []
     pending = []  # the GPU's decodes, checked in order once all are queued
     if groups.device is not None:
         from ..gpu import dist as gpu_dist
@@ -341,10 +398,6 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         layer, k = divmod(g, 2)
         mu, sigma, index = groups.distribution(layer, k)
         frame = buf[start : start + length]
-        info = dist.parse_header(frame[: dist.HEADER_SIZE], frame.size)  # the coders check
-        if info.fmt.name != h.fmt or info.n != n:
-            raise CorruptDataError(f"KV blob frame {g} holds {info.n} {info.fmt.name} values, "
-                                   f"the header says {n} {h.fmt}")
         if groups.device is not None:
             pending.append(gpu_dist.decode_async(host[start : start + length], mu, sigma,
                                                  model_tables, model_index=index,

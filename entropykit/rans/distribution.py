@@ -34,6 +34,7 @@ Frame layout v1 (little-endian):
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import zlib
@@ -56,6 +57,7 @@ DEFAULT_CHUNK = 1 << 17
 MIN_CHUNK = 1 << 10
 MAX_CHUNK = 1 << 26
 ONE = _k.ONE
+STATE_BYTES = _k.STATE_BYTES  # a coded chunk: these start states, then 16-bit words
 Z_MAX = _k.Z_MAX
 Z_POINTS = _k.Z_POINTS
 EMP_POINTS = _k.EMP_POINTS
@@ -523,11 +525,13 @@ def parse(blob: bytes | memoryview | np.ndarray) -> FrameInfo:
 
 def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: CoderModel, *,
            model_index: Any = None, threads: int | None = None,
-           out: np.ndarray | None = None) -> np.ndarray:
+           out: np.ndarray | None = None, max_output: int | None = None) -> np.ndarray:
     """Decode a frame back into value bits (uint16 / uint8, flat).
 
     ``mu``, ``sigma``, ``model`` and ``model_index`` must be exactly the encoder's.
-    ``CorruptDataError`` for a malformed frame, a model whose fingerprint differs, or a
+    ``CorruptDataError`` for a malformed frame, a model whose fingerprint differs, a frame
+    that declares another count of values than ``mu`` has or more than ``max_output``
+    (default: no bound beyond ``mu``'s; both checked before anything is allocated), or a
     chunk whose decoded values fail their CRC; ``ValueError`` for invalid mu / sigma.
     """
     info = parse(blob)
@@ -536,6 +540,13 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
                                f"decoder has {model.fingerprint:#010x} (byte 24)")
     f = info.fmt
     n = info.n
+    if max_output is not None and n > max_output:
+        raise CorruptDataError(f"distribution-rANS frame declares {n} values (byte 8), more "
+                               f"than the {max_output} its reader allows")
+    given = math.prod(np.shape(mu))
+    if n != given:
+        raise CorruptDataError(f"distribution-rANS frame holds {n} values (byte 8), mu has "
+                               f"{given}")
     mu_b, sg_b = _as_params(mu, sigma, n)
     midx = _as_index(model_index, model, n)
     buf = blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, np.uint8)

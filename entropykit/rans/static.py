@@ -90,6 +90,13 @@ def decode(
     threads: int | None = None,
     out: np.ndarray | None = None,
     context: np.ndarray | bytes | None = None,
+    max_output: int | None = None,
 ) -> np.ndarray:
-    """Decode an rANS frame into a uint8 array; ``CorruptDataError`` if it is malformed."""
-    return frame.decode(CODER, frame_bytes, threads, out, context)
+    """Decode an rANS frame into a uint8 array; ``CorruptDataError`` if it is malformed.
+
+    A frame coded with a ``context`` needs the same one. ``max_output``: the most symbols
+    the frame may declare, checked before anything is allocated (``CorruptDataError``
+    beyond); by default ``out``'s size, or without ``out`` ``frame.DEFAULT_MAX_OUTPUT``
+    (2**30): a larger frame needs an explicit bound.
+    """
+    return frame.decode(CODER, frame_bytes, threads, out, context, max_output=max_output)

@@ -91,6 +91,11 @@ def encode(
 
 
 def decode(frame_bytes: bytes | memoryview | np.ndarray, *, threads: int | None = None,
-           out: np.ndarray | None = None) -> np.ndarray:
-    """Decode a tANS frame into a uint8 array; ``CorruptDataError`` if it is malformed."""
-    return frame.decode(CODER, frame_bytes, threads, out)
+           out: np.ndarray | None = None, max_output: int | None = None) -> np.ndarray:
+    """Decode a tANS frame into a uint8 array; ``CorruptDataError`` if it is malformed.
+
+    ``max_output``: the most symbols the frame may declare, checked before anything is
+    allocated (``CorruptDataError`` beyond); by default ``out``'s size, or without ``out``
+    ``frame.DEFAULT_MAX_OUTPUT`` (2**30): a larger frame needs an explicit bound.
+    """
+    return frame.decode(CODER, frame_bytes, threads, out, max_output=max_output)
