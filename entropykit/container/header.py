@@ -9,8 +9,10 @@ with spaces to a multiple of 8). What it is not: tensor data access or compressi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +21,13 @@ METADATA_KEY = "__metadata__"
 # safetensors refuses headers over 100 MB; so do we (a hostile length cannot allocate more).
 MAX_HEADER = 100_000_000
 _LEN = struct.Struct("<Q")
+# Deepest JSON nesting any header or record needs is 5 levels; refusing more before parsing
+# keeps a hostile file from reaching the parser's recursion limit (or, where a program has
+# raised that limit, the C stack).
+MAX_JSON_DEPTH = 64
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
 
 # Bits per element of every dtype safetensors knows.
 DTYPE_BITS: dict[str, int] = {
@@ -74,7 +83,7 @@ class Header:
     def data_size(self) -> int:
         return max((e.end for e in self.entries), default=0)
 
-    @property
+    @functools.cached_property
     def by_offset(self) -> list[Entry]:
         return sorted(self.entries, key=lambda e: (e.begin, e.end))
 
@@ -82,7 +91,29 @@ class Header:
         return self.data_start + self.data_size
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+def _nesting_ok(text: bytes) -> bool:
+    """Whether JSON ``text`` nests at most MAX_JSON_DEPTH deep (brackets outside strings;
+    unbalanced text is refused too: it is not JSON). Each pass removes the innermost
+    pairs, so exactly one level."""
+    s = _STRING.sub(b"", text).translate(None, _NOT_BRACKET)
+    for _ in range(MAX_JSON_DEPTH):
+        if not s:
+            return True
+        s = _EMPTY_PAIR.sub(b"", s)
+    return not s
+
+
+def loads(text: str | bytes, **kwargs: object) -> object:
+    """``json.loads`` for untrusted text: ValueError if it is not JSON or nests deeper than
+    MAX_JSON_DEPTH (checked before parsing)."""
+    if not _nesting_ok(text.encode("utf-8", "surrogatepass") if isinstance(text, str)
+                       else text):
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels, or unbalanced")
+    return json.loads(text, **kwargs)
+
+
+def unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """An ``object_pairs_hook`` refusing duplicate keys (which one wins is ambiguous)."""
     out: dict[str, object] = {}
     for k, v in pairs:
         if k in out:
@@ -123,7 +154,7 @@ def _entry(name: str, spec: object) -> Entry:
 def parse_json(raw: bytes) -> Header:
     """Parse header JSON bytes (as stored after the 8-byte length); ValueError if invalid."""
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        obj = loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"header is not UTF-8 JSON ({e})") from None
     if not isinstance(obj, dict):
