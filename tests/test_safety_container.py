@@ -241,9 +241,12 @@ def test_record_fields_must_be_the_split() -> None:
 def test_json_depth_limit() -> None:
     ok = "[" * header.MAX_JSON_DEPTH + "]" * header.MAX_JSON_DEPTH
     assert header.loads(ok) is not None
-    for bad in ("[" + ok + "]", '{"a":' * 65 + "1" + "}" * 65, "[[]", "]["):
+    for bad in ("[" + ok + "]", '{"a":' * 65 + "1" + "}" * 65, "[" * 100_000,
+                "[]" * 1000 + "[" * 65 + "]" * 65):
         with pytest.raises(ValueError, match="nested deeper than 64 levels"):
             header.loads(bad)
+    with pytest.raises(json.JSONDecodeError):  # malformed but shallow: the parser says so
+        header.loads("{]}")
     # Brackets inside strings (escaped quotes included) are text, not nesting.
     assert header.loads(json.dumps(["[" * 500 + '\\"{' * 500])) == ["[" * 500 + '\\"{' * 500]
     assert header.loads(b'{"a":"\\\\","b":[[1]]}') == {"a": "\\", "b": [[1]]}
