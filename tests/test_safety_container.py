@@ -489,3 +489,15 @@ def test_files_of_older_record_versions_decode_byte_identically(tmp_path: Path,
     want = safetensors.torch.load_file(DATA / "legacy.safetensors")
     got = entropykit.load_file(packed)
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_values_of_the_wrong_json_type_are_corrupt_data() -> None:
+    good = _crafted({"w": ("U8", [8], [["raw"]], _payload(_raw(bytes(8))))}, 64)
+    n = struct.unpack("<Q", good[:8])[0]
+    outer = json.loads(good[8 : 8 + n])
+    outer["w"]["dtype"] = ["U8"]  # unhashable where a dtype name belongs
+    with pytest.raises(CorruptDataError, match=r"tensor 'w': unknown dtype \['U8'\]"):
+        Compressed(_file(outer, good[8 + n :]))
+    bad = _resign(good, lambda r: r["tensors"]["w"].update(fields=[["a", None], ["b", ["a"]]]))
+    with pytest.raises(CorruptDataError, match="tensor 'w' entry is malformed"):
+        Compressed(bad)

@@ -138,7 +138,7 @@ def _entry(name: str, spec: object) -> Entry:
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise ValueError(f"tensor {name!r}: entry must have dtype, shape and data_offsets")
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
     if not (type(shape) is list and type(offsets) is list and _naturals(shape)
             and _naturals(offsets)):

@@ -112,7 +112,8 @@ def _fields_ok(fields: object) -> bool:
     seen: set[str] = set()
     for f in fields:
         if not (isinstance(f, list) and len(f) == 2 and isinstance(f[0], str)
-                and f[0] not in seen and (f[1] is None or f[1] in seen)):
+                and f[0] not in seen
+                and (f[1] is None or (isinstance(f[1], str) and f[1] in seen))):
             return False
         seen.add(f[0])
     return True
