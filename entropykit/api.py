@@ -26,6 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ._errors import CorruptDataError
 from .container import _atomic, checkpoint, files
 from .container import header as hdr
 from .container.parallel import imap, resolve
@@ -139,7 +140,9 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
 
     Same return as ``safetensors.torch.load_file`` (names in data order). A compressed file
     is decoded tensor by tensor straight into the returned tensors (no temporary file, no
-    decompressed copy of the file). A plain file is handed to ``safetensors``.
+    decompressed copy of the file). A plain file is handed to ``safetensors``; a file that
+    says it is compressed (docs/format.md, "Reading a file as compressed") never is, and
+    one that is not a valid safetensors file raises ``CorruptDataError``.
 
     On a CUDA device (``"cuda"``, ``"cuda:1"``, an ``int`` or a ``torch.device``) a
     compressed file is decoded by the GPU (``entropykit.gpu``: the file's payloads go to the
@@ -155,10 +158,12 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
     n = resolve(threads)
     with files.named(path), files.mapped(path) as buf:
         try:
-            plain = not is_compressed(hdr.parse_file(memoryview(buf)))
-        except ValueError:
-            plain = True  # not ours: let safetensors say what is wrong with it
-        if plain:
+            h = hdr.parse_file(memoryview(buf))
+        except ValueError as e:
+            # Ours or not, never handed on: safetensors accepts some headers this refuses
+            # (duplicate keys), and a damaged compressed file must not load as plain.
+            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+        if not is_compressed(h, buf):
             return safetensors.torch.load_file(path, device=device)
         c = Compressed(buf)
         dtypes = _torch_dtypes()

@@ -148,7 +148,9 @@ def test_compressed_file_is_valid_safetensors(model: Path, tmp_path: Path) -> No
     assert meta["format"] == "pt" and meta["note"] == "caf\u00e9 \u2603"
     assert set(meta) == {"format", "note", record.KEY}
     rec = json.loads(meta[record.KEY])
-    assert rec["format"] == "entropykit" and rec["version"] == 1
+    assert rec["format"] == "entropykit" and rec["version"] == 3
+    assert list(rec) == ["format", "version", "segment_bytes", "header_crc32", "header_size",
+                         "header", "tensors", "record_crc32"]
     bf16 = rec["tensors"]["w.bf16"]
     assert bf16["dtype"] == "BF16" and bf16["shape"] == [64, 96] and bf16["layout"] is None
     assert bf16["fields"] == [["exponent", None], ["sign_mantissa", "exponent"]]

@@ -1,8 +1,10 @@
 """The "rans2d" codec (row / column classes + a context-conditioned rANS frame): exact round
 trips on adversarial fields and geometries, the choice in ``codecs.choose``, hostile
-payloads, determinism, and a whole file using it (record version 2)."""
+payloads, determinism, and a whole file using it."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -249,15 +251,20 @@ def test_truncation_anywhere_is_detected(coded: tuple[np.ndarray, bytes, classed
         _decode(blob + b"\0", sym.size)
 
 
-def test_record_version_follows_codecs() -> None:
+def test_records_are_version_3_and_older_versions_read() -> None:
     t = record.TensorRecord("BF16", (4, 4), None, (("exponent", None),), (("tans",),))
     t2 = record.TensorRecord("BF16", (4, 4), None, (("exponent", None),), (("rans2d",),))
-    old = record.Record(8, b"{}", {"a": t})
     new = record.Record(8, b"{}", {"a": t, "b": t2})
-    assert old.version == 1 and new.version == 2
-    assert record.parse(old.to_json()).tensors == old.tensors
+    assert json.loads(new.to_json())["version"] == 3
     assert record.parse(new.to_json()).tensors == new.tensors
-    assert len(old.to_json()) == len(old.to_json().replace('"version":1', '"version":2'))
+    # As versions 1 and 2 were written: no checksum; version 1 never names rans2d.
+    old = json.loads(new.to_json())
+    del old["record_crc32"]
+    old["version"] = 2
+    assert record.parse(json.dumps(old)).tensors == new.tensors
+    old["version"] = 1
+    with pytest.raises(CorruptDataError, match="version 1 record names a codec of version 2"):
+        record.parse(json.dumps(old))
 
 
 def test_file_with_rans2d_roundtrips(tmp_path) -> None:
@@ -270,7 +277,7 @@ def test_file_with_rans2d_roundtrips(tmp_path) -> None:
     entropykit.compress_file(src, again, threads=1)
     assert again.read_bytes() == packed.read_bytes()  # deterministic, any thread count
     c = Compressed(np.fromfile(packed, np.uint8))
-    assert c.record.version == 2
+    assert c.record.version == 3
     assert c.record.tensors["w"].codecs == (("rans2d", "rans"),)
     assert torch.equal(entropykit.load_file(packed)["w"], w)
     assert np.array_equal(c.tensor("w"), w.view(torch.uint8).numpy().reshape(-1))

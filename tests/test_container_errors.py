@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -80,23 +81,39 @@ def test_every_corruption_is_detected_or_harmless(pair: tuple[Path, Path]) -> No
     assert detected > 0.9 * 2 * len(positions)
 
 
-def _rewrite_record(blob: bytes, edit) -> bytes:
+def _sign(rec: dict) -> str:
+    """A version 3 record's text with its record_crc32, as docs/format.md defines it."""
+    body = json.dumps(rec, separators=(",", ":"), ensure_ascii=False)[:-1]
+    return f'{body},"record_crc32":"{zlib.crc32(body.encode()):08x}"}}'
+
+
+def _rewrite_record(blob: bytes, edit, sign: bool = True) -> bytes:
+    """``blob`` with its record edited; a version 3 record signed again unless ``sign``
+    is False (so the edit reaches the checks behind the checksum)."""
     n = struct.unpack("<Q", blob[:8])[0]
     head = json.loads(blob[8 : 8 + n])
     rec = json.loads(head["__metadata__"][record.KEY])
+    crc = rec.pop("record_crc32")
     edit(rec)
-    head["__metadata__"][record.KEY] = json.dumps(rec)
-    text = json.dumps(head).encode()
-    return struct.pack("<Q", len(text)) + text + blob[8 + n :]
+    if rec.get("version") == 3 and sign:
+        text = _sign(rec)
+    else:
+        if rec.get("version") == 3:
+            rec["record_crc32"] = crc
+        text = json.dumps(rec, separators=(",", ":"), ensure_ascii=False)
+    head["__metadata__"][record.KEY] = text
+    raw = json.dumps(head).encode()
+    return struct.pack("<Q", len(raw)) + raw + blob[8 + n :]
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda r: r.update(version=3), "version 3 unsupported"),
+    (lambda r: r.update(version=4), "version 4 unsupported"),
     (lambda r: r.update(version=True), "version True unsupported"),
-    (lambda r: r["tensors"]["w"]["codecs"][0].__setitem__(0, "rans2d"),
+    (lambda r: (r.update(version=1), r["tensors"]["w"]["codecs"][0].__setitem__(0, "rans2d")),
      "version 1 record names a codec of version 2"),
     (lambda r: (r.update(version=2), r["tensors"]["w"]["codecs"][0].__setitem__(0, "rans2d")),
      "rans2d"),
+    (lambda r: r.update(segment_bytes=1 << 27), "exceeds the format's maximum"),
     (lambda r: r.update(header_crc32=r["header_crc32"] ^ 1), "CRC-32"),
     (lambda r: r.update(header="!!"), "does not decode"),
     (lambda r: r["tensors"]["w"].update(dtype="F16"), "record says F16"),

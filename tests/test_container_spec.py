@@ -34,6 +34,36 @@ def _payload_rows() -> list[tuple[int, int, str]]:
             for o, s, f in re.findall(r"^\| (\d+) \| (\d+) \| ([a-z]+) \|", table, re.M)]
 
 
+def _record_crc_ok(text: str) -> bool:
+    """The record checksum as the "Record checksum" paragraph states it."""
+    para = SECTION.split("**Record checksum**", 1)[1].split("\n\n", 1)[0]
+    count = int(re.search(r"ends with the (\d+) characters", para)[1])
+    template = re.search(r"`(,[^`]*h{8}[^`]*)`", para)[1]
+    assert len(template) == count
+    head, tail = template.split("h" * 8)
+    end = text[-count:]
+    if not (end.startswith(head) and end.endswith(tail)):
+        return False
+    digits = end[len(head) : count - len(tail)]
+    return digits == digits.lower() and zlib.crc32(text[:-count].encode()) == int(digits, 16)
+
+
+def test_record_checksum_catches_every_edit(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(all_dtypes(), src)
+    packed = tmp_path / "m.ek.safetensors"
+    files.compress_file(src, packed)
+    blob = packed.read_bytes()
+    text = json.loads(blob[8 : 8 + struct.unpack("<Q", blob[:8])[0]])["__metadata__"][
+        "entropykit"]
+    assert _record_crc_ok(text)
+    rng = np.random.default_rng(14)
+    for i in rng.choice(len(text), 300, replace=False):
+        for other in ("0", "a", '"'):
+            if text[i] != other:
+                assert not _record_crc_ok(text[:i] + other + text[i + 1 :])
+
+
 def _field_payload(codec: str, data: bytes, context: np.ndarray | None) -> np.ndarray:
     if codec == "rans":
         return rans.decode(data, context=context)
@@ -53,8 +83,10 @@ def _restore(blob: bytes) -> bytes:
     assert n % 8 == 0
     outer = json.loads(blob[8 : 8 + n])
     data = blob[8 + n :]
-    rec = json.loads(outer["__metadata__"]["entropykit"])
-    assert (rec["format"], rec["version"]) == ("entropykit", 1)
+    text = outer["__metadata__"]["entropykit"]
+    rec = json.loads(text)
+    assert (rec["format"], rec["version"]) == ("entropykit", 3)
+    assert _record_crc_ok(text) and list(rec)[-1] == "record_crc32"
     header = zstandard.ZstdDecompressor().decompress(base64.b64decode(rec["header"]))
     assert len(header) == rec["header_size"] and zlib.crc32(header) == rec["header_crc32"]
     original = json.loads(header)

@@ -9,16 +9,26 @@ with spaces to a multiple of 8). What it is not: tensor data access or compressi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 METADATA_KEY = "__metadata__"
 # safetensors refuses headers over 100 MB; so do we (a hostile length cannot allocate more).
 MAX_HEADER = 100_000_000
 _LEN = struct.Struct("<Q")
+# Deepest JSON nesting any header or record needs is 5 levels; refusing more before parsing
+# keeps a hostile file from reaching the parser's recursion limit (or, where a program has
+# raised that limit, the C stack).
+MAX_JSON_DEPTH = 64
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
 
 # Bits per element of every dtype safetensors knows.
 DTYPE_BITS: dict[str, int] = {
@@ -74,7 +84,7 @@ class Header:
     def data_size(self) -> int:
         return max((e.end for e in self.entries), default=0)
 
-    @property
+    @functools.cached_property
     def by_offset(self) -> list[Entry]:
         return sorted(self.entries, key=lambda e: (e.begin, e.end))
 
@@ -82,7 +92,32 @@ class Header:
         return self.data_start + self.data_size
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+def _nesting_ok(text: bytes) -> bool:
+    """Whether JSON ``text`` nests at most MAX_JSON_DEPTH deep: the most brackets open at
+    once outside strings (malformed text is left to the parser, which stops at its first
+    error, so never deeper than this counts)."""
+    marks = np.frombuffer(_STRING.sub(b"", text).translate(None, _NOT_BRACKET), np.uint8)
+    level = 0
+    for i in range(0, marks.size, 1 << 20):  # in pieces: a few MB of work memory at most
+        # "[" and "{" have bit 1 set, "]" and "}" do not: +1 opens, -1 closes.
+        depth = level + np.cumsum((marks[i : i + (1 << 20)] & 2).astype(np.int32) - 1)
+        if depth.max() > MAX_JSON_DEPTH:
+            return False
+        level = int(depth[-1])
+    return True
+
+
+def loads(text: str | bytes, **kwargs: object) -> object:
+    """``json.loads`` for untrusted text: ValueError if it is not JSON or nests deeper than
+    MAX_JSON_DEPTH (checked before parsing)."""
+    if not _nesting_ok(text.encode("utf-8", "surrogatepass") if isinstance(text, str)
+                       else text):
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return json.loads(text, **kwargs)
+
+
+def unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """An ``object_pairs_hook`` refusing duplicate keys (which one wins is ambiguous)."""
     out: dict[str, object] = {}
     for k, v in pairs:
         if k in out:
@@ -103,7 +138,7 @@ def _entry(name: str, spec: object) -> Entry:
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise ValueError(f"tensor {name!r}: entry must have dtype, shape and data_offsets")
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
     if not (type(shape) is list and type(offsets) is list and _naturals(shape)
             and _naturals(offsets)):
@@ -123,7 +158,7 @@ def _entry(name: str, spec: object) -> Entry:
 def parse_json(raw: bytes) -> Header:
     """Parse header JSON bytes (as stored after the 8-byte length); ValueError if invalid."""
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        obj = loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"header is not UTF-8 JSON ({e})") from None
     if not isinstance(obj, dict):

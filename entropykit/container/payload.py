@@ -35,17 +35,17 @@ def index(lengths: Sequence[int]) -> bytes:
     return _HEAD.pack(MAGIC, len(lengths)) + np.array(lengths, "<u8").tobytes()
 
 
-def unpack(buf: np.ndarray, count: int) -> list[np.ndarray]:
-    """Views of the ``count`` field payloads in ``buf`` (uint8); CorruptDataError if the
-    index is damaged or does not account for every byte."""
+def _lengths(buf: np.ndarray, count: int | None) -> list[int]:
+    """The field payload lengths listed by the index in ``buf``; CorruptDataError if the
+    index is damaged, lists other than ``count`` (when given) or leaves bytes over."""
     if buf.size < _HEAD.size:
         raise CorruptDataError(f"payload truncated: {buf.size} bytes")
     magic, k = _HEAD.unpack(buf[: _HEAD.size].tobytes())
     if magic != MAGIC:
         raise CorruptDataError(f"payload magic {magic!r}, expected {MAGIC!r}")
-    if k != count:
+    if count is not None and k != count:
         raise CorruptDataError(f"payload holds {k} field payloads, record says {count}")
-    start = _HEAD.size + 8 * k
+    start = index_size(k)
     if buf.size < start:
         raise CorruptDataError(f"payload index truncated: {buf.size} bytes, index needs {start}")
     # Python ints: a hostile index must not wrap an int64 sum into a plausible total.
@@ -55,8 +55,24 @@ def unpack(buf: np.ndarray, count: int) -> list[np.ndarray]:
             f"payload index lists {sum(lengths)} bytes of field payloads, "
             f"{buf.size - start} follow it"
         )
+    return lengths
+
+
+def unpack(buf: np.ndarray, count: int) -> list[np.ndarray]:
+    """Views of the ``count`` field payloads in ``buf`` (uint8); CorruptDataError if the
+    index is damaged or does not account for every byte."""
+    start = index_size(count)
     parts = []
-    for n in lengths:
+    for n in _lengths(buf, count):
         parts.append(buf[start : start + n])
         start += n
     return parts
+
+
+def well_formed(buf: np.ndarray) -> bool:
+    """Whether ``buf`` (uint8) is laid out as a payload: magic, index, every byte listed."""
+    try:
+        _lengths(buf, None)
+    except CorruptDataError:
+        return False
+    return True

@@ -24,16 +24,37 @@ from .parallel import imap
 Progress = Callable[[int, int], None]
 
 
-def is_compressed(h: hdr.Header) -> bool:
-    """Whether a parsed safetensors header is that of an entropykit-compressed file."""
-    return record.KEY in (h.metadata or {})
+def is_compressed(h: hdr.Header, buf: np.ndarray | None = None) -> bool:
+    """Whether a parsed safetensors header says its file is entropykit-compressed: it has
+    the record, or its metadata names one, or (given the file's bytes ``buf``) every
+    tensor is a payload (``claim``). Such a file is read as compressed, never as plain:
+    a damaged record is an error, not a plain file."""
+    read = None if buf is None else (
+        lambda e: buf[h.data_start + e.begin : h.data_start + e.end])
+    return claim(h, read) is not None
+
+
+def claim(h: hdr.Header, read: Callable[[hdr.Entry], np.ndarray] | None = None
+          ) -> str | None:
+    """Why a file with header ``h`` says it is an entropykit file, or None
+    (docs/format.md, "Reading a file as compressed"); ``read(entry)`` gives a tensor's
+    bytes, for the payload rule (skipped without it)."""
+    if record.KEY in (h.metadata or {}):
+        return f"__metadata__ has {record.KEY!r}"
+    why = record.names_record(h.metadata)
+    if why is None and read is not None and h.entries and all(
+            e.dtype == "U8" and len(e.shape) == 1 and payload.well_formed(read(e))
+            for e in h.entries):
+        why = "every tensor is an entropykit payload"
+    return why
 
 
 class Compressed:
     """A compressed file in ``buf`` (bytes-like); raises CorruptDataError if inconsistent.
 
     Attributes: ``outer`` (the file's own header), ``record``, ``original`` (the
-    original file's header, parsed).
+    original file's header, parsed). Every size and count the file states is checked
+    against the file and the format's caps before anything is sized by it.
     """
 
     def __init__(self, buf: bytes | memoryview | np.ndarray) -> None:
@@ -42,7 +63,12 @@ class Compressed:
             self.outer = hdr.parse_file(memoryview(self._buf))
         except ValueError as e:
             raise CorruptDataError(f"not a valid safetensors file: {e}") from None
-        if not is_compressed(self.outer):
+        if record.KEY not in (self.outer.metadata or {}):
+            start = self.outer.data_start
+            why = claim(self.outer, lambda e: self._buf[start + e.begin : start + e.end])
+            if why is not None:
+                raise CorruptDataError(f"damaged entropykit file: {why}, but no "
+                                       f"{record.KEY!r} record")
             raise ValueError("not an entropykit-compressed file (no entropykit record)")
         self.record = record.parse(self.outer.metadata[record.KEY])
         try:
@@ -50,11 +76,11 @@ class Compressed:
         except ValueError as e:
             raise CorruptDataError(f"original header in the record: {e}") from None
         self._outer = {e.name: e for e in self.outer.entries}
+        self._entries = {e.name: e for e in self.original.entries}
         self._check()
 
     def _check(self) -> None:
-        orig = [e.name for e in self.original.entries]
-        if set(orig) != set(self._outer) or set(orig) != set(self.record.tensors):
+        if not self._entries.keys() == self._outer.keys() == self.record.tensors.keys():
             raise CorruptDataError("tensor names differ between file, record and original "
                                    "header")
         for e in self.original.entries:
@@ -66,10 +92,21 @@ class Compressed:
                 )
             if o.dtype != "U8" or len(o.shape) != 1:
                 raise CorruptDataError(f"tensor {e.name!r}: payload is not a 1-D U8 tensor")
-            if len(t.codecs) != len(self.bounds(e)) or (e.nbytes and not t.fields):
+            try:
+                segment.expect(e.dtype, t.layout, t.fields)
+            except CorruptDataError as err:
+                raise CorruptDataError(f"tensor {e.name!r}: {err}") from None
+            # Counted, not listed: a claimed size must not cost memory before it is checked.
+            n = segment.count(e.nbytes, hdr.DTYPE_BITS[e.dtype], self.record.segment_bytes)
+            if len(t.codecs) != n:
                 raise CorruptDataError(
                     f"tensor {e.name!r}: record lists {len(t.codecs)} segments, "
-                    f"{e.nbytes} bytes make {len(self.bounds(e))}"
+                    f"{e.nbytes} bytes make {n}"
+                )
+            if o.nbytes < payload.index_size(n * len(t.fields)):
+                raise CorruptDataError(
+                    f"tensor {e.name!r}: a payload of {o.nbytes} bytes cannot index "
+                    f"{n} segments of {len(t.fields)} fields"
                 )
 
     def bounds(self, e: hdr.Entry) -> list[tuple[int, int]]:
@@ -81,10 +118,7 @@ class Compressed:
 
     def entry(self, name: str) -> hdr.Entry:
         """The original header's entry of tensor ``name`` (KeyError if absent)."""
-        for e in self.original.entries:
-            if e.name == name:
-                return e
-        raise KeyError(name)
+        return self._entries[name]
 
     def payload_size(self, name: str) -> int:
         return self._outer[name].nbytes

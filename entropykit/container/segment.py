@@ -163,11 +163,13 @@ def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None],
            out: np.ndarray | None = None) -> np.ndarray:
     """The ``nbytes`` original bytes of a segment from its field payloads; written into
     ``out`` when given (see ``formats.join``) and returned."""
+    want = expect(dtype, layout, fields).symbols(nbytes)
     done: dict[str, np.ndarray] = {}
-    for (name, ctx), codec, part in zip(fields, codec_names, parts, strict=True):
+    for (name, ctx), codec, part, m in zip(fields, codec_names, parts, want, strict=True):
         try:
-            # A field has at most one symbol per bit of the segment.
-            n = codecs.count(codec, part, limit=8 * nbytes)
+            n = codecs.count(codec, part, limit=m)
+            if n != m:  # so no coder is asked for more than the segment holds
+                raise CorruptDataError(f"claims {n} symbols, {nbytes} bytes of {dtype} make {m}")
             done[name] = codecs.decode(codec, part, n, None if ctx is None else done[ctx])
         except CorruptDataError as e:
             raise CorruptDataError(f"field {name!r} ({codec}): {e}") from None
@@ -183,9 +185,33 @@ def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None],
     return out.reshape(-1)
 
 
+def expect(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], ...]
+           ) -> Split:
+    """The split of (``dtype``, ``layout``), which a record's ``fields`` must equal;
+    CorruptDataError otherwise (a reader never trusts a field list it cannot check)."""
+    try:
+        split = Split.of(dtype, layout, hdr.DTYPE_BITS[dtype])
+    except (ValueError, KeyError, TypeError, NotImplementedError) as e:
+        raise CorruptDataError(f"{dtype} with layout {layout!r} is not coded by entropykit "
+                               f"({e})") from None
+    if split.fields != fields:
+        raise CorruptDataError(f"fields {list(fields)} are not those of {dtype} with layout "
+                               f"{layout!r}: {list(split.fields)}")
+    return split
+
+
+def _step(dtype_bits: int, segment_bytes: int) -> int:
+    unit = math.lcm(dtype_bits, 8) // 8  # bytes holding a whole number of elements
+    return max(unit, segment_bytes // unit * unit)
+
+
+def count(nbytes: int, dtype_bits: int, segment_bytes: int) -> int:
+    """How many segments ``bounds`` gives, without listing them."""
+    return -(-nbytes // _step(dtype_bits, segment_bytes))
+
+
 def bounds(nbytes: int, dtype_bits: int, segment_bytes: int) -> list[tuple[int, int]]:
     """Byte ranges of a tensor's segments: ``segment_bytes`` rounded down to whole elements
     (at least one element group), the last one shorter; none for an empty tensor."""
-    unit = math.lcm(dtype_bits, 8) // 8  # bytes holding a whole number of elements
-    step = max(unit, segment_bytes // unit * unit)
+    step = _step(dtype_bits, segment_bytes)
     return [(lo, min(nbytes, lo + step)) for lo in range(0, nbytes, step)]

@@ -21,6 +21,7 @@ from .. import formats
 from . import codecs, payload, record, segment
 from . import header as hdr
 from .parallel import imap
+from .reader import claim
 from .stats import Summary
 
 SEGMENT_BYTES = 1 << 24  # 16 MiB of original bytes per segment
@@ -103,9 +104,11 @@ def _widest_header(source: Source, plans: list[_Plan], segment_bytes: int) -> by
 
 
 def check_input(source: Source) -> None:
-    """Refuse input that already carries an entropykit record (compressing it twice)."""
-    if record.KEY in (source.header.metadata or {}):
-        raise ValueError(f"already entropykit-compressed (__metadata__ has {record.KEY!r})")
+    """Refuse input that says it is entropykit-compressed (``reader.claim``): compressing
+    it again would hide a record, and its restored copy would not read as plain."""
+    why = claim(source.header, source.read)
+    if why is not None:
+        raise ValueError(f"already entropykit-compressed ({why})")
 
 
 def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = SEGMENT_BYTES,
@@ -115,8 +118,9 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     ``fast`` and ``target`` as for ``codecs.choose``."""
     codecs.check_target(target)
     check_input(source)
-    if segment_bytes < 8 or segment_bytes % 8:
-        raise ValueError(f"segment_bytes must be a positive multiple of 8, got {segment_bytes}")
+    if not 8 <= segment_bytes <= record.MAX_SEGMENT_BYTES or segment_bytes % 8:
+        raise ValueError(f"segment_bytes must be a multiple of 8 from 8 to "
+                         f"{record.MAX_SEGMENT_BYTES}, got {segment_bytes}")
     plans = _plan(source, segment_bytes)
     reserve = len(_widest_header(source, plans, segment_bytes))
 
