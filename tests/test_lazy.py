@@ -155,3 +155,30 @@ def test_load_file_directory_duplicate(tmp_path: Path) -> None:
     safetensors.torch.save_file({"a.w": torch.zeros(1)}, d / "extra.safetensors")
     with pytest.raises(ValueError, match="in both"):
         entropykit.load_file(d)
+
+
+def test_outer_format_refuses_plain_loaders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """The compressed file's own format is "entropykit"; the original's comes back on
+    restore and from safe_open; a file with the input's format kept (older writers)
+    reads the same."""
+    from safetensors import safe_open as plain_open
+
+    from entropykit.container import writer
+
+    plain, ek = _write(tmp_path, _tensors())
+    with plain_open(ek, "np") as f:
+        assert f.metadata()["format"] == "entropykit"
+    with entropykit.safe_open(ek, framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+    entropykit.decompress_file(ek, tmp_path / "back.safetensors")
+    assert (tmp_path / "back.safetensors").read_bytes() == plain.read_bytes()
+    monkeypatch.setattr(writer, "FORMAT", "pt")
+    old = tmp_path / "old.ek.safetensors"
+    files.compress_file(plain, old, segment_bytes=64)
+    with plain_open(old, "np") as f:
+        assert f.metadata()["format"] == "pt"
+    with entropykit.safe_open(old, framework="np") as f:
+        assert f.get_slice("bf16")[3:5].tobytes() == _tensors()["bf16"][3:5].tobytes()
+    entropykit.decompress_file(old, tmp_path / "back2.safetensors")
+    assert (tmp_path / "back2.safetensors").read_bytes() == plain.read_bytes()
