@@ -100,6 +100,8 @@ class EntropyKitQuantizer(HfQuantizer):
                                              | None = None, **kwargs: Any) -> Any:
         for name in checkpoint_files or []:
             path = Path(name)
+            if path.suffix != ".safetensors":
+                continue  # not ours (entropykit writes safetensors files only)
             f = self._stack.enter_context(safe_open(path, framework="pt"))
             if not isinstance(f, CompressedFile):
                 continue  # a plain shard: transformers' tensors are the weights
