@@ -144,11 +144,18 @@ def test_plain_transformers_refuses(tmp_path: Path) -> None:
     assert "RuntimeError" in r.stderr and "MISMATCH" in r.stderr
 
 
-@pytest.mark.parametrize("first", ["entropykit", "transformers"])
+FIRST = {
+    "entropykit": "import sys, entropykit\nassert 'transformers' not in sys.modules\n",
+    "transformers": "import transformers, entropykit\n",
+    # the quantizer module imports transformers' registry, which runs the import hook
+    "quantizer": "import entropykit.hf._quantizer\n",
+}
+
+
+@pytest.mark.parametrize("first", sorted(FIRST))
 def test_registered_whichever_is_imported_first(first: str) -> None:
-    """Registered either way, and importing entropykit alone does not import transformers."""
-    code = ("import sys, entropykit\nassert 'transformers' not in sys.modules\n"
-            if first == "entropykit" else "import transformers, entropykit\n")
+    """Registered in any import order; importing entropykit does not import transformers."""
+    code = FIRST[first]
     code += ("from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m\n"
              "assert m['entropykit'].__name__ == 'EntropyKitQuantizer', m.get('entropykit')\n")
     subprocess.run([sys.executable, "-c", code], check=True)

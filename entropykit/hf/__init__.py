@@ -120,6 +120,8 @@ class _Then(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
         _uninstall()
+        if __name__ + "._quantizer" in sys.modules:
+            return  # being imported (it imported transformers): it registers at its end
         try:
             register()
         except Exception as e:  # a transformers without the registry must still import

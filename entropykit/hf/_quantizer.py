@@ -179,3 +179,6 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(EntropyKitConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(EntropyKitQuantizer)
+
+
+register()  # importing this module registers it, whoever imports it first
