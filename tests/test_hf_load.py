@@ -173,10 +173,10 @@ def test_mark_restores_bytes(raw: bytes) -> None:
     assert hf.unmarked(raw) is None
 
 
-@pytest.mark.parametrize("raw", [b"[1, 2]", b"not json", b"\xff\xfe",
+@pytest.mark.parametrize("raw", [b"[1, 2]", b"not json", b"\xff\xfe", b"[" * 100_000,
                                  b'{"quantization_config": {"quant_method": "fp8"}}'])
 def test_unmarkable_config_left_alone(raw: bytes) -> None:
-    assert hf.marked(raw) is None
+    assert hf.marked(raw) is None and hf.unmarked(raw) is None
 
 
 def test_quantizer_needs_a_compressed_checkpoint(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ def marked(raw: bytes) -> bytes | None:
     try:
         text = raw.decode("utf-8")
         obj = json.loads(text)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # not JSON we can mark
         return None
     if not isinstance(obj, dict) or _KEY in obj:
         return None
@@ -49,7 +49,7 @@ def unmarked(raw: bytes) -> bytes | None:
     """The original ``config.json`` bytes of a marked one; None if ``raw`` has no mark."""
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # not JSON we can mark
         return None
     q = obj.get(_KEY) if isinstance(obj, dict) else None
     if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
