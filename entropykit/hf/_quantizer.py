@@ -14,7 +14,8 @@ and adds converters through ``update_weight_conversions``. That is the path take
   name; its operation (``Decode``) replaces the payload bytes transformers read with the
   tensor decoded from the shard, cast to the dtype transformers chose
   (``get_new_dtype``) and placed where it put the payload. On a CUDA device the shard is
-  decoded by the GPU (``entropykit.load_file(shard, device=...)``); elsewhere by the CPU;
+  decoded by the GPU (``entropykit.load_file(shard, device=...)``; by the CPU, with a
+  warning, where the GPU decoder is not installed); elsewhere by the CPU;
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint.
 
@@ -26,6 +27,7 @@ What it is not: the config.json mark (``entropykit.hf``) or the decoders.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +156,14 @@ class EntropyKitQuantizer(HfQuantizer):
         key = (path, str(device))
         if key not in self._gpu:
             from ..api import load_file
+            from ..gpu import GpuUnavailableError
 
-            self._gpu[key] = load_file(path, device=str(device))
+            try:
+                self._gpu[key] = load_file(path, device=str(device))
+            except GpuUnavailableError as e:  # same tensors, decoded by the CPU
+                warnings.warn(f"entropykit: {path.name} decoded on the CPU ({e})",
+                              stacklevel=2)
+                self._gpu[key] = {k: v.to(device) for k, v in load_file(path).items()}
         return self._gpu[key].pop(name)
 
     def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
