@@ -1,9 +1,10 @@
 """Compressed checkpoint directories load with transformers' from_pretrained, exactly.
 
-Tiny random models of several families are saved with ``save_pretrained``, compressed,
-and loaded back: the state dict must equal the saved one bit for bit, the logits those of
-the plain checkpoint; decompression restores config.json byte for byte; transformers
-without entropykit refuses the compressed directory.
+Tiny random models of several families (dense, tied embeddings, mixtures of experts whose
+per-expert tensors transformers merges while loading) are saved with ``save_pretrained``,
+compressed, and loaded back: the state dict must equal the saved one bit for bit, the
+logits those of the plain checkpoint; decompression restores config.json byte for byte;
+transformers without entropykit refuses the compressed directory.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def _config(family: str) -> transformers.PretrainedConfig:
         return transformers.Qwen3Config(head_dim=16, tie_word_embeddings=True, **_SMALL)
     if family == "qwen2":
         return transformers.Qwen2Config(**_SMALL)
+    if family == "mixtral":  # per-expert checkpoint tensors merged while loading
+        return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_SMALL)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=64, **_SMALL)
     return transformers.LlamaConfig(**_SMALL)
 
 
@@ -73,7 +80,8 @@ def _same_model(a: transformers.PreTrainedModel, b: transformers.PreTrainedModel
 
 CASES = [("llama", torch.bfloat16, "40KB"), ("qwen2", torch.float16, None),
          ("qwen3", torch.bfloat16, None), ("gemma", torch.bfloat16, None),
-         ("gpt2", torch.float32, "100KB")]
+         ("gpt2", torch.float32, "100KB"), ("mixtral", torch.bfloat16, "60KB"),
+         ("qwen2_moe", torch.float32, None)]
 
 
 @pytest.mark.parametrize(("family", "dtype", "shard"), CASES, ids=[c[0] for c in CASES])

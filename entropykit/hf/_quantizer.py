@@ -8,19 +8,19 @@ turn checkpoint tensors into parameters. A quantizer takes part through its regi
 ``quantization_config`` entry that ``entropykit compress DIR`` writes into config.json)
 and adds converters through ``update_weight_conversions``. That is the path taken here:
 
-- ``preprocess_model`` opens the compressed shards (``entropykit.safe_open``);
-- ``update_weight_conversions`` maps every parameter name to its checkpoint name with
-  transformers' own ``rename_source_key`` and appends one converter that matches every
-  name; its operation (``Decode``) replaces the payload bytes transformers read with the
-  tensor decoded from the shard, cast to the dtype transformers chose
+- ``preprocess_model`` opens the shards (``entropykit.safe_open``);
+- ``update_weight_conversions`` puts an operation (``Decode``) first in each of the
+  model's converters (e.g. the merge of per-expert tensors) and appends one converter,
+  with ``Decode`` alone, that matches every other name. It plans, with transformers' own
+  ``rename_source_key`` and in transformers' collection order, which checkpoint tensor
+  each converter receives, so ``Decode`` replaces the payload bytes transformers read
+  with the tensor decoded from the shard, cast to the dtype transformers chose
   (``get_new_dtype``) and placed where it put the payload. On a CUDA device the shard is
   decoded by the GPU (``entropykit.load_file(shard, device=...)``; by the CPU, with a
   warning, where the GPU decoder is not installed); elsewhere by the CPU;
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint.
 
-A model whose own conversions rewrite checkpoint tensors (e.g. merging experts) would
-hand payload bytes to them: that is refused with an error rather than loaded wrongly.
 What it is not: the config.json mark (``entropykit.hf``) or the decoders.
 """
 
@@ -36,6 +36,7 @@ from transformers.core_model_loading import (
     ConversionOps,
     WeightConverter,
     WeightRenaming,
+    dot_natural_key,
     rename_source_key,
 )
 from transformers.quantizers.auto import (
@@ -66,24 +67,39 @@ class EntropyKitConfig(QuantizationConfigMixin):
 
 
 class Decode(ConversionOps):
-    """The tensor of one parameter, decoded from its compressed shard."""
+    """The first operation of a converter: the checkpoint tensors it collected, decoded.
 
-    def __init__(self, quantizer: EntropyKitQuantizer) -> None:
-        self.quantizer = quantizer
-        self.dtype: torch.dtype | None = None  # what transformers would cast the tensor to
+    ``last``: the converter has no other operation (the one entropykit appends), so the
+    result is the parameter itself; otherwise the decoded tensors go on to the model's own
+    operations (e.g. a merge of experts) as transformers would have read them.
+    """
+
+    def __init__(self, quantizer: EntropyKitQuantizer, last: bool) -> None:
+        self.quantizer, self.last = quantizer, last
+        self.dtype: torch.dtype | None = None  # what transformers would cast the tensors to
 
     def __deepcopy__(self, memo: dict) -> Decode:
         # transformers copies a converter per parameter: share the open shards, not copy them
-        return Decode(self.quantizer)
+        return Decode(self.quantizer, self.last)
 
     def convert(self, input_dict: dict[str, list[torch.Tensor]], *, full_layer_name: str,
-                **kwargs: Any) -> dict[str, torch.Tensor]:
-        (tensors,) = input_dict.values()
-        (given,) = tensors
-        out = self.quantizer.decode(full_layer_name, given)
-        if self.dtype is not None:
-            out = out.to(self.dtype)
-        return {full_layer_name: out}
+                **kwargs: Any) -> dict[str, Any]:
+        plan = self.quantizer.plan.get(full_layer_name, {})
+        out = {}
+        for pattern, tensors in input_dict.items():
+            names = plan.get(pattern, [])
+            if len(names) != len(tensors):  # transformers collected otherwise than planned
+                raise RuntimeError(f"entropykit: {len(tensors)} tensors for {full_layer_name} "
+                                   f"({pattern}), expected {len(names)}: {names}")
+            out[pattern] = [self.quantizer.decode(n, t, self.dtype)
+                            for n, t in zip(names, tensors, strict=True)]
+        if self.last:
+            ((tensor,),) = out.values()
+            return {full_layer_name: tensor}
+        return out
+
+
+_ALL = "^(.+)$"  # matches every name and keeps it (the captured group is the target)
 
 
 class EntropyKitQuantizer(HfQuantizer):
@@ -94,8 +110,10 @@ class EntropyKitQuantizer(HfQuantizer):
     def __init__(self, quantization_config: EntropyKitConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self._stack = contextlib.ExitStack()
-        self._files: dict[str, tuple[Path, CompressedFile]] = {}  # checkpoint name -> shard
-        self._sources: dict[str, str] = {}  # parameter name -> checkpoint name
+        # checkpoint name -> (shard, open compressed shard or None for a plain one)
+        self._files: dict[str, tuple[Path, CompressedFile | None]] = {}
+        # parameter name -> converter source pattern -> checkpoint names, in loading order
+        self.plan: dict[str, dict[str, list[str]]] = {}
         self._gpu: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
 
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: list[str]
@@ -105,31 +123,38 @@ class EntropyKitQuantizer(HfQuantizer):
             if path.suffix != ".safetensors":
                 continue  # not ours (entropykit writes safetensors files only)
             f = self._stack.enter_context(safe_open(path, framework="pt"))
-            if not isinstance(f, CompressedFile):
-                continue  # a plain shard: transformers' tensors are the weights
             for k in f.keys():
                 if k in self._files:
                     raise ValueError(f"{path}: tensor {k!r} is also in "
                                      f"{self._files[k][0]}")
-                self._files[k] = (path, f)
+                # a plain shard's tensors are the weights as transformers reads them
+                self._files[k] = (path, f if isinstance(f, CompressedFile) else None)
         return model
 
     def update_weight_conversions(self, weight_conversions: list, model: Any) -> list:
-        renamings = [w for w in weight_conversions if isinstance(w, WeightRenaming)]
-        converters = [w for w in weight_conversions if isinstance(w, WeightConverter)]
+        # The model's converters get Decode first (copies: the mapping may be shared).
+        ours = [w.copy(list(w._original_source_patterns), list(w._original_target_patterns),
+                       operations=[Decode(self, False), *w.operations])
+                if isinstance(w, WeightConverter) else w for w in weight_conversions]
+        every = WeightConverter(_ALL, "(.+)", [Decode(self, True)])
+        renamings = [w for w in ours if isinstance(w, WeightRenaming)]
+        converters = [w for w in ours if isinstance(w, WeightConverter)] + [every]
         meta = model.state_dict()
-        for k in self._files:
-            target, claimed = rename_source_key(k, renamings, converters,
+        # The order transformers collects tensors in, so the n-th one a converter gets is
+        # the n-th name planned for it.
+        for k in sorted(self._files, key=dot_natural_key):
+            target, pattern = rename_source_key(k, renamings, converters,
                                                 model.base_model_prefix, meta)
-            if claimed is not None:
-                raise NotImplementedError(
-                    f"{type(model).__name__} converts checkpoint tensor {k!r} while loading; "
-                    "entropykit cannot load such a model from a compressed checkpoint yet: "
-                    "decompress it first (entropykit decompress DIR)")
-            if self._sources.setdefault(target, k) != k:
-                raise ValueError(f"checkpoint tensors {self._sources[target]!r} and {k!r} "
-                                 f"both load into {target!r}")
-        return [*weight_conversions, WeightConverter("^(.+)$", "(.+)", [Decode(self)])]
+            if target not in meta and k in meta and self._files[k][1] is not None:
+                # transformers would then load k under its own name with no converter
+                raise NotImplementedError(f"entropykit: renaming {k!r} to {target!r} "
+                                          "(not a parameter) is not supported")
+            names = self.plan.setdefault(target, {}).setdefault(pattern, [])
+            names.append(k)
+            if pattern == every.source_patterns[0] and len(names) > 1:
+                raise ValueError(f"checkpoint tensors {names[0]!r} and {k!r} both load "
+                                 f"into {target!r}")
+        return [*ours, every]
 
     def get_new_dtype(self, converter: Any, param: Any, dtype: torch.dtype | None
                       ) -> torch.dtype | None:
@@ -139,17 +164,20 @@ class EntropyKitQuantizer(HfQuantizer):
             return None
         return super().get_new_dtype(converter, param, dtype)
 
-    def decode(self, name: str, given: torch.Tensor) -> torch.Tensor:
-        """Parameter ``name``'s tensor, on the device of ``given`` (what transformers read
-        for it: the payload bytes of a compressed tensor, the tensor of a plain one)."""
-        source = self._sources.get(name)
-        if source is None:
-            return given
-        path, f = self._files[source]
-        if given.device.type == "cuda":
-            return self._decode_gpu(path, source, given.device)
-        t = f.get_tensor(source)
-        return t if given.device.type == "cpu" else t.to(given.device)
+    def decode(self, name: str, given: torch.Tensor, dtype: torch.dtype | None
+               ) -> torch.Tensor:
+        """Checkpoint tensor ``name`` on the device of ``given`` (what transformers read for
+        it: the payload bytes of a compressed tensor, the tensor of a plain one), cast to
+        ``dtype`` if not None."""
+        path, f = self._files[name]
+        if f is None:
+            out = given
+        elif given.device.type == "cuda":
+            out = self._decode_gpu(path, name, given.device)
+        else:
+            out = f.get_tensor(name)
+            out = out if given.device.type == "cpu" else out.to(given.device)
+        return out if dtype is None else out.to(dtype)
 
     def _decode_gpu(self, path: Path, name: str, device: torch.device) -> torch.Tensor:
         # The GPU decodes a whole shard at once; its tensors wait here until asked for.
@@ -169,6 +197,7 @@ class EntropyKitQuantizer(HfQuantizer):
     def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
         self._stack.close()
         self._files.clear()
+        self.plan.clear()
         self._gpu.clear()
         self.remove_quantization_config(model)
         return model
