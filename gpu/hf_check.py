@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,10 +85,16 @@ def main() -> int:
                 ek = root / f"{name}.{target}.ek"
                 entropykit.compress_file(plain_dir, ek, target=target)
                 gpu_decodes.clear()
-                packed = transformers.AutoModelForCausalLM.from_pretrained(ek, **kwargs)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    packed = transformers.AutoModelForCausalLM.from_pretrained(ek, **kwargs)
+                fallback = [str(w.message) for w in caught if "decoded on the CPU" in
+                            str(w.message)]
                 err = _same(plain, packed, args.device)
                 if err is None and args.device.startswith("cuda") and not gpu_decodes:
                     err = "the GPU decoder was not used"
+                if err is None and fallback:
+                    err = fallback[0]
                 failed += err is not None
                 print(f"{name} target={target} device={args.device}: "
                       f"{'ok' if err is None else 'FAILED: ' + err} "
