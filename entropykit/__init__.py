@@ -6,6 +6,10 @@ __version__ = "0.1.0"
 __all__ = ["CorruptDataError", "__version__"]
 
 from .api import compress, compress_file, decompress, decompress_file, load_file, save_file
+from .hf import install as _install_hf
+from .lazy import safe_open
 
 __all__ += ["compress", "compress_file", "decompress", "decompress_file", "load_file",
-            "save_file"]
+            "safe_open", "save_file"]
+
+_install_hf()  # from_pretrained of compressed checkpoints, once transformers is imported

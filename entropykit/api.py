@@ -138,6 +138,9 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
               threads: int | None = None) -> dict[str, Any]:
     """The tensors of a safetensors file, compressed or not, as torch tensors on ``device``.
 
+    ``path`` may be a checkpoint directory: the merged tensors of the shards its
+    ``*.safetensors.index.json`` names (or of all its ``*.safetensors`` files).
+
     Same return as ``safetensors.torch.load_file`` (names in data order). A compressed file
     is decoded tensor by tensor straight into the returned tensors (no temporary file, no
     decompressed copy of the file). A plain file is handed to ``safetensors``; a file that
@@ -155,6 +158,10 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
     import safetensors.torch
 
     path = Path(path)
+    if path.is_dir():
+        from .lazy import load_dir
+
+        return load_dir(path, lambda p: load_file(p, device, threads=threads))
     n = resolve(threads)
     with files.named(path), files.mapped(path) as buf:
         try:

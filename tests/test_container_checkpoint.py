@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from test_container import all_dtypes
 
-from entropykit import CorruptDataError
+from entropykit import CorruptDataError, hf
 from entropykit.container import checkpoint
 
 
@@ -48,8 +48,10 @@ def test_directory_roundtrip(ckpt: Path, tmp_path: Path) -> None:
     assert summary.files == 3
     tree = _tree(packed)
     assert sorted(tree) == sorted(before)  # same names: the index stays valid as it is
-    for rel in ("model.safetensors.index.json", "config.json", "1_Pooling/config.json"):
+    for rel in ("model.safetensors.index.json", "1_Pooling/config.json"):
         assert tree[rel] == before[rel]
+    # the top-level config.json carries the mark transformers loads it by (entropykit.hf)
+    assert hf.unmarked(tree["config.json"]) == before["config.json"]
     for rel in ("model-00001-of-00002.safetensors", "1_Pooling/extra.safetensors"):
         assert tree[rel] != before[rel]
     checkpoint.verify_dir(packed, ckpt)

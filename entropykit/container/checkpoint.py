@@ -2,11 +2,12 @@
 
 What it is: the directory versions of ``files.py``. Every ``*.safetensors`` file (in
 subdirectories too) is compressed under the same relative name and every other file is
-copied unchanged, so a sharded checkpoint's ``*.safetensors.index.json`` stays valid as it
-is (its file names do not change) and decompressing gives back the directory file for
-file, byte for byte. Shards named by an index must all be present. The output directory
-is filled under a temporary name and renamed when complete. What it is not: a model
-loader; it never interprets the tensors.
+copied unchanged (the top-level ``config.json`` gets the mark that lets transformers load
+the output, ``entropykit.hf``), so a sharded checkpoint's ``*.safetensors.index.json``
+stays valid as it is (its file names do not change) and decompressing gives back the
+directory file for file, byte for byte. Shards named by an index must all be present.
+The output directory is filled under a temporary name and renamed when complete. What it
+is not: a model loader; it never interprets the tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import hf
 from .._errors import CorruptDataError
 from . import _atomic, files
 from .reader import Progress
@@ -60,8 +62,10 @@ def _offset(progress: Progress | None, base: int, size: int, total: int
 
 def _each(src: Path, dst: Path | None, default: Path, force: bool,
           one: Callable[[Path, Path, Progress | None], Summary],
-          progress: Progress | None) -> Summary:
-    """Run ``one(src_file, dst_file, progress)`` on every safetensors file, copy the rest."""
+          progress: Progress | None,
+          finish: Callable[[Path, Path], None] | None = None) -> Summary:
+    """Run ``one(src_file, dst_file, progress)`` on every safetensors file, copy the rest,
+    then ``finish(src, output)`` before the output gets its name."""
     dst = default if dst is None else Path(dst)
     if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
         raise ValueError(f"{dst}: output directory would be inside or equal to the input")
@@ -80,6 +84,8 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
         for rel in other:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, tmp / rel)
+        if finish is not None:
+            finish(src, tmp)
     summary.seconds = time.perf_counter() - t0
     return summary
 
@@ -93,7 +99,7 @@ def compress_dir(src: Path, dst: Path | None = None, *, threads: int | None = No
     return _each(src, dst, files.default_output(src, True), force,
                  lambda s, d, p: files.compress_file(s, d, threads=threads, progress=p,
                                                      fast=fast, target=target),
-                 progress)
+                 progress, hf.mark_dir)
 
 
 def decompress_dir(src: Path, dst: Path | None = None, *, threads: int | None = None,
@@ -102,7 +108,7 @@ def decompress_dir(src: Path, dst: Path | None = None, *, threads: int | None = 
     src = Path(src)
     return _each(src, dst, files.default_output(src, False), force,
                  lambda s, d, p: files.decompress_file(s, d, threads=threads, progress=p),
-                 progress)
+                 progress, hf.unmark_dir)
 
 
 def verify_dir(path: Path, against: Path | None = None, *, threads: int | None = None,
@@ -119,7 +125,10 @@ def verify_dir(path: Path, against: Path | None = None, *, threads: int | None =
             diff = sorted(set(st + other) ^ set(theirs[0] + theirs[1]))
             raise CorruptDataError(f"{path}: files differ from {against}: {diff[:5]}")
         for rel in other:
-            if (path / rel).read_bytes() != (against / rel).read_bytes():
+            mine = (path / rel).read_bytes()
+            if rel == Path(hf.CONFIG):  # the marked config.json restores to its original
+                mine = hf.unmarked(mine) or mine
+            if mine != (against / rel).read_bytes():
                 raise CorruptDataError(f"{path / rel}: differs from {against / rel}")
     total = sum((path / r).stat().st_size for r in st)
     summary = Summary()

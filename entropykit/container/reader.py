@@ -162,6 +162,23 @@ class Compressed:
             pass  # each segment is decoded straight into its slice of out
         return out
 
+    def span(self, name: str, lo: int, hi: int, threads: int = 1) -> tuple[int, np.ndarray]:
+        """``(start, bytes)``: the original bytes of tensor ``name`` from ``start`` on,
+        decoding only the segments that overlap bytes ``[lo, hi)`` (whole segments, so
+        ``start <= lo`` and the bytes reach at least ``hi``)."""
+        e = self.entry(name)
+        bounds = self.bounds(e)
+        hit = [s for s, (a, b) in enumerate(bounds) if a < hi and b > lo]
+        if not hit:
+            return 0, np.empty(0, np.uint8)
+        start, end = bounds[hit[0]][0], bounds[hit[-1]][1]
+        out = np.empty(end - start, np.uint8)
+        # Jobs of other segments are made (views only) but never run.
+        jobs = (j for j in self._jobs([e], out, -e.begin - start) if hit[0] <= j[1] <= hit[-1])
+        for _ in imap(self._decode, jobs, threads):
+            pass
+        return start, out
+
     def restored(self, threads: int = 1) -> np.ndarray:
         """The whole original file in memory (uint8, writable): every segment decoded
         straight into its place, no copy."""

@@ -25,6 +25,7 @@ from .reader import claim
 from .stats import Summary
 
 SEGMENT_BYTES = 1 << 24  # 16 MiB of original bytes per segment
+FORMAT = "entropykit"  # the output's __metadata__["format"]
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -77,11 +78,20 @@ def _records(plans: list[_Plan], chosen: dict[str, list[tuple[str, ...]]] | None
     return out
 
 
+def _metadata(source: Source, rec: record.Record) -> dict[str, str]:
+    """The output's ``__metadata__``: the input's, ``format`` set to one that loaders of
+    plain safetensors checkpoints refuse (so none loads payload bytes as weights; the
+    original value is in the record's header), and the record."""
+    meta = dict(source.header.metadata or {})
+    meta["format"] = FORMAT
+    meta[record.KEY] = rec.to_json()
+    return meta
+
+
 def _header(source: Source, rec: record.Record, sizes: dict[str, int],
             reserve: int = 0) -> bytes:
     """The output header JSON for payloads of these sizes, in data order."""
-    meta = dict(source.header.metadata or {})
-    meta[record.KEY] = rec.to_json()
+    meta = _metadata(source, rec)
     entries, pos = {}, 0
     for e in source.header.by_offset:
         n = sizes[e.name]
@@ -96,8 +106,7 @@ def _widest_header(source: Source, plans: list[_Plan], segment_bytes: int) -> by
     payload at its largest size and every offset at the largest end (no more digits)."""
     rec = record.Record(segment_bytes, source.header.raw, _records(plans, None))
     end = sum(p.max_size for p in plans)
-    meta = dict(source.header.metadata or {})
-    meta[record.KEY] = rec.to_json()
+    meta = _metadata(source, rec)
     widest = {p.entry.name: hdr.Entry(p.entry.name, "U8", (p.max_size,), end, end)
               for p in plans}
     return hdr.render(meta, [widest[e.name] for e in source.header.entries])

@@ -1,0 +1,221 @@
+"""The entropykit quantizer: transformers' ``from_pretrained`` decodes compressed shards.
+
+How transformers loads a checkpoint (5.x): it opens every shard with
+``safetensors.safe_open`` and hands each tensor, lazily, to the weight conversions
+(``core_model_loading``): renamings, then at most one ``WeightConverter`` whose operations
+turn checkpoint tensors into parameters. A quantizer takes part through its registry
+(``register_quantization_config`` / ``register_quantizer``, chosen by the
+``quantization_config`` entry that ``entropykit compress DIR`` writes into config.json)
+and adds converters through ``update_weight_conversions``. That is the path taken here:
+
+- ``preprocess_model`` opens the shards (``entropykit.safe_open``);
+- ``update_weight_conversions`` puts an operation (``Decode``) first in each of the
+  model's converters (e.g. the merge of per-expert tensors) and appends one converter,
+  with ``Decode`` alone, that matches every other name. It plans, with transformers' own
+  ``rename_source_key`` and in transformers' collection order, which checkpoint tensor
+  each converter receives, so ``Decode`` replaces the payload bytes transformers read
+  with the tensor decoded from the shard, cast to the dtype transformers chose
+  (``get_new_dtype``) and placed where it put the payload. On a CUDA device the shard is
+  decoded by the GPU (``entropykit.load_file(shard, device=...)``; by the CPU, with a
+  warning, where the GPU decoder is not installed); elsewhere by the CPU;
+- ``postprocess_model`` closes the shards and removes the quantization config: the
+  loaded model holds ordinary weights and saves as an ordinary checkpoint.
+
+What it is not: the config.json mark (``entropykit.hf``) or the decoders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.core_model_loading import (
+    ConversionOps,
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..lazy import CompressedFile, safe_open
+from . import MARK_VERSION, QUANT_METHOD
+
+
+class EntropyKitConfig(QuantizationConfigMixin):
+    """The ``quantization_config`` of a compressed checkpoint (written by compress)."""
+
+    def __init__(self, version: int = MARK_VERSION, original_config: str | None = None,
+                 **kwargs: Any) -> None:
+        kwargs.pop("quant_method", None)
+        self.quant_method = QUANT_METHOD
+        self.version = version
+        self.original_config = original_config
+        if type(version) is not int or not 1 <= version <= MARK_VERSION:
+            raise ValueError(f"entropykit quantization_config version {version!r} is not "
+                             f"supported (this entropykit: 1..{MARK_VERSION}); upgrade it")
+
+
+class Decode(ConversionOps):
+    """The first operation of a converter: the checkpoint tensors it collected, decoded.
+
+    ``last``: the converter has no other operation (the one entropykit appends), so the
+    result is the parameter itself; otherwise the decoded tensors go on to the model's own
+    operations (e.g. a merge of experts) as transformers would have read them.
+    """
+
+    def __init__(self, quantizer: EntropyKitQuantizer, last: bool) -> None:
+        self.quantizer, self.last = quantizer, last
+        self.dtype: torch.dtype | None = None  # what transformers would cast the tensors to
+
+    def __deepcopy__(self, memo: dict) -> Decode:
+        # transformers copies a converter per parameter: share the open shards, not copy them
+        return Decode(self.quantizer, self.last)
+
+    def convert(self, input_dict: dict[str, list[torch.Tensor]], *, full_layer_name: str,
+                **kwargs: Any) -> dict[str, Any]:
+        plan = self.quantizer.plan.get(full_layer_name, {})
+        out = {}
+        for pattern, tensors in input_dict.items():
+            names = plan.get(pattern, [])
+            if len(names) != len(tensors):  # transformers collected otherwise than planned
+                raise RuntimeError(f"entropykit: {len(tensors)} tensors for {full_layer_name} "
+                                   f"({pattern}), expected {len(names)}: {names}")
+            out[pattern] = [self.quantizer.decode(n, t, self.dtype)
+                            for n, t in zip(names, tensors, strict=True)]
+        if self.last:
+            ((tensor,),) = out.values()
+            return {full_layer_name: tensor}
+        return out
+
+
+_ALL = "^(.+)$"  # matches every name and keeps it (the captured group is the target)
+
+
+class EntropyKitQuantizer(HfQuantizer):
+    """Loads a checkpoint directory compressed by entropykit (see the module docstring)."""
+
+    requires_calibration = True  # only compressed checkpoints: nothing to do to a model
+
+    def __init__(self, quantization_config: EntropyKitConfig, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self._stack = contextlib.ExitStack()
+        # checkpoint name -> (shard, open compressed shard or None for a plain one)
+        self._files: dict[str, tuple[Path, CompressedFile | None]] = {}
+        # parameter name -> converter source pattern -> checkpoint names, in loading order
+        self.plan: dict[str, dict[str, list[str]]] = {}
+        self._gpu: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
+
+    def _process_model_before_weight_loading(self, model: Any, checkpoint_files: list[str]
+                                             | None = None, **kwargs: Any) -> Any:
+        for name in checkpoint_files or []:
+            path = Path(name)
+            if path.suffix != ".safetensors":
+                continue  # not ours (entropykit writes safetensors files only)
+            f = self._stack.enter_context(safe_open(path, framework="pt"))
+            for k in f.keys():
+                if k in self._files:
+                    raise ValueError(f"{path}: tensor {k!r} is also in "
+                                     f"{self._files[k][0]}")
+                # a plain shard's tensors are the weights as transformers reads them
+                self._files[k] = (path, f if isinstance(f, CompressedFile) else None)
+        return model
+
+    def update_weight_conversions(self, weight_conversions: list, model: Any) -> list:
+        # The model's converters get Decode first (copies: the mapping may be shared).
+        ours = [w.copy(list(w._original_source_patterns), list(w._original_target_patterns),
+                       operations=[Decode(self, False), *w.operations])
+                if isinstance(w, WeightConverter) else w for w in weight_conversions]
+        every = WeightConverter(_ALL, "(.+)", [Decode(self, True)])
+        renamings = [w for w in ours if isinstance(w, WeightRenaming)]
+        converters = [w for w in ours if isinstance(w, WeightConverter)] + [every]
+        meta = model.state_dict()
+        # The order transformers collects tensors in, so the n-th one a converter gets is
+        # the n-th name planned for it.
+        for k in sorted(self._files, key=dot_natural_key):
+            target, pattern = rename_source_key(k, renamings, converters,
+                                                model.base_model_prefix, meta)
+            if target not in meta and k in meta and self._files[k][1] is not None:
+                # transformers would then load k under its own name with no converter
+                raise NotImplementedError(f"entropykit: renaming {k!r} to {target!r} "
+                                          "(not a parameter) is not supported")
+            names = self.plan.setdefault(target, {}).setdefault(pattern, [])
+            names.append(k)
+            if pattern == every.source_patterns[0] and len(names) > 1:
+                raise ValueError(f"checkpoint tensors {names[0]!r} and {k!r} both load "
+                                 f"into {target!r}")
+        return [*ours, every]
+
+    def get_new_dtype(self, converter: Any, param: Any, dtype: torch.dtype | None
+                      ) -> torch.dtype | None:
+        ops = getattr(converter, "operations", ())
+        if ops and isinstance(ops[0], Decode):
+            ops[0].dtype = dtype  # cast after decoding, not the payload bytes
+            return None
+        return super().get_new_dtype(converter, param, dtype)
+
+    def decode(self, name: str, given: torch.Tensor, dtype: torch.dtype | None
+               ) -> torch.Tensor:
+        """Checkpoint tensor ``name`` on the device of ``given`` (what transformers read for
+        it: the payload bytes of a compressed tensor, the tensor of a plain one), cast to
+        ``dtype`` if not None."""
+        path, f = self._files[name]
+        if f is None:
+            out = given
+        elif given.device.type == "cuda":
+            out = self._decode_gpu(path, name, given.device)
+        else:
+            out = f.get_tensor(name)
+            out = out if given.device.type == "cpu" else out.to(given.device)
+        return out if dtype is None else out.to(dtype)
+
+    def _decode_gpu(self, path: Path, name: str, device: torch.device) -> torch.Tensor:
+        # The GPU decodes a whole shard at once; its tensors wait here until asked for.
+        key = (path, str(device))
+        if key not in self._gpu:
+            from ..api import load_file
+            from ..gpu import GpuUnavailableError
+
+            try:
+                self._gpu[key] = load_file(path, device=str(device))
+            except GpuUnavailableError as e:  # same tensors, decoded by the CPU
+                warnings.warn(f"entropykit: {path.name} decoded on the CPU ({e})",
+                              stacklevel=2)
+                self._gpu[key] = {k: v.to(device) for k, v in load_file(path).items()}
+        return self._gpu[key].pop(name)
+
+    def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
+        self._stack.close()
+        self._files.clear()
+        self.plan.clear()
+        self._gpu.clear()
+        self.remove_quantization_config(model)
+        return model
+
+    def is_serializable(self) -> bool:
+        return False  # never reached: postprocess_model leaves an ordinary model
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+
+def register() -> None:
+    """Register config and quantizer under ``quant_method: "entropykit"`` (once)."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(EntropyKitConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(EntropyKitQuantizer)
+
+
+register()  # importing this module registers it, whoever imports it first

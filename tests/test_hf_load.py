@@ -1,0 +1,195 @@
+"""Compressed checkpoint directories load with transformers' from_pretrained, exactly.
+
+Tiny random models of several families (dense, tied embeddings, mixtures of experts whose
+per-expert tensors transformers merges while loading) are saved with ``save_pretrained``,
+compressed, and loaded back: the state dict must equal the saved one bit for bit, the
+logits those of the plain checkpoint; decompression restores config.json byte for byte;
+transformers without entropykit refuses the compressed directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import entropykit  # noqa: E402
+from entropykit import hf  # noqa: E402
+from entropykit.container import checkpoint  # noqa: E402
+
+_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _config(family: str) -> transformers.PretrainedConfig:
+    if family == "gpt2":  # tied embeddings
+        return transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                       n_positions=64)
+    if family == "gemma":  # tied embeddings
+        return transformers.GemmaConfig(head_dim=16, **_SMALL)
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, tie_word_embeddings=True, **_SMALL)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**_SMALL)
+    if family == "mixtral":  # per-expert checkpoint tensors merged while loading
+        return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_SMALL)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=64, **_SMALL)
+    return transformers.LlamaConfig(**_SMALL)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bits (so NaN payloads and -0.0 compare exactly)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _save(tmp_path: Path, family: str, dtype: torch.dtype, shard: str | None = None
+          ) -> tuple[Path, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(dtype)
+    d = tmp_path / family
+    kwargs = {} if shard is None else {"max_shard_size": shard}
+    model.save_pretrained(d, **kwargs)
+    return d, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _load(d: Path, **kwargs: object) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(d, **kwargs)
+
+
+def _same_model(a: transformers.PreTrainedModel, b: transformers.PreTrainedModel) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert torch.equal(_bits(sa[k]), _bits(sb[k])), k
+    x = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(_bits(a(x).logits), _bits(b(x).logits))
+
+
+CASES = [("llama", torch.bfloat16, "40KB"), ("qwen2", torch.float16, None),
+         ("qwen3", torch.bfloat16, None), ("gemma", torch.bfloat16, None),
+         ("gpt2", torch.float32, "100KB"), ("mixtral", torch.bfloat16, "60KB"),
+         ("qwen2_moe", torch.float32, None)]
+
+
+@pytest.mark.parametrize(("family", "dtype", "shard"), CASES, ids=[c[0] for c in CASES])
+def test_from_pretrained_exact(tmp_path: Path, family: str, dtype: torch.dtype,
+                               shard: str | None) -> None:
+    d, saved = _save(tmp_path, family, dtype, shard)
+    if shard is not None:
+        assert (d / "model.safetensors.index.json").is_file()
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    assert json.loads((ek / "config.json").read_text())["quantization_config"][
+        "quant_method"] == "entropykit"
+    plain, packed = _load(d), _load(ek)
+    _same_model(plain, packed)
+    for k, v in saved.items():  # what save_pretrained wrote is what loads
+        assert torch.equal(_bits(packed.state_dict()[k]), _bits(v)), k
+    # an ordinary model afterwards: no quantizer, no quantization config
+    assert getattr(packed, "hf_quantizer", None) is None
+    assert getattr(packed.config, "quantization_config", None) is None
+    assert not getattr(packed, "is_quantized", False)
+    if packed.config.tie_word_embeddings:
+        assert packed.lm_head.weight.data_ptr() == \
+            packed.get_input_embeddings().weight.data_ptr()
+    # load_file on the directory: the checkpoint's tensors, merged
+    got = entropykit.load_file(ek)
+    want = entropykit.load_file(d)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(_bits(got[k]), _bits(want[k])), k
+
+
+def test_from_pretrained_dtype_and_device_map(tmp_path: Path) -> None:
+    d, _ = _save(tmp_path, "llama", torch.bfloat16)
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    options: list[dict] = [{"dtype": torch.float32}]
+    if importlib.util.find_spec("accelerate") is not None:  # device_map needs it
+        options.append({"device_map": "cpu"})
+    for kwargs in options:
+        _same_model(_load(d, **kwargs), _load(ek, **kwargs))
+    assert _load(ek, dtype=torch.float32).model.norm.weight.dtype == torch.float32
+
+
+def test_cli_compress_then_decompress_restores_config(tmp_path: Path) -> None:
+    d, _ = _save(tmp_path, "qwen2", torch.bfloat16, "40KB")
+    ek, back = tmp_path / "ek", tmp_path / "back"
+    env = {**os.environ, "PYTHONPATH": str(Path(entropykit.__file__).parents[1])}
+    for args in (["compress", str(d), "-o", str(ek)], ["decompress", str(ek), "-o", str(back)]):
+        subprocess.run([sys.executable, "-m", "entropykit.cli", *args, "-q"], check=True,
+                       env=env)
+    assert (ek / "config.json").read_bytes() != (d / "config.json").read_bytes()
+    for p in sorted(d.iterdir()):
+        assert (back / p.name).read_bytes() == p.read_bytes(), p.name
+    checkpoint.verify_dir(ek, d)  # the marked config.json counts as its original
+    _same_model(_load(d), _load(ek))
+
+
+def test_plain_transformers_refuses(tmp_path: Path) -> None:
+    """Without entropykit imported, from_pretrained of a compressed directory raises."""
+    d, _ = _save(tmp_path, "llama", torch.bfloat16)
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    code = ("import sys, transformers\n"
+            f"transformers.AutoModelForCausalLM.from_pretrained({str(ek)!r})\n"
+            "assert 'entropykit' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "RuntimeError" in r.stderr and "MISMATCH" in r.stderr
+
+
+FIRST = {
+    "entropykit": "import sys, entropykit\nassert 'transformers' not in sys.modules\n",
+    "transformers": "import transformers, entropykit\n",
+    # the quantizer module imports transformers' registry, which runs the import hook
+    "quantizer": "import entropykit.hf._quantizer\n",
+}
+
+
+@pytest.mark.parametrize("first", sorted(FIRST))
+def test_registered_whichever_is_imported_first(first: str) -> None:
+    """Registered in any import order; importing entropykit does not import transformers."""
+    code = FIRST[first]
+    code += ("from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m\n"
+             "assert m['entropykit'].__name__ == 'EntropyKitQuantizer', m.get('entropykit')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"a": 1}',
+    b'{\n  "model_type": "llama",\n  "x": [1, 2.50, "\\u00e9t\\u00e9"]\n}\n',
+    '{"name": "été ☃", "n": 1e3}  \n\n'.encode(),
+])
+def test_mark_restores_bytes(raw: bytes) -> None:
+    m = hf.marked(raw)
+    assert m is not None and json.loads(m)["quantization_config"]["quant_method"] == "entropykit"
+    assert hf.unmarked(m) == raw
+    assert hf.unmarked(raw) is None
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b"not json", b"\xff\xfe", b"[" * 100_000,
+                                 b'{"quantization_config": {"quant_method": "fp8"}}'])
+def test_unmarkable_config_left_alone(raw: bytes) -> None:
+    assert hf.marked(raw) is None and hf.unmarked(raw) is None
+
+
+def test_quantizer_needs_a_compressed_checkpoint(tmp_path: Path) -> None:
+    from entropykit.hf._quantizer import EntropyKitConfig
+
+    d, _ = _save(tmp_path, "llama", torch.bfloat16)
+    with pytest.raises(ValueError, match="pre-quantized"):
+        _load(d, quantization_config=EntropyKitConfig())
