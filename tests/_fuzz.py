@@ -141,8 +141,10 @@ def edit_field(data: bytes, fields: list[tuple[str, int, int]], rng: np.random.G
     return bytes(b), f"field {name} (byte {off}, {size} B) {old} -> {new}"
 
 
-def mutate(target: Target, seed: int, case: int) -> tuple[int, bytes, str]:
-    """Case ``case`` of ``target``: (sample index, mutated bytes, description)."""
+def mutate(target: Target, seed: int, case: int) -> tuple[int, bytes, str, bool]:
+    """Case ``case`` of ``target``: (sample index, mutated bytes, description, whether an
+    accepted decode must give the original output: false for the edits that rewrite a
+    checked field consistently, which may make another valid file)."""
     rng = np.random.default_rng([seed, case])
     s = int(rng.integers(len(target.samples)))
     sample = target.samples[s]
@@ -152,7 +154,9 @@ def mutate(target: Target, seed: int, case: int) -> tuple[int, bytes, str]:
         edits = list(target.edits)
         if sample.fields is not None:
             edits.append(lambda d, r: edit_field(d, sample.fields(d), r, sample.fix))
-        out, what = edits[int(rng.integers(len(edits)))](data, rng)
+        edit = edits[int(rng.integers(len(edits)))]
+        out, what = edit(data, rng)
+        return s, out, f"sample {s}: {what}", edit not in _CONSISTENT
     elif pick < 0.55 and len(target.samples) > 1:
         donor = target.samples[(s + 1 + int(rng.integers(len(target.samples) - 1)))
                                % len(target.samples)].data
@@ -161,7 +165,7 @@ def mutate(target: Target, seed: int, case: int) -> tuple[int, bytes, str]:
         b = bytearray(data)
         what = _GENERIC[int(rng.integers(len(_GENERIC)))](b, rng) if b else _extend(b, rng)
         out = bytes(b)
-    return s, out, f"sample {s}: {what}"
+    return s, out, f"sample {s}: {what}", True
 
 
 # ---- frames (docs/format.md) ------------------------------------------------------------
@@ -323,13 +327,46 @@ def _edit_original(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     return _join(_with_record(outer, _with_original(rec, text)), body), what
 
 
+def _edit_claim(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
+    """One tensor claims another element count in the record and the original header alike
+    (offsets retiled, size and CRC recomputed), and maybe another ``segment_bytes``: the
+    checks that pass are the cheap ones, so the sizes reach the code behind them."""
+    outer, body = _split(data)
+    rec = _record(outer)
+    orig = json.loads(_original(rec))
+    name = _pick(rng, [k for k in orig if k != "__metadata__"])
+    count = int(rng.choice([0, 1, 1 << 20, 1 << 30, 1 << 37, 1 << 40, (1 << 61) - 1]))
+    what = f"{name!r} claims {count} elements"
+    orig[name]["shape"] = [count]
+    rec["tensors"][name]["shape"] = [count]
+    at = 0
+    for k in sorted((k for k in orig if k != "__metadata__"),
+                    key=lambda k: orig[k]["data_offsets"][0]):
+        size = orig[k]["data_offsets"][1] - orig[k]["data_offsets"][0]
+        if k == name:
+            size = count * {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}.get(
+                orig[k]["dtype"], 1)
+        orig[k]["data_offsets"] = [at, at + size]
+        at += size
+    if rng.random() < 0.5:
+        rec["segment_bytes"] = int(rng.choice([8, 64, 1 << 32, 1 << 40]))
+        what += f", segment_bytes {rec['segment_bytes']}"
+    text = json.dumps(orig).encode()
+    text += b" " * (-len(text) % 8)
+    return _join(_with_record(outer, _with_original(rec, text)), body), what
+
+
 def _hostile_json(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     """Deep nesting, huge numbers, duplicate keys and a damaged record key."""
     outer, body = _split(data)
     depth = int(rng.choice([100, 1000, 10000, 100000]))
     nest = "[" * depth + "]" * depth
     name = _pick(rng, [k for k in outer if k != "__metadata__"])
-    kind = int(rng.integers(7))
+    kind = int(rng.integers(8))
+    if kind == 7:
+        rec = json.dumps(_record(outer))
+        return _join(_with_record(outer, rec[:-1] + ', "x": ' + "9" * 5000 + "}"), body), \
+            "record + a number of 5000 digits"
     if kind == 0:
         return _join(json.dumps(outer)[:-1] + f', "x": {nest}}}', body), f"outer + nest {depth}"
     if kind == 1:
@@ -405,8 +442,9 @@ def _edit_payload(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     return _with_payloads(outer, {**payloads, name: new}), f"tensor {name!r}: {what}"
 
 
-CONTAINER_EDITS = [_edit_record, _edit_record, _edit_outer, _edit_original, _hostile_json,
-                   _edit_payload, _edit_payload]
+_CONSISTENT = {_edit_original, _edit_claim}
+CONTAINER_EDITS = [_edit_record, _edit_record, _edit_outer, _edit_original, _edit_claim,
+                   _hostile_json, _edit_payload, _edit_payload]
 
 
 # ---- targets ----------------------------------------------------------------------------
@@ -589,7 +627,7 @@ def _kv_edit(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     layers, batch, seq, dlen = f[5], f[6], f[8], f[13]
     at = _KV_HEAD.size + dlen + 4 * batch * seq
     if rng.random() < 0.5:
-        extra = int(rng.choice([1, 100, 4000, 20000]))
+        extra = int(rng.choice([1, 100, 4000, 60000]))
         ids = rng.integers(0, _VOCAB, batch * extra).astype("<i4").tobytes()  # all valid
         b = bytearray(data[:at] + ids + data[at:])
         struct.pack_into("<I", b, 20, seq + extra)
@@ -658,8 +696,9 @@ TARGETS: dict[str, Callable[[Path], Target]] = {
 
 # ---- one case, the worker, the supervisor -----------------------------------------------
 
-def outcome(sample: Sample, data: bytes) -> str:
-    """"corrupt" (CorruptDataError), "exact" (the original output) or what went wrong."""
+def outcome(sample: Sample, data: bytes, exact: bool = True) -> str:
+    """"corrupt" (CorruptDataError), "exact" (the original output; with ``exact`` false,
+    any output) or what went wrong."""
     from entropykit import CorruptDataError
 
     try:
@@ -669,7 +708,7 @@ def outcome(sample: Sample, data: bytes) -> str:
     except BaseException as e:  # noqa: BLE001 - every other outcome is the finding
         line = (str(e).splitlines() or [""])[0][:200]
         return f"{type(e).__module__}.{type(e).__qualname__}: {line}"
-    return "exact" if got == sample.expected else "WRONG OUTPUT (accepted, differs)"
+    return "exact" if not exact or got == sample.expected else "WRONG OUTPUT (accepted, differs)"
 
 
 def _maxrss() -> int:
@@ -697,10 +736,10 @@ def worker(name: str, seed: int, start: int, stop: int, minimum: int, seconds: f
         for case in range(start, stop):
             if case >= minimum and time.time() > deadline:
                 break
-            s, data, what = mutate(target, seed, case)
+            s, data, what, exact = mutate(target, seed, case)
             _say(case=case, mutation=what)
             t0 = time.perf_counter()
-            got = outcome(target.samples[s], data)
+            got = outcome(target.samples[s], data, exact)
             rss = _maxrss()
             _say(case=case, outcome=got, seconds=time.perf_counter() - t0, rss=rss - base)
             if rss - base > RSS_CAP:
@@ -832,12 +871,12 @@ def campaign(name: str, seed: int, *, seconds: float, minimum: int,
 def _repro(name: str, seed: int, case: int, write: str | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target = TARGETS[name](Path(tmp))
-        s, data, what = mutate(target, seed, case)
+        s, data, what, exact = mutate(target, seed, case)
         outcome(target.samples[s], target.samples[s].data)  # warm up (JIT)
         if write:
             Path(write).write_bytes(data)
         t0 = time.perf_counter()
-        got = outcome(target.samples[s], data)
+        got = outcome(target.samples[s], data, exact)
         print(f"{what}\n{got} ({time.perf_counter() - t0:.2f} s, peak RSS "
               f"{_maxrss() >> 20} MiB)")
 
