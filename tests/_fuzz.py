@@ -819,6 +819,12 @@ def campaign(name: str, seed: int, *, seconds: float, minimum: int,
         [str(_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
         # few threads and malloc arenas: the address-space limit is for the decode
         "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:  # what a killed worker leaves goes with it
+        return _campaign(name, seed, seconds, minimum, maximum, {**env, "TMPDIR": tmp})
+
+
+def _campaign(name: str, seed: int, seconds: float, minimum: int, maximum: int,
+              env: dict[str, str]) -> Report:
     rep = Report(failures=[])
     case, left = 0, float(seconds)  # start-up (artifacts, JIT) is not counted
     while case < maximum and (case < minimum or left > 0):
