@@ -703,6 +703,32 @@ TARGETS: dict[str, Callable[[Path], Target]] = {
     "dist": lambda d: _dist_target(),
     "kv": lambda d: _kv_target(),
 }
+_SELF_TEST = {"faulty": lambda d: _faulty_target()}
+
+
+def _faulty_target() -> Target:
+    """A decoder with every fault the supervisor must report (for the harness's own
+    test): by the mutated input's length mod 8, another exception, wrong output, a
+    runaway allocation, a crash, or else a clean rejection."""
+    from entropykit import CorruptDataError
+
+    original = bytes(range(64))
+
+    def decode(b: bytes) -> bytes:
+        if b == original:
+            return b
+        fault = len(b) % 8
+        if fault == 1:
+            raise ValueError("not the right type")
+        if fault == 2:
+            return b
+        if fault == 3:
+            return np.ones(AS_LIMIT, np.uint8).tobytes()
+        if fault == 4:
+            os.abort()
+        raise CorruptDataError("clean")
+
+    return Target([Sample(original, decode, original)], [])
 
 
 # ---- one case, the worker, the supervisor -----------------------------------------------
@@ -735,7 +761,7 @@ def worker(name: str, seed: int, start: int, stop: int, minimum: int, seconds: f
     JSON line before and after each; exits early after a case that grew RSS past the cap
     (the supervisor restarts it, so the next case is measured from a fresh peak)."""
     with tempfile.TemporaryDirectory() as tmp:
-        target = TARGETS[name](Path(tmp))
+        target = {**TARGETS, **_SELF_TEST}[name](Path(tmp))
         for s in target.samples:  # warm up (JIT) and check that the originals decode
             got = outcome(s, s.data)
             if got != "exact":
@@ -756,11 +782,6 @@ def worker(name: str, seed: int, start: int, stop: int, minimum: int, seconds: f
             if rss - base > RSS_CAP:
                 return
         _say(done=True)
-
-
-def _limit() -> None:
-    os.setsid()
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
 
 
 @dataclass
@@ -832,7 +853,7 @@ def _campaign(name: str, seed: int, seconds: float, minimum: int, maximum: int,
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--worker", name, str(seed),
              str(case), str(maximum), str(minimum), str(left)],
-            stdout=subprocess.PIPE, stderr=errors, text=True, env=env, preexec_fn=_limit)
+            stdout=subprocess.PIPE, stderr=errors, text=True, env=env, start_new_session=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
         current: tuple[int, str] | None = None
@@ -906,11 +927,11 @@ def _repro(name: str, seed: int, case: int, write: str | None) -> None:
 
 
 if __name__ == "__main__":
+    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
     if sys.argv[1] == "--worker":
         n, sd, a, b, m, sec = sys.argv[2:8]
         worker(n, int(sd), int(a), int(b), int(m), float(sec))
     else:
-        resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
         argv = sys.argv[1:]
         out = argv[argv.index("--write") + 1] if "--write" in argv else None
         _repro(argv[0], int(argv[1]), int(argv[2]), out)

@@ -31,6 +31,16 @@ def _check(name: str, seed: int, seconds: float) -> None:
         pytest.fail(rep.summary(name, seed), pytrace=False)
 
 
+def test_harness_reports_every_kind_of_failure():
+    rep = _fuzz.campaign("faulty", 0, seconds=0, minimum=40, maximum=40)
+    assert rep.cases + sum("died" in f.problem for f in rep.failures) == 40
+    problems = "\n".join(f.problem for f in rep.failures)
+    for kind in ("builtins.ValueError: not the right type", "WRONG OUTPUT", "MemoryError",
+                 "worker died (exit -6)"):
+        assert kind in problems
+    assert "clean" not in problems
+
+
 def test_targets_are_all_fuzzed():
     assert set(BUDGET) == set(_fuzz.TARGETS)
 
