@@ -367,6 +367,55 @@ def _edit_claim(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     return _join(_with_record(outer, _with_original(rec, text)), body), what
 
 
+def constant_frame(n: int, chunk: int = 1 << 26) -> bytes:
+    """A valid rANS frame of ``n`` zero symbols in ~130 bytes per ``chunk`` symbols: one
+    symbol of frequency 2^12 keeps every state at 2^16 and costs no words."""
+    full, last = divmod(n, chunk)
+    sizes = [chunk] * full + ([last] if last else [])
+    zeros = bytes(1 << 20)
+    crcs = {}
+    for size in set(sizes):  # the CRC of `size` zero bytes, a MiB at a time
+        c = 0
+        for at in range(0, size, len(zeros)):
+            c = zlib.crc32(zeros[: min(len(zeros), size - at)], c)
+        crcs[size] = c
+    table = bytes([0, 0, 0x80, 0x20])  # one present symbol, 0, frequency 4096 (LEB128)
+    payload = struct.pack("<32I", *[1 << 16] * 32)
+    return b"".join([
+        struct.pack("<4sBBBBQIII", b"EKRA", 1, 12, 32, 0, n, chunk, len(sizes), len(table)),
+        table, struct.pack(f"<{len(sizes)}I", *[len(payload)] * len(sizes)),
+        struct.pack(f"<{len(sizes)}I", *[crcs[x] for x in sizes]), bytes(len(sizes)),
+        payload * len(sizes)])
+
+
+def _edit_huge_segment(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
+    """A consistent file whose U8 tensor is one segment of 2^32 zero bytes or more (a
+    few KB of rANS), beyond any segment a writer makes: the reader must refuse the
+    segment size before it allocates one."""
+    outer, body = _split(data)
+    rec = _record(outer)
+    orig = json.loads(_original(rec))
+    name = "mask"
+    count = int(rng.choice([1 << 32, 1 << 33]))
+    orig[name]["shape"] = [count]
+    at = 0
+    for k in sorted((k for k in orig if k != "__metadata__"),
+                    key=lambda k: orig[k]["data_offsets"][0]):
+        size = count if k == name else orig[k]["data_offsets"][1] - orig[k]["data_offsets"][0]
+        orig[k]["data_offsets"] = [at, at + size]
+        at += size
+    rec["tensors"][name].update(shape=[count], codecs=[["rans"]])
+    rec["segment_bytes"] = count
+    text = json.dumps(orig).encode()
+    text += b" " * (-len(text) % 8)
+    frame = constant_frame(count)
+    payload = b"EKT1" + struct.pack("<IQ", 1, len(frame)) + frame
+    new = _with_payloads(outer, {**_payloads(outer, body), name: payload})
+    outer, body = _split(new)
+    return _join(_with_record(outer, _with_original(rec, text)), body), \
+        f"{name!r}: one segment of {count} zero bytes"
+
+
 def _hostile_json(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     """Deep nesting, huge numbers, duplicate keys and a damaged record key."""
     outer, body = _split(data)
@@ -453,9 +502,9 @@ def _edit_payload(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     return _with_payloads(outer, {**payloads, name: new}), f"tensor {name!r}: {what}"
 
 
-_CONSISTENT = {_edit_original, _edit_claim}
+_CONSISTENT = {_edit_original, _edit_claim, _edit_huge_segment}
 CONTAINER_EDITS = [_edit_record, _edit_record, _edit_outer, _edit_original, _edit_claim,
-                   _hostile_json, _edit_payload, _edit_payload]
+                   _edit_huge_segment, _hostile_json, _edit_payload, _edit_payload]
 
 
 # ---- targets ----------------------------------------------------------------------------
