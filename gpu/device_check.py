@@ -43,8 +43,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from entropykit import CorruptDataError, rans  # noqa: E402
+from entropykit._status import Status  # noqa: E402
 from entropykit.coding import frame as fr  # noqa: E402
 from entropykit.gpu import decode_bf16, plan, upload  # noqa: E402
+from entropykit.rans.kernels import MESSAGES  # noqa: E402
 from entropykit.rans.static import CODER  # noqa: E402
 
 POISON_BF16 = 0x7FA5  # a NaN payload no weight here has
@@ -144,7 +146,8 @@ def rebuild(fb: bytes, chunk: int, payload: bytes) -> bytes:
 
 
 def corruption_checks(ef: bytes, sf: bytes, n: int, dev) -> list[dict]:
-    """Damaged sign_mantissa frames must raise the CPU decoder's error, naming the chunk."""
+    """Damaged sign_mantissa frames must raise the CPU decoder's error, naming the chunk
+    (where the damage fixes it, the error of that status)."""
     info = fr.parse(CODER, sf)
     c = int(np.flatnonzero(info.modes == 0)[0])
     a, ln = int(info.offsets[c]), int(info.lengths[c])
@@ -153,10 +156,11 @@ def corruption_checks(ef: bytes, sf: bytes, n: int, dev) -> list[dict]:
     low[0:4] = (1234).to_bytes(4, "little")
     flip = bytearray(good)
     flip[200] ^= 0x08
-    cases = {"start state": bytes(low), "flipped word": bytes(flip),
-             "words left over": bytes(good) + b"\x00\x01", "words missing": bytes(good)[:-2]}
+    cases = {"start state": (bytes(low), Status.STATE), "flipped word": (bytes(flip), None),
+             "words left over": (bytes(good) + b"\x00\x01", Status.TRAILING),
+             "words missing": (bytes(good)[:-2], Status.TRUNCATED)}
     rows = []
-    for name, payload in cases.items():
+    for name, (payload, status) in cases.items():
         bad = rebuild(sf, c, payload)
         try:
             rans.decode(bad, context=rans.decode(ef))
@@ -169,7 +173,8 @@ def corruption_checks(ef: bytes, sf: bytes, n: int, dev) -> list[dict]:
             got = "no error"
         except CorruptDataError as e:
             got = str(e)
-        ok = got.startswith(f"sign_mantissa frame 0 chunk {c} ") and got.endswith(cpu)
+        ok = (got.startswith(f"sign_mantissa frame 0 chunk {c} ") and got.endswith(cpu)
+              and (status is None or cpu == MESSAGES[status]))
         rows.append({"case": name, "cpu": cpu, "gpu": got, "ok": ok})
         log(json.dumps(rows[-1]))
     return rows

@@ -161,12 +161,11 @@ class Checker:
                 self.saved[f"{name}.midx"] = mi
         return cpu, len(gb) / max(1, xb.nbytes)
 
-    def run_exactness(self) -> dict:
+    def run_exactness(self, formats=("bf16", "fp8_e4m3"), n: int = 3_000_017) -> dict:
         t, dev = self.torch, self.dev
         ratios = {}
-        for fmt in ("bf16", "fp8_e4m3"):
+        for fmt in formats:
             f = D.FORMATS[fmt]
-            n = 3_000_017
             x, mu, sigma = sample(t, fmt, n, 1, dev)
             extreme_params(t, mu, sigma, 2)
             midx = t.randint(0, 2, (n,), device=dev, dtype=t.int32)

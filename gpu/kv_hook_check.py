@@ -39,26 +39,28 @@ from entropykit.predictive.hook import (
 DEV = "cuda:0"
 
 
-def _model() -> torch.nn.Module:
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    """A random 4-layer Llama (4 heads, 2 kv heads x 32) in bf16 on the device."""
     cfg = transformers.LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).to(DEV).eval()
 
 
-def main() -> int:
-    failures = []
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.cuda.get_device_name(0)}")
-    model = _model()
-    gen = torch.Generator().manual_seed(1)
+def calibrated(model: torch.nn.Module, gen: torch.Generator
+               ) -> tuple[P.Predictor, P.Calibration, list[torch.Tensor]]:
+    """The FP8-of-target predictor and its calibration on six random 128-token prompts."""
     prompts = [torch.randint(0, 512, (128,), generator=gen) for _ in range(6)]
     pred = P.FP8Predictor(model)
-    t = time.perf_counter()
-    cal = P.calibrate(model, pred, prompts)
-    print(f"calibrate on {DEV}: {time.perf_counter() - t:.1f} s")
+    return pred, P.calibrate(model, pred, prompts), prompts
 
+
+def compress_kv_checks(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
+                       gen: torch.Generator) -> list[str]:
+    """Check (1) and (5): compress_kv / decompress_kv of a CUDA cache on both coders, bf16
+    and fp8, every residual model; the failures' names."""
+    failures = []
     ids = torch.randint(0, 512, (2, 200), generator=gen).to(DEV)
     with torch.inference_mode():
         cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
@@ -78,8 +80,13 @@ def main() -> int:
                 failures.append(f"compress_kv {name} {kind}")
             if kind == "conditional":  # later groups' models rest on a corrupt group's values
                 failures += _corrupt_blob(host, pred, cal, name)
-    failures += _codec_times(gen)
+    return failures
 
+
+def generate_checks(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
+                    gen: torch.Generator) -> list[str]:
+    """Check (2): generate() through both offloaded caches equals a DynamicCache's."""
+    failures = []
     prompt = torch.randint(0, 512, (1, 300), generator=gen).to(DEV)
 
     def generate(c):
@@ -107,7 +114,23 @@ def main() -> int:
                   f"prompt cache {packed:,} bytes compressed")
             if not same or packed == 0:
                 failures.append(f"generate {label} {kind}")
-    failures += _gpu_coder(model, pred, cal, prompts, gen)
+    return failures
+
+
+def main() -> int:
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.cuda.get_device_name(0)}")
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(1)
+    t = time.perf_counter()
+    pred, cal, prompts = calibrated(model, gen)
+    print(f"calibrate on {DEV}: {time.perf_counter() - t:.1f} s")
+    failures = compress_kv_checks(model, pred, cal, gen)
+    failures += _codec_times(gen)
+    failures += generate_checks(model, pred, cal, gen)
+    none, none_cal = no_predictor(model, prompts)
+    failures += offload_codec_checks(model, pred, cal, none, none_cal, gen)
+    failures += _timings(model, pred, cal, none, none_cal, gen)
     print("FAILURES: " + ", ".join(failures) if failures else "ALL OK")
     return 1 if failures else 0
 
@@ -116,13 +139,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
 
 
-def _gpu_coder(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
-               prompts: list, gen: torch.Generator) -> list[str]:
-    """Checks (3) and timings (4); the failures' names."""
+def no_predictor(model: torch.nn.Module, prompts: list) -> tuple[P.Predictor, P.Calibration]:
+    """No predictor, calibrated for bf16 caches."""
+    none = P.NoPredictor()
+    return none, P.calibrate(model, none, prompts, formats=("bf16",))
+
+
+def offload_codec_checks(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
+                         none: P.Predictor, none_cal: P.Calibration,
+                         gen: torch.Generator) -> list[str]:
+    """Check (3): the offload codec's GPU coder against its CPU coder, generate() with it,
+    and a corrupt frame under it; the failures' names."""
     failures = []
     layers = model.config.num_hidden_layers
-    none = P.NoPredictor()
-    none_cal = P.calibrate(model, none, prompts, formats=("bf16",))
     prompt = torch.randint(0, 512, (2, 256), generator=gen).to(DEV)
     with torch.inference_mode():
         cache = model(prompt, use_cache=True).past_key_values
@@ -164,7 +193,6 @@ def _gpu_coder(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
             if not same:
                 failures.append(f"generate gpu coder {name} {kind}")
     failures += _corrupt(model, none, none_cal, cache, prompt)
-    failures += _timings(model, pred, cal, none, none_cal, gen)
     return failures
 
 

@@ -152,10 +152,11 @@ def corruption(src: Path, work: Path) -> list[dict]:
     return rows
 
 
-def check_and_time(stem: str, orig: Path, eks: dict, res: dict, reps: int) -> None:
-    """Bit-exactness of every compressed version of ``orig``, then load timings (page
-    cache warm: each file was read by the checks; median of the runs after the first)."""
+def check_exact(stem: str, orig: Path, eks: dict) -> list[dict]:
+    """One row per compressed version of ``orig``: whether ``load_file(cuda)`` (free
+    device memory poisoned first) equals ``load_file(cpu)`` of it and of the original."""
     raw_bytes = orig.stat().st_size
+    rows = []
     for target, ek in eks.items():
         ratio = ek.stat().st_size / raw_bytes
         ref = entropykit.load_file(ek, "cpu")
@@ -165,11 +166,18 @@ def check_and_time(stem: str, orig: Path, eks: dict, res: dict, reps: int) -> No
         bad = same(ref, got) + same(ref, plain)
         codecs_used = sorted({c for t in Compressed(np.fromfile(ek, np.uint8))
                               .record.tensors.values() for seg in t.codecs for c in seg})
-        row = {"file": stem, "target": target, "ratio": ratio, "tensors": len(ref),
-               "exact": not bad, "bad": bad[:5], "codecs": codecs_used}
-        res["files"].append(row)
-        log(json.dumps(row))
+        rows.append({"file": stem, "target": target, "ratio": ratio, "tensors": len(ref),
+                     "exact": not bad, "bad": bad[:5], "codecs": codecs_used})
+        log(json.dumps(rows[-1]))
         del ref, plain, got
+    return rows
+
+
+def check_and_time(stem: str, orig: Path, eks: dict, res: dict, reps: int) -> None:
+    """Bit-exactness of every compressed version of ``orig``, then load timings (page
+    cache warm: each file was read by the checks; median of the runs after the first)."""
+    raw_bytes = orig.stat().st_size
+    res["files"] += check_exact(stem, orig, eks)
     cases = [("safetensors -> cuda", orig,
               lambda f=orig: safetensors.torch.load_file(f, device=DEV))]
     for target, ek in eks.items():

@@ -1,9 +1,9 @@
 """The GPU distribution-rANS path's logic on the CPU: host half, warp algorithm, CRC, errors.
 
 The kernels (entropykit/gpu/_dist_kernel.cu) run only on the device machine, where
-gpu/kv_check.py checks them bit for bit against the CPU coder. Their per-value arithmetic is
-the CPU kernels' (dist_kernels), ported line for line; what the port adds is the warp's
-structure, which the twin here replays in numpy from the kernels' own buffers (model
+gpu/tests/test_cuda_kv.py checks them bit for bit against the CPU coder. Their per-value
+arithmetic is the CPU kernels' (dist_kernels), ported line for line; what the port adds is
+the warp's structure, which the twin here replays in numpy from the kernels' own buffers (model
 arrays, per-chunk result rows, gather offsets, decode descriptors, status codes): the
 encoder's backwards ballot word placement and room check into a raw-sized scratch, the
 gather into the frame and its directory, the decoder's forwards ballot word reads with

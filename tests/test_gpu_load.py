@@ -6,7 +6,7 @@ host-decoded tANS/zstd) and where it lands (byte planes at a stride, exponent+si
 pairs as the top 16 bits). Here the planned batches are run by ``test_gpu_logic``'s
 emulator of the kernel into numpy byte arrays and compared with the CPU loader, on files
 of every dtype, both codec targets (``codecs.choose(target=...)``), several segment and
-group sizes, and on damaged files. The device itself runs gpu/load_check.py.
+group sizes, and on damaged files. The device runs gpu/tests/test_cuda_load.py.
 """
 
 import sys

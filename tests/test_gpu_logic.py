@@ -1,7 +1,7 @@
 """The GPU decoder's logic on the CPU: host plan, kernel algorithm, errors, API contract.
 
 The kernel is CUDA C++ (entropykit/gpu/_kernel.cu) and runs only on the device machine
-(gpu/device_check.py checks it bit for bit there, on real weights and corrupt frames). Here
+(gpu/tests/test_cuda_static.py checks it bit for bit there, and on corrupt frames). Here
 ``_emulate`` replays the kernel's algorithm in numpy from the very buffers the kernel gets
 (descriptor rows, payload buffer, split tables, context maps) and returns its outputs and
 status codes, so every fact the plan encodes is checked against the CPU decoder: offsets,

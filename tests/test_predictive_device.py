@@ -1,7 +1,7 @@
 """compress_kv / decompress_kv on the cache's device: (mu, sigma) in torch, bit for bit the
 numpy reference's, and the device path's blobs byte for byte the host path's.
 
-The GPU coder itself is checked on a GPU (gpu/kv_check.py, gpu/kv_hook_check.py); here
+The GPU coder itself is checked on a GPU (gpu/tests/test_cuda_kv*.py); here
 the device path runs on the CPU with the CPU coder standing in for it."""
 
 from __future__ import annotations

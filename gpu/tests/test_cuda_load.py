@@ -1,0 +1,98 @@
+"""``entropykit.load_file(path, device="cuda")`` on files built here.
+
+What it is: MiniLM-shaped files (embeddings, two encoder layers, LayerNorms, biases, an
+int64 buffer) of seeded random weights in bf16 (with a tensor of NaN / inf / zero /
+subnormal values), fp8 e4m3 (scaled per tensor) and fp32, each compressed for the CPU
+(the default) and for the GPU; every load on the device must equal ``load_file(cpu)`` of
+the compressed file and of the original bit for bit (names, dtypes, shapes, bytes; the
+caching allocator's free memory poisoned first), and a damaged rANS-coded or raw field
+must raise ``CorruptDataError`` naming the tensor and field on both devices
+(load_check.py's checks). What it is not: load timings (load_check.py on the carried
+MiniLM files).
+"""
+
+from __future__ import annotations
+
+import device_check as dc
+import load_check as lc
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+import entropykit
+
+pytestmark = pytest.mark.cuda
+
+HIDDEN, FFN, VOCAB, LAYERS = 384, 1536, 4096, 2
+DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "f32": torch.float32}
+
+
+def _shapes() -> dict[str, tuple[int, ...]]:
+    out = {"embeddings.word_embeddings.weight": (VOCAB, HIDDEN),
+           "embeddings.position_embeddings.weight": (512, HIDDEN),
+           "embeddings.token_type_embeddings.weight": (2, HIDDEN),
+           "embeddings.LayerNorm.weight": (HIDDEN,), "embeddings.LayerNorm.bias": (HIDDEN,)}
+    for i in range(LAYERS):
+        at = f"encoder.layer.{i}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value",
+                     "attention.output.dense"):
+            out |= {f"{at}{name}.weight": (HIDDEN, HIDDEN), f"{at}{name}.bias": (HIDDEN,)}
+        out |= {f"{at}intermediate.dense.weight": (FFN, HIDDEN),
+                f"{at}intermediate.dense.bias": (FFN,),
+                f"{at}output.dense.weight": (HIDDEN, FFN), f"{at}output.dense.bias": (HIDDEN,)}
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            out |= {f"{at}{norm}.weight": (HIDDEN,), f"{at}{norm}.bias": (HIDDEN,)}
+    return out
+
+
+def minilm_like(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded weights of MiniLM's shapes (a smaller vocabulary, two layers) in ``kind``."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, (name, shape) in enumerate(_shapes().items()):
+        w = torch.randn(shape, generator=g)
+        if name.endswith("LayerNorm.weight"):
+            w = 1 + 0.05 * w
+        else:
+            w *= 0.01 if name.endswith("bias") else 0.02 + 0.01 * (k % 4)
+        if kind == "e4m3":
+            w = w / (w.abs().max() / 448)
+        out[name] = w.to(DTYPES[kind]).contiguous()
+    if kind == "bf16":
+        out["specials"] = torch.from_numpy(dc.specials(100_003).view(np.int16)).view(
+            torch.bfloat16)
+    out["embeddings.position_ids"] = torch.arange(512, dtype=torch.int64)[None]
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    """kind -> (original, {target: compressed})."""
+    work = tmp_path_factory.mktemp("load")
+    out = {}
+    for kind in DTYPES:
+        orig = work / f"{kind}.safetensors"
+        safetensors.torch.save_file(minilm_like(kind), orig)
+        eks = {}
+        for target in ("cpu", "gpu"):
+            eks[target] = work / f"{kind}.{target}.ek.safetensors"
+            entropykit.compress_file(orig, eks[target], target=target)
+        out[kind] = (orig, eks)
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(DTYPES))
+def test_cuda_load_is_the_cpu_load_and_the_original(files, kind):
+    orig, eks = files[kind]
+    rows = lc.check_exact(kind, orig, eks)
+    assert [(r["target"], r["bad"]) for r in rows if not r["exact"]] == []
+    assert [r["tensors"] for r in rows] == [len(_shapes()) + 1 + (kind == "bf16")] * 2
+    got = entropykit.load_file(eks["gpu"], "cuda")
+    assert {t.device.type for t in got.values()} == {"cuda"}
+
+
+def test_damaged_fields_raise_naming_tensor_and_field(files, tmp_path):
+    rows = lc.corruption(files["bf16"][1]["gpu"], tmp_path)
+    assert [r["codec"] for r in rows] == ["rans", "raw"]
+    assert [(r["codec"], r["cpu"], r["gpu"]) for r in rows if not r["ok"]] == []
