@@ -115,9 +115,11 @@ class EntropyKitQuantizer(HfQuantizer):
         # parameter name -> converter source pattern -> checkpoint names, in loading order
         self.plan: dict[str, dict[str, list[str]]] = {}
         self._gpu: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
+        self._model: Any = None
 
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: list[str]
                                              | None = None, **kwargs: Any) -> Any:
+        self._model = model  # for update_weight_conversions where it is not passed
         for name in checkpoint_files or []:
             path = Path(name)
             if path.suffix != ".safetensors":
@@ -131,7 +133,9 @@ class EntropyKitQuantizer(HfQuantizer):
                 self._files[k] = (path, f if isinstance(f, CompressedFile) else None)
         return model
 
-    def update_weight_conversions(self, weight_conversions: list, model: Any) -> list:
+    def update_weight_conversions(self, weight_conversions: list, model: Any = None) -> list:
+        # Older transformers releases call this without the model: the one preprocessed.
+        model = self._model if model is None else model
         # The model's converters get Decode first (copies: the mapping may be shared).
         ours = [w.copy(list(w._original_source_patterns), list(w._original_target_patterns),
                        operations=[Decode(self, False), *w.operations])
