@@ -2,8 +2,9 @@
 
 Varied synthetic tensors (every dtype the formats split, packed 4-bit layouts, 2-D fields
 that rows / column classes pay on, tiny and empty tensors, LZ-friendly integer tables) are
-written by default, with ``fast=True``, with ``target="gpu"`` and in small segments (which
-start mid-row and share no histograms); each output's sha256 is pinned below. The inputs
+written by default, with ``fast=True``, with ``target="gpu"`` (and fast) and in small
+segments (which start mid-row and share no histograms); each output's sha256 is pinned
+below. The inputs
 come from integer arithmetic only (splitmix64, exact float sums), so they are the same on
 every machine and numpy version. A change of codec choice, payload or container layout
 fails here; where one is intended, regenerate with ``python tests/test_codec_choice_stable.py``
@@ -103,6 +104,7 @@ _VARIANTS = {
     "cpu": {},
     "fast": {"fast": True},
     "gpu": {"target": "gpu"},
+    "gpu_fast": {"target": "gpu", "fast": True},
     "segments": {"segment_bytes": 1 << 14},
 }
 
@@ -186,6 +188,30 @@ HASHES: dict[str, str] = {
     "gpu/int4": "b51d3123a5aca506cde4df2c748d549127d4f25ef5cc01625fb3a1f64215514f",
     "gpu/tiny": "bfb96daef622b8e6e31637cc5477653e4edf5684cb7270c0d03ae3a2be0b79f3",
     "gpu/empty": "99464b8f788cdfad6b71f0bebd90fd1bc57705a5e5d98a6f5c86eb119137ca9d",
+    "gpu_fast/bf16_2d": "0bd0c5b3f8d2be8c176a5f71664bf0baf854935b2cee06d405553c733c550c39",
+    "gpu_fast/bf16_3d": "4c8c1174f7ca532cec0cc9ff75fa5ecf6668bb3314bb5dd1208e139cbcb4f5a8",
+    "gpu_fast/bf16_1d": "b922845c117cc657ece93832ec5e47ecbf01bb4c4517e775c8684414caac336f",
+    "gpu_fast/bf16_coarse": "f897393accc49c30345b1f05c3bc6752fc633155a7a360eb3e3364901548d7c3",
+    "gpu_fast/f16_2d": "95e3e32953a335fca24ccc6c72e21638e247f3d08a63cc7665fe3925e52e1173",
+    "gpu_fast/f32_2d": "02d0359704c243885ac978b044b6e8b6c879f2dd8ea1e342252578b8af13d0b8",
+    "gpu_fast/f32_emb": "ea155b90fccc44806edc5273f7bdaac9b887c66ad2e7b9aee51ea26fac676252",
+    "gpu_fast/f64_2d": "4119ef22d4f2b52da8958a1be204fe0118d5ebf1f169d8b207e546dc8240d001",
+    "gpu_fast/e4m3_2d": "41bb2e207198f67184583472ef864e2bd6ae2cb6c122ddc4f4443a5a6c2dc1f0",
+    "gpu_fast/e4m3_wide": "437e49c4bc41b9c7c4751e715871b3685f4e0e96c6156eaad330770161f3be52",
+    "gpu_fast/e5m2_1d": "a2e7b156209b4aa233b95d3eb4bf58579f299e0f76780a52aa91b61a47e16fd3",
+    "gpu_fast/e8m0": "9e313c910f2c2a5cb0ba43cb6045934bfca234679aff98bb1b4060048081d045",
+    "gpu_fast/u8": "88950edffe1b5fd7005202019d499c2c85fe073941f01fce8b360f64699f91f3",
+    "gpu_fast/i8_2d": "17526f6697d117544419d0a3d6cc3088edfb008bda23823a1fe51a4a832465e4",
+    "gpu_fast/i16_ramp": "a88e335672cfbeb1f0a4d310571e50c40e83edd6dea8998fdb5882e40973b548",
+    "gpu_fast/i32_tokens": "ada3cc19035f77ca5da6bfde1f24697aad000afbe9ae8b2e8877762cad30878b",
+    "gpu_fast/i64_positions": "7ac0a8e25564cd57dc02de65fe0403b21878c1b7b8bbf2c5b1996fa8e2a33f0d",
+    "gpu_fast/bool_mask": "7bab59095752991cc0d794fc94463f69dfadcf62da338d6a6ad6a681b61fd53f",
+    "gpu_fast/constant": "5173d102830f7784e0eb9a73dabeaf0f1d115cb21916caa0c6c0442a0b5c3188",
+    "gpu_fast/mxfp4": "8a5c3a03ad378e47ac8111a45b2c7ce3a53dd5878cfbe6c19c37f8d67e542ec7",
+    "gpu_fast/nvfp4": "f8550bba253f30b982912a758aa92afd6238bd8a9679333d49ffab883e90290a",
+    "gpu_fast/int4": "b51d3123a5aca506cde4df2c748d549127d4f25ef5cc01625fb3a1f64215514f",
+    "gpu_fast/tiny": "bfb96daef622b8e6e31637cc5477653e4edf5684cb7270c0d03ae3a2be0b79f3",
+    "gpu_fast/empty": "99464b8f788cdfad6b71f0bebd90fd1bc57705a5e5d98a6f5c86eb119137ca9d",
     "segments/bf16_2d": "996cde02168c8c3ea3fe721244a954c9ebea2147c336741beec650b88f6b49f4",
     "segments/bf16_3d": "20c4d79ad2d4a941288edfc22db5ad34f6fd360437570f5a5adf7c59c98a92a7",
     "segments/bf16_1d": "d9275d74dfc23697a2bcb8193f717a4bc5e5c8352ffcf300328b64e5278b6f76",
