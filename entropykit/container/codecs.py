@@ -109,19 +109,24 @@ class Policy:
     classed_min_saving: float = CLASSED_MIN_SAVING
 
 
-_ALL = ("rans", "tans", "zstd", "raw", "rans2d")
-CPU = Policy("cpu", _ALL, True, MIN_SAVING, 0.0, False, True, 0.0, RANS_PRECISION,
-             WIDE_PRECISION, frame.DEFAULT_CHUNK)
-FAST = Policy("fast", _ALL[:4], True, FAST_MIN_SAVING, FAST_MIN_SAVING, True, True,
-              FAST_TANS_GAIN, RANS_PRECISION, RANS_PRECISION, frame.DEFAULT_CHUNK,
-              zstd_limit=EXACT_LIMIT)
+CPU = Policy("cpu", ("rans", "tans", "zstd", "raw", "rans2d"), contexts=True,
+             min_saving=MIN_SAVING, conditioned_min_saving=0.0, raw_unless_pays=False,
+             screen=True, tans_gain=0.0, precision=RANS_PRECISION,
+             wide_precision=WIDE_PRECISION, chunk=frame.DEFAULT_CHUNK)
+FAST = Policy("fast", ("rans", "tans", "zstd", "raw"), contexts=True,
+              min_saving=FAST_MIN_SAVING, conditioned_min_saving=FAST_MIN_SAVING,
+              raw_unless_pays=True, screen=True, tans_gain=FAST_TANS_GAIN,
+              precision=RANS_PRECISION, wide_precision=RANS_PRECISION,
+              chunk=frame.DEFAULT_CHUNK, zstd_limit=EXACT_LIMIT)
 # The host decodes zstd fields of GPU files: only those small enough to judge whole.
-GPU = Policy("gpu", ("rans", "zstd", "raw"), False, MIN_SAVING, 0.0, False, False, 0.0,
-             RANS_PRECISION, RANS_PRECISION, GPU_CHUNK, cost=GPU_MIN_SAVING,
-             zstd_limit=EXACT_LIMIT)
-GPU_FAST = Policy("gpu_fast", GPU.candidates, False, FAST_MIN_SAVING, FAST_MIN_SAVING, True,
-                  True, 0.0, RANS_PRECISION, RANS_PRECISION, GPU_CHUNK, cost=GPU_MIN_SAVING,
-                  zstd_limit=EXACT_LIMIT)
+GPU = Policy("gpu", ("rans", "zstd", "raw"), contexts=False, min_saving=MIN_SAVING,
+             conditioned_min_saving=0.0, raw_unless_pays=False, screen=False, tans_gain=0.0,
+             precision=RANS_PRECISION, wide_precision=RANS_PRECISION, chunk=GPU_CHUNK,
+             cost=GPU_MIN_SAVING, zstd_limit=EXACT_LIMIT)
+GPU_FAST = Policy("gpu_fast", GPU.candidates, contexts=False, min_saving=FAST_MIN_SAVING,
+                  conditioned_min_saving=FAST_MIN_SAVING, raw_unless_pays=True, screen=True,
+                  tans_gain=0.0, precision=RANS_PRECISION, wide_precision=RANS_PRECISION,
+                  chunk=GPU_CHUNK, cost=GPU_MIN_SAVING, zstd_limit=EXACT_LIMIT)
 POLICIES = {("cpu", False): CPU, ("cpu", True): FAST, ("gpu", False): GPU,
             ("gpu", True): GPU_FAST}
 
