@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from . import dtypes
 from ._errors import CorruptDataError
 from .container import _atomic, checkpoint, files
 from .container import header as hdr
@@ -38,27 +38,8 @@ from .container.writer import Source, write
 PathLike = str | os.PathLike[str]
 ProgressArg = bool | Callable[[int, int], None]
 
-_NUMPY: dict[str, Any] = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
-    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64,
-    "F16": np.float16, "F32": np.float32, "F64": np.float64, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
-}
-_FROM_NUMPY = {np.dtype(v): k for k, v in _NUMPY.items()}
 _KIND = "entropykit.kind"  # metadata key of a compress() blob: numpy, torch or bytes
 _NAME = "data"  # the one tensor of a compress() blob
-
-
-def _torch_dtypes() -> dict[str, Any]:
-    import torch
-
-    names = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-             "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64",
-             "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-             "F8_E8M0": "float8_e8m0fnu"}
-    return {k: getattr(torch, v) for k, v in names.items() if hasattr(torch, v)}
 
 
 def _progress(progress: ProgressArg, label: str) -> tuple[Callable | None, Bar | None]:
@@ -124,14 +105,14 @@ def _opt(p: PathLike | None) -> Path | None:
     return None if p is None else Path(p)
 
 
-def _as_torch(raw: np.ndarray, e: hdr.Entry, dtypes: dict[str, Any]) -> Any:
+def _as_torch(raw: np.ndarray, e: hdr.Entry, types: dict[str, Any]) -> Any:
     import torch
 
-    if e.dtype not in dtypes:
+    if e.dtype not in types:
         raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
     if raw.size == 0:  # torch cannot reinterpret an empty uint8 tensor (stride 0)
-        return torch.empty(e.shape, dtype=dtypes[e.dtype])
-    return torch.from_numpy(raw).view(dtypes[e.dtype]).reshape(e.shape)
+        return torch.empty(e.shape, dtype=types[e.dtype])
+    return torch.from_numpy(raw).view(types[e.dtype]).reshape(e.shape)
 
 
 def load_file(path: PathLike, device: str | int = "cpu", *,
@@ -173,18 +154,18 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
         if not is_compressed(h, buf):
             return safetensors.torch.load_file(path, device=device)
         c = Compressed(buf)
-        dtypes = _torch_dtypes()
+        types = dtypes.torch_types()
         if _is_cuda(device):
             from .gpu import _load_runtime
 
             _load_runtime(device)  # GpuUnavailableError before any work
             from .gpu.load import load
 
-            return load(c, buf, device, dtypes, n)
+            return load(c, buf, device, types, n)
         names = c.keys()
         out = {}
         for name, raw in zip(names, imap(lambda k: c.tensor(k), names, n), strict=True):
-            t = _as_torch(raw, c.entry(name), dtypes)
+            t = _as_torch(raw, c.entry(name), types)
             out[name] = t if str(device) == "cpu" else t.to(device)
         return out
 
@@ -202,15 +183,16 @@ def _tensor_bytes(name: str, t: Any) -> tuple[str, tuple[int, ...], np.ndarray]:
         a = t
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
-        if a.dtype not in _FROM_NUMPY:
+        if a.dtype not in dtypes.FROM_NUMPY:
             raise TypeError(f"tensor {name!r}: numpy dtype {a.dtype} has no safetensors dtype")
-        return _FROM_NUMPY[a.dtype], a.shape, np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        return dtypes.FROM_NUMPY[a.dtype], a.shape, flat
     import torch
 
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"tensor {name!r}: expected a torch tensor or numpy array, "
                         f"got {type(t).__name__}")
-    names = {v: k for k, v in _torch_dtypes().items()}
+    names = {v: k for k, v in dtypes.torch_types().items()}
     if t.dtype not in names:
         raise TypeError(f"tensor {name!r}: torch dtype {t.dtype} has no safetensors dtype")
     flat = t.detach().to("cpu").contiguous().reshape(-1)
@@ -276,5 +258,5 @@ def decompress(blob: bytes | bytearray | memoryview, *, threads: int | None = No
     if kind == "bytes":
         return raw.tobytes()
     if kind == "numpy":
-        return raw.view(_NUMPY[e.dtype]).reshape(e.shape)
-    return _as_torch(raw, e, _torch_dtypes())
+        return raw.view(dtypes.NUMPY[e.dtype]).reshape(e.shape)
+    return _as_torch(raw, e, dtypes.torch_types())

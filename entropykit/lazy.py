@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import dtypes
 from .container import files
 from .container import header as hdr
 from .container.checkpoint import INDEX_SUFFIX, check_shards
@@ -111,16 +112,14 @@ class CompressedFile:
             return a
         import torch
 
-        from .api import _FROM_NUMPY, _torch_dtypes
-
-        name, dtypes = _FROM_NUMPY[a.dtype], _torch_dtypes()
-        if name not in dtypes:
+        name, types = dtypes.FROM_NUMPY[a.dtype], dtypes.torch_types()
+        if name not in types:
             raise TypeError(f"torch has no dtype for {name}")
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         if flat.size == 0:  # torch cannot reinterpret an empty uint8 tensor
-            t = torch.empty(a.shape, dtype=dtypes[name])
+            t = torch.empty(a.shape, dtype=types[name])
         else:
-            t = torch.from_numpy(flat).view(dtypes[name]).reshape(a.shape)
+            t = torch.from_numpy(flat).view(types[name]).reshape(a.shape)
         return t if str(self._device) == "cpu" else t.to(self._device)
 
 
@@ -186,11 +185,9 @@ def _expand(key: Any, ndim: int) -> tuple:
 
 
 def _numpy_dtype(dtype: str) -> Any:
-    from .api import _NUMPY
-
-    if dtype not in _NUMPY:
+    if dtype not in dtypes.NUMPY:
         raise TypeError(f"numpy has no dtype for {dtype}")
-    return _NUMPY[dtype]
+    return dtypes.NUMPY[dtype]
 
 
 def shards(root: Path) -> list[Path]:

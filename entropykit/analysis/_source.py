@@ -24,34 +24,17 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
-from .. import formats
+from .. import dtypes, formats
 from .._errors import CorruptDataError
 from ..container import checkpoint, files
 from ..container import header as hdr
 from ..container.reader import Compressed, is_compressed
 
 # Bytes per element of the dtypes the formats split knows.
-ITEMSIZE = {d: hdr.DTYPE_BITS[d] // 8 for d in formats.DTYPES}
-# safetensors dtype -> numpy dtype (ml_dtypes for the formats numpy lacks).
-NUMPY_DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
-    "U16": np.dtype(np.uint16), "I16": np.dtype(np.int16), "U32": np.dtype(np.uint32),
-    "I32": np.dtype(np.int32), "U64": np.dtype(np.uint64), "I64": np.dtype(np.int64),
-    "F16": np.dtype(np.float16), "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-}
-_FROM_NUMPY = {v: k for k, v in NUMPY_DTYPES.items()}
-_FROM_TORCH = {
-    "torch.bool": "BOOL", "torch.uint8": "U8", "torch.int8": "I8", "torch.uint16": "U16",
-    "torch.int16": "I16", "torch.uint32": "U32", "torch.int32": "I32", "torch.uint64": "U64",
-    "torch.int64": "I64", "torch.float16": "F16", "torch.bfloat16": "BF16",
-    "torch.float32": "F32", "torch.float64": "F64", "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.float8_e5m2": "F8_E5M2", "torch.float8_e8m0fnu": "F8_E8M0",
-}
+ITEMSIZE = {d: dtypes.BITS[d] // 8 for d in formats.DTYPES}
+NUMPY_DTYPES: dict[str, np.dtype] = {k: np.dtype(v) for k, v in dtypes.NUMPY.items()}
 
 
 @dataclass(frozen=True)
@@ -118,12 +101,12 @@ def _array_item(name: str, obj: object, dtype: str | None, layout: str | None,
         import torch  # only reached when the caller already has torch
 
         t = obj.detach().cpu().contiguous()  # type: ignore[attr-defined]
-        inferred = _FROM_TORCH.get(str(t.dtype))
+        inferred = dtypes.FROM_TORCH.get(str(t.dtype))
         shape = tuple(t.shape)
         arr = t.reshape(-1).view(torch.uint8).numpy()
     else:
         arr = np.ascontiguousarray(obj)
-        inferred = _FROM_NUMPY.get(arr.dtype)
+        inferred = dtypes.FROM_NUMPY.get(arr.dtype)
         shape = arr.shape
     dtype = dtype or inferred
     if dtype is None:

@@ -4,8 +4,10 @@ What it is: for a field holding one symbol per element of a row-major 2-D array 
 exponents, fp8 bytes, F16 high bytes of a weight matrix), the assignment of its rows and
 of its columns to at most 16 classes each, the class of every symbol (row class * column
 classes + column class: the context a context-conditioned rANS frame codes it with), the
-estimated coded size of a choice, and the bit-packed class maps. What it is not: a coder
-or a payload layout (``container/classed.py`` stores a choice next to its frame).
+estimated coded size of a choice, and the bit-packed class maps: a context model, like
+``contexts.py``, of the symbols alone. What it is not: a coder, a payload layout or the
+decision to use it (``container/classed.py``, the "rans2d" codec, stores a choice next to
+its frame and bids for fields where it pays).
 
 Geometry: a field of ``n`` symbols is part of an array with rows of ``cols`` symbols, its
 first symbol at column ``phase`` (a segment of a tensor starts anywhere in a row). Its rows
@@ -31,8 +33,7 @@ from . import contexts, tables
 from .tables import _log2
 
 MAX_CLASSES = 16  # per axis; a symbol's context (row class * kc + column class) fits a byte
-# Lloyd iterations. MiniLM e4m3 bytes, against 4: none +0.28% of the field, 2 +0.09%.
-_ITERS = 4
+_ITERS = 4  # Lloyd iterations: fewer leave measurably larger fields
 _MAGNITUDE = 0x7F
 _BUCKETS = 64  # most buckets a line histogram has
 _SHIFT = 2  # coarse buckets: symbol >> _SHIFT
@@ -169,9 +170,8 @@ def buckets(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """What the line histograms count: (int64[256] symbol -> bucket, each bucket's
     magnitude). The present symbols themselves, or where more than ``_BUCKETS`` are present
     (fp8 bytes) their top 6 bits: classes follow a line's scale and sign balance, which
-    the top bits carry (measured on MiniLM e4m3: the same size as whole bytes to 0.0002%,
-    while the magnitude alone, without the sign, loses 0.2%), and the histograms and
-    Lloyd passes shrink 4x."""
+    the top bits carry (as well as whole bytes do, while the magnitude alone, without the
+    sign, does not), and the histograms and Lloyd passes shrink 4x."""
     present = np.flatnonzero(counts)
     coarse = present.size > _BUCKETS
     key = present >> _SHIFT if coarse else present

@@ -1,19 +1,13 @@
 """The "rans2d" field codec: rows and columns in classes, and an rANS frame conditioned on them.
 
-What it is: for a field with one symbol per element of a row-major 2-D tensor (BF16
-exponents, F16 high bytes, fp8 bytes), the choice of row and column classes expected to
-code it smallest (``plan``), and the payload that stores the class maps next to an rANS
-frame whose context is each symbol's class (``encode`` / ``decode``). The class assignment
-itself is ``coding/lines.py``. What it is not: the decision between this and the other
-codecs (``codecs.choose``).
-
-Measured on MiniLM-L6 (bench/measure_lines.py, whole tensors; file ratio change, net of
-maps and headers): BF16 exponent rows in 8 classes -0.0025, columns -0.0002, rows 4 x
-columns 4 -0.0032; F16 high byte 4 x 4 -0.0039; F8_E4M3 4 x 4 -0.0063 (-0.0071 with
-14-bit tables); 8 or 16 classes per axis never gain more than 0.0007. Through the whole
-container (rows, columns or both in 4 classes, per field): BF16 0.6612 -> 0.6581, F16
-0.8474 -> 0.8440, F8_E4M3 0.8213 -> 0.8141, F8_E5M2 0.6981 -> 0.6901, F32 0.8170 ->
-0.8153.
+What it is: the whole codec as ``codecs.CODECS`` registers it (``CODEC``): its bid for a
+field of one symbol per element of a row-major 2-D tensor (BF16 exponents, F16 high bytes,
+fp8 bytes), the choice of row and column classes expected to code it smallest (``plan``),
+and the payload that stores the class maps next to an rANS frame whose context is each
+symbol's class (``encode`` / ``decode`` / ``count``). What it is not: the line-class model
+itself, ``coding/lines.py``: assigning lines to classes, each symbol's context and the
+estimate of a classed frame are statistics of symbols, beside the frame layer's other
+models, and know nothing of this payload; this module owns the payload and when it pays.
 
 Payload (little-endian):
 
@@ -35,6 +29,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,13 +37,17 @@ from .._errors import CorruptDataError
 from ..coding import frame, lines, tables
 from ..rans import static as rans_static
 
+if TYPE_CHECKING:
+    from .codecs import Bid, Field
+
 MAGIC = b"EK2D"
 VERSION = 1
 _HEAD = struct.Struct("<4sBBBBQQQ")
 HEADER_SIZE = _HEAD.size  # 32
-K = 4  # classes per classed axis (bench/measure_lines.py: 8 or 16 gain <= 0.0007 of ratio)
+K = 4  # classes per classed axis: more gain little and cost larger maps and tables
 MAX_TABLES = K * K  # tables a frame may use: one per (row class, column class)
-MIN_SYMBOLS = 1 << 12
+MIN_SYMBOLS = 1 << 12  # smaller fields cannot pay for maps and tables
+_MAX_BITS = 7.5  # near-uniform fields (mantissa bytes) gain nothing from classes: no plan
 
 
 @dataclass(frozen=True)
@@ -120,6 +119,39 @@ def encode(symbols: np.ndarray, cols: int, phase: int, p: Plan, precision: int) 
     body = frame.encode(rans_static.CODER, symbols, precision, frame.DEFAULT_CHUNK, 1, ctx,
                         max_tables=MAX_TABLES, counts=p.joint)
     return b"".join((head, maps, body))
+
+
+class _Rans2d:
+    name = "rans2d"
+    states = 4 * rans_static.CODER.lanes
+
+    def estimate(self, f: Field, rival: int) -> Bid | None:
+        """A plan's estimate where it saves the policy's ``classed_min_saving`` of the
+        plain entropy coder's; None for a field without a grid, with a context, that
+        entropy coding does not pay on, or near-uniform."""
+        from .codecs import Bid
+
+        if (f.grid is None or f.context is not None or not f.pays
+                or f.bits >= _MAX_BITS * f.n):
+            return None
+        p = plan(f.symbols, *f.grid, f.counts)
+        if p is None or p.estimate > (1 - f.policy.classed_min_saving) * f.plain:
+            return None
+        grid, precision = f.grid, f.policy.wide_precision if f.wide else f.policy.precision
+        return Bid(p.estimate, lambda: encode(f.symbols, *grid, p, precision))
+
+    def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
+               chunk_size: int, counts: np.ndarray | None) -> bytes:
+        raise ValueError("rans2d payloads are made by its bid (they need the tensor's grid)")
+
+    def count(self, data: np.ndarray) -> int:
+        return count(data)
+
+    def decode(self, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
+        return decode(data, n)  # self-contained: its contexts are in its own payload
+
+
+CODEC = _Rans2d()
 
 
 def count(data: np.ndarray) -> int:

@@ -1,19 +1,24 @@
-"""Field codecs: code one field's uint8 symbols with rANS, tANS, zstd or raw, and pick one.
+"""Field codecs: a registry of the codecs a field's uint8 symbols may be coded with, and
+policies that choose among them.
 
-What it is: one ``encode``/``decode`` pair over the four codecs a field may use, each of
-which checks its decoded bytes (rANS/tANS frames carry a CRC-32 per chunk, zstd frames
-their content checksum, raw a CRC-32 prefix), and ``choose``: the smallest codec for a
-field, measured on the field itself when it is small and on a fixed, spread sample when
-it is large. What it is not: the split of a dtype into fields (``formats``) or the
+What it is: one ``Codec`` object per codec name (rans, tans, zstd, raw here; rans2d in
+``classed.py``), registered once in ``CODECS``, each with its ``estimate`` (a ``Bid``: the
+expected payload size and how to make the payload, or None where it cannot or should not
+code the field), ``encode``, ``decode`` and ``count``; and ``Policy`` objects (``CPU``,
+``FAST``, ``GPU``, ``GPU_FAST``), plain data naming their candidates and thresholds.
+``choose`` analyses a field once (``Field``) and codes it with the candidate of smallest
+estimate, never larger than raw. Every decoder checks its bytes (rANS/tANS frames carry a
+CRC-32 per chunk, zstd frames their content checksum, raw a CRC-32 prefix). What it is
+not: the split of a dtype into fields (``formats``), the frames (``coding.frame``) or the
 container layout.
 
 Codec payloads:
-    rans  an rANS frame (``entropykit.rans``), conditioned on the field's context if any
-    tans  a tANS frame (``entropykit.tans``); never conditioned
+    rans    an rANS frame (``entropykit.rans``), conditioned on the field's context if any
+    tans    a tANS frame (``entropykit.tans``); never conditioned
     rans2d  row / column class maps, then an rANS frame conditioned on each symbol's class
-          (``classed.py``); only for a field of one symbol per element of a 2-D tensor
-    zstd  one zstd frame (level 3) with content size and content checksum
-    raw   u32 CRC-32 of the symbols, then the symbols
+            (``classed.py``); only for a field of one symbol per element of a 2-D tensor
+    zstd    one zstd frame (level 3) with content size and content checksum
+    raw     u32 CRC-32 of the symbols, then the symbols
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 import zstandard
@@ -35,87 +43,214 @@ from ..tans import static as tans_static
 from . import classed
 
 ZSTD_LEVEL = 3
-TANS_LOG = 12  # the largest tANS table: least quantization loss (0.16% on MiniLM exponents)
-RANS_PRECISION = 12  # context-conditioned fields: 12 beats 14 (smaller tables, BF16 +0.01%)
-# Wide, skewed alphabets (fp8 weights: > 128 symbols present at < 7.5 bits each) lose
-# 0.2-0.3% to a 4096-slot table; rANS at 14 bits resolves their rare symbols (measured
-# on MiniLM: e4m3 +0.18%, e5m2 +0.31%; near-uniform mantissa bytes: tANS stays 0.1% ahead).
+TANS_LOG = 12  # the largest tANS table: least quantization loss
+RANS_PRECISION = 12  # smaller tables than 14 bits at no loss on context-conditioned fields
+# Wide, skewed alphabets lose to a 4096-slot table's quantization; 14 bits resolve their
+# rare symbols.
 WIDE_PRECISION = 14
-_WIDE_SYMBOLS = 128
-_WIDE_MAX_BITS = 7.5
-# zstd is judged on fields up to this many symbols whole, on larger ones by a sample of
-# _BLOCKS blocks of _BLOCK symbols spread evenly. On a larger field a probe is tried
-# first, the first _PROBE / _BLOCKS symbols of each of those blocks (~30 us; the sample
-# of exponent-like bytes costs ~500 us), and the sample only where the probe beats the
-# best other codec's estimate: on most weights LZ matching never wins (zstd's sample
-# estimate was never below the best other on any large MiniLM bf16 to e5m2 field, but its
-# trials were ~15% of compress time; near-incompressible fields come within 0.1% of raw,
-# so a looser test would let them all through), and where it does (integer tables, F32
-# word embeddings' low mantissa bytes, whose untrained rows sit in one block) the probe
-# tracks the sample within ~3% (one block from the middle missed the latter).
+_WIDE_SYMBOLS = 128  # a wide alphabet: more symbols present than this ...
+_WIDE_MAX_BITS = 7.5  # ... at fewer bits each than this (else near-uniform)
+# zstd is judged on a field up to EXACT_LIMIT symbols by coding it whole, on a larger one by
+# a sample of _BLOCKS spread blocks of _BLOCK symbols: LZ matches come in runs of rows
+# (untrained embedding rows, integer tables), which a single block may miss. A cheaper probe
+# (_PROBE symbols from the same blocks) goes first: the sample is coded only where the probe
+# beats the best other estimate, which on float weights it almost never does.
 _BLOCK = 1 << 14
 _BLOCKS = 4
 EXACT_LIMIT = _BLOCK * _BLOCKS
 _PROBE = 1 << 12
 _CRC = struct.Struct("<I")
 RAW_OVERHEAD = _CRC.size  # a raw payload is the symbols plus this; no codec is larger
-# target="gpu" (files for entropykit.gpu, measured in gpu/README.md): the GPU kernel decodes
-# rANS only, with tables in shared memory up to 12 bits, fastest at chunks of 2**16 and
-# without context tables; copying a raw field costs half of decoding one, so a field is
-# entropy-coded only where that saves at least GPU_MIN_SAVING of its raw size.
 TARGETS = ("cpu", "gpu")
+# target="gpu" (files for entropykit.gpu, docs/gpu.md): the GPU decodes rANS only, fastest
+# in chunks of GPU_CHUNK with tables of at most 12 bits and no contexts.
 GPU_CHUNK = 1 << 16
+# Copying a raw field costs the GPU half of decoding one: code only what saves this share.
 GPU_MIN_SAVING = 0.01
-# Decoding an entropy-coded field costs ~3x copying a raw one, so a field without a context
-# is entropy-coded only where its order-0 estimate saves MIN_SAVING of its raw size (F16 low
-# bytes save ~0.05%: MiniLM F16 loses 1 KB of 23 MB and decodes ~1.6x faster). With a
-# context the order-0 estimate understates the saving, so there it must only beat raw.
-# fast=True: a field saving less than FAST_MIN_SAVING is stored raw without coding or trials
-# (BF16/F32 mantissa bytes save 0.3-2%), and zstd is judged only on fields small enough to
-# be coded whole.
+# Decoding costs ~3x copying raw bytes: a context-free field is entropy-coded only where its
+# order-0 estimate saves this share (with a context the estimate understates the saving).
 MIN_SAVING = 0.001
+# fast: fields saving less (mantissa bytes) are stored raw, without coding or trials.
 FAST_MIN_SAVING = 0.02
-# rANS (32 lanes, AVX-512) codes and decodes ~1.4-1.5x faster than tANS (4 scalar states)
-# on this CPU (MiniLM BF16 exponents: 380-450 vs 260-370 M/s encode, 590-690 vs 360-530
-# M/s decode) but its 128 bytes of start states per chunk cost 0.12% of those fields
-# (MiniLM BF16 file ratio +0.0002). By default tANS codes every context-free field; fast
-# mode keeps tANS only where it saves FAST_TANS_GAIN of the rANS estimate (small fields,
-# where the states are a large share), and codes wide alphabets at 12 bits too (fp8:
-# decode ~15% faster, ratio +0.0017 e4m3, +0.0025 e5m2 on MiniLM).
+# fast: rANS codes and decodes faster than tANS; tANS only where its fewer state bytes per
+# chunk save this share of the rANS estimate (small fields).
 FAST_TANS_GAIN = 0.005
-# Row / column classes (classed.py) pay for their maps, tables and the slower context
-# decode only where their estimate saves CLASSED_MIN_SAVING of the plain entropy coder's;
-# they code wide alphabets at WIDE_PRECISION (MiniLM fp8 bytes: 14 bits beat 12 by 0.1%
-# of the field with 16 tables), others at RANS_PRECISION (BF16 exponents, F16 high
-# bytes: 14 bits gain < 0.03% but make 4x larger decode tables).
+# Row / column classes pay for their maps, tables and slower context decode only where
+# their estimate saves this share of the plain entropy coder's.
 CLASSED_MIN_SAVING = 0.005
-_RANS_STATES = 4 * 32  # bytes of lane states per rANS chunk (rans/kernels.py)
-_TANS_STATES = 7  # bytes of states and marker per tANS chunk, at most
 
 
-def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None,
-           precision: int = RANS_PRECISION, chunk_size: int = frame.DEFAULT_CHUNK,
-           counts: np.ndarray | None = None) -> bytes:
-    """``symbols`` (uint8, 1-D) coded with ``codec``; ``context``, ``precision`` and
-    ``chunk_size`` are used by rans only (the frame records them; decoding needs no
-    choice). ``counts``, the histogram the caller already took (rans/tans; with a context
-    the joint histogram), saves the coder a pass: see ``frame.encode``."""
-    if codec == "rans":
-        return frame.encode(rans_static.CODER, symbols, precision, chunk_size, 1, context,
+@dataclass(frozen=True)
+class Policy:
+    """How a field's codec is chosen: data only, read by ``choose`` and the estimates.
+
+    ``candidates`` in order of preference where estimates tie (the entropy coders first;
+    rANS and tANS never both bid). ``min_saving`` / ``conditioned_min_saving``: share of
+    the raw size an order-0 entropy estimate must save for a field without / with a
+    context. ``raw_unless_pays``: a field whose entropy estimate does not pay is stored raw
+    without other trials. ``screen``: a field over ``EXACT_LIMIT`` symbols is first judged
+    on a spread sample, and stored raw without a pass where that says entropy coding
+    cannot pay (and, unless ``raw_unless_pays``, zstd's probe agrees).
+    """
+
+    name: str
+    candidates: tuple[str, ...]
+    contexts: bool  # fields are conditioned on their format's context
+    min_saving: float
+    conditioned_min_saving: float
+    raw_unless_pays: bool
+    screen: bool
+    tans_gain: float  # tANS only where its state bytes save this share of rANS's estimate
+    precision: int  # rANS table bits
+    wide_precision: int  # rANS table bits for a wide alphabet without a context
+    chunk: int  # symbols per rANS chunk
+    cost: float = 0.0  # entropy-coded estimates count as size / (1 - cost)
+    zstd_limit: int | None = None  # zstd judged only on fields up to this size
+    classed_min_saving: float = CLASSED_MIN_SAVING
+
+
+CPU = Policy("cpu", ("rans", "tans", "zstd", "raw", "rans2d"), contexts=True,
+             min_saving=MIN_SAVING, conditioned_min_saving=0.0, raw_unless_pays=False,
+             screen=True, tans_gain=0.0, precision=RANS_PRECISION,
+             wide_precision=WIDE_PRECISION, chunk=frame.DEFAULT_CHUNK)
+FAST = Policy("fast", ("rans", "tans", "zstd", "raw"), contexts=True,
+              min_saving=FAST_MIN_SAVING, conditioned_min_saving=FAST_MIN_SAVING,
+              raw_unless_pays=True, screen=True, tans_gain=FAST_TANS_GAIN,
+              precision=RANS_PRECISION, wide_precision=RANS_PRECISION,
+              chunk=frame.DEFAULT_CHUNK, zstd_limit=EXACT_LIMIT)
+# The host decodes zstd fields of GPU files: only those small enough to judge whole.
+GPU = Policy("gpu", ("rans", "zstd", "raw"), contexts=False, min_saving=MIN_SAVING,
+             conditioned_min_saving=0.0, raw_unless_pays=False, screen=False, tans_gain=0.0,
+             precision=RANS_PRECISION, wide_precision=RANS_PRECISION, chunk=GPU_CHUNK,
+             cost=GPU_MIN_SAVING, zstd_limit=EXACT_LIMIT)
+GPU_FAST = Policy("gpu_fast", GPU.candidates, contexts=False, min_saving=FAST_MIN_SAVING,
+                  conditioned_min_saving=FAST_MIN_SAVING, raw_unless_pays=True, screen=True,
+                  tans_gain=0.0, precision=RANS_PRECISION, wide_precision=RANS_PRECISION,
+                  chunk=GPU_CHUNK, cost=GPU_MIN_SAVING, zstd_limit=EXACT_LIMIT)
+POLICIES = {("cpu", False): CPU, ("cpu", True): FAST, ("gpu", False): GPU,
+            ("gpu", True): GPU_FAST}
+
+
+@dataclass
+class Field:
+    """One field as the estimates see it, analysed once by ``choose``: its symbols, the
+    context it is coded with (None where the policy drops it), its histogram (and joint
+    histogram with the context), order-0 entropy ``bits``, the order-0 frame estimate,
+    whether that pays, and which order-0 entropy coder (rANS or tANS) codes it."""
+
+    symbols: np.ndarray
+    context: np.ndarray | None
+    policy: Policy
+    grid: tuple[int, int] | None
+    counts: np.ndarray
+    joint: np.ndarray | None
+    bits: float
+    estimate: int
+    pays: bool
+    wide: bool
+    coder: Codec = field(init=False)
+
+    @property
+    def n(self) -> int:
+        return self.symbols.size
+
+    @property
+    def plain(self) -> int:
+        """The entropy coder's expected payload with its lane states: what another model
+        of the same symbols must beat."""
+        return self.estimate + self.coder.states * -(-self.n // frame.DEFAULT_CHUNK)
+
+
+@dataclass(frozen=True)
+class Bid:
+    """A codec's estimate for a field: expected payload bytes, and the payload's maker."""
+
+    size: int
+    make: Callable[[], bytes]
+
+
+class Codec(Protocol):
+    """One codec of ``CODECS``: how big it expects a field to code, and its payloads."""
+
+    name: str
+    states: int  # bytes of coder state per chunk (entropy coders)
+
+    def estimate(self, f: Field, rival: int) -> Bid | None:
+        """A bid for ``f``, None where this codec is not a candidate; ``rival``: the
+        smallest bid so far (raw's size at most)."""
+
+    def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
+               chunk_size: int, counts: np.ndarray | None) -> bytes: ...
+
+    def count(self, data: np.ndarray) -> int:
+        """Symbols the payload says it holds; CorruptDataError if it is unreadable."""
+
+    def decode(self, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray: ...
+
+
+class _Entropy:
+    """rANS or tANS frames of a static model: ``states`` bytes of lane states per chunk;
+    only rANS conditions on a context."""
+
+    def __init__(self, name: str, module: ModuleType, coder: frame.ChunkCoder,
+                 states: int) -> None:
+        self.name, self._module, self._coder, self.states = name, module, coder, states
+        self._conditions = coder.supports_context
+
+    def estimate(self, f: Field, rival: int) -> Bid | None:
+        if f.coder is not self or not f.pays:
+            return None
+        wide = f.context is None and f.wide
+        precision = f.policy.wide_precision if wide else f.policy.precision
+        return Bid(int(f.estimate / (1 - f.policy.cost)),
+                   lambda: self.encode(f.symbols, f.context, precision, f.policy.chunk,
+                                       f.counts if f.joint is None else f.joint))
+
+    def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
+               chunk_size: int, counts: np.ndarray | None) -> bytes:
+        if not self._conditions:  # tANS: one table size and chunk size, no context
+            return frame.encode(self._coder, symbols, TANS_LOG, frame.DEFAULT_CHUNK, 1,
+                                counts=counts)
+        return frame.encode(self._coder, symbols, precision, chunk_size, 1, context,
                             counts=counts)
-    if codec == "tans":
-        return frame.encode(tans_static.CODER, symbols, TANS_LOG, frame.DEFAULT_CHUNK, 1,
-                            counts=counts)
-    if codec == "rans2d":
-        raise ValueError("rans2d payloads are made by choose() (they need the tensor's grid)")
-    if codec == "zstd":
-        return _zstd().compress(symbols.data)
-    if codec == "raw":
-        return b"".join((_CRC.pack(crc32(symbols)), symbols.data))  # one copy
-    raise ValueError(f"unknown codec {codec!r}")
+
+    def count(self, data: np.ndarray) -> int:
+        # The header's symbol count (byte 8, docs/format.md) alone: parsing the whole frame
+        # is decode's work, and this count is checked against the caller's limit first.
+        if data.size < frame.HEADER_SIZE:
+            raise CorruptDataError(f"{self.name} frame truncated: {data.size} bytes")
+        return int(data[8:16].view("<u8")[0])
+
+    def decode(self, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
+        got = self.count(data)
+        if got != n:
+            raise CorruptDataError(f"{self.name} frame holds {got} symbols, field has {n}")
+        kw = {"context": context} if self._conditions else {}
+        try:
+            return self._module.decode(data, threads=1, out=np.empty(n, np.uint8),
+                                       max_output=n, **kw)
+        except CorruptDataError:
+            raise
+        except ValueError as e:  # e.g. a context flag on a field that has no context
+            raise CorruptDataError(f"{self.name} frame: {e}") from None
 
 
-_LOCAL = threading.local()  # one zstd (de)compressor per thread: making one costs ~8 us
+RANS = _Entropy("rans", rans, rans_static.CODER, 4 * rans_static.CODER.lanes)
+TANS = _Entropy("tans", tans, tans_static.CODER, 7)  # states and end marker, at most
+
+
+def _coder(f: Field) -> Codec:
+    """The order-0 entropy coder of ``f``: tANS (fewer state bytes per chunk) where the
+    policy has it and it can code the field (no context, not a wide alphabet its 12-bit
+    table would quantize), and its state bytes save ``tans_gain`` of rANS's estimate."""
+    if f.context is not None or f.wide or "tans" not in f.policy.candidates:
+        return RANS
+    chunks = -(-f.n // frame.DEFAULT_CHUNK)
+    gain = (RANS.states - TANS.states) * chunks
+    return TANS if gain >= f.policy.tans_gain * (f.estimate + RANS.states * chunks) else RANS
+
+
+_LOCAL = threading.local()  # one zstd (de)compressor per thread: making one per call is slow
 
 
 def _zstd() -> zstandard.ZstdCompressor:
@@ -133,25 +268,43 @@ def _unzstd() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-def count(codec: str, data: np.ndarray, *, limit: int) -> int:
-    """How many symbols the payload ``data`` says it holds; CorruptDataError if unreadable
-    or more than ``limit`` (what the caller's segment can hold): a count read here may
-    size an allocation, so it is never returned unchecked."""
-    n = _declared(codec, data)
-    if n > limit:
-        raise CorruptDataError(f"{codec} payload declares {n} symbols, more than the {limit} "
-                               "its field can hold")
-    return n
+def _sample(a: np.ndarray, width: int = _BLOCK) -> np.ndarray:
+    """The first ``width`` symbols of each of the _BLOCKS spread blocks, joined."""
+    step = (a.size - _BLOCK) // (_BLOCKS - 1)
+    return np.concatenate([a[i * step : i * step + width] for i in range(_BLOCKS)])
 
 
-def _declared(codec: str, data: np.ndarray) -> int:
-    if codec in ("rans", "tans"):
-        if data.size < frame.HEADER_SIZE:
-            raise CorruptDataError(f"{codec} frame truncated: {data.size} bytes")
-        return int(data[8:16].view("<u8")[0])
-    if codec == "rans2d":
-        return classed.count(data)
-    if codec == "zstd":
+class _Zstd:
+    name = "zstd"
+    states = 0
+
+    def estimate(self, f: Field, rival: int) -> Bid | None:
+        if f.policy.zstd_limit is not None and f.n > f.policy.zstd_limit:
+            return None
+        size, whole = self.trial(f.symbols, rival)
+        return Bid(size, (lambda: whole) if whole is not None else
+                   lambda: self.encode(f.symbols, None, 0, 0, None))
+
+    def trial(self, symbols: np.ndarray, rival: int) -> tuple[int, bytes | None]:
+        """(estimated size, the payload itself when the field was coded whole). A large
+        field whose probe's estimate does not beat ``rival`` gets that estimate, without
+        the spread sample's."""
+        n = symbols.size
+        if n <= EXACT_LIMIT:
+            blob = self.encode(symbols, None, 0, 0, None)
+            return len(blob), blob
+        probe = _sample(symbols, _PROBE // _BLOCKS)
+        probe_size = len(self.encode(probe, None, 0, 0, None)) * n // probe.size
+        if probe_size >= rival:
+            return probe_size, None
+        sample = _sample(symbols)
+        return len(self.encode(sample, None, 0, 0, None)) * n // sample.size, None
+
+    def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
+               chunk_size: int, counts: np.ndarray | None) -> bytes:
+        return _zstd().compress(symbols.data)
+
+    def count(self, data: np.ndarray) -> int:
         try:
             n = zstandard.frame_content_size(data.data)
         except zstandard.ZstdError as e:
@@ -159,11 +312,75 @@ def _declared(codec: str, data: np.ndarray) -> int:
         if n < 0:
             raise CorruptDataError("zstd frame does not record its size")
         return n
-    if codec == "raw":
+
+    def decode(self, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
+        try:
+            if zstandard.frame_content_size(data.data) != n:
+                raise CorruptDataError(f"zstd frame does not hold {n} bytes")
+            out = _unzstd().decompress(data.data, max_output_size=n)
+        except zstandard.ZstdError as e:
+            raise CorruptDataError(f"zstd frame: {e}") from None
+        return np.frombuffer(out, np.uint8)
+
+
+class _Raw:
+    name = "raw"
+    states = 0
+
+    def estimate(self, f: Field, rival: int) -> Bid | None:
+        return Bid(f.n + RAW_OVERHEAD, lambda: self.encode(f.symbols, None, 0, 0, None))
+
+    def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
+               chunk_size: int, counts: np.ndarray | None) -> bytes:
+        return b"".join((_CRC.pack(crc32(symbols)), symbols.data))  # one copy
+
+    def count(self, data: np.ndarray) -> int:
         if data.size < _CRC.size:
             raise CorruptDataError(f"raw field truncated: {data.size} bytes")
         return data.size - _CRC.size
-    raise CorruptDataError(f"unknown codec {codec!r}")
+
+    def decode(self, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
+        if data.size != n + _CRC.size:
+            raise CorruptDataError(f"raw field is {data.size} bytes, expected {n + _CRC.size}")
+        out = data[_CRC.size:]  # a view: the caller only reads the symbols
+        if crc32(out) != _CRC.unpack(data[:_CRC.size].tobytes())[0]:
+            raise CorruptDataError("raw field fails its CRC-32")
+        return out
+
+
+ZSTD = _Zstd()
+RAW = _Raw()
+
+CODECS: dict[str, Codec] = {c.name: c for c in (RANS, TANS, classed.CODEC, ZSTD, RAW)}
+
+
+def encode(codec: str, symbols: np.ndarray, context: np.ndarray | None,
+           precision: int = RANS_PRECISION, chunk_size: int = frame.DEFAULT_CHUNK,
+           counts: np.ndarray | None = None) -> bytes:
+    """``symbols`` (uint8, 1-D) coded with ``codec``; ``context``, ``precision`` and
+    ``chunk_size`` are used by rans only (the frame records them; decoding needs no
+    choice). ``counts``, the histogram the caller already took (rans/tans; with a context
+    the joint histogram), saves the coder a pass: see ``frame.encode``."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}")
+    return CODECS[codec].encode(symbols, context, precision, chunk_size, counts)
+
+
+def _codec(name: str) -> Codec:
+    if name not in CODECS:
+        raise CorruptDataError(f"unknown codec {name!r}")
+    return CODECS[name]
+
+
+def count(codec: str, data: np.ndarray, *, limit: int) -> int:
+    """How many symbols the payload ``data`` says it holds; CorruptDataError if unreadable
+    or more than ``limit`` (what the caller's segment can hold): a count read here may
+    size an allocation, so it is never returned unchecked."""
+    n = _codec(codec).count(data)
+    if n > limit:
+        raise CorruptDataError(f"{codec} payload declares {n} symbols, more than the {limit} "
+                               "its field can hold")
+    return n
 
 
 def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
@@ -172,58 +389,7 @@ def decode(codec: str, data: np.ndarray, n: int, context: np.ndarray | None) -> 
     allocated: the payload's own count is checked against it first (``count``'s
     ``limit`` bounds ``n`` where it came from the payload). The result may be read-only
     and share memory with ``data`` (raw, zstd): read it, do not write it."""
-    if codec in ("rans", "tans"):
-        mod = rans if codec == "rans" else tans
-        got = _declared(codec, data)
-        if got != n:
-            raise CorruptDataError(f"{codec} frame holds {got} symbols, field has {n}")
-        kw = {"context": context} if codec == "rans" else {}
-        try:
-            return mod.decode(data, threads=1, out=np.empty(n, np.uint8), max_output=n, **kw)
-        except CorruptDataError:
-            raise
-        except ValueError as e:  # e.g. a context flag on a field that has no context
-            raise CorruptDataError(f"{codec} frame: {e}") from None
-    if codec == "rans2d":  # self-contained: its context is in its own payload
-        return classed.decode(data, n)
-    if codec == "zstd":
-        try:
-            if zstandard.frame_content_size(data.data) != n:
-                raise CorruptDataError(f"zstd frame does not hold {n} bytes")
-            out = _unzstd().decompress(data.data, max_output_size=n)
-        except zstandard.ZstdError as e:
-            raise CorruptDataError(f"zstd frame: {e}") from None
-        return np.frombuffer(out, np.uint8)
-    if codec == "raw":
-        if data.size != n + _CRC.size:
-            raise CorruptDataError(f"raw field is {data.size} bytes, expected {n + _CRC.size}")
-        out = data[_CRC.size:]  # a view: the caller only reads the symbols
-        if crc32(out) != _CRC.unpack(data[:_CRC.size].tobytes())[0]:
-            raise CorruptDataError("raw field fails its CRC-32")
-        return out
-    raise CorruptDataError(f"unknown codec {codec!r}")
-
-
-def _sample(a: np.ndarray, width: int = _BLOCK) -> np.ndarray:
-    """The first ``width`` symbols of each of the _BLOCKS spread blocks, joined."""
-    step = (a.size - _BLOCK) // (_BLOCKS - 1)
-    return np.concatenate([a[i * step : i * step + width] for i in range(_BLOCKS)])
-
-
-def _zstd_estimate(symbols: np.ndarray, rival: int) -> tuple[int, bytes | None]:
-    """(estimated size, the payload itself when the field was coded whole). ``rival``: the
-    best other codec's estimate; a large field whose probe's estimate does not beat it
-    gets that estimate, without the spread sample's."""
-    n = symbols.size
-    if n <= EXACT_LIMIT:
-        blob = encode("zstd", symbols, None)
-        return len(blob), blob
-    probe = _sample(symbols, _PROBE // _BLOCKS)
-    probe_size = len(encode("zstd", probe, None)) * n // probe.size
-    if probe_size >= rival:
-        return probe_size, None
-    sample = _sample(symbols)
-    return len(encode("zstd", sample, None)) * n // sample.size, None
+    return _codec(codec).decode(data, n, context)
 
 
 def _sample_bits(symbols: np.ndarray) -> float:
@@ -246,7 +412,7 @@ def _entropy_estimate(counts: np.ndarray, bits: float, n: int) -> int:
 @dataclass(frozen=True)
 class Choice:
     """A coded field: its codec, payload, and order-0 entropy in bits (for a large field
-    that fast mode stores raw, estimated from the spread sample)."""
+    stored raw by the sample screen, estimated from the spread sample)."""
 
     codec: str
     blob: bytes
@@ -268,101 +434,90 @@ def grid_of(shape: tuple[int, ...], first: int) -> tuple[int, int] | None:
     return shape[-1], first % shape[-1]
 
 
-def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu", *,
-           fast: bool = False, grid: tuple[int, int] | None = None,
-           counts: np.ndarray | None = None) -> Choice:
-    """Code a field with the codec expected to be smallest, never larger than raw.
+def _raw(symbols: np.ndarray, bits: float) -> Choice:
+    return Choice("raw", RAW.encode(symbols, None, 0, 0, None), bits)
 
-    The entropy coder is rANS for a field with a context (only rANS conditions on one), rANS
-    at ``WIDE_PRECISION`` for a wide skewed alphabet, and tANS otherwise (smaller than rANS
-    on real weights: fewer state bytes per chunk). Its size is estimated from the order-0
-    entropy (a candidate only where that saves ``MIN_SAVING``), zstd's by coding the field
-    (or a spread sample of it), raw's is exact; the smallest estimate is coded, and the
-    result replaced by raw if it is not smaller. Only one coder runs over the whole field,
-    once: the histogram (with a context, the joint histogram) is taken once and handed to
-    the coder, and a field small enough to be judged whole keeps its zstd trial as its
-    payload.
-    ``target="gpu"`` writes what ``entropykit.gpu`` decodes fastest (see ``GPU_CHUNK``):
-    rANS at ``RANS_PRECISION`` in chunks of ``GPU_CHUNK``, no context, zstd only for
-    fields small enough to be judged whole (the host decodes those), and raw unless the
-    estimate saves ``GPU_MIN_SAVING``.
-    ``fast`` trades size for speed both ways (``FAST_MIN_SAVING``, ``FAST_TANS_GAIN``).
-    ``grid`` (``grid_of``): the field has one symbol per element of a 2-D tensor; then a
-    field without a context may be coded "rans2d" (target "cpu", not fast) where that
-    saves ``CLASSED_MIN_SAVING``.
-    ``counts``, when the caller has it, saves a pass: the symbols' histogram
-    (int64[256]), or for a field with a context (target "cpu", not fast) the joint
-    histogram ``contexts.joint_histogram(context, symbols)``. It must be exact.
-    Deterministic: the same symbols and options always give the same choice.
-    """
-    check_target(target)
+
+def _screened(symbols: np.ndarray, p: Policy) -> float | None:
+    """Order-0 bits of a large field the sample screen stores raw, else None.
+
+    The sample's plug-in entropy is low (by ~0.003 bit for near-uniform bytes), so where it
+    says entropy coding cannot save ``min_saving`` the whole field's count agrees."""
+    h = _sample_bits(symbols)
+    if h <= 8 * (1 - p.min_saving):
+        return None
+    raw = symbols.size + RAW_OVERHEAD
+    if not p.raw_unless_pays and ZSTD.trial(symbols, raw)[0] <= raw:
+        return None
+    return h * symbols.size
+
+
+def _analyse(symbols: np.ndarray, context: np.ndarray | None, p: Policy,
+             grid: tuple[int, int] | None, counts: np.ndarray | None) -> Field:
+    """The shared statistics of a field. A field with a context gets its joint histogram
+    (whose column sums are the counts) up front unless the policy may store it raw before
+    needing it."""
     n = symbols.size
-    raw = n + _CRC.size
-    if n == 0:
-        return Choice("raw", encode("raw", symbols, None), 0.0)
-    gpu = target == "gpu"
-    context = None if gpu else context
-    if n > EXACT_LIMIT and (fast or (context is None and not gpu and counts is None)):
-        # A sample says whether a pass over the field can pay. Its plug-in entropy is low
-        # (by ~0.003 bit for near-uniform bytes, with a spread of ~0.0001), so where it
-        # says entropy coding cannot save MIN_SAVING the whole field's count agrees; by
-        # default raw is then taken without that pass unless zstd's probe beats it
-        # (F16 low bytes, F32 low mantissa bytes).
-        h = _sample_bits(symbols)
-        if fast and h > 8 * (1 - FAST_MIN_SAVING):
-            return Choice("raw", encode("raw", symbols, None), h * n)
-        if not fast and h > 8 * (1 - MIN_SAVING) and _zstd_estimate(symbols, raw)[0] > raw:
-            return Choice("raw", encode("raw", symbols, None), h * n)
     joint = None
-    if context is not None and not fast:
-        # The joint histogram's column sums are the counts; a pass over a small field
-        # costs less than summing the 256 x 256 joint.
+    if context is not None and not p.raw_unless_pays:
         joint = contexts.joint_histogram(context, symbols) if counts is None else counts
+        # A pass over a small field costs less than summing the 256 x 256 joint.
         counts = tables.histogram(symbols) if n < 1 << 15 else joint.sum(axis=0)
     elif counts is None:
         counts = tables.histogram(symbols)
     bits = tables.entropy_bits(counts)
     estimate = _entropy_estimate(counts, bits, n)
-    min_saving = FAST_MIN_SAVING if fast else 0.0 if context is not None else MIN_SAVING
-    entropy_pays = estimate <= (1 - min_saving) * raw
-    if fast and not entropy_pays:
-        return Choice("raw", encode("raw", symbols, None), bits)
-    if context is not None and joint is None:
-        joint = contexts.joint_histogram(context, symbols)
+    saving = p.min_saving if context is None else p.conditioned_min_saving
     wide = int(np.count_nonzero(counts)) > _WIDE_SYMBOLS and bits < _WIDE_MAX_BITS * n
-    entropy_codec = "rans"
-    if context is None and not wide and not gpu:
-        chunks = -(-n // frame.DEFAULT_CHUNK)
-        gain = (_RANS_STATES - _TANS_STATES) * chunks
-        if not fast or gain >= FAST_TANS_GAIN * (estimate + _RANS_STATES * chunks):
-            entropy_codec = "tans"
-    precision = WIDE_PRECISION if context is None and wide and not (gpu or fast) else RANS_PRECISION
-    chunk = GPU_CHUNK if gpu else frame.DEFAULT_CHUNK
-    estimates = {}
-    if entropy_pays:
-        estimates[entropy_codec] = int(estimate / (1 - GPU_MIN_SAVING)) if gpu else estimate
-    whole = None  # zstd's payload, when it was judged on the whole field
-    if not (gpu or fast) or n <= EXACT_LIMIT:
-        estimates["zstd"], whole = _zstd_estimate(symbols, min([raw, *estimates.values()]))
-    estimates["raw"] = raw
-    plan = None
-    # Near-uniform fields (mantissa bytes) gain nothing from classes: no plan is tried.
-    if (grid is not None and context is None and entropy_pays and not (gpu or fast)
-            and bits < _WIDE_MAX_BITS * n):
-        plan = classed.plan(symbols, *grid, counts)
-        states = _RANS_STATES if entropy_codec == "rans" else _TANS_STATES
-        plain = estimate + states * -(-n // frame.DEFAULT_CHUNK)
-        if plan is not None and plan.estimate <= (1 - CLASSED_MIN_SAVING) * plain:
-            estimates["rans2d"] = plan.estimate
-    codec = min(estimates, key=lambda c: (estimates[c], c != entropy_codec))
-    if codec == "zstd" and whole is not None:
-        blob = whole
-    elif codec == "rans2d":
-        assert grid is not None and plan is not None
-        blob = classed.encode(symbols, *grid, plan, WIDE_PRECISION if wide else RANS_PRECISION)
-    else:
-        blob = encode(codec, symbols, context, precision, chunk,
-                      counts=counts if joint is None else joint)
-    if len(blob) >= raw:
-        return Choice("raw", encode("raw", symbols, None), bits)
-    return Choice(codec, blob, bits)
+    return Field(symbols, context, p, grid, counts, joint, bits, estimate,
+                 estimate <= (1 - saving) * (n + RAW_OVERHEAD), wide)
+
+
+def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu", *,
+           fast: bool = False, grid: tuple[int, int] | None = None,
+           counts: np.ndarray | None = None) -> Choice:
+    """Code a field with the codec expected to be smallest, never larger than raw.
+
+    The policy is ``POLICIES[target, fast]``: ``target="gpu"`` writes what
+    ``entropykit.gpu`` decodes fastest, ``fast`` trades size for speed both ways. Each of
+    its candidates bids (``Codec.estimate``) on the field's shared statistics (``Field``;
+    the histogram, or with a context the joint histogram, taken once); the smallest bid is
+    coded (ties: the earlier candidate), and replaced by raw if it is not smaller. Only
+    one coder runs over the whole field, once, and a field small enough to be judged
+    whole by zstd keeps that trial as its payload.
+    ``grid`` (``grid_of``): the field has one symbol per element of a 2-D tensor, which
+    lets "rans2d" bid. ``counts``, when the caller has it, saves a pass: the symbols'
+    histogram (int64[256]), or for a field with a context (target "cpu", not fast) the
+    joint histogram ``contexts.joint_histogram(context, symbols)``. It must be exact.
+    Deterministic: the same symbols and options always give the same choice.
+    """
+    check_target(target)
+    p = POLICIES[target, fast]
+    n = symbols.size
+    raw = n + RAW_OVERHEAD
+    if n == 0:
+        return _raw(symbols, 0.0)
+    context = context if p.contexts else None
+    # The screen saves a pass where none was paid yet; by default, only context-free
+    # fields (a context's saving is not in the order-0 sample).
+    if (n > EXACT_LIMIT and p.screen
+            and (p.raw_unless_pays or (context is None and counts is None))):
+        bits = _screened(symbols, p)
+        if bits is not None:
+            return _raw(symbols, bits)
+    f = _analyse(symbols, context, p, grid, counts)
+    if p.raw_unless_pays and not f.pays:
+        return _raw(symbols, f.bits)
+    if f.context is not None and f.joint is None:
+        f.joint = contexts.joint_histogram(f.context, symbols)
+    f.coder = _coder(f)
+    bids: dict[str, Bid] = {}
+    for name in p.candidates:
+        bid = CODECS[name].estimate(f, min([raw, *(b.size for b in bids.values())]))
+        if bid is not None:
+            bids[name] = bid
+    codec = min(bids, key=lambda c: bids[c].size)  # the first of equal bids
+    blob = bids[codec].make()
+    if codec != "raw" and len(blob) >= raw:
+        return _raw(symbols, f.bits)
+    return Choice(codec, blob, f.bits)

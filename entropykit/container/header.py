@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import dtypes
+
 METADATA_KEY = "__metadata__"
 # safetensors refuses headers over 100 MB; so do we (a hostile length cannot allocate more).
 MAX_HEADER = 100_000_000
@@ -30,19 +32,7 @@ MAX_JSON_DEPTH = 64
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
 
-# Bits per element of every dtype safetensors knows.
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}
-# The order safetensors sorts tensors in when it writes a file (descending, then by name).
-_WRITE_RANK = {d: i for i, d in enumerate((
-    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
-    "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
-    "F64", "I64", "U64",
-))}
+DTYPE_BITS = dtypes.BITS  # bits per element of every dtype safetensors knows
 
 
 @dataclass(frozen=True)
@@ -224,4 +214,4 @@ def prefix(raw: bytes) -> bytes:
 
 def write_order(entries: Sequence[Entry]) -> list[Entry]:
     """``entries`` in the order safetensors lays tensors out (dtype rank desc, then name)."""
-    return sorted(entries, key=lambda e: (-_WRITE_RANK[e.dtype], e.name))
+    return sorted(entries, key=lambda e: (-dtypes.WRITE_RANK[e.dtype], e.name))

@@ -3,11 +3,8 @@
 What it is: ``Field``, ``split``, ``join`` and the dtype/layout lookup, with every check on
 their inputs. What it is not: the choice of split per dtype (floats.py, integers.py,
 packed4.py), the kernels (_planes.py), or coding: a field is only a stream of uint8 symbols.
-
-Speed through this API, one core, 64 MiB (the kernels do not branch on data), measured on the
-shared 2-core dev machine under load, output allocation included (GB/s split / join):
-BF16 2.5 / 2.7, F16 2.7 / 2.9, F32 and I32 1.9-2.0 / 1.9-2.3, F64 and I64 ~1.0 / ~1.0;
-one-byte dtypes split to a view of the input and join with one copy (3.6).
+The kernels do not branch on data; one-byte dtypes split to a view of the input and join
+with one copy.
 """
 
 from __future__ import annotations
@@ -18,12 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import dtypes
 from . import floats, integers, packed4
 from ._planes import Planes, int_view, join_planes, split_planes
 
 _PLANES: dict[str, Planes] = {d: f.planes() for d, f in floats.FORMATS.items()}
 _PLANES.update({d: integers.planes(d) for d in integers.ITEMSIZE})
-_ITEMSIZE = {d: p.word for d, p in _PLANES.items()}
+_ITEMSIZE = {d: dtypes.BITS[d] // 8 for d in _PLANES}  # a plane word is one element
 
 DTYPES = frozenset(_PLANES)
 LAYOUTS = packed4.LAYOUTS

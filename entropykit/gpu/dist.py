@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import dtypes
 from .._errors import CorruptDataError
 from .._status import Status, by_status
 from ..rans import dist_kernels as _k
@@ -41,8 +42,7 @@ MESSAGES = {**by_status(_k.MESSAGES),
             Status.CRC: "CRC-32 of decoded values does not match",
             Status.RAW: "raw payload length differs from the chunk's values"}
 _CRC_POLY = 0xEDB88320
-_TORCH_FORMATS = {"torch.bfloat16": "bf16", "torch.float16": "fp16",
-                  "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2"}
+_TORCH_FORMATS = {f"torch.{d.torch}": d.value_format for d in dtypes.ALL if d.value_format}
 _SMEM_LIMIT = 96 * 1024  # model tables in shared memory up to this (else through L1)
 TAIL_FROM = 12  # tail inverse: from mass 2**-12 (the uniform inverse's end interval) ...
 TAIL_STEPS = 8  # ... in steps of 2**(-1/8) ...

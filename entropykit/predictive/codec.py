@@ -57,14 +57,14 @@ from ..rans import distribution as dist
 from . import _torchdist as T
 from . import residual
 from .calibration import Calibration
-from .kvcache import FP8, KVCache, as_kvcache
+from .kvcache import DTYPES, KVCache, as_kvcache
 from .predictors import Prediction, Predictor
 
 MAGIC = b"EKKV"
 VERSION = 1
 _HEAD = struct.Struct("<4sBBBBIIIIIIIIH")
 CHUNK = 1 << 16  # values per chunk: a layer's tensor splits across threads
-_FORMATS = {"bf16": torch.bfloat16, "fp8_e4m3": FP8}
+_FORMATS = {name: t for t, name in DTYPES.items()}  # value-format name -> cache dtype
 # Far above any model's; a blob claiming more is refused before anything runs.
 MAX_LAYERS = 1 << 10
 MAX_HEADS = 1 << 10

@@ -13,9 +13,13 @@ from typing import Any
 
 import torch
 
+from .. import dtypes
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-DTYPES = {torch.bfloat16: "bf16", FP8: "fp8_e4m3"}
+# The cache dtypes the KV coder takes -> their value-format names.
+DTYPES = {getattr(torch, d.torch): d.value_format
+          for d in (dtypes.BY_NAME["BF16"], dtypes.BY_NAME["F8_E4M3"])}
 
 
 @dataclass
