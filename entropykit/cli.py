@@ -292,10 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return analysis_cli.main(argv[1:])
     args = _parser().parse_args(argv)
     saved = _on_signals()
-    fmt = warnings.formatwarning
-    warnings.formatwarning = lambda m, *a, **k: f"entropykit: warning: {m}\n"
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = _warn
+            return args.func(args)
     except (_Usage, FileExistsError, files.OutputRefused) as e:
         print(f"entropykit: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
@@ -309,9 +310,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"entropykit: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum
     finally:
-        warnings.formatwarning = fmt
         for signum, handler in saved.items():
             signal.signal(signum, handler)
+
+
+def _warn(message: Warning | str, *args: object, **kwargs: object) -> None:
+    """A library warning (e.g. files skipped in a directory) as one line on stderr."""
+    print(f"entropykit: warning: {message}", file=sys.stderr)
 
 
 def _on_signals() -> dict[int, object]:
