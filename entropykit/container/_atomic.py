@@ -439,12 +439,15 @@ def output_dir(dst: Path, force: bool = False, names: Iterable[Path] = ()
     """A directory to fill for output directory ``dst``.
 
     A new ``dst`` is the temporary directory renamed when the block exits. An existing
-    ``dst`` (with ``force``) is kept: the block fills a temporary directory inside it,
-    whose files and links then replace their namesakes in ``dst`` one by one (each by a
-    rename); nothing else in ``dst`` is touched. ``names`` (relative paths the block will
-    write) are checked up front, so a refused output costs no work.
+    ``dst`` (with ``force``; a link to a directory stands for that directory) is kept: the
+    block fills a temporary directory inside it, whose files and links then replace their
+    namesakes in ``dst`` one by one (each by a rename); nothing else in ``dst`` is touched.
+    ``names`` (relative paths the block will write) are checked up front, so a refused
+    output costs no work.
     """
     dst = Path(dst)
+    if dst.is_symlink() and dst.is_dir():
+        dst = Path(os.path.realpath(dst))  # written into, like any existing directory
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"{dst}: output directory {dst.parent} does not exist")
     try:
