@@ -200,8 +200,7 @@ def _info_file(path: Path) -> None:
 def _info(args: argparse.Namespace) -> int:
     path = _existing(args.path)
     if path.is_dir():
-        checkpoint.check_shards(path)
-        for rel in checkpoint.walk(path)[0]:
+        for rel in checkpoint.inputs(path).safetensors:
             _info_file(path / rel)
             print()
     else:

@@ -436,7 +436,8 @@ def test_nothing_to_compress_says_so(tmp_path: Path, capsys: pytest.CaptureFixtu
     d = tmp_path / "d"
     d.mkdir()
     (d / "config.json").write_text("{}")
-    for argv in (["compress", d], ["verify", d], ["decompress", d, "-o", tmp_path / "r"]):
+    for argv in (["compress", d], ["verify", d], ["decompress", d, "-o", tmp_path / "r"],
+                 ["info", d]):
         code, out, err = _run(capsys, *argv)
         assert code == 1 and "no *.safetensors files" in err and out == ""
     assert sorted(os.listdir(tmp_path)) == ["d"]

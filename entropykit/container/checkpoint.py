@@ -120,9 +120,10 @@ def check_shards(root: Path, tree: Tree | None = None) -> None:
                 raise FileNotFoundError(f"{index}: shard {shard} is missing")
 
 
-def _scan_input(root: Path) -> Tree:
-    """``scan`` plus the checks every verb makes: shards, something to do, a warning for
-    what is skipped."""
+def inputs(root: Path) -> Tree:
+    """``scan`` plus the checks every verb makes on an input directory: its shards,
+    something to do (ValueError if no safetensors file), a warning naming what is
+    skipped."""
     tree = scan(root)
     check_shards(root, tree)
     if not tree.safetensors:
@@ -148,7 +149,7 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
     files, recreate the links."""
     dst = default if dst is None else Path(dst)
     _atomic.check_distinct(src, dst)
-    tree = _scan_input(src)
+    tree = inputs(src)
     total = sum((src / r).stat().st_size for r in tree.safetensors)
     summary = Summary()
     t0 = time.perf_counter()
@@ -196,7 +197,7 @@ def verify_dir(path: Path, against: Path | None = None, *, threads: int | None =
     directories hold the same files and links and every file restores to its original
     exactly."""
     path = Path(path)
-    tree = _scan_input(path)
+    tree = inputs(path)
     if against is not None:
         against = Path(against)
         theirs = scan(against)

@@ -149,11 +149,14 @@ def source(buf: np.ndarray) -> Source:
 class _Span:
     """A tensor's bytes in an input file, read when sliced (``span[lo:hi]``)."""
 
-    def __init__(self, f: _Input, begin: int) -> None:
-        self._f, self._begin = f, begin
+    def __init__(self, f: _Input, begin: int, size: int) -> None:
+        self._f, self._begin, self._size = f, begin, size
 
     def __getitem__(self, s: slice) -> np.ndarray:
-        return self._f.pread(self._begin + s.start, s.stop - s.start)
+        lo, hi, step = s.indices(self._size)
+        if step != 1:
+            raise ValueError("only contiguous slices are read")
+        return self._f.pread(self._begin + lo, max(hi - lo, 0))
 
 
 def _read_source(f: _Input) -> Source:
@@ -163,7 +166,7 @@ def _read_source(f: _Input) -> Source:
     if h.file_size() != f.size:
         raise ValueError(f"tensors end at byte {h.file_size()}, file has {f.size} bytes")
     start = h.data_start
-    return Source(h, lambda e: _Span(f, start + e.begin))
+    return Source(h, lambda e: _Span(f, start + e.begin, e.nbytes))
 
 
 def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = None,
