@@ -394,27 +394,26 @@ def _copy_into(spool: BinaryIO, dst: Path) -> None:
         shutil.copyfileobj(spool, f, 1 << 20)
 
 
-def _installable(dst: Path, rel: Path) -> None:
-    """OutputRefused unless ``rel`` can be renamed into existing directory ``dst``: every
-    directory on the way is a real directory (or absent) and the name is absent, a regular
-    file or a symbolic link (replaced, never followed)."""
+def _installable(dst: Path, rel: Path, is_dir: bool = False) -> None:
+    """OutputRefused unless ``rel`` (a file or link, or a directory if ``is_dir``) can be
+    put in existing directory ``dst``: every directory on the way is a real directory (or
+    absent), and the name is absent, or a regular file or symbolic link (replaced, never
+    followed), or for a directory a real directory."""
     here = dst
-    for part in rel.parts[:-1]:
+    for part in rel.parts:
         here = here / part
         try:
             mode = os.lstat(here).st_mode
         except FileNotFoundError:
             return
-        if not stat.S_ISDIR(mode):
+        last = here == dst / rel
+        if last and not is_dir:
+            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                raise OutputRefused(f"{here}: output exists and is {_kind(mode)}; "
+                                    f"refusing to replace it")
+        elif not stat.S_ISDIR(mode):
             raise OutputRefused(f"{here}: output path is {_kind(mode)}, not a directory; "
                                 f"refusing to write {dst / rel} through it")
-    try:
-        mode = os.lstat(dst / rel).st_mode
-    except FileNotFoundError:
-        return
-    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-        raise OutputRefused(f"{dst / rel}: output exists and is {_kind(mode)}; "
-                            f"refusing to replace it")
 
 
 def _install(tmp: Path, dst: Path) -> None:
@@ -426,7 +425,7 @@ def _install(tmp: Path, dst: Path) -> None:
                 dirs.remove(d)
                 names.append(d)
             else:
-                _installable(dst, rel / d / "x")
+                _installable(dst, rel / d, is_dir=True)
                 (dst / rel / d).mkdir(exist_ok=True)
         for name in sorted(names):
             _installable(dst, rel / name)
