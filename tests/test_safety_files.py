@@ -378,12 +378,14 @@ def test_links_inside_are_kept_as_links(ckpt: Path, tmp_path: Path,
     assert _tree(tmp_path / "back") == before
 
 
-@pytest.mark.parametrize("target", ["../secret.txt", "ABS"])
+@pytest.mark.parametrize("target", ["../secret.txt", "ABS", "ABS_INSIDE"])
 def test_link_outside_is_refused(ckpt: Path, tmp_path: Path, target: str,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("password")
-    (ckpt / "tokenizer.json").symlink_to(secret if target == "ABS" else target)
+    # An absolute link, even to a file inside, would point from the copy into the input.
+    links = {"ABS": secret, "ABS_INSIDE": ckpt / "config.json"}
+    (ckpt / "tokenizer.json").symlink_to(links.get(target, target))
     code, _, err = _run(capsys, "compress", ckpt, "-o", tmp_path / "p", "-q")
     assert code == 1 and f"{ckpt / 'tokenizer.json'}: symbolic link" in err
     assert "outside" in err and err.count("\n") == 1

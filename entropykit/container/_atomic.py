@@ -218,7 +218,7 @@ def is_temp(name: str) -> bool:
 def check_distinct(src: Path, dst: Path) -> None:
     """OutputRefused if ``dst`` is, contains or lies inside ``src`` (symlinks resolved)."""
     rs, rd = Path(os.path.realpath(src)), Path(os.path.realpath(dst))
-    same = rs == rd or (os.path.lexists(dst) and dst.exists() and os.path.samefile(src, dst))
+    same = rs == rd or (dst.exists() and os.path.samefile(src, dst))  # hard links too
     if same:
         raise OutputRefused(f"{dst}: output would overwrite the input {src}")
     if rd in rs.parents:

@@ -14,7 +14,8 @@ and nothing is left out silently:
 
 - regular files: ``*.safetensors`` are coded, the rest copied;
 - symbolic links (to files or directories, dangling, or loops) are kept as links, never
-  followed, if they resolve inside the directory; one resolving outside is refused;
+  followed, if they are relative and resolve inside the directory (so that the copy's
+  links resolve inside the copy); an absolute one, or one resolving outside, is refused;
 - anything else (a FIFO, socket or device, whatever its name) is refused, never opened;
 - entropykit temporaries (``.*.ek-tmp``) are skipped, with a warning naming them;
 - an index's ``weight_map`` must name shards inside the directory (no absolute paths, no
@@ -72,10 +73,11 @@ def scan(root: Path) -> Tree:
                 continue
             mode = e.stat(follow_symlinks=False).st_mode
             if stat.S_ISLNK(mode):
+                text = os.readlink(e.path)
                 target = os.path.realpath(e.path)
-                if os.path.commonpath([real, target]) != real:
-                    raise ValueError(f"{root / r}: symbolic link to {os.readlink(e.path)}, "
-                                     f"outside {root}; refusing to follow or copy it")
+                if os.path.isabs(text) or os.path.commonpath([real, target]) != real:
+                    raise ValueError(f"{root / r}: symbolic link to {text}, outside {root} "
+                                     f"or absolute; refusing to follow or copy it")
                 tree.links.append(r)
             elif stat.S_ISDIR(mode):
                 visit(Path(e.path), r)
