@@ -453,3 +453,20 @@ def test_scan_classifies_every_entry(ckpt: Path) -> None:
     assert tree.other == [Path("config.json")] and tree.links == [Path("l")]
     assert tree.skipped == [Path(".x.abcdefgh.ek-tmp")]
     assert checkpoint.walk(ckpt) == (tree.safetensors, tree.other)
+
+
+def test_compress_input_reads_like_an_array(tmp_path: Path) -> None:
+    """What compress reads a tensor through (pread, never a mapping) slices like the
+    array of its bytes."""
+    from entropykit.container import files
+
+    src = tmp_path / "m.safetensors"
+    save_file({"a": torch.arange(10, dtype=torch.int32), "b": torch.ones(3)}, src)
+    blob = src.read_bytes()
+    with files._opened(src) as f:
+        s = files._read_source(f)
+        for e in s.header.entries:
+            span, want = s.read(e), blob[s.header.data_start + e.begin:][: e.nbytes]
+            assert span.size == len(span) == e.nbytes
+            for sl in (slice(None), slice(3, 7), slice(-4, None), slice(5, 2)):
+                assert span[sl].tobytes() == want[sl]

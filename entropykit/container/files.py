@@ -147,10 +147,18 @@ def source(buf: np.ndarray) -> Source:
 
 
 class _Span:
-    """A tensor's bytes in an input file, read when sliced (``span[lo:hi]``)."""
+    """A tensor's bytes in an input file, read when sliced (``span[lo:hi]`` is a new uint8
+    array); ``size`` as for an array. Only the slices asked for are read."""
 
     def __init__(self, f: _Input, begin: int, size: int) -> None:
         self._f, self._begin, self._size = f, begin, size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
 
     def __getitem__(self, s: slice) -> np.ndarray:
         lo, hi, step = s.indices(self._size)
