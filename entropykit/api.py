@@ -60,8 +60,12 @@ def compress_file(src: PathLike, dst: PathLike | None = None, *, threads: int | 
     output is a valid safetensors file holding each tensor's compressed payload under its
     own name; ``decompress_file`` restores the input byte for byte. ``threads`` defaults
     to every available core; ``progress`` is True for a line on stderr, or a callable
-    ``(bytes done, bytes total)``. Refuses to overwrite ``dst`` unless ``force``. The input
-    is only read; the output appears (renamed from a temporary name) only when complete.
+    ``(bytes done, bytes total)``. Refuses to overwrite ``dst`` unless ``force``, which
+    replaces an existing file, or in an existing directory only the files this run writes
+    (every other file stays); an output that is, contains or lies inside the input, or that
+    is not a file (a FIFO or character device is written into), raises ``ValueError``. The
+    input is only read; the output appears (renamed from a temporary name) only when
+    complete.
     ``fast`` stores fields that entropy coding would shrink by under 2% raw (BF16/F32
     mantissa bytes): both ways ~1.5x faster for ~0.5% (BF16) to ~1% (F32) more bytes.
     ``target="gpu"`` codes every entropy-coded field with rANS in GPU-sized chunks, so that

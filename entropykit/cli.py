@@ -7,16 +7,22 @@ summary table on stdout, and exit codes scripts can rely on:
     1  bad data: a corrupt, truncated or non-safetensors input, an unsupported dtype,
        a missing shard, a verify mismatch, or an I/O error
     2  bad usage: wrong arguments, a PATH that does not exist, an output that exists
-       (without --force)
+       (without --force), an output that is, contains or lies inside the input, or one
+       that may not be replaced (a directory where a file goes, a device, a socket)
+    128+N  killed by signal N: SIGINT (130), SIGHUP (129) or SIGTERM (143)
 
-Errors are one line on stderr naming the file and the problem; no partial output is left.
+Errors are one line on stderr naming the file and the problem; no partial output is left,
+whether the run fails or is interrupted by one of those signals.
 What it is not: the work itself (``entropykit.api`` and ``entropykit.container``).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -31,11 +37,26 @@ from .container.stats import Row, Summary
 
 EXIT_OK, EXIT_DATA, EXIT_USAGE = 0, 1, 2
 _CODES = """exit codes: 0 success; 1 corrupt/unsupported input, verify mismatch or I/O error;
-2 bad usage (arguments, missing PATH, existing output without --force)"""
+2 bad usage (arguments, missing PATH, existing output without --force, output overlapping
+the input or not replaceable); 130/129/143 interrupted by SIGINT/SIGHUP/SIGTERM (nothing
+left behind)"""
+_FORCE = ("replace OUT if it exists: a file OUT (or a symbolic link, never what it points "
+          "to) is replaced once the new one is complete; into an existing directory OUT "
+          "only the files this run writes are replaced, every other file in it is kept. "
+          "A FIFO or character device OUT (e.g. /dev/null) is written into, --force or not")
+_SIGNALS = ("SIGHUP", "SIGTERM")
 
 
 class _Usage(Exception):
     """A usage problem found after parsing (exit 2)."""
+
+
+class _Signalled(BaseException):
+    """SIGHUP or SIGTERM arrived: unwinds like KeyboardInterrupt, removing temporaries."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _fmt_bytes(n: int) -> str:
@@ -179,8 +200,7 @@ def _info_file(path: Path) -> None:
 def _info(args: argparse.Namespace) -> int:
     path = _existing(args.path)
     if path.is_dir():
-        checkpoint.check_shards(path)
-        for rel in checkpoint.walk(path)[0]:
+        for rel in checkpoint.inputs(path).safetensors:
             _info_file(path / rel)
             print()
     else:
@@ -219,7 +239,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("path", metavar="PATH")
     c.add_argument("-o", "--output", metavar="OUT",
                    help="output path (default: NAME.ek.safetensors, or DIR.ek)")
-    c.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    c.add_argument("--force", action="store_true", help=_FORCE)
     c.add_argument("--fast", action="store_true",
                    help="store fields that would shrink by under 2%% raw: compress and "
                         "decompress ~1.5x faster, files ~0.5-1%% larger")
@@ -237,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--output", metavar="OUT",
                    help="output path (default: the name without .ek, or "
                         "NAME.restored.safetensors)")
-    d.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    d.add_argument("--force", action="store_true", help=_FORCE)
     threads_and_quiet(d)
 
     v = verb("verify", "Decode everything and check every checksum; with --against, also "
@@ -270,9 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return analysis_cli.main(argv[1:])
     args = _parser().parse_args(argv)
+    saved = _on_signals()
     try:
-        return args.func(args)
-    except (_Usage, FileExistsError) as e:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = _warn
+            return args.func(args)
+    except (_Usage, FileExistsError, files.OutputRefused) as e:
         print(f"entropykit: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except (ValueError, OSError) as e:  # CorruptDataError is a ValueError
@@ -280,7 +304,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_DATA
     except KeyboardInterrupt:
         print("entropykit: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+    except _Signalled as e:
+        print(f"entropykit: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def _warn(message: Warning | str, *args: object, **kwargs: object) -> None:
+    """A library warning (e.g. files skipped in a directory) as one line on stderr."""
+    print(f"entropykit: warning: {message}", file=sys.stderr)
+
+
+def _on_signals() -> dict[int, object]:
+    """Make SIGHUP and SIGTERM unwind like SIGINT (once: a second one during the clean-up
+    is ignored, so the clean-up finishes), unless already ignored; returns the handlers
+    to restore."""
+    saved: dict[int, object] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return saved  # signals are delivered to the main thread only
+
+    def handler(signum: int, frame: object) -> None:
+        for s in saved:
+            signal.signal(s, signal.SIG_IGN)
+        raise _Signalled(signum)
+
+    for name in _SIGNALS:
+        signum = getattr(signal, name)
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's choice stands
+            saved[signum] = signal.signal(signum, handler)
+    return saved
 
 
 if __name__ == "__main__":  # pragma: no cover

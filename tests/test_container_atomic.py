@@ -117,3 +117,45 @@ def test_failing_write_raises_in_the_caller_and_leaves_nothing(
             for _ in range(100):  # the error surfaces in a later call or at the end
                 out.write(b"y" * 1000)
     assert os.listdir(tmp_path) == []
+
+
+def test_output_dir_into_an_existing_directory(tmp_path: Path) -> None:
+    """Only the block's files replace their namesakes; other files, and a live run's
+    temporary, stay; a killed run's stale temporary goes; a link to a directory is
+    written through, and stays a link."""
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    (real / "keep.txt").write_text("keep")
+    (real / "sub" / "a.bin").write_text("old a")
+    stale = real / ".real.abcdefgh.ek-tmp"
+    stale.mkdir()
+    (stale / "half").write_text("x")
+    young = real / ".real.zzzzzzzz.ek-tmp"
+    young.write_text("y")
+    os.utime(stale, (0, 0))
+    (tmp_path / "out").symlink_to(real)
+    ran = []
+    with pytest.raises(FileExistsError):
+        with _atomic.output_dir(tmp_path / "out", names=[Path("sub/a.bin")]):
+            ran.append(1)
+    with _atomic.output_dir(tmp_path / "out", force=True, names=[Path("sub/a.bin")]) as tmp:
+        assert tmp.parent == real and not stale.exists()
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "a.bin").write_text("new a")
+        (tmp / "b.bin").write_text("new b")
+    assert (tmp_path / "out").is_symlink() and ran == []
+    assert sorted(str(p.relative_to(real)) for p in real.rglob("*")) == [
+        ".real.zzzzzzzz.ek-tmp", "b.bin", "keep.txt", "sub", "sub/a.bin"]
+    assert (real / "sub" / "a.bin").read_text() == "new a"
+
+
+def test_output_dir_refuses_before_the_block_runs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sub").symlink_to(tmp_path)  # writing sub/x would land outside out
+    (out / "dev").mkdir()
+    for name in ("sub/x", "dev"):
+        with pytest.raises(_atomic.OutputRefused, match="refusing"):
+            with _atomic.output_dir(out, force=True, names=[Path(name)]):
+                raise AssertionError("the block must not run")
+    assert sorted(os.listdir(out)) == ["dev", "sub"]

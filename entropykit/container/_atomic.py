@@ -6,6 +6,19 @@ target; on any error (KeyboardInterrupt included) the temporary is removed, so n
 output is ever left under the target's name. What it is not: a lock; two writers racing
 for one target each write whole files and the last rename wins.
 
+What may be replaced (``force``): a regular file, or a symbolic link (the link itself,
+never what it points to). A FIFO or character device (``/dev/null``) is written into,
+never replaced: the output is spooled to an unnamed temporary file and copied in once
+complete. Anything else (a directory where a file goes, a block device, a socket) is
+refused (``OutputRefused``). A directory output that exists is kept: only the files the
+run produces are renamed into it, one by one; nothing else in it is touched.
+
+Temporaries are named ``.NAME.XXXXXXXX.ek-tmp`` and hold an exclusive ``flock`` while
+they exist. One left behind by a killed run is removed by the next run writing the same
+output when it can prove it stale: same name pattern, same owner, unmodified for
+``STALE_SECONDS`` (the margin covers the instant between creating and locking it), and
+no process holding its lock (a run still writing keeps its temporary).
+
 Writing and durability without the wait: the file handed out writes in a background
 thread (the caller goes on coding meanwhile), and a file's data must be on disk before the
 rename, but one fsync of a whole file at the end leaves the caller waiting for all of its
@@ -15,16 +28,22 @@ thread (``fdatasync``), so the final fsync only waits for the tail.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
+import stat
 import tempfile
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+TEMP_SUFFIX = ".ek-tmp"
+STALE_SECONDS = 60
 SYNC_BYTES = 8 << 20  # tail left to the final fsync: ~35 ms -> ~8 ms for 45 MB here
 QUEUE_BYTES = 64 << 20  # written data that may wait for the writer thread
 
@@ -80,7 +99,7 @@ class _OutputFile:
     written kick the writeback thread. An error in the thread is raised by the next call
     (and by ``close``); later operations are dropped."""
 
-    def __init__(self, f: BinaryIO, writeback: _Writeback) -> None:
+    def __init__(self, f: BinaryIO, writeback: _Writeback | None) -> None:
         self._f = f
         self._wb = writeback
         self._pos = f.tell()
@@ -112,7 +131,7 @@ class _OutputFile:
                 elif op == "write":
                     self._f.write(arg)  # type: ignore[arg-type]
                     unsynced += n
-                    if unsynced >= SYNC_BYTES:
+                    if unsynced >= SYNC_BYTES and self._wb is not None:
                         self._f.flush()  # the OS must hold the bytes before fdatasync
                         self._wb.kick()
                         unsynced = 0
@@ -186,17 +205,70 @@ class _OutputFile:
         return self._f.fileno()
 
 
-def check_target(dst: Path, force: bool) -> None:
-    """FileExistsError if ``dst`` exists and ``force`` is not set; FileNotFoundError if its
-    directory does not exist."""
+class OutputRefused(ValueError):
+    """An output that must not be written: it would replace something that is not a
+    regular file, or overlap the input (a usage error: exit 2 in the command line)."""
+
+
+def is_temp(name: str) -> bool:
+    """Whether a file name has the form of an entropykit temporary (``.*.ek-tmp``)."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def check_distinct(src: Path, dst: Path) -> None:
+    """OutputRefused if ``dst`` is, contains or lies inside ``src`` (symlinks resolved)."""
+    rs, rd = Path(os.path.realpath(src)), Path(os.path.realpath(dst))
+    same = rs == rd or (dst.exists() and os.path.samefile(src, dst))  # hard links too
+    if same:
+        raise OutputRefused(f"{dst}: output would overwrite the input {src}")
+    if rd in rs.parents:
+        raise OutputRefused(f"{dst}: output would contain the input {src}")
+    if rs in rd.parents:
+        raise OutputRefused(f"{dst}: output would lie inside the input {src}")
+
+
+def _is_stream(mode: int) -> bool:
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
+
+
+def check_target(dst: Path, force: bool) -> bool:
+    """Whether file output ``dst`` is a stream (a FIFO or character device, or a link to
+    one) to write into. FileNotFoundError if its directory does not exist;
+    FileExistsError if it exists and ``force`` is not set; OutputRefused if it is
+    something that may not be replaced."""
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"{dst}: output directory {dst.parent} does not exist")
-    if (dst.exists() or dst.is_symlink()) and not force:
+    try:
+        mode = os.lstat(dst).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
+        try:
+            if _is_stream(os.stat(dst).st_mode):
+                return True
+        except OSError:
+            pass  # a dangling link: replaced like a file
+    elif _is_stream(mode):
+        return True
+    elif not stat.S_ISREG(mode):
+        raise OutputRefused(f"{dst}: output exists and is not a regular file "
+                            f"({_kind(mode)}); refusing to replace it")
+    if not force:
         raise FileExistsError(f"{dst}: output exists (use --force / force=True to overwrite)")
+    return False
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISFIFO, "a FIFO")):
+        if test(mode):
+            return name
+    return "a special file"
 
 
 def _temp_name(dst: Path) -> tuple[str, str]:
-    return f".{dst.name}.", ".ek-tmp"
+    return f".{dst.name}.", TEMP_SUFFIX
 
 
 def _umask() -> int:
@@ -205,56 +277,208 @@ def _umask() -> int:
     return mask
 
 
+def _lock(fd: int) -> None:
+    """Hold an exclusive lock on a temporary while it exists (the proof that a run still
+    owns it); a filesystem without locks only makes the temporary unprovable, never lost."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass
+
+
+def remove_stale(dst: Path) -> list[Path]:
+    """Remove the temporaries of output ``dst`` that a killed run left (see the module
+    docstring for the proof required); returns what was removed."""
+    pre, suf = _temp_name(dst)
+    pattern = re.compile(re.escape(pre) + r"[a-z0-9_]{8}" + re.escape(suf))
+    where = [dst.parent]
+    if dst.is_dir() and not dst.is_symlink():
+        where.append(dst)  # an existing output directory holds its run's temporary
+    removed = []
+    for d in where:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for name in names:
+            if pattern.fullmatch(name) and _remove_if_stale(d / name):
+                removed.append(d / name)
+    return removed
+
+
+def _remove_if_stale(p: Path) -> bool:
+    try:
+        st = os.lstat(p)
+        if (st.st_uid != os.geteuid() or time.time() - st.st_mtime < STALE_SECONDS
+                or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))):
+            return False
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_ino != st.st_ino:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a live run owns it
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _writer(f: BinaryIO, sync: bool) -> Iterator[_OutputFile]:
+    """``f`` written through an ``_OutputFile`` (with writeback if ``sync``), finished and
+    (if ``sync``) on disk when the block exits; dropped on error."""
+    wb = _Writeback(f.fileno()) if sync else None
+    out = _OutputFile(f, wb)
+    try:
+        yield out
+    except BaseException:
+        out.close(report=False)  # the block's own error is the one to see
+        if wb is not None:
+            wb.close(report=False)
+        raise
+    try:
+        out.close()
+    finally:
+        if wb is not None:
+            wb.close()  # before the file closes: the thread must not sync a reused fd
+    f.flush()
+    if sync:
+        os.fsync(f.fileno())
+
+
 @contextmanager
 def output_file(dst: Path, force: bool = False) -> Iterator[BinaryIO]:
-    """A binary file to write ``dst`` through; renamed over ``dst`` when the block exits."""
-    check_target(dst, force)
+    """A binary file to write ``dst`` through; renamed over ``dst`` when the block exits
+    (written into ``dst`` if it is a FIFO or character device)."""
+    dst = Path(dst)
+    if check_target(dst, force):
+        with tempfile.TemporaryFile() as spool:
+            with _writer(spool, False) as out:
+                yield out  # type: ignore[misc]
+            _copy_into(spool, dst)
+        return
+    remove_stale(dst)
     pre, suf = _temp_name(dst)
     fd, tmp = tempfile.mkstemp(prefix=pre, suffix=suf, dir=dst.parent)
+    lock = os.dup(fd)  # the lock lives until the rename is done
     try:
+        _lock(lock)
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
-        with os.fdopen(fd, "w+b") as f:
-            wb = _Writeback(f.fileno())
-            out = _OutputFile(f, wb)
-            try:
-                yield out  # type: ignore[misc]
-            except BaseException:
-                out.close(report=False)  # the block's own error is the one to see
-                wb.close(report=False)
-                raise
-            try:
-                out.close()
-            finally:
-                wb.close()  # before the file closes: the thread must not sync a reused fd
-            f.flush()
-            os.fsync(f.fileno())
-        check_target(dst, force)  # someone may have created it meanwhile
+        with os.fdopen(fd, "w+b") as f, _writer(f, True) as out:
+            yield out  # type: ignore[misc]
+        if check_target(dst, force):  # someone may have created it meanwhile
+            raise OutputRefused(f"{dst}: became a FIFO or device while writing")
         os.replace(tmp, dst)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        os.close(lock)
+
+
+def _copy_into(spool: BinaryIO, dst: Path) -> None:
+    """Copy the finished ``spool`` into stream ``dst`` (opened without creating or
+    truncating anything; a FIFO waits here for its reader)."""
+    fd = os.open(dst, os.O_WRONLY)
+    with open(fd, "wb") as f:
+        if not _is_stream(os.fstat(fd).st_mode):
+            raise OutputRefused(f"{dst}: is no longer a FIFO or device; not written")
+        spool.seek(0)
+        shutil.copyfileobj(spool, f, 1 << 20)
+
+
+def _installable(dst: Path, rel: Path, is_dir: bool = False) -> None:
+    """OutputRefused unless ``rel`` (a file or link, or a directory if ``is_dir``) can be
+    put in existing directory ``dst``: every directory on the way is a real directory (or
+    absent), and the name is absent, or a regular file or symbolic link (replaced, never
+    followed), or for a directory a real directory."""
+    here = dst
+    for part in rel.parts:
+        here = here / part
+        try:
+            mode = os.lstat(here).st_mode
+        except FileNotFoundError:
+            return
+        last = here == dst / rel
+        if last and not is_dir:
+            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                raise OutputRefused(f"{here}: output exists and is {_kind(mode)}; "
+                                    f"refusing to replace it")
+        elif not stat.S_ISDIR(mode):
+            raise OutputRefused(f"{here}: output path is {_kind(mode)}, not a directory; "
+                                f"refusing to write {dst / rel} through it")
+
+
+def _install(tmp: Path, dst: Path) -> None:
+    """Rename every file and link of ``tmp`` to the same place in existing ``dst``."""
+    for top, dirs, names in os.walk(tmp):
+        rel = Path(top).relative_to(tmp)
+        for d in list(dirs):
+            if (Path(top) / d).is_symlink():  # os.walk lists links to directories here
+                dirs.remove(d)
+                names.append(d)
+            else:
+                _installable(dst, rel / d, is_dir=True)
+                (dst / rel / d).mkdir(exist_ok=True)
+        for name in sorted(names):
+            _installable(dst, rel / name)
+            os.replace(Path(top) / name, dst / rel / name)
 
 
 @contextmanager
-def output_dir(dst: Path, force: bool = False) -> Iterator[Path]:
-    """A directory to fill in place of ``dst``; swapped in when the block exits.
+def output_dir(dst: Path, force: bool = False, names: Iterable[Path] = ()
+               ) -> Iterator[Path]:
+    """A directory to fill for output directory ``dst``.
 
-    With ``force`` an existing ``dst`` is moved aside first and deleted after the swap.
+    A new ``dst`` is the temporary directory renamed when the block exits. An existing
+    ``dst`` (with ``force``; a link to a directory stands for that directory) is kept: the
+    block fills a temporary directory inside it, whose files and links then replace their
+    namesakes in ``dst`` one by one (each by a rename); nothing else in ``dst`` is touched.
+    ``names`` (relative paths the block will write) are checked up front, so a refused
+    output costs no work.
     """
-    check_target(dst, force)
-    pre, suf = _temp_name(dst)
-    tmp = Path(tempfile.mkdtemp(prefix=pre, suffix=suf, dir=dst.parent))
+    dst = Path(dst)
+    if dst.is_symlink() and dst.is_dir():
+        dst = Path(os.path.realpath(dst))  # written into, like any existing directory
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"{dst}: output directory {dst.parent} does not exist")
     try:
+        mode = os.lstat(dst).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if not stat.S_ISDIR(mode):
+            raise OutputRefused(f"{dst}: output exists and is {_kind(mode)}, not a "
+                                f"directory; refusing to replace it")
+        if not force:
+            raise FileExistsError(f"{dst}: output exists (use --force / force=True to "
+                                  f"write into it)")
+        for rel in names:
+            _installable(dst, Path(rel))
+    remove_stale(dst)
+    pre, suf = _temp_name(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=pre, suffix=suf, dir=dst if mode else dst.parent))
+    lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _lock(lock)
         tmp.chmod(0o777 & ~_umask())
         yield tmp
-        old = None
-        if dst.exists() or dst.is_symlink():
-            check_target(dst, force)
-            old = Path(tempfile.mkdtemp(prefix=pre, suffix=".ek-old", dir=dst.parent))
-            os.replace(dst, old / "x")
-        os.replace(tmp, dst)
-        if old is not None:
-            shutil.rmtree(old)
+        if mode is None:
+            if os.path.lexists(dst):
+                raise FileExistsError(f"{dst}: output appeared while writing; not replaced")
+            os.rename(tmp, dst)
+        else:
+            _install(tmp, dst)
+            shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)

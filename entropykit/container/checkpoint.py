@@ -5,18 +5,37 @@ subdirectories too) is compressed under the same relative name and every other f
 copied unchanged (the top-level ``config.json`` gets the mark that lets transformers load
 the output, ``entropykit.hf``), so a sharded checkpoint's ``*.safetensors.index.json``
 stays valid as it is (its file names do not change) and decompressing gives back the
-directory file for file, byte for byte. Shards named by an index must all be present.
-The output directory is filled under a temporary name and renamed when complete. What it
-is not: a model loader; it never interprets the tensors.
+directory file for file, byte for byte. A new output directory is filled under a
+temporary name and renamed when complete; into an existing one (``force``) only the files
+the run writes are replaced (``_atomic.output_dir``). What it is not: a model loader; it
+never interprets the tensors.
+
+What is read (``scan``), so that nothing outside the directory is ever read or written
+and nothing is left out silently:
+
+- regular files: ``*.safetensors`` are coded, the rest copied;
+- symbolic links (to files or directories, dangling, or loops) are kept as links, never
+  followed, if they are relative and resolve inside the directory (so that the copy's
+  links resolve inside the copy); an absolute one, or one resolving outside, is refused;
+- anything else (a FIFO, socket or device, whatever its name) is refused, never opened;
+- entropykit temporaries (``.*.ek-tmp``) are skipped, with a warning naming them;
+- an index's ``weight_map`` must name shards inside the directory (no absolute paths, no
+  ``..`` leading out), all present; a directory without any safetensors file is refused.
+
+Refusals are ``ValueError`` (``CorruptDataError`` for verify), raised before any output.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import time
+import warnings
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 from .. import hf
 from .._errors import CorruptDataError
@@ -27,29 +46,96 @@ from .stats import Summary
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
+@dataclass
+class Tree:
+    """What a checkpoint directory holds, as sorted relative paths."""
+
+    safetensors: list[Path] = field(default_factory=list)  # regular *.safetensors files
+    other: list[Path] = field(default_factory=list)  # other regular files
+    links: list[Path] = field(default_factory=list)  # symbolic links, kept as links
+    skipped: list[Path] = field(default_factory=list)  # entropykit temporaries
+
+    def names(self) -> list[Path]:
+        return sorted(self.safetensors + self.other + self.links)
+
+
+def scan(root: Path) -> Tree:
+    """The files under ``root`` by the module's rules; ValueError for anything refused."""
+    root = Path(root)
+    real = os.path.realpath(root)
+    tree = Tree()
+
+    def visit(d: Path, rel: Path) -> None:
+        with os.scandir(d) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            r = rel / e.name
+            if _atomic.is_temp(e.name):
+                tree.skipped.append(r)
+                continue
+            mode = e.stat(follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode):
+                text = os.readlink(e.path)
+                target = os.path.realpath(e.path)
+                if os.path.isabs(text) or os.path.commonpath([real, target]) != real:
+                    raise ValueError(f"{root / r}: symbolic link to {text}, outside {root} "
+                                     f"or absolute; refusing to follow or copy it")
+                tree.links.append(r)
+            elif stat.S_ISDIR(mode):
+                visit(Path(e.path), r)
+            elif stat.S_ISREG(mode):
+                (tree.safetensors if e.name.endswith(files.SUFFIX) else tree.other).append(r)
+            else:
+                raise ValueError(f"{root / r}: not a regular file, directory or link; "
+                                 f"refusing to read it")
+
+    visit(root, Path())
+    return tree
+
+
 def walk(root: Path) -> tuple[list[Path], list[Path]]:
-    """(safetensors files, other files) under ``root``, as sorted relative paths."""
-    st, other = [], []
-    for p in sorted(root.rglob("*")):
-        if p.is_dir():
+    """(safetensors files, other regular files) under ``root`` (``scan``'s rules)."""
+    tree = scan(root)
+    return tree.safetensors, tree.other
+
+
+def check_shards(root: Path, tree: Tree | None = None) -> None:
+    """ValueError if an index is not a JSON object with a ``weight_map`` or names a shard
+    outside ``root``; FileNotFoundError naming the index and shard if a shard is missing.
+    Shard names are checked against ``tree`` (``scan(root)``), never looked up on disk."""
+    tree = scan(root) if tree is None else tree
+    present = set(tree.names())
+    for rel in tree.other:
+        if not rel.name.endswith(INDEX_SUFFIX):
             continue
-        rel = p.relative_to(root)
-        (st if p.name.endswith(files.SUFFIX) else other).append(rel)
-    return st, other
-
-
-def check_shards(root: Path) -> None:
-    """FileNotFoundError naming the index and shard if an index names a missing shard;
-    ValueError if an index is not a JSON object with a ``weight_map``."""
-    for index in sorted(root.rglob("*" + INDEX_SUFFIX)):
+        index = root / rel
         try:
             weight_map = json.loads(index.read_text("utf-8"))["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{index}: not a safetensors index (no weight_map: {e})") from None
         for shard in shards:
-            if not isinstance(shard, str) or not (index.parent / shard).is_file():
+            if not isinstance(shard, str):
+                raise ValueError(f"{index}: shard name {shard!r} is not a string")
+            name = os.path.normpath(PurePosixPath(rel.parent, shard).as_posix())
+            if os.path.isabs(shard) or name == ".." or name.startswith("../"):
+                raise ValueError(f"{index}: shard {shard} lies outside {root}; refused")
+            if Path(name) not in present:
                 raise FileNotFoundError(f"{index}: shard {shard} is missing")
+
+
+def inputs(root: Path) -> Tree:
+    """``scan`` plus the checks every verb makes on an input directory: its shards,
+    something to do (ValueError if no safetensors file), a warning naming what is
+    skipped."""
+    tree = scan(root)
+    check_shards(root, tree)
+    if not tree.safetensors:
+        raise ValueError(f"{root}: no *.safetensors files in this directory; nothing to do")
+    if tree.skipped:
+        names = ", ".join(str(p) for p in tree.skipped)
+        warnings.warn(f"{root}: skipped entropykit temporaries: {names}", stacklevel=3)
+    return tree
 
 
 def _offset(progress: Progress | None, base: int, size: int, total: int
@@ -64,26 +150,28 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
           one: Callable[[Path, Path, Progress | None], Summary],
           progress: Progress | None,
           finish: Callable[[Path, Path], None] | None = None) -> Summary:
-    """Run ``one(src_file, dst_file, progress)`` on every safetensors file, copy the rest,
-    then ``finish(src, output)`` before the output gets its name."""
+    """Run ``one(src_file, dst_file, progress)`` on every safetensors file, copy the other
+    files, recreate the links, then ``finish(src, output)`` before the output is in
+    place."""
     dst = default if dst is None else Path(dst)
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise ValueError(f"{dst}: output directory would be inside or equal to the input")
-    check_shards(src)
-    st, other = walk(src)
-    total = sum((src / r).stat().st_size for r in st)
+    _atomic.check_distinct(src, dst)
+    tree = inputs(src)
+    total = sum((src / r).stat().st_size for r in tree.safetensors)
     summary = Summary()
     t0 = time.perf_counter()
-    with _atomic.output_dir(dst, force) as tmp:
+    with _atomic.output_dir(dst, force, tree.names()) as tmp:
         base = 0
-        for rel in st:
+        for rel in tree.safetensors:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             size = (src / rel).stat().st_size
             summary.merge(one(src / rel, tmp / rel, _offset(progress, base, size, total)))
             base += size
-        for rel in other:
+        for rel in tree.other:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / rel, tmp / rel)
+            shutil.copy2(src / rel, tmp / rel, follow_symlinks=False)
+        for rel in tree.links:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(src / rel), tmp / rel)
         if finish is not None:
             finish(src, tmp)
     summary.seconds = time.perf_counter() - t0
@@ -114,27 +202,31 @@ def decompress_dir(src: Path, dst: Path | None = None, *, threads: int | None = 
 def verify_dir(path: Path, against: Path | None = None, *, threads: int | None = None,
                progress: Progress | None = None) -> Summary:
     """Verify every compressed file in ``path``; with ``against`` also check that the
-    directories hold the same files and every file restores to its original exactly."""
+    directories hold the same files and links and every file restores to its original
+    exactly."""
     path = Path(path)
-    check_shards(path)
-    st, other = walk(path)
+    tree = inputs(path)
     if against is not None:
         against = Path(against)
-        theirs = walk(against)
-        if (st, other) != theirs:
-            diff = sorted(set(st + other) ^ set(theirs[0] + theirs[1]))
+        theirs = scan(against)
+        if tree.names() != theirs.names() or tree.links != theirs.links:
+            diff = sorted(set(tree.names()) ^ set(theirs.names())) or sorted(
+                set(tree.links) ^ set(theirs.links))
             raise CorruptDataError(f"{path}: files differ from {against}: {diff[:5]}")
-        for rel in other:
+        for rel in tree.other:
             mine = (path / rel).read_bytes()
             if rel == Path(hf.CONFIG):  # the marked config.json restores to its original
                 mine = hf.unmarked(mine) or mine
             if mine != (against / rel).read_bytes():
                 raise CorruptDataError(f"{path / rel}: differs from {against / rel}")
-    total = sum((path / r).stat().st_size for r in st)
+        for rel in tree.links:
+            if os.readlink(path / rel) != os.readlink(against / rel):
+                raise CorruptDataError(f"{path / rel}: link differs from {against / rel}")
+    total = sum((path / r).stat().st_size for r in tree.safetensors)
     summary = Summary()
     t0 = time.perf_counter()
     base = 0
-    for rel in st:
+    for rel in tree.safetensors:
         ref = None if against is None else against / rel
         size = (path / rel).stat().st_size
         summary.merge(files.verify_file(path / rel, ref, threads=threads,

@@ -1,16 +1,20 @@
 """Compress, decompress and verify single safetensors files on disk.
 
-What it is: the file-level operations: map the input read-only (mmap: only touched pages
-are read, so files larger than RAM stream through), write through ``_atomic`` (temporary
-name, rename; nothing left behind on error; the input is never written), default output
-names, and errors that name the file. What it is not: the coding (``writer``/``reader``)
-or directories (``checkpoint.py``).
+What it is: the file-level operations: read the input (compress reads each segment with
+``pread``; the other verbs map a compressed file read-only: only touched pages are read,
+so files larger than RAM stream through), write through ``_atomic`` (temporary name,
+rename; nothing left behind on error; the input is never written), default output names,
+and errors that name the file. Inputs must be regular files, and one that changes size or
+modification time while it is read fails the run with no output (compress reads rather
+than maps: a mapped file that shrinks kills the process with SIGBUS). What it is not: the
+coding (``writer``/``reader``) or directories (``checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +29,8 @@ from .parallel import resolve
 from .reader import Compressed, Progress
 from .stats import Summary
 from .writer import SEGMENT_BYTES, Source, write
+
+OutputRefused = _atomic.OutputRefused
 
 SUFFIX = ".safetensors"
 MARK = ".ek"
@@ -51,21 +57,70 @@ def named(path: Path | str) -> Iterator[None]:
     """Re-raise data errors with the file's name in front (type kept)."""
     try:
         yield
+    except _atomic.OutputRefused:
+        raise  # names the output already
     except CorruptDataError as e:
         raise CorruptDataError(f"{path}: {e}") from None
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 
 
+class _Input:
+    """An input file opened read-only: a regular file, remembered as it was when opened,
+    so that a change while it is read can be detected (``check``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block here
+        try:
+            self._st = os.fstat(self.fd)
+            if not stat.S_ISREG(self._st.st_mode):
+                raise ValueError("not a regular file")
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.size = self._st.st_size
+
+    def check(self) -> None:
+        """ValueError if the file changed (size or modification time) since it was opened."""
+        now = os.fstat(self.fd)
+        if (now.st_size, now.st_mtime_ns) != (self.size, self._st.st_mtime_ns):
+            raise ValueError(f"input changed while being read ({self.size} bytes, now "
+                             f"{now.st_size}); nothing written")
+
+    def pread(self, offset: int, n: int) -> np.ndarray:
+        """``n`` bytes at ``offset`` (a new array); ValueError if the file is shorter now."""
+        out = np.empty(n, np.uint8)
+        got = 0
+        while got < n:
+            k = os.preadv(self.fd, [memoryview(out)[got:]], offset + got)
+            if k == 0:
+                self.check()
+                raise ValueError(f"input changed while being read (ends at byte "
+                                 f"{offset + got}); nothing written")
+            got += k
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 @contextmanager
-def mapped(path: Path) -> Iterator[np.ndarray]:
-    """The file's bytes as a read-only uint8 array backed by an mmap."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            yield np.zeros(0, np.uint8)
-            return
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+def _opened(path: Path) -> Iterator[_Input]:
+    f = _Input(path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+@contextmanager
+def _map(f: _Input) -> Iterator[np.ndarray]:
+    """Input ``f``'s bytes as a read-only uint8 array backed by an mmap."""
+    if f.size == 0:
+        yield np.zeros(0, np.uint8)
+        return
+    mm = mmap.mmap(f.fd, 0, access=mmap.ACCESS_READ)
     try:
         yield np.frombuffer(mm, np.uint8)
     finally:
@@ -75,9 +130,13 @@ def mapped(path: Path) -> Iterator[np.ndarray]:
             pass
 
 
-def _check_distinct(src: Path, dst: Path) -> None:
-    if dst.exists() and src.exists() and os.path.samefile(src, dst):
-        raise ValueError(f"{dst}: output would overwrite the input")
+@contextmanager
+def mapped(path: Path) -> Iterator[np.ndarray]:
+    """The file's bytes as a read-only uint8 array backed by an mmap; ValueError if it is
+    not a regular file, or if it changed by the time the block exits."""
+    with _opened(path) as f, _map(f) as buf:
+        yield buf
+        f.check()
 
 
 def source(buf: np.ndarray) -> Source:
@@ -85,6 +144,37 @@ def source(buf: np.ndarray) -> Source:
     h = hdr.parse_file(memoryview(buf))
     start = h.data_start
     return Source(h, lambda e: buf[start + e.begin : start + e.end])
+
+
+class _Span:
+    """A tensor's bytes in an input file, read when sliced (``span[lo:hi]`` is a new uint8
+    array); ``size`` as for an array. Only the slices asked for are read."""
+
+    def __init__(self, f: _Input, begin: int, size: int) -> None:
+        self._f, self._begin, self._size = f, begin, size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        lo, hi, step = s.indices(self._size)
+        if step != 1:
+            raise ValueError("only contiguous slices are read")
+        return self._f.pread(self._begin + lo, max(hi - lo, 0))
+
+
+def _read_source(f: _Input) -> Source:
+    """A ``writer.Source`` over input file ``f``, read segment by segment with ``pread``."""
+    n = hdr.read_prefix(f.pread(0, min(8, f.size)).tobytes(), f.size)
+    h = hdr.parse_json(f.pread(8, n).tobytes())
+    if h.file_size() != f.size:
+        raise ValueError(f"tensors end at byte {h.file_size()}, file has {f.size} bytes")
+    start = h.data_start
+    return Source(h, lambda e: _Span(f, start + e.begin, e.nbytes))
 
 
 def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = None,
@@ -97,16 +187,17 @@ def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = N
     src = Path(src)
     dst = default_output(src, True) if dst is None else Path(dst)
     n = resolve(threads)
-    _check_distinct(src, dst)
+    _atomic.check_distinct(src, dst)
     t0 = time.perf_counter()
-    with named(src), mapped(src) as buf:
+    with named(src), _opened(src) as f:
         try:
-            s = source(buf)
+            s = _read_source(f)
         except ValueError as e:
             raise ValueError(f"not a valid safetensors file: {e}") from None
         with _atomic.output_file(dst, force) as out:
             summary = write(s, out, threads=n, progress=progress,
                             segment_bytes=segment_bytes, fast=fast, target=target)
+            f.check()
     summary.seconds = time.perf_counter() - t0
     return summary
 
@@ -117,12 +208,13 @@ def decompress_file(src: Path, dst: Path | None = None, *, threads: int | None =
     src = Path(src)
     dst = default_output(src, False) if dst is None else Path(dst)
     n = resolve(threads)
-    _check_distinct(src, dst)
+    _atomic.check_distinct(src, dst)
     t0 = time.perf_counter()
-    with named(src), mapped(src) as buf:
+    with named(src), _opened(src) as f, _map(f) as buf:
         c = Compressed(buf)
         with _atomic.output_file(dst, force) as out:
             size = c.restore(out, n, progress)
+            f.check()
         summary = _decoded_summary(c, buf.size, size)
     summary.seconds = time.perf_counter() - t0
     return summary

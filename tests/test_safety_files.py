@@ -1,0 +1,472 @@
+"""Filesystem safety of the command line and API: --force replaces only what the run
+writes, outputs overlapping the input are refused, FIFOs and devices are written into and
+never replaced, SIGTERM/SIGHUP/SIGKILL leave nothing behind for long, an input that shrinks
+while read fails cleanly (no SIGBUS), and checkpoint directories keep links inside, refuse
+links outside, special files and escaping shard names."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import entropykit
+from entropykit.cli import main
+from entropykit.container import checkpoint
+
+ROOT = Path(entropykit.__file__).resolve().parents[1]  # the entropykit under test
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _tree(d: Path) -> dict[str, bytes | str]:
+    """Relative path -> bytes of each file, or the text of each symbolic link."""
+    out: dict[str, bytes | str] = {}
+    for top, dirs, names in os.walk(d):
+        for n in dirs + names:
+            p = Path(top) / n
+            if p.is_symlink():
+                out[str(p.relative_to(d))] = os.readlink(p)
+            elif p.is_file():
+                out[str(p.relative_to(d))] = p.read_bytes()
+    return out
+
+
+def _temps(*dirs: Path) -> list[str]:
+    return [str(p) for d in dirs for p in d.rglob("*.ek-tmp")]
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    d = tmp_path / "ck"
+    (d / "sub").mkdir(parents=True)
+    save_file({"a": torch.randn(64, 32).to(torch.bfloat16)}, d / "model.safetensors")
+    save_file({"b": torch.randn(100)}, d / "sub" / "extra.safetensors")
+    (d / "config.json").write_text('{"model_type": "llama"}\n')
+    return d
+
+
+# 1. --force on a directory output replaces only what the run writes.
+
+def test_force_into_an_existing_directory_keeps_every_other_file(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    packed = tmp_path / "ck.ek"
+    assert _run(capsys, "compress", ckpt, "-q")[0] == 0
+    restore = tmp_path / "restore"
+    (restore / "optimizer").mkdir(parents=True)
+    (restore / "optimizer" / "state.pt").write_bytes(b"optimizer state")
+    (restore / "train_log.txt").write_text("step 1\n")
+    (restore / "config.json").write_text("old config")
+    code, _, err = _run(capsys, "decompress", packed, "-o", restore, "-q")
+    assert code == 2 and "output exists" in err and err.count("\n") == 1
+    assert (restore / "config.json").read_text() == "old config"
+    assert _run(capsys, "decompress", packed, "-o", restore, "-q", "--force")[0] == 0
+    tree = _tree(restore)
+    assert tree.pop("optimizer/state.pt") == b"optimizer state"
+    assert tree.pop("train_log.txt") == b"step 1\n"
+    assert tree == _tree(ckpt)  # every produced file replaced, byte for byte
+    assert _temps(tmp_path) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert _run(capsys, "compress", ckpt, "-o", other, "-q", "--force")[0] == 0
+    assert (other / "notes.txt").read_text() == "mine"
+    assert _tree(other) == {**_tree(packed), "notes.txt": b"mine"}
+
+
+def test_force_into_a_directory_refuses_to_replace_a_non_file(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    (out / "config.json").mkdir(parents=True)  # a directory where the run writes a file
+    (out / "config.json" / "keep").write_text("k")
+    (out / "model.safetensors").write_text("old")
+    code, _, err = _run(capsys, "compress", ckpt, "-o", out, "-q", "--force")
+    assert code == 2 and "config.json" in err and "refusing" in err
+    assert _tree(out) == {"config.json/keep": b"k", "model.safetensors": b"old"}
+    assert _temps(tmp_path) == []
+
+
+def test_force_help_says_what_it_replaces(capsys: pytest.CaptureFixture[str]) -> None:
+    for verb in ("compress", "decompress"):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "only the files this run writes are replaced" in text
+        assert "every other file in it is kept" in text
+
+
+# 2. An output that equals, contains or lies inside the input is refused.
+
+def test_output_overlapping_the_input_is_refused(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inner = ckpt / "in"
+    inner.mkdir()
+    save_file({"x": torch.ones(8)}, inner / "m.safetensors")
+    before = _tree(ckpt)
+    for argv, what in [((inner, "-o", ckpt), "contain"), ((ckpt, "-o", ckpt), "overwrite"),
+                       ((ckpt, "-o", ckpt / "sub" / "x"), "lie inside"),
+                       ((inner / "m.safetensors", "-o", inner / "m.safetensors"), "overwrite"),
+                       ((inner / "m.safetensors", "-o", ckpt), "contain")]:
+        code, _, err = _run(capsys, "compress", *argv, "-q", "--force")
+        assert code == 2 and f"output would {what} the input" in err, (argv, err)
+        assert _tree(ckpt) == before
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(inner / "m.safetensors")
+    code, _, err = _run(capsys, "compress", inner / "m.safetensors", "-o", link, "--force")
+    assert code == 2 and "overwrite the input" in err and link.is_symlink()
+    assert _tree(ckpt) == before
+
+
+# 3. FIFOs and character devices are written into, never replaced.
+
+def _compressed_bytes(model: Path, tmp_path: Path) -> bytes:
+    ref = tmp_path / "ref.ek"
+    entropykit.compress_file(model, ref)
+    data = ref.read_bytes()
+    ref.unlink()
+    return data
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_fifo_output_is_streamed_into(ckpt: Path, tmp_path: Path, force: bool,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    model = ckpt / "model.safetensors"
+    want = _compressed_bytes(model, tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    flags = ["--force"] if force else []
+    code, _, err = _run(capsys, "compress", model, "-o", fifo, "-q", *flags)
+    reader.join(30)
+    assert code == 0, err
+    assert got == [want] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "pipe"]
+
+
+@pytest.fixture
+def no_replacing_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the code under test does, never let it rename over a device node."""
+    real = os.replace
+
+    def guarded(src: object, dst: object, *a: object, **k: object) -> None:
+        if os.path.exists(dst) and stat.S_ISCHR(os.stat(dst).st_mode):  # type: ignore[arg-type]
+            raise AssertionError(f"tried to replace device {dst}")
+        real(src, dst, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "replace", guarded)
+    monkeypatch.setattr(os, "rename", guarded)
+
+
+def test_dev_null_is_written_into(ckpt: Path, tmp_path: Path, no_replacing_devices: None,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    null = Path(os.devnull)
+    for force in ([], ["--force"]):
+        code, out, err = _run(capsys, "compress", ckpt / "model.safetensors", "-o", null,
+                              "-q", *force)
+        assert code == 0 and err == "" and f"-> {null}" in out
+        assert stat.S_ISCHR(os.lstat(null).st_mode)
+    code, _, err = _run(capsys, "compress", ckpt, "-o", null, "-q", "--force")
+    assert code == 2 and "not a directory" in err and stat.S_ISCHR(os.lstat(null).st_mode)
+    (tmp_path / "adir").mkdir()
+    code, _, err = _run(capsys, "compress", ckpt / "model.safetensors", "-o", tmp_path / "adir",
+                        "-q", "--force")
+    assert code == 2 and "not a regular file (a directory)" in err
+    assert _temps(tmp_path, null.parent) == []
+
+
+# 4. Signals: SIGTERM and SIGHUP like SIGINT; a SIGKILLed run's temporaries removed later.
+
+_SLOW_RUN = """
+import sys, time
+from pathlib import Path
+import entropykit.cli as cli
+ready = Path(sys.argv[1])
+
+def hook(done, total):
+    ready.touch()
+    time.sleep(0.05)
+
+class Bar:
+    def __call__(self, done, total): hook(done, total)
+    def close(self): pass
+
+cli._progress = lambda args, label: Bar()
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def _cli(argv: list[object]) -> subprocess.CompletedProcess:
+    """The command line in a child process (a hang fails the test instead of the run)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "entropykit.cli", *map(str, argv)],
+                           capture_output=True, text=True, env=env, timeout=60)
+
+
+def _slow_child(tmp_path: Path, *argv: object) -> tuple[subprocess.Popen, Path]:
+    ready = tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_RUN, str(ready), *map(str, argv)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return p, ready
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> Path:
+    """A file of many small segments (the progress hook runs after each one)."""
+    path = tmp_path / "big.safetensors"
+    save_file({f"t{i}": torch.randn(256, 64).to(torch.bfloat16) for i in range(200)}, path)
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_remove_temporaries(big: Path, ckpt: Path, tmp_path: Path,
+                                               sig: signal.Signals) -> None:
+    (ckpt / "sub" / "big.safetensors").write_bytes(big.read_bytes())
+    for src, out in ((big, tmp_path / "o.ek"), (ckpt, tmp_path / "dir.ek")):
+        listing = sorted(os.listdir(tmp_path))
+        p, ready = _slow_child(tmp_path, "compress", src, "-o", out, "--threads", "1")
+        assert _temps(tmp_path)  # mid-run: the temporary exists
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+        ready.unlink()
+        assert p.returncode == 128 + sig
+        assert err == f"entropykit: terminated by {sig.name}\n"
+        assert sorted(os.listdir(tmp_path)) == listing and _temps(tmp_path) == []
+
+
+def test_sigkilled_run_temporaries_removed_by_the_next_run(
+        big: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o.ek"
+    p, _ = _slow_child(tmp_path, "compress", big, "-o", out, "--threads", "1")
+    p.kill()
+    p.communicate(timeout=60)
+    (left,) = _temps(tmp_path)
+    old = time.time() - 3600  # well past the age a stale temporary must have
+    os.utime(left, (old, old))
+    # Another run's temporaries: one too young, one old but locked (a run still writing),
+    # one of another output; all kept.
+    young = tmp_path / ".o.ek.abcdefgh.ek-tmp"
+    young.write_bytes(b"y")
+    held = tmp_path / ".o.ek.zzzzzzzz.ek-tmp"
+    held.write_bytes(b"h")
+    foreign = tmp_path / ".other.ek.abcdefgh.ek-tmp"
+    foreign.write_bytes(b"f")
+    for q in (held, foreign):
+        os.utime(q, (old, old))
+    with open(held, "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        assert _run(capsys, "compress", big, "-o", out, "-q")[0] == 0
+    assert not os.path.exists(left)
+    assert young.exists() and held.exists() and foreign.exists()
+    assert _run(capsys, "verify", out, "--against", big, "-q")[0] == 0
+
+
+def test_info_and_verify_never_read_temporaries(ckpt: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    packed = tmp_path / "ck.ek"
+    assert _run(capsys, "compress", ckpt, "-o", packed, "-q")[0] == 0
+    stale = packed / ".ck.ek.abcdefgh.ek-tmp"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half-written garbage")
+    code, out, err = _run(capsys, "verify", packed, "--against", ckpt, "-q")
+    assert code == 0 and "OK" in out
+    assert err == f"entropykit: warning: {packed}: skipped entropykit temporaries: " \
+                  f"{stale.name}\n"
+    code, out, _ = _run(capsys, "info", packed)
+    assert code == 0 and out.count("entropykit container v1") == 2
+
+
+# 5. An input that shrinks while read: one line, exit 1, no output, no SIGBUS.
+
+_SHRINK_RUN = """
+import functools, os, sys
+import entropykit.cli as cli
+from entropykit.container import files
+src = sys.argv[1]
+
+class Bar:
+    def __call__(self, done, total):
+        os.truncate(src, 4096)  # from "another program": the input shrinks mid-run
+    def close(self): pass
+
+cli._progress = lambda args, label: Bar()
+files.compress_file = functools.partial(files.compress_file, segment_bytes=1 << 16)
+sys.exit(cli.main(["compress", src, "-o", sys.argv[2], "--threads", "1"]))
+"""
+
+
+def test_input_shrinking_mid_run_fails_cleanly(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(1024, 1024).to(torch.bfloat16)}, src)
+    out = tmp_path / "m.ek"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _SHRINK_RUN, str(src), str(out)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr)  # not -SIGBUS
+    assert r.stderr.startswith(f"entropykit: error: {src}: input changed while being read")
+    assert r.stderr.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
+def test_input_changed_before_the_rename_leaves_no_output(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from entropykit.container import files, writer
+
+    src = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(64, 64)}, src)
+    real = writer.write
+
+    def write_then_grow(*a: object, **k: object) -> object:
+        summary = real(*a, **k)
+        with open(src, "ab") as f:
+            f.write(b"appended")
+        return summary
+
+    monkeypatch.setattr(files, "write", write_then_grow)
+    with pytest.raises(ValueError, match="input changed while being read"):
+        files.compress_file(src, tmp_path / "o.ek")
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
+def test_non_regular_input_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "in.safetensors"
+    os.mkfifo(fifo)
+    r = _cli(["compress", fifo, "-o", tmp_path / "o.ek"])  # the old code hung here
+    assert r.returncode == 1 and "not a regular file" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]
+
+
+# 6. Checkpoint directories: links, special files, shard names, nothing to do.
+
+def test_links_inside_are_kept_as_links(ckpt: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    (ckpt / "tokenizer.json").symlink_to("sub/../config.json")
+    (ckpt / "shared").symlink_to("sub")  # a directory
+    (ckpt / "loop_a").symlink_to("loop_b")  # a loop: kept, never followed
+    (ckpt / "loop_b").symlink_to("loop_a")
+    (ckpt / "dangling").symlink_to("nothing-here")
+    before = _tree(ckpt)
+    code, out, err = _run(capsys, "compress", ckpt, "-o", tmp_path / "p", "-q")
+    assert code == 0 and "2 files" in out and err == ""
+    packed = _tree(tmp_path / "p")
+    for link in ("tokenizer.json", "shared", "loop_a", "loop_b", "dangling"):
+        assert (tmp_path / "p" / link).is_symlink() and packed[link] == before[link]
+    assert _run(capsys, "verify", tmp_path / "p", "--against", ckpt, "-q")[0] == 0
+    assert _run(capsys, "decompress", tmp_path / "p", "-o", tmp_path / "back", "-q")[0] == 0
+    assert _tree(tmp_path / "back") == before
+
+
+@pytest.mark.parametrize("target", ["../secret.txt", "ABS", "ABS_INSIDE"])
+def test_link_outside_is_refused(ckpt: Path, tmp_path: Path, target: str,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password")
+    # An absolute link, even to a file inside, would point from the copy into the input.
+    links = {"ABS": secret, "ABS_INSIDE": ckpt / "config.json"}
+    (ckpt / "tokenizer.json").symlink_to(links.get(target, target))
+    code, _, err = _run(capsys, "compress", ckpt, "-o", tmp_path / "p", "-q")
+    assert code == 1 and f"{ckpt / 'tokenizer.json'}: symbolic link" in err
+    assert "outside" in err and err.count("\n") == 1
+    assert not (tmp_path / "p").exists() and _temps(tmp_path) == []
+
+
+def test_link_to_a_directory_outside_is_refused(ckpt: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    save_file({"z": torch.ones(4)}, tmp_path / "elsewhere" / "z.safetensors")
+    (ckpt / "more").symlink_to(tmp_path / "elsewhere")
+    code, _, err = _run(capsys, "compress", ckpt, "-o", tmp_path / "p", "-q")
+    assert code == 1 and "more: symbolic link" in err
+    assert not (tmp_path / "p").exists()
+
+
+def test_special_files_are_refused_never_opened(ckpt: Path, tmp_path: Path) -> None:
+    os.mkfifo(ckpt / "sub" / "pipe.safetensors")
+    for verb in ("compress", "info", "verify"):
+        argv = [verb, ckpt] + (["-o", tmp_path / "p"] if verb == "compress" else [])
+        r = _cli(argv)  # the old code hung here
+        assert r.returncode == 1, (verb, r.stderr)
+        assert "pipe.safetensors: not a regular file" in r.stderr
+        assert r.stderr.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "ABS",
+                                   "sub/../../outside.safetensors"])
+def test_shard_names_outside_are_refused(ckpt: Path, tmp_path: Path, shard: str,
+                                         capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    outside = tmp_path / "outside.safetensors"
+    save_file({"o": torch.ones(4)}, outside)
+    name = str(outside) if shard == "ABS" else shard
+    (ckpt / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model.safetensors", "o": name}}))
+    probed: list[str] = []
+    real = Path.is_file
+    monkeypatch.setattr(Path, "is_file", lambda p: (probed.append(str(p)), real(p))[1])
+    for argv in (["compress", ckpt, "-o", tmp_path / "p"], ["info", ckpt]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 1 and f"shard {name} lies outside" in err and err.count("\n") == 1
+    assert not any("outside" in p for p in probed)
+    assert not (tmp_path / "p").exists()
+
+
+def test_nothing_to_compress_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                     ) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    for argv in (["compress", d], ["verify", d], ["decompress", d, "-o", tmp_path / "r"],
+                 ["info", d]):
+        code, out, err = _run(capsys, *argv)
+        assert code == 1 and "no *.safetensors files" in err and out == ""
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def test_scan_classifies_every_entry(ckpt: Path) -> None:
+    (ckpt / "l").symlink_to("config.json")
+    (ckpt / ".x.abcdefgh.ek-tmp").write_bytes(b"t")
+    tree = checkpoint.scan(ckpt)
+    assert tree.safetensors == [Path("model.safetensors"), Path("sub/extra.safetensors")]
+    assert tree.other == [Path("config.json")] and tree.links == [Path("l")]
+    assert tree.skipped == [Path(".x.abcdefgh.ek-tmp")]
+    assert checkpoint.walk(ckpt) == (tree.safetensors, tree.other)
+
+
+def test_compress_input_reads_like_an_array(tmp_path: Path) -> None:
+    """What compress reads a tensor through (pread, never a mapping) slices like the
+    array of its bytes."""
+    from entropykit.container import files
+
+    src = tmp_path / "m.safetensors"
+    save_file({"a": torch.arange(10, dtype=torch.int32), "b": torch.ones(3)}, src)
+    blob = src.read_bytes()
+    with files._opened(src) as f:
+        s = files._read_source(f)
+        for e in s.header.entries:
+            span, want = s.read(e), blob[s.header.data_start + e.begin:][: e.nbytes]
+            assert span.size == len(span) == e.nbytes
+            for sl in (slice(None), slice(3, 7), slice(-4, None), slice(5, 2)):
+                assert span[sl].tobytes() == want[sl]
