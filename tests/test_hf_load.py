@@ -193,3 +193,23 @@ def test_quantizer_needs_a_compressed_checkpoint(tmp_path: Path) -> None:
     d, _ = _save(tmp_path, "llama", torch.bfloat16)
     with pytest.raises(ValueError, match="pre-quantized"):
         _load(d, quantization_config=EntropyKitConfig())
+
+
+def test_linked_config_is_not_marked_through_its_link(tmp_path: Path) -> None:
+    # A config.json kept as a link inside the checkpoint: marking it would write into the
+    # link's target, a file of its own in the copy.
+    import safetensors.torch
+
+    src = tmp_path / "ck"
+    src.mkdir()
+    raw = b'{"model_type": "llama"}\n'
+    (src / "base_config.json").write_bytes(raw)
+    (src / "config.json").symlink_to("base_config.json")
+    safetensors.torch.save_file({"w": torch.arange(64, dtype=torch.bfloat16)},
+                                src / "model.safetensors")
+    entropykit.compress_file(src, tmp_path / "ck.ek")
+    assert (tmp_path / "ck.ek" / "config.json").is_symlink()
+    assert (tmp_path / "ck.ek" / "base_config.json").read_bytes() == raw
+    checkpoint.verify_dir(tmp_path / "ck.ek", src)
+    entropykit.decompress_file(tmp_path / "ck.ek", tmp_path / "back")
+    assert (tmp_path / "back" / "base_config.json").read_bytes() == raw

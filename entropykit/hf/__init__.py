@@ -64,7 +64,7 @@ def mark_dir(src: Path, out: Path) -> None:
     it is when it cannot carry the mark."""
     del src
     cfg = out / CONFIG
-    if cfg.is_file():
+    if cfg.is_file() and not cfg.is_symlink():  # a kept link: its target is copied as is
         new = marked(cfg.read_bytes())
         if new is not None:
             cfg.write_bytes(new)
@@ -74,7 +74,7 @@ def unmark_dir(src: Path, out: Path) -> None:
     """Restore the original ``out/config.json`` (copied from ``src``) if it is marked."""
     del src
     cfg = out / CONFIG
-    if cfg.is_file():
+    if cfg.is_file() and not cfg.is_symlink():  # a kept link: its target is copied as is
         old = unmarked(cfg.read_bytes())
         if old is not None:
             cfg.write_bytes(old)
