@@ -3,7 +3,7 @@
 What it is: the directory versions of ``files.py``. Every ``*.safetensors`` file (in
 subdirectories too) is compressed under the same relative name and every other file is
 copied unchanged (the top-level ``config.json`` gets the mark that lets transformers load
-the output, ``entropykit.hf``), so a sharded checkpoint's ``*.safetensors.index.json``
+the output, ``config_mark``), so a sharded checkpoint's ``*.safetensors.index.json``
 stays valid as it is (its file names do not change) and decompressing gives back the
 directory file for file, byte for byte. A new output directory is filled under a
 temporary name and renamed when complete; into an existing one (``force``) only the files
@@ -37,9 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .. import hf
 from .._errors import CorruptDataError
-from . import _atomic, files
+from . import _atomic, config_mark, files
 from .reader import Progress
 from .stats import Summary
 
@@ -187,7 +186,7 @@ def compress_dir(src: Path, dst: Path | None = None, *, threads: int | None = No
     return _each(src, dst, files.default_output(src, True), force,
                  lambda s, d, p: files.compress_file(s, d, threads=threads, progress=p,
                                                      fast=fast, target=target),
-                 progress, hf.mark_dir)
+                 progress, config_mark.mark_dir)
 
 
 def decompress_dir(src: Path, dst: Path | None = None, *, threads: int | None = None,
@@ -196,7 +195,7 @@ def decompress_dir(src: Path, dst: Path | None = None, *, threads: int | None = 
     src = Path(src)
     return _each(src, dst, files.default_output(src, False), force,
                  lambda s, d, p: files.decompress_file(s, d, threads=threads, progress=p),
-                 progress, hf.unmark_dir)
+                 progress, config_mark.unmark_dir)
 
 
 def verify_dir(path: Path, against: Path | None = None, *, threads: int | None = None,
@@ -215,8 +214,8 @@ def verify_dir(path: Path, against: Path | None = None, *, threads: int | None =
             raise CorruptDataError(f"{path}: files differ from {against}: {diff[:5]}")
         for rel in tree.other:
             mine = (path / rel).read_bytes()
-            if rel == Path(hf.CONFIG):  # the marked config.json restores to its original
-                mine = hf.unmarked(mine) or mine
+            if rel == Path(config_mark.CONFIG):  # the marked config.json restores to its original
+                mine = config_mark.unmarked(mine) or mine
             if mine != (against / rel).read_bytes():
                 raise CorruptDataError(f"{path / rel}: differs from {against / rel}")
         for rel in tree.links:
