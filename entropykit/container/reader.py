@@ -5,7 +5,8 @@ mmap for files): the outer safetensors header, the record, the original header, 
 cross-checks between the three (names, dtypes, shapes, payload sizes, segment counts);
 ``tensor(name)`` decodes one tensor's original bytes, touching only its payload;
 ``restore(out)`` writes the original file byte for byte, segments decoded on a bounded
-thread pool. Every inconsistency raises ``CorruptDataError`` saying what and where.
+thread pool, each after its field payloads' position CRCs (``payload.check``) are checked.
+Every inconsistency raises ``CorruptDataError`` saying what and where.
 What it is not: file handling (``files.py``) or encoding (``writer.py``).
 """
 

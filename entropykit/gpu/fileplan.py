@@ -1,7 +1,9 @@
 """Plan the GPU decode of a compressed file: every field's stream and place, in groups.
 
 What it is: the host half of ``load_file(..., device="cuda")``, with no torch and no GPU.
-For each segment of each tensor it decides how every field reaches the output tensor:
+For each segment of each tensor it checks every field payload's position CRC (the
+payload is where the record says: ``payload.check``), then decides how every field
+reaches the output tensor:
 
 - rANS frames go to the kernel as they are; ``raw`` fields are copied by the kernel
   (their CRC-32 is checked here, and the CRC-32 of every raw chunk inside an rANS frame:
