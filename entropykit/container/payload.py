@@ -63,9 +63,10 @@ class Fields:
     crcs: list[int] | None
 
 
-def _read(buf: np.ndarray, count: int | None, bound: bool | None) -> Fields:
-    """The index in ``buf`` read; CorruptDataError if it is damaged, has the other
-    layout than ``bound`` says (either, if None), lists other than ``count`` field
+def unpack(buf: np.ndarray, count: int | None, bound: bool | None) -> Fields:
+    """The field payloads in ``buf`` (uint8) and their position CRCs (checked by
+    ``check``, segment by segment); CorruptDataError if the index is damaged, is not
+    EKT2 if ``bound``, EKT1 if not (either if None), lists other than ``count`` field
     payloads (when given) or does not account for every byte."""
     if buf.size < _HEAD.size:
         raise CorruptDataError(f"payload truncated: {buf.size} bytes")
@@ -95,13 +96,6 @@ def _read(buf: np.ndarray, count: int | None, bound: bool | None) -> Fields:
     return Fields(parts, crcs)
 
 
-def unpack(buf: np.ndarray, count: int, bound: bool) -> Fields:
-    """The ``count`` field payloads in ``buf`` (uint8), laid out as EKT2 if ``bound``
-    else EKT1; CorruptDataError if the index is damaged or does not account for every
-    byte. The position CRCs are checked by ``check``, segment by segment."""
-    return _read(buf, count, bound)
-
-
 def check(name: str, seg: int, fields: Sequence[tuple[str, str | None]],
           parts: Sequence[np.ndarray], crcs: Sequence[int] | None) -> None:
     """CorruptDataError unless each of segment ``seg``'s field payloads ``parts`` (of
@@ -120,7 +114,7 @@ def well_formed(buf: np.ndarray) -> bool:
     """Whether ``buf`` (uint8) is laid out as a payload (EKT1 or EKT2): magic, index,
     every byte listed."""
     try:
-        _read(buf, None, None)
+        unpack(buf, None, None)
     except CorruptDataError:
         return False
     return True
