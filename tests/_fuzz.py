@@ -300,6 +300,14 @@ def _with_record(outer: dict, rec: dict | str) -> dict:
     return {**outer, "__metadata__": meta}
 
 
+def _signed(rec: dict) -> str:
+    """The text of record ``rec`` (its record_crc32 dropped) signed again as
+    docs/format.md states, for an edit that must get past the record checksum."""
+    rec = {k: v for k, v in rec.items() if k != "record_crc32"}
+    body = json.dumps(rec, separators=(",", ":"), ensure_ascii=False)[:-1]
+    return f'{body},"record_crc32":"{zlib.crc32(body.encode()):08x}"}}'
+
+
 def _original(rec: dict) -> bytes:
     import zstandard
 
@@ -335,7 +343,7 @@ def _edit_original(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     orig, what = _edit_json(json.loads(_original(rec)), rng, "original")
     text = json.dumps(orig).encode()
     text += b" " * (-len(text) % 8)
-    return _join(_with_record(outer, _with_original(rec, text)), body), what
+    return _join(_with_record(outer, _signed(_with_original(rec, text))), body), what
 
 
 def _edit_claim(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
@@ -364,7 +372,7 @@ def _edit_claim(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
         what += f", segment_bytes {rec['segment_bytes']}"
     text = json.dumps(orig).encode()
     text += b" " * (-len(text) % 8)
-    return _join(_with_record(outer, _with_original(rec, text)), body), what
+    return _join(_with_record(outer, _signed(_with_original(rec, text))), body), what
 
 
 def constant_frame(n: int, chunk: int = 1 << 26) -> bytes:
@@ -408,11 +416,10 @@ def _edit_huge_segment(data: bytes, rng: np.random.Generator) -> tuple[bytes, st
     rec["segment_bytes"] = count
     text = json.dumps(orig).encode()
     text += b" " * (-len(text) % 8)
-    frame = constant_frame(count)
-    payload = b"EKT1" + struct.pack("<IQ", 1, len(frame)) + frame
+    payload = _ekt2(name, [constant_frame(count)], 1)
     new = _with_payloads(outer, {**_payloads(outer, body), name: payload})
     outer, body = _split(new)
-    return _join(_with_record(outer, _with_original(rec, text)), body), \
+    return _join(_with_record(outer, _signed(_with_original(rec, text))), body), \
         f"{name!r}: one segment of {count} zero bytes"
 
 
@@ -437,7 +444,7 @@ def _hostile_json(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
         rec = _record(outer)
         text = _original(rec)
         orig = text.decode().rstrip()[:-1] + f', "x": {nest}}}'
-        return _join(_with_record(outer, _with_original(rec, orig.encode())), body), \
+        return _join(_with_record(outer, _signed(_with_original(rec, orig.encode()))), body), \
             f"original header + nest {depth}"
     if kind == 3:
         rec = json.dumps(_record(outer))
@@ -454,32 +461,71 @@ def _hostile_json(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     return _join(dup, body), f"outer: duplicate entry {name!r}"
 
 
+def _ekt2(name: str, blobs: list[bytes], nf: int) -> bytes:
+    """An EKT2 tensor payload of tensor ``name`` (``nf`` fields a segment) holding these
+    field payloads, their position CRCs computed as docs/format.md states them."""
+    crcs = [zlib.crc32(b, zlib.crc32(name.encode() + b"\0" + struct.pack("<II", *divmod(i, nf))))
+            for i, b in enumerate(blobs)]
+    k = len(blobs)
+    return (b"EKT2" + struct.pack(f"<I{k}Q{k}I", k, *map(len, blobs), *crcs)
+            + b"".join(blobs))
+
+
 def _tensor_parts(payload: bytes) -> list[tuple[int, int]]:
-    """(offset, length) of each field payload inside a tensor payload (EKT1)."""
+    """(offset, length) of each field payload inside a tensor payload (EKT2)."""
     k = struct.unpack_from("<I", payload, 4)[0]
     lengths = struct.unpack_from(f"<{k}Q", payload, 8)
-    at, out = 8 + 8 * k, []
+    at, out = 8 + 12 * k, []
     for n in lengths:
         out.append((at, n))
         at += n
     return out
 
 
+def _swap_parts(payloads: dict[str, bytes], rng: np.random.Generator
+                ) -> tuple[dict[str, bytes], str] | None:
+    """Two equal-sized, different field payloads (of one tensor or two) swapped, every
+    index unchanged: each still passes its own checks, only its position CRC fails; None
+    if the file has no such pair."""
+    found: dict[int, list[tuple[str, int, bytes]]] = {}
+    for name, p in payloads.items():
+        for i, (a, n) in enumerate(_tensor_parts(p)):
+            found.setdefault(n, []).append((name, i, p[a : a + n]))
+    pairs = [(x, y) for group in found.values() for j, x in enumerate(group)
+             for y in group[j + 1 :] if x[2] != y[2]]
+    if not pairs:
+        return None
+    (n1, i1, b1), (n2, i2, b2) = _pick(rng, pairs)
+    out = dict(payloads)
+    for name, i, blob in ((n1, i1, b2), (n2, i2, b1)):
+        a, n = _tensor_parts(out[name])[i]
+        out[name] = out[name][:a] + blob + out[name][a + n :]
+    return out, f"field payload {n1!r}[{i1}] swapped with {n2!r}[{i2}]"
+
+
 def _edit_payload(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
-    """An edit inside one tensor payload: its index, one field payload's header (frame,
-    rans2d, raw CRC), or a field payload cut short with the index recomputed. (Swapping
-    two equal-sized field payloads is not among them: each carries its own checksum and
-    nothing binds it to its place, so such a swap decodes.)"""
+    """An edit inside one tensor payload: its index (lengths, position CRCs), one field
+    payload's header (frame, rans2d, raw CRC) or a field payload cut short, each with the
+    position CRCs recomputed so the payload's own checks are reached; or two equal-sized
+    field payloads swapped (only the position CRCs bind them to their places)."""
     outer, body = _split(data)
     payloads = _payloads(outer, body)
+    kind = int(rng.integers(4))
+    if kind == 3:
+        swapped = _swap_parts(payloads, rng)
+        if swapped is not None:
+            return _with_payloads(outer, swapped[0]), swapped[1]
+        kind = 0
     names = [k for k, v in payloads.items() if len(v) >= 8]
     name = _pick(rng, names)
     p = payloads[name]
     parts = _tensor_parts(p)
-    kind = int(rng.integers(3))
+    nf = len(_record(outer)["tensors"][name]["fields"])
+    blobs = [p[a : a + n] for a, n in parts]
     if kind == 0 or not parts:
         k = len(parts)
-        fields = [("ekt1.k", 4, 4)] + [(f"ekt1.length[{i}]", 8 + 8 * i, 8) for i in range(k)]
+        fields = [("ekt2.k", 4, 4)] + [(f"ekt2.length[{i}]", 8 + 8 * i, 8) for i in range(k)] \
+            + [(f"ekt2.crc[{i}]", 8 + 8 * k + 4 * i, 4) for i in range(k)]
         new, what = edit_field(p, fields, rng)
     elif kind == 1:
         i = int(rng.integers(len(parts)))
@@ -491,14 +537,13 @@ def _edit_payload(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
             fields = classed_fields(p, at)
         else:
             fields = [(f"part[{i}].first_u32", at, 4)]
-        new, what = edit_field(p, fields, rng)
+        edited, what = edit_field(p, fields, rng)
+        new = _ekt2(name, [edited[a : a + n] for a, n in parts], nf)
     else:  # one field payload cut short, the index recomputed to match
-        blobs = [p[a : a + n] for a, n in parts]
         i = int(rng.integers(len(blobs)))
         blobs[i] = blobs[i][: int(rng.integers(len(blobs[i]) + 1))]
         what = f"field payload {i} cut to {len(blobs[i])} bytes"
-        new = b"EKT1" + struct.pack(f"<I{len(blobs)}Q", len(blobs), *map(len, blobs)) + b"".join(
-            blobs)
+        new = _ekt2(name, blobs, nf)
     return _with_payloads(outer, {**payloads, name: new}), f"tensor {name!r}: {what}"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import zstandard
 from safetensors.torch import save_file
 from test_container import all_dtypes
@@ -106,10 +107,11 @@ def _restore(blob: bytes) -> bytes:
         payload = data[a:b]
         head = {f: struct.unpack_from("<" + _FMT[s], payload, o)[0] if f != "magic"
                 else payload[o : o + s] for o, s, f in rows}
-        assert head["magic"] == b"EKT1"
+        assert head["magic"] == b"EKT2"
         k = head["k"]
         lengths = struct.unpack_from(f"<{k}Q", payload, 8)
-        pos = 8 + 8 * k
+        crcs = struct.unpack_from(f"<{k}I", payload, 8 + 8 * k)
+        pos = 8 + 12 * k
         assert pos + sum(lengths) == len(payload)
         nbytes = original[name]["data_offsets"][1] - original[name]["data_offsets"][0]
         u = math.lcm(bits[t["dtype"]], 8) // 8
@@ -117,10 +119,12 @@ def _restore(blob: bytes) -> bytes:
         segments = [(lo, min(nbytes, lo + step)) for lo in range(0, nbytes, step)]
         assert k == len(segments) * len(t["fields"]) == len(t["codecs"]) * len(t["fields"])
         i = 0
-        for (lo, hi), codecs in zip(segments, t["codecs"], strict=True):
+        for s, ((lo, hi), codecs) in enumerate(zip(segments, t["codecs"], strict=True)):
             done: dict[str, np.ndarray] = {}
-            for (field, ctx), codec in zip(t["fields"], codecs, strict=True):
+            for f, ((field, ctx), codec) in enumerate(zip(t["fields"], codecs, strict=True)):
                 part = payload[pos : pos + lengths[i]]
+                prefix = name.encode() + b"\0" + struct.pack("<II", s, f)
+                assert zlib.crc32(part, zlib.crc32(prefix)) == crcs[i], (name, s, f)
                 pos, i = pos + lengths[i], i + 1
                 done[field] = _field_payload(codec, part, None if ctx is None else done[ctx])
             out.append(formats.join(t["dtype"], done, hi - lo, layout=t["layout"]).tobytes())
@@ -129,6 +133,26 @@ def _restore(blob: bytes) -> bytes:
 
 def test_payload_table_is_read_from_the_document() -> None:
     assert _payload_rows() == [(0, 4, "magic"), (4, 4, "k")]
+
+
+def test_the_spec_reader_catches_swapped_payloads(tmp_path: Path) -> None:
+    # Two tensors of one shape and spread: their payloads are equal-sized; swapping their
+    # bytes leaves every frame valid, so only the position CRC can tell.
+    src = tmp_path / "m.safetensors"
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    save_file({"a": w, "b": w * 2}, src)
+    packed = tmp_path / "m.ek.safetensors"
+    files.compress_file(src, packed)
+    blob = packed.read_bytes()
+    assert _restore(blob) == src.read_bytes()
+    n = struct.unpack("<Q", blob[:8])[0]
+    outer = json.loads(blob[8 : 8 + n])
+    (a0, a1), (b0, b1) = outer["a"]["data_offsets"], outer["b"]["data_offsets"]
+    assert a1 - a0 == b1 - b0 and a1 == b0
+    data = blob[8 + n :]
+    swapped = blob[: 8 + n] + data[b0:b1] + data[a0:a1] + data[b1:]
+    with pytest.raises(AssertionError, match=r"\('a', 0, 0\)"):
+        _restore(swapped)
 
 
 @pytest.mark.parametrize("segment_bytes", [1 << 24, 4096])

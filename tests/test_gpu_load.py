@@ -9,6 +9,7 @@ of every dtype, both codec targets (``codecs.choose(target=...)``), several segm
 group sizes, and on damaged files. The device runs gpu/tests/test_cuda_load.py.
 """
 
+import struct
 import sys
 import zlib
 
@@ -20,7 +21,7 @@ from test_gpu_logic import emulate_into
 
 import entropykit
 from entropykit import CorruptDataError, formats, gpu
-from entropykit.container import codecs, files, segment
+from entropykit.container import codecs, files, payload, segment
 from entropykit.container import header as hdr
 from entropykit.container.reader import Compressed
 from entropykit.gpu import _staging, fileplan
@@ -202,8 +203,9 @@ def test_gpu_target_codec_choice():
         codecs.choose(exp, None, target="tpu")
 
 
-def _field_at(path, name: str, field: str) -> tuple[int, int]:
-    """File offset and length of field ``field`` of segment 0 of tensor ``name``."""
+def _field_at(path, name: str, field: str) -> tuple[int, int, int, int]:
+    """File offset and length of field ``field`` of segment 0 of tensor ``name``, the file
+    offset of its position CRC and its field index (an EKT2 payload)."""
     buf = np.fromfile(path, np.uint8)
     c = Compressed(buf)
     t = c.record.tensors[name]
@@ -212,15 +214,18 @@ def _field_at(path, name: str, field: str) -> tuple[int, int]:
     k = len(t.codecs) * len(t.fields)
     lengths = buf[head + 8 : head + 8 + 8 * k].view("<u8").astype(np.int64)
     f = [x[0] for x in t.fields].index(field)
-    return head + 8 + 8 * k + int(lengths[:f].sum()), int(lengths[f])
+    return head + 8 + 12 * k + int(lengths[:f].sum()), int(lengths[f]), head + 8 + 8 * k + 4 * f, f
 
 
 def _damaged(path, out, name, field, where: float, codec: str):
-    """A copy of ``path`` with one bit flipped at ``where`` (0..1) of a field coded ``codec``."""
-    at, n = _field_at(path, name, field)
+    """A copy of ``path`` with one bit flipped at ``where`` (0..1) of a field coded ``codec``,
+    its position CRC recomputed (so the field's own checks are what catch it)."""
+    at, n, crc_at, f = _field_at(path, name, field)
     assert (field, codec) in _codecs_used(path)
     buf = np.fromfile(path, np.uint8)
     buf[at + int(n * where)] ^= 0x10
+    crc = payload.field_crc(buf[at : at + n], name, 0, f)
+    buf[crc_at : crc_at + 4] = np.frombuffer(struct.pack("<I", crc), np.uint8)
     buf.tofile(out)
     return out
 

@@ -24,7 +24,7 @@ import zstandard
 import entropykit
 from entropykit import CorruptDataError
 from entropykit.cli import main as cli_main
-from entropykit.container import files, header, payload, record, segment
+from entropykit.container import files, header, record, segment
 from entropykit.container.reader import Compressed
 
 DATA = Path(__file__).parent / "data"
@@ -108,7 +108,9 @@ def _zeros_frame(n: int, chunk: int) -> bytes:
 
 
 def _payload(*parts: bytes) -> bytes:
-    return payload.index([len(p) for p in parts]) + b"".join(parts)
+    """An EKT1 tensor payload (the layout of the version 1 records ``_crafted`` makes)."""
+    return (b"EKT1" + struct.pack(f"<I{len(parts)}Q", len(parts), *map(len, parts))
+            + b"".join(parts))
 
 
 def _raw(sym: bytes) -> bytes:

@@ -1,78 +1,120 @@
 """The payload of one compressed tensor: a small index, then its field payloads.
 
 What it is: packing and validated unpacking of the bytes stored as the U8 tensor that
-replaces an original tensor. Layout (little-endian):
+replaces an original tensor, and the check that binds each field payload to its place.
+Layout ``EKT2`` (written with record version 3; little-endian):
 
     offset  size   field
-    0       4      magic b"EKT1"
+    0       4      magic b"EKT2"
     4       4      k: number of field payloads (segments x fields, segment-major)
     8       8k     u64 length of each field payload
-    8+8k    ...    the field payloads back to back; the tensor ends where the last ends
+    8+8k    4k     u32 position CRC of each field payload (``field_crc``)
+    8+12k   ...    the field payloads back to back; the tensor ends where the last ends
 
+Layout ``EKT1`` (record versions 1 and 2) is the same without the CRCs. A field payload's
+own checks (chunk CRCs) cannot tell it from an equal-sized one of another tensor, segment
+or field; the position CRC covers its bytes *and* that place, so a moved payload fails.
 What it is not: the codecs of the field payloads (the record names them) or their checks.
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from .._errors import CorruptDataError
+from ..coding.crc32 import crc32
 
-MAGIC = b"EKT1"
+MAGIC = b"EKT2"  # what writers write
+MAGIC_V1 = b"EKT1"  # read with record versions 1 and 2
 _HEAD = struct.Struct("<4sI")
+_PLACE = struct.Struct("<II")
 
 
-def index_size(count: int) -> int:
-    """Bytes of the index of a payload with ``count`` field payloads."""
-    return _HEAD.size + 8 * count
+def index_size(count: int, bound: bool = True) -> int:
+    """Bytes of the index of a payload with ``count`` field payloads (``bound``: EKT2)."""
+    return _HEAD.size + (12 if bound else 8) * count
 
 
-def index(lengths: Sequence[int]) -> bytes:
-    """The index of a payload whose field payloads have these lengths."""
-    return _HEAD.pack(MAGIC, len(lengths)) + np.array(lengths, "<u8").tobytes()
+def field_crc(part: np.ndarray | bytes, name: str, seg: int, field: int) -> int:
+    """The position CRC of field payload ``part``, field ``field`` of segment ``seg`` of
+    tensor ``name``: CRC-32 of the tensor name's UTF-8 bytes, a NUL, u32 seg, u32 field,
+    then the payload (one pass: the payload's CRC seeded with the prefix's)."""
+    # surrogatepass: a name no writer can write still gets a value (a mismatch), no error.
+    prefix = name.encode("utf-8", "surrogatepass") + b"\0" + _PLACE.pack(seg, field)
+    return crc32(part, zlib.crc32(prefix))
 
 
-def _lengths(buf: np.ndarray, count: int | None) -> list[int]:
-    """The field payload lengths listed by the index in ``buf``; CorruptDataError if the
-    index is damaged, lists other than ``count`` (when given) or leaves bytes over."""
+def index(lengths: Sequence[int], crcs: Sequence[int]) -> bytes:
+    """The EKT2 index of field payloads of these lengths and position CRCs."""
+    return (_HEAD.pack(MAGIC, len(lengths)) + np.array(lengths, "<u8").tobytes()
+            + np.array(crcs, "<u4").tobytes())
+
+
+@dataclass(frozen=True)
+class Fields:
+    """A tensor's field payloads (views of its payload) and, for EKT2, their CRCs."""
+
+    parts: list[np.ndarray]
+    crcs: list[int] | None
+
+
+def unpack(buf: np.ndarray, count: int | None, bound: bool | None) -> Fields:
+    """The field payloads in ``buf`` (uint8) and their position CRCs (checked by
+    ``check``, segment by segment); CorruptDataError if the index is damaged, is not
+    EKT2 if ``bound``, EKT1 if not (either if None), lists other than ``count`` field
+    payloads (when given) or does not account for every byte."""
     if buf.size < _HEAD.size:
         raise CorruptDataError(f"payload truncated: {buf.size} bytes")
     magic, k = _HEAD.unpack(buf[: _HEAD.size].tobytes())
-    if magic != MAGIC:
-        raise CorruptDataError(f"payload magic {magic!r}, expected {MAGIC!r}")
+    want = {True: (MAGIC,), False: (MAGIC_V1,), None: (MAGIC, MAGIC_V1)}[bound]
+    if magic not in want:
+        raise CorruptDataError(f"payload magic {magic!r}, expected "
+                               f"{' or '.join(map(repr, want))}")
     if count is not None and k != count:
         raise CorruptDataError(f"payload holds {k} field payloads, record says {count}")
-    start = index_size(k)
+    is_bound = magic == MAGIC
+    start = index_size(k, is_bound)
     if buf.size < start:
         raise CorruptDataError(f"payload index truncated: {buf.size} bytes, index needs {start}")
     # Python ints: a hostile index must not wrap an int64 sum into a plausible total.
-    lengths = buf[_HEAD.size : start].view("<u8").tolist()
+    lengths = buf[_HEAD.size : _HEAD.size + 8 * k].view("<u8").tolist()
     if sum(lengths) != buf.size - start:
         raise CorruptDataError(
             f"payload index lists {sum(lengths)} bytes of field payloads, "
             f"{buf.size - start} follow it"
         )
-    return lengths
-
-
-def unpack(buf: np.ndarray, count: int) -> list[np.ndarray]:
-    """Views of the ``count`` field payloads in ``buf`` (uint8); CorruptDataError if the
-    index is damaged or does not account for every byte."""
-    start = index_size(count)
+    crcs = buf[_HEAD.size + 8 * k : start].view("<u4").tolist() if is_bound else None
     parts = []
-    for n in _lengths(buf, count):
+    for n in lengths:
         parts.append(buf[start : start + n])
         start += n
-    return parts
+    return Fields(parts, crcs)
+
+
+def check(name: str, seg: int, fields: Sequence[tuple[str, str | None]],
+          parts: Sequence[np.ndarray], crcs: Sequence[int] | None) -> None:
+    """CorruptDataError unless each of segment ``seg``'s field payloads ``parts`` (of
+    tensor ``name``, with ``fields`` named as in the record) has its position CRC (no
+    check for EKT1: ``crcs`` None)."""
+    if crcs is None:
+        return
+    for f, (part, want) in enumerate(zip(parts, crcs, strict=True)):
+        if field_crc(part, name, seg, f) != want:
+            raise CorruptDataError(
+                f"field {f} ({fields[f][0]!r}): payload fails its position CRC-32 (damaged, "
+                f"or moved from another tensor, segment or field)")
 
 
 def well_formed(buf: np.ndarray) -> bool:
-    """Whether ``buf`` (uint8) is laid out as a payload: magic, index, every byte listed."""
+    """Whether ``buf`` (uint8) is laid out as a payload (EKT1 or EKT2): magic, index,
+    every byte listed."""
     try:
-        _lengths(buf, None)
+        unpack(buf, None, None)
     except CorruptDataError:
         return False
     return True

@@ -5,7 +5,8 @@ mmap for files): the outer safetensors header, the record, the original header, 
 cross-checks between the three (names, dtypes, shapes, payload sizes, segment counts);
 ``tensor(name)`` decodes one tensor's original bytes, touching only its payload;
 ``restore(out)`` writes the original file byte for byte, segments decoded on a bounded
-thread pool. Every inconsistency raises ``CorruptDataError`` saying what and where.
+thread pool, each after its field payloads' position CRCs (``payload.check``) are checked.
+Every inconsistency raises ``CorruptDataError`` saying what and where.
 What it is not: file handling (``files.py``) or encoding (``writer.py``).
 """
 
@@ -103,7 +104,7 @@ class Compressed:
                     f"tensor {e.name!r}: record lists {len(t.codecs)} segments, "
                     f"{e.nbytes} bytes make {n}"
                 )
-            if o.nbytes < payload.index_size(n * len(t.fields)):
+            if o.nbytes < payload.index_size(n * len(t.fields), self.record.bound):
                 raise CorruptDataError(
                     f"tensor {e.name!r}: a payload of {o.nbytes} bytes cannot index "
                     f"{n} segments of {len(t.fields)} fields"
@@ -123,31 +124,48 @@ class Compressed:
     def payload_size(self, name: str) -> int:
         return self._outer[name].nbytes
 
-    def _parts(self, e: hdr.Entry) -> list[np.ndarray]:
-        o = self._outer[e.name]
+    def fields(self, name: str) -> payload.Fields:
+        """The field payloads of tensor ``name`` (views) and their position CRCs, the
+        index checked (the CRCs are not: ``segment_parts`` says whose they are)."""
+        o = self._outer[name]
         start = self.outer.data_start
-        t = self.record.tensors[e.name]
+        t = self.record.tensors[name]
         try:
             return payload.unpack(self._buf[start + o.begin : start + o.end],
-                                  len(t.codecs) * len(t.fields))
+                                  len(t.codecs) * len(t.fields), self.record.bound)
         except CorruptDataError as err:
-            raise CorruptDataError(f"tensor {e.name!r}: {err}") from None
+            raise CorruptDataError(f"tensor {name!r}: {err}") from None
+
+    def segment_parts(self, name: str, fields: payload.Fields, seg: int) -> list[np.ndarray]:
+        """Segment ``seg``'s field payloads of tensor ``name`` (out of ``fields``), each
+        checked against its position CRC; CorruptDataError naming the place if one fails.
+        Runs where the segment is decoded, so the check is parallel with the decoding."""
+        t = self.record.tensors[name]
+        nf = len(t.fields)
+        parts = fields.parts[seg * nf : (seg + 1) * nf]
+        crcs = None if fields.crcs is None else fields.crcs[seg * nf : (seg + 1) * nf]
+        try:
+            payload.check(name, seg, t.fields, parts, crcs)
+        except CorruptDataError as err:
+            raise CorruptDataError(f"tensor {name!r} segment {seg}: {err}") from None
+        return parts
 
     def _jobs(self, entries: list[hdr.Entry], into: np.ndarray | None = None, at: int = 0
-              ) -> Iterator[tuple[hdr.Entry, int, int, list, np.ndarray | None]]:
+              ) -> Iterator[tuple[hdr.Entry, int, int, payload.Fields, np.ndarray | None]]:
         """One job per segment of ``entries``; with ``into``, each job's destination is its
         slice of ``into``, where the data section starts at ``at``."""
         for e in entries:
-            parts = self._parts(e)
-            nf = len(self.record.tensors[e.name].fields)
+            fields = self.fields(e.name)
             base = at + e.begin
             for s, (lo, hi) in enumerate(self.bounds(e)):
                 dest = None if into is None else into[base + lo : base + hi]
-                yield e, s, hi - lo, parts[s * nf : (s + 1) * nf], dest
+                yield e, s, hi - lo, fields, dest
 
-    def _decode(self, job: tuple[hdr.Entry, int, int, list, np.ndarray | None]) -> np.ndarray:
-        e, s, nbytes, parts, dest = job
+    def _decode(self, job: tuple[hdr.Entry, int, int, payload.Fields, np.ndarray | None]
+                ) -> np.ndarray:
+        e, s, nbytes, fields, dest = job
         t = self.record.tensors[e.name]
+        parts = self.segment_parts(e.name, fields, s)
         try:
             return segment.decode(e.dtype, t.layout, t.fields, t.codecs[s], parts, nbytes,
                                   out=dest)

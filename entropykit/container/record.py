@@ -23,6 +23,8 @@ Record v3 (JSON object, keys in this order; docs/format.md is normative):
                    has one list per segment naming the codec of each field
     record_crc32   8 lowercase hex digits: CRC-32 of the record text's UTF-8 bytes before
                    the final ``,"record_crc32":"…"}`` (the last 27 characters)
+
+A version 3 record's tensor payloads are laid out as EKT2, older ones' as EKT1.
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ class Record:
     header: bytes  # original header JSON, exactly as in the original file
     tensors: dict[str, TensorRecord]
     version: int = VERSION  # as read; a record is always written as VERSION
+
+    @property
+    def bound(self) -> bool:
+        """Whether its tensor payloads are EKT2 (position CRCs, ``payload.py``): version 3
+        on; versions 1 and 2 have EKT1."""
+        return self.version >= 3
 
     def to_json(self) -> str:
         """The record text, version VERSION, its checksum last (fixed width: a writer can

@@ -5,7 +5,8 @@ name holding its payload (``payload.py``), coded segment by segment on a bounded
 pool, and ``__metadata__`` gets the record (``record.py``) next to the input's own
 metadata. Memory stays bounded by a few segments: the header is written last into space
 reserved up front (its size is bounded before any data is coded: every codec name and
-number is taken at its widest), and each payload index is filled in after its segments.
+number is taken at its widest), and each payload index (lengths and position CRCs) is
+filled in after its segments.
 What it is not: file handling (temp names, mmap: ``files.py``) or decoding (``reader.py``).
 """
 
@@ -133,17 +134,20 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     plans = _plan(source, segment_bytes)
     reserve = len(_widest_header(source, plans, segment_bytes))
 
-    def jobs() -> Iterator[tuple[_Plan, int, int]]:
+    def jobs() -> Iterator[tuple[_Plan, int, int, int]]:
         for p in plans:
-            for lo, hi in p.bounds:
-                yield p, lo, hi
+            for s, (lo, hi) in enumerate(p.bounds):
+                yield p, s, lo, hi
 
-    def work(job: tuple[_Plan, int, int]) -> segment.Coded:
-        p, lo, hi = job
+    def work(job: tuple[_Plan, int, int, int]) -> tuple[segment.Coded, list[int]]:
+        p, s, lo, hi = job
         grid = None if p.layout else codecs.grid_of(
             p.entry.shape, lo * 8 // hdr.DTYPE_BITS[p.entry.dtype])
-        return segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split,
-                              fast=fast, target=target, grid=grid)
+        coded = segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split,
+                               fast=fast, target=target, grid=grid)
+        # Position CRCs here, in the worker: they run in parallel with the coding.
+        return coded, [payload.field_crc(part, p.entry.name, s, f)
+                       for f, part in enumerate(coded.parts)]
 
     summary = Summary(original_bytes=source.header.file_size(), files=1)
     chosen: dict[str, list[tuple[str, ...]]] = {p.entry.name: [] for p in plans}
@@ -156,10 +160,12 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
             # Payload: index (filled in once the lengths are known), then field payloads.
             k = len(p.bounds) * len(p.split.fields)
             lengths: list[int] = []
+            crcs: list[int] = []
             bits = 0.0
             out.seek(pos + payload.index_size(k))
             for lo, hi in p.bounds:
-                coded = next(results)
+                coded, part_crcs = next(results)
+                crcs += part_crcs
                 chosen[p.entry.name].append(coded.codecs)
                 for part in coded.parts:
                     out.write(part)
@@ -169,7 +175,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
                 if progress is not None:
                     progress(done, total)
             out.seek(pos)
-            out.write(payload.index(lengths))
+            out.write(payload.index(lengths, crcs))
             sizes[p.entry.name] = payload.index_size(k) + sum(lengths)
             pos += sizes[p.entry.name]
             _count(summary, p.entry, sizes[p.entry.name], bits)

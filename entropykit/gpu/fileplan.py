@@ -1,7 +1,9 @@
 """Plan the GPU decode of a compressed file: every field's stream and place, in groups.
 
 What it is: the host half of ``load_file(..., device="cuda")``, with no torch and no GPU.
-For each segment of each tensor it decides how every field reaches the output tensor:
+For each segment of each tensor it checks every field payload's position CRC (the
+payload is where the record says: ``payload.check``), then decides how every field
+reaches the output tensor:
 
 - rANS frames go to the kernel as they are; ``raw`` fields are copied by the kernel
   (their CRC-32 is checked here, and the CRC-32 of every raw chunk inside an rANS frame:
@@ -139,19 +141,20 @@ class _Job:
     seg: int
     lo: int
     hi: int
-    parts: list[np.ndarray]
+    fields: payload.Fields  # the tensor's; this segment's are checked by _plan_segment
 
 
 def _plan_segment(c: Compressed, job: _Job) -> Piece:
     e, s = job.entry, job.seg
     t = c.record.tensors[e.name]
+    parts = c.segment_parts(e.name, job.fields, s)  # position CRCs, in this thread
     codec_names = t.codecs[s]
     where = f"tensor {e.name!r} segment {s}"
     piece = Piece()
     place = placement(e.dtype, t.layout, t.fields)
     if place is None:  # a split the kernel cannot place: decode here, copy there
         try:
-            raw = segment.decode(e.dtype, t.layout, t.fields, codec_names, job.parts,
+            raw = segment.decode(e.dtype, t.layout, t.fields, codec_names, parts,
                                  job.hi - job.lo)
         except CorruptDataError as err:
             raise CorruptDataError(f"{where}: {err}") from None
@@ -166,7 +169,7 @@ def _plan_segment(c: Compressed, job: _Job) -> Piece:
                                f"into {split.fields}")
     counts = split.symbols(job.hi - job.lo)
     streams = {}
-    for (name, ctx), codec, part, n in zip(t.fields, codec_names, job.parts, counts,
+    for (name, ctx), codec, part, n in zip(t.fields, codec_names, parts, counts,
                                            strict=True):
         streams[name] = _stream(codec, part, n, ctx, f"{where}: field {name!r} ({codec})")
     if place.pair is not None:
@@ -232,20 +235,11 @@ def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) ->
     return Group(tuple(parts))
 
 
-def _jobs(c: Compressed, buf: np.ndarray, entries: Sequence[hdr.Entry]) -> Iterator[_Job]:
-    outer = {o.name: o for o in c.outer.entries}
-    start = c.outer.data_start
+def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[_Job]:
     for k, e in enumerate(entries):
-        t = c.record.tensors[e.name]
-        o = outer[e.name]
-        try:
-            parts = payload.unpack(buf[start + o.begin : start + o.end],
-                                   len(t.codecs) * len(t.fields))
-        except CorruptDataError as err:
-            raise CorruptDataError(f"tensor {e.name!r}: {err}") from None
-        nf = len(t.fields)
+        fields = c.fields(e.name)
         for s, (lo, hi) in enumerate(c.bounds(e)):
-            yield _Job(k, e, s, lo, hi, parts[s * nf : (s + 1) * nf])
+            yield _Job(k, e, s, lo, hi, fields)
 
 
 def groups(c: Compressed, buf: np.ndarray, threads: int = 1, *, warps: int = WARPS,
@@ -256,7 +250,7 @@ def groups(c: Compressed, buf: np.ndarray, threads: int = 1, *, warps: int = WAR
     entries = c.original.by_offset
     pending: list[Piece] = []
     size = 0
-    results = imap(lambda j: _plan_segment(c, j), _jobs(c, buf, entries), threads)
+    results = imap(lambda j: _plan_segment(c, j), _jobs(c, entries), threads)
     try:
         for piece in results:
             pending.append(piece)
