@@ -1,0 +1,246 @@
+"""Resident mode's machinery: blocks, scratch buffers, hooks that decode before each forward.
+
+What it is: a model's weights grouped into units (each block of a repeated
+``nn.ModuleList``, and every other module holding weights of its own, such as embeddings
+and the output head), in the order the modules are registered, which is the order they
+run in. Each unit's coded weights decode into scratch buffer ``unit % 2`` of two; the
+modules' weights are fixed views into that buffer. A unit's forward pre-hook makes the
+compute stream wait for the unit's decode (issued then if it was not prefetched) and
+prefetches the next unit into the other buffer, so the next decode overlaps this unit's
+compute. The hooks only enqueue work: no allocation or host synchronisation, so a
+forward can be captured in a CUDA graph. The CPU backend decodes with the CPU decoders
+through the same hooks (nothing overlaps there).
+What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._coded import ALIGN, FORMATS, CodedTensor, code_tensor, decode_into, raw_bytes
+
+
+class CpuDecoder:
+    """A unit's coded tensors in host memory, decoded by the CPU decoders."""
+
+    def __init__(self, coded: Sequence[CodedTensor], slots: Sequence[torch.Tensor]) -> None:
+        self.coded = tuple(coded)
+        self.slots = [s.numpy() for s in slots]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.data.nbytes for c in self.coded for f in c.fields)
+
+    def run(self, slot: int) -> None:
+        for c in self.coded:
+            decode_into(c, self.slots[slot][c.offset : c.end])
+
+    def check(self) -> None:
+        """Nothing to check: the CPU decoders raise as they decode."""
+
+
+class CpuStreams:
+    """The CPU's order: every decode runs when it is asked for."""
+
+    def now(self, decoder: CpuDecoder, slot: int) -> None:
+        decoder.run(slot)
+
+    def prefetch(self, u: int, decoder: CpuDecoder, slot: int) -> None:
+        decoder.run(slot)
+
+    def join(self, u: int) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A parameter made resident: where it was and how it is coded."""
+
+    owner: nn.Module
+    name: str
+    requires_grad: bool
+    coded: CodedTensor
+
+
+@dataclass
+class Unit:
+    module: nn.Module
+    weights: list[Weight]
+    decoder: Any = None
+    hook: Any = None
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """Children of the outermost ``nn.ModuleList``s of two or more modules of one class."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if id(m) in inside or not isinstance(m, nn.ModuleList):
+            continue
+        kids = list(m)
+        if len(kids) >= 2 and len({type(k) for k in kids}) == 1:
+            found += kids
+            inside |= {id(x) for k in kids for x in k.modules()}
+    return found
+
+
+def _units(model: nn.Module, min_elements: int) -> list[Unit]:
+    """The model's units in registration order, each with the weights it makes resident:
+    parameters of two or more dimensions, a dtype of ``FORMATS``, at least
+    ``min_elements`` elements, and used by one module only (tied weights stay plain)."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+
+    def weights(m: nn.Module, recurse: bool) -> list[Weight]:
+        out = []
+        for owner in (m.modules() if recurse else [m]):
+            for name, p in owner.named_parameters(recurse=False):
+                if (p.dim() >= 2 and p.dtype in FORMATS and p.numel() >= min_elements
+                        and uses[id(p)] == 1):
+                    out.append(Weight(owner, name, p.requires_grad, None))
+        return out
+
+    blocks = {id(b) for b in _blocks(model)}
+    inside = {id(x) for m in model.modules() if id(m) in blocks for x in m.modules()}
+    units = []
+    for m in model.modules():
+        if id(m) in blocks:
+            ws = weights(m, True)
+        elif id(m) in inside:
+            continue
+        else:
+            ws = weights(m, False)
+        if ws:
+            units.append(Unit(m, ws))
+    return units
+
+
+@dataclass(frozen=True)
+class ResidentMemory:
+    """Device memory of a resident model's weights, in bytes."""
+
+    coded_bytes: int  # coded weights: payload, decode tables, descriptors, statuses
+    scratch_bytes: int  # the two buffers weights decode into
+    uncompressed_bytes: int  # the resident weights decoded (what they took before)
+    plain_bytes: int  # parameters and buffers left as they were
+    tensors: int  # resident weights
+
+    @property
+    def ratio(self) -> float:
+        """(coded + scratch) / uncompressed: resident weights' memory against plain."""
+        return (self.coded_bytes + self.scratch_bytes) / max(1, self.uncompressed_bytes)
+
+
+class Resident:
+    """A model's resident state: units, scratch buffers, hooks (``model._entropykit``)."""
+
+    def __init__(self, model: nn.Module, units: list[Unit], device: torch.device) -> None:
+        self.model = model
+        self.units = units
+        self.device = device
+        self.pending: int | None = None  # the unit prefetched and not yet waited for
+        self.slots: list[torch.Tensor] = []
+        self.streams: Any = None
+        self.hooks: list[Any] = []
+
+    def build(self, verify: bool) -> None:
+        """Code every unit's weights, allocate the scratch buffers, point the weights at
+        them and install the hooks. With ``verify``, each unit is decoded once and
+        compared with its weights, bit for bit, before they are dropped."""
+        size = 0
+        for u in self.units:
+            at = 0
+            for i, w in enumerate(u.weights):
+                p = getattr(w.owner, w.name)
+                u.weights[i] = Weight(w.owner, w.name, w.requires_grad, code_tensor(p, at))
+                at = -(-u.weights[i].coded.end // ALIGN) * ALIGN
+            size = max(size, at)
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                      for _ in range(2)]
+        if self.device.type == "cuda":
+            from ._cuda import CudaDecoder, CudaStreams
+
+            self.streams = CudaStreams(self.device, len(self.units))
+            make = lambda cs: CudaDecoder(cs, self.slots, self.device)  # noqa: E731
+        else:
+            self.streams = CpuStreams()
+            make = lambda cs: CpuDecoder(cs, self.slots)  # noqa: E731
+        for k, u in enumerate(self.units):
+            u.decoder = make([w.coded for w in u.weights])
+            if verify:
+                self._verify(k, u)
+            for w in u.weights:
+                del w.owner._parameters[w.name]
+                setattr(w.owner, w.name, w.coded.view(self.slots[k % 2]))
+        for k, u in enumerate(self.units):
+            u.hook = u.module.register_forward_pre_hook(
+                lambda m, args, kwargs, k=k: self.before(k, args, kwargs), with_kwargs=True)
+        self.hooks = [u.hook for u in self.units]
+        self.hooks.append(self.model.register_forward_hook(lambda m, a, out: self.join()))
+
+    def _verify(self, k: int, u: Unit) -> None:
+        slot = self.slots[k % 2]
+        u.decoder.run(k % 2)
+        self.streams.synchronize()
+        u.decoder.check()
+        for w in u.weights:
+            if not torch.equal(w.coded.bytes_in(slot), raw_bytes(getattr(w.owner, w.name))):
+                raise RuntimeError(f"entropykit: {type(w.owner).__name__}.{w.name} did not "
+                                   "decode to its weight")
+
+    def before(self, k: int, args: tuple, kwargs: dict) -> None:
+        """Unit ``k``'s pre-hook: its weights are decoded, the next unit's on the way."""
+        if torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad
+                for a in (*args, *kwargs.values())):
+            raise RuntimeError("entropykit: a resident model runs inference only (its "
+                               "weights are overwritten by the next blocks): use "
+                               "torch.no_grad() or decompress_model first")
+        hit = self.pending == k
+        self.join()
+        if not hit:
+            self.streams.now(self.units[k].decoder, k % 2)
+        if k + 1 < len(self.units):
+            self.streams.prefetch(k + 1, self.units[k + 1].decoder, (k + 1) % 2)
+            self.pending = k + 1
+
+    def join(self) -> None:
+        """The compute stream waits for the prefetched unit (if any)."""
+        if self.pending is not None:
+            self.streams.join(self.pending)
+            self.pending = None
+
+    def memory(self) -> ResidentMemory:
+        plain = sum(t.numel() * t.element_size()
+                    for t in (*self.model.parameters(), *self.model.buffers()))
+        return ResidentMemory(
+            coded_bytes=sum(u.decoder.nbytes for u in self.units),
+            scratch_bytes=sum(s.numel() for s in self.slots),
+            uncompressed_bytes=sum(w.coded.nbytes for u in self.units for w in u.weights),
+            plain_bytes=plain,
+            tensors=sum(len(u.weights) for u in self.units),
+        )
+
+    def restore(self) -> None:
+        """Decode every weight back into a parameter of its own and remove the hooks."""
+        for h in self.hooks:
+            h.remove()
+        self.join()
+        for k, u in enumerate(self.units):
+            self.streams.now(u.decoder, k % 2)
+            for w in u.weights:
+                t = w.coded.view(self.slots[k % 2]).clone()
+                delattr(w.owner, w.name)
+                w.owner.register_parameter(w.name, nn.Parameter(t, w.requires_grad))
+        self.streams.synchronize()
+        self.units = []
+        self.slots = []
