@@ -15,7 +15,7 @@ What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,17 @@ class CpuStreams:
 
     def synchronize(self) -> None:
         pass
+
+
+def _backend(device: torch.device, slots: list[torch.Tensor], units: int
+            ) -> tuple[Any, Callable[[Sequence[CodedTensor]], Any]]:
+    """The streams object and decoder factory of ``device``'s backend."""
+    if device.type == "cuda":
+        from ._cuda import CudaDecoder, CudaStreams
+
+        return (CudaStreams(device, units),
+                lambda coded: CudaDecoder(coded, slots, device))
+    return CpuStreams(), lambda coded: CpuDecoder(coded, slots)
 
 
 @dataclass(frozen=True)
@@ -166,14 +177,7 @@ class Resident:
             size = max(size, at)
         self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device)
                       for _ in range(2)]
-        if self.device.type == "cuda":
-            from ._cuda import CudaDecoder, CudaStreams
-
-            self.streams = CudaStreams(self.device, len(self.units))
-            make = lambda cs: CudaDecoder(cs, self.slots, self.device)  # noqa: E731
-        else:
-            self.streams = CpuStreams()
-            make = lambda cs: CpuDecoder(cs, self.slots)  # noqa: E731
+        self.streams, make = _backend(self.device, self.slots, len(self.units))
         for k, u in enumerate(self.units):
             u.decoder = make([w.coded for w in u.weights])
             if verify:
