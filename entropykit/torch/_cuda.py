@@ -30,6 +30,8 @@ def _streams(c: CodedTensor, k: int) -> list[Stream]:
 class CudaDecoder:
     """A block's coded tensors on one CUDA device, decoding into any of ``slots``."""
 
+    reads_fields = False  # uploaded at construction; the host copies may go
+
     def __init__(self, coded: Sequence[CodedTensor], slots: Sequence[torch.Tensor],
                  device: torch.device) -> None:
         rt = gpu._load_runtime(device)

@@ -15,6 +15,7 @@ What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ from ._coded import ALIGN, FORMATS, CodedTensor, code_tensor, decode_into, raw_b
 
 class CpuDecoder:
     """A unit's coded tensors in host memory, decoded by the CPU decoders."""
+
+    reads_fields = True  # decodes from the coded tensors' fields
 
     def __init__(self, coded: Sequence[CodedTensor], slots: Sequence[torch.Tensor]) -> None:
         self.coded = tuple(coded)
@@ -182,9 +185,15 @@ class Resident:
             u.decoder = make([w.coded for w in u.weights])
             if verify:
                 self._verify(k, u)
+            if not u.decoder.reads_fields:  # the device holds them now, not the host
+                u.weights = [Weight(w.owner, w.name, w.requires_grad,
+                                    dataclasses.replace(w.coded, fields=()))
+                             for w in u.weights]
             for w in u.weights:
                 del w.owner._parameters[w.name]
                 setattr(w.owner, w.name, w.coded.view(self.slots[k % 2]))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the weights just freed
         for k, u in enumerate(self.units):
             u.hook = u.module.register_forward_pre_hook(
                 lambda m, args, kwargs, k=k: self.before(k, args, kwargs), with_kwargs=True)
