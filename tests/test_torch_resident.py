@@ -280,3 +280,26 @@ def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
     got, want = model.state_dict(), ref.state_dict()
     assert set(got) == set(want)
     assert all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_from_pretrained_resident(tmp_path, family) -> None:
+    import entropykit
+    from entropykit.hf._quantizer import EntropyKitConfig
+
+    model = _llama() if family == "llama" else _gpt2()
+    model.save_pretrained(tmp_path / "plain")
+    entropykit.compress_file(tmp_path / "plain", tmp_path / "ek")
+    ids = _ids()
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    with pytest.warns(UserWarning, match="resident"):  # transformers says what it takes
+        got = load(tmp_path / "ek", quantization_config=EntropyKitConfig(resident=True))
+    mem = ekt.resident_memory(got)
+    assert mem.tensors == len(_coded_weights(model))
+    assert mem.tensors > 0
+    plain = load(tmp_path / "ek")  # the mark alone: ordinary parameters
+    assert getattr(plain, "_entropykit_resident", None) is None
+    # (the model saved had its buffers cast to bf16; loading builds them anew)
+    assert torch.equal(_logits(got, ids), _logits(plain, ids))
+    with pytest.raises(TypeError, match="resident must be a bool"):
+        EntropyKitConfig(resident="yes")
