@@ -2,9 +2,9 @@
 
 The CPU backend runs the same units, scratch buffers and hooks as the CUDA one, so here:
 logits and generated tokens bit-identical to the plain model (Llama bf16, GPT-2 with tied
-embeddings, fp16, fp8 weights with scales), the memory accounting to the byte, both
-scratch buffers reused by every block (weights are fixed views into them), outputs
-exact after the buffers are poisoned, weights restored bit for bit and hooks removed.
+embeddings, fp16, fp8 weights with scales), the memory accounting to the byte, one
+scratch buffer reused by every block (weights are fixed views into it), outputs
+exact after the buffer is poisoned, weights restored bit for bit and hooks removed.
 The CUDA decoder's plans (batches, places of byte planes, bound outputs) run through the
 kernel emulator of test_gpu_logic.py. gpu/tests/test_cuda_resident.py runs the device.
 """
@@ -12,6 +12,7 @@ kernel emulator of test_gpu_logic.py. gpu/tests/test_cuda_resident.py runs the d
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -135,22 +136,29 @@ def test_memory_accounting_exact() -> None:
     assert "model.embed_tokens.weight" in coded and "lm_head.weight" in coded
     plain = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if n not in coded) + sum(b.numel() * b.element_size() for b in model.buffers())
-    # the largest unit: a layer's coded weights, each placed at a multiple of ALIGN
-    units = [[p for n, p in coded.items() if n.startswith(f"model.layers.{i}.")]
-             for i in range(3)] + [[coded["model.embed_tokens.weight"]],
-                                   [coded["lm_head.weight"]]]
-    slot = max(sum(-(-p.numel() * 2 // _coded.ALIGN) * _coded.ALIGN for p in u) for u in units)
+    # units in running order, each weight placed at a multiple of ALIGN; the buffer holds
+    # the largest two neighbours
+    units = [[coded["model.embed_tokens.weight"]]] + [
+        [p for n, p in coded.items() if n.startswith(f"model.layers.{i}.")]
+        for i in range(3)] + [[coded["lm_head.weight"]]]
+    size = [sum(-(-p.numel() * 2 // _coded.ALIGN) * _coded.ALIGN for p in u) for u in units]
+    scratch = max(a + b for a, b in itertools.pairwise(size))
     ekt.compress_model(model)
     mem = ekt.resident_memory(model)
     state = model._entropykit_resident
     frames = sum(f.data.nbytes for u in state.units for w in u.weights for f in w.coded.fields)
     assert mem.tensors == len(coded)
     assert mem.uncompressed_bytes == sum(p.numel() * 2 for p in coded.values())
-    assert mem.scratch_bytes == 2 * slot
+    assert mem.scratch_bytes == scratch
     assert mem.plain_bytes == plain
     assert mem.coded_bytes == frames
     assert 0 < mem.coded_bytes < mem.uncompressed_bytes  # random bf16 weights: exponents code
     assert mem.ratio == (mem.coded_bytes + mem.scratch_bytes) / mem.uncompressed_bytes
+
+
+def _poison(model: nn.Module) -> None:
+    s = model._entropykit_resident.scratch
+    s.view(torch.bfloat16).fill_(float("nan"))
 
 
 def test_scratch_reused_and_poison_proof() -> None:
@@ -158,25 +166,27 @@ def test_scratch_reused_and_poison_proof() -> None:
     ids = _ids()
     want = _logits(ref, ids)
     ekt.compress_model(model)
-    slots = model._entropykit_resident.slots
-    assert len(slots) == 2
-    bases = [s.data_ptr() for s in slots]
+    state = model._entropykit_resident
+    base, end = state.scratch.data_ptr(), state.scratch.data_ptr() + state.scratch.numel()
     layers = model.model.layers
     ptr = lambda i: layers[i].self_attn.q_proj.weight.data_ptr()  # noqa: E731
-    assert ptr(0) == ptr(2) != ptr(1)  # blocks alternate between the two buffers
-    # unit 0 is the embedding, so layer 0 (unit 1) decodes into buffer 1
-    assert ptr(0) == bases[1] + model._entropykit_resident.units[1].weights[0].coded.offset
+    # unit 0 is the embedding (front), so layers 0 and 2 (units 1, 3) share the back
+    assert ptr(0) == ptr(2) == end - state.units[1].size
+    assert ptr(1) == base
+    for k in range(len(state.units) - 1):  # neighbours never overlap
+        a, b = sorted((state.units[k].region, state.units[k + 1].region),
+                      key=lambda r: r.data_ptr())
+        assert a.data_ptr() + a.numel() <= b.data_ptr()
     ptrs = [ptr(i) for i in range(3)]
     for _ in range(2):
-        for s in slots:
-            s.view(torch.bfloat16)[: s.numel() // 2].fill_(float("nan"))  # poison
+        _poison(model)
         assert torch.equal(_logits(model, ids), want)
         assert [ptr(i) for i in range(3)] == ptrs
-        assert [s.data_ptr() for s in slots] == bases
-    # every resident weight is a view into one of the two buffers
-    for u in model._entropykit_resident.units:
+        assert state.scratch.data_ptr() == base
+    # every resident weight is a view into the buffer
+    for u in state.units:
         for w in u.weights:
-            assert getattr(w.owner, w.name).untyped_storage().data_ptr() in bases
+            assert getattr(w.owner, w.name).untyped_storage().data_ptr() == base
 
 
 def test_tied_and_small_weights_stay_plain() -> None:
@@ -255,9 +265,9 @@ def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
     """The CUDA backend's batches, places and outputs, run by the kernel emulator."""
     monkeypatch.setattr(gpu, "_load_runtime", lambda device: _FakeRuntime)
 
-    def backend(device, slots, units):
+    def backend(device, units):
         return (_resident.CpuStreams(),
-                lambda coded: _cuda.CudaDecoder(coded, slots, device))
+                lambda coded, region: _cuda.CudaDecoder(coded, region, device))
 
     monkeypatch.setattr(_resident, "_backend", backend)
     model, ref = make(), make()
@@ -265,11 +275,10 @@ def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
     ekt.compress_model(model)
     state = model._entropykit_resident
     assert all(isinstance(u.decoder, _cuda.CudaDecoder) for u in state.units)
-    assert all(len(u.decoder.launches[0]) == len({w.coded.pair for w in u.weights})
+    assert all(len(u.decoder.launches) == len({w.coded.pair for w in u.weights})
                for u in state.units)
     assert all(w.coded.fields == () for u in state.units for w in u.weights)  # on the device
-    for s in state.slots:
-        s.fill_(0xFF)
+    state.scratch.fill_(0xFF)
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
     mem = ekt.resident_memory(model)
     assert mem.coded_bytes == sum(t.numel() * t.element_size()

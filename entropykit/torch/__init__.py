@@ -5,12 +5,13 @@ other parameter of two or more dimensions in bf16, fp16 or fp8) losslessly and k
 the coded bytes on the model's device. Each block of the model (each module of a repeated
 ``nn.ModuleList``, such as ``model.model.layers``; every other module holding weights,
 such as the embeddings and the output head, is a block of its own) decodes just before its
-forward into one of two reused scratch buffers, the next block's decode overlapping this
-block's compute on a side stream. The forward only enqueues work on the GPU, so it can be
-captured in a CUDA graph, and its outputs are bit-identical to the uncompressed model's.
+forward into one reused scratch buffer (even blocks at its front, odd blocks at its back),
+the next block's decode overlapping this block's compute on a side stream. The forward
+only enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
+bit-identical to the uncompressed model's.
 On the CPU the same hooks decode with the CPU decoders.
 
-What it is not: a training mode (the scratch buffers are overwritten block after block,
+What it is not: a training mode (the scratch buffer is overwritten block after block,
 so a resident model runs under ``torch.no_grad()``), or a file format: the coded weights
 live in memory only. Weights shared by several modules (tied embeddings) and other
 parameters (norms, biases, scales of fp8 weights) stay as they are.
@@ -72,14 +73,14 @@ def _state(model: nn.Module):  # noqa: ANN202
 
 
 def resident_memory(model: nn.Module) -> ResidentMemory:
-    """Bytes a resident model holds: coded weights, scratch buffers, what the coded weights
+    """Bytes a resident model holds: coded weights, scratch buffer, what the coded weights
     take decoded, and everything left plain."""
     return _state(model).memory()
 
 
 def decompress_model(model: nn.Module) -> nn.Module:
     """Undo ``compress_model``: every weight decoded back into a parameter of its own, the
-    hooks and scratch buffers removed (in place; returns ``model``)."""
+    hooks and scratch buffer removed (in place; returns ``model``)."""
     import torch
 
     state = _state(model)

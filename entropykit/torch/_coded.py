@@ -50,7 +50,7 @@ class CodedTensor:
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    offset: int  # bytes into a scratch buffer (a multiple of ALIGN)
+    offset: int  # bytes into its unit's scratch region (a multiple of ALIGN)
     fields: tuple[Field, ...]
 
     @property
@@ -74,12 +74,12 @@ class CodedTensor:
     def end(self) -> int:
         return self.offset + self.nbytes
 
-    def view(self, slot: torch.Tensor) -> torch.Tensor:
-        """The tensor's place in a scratch buffer (uint8), as its dtype and shape."""
-        return slot[self.offset : self.end].view(self.dtype).view(self.shape)
+    def view(self, region: torch.Tensor) -> torch.Tensor:
+        """The tensor's place in its unit's scratch region (uint8), as its dtype and shape."""
+        return region[self.offset : self.end].view(self.dtype).view(self.shape)
 
-    def bytes_in(self, slot: torch.Tensor) -> torch.Tensor:
-        return slot[self.offset : self.end]
+    def bytes_in(self, region: torch.Tensor) -> torch.Tensor:
+        return region[self.offset : self.end]
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def code_tensor(t: torch.Tensor, offset: int) -> CodedTensor:
-    """``t`` (a dtype of ``FORMATS``) coded, to decode at ``offset`` of a scratch buffer."""
+    """``t`` (a dtype of ``FORMATS``) coded, to decode at ``offset`` of a scratch region."""
     raw = raw_bytes(t).cpu().numpy()
     fields = []
     for f in formats.split(FORMATS[t.dtype], raw):

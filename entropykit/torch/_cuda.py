@@ -28,15 +28,15 @@ def _streams(c: CodedTensor, k: int) -> list[Stream]:
 
 
 class CudaDecoder:
-    """A block's coded tensors on one CUDA device, decoding into any of ``slots``."""
+    """A block's coded tensors on one CUDA device, decoding into ``region`` (uint8)."""
 
     reads_fields = False  # uploaded at construction; the host copies may go
 
-    def __init__(self, coded: Sequence[CodedTensor], slots: Sequence[torch.Tensor],
+    def __init__(self, coded: Sequence[CodedTensor], region: torch.Tensor,
                  device: torch.device) -> None:
         rt = gpu._load_runtime(device)
         self.device = device
-        self.launches: list[list] = [[] for _ in slots]
+        self.launches: list = []
         self.held: list[torch.Tensor] = []  # every device buffer the launches read
         self._checks = []  # (origins, status) of each batch, for check()
         for bf16 in (True, False):
@@ -55,20 +55,18 @@ class CudaDecoder:
             db = rt.DeviceBatch(batch, device)
             self.held += [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status]
             self._checks.append((batch.origins, db.status[: len(batch.desc)]))
-            for s, slot in enumerate(slots):
-                outs = [c.view(slot).reshape(-1) if bf16 else c.bytes_in(slot)
-                        for c in group]
-                bound = db.bind(outs)
-                self.held.append(bound.desc)
-                self.launches[s].append(bound)
+            bound = db.bind([c.view(region).reshape(-1) if bf16 else c.bytes_in(region)
+                             for c in group])
+            self.held.append(bound.desc)
+            self.launches.append(bound)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.held)
 
-    def run(self, slot: int) -> None:
-        """Enqueue the decode into scratch buffer ``slot`` on the current stream."""
-        for launch in self.launches[slot]:
+    def run(self) -> None:
+        """Enqueue the decode on the current stream."""
+        for launch in self.launches:
             launch()
 
     def check(self) -> None:
@@ -88,18 +86,18 @@ class CudaStreams:
         self.free = [torch.cuda.Event() for _ in range(units)]
         self.ready = [torch.cuda.Event() for _ in range(units)]
 
-    def now(self, decoder: CudaDecoder, slot: int) -> None:
+    def now(self, decoder: CudaDecoder) -> None:
         with torch.cuda.device(self.device):
-            decoder.run(slot)
+            decoder.run()
 
-    def prefetch(self, u: int, decoder: CudaDecoder, slot: int) -> None:
+    def prefetch(self, u: int, decoder: CudaDecoder) -> None:
         # The side stream starts once the compute stream has done everything enqueued so
-        # far: the block that last read ``slot`` included.
+        # far: every block before the one about to run, which may share unit u's place.
         with torch.cuda.device(self.device):
             self.free[u].record(torch.cuda.current_stream(self.device))
             self.side.wait_event(self.free[u])
             with torch.cuda.stream(self.side):
-                decoder.run(slot)
+                decoder.run()
             self.ready[u].record(self.side)
 
     def join(self, u: int) -> None:

@@ -1,21 +1,23 @@
-"""Resident mode's machinery: blocks, scratch buffers, hooks that decode before each forward.
+"""Resident mode's machinery: blocks, a scratch buffer, hooks that decode before each forward.
 
 What it is: a model's weights grouped into units (each block of a repeated
 ``nn.ModuleList``, and every other module holding weights of its own, such as embeddings
 and the output head), in the order the modules are registered, which is the order they
-run in. Each unit's coded weights decode into scratch buffer ``unit % 2`` of two; the
-modules' weights are fixed views into that buffer. A unit's forward pre-hook makes the
+run in. Each unit's coded weights always decode to the same region of one scratch buffer:
+even units at its front, odd units at its back, so a unit and the next never overlap; the
+modules' weights are fixed views into the region. A unit's forward pre-hook makes the
 compute stream wait for the unit's decode (issued then if it was not prefetched) and
-prefetches the next unit into the other buffer, so the next decode overlaps this unit's
-compute. The hooks only enqueue work: no allocation or host synchronisation, so a
-forward can be captured in a CUDA graph. The CPU backend decodes with the CPU decoders
-through the same hooks (nothing overlaps there).
+prefetches the next unit, so the next decode overlaps this unit's compute. The hooks only
+enqueue work: no allocation or host synchronisation, so a forward can be captured in a
+CUDA graph. The CPU backend decodes with the CPU decoders through the same hooks
+(nothing overlaps there).
 What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,17 +33,17 @@ class CpuDecoder:
 
     reads_fields = True  # decodes from the coded tensors' fields
 
-    def __init__(self, coded: Sequence[CodedTensor], slots: Sequence[torch.Tensor]) -> None:
+    def __init__(self, coded: Sequence[CodedTensor], region: torch.Tensor) -> None:
         self.coded = tuple(coded)
-        self.slots = [s.numpy() for s in slots]
+        self.region = region.numpy()
 
     @property
     def nbytes(self) -> int:
         return sum(f.data.nbytes for c in self.coded for f in c.fields)
 
-    def run(self, slot: int) -> None:
+    def run(self) -> None:
         for c in self.coded:
-            decode_into(c, self.slots[slot][c.offset : c.end])
+            decode_into(c, self.region[c.offset : c.end])
 
     def check(self) -> None:
         """Nothing to check: the CPU decoders raise as they decode."""
@@ -50,11 +52,11 @@ class CpuDecoder:
 class CpuStreams:
     """The CPU's order: every decode runs when it is asked for."""
 
-    def now(self, decoder: CpuDecoder, slot: int) -> None:
-        decoder.run(slot)
+    def now(self, decoder: CpuDecoder) -> None:
+        decoder.run()
 
-    def prefetch(self, u: int, decoder: CpuDecoder, slot: int) -> None:
-        decoder.run(slot)
+    def prefetch(self, u: int, decoder: CpuDecoder) -> None:
+        decoder.run()
 
     def join(self, u: int) -> None:
         pass
@@ -63,15 +65,15 @@ class CpuStreams:
         pass
 
 
-def _backend(device: torch.device, slots: list[torch.Tensor], units: int
-            ) -> tuple[Any, Callable[[Sequence[CodedTensor]], Any]]:
-    """The streams object and decoder factory of ``device``'s backend."""
+def _backend(device: torch.device, units: int
+             ) -> tuple[Any, Callable[[Sequence[CodedTensor], torch.Tensor], Any]]:
+    """The streams object and decoder factory (coded tensors, region) of ``device``."""
     if device.type == "cuda":
         from ._cuda import CudaDecoder, CudaStreams
 
         return (CudaStreams(device, units),
-                lambda coded: CudaDecoder(coded, slots, device))
-    return CpuStreams(), lambda coded: CpuDecoder(coded, slots)
+                lambda coded, region: CudaDecoder(coded, region, device))
+    return CpuStreams(), CpuDecoder
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class Weight:
 class Unit:
     module: nn.Module
     weights: list[Weight]
+    size: int = 0  # bytes of its place in the scratch buffer
+    region: torch.Tensor | None = None  # that place
     decoder: Any = None
     hook: Any = None
 
@@ -143,7 +147,7 @@ class ResidentMemory:
     """Device memory of a resident model's weights, in bytes."""
 
     coded_bytes: int  # coded weights: payload, decode tables, descriptors, statuses
-    scratch_bytes: int  # the two buffers weights decode into
+    scratch_bytes: int  # the buffer weights decode into
     uncompressed_bytes: int  # the resident weights decoded (what they took before)
     plain_bytes: int  # parameters and buffers left as they were
     tensors: int  # resident weights
@@ -155,43 +159,47 @@ class ResidentMemory:
 
 
 class Resident:
-    """A model's resident state: units, scratch buffers, hooks (``model._entropykit``)."""
+    """A model's resident state: units, scratch buffer, hooks (``model._entropykit_resident``)."""
 
     def __init__(self, model: nn.Module, units: list[Unit], device: torch.device) -> None:
         self.model = model
         self.units = units
         self.device = device
         self.pending: int | None = None  # the unit prefetched and not yet waited for
-        self.slots: list[torch.Tensor] = []
+        self.scratch: torch.Tensor | None = None
         self.streams: Any = None
         self.hooks: list[Any] = []
 
     def build(self, verify: bool) -> None:
-        """Code every unit's weights, allocate the scratch buffers, point the weights at
-        them and install the hooks. With ``verify``, each unit is decoded once and
-        compared with its weights, bit for bit, before they are dropped."""
-        size = 0
+        """Code every unit's weights, allocate the scratch buffer, point the weights at it
+        and install the hooks. With ``verify``, each unit is decoded once and compared with
+        its weights, bit for bit, before they are dropped."""
         for u in self.units:
             at = 0
             for i, w in enumerate(u.weights):
                 p = getattr(w.owner, w.name)
                 u.weights[i] = Weight(w.owner, w.name, w.requires_grad, code_tensor(p, at))
                 at = -(-u.weights[i].coded.end // ALIGN) * ALIGN
-            size = max(size, at)
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device)
-                      for _ in range(2)]
-        self.streams, make = _backend(self.device, self.slots, len(self.units))
+            u.size = at
+        # Even units decode to the front of the buffer, odd ones to its back, so a unit and
+        # the next never overlap: the buffer is the largest two neighbours together.
+        sizes = [u.size for u in self.units]
+        size = max([a + b for a, b in itertools.pairwise(sizes)] + sizes + [0])
+        self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.streams, make = _backend(self.device, len(self.units))
         for k, u in enumerate(self.units):
-            u.decoder = make([w.coded for w in u.weights])
+            base = 0 if k % 2 == 0 else size - u.size
+            u.region = self.scratch[base : base + u.size]
+            u.decoder = make([w.coded for w in u.weights], u.region)
             if verify:
-                self._verify(k, u)
+                self._verify(u)
             if not u.decoder.reads_fields:  # the device holds them now, not the host
                 u.weights = [Weight(w.owner, w.name, w.requires_grad,
                                     dataclasses.replace(w.coded, fields=()))
                              for w in u.weights]
             for w in u.weights:
                 del w.owner._parameters[w.name]
-                setattr(w.owner, w.name, w.coded.view(self.slots[k % 2]))
+                setattr(w.owner, w.name, w.coded.view(u.region))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the weights just freed
         for k, u in enumerate(self.units):
@@ -200,13 +208,12 @@ class Resident:
         self.hooks = [u.hook for u in self.units]
         self.hooks.append(self.model.register_forward_hook(lambda m, a, out: self.join()))
 
-    def _verify(self, k: int, u: Unit) -> None:
-        slot = self.slots[k % 2]
-        u.decoder.run(k % 2)
+    def _verify(self, u: Unit) -> None:
+        u.decoder.run()
         self.streams.synchronize()
         u.decoder.check()
         for w in u.weights:
-            if not torch.equal(w.coded.bytes_in(slot), raw_bytes(getattr(w.owner, w.name))):
+            if not torch.equal(w.coded.bytes_in(u.region), raw_bytes(getattr(w.owner, w.name))):
                 raise RuntimeError(f"entropykit: {type(w.owner).__name__}.{w.name} did not "
                                    "decode to its weight")
 
@@ -221,9 +228,9 @@ class Resident:
         hit = self.pending == k
         self.join()
         if not hit:
-            self.streams.now(self.units[k].decoder, k % 2)
+            self.streams.now(self.units[k].decoder)
         if k + 1 < len(self.units):
-            self.streams.prefetch(k + 1, self.units[k + 1].decoder, (k + 1) % 2)
+            self.streams.prefetch(k + 1, self.units[k + 1].decoder)
             self.pending = k + 1
 
     def join(self) -> None:
@@ -237,7 +244,7 @@ class Resident:
                     for t in (*self.model.parameters(), *self.model.buffers()))
         return ResidentMemory(
             coded_bytes=sum(u.decoder.nbytes for u in self.units),
-            scratch_bytes=sum(s.numel() for s in self.slots),
+            scratch_bytes=self.scratch.numel(),
             uncompressed_bytes=sum(w.coded.nbytes for u in self.units for w in u.weights),
             plain_bytes=plain,
             tensors=sum(len(u.weights) for u in self.units),
@@ -248,12 +255,12 @@ class Resident:
         for h in self.hooks:
             h.remove()
         self.join()
-        for k, u in enumerate(self.units):
-            self.streams.now(u.decoder, k % 2)
+        for u in self.units:
+            self.streams.now(u.decoder)
             for w in u.weights:
-                t = w.coded.view(self.slots[k % 2]).clone()
+                t = w.coded.view(u.region).clone()
                 delattr(w.owner, w.name)
                 w.owner.register_parameter(w.name, nn.Parameter(t, w.requires_grad))
         self.streams.synchronize()
         self.units = []
-        self.slots = []
+        self.scratch = None
