@@ -294,7 +294,7 @@ def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_from_pretrained_resident(tmp_path, family) -> None:
     import entropykit
-    from entropykit.hf._quantizer import EntropyKitConfig
+    from entropykit.hf import EntropyKitConfig
 
     model = _llama() if family == "llama" else _gpt2()
     model.save_pretrained(tmp_path / "plain")

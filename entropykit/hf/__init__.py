@@ -4,9 +4,12 @@ What it is: the mark a compressed checkpoint directory carries in its ``config.j
 (``mark`` / ``unmark``: a ``quantization_config`` entry naming ``quant_method:
 "entropykit"`` and holding the original ``config.json`` text, so decompression restores
 it byte for byte), and ``register()``, which registers the entropykit quantizer with
-transformers (``_quantizer.py``). ``import entropykit`` calls ``install()``: it registers
-at once if transformers is already imported, and otherwise when transformers imports its
-quantizer registry, so importing entropykit never imports transformers.
+transformers (``_quantizer.py``), and ``EntropyKitConfig`` (from there, imported when
+asked for: ``EntropyKitConfig(resident=True)`` passed to ``from_pretrained`` keeps the
+weights coded on the device, see ``entropykit.torch``). ``import entropykit`` calls
+``install()``: it registers at once if transformers is already imported, and otherwise
+when transformers imports its quantizer registry, so importing entropykit never imports
+transformers.
 What it is not: the quantizer itself (``_quantizer.py``) or the decoding.
 """
 
@@ -78,6 +81,15 @@ def unmark_dir(src: Path, out: Path) -> None:
         old = unmarked(cfg.read_bytes())
         if old is not None:
             cfg.write_bytes(old)
+
+
+def __getattr__(name: str) -> Any:
+    # The config class needs transformers: imported when asked for, not with the package.
+    if name == "EntropyKitConfig":
+        from ._quantizer import EntropyKitConfig
+
+        return EntropyKitConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:

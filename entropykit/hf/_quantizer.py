@@ -19,7 +19,9 @@ and adds converters through ``update_weight_conversions``. That is the path take
   decoded by the GPU (``entropykit.load_file(shard, device=...)``; by the CPU, with a
   warning, where the GPU decoder is not installed); elsewhere by the CPU;
 - ``postprocess_model`` closes the shards and removes the quantization config: the
-  loaded model holds ordinary weights and saves as an ordinary checkpoint.
+  loaded model holds ordinary weights and saves as an ordinary checkpoint; with
+  ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its
+  weights are then made resident (``entropykit.torch.compress_model``).
 
 What it is not: the config.json mark (``entropykit.hf``) or the decoders.
 """
