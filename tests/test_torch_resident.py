@@ -312,3 +312,42 @@ def test_from_pretrained_resident(tmp_path, family) -> None:
     assert torch.equal(_logits(got, ids), _logits(plain, ids))
     with pytest.raises(TypeError, match="resident must be a bool"):
         EntropyKitConfig(resident="yes")
+
+
+def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
+    model, ref = _llama(), _llama()
+    want = {k: _bits(v).clone() for k, v in ref.state_dict().items()}
+    real, calls = _resident.code_tensor, []
+
+    def fail_late(t, offset):
+        calls.append(1)
+        if len(calls) == 9:  # units 0 and 1 are converted by then
+            raise OSError("disk on fire")
+        return real(t, offset)
+
+    monkeypatch.setattr(_resident, "code_tensor", fail_late)
+    with pytest.raises(OSError, match="disk on fire"):
+        ekt.compress_model(model)
+    monkeypatch.undo()
+
+    def same() -> None:
+        got = model.state_dict()
+        assert set(got) == set(want)
+        assert all(torch.equal(_bits(got[k]), want[k]) for k in want)
+        assert all(isinstance(p, nn.Parameter) for _, p in model.named_parameters())
+        assert getattr(model, "_entropykit_resident", None) is None
+        assert all(not m._forward_pre_hooks for m in model.modules())
+
+    same()
+    # a decoder that gets it wrong is caught by verify, before any weight is dropped
+    def flip(c, out):
+        _coded.decode_into(c, out)
+        out[0] ^= 1
+
+    monkeypatch.setattr(_resident, "decode_into", flip)
+    with pytest.raises(RuntimeError, match="did not decode to its weight"):
+        ekt.compress_model(model)
+    monkeypatch.undo()
+    same()
+    ekt.compress_model(model)  # and it still compresses
+    assert torch.equal(_logits(model, _ids()), _logits(ref, _ids()))

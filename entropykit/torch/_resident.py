@@ -173,13 +173,16 @@ class Resident:
     def build(self, verify: bool) -> None:
         """Code every unit's weights, allocate the scratch buffer, point the weights at it
         and install the hooks. With ``verify``, each unit is decoded once and compared with
-        its weights, bit for bit, before they are dropped."""
-        for u in self.units:
-            at = 0
-            for i, w in enumerate(u.weights):
+        its weights, bit for bit, before they are dropped. Unit by unit, so the host holds
+        one unit's coded weights at a time; on an error the model is left as it was."""
+        places = []
+        for u in self.units:  # each weight's offset in its unit's region, ALIGNed
+            at, offsets = 0, []
+            for w in u.weights:
                 p = getattr(w.owner, w.name)
-                u.weights[i] = Weight(w.owner, w.name, w.requires_grad, code_tensor(p, at))
-                at = -(-u.weights[i].coded.end // ALIGN) * ALIGN
+                offsets.append(at)
+                at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+            places.append(offsets)
             u.size = at
         # Even units decode to the front of the buffer, odd ones to its back, so a unit and
         # the next never overlap: the buffer is the largest two neighbours together.
@@ -187,19 +190,28 @@ class Resident:
         size = max([a + b for a, b in itertools.pairwise(sizes)] + sizes + [0])
         self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.streams, make = _backend(self.device, len(self.units))
-        for k, u in enumerate(self.units):
-            base = 0 if k % 2 == 0 else size - u.size
-            u.region = self.scratch[base : base + u.size]
-            u.decoder = make([w.coded for w in u.weights], u.region)
-            if verify:
-                self._verify(u)
-            if not u.decoder.reads_fields:  # the device holds them now, not the host
+        done: list[Unit] = []
+        try:
+            for k, (u, offsets) in enumerate(zip(self.units, places, strict=True)):
                 u.weights = [Weight(w.owner, w.name, w.requires_grad,
-                                    dataclasses.replace(w.coded, fields=()))
-                             for w in u.weights]
-            for w in u.weights:
-                del w.owner._parameters[w.name]
-                setattr(w.owner, w.name, w.coded.view(u.region))
+                                    code_tensor(getattr(w.owner, w.name), at))
+                             for w, at in zip(u.weights, offsets, strict=True)]
+                base = 0 if k % 2 == 0 else size - u.size
+                u.region = self.scratch[base : base + u.size]
+                u.decoder = make([w.coded for w in u.weights], u.region)
+                if verify:
+                    self._verify(u)
+                if not u.decoder.reads_fields:  # the device holds them now, not the host
+                    u.weights = [Weight(w.owner, w.name, w.requires_grad,
+                                        dataclasses.replace(w.coded, fields=()))
+                                 for w in u.weights]
+                for w in u.weights:
+                    del w.owner._parameters[w.name]
+                    setattr(w.owner, w.name, w.coded.view(u.region))
+                done.append(u)
+        except BaseException:
+            self._decode_back(done)
+            raise
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the weights just freed
         for k, u in enumerate(self.units):
@@ -255,12 +267,15 @@ class Resident:
         for h in self.hooks:
             h.remove()
         self.join()
-        for u in self.units:
+        self._decode_back(self.units)
+        self.units = []
+        self.scratch = None
+
+    def _decode_back(self, units: list[Unit]) -> None:
+        for u in units:
             self.streams.now(u.decoder)
             for w in u.weights:
                 t = w.coded.view(u.region).clone()
                 delattr(w.owner, w.name)
                 w.owner.register_parameter(w.name, nn.Parameter(t, w.requires_grad))
         self.streams.synchronize()
-        self.units = []
-        self.scratch = None
