@@ -137,12 +137,12 @@ def test_memory_accounting_exact() -> None:
     plain = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if n not in coded) + sum(b.numel() * b.element_size() for b in model.buffers())
     # units in running order, each weight placed at a multiple of ALIGN; the buffer holds
-    # the largest two neighbours
+    # the largest unit, and two neighbouring layers
     units = [[coded["model.embed_tokens.weight"]]] + [
         [p for n, p in coded.items() if n.startswith(f"model.layers.{i}.")]
         for i in range(3)] + [[coded["lm_head.weight"]]]
     size = [sum(-(-p.numel() * 2 // _coded.ALIGN) * _coded.ALIGN for p in u) for u in units]
-    scratch = max(a + b for a, b in itertools.pairwise(size))
+    scratch = max(max(size), *(a + b for a, b in itertools.pairwise(size[1:-1])))
     ekt.compress_model(model)
     mem = ekt.resident_memory(model)
     state = model._entropykit_resident
@@ -173,7 +173,8 @@ def test_scratch_reused_and_poison_proof() -> None:
     # unit 0 is the embedding (front), so layers 0 and 2 (units 1, 3) share the back
     assert ptr(0) == ptr(2) == end - state.units[1].size
     assert ptr(1) == base
-    for k in range(len(state.units) - 1):  # neighbours never overlap
+    assert [u.prefetch for u in state.units] == [False, True, True, True, True]
+    for k in range(len(state.units) - 1):  # neighbours decoded during each other: apart
         a, b = sorted((state.units[k].region, state.units[k + 1].region),
                       key=lambda r: r.data_ptr())
         assert a.data_ptr() + a.numel() <= b.data_ptr()
@@ -351,3 +352,76 @@ def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
     same()
     ekt.compress_model(model)  # and it still compresses
     assert torch.equal(_logits(model, _ids()), _logits(ref, _ids()))
+
+
+class _Log:
+    """Streams that decode at once (as the CPU's) and log what the hooks asked for."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, int]] = []
+        self.index: dict[int, int] = {}
+
+    def now(self, decoder) -> None:
+        self.ops.append(("now", self.index[id(decoder)]))
+        decoder.run()
+
+    def prefetch(self, u, decoder) -> None:
+        self.ops.append(("prefetch", u))
+        decoder.run()
+
+    def join(self, u) -> None:
+        self.ops.append(("join", u))
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
+def test_decode_order_is_safe_on_two_streams(vocab, monkeypatch) -> None:
+    """What the hooks ask of the streams, replayed against the rules that make the CUDA
+    backend's overlap safe: a unit computes right after its own decode ("now") or the
+    join of its prefetch; a prefetch never targets the region of the unit about to
+    compute; a decode on the compute stream never races an un-joined prefetch into the
+    same bytes; nothing is left un-joined when the forward returns (graph capture)."""
+    log = _Log()
+    monkeypatch.setattr(_resident, "_backend",
+                        lambda device, units: (log, _resident.CpuDecoder))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**_SMALL, "vocab_size": vocab})
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ref = copy.deepcopy(model)
+    ekt.compress_model(model)
+    state = model._entropykit_resident
+    log.index = {id(u.decoder): k for k, u in enumerate(state.units)}
+    # embeddings larger than two layers decode after, not beside, their neighbours
+    want = [False] + [True] * 3 + [True] if vocab == 256 else [False, False, True, True, False]
+    assert [u.prefetch for u in state.units] == want
+    for k, u in enumerate(state.units):
+        u.module.register_forward_pre_hook(
+            lambda m, a, k=k: log.ops.append(("compute", k)))
+    log.ops.clear()
+    ids = _ids().clamp(max=255)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    span = [(u.region.data_ptr(), u.region.data_ptr() + u.region.numel())
+            for u in state.units]
+    apart = lambda a, b: span[a][1] <= span[b][0] or span[b][1] <= span[a][0]  # noqa: E731
+    pending: set[int] = set()
+    computed = []
+    for i, (op, k) in enumerate(log.ops):
+        if op == "compute":
+            prev = log.ops[i - 2] if log.ops[i - 1] == ("prefetch", k + 1) else log.ops[i - 1]
+            assert prev in (("now", k), ("join", k)), log.ops[: i + 1]
+            assert k not in pending
+            computed.append(k)
+        elif op == "prefetch":
+            nxt = next(j for o, j in log.ops[i:] if o == "compute")
+            assert nxt == k - 1 and apart(k, k - 1)
+            pending.add(k)
+        elif op == "join":
+            pending.discard(k)
+        elif op == "now":
+            assert all(apart(k, j) for j in pending)
+    assert not pending
+    assert computed == list(range(len(state.units)))
+    assert [k for op, k in log.ops if op == "now"] == [
+        k for k, p in enumerate(want) if not p]

@@ -4,10 +4,11 @@ What it is: a model's weights grouped into units (each block of a repeated
 ``nn.ModuleList``, and every other module holding weights of its own, such as embeddings
 and the output head), in the order the modules are registered, which is the order they
 run in. Each unit's coded weights always decode to the same region of one scratch buffer:
-even units at its front, odd units at its back, so a unit and the next never overlap; the
-modules' weights are fixed views into the region. A unit's forward pre-hook makes the
-compute stream wait for the unit's decode (issued then if it was not prefetched) and
-prefetches the next unit, so the next decode overlaps this unit's compute. The hooks only
+even units at its front, odd units at its back, so a unit and the next are apart where
+both fit; the modules' weights are fixed views into the region. A unit's forward pre-hook
+makes the compute stream wait for the unit's decode (issued then if it was not
+prefetched) and prefetches the next unit where their regions are apart, so the next
+decode overlaps this unit's compute. The hooks only
 enqueue work: no allocation or host synchronisation, so a forward can be captured in a
 CUDA graph. The CPU backend decodes with the CPU decoders through the same hooks
 (nothing overlaps there).
@@ -90,8 +91,10 @@ class Weight:
 class Unit:
     module: nn.Module
     weights: list[Weight]
+    block: bool = False  # one of a repeated ModuleList's modules
     size: int = 0  # bytes of its place in the scratch buffer
     region: torch.Tensor | None = None  # that place
+    prefetch: bool = False  # decoded while the unit before runs (their places are apart)
     decoder: Any = None
     hook: Any = None
 
@@ -138,7 +141,7 @@ def _units(model: nn.Module, min_elements: int) -> list[Unit]:
         else:
             ws = weights(m, False)
         if ws:
-            units.append(Unit(m, ws))
+            units.append(Unit(m, ws, block=id(m) in blocks))
     return units
 
 
@@ -185,9 +188,13 @@ class Resident:
             places.append(offsets)
             u.size = at
         # Even units decode to the front of the buffer, odd ones to its back, so a unit and
-        # the next never overlap: the buffer is the largest two neighbours together.
-        sizes = [u.size for u in self.units]
-        size = max([a + b for a, b in itertools.pairwise(sizes)] + sizes + [0])
+        # the next are apart where both fit: the buffer holds the largest unit, and two
+        # neighbouring blocks. A unit that does not fit beside the one before (embeddings
+        # and heads, larger than blocks) decodes after it instead of during it.
+        size = max([u.size for u in self.units] + [0] + [
+            a.size + b.size for a, b in itertools.pairwise(self.units) if a.block and b.block])
+        for a, b in itertools.pairwise(self.units):
+            b.prefetch = a.size + b.size <= size
         self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.streams, make = _backend(self.device, len(self.units))
         done: list[Unit] = []
@@ -241,7 +248,7 @@ class Resident:
         self.join()
         if not hit:
             self.streams.now(self.units[k].decoder)
-        if k + 1 < len(self.units):
+        if k + 1 < len(self.units) and self.units[k + 1].prefetch:
             self.streams.prefetch(k + 1, self.units[k + 1].decoder)
             self.pending = k + 1
 
