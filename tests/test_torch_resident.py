@@ -229,6 +229,14 @@ def test_inference_only_and_misuse() -> None:
         ekt.decompress_model(_llama())
     with pytest.raises(ValueError, match="min_elements"):
         ekt.compress_model(_llama(), min_elements=0)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SMALL))
+    with pytest.raises(ValueError, match="weights are on meta"):
+        ekt.compress_model(meta.to(torch.bfloat16))
+    half = _llama()
+    half.lm_head.to("meta")
+    with pytest.raises(ValueError, match="several devices"):
+        ekt.compress_model(half)
 
 
 class _FakeRuntime:

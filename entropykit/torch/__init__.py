@@ -19,12 +19,10 @@ parameters (norms, biases, scales of fp8 weights) stay as they are.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch
+from torch import nn
 
-from ._resident import ResidentMemory
-
-if TYPE_CHECKING:
-    from torch import nn
+from ._resident import Resident, ResidentMemory, _units
 
 __all__ = ["ResidentMemory", "compress_model", "decompress_model", "resident_memory"]
 
@@ -42,10 +40,6 @@ def compress_model(model: nn.Module, *, min_elements: int = MIN_ELEMENTS,
     decoders). ``verify`` decodes every block once and compares it with the weights, bit
     for bit, before they are freed. Undo with ``decompress_model``.
     """
-    import torch
-
-    from ._resident import Resident, _units
-
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("entropykit: this model is resident already")
     if min_elements < 1:
@@ -56,6 +50,9 @@ def compress_model(model: nn.Module, *, min_elements: int = MIN_ELEMENTS,
         raise ValueError(f"entropykit: the weights to make resident are on several "
                          f"devices ({sorted(map(str, devices))}); resident mode needs one")
     device = devices.pop() if devices else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"entropykit: the weights are on {device}; resident mode runs "
+                         "on a CUDA device or the CPU")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     state = Resident(model, units, device)
@@ -65,7 +62,7 @@ def compress_model(model: nn.Module, *, min_elements: int = MIN_ELEMENTS,
     return model
 
 
-def _state(model: nn.Module):  # noqa: ANN202
+def _state(model: nn.Module) -> Resident:
     state = getattr(model, _ATTR, None)
     if state is None:
         raise ValueError("entropykit: this model is not resident (see compress_model)")
@@ -81,8 +78,6 @@ def resident_memory(model: nn.Module) -> ResidentMemory:
 def decompress_model(model: nn.Module) -> nn.Module:
     """Undo ``compress_model``: every weight decoded back into a parameter of its own, the
     hooks and scratch buffer removed (in place; returns ``model``)."""
-    import torch
-
     state = _state(model)
     with torch.no_grad():
         state.restore()
