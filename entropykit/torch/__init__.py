@@ -14,7 +14,9 @@ On the CPU the same hooks decode with the CPU decoders.
 What it is not: a training mode (the scratch buffer is overwritten block after block,
 so a resident model runs under ``torch.no_grad()``), or a file format: the coded weights
 live in memory only. Weights shared by several modules (tied embeddings) and other
-parameters (norms, biases, scales of fp8 weights) stay as they are.
+parameters (norms, biases, scales of fp8 weights) stay as they are. A weight is valid only
+inside its block's forward: code that reads a module's weight from outside it (rather
+than calling the module) must decompress the model first.
 """
 
 from __future__ import annotations
