@@ -433,3 +433,30 @@ def test_decode_order_is_safe_on_two_streams(vocab, monkeypatch) -> None:
     assert computed == list(range(len(state.units)))
     assert [k for op, k in log.ops if op == "now"] == [
         k for k, p in enumerate(want) if not p]
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["bf16", "fp8"])
+def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
+    """gpu/resident_check.py's exactness checks, run on the CPU backend (the GPU machine
+    runs them once; here they must pass and must catch a wrong weight)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
+    spec = importlib.util.spec_from_file_location("resident_check", path)
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    make = lambda: rc.llama("tiny", "cpu", fp8)  # noqa: E731
+    assert rc.exact_failures(make, "cpu") == []
+    real = _resident.CpuDecoder.run
+
+    def wrong(self) -> None:  # a decoder that flips a bit after its verification
+        real(self)
+        if getattr(self, "verified", False):
+            self.region[0] ^= 0x40
+        self.verified = True
+
+    monkeypatch.setattr(_resident.CpuDecoder, "run", wrong)
+    fails = rc.exact_failures(make, "cpu")
+    assert fails and all("differ" in f or "give the weights back" in f for f in fails)
