@@ -8,10 +8,9 @@ even units at its front, odd units at its back, so a unit and the next are apart
 both fit; the modules' weights are fixed views into the region. A unit's forward pre-hook
 makes the compute stream wait for the unit's decode (issued then if it was not
 prefetched) and prefetches the next unit where their regions are apart, so the next
-decode overlaps this unit's compute. The hooks only
-enqueue work: no allocation or host synchronisation, so a forward can be captured in a
-CUDA graph. The CPU backend decodes with the CPU decoders through the same hooks
-(nothing overlaps there).
+decode overlaps this unit's compute. The hooks only enqueue work: no allocation or host
+synchronisation, so a forward can be captured in a CUDA graph. The CPU backend decodes
+with the CPU decoders through the same hooks (nothing overlaps there).
 What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
 """
 
