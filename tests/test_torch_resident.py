@@ -233,6 +233,8 @@ def test_inference_only_and_misuse() -> None:
         meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SMALL))
     with pytest.raises(ValueError, match="weights are on meta"):
         ekt.compress_model(meta.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="weights are on meta"):
+        ekt.compress_model(_llama(), device="meta")
     half = _llama()
     half.lm_head.to("meta")
     with pytest.raises(ValueError, match="several devices"):

@@ -32,15 +32,17 @@ _ATTR = "_entropykit_resident"
 MIN_ELEMENTS = 1 << 12
 
 
-def compress_model(model: nn.Module, *, min_elements: int = MIN_ELEMENTS,
-                   verify: bool = True) -> nn.Module:
+def compress_model(model: nn.Module, *, device: torch.device | str | None = None,
+                   min_elements: int = MIN_ELEMENTS, verify: bool = True) -> nn.Module:
     """Make ``model``'s weights resident (in place; returns ``model``).
 
     Weights of two or more dimensions in bfloat16, float16, float8_e4m3fn or float8_e5m2
     with at least ``min_elements`` elements are coded; they must all be on one device (a
     CUDA device: decoded by ``entropykit.gpu``, needing CuPy; the CPU: by the CPU
-    decoders). ``verify`` decodes every block once and compares it with the weights, bit
-    for bit, before they are freed. Undo with ``decompress_model``.
+    decoders). ``device`` (a CUDA device, for a model on the CPU) puts the coded weights
+    there and moves the rest of the model after them, so the device never holds the
+    plain weights. ``verify`` decodes every block once and compares it with the weights,
+    bit for bit, before they are freed. Undo with ``decompress_model``.
     """
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("entropykit: this model is resident already")
@@ -51,15 +53,22 @@ def compress_model(model: nn.Module, *, min_elements: int = MIN_ELEMENTS,
     if len(devices) > 1:
         raise ValueError(f"entropykit: the weights to make resident are on several "
                          f"devices ({sorted(map(str, devices))}); resident mode needs one")
-    device = devices.pop() if devices else torch.device("cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"entropykit: the weights are on {device}; resident mode runs "
-                         "on a CUDA device or the CPU")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    state = Resident(model, units, device)
+    here = devices.pop() if devices else torch.device("cpu")
+    target = here if device is None else torch.device(device)
+    for d in (here, target):
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"entropykit: the weights are on {d}; resident mode runs "
+                             "on a CUDA device or the CPU")
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    if here != target and here.type != "cpu":
+        raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
+                         f"{target} (only weights on the CPU move)")
+    state = Resident(model, units, target)
     with torch.no_grad():
         state.build(verify)
+    if here != target:
+        model.to(target)  # the rest: norms, biases, buffers (resident weights are there)
     object.__setattr__(model, _ATTR, state)
     return model
 

@@ -231,7 +231,8 @@ class Resident:
         self.streams.synchronize()
         u.decoder.check()
         for w in u.weights:
-            if not torch.equal(w.coded.bytes_in(u.region), raw_bytes(getattr(w.owner, w.name))):
+            weight = raw_bytes(getattr(w.owner, w.name)).to(u.region.device)
+            if not torch.equal(w.coded.bytes_in(u.region), weight):
                 raise RuntimeError(f"entropykit: {type(w.owner).__name__}.{w.name} did not "
                                    "decode to its weight")
 

@@ -51,3 +51,21 @@ def test_memory_is_what_the_device_holds():
     want = mem.plain_bytes + mem.coded_bytes + mem.scratch_bytes
     assert 0 <= now - want < 512 * (tensors + held)
     assert mem.coded_bytes < mem.uncompressed_bytes
+
+
+def test_compress_from_the_cpu_onto_the_device():
+    """``device=``: a model on the CPU made resident on the GPU equals the plain model
+    moved there, and the device never held its plain weights."""
+    plain = rc.llama("tiny", "cpu").to(DEV)  # the same weights (built by the CPU's RNG)
+    model = rc.llama("tiny", "cpu")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(DEV)
+    base = torch.cuda.memory_allocated(DEV)
+    ekt.compress_model(model, device=DEV)
+    mem = ekt.resident_memory(model)
+    peak = torch.cuda.max_memory_allocated(DEV) - base
+    assert peak < mem.coded_bytes + mem.scratch_bytes + mem.plain_bytes + (8 << 20)
+    assert all(p.device == torch.device(DEV) for p in model.parameters())
+    ids = rc._ids(plain.config.vocab_size, 3, 17, DEV, 0)
+    with torch.no_grad():
+        assert torch.equal(rc._bits(model(ids).logits), rc._bits(plain(ids).logits))
