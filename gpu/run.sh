@@ -2,12 +2,14 @@
 # The GPU-machine suite in one command: the cuda tests (gpu/tests), then the benchmarks on
 # whatever data is here, then a short summary. Logs and results go to $OUT (default
 # /tmp/entropykit-gpu): summary.txt, tests.log, bench.log, bench_gpu.json/.md, kv.log,
-# load.log, load.json. Exits non-zero when a test fails or skips or a step fails.
-#   STEPS=tests,bench,kv,load   the steps to run (default these; a step lacking its data
+# load.log, load.json, resident.log. Exits non-zero when a test fails or skips or a step
+# fails.
+#   STEPS=tests,bench,kv,load,resident   the steps to run (default these; a step lacking its data
 #                               is left out and says so); also "check" (device_check.py's
 #                               timings per build) and "ncu" (Nsight Compute on two
 #                               launches), both on the MiniLM file
 #   BENCH_ARGS=...              more arguments for bench_gpu.py
+#   RESIDENT_ARGS=...           more arguments for resident_check.py (--size 8b-blocks)
 # Git-ignored folders it uses where present:
 #   .whl/ .gpu-bench/whl/ .gpu-load/whl/   *.whl the machine lacks, unpacked into
 #       /tmp/site: zstandard (entropykit imports it) for the tests; nvidia-nvcomp-cu13,
@@ -18,7 +20,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/entropykit-gpu}
-STEPS=${STEPS:-tests,bench,kv,load}
+STEPS=${STEPS:-tests,bench,kv,load,resident}
 mkdir -p "$OUT"
 python3 -c "import glob, zipfile
 for f in sorted(glob.glob('.whl/*.whl') + glob.glob('.gpu-*/whl/*.whl')):
@@ -86,6 +88,9 @@ if [[ $STEPS == *load* ]]; then
     else
         skip load "no .gpu-load/load/*.ek.safetensors"
     fi
+fi
+if [[ $STEPS == *resident* ]]; then
+    step resident resident.log python3 gpu/resident_check.py $RESIDENT_ARGS
 fi
 
 {

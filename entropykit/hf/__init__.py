@@ -1,9 +1,12 @@
 """Hugging Face integration: compressed checkpoint directories load with ``from_pretrained``.
 
 What it is: ``register()``, which registers the entropykit quantizer with
-transformers (``_quantizer.py``). ``import entropykit`` calls ``install()``: it registers
-at once if transformers is already imported, and otherwise when transformers imports its
-quantizer registry, so importing entropykit never imports transformers.
+transformers (``_quantizer.py``), and ``EntropyKitConfig`` (from there, imported when
+asked for: ``EntropyKitConfig(resident=True)`` passed to ``from_pretrained`` keeps the
+weights coded on the device, see ``entropykit.torch``). ``import entropykit`` calls
+``install()``: it registers at once if transformers is already imported, and otherwise
+when transformers imports its quantizer registry, so importing entropykit never imports
+transformers.
 The ``config.json`` mark that routes a compressed directory here is re-exported from
 ``entropykit.container.config_mark``, where the directory writer applies it.
 What it is not: the quantizer itself (``_quantizer.py``) or the decoding.
@@ -30,6 +33,15 @@ from ..container.config_mark import (  # noqa: F401 - the mark, re-exported
 )
 
 _REGISTRY = "transformers.quantizers.auto"
+
+
+def __getattr__(name: str) -> Any:
+    # The config class needs transformers: imported when asked for, not with the package.
+    if name == "EntropyKitConfig":
+        from ._quantizer import EntropyKitConfig
+
+        return EntropyKitConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:

@@ -19,7 +19,9 @@ and adds converters through ``update_weight_conversions``. That is the path take
   decoded by the GPU (``entropykit.load_file(shard, device=...)``; by the CPU, with a
   warning, where the GPU decoder is not installed); elsewhere by the CPU;
 - ``postprocess_model`` closes the shards and removes the quantization config: the
-  loaded model holds ordinary weights and saves as an ordinary checkpoint.
+  loaded model holds ordinary weights and saves as an ordinary checkpoint; with
+  ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its
+  weights are then made resident (``entropykit.torch.compress_model``).
 
 What it is not: the config.json mark (``entropykit.hf``) or the decoders.
 """
@@ -39,6 +41,7 @@ from transformers.core_model_loading import (
     dot_natural_key,
     rename_source_key,
 )
+from transformers.quantizers import auto as _auto
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -53,17 +56,29 @@ from . import MARK_VERSION, QUANT_METHOD
 
 
 class EntropyKitConfig(QuantizationConfigMixin):
-    """The ``quantization_config`` of a compressed checkpoint (written by compress)."""
+    """The ``quantization_config`` of a compressed checkpoint (written by compress).
+
+    Passed to ``from_pretrained`` (``quantization_config=EntropyKitConfig(resident=True)``)
+    it sets how the checkpoint loads: ``resident`` keeps the weights coded on the device
+    (``entropykit.torch.compress_model``) instead of decoding them into parameters.
+    """
 
     def __init__(self, version: int = MARK_VERSION, original_config: str | None = None,
-                 **kwargs: Any) -> None:
+                 resident: bool = False, **kwargs: Any) -> None:
         kwargs.pop("quant_method", None)
         self.quant_method = QUANT_METHOD
         self.version = version
         self.original_config = original_config
+        if not isinstance(resident, bool):
+            raise TypeError(f"resident must be a bool, got {type(resident).__name__}")
+        self.resident = resident
         if type(version) is not int or not 1 <= version <= MARK_VERSION:
             raise ValueError(f"entropykit quantization_config version {version!r} is not "
                              f"supported (this entropykit: 1..{MARK_VERSION}); upgrade it")
+
+    def get_loading_attributes(self) -> dict[str, Any]:
+        """What a config passed to ``from_pretrained`` overrides in the checkpoint's."""
+        return {"resident": self.resident}
 
 
 class Decode(ConversionOps):
@@ -203,7 +218,12 @@ class EntropyKitQuantizer(HfQuantizer):
         self._files.clear()
         self.plan.clear()
         self._gpu.clear()
+        resident = self.quantization_config.resident
         self.remove_quantization_config(model)
+        if resident:
+            from ..torch import compress_model
+
+            compress_model(model)
         return model
 
     def is_serializable(self) -> bool:
@@ -220,6 +240,11 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(EntropyKitConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(EntropyKitQuantizer)
+    # transformers lets a config passed to from_pretrained override the loading
+    # attributes (get_loading_attributes) only of the config types listed here
+    if EntropyKitConfig not in _auto.LOADING_ATTRIBUTES_CONFIG_TYPES:
+        _auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*_auto.LOADING_ATTRIBUTES_CONFIG_TYPES,
+                                                 EntropyKitConfig)
 
 
 register()  # importing this module registers it, whoever imports it first

@@ -1,0 +1,96 @@
+"""Resident mode: a PyTorch model whose weights stay coded in device memory.
+
+``compress_model(model)`` codes the model's weight matrices (Linear, embedding and any
+other parameter of two or more dimensions in bf16, fp16 or fp8) losslessly and keeps only
+the coded bytes on the model's device. Each block of the model (each module of a repeated
+``nn.ModuleList``, such as ``model.model.layers``; every other module holding weights,
+such as the embeddings and the output head, is a block of its own) decodes just before its
+forward into one reused scratch buffer (even blocks at its front, odd blocks at its back),
+the next block's decode overlapping this block's compute on a side stream. The forward
+only enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
+bit-identical to the uncompressed model's.
+On the CPU the same hooks decode with the CPU decoders.
+
+What it is not: a training mode (the scratch buffer is overwritten block after block,
+so a resident model runs under ``torch.no_grad()``), or a file format: the coded weights
+live in memory only. Weights shared by several modules (tied embeddings) and other
+parameters (norms, biases, scales of fp8 weights) stay as they are. A weight is valid only
+inside its block's forward: code that reads a module's weight from outside it (rather
+than calling the module) must decompress the model first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._resident import Resident, ResidentMemory, _units
+
+__all__ = ["ResidentMemory", "compress_model", "decompress_model", "resident_memory"]
+
+_ATTR = "_entropykit_resident"
+MIN_ELEMENTS = 1 << 12
+
+
+def compress_model(model: nn.Module, *, device: torch.device | str | None = None,
+                   min_elements: int = MIN_ELEMENTS, verify: bool = True) -> nn.Module:
+    """Make ``model``'s weights resident (in place; returns ``model``).
+
+    Weights of two or more dimensions in bfloat16, float16, float8_e4m3fn or float8_e5m2
+    with at least ``min_elements`` elements are coded; they must all be on one device (a
+    CUDA device: decoded by ``entropykit.gpu``, needing CuPy; the CPU: by the CPU
+    decoders). ``device`` (a CUDA device, for a model on the CPU) puts the coded weights
+    there and moves the rest of the model after them, so the device never holds the
+    plain weights. ``verify`` decodes every block once and compares it with the weights,
+    bit for bit, before they are freed. Undo with ``decompress_model``.
+    """
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("entropykit: this model is resident already")
+    if min_elements < 1:
+        raise ValueError(f"min_elements must be >= 1, got {min_elements}")
+    units = _units(model, min_elements)
+    devices = {getattr(w.owner, w.name).device for u in units for w in u.weights}
+    if len(devices) > 1:
+        raise ValueError(f"entropykit: the weights to make resident are on several "
+                         f"devices ({sorted(map(str, devices))}); resident mode needs one")
+    here = devices.pop() if devices else torch.device("cpu")
+    target = here if device is None else torch.device(device)
+    for d in (here, target):
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"entropykit: the weights are on {d}; resident mode runs "
+                             "on a CUDA device or the CPU")
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    if here != target and here.type != "cpu":
+        raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
+                         f"{target} (only weights on the CPU move)")
+    state = Resident(model, units, target)
+    with torch.no_grad():
+        state.build(verify)
+    if here != target:
+        model.to(target)  # the rest: norms, biases, buffers (resident weights are there)
+    object.__setattr__(model, _ATTR, state)
+    return model
+
+
+def _state(model: nn.Module) -> Resident:
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise ValueError("entropykit: this model is not resident (see compress_model)")
+    return state
+
+
+def resident_memory(model: nn.Module) -> ResidentMemory:
+    """Bytes a resident model holds: coded weights, scratch buffer, what the coded weights
+    take decoded, and everything left plain."""
+    return _state(model).memory()
+
+
+def decompress_model(model: nn.Module) -> nn.Module:
+    """Undo ``compress_model``: every weight decoded back into a parameter of its own, the
+    hooks and scratch buffer removed (in place; returns ``model``)."""
+    state = _state(model)
+    with torch.no_grad():
+        state.restore()
+    object.__delattr__(model, _ATTR)
+    return model

@@ -1,0 +1,71 @@
+"""Resident mode on the device (resident_check.py's checks).
+
+What it is: with tiny random Llamas built on the GPU, in bf16 and with fp8 e4m3 weights
+and per-row scales in the blocks: ``entropykit.torch.compress_model`` gives the plain
+model's logits and greedy tokens bit for bit, also after the scratch buffer is poisoned
+with NaN, and ``decompress_model`` gives every weight back; a step captured in a CUDA
+graph and replayed on new inputs, the buffer poisoned between replays, gives the plain
+model's logits; the memory accounting adds up to the device memory the weights take.
+What it is not: the timings (resident_check.py prints them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+pytest.importorskip("transformers")
+
+import resident_check as rc  # noqa: E402 - needs transformers
+
+import entropykit.torch as ekt  # noqa: E402
+
+DEV = "cuda:0"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_logits_tokens_and_restore_exact(fp8):
+    assert rc.exact_failures(lambda: rc.llama("tiny", DEV, fp8), DEV) == []
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_cuda_graph_replay_exact(fp8):
+    fails, how = rc.graph_failures(lambda: rc.llama("tiny", DEV, fp8), DEV)
+    assert fails == [], how
+
+
+def test_memory_is_what_the_device_holds():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated(DEV)
+    model = rc.llama("tiny", DEV)
+    plain = torch.cuda.memory_allocated(DEV) - start
+    tensors = len(list(model.parameters())) + len(list(model.buffers()))
+    ekt.compress_model(model)
+    mem = ekt.resident_memory(model)
+    now = torch.cuda.memory_allocated(DEV) - start
+    held = sum(len(u.decoder.held) for u in model._entropykit_resident.units) + 1
+    # the caching allocator rounds each tensor up to a multiple of 512 bytes
+    assert 0 <= plain - (mem.plain_bytes + mem.uncompressed_bytes) < 512 * tensors
+    want = mem.plain_bytes + mem.coded_bytes + mem.scratch_bytes
+    assert 0 <= now - want < 512 * (tensors + held)
+    assert mem.coded_bytes < mem.uncompressed_bytes
+
+
+def test_compress_from_the_cpu_onto_the_device():
+    """``device=``: a model on the CPU made resident on the GPU equals the plain model
+    moved there, and the device never held its plain weights."""
+    plain = rc.llama("tiny", "cpu").to(DEV)  # the same weights (built by the CPU's RNG)
+    model = rc.llama("tiny", "cpu")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(DEV)
+    base = torch.cuda.memory_allocated(DEV)
+    ekt.compress_model(model, device=DEV)
+    mem = ekt.resident_memory(model)
+    peak = torch.cuda.max_memory_allocated(DEV) - base
+    assert peak < mem.coded_bytes + mem.scratch_bytes + mem.plain_bytes + (8 << 20)
+    assert all(p.device == torch.device(DEV) for p in model.parameters())
+    ids = rc._ids(plain.config.vocab_size, 3, 17, DEV, 0)
+    with torch.no_grad():
+        assert torch.equal(rc._bits(model(ids).logits), rc._bits(plain(ids).logits))

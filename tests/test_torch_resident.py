@@ -1,0 +1,464 @@
+"""Resident mode on the CPU: tiny transformers models whose weights stay coded.
+
+The CPU backend runs the same units, scratch buffers and hooks as the CUDA one, so here:
+logits and generated tokens bit-identical to the plain model (Llama bf16, GPT-2 with tied
+embeddings, fp16, fp8 weights with scales), the memory accounting to the byte, one
+scratch buffer reused by every block (weights are fixed views into it), outputs
+exact after the buffer is poisoned, weights restored bit for bit and hooks removed.
+The CUDA decoder's plans (batches, places of byte planes, bound outputs) run through the
+kernel emulator of test_gpu_logic.py. gpu/tests/test_cuda_resident.py runs the device.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from torch import nn  # noqa: E402
+
+import entropykit.torch as ekt  # noqa: E402
+from entropykit import gpu  # noqa: E402
+from entropykit.torch import _coded, _cuda, _resident  # noqa: E402
+
+_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _llama(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SMALL))
+    return model.to(dtype).eval()
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=3, n_head=4,
+                                  n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16).eval()
+
+
+class _Fp8Linear(nn.Module):
+    """An fp8 e4m3 weight with a per-row scale, as fp8 checkpoints store them."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        w = torch.randn(n_out, n_in) * 0.05
+        scale = w.abs().amax(1, keepdim=True) / 448
+        self.weight = nn.Parameter((w / scale).to(torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.weight.to(torch.bfloat16) * self.weight_scale).T
+
+
+class _Fp8Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(256, 64).to(torch.bfloat16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(_Fp8Linear(64, 128), nn.GELU(), _Fp8Linear(128, 64))
+            for _ in range(3))
+        self.head = _Fp8Linear(64, 256)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids)
+    return _bits(out if isinstance(out, torch.Tensor) else out.logits)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+def _coded_weights(model: nn.Module, min_elements: int = ekt.MIN_ELEMENTS) -> dict:
+    """name -> parameter for what resident mode codes, found independently: 2+ dims, a
+    coded dtype, enough elements, used by one module."""
+    count: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        count[id(p)] = count.get(id(p), 0) + 1
+    return {n: p for n, p in model.named_parameters()
+            if p.dim() >= 2 and p.dtype in _coded.FORMATS and p.numel() >= min_elements
+            and count[id(p)] == 1}
+
+
+@pytest.mark.parametrize("make", [_llama, lambda: _llama(torch.float16), _gpt2, _Fp8Net],
+                         ids=["llama-bf16", "llama-fp16", "gpt2-tied", "fp8-scales"])
+def test_logits_exact_and_restore(make) -> None:
+    model = make()
+    ref = copy.deepcopy(model)
+    before = {k: _bits(v).clone() for k, v in model.state_dict().items()}
+    ids = _ids()
+    want = _logits(ref, ids)
+    ekt.compress_model(model)
+    assert torch.equal(_logits(model, ids), want)
+    assert torch.equal(_logits(model, ids), want)  # again: every block decoded anew
+    ekt.decompress_model(model)
+    after = model.state_dict()
+    assert set(after) == set(before)
+    assert all(torch.equal(_bits(after[k]), before[k]) for k in before)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert all(p.requires_grad == q.requires_grad
+               for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    assert torch.equal(_logits(model, ids), want)
+
+
+def test_generate_exact() -> None:
+    model, ref = _llama(), _llama()
+    ids = _ids()[:1]
+    ekt.compress_model(model)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_memory_accounting_exact() -> None:
+    model = _llama()
+    coded = _coded_weights(model)
+    assert "model.embed_tokens.weight" in coded and "lm_head.weight" in coded
+    plain = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if n not in coded) + sum(b.numel() * b.element_size() for b in model.buffers())
+    # units in running order, each weight placed at a multiple of ALIGN; the buffer holds
+    # the largest unit, and two neighbouring layers
+    units = [[coded["model.embed_tokens.weight"]]] + [
+        [p for n, p in coded.items() if n.startswith(f"model.layers.{i}.")]
+        for i in range(3)] + [[coded["lm_head.weight"]]]
+    size = [sum(-(-p.numel() * 2 // _coded.ALIGN) * _coded.ALIGN for p in u) for u in units]
+    scratch = max(max(size), *(a + b for a, b in itertools.pairwise(size[1:-1])))
+    ekt.compress_model(model)
+    mem = ekt.resident_memory(model)
+    state = model._entropykit_resident
+    frames = sum(f.data.nbytes for u in state.units for w in u.weights for f in w.coded.fields)
+    assert mem.tensors == len(coded)
+    assert mem.uncompressed_bytes == sum(p.numel() * 2 for p in coded.values())
+    assert mem.scratch_bytes == scratch
+    assert mem.plain_bytes == plain
+    assert mem.coded_bytes == frames
+    assert 0 < mem.coded_bytes < mem.uncompressed_bytes  # random bf16 weights: exponents code
+    assert mem.ratio == (mem.coded_bytes + mem.scratch_bytes) / mem.uncompressed_bytes
+
+
+def _poison(model: nn.Module) -> None:
+    s = model._entropykit_resident.scratch
+    s.view(torch.bfloat16).fill_(float("nan"))
+
+
+def test_scratch_reused_and_poison_proof() -> None:
+    model, ref = _llama(), _llama()
+    ids = _ids()
+    want = _logits(ref, ids)
+    ekt.compress_model(model)
+    state = model._entropykit_resident
+    base, end = state.scratch.data_ptr(), state.scratch.data_ptr() + state.scratch.numel()
+    layers = model.model.layers
+    ptr = lambda i: layers[i].self_attn.q_proj.weight.data_ptr()  # noqa: E731
+    # unit 0 is the embedding (front), so layers 0 and 2 (units 1, 3) share the back
+    assert ptr(0) == ptr(2) == end - state.units[1].size
+    assert ptr(1) == base
+    assert [u.prefetch for u in state.units] == [False, True, True, True, True]
+    for k in range(len(state.units) - 1):  # neighbours decoded during each other: apart
+        a, b = sorted((state.units[k].region, state.units[k + 1].region),
+                      key=lambda r: r.data_ptr())
+        assert a.data_ptr() + a.numel() <= b.data_ptr()
+    ptrs = [ptr(i) for i in range(3)]
+    for _ in range(2):
+        _poison(model)
+        assert torch.equal(_logits(model, ids), want)
+        assert [ptr(i) for i in range(3)] == ptrs
+        assert state.scratch.data_ptr() == base
+    # every resident weight is a view into the buffer
+    for u in state.units:
+        for w in u.weights:
+            assert getattr(w.owner, w.name).untyped_storage().data_ptr() == base
+
+
+def test_tied_and_small_weights_stay_plain() -> None:
+    model = _gpt2()
+    wte = model.transformer.wte.weight
+    ekt.compress_model(model)
+    assert model.lm_head.weight is wte and isinstance(wte, nn.Parameter)
+    assert isinstance(model.transformer.wpe.weight, torch.Tensor)
+    assert "transformer.wpe.weight" not in dict(model.named_parameters())
+    assert "transformer.h.0.ln_1.weight" in dict(model.named_parameters())
+    small = _llama()
+    ekt.compress_model(small, min_elements=1 << 20)
+    assert ekt.resident_memory(small).tensors == 0
+    assert torch.equal(_logits(small, _ids()), _logits(_llama(), _ids()))
+
+
+def test_a_unit_called_alone_or_out_of_order() -> None:
+    model, ref = _llama(), _llama()
+    ekt.compress_model(model)
+    h = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    _logits(model, _ids())  # leaves the buffers holding other blocks
+    with torch.no_grad():
+        assert torch.equal(_bits(model.lm_head(h)), _bits(ref.lm_head(h)))
+        ids = _ids()
+        assert torch.equal(_bits(model.model.embed_tokens(ids)),
+                           _bits(ref.model.embed_tokens(ids)))
+        assert torch.equal(_bits(model.lm_head(h)), _bits(ref.lm_head(h)))
+
+
+def test_inference_only_and_misuse() -> None:
+    model = _llama()
+    ekt.compress_model(model)
+    x = torch.randn(1, 3, 64, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inference only"):
+        model(inputs_embeds=x)
+    with pytest.raises(ValueError, match="resident already"):
+        ekt.compress_model(model)
+    with pytest.raises(ValueError, match="not resident"):
+        ekt.decompress_model(_llama())
+    with pytest.raises(ValueError, match="min_elements"):
+        ekt.compress_model(_llama(), min_elements=0)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SMALL))
+    with pytest.raises(ValueError, match="weights are on meta"):
+        ekt.compress_model(meta.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="weights are on meta"):
+        ekt.compress_model(_llama(), device="meta")
+    half = _llama()
+    half.lm_head.to("meta")
+    with pytest.raises(ValueError, match="several devices"):
+        ekt.compress_model(half)
+
+
+class _FakeRuntime:
+    """entropykit.gpu's runtime with the kernel emulated in numpy on CPU tensors."""
+
+    class DeviceBatch:
+        def __init__(self, batch, device) -> None:
+            self.batch = batch
+            self.payload = torch.from_numpy(batch.payload)
+            self.sym_tables = torch.from_numpy(batch.sym_tables)
+            self.info_tables = torch.from_numpy(batch.info_tables.view(np.int32))
+            self.cmaps = torch.from_numpy(batch.cmaps)
+            self.status = torch.zeros(max(1, len(batch.desc)), dtype=torch.int32)
+
+        def bind(self, outs):
+            gpu.check_outputs(self.batch, outs)
+            batch, status = self.batch, self.status
+
+            class Bound:
+                desc = torch.from_numpy(batch.desc.copy())
+
+                def __call__(self) -> None:
+                    from test_gpu_logic import emulate_into
+
+                    views = [o.view(torch.uint8).numpy().view(np.uint16 if batch.bf16
+                                                              else np.uint8) for o in outs]
+                    status[: len(batch.desc)] = torch.from_numpy(emulate_into(batch, views)[1])
+
+            return Bound()
+
+
+@pytest.mark.parametrize("make", [_llama, lambda: _llama(torch.float16), _Fp8Net],
+                         ids=["bf16", "fp16", "fp8"])
+def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
+    """The CUDA backend's batches, places and outputs, run by the kernel emulator."""
+    monkeypatch.setattr(gpu, "_load_runtime", lambda device: _FakeRuntime)
+
+    def backend(device, units):
+        return (_resident.CpuStreams(),
+                lambda coded, region: _cuda.CudaDecoder(coded, region, device))
+
+    monkeypatch.setattr(_resident, "_backend", backend)
+    model, ref = make(), make()
+    ids = _ids()
+    ekt.compress_model(model)
+    state = model._entropykit_resident
+    assert all(isinstance(u.decoder, _cuda.CudaDecoder) for u in state.units)
+    assert all(len(u.decoder.launches) == len({w.coded.pair for w in u.weights})
+               for u in state.units)
+    assert all(w.coded.fields == () for u in state.units for w in u.weights)  # on the device
+    state.scratch.fill_(0xFF)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    mem = ekt.resident_memory(model)
+    assert mem.coded_bytes == sum(t.numel() * t.element_size()
+                                  for u in state.units for t in u.decoder.held)
+    payload = sum(u.decoder.held[0].numel() for u in state.units)
+    assert payload < mem.uncompressed_bytes  # the kernel decodes frames, not only copies
+    ekt.decompress_model(model)
+    got, want = model.state_dict(), ref.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_from_pretrained_resident(tmp_path, family) -> None:
+    import entropykit
+    from entropykit.hf import EntropyKitConfig
+
+    model = _llama() if family == "llama" else _gpt2()
+    model.save_pretrained(tmp_path / "plain")
+    entropykit.compress_file(tmp_path / "plain", tmp_path / "ek")
+    ids = _ids()
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    with pytest.warns(UserWarning, match="resident"):  # transformers says what it takes
+        got = load(tmp_path / "ek", quantization_config=EntropyKitConfig(resident=True))
+    mem = ekt.resident_memory(got)
+    assert mem.tensors == len(_coded_weights(model))
+    assert mem.tensors > 0
+    plain = load(tmp_path / "ek")  # the mark alone: ordinary parameters
+    assert getattr(plain, "_entropykit_resident", None) is None
+    # (the model saved had its buffers cast to bf16; loading builds them anew)
+    assert torch.equal(_logits(got, ids), _logits(plain, ids))
+    with pytest.raises(TypeError, match="resident must be a bool"):
+        EntropyKitConfig(resident="yes")
+
+
+def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
+    model, ref = _llama(), _llama()
+    want = {k: _bits(v).clone() for k, v in ref.state_dict().items()}
+    real, calls = _resident.code_tensor, []
+
+    def fail_late(t, offset):
+        calls.append(1)
+        if len(calls) == 9:  # units 0 and 1 are converted by then
+            raise OSError("disk on fire")
+        return real(t, offset)
+
+    monkeypatch.setattr(_resident, "code_tensor", fail_late)
+    with pytest.raises(OSError, match="disk on fire"):
+        ekt.compress_model(model)
+    monkeypatch.undo()
+
+    def same() -> None:
+        got = model.state_dict()
+        assert set(got) == set(want)
+        assert all(torch.equal(_bits(got[k]), want[k]) for k in want)
+        assert all(isinstance(p, nn.Parameter) for _, p in model.named_parameters())
+        assert getattr(model, "_entropykit_resident", None) is None
+        assert all(not m._forward_pre_hooks for m in model.modules())
+
+    same()
+    # a decoder that gets it wrong is caught by verify, before any weight is dropped
+    def flip(c, out):
+        _coded.decode_into(c, out)
+        out[0] ^= 1
+
+    monkeypatch.setattr(_resident, "decode_into", flip)
+    with pytest.raises(RuntimeError, match="did not decode to its weight"):
+        ekt.compress_model(model)
+    monkeypatch.undo()
+    same()
+    ekt.compress_model(model)  # and it still compresses
+    assert torch.equal(_logits(model, _ids()), _logits(ref, _ids()))
+
+
+class _Log:
+    """Streams that decode at once (as the CPU's) and log what the hooks asked for."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, int]] = []
+        self.index: dict[int, int] = {}
+
+    def now(self, decoder) -> None:
+        self.ops.append(("now", self.index[id(decoder)]))
+        decoder.run()
+
+    def prefetch(self, u, decoder) -> None:
+        self.ops.append(("prefetch", u))
+        decoder.run()
+
+    def join(self, u) -> None:
+        self.ops.append(("join", u))
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
+def test_decode_order_is_safe_on_two_streams(vocab, monkeypatch) -> None:
+    """What the hooks ask of the streams, replayed against the rules that make the CUDA
+    backend's overlap safe: a unit computes right after its own decode ("now") or the
+    join of its prefetch; a prefetch never targets the region of the unit about to
+    compute; a decode on the compute stream never races an un-joined prefetch into the
+    same bytes; nothing is left un-joined when the forward returns (graph capture)."""
+    log = _Log()
+    monkeypatch.setattr(_resident, "_backend",
+                        lambda device, units: (log, _resident.CpuDecoder))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**_SMALL, "vocab_size": vocab})
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ref = copy.deepcopy(model)
+    ekt.compress_model(model)
+    state = model._entropykit_resident
+    log.index = {id(u.decoder): k for k, u in enumerate(state.units)}
+    # embeddings larger than two layers decode after, not beside, their neighbours
+    want = [False] + [True] * 3 + [True] if vocab == 256 else [False, False, True, True, False]
+    assert [u.prefetch for u in state.units] == want
+    for k, u in enumerate(state.units):
+        u.module.register_forward_pre_hook(
+            lambda m, a, k=k: log.ops.append(("compute", k)))
+    log.ops.clear()
+    ids = _ids().clamp(max=255)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    span = [(u.region.data_ptr(), u.region.data_ptr() + u.region.numel())
+            for u in state.units]
+    apart = lambda a, b: span[a][1] <= span[b][0] or span[b][1] <= span[a][0]  # noqa: E731
+    pending: set[int] = set()
+    computed = []
+    for i, (op, k) in enumerate(log.ops):
+        if op == "compute":
+            prev = log.ops[i - 2] if log.ops[i - 1] == ("prefetch", k + 1) else log.ops[i - 1]
+            assert prev in (("now", k), ("join", k)), log.ops[: i + 1]
+            assert k not in pending
+            computed.append(k)
+        elif op == "prefetch":
+            nxt = next(j for o, j in log.ops[i:] if o == "compute")
+            assert nxt == k - 1 and apart(k, k - 1)
+            pending.add(k)
+        elif op == "join":
+            pending.discard(k)
+        elif op == "now":
+            assert all(apart(k, j) for j in pending)
+    assert not pending
+    assert computed == list(range(len(state.units)))
+    assert [k for op, k in log.ops if op == "now"] == [
+        k for k, p in enumerate(want) if not p]
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["bf16", "fp8"])
+def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
+    """gpu/resident_check.py's exactness checks, run on the CPU backend (the GPU machine
+    runs them once; here they must pass and must catch a wrong weight)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
+    spec = importlib.util.spec_from_file_location("resident_check", path)
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    make = lambda: rc.llama("tiny", "cpu", fp8)  # noqa: E731
+    assert rc.exact_failures(make, "cpu") == []
+    real = _resident.CpuDecoder.run
+
+    def wrong(self) -> None:  # a decoder that flips a bit after its verification
+        real(self)
+        if getattr(self, "verified", False):
+            self.region[0] ^= 0x40
+        self.verified = True
+
+    monkeypatch.setattr(_resident.CpuDecoder, "run", wrong)
+    fails = rc.exact_failures(make, "cpu")
+    assert fails and all("differ" in f or "give the weights back" in f for f in fails)
