@@ -57,6 +57,8 @@ from numba.core.compiler import CompilerBase, DefaultPassBuilder
 from numba.core.compiler_machinery import register_pass
 from numba.extending import intrinsic, overload
 
+from .._status import Status, messages
+
 # No kernel allocates: callers pass every buffer in. That lets them run without Numba's
 # reference counting, whose incref/decref pairs around inlined helpers taking arrays were
 # not pruned and cost ~4x the arithmetic of a CDF evaluation.
@@ -135,20 +137,18 @@ EMP_POINTS = 256  # intervals of the empirical table (one per top-byte value)
 INV_POINTS = 4096  # intervals of the float inverse-shape table (guesses only)
 WEIGHT_ONE = 1 << 16
 
-OK = 0
-ERR_STATE = 1
-ERR_TRUNCATED = 2
-ERR_TRAILING = 3
-ERR_FINAL = 4
-ERR_ODD = 5
-MESSAGES = {
-    ERR_STATE: "a lane's start state is below 2**16",
-    ERR_TRUNCATED: "payload ends before the last value",
-    ERR_TRAILING: "payload has words after the last value",
-    ERR_FINAL: "a lane did not end in the initial state (corrupt payload, or mu/sigma/model "
-    "differ from the encoder's)",
-    ERR_ODD: "payload is not 128 state bytes plus whole 16-bit words",
-}
+OK = int(Status.OK)
+ERR_STATE = int(Status.STATE)
+ERR_TRUNCATED = int(Status.TRUNCATED)
+ERR_TRAILING = int(Status.TRAILING)
+ERR_FINAL = int(Status.FINAL)
+ERR_ODD = int(Status.ODD)
+MESSAGES = messages(Status.STATE, Status.TRUNCATED, Status.TRAILING, Status.FINAL,
+                    Status.ODD)
+# What the encoder reports besides OK (not decoding codes): the payload would not be
+# smaller than raw; an invalid (mu, sigma).
+ENC_RAW = 1
+ENC_PARAM = 2
 
 
 # The value format and one value's quantized parameters, as the helpers see them.
@@ -415,7 +415,8 @@ def _mixed(ws):
 @_inline
 def _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab, precision, st, out,
                    mix):
-    """The groups of 32 values, last first, onto the lane states: (status, pos)."""
+    """The groups of 32 values, last first, onto the lane states: (OK, pos), (ENC_RAW, 0)
+    or (ENC_PARAM, index of an invalid mu/sigma)."""
     n = vals.size
     spread = (1 << precision) - 256
     pv = -1 if midx.size > 1 else 0  # index mask: per-value model indices, or one for all
@@ -423,7 +424,7 @@ def _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab, prec
     for g0 in range((n - 1) & -LANES, -1, -LANES):
         m = min(LANES, n - g0)
         if pos - 4 * m < STATE_BYTES:  # room for the group's words, written branch-free
-            return 1, 0
+            return ENC_RAW, 0
         bad = False
         for q in range(m):  # vectorized: an invalid pair is found afterwards
             i = np.uint64(g0 + q)  # unsigned: see _decode_step
@@ -434,13 +435,13 @@ def _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab, prec
         if bad:
             for q in range(m):
                 if _invalid(mu_bits[g0 + q], sg_bits[g0 + q]):
-                    return 2, g0 + q
+                    return ENC_PARAM, g0 + q
         if f.es:  # the low-byte step last: the decoder reads it after the top-byte step
             _enc_lanes(st, _EL0, m, precision)
             pos = _put_words(st, m, out, pos)
         _enc_lanes(st, _ET0, m, precision)
         pos = _put_words(st, m, out, pos)
-    return 0, pos
+    return OK, pos
 
 
 @_lane_kernel

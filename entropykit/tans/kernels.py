@@ -47,25 +47,20 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .._status import Status, messages
+
 LANES = 4
 
-OK = 0
-ERR_EMPTY = 1  # payload length 0 or outside the buffer
-ERR_MARKER = 2  # first byte 0: no start marker
-ERR_TRUNCATED = 3  # bit-stream exhausted before the last symbol
-ERR_TRAILING = 4  # bits left after the last symbol
-ERR_FINAL = 5  # a lane did not end in state 0
-ERR_BOUNDS = 6  # a chunk's symbols lie outside the output
-ERR_TABLE = 7  # the decode table does not have 2**table_log slots
-MESSAGES = {
-    ERR_EMPTY: "payload is empty or outside the frame",
-    ERR_MARKER: "payload's first byte is 0 (no start marker bit)",
-    ERR_TRUNCATED: "bit-stream exhausted before the last symbol",
-    ERR_TRAILING: "bit-stream has bits left after the last symbol",
-    ERR_FINAL: "a state did not end at 0 (corrupt payload or table)",
-    ERR_BOUNDS: "chunk's symbols lie outside the output array",
-    ERR_TABLE: "decode table does not have 2**table_log slots",
-}
+OK = int(Status.OK)
+ERR_EMPTY = int(Status.EMPTY)
+ERR_MARKER = int(Status.MARKER)
+ERR_TRUNCATED = int(Status.TRUNCATED)
+ERR_TRAILING = int(Status.TRAILING)
+ERR_FINAL = int(Status.FINAL)
+ERR_BOUNDS = int(Status.BOUNDS)
+ERR_TABLE = int(Status.TABLE)
+MESSAGES = messages(Status.EMPTY, Status.MARKER, Status.TRUNCATED, Status.TRAILING,
+                    Status.FINAL, Status.BOUNDS, Status.TABLE)
 
 
 def _le64_ptr(context, builder, ary_type, ary, p, p_type):
