@@ -60,8 +60,8 @@ from numba.extending import intrinsic, overload
 from .._status import Status, messages
 
 # No kernel allocates: callers pass every buffer in. That lets them run without Numba's
-# reference counting, whose incref/decref pairs around inlined helpers taking arrays were
-# not pruned and cost ~4x the arithmetic of a CDF evaluation.
+# reference counting, whose incref/decref pairs around inlined helpers taking arrays are
+# not pruned and would outweigh the arithmetic of a CDF evaluation.
 _kernel = njit(nogil=True, cache=True, _nrt=False)
 
 
@@ -71,8 +71,7 @@ class _WideLower(lowering.Lower):
     On CPUs with AVX-512, LLVM's tuning for recent Intel cores caps the vectorizer at
     256 bits ("prefer-vector-width"="256", a guard against the clock drop that older Xeons
     took on 512-bit code). The lane passes are long chains of integer and float ops over
-    32 independent lanes, so twice the lanes per instruction pays: decode +22-24 %,
-    encode +20-37 % on this host (2026-11-22, A/B interleaved in one process). The
+    32 independent lanes, so twice the lanes per instruction pays. The
     attribute is this function's alone (the process-wide way, NUMBA_CPU_FEATURES, is not
     a library's to set); where 512-bit vectors are not legal it changes nothing. Every
     lane's arithmetic is the same at any width (integers, and IEEE floats without
@@ -684,8 +683,8 @@ def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision, e=0, mx=(1
     # j, with the stand-in in its place.
     frac = (sb + (slot - j + 0.5) * (1.0 / spread) * t) * (1.0 / ONE)
     if mix:
-        # S = ((2**16 - w) F + w E) / 2**16 and only F has an inverse table. Even a 2%
-        # empirical weight moves F's inverse by a key or more (bf16 low-byte misses 66%).
+        # S = ((2**16 - w) F + w E) / 2**16 and only F has an inverse table: even a small
+        # empirical weight moves F's inverse by a key or more.
         frac = frac * mx[0] - e * mx[1]
     return min(max((_guess_key(frac, mf, sf, zinv, m, f) - b) >> sh, 0), 255)
 
@@ -752,8 +751,8 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
                                   (fl[2, q], fl[3, q]), mix)
     if low:
         # (A2) A second round from the first guess. It matters in the low byte, where j's
-        # share of the slot is up to a symbol's width (misses on bf16 Gaussian data 15% ->
-        # 4%); in the top byte misses are rare already (0.3%) and it did not pay.
+        # share of the slot is up to a symbol's width; in the top byte misses are rare
+        # already and a second round does not pay.
         for q in range(m):
             b, sb, t = _lane_range(ln, q, low)
             j = ln[_G, q]
