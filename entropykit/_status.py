@@ -32,6 +32,23 @@ class Status(IntEnum):
     MARKER = 13  # tANS: a payload's first byte has no start marker bit
 
 
+# The codes as plain ints, the form Numba kernels take as compile-time constants.
+OK = int(Status.OK)
+ERR_STATE = int(Status.STATE)
+ERR_TRUNCATED = int(Status.TRUNCATED)
+ERR_TRAILING = int(Status.TRAILING)
+ERR_FINAL = int(Status.FINAL)
+ERR_ODD = int(Status.ODD)
+ERR_CONTEXT = int(Status.CONTEXT)
+ERR_BOUNDS = int(Status.BOUNDS)
+ERR_TABLE = int(Status.TABLE)
+ERR_CRC = int(Status.CRC)
+ERR_RAW = int(Status.RAW)
+ERR_PARAM = int(Status.PARAM)
+ERR_EMPTY = int(Status.EMPTY)
+ERR_MARKER = int(Status.MARKER)
+
+
 MESSAGES: dict[Status, str] = {
     Status.STATE: "a lane's start state is below 2**16",
     Status.TRUNCATED: "payload ends before the last symbol",
@@ -65,4 +82,4 @@ def cuda_prologue() -> str:
     return "".join(f"#define ERR_{s.name} {s.value}\n" for s in Status if s)
 
 
-__all__ = ["MESSAGES", "Status", "by_status", "cuda_prologue", "messages"]
+__all__ = ["MESSAGES", "OK", "Status", "by_status", "cuda_prologue", "messages"]

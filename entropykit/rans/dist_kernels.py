@@ -57,7 +57,16 @@ from numba.core.compiler import CompilerBase, DefaultPassBuilder
 from numba.core.compiler_machinery import register_pass
 from numba.extending import intrinsic, overload
 
-from .._status import Status, messages
+from .._status import (
+    ERR_FINAL,
+    ERR_ODD,
+    ERR_STATE,
+    ERR_TRAILING,
+    ERR_TRUNCATED,
+    OK,
+    Status,
+    messages,
+)
 
 # No kernel allocates: callers pass every buffer in. That lets them run without Numba's
 # reference counting, whose incref/decref pairs around inlined helpers taking arrays are
@@ -136,12 +145,6 @@ EMP_POINTS = 256  # intervals of the empirical table (one per top-byte value)
 INV_POINTS = 4096  # intervals of the float inverse-shape table (guesses only)
 WEIGHT_ONE = 1 << 16
 
-OK = int(Status.OK)
-ERR_STATE = int(Status.STATE)
-ERR_TRUNCATED = int(Status.TRUNCATED)
-ERR_TRAILING = int(Status.TRAILING)
-ERR_FINAL = int(Status.FINAL)
-ERR_ODD = int(Status.ODD)
 MESSAGES = messages(Status.STATE, Status.TRUNCATED, Status.TRAILING, Status.FINAL,
                     Status.ODD)
 # What the encoder reports besides OK (not decoding codes): the payload would not be

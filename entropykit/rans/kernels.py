@@ -26,22 +26,25 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .._status import Status, messages
+from .._status import (
+    ERR_BOUNDS,
+    ERR_CONTEXT,
+    ERR_FINAL,
+    ERR_ODD,
+    ERR_STATE,
+    ERR_TABLE,
+    ERR_TRAILING,
+    ERR_TRUNCATED,
+    OK,
+    Status,
+    messages,
+)
 from .simd import decode_step, encode_step
 
 LANES = 32
 L = 1 << 16
 STATE_BYTES = 4 * LANES
 
-OK = int(Status.OK)
-ERR_STATE = int(Status.STATE)
-ERR_TRUNCATED = int(Status.TRUNCATED)
-ERR_TRAILING = int(Status.TRAILING)
-ERR_FINAL = int(Status.FINAL)
-ERR_ODD = int(Status.ODD)
-ERR_CONTEXT = int(Status.CONTEXT)
-ERR_BOUNDS = int(Status.BOUNDS)
-ERR_TABLE = int(Status.TABLE)
 MESSAGES = messages(Status.STATE, Status.TRUNCATED, Status.TRAILING, Status.FINAL, Status.ODD,
                     Status.CONTEXT, Status.BOUNDS, Status.TABLE)
 

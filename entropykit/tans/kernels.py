@@ -47,18 +47,21 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .._status import Status, messages
+from .._status import (
+    ERR_BOUNDS,
+    ERR_EMPTY,
+    ERR_FINAL,
+    ERR_MARKER,
+    ERR_TABLE,
+    ERR_TRAILING,
+    ERR_TRUNCATED,
+    OK,
+    Status,
+    messages,
+)
 
 LANES = 4
 
-OK = int(Status.OK)
-ERR_EMPTY = int(Status.EMPTY)
-ERR_MARKER = int(Status.MARKER)
-ERR_TRUNCATED = int(Status.TRUNCATED)
-ERR_TRAILING = int(Status.TRAILING)
-ERR_FINAL = int(Status.FINAL)
-ERR_BOUNDS = int(Status.BOUNDS)
-ERR_TABLE = int(Status.TABLE)
 MESSAGES = messages(Status.EMPTY, Status.MARKER, Status.TRUNCATED, Status.TRAILING,
                     Status.FINAL, Status.BOUNDS, Status.TABLE)
 
