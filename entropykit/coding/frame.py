@@ -48,7 +48,7 @@ import numpy as np
 from numba import njit
 
 from .._errors import CorruptDataError
-from .._status import MESSAGES, Status
+from .._status import ERR_CRC, ERR_RAW, MESSAGES, OK, Status
 from . import contexts, table_section, tables
 from .crc32 import crc32
 from .parallel import default_threads, run
@@ -250,52 +250,54 @@ def write(kind: Kind, head: Header, section: bytes,
 
 def decode_payloads(
     kind: Kind, buf: np.ndarray, d: Directory, chunk_size: int, out: np.ndarray,
-    decode_coded: Callable[[np.ndarray, int, int], list[int]], group: int,
+    decode_coded: Callable[[list[int], int, int], list[int]], group: int,
     threads: int | None,
 ) -> None:
     """Fill ``out`` (one element per symbol) from the payloads of directory ``d``, ``group``
     chunks per task on ``threads`` threads; ``CorruptDataError`` (with ``.status``,
     ``.chunk`` and ``.offset``) for the first chunk that fails.
 
-    ``decode_coded(idx, lo0, hi0)`` decodes the coded chunks ``idx`` (int64, ascending) of
+    ``decode_coded(idx, lo0, hi0)`` decodes the coded chunks ``idx`` (ascending) of
     the group whose symbols are ``out[lo0:hi0]`` and gives a ``Status`` per chunk. Raw
     chunks are copied here, and every chunk's CRC is checked while it is in cache.
     """
     n, n_chunks, cs = out.size, len(d.lengths), chunk_size
+    # Python ints, read once: the per-chunk bookkeeping stays small beside a chunk's decode.
+    offsets, lengths, modes, crcs = (a.tolist() for a in (d.offsets, d.lengths, d.modes,
+                                                          d.crcs))
 
     def task(g: int) -> tuple[int, int] | None:
         first, last = g * group, min(n_chunks, (g + 1) * group)
-        lo0, hi0 = first * cs, min(n, last * cs)
-        codes = [int(Status.OK)] * (last - first)
+        codes = [OK] * (last - first)
         coded = []
         for i in range(first, last):
-            dst = out[i * cs : (i + 1) * cs]
-            start, length = int(d.offsets[i]), int(d.lengths[i])
-            if d.modes[i] != MODE_RAW:
+            if modes[i] != MODE_RAW:
                 coded.append(i)
-            elif length != dst.nbytes:
-                codes[i - first] = Status.RAW
+                continue
+            dst = out[i * cs : (i + 1) * cs].view(np.uint8)
+            if lengths[i] != dst.size:
+                codes[i - first] = ERR_RAW
             else:
-                dst.view(np.uint8)[:] = buf[start : start + length]
+                dst[:] = buf[offsets[i] : offsets[i] + lengths[i]]
         if coded:
-            for i, code in zip(coded, decode_coded(np.array(coded, np.int64), lo0, hi0),
-                               strict=True):
+            found = decode_coded(coded, first * cs, min(n, last * cs))
+            for i, code in zip(coded, found, strict=True):
                 codes[i - first] = code
         for i in range(first, last):
-            if codes[i - first] == Status.OK and (
-                    crc32(out[i * cs : (i + 1) * cs]) != int(d.crcs[i])):
-                codes[i - first] = Status.CRC
-            if codes[i - first] != Status.OK:
+            if codes[i - first] == OK and crc32(out[i * cs : (i + 1) * cs]) != crcs[i]:
+                codes[i - first] = ERR_CRC
+            if codes[i - first] != OK:
                 return i, codes[i - first]
         return None
 
     for failed in run(task, -(-n_chunks // group), threads):
         if failed is not None:
             i, code = failed
-            status, start, length = Status(code), int(d.offsets[i]), int(d.lengths[i])
+            status, start = Status(code), offsets[i]
             what = MESSAGES[status]
             if status == Status.RAW:
-                what += f" ({length} bytes, chunk holds {out[i * cs : (i + 1) * cs].nbytes})"
+                what += (f" ({lengths[i]} bytes, chunk holds "
+                         f"{out[i * cs : (i + 1) * cs].nbytes})")
             raise CorruptDataError(
                 f"{kind.name} frame chunk {i} (payload at byte {start}): {what}",
                 status=status, chunk=i, offset=start)
@@ -303,7 +305,7 @@ def decode_payloads(
 
 def worded(codes: Any) -> list[str | None]:
     """Kernel status codes as messages (None for OK)."""
-    return [None if c == Status.OK else MESSAGES[Status(c)] for c in codes]
+    return [None if c == OK else MESSAGES[Status(c)] for c in codes]
 
 
 # ---- static frames: a table model section and a ChunkCoder --------------------------------
@@ -521,8 +523,9 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
                                info.param)
     cs = info.chunk_size
 
-    def coded(idx: np.ndarray, lo0: int, hi0: int) -> list[int]:
+    def coded(chunks: list[int], lo0: int, hi0: int) -> list[int]:
         # The group's coded chunks together: their dependency chains overlap.
+        idx = np.array(chunks, np.int64)
         lo = idx * cs - lo0
         part = None  # the group's contexts: the kernel checks their count
         if ctx is not None:

@@ -502,11 +502,12 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
         raise ValueError("out must not overlap the frame")
     fp = f.params
     cs = info.chunk_size
+    offsets, lengths = info.offsets.tolist(), info.lengths.tolist()
 
-    def coded(idx: np.ndarray, lo0: int, hi0: int) -> list[int]:
-        (i,) = idx.tolist()  # one chunk per task
+    def coded(chunks: list[int], lo0: int, hi0: int) -> list[int]:
+        (i,) = chunks  # one chunk per task
         sl = slice(lo0, hi0)
-        code = _k.decode_chunk(buf, int(info.offsets[i]), int(info.lengths[i]), mu_b[sl],
+        code = _k.decode_chunk(buf, offsets[i], lengths[i], mu_b[sl],
                                sg_b[sl], midx[sl] if midx.size > 1 else midx, fp,
                                model.shape_pairs, model.inverse, model.emp_pairs,
                                model.weights, _RTAB, info.precision,

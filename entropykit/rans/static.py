@@ -46,6 +46,7 @@ class _RansCoder:
         return errors.tolist()
 
     def decode_chunks(self, *args) -> list[str | None]:
+        """``decode_status`` with each code as its message (None for OK)."""
         return frame.worded(self.decode_status(*args))
 
     def decode_chunk(self, buf, start, length, tabs, param, out, ctx, cmap=None

@@ -57,6 +57,7 @@ class _TansCoder:
         return errors.tolist()
 
     def decode_chunks(self, *args) -> list[str | None]:
+        """``decode_status`` with each code as its message (None for OK)."""
         return frame.worded(self.decode_status(*args))
 
     def decode_chunk(
