@@ -4,8 +4,10 @@ What it is: ``encode``/``decode`` of an array of float values (bf16, fp16, fp8 e
 fp8 e5m2, given as their bit patterns) where value i is coded under the distribution
 ``model`` gives it around ``mu[i]`` with scale ``sigma[i]``; the value formats; the
 ``CoderModel`` (fixed-point shape tables) and a deterministic Gaussian(-mixture) builder;
-the self-describing frame. What it is not: a predictor or a calibration (that is
-``entropykit.predictive``), and not the static coder (``rans.static``).
+its kind of the shared frame (``coding.frame``: header, directory, threads and CRC live
+there; here the header's reading and the per-chunk kernels). What it is not: a predictor
+or a calibration (that is ``entropykit.predictive``), and not the static coder
+(``rans.static``).
 
 Determinism. The decoder must see the same (mu, sigma, model) as the encoder, bit for bit.
 From there on everything that decides a probability is integer arithmetic (see
@@ -15,7 +17,8 @@ integers interpolated in integers. Floats only pick where the decoder's exact se
 starts. Tables built here from a density use IEEE +, -, *, / and ldexp only (no libm), so
 they are identical on every machine.
 
-Frame layout v1 (little-endian):
+Frame layout v1 (little-endian; ``coding.frame``'s header with bytes 7 and 24..28 read
+for this kind):
 
     offset  size  field
     0       4     magic b"EKRD"
