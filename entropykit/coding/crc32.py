@@ -3,8 +3,8 @@
 What it is: ``crc32(data, value=0)``, equal to ``zlib.crc32(data, value)`` for every input,
 computed by carry-less multiplication (x86 PCLMULQDQ, through an LLVM intrinsic) where the
 CPU has it, and by zlib otherwise. The frame checks a CRC-32 of every decoded chunk, so the
-checksum runs over every byte a file decodes to; zlib 1.2.13 does ~2-4 GB/s on one core
-here, this ~9 GB/s. What it is not: another checksum; the values are zlib's, bit for bit.
+checksum runs over every byte a file decodes to and its speed is part of decoding's.
+What it is not: another checksum; the values are zlib's, bit for bit.
 
 Method (Intel, "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", 2009, as in
 Linux's crc32-pclmul_asm.S): the message is folded 64 bytes at a time into four 128-bit

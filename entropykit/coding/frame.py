@@ -1,29 +1,34 @@
-"""The self-describing coder frame, and the chunk-parallel driver that fills and reads it.
+"""The one frame layer: header, model section, chunk directory, payloads, threads and CRC.
 
-What it is: everything about a frame that does not depend on the coder: header, frequency
-tables (one, or one per context class), chunk directory (payload length, CRC-32 of the
-decoded chunk, raw/coded mode), bounds and consistency checks, and running chunks on a
-thread pool (the kernels release the GIL). What it is not: a coder. A ``ChunkCoder`` plugs
-in the per-chunk kernels.
+What it is: everything about a frame that does not depend on its model or its lane coder,
+for every frame kind: the 28-byte header, the chunk directory (payload length, CRC-32 of
+the decoded chunk, raw/coded mode), bounds and consistency checks, running chunks on the
+package's thread pool (``parallel``; the kernels release the GIL), and raw fallback per
+chunk. A *kind* (``Kind``) names the frame and its magic; its *model* fills the model
+section (static frames: ``table_section``, one table or one per context class; distribution
+frames: none, the model is named by a fingerprint in the header) and its *lane coder*
+codes each chunk (``ChunkCoder`` for the static coders; ``rans.distribution`` for the
+per-value distribution coder). Static frames (rANS, tANS) are driven from here by
+``encode`` / ``parse`` / ``decode``.
+What it is not: a coder or a model.
 
 Frame layout v1 (little-endian; docs/format.md is the normative copy):
 
     offset  size  field
-    0       4     magic (b"EKRA" rANS, b"EKTA" tANS)
+    0       4     magic (b"EKRA" rANS, b"EKTA" tANS, b"EKRD" distribution rANS)
     4       1     version = 1
     5       1     param: probability precision (rANS) or table log (tANS)
     6       1     lanes: interleaved states per chunk (coder-defined constant)
-    7       1     context flag: 0 one table, 1 one table per context class
-    8       8     n: number of symbols
+    7       1     static: context flag (0 one table, 1 one table per context class);
+                  distribution: value format code
+    8       8     n: number of symbols (values)
     16      4     chunk_size: symbols per chunk (last chunk may be shorter)
     20      4     n_chunks = ceil(n / chunk_size)
-    24      4     table_len: bytes of the table section (0 iff n == 0)
-    28      ...   table section:
-                    flag 0: one serialized table (coding/tables.py)
-                    flag 1: u8 n_tables - 1, u8[256] class of each context value
-                            (< n_tables), n_tables serialized tables
+    24      4     static: table_len, bytes of the model section (0 iff n == 0);
+                  distribution: model fingerprint (no model section)
+    28      ...   model section (static: ``table_section``),
                   then n_chunks x u32 payload length,
-                  n_chunks x u32 CRC-32 of the chunk's decoded symbols,
+                  n_chunks x u32 CRC-32 of the chunk's decoded symbols (their bytes),
                   n_chunks x u8 mode (0 coded, 1 raw), then the payloads back to back.
     The frame ends exactly where the last payload ends.
 
@@ -34,10 +39,8 @@ exponents when decoding sign+mantissa).
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,14 +48,16 @@ import numpy as np
 from numba import njit
 
 from .._errors import CorruptDataError
-from . import contexts, tables
+from .._status import ERR_CRC, ERR_RAW, MESSAGES, OK, Status
+from . import contexts, table_section, tables
 from .crc32 import crc32
+from .parallel import default_threads, run
 
 VERSION = 1
 MODE_CODED = 0
 MODE_RAW = 1
-_HEADER = struct.Struct("<4sBBBBQIII")
-HEADER_SIZE = _HEADER.size  # 28
+HEADER = struct.Struct("<4sBBBBQIII")
+HEADER_SIZE = HEADER.size  # 28
 MIN_CHUNK = 1 << 10
 MAX_CHUNK = 1 << 26
 DEFAULT_CHUNK = 1 << 18
@@ -60,14 +65,254 @@ DEFAULT_CHUNK = 1 << 18
 # A frame's size does not bound its symbols: a chunk whose table gives one symbol every
 # slot codes any count in its fixed-size start states.
 DEFAULT_MAX_OUTPUT = 1 << 30
-# Chunks a coder decodes in one call: their serial dependency chains overlap in the CPU
-# (rANS ~1.5-1.8x, tANS ~1.3x faster than one chunk at a time) and four chunks of the
-# default size stay in a core's cache for their CRC check.
+# Chunks a static coder decodes in one call: their serial dependency chains overlap in the
+# CPU, and four chunks of the default size stay in a core's cache for their CRC check.
 DECODE_GROUP = 4
+
+__all__ = [
+    "DECODE_GROUP", "DEFAULT_CHUNK", "DEFAULT_MAX_OUTPUT", "HEADER_SIZE", "MAX_CHUNK",
+    "MIN_CHUNK", "MODE_CODED", "MODE_RAW", "VERSION", "ChunkCoder", "Directory", "FrameInfo",
+    "Header", "Kind", "decode", "decode_payloads", "default_threads", "directory_error",
+    "encode", "parse", "read_directory", "read_header", "worded", "write",
+]
+
+
+# ---- what every frame kind shares --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A frame kind as the shared layer sees it: its name in messages, magic, lanes, and
+    the check of its header's param byte (``ValueError`` if invalid)."""
+
+    name: str
+    magic: bytes
+    lanes: int
+    check_param: Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Header:
+    """A header's fields; ``flag`` (byte 7) and ``model`` (bytes 24..28) mean what the kind
+    says (static: context flag and model section length; distribution: value format code
+    and model fingerprint)."""
+
+    param: int
+    flag: int
+    n: int
+    chunk_size: int
+    n_chunks: int
+    model: int
+
+
+@dataclass(frozen=True)
+class Directory:
+    """A validated chunk directory: per chunk its payload length, CRC-32, mode and where
+    its payload starts in the frame."""
+
+    lengths: np.ndarray  # int64
+    crcs: np.ndarray  # <u4
+    modes: np.ndarray  # uint8
+    offsets: np.ndarray  # int64
+
+
+def check_chunk_size(chunk_size: int, lanes: int) -> None:
+    """``ValueError`` unless ``chunk_size`` is a multiple of ``lanes`` within the caps."""
+    if not MIN_CHUNK <= chunk_size <= MAX_CHUNK or chunk_size % lanes:
+        raise ValueError(
+            f"chunk_size must be a multiple of {lanes} in [{MIN_CHUNK}, {MAX_CHUNK}], "
+            f"got {chunk_size}"
+        )
+
+
+def as_bytes(frame: bytes | memoryview | np.ndarray) -> np.ndarray:
+    """A frame as flat uint8 (no copy)."""
+    if isinstance(frame, np.ndarray):
+        if frame.dtype != np.uint8 or frame.ndim != 1:
+            raise TypeError(f"a frame array must be 1-D uint8, got {frame.dtype}{frame.shape}")
+        return frame
+    return np.frombuffer(memoryview(frame).cast("B"), np.uint8)
+
+
+def read_header(kind: Kind, head: np.ndarray, size: int, *, max_output: int | None = None
+                ) -> Header:
+    """The header at the start of ``head`` (at least its 28 bytes where the ``size``-byte
+    frame has them), with every check that needs no byte past it; ``CorruptDataError`` on
+    any mismatch, and where it declares more than ``max_output`` symbols."""
+    name = kind.name
+    if size < HEADER_SIZE or head.size < HEADER_SIZE:
+        raise CorruptDataError(f"{name} frame truncated: {size} bytes, header needs {HEADER_SIZE}")
+    magic, version, param, lanes, flag, n, chunk_size, n_chunks, model = (
+        HEADER.unpack_from(head.data, 0))
+    if magic != kind.magic:
+        raise CorruptDataError(
+            f"not a {name} frame: magic {bytes(magic)!r} at byte 0, expected {kind.magic!r}")
+    if version != VERSION:
+        raise CorruptDataError(f"{name} frame version {version} unsupported (byte 4)")
+    if max_output is not None and n > max_output:
+        raise CorruptDataError(
+            f"{name} frame declares {n} symbols (byte 8), more than the {max_output} "
+            "its reader allows"
+        )
+    try:
+        kind.check_param(param)
+    except ValueError as e:
+        raise CorruptDataError(f"{name} frame param at byte 5: {e}") from None
+    if lanes != kind.lanes:
+        raise CorruptDataError(f"{name} frame lanes {lanes} at byte 6, expected {kind.lanes}")
+    try:
+        check_chunk_size(chunk_size, lanes)
+    except ValueError as e:
+        raise CorruptDataError(f"{name} frame chunk size at byte 16: {e}") from None
+    if n_chunks != -(-n // chunk_size):
+        raise CorruptDataError(
+            f"{name} frame: {n_chunks} chunks (byte 20) do not cover {n} symbols of {chunk_size}"
+        )
+    return Header(param, flag, n, chunk_size, n_chunks, model)
+
+
+def check_directory_fits(kind: Kind, off: int, n_chunks: int, size: int) -> None:
+    """``CorruptDataError`` unless a directory of ``n_chunks`` at ``off`` fits the frame."""
+    if off + 9 * n_chunks > size:
+        raise CorruptDataError(
+            f"{kind.name} frame truncated in chunk directory at byte {off} "
+            f"({n_chunks} chunks need {9 * n_chunks} bytes, {size - off} left)"
+        )
+
+
+def directory_error(name: str, end: int, size: int, bad_mode: int, mode: int) -> str | None:
+    """What ``read_directory`` says of a directory whose payloads end at byte ``end`` of a
+    ``size``-byte ``name`` frame and whose first chunk of unknown mode is ``bad_mode`` (its
+    mode ``mode``; -1: none), or None where both are right."""
+    if end != size:
+        what = "truncated" if end > size else "followed by trailing bytes"
+        return f"{name} frame {what}: payloads end at byte {end}, frame has {size} bytes"
+    if bad_mode >= 0:
+        return f"{name} frame chunk {bad_mode}: unknown mode {mode}"
+    return None
+
+
+def read_directory(kind: Kind, buf: np.ndarray, off: int, n_chunks: int) -> Directory:
+    """The chunk directory at ``buf[off:]``, checked to fit and to end the frame exactly
+    with its payloads; ``CorruptDataError`` otherwise."""
+    check_directory_fits(kind, off, n_chunks, buf.size)
+    lengths = np.empty(n_chunks, np.int64)
+    offsets = np.empty(n_chunks, np.int64)
+    end, bad = _directory(buf, off, lengths, offsets)
+    crcs = buf[off + 4 * n_chunks : off + 8 * n_chunks].view("<u4")
+    modes = buf[off + 8 * n_chunks : off + 9 * n_chunks]
+    err = directory_error(kind.name, end, buf.size, bad, int(modes[bad]) if bad >= 0 else 0)
+    if err is not None:
+        raise CorruptDataError(err)
+    return Directory(lengths, crcs, modes, offsets)
+
+
+@njit(nogil=True, cache=True)
+def _directory(buf, off, lengths, offsets):
+    """Read the chunk directory at ``buf[off:]`` (the caller checked that its 9 bytes per
+    chunk are inside ``buf``): fill ``lengths`` and payload ``offsets``; return where the
+    payloads end and the first chunk with an unknown mode (-1 if none)."""
+    n = lengths.size
+    pos = off + 9 * n  # the first payload starts right after the directory
+    bad = -1
+    for i in range(n):
+        o = off + 4 * i
+        length = (np.int64(buf[o]) | np.int64(buf[o + 1]) << 8 | np.int64(buf[o + 2]) << 16
+                  | np.int64(buf[o + 3]) << 24)
+        lengths[i] = length
+        offsets[i] = pos
+        pos += length
+        if bad < 0 and buf[off + 8 * n + i] > MODE_RAW:
+            bad = i
+    return pos, bad
+
+
+def write(kind: Kind, head: Header, section: bytes,
+          chunk: Callable[[int], tuple[np.ndarray, np.ndarray | None]],
+          threads: int | None) -> bytes:
+    """The frame of header ``head`` (its ``n_chunks`` are coded here), model section
+    ``section`` and chunks ``chunk(i)`` = (the chunk's symbols, its coded payload as uint8
+    or None to store it raw), run on ``threads`` threads."""
+    def one(i: int) -> tuple[int, int, np.ndarray]:
+        raw, coded = chunk(i)
+        crc = crc32(raw)
+        return (MODE_RAW, crc, raw.view(np.uint8)) if coded is None else (MODE_CODED, crc, coded)
+
+    results = run(one, head.n_chunks, threads)
+    modes = np.array([r[0] for r in results], np.uint8)
+    crcs = np.array([r[1] for r in results], "<u4")
+    lengths = np.array([r[2].size for r in results], "<u4")
+    parts = [HEADER.pack(kind.magic, VERSION, head.param, kind.lanes, head.flag, head.n,
+                         head.chunk_size, head.n_chunks, head.model),
+             section, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
+    return b"".join(parts + [memoryview(r[2]) for r in results])
+
+
+def decode_payloads(
+    kind: Kind, buf: np.ndarray, d: Directory, chunk_size: int, out: np.ndarray,
+    decode_coded: Callable[[list[int], int, int], list[int]], group: int,
+    threads: int | None,
+) -> None:
+    """Fill ``out`` (one element per symbol) from the payloads of directory ``d``, ``group``
+    chunks per task on ``threads`` threads; ``CorruptDataError`` (with ``.status``,
+    ``.chunk`` and ``.offset``) for the first chunk that fails.
+
+    ``decode_coded(idx, lo0, hi0)`` decodes the coded chunks ``idx`` (ascending) of
+    the group whose symbols are ``out[lo0:hi0]`` and gives a ``Status`` per chunk. Raw
+    chunks are copied here, and every chunk's CRC is checked while it is in cache.
+    """
+    n, n_chunks, cs = out.size, len(d.lengths), chunk_size
+    # Python ints, read once: the per-chunk bookkeeping stays small beside a chunk's decode.
+    offsets, lengths, modes, crcs = (a.tolist() for a in (d.offsets, d.lengths, d.modes,
+                                                          d.crcs))
+
+    def task(g: int) -> tuple[int, int] | None:
+        first, last = g * group, min(n_chunks, (g + 1) * group)
+        codes = [OK] * (last - first)
+        coded = []
+        for i in range(first, last):
+            if modes[i] != MODE_RAW:
+                coded.append(i)
+                continue
+            dst = out[i * cs : (i + 1) * cs].view(np.uint8)
+            if lengths[i] != dst.size:
+                codes[i - first] = ERR_RAW
+            else:
+                dst[:] = buf[offsets[i] : offsets[i] + lengths[i]]
+        if coded:
+            found = decode_coded(coded, first * cs, min(n, last * cs))
+            for i, code in zip(coded, found, strict=True):
+                codes[i - first] = code
+        for i in range(first, last):
+            if codes[i - first] == OK and crc32(out[i * cs : (i + 1) * cs]) != crcs[i]:
+                codes[i - first] = ERR_CRC
+            if codes[i - first] != OK:
+                return i, codes[i - first]
+        return None
+
+    for failed in run(task, -(-n_chunks // group), threads):
+        if failed is not None:
+            i, code = failed
+            status, start = Status(code), offsets[i]
+            what = MESSAGES[status]
+            if status == Status.RAW:
+                what += (f" ({lengths[i]} bytes, chunk holds "
+                         f"{out[i * cs : (i + 1) * cs].nbytes})")
+            raise CorruptDataError(
+                f"{kind.name} frame chunk {i} (payload at byte {start}): {what}",
+                status=status, chunk=i, offset=start)
+
+
+def worded(codes: Any) -> list[str | None]:
+    """Kernel status codes as messages (None for OK)."""
+    return [None if c == OK else MESSAGES[Status(c)] for c in codes]
+
+
+# ---- static frames: a table model section and a ChunkCoder --------------------------------
 
 
 class ChunkCoder(Protocol):
-    """The per-chunk half of a coder, as the frame driver sees it."""
+    """The per-chunk half of a static coder (the lane coder), as the frame sees it."""
 
     magic: bytes
     lanes: int
@@ -93,21 +338,22 @@ class ChunkCoder(Protocol):
         ``cmap[ctx[i]]`` (uint8[256]); only coders with ``supports_context`` get one.
         """
 
-    def decode_chunks(
+    def decode_status(
         self, buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, tabs: Any,
         param: int, out: np.ndarray, ctx: np.ndarray | None, cmap: np.ndarray | None,
         lo: np.ndarray, hi: np.ndarray,
-    ) -> list[str | None]:
+    ) -> list[int]:
         """Decode payload j (``buf[starts[j]:starts[j]+lengths[j]]``) into ``out[lo[j]:hi[j]]``
-        for every j (int64 arrays); error text or None per payload. ``ctx`` is None or the
+        for every j (int64 arrays); a ``Status`` per payload. ``ctx`` is None or the
         context value of every symbol of ``out`` (only if ``supports_context``), and then
         a symbol's table is ``cmap[its context value]`` (uint8[256]), or with ``cmap``
-        None the context value itself (``decode``'s ``mapped``)."""
+        None the context value itself (``decode``'s ``mapped``). ``decode_chunks`` is the
+        same with the codes worded (``worded``)."""
 
 
 @dataclass(frozen=True)
 class FrameInfo:
-    """A parsed, validated frame header and directory."""
+    """A parsed, validated static frame header and directory."""
 
     param: int
     n: int
@@ -121,21 +367,8 @@ class FrameInfo:
     end: int
 
 
-def default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def _run(fn: Callable[[int], Any], count: int, threads: int | None) -> list[Any]:
-    threads = default_threads() if threads is None else threads
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    if count <= 1 or threads == 1:
-        return [fn(i) for i in range(count)]
-    with ThreadPoolExecutor(max_workers=min(threads, count)) as pool:
-        return list(pool.map(fn, range(count)))
+def _kind(coder: ChunkCoder) -> Kind:
+    return Kind(coder.name, coder.magic, coder.lanes, coder.check_param)
 
 
 def _as_symbols(symbols: Any) -> np.ndarray:
@@ -145,22 +378,6 @@ def _as_symbols(symbols: Any) -> np.ndarray:
     if arr.dtype != np.uint8:
         raise TypeError(f"symbols must be uint8, got {arr.dtype}")
     return np.ascontiguousarray(arr).reshape(-1)
-
-
-def _as_bytes(frame: bytes | memoryview | np.ndarray) -> np.ndarray:
-    if isinstance(frame, np.ndarray):
-        if frame.dtype != np.uint8 or frame.ndim != 1:
-            raise TypeError(f"a frame array must be 1-D uint8, got {frame.dtype}{frame.shape}")
-        return frame
-    return np.frombuffer(memoryview(frame).cast("B"), np.uint8)
-
-
-def _check_chunk_size(chunk_size: int, lanes: int) -> None:
-    if not MIN_CHUNK <= chunk_size <= MAX_CHUNK or chunk_size % lanes:
-        raise ValueError(
-            f"chunk_size must be a multiple of {lanes} in [{MIN_CHUNK}, {MAX_CHUNK}], "
-            f"got {chunk_size}"
-        )
 
 
 def _check_counts(counts: np.ndarray, shape: tuple[int, ...], n: int) -> None:
@@ -197,12 +414,13 @@ def encode(
     a symbol counted 0 cannot be coded (the frame's CRCs would reject the result).
     """
     coder.check_param(param)
-    _check_chunk_size(chunk_size, coder.lanes)
+    check_chunk_size(chunk_size, coder.lanes)
     sym = _as_symbols(symbols)
     n = sym.size
+    kind = _kind(coder)
     if n == 0:
-        return _HEADER.pack(coder.magic, VERSION, param, coder.lanes, 0, 0, chunk_size, 0, 0)
-    cmap = None
+        return write(kind, Header(param, 0, 0, chunk_size, 0, 0), b"", None, threads)
+    joint = None
     if context is not None:
         if not coder.supports_context:
             raise ValueError(f"{coder.name} does not support context-conditioned coding")
@@ -214,73 +432,22 @@ def encode(
             ctx = _as_context(context, n)
         joint = contexts.joint_histogram(ctx, sym) if counts is None else counts
         _check_counts(joint, (256, 256), n)
-        cmap = contexts.choose(joint, max_tables)
-        if cmap is None:
-            counts = joint.sum(axis=0)
     elif counts is None:
         counts = tables.histogram(sym)
     else:
         _check_counts(counts, (256,), n)
-    if cmap is None:
-        freqs = tables.quantize(counts, param)[None, :]
-        table = tables.serialize(freqs[0])
-    else:
-        n_tables = int(cmap.max()) + 1
-        class_counts = contexts.class_counts(joint, cmap)
-        freqs = np.stack([tables.quantize(c, param) for c in class_counts])
-        table = b"".join([bytes([n_tables - 1]), cmap.tobytes()]
-                         + [tables.serialize(f) for f in freqs])
+    freqs, cmap, section = table_section.build(counts, joint, param, max_tables)
     tabs = coder.encode_tables(freqs if coder.supports_context else freqs[0], param)
-    n_chunks = -(-n // chunk_size)
 
-    def one(i: int) -> tuple[int, int, np.ndarray]:
+    def chunk(i: int) -> tuple[np.ndarray, np.ndarray | None]:
         lo, hi = i * chunk_size, min(n, (i + 1) * chunk_size)
-        part = sym[lo:hi]
-        crc = crc32(part)
         part_ctx = None
         if cmap is not None:
             part_ctx = _as_context(ctx(lo, hi), hi - lo) if callable(ctx) else ctx[lo:hi]
-        payload = coder.encode_chunk(part, tabs, param, part_ctx, cmap)
-        if payload is None:
-            return MODE_RAW, crc, part
-        return MODE_CODED, crc, payload
+        return sym[lo:hi], coder.encode_chunk(sym[lo:hi], tabs, param, part_ctx, cmap)
 
-    results = _run(one, n_chunks, threads)
-    modes = np.array([r[0] for r in results], np.uint8)
-    crcs = np.array([r[1] for r in results], "<u4")
-    lengths = np.array([r[2].size for r in results], "<u4")
-    head = _HEADER.pack(coder.magic, VERSION, param, coder.lanes, int(cmap is not None), n,
-                        chunk_size, n_chunks, len(table))
-    parts = [head, table, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
-    parts += [memoryview(r[2]) for r in results]
-    return b"".join(parts)
-
-
-def _parse_tables(coder: ChunkCoder, buf: np.ndarray, off: int, end: int, param: int,
-                  flag: int) -> tuple[np.ndarray, np.ndarray | None]:
-    if flag == 0:
-        freqs = np.empty((1, 256), np.int64)
-        t_end = tables.parse_into(buf, off, end, param, freqs[0])
-        cmap = None
-    else:
-        if off + 257 > end:
-            raise CorruptDataError(f"{coder.name} frame context map truncated at byte {off}")
-        n_tables = int(buf[off]) + 1
-        cmap = buf[off + 1 : off + 257].copy()
-        if int(cmap.max()) >= n_tables:
-            raise CorruptDataError(
-                f"{coder.name} frame context map at byte {off + 1} names table "
-                f"{int(cmap.max())} of {n_tables}"
-            )
-        t_end = off + 257
-        freqs = np.empty((n_tables, 256), np.int64)
-        for t in range(n_tables):
-            t_end = tables.parse_into(buf, t_end, end, param, freqs[t])
-    if t_end != end:
-        raise CorruptDataError(
-            f"{coder.name} frame tables end at byte {t_end}, header says {end}"
-        )
-    return freqs, cmap
+    head = Header(param, int(cmap is not None), n, chunk_size, -(-n // chunk_size), len(section))
+    return write(kind, head, section, chunk, threads)
 
 
 def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray, *,
@@ -288,100 +455,27 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray, *,
     """Validate a frame's header and directory; raise ``CorruptDataError`` on any mismatch,
     and where it declares more than ``max_output`` symbols (None: no bound; parsing
     itself allocates in proportion to the frame)."""
-    buf = _as_bytes(frame)
-    mv = buf.data
-    size = buf.size
-    if size < HEADER_SIZE:
-        raise CorruptDataError(
-            f"{coder.name} frame truncated: {size} bytes, header needs {HEADER_SIZE}"
-        )
-    magic, version, param, lanes, flag, n, chunk_size, n_chunks, table_len = (
-        _HEADER.unpack_from(mv, 0)
-    )
-    if magic != coder.magic:
-        raise CorruptDataError(
-            f"not a {coder.name} frame: magic {bytes(magic)!r} at byte 0, "
-            f"expected {coder.magic!r}"
-        )
-    if version != VERSION:
-        raise CorruptDataError(f"{coder.name} frame version {version} unsupported (byte 4)")
-    if max_output is not None and n > max_output:
-        raise CorruptDataError(
-            f"{coder.name} frame declares {n} symbols (byte 8), more than the {max_output} "
-            "its reader allows"
-        )
-    try:
-        coder.check_param(param)
-    except ValueError as e:
-        raise CorruptDataError(f"{coder.name} frame param at byte 5: {e}") from None
-    if lanes != coder.lanes:
-        raise CorruptDataError(
-            f"{coder.name} frame lanes {lanes} at byte 6, expected {coder.lanes}"
-        )
-    if flag > 1 or (flag and not coder.supports_context):
-        raise CorruptDataError(f"{coder.name} frame context flag {flag} at byte 7 invalid")
-    try:
-        _check_chunk_size(chunk_size, lanes)
-    except ValueError as e:
-        raise CorruptDataError(f"{coder.name} frame chunk size at byte 16: {e}") from None
-    if n_chunks != -(-n // chunk_size):
-        raise CorruptDataError(
-            f"{coder.name} frame: {n_chunks} chunks (byte 20) do not cover {n} symbols "
-            f"of {chunk_size}"
-        )
+    buf = as_bytes(frame)
+    size, kind, name = buf.size, _kind(coder), coder.name
+    h = read_header(kind, buf, size, max_output=max_output)
+    if h.flag > 1 or (h.flag and not coder.supports_context):
+        raise CorruptDataError(f"{name} frame context flag {h.flag} at byte 7 invalid")
     off = HEADER_SIZE
-    if n == 0:
-        if table_len != 0 or flag != 0 or size != off:
-            raise CorruptDataError(f"{coder.name} frame of 0 symbols has {size - off} extra bytes")
+    if h.n == 0:
+        if h.model != 0 or h.flag != 0 or size != off:
+            raise CorruptDataError(f"{name} frame of 0 symbols has {size - off} extra bytes")
         empty = np.zeros(0, np.int64)
-        return FrameInfo(param, 0, chunk_size, np.zeros((1, 256), np.int64), None, empty, empty,
-                         empty, empty, off)
-    if off + table_len > size:
+        return FrameInfo(h.param, 0, h.chunk_size, np.zeros((1, 256), np.int64), None, empty,
+                         empty, empty, empty, off)
+    if off + h.model > size:
         raise CorruptDataError(
-            f"{coder.name} frame truncated in tables: {table_len} bytes from byte {off}, "
+            f"{name} frame truncated in tables: {h.model} bytes from byte {off}, "
             f"frame has {size}"
         )
-    freqs, cmap = _parse_tables(coder, buf, off, off + table_len, param, flag)
-    off += table_len
-    dir_size = 9 * n_chunks
-    if off + dir_size > size:
-        raise CorruptDataError(
-            f"{coder.name} frame truncated in chunk directory at byte {off} "
-            f"({n_chunks} chunks need {dir_size} bytes, {size - off} left)"
-        )
-    lengths = np.empty(n_chunks, np.int64)
-    offsets = np.empty(n_chunks, np.int64)
-    end, bad = _directory(buf, off, lengths, offsets)
-    crcs = buf[off + 4 * n_chunks : off + 8 * n_chunks].view("<u4")
-    modes = buf[off + 8 * n_chunks : off + 9 * n_chunks]
-    if end != size:
-        what = "truncated" if end > size else "followed by trailing bytes"
-        raise CorruptDataError(
-            f"{coder.name} frame {what}: payloads end at byte {end}, frame has {size} bytes"
-        )
-    if bad >= 0:
-        raise CorruptDataError(f"{coder.name} frame chunk {bad}: unknown mode {modes[bad]}")
-    return FrameInfo(param, n, chunk_size, freqs, cmap, lengths, crcs, modes, offsets, end)
-
-
-@njit(nogil=True, cache=True)
-def _directory(buf, off, lengths, offsets):
-    """Read the chunk directory at ``buf[off:]`` (the caller checked that its 9 bytes per
-    chunk are inside ``buf``): fill ``lengths`` and payload ``offsets``; return where the
-    payloads end and the first chunk with an unknown mode (-1 if none)."""
-    n = lengths.size
-    pos = off + 9 * n  # the first payload starts right after the directory
-    bad = -1
-    for i in range(n):
-        o = off + 4 * i
-        length = (np.int64(buf[o]) | np.int64(buf[o + 1]) << 8 | np.int64(buf[o + 2]) << 16
-                  | np.int64(buf[o + 3]) << 24)
-        lengths[i] = length
-        offsets[i] = pos
-        pos += length
-        if bad < 0 and buf[off + 8 * n + i] > MODE_RAW:
-            bad = i
-    return pos, bad
+    freqs, cmap = table_section.parse(name, buf, off, off + h.model, h.param, h.flag)
+    d = read_directory(kind, buf, off + h.model, h.n_chunks)
+    return FrameInfo(h.param, h.n, h.chunk_size, freqs, cmap, d.lengths, d.crcs, d.modes,
+                     d.offsets, size)
 
 
 def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
@@ -403,7 +497,7 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
     can map them as it goes, sparing the kernel a lookup per symbol; every index is
     checked against the tables). ``info``: this frame's ``parse``, if the caller has it.
     """
-    buf = _as_bytes(frame)
+    buf = as_bytes(frame)
     if max_output is None:
         max_output = DEFAULT_MAX_OUTPUT if out is None else out.size
     info = parse(coder, buf, max_output=max_output) if info is None else info
@@ -425,52 +519,22 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
             raise CorruptDataError(
                 f"{coder.name} frame holds {info.n} symbols (byte 8), context has {ctx.size}"
             )
-    freqs = info.freqs if coder.supports_context else info.freqs[0]
-    tabs = coder.decode_tables(freqs, info.param)
+    tabs = coder.decode_tables(info.freqs if coder.supports_context else info.freqs[0],
+                               info.param)
     cs = info.chunk_size
-    n_chunks = len(info.lengths)
 
-    def group(g: int) -> tuple[int, str] | None:
-        # Chunks first..last-1: raw ones copied, coded ones decoded together (their
-        # dependency chains overlap), then every chunk's CRC checked while it is in cache.
-        first, last = g * DECODE_GROUP, min(n_chunks, (g + 1) * DECODE_GROUP)
-        lo0, hi0 = first * cs, min(info.n, last * cs)
-        errors: list[str | None] = [None] * (last - first)
-        coded = []
-        for i in range(first, last):
-            start, length = int(info.offsets[i]), int(info.lengths[i])
-            lo, hi = i * cs, min(info.n, (i + 1) * cs)
-            if info.modes[i] == MODE_RAW:
-                if length != hi - lo:
-                    errors[i - first] = (f"raw payload is {length} bytes, chunk has "
-                                         f"{hi - lo} symbols")
-                else:
-                    out[lo:hi] = buf[start : start + length]
-            else:
-                coded.append(i)
-        if coded:
-            idx = np.array(coded, np.int64)
-            lo = idx * cs - lo0
-            part = None  # the group's contexts: the kernel checks their count
-            if ctx is not None:
-                part = _as_symbols(ctx(lo0, hi0)) if callable(ctx) else ctx[lo0:hi0]
-            found = coder.decode_chunks(buf, info.offsets[idx], info.lengths[idx], tabs,
-                                        info.param, out[lo0:hi0], part,
-                                        None if mapped else info.cmap, lo,
-                                        np.minimum(lo + cs, hi0 - lo0))
-            for i, err in zip(coded, found, strict=True):
-                errors[i - first] = err
-        for i in range(first, last):
-            if errors[i - first] is None and crc32(out[i * cs : (i + 1) * cs]) != int(info.crcs[i]):
-                errors[i - first] = "CRC-32 of decoded symbols does not match"
-            if errors[i - first] is not None:
-                return i, errors[i - first]
-        return None
+    def coded(chunks: list[int], lo0: int, hi0: int) -> list[int]:
+        # The group's coded chunks together: their dependency chains overlap.
+        idx = np.array(chunks, np.int64)
+        lo = idx * cs - lo0
+        part = None  # the group's contexts: the kernel checks their count
+        if ctx is not None:
+            part = _as_symbols(ctx(lo0, hi0)) if callable(ctx) else ctx[lo0:hi0]
+        return coder.decode_status(buf, info.offsets[idx], info.lengths[idx], tabs,
+                                   info.param, out[lo0:hi0], part,
+                                   None if mapped else info.cmap, lo,
+                                   np.minimum(lo + cs, hi0 - lo0))
 
-    for failed in _run(group, -(-n_chunks // DECODE_GROUP), threads):
-        if failed is not None:
-            i, err = failed
-            raise CorruptDataError(
-                f"{coder.name} frame chunk {i} (payload at byte {int(info.offsets[i])}): {err}"
-            )
+    d = Directory(info.lengths, info.crcs, info.modes, info.offsets)
+    decode_payloads(_kind(coder), buf, d, cs, out, coded, DECODE_GROUP, threads)
     return out

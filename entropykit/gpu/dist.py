@@ -91,15 +91,13 @@ def x_powers() -> np.ndarray:
 
 def header(f: D.ValueFormat, n: int, chunk_size: int, precision: int, fingerprint: int) -> bytes:
     """The frame's 28 header bytes (``distribution``'s layout v1)."""
-    return D._HEADER.pack(D.MAGIC, D.VERSION, precision, _k.LANES, f.code, n, chunk_size,
-                          -(-n // chunk_size), fingerprint)
+    return D.pack_header(f, n, chunk_size, precision, fingerprint)
 
 
 def check_encode_args(f: D.ValueFormat, n: int, precision: int, chunk_size: int) -> int:
     """Validate the coding options as ``distribution.encode`` does; the chunk count."""
-    if not 12 <= precision <= 16:
-        raise ValueError(f"precision must be in 12..16, got {precision}")
-    D._check_chunk(chunk_size)
+    D.check_precision(precision)
+    D.check_chunk_size(chunk_size)
     return -(-n // chunk_size)
 
 

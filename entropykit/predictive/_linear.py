@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..rans.distribution import _run, _threads
+from ..coding.parallel import resolve, run
 
 _MIN_ROWS = 64  # rows a thread: below this, threads cost more than they save
 
@@ -36,8 +36,8 @@ def affine(base: np.ndarray, feats: np.ndarray, weights: np.ndarray,
     if f.shape != (out.shape[0], w.shape[0]) or w.shape[1] != out.shape[1]:
         raise ValueError(f"shapes {f.shape} @ {w.shape} do not give {out.shape}")
     rows = out.shape[0]
-    blocks = max(1, min(_threads(threads), rows // _MIN_ROWS))
+    blocks = max(1, min(resolve(threads), rows // _MIN_ROWS))
     cuts = [rows * i // blocks for i in range(blocks + 1)]
-    _run(lambda i: _accumulate(f[cuts[i] : cuts[i + 1]], w, out[cuts[i] : cuts[i + 1]]),
-         blocks, threads)
+    run(lambda i: _accumulate(f[cuts[i] : cuts[i + 1]], w, out[cuts[i] : cuts[i + 1]]),
+        blocks, threads)
     return out

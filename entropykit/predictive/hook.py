@@ -69,7 +69,7 @@ class KVOffloadCodec:
         if predictor.describe() != calibration.predictor:
             raise ValueError("the calibration was fitted with another predictor")
         if chunk_size is not None:
-            dist._check_chunk(chunk_size)  # refused here, not at the first offload
+            dist.check_chunk_size(chunk_size)  # refused here, not at the first offload
         self.predictor, self.calibration, self.model = predictor, calibration, model
         self.threads, self.coder, self.chunk_size = threads, coder, chunk_size
         self.prompt_len = 0

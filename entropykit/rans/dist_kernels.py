@@ -57,9 +57,20 @@ from numba.core.compiler import CompilerBase, DefaultPassBuilder
 from numba.core.compiler_machinery import register_pass
 from numba.extending import intrinsic, overload
 
+from .._status import (
+    ERR_FINAL,
+    ERR_ODD,
+    ERR_STATE,
+    ERR_TRAILING,
+    ERR_TRUNCATED,
+    OK,
+    Status,
+    messages,
+)
+
 # No kernel allocates: callers pass every buffer in. That lets them run without Numba's
-# reference counting, whose incref/decref pairs around inlined helpers taking arrays were
-# not pruned and cost ~4x the arithmetic of a CDF evaluation.
+# reference counting, whose incref/decref pairs around inlined helpers taking arrays are
+# not pruned and would outweigh the arithmetic of a CDF evaluation.
 _kernel = njit(nogil=True, cache=True, _nrt=False)
 
 
@@ -69,8 +80,7 @@ class _WideLower(lowering.Lower):
     On CPUs with AVX-512, LLVM's tuning for recent Intel cores caps the vectorizer at
     256 bits ("prefer-vector-width"="256", a guard against the clock drop that older Xeons
     took on 512-bit code). The lane passes are long chains of integer and float ops over
-    32 independent lanes, so twice the lanes per instruction pays: decode +22-24 %,
-    encode +20-37 % on this host (2026-11-22, A/B interleaved in one process). The
+    32 independent lanes, so twice the lanes per instruction pays. The
     attribute is this function's alone (the process-wide way, NUMBA_CPU_FEATURES, is not
     a library's to set); where 512-bit vectors are not legal it changes nothing. Every
     lane's arithmetic is the same at any width (integers, and IEEE floats without
@@ -135,20 +145,12 @@ EMP_POINTS = 256  # intervals of the empirical table (one per top-byte value)
 INV_POINTS = 4096  # intervals of the float inverse-shape table (guesses only)
 WEIGHT_ONE = 1 << 16
 
-OK = 0
-ERR_STATE = 1
-ERR_TRUNCATED = 2
-ERR_TRAILING = 3
-ERR_FINAL = 4
-ERR_ODD = 5
-MESSAGES = {
-    ERR_STATE: "a lane's start state is below 2**16",
-    ERR_TRUNCATED: "payload ends before the last value",
-    ERR_TRAILING: "payload has words after the last value",
-    ERR_FINAL: "a lane did not end in the initial state (corrupt payload, or mu/sigma/model "
-    "differ from the encoder's)",
-    ERR_ODD: "payload is not 128 state bytes plus whole 16-bit words",
-}
+MESSAGES = messages(Status.STATE, Status.TRUNCATED, Status.TRAILING, Status.FINAL,
+                    Status.ODD)
+# What the encoder reports besides OK (not decoding codes): the payload would not be
+# smaller than raw; an invalid (mu, sigma).
+ENC_RAW = 1
+ENC_PARAM = 2
 
 
 # The value format and one value's quantized parameters, as the helpers see them.
@@ -415,7 +417,8 @@ def _mixed(ws):
 @_inline
 def _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab, precision, st, out,
                    mix):
-    """The groups of 32 values, last first, onto the lane states: (status, pos)."""
+    """The groups of 32 values, last first, onto the lane states: (OK, pos), (ENC_RAW, 0)
+    or (ENC_PARAM, index of an invalid mu/sigma)."""
     n = vals.size
     spread = (1 << precision) - 256
     pv = -1 if midx.size > 1 else 0  # index mask: per-value model indices, or one for all
@@ -423,7 +426,7 @@ def _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab, prec
     for g0 in range((n - 1) & -LANES, -1, -LANES):
         m = min(LANES, n - g0)
         if pos - 4 * m < STATE_BYTES:  # room for the group's words, written branch-free
-            return 1, 0
+            return ENC_RAW, 0
         bad = False
         for q in range(m):  # vectorized: an invalid pair is found afterwards
             i = np.uint64(g0 + q)  # unsigned: see _decode_step
@@ -434,13 +437,13 @@ def _encode_groups(vals, mu_bits, sg_bits, midx, f, shapes, emps, ws, rtab, prec
         if bad:
             for q in range(m):
                 if _invalid(mu_bits[g0 + q], sg_bits[g0 + q]):
-                    return 2, g0 + q
+                    return ENC_PARAM, g0 + q
         if f.es:  # the low-byte step last: the decoder reads it after the top-byte step
             _enc_lanes(st, _EL0, m, precision)
             pos = _put_words(st, m, out, pos)
         _enc_lanes(st, _ET0, m, precision)
         pos = _put_words(st, m, out, pos)
-    return 0, pos
+    return OK, pos
 
 
 @_lane_kernel
@@ -683,8 +686,8 @@ def _guess_symbol(xs, b, sh, sb, t, j, mf, sf, m, f, zinv, precision, e=0, mx=(1
     # j, with the stand-in in its place.
     frac = (sb + (slot - j + 0.5) * (1.0 / spread) * t) * (1.0 / ONE)
     if mix:
-        # S = ((2**16 - w) F + w E) / 2**16 and only F has an inverse table. Even a 2%
-        # empirical weight moves F's inverse by a key or more (bf16 low-byte misses 66%).
+        # S = ((2**16 - w) F + w E) / 2**16 and only F has an inverse table: even a small
+        # empirical weight moves F's inverse by a key or more.
         frac = frac * mx[0] - e * mx[1]
     return min(max((_guess_key(frac, mf, sf, zinv, m, f) - b) >> sh, 0), 255)
 
@@ -751,8 +754,8 @@ def _decode_step(low, g0, m, ln, fl, buf, ptr, end, mu_bits, sg_bits, midx, f, s
                                   (fl[2, q], fl[3, q]), mix)
     if low:
         # (A2) A second round from the first guess. It matters in the low byte, where j's
-        # share of the slot is up to a symbol's width (misses on bf16 Gaussian data 15% ->
-        # 4%); in the top byte misses are rare already (0.3%) and it did not pay.
+        # share of the slot is up to a symbol's width; in the top byte misses are rare
+        # already and a second round does not pay.
         for q in range(m):
             b, sb, t = _lane_range(ln, q, low)
             j = ln[_G, q]

@@ -4,8 +4,10 @@ What it is: ``encode``/``decode`` of an array of float values (bf16, fp16, fp8 e
 fp8 e5m2, given as their bit patterns) where value i is coded under the distribution
 ``model`` gives it around ``mu[i]`` with scale ``sigma[i]``; the value formats; the
 ``CoderModel`` (fixed-point shape tables) and a deterministic Gaussian(-mixture) builder;
-the self-describing frame. What it is not: a predictor or a calibration (that is
-``entropykit.predictive``), and not the static coder (``rans.static``).
+its kind of the shared frame (``coding.frame``: header, directory, threads and CRC live
+there; here the header's reading and the per-chunk kernels). What it is not: a predictor
+or a calibration (that is ``entropykit.predictive``), and not the static coder
+(``rans.static``).
 
 Determinism. The decoder must see the same (mu, sigma, model) as the encoder, bit for bit.
 From there on everything that decides a probability is integer arithmetic (see
@@ -15,7 +17,8 @@ integers interpolated in integers. Floats only pick where the decoder's exact se
 starts. Tables built here from a density use IEEE +, -, *, / and ldexp only (no libm), so
 they are identical on every machine.
 
-Frame layout v1 (little-endian):
+Frame layout v1 (little-endian; ``coding.frame``'s header with bytes 7 and 24..28 read
+for this kind):
 
     offset  size  field
     0       4     magic b"EKRD"
@@ -35,34 +38,29 @@ Frame layout v1 (little-endian):
 from __future__ import annotations
 
 import math
-import os
-import struct
 import zlib
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .._errors import CorruptDataError
+from ..coding import frame
 from . import dist_kernels as _k
 
 MAGIC = b"EKRD"
-VERSION = 1
-MODE_CODED = 0
-MODE_RAW = 1
+VERSION = frame.VERSION
+MODE_CODED = frame.MODE_CODED
+MODE_RAW = frame.MODE_RAW
 DEFAULT_PRECISION = 16
 DEFAULT_CHUNK = 1 << 17
-MIN_CHUNK = 1 << 10
-MAX_CHUNK = 1 << 26
 ONE = _k.ONE
 STATE_BYTES = _k.STATE_BYTES  # a coded chunk: these start states, then 16-bit words
 Z_MAX = _k.Z_MAX
 Z_POINTS = _k.Z_POINTS
 EMP_POINTS = _k.EMP_POINTS
-_HEADER = struct.Struct("<4sBBBBQIII")
-HEADER_SIZE = _HEADER.size  # 28
+HEADER_SIZE = frame.HEADER_SIZE
 _RTAB = _k.reciprocals()
 
 
@@ -286,25 +284,6 @@ def gaussian_model() -> CoderModel:
 # ---- frame ---------------------------------------------------------------------------
 
 
-def _threads(threads: int | None) -> int:
-    if threads is None:
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:  # pragma: no cover - non-Linux
-            return max(1, os.cpu_count() or 1)
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    return threads
-
-
-def _run(fn: Callable[[int], Any], count: int, threads: int | None) -> list[Any]:
-    t = _threads(threads)
-    if count <= 1 or t == 1:
-        return [fn(i) for i in range(count)]
-    with ThreadPoolExecutor(max_workers=min(t, count)) as pool:
-        return list(pool.map(fn, range(count)))
-
-
 def _as_params(mu: Any, sigma: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     out = []
     for name, a in (("mu", mu), ("sigma", sigma)):
@@ -366,10 +345,28 @@ def _bad_param(i: int, mu: np.ndarray, sigma: np.ndarray) -> ValueError:
     )
 
 
-def _check_chunk(chunk_size: int) -> None:
-    if not MIN_CHUNK <= chunk_size <= MAX_CHUNK or chunk_size % _k.LANES:
-        raise ValueError(f"chunk_size must be a multiple of 32 in [{MIN_CHUNK}, {MAX_CHUNK}], "
-                         f"got {chunk_size}")
+def check_precision(precision: int) -> None:
+    """``ValueError`` unless ``precision`` is one the coder takes (12..16)."""
+    if not 12 <= precision <= 16:
+        raise ValueError(f"precision must be in 12..16, got {precision}")
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    """``ValueError`` unless ``chunk_size`` is one a frame may declare."""
+    frame.check_chunk_size(chunk_size, _k.LANES)
+
+
+_check_chunk = check_chunk_size  # its earlier private name
+
+
+KIND = frame.Kind("distribution-rANS", MAGIC, _k.LANES, check_precision)
+
+
+def pack_header(f: ValueFormat, n: int, chunk_size: int, precision: int, fingerprint: int
+                ) -> bytes:
+    """A frame's 28 header bytes."""
+    return frame.HEADER.pack(MAGIC, VERSION, precision, _k.LANES, f.code, n, chunk_size,
+                             -(-n // chunk_size), fingerprint)
 
 
 def encode(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
@@ -385,16 +382,14 @@ def encode(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
     rANS stage.
     """
     bits, f = value_bits(values, fmt)
-    if not 12 <= precision <= 16:
-        raise ValueError(f"precision must be in 12..16, got {precision}")
-    _check_chunk(chunk_size)
+    check_precision(precision)
+    check_chunk_size(chunk_size)
     n = bits.size
     mu_b, sg_b = _as_params(mu, sigma, n)
     midx = _as_index(model_index, model, n)
     fp = f.params
-    n_chunks = -(-n // chunk_size)
 
-    def one(i: int) -> tuple[int, int, np.ndarray]:
+    def chunk(i: int) -> tuple[np.ndarray, np.ndarray | None]:
         sl = slice(i * chunk_size, (i + 1) * chunk_size)
         part = bits[sl]
         out = np.empty(part.nbytes, np.uint8)  # coded must be smaller than raw to be kept
@@ -402,21 +397,13 @@ def encode(values: Any, mu: Any, sigma: Any, model: CoderModel, *,
             part, mu_b[sl], sg_b[sl], midx[sl] if midx.size > 1 else midx, fp,
             model.shape_pairs, model.emp_pairs, model.weights, _RTAB, precision,
             np.empty((_k.ENC_ROWS, _k.LANES), np.int64), out)
-        if status == 2:
+        if status == _k.ENC_PARAM:
             raise _bad_param(i * chunk_size + start, mu_b, sg_b)
-        crc = zlib.crc32(part)
-        if status == 1:
-            return MODE_RAW, crc, part.view(np.uint8)
-        return MODE_CODED, crc, out[start:]
+        return part, None if status == _k.ENC_RAW else out[start:]
 
-    results = _run(one, n_chunks, threads)
-    head = _HEADER.pack(MAGIC, VERSION, precision, _k.LANES, f.code, n, chunk_size, n_chunks,
+    head = frame.Header(precision, f.code, n, chunk_size, -(-n // chunk_size),
                         model.fingerprint)
-    lengths = np.array([r[2].size for r in results], "<u4")
-    crcs = np.array([r[1] for r in results], "<u4")
-    modes = np.array([r[0] for r in results], np.uint8)
-    parts = [head, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
-    return b"".join(parts + [memoryview(r[2]) for r in results])
+    return frame.write(KIND, head, b"", chunk, threads)
 
 
 @dataclass(frozen=True)
@@ -460,67 +447,27 @@ def parse_header(head: bytes | memoryview | np.ndarray, size: int) -> FrameHeade
     """Validate the header ``head`` (a frame's first bytes, at least 28 of them where the
     frame has them) of a ``size``-byte frame: ``parse``'s checks that need no directory
     byte; ``CorruptDataError`` on any mismatch."""
-    mv = memoryview(head).cast("B") if not isinstance(head, np.ndarray) else head.data
-    if size < HEADER_SIZE or len(mv) < HEADER_SIZE:
-        raise CorruptDataError(f"KV frame truncated: {size} bytes, header needs {HEADER_SIZE}")
-    magic, version, precision, lanes, code, n, chunk_size, n_chunks, fprint = (
-        _HEADER.unpack_from(mv, 0))
-    if magic != MAGIC:
-        raise CorruptDataError(f"not a distribution-rANS frame: magic {bytes(magic)!r} at "
-                               f"byte 0, expected {MAGIC!r}")
-    if version != VERSION:
-        raise CorruptDataError(f"distribution-rANS frame version {version} unsupported (byte 4)")
-    if not 12 <= precision <= 16:
-        raise CorruptDataError(f"distribution-rANS frame precision {precision} at byte 5")
-    if lanes != _k.LANES:
-        raise CorruptDataError(f"distribution-rANS frame lanes {lanes} at byte 6, expected 32")
-    if code not in _BY_CODE:
-        raise CorruptDataError(f"distribution-rANS frame value format {code} at byte 7")
-    try:
-        _check_chunk(chunk_size)
-    except ValueError as e:
-        raise CorruptDataError(f"distribution-rANS frame chunk size at byte 16: {e}") from None
-    if n_chunks != -(-n // chunk_size):
-        raise CorruptDataError(f"distribution-rANS frame: {n_chunks} chunks (byte 20) do not "
-                               f"cover {n} values of {chunk_size}")
-    if HEADER_SIZE + 9 * n_chunks > size:
-        raise CorruptDataError(f"distribution-rANS frame truncated in chunk directory at byte "
-                               f"{HEADER_SIZE} ({n_chunks} chunks need {9 * n_chunks} bytes)")
-    return FrameHeader(precision, _BY_CODE[code], n, chunk_size, n_chunks, fprint)
+    h = frame.read_header(KIND, frame.as_bytes(head), size)
+    if h.flag not in _BY_CODE:
+        raise CorruptDataError(f"distribution-rANS frame value format {h.flag} at byte 7")
+    frame.check_directory_fits(KIND, HEADER_SIZE, h.n_chunks, size)
+    return FrameHeader(h.param, _BY_CODE[h.flag], h.n, h.chunk_size, h.n_chunks, h.model)
 
 
 def directory_error(end: int, size: int, bad_mode: int, mode: int) -> str | None:
     """What ``parse`` says of a directory whose payloads end at byte ``end`` of a
     ``size``-byte frame and whose first chunk of unknown mode is ``bad_mode`` (its mode
     ``mode``; -1: none), or None where both are right."""
-    if end != size:
-        what = "truncated" if end > size else "followed by trailing bytes"
-        return (f"distribution-rANS frame {what}: payloads end at byte {end}, "
-                f"frame has {size} bytes")
-    if bad_mode >= 0:
-        return f"distribution-rANS frame chunk {bad_mode}: unknown mode {mode}"
-    return None
+    return frame.directory_error(KIND.name, end, size, bad_mode, mode)
 
 
 def parse(blob: bytes | memoryview | np.ndarray) -> FrameInfo:
     """Validate a frame's header and directory; ``CorruptDataError`` on any mismatch."""
-    mv = memoryview(blob).cast("B") if not isinstance(blob, np.ndarray) else blob.data
-    size = len(mv)
-    h = parse_header(mv, size)
-    nc, off = h.n_chunks, HEADER_SIZE
-    lengths = np.frombuffer(mv, "<u4", nc, off).astype(np.int64)
-    crcs = np.frombuffer(mv, "<u4", nc, off + 4 * nc)
-    modes = np.frombuffer(mv, np.uint8, nc, off + 8 * nc)
-    off = h.payload_base
-    offsets = off + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-    bad = np.flatnonzero(modes > MODE_RAW)
-    first = int(bad[0]) if bad.size else -1
-    err = directory_error(off + int(lengths.sum()), size, first,
-                          int(modes[first]) if bad.size else 0)
-    if err is not None:
-        raise CorruptDataError(err)
-    return FrameInfo(h.precision, h.fmt, h.n, h.chunk_size, h.fingerprint, lengths, crcs,
-                     modes, offsets)
+    buf = frame.as_bytes(blob)
+    h = parse_header(buf, buf.size)
+    d = frame.read_directory(KIND, buf, HEADER_SIZE, h.n_chunks)
+    return FrameInfo(h.precision, h.fmt, h.n, h.chunk_size, h.fingerprint, d.lengths, d.crcs,
+                     d.modes, d.offsets)
 
 
 def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: CoderModel, *,
@@ -534,7 +481,8 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
     (default: no bound beyond ``mu``'s; both checked before anything is allocated), or a
     chunk whose decoded values fail their CRC; ``ValueError`` for invalid mu / sigma.
     """
-    info = parse(blob)
+    buf = frame.as_bytes(blob)
+    info = parse(buf)
     if info.fingerprint != model.fingerprint:
         raise CorruptDataError(f"frame was coded with model {info.fingerprint:#010x}, "
                                f"decoder has {model.fingerprint:#010x} (byte 24)")
@@ -549,7 +497,6 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
                                f"{given}")
     mu_b, sg_b = _as_params(mu, sigma, n)
     midx = _as_index(model_index, model, n)
-    buf = blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, np.uint8)
     if out is None:
         out = np.empty(n, f.storage)
     elif out.dtype != f.storage or out.shape != (n,):
@@ -558,34 +505,23 @@ def decode(blob: bytes | memoryview | np.ndarray, mu: Any, sigma: Any, model: Co
         raise ValueError("out must not overlap the frame")
     fp = f.params
     cs = info.chunk_size
+    offsets, lengths = info.offsets.tolist(), info.lengths.tolist()
 
-    def one(i: int) -> str | None:
-        sl = slice(i * cs, (i + 1) * cs)
-        dst = out[sl]
-        start, length = int(info.offsets[i]), int(info.lengths[i])
-        if info.modes[i] == MODE_RAW:
-            if length != dst.nbytes:
-                return f"raw payload is {length} bytes, chunk holds {dst.nbytes}"
-            dst.view(np.uint8)[:] = buf[start : start + length]
-        else:
-            code = _k.decode_chunk(buf, start, length, mu_b[sl], sg_b[sl],
-                                   midx[sl] if midx.size > 1 else midx, fp,
-                                   model.shape_pairs, model.inverse, model.emp_pairs,
-                                   model.weights, _RTAB,
-                                   info.precision, np.empty((_k.LANE_ROWS, _k.LANES), np.int64),
-                                   np.empty((_k.FLOAT_ROWS, _k.LANES)), dst)
-            if code < 0:
-                raise _bad_param(i * cs - code - 1, mu_b, sg_b)
-            if code != _k.OK:
-                return _k.MESSAGES[code]
-        if zlib.crc32(dst) != int(info.crcs[i]):
-            return "CRC-32 of decoded values does not match"
-        return None
+    def coded(chunks: list[int], lo0: int, hi0: int) -> list[int]:
+        (i,) = chunks  # one chunk per task
+        sl = slice(lo0, hi0)
+        code = _k.decode_chunk(buf, offsets[i], lengths[i], mu_b[sl],
+                               sg_b[sl], midx[sl] if midx.size > 1 else midx, fp,
+                               model.shape_pairs, model.inverse, model.emp_pairs,
+                               model.weights, _RTAB, info.precision,
+                               np.empty((_k.LANE_ROWS, _k.LANES), np.int64),
+                               np.empty((_k.FLOAT_ROWS, _k.LANES)), out[sl])
+        if code < 0:
+            raise _bad_param(i * cs - code - 1, mu_b, sg_b)
+        return [code]
 
-    for i, err in enumerate(_run(one, len(info.lengths), threads)):
-        if err is not None:
-            raise CorruptDataError(f"distribution-rANS frame chunk {i} (payload at byte "
-                                   f"{int(info.offsets[i])}): {err}")
+    d = frame.Directory(info.lengths, info.crcs, info.modes, info.offsets)
+    frame.decode_payloads(KIND, buf, d, cs, out, coded, 1, threads)
     return out
 
 

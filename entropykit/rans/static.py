@@ -37,19 +37,23 @@ class _RansCoder:
         start = kernels.encode_chunk(symbols, tabs, param, out, ctx, _int_map(ctx, cmap))
         return None if start < 0 else out[start:]
 
-    def decode_chunks(self, buf, starts, lengths, tabs, param, out, ctx, cmap, lo, hi
-                      ) -> list[str | None]:
+    def decode_status(self, buf, starts, lengths, tabs, param, out, ctx, cmap, lo, hi
+                      ) -> list[int]:
         # A context without a map holds table indices (frame.decode's ``mapped``).
         errors = np.empty(len(starts), np.int64)
         kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx,
                               None if cmap is None else _int_map(ctx, cmap), lo, hi, errors)
-        return [None if c == kernels.OK else kernels.MESSAGES[c] for c in errors.tolist()]
+        return errors.tolist()
+
+    def decode_chunks(self, *args) -> list[str | None]:
+        """``decode_status`` with each code as its message (None for OK)."""
+        return frame.worded(self.decode_status(*args))
 
     def decode_chunk(self, buf, start, length, tabs, param, out, ctx, cmap=None
                      ) -> str | None:
         code = kernels.decode_chunk(buf, start, length, tabs, param, out, ctx,
                                     _int_map(ctx, cmap))
-        return None if code == kernels.OK else kernels.MESSAGES[code]
+        return frame.worded([code])[0]
 
 
 def _int_map(ctx: np.ndarray | None, cmap: np.ndarray | None) -> np.ndarray | None:

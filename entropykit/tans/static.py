@@ -46,15 +46,19 @@ class _TansCoder:
         start = kernels.encode_chunk(symbols, symbol_tt, state_table, param, out)
         return None if start < 0 else out[start:]
 
-    def decode_chunks(
+    def decode_status(
         self, buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, tabs: np.ndarray,
         param: int, out: np.ndarray, ctx: np.ndarray | None, cmap: np.ndarray | None,
         lo: np.ndarray, hi: np.ndarray,
-    ) -> list[str | None]:
+    ) -> list[int]:
         _no_context(ctx)
         errors = np.empty(len(starts), np.int64)
         kernels.decode_chunks(buf, starts, lengths, tabs, param, out, lo, hi, errors)
-        return [None if c == kernels.OK else kernels.MESSAGES[c] for c in errors.tolist()]
+        return errors.tolist()
+
+    def decode_chunks(self, *args) -> list[str | None]:
+        """``decode_status`` with each code as its message (None for OK)."""
+        return frame.worded(self.decode_status(*args))
 
     def decode_chunk(
         self, buf: np.ndarray, start: int, length: int, tabs: np.ndarray, param: int,
@@ -62,7 +66,7 @@ class _TansCoder:
     ) -> str | None:
         _no_context(ctx)
         code = kernels.decode_chunk(buf, start, length, tabs, param, out)
-        return None if code == kernels.OK else kernels.MESSAGES[code]
+        return frame.worded([code])[0]
 
 
 def _no_context(ctx: np.ndarray | None) -> None:
