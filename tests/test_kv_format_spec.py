@@ -231,3 +231,67 @@ def test_caps_are_checked_before_the_front_is_read():
     struct.pack_into("<I", head, 20, (1 << 12) + 1)  # seq
     with pytest.raises(CorruptDataError, match="tokens"):
         P.token_ids(bytes(head))
+
+
+def _write(path: Path, arrays: dict[str, np.ndarray] | None = None,
+           meta: str | None = None) -> Path:
+    from safetensors.numpy import save_file
+
+    good = json.dumps({"version": 1, "predictor": PREDICTOR.describe(), "tokens": 64})
+    save_file(dict(CALIBRATION.arrays) if arrays is None else arrays, str(path),
+              metadata={"entropykit_kv_calibration": good if meta is None else meta})
+    return path
+
+
+def _changed(**arrays: np.ndarray | None) -> dict[str, np.ndarray]:
+    out = dict(CALIBRATION.arrays)
+    for name, a in arrays.items():
+        if a is None:
+            del out[name]
+        else:
+            out[name] = a
+    return out
+
+
+_NAN_BIAS = CALIBRATION.arrays["bias"].copy()
+_NAN_BIAS[1, 0, 0, 0] = np.nan
+_FLAT_SHAPE = CALIBRATION.arrays["shapes_bf16"].copy()
+_FLAT_SHAPE[2, 3000] = 0  # no longer rises from 0 to 2^31 without falling
+
+
+@pytest.mark.parametrize("arrays, meta, match", [
+    (None, "[" * 100_000 + "]" * 100_000, "flat JSON"),          # nesting: RecursionError
+    (None, '{"version": 1, "predictor": "x", "tokens": {}}', "flat JSON"),
+    (None, '{"version": 1, "predictor": "x"}', "exactly"),          # tokens missing
+    (None, '{"version": 1, "version": 1, "predictor": "x", "tokens": 1}', "repeats"),
+    (None, '{"version": 2, "predictor": "x", "tokens": 1}', "version 2"),
+    (None, '{"version": 1, "predictor": 7, "tokens": 1}', "string"),
+    (None, '{"version": true, "predictor": "x", "tokens": 1}', "exactly"),
+    (None, "not json {", "not JSON"),
+    (_changed(emp_fp8=None), None, "missing"),
+    (_changed(extra=np.zeros(3, np.float32)), None, "unknown"),
+    (_changed(cond_bf16=CALIBRATION.arrays["cond_bf16"].astype(np.float32)), None, "I8"),
+    (_changed(std=CALIBRATION.arrays["std"][:, :, :1]), None, "std"),
+    (_changed(bias=_NAN_BIAS), None, "not finite"),
+    (_changed(cstd_fp8=-CALIBRATION.arrays["cstd_fp8"]), None, "negative"),
+    (_changed(shapes_bf16=_FLAT_SHAPE), None, "rise"),
+])
+def test_calibration_load_checks(arrays, meta, match, tmp_path):
+    path = _write(tmp_path / "cal.safetensors", arrays, meta)
+    with pytest.raises(CorruptDataError, match=match):
+        P.Calibration.load(path)
+
+
+def test_calibration_load_refuses_non_safetensors_files(tmp_path):
+    good = _write(tmp_path / "good.safetensors")
+    assert P.Calibration.load(good).fingerprint == CALIBRATION.fingerprint
+    for name, data in [("zeros", b"\0" * 16), ("cut", good.read_bytes()[:-1]),
+                       ("huge", struct.pack("<Q", 1 << 40) + b"{}")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CorruptDataError, match="safetensors"):
+            P.Calibration.load(tmp_path / name)
+    from safetensors.numpy import save_file
+
+    save_file({"bias": CALIBRATION.arrays["bias"]}, str(tmp_path / "plain"))
+    with pytest.raises(CorruptDataError, match="not an entropykit KV calibration"):
+        P.Calibration.load(tmp_path / "plain")
