@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from entropykit import rans
+from entropykit import CorruptDataError, rans
 
 SPEC = (Path(__file__).parent.parent / "docs" / "format.md").read_text()
 _SIZES = {1: "B", 2: "H", 4: "I", 8: "Q"}
@@ -194,3 +194,33 @@ def test_reference_rans2d_decoder_from_the_spec(cols, phase, kr, kc):
     assert payload[32 + (lines.map_bytes(len(rows), kr) if kr > 1 else 0)
                    + (lines.map_bytes(cols, kc) if kc > 1 else 0) + 7] == 1  # context flag
     np.testing.assert_array_equal(_reference_rans2d(payload), sym)
+
+
+def _with_table(frame: bytes, table: bytes) -> bytes:
+    """``frame`` (one table) with its table section replaced and table_len set to match."""
+    old = struct.unpack_from("<I", frame, 24)[0]
+    head = bytearray(frame[:28])
+    struct.pack_into("<I", head, 24, len(table))
+    return bytes(head) + table + frame[28 + old :]
+
+
+def test_table_checks_stated_in_the_spec():
+    sym = np.tile(np.arange(2, dtype=np.uint8), 1024)
+    f = rans.encode(sym, precision=12, chunk_size=2048)
+    assert f[28:28 + 7] == bytes([1, 0, 1, 0x80, 0x10, 0x80, 0x10])  # 2 x 2048 as varints
+    # The same table with one frequency as a 4-byte varint still reads; 5 bytes do not.
+    long4 = bytes([1, 0, 1, 0x80, 0x90, 0x80, 0x00, 0x80, 0x10])
+    np.testing.assert_array_equal(rans.decode(_with_table(f, long4)), sym)
+    long5 = bytes([1, 0, 1, 0x80, 0x90, 0x80, 0x80, 0x00, 0x80, 0x10])
+    with pytest.raises(CorruptDataError, match="varint"):
+        rans.decode(_with_table(f, long5))
+    # A bitmap (n_present > 32) must have exactly n_present bits set.
+    wide = np.arange(4096, dtype=np.int64) % 40
+    g = rans.encode(wide.astype(np.uint8), precision=12, chunk_size=4096)
+    table_len = struct.unpack_from("<I", g, 24)[0]
+    bad = bytearray(g[28 : 28 + table_len])
+    bad[1 + 5] |= 0x80  # symbol 47 marked present as well
+    with pytest.raises(CorruptDataError, match="bitmap"):
+        rans.decode(_with_table(g, bytes(bad)))
+    with pytest.raises(CorruptDataError, match="tables end"):
+        rans.decode(_with_table(f, f[28:35] + b"\0"))

@@ -5,15 +5,16 @@ fits per channel (layer, k/v, kv head, dim) the residual bias and std, and for e
 format (bf16; fp8 e4m3 with one scale per layer and k/v, whose coarse values need their
 own fit) the conditional model: per (layer, k/v) its linear maps, conditional std and
 shape; plus the empirical value distributions of each format. ``Calibration`` holds them,
-saves them to a safetensors file and builds the coder's tables. Size: the int8 maps
-dominate, 2 * 5 * (heads * dim)^2 bytes per layer and format (SmolLM2-135M: ~0.37 MB per
-layer, ~11 MB per format).
+saves them to a safetensors file (docs/format.md, section "KV calibration file") and
+builds the coder's tables. Size: the int8 maps dominate, 2 * 5 * (heads * dim)^2 bytes
+per layer and format (SmolLM2-135M: ~0.37 MB per layer, ~11 MB per format).
 What it is not: the codec (``codec``) or the residual models' definitions (``residual``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._errors import CorruptDataError
 from ..rans import distribution as dist
 from . import residual
 from .kvcache import FP8_MAX, from_transformers
@@ -38,11 +40,9 @@ _PER_FORMAT = ("cstd", "cond", "cscale", "shapes", "emp")
 class Calibration:
     """Fitted residual parameters of one (target, predictor) pair; see module docstring.
 
-    ``arrays``: bias, std: float32 [layers, 2, heads, dim]; and per calibrated format f
-    ("bf16" or "fp8"): cstd_f float32 [layers, 2, heads, dim], cond_f int8 [layers, 2, 5,
-    heads * dim, heads * dim] and cscale_f float32 [layers, 2, 5, heads * dim] (the
-    conditional maps, one block per source, ``residual.sources``), shapes_f uint32
-    [2 layers, Z_POINTS + 1], emp_f uint32 [2 layers, 257].
+    ``arrays``: bias and std, and per calibrated format the conditional model's cstd,
+    cond, cscale and shapes and the empirical tables emp: names, dtypes and shapes as the
+    file holds them (docs/format.md, section "KV calibration file").
     """
 
     predictor: str
@@ -100,16 +100,31 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        from safetensors import safe_open
+        """Read a file ``save`` wrote; ``CorruptDataError`` for anything else or damaged
+        (docs/format.md, section "KV calibration file", lists the checks)."""
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), "numpy") as f:
-            meta = json.loads((f.metadata() or {}).get("entropykit_kv_calibration", "null"))
-            if not meta or meta.get("version") != VERSION:
-                raise ValueError(f"{path} is not an entropykit KV calibration (version "
-                                 f"{VERSION})")
-            arrays = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118 - not a dict
+        try:
+            with safe_open(str(path), "numpy") as f:
+                meta = _metadata(f.metadata())
+                specs = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()))
+                         for n in f.keys()}  # noqa: SIM118 - not a dict
+                _check_specs(specs)  # before any tensor is read
+                arrays = {n: f.get_tensor(n) for n in specs}
+        except SafetensorError as e:
+            raise CorruptDataError(f"{path} is not a valid safetensors file: {e}") from None
         cal = cls(meta["predictor"], arrays, meta["tokens"])
-        cal.validate()
+        for name in _FLOATS:
+            for key in (name, *(f"{name}_{_SUFFIX[f]}" for f in FORMATS)):
+                a = arrays.get(key)
+                if a is not None and not np.isfinite(a).all():
+                    raise CorruptDataError(f"calibration {key} has values that are not finite")
+                if a is not None and name in ("std", "cstd") and (a < 0).any():
+                    raise CorruptDataError(f"calibration {key} has negative values")
+        try:
+            cal.validate()
+        except ValueError as e:
+            raise CorruptDataError(f"calibration: {e}") from None
         return cal
 
     def validate(self) -> None:
@@ -134,6 +149,73 @@ class Calibration:
         for f in self.formats:  # tables rise from 0 to ONE etc.
             for kind in residual.KINDS:
                 self.coder_model(kind, f)
+
+
+_META_KEY = "entropykit_kv_calibration"
+_MAX_META = 1 << 16
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_FLOATS = ("bias", "std", "cstd", "cscale")
+_DTYPE_OF = {"bias": "F32", "std": "F32", "cstd": "F32", "cond": "I8", "cscale": "F32",
+             "shapes": "U32", "emp": "U32"}
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise CorruptDataError("calibration metadata repeats a key")
+    return out
+
+
+def _metadata(meta: dict[str, str] | None) -> dict[str, Any]:
+    """The calibration's metadata object, checked: a flat JSON object of exactly version
+    (1), predictor (a string) and tokens (an int >= 0)."""
+    text = (meta or {}).get(_META_KEY)
+    if text is None:
+        raise CorruptDataError(f"not an entropykit KV calibration (no {_META_KEY!r} metadata)")
+    # Flat, checked before parsing: no nesting for the parser to recurse into.
+    bare = _STRING.sub('""', text) if len(text) <= _MAX_META else "["
+    if "[" in bare or bare.count("{") != 1:
+        raise CorruptDataError(f"calibration metadata is not a flat JSON object of at most "
+                               f"{_MAX_META} characters")
+    try:
+        obj = json.loads(text, object_pairs_hook=_unique)
+    except json.JSONDecodeError as e:
+        raise CorruptDataError(f"calibration metadata is not JSON: {e}") from None
+    if (not isinstance(obj, dict) or list(obj) != ["version", "predictor", "tokens"]
+            or type(obj["version"]) is not int or type(obj["tokens"]) is not int):
+        raise CorruptDataError("calibration metadata must hold exactly version, predictor "
+                               "and tokens")
+    if obj["version"] != VERSION:
+        raise CorruptDataError(f"calibration version {obj['version']} unsupported "
+                               f"(this reader reads {VERSION})")
+    if not isinstance(obj["predictor"], str) or obj["tokens"] < 0:
+        raise CorruptDataError("calibration predictor must be a string and tokens >= 0")
+    return obj
+
+
+def _check_specs(specs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Every tensor's name, dtype and shape (from the file's header) as the format gives."""
+    if "bias" not in specs or len(specs["bias"][1]) != 4:
+        raise CorruptDataError("calibration has no bias tensor of 4 dimensions")
+    layers, two, heads, dim = specs["bias"][1]
+    if min(layers, heads, dim) < 1 or two != 2:
+        raise CorruptDataError(f"calibration bias has shape {list(specs['bias'][1])}")
+    base, hd = (layers, 2, heads, dim), heads * dim
+    want = {"bias": base, "std": base}
+    for f in FORMATS:
+        names = [f"{p}_{_SUFFIX[f]}" for p in _PER_FORMAT]
+        if any(n in specs for n in names):
+            cond = (layers, 2, residual.MAX_SOURCES, hd, hd)
+            want |= dict(zip(names, (base, cond, cond[:-1], (2 * layers, dist.Z_POINTS + 1),
+                                     (2 * layers, dist.EMP_POINTS + 1)), strict=True))
+    if set(specs) != set(want):
+        extra, missing = sorted(set(specs) - set(want)), sorted(set(want) - set(specs))
+        raise CorruptDataError(f"calibration tensors: unknown {extra}, missing {missing}")
+    for name, shape in want.items():
+        dtype = _DTYPE_OF[name.split("_", 1)[0]]
+        if specs[name] != (dtype, shape):
+            raise CorruptDataError(f"calibration {name} is {specs[name][0]}"
+                                   f"{list(specs[name][1])}, expected {dtype}{list(shape)}")
 
 
 def _fp8_round(x: torch.Tensor) -> torch.Tensor:

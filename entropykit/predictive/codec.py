@@ -8,34 +8,11 @@ the host (the CPU coder) or, for a CUDA cache, on its device (the GPU coder, wit
 sigma) from ``_torchdist``): the same blob either way. What it is not: the predictors,
 residual models or the coder themselves.
 
-Blob v1 (little-endian):
-
-    offset  size  field
-    0       4     magic b"EKKV"
-    4       1     version = 1
-    5       1     value format code (rans.distribution.FORMATS: bf16 1, fp8_e4m3 3)
-    6       1     residual model (0 gaussian, 1 mixture, 2 adaptive)
-    7       1     reserved = 0
-    8       20    layers, batch, kv heads, seq, head dim (u32 each)
-    28      4     exact layers (coded with mu = guess, sigma -> 0)
-    32      4     calibration fingerprint (CRC-32)
-    36      4     CRC-32 of the predictor's guess (float32 bytes, layer by layer, k then v)
-    40      2     n: length of the predictor's description, then n bytes of UTF-8
-    ...           batch * seq token ids (i32), then for fp8 layers * 2 scales (f32), then
-                  layers * 2 frame lengths (u32)
-    ...           CRC-32 (u32) of every byte above
-    ...           one distribution-rANS frame per (layer, k/v), in order, back to back
-
-Each (layer, k/v) tensor is its own frame because with the conditional residual model its
-(mu, sigma) depend on the groups decoded before it.
-
-Caps and checks: at most ``MAX_LAYERS`` layers, ``MAX_HEADS`` kv heads, ``MAX_HEAD_DIM``
-head dim and ``MAX_TOKENS`` tokens (batch * seq); the token ids and scales must lie inside
-the blob. Before the predictor runs (its cost grows with the tokens a blob claims) the
-decoder checks the whole blob: the header CRC, the shape against the calibration, and
-every frame's header and chunk directory: its format, its count (batch * kv heads * seq
-* head dim values), its model fingerprint, each raw chunk's length (the chunk's bytes)
-and each coded chunk's (128 state bytes plus whole 16-bit words).
+The blob's layout, the coder model of each frame and every check a reader makes (all of
+the blob's before the predictor runs, whose cost grows with the tokens a blob claims) are
+specified in docs/format.md, section "KV blob". Each (layer, k/v) tensor is its own
+frame because with the conditional residual model its (mu, sigma) depend on the groups
+decoded before it.
 
 Determinism: the decoder must compute the same (mu, sigma) bits as the encoder (see
 ``predictors``); when it does not, decompress_kv raises ``CorruptDataError`` saying so
@@ -73,7 +50,7 @@ MAX_TOKENS = 1 << 24
 
 
 def _cap_error(layers: int, batch: int, heads: int, seq: int, dim: int) -> str | None:
-    """What exceeds a cap of the blob format (module docstring), or None."""
+    """What exceeds a cap of the blob format (docs/format.md, "KV header"), or None."""
     for what, value, cap in (("layers", layers, MAX_LAYERS), ("kv heads", heads, MAX_HEADS),
                              ("head dim", dim, MAX_HEAD_DIM),
                              ("tokens (batch * seq)", batch * seq, MAX_TOKENS)):
@@ -319,7 +296,8 @@ def _front(blob: bytes | memoryview) -> _Front:
 
 def _check_frames(h: _Front, buf: np.ndarray, model: dist.CoderModel) -> None:
     """Every frame's header and directory against the blob's header and ``model``
-    (module docstring); ``CorruptDataError`` naming the first frame that fails."""
+    (docs/format.md, "KV blob checks"); ``CorruptDataError`` naming the first frame that
+    fails."""
     n = int(np.prod(h.shape))
     width = dist.FORMATS[h.fmt].storage.itemsize
     for g, (start, length) in enumerate(h.frames):

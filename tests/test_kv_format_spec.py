@@ -1,0 +1,297 @@
+"""Checks real KV blobs and calibration files against the "KV blob" and "KV calibration
+file" sections of docs/format.md: parsers written from those sections (header and tensor
+tables read from the document) walk blobs produced by ``compress_kv`` and files written by
+``Calibration.save``, and cross-check every field against what went in: the front and its
+CRC, token ids, scales, each frame's header, model fingerprint (built from the document's
+model table) and its chunk CRCs against the true cache values in the documented order,
+the guess CRC, and the calibration's tensors and fingerprint."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from test_dist_format_spec import _header_rows as _frame_rows
+
+from entropykit import CorruptDataError
+from entropykit import predictive as P
+from entropykit.rans import distribution as D
+
+DOC = (Path(__file__).parent.parent / "docs" / "format.md").read_text()
+KV = DOC.split("## KV blob", 1)[1].split("\n## ", 1)[0]
+CAL = DOC.split("## KV calibration file", 1)[1].split("\n## ", 1)[0]
+_SIZES = {1: "B", 2: "H", 4: "I", 8: "Q"}
+_DTYPES = {"F32": np.dtype("<f4"), "I8": np.dtype("i1"), "U32": np.dtype("<u4")}
+
+
+def _model() -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+MODEL = _model()
+GEN = torch.Generator().manual_seed(2)
+PREDICTOR = P.EarlyExitPredictor(MODEL, 1)  # layer 0 exact: both kinds of model index
+CALIBRATION = P.calibrate(MODEL, PREDICTOR, [torch.randint(0, 128, (64,), generator=GEN)])
+IDS = torch.randint(0, 128, (2, 24), generator=GEN)
+with torch.inference_mode():
+    CACHE = P.from_transformers(MODEL(IDS, use_cache=True).past_key_values)
+
+
+def _fields(buf: bytes, rows: list[tuple[int, int, str]]) -> dict[str, object]:
+    out = {}
+    for off, size, name in rows:
+        raw = buf[off : off + size]
+        out[name] = raw if name == "magic" else struct.unpack("<" + _SIZES[size], raw)[0]
+    return out
+
+
+def _kv_rows() -> list[tuple[int, int, str]]:
+    table = KV.split("### KV header", 1)[1].split("\n\n", 2)[1]
+    return [(int(o), int(s), f.strip())
+            for o, s, f in re.findall(r"^\| (\d+) \| (\d+) \| ([a-z_ ]+) \|", table, re.M)]
+
+
+def _codes(field: str) -> dict[int, str]:
+    """The codes a header row lists ("1 bf16 or 3 fp8_e4m3", "0 gaussian, 1 mixture")."""
+    row = re.search(rf"^\| \d+ \| \d+ \| {field} \| (.*) \|$", KV, re.M)[1]
+    return {int(c): n for c, n in re.findall(r"(\d) (\w+)", row)}
+
+
+def _model_table(kind: str, fmt: str, arrays: dict[str, np.ndarray]) -> tuple:
+    """(shapes, emps, weights) of a blob's coder model as the "KV frames" table gives it."""
+    suffix = "bf16" if fmt == "bf16" else "fp8"
+    row = re.search(r"^\| 2 \* layer \+ kv .*\| ([^|]*) \|$", KV, re.M)[1]
+    weights = {k: int(w) for k, w in re.findall(r"(\w+) (?:round\([^)]*\) = )?(\d+)", row)}
+    groups = arrays[f"emp_{suffix}"].shape[0]
+    gauss = D.gaussian_shape()
+    shape = {"gaussian": np.tile(gauss, (groups, 1)),
+             "mixture": np.tile(D.gaussian_shape((1.0, 3.0), (0.95, 0.03)), (groups, 1)),
+             "conditional": arrays[f"shapes_{suffix}"]}[kind]
+    uniform = np.arange(257, dtype=np.int64) << 23
+    return (np.concatenate([shape, gauss[None]]),
+            np.concatenate([arrays[f"emp_{suffix}"], uniform[None]]),
+            [weights[kind]] * groups + [0])
+
+
+def read_calibration(path: Path) -> tuple[dict, dict[str, np.ndarray], int]:
+    """(metadata object, tensors, fingerprint) of a calibration file, every rule checked."""
+    blob = path.read_bytes()
+    (hlen,) = struct.unpack_from("<Q", blob)
+    header = json.loads(blob[8 : 8 + hlen])
+    meta = json.loads(header.pop("__metadata__")["entropykit_kv_calibration"])
+    assert list(meta) == ["version", "predictor", "tokens"] and meta["version"] == 1
+    assert isinstance(meta["predictor"], str) and type(meta["tokens"]) is int
+    arrays = {}
+    for name, e in header.items():
+        a, b = e["data_offsets"]
+        arrays[name] = np.frombuffer(blob, _DTYPES[e["dtype"]], offset=8 + hlen + a,
+                                     count=(b - a) // _DTYPES[e["dtype"]].itemsize
+                                     ).reshape(e["shape"])
+    L, _, H, Dm = arrays["bias"].shape
+    dims = {"L": L, "H": H, "D": Dm, "hd": H * Dm}
+    table = re.findall(r"^\| (\w+)(_<f>)? \| (\w+) \| \[([^\]]+)\] \|", CAL, re.M)
+    want = {}
+    for name, per_format, dtype, shape in table:
+        size = tuple(math.prod(dims[t] if t in dims else int(t) for t in s.split())
+                     for s in shape.split(", "))  # "2 L": a product
+        for suffix in ("bf16", "fp8") if per_format else ("",):
+            if not per_format or f"cstd_{suffix}" in arrays:
+                want[f"{name}_{suffix}" if per_format else name] = (dtype, size)
+    assert {n: (e["dtype"], tuple(e["shape"])) for n, e in header.items()} == want
+    crc = zlib.crc32(meta["predictor"].encode())
+    for name in sorted(arrays):
+        crc = zlib.crc32(arrays[name].tobytes(), zlib.crc32(name.encode(), crc))
+    return meta, arrays, crc
+
+
+def read_blob(blob: bytes, cache: P.KVCache, arrays: dict[str, np.ndarray]) -> dict:
+    """The blob's header fields; every rule of the section checked against ``cache``."""
+    h = _fields(blob, _kv_rows())
+    assert h["magic"] == b"EKKV" and h["version"] == 1 and h["reserved"] == 0
+    fmt = _codes("value format")[h["value format"]]
+    kind = _codes("residual model")[h["residual model"]]
+    L, B, H, S, Dm = h["layers"], h["batch"], h["heads"], h["seq"], h["head_dim"]
+    off = 42
+    desc = blob[off : off + h["desc_len"]].decode()
+    off += h["desc_len"]
+    ids = np.frombuffer(blob, "<i4", B * S, off).reshape(B, S)
+    off += 4 * B * S
+    scales = None
+    if fmt == "fp8_e4m3":
+        scales = np.frombuffer(blob, "<f4", 2 * L, off).reshape(L, 2)
+        off += 8 * L
+    lengths = struct.unpack_from(f"<{2 * L}I", blob, off)
+    off += 8 * L
+    assert struct.unpack_from("<I", blob, off)[0] == zlib.crc32(blob[:off])
+    off += 4
+    assert off + sum(lengths) == len(blob)
+    assert desc == PREDICTOR.describe() and h["exact"] == PREDICTOR.exact_layers
+    np.testing.assert_array_equal(ids, IDS.numpy())
+    if scales is not None:
+        np.testing.assert_array_equal(scales, cache.scales.numpy())
+    shapes, emps, weights = _model_table(kind, fmt, arrays)
+    fingerprint = zlib.crc32(shapes.astype("<u4").tobytes() + emps.astype("<u4").tobytes()
+                             + np.asarray(weights, "<i8").tobytes())
+    width = 2 if fmt == "bf16" else 1
+    for g, length in enumerate(lengths):
+        frame = blob[off : off + length]
+        off += length
+        f = _fields(frame, _frame_rows())
+        assert f["magic"] == b"EKRD" and f["value format"] == h["value format"]
+        assert f["n"] == B * H * S * Dm and f["fingerprint"] == fingerprint
+        # The true tensor, [B, H, S, D] row-major: each chunk's CRC is of its values.
+        layer, kv = divmod(g, 2)
+        t = cache.tensor(layer, kv).contiguous()
+        truth = (t.view(torch.int16) if width == 2 else t.view(torch.uint8)).numpy().tobytes()
+        cs, nc = f["chunk_size"], f["n_chunks"]
+        crcs = struct.unpack_from(f"<{nc}I", frame, 28 + 4 * nc)
+        for c in range(nc):
+            assert crcs[c] == zlib.crc32(truth[c * cs * width : (c + 1) * cs * width])
+    guess = PREDICTOR.predict(torch.from_numpy(ids.astype(np.int64)))
+    crc = 0
+    for layer in range(L):
+        for kv in (0, 1):
+            crc = zlib.crc32(guess[layer][kv].float().contiguous().numpy().tobytes(), crc)
+    assert h["guess_crc"] == crc
+    return h | {"fmt": fmt, "kind": kind}
+
+
+@pytest.mark.parametrize("kind", P.KINDS)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_spec_reader_reads_blobs(kind, fp8, tmp_path):
+    cache = P.to_fp8(CACHE) if fp8 else CACHE
+    path = tmp_path / "cal.safetensors"
+    CALIBRATION.save(path)
+    meta, arrays, fingerprint = read_calibration(path)
+    assert fingerprint == CALIBRATION.fingerprint and meta["predictor"] == PREDICTOR.describe()
+    blob = P.compress_kv(cache, IDS, PREDICTOR, CALIBRATION, model=kind)
+    h = read_blob(blob, cache, arrays)
+    assert (h["fmt"], h["kind"]) == ("fp8_e4m3" if fp8 else "bf16", kind)
+    assert (h["layers"], h["batch"], h["heads"], h["seq"], h["head_dim"]) == (3, 2, 2, 24, 8)
+    assert h["calibration"] == fingerprint
+    assert P.decompress_kv(blob, PREDICTOR, P.Calibration.load(path)).equal(cache)
+
+
+def test_residual_model_codes_are_the_codes_kinds():
+    assert _codes("residual model") == dict(enumerate(P.KINDS))
+    assert set(_codes("value format").values()) == {"bf16", "fp8_e4m3"}
+    assert {c: D.FORMATS[n].code for c, n in _codes("value format").items()} == {1: 1, 3: 3}
+
+
+BLOB = P.compress_kv(CACHE, IDS, PREDICTOR, CALIBRATION)
+
+
+def _with_header(**fields: int) -> bytes:
+    """BLOB with header fields replaced and the front CRC recomputed (so the field's own
+    check is what fails)."""
+    b = bytearray(BLOB)
+    rows = {name: (off, size) for off, size, name in _kv_rows()}
+    for name, value in fields.items():
+        off, size = rows[name.replace("_", " ") if name not in rows else name]
+        struct.pack_into("<" + _SIZES[size], b, off, value)
+    h = _fields(BLOB, _kv_rows())
+    end = 42 + h["desc_len"] + 4 * h["batch"] * h["seq"] + 8 * h["layers"]
+    struct.pack_into("<I", b, end, zlib.crc32(b[:end]))
+    return bytes(b)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"version": 2}, "version"), ({"reserved": 1}, "reserved"),
+    ({"value_format": 2}, "value format"), ({"residual_model": 3}, "model 3"),
+    ({"exact": 4}, "shape fields"), ({"heads": 0}, "shape fields"),
+    ({"head_dim": (1 << 12) + 1}, "head dim"), ({"heads": (1 << 10) + 1}, "kv heads"),
+    ({"calibration": 1}, "calibration"), ({"guess_crc": 1}, "guess"),
+])
+def test_documented_header_checks(fields, match):
+    with pytest.raises(CorruptDataError, match=match):
+        P.decompress_kv(_with_header(**fields), PREDICTOR, CALIBRATION)
+
+
+def test_caps_are_checked_before_the_front_is_read():
+    # A header alone claiming more layers or tokens than the caps: refused on the caps,
+    # before the front (which such a blob cannot hold) is sized.
+    head = bytearray(BLOB[:42])
+    struct.pack_into("<I", head, 8, (1 << 10) + 1)
+    with pytest.raises(CorruptDataError, match="layers"):
+        P.token_ids(bytes(head))
+    head = bytearray(BLOB[:42])
+    struct.pack_into("<I", head, 12, 1 << 12)  # batch
+    struct.pack_into("<I", head, 20, (1 << 12) + 1)  # seq
+    with pytest.raises(CorruptDataError, match="tokens"):
+        P.token_ids(bytes(head))
+
+
+def _write(path: Path, arrays: dict[str, np.ndarray] | None = None,
+           meta: str | None = None) -> Path:
+    from safetensors.numpy import save_file
+
+    good = json.dumps({"version": 1, "predictor": PREDICTOR.describe(), "tokens": 64})
+    save_file(dict(CALIBRATION.arrays) if arrays is None else arrays, str(path),
+              metadata={"entropykit_kv_calibration": good if meta is None else meta})
+    return path
+
+
+def _changed(**arrays: np.ndarray | None) -> dict[str, np.ndarray]:
+    out = dict(CALIBRATION.arrays)
+    for name, a in arrays.items():
+        if a is None:
+            del out[name]
+        else:
+            out[name] = a
+    return out
+
+
+_NAN_BIAS = CALIBRATION.arrays["bias"].copy()
+_NAN_BIAS[1, 0, 0, 0] = np.nan
+_FLAT_SHAPE = CALIBRATION.arrays["shapes_bf16"].copy()
+_FLAT_SHAPE[2, 3000] = 0  # no longer rises from 0 to 2^31 without falling
+
+
+@pytest.mark.parametrize("arrays, meta, match", [
+    (None, "[" * 100_000 + "]" * 100_000, "flat JSON"),          # nesting: RecursionError
+    (None, '{"version": 1, "predictor": "x", "tokens": {}}', "flat JSON"),
+    (None, '{"version": 1, "predictor": "x"}', "exactly"),          # tokens missing
+    (None, '{"version": 1, "version": 1, "predictor": "x", "tokens": 1}', "repeats"),
+    (None, '{"version": 2, "predictor": "x", "tokens": 1}', "version 2"),
+    (None, '{"version": 1, "predictor": 7, "tokens": 1}', "string"),
+    (None, '{"version": true, "predictor": "x", "tokens": 1}', "exactly"),
+    (None, "not json {", "not JSON"),
+    (_changed(emp_fp8=None), None, "missing"),
+    (_changed(extra=np.zeros(3, np.float32)), None, "unknown"),
+    (_changed(cond_bf16=CALIBRATION.arrays["cond_bf16"].astype(np.float32)), None, "I8"),
+    (_changed(std=CALIBRATION.arrays["std"][:, :, :1]), None, "std"),
+    (_changed(bias=_NAN_BIAS), None, "not finite"),
+    (_changed(cstd_fp8=-CALIBRATION.arrays["cstd_fp8"]), None, "negative"),
+    (_changed(shapes_bf16=_FLAT_SHAPE), None, "rise"),
+])
+def test_calibration_load_checks(arrays, meta, match, tmp_path):
+    path = _write(tmp_path / "cal.safetensors", arrays, meta)
+    with pytest.raises(CorruptDataError, match=match):
+        P.Calibration.load(path)
+
+
+def test_calibration_load_refuses_non_safetensors_files(tmp_path):
+    good = _write(tmp_path / "good.safetensors")
+    assert P.Calibration.load(good).fingerprint == CALIBRATION.fingerprint
+    for name, data in [("zeros", b"\0" * 16), ("cut", good.read_bytes()[:-1]),
+                       ("huge", struct.pack("<Q", 1 << 40) + b"{}")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CorruptDataError, match="safetensors"):
+            P.Calibration.load(tmp_path / name)
+    from safetensors.numpy import save_file
+
+    save_file({"bias": CALIBRATION.arrays["bias"]}, str(tmp_path / "plain"))
+    with pytest.raises(CorruptDataError, match="not an entropykit KV calibration"):
+        P.Calibration.load(tmp_path / "plain")
