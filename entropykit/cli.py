@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import sys
@@ -406,10 +407,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# An output's temporary (``_atomic``): ``DIR/.NAME.XXXXXXXX.ek-tmp`` is shown as DIR/NAME.
+_TEMP = re.compile(r"(^|/)\.([^/]+)\.[a-z0-9_]{8}" + re.escape(_atomic.TEMP_SUFFIX) + r"\b")
+
+
 def _one_line(e: BaseException) -> str:
+    """The error as one line, naming the user's files: an output's temporary never shows."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        return f"{e.filename}: {e.strerror}"
-    return " ".join(str(e).split("\n"))
+        text = f"{e.filename}: {e.strerror}"
+    else:
+        text = " ".join(str(e).split("\n"))
+    return _TEMP.sub(r"\1\2", text)
 
 
 def _error(e: BaseException) -> None:

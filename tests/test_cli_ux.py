@@ -369,3 +369,25 @@ def test_analyze_legends_lie_outside_every_panel(long_names: Path) -> None:
         box = legend.get_window_extent(renderer)
         assert not any(box.overlaps(p) for p in panels)
         assert 0 <= box.x0 and box.x1 <= fig.bbox.width  # inside the figure
+
+
+def test_decompress_into_a_closed_pipe_is_quiet(work: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    save_file({"w": torch.randn(512, 512, generator=g)}, work / "big.safetensors")
+    assert _ek("compress", work / "big.safetensors", "-q").returncode == 0
+    p = subprocess.Popen([sys.executable, "-m", "entropykit.cli", "decompress",
+                          work / "big.ek.safetensors", "-c", "-q"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    assert len(p.stdout.read(10)) == 10
+    p.stdout.close()  # like `| head -c 10`
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 141 and err == b""
+
+
+def test_error_lines_show_outputs_not_their_temporaries() -> None:
+    from entropykit import cli
+
+    e = OSError(28, "No space left on device", "/data/out/.model.ek.safetensors.k3j_x9a1.ek-tmp")
+    assert cli._one_line(e) == "/data/out/model.ek.safetensors: No space left on device"
+    assert cli._one_line(ValueError(".d.ek.abcdefgh.ek-tmp/x: bad")) == "d.ek/x: bad"
