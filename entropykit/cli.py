@@ -140,14 +140,15 @@ def _existing(path: str) -> Path:
 
 @contextmanager
 def _stdin_spool() -> Iterator[Path]:
-    """Standard input copied to an unnamed-to-the-user temporary file (compress reads a
-    regular file it can check for changes; decompress maps one); removed afterwards."""
+    """Standard input copied to an unnamed temporary file in $TMPDIR (compress reads a
+    regular file it can check for changes; decompress maps one), as a path to open; the
+    file has no name, so nothing is left behind even if the run is killed."""
     if sys.stdin is None or sys.stdin.isatty():
         raise _Usage("-: standard input is a terminal; pipe a file in or give PATH")
-    with tempfile.NamedTemporaryFile(prefix="entropykit-stdin-") as spool:
+    with tempfile.TemporaryFile() as spool:
         shutil.copyfileobj(sys.stdin.buffer, spool, 1 << 20)
         spool.flush()
-        yield Path(spool.name)
+        yield Path(f"/proc/self/fd/{spool.fileno()}")
 
 
 def _check_plan(args: argparse.Namespace) -> bool:
@@ -356,8 +357,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def coding(sp: argparse.ArgumentParser, default_names: str) -> None:
         sp.add_argument("path", metavar="PATH", nargs="+",
-                        help="files or directories; - reads standard input (spooled to a "
-                             "temporary file in $TMPDIR first, so it needs that much space)")
+                        help="files or directories; - reads standard input (copied to an "
+                             "unnamed temporary file in $TMPDIR first: it needs that much "
+                             "space)")
         sp.add_argument("-o", "--output", metavar="OUT",
                         help=f"output path for one PATH; - is standard output (default: "
                              f"{default_names})")
