@@ -347,7 +347,8 @@ def test_analyze_json_refuses_to_overwrite(long_names: Path, tmp_path: Path) -> 
     assert r.returncode == 2 and r.stdout == b"" and b"output exists" in r.stderr
     assert out.read_text() == "mine"
     r = _ek("analyze", long_names, "--json", out, "--force", "-q")
-    assert r.returncode == 0 and out.read_text().startswith("{")
+    assert (r.returncode, r.stdout, r.stderr) == (0, b"", b"")  # -q: nothing on success
+    assert out.read_text().startswith("{")
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary left
 
 

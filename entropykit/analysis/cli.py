@@ -1,12 +1,13 @@
 """``entropykit analyze PATH``: the analysis on the command line.
 
 What it is: ``main(argv) -> exit code``: parse the arguments, run ``analyze`` with a
-progress line on stderr (when it is a terminal), print the table on stdout, and write the
-JSON report (atomically, like every entropykit output) and the plot when asked. Exit
-codes follow ``entropykit.cli``: 0 success, 1 bad data (corrupt or unsupported input,
-I/O error), 2 bad usage (missing PATH, a --json output that exists without --force, a
-plot suffix other than .png/.html, matplotlib missing for --plot). What it is not: the
-analysis itself (``analyze``, ``report``, ``plots``).
+progress line on stderr (when it is a terminal), print the table on stdout (fitting 100
+columns unless ``--wide``; nothing with ``-q``), and write the JSON report (atomically,
+like every entropykit output) and the plot when asked. Exit codes follow
+``entropykit.cli``: 0 success, 1 bad data (corrupt or unsupported input, I/O error), 2
+bad usage (missing PATH, a --json output that exists without --force, a plot suffix
+other than .png/.html, matplotlib missing for --plot). What it is not: the analysis
+itself (``analyze``, ``report``, ``plots``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def parser(prog: str = "entropykit analyze") -> argparse.ArgumentParser:
                    "figure and the table in one page); needs matplotlib")
     p.add_argument("--top", type=int, default=20, metavar="N",
                    help="tensors listed in the table, largest first (default 20; 0: all)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print nothing on success (no table, no progress line; errors "
+                        "still go to stderr): for --json / --plot runs")
     return p
 
 
@@ -80,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if bar is not None:
                 bar.close()
-        print(rep.to_table(args.top or None, None if args.wide else COLUMNS))
+        if not args.quiet:
+            print(rep.to_table(args.top or None, None if args.wide else COLUMNS))
         if args.json:
             with _atomic.output_file(Path(args.json), args.force) as out:
                 out.write((rep.to_json() + "\n").encode("utf-8"))
