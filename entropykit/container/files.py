@@ -3,11 +3,12 @@
 What it is: the file-level operations: read the input (compress reads each segment with
 ``pread``; the other verbs map a compressed file read-only: only touched pages are read,
 so files larger than RAM stream through), write through ``_atomic`` (temporary name,
-rename; nothing left behind on error; the input is never written), default output names,
-and errors that name the file. Inputs must be regular files, and one that changes size or
-modification time while it is read fails the run with no output (compress reads rather
-than maps: a mapped file that shrinks kills the process with SIGBUS). What it is not: the
-coding (``writer``/``reader``) or directories (``checkpoint.py``).
+rename; nothing left behind on error; the input is never written; standard output as an
+``_atomic.Stream``), default output names, and errors that name the file (``shown``: a
+spooled standard input is named ``<stdin>``). Inputs must be regular files, and one that
+changes size or modification time while it is read fails the run with no output (compress
+reads rather than maps: a mapped file that shrinks kills the process with SIGBUS). What
+it is not: the coding (``writer``/``reader``) or directories (``checkpoint.py``).
 """
 
 from __future__ import annotations
