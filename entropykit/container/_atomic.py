@@ -9,9 +9,10 @@ for one target each write whole files and the last rename wins.
 What may be replaced (``force``): a regular file, or a symbolic link (the link itself,
 never what it points to). A FIFO or character device (``/dev/null``) is written into,
 never replaced: the output is spooled to an unnamed temporary file and copied in once
-complete. Anything else (a directory where a file goes, a block device, a socket) is
-refused (``OutputRefused``). A directory output that exists is kept: only the files the
-run produces are renamed into it, one by one; nothing else in it is touched.
+complete; so is standard output (``Stream``). Anything else (a directory where a file
+goes, a block device, a socket) is refused (``OutputRefused``). A directory output that
+exists is kept: only the files the run produces are renamed into it, one by one; nothing
+else in it is touched.
 
 Temporaries are named ``.NAME.XXXXXXXX.ek-tmp`` and hold an exclusive ``flock`` while
 they exist. One left behind by a killed run is removed by the next run writing the same
@@ -37,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -353,16 +354,46 @@ def _writer(f: BinaryIO, sync: bool) -> Iterator[_OutputFile]:
         os.fsync(f.fileno())
 
 
+class Stream:
+    """An output that is an open binary stream (standard output): the whole output is
+    spooled to an unnamed temporary file and copied into ``file`` once complete, so a
+    failed run writes nothing to it. ``name`` is what messages call it."""
+
+    def __init__(self, file: BinaryIO, name: str = "<stdout>") -> None:
+        self.file, self.name = file, name
+
+    def __str__(self) -> str:
+        return self.name
+
+
 @contextmanager
-def output_file(dst: Path, force: bool = False) -> Iterator[BinaryIO]:
+def _spooled(copy: Callable[[BinaryIO], None]) -> Iterator[BinaryIO]:
+    """A file written to an unnamed temporary, handed to ``copy`` once complete."""
+    with tempfile.TemporaryFile() as spool:
+        with _writer(spool, False) as out:
+            yield out  # type: ignore[misc]
+        spool.seek(0)
+        copy(spool)
+
+
+@contextmanager
+def output_file(dst: Path | Stream, force: bool = False) -> Iterator[BinaryIO]:
     """A binary file to write ``dst`` through; renamed over ``dst`` when the block exits
-    (written into ``dst`` if it is a FIFO or character device)."""
+    (written into ``dst`` if it is a FIFO or character device, or a ``Stream``)."""
+    if isinstance(dst, Stream):
+        stream = dst
+
+        def into(spool: BinaryIO) -> None:
+            shutil.copyfileobj(spool, stream.file, 1 << 20)
+            stream.file.flush()
+
+        with _spooled(into) as out:
+            yield out
+        return
     dst = Path(dst)
     if check_target(dst, force):
-        with tempfile.TemporaryFile() as spool:
-            with _writer(spool, False) as out:
-                yield out  # type: ignore[misc]
-            _copy_into(spool, dst)
+        with _spooled(lambda spool: _copy_into(spool, dst)) as out:
+            yield out
         return
     remove_stale(dst)
     pre, suf = _temp_name(dst)
@@ -390,7 +421,6 @@ def _copy_into(spool: BinaryIO, dst: Path) -> None:
     with open(fd, "wb") as f:
         if not _is_stream(os.fstat(fd).st_mode):
             raise OutputRefused(f"{dst}: is no longer a FIFO or device; not written")
-        spool.seek(0)
         shutil.copyfileobj(spool, f, 1 << 20)
 
 

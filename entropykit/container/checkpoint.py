@@ -13,7 +13,8 @@ never interprets the tensors.
 What is read (``scan``), so that nothing outside the directory is ever read or written
 and nothing is left out silently:
 
-- regular files: ``*.safetensors`` are coded, the rest copied;
+- regular files: ``*.safetensors`` are coded (compress copies one that is already
+  compressed, with a warning), the rest copied;
 - symbolic links (to files or directories, dangling, or loops) are kept as links, never
   followed, if they are relative and resolve inside the directory (so that the copy's
   links resolve inside the copy); an absolute one, or one resolving outside, is refused;
@@ -148,21 +149,33 @@ def _offset(progress: Progress | None, base: int, size: int, total: int
 def _each(src: Path, dst: Path | None, default: Path, force: bool,
           one: Callable[[Path, Path, Progress | None], Summary],
           progress: Progress | None,
-          finish: Callable[[Path, Path], None] | None = None) -> Summary:
-    """Run ``one(src_file, dst_file, progress)`` on every safetensors file, copy the other
+          finish: Callable[[Path, Path], None] | None = None,
+          copied: Callable[[Path], bool] | None = None) -> Summary:
+    """Run ``one(src_file, dst_file, progress)`` on every safetensors file (those for
+    which ``copied(src_file)`` holds are copied instead, with a warning), copy the other
     files, recreate the links, then ``finish(src, output)`` before the output is in
-    place."""
+    place. A ``progress`` with a ``start_file(name, size)`` method is told of each file."""
     dst = default if dst is None else Path(dst)
     _atomic.check_distinct(src, dst)
     tree = inputs(src)
+    if copied is not None:
+        kept = [r for r in tree.safetensors if copied(src / r)]
+        if kept:
+            tree.safetensors = [r for r in tree.safetensors if r not in kept]
+            tree.other = sorted(tree.other + kept)
+            warnings.warn(f"{src}: already entropykit-compressed, copied unchanged: "
+                          f"{', '.join(str(r) for r in kept)}", stacklevel=3)
     total = sum((src / r).stat().st_size for r in tree.safetensors)
     summary = Summary()
     t0 = time.perf_counter()
+    start_file = getattr(progress, "start_file", None)
     with _atomic.output_dir(dst, force, tree.names()) as tmp:
         base = 0
         for rel in tree.safetensors:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             size = (src / rel).stat().st_size
+            if start_file is not None:
+                start_file(str(rel), size)
             summary.merge(one(src / rel, tmp / rel, _offset(progress, base, size, total)))
             base += size
         for rel in tree.other:
@@ -181,12 +194,14 @@ def compress_dir(src: Path, dst: Path | None = None, *, threads: int | None = No
                  force: bool = False, progress: Progress | None = None,
                  fast: bool = False, target: str = "cpu") -> Summary:
     """Compress checkpoint directory ``src`` into ``dst`` (default ``<src>.ek``); ``fast``
-    and ``target`` as for ``files.compress_file``."""
+    and ``target`` as for ``files.compress_file``. A safetensors file that is already
+    entropykit-compressed is copied unchanged, with a warning (decompressing the output
+    then restores it too)."""
     src = Path(src)
     return _each(src, dst, files.default_output(src, True), force,
                  lambda s, d, p: files.compress_file(s, d, threads=threads, progress=p,
                                                      fast=fast, target=target),
-                 progress, config_mark.mark_dir)
+                 progress, config_mark.mark_dir, files.is_compressed_file)
 
 
 def decompress_dir(src: Path, dst: Path | None = None, *, threads: int | None = None,

@@ -3,11 +3,12 @@
 What it is: the file-level operations: read the input (compress reads each segment with
 ``pread``; the other verbs map a compressed file read-only: only touched pages are read,
 so files larger than RAM stream through), write through ``_atomic`` (temporary name,
-rename; nothing left behind on error; the input is never written), default output names,
-and errors that name the file. Inputs must be regular files, and one that changes size or
-modification time while it is read fails the run with no output (compress reads rather
-than maps: a mapped file that shrinks kills the process with SIGBUS). What it is not: the
-coding (``writer``/``reader``) or directories (``checkpoint.py``).
+rename; nothing left behind on error; the input is never written; standard output as an
+``_atomic.Stream``), default output names, and errors that name the file (``shown``: a
+spooled standard input is named ``<stdin>``). Inputs must be regular files, and one that
+changes size or modification time while it is read fails the run with no output (compress
+reads rather than maps: a mapped file that shrinks kills the process with SIGBUS). What
+it is not: the coding (``writer``/``reader``) or directories (``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .._errors import CorruptDataError
 from . import _atomic
 from . import header as hdr
 from .parallel import resolve
-from .reader import Compressed, Progress
+from .reader import Compressed, Progress, claim
 from .stats import Summary
 from .writer import SEGMENT_BYTES, Source, write
 
@@ -36,9 +37,20 @@ SUFFIX = ".safetensors"
 MARK = ".ek"
 
 
+# Extensions a safetensors file is sometimes saved under; ``NAME.ek.safetensors`` of such a
+# NAME decompresses back to NAME rather than to NAME.safetensors.
+KEPT_EXTENSIONS = (".bin", ".pt", ".pth", ".ckpt", ".dat", ".raw", ".weights")
+
+
 def default_output(src: Path, compress: bool) -> Path:
-    """``a.safetensors`` <-> ``a.ek.safetensors``; directories ``d`` <-> ``d.ek``; a
-    decompressed name without the mark gets ``.restored``."""
+    """The name compress or decompress writes when none is given.
+
+    Files: ``a.safetensors`` <-> ``a.ek.safetensors``; any other NAME compresses to
+    ``NAME.ek.safetensors``, which decompresses to NAME when NAME ends in one of
+    ``KEPT_EXTENSIONS`` (``weights.bin`` round-trips), else to ``NAME.safetensors``. A
+    file without the ``.ek`` mark decompresses to ``NAME.restored.safetensors``.
+    Directories: ``d`` <-> ``d.ek`` (``d.restored`` without the mark).
+    """
     name = src.name
     if src.is_dir():
         if compress:
@@ -47,8 +59,10 @@ def default_output(src: Path, compress: bool) -> Path:
     stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
     if compress:
         return src.with_name(stem + MARK + SUFFIX)
-    if stem.endswith(MARK):
-        return src.with_name(stem[: -len(MARK)] + SUFFIX)
+    if stem.endswith(MARK) and len(stem) > len(MARK):
+        base = stem[: -len(MARK)]
+        kept = Path(base).suffix.lower() in KEPT_EXTENSIONS
+        return src.with_name(base if kept else base + SUFFIX)
     return src.with_name(stem + ".restored" + SUFFIX)
 
 
@@ -177,6 +191,18 @@ def _read_source(f: _Input) -> Source:
     return Source(h, lambda e: _Span(f, start + e.begin, e.nbytes))
 
 
+Output = Path | _atomic.Stream
+
+
+def _target(src: Path, dst: Path | str | _atomic.Stream | None, compress: bool) -> Output:
+    """``dst`` as a Path (``default_output`` if None) or a Stream, checked apart from ``src``."""
+    if isinstance(dst, _atomic.Stream):
+        return dst
+    dst = default_output(src, compress) if dst is None else Path(dst)
+    _atomic.check_distinct(src, dst)
+    return dst
+
+
 def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = None,
                   force: bool = False, progress: Progress | None = None,
                   segment_bytes: int = SEGMENT_BYTES, fast: bool = False,
@@ -184,17 +210,26 @@ def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = N
     """Compress safetensors file ``src`` to ``dst`` (default ``default_output``); ``fast``
     stores near-incompressible fields raw (``codecs.FAST_MIN_SAVING``); ``target="gpu"``
     writes what ``entropykit.gpu`` decodes fastest (``codecs.choose``)."""
-    src = Path(src)
-    dst = default_output(src, True) if dst is None else Path(dst)
+    return compress_as(Path(src), dst, Path(src), threads=threads, force=force,
+                       progress=progress, segment_bytes=segment_bytes, fast=fast,
+                       target=target)
+
+
+def compress_as(src: Path, dst: Path | _atomic.Stream | None, shown: Path | str, *,
+                threads: int | None = None, force: bool = False,
+                progress: Progress | None = None, segment_bytes: int = SEGMENT_BYTES,
+                fast: bool = False, target: str = "cpu") -> Summary:
+    """``compress_file`` with errors naming the input ``shown`` (a spooled standard input
+    is named ``<stdin>``, never by its temporary file), and ``dst`` possibly a Stream."""
+    out_path = _target(src, dst, True)
     n = resolve(threads)
-    _atomic.check_distinct(src, dst)
     t0 = time.perf_counter()
-    with named(src), _opened(src) as f:
+    with named(shown), _opened(src) as f:
         try:
             s = _read_source(f)
         except ValueError as e:
             raise ValueError(f"not a valid safetensors file: {e}") from None
-        with _atomic.output_file(dst, force) as out:
+        with _atomic.output_file(out_path, force) as out:
             summary = write(s, out, threads=n, progress=progress,
                             segment_bytes=segment_bytes, fast=fast, target=target)
             f.check()
@@ -205,19 +240,37 @@ def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = N
 def decompress_file(src: Path, dst: Path | None = None, *, threads: int | None = None,
                     force: bool = False, progress: Progress | None = None) -> Summary:
     """Restore the original of compressed file ``src`` at ``dst``, byte for byte."""
-    src = Path(src)
-    dst = default_output(src, False) if dst is None else Path(dst)
+    return decompress_as(Path(src), dst, Path(src), threads=threads, force=force,
+                         progress=progress)
+
+
+def decompress_as(src: Path, dst: Path | _atomic.Stream | None, shown: Path | str, *,
+                  threads: int | None = None, force: bool = False,
+                  progress: Progress | None = None) -> Summary:
+    """``decompress_file`` with errors naming the input ``shown`` and ``dst`` possibly a
+    Stream (as for ``compress_as``)."""
+    out_path = _target(src, dst, False)
     n = resolve(threads)
-    _atomic.check_distinct(src, dst)
     t0 = time.perf_counter()
-    with named(src), _opened(src) as f, _map(f) as buf:
+    with named(shown), _opened(src) as f, _map(f) as buf:
         c = Compressed(buf)
-        with _atomic.output_file(dst, force) as out:
+        with _atomic.output_file(out_path, force) as out:
             size = c.restore(out, n, progress)
             f.check()
         summary = _decoded_summary(c, buf.size, size)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def is_compressed_file(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file that claims to be entropykit-compressed
+    (``reader.claim``); False for anything unreadable (compressing it reports why)."""
+    try:
+        with _opened(Path(path)) as f:
+            s = _read_source(f)
+            return claim(s.header, s.read) is not None
+    except (OSError, ValueError):
+        return False
 
 
 def _decoded_summary(c: Compressed, compressed: int, original: int) -> Summary:

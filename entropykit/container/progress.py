@@ -1,8 +1,14 @@
-"""A plain progress line on stderr: ``label  42%  123.4/293.0 MB  250 MB/s``.
+"""A plain progress line on stderr:
+``label  42%  123.4/293.0 MB  250 MB/s  ETA 0:01  [file 2/5 b.safetensors 61%]``.
 
 What it is: a ``(done, total)`` callback that redraws one line at most ten times a second
-and ends it with a newline; no dependency beyond the standard library. What it is not: a
-multi-bar display, or anything that writes to stdout (scripts may parse stdout).
+and ends it with a newline; for a directory, ``start_file`` adds the current file and its
+own percentage. No dependency beyond the standard library. What it is not: a multi-bar
+display, or anything that writes to stdout (scripts may parse stdout).
+
+The rate (and so the ETA) counts from the first progress report with some work done, not
+from the start: the first segment's time, which holds any one-off kernel compilation, is
+left out, so the rate approximates the steady speed.
 """
 
 from __future__ import annotations
@@ -12,6 +18,13 @@ import time
 from typing import TextIO
 
 
+def _clock(seconds: float) -> str:
+    s = int(seconds + 0.5)
+    if s >= 3600:
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{s // 60}:{s % 60:02d}"
+
+
 class Bar:
     """Call with (bytes done, bytes total); call ``close()`` when the work ends."""
 
@@ -19,19 +32,39 @@ class Bar:
         self.label = label
         self.stream = sys.stderr if stream is None else stream
         self.interval = interval
-        self._t0 = time.perf_counter()
         self._last = -1.0
         self._drawn = False
+        self._first: tuple[float, int] | None = None  # (time, bytes) of the first report
+        self._file: tuple[str, int, int, int] | None = None  # name, base, size, number
+        self._files = 0
+
+    def start_file(self, name: str, size: int) -> None:
+        """A directory run moves on to file ``name`` of ``size`` bytes (its own share)."""
+        self._files += 1
+        base = self._file[1] + self._file[2] if self._file else 0
+        self._file = (name, base, size, self._files)
+
+    def line(self, done: int, total: int, now: float) -> str:
+        """The text drawn for (done, total) at time ``now``."""
+        pct = 100.0 * done / total if total else 100.0
+        text = f"{self.label}  {pct:3.0f}%  {done / 1e6:.1f}/{total / 1e6:.1f} MB"
+        if self._first is not None and now > self._first[0] and done > self._first[1]:
+            rate = (done - self._first[1]) / (now - self._first[0])
+            text += f"  {rate / 1e6:.0f} MB/s  ETA {_clock((total - done) / rate)}"
+        if self._file is not None:
+            name, base, size, k = self._file
+            mine = 100.0 * min(max(done - base, 0), size) / size if size else 100.0
+            text += f"  [file {k} {name} {mine:.0f}%]"
+        return text
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
+        if self._first is None and done > 0:
+            self._first = (now, done)
         if done < total and now - self._last < self.interval:
             return
         self._last = now
-        pct = 100.0 * done / total if total else 100.0
-        rate = done / 1e6 / max(now - self._t0, 1e-9)
-        self.stream.write(f"\r{self.label}  {pct:3.0f}%  {done / 1e6:.1f}/{total / 1e6:.1f} MB"
-                          f"  {rate:.0f} MB/s ")
+        self.stream.write(f"\r{self.line(done, total, now)} \x1b[K")
         self.stream.flush()
         self._drawn = True
 

@@ -5,7 +5,7 @@ What it is: ``split`` (a tensor's stored bytes -> a list of ``Field``), its exac
 passes through untouched. What it is not: a coder or a container; a field knows nothing of
 how it will be coded, only which other field a coder may condition it on.
 
-Splits (DESIGN.md section 4; measurements in floats.py and packed4.py):
+Splits (measurements in floats.py and packed4.py):
 
     BF16            exponent, sign_mantissa (context exponent)
     F32             exponent, sign_mantissa (context exponent), byte1, byte0
