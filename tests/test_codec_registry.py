@@ -78,3 +78,19 @@ def test_choice_is_the_smallest_bid(target: str, fast: bool) -> None:
         seen.add(got.codec)
     assert {"raw", "zstd", "tans" if "tans" in policy.candidates else "rans"} <= seen
     assert ("rans2d" in seen) == (policy is codecs.CPU)
+
+
+@pytest.mark.parametrize("damage", ["trailing byte", "second frame", "no checksum"])
+def test_zstd_payload_is_exactly_one_checksummed_frame(damage: str) -> None:
+    # Bytes after the frame, or a frame without its content checksum, would pass unchecked
+    # in files whose payloads carry no position CRC (record versions 1 and 2).
+    import zstandard
+
+    sym = (np.arange(5000) % 7).astype(np.uint8)
+    blob = codecs.ZSTD.encode(sym, None, 0, 0, None)
+    assert np.array_equal(codecs.ZSTD.decode(np.frombuffer(blob, np.uint8), 5000, None), sym)
+    bad = {"trailing byte": blob + b"x", "second frame": blob + blob,
+           "no checksum": zstandard.ZstdCompressor(write_checksum=False).compress(
+               sym.tobytes())}[damage]
+    with pytest.raises(CorruptDataError, match="zstd"):
+        codecs.ZSTD.decode(np.frombuffer(bad, np.uint8), 5000, None)

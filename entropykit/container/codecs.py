@@ -315,9 +315,16 @@ class _Zstd:
 
     def decode(self, data: np.ndarray, n: int, context: np.ndarray | None) -> np.ndarray:
         try:
-            if zstandard.frame_content_size(data.data) != n:
+            head = zstandard.get_frame_parameters(data.data)
+            if head.content_size != n:
                 raise CorruptDataError(f"zstd frame does not hold {n} bytes")
-            out = _unzstd().decompress(data.data, max_output_size=n)
+            if not head.has_checksum:  # the checksum is this codec's only content check
+                raise CorruptDataError("zstd frame has no content checksum")
+            # One frame and nothing after it: a streaming object reports what is left.
+            d = _unzstd().decompressobj()
+            out = d.decompress(data.data)
+            if not d.eof or d.unused_data or len(out) != n:
+                raise CorruptDataError("zstd payload is not exactly one whole frame")
         except zstandard.ZstdError as e:
             raise CorruptDataError(f"zstd frame: {e}") from None
         return np.frombuffer(out, np.uint8)
