@@ -159,7 +159,7 @@ def test_calibration_file_roundtrip(tmp_path):
     blob = P.compress_kv(CACHE, IDS, PREDICTORS["fp8"], cal)
     assert P.decompress_kv(blob, PREDICTORS["fp8"], loaded).equal(CACHE)
     (tmp_path / "bad.safetensors").write_bytes(b"\0" * 16)
-    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error for a non-file
+    with pytest.raises(CorruptDataError):
         P.Calibration.load(tmp_path / "bad.safetensors")
 
 
