@@ -31,13 +31,12 @@ import json
 import os
 import shutil
 import stat
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .. import hf
+from .. import _jit, hf
 from .._errors import CorruptDataError
 from . import _atomic, files
 from .reader import Progress
@@ -158,7 +157,7 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
     tree = inputs(src)
     total = sum((src / r).stat().st_size for r in tree.safetensors)
     summary = Summary()
-    t0 = time.perf_counter()
+    elapsed = _jit.stopwatch()
     with _atomic.output_dir(dst, force, tree.names()) as tmp:
         base = 0
         for rel in tree.safetensors:
@@ -174,7 +173,7 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
             os.symlink(os.readlink(src / rel), tmp / rel)
         if finish is not None:
             finish(src, tmp)
-    summary.seconds = time.perf_counter() - t0
+    summary.seconds = elapsed()
     return summary
 
 
@@ -224,7 +223,7 @@ def verify_dir(path: Path, against: Path | None = None, *, threads: int | None =
                 raise CorruptDataError(f"{path / rel}: link differs from {against / rel}")
     total = sum((path / r).stat().st_size for r in tree.safetensors)
     summary = Summary()
-    t0 = time.perf_counter()
+    elapsed = _jit.stopwatch()
     base = 0
     for rel in tree.safetensors:
         ref = None if against is None else against / rel
@@ -232,5 +231,5 @@ def verify_dir(path: Path, against: Path | None = None, *, threads: int | None =
         summary.merge(files.verify_file(path / rel, ref, threads=threads,
                                         progress=_offset(progress, base, size, total)))
         base += size
-    summary.seconds = time.perf_counter() - t0
+    summary.seconds = elapsed()
     return summary

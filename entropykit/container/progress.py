@@ -11,6 +11,8 @@ import sys
 import time
 from typing import TextIO
 
+from .. import _jit
+
 
 class Bar:
     """Call with (bytes done, bytes total); call ``close()`` when the work ends."""
@@ -19,7 +21,7 @@ class Bar:
         self.label = label
         self.stream = sys.stderr if stream is None else stream
         self.interval = interval
-        self._t0 = time.perf_counter()
+        self._elapsed = _jit.stopwatch()  # the rate leaves compiling kernels out
         self._last = -1.0
         self._drawn = False
 
@@ -29,7 +31,7 @@ class Bar:
             return
         self._last = now
         pct = 100.0 * done / total if total else 100.0
-        rate = done / 1e6 / max(now - self._t0, 1e-9)
+        rate = done / 1e6 / max(self._elapsed(), 1e-9)
         self.stream.write(f"\r{self.label}  {pct:3.0f}%  {done / 1e6:.1f}/{total / 1e6:.1f} MB"
                           f"  {rate:.0f} MB/s ")
         self.stream.flush()
