@@ -6,8 +6,8 @@ writable (an install owned by another user or in a read-only image, run with no 
 home), Numba would refuse to import them; they are cached under the temporary directory
 instead, in a directory only this user may write (``NUMBA_CACHE_DIR``, when set, comes
 first as always); (2) the time this process spent compiling them, which the summaries'
-rates leave out; (3) one line on stderr when they compile, which only happens on a cache
-miss (the first run of an install, or after an upgrade).
+rates leave out; (3) one line on stderr, when it is a terminal, as they start compiling,
+which only happens on a cache miss (the first run of an install, or after an upgrade).
 What it is not: the kernels, or compiling them ahead (``entropykit.warmup``).
 """
 
@@ -36,7 +36,7 @@ _TYPICAL_SECONDS = 30
 _lock = threading.Lock()
 _local = threading.local()
 _compiling = 0.0  # seconds spent in top-level compiles of the package's kernels
-_announce = True
+_announce: bool | None = None  # None: when stderr is a terminal
 _installed = False
 
 
@@ -56,8 +56,9 @@ def stopwatch() -> Callable[[], float]:
     return lambda: max(0.0, time.perf_counter() - t0 - (compile_seconds() - c0))
 
 
-def set_notice(enabled: bool) -> None:
-    """Whether the first compile of the process says so on stderr (default: it does)."""
+def set_notice(enabled: bool | None) -> None:
+    """Whether the first compile of the process says so on stderr (None, the default:
+    when stderr is a terminal, so that logs and captured output stay as they were)."""
     global _announce
     _announce = enabled
 
@@ -91,11 +92,11 @@ def _say_once() -> None:
     global _announce
     with _lock:
         say, _announce = _announce, False
-    if say:
-        try:
+    try:
+        if say or (say is None and sys.stderr.isatty()):
             print(_NOTICE.format(_TYPICAL_SECONDS), file=sys.stderr, flush=True)
-        except (OSError, ValueError):  # stderr closed or a broken pipe: say nothing
-            pass
+    except (AttributeError, OSError, ValueError):  # no stderr, closed, or a broken pipe
+        pass
 
 
 def _private_dir(path: str) -> bool:

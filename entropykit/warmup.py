@@ -27,7 +27,7 @@ from . import _jit, dtypes
 from .container import files
 
 PARTS = ("weights", "kv")
-_ROWS, _COLS = 96, 160  # enough rows and columns for the row/column context codec to bid
+_ROWS, _COLS = 256, 384  # enough rows and columns for the row/column context codec to bid
 
 
 def _tensors() -> dict[str, np.ndarray]:
@@ -38,8 +38,9 @@ def _tensors() -> dict[str, np.ndarray]:
     for name, kind in dtypes.NUMPY.items():
         dt = np.dtype(kind)
         if dt.kind in "fV" or name.startswith(("BF", "F8")):
-            x = rng.standard_normal((_ROWS, _COLS)) * np.linspace(0.01, 0.1, _COLS)
-            x[:, ::7] = 0.0
+            x = (rng.standard_t(3, (_ROWS, _COLS)) * np.geomspace(1e-3, 1.0, _ROWS)[:, None]
+                 * np.geomspace(0.01, 0.1, _COLS))
+            x[::5, ::7] = 0.0
             a = x.astype(kind)
         elif dt.kind == "b":
             a = rng.random((_ROWS, _COLS)) < 0.1
