@@ -1,5 +1,6 @@
 """entropykit: lossless entropy coding of ML model weights and KV caches."""
 
+from . import _jit  # noqa: F401  (first: it sets where the kernels defined below are cached)
 from ._errors import CorruptDataError
 
 __version__ = "0.1.0"

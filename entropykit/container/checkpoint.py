@@ -32,12 +32,12 @@ import json
 import os
 import shutil
 import stat
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from .. import _jit
 from .._errors import CorruptDataError
 from . import _atomic, config_mark, files
 from .reader import Progress
@@ -167,7 +167,7 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
                           f"{', '.join(str(r) for r in kept)}", stacklevel=3)
     total = sum((src / r).stat().st_size for r in tree.safetensors)
     summary = Summary()
-    t0 = time.perf_counter()
+    elapsed = _jit.stopwatch()
     start_file = getattr(progress, "start_file", None)
     with _atomic.output_dir(dst, force, tree.names()) as tmp:
         base = 0
@@ -186,7 +186,7 @@ def _each(src: Path, dst: Path | None, default: Path, force: bool,
             os.symlink(os.readlink(src / rel), tmp / rel)
         if finish is not None:
             finish(src, tmp)
-    summary.seconds = time.perf_counter() - t0
+    summary.seconds = elapsed()
     return summary
 
 
@@ -238,7 +238,7 @@ def verify_dir(path: Path, against: Path | None = None, *, threads: int | None =
                 raise CorruptDataError(f"{path / rel}: link differs from {against / rel}")
     total = sum((path / r).stat().st_size for r in tree.safetensors)
     summary = Summary()
-    t0 = time.perf_counter()
+    elapsed = _jit.stopwatch()
     base = 0
     for rel in tree.safetensors:
         ref = None if against is None else against / rel
@@ -246,5 +246,5 @@ def verify_dir(path: Path, against: Path | None = None, *, threads: int | None =
         summary.merge(files.verify_file(path / rel, ref, threads=threads,
                                         progress=_offset(progress, base, size, total)))
         base += size
-    summary.seconds = time.perf_counter() - t0
+    summary.seconds = elapsed()
     return summary

@@ -16,13 +16,13 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from .. import _jit
 from .._errors import CorruptDataError
 from . import _atomic
 from . import header as hdr
@@ -223,7 +223,7 @@ def compress_as(src: Path, dst: Path | _atomic.Stream | None, shown: Path | str,
     is named ``<stdin>``, never by its temporary file), and ``dst`` possibly a Stream."""
     out_path = _target(src, dst, True)
     n = resolve(threads)
-    t0 = time.perf_counter()
+    elapsed = _jit.stopwatch()
     with named(shown), _opened(src) as f:
         try:
             s = _read_source(f)
@@ -233,7 +233,7 @@ def compress_as(src: Path, dst: Path | _atomic.Stream | None, shown: Path | str,
             summary = write(s, out, threads=n, progress=progress,
                             segment_bytes=segment_bytes, fast=fast, target=target)
             f.check()
-    summary.seconds = time.perf_counter() - t0
+    summary.seconds = elapsed()
     return summary
 
 
@@ -251,14 +251,14 @@ def decompress_as(src: Path, dst: Path | _atomic.Stream | None, shown: Path | st
     Stream (as for ``compress_as``)."""
     out_path = _target(src, dst, False)
     n = resolve(threads)
-    t0 = time.perf_counter()
+    elapsed = _jit.stopwatch()
     with named(shown), _opened(src) as f, _map(f) as buf:
         c = Compressed(buf)
         with _atomic.output_file(out_path, force) as out:
             size = c.restore(out, n, progress)
             f.check()
         summary = _decoded_summary(c, buf.size, size)
-    summary.seconds = time.perf_counter() - t0
+    summary.seconds = elapsed()
     return summary
 
 
@@ -291,7 +291,7 @@ def verify_file(path: Path, against: Path | None = None, *, threads: int | None 
     given compare the restored file with it byte for byte; CorruptDataError on failure."""
     path = Path(path)
     n = resolve(threads)
-    t0 = time.perf_counter()
+    elapsed = _jit.stopwatch()
     with named(path), mapped(path) as buf:
         c = Compressed(buf)
         if against is None:
@@ -299,7 +299,7 @@ def verify_file(path: Path, against: Path | None = None, *, threads: int | None 
         else:
             _compare(c, Path(against), n, progress)
         summary = _decoded_summary(c, buf.size, c.original.file_size())
-    summary.seconds = time.perf_counter() - t0
+    summary.seconds = elapsed()
     return summary
 
 

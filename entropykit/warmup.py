@@ -1,0 +1,146 @@
+"""Compile the kernels ahead, so that the first real call runs at full speed.
+
+``python -m entropykit.warmup`` (for instance a ``RUN`` line of a Dockerfile, after the
+install, as the user that will run entropykit) compresses, verifies, decompresses and
+loads a small synthetic file holding a tensor of every dtype numpy can hold, in each
+compression mode, and, where torch and transformers are installed, codes the KV cache of
+a tiny random Llama with every residual model in bf16 and fp8. Numba caches what that
+compiles (``entropykit._jit`` says where), so later processes load it instead.
+
+What it is not: a benchmark or a test; nothing here checks results beyond what the calls
+themselves check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import _jit, dtypes
+from .container import files
+
+PARTS = ("weights", "kv")
+_ROWS, _COLS = 256, 384  # enough rows and columns for the row/column context codec to bid
+
+
+def _tensors() -> dict[str, np.ndarray]:
+    """A weight-like matrix of every dtype numpy holds (floats: small normal values with
+    some exact zeros; integers: small values), fixed by a seed."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, kind in dtypes.NUMPY.items():
+        dt = np.dtype(kind)
+        if dt.kind in "fV" or name.startswith(("BF", "F8")):
+            x = (rng.standard_t(3, (_ROWS, _COLS)) * np.geomspace(1e-3, 1.0, _ROWS)[:, None]
+                 * np.geomspace(0.01, 0.1, _COLS))
+            x[::5, ::7] = 0.0
+            a = x.astype(kind)
+        elif dt.kind == "b":
+            a = rng.random((_ROWS, _COLS)) < 0.1
+        else:
+            a = rng.integers(0, 100, (_ROWS, _COLS)).astype(kind)
+        out[name.lower()] = a
+    return out
+
+
+def warm_weights() -> None:
+    """Compile what compressing (default, fast, GPU target), verifying, decompressing and
+    loading a safetensors file compiles."""
+    from safetensors.numpy import save_file
+
+    with tempfile.TemporaryDirectory(prefix="entropykit-warmup-") as tmp:
+        d = Path(tmp)
+        save_file(_tensors(), str(d / "w.safetensors"))
+        for mode, opts in (("default", {}), ("fast", {"fast": True}),
+                           ("gpu", {"target": "gpu"})):
+            out = d / f"w.{mode}.ek.safetensors"
+            files.compress_file(d / "w.safetensors", out, threads=1, **opts)
+            files.verify_file(out, threads=1)
+            files.decompress_file(out, d / f"w.{mode}.safetensors", threads=1)
+        try:
+            from .api import load_file
+
+            load_file(d / "w.default.ek.safetensors", threads=1)
+        except ImportError:  # torch is optional: only load_file needs it
+            pass
+
+
+def warm_kv() -> None:
+    """Compile what ``compress_kv`` / ``decompress_kv`` compile, with every residual model,
+    in bf16 and fp8 (needs torch and transformers: nothing to do without them)."""
+    try:
+        import torch
+        import transformers
+
+        from . import predictive as P
+    except ImportError:
+        return
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (48,), generator=gen) for _ in range(4)]
+    ids = torch.randint(0, 64, (1, 24), generator=gen)
+    with torch.inference_mode():
+        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
+    predictor = P.FP8Predictor(model)
+    cal = P.calibrate(model, predictor, prompts)
+    for c in (cache, P.to_fp8(cache)):
+        for kind in P.KINDS:
+            blob = P.compress_kv(c, ids, predictor, cal, model=kind, threads=1)
+            P.decompress_kv(blob, predictor, cal, threads=1)
+
+
+_WARM = {"weights": warm_weights, "kv": warm_kv}
+
+
+def warm(parts: Sequence[str] = PARTS, *, jobs: int = 1) -> float:
+    """Compile the kernels ``parts`` use (each of ``PARTS``); seconds it took.
+
+    ``jobs`` > 1 compiles up to that many parts at once, the others in child processes
+    (Numba compiles on one core), then runs those parts here too, which loads what the
+    children cached and compiles anything they did not leave there.
+    """
+    if any(p not in _WARM for p in parts):
+        raise ValueError(f"parts must be among {PARTS}, got {list(parts)}")
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "entropykit.warmup", "--quiet",
+                               "--part", p]) for p in parts[1:max(1, jobs)]]
+    _WARM[parts[0]]()
+    for proc in procs:
+        proc.wait()
+    for p in parts[1:]:
+        _WARM[p]()
+    return time.perf_counter() - t0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m entropykit.warmup",
+        description="Compile entropykit's kernels into Numba's cache, so that the first "
+                    "compress, load or KV call of every later process runs at full speed.")
+    ap.add_argument("--part", action="append", choices=PARTS,
+                    help="only these parts (repeatable; default: all)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="compile the parts in this many processes at once (default 1)")
+    ap.add_argument("--quiet", action="store_true", help="print nothing")
+    args = ap.parse_args(argv)
+    _jit.set_notice(False)
+    seconds = warm(args.part or PARTS, jobs=args.jobs)
+    if not args.quiet:
+        print(f"entropykit: kernels ready ({seconds:.1f} s, "
+              f"{_jit.compile_seconds():.1f} s compiling)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
