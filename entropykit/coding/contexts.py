@@ -57,7 +57,14 @@ def _choose(joint: np.ndarray, max_tables: int) -> np.ndarray:
             t += joint[c, s]
         per[c] = t
     present = np.flatnonzero(per)
-    order = present[np.argsort(-per[present], kind="mergesort")]
+    order = present.copy()
+    for i in range(1, order.size):  # stable insertion sort by decreasing count
+        c = order[i]
+        j = i - 1
+        while j >= 0 and per[order[j]] < per[c]:
+            order[j + 1] = order[j]
+            j -= 1
+        order[j + 1] = c
     rest = np.zeros(256, np.int64)
     for c in present:
         for s in range(256):
@@ -80,7 +87,8 @@ def _choose(joint: np.ndarray, max_tables: int) -> np.ndarray:
         if saved > 0:
             n_own += 1
             cmap[c] = n_own
-            rest[:] = remain
+            for s in range(256):
+                rest[s] = remain[s]
             rest_total -= per[c]
             rest_bits = remain_bits
     return cmap
@@ -111,7 +119,8 @@ def classes(cmap: np.ndarray, context: np.ndarray) -> np.ndarray:
 def _class_counts(joint: np.ndarray, cmap: np.ndarray, n_tables: int) -> np.ndarray:
     out = np.zeros((n_tables, 256), np.int64)
     for c in range(256):
-        out[cmap[c]] += joint[c]
+        for s in range(256):
+            out[cmap[c], s] += joint[c, s]
     return out
 
 

@@ -247,7 +247,8 @@ def _context(lo, hi, cols, phase, rcls, pattern, ccls, out):
             for q in range(m):
                 out[i - lo + q] = row[ccls[j0 + q]]
         elif along:
-            out[i - lo : i - lo + m] = row[j0 : j0 + m]
+            for q in range(m):
+                out[i - lo + q] = row[j0 + q]
         else:
             out[i - lo : i - lo + m] = row[0]
         i += m
@@ -287,7 +288,9 @@ def _count(sym, cols, phase, rcls, pattern, ccls, kmax):
         j0 = 0
     joint = np.zeros((256, 256), np.int64)
     for q in range(4):
-        joint[:kmax] += parts[q]
+        for c in range(kmax):
+            for s in range(256):
+                joint[c, s] += parts[q, c, s]
     return joint
 
 
