@@ -166,9 +166,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _info_file(path: Path) -> None:
-    with files.named(path), files.mapped(path) as buf:
+    with files.named(path), files.opened(path) as f:
         try:
-            h = hdr.parse_file(memoryview(buf))
+            h = hdr.parse_read(f.read, f.size)
+        except CorruptDataError:
+            raise  # the file changed while its header was read
         except ValueError as e:
             raise CorruptDataError(f"not a valid safetensors file: {e}") from None
         if not is_compressed(h):
@@ -177,9 +179,9 @@ def _info_file(path: Path) -> None:
                      for e in h.by_offset]
             print(_table(rows))
             print(f"\n{path}: safetensors, not compressed: {len(h.entries)} tensors, "
-                  f"{_fmt_bytes(buf.size)} MB")
+                  f"{_fmt_bytes(f.size)} MB")
             return
-        c = Compressed(buf)
+        c = Compressed(f)
         rows = [["tensor", "dtype", "shape", "layout", "codecs", "MB in", "MB out", "ratio"]]
         for name in c.keys():
             e, t = c.entry(name), c.record.tensors[name]
@@ -192,8 +194,8 @@ def _info_file(path: Path) -> None:
         meta = c.original.metadata or {}
         orig = c.original.file_size()
         print(f"\n{path}: entropykit container v1, {len(c.keys())} tensors, "
-              f"{_fmt_bytes(orig)} MB -> {_fmt_bytes(buf.size)} MB "
-              f"(ratio {buf.size / orig if orig else 1:.4f}), "
+              f"{_fmt_bytes(orig)} MB -> {_fmt_bytes(f.size)} MB "
+              f"(ratio {f.size / orig if orig else 1:.4f}), "
               f"segments of {c.record.segment_bytes:,} bytes, metadata {meta}")
 
 
