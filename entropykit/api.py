@@ -26,12 +26,11 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from ._errors import CorruptDataError
 from .container import _atomic, checkpoint, files
 from .container import header as hdr
 from .container.parallel import imap, resolve
 from .container.progress import Bar
-from .container.reader import Compressed, is_compressed
+from .container.reader import Compressed, is_compressed, read_header
 from .container.stats import Summary
 from .container.writer import Source, write
 
@@ -149,14 +148,9 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
         return load_dir(path, lambda p: load_file(p, device, threads=threads))
     n = resolve(threads)
     with files.named(path), files.opened(path) as f:
-        try:
-            h = hdr.parse_read(f.read, f.size)
-        except CorruptDataError:
-            raise  # the file changed while its header was read
-        except ValueError as e:
-            # Ours or not, never handed on: safetensors accepts some headers this refuses
-            # (duplicate keys), and a damaged compressed file must not load as plain.
-            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+        # Ours or not, never handed on: safetensors accepts some headers this refuses
+        # (duplicate keys), and a damaged compressed file must not load as plain.
+        h = read_header(f)
         if not is_compressed(h, f):
             return safetensors.torch.load_file(path, device=device)
         c = Compressed(f)

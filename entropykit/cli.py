@@ -27,12 +27,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import __version__
-from ._errors import CorruptDataError
 from .container import checkpoint, files
-from .container import header as hdr
 from .container.parallel import resolve
 from .container.progress import Bar
-from .container.reader import Compressed, is_compressed
+from .container.reader import Compressed, is_compressed, read_header
 from .container.stats import Row, Summary
 
 EXIT_OK, EXIT_DATA, EXIT_USAGE = 0, 1, 2
@@ -167,12 +165,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _info_file(path: Path) -> None:
     with files.named(path), files.opened(path) as f:
-        try:
-            h = hdr.parse_read(f.read, f.size)
-        except CorruptDataError:
-            raise  # the file changed while its header was read
-        except ValueError as e:
-            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+        h = read_header(f)
         if not is_compressed(h):
             rows = [["tensor", "dtype", "shape", "MB"]]
             rows += [[e.name, e.dtype, str(list(e.shape)), _fmt_bytes(e.nbytes)]

@@ -27,10 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes, formats
-from .._errors import CorruptDataError
 from ..container import checkpoint, files
-from ..container import header as hdr
-from ..container.reader import Compressed, is_compressed
+from ..container.reader import Compressed, is_compressed, read_header
 
 # Bytes per element of the dtypes the formats split knows.
 ITEMSIZE = {d: dtypes.BITS[d] // 8 for d in formats.DTYPES}
@@ -66,12 +64,7 @@ def _file_items(path: Path, layouts: Mapping[str, str | None]) -> Iterator[Item 
     with files.named(path):
         # Not closed here: items read it after this generator is done (closed once dropped).
         f = files.opened(path)
-        try:
-            h = hdr.parse_read(f.read, f.size)
-        except CorruptDataError:
-            raise  # the file changed while its header was read
-        except ValueError as e:
-            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+        h = read_header(f)
         c = Compressed(f) if is_compressed(h) else None
     if c is not None:
         for name in c.keys():

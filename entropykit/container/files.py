@@ -23,7 +23,7 @@ from .._errors import CorruptDataError
 from . import _atomic
 from . import header as hdr
 from .parallel import resolve
-from .reader import Compressed, Progress
+from .reader import Compressed, Progress, read_header
 from .source import FileBytes, Window
 from .stats import Summary
 from .writer import SEGMENT_BYTES, Source, write
@@ -78,7 +78,7 @@ def source(buf: np.ndarray) -> Source:
 
 def _read_source(f: FileBytes) -> Source:
     """A ``writer.Source`` over input file ``f``, read segment by segment."""
-    h = hdr.parse_read(f.read, f.size)
+    h = read_header(f)
     start = h.data_start
     return Source(h, lambda e: Window(f, start + e.begin, e.nbytes))
 
@@ -96,12 +96,7 @@ def compress_file(src: Path, dst: Path | None = None, *, threads: int | None = N
     _atomic.check_distinct(src, dst)
     t0 = time.perf_counter()
     with named(src), opened(src) as f:
-        try:
-            s = _read_source(f)
-        except CorruptDataError:
-            raise  # the file changed while its header was read
-        except ValueError as e:
-            raise ValueError(f"not a valid safetensors file: {e}") from None
+        s = _read_source(f)
         with _atomic.output_file(dst, force) as out:
             summary = write(s, out, threads=n, progress=progress,
                             segment_bytes=segment_bytes, fast=fast, target=target)

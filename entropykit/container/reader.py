@@ -37,6 +37,17 @@ def is_compressed(h: hdr.Header, src: Bytes | None = None) -> bool:
     return claim(h, None if src is None else _tensors(h, src)) is not None
 
 
+def read_header(src: Bytes) -> hdr.Header:
+    """The safetensors header of ``src``, reading only it; CorruptDataError if it is not
+    valid (or if the file was cut while it was read)."""
+    try:
+        return hdr.parse_read(src.read, src.size)
+    except CorruptDataError:
+        raise  # a short read: the file changed while its header was read
+    except ValueError as e:
+        raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+
+
 def _tensors(h: hdr.Header, src: Bytes) -> Callable[[hdr.Entry], Window]:
     """A tensor's bytes in ``src`` (a file with header ``h``), read when sliced."""
     return lambda e: Window(src, h.data_start + e.begin, e.nbytes)
@@ -68,12 +79,7 @@ class Compressed:
 
     def __init__(self, buf: bytes | memoryview | np.ndarray | Bytes) -> None:
         self._src: Bytes = buf if hasattr(buf, "read") else ArrayBytes(buf)
-        try:
-            self.outer = hdr.parse_read(self._src.read, self._src.size)
-        except CorruptDataError:
-            raise  # the file changed while its header was read
-        except ValueError as e:
-            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+        self.outer = read_header(self._src)
         if record.KEY not in (self.outer.metadata or {}):
             why = claim(self.outer, _tensors(self.outer, self._src))
             if why is not None:
