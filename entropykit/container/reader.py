@@ -77,8 +77,9 @@ class Compressed:
     against the file and the format's caps before anything is sized by it.
     """
 
-    def __init__(self, buf: bytes | memoryview | np.ndarray | Bytes) -> None:
-        self._src: Bytes = buf if hasattr(buf, "read") else ArrayBytes(buf)
+    def __init__(self, buf: bytes | bytearray | memoryview | np.ndarray | Bytes) -> None:
+        in_memory = isinstance(buf, (bytes, bytearray, memoryview, np.ndarray))
+        self._src: Bytes = ArrayBytes(buf) if in_memory else buf
         self.outer = read_header(self._src)
         if record.KEY not in (self.outer.metadata or {}):
             why = claim(self.outer, _tensors(self.outer, self._src))
@@ -209,7 +210,7 @@ class Compressed:
             return 0, np.empty(0, np.uint8)
         start, end = bounds[hit[0]][0], bounds[hit[-1]][1]
         out = np.empty(end - start, np.uint8)
-        # Jobs of other segments are made (views only) but never run.
+        # Jobs of other segments are made (nothing read) but never run.
         jobs = (j for j in self._jobs([e], out, -e.begin - start) if hit[0] <= j[1] <= hit[-1])
         for _ in imap(self._decode, jobs, threads):
             pass
