@@ -65,13 +65,17 @@ class Fields:
     lengths: list[int]
     crcs: list[int] | None
 
-    def read(self, buf: Sliceable, lo: int, hi: int) -> list[np.ndarray]:
-        """Field payloads ``lo`` to ``hi`` out of payload ``buf``, read in one slice (they
-        lie back to back)."""
+    def span(self, lo: int, hi: int) -> tuple[int, int]:
+        """Where field payloads ``lo`` to ``hi`` (exclusive) lie in the payload: one range,
+        as they lie back to back."""
         if hi <= lo:
-            return []
-        a = self.offsets[lo]
-        block = buf[a : self.offsets[hi - 1] + self.lengths[hi - 1]]
+            return 0, 0
+        return self.offsets[lo], self.offsets[hi - 1] + self.lengths[hi - 1]
+
+    def split(self, block: np.ndarray, lo: int, hi: int) -> list[np.ndarray]:
+        """Field payloads ``lo`` to ``hi`` (views) out of ``block``, the bytes ``span``
+        gives."""
+        a = self.span(lo, hi)[0]
         return [block[o - a : o - a + n]
                 for o, n in zip(self.offsets[lo:hi], self.lengths[lo:hi], strict=True)]
 

@@ -24,7 +24,7 @@ from .._errors import CorruptDataError
 from . import header as hdr
 from . import payload, record, segment
 from .parallel import imap
-from .source import ArrayBytes, Bytes, Window
+from .source import ArrayBytes, Bytes, Scratch, Window
 
 Progress = Callable[[int, int], None]
 
@@ -80,6 +80,7 @@ class Compressed:
     def __init__(self, buf: bytes | bytearray | memoryview | np.ndarray | Bytes) -> None:
         in_memory = isinstance(buf, (bytes, bytearray, memoryview, np.ndarray))
         self._src: Bytes = ArrayBytes(buf) if in_memory else buf
+        self._scratch = Scratch()
         self.outer = read_header(self._src)
         if record.KEY not in (self.outer.metadata or {}):
             why = claim(self.outer, _tensors(self.outer, self._src))
@@ -154,14 +155,19 @@ class Compressed:
         except CorruptDataError as err:
             raise CorruptDataError(f"tensor {name!r}: {err}") from None
 
-    def segment_parts(self, name: str, fields: payload.Fields, seg: int) -> list[np.ndarray]:
+    def segment_parts(self, name: str, fields: payload.Fields, seg: int,
+                      scratch: Scratch | None = None) -> list[np.ndarray]:
         """Segment ``seg``'s field payloads of tensor ``name`` (placed by ``fields``), read
         and each checked against its position CRC; CorruptDataError naming the place if
         one fails. Runs where the segment is decoded, so the read and the check are
-        parallel with the decoding."""
+        parallel with the decoding. With ``scratch``, they are read into this thread's
+        buffer there, valid until this thread's next read."""
         t = self.record.tensors[name]
         nf = len(t.fields)
-        parts = fields.read(self._payload(name), seg * nf, (seg + 1) * nf)
+        a, b = fields.span(seg * nf, (seg + 1) * nf)
+        at = self.outer.data_start + self._outer[name].begin + a
+        block = self._src.read(at, b - a, scratch)
+        parts = fields.split(block, seg * nf, (seg + 1) * nf)
         crcs = None if fields.crcs is None else fields.crcs[seg * nf : (seg + 1) * nf]
         try:
             payload.check(name, seg, t.fields, parts, crcs)
@@ -184,7 +190,9 @@ class Compressed:
                 ) -> np.ndarray:
         e, s, nbytes, fields, dest = job
         t = self.record.tensors[e.name]
-        parts = self.segment_parts(e.name, fields, s)
+        # The parts are dead once decoded (the output never shares their memory), so
+        # they are read into a buffer this thread reuses.
+        parts = self.segment_parts(e.name, fields, s, self._scratch)
         try:
             return segment.decode(e.dtype, t.layout, t.fields, t.codecs[s], parts, nbytes,
                                   out=dest)

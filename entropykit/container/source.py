@@ -6,15 +6,16 @@ threads read while others decode). Files are read, never mapped: a mapped file t
 shrinks kills the process with SIGBUS, while a read past the end here is a short read,
 raised as ``CorruptDataError`` and never used as data. The file is remembered as it was
 when opened (size, modification time) so that a change can be detected (``check``).
-``ArrayBytes`` gives the same interface over bytes in memory (views, no copy), and
-``Window`` a slice of either that is read when sliced. What it is not: parsing or
-decoding (``header``, ``reader``).
+``ArrayBytes`` gives the same interface over bytes in memory (views, no copy),
+``Window`` a slice of either that is read when sliced, and ``Scratch`` a read buffer
+reused per thread. What it is not: parsing or decoding (``header``, ``reader``).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import threading
 import weakref
 from pathlib import Path
 from typing import Protocol
@@ -29,7 +30,7 @@ class Bytes(Protocol):
 
     size: int
 
-    def read(self, offset: int, n: int) -> np.ndarray: ...
+    def read(self, offset: int, n: int, scratch: Scratch | None = None) -> np.ndarray: ...
 
 
 def _past_end(offset: int, n: int, size: int) -> CorruptDataError | None:
@@ -47,7 +48,8 @@ class ArrayBytes:
             np.frombuffer(memoryview(buf).cast("B"), np.uint8)
         self.size = int(self._buf.size)
 
-    def read(self, offset: int, n: int) -> np.ndarray:
+    def read(self, offset: int, n: int, scratch: Scratch | None = None) -> np.ndarray:
+        """A view (``scratch`` is not needed: nothing is copied)."""
         err = _past_end(offset, n, self.size)
         if err is not None:
             raise err
@@ -89,13 +91,14 @@ class FileBytes:
             raise CorruptDataError(f"file changed while being read ({self.size} bytes when "
                                    f"opened, now {now.st_size})")
 
-    def read(self, offset: int, n: int) -> np.ndarray:
-        """``n`` bytes at ``offset`` (a new array); CorruptDataError if the file is shorter
-        now than when opened."""
+    def read(self, offset: int, n: int, scratch: Scratch | None = None) -> np.ndarray:
+        """``n`` bytes at ``offset``: a new array, or with ``scratch`` this thread's buffer
+        there (valid until its next use); CorruptDataError if the file is shorter now than
+        when opened."""
         err = _past_end(offset, n, self.size)
         if err is not None:
             raise err
-        out = np.empty(n, np.uint8)
+        out = np.empty(n, np.uint8) if scratch is None else scratch.get(n)[:n]
         view = memoryview(out)
         got = 0
         while got < n:
@@ -123,3 +126,19 @@ class Window:
         if step != 1:
             raise ValueError("only contiguous slices are read")
         return self._src.read(self._begin + lo, max(hi - lo, 0))
+
+
+class Scratch:
+    """A read buffer per thread, grown as needed (``get(n)``): for reads that are dead once
+    the reading thread is done with them (a segment's field payloads, once decoded), so
+    that each read does not pay a fresh allocation's page faults. A pool thread's buffer
+    goes with the thread."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, n: int) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.size < n:
+            buf = self._local.buf = np.empty(n, np.uint8)
+        return buf
