@@ -26,12 +26,11 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from ._errors import CorruptDataError
 from .container import _atomic, checkpoint, files
 from .container import header as hdr
 from .container.parallel import imap, resolve
 from .container.progress import Bar
-from .container.reader import Compressed, is_compressed
+from .container.reader import Compressed, is_compressed, read_header
 from .container.stats import Summary
 from .container.writer import Source, write
 
@@ -148,16 +147,13 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
 
         return load_dir(path, lambda p: load_file(p, device, threads=threads))
     n = resolve(threads)
-    with files.named(path), files.mapped(path) as buf:
-        try:
-            h = hdr.parse_file(memoryview(buf))
-        except ValueError as e:
-            # Ours or not, never handed on: safetensors accepts some headers this refuses
-            # (duplicate keys), and a damaged compressed file must not load as plain.
-            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
-        if not is_compressed(h, buf):
+    with files.named(path), files.opened(path) as f:
+        # Ours or not, never handed on: safetensors accepts some headers this refuses
+        # (duplicate keys), and a damaged compressed file must not load as plain.
+        h = read_header(f)
+        if not is_compressed(h, f):
             return safetensors.torch.load_file(path, device=device)
-        c = Compressed(buf)
+        c = Compressed(f)
         types = dtypes.torch_types()
         if _is_cuda(device):
             from .gpu import _load_runtime
@@ -165,12 +161,14 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
             _load_runtime(device)  # GpuUnavailableError before any work
             from .gpu.load import load
 
-            return load(c, buf, device, types, n)
-        names = c.keys()
-        out = {}
-        for name, raw in zip(names, imap(lambda k: c.tensor(k), names, n), strict=True):
-            t = _as_torch(raw, c.entry(name), types)
-            out[name] = t if str(device) == "cpu" else t.to(device)
+            out = load(c, device, types, n)
+        else:
+            names = c.keys()
+            out = {}
+            for name, raw in zip(names, imap(lambda k: c.tensor(k), names, n), strict=True):
+                t = _as_torch(raw, c.entry(name), types)
+                out[name] = t if str(device) == "cpu" else t.to(device)
+        f.check()
         return out
 
 

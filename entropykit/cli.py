@@ -39,12 +39,10 @@ from pathlib import Path
 from typing import TextIO
 
 from . import __version__
-from ._errors import CorruptDataError
 from .container import _atomic, checkpoint, files
-from .container import header as hdr
 from .container.parallel import resolve
 from .container.progress import Bar
-from .container.reader import Compressed, is_compressed
+from .container.reader import Compressed, is_compressed, read_header
 from .container.stats import Row, Summary
 
 EXIT_OK, EXIT_DATA, EXIT_USAGE = 0, 1, 2
@@ -282,20 +280,17 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _info_file(path: Path) -> None:
-    with files.named(path), files.mapped(path) as buf:
-        try:
-            h = hdr.parse_file(memoryview(buf))
-        except ValueError as e:
-            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+    with files.named(path), files.opened(path) as f:
+        h = read_header(f)
         if not is_compressed(h):
             rows = [["tensor", "dtype", "shape", "MB"]]
             rows += [[e.name, e.dtype, str(list(e.shape)), _fmt_bytes(e.nbytes)]
                      for e in h.by_offset]
             print(_table(rows))
             print(f"\n{path}: safetensors, not compressed: {len(h.entries)} tensors, "
-                  f"{_fmt_bytes(buf.size)} MB")
+                  f"{_fmt_bytes(f.size)} MB")
             return
-        c = Compressed(buf)
+        c = Compressed(f)
         rows = [["tensor", "dtype", "shape", "layout", "codecs", "MB in", "MB out", "ratio"]]
         for name in c.keys():
             e, t = c.entry(name), c.record.tensors[name]
@@ -307,9 +302,9 @@ def _info_file(path: Path) -> None:
         print(_table(rows))
         meta = c.original.metadata or {}
         orig = c.original.file_size()
-        print(f"\n{path}: entropykit container v1, {len(c.keys())} tensors, "
-              f"{_fmt_bytes(orig)} MB -> {_fmt_bytes(buf.size)} MB "
-              f"(ratio {buf.size / orig if orig else 1:.4f}), "
+        print(f"\n{path}: entropykit record v{c.record.version}, {len(c.keys())} tensors, "
+              f"{_fmt_bytes(orig)} MB -> {_fmt_bytes(f.size)} MB "
+              f"(ratio {f.size / orig if orig else 1:.4f}), "
               f"segments of {c.record.segment_bytes:,} bytes, metadata {meta}")
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
+from ._errors import CorruptDataError
 from .container import files
 from .container import header as hdr
 from .container.checkpoint import INDEX_SUFFIX, check_shards
@@ -31,9 +32,11 @@ _FRAMEWORKS = ("pt", "np", "numpy")
 
 
 def _plain(path: Path) -> bool:
-    with files.named(path), files.mapped(path) as buf:
+    with files.named(path), files.opened(path) as f:
         try:
-            return not is_compressed(hdr.parse_file(memoryview(buf)))
+            return not is_compressed(hdr.parse_read(f.read, f.size))
+        except CorruptDataError:
+            raise  # the file changed while its header was read
         except ValueError:
             return True  # not ours: safetensors says what is wrong with it
 
@@ -57,15 +60,16 @@ def safe_open(path: str | Any, framework: str = "pt", device: str | int = "cpu",
 
 
 class CompressedFile:
-    """An open compressed safetensors file (see ``safe_open``); closes its map on exit."""
+    """An open compressed safetensors file (see ``safe_open``), read as tensors are asked
+    for (never mapped); closes it on exit."""
 
     def __init__(self, path: Path, framework: str, device: str | int, threads: int) -> None:
         self._path, self._framework, self._device, self._threads = path, framework, device, threads
         self._stack = contextlib.ExitStack()
         with files.named(path):
-            buf = self._stack.enter_context(files.mapped(path))
+            f = self._stack.enter_context(files.opened(path))
             try:
-                self._c = Compressed(buf)
+                self._c = Compressed(f)
             except BaseException:
                 self._stack.close()
                 raise
@@ -77,7 +81,7 @@ class CompressedFile:
         self.close()
 
     def close(self) -> None:
-        self._c = None  # drop the views into the map before closing it
+        self._c = None  # no reads through a closed file
         self._stack.close()
 
     def _open(self) -> Compressed:

@@ -253,11 +253,11 @@ def main() -> None:
         for gb, th in ((64 << 20, 1), (64 << 20, 4), (64 << 20, threads), (16 << 20, threads),
                        (256 << 20, threads)):
             t = time.perf_counter()
-            groups = list(fileplan.groups(c, buf, th, group_bytes=gb))
+            groups = list(fileplan.groups(c, th, group_bytes=gb))
             plan_s = time.perf_counter() - t
             del groups
             secs: dict = {}
-            ts = wall(functools.partial(gload.load, c, buf, DEV, dtypes, th, group_bytes=gb,
+            ts = wall(functools.partial(gload.load, c, DEV, dtypes, th, group_bytes=gb,
                                         seconds=secs), 4)
             row = {"file": stem, "group_mib": gb >> 20, "threads": th, "plan_only_s": plan_s,
                    "load_median_s": statistics.median(ts[1:]), "from": "memory (np.fromfile)",

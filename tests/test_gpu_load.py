@@ -34,7 +34,7 @@ def _emulated_load(path, threads=1, **kw) -> dict[str, np.ndarray]:
     c = Compressed(buf)
     entries = c.original.by_offset
     outs = [np.full(e.nbytes, 0xA5, np.uint8) for e in entries]
-    for group in fileplan.groups(c, buf, threads, **kw):
+    for group in fileplan.groups(c, threads, **kw):
         for part in group.parts:
             b = part.batch
             views = [outs[t].view(np.uint16) if b.bf16 else outs[t] for t in part.tensors]
@@ -144,7 +144,7 @@ def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, target,
     else:
         assert {c for _, c in used} <= {"rans", "raw", "zstd"} and ("exponent", "rans") in used
     c = Compressed(np.fromfile(ek, np.uint8))
-    groups = list(fileplan.groups(c, np.fromfile(ek, np.uint8), 2, warps=warps,
+    groups = list(fileplan.groups(c, 2, warps=warps,
                                   group_bytes=group_bytes))
     assert len(groups) > (1 if group_bytes < fileplan.GROUP_BYTES else 0)
     got = _emulated_load(ek, 2, warps=warps, group_bytes=group_bytes)
@@ -161,7 +161,7 @@ def test_staging_moves_every_payload_to_the_decoders_layout(model_file, tmp_path
     ek = tmp_path / "m.ek.safetensors"
     files.compress_file(model_file, ek, threads=2, segment_bytes=1 << 16, target=target)
     buf = np.fromfile(ek, np.uint8)
-    for group in fileplan.groups(Compressed(buf), buf, 2, group_bytes=1 << 18):
+    for group in fileplan.groups(Compressed(buf), 2, group_bytes=1 << 18):
         st = _staging.Staging.of(group)
         host = np.full(st.size, 0xEE, np.uint8)
         st.fill(group, host, [p.batch.desc for p in group.parts], threads=3)
@@ -244,8 +244,7 @@ def test_damaged_files_are_caught_where_the_gpu_loader_checks(model_file, tmp_pa
     bad = _damaged(ek, tmp_path / "b.safetensors", "big.bf16", "sign_mantissa", 0.5, "raw")
     with pytest.raises(CorruptDataError, match=r"'big\.bf16' segment 0: field "
                                                r"'sign_mantissa' \(raw\): raw field fails"):
-        list(fileplan.groups(Compressed(np.fromfile(bad, np.uint8)),
-                             np.fromfile(bad, np.uint8)))
+        list(fileplan.groups(Compressed(np.fromfile(bad, np.uint8))))
 
 
 def test_host_decoded_and_raw_chunk_damage(model_file, tmp_path):

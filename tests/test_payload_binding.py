@@ -106,7 +106,7 @@ def _read(how: str, path: Path) -> None:
             f.get_slice("a")[:8]  # rows 0-7: segment 0 only
     else:  # the GPU loader's host planner
         buf = np.fromfile(path, np.uint8)
-        list(fileplan.groups(Compressed(buf), buf, 2))
+        list(fileplan.groups(Compressed(buf), 2))
 
 
 @pytest.mark.parametrize("edit", list(EDITS))

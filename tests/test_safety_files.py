@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 import entropykit
+from entropykit import CorruptDataError
 from entropykit.cli import main
 from entropykit.container import checkpoint
 
@@ -325,7 +326,8 @@ def test_input_shrinking_mid_run_fails_cleanly(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", _SHRINK_RUN, str(src), str(out)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1, (r.returncode, r.stderr)  # not -SIGBUS
-    assert r.stderr.startswith(f"entropykit: error: {src}: input changed while being read")
+    assert r.stderr.startswith(f"entropykit: error: {src}: file changed or truncated while "
+                               "being read")
     assert r.stderr.count("\n") == 1
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
 
@@ -345,9 +347,204 @@ def test_input_changed_before_the_rename_leaves_no_output(
         return summary
 
     monkeypatch.setattr(files, "write", write_then_grow)
-    with pytest.raises(ValueError, match="input changed while being read"):
+    with pytest.raises(CorruptDataError, match="file changed while being read"):
         files.compress_file(src, tmp_path / "o.ek")
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
+_SHRINK_READ = """
+import os, sys
+import entropykit.cli as cli
+victim = sys.argv[1]
+
+class Bar:
+    def __call__(self, done, total):
+        os.truncate(victim, 4096)  # from "another program": the file shrinks mid-run
+    def close(self): pass
+
+cli._progress = lambda args, label: Bar()
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.fixture
+def packed(tmp_path: Path) -> tuple[Path, Path]:
+    """(original, compressed) with many small segments, so the run reads after the cut."""
+    from entropykit.container import files
+
+    src = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(1024, 1024).to(torch.bfloat16)}, src)
+    ek = tmp_path / "m.ek.safetensors"
+    files.compress_file(src, ek, threads=1, segment_bytes=1 << 16)
+    return src, ek
+
+
+@pytest.mark.parametrize("verb", ["decompress", "verify", "verify --against"])
+def test_compressed_input_shrinking_mid_run_fails_cleanly(packed: tuple[Path, Path],
+                                                          verb: str) -> None:
+    """decompress / verify of a compressed file cut short while it is read (and the
+    original that verify --against compares with): one line, exit 1, nothing written, not
+    killed by SIGBUS (as when the file was mapped)."""
+    src, ek = packed
+    out = src.with_name("out.safetensors")
+    victim, argv = {
+        "decompress": (ek, ["decompress", ek, "-o", out]),
+        "verify": (ek, ["verify", ek]),
+        "verify --against": (src, ["verify", ek, "--against", src]),
+    }[verb]
+    before = sorted(os.listdir(src.parent))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _SHRINK_READ, str(victim),
+                        *map(str, argv), "--threads", "1"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr)  # not -SIGBUS
+    lead = f"entropykit: error: {ek}: " + (f"{src}: " if victim == src else "")
+    assert r.stderr.startswith(lead + "file changed or truncated while being read"), r.stderr
+    assert r.stderr.count("\n") == 1
+    assert sorted(os.listdir(src.parent)) == before
+
+
+_SHRINK_LOAD = """
+import os, sys
+import entropykit
+from entropykit.container.reader import Compressed
+victim, how = sys.argv[1], sys.argv[2]
+decode = Compressed.tensor
+
+def cut_then_decode(self, *a, **k):
+    os.truncate(victim, 4096)  # from "another program": the file shrinks mid-run
+    return decode(self, *a, **k)
+
+Compressed.tensor = cut_then_decode
+try:
+    if how == "load_file":
+        entropykit.load_file(victim, threads=1)
+    else:
+        with entropykit.safe_open(victim, framework="np", threads=1) as f:
+            f.get_tensor("w")
+except Exception as e:
+    print(type(e).__name__, e, file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("how", ["load_file", "safe_open"])
+def test_load_of_a_file_shrinking_mid_run_raises(packed: tuple[Path, Path], how: str) -> None:
+    """load_file / safe_open of a compressed file cut short while read: CorruptDataError
+    with one line, not SIGBUS."""
+    _, ek = packed
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _SHRINK_LOAD, str(ek), how],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr)  # not -SIGBUS
+    assert r.stderr.startswith(f"CorruptDataError {ek}: file changed or truncated while "
+                               "being read: it ends at byte 4096"), r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("verb", ["decompress", "verify", "load_file"])
+def test_compressed_input_changed_before_the_end_fails(packed: tuple[Path, Path], verb: str,
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """A compressed file that changes after its last read but before the run ends (the
+    output renamed, the tensors returned): CorruptDataError, no output."""
+    from entropykit.container import files
+    from entropykit.container.reader import Compressed
+
+    src, ek = packed
+    real = Compressed.tensor if verb == "load_file" else Compressed.verify
+    name = "tensor" if verb == "load_file" else "verify"
+    if verb == "decompress":
+        real, name = Compressed.restore, "restore"
+
+    def then_append(*a: object, **k: object) -> object:
+        got = real(*a, **k)
+        with open(ek, "ab") as f:
+            f.write(b"appended")
+        return got
+
+    monkeypatch.setattr(Compressed, name, then_append)
+    before = sorted(os.listdir(src.parent))
+    run = {"decompress": lambda: files.decompress_file(ek, src.with_name("o.safetensors")),
+           "verify": lambda: files.verify_file(ek),
+           "load_file": lambda: entropykit.load_file(ek)}[verb]
+    with pytest.raises(CorruptDataError, match="file changed while being read"):
+        run()
+    assert sorted(os.listdir(src.parent)) == before
+
+
+_VERIFY_RSS = """
+import sys
+from entropykit.container import files
+
+def status(key):  # this process's own, in bytes (ru_maxrss is inherited across exec)
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith(key + ":")) << 10
+
+files.verify_file(sys.argv[2], threads=2)  # warm: compiled code loaded, pools made
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak restarts from here
+before = status("VmRSS")
+files.verify_file(sys.argv[1], threads=2)
+print(status("VmHWM") - before)
+"""
+
+
+def test_verify_holds_segments_not_the_file(tmp_path: Path) -> None:
+    """verify reads a segment at a time: its peak memory grows by far less than the
+    compressed file (a mapped file's touched pages all counted)."""
+    from entropykit.container import files
+
+    src, small = tmp_path / "m.safetensors", tmp_path / "s.safetensors"
+    save_file({"w": torch.randn(6144, 4096).to(torch.bfloat16)}, src)
+    save_file({"w": torch.randn(512, 512).to(torch.bfloat16)}, small)
+    ek, ek_small = tmp_path / "m.ek", tmp_path / "s.ek"
+    files.compress_file(src, ek, segment_bytes=1 << 20)
+    files.compress_file(small, ek_small, segment_bytes=1 << 20)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _VERIFY_RSS, str(ek), str(ek_small)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) < ek.stat().st_size // 2, (int(r.stdout), ek.stat().st_size)
+
+
+def test_info_reads_only_the_header(packed: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``info`` reads the header and nothing of the payloads, plain or compressed."""
+    from entropykit.container import header as hdr
+    from entropykit.container.source import FileBytes
+
+    reads: list[tuple[int, int]] = []
+    real = FileBytes.read
+
+    def logged(self: FileBytes, offset: int, n: int) -> object:
+        reads.append((offset, n))
+        return real(self, offset, n)
+
+    monkeypatch.setattr(FileBytes, "read", logged)
+    for path in packed:
+        reads.clear()
+        assert _run(capsys, "info", path)[0] == 0
+        end = hdr.parse_file(path.read_bytes()).data_start
+        assert reads and max(o + n for o, n in reads) == end
+
+
+def test_a_short_read_is_an_error_never_data(tmp_path: Path) -> None:
+    from entropykit.container.source import FileBytes
+
+    p = tmp_path / "f"
+    p.write_bytes(bytes(range(200)))
+    with FileBytes(p) as f:
+        assert f.read(10, 5).tobytes() == bytes(range(10, 15))
+        os.truncate(p, 100)
+        assert f.read(90, 10).tobytes() == bytes(range(90, 100))
+        with pytest.raises(CorruptDataError, match="truncated while being read: it ends at "
+                                                   "byte 100, it had 200 bytes"):
+            f.read(95, 10)
+        with pytest.raises(CorruptDataError, match="outside the 200 bytes"):
+            f.read(195, 10)  # past what the file had: refused before any read
+        with pytest.raises(CorruptDataError, match="changed while being read"):
+            f.check()
 
 
 def test_non_regular_input_is_refused(tmp_path: Path) -> None:
@@ -463,7 +660,7 @@ def test_compress_input_reads_like_an_array(tmp_path: Path) -> None:
     src = tmp_path / "m.safetensors"
     save_file({"a": torch.arange(10, dtype=torch.int32), "b": torch.ones(3)}, src)
     blob = src.read_bytes()
-    with files._opened(src) as f:
+    with files.opened(src) as f:
         s = files._read_source(f)
         for e in s.header.entries:
             span, want = s.read(e), blob[s.header.data_start + e.begin:][: e.nbytes]

@@ -1,6 +1,6 @@
 """What ``analyze`` reads: tensors as (name, safetensors dtype, shape, stored bytes).
 
-What it is: one iterator over the tensors of a safetensors file (memory-mapped, header
+What it is: one iterator over the tensors of a safetensors file (read, never mapped; header
 checked by ``container.header`` like untrusted input), an entropykit-compressed file (its
 tensors decoded one at a time, with their payload sizes), a checkpoint directory (its
 ``*.safetensors`` files, recursively, in name order), a numpy array, a torch tensor, a
@@ -9,8 +9,8 @@ transformers ``Cache`` (anything whose ``.layers`` have ``.keys`` and ``.values`
 iterable of caches (a stream, read one cache at a time). A cache gives the items
 "layer.{i}.keys" and "layer.{i}.values" (and, for an fp8 ``KVCache``, its per-layer
 float32 scales "layer.{i}.keys.scale", "layer.{i}.values.scale"), marked ``accumulate``:
-the counts of items of one name add up over the caches of a stream. Plain tensors are not
-copied: their bytes are views of the file mapping or of the array.
+the counts of items of one name add up over the caches of a stream. A file's tensor is
+read when its item is loaded; an array's bytes are views of it, not copies.
 What it is not: statistics (counts.py) or a general safetensors reader; torch and
 transformers are never imported here: a torch tensor is recognized by its type's module,
 a cache by its attributes.
@@ -27,10 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes, formats
-from .._errors import CorruptDataError
 from ..container import checkpoint, files
-from ..container import header as hdr
-from ..container.reader import Compressed, is_compressed
+from ..container.reader import Compressed, is_compressed, read_header
 
 # Bytes per element of the dtypes the formats split knows.
 ITEMSIZE = {d: dtypes.BITS[d] // 8 for d in formats.DTYPES}
@@ -63,16 +61,12 @@ class Skipped:
 
 
 def _file_items(path: Path, layouts: Mapping[str, str | None]) -> Iterator[Item | Skipped]:
-    # np.memmap, not a closed-on-exit mmap: items are views that outlive this generator.
-    buf = (np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size
-           else np.zeros(0, np.uint8))
-    try:
-        h = hdr.parse_file(memoryview(buf))
-    except ValueError as e:
-        raise CorruptDataError(f"{path}: not a valid safetensors file: {e}") from None
-    if is_compressed(h):
-        with files.named(path):
-            c = Compressed(buf)
+    with files.named(path):
+        # Not closed here: items read it after this generator is done (closed once dropped).
+        f = files.opened(path)
+        h = read_header(f)
+        c = Compressed(f) if is_compressed(h) else None
+    if c is not None:
         for name in c.keys():
             e = c.entry(name)
             yield Item(str(path), name, e.dtype, e.shape, e.nbytes,
@@ -80,15 +74,15 @@ def _file_items(path: Path, layouts: Mapping[str, str | None]) -> Iterator[Item 
                        functools.partial(c.tensor, name), c.payload_size(name))
         return
     names = {e.name for e in h.entries}
-    data = buf[h.data_start:]
     for e in h.by_offset:
         if e.dtype not in formats.DTYPES:
             yield Skipped(str(path), e.name, e.dtype, e.nbytes)
             continue
         layout = (layouts[e.name] if e.name in layouts
                   else formats.layout_for(e.name, e.dtype, e.shape, names))
-        view = data[e.begin:e.end]
-        yield Item(str(path), e.name, e.dtype, e.shape, e.nbytes, layout, lambda v=view: v)
+        at = h.data_start + e.begin
+        yield Item(str(path), e.name, e.dtype, e.shape, e.nbytes, layout,
+                   functools.partial(f.read, at, e.nbytes))
 
 
 def _is_torch(obj: object) -> bool:

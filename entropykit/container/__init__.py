@@ -8,8 +8,9 @@ header for a byte-exact restore).
 Modules, in data-flow order: ``header`` (safetensors headers), ``segment`` (format split
 and field coding of one segment), ``codecs`` (rANS / tANS / zstd / raw per field),
 ``payload`` (one tensor's payload), ``record`` (the metadata record), ``writer`` and
-``reader`` (whole files, streaming), ``files`` (paths, mmap, atomic output), ``checkpoint``
-(sharded directories), with ``parallel``, ``stats`` and ``_atomic`` as helpers.
+``reader`` (whole files, streaming), ``files`` (paths, atomic output), ``checkpoint``
+(sharded directories), with ``source`` (files read on demand, never mapped), ``parallel``,
+``stats`` and ``_atomic`` as helpers.
 """
 
 from .files import compress_file, decompress_file, default_output, verify_file

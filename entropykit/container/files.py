@@ -1,21 +1,18 @@
 """Compress, decompress and verify single safetensors files on disk.
 
-What it is: the file-level operations: read the input (compress reads each segment with
-``pread``; the other verbs map a compressed file read-only: only touched pages are read,
-so files larger than RAM stream through), write through ``_atomic`` (temporary name,
-rename; nothing left behind on error; the input is never written; standard output as an
-``_atomic.Stream``), default output names, and errors that name the file (``shown``: a
-spooled standard input is named ``<stdin>``). Inputs must be regular files, and one that
-changes size or modification time while it is read fails the run with no output (compress
-reads rather than maps: a mapped file that shrinks kills the process with SIGBUS). What
-it is not: the coding (``writer``/``reader``) or directories (``checkpoint.py``).
+What it is: the file-level operations: read the input (``source.FileBytes``: read with
+``pread`` in the pieces needed, a segment at a time, never mapped, so files larger than
+RAM stream through), write through ``_atomic`` (temporary name, rename; nothing left
+behind on error; the input is never written; standard output as an ``_atomic.Stream``),
+default output names, and errors that name the file (``shown``: a spooled standard input
+is named ``<stdin>``). Inputs must be regular files; one that is shorter than its header
+says when a piece is read, or that changes size or modification time before the output
+is renamed, fails the run with one line and no output. What it is not: the coding
+(``writer``/``reader``) or directories (``checkpoint.py``).
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +24,8 @@ from .._errors import CorruptDataError
 from . import _atomic
 from . import header as hdr
 from .parallel import resolve
-from .reader import Compressed, Progress, claim
+from .reader import Compressed, Progress, claim, read_header
+from .source import FileBytes, Window
 from .stats import Summary
 from .writer import SEGMENT_BYTES, Source, write
 
@@ -79,78 +77,10 @@ def named(path: Path | str) -> Iterator[None]:
         raise ValueError(f"{path}: {e}") from None
 
 
-class _Input:
-    """An input file opened read-only: a regular file, remembered as it was when opened,
-    so that a change while it is read can be detected (``check``)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block here
-        try:
-            self._st = os.fstat(self.fd)
-            if not stat.S_ISREG(self._st.st_mode):
-                raise ValueError("not a regular file")
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.size = self._st.st_size
-
-    def check(self) -> None:
-        """ValueError if the file changed (size or modification time) since it was opened."""
-        now = os.fstat(self.fd)
-        if (now.st_size, now.st_mtime_ns) != (self.size, self._st.st_mtime_ns):
-            raise ValueError(f"input changed while being read ({self.size} bytes, now "
-                             f"{now.st_size}); nothing written")
-
-    def pread(self, offset: int, n: int) -> np.ndarray:
-        """``n`` bytes at ``offset`` (a new array); ValueError if the file is shorter now."""
-        out = np.empty(n, np.uint8)
-        got = 0
-        while got < n:
-            k = os.preadv(self.fd, [memoryview(out)[got:]], offset + got)
-            if k == 0:
-                self.check()
-                raise ValueError(f"input changed while being read (ends at byte "
-                                 f"{offset + got}); nothing written")
-            got += k
-        return out
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-@contextmanager
-def _opened(path: Path) -> Iterator[_Input]:
-    f = _Input(path)
-    try:
-        yield f
-    finally:
-        f.close()
-
-
-@contextmanager
-def _map(f: _Input) -> Iterator[np.ndarray]:
-    """Input ``f``'s bytes as a read-only uint8 array backed by an mmap."""
-    if f.size == 0:
-        yield np.zeros(0, np.uint8)
-        return
-    mm = mmap.mmap(f.fd, 0, access=mmap.ACCESS_READ)
-    try:
-        yield np.frombuffer(mm, np.uint8)
-    finally:
-        try:
-            mm.close()
-        except BufferError:  # views still alive (e.g. in a traceback): the GC closes it
-            pass
-
-
-@contextmanager
-def mapped(path: Path) -> Iterator[np.ndarray]:
-    """The file's bytes as a read-only uint8 array backed by an mmap; ValueError if it is
-    not a regular file, or if it changed by the time the block exits."""
-    with _opened(path) as f, _map(f) as buf:
-        yield buf
-        f.check()
+def opened(path: Path | str) -> FileBytes:
+    """Input ``path`` opened for reading (a context manager); ValueError if it is not a
+    regular file."""
+    return FileBytes(path)
 
 
 def source(buf: np.ndarray) -> Source:
@@ -160,35 +90,11 @@ def source(buf: np.ndarray) -> Source:
     return Source(h, lambda e: buf[start + e.begin : start + e.end])
 
 
-class _Span:
-    """A tensor's bytes in an input file, read when sliced (``span[lo:hi]`` is a new uint8
-    array); ``size`` as for an array. Only the slices asked for are read."""
-
-    def __init__(self, f: _Input, begin: int, size: int) -> None:
-        self._f, self._begin, self._size = f, begin, size
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __getitem__(self, s: slice) -> np.ndarray:
-        lo, hi, step = s.indices(self._size)
-        if step != 1:
-            raise ValueError("only contiguous slices are read")
-        return self._f.pread(self._begin + lo, max(hi - lo, 0))
-
-
-def _read_source(f: _Input) -> Source:
-    """A ``writer.Source`` over input file ``f``, read segment by segment with ``pread``."""
-    n = hdr.read_prefix(f.pread(0, min(8, f.size)).tobytes(), f.size)
-    h = hdr.parse_json(f.pread(8, n).tobytes())
-    if h.file_size() != f.size:
-        raise ValueError(f"tensors end at byte {h.file_size()}, file has {f.size} bytes")
+def _read_source(f: FileBytes) -> Source:
+    """A ``writer.Source`` over input file ``f``, read segment by segment."""
+    h = read_header(f)
     start = h.data_start
-    return Source(h, lambda e: _Span(f, start + e.begin, e.nbytes))
+    return Source(h, lambda e: Window(f, start + e.begin, e.nbytes))
 
 
 Output = Path | _atomic.Stream
@@ -224,11 +130,8 @@ def compress_as(src: Path, dst: Path | _atomic.Stream | None, shown: Path | str,
     out_path = _target(src, dst, True)
     n = resolve(threads)
     elapsed = _jit.stopwatch()
-    with named(shown), _opened(src) as f:
-        try:
-            s = _read_source(f)
-        except ValueError as e:
-            raise ValueError(f"not a valid safetensors file: {e}") from None
+    with named(shown), opened(src) as f:
+        s = _read_source(f)
         with _atomic.output_file(out_path, force) as out:
             summary = write(s, out, threads=n, progress=progress,
                             segment_bytes=segment_bytes, fast=fast, target=target)
@@ -252,12 +155,12 @@ def decompress_as(src: Path, dst: Path | _atomic.Stream | None, shown: Path | st
     out_path = _target(src, dst, False)
     n = resolve(threads)
     elapsed = _jit.stopwatch()
-    with named(shown), _opened(src) as f, _map(f) as buf:
-        c = Compressed(buf)
+    with named(shown), opened(src) as f:
+        c = Compressed(f)
         with _atomic.output_file(out_path, force) as out:
             size = c.restore(out, n, progress)
             f.check()
-        summary = _decoded_summary(c, buf.size, size)
+        summary = _decoded_summary(c, f.size, size)
     summary.seconds = elapsed()
     return summary
 
@@ -266,7 +169,7 @@ def is_compressed_file(path: Path) -> bool:
     """Whether ``path`` is a safetensors file that claims to be entropykit-compressed
     (``reader.claim``); False for anything unreadable (compressing it reports why)."""
     try:
-        with _opened(Path(path)) as f:
+        with opened(Path(path)) as f:
             s = _read_source(f)
             return claim(s.header, s.read) is not None
     except (OSError, ValueError):
@@ -292,32 +195,44 @@ def verify_file(path: Path, against: Path | None = None, *, threads: int | None 
     path = Path(path)
     n = resolve(threads)
     elapsed = _jit.stopwatch()
-    with named(path), mapped(path) as buf:
-        c = Compressed(buf)
+    with named(path), opened(path) as f:
+        c = Compressed(f)
         if against is None:
             c.verify(n, progress)
         else:
             _compare(c, Path(against), n, progress)
-        summary = _decoded_summary(c, buf.size, c.original.file_size())
+        f.check()
+        summary = _decoded_summary(c, f.size, c.original.file_size())
     summary.seconds = elapsed()
     return summary
 
 
 def _compare(c: Compressed, original: Path, threads: int, progress: Progress | None) -> None:
-    with mapped(original) as ref:
+    """CorruptDataError unless ``c`` restores ``original`` byte for byte (read a decoded
+    piece at a time, never mapped; its own errors name it)."""
+    with named(original):
+        ref = opened(original)
+    with ref:
         head = hdr.prefix(c.record.header) + c.record.header
         if ref.size != c.original.file_size():
             raise CorruptDataError(
                 f"restores to {c.original.file_size()} bytes, {original} has {ref.size}"
             )
-        if bytes(ref[: len(head)]) != head:
+
+        def read(offset: int, n: int) -> np.ndarray:
+            with named(original):
+                return ref.read(offset, n)
+
+        if read(0, len(head)).tobytes() != head:
             raise CorruptDataError(f"restored header differs from {original}'s")
         start = len(head)
 
         def check(offset: int, data: np.ndarray) -> None:
-            mine = ref[start + offset : start + offset + data.size]
+            mine = read(start + offset, data.size)
             if not np.array_equal(mine, data):
                 at = start + offset + int(np.flatnonzero(mine != data)[0])
                 raise CorruptDataError(f"restored file differs from {original} at byte {at}")
 
         c.verify(threads, progress, check)
+        with named(original):
+            ref.check()

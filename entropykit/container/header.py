@@ -14,7 +14,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,12 +182,16 @@ def read_prefix(buf: memoryview | bytes, file_size: int) -> int:
 
 def parse_file(buf: memoryview | bytes) -> Header:
     """Parse and validate the header of a whole safetensors file held in ``buf``."""
-    n = read_prefix(buf, len(buf))
-    header = parse_json(bytes(buf[_LEN.size : _LEN.size + n]))
-    if header.file_size() != len(buf):
-        raise ValueError(
-            f"tensors end at byte {header.file_size()}, file has {len(buf)} bytes"
-        )
+    return parse_read(lambda offset, n: buf[offset : offset + n], len(buf))
+
+
+def parse_read(read: Callable[[int, int], object], size: int) -> Header:
+    """Parse and validate the header of a safetensors file of ``size`` bytes, reading
+    only its header through ``read(offset, n)`` (bytes-like)."""
+    n = read_prefix(bytes(read(0, min(_LEN.size, size))), size)
+    header = parse_json(bytes(read(_LEN.size, n)))
+    if header.file_size() != size:
+        raise ValueError(f"tensors end at byte {header.file_size()}, file has {size} bytes")
     return header
 
 

@@ -23,6 +23,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -57,19 +58,45 @@ def index(lengths: Sequence[int], crcs: Sequence[int]) -> bytes:
 
 @dataclass(frozen=True)
 class Fields:
-    """A tensor's field payloads (views of its payload) and, for EKT2, their CRCs."""
+    """Where a tensor's field payloads lie in its payload (segment-major: ``offsets``
+    from the payload's start, ``lengths``) and, for EKT2, their position CRCs."""
 
-    parts: list[np.ndarray]
+    offsets: list[int]
+    lengths: list[int]
     crcs: list[int] | None
 
+    def span(self, lo: int, hi: int) -> tuple[int, int]:
+        """Where field payloads ``lo`` to ``hi`` (exclusive) lie in the payload: one range,
+        as they lie back to back."""
+        if hi <= lo:
+            return 0, 0
+        return self.offsets[lo], self.offsets[hi - 1] + self.lengths[hi - 1]
 
-def unpack(buf: np.ndarray, count: int | None, bound: bool | None) -> Fields:
-    """The field payloads in ``buf`` (uint8) and their position CRCs (checked by
-    ``check``, segment by segment); CorruptDataError if the index is damaged, is not
-    EKT2 if ``bound``, EKT1 if not (either if None), lists other than ``count`` field
-    payloads (when given) or does not account for every byte."""
-    if buf.size < _HEAD.size:
-        raise CorruptDataError(f"payload truncated: {buf.size} bytes")
+    def split(self, block: np.ndarray, lo: int, hi: int) -> list[np.ndarray]:
+        """Field payloads ``lo`` to ``hi`` (views) out of ``block``, the bytes ``span``
+        gives."""
+        a = self.span(lo, hi)[0]
+        return [block[o - a : o - a + n]
+                for o, n in zip(self.offsets[lo:hi], self.lengths[lo:hi], strict=True)]
+
+
+class Sliceable(Protocol):
+    """A payload's bytes: an array, or what reads them when sliced (``source.Window``)."""
+
+    size: int
+
+    def __getitem__(self, s: slice) -> np.ndarray: ...
+
+
+def unpack(buf: Sliceable, count: int | None, bound: bool | None) -> Fields:
+    """Where the field payloads in ``buf`` are, and their position CRCs (checked by
+    ``check``, segment by segment), reading only the index; CorruptDataError if the
+    index is damaged, is not EKT2 if ``bound``, EKT1 if not (either if None), lists
+    other than ``count`` field payloads (when given) or does not account for every
+    byte."""
+    size = buf.size
+    if size < _HEAD.size:
+        raise CorruptDataError(f"payload truncated: {size} bytes")
     magic, k = _HEAD.unpack(buf[: _HEAD.size].tobytes())
     want = {True: (MAGIC,), False: (MAGIC_V1,), None: (MAGIC, MAGIC_V1)}[bound]
     if magic not in want:
@@ -79,21 +106,22 @@ def unpack(buf: np.ndarray, count: int | None, bound: bool | None) -> Fields:
         raise CorruptDataError(f"payload holds {k} field payloads, record says {count}")
     is_bound = magic == MAGIC
     start = index_size(k, is_bound)
-    if buf.size < start:
-        raise CorruptDataError(f"payload index truncated: {buf.size} bytes, index needs {start}")
+    if size < start:
+        raise CorruptDataError(f"payload index truncated: {size} bytes, index needs {start}")
+    idx = buf[_HEAD.size : start]
     # Python ints: a hostile index must not wrap an int64 sum into a plausible total.
-    lengths = buf[_HEAD.size : _HEAD.size + 8 * k].view("<u8").tolist()
-    if sum(lengths) != buf.size - start:
+    lengths = idx[: 8 * k].view("<u8").tolist()
+    if sum(lengths) != size - start:
         raise CorruptDataError(
             f"payload index lists {sum(lengths)} bytes of field payloads, "
-            f"{buf.size - start} follow it"
+            f"{size - start} follow it"
         )
-    crcs = buf[_HEAD.size + 8 * k : start].view("<u4").tolist() if is_bound else None
-    parts = []
+    crcs = idx[8 * k :].view("<u4").tolist() if is_bound else None
+    offsets = []
     for n in lengths:
-        parts.append(buf[start : start + n])
+        offsets.append(start)
         start += n
-    return Fields(parts, crcs)
+    return Fields(offsets, lengths, crcs)
 
 
 def check(name: str, seg: int, fields: Sequence[tuple[str, str | None]],
@@ -110,9 +138,9 @@ def check(name: str, seg: int, fields: Sequence[tuple[str, str | None]],
                 f"or moved from another tensor, segment or field)")
 
 
-def well_formed(buf: np.ndarray) -> bool:
-    """Whether ``buf`` (uint8) is laid out as a payload (EKT1 or EKT2): magic, index,
-    every byte listed."""
+def well_formed(buf: Sliceable) -> bool:
+    """Whether ``buf`` is laid out as a payload (EKT1 or EKT2): magic, index, every byte
+    listed (only the index is read)."""
     try:
         unpack(buf, None, None)
     except CorruptDataError:

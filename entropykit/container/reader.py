@@ -1,11 +1,14 @@
 """Read a compressed safetensors file: check it, decode one tensor, or restore the original.
 
-What it is: ``Compressed``, a validated view of a compressed file held in a buffer (an
-mmap for files): the outer safetensors header, the record, the original header, and
-cross-checks between the three (names, dtypes, shapes, payload sizes, segment counts);
-``tensor(name)`` decodes one tensor's original bytes, touching only its payload;
-``restore(out)`` writes the original file byte for byte, segments decoded on a bounded
-thread pool, each after its field payloads' position CRCs (``payload.check``) are checked.
+What it is: ``Compressed``, a validated view of a compressed file, in memory or read
+from disk on demand (``source.FileBytes``, never mapped): the outer safetensors header,
+the record, the original header, and cross-checks between the three (names, dtypes,
+shapes, payload sizes, segment counts); ``tensor(name)`` decodes one tensor's original
+bytes, reading only its payload; ``restore(out)`` writes the original file byte for
+byte, segments decoded on a bounded thread pool. Opening reads the header only; a
+tensor's payload index is read when the tensor is, and each segment's field payloads
+inside the worker that decodes the segment (memory O(segment x threads), reads
+overlapping decoding), checked against their position CRCs (``payload.check``).
 Every inconsistency raises ``CorruptDataError`` saying what and where.
 What it is not: file handling (``files.py``) or encoding (``writer.py``).
 """
@@ -21,25 +24,40 @@ from .._errors import CorruptDataError
 from . import header as hdr
 from . import payload, record, segment
 from .parallel import imap
+from .source import ArrayBytes, Bytes, Scratch, Window
 
 Progress = Callable[[int, int], None]
 
 
-def is_compressed(h: hdr.Header, buf: np.ndarray | None = None) -> bool:
+def is_compressed(h: hdr.Header, src: Bytes | None = None) -> bool:
     """Whether a parsed safetensors header says its file is entropykit-compressed: it has
-    the record, or its metadata names one, or (given the file's bytes ``buf``) every
+    the record, or its metadata names one, or (given the file's bytes ``src``) every
     tensor is a payload (``claim``). Such a file is read as compressed, never as plain:
     a damaged record is an error, not a plain file."""
-    read = None if buf is None else (
-        lambda e: buf[h.data_start + e.begin : h.data_start + e.end])
-    return claim(h, read) is not None
+    return claim(h, None if src is None else _tensors(h, src)) is not None
 
 
-def claim(h: hdr.Header, read: Callable[[hdr.Entry], np.ndarray] | None = None
+def read_header(src: Bytes) -> hdr.Header:
+    """The safetensors header of ``src``, reading only it; CorruptDataError if it is not
+    valid (or if the file was cut while it was read)."""
+    try:
+        return hdr.parse_read(src.read, src.size)
+    except CorruptDataError:
+        raise  # a short read: the file changed while its header was read
+    except ValueError as e:
+        raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+
+
+def _tensors(h: hdr.Header, src: Bytes) -> Callable[[hdr.Entry], Window]:
+    """A tensor's bytes in ``src`` (a file with header ``h``), read when sliced."""
+    return lambda e: Window(src, h.data_start + e.begin, e.nbytes)
+
+
+def claim(h: hdr.Header, read: Callable[[hdr.Entry], payload.Sliceable] | None = None
           ) -> str | None:
     """Why a file with header ``h`` says it is an entropykit file, or None
     (docs/format.md, "Reading a file as compressed"); ``read(entry)`` gives a tensor's
-    bytes, for the payload rule (skipped without it)."""
+    bytes (an array, or read when sliced), for the payload rule (skipped without it)."""
     if record.KEY in (h.metadata or {}):
         return f"__metadata__ has {record.KEY!r}"
     why = record.names_record(h.metadata)
@@ -51,22 +69,21 @@ def claim(h: hdr.Header, read: Callable[[hdr.Entry], np.ndarray] | None = None
 
 
 class Compressed:
-    """A compressed file in ``buf`` (bytes-like); raises CorruptDataError if inconsistent.
+    """A compressed file: bytes in memory, or a ``source.FileBytes`` read on demand;
+    raises CorruptDataError if inconsistent.
 
     Attributes: ``outer`` (the file's own header), ``record``, ``original`` (the
     original file's header, parsed). Every size and count the file states is checked
     against the file and the format's caps before anything is sized by it.
     """
 
-    def __init__(self, buf: bytes | memoryview | np.ndarray) -> None:
-        self._buf = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf
-        try:
-            self.outer = hdr.parse_file(memoryview(self._buf))
-        except ValueError as e:
-            raise CorruptDataError(f"not a valid safetensors file: {e}") from None
+    def __init__(self, buf: bytes | bytearray | memoryview | np.ndarray | Bytes) -> None:
+        in_memory = isinstance(buf, (bytes, bytearray, memoryview, np.ndarray))
+        self._src: Bytes = ArrayBytes(buf) if in_memory else buf
+        self._scratch = Scratch()
+        self.outer = read_header(self._src)
         if record.KEY not in (self.outer.metadata or {}):
-            start = self.outer.data_start
-            why = claim(self.outer, lambda e: self._buf[start + e.begin : start + e.end])
+            why = claim(self.outer, _tensors(self.outer, self._src))
             if why is not None:
                 raise CorruptDataError(f"damaged entropykit file: {why}, but no "
                                        f"{record.KEY!r} record")
@@ -124,25 +141,33 @@ class Compressed:
     def payload_size(self, name: str) -> int:
         return self._outer[name].nbytes
 
-    def fields(self, name: str) -> payload.Fields:
-        """The field payloads of tensor ``name`` (views) and their position CRCs, the
-        index checked (the CRCs are not: ``segment_parts`` says whose they are)."""
+    def _payload(self, name: str) -> Window:
         o = self._outer[name]
-        start = self.outer.data_start
+        return Window(self._src, self.outer.data_start + o.begin, o.nbytes)
+
+    def fields(self, name: str) -> payload.Fields:
+        """Where the field payloads of tensor ``name`` are and their position CRCs, from
+        its payload index (read and checked; the CRCs are checked by ``segment_parts``)."""
         t = self.record.tensors[name]
         try:
-            return payload.unpack(self._buf[start + o.begin : start + o.end],
-                                  len(t.codecs) * len(t.fields), self.record.bound)
+            return payload.unpack(self._payload(name), len(t.codecs) * len(t.fields),
+                                  self.record.bound)
         except CorruptDataError as err:
             raise CorruptDataError(f"tensor {name!r}: {err}") from None
 
-    def segment_parts(self, name: str, fields: payload.Fields, seg: int) -> list[np.ndarray]:
-        """Segment ``seg``'s field payloads of tensor ``name`` (out of ``fields``), each
-        checked against its position CRC; CorruptDataError naming the place if one fails.
-        Runs where the segment is decoded, so the check is parallel with the decoding."""
+    def segment_parts(self, name: str, fields: payload.Fields, seg: int,
+                      scratch: Scratch | None = None) -> list[np.ndarray]:
+        """Segment ``seg``'s field payloads of tensor ``name`` (placed by ``fields``), read
+        and each checked against its position CRC; CorruptDataError naming the place if
+        one fails. Runs where the segment is decoded, so the read and the check are
+        parallel with the decoding. With ``scratch``, they are read into this thread's
+        buffer there, valid until this thread's next read."""
         t = self.record.tensors[name]
         nf = len(t.fields)
-        parts = fields.parts[seg * nf : (seg + 1) * nf]
+        a, b = fields.span(seg * nf, (seg + 1) * nf)
+        at = self.outer.data_start + self._outer[name].begin + a
+        block = self._src.read(at, b - a, scratch)
+        parts = fields.split(block, seg * nf, (seg + 1) * nf)
         crcs = None if fields.crcs is None else fields.crcs[seg * nf : (seg + 1) * nf]
         try:
             payload.check(name, seg, t.fields, parts, crcs)
@@ -165,7 +190,9 @@ class Compressed:
                 ) -> np.ndarray:
         e, s, nbytes, fields, dest = job
         t = self.record.tensors[e.name]
-        parts = self.segment_parts(e.name, fields, s)
+        # The parts are dead once decoded (the output never shares their memory), so
+        # they are read into a buffer this thread reuses.
+        parts = self.segment_parts(e.name, fields, s, self._scratch)
         try:
             return segment.decode(e.dtype, t.layout, t.fields, t.codecs[s], parts, nbytes,
                                   out=dest)
@@ -191,7 +218,7 @@ class Compressed:
             return 0, np.empty(0, np.uint8)
         start, end = bounds[hit[0]][0], bounds[hit[-1]][1]
         out = np.empty(end - start, np.uint8)
-        # Jobs of other segments are made (views only) but never run.
+        # Jobs of other segments are made (nothing read) but never run.
         jobs = (j for j in self._jobs([e], out, -e.begin - start) if hit[0] <= j[1] <= hit[-1])
         for _ in imap(self._decode, jobs, threads):
             pass

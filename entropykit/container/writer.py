@@ -7,7 +7,7 @@ metadata. Memory stays bounded by a few segments: the header is written last int
 reserved up front (its size is bounded before any data is coded: every codec name and
 number is taken at its widest), and each payload index (lengths and position CRCs) is
 filled in after its segments.
-What it is not: file handling (temp names, mmap: ``files.py``) or decoding (``reader.py``).
+What it is not: file handling (temp names, reads: ``files.py``) or decoding (``reader.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 @dataclass(frozen=True)
 class Source:
     """An original safetensors file: its parsed header and a way to read a tensor's bytes
-    (a uint8 view; an mmap slice for files, so only touched pages are read)."""
+    (sliced like a uint8 array: an array in memory, or for files a ``source.Window``
+    that reads only the slices asked for)."""
 
     header: hdr.Header
     read: Callable[[hdr.Entry], np.ndarray]

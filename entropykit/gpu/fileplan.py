@@ -242,11 +242,11 @@ def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[_Job]:
             yield _Job(k, e, s, lo, hi, fields)
 
 
-def groups(c: Compressed, buf: np.ndarray, threads: int = 1, *, warps: int = WARPS,
+def groups(c: Compressed, threads: int = 1, *, warps: int = WARPS,
            group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
-    """The groups decoding every tensor of ``c`` (held in ``buf``), tensors numbered in
-    data order (``c.keys()``); segments are planned ``threads`` at a time, ahead of use.
-    """
+    """The groups decoding every tensor of ``c``, tensors numbered in data order
+    (``c.keys()``); segments are planned ``threads`` at a time, ahead of use, each
+    reading its own field payloads (``Compressed.segment_parts``)."""
     entries = c.original.by_offset
     pending: list[Piece] = []
     size = 0

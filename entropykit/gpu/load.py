@@ -8,7 +8,8 @@ one pinned host buffer (``_staging.Staging``), copied to the device on a side st
 one transfer, moved into the decoder's aligned payload layout by ``_relayout.cu``, and
 decoded on the current stream by one launch per batch. ``SLOTS`` pinned buffers, each
 with its device twins, rotate: while the GPU copies and decodes one group, the host
-reads the file into the next (and the planner's threads decode tANS/zstd fields ahead).
+fills the next (the planner's threads read each segment's field payloads from the file,
+check them and decode tANS/zstd fields ahead; the fill copies what they read).
 The kernels' status is read once at the end: ``CorruptDataError`` names the tensor,
 segment, field and chunk.
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
@@ -21,7 +22,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..container.reader import Compressed
@@ -136,10 +136,10 @@ class Stager:
             at += status.numel()
 
 
-def load(c: Compressed, buf: np.ndarray, device: Any, dtypes: Mapping[str, torch.dtype],
+def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
          threads: int, *, warps: int = WARPS, group_bytes: int = fileplan.GROUP_BYTES,
          seconds: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of ``c`` (a compressed file held in ``buf``) decoded on ``device``, in
+    """The tensors of ``c`` (a compressed file) decoded on ``device``, in
     data order, as ``dtypes`` (safetensors dtype -> torch dtype) says. ``seconds``, if
     given, receives where the host's time went (waiting for the planner, for a staging
     buffer, filling them, launching, the final wait)."""
@@ -157,7 +157,7 @@ def load(c: Compressed, buf: np.ndarray, device: Any, dtypes: Mapping[str, torch
             return flat[k].view(torch.int16 if bf16 else torch.uint8)
 
         stager = Stager(dev, threads)
-        planned = fileplan.groups(c, buf, threads, warps=warps, group_bytes=group_bytes)
+        planned = fileplan.groups(c, threads, warps=warps, group_bytes=group_bytes)
         wait = 0.0
         while True:
             t = time.perf_counter()
