@@ -165,7 +165,7 @@ def test_directory_and_missing_shard(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert code == 0 and "2 files" in out
     assert _run(capsys, "verify", tmp_path / "ckpt.ek", "--against", d)[0] == 0
     code, out, _ = _run(capsys, "info", tmp_path / "ckpt.ek")
-    assert code == 0 and out.count("entropykit container v1") == 2
+    assert code == 0 and out.count("entropykit record v3") == 2
     (d / "model-00002-of-00002.safetensors").unlink()
     code, _, err = _run(capsys, "compress", d, "-o", tmp_path / "again")
     assert code == 1 and err.count("\n") == 1
@@ -178,7 +178,7 @@ def test_info(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "not compressed" in out and "w.bf16" in out
     _run(capsys, "compress", model)
     code, out, _ = _run(capsys, "info", model.with_name("m.ek.safetensors"))
-    assert code == 0 and "mxfp4" in out and "entropykit container v1" in out
+    assert code == 0 and "mxfp4" in out and "entropykit record v3" in out
 
 
 def test_analyze_is_handed_on(model: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -28,6 +29,8 @@ from entropykit.container import checkpoint
 
 ROOT = Path(entropykit.__file__).resolve().parents[1]  # the entropykit under test
 
+
+_CHANGED = r"file changed (or truncated )?while being read"  # either check may fire first
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
@@ -296,7 +299,7 @@ def test_info_and_verify_never_read_temporaries(ckpt: Path, tmp_path: Path,
     assert err == f"entropykit: warning: {packed}: skipped entropykit temporaries: " \
                   f"{stale.name}\n"
     code, out, _ = _run(capsys, "info", packed)
-    assert code == 0 and out.count("entropykit container v1") == 2
+    assert code == 0 and out.count("entropykit record v3") == 2
 
 
 # 5. An input that shrinks while read: one line, exit 1, no output, no SIGBUS.
@@ -326,8 +329,7 @@ def test_input_shrinking_mid_run_fails_cleanly(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", _SHRINK_RUN, str(src), str(out)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1, (r.returncode, r.stderr)  # not -SIGBUS
-    assert r.stderr.startswith(f"entropykit: error: {src}: file changed or truncated while "
-                               "being read")
+    assert re.match(re.escape(f"entropykit: error: {src}: ") + _CHANGED, r.stderr), r.stderr
     assert r.stderr.count("\n") == 1
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
 
@@ -399,7 +401,8 @@ def test_compressed_input_shrinking_mid_run_fails_cleanly(packed: tuple[Path, Pa
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1, (r.returncode, r.stderr)  # not -SIGBUS
     lead = f"entropykit: error: {ek}: " + (f"{src}: " if victim == src else "")
-    assert r.stderr.startswith(lead + "file changed or truncated while being read"), r.stderr
+    # a short read or the end-of-run check, whichever the timing reaches first
+    assert re.match(re.escape(lead) + _CHANGED, r.stderr), r.stderr
     assert r.stderr.count("\n") == 1
     assert sorted(os.listdir(src.parent)) == before
 
