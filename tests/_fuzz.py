@@ -843,7 +843,15 @@ def outcome(sample: Sample, data: bytes, exact: bool = True) -> str:
 
 
 def _maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's own peak RSS since ``_reset_peak`` (VmHWM: ru_maxrss is inherited
+    from the parent across exec, which would hide a decode's growth)."""
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) << 10
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _say(**msg: Any) -> None:
@@ -861,6 +869,7 @@ def worker(name: str, seed: int, start: int, stop: int, minimum: int, seconds: f
             if got != "exact":
                 _say(fatal=f"an unmutated sample decodes as: {got}")
                 return
+        _reset_peak()
         base = _maxrss()
         _say(ready=base)
         deadline = time.time() + seconds

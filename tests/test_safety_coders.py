@@ -38,9 +38,15 @@ def _child(body: str, warm: str = "", limit: int = _LIMIT, **values: object) -> 
     ``values`` are bound as globals (their repr)."""
     head = ["import json, resource\n",
             f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n",
-            "def peak():\n    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"]
+            # VmHWM after clear_refs: this process's own peak (ru_maxrss is inherited
+            # from the parent across exec, which would hide the growth measured here)
+            "def peak():\n    with open('/proc/self/status') as f:\n"
+            "        return next(int(x.split()[1]) for x in f if x.startswith('VmHWM:')) << 10\n",
+            "def reset_peak():\n    with open('/proc/self/clear_refs', 'w') as f:\n"
+            "        f.write('5')\n"]
     head += [f"{k} = {v!r}\n" for k, v in values.items()]
-    code = "".join(head + [textwrap.dedent(warm), "base = peak()\n", textwrap.dedent(body),
+    code = "".join(head + [textwrap.dedent(warm), "reset_peak()\nbase = peak()\n",
+                           textwrap.dedent(body),
                            'result["grew"] = peak() - base\nprint(json.dumps(result))\n'])
     env = dict(os.environ, PYTHONPATH=_ROOT, NUMBA_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
