@@ -12,11 +12,11 @@ What it is not: the device side (``load.py``).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..coding import parallel
 from . import fileplan
 
 ALIGN = 256  # section alignment (the kernels read tables as u32, descriptors as i64)
@@ -44,8 +44,7 @@ def _copy_all(jobs: list[tuple[np.ndarray, np.ndarray]], threads: int) -> None:
         for src, dst in slabs[k::threads]:  # round robin: sizes mix evenly
             dst[:] = src
 
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(run, range(threads)))
+    parallel.run(run, threads, threads)
 
 
 @dataclass(frozen=True)

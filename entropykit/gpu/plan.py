@@ -33,7 +33,6 @@ Descriptor row (int64, columns named in ``_layout.py``):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +40,7 @@ import numpy as np
 from .._errors import CorruptDataError
 from .._status import Status, by_status
 from ..coding import frame as _frame
+from ..coding import parallel
 from ..rans import kernels as _rk
 from ..rans.static import CODER
 from ._layout import (
@@ -180,8 +180,7 @@ class Batch:
         if len(parts) == 1:
             run(cp)
             return
-        with ThreadPoolExecutor(len(parts)) as pool:
-            list(pool.map(run, parts))
+        parallel.run(lambda k: run(parts[k]), len(parts), len(parts))
 
     @property
     def payload(self) -> np.ndarray:
