@@ -14,7 +14,7 @@ layers, coded one at a time, use ``gaussian`` or ``mixture``).
 
 Positions beyond the prompt (tokens generated after ``set_prompt``) stay uncompressed in
 host memory: the predictor's guess covers the prompt only. Supported transformers: 5.x
-(tested with 5.23.0 on a CPU and 5.17.0 on an H200; ``Cache(offloading=True)`` needs CUDA).
+(the README lists the versions tested; ``Cache(offloading=True)`` needs CUDA).
 """
 
 from __future__ import annotations
@@ -187,15 +187,15 @@ class KVOffloadCodec:
 
 
 GPU_MIN_CHUNK, GPU_MAX_CHUNK = 1 << 11, 1 << 14
-GPU_TARGET_CHUNKS = 1 << 13  # ~2 chunks a warp slot of an H100 / H200 (132 SMs x 32 warps)
+GPU_TARGET_CHUNKS = 1 << 13  # about two chunks per warp slot of a large GPU
 
 
 def gpu_chunk(n: int) -> int:
     """The GPU coder's chunk for a layer frame of ``n`` values: the largest power of two in
     [2^11, 2^14] that still makes ~GPU_TARGET_CHUNKS chunks. A prefetch waits for one
     chunk's serial decode until the chunks fill the GPU, so a small layer takes small
-    chunks (H200, a 4 MiB layer: 0.77 ms to prefetch at 2^11, 1.84 ms at 2^14, for 3.4 %
-    more bytes) and a large one the coder's default (fewer bytes, and as fast once the GPU is
+    chunks (a few percent more bytes for a much shorter prefetch; measured in
+    bench/RESULTS.md) and a large one the coder's default (fewer bytes, and as fast once the GPU is
     full). Depends on ``n`` alone, so the frames are the same on any machine."""
     c = GPU_MIN_CHUNK
     while c < GPU_MAX_CHUNK and n >= 2 * c * GPU_TARGET_CHUNKS:
