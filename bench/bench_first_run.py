@@ -54,13 +54,10 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "compile": _jit.compile_s
 
 _KV = """
 import json, sys, time
-import torch, transformers
+import torch
 from entropykit import _jit, predictive as P
-cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=256)
-torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+from entropykit.warmup import tiny_llama
+model = tiny_llama(vocab=256, hidden=64, layers=3, heads=4, kv_heads=2, positions=256)
 gen = torch.Generator().manual_seed(1)
 prompts = [torch.randint(0, 256, (96,), generator=gen) for _ in range(4)]
 ids = torch.randint(0, 256, (2, 40), generator=gen)

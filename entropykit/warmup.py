@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,21 +73,32 @@ def warm_weights() -> None:
             pass
 
 
+def tiny_llama(*, vocab: int = 64, hidden: int = 32, layers: int = 1, heads: int = 2,
+               kv_heads: int = 1, positions: int = 64, seed: int = 0) -> Any:
+    """A small random bf16 Llama in eval mode (needs torch and transformers): the model the
+    KV warm-up codes caches of, also used by the first-run benchmark and tests."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=positions)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
 def warm_kv() -> None:
     """Compile what ``compress_kv`` / ``decompress_kv`` compile, with every residual model,
     in bf16 and fp8 (needs torch and transformers: nothing to do without them)."""
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401 - tiny_llama needs it: nothing to warm without
 
         from . import predictive as P
     except ImportError:
         return
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = tiny_llama()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (48,), generator=gen) for _ in range(4)]
     ids = torch.randint(0, 64, (1, 24), generator=gen)

@@ -275,14 +275,11 @@ class _Counting:
 @pytest.fixture(scope="module")
 def kv():
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from entropykit import predictive as P
+    from entropykit.warmup import tiny_llama
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = tiny_llama(vocab=256, layers=2)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (48,), generator=gen) for _ in range(2)]
     ids = torch.randint(0, 256, (1, 12), generator=gen)
