@@ -516,3 +516,23 @@ def test_values_of_the_wrong_json_type_are_corrupt_data() -> None:
     bad = _resign(good, lambda r: r["tensors"]["w"].update(fields=[["a", None], ["b", ["a"]]]))
     with pytest.raises(CorruptDataError, match="tensor 'w' entry is malformed"):
         Compressed(bad)
+
+
+def test_no_payload_has_its_tensors_shape(tmp_path: Path) -> None:
+    """A payload as long as its 1-D tensor has elements would load, in a plain loader
+    that reads no metadata (transformers 5), as that tensor's values: such a tensor is
+    stored raw, so every payload's shape differs from its tensor's."""
+    n = 1000
+    a = np.random.default_rng(1).integers(0, 170, n, dtype=np.uint8)
+    coded = segment.encode("U8", None, a, segment.Split.of("U8", None, 8))
+    assert 8 + 12 + sum(map(len, coded.parts)) == n  # coded as usual, it would collide
+    src, out = tmp_path / "a.safetensors", tmp_path / "a.ek.safetensors"
+    safetensors.torch.save_file({"a": torch.from_numpy(a), "b": torch.ones(3)}, src)
+    entropykit.compress_file(src, out)
+    plain = safetensors.torch.load_file(out)
+    assert list(plain["a"].shape) == [8 + 12 + 4 + n]  # index, raw field: CRC + bytes
+    assert json.loads(safetensors.safe_open(out, "np").metadata()["entropykit"]
+                      )["tensors"]["a"]["codecs"] == [["raw"]]
+    assert torch.equal(entropykit.load_file(out)["a"], torch.from_numpy(a))
+    entropykit.decompress_file(out, tmp_path / "back.safetensors")
+    assert (tmp_path / "back.safetensors").read_bytes() == src.read_bytes()

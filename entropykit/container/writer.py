@@ -175,6 +175,9 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
                 done += hi - lo
                 if progress is not None:
                     progress(done, total)
+            if _mistakable(p.entry, payload.index_size(k) + sum(lengths)):
+                lengths, crcs = _store(p, source, out, pos + payload.index_size(k))
+                chosen[p.entry.name] = [(codecs.RAW.name,) * len(p.split.fields)] * len(p.bounds)
             out.seek(pos)
             out.write(payload.index(lengths, crcs))
             sizes[p.entry.name] = payload.index_size(k) + sum(lengths)
@@ -192,6 +195,29 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     out.truncate()
     summary.compressed_bytes = pos
     return summary
+
+
+def _mistakable(e: hdr.Entry, size: int) -> bool:
+    """Whether a payload of ``size`` bytes has the tensor's own shape: a plain loader
+    (transformers, which reads no safetensors metadata) would then take the payload bytes
+    for the tensor's values instead of failing on the shape."""
+    return list(e.shape) == [size]
+
+
+def _store(p: _Plan, source: Source, out: BinaryIO, at: int) -> tuple[list[int], list[int]]:
+    """Write tensor ``p``'s fields raw from ``at``: its payload is then larger than the
+    tensor has elements (at least one byte per element, plus each field's CRC), so
+    never mistakable. Returns the field lengths and position CRCs."""
+    out.seek(at)
+    lengths, crcs = [], []
+    for s, (lo, hi) in enumerate(p.bounds):
+        coded = segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split,
+                               stored=True)
+        for f, part in enumerate(coded.parts):
+            out.write(part)
+            lengths.append(len(part))
+            crcs.append(payload.field_crc(part, p.entry.name, s, f))
+    return lengths, crcs
 
 
 def _count(summary: Summary, e: hdr.Entry, size: int, bits: float) -> None:
