@@ -1,0 +1,155 @@
+"""Benchmark of ``from_pretrained``: a compressed checkpoint directory against the plain one.
+
+What it is: the load-time side of "run a compressed model". Each model is saved plain
+(safetensors, sharded as transformers does), compressed with ``entropykit.compress_file``
+(default options), and loaded with ``AutoModel*.from_pretrained(dir, dtype=..., device_map=
+{"": DEVICE})`` alternately plain and compressed, ``--repeat`` times each, the files in the
+page cache; the table shows the best time of each and the ratio (plain / compressed: above
+1 means the compressed checkpoint loads faster). Every compressed load is checked bit for
+bit against the plain load. On the CPU the table also gives the time ``load_file`` takes to
+decode the compressed shards, the part of the load that compression adds.
+Models: ``llm`` — a Llama-shaped bf16 model (hidden 4096, 14336 MLP, 32000 vocabulary,
+``--layers`` blocks; random weights at the model's own initialization, so synthetic);
+``minilm`` — real MiniLM-L6 weights cast to bf16 (``--minilm DIR`` holding its
+config.json and a bf16 model.safetensors; ``bench/data.py`` writes one).
+What it is not: a test (tests/test_hf_load.py and gpu/hf_check.py check correctness).
+
+    python3 gpu/hf_load_bench.py --device cuda:0 --models llm,minilm --minilm DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+import entropykit  # noqa: E402
+
+_LLM = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+            tie_word_embeddings=False)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _load(cls: type, path: Path, device: str) -> tuple[float, transformers.PreTrainedModel]:
+    _sync(device)
+    t0 = time.perf_counter()
+    placed = {} if device == "cpu" else {"device_map": {"": device}}  # cpu: no accelerate
+    model = cls.from_pretrained(path, dtype=torch.bfloat16, **placed)
+    _sync(device)
+    return time.perf_counter() - t0, model
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(
+        sa[k].dtype == sb[k].dtype and torch.equal(_bits(sa[k]), _bits(sb[k])) for k in sa)
+
+
+def _size(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.iterdir() if p.suffix == ".safetensors")
+
+
+def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int) -> dict:
+    best = {"plain": float("inf"), "ek": float("inf")}
+    ref = None
+    for _ in range(repeat):
+        for kind, path in (("plain", plain), ("ek", ek)):
+            t, model = _load(cls, path, device)
+            best[kind] = min(best[kind], t)
+            if kind == "plain":
+                ref = model
+            elif not _same(ref, model):
+                raise SystemExit(f"{name}: the compressed load differs from the plain one")
+            del model
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        ref = None
+        gc.collect()
+    row = dict(model=name, device=device, plain_mb=_size(plain) / 1e6, ek_mb=_size(ek) / 1e6,
+               plain_s=best["plain"], ek_s=best["ek"], speedup=best["plain"] / best["ek"])
+    if device == "cpu":  # the decode the compressed load adds, at the CPU's decode speed
+        t0 = time.perf_counter()
+        for p in sorted(ek.glob("*.safetensors")):
+            entropykit.load_file(p)
+        row["decode_s"] = time.perf_counter() - t0
+        row["vs_bound"] = best["ek"] / (best["plain"] + row["decode_s"])
+    return row
+
+
+def _llm(work: Path, layers: int) -> tuple[type, Path]:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=layers, **_LLM)
+    with torch.device("cpu"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    d = work / "llm"
+    model.save_pretrained(d, max_shard_size="500MB")
+    return transformers.AutoModelForCausalLM, d
+
+
+def _minilm(work: Path, src: Path) -> tuple[type, Path]:
+    d = work / "minilm"
+    d.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(src / name, d / name)
+    return transformers.AutoModel, d
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda:0", help="cuda:N or cpu")
+    ap.add_argument("--models", default="llm,minilm")
+    ap.add_argument("--layers", type=int, default=2, help="blocks of the llm model")
+    ap.add_argument("--minilm", type=Path, help="dir with config.json + bf16 model.safetensors")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
+    args = ap.parse_args()
+    transformers.utils.logging.disable_progress_bar()
+    work = Path(tempfile.mkdtemp(dir=args.work))
+    rows = []
+    try:
+        for name in args.models.split(","):
+            if name == "minilm" and args.minilm is None:
+                print("minilm: left out (no --minilm)")
+                continue
+            cls, plain = _llm(work, args.layers) if name == "llm" else _minilm(work, args.minilm)
+            ek = work / f"{name}.ek"
+            t0 = time.perf_counter()
+            entropykit.compress_file(plain, ek)
+            print(f"{name}: compressed {_size(plain) / 1e6:.0f} -> {_size(ek) / 1e6:.0f} MB "
+                  f"in {time.perf_counter() - t0:.1f} s", flush=True)
+            rows.append(_bench(name, cls, plain, ek, args.device, args.repeat))
+            shutil.rmtree(plain)
+            shutil.rmtree(ek)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("| model | device | plain MB | ek MB | plain s | ek s | plain/ek | decode s | "
+          "ek/(plain+decode) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        extra = (f"{r['decode_s']:.3f} | {r['vs_bound']:.2f}" if "decode_s" in r else "- | -")
+        print(f"| {r['model']} | {r['device']} | {r['plain_mb']:.0f} | {r['ek_mb']:.0f} | "
+              f"{r['plain_s']:.3f} | {r['ek_s']:.3f} | {r['speedup']:.2f}x | {extra} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
