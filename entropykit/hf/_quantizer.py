@@ -15,7 +15,9 @@ and adds converters through ``update_weight_conversions``. That is the path take
   ``rename_source_key`` and in transformers' collection order, which checkpoint tensor
   each converter receives, so ``Decode`` replaces the payload bytes transformers read
   with the tensor decoded from the shard, cast to the dtype transformers chose
-  (``get_new_dtype``) and placed where it put the payload. On a CUDA device the shard is
+  (``get_new_dtype``) and placed on the parameter's device (the device map's choice; the
+  converters read payloads into host memory, so no payload byte goes to a GPU only to be
+  replaced). On a CUDA device the shard is
   decoded by the GPU (``entropykit.load_file(shard, device=...)``; by the CPU, with a
   warning, where the GPU decoder is not installed); elsewhere by the CPU;
 - ``postprocess_model`` closes the shards and removes the quantization config: the
@@ -29,6 +31,7 @@ What it is not: the config.json mark (``entropykit.hf``) or the decoders.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from pathlib import Path
 from typing import Any
@@ -106,7 +109,7 @@ class Decode(ConversionOps):
             if len(names) != len(tensors):  # transformers collected otherwise than planned
                 raise RuntimeError(f"entropykit: {len(tensors)} tensors for {full_layer_name} "
                                    f"({pattern}), expected {len(names)}: {names}")
-            out[pattern] = [self.quantizer.decode(n, t, self.dtype)
+            out[pattern] = [self.quantizer.decode(n, t, self.dtype, full_layer_name)
                             for n, t in zip(names, tensors, strict=True)]
         if self.last:
             ((tensor,),) = out.values()
@@ -115,6 +118,11 @@ class Decode(ConversionOps):
 
 
 _ALL = "^(.+)$"  # matches every name and keeps it (the captured group is the target)
+# Converters that read their checkpoint tensors on the CPU: transformers then reads a
+# payload into host memory only, and the decoded tensor is made on the parameter's device
+# (older releases lack the option and read payloads onto that device).
+_ON_CPU = ({"force_cpu": True}
+           if "force_cpu" in inspect.signature(WeightConverter.__init__).parameters else {})
 
 
 class EntropyKitQuantizer(HfQuantizer):
@@ -131,10 +139,12 @@ class EntropyKitQuantizer(HfQuantizer):
         self.plan: dict[str, dict[str, list[str]]] = {}
         self._gpu: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
         self._model: Any = None
+        self._device_map: dict | None = None
 
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: list[str]
                                              | None = None, **kwargs: Any) -> Any:
         self._model = model  # for update_weight_conversions where it is not passed
+        self._device_map = kwargs.get("device_map")
         for name in checkpoint_files or []:
             path = Path(name)
             if path.suffix != ".safetensors":
@@ -153,9 +163,9 @@ class EntropyKitQuantizer(HfQuantizer):
         model = self._model if model is None else model
         # The model's converters get Decode first (copies: the mapping may be shared).
         ours = [w.copy(list(w._original_source_patterns), list(w._original_target_patterns),
-                       operations=[Decode(self, False), *w.operations])
+                       operations=[Decode(self, False), *w.operations], **_ON_CPU)
                 if isinstance(w, WeightConverter) else w for w in weight_conversions]
-        every = WeightConverter(_ALL, "(.+)", [Decode(self, True)])
+        every = WeightConverter(_ALL, "(.+)", [Decode(self, True)], **_ON_CPU)
         renamings = [w for w in ours if isinstance(w, WeightRenaming)]
         converters = [w for w in ours if isinstance(w, WeightConverter)] + [every]
         meta = model.state_dict()
@@ -183,20 +193,30 @@ class EntropyKitQuantizer(HfQuantizer):
             return None
         return super().get_new_dtype(converter, param, dtype)
 
-    def decode(self, name: str, given: torch.Tensor, dtype: torch.dtype | None
-               ) -> torch.Tensor:
-        """Checkpoint tensor ``name`` on the device of ``given`` (what transformers read for
-        it: the payload bytes of a compressed tensor, the tensor of a plain one), cast to
-        ``dtype`` if not None."""
+    def decode(self, name: str, given: torch.Tensor, dtype: torch.dtype | None,
+               target: str) -> torch.Tensor:
+        """Checkpoint tensor ``name`` (``given``: what transformers read for it, the payload
+        bytes of a compressed tensor, the tensor of a plain one) on the device of parameter
+        ``target``, cast to ``dtype`` if not None."""
         path, f = self._files[name]
+        device = self._device(target, given)
         if f is None:
             out = given
-        elif given.device.type == "cuda":
-            out = self._decode_gpu(path, name, given.device)
+        elif device.type == "cuda":
+            out = self._decode_gpu(path, name, device)
         else:
             out = f.get_tensor(name)
-            out = out if given.device.type == "cpu" else out.to(given.device)
+            out = out if device.type == "cpu" else out.to(device)
         return out if dtype is None else out.to(dtype)
+
+    def _device(self, target: str, given: torch.Tensor) -> torch.device:
+        """Where transformers puts parameter ``target``: its device map's choice, else
+        where it read the payload."""
+        if not self._device_map:
+            return given.device
+        from transformers.integrations.accelerate import get_device
+
+        return torch.device(get_device(self._device_map, target, valid_torch_device=True))
 
     def _decode_gpu(self, path: Path, name: str, device: torch.device) -> torch.Tensor:
         # The GPU decodes a whole shard at once; its tensors wait here until asked for.
