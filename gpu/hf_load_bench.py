@@ -2,9 +2,10 @@
 
 What it is: the load-time side of "run a compressed model". Each model is saved plain
 (safetensors, sharded as transformers does), compressed with ``entropykit.compress_file``
-(default options), and loaded with ``AutoModel*.from_pretrained(dir, dtype=..., device_map=
-{"": DEVICE})`` alternately plain and compressed, ``--repeat`` times each, the files in the
-page cache; the table shows the best time of each and the ratio (plain / compressed: above
+(default options, and ``target="gpu"``), and loaded with
+``AutoModel*.from_pretrained(dir, dtype=..., device_map={"": DEVICE})`` alternately
+plain and compressed, ``--repeat`` times each, the files in the page cache; the table
+shows the best time of each and the ratio (plain / compressed: above
 1 means the compressed checkpoint loads faster). Every compressed load is checked bit for
 bit against the plain load. On the CPU the table also gives the time ``load_file`` takes to
 decode the compressed shards, the part of the load that compression adds.
@@ -67,7 +68,8 @@ def _size(d: Path) -> int:
     return sum(p.stat().st_size for p in d.iterdir() if p.suffix == ".safetensors")
 
 
-def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int) -> dict:
+def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int,
+           target: str) -> dict:
     best = {"plain": float("inf"), "ek": float("inf")}
     ref = None
     for _ in range(repeat):
@@ -84,7 +86,8 @@ def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int
                 torch.cuda.empty_cache()
         ref = None
         gc.collect()
-    row = dict(model=name, device=device, plain_mb=_size(plain) / 1e6, ek_mb=_size(ek) / 1e6,
+    row = dict(model=name, target=target, device=device, plain_mb=_size(plain) / 1e6,
+               ek_mb=_size(ek) / 1e6,
                plain_s=best["plain"], ek_s=best["ek"], speedup=best["plain"] / best["ek"])
     if device == "cpu":  # the decode the compressed load adds, at the CPU's decode speed
         t0 = time.perf_counter()
@@ -120,6 +123,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2, help="blocks of the llm model")
     ap.add_argument("--minilm", type=Path, help="dir with config.json + bf16 model.safetensors")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--targets", default="cpu,gpu", help="compress targets (default: both)")
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()
@@ -131,22 +135,24 @@ def main() -> int:
                 print("minilm: left out (no --minilm)")
                 continue
             cls, plain = _llm(work, args.layers) if name == "llm" else _minilm(work, args.minilm)
-            ek = work / f"{name}.ek"
-            t0 = time.perf_counter()
-            entropykit.compress_file(plain, ek)
-            print(f"{name}: compressed {_size(plain) / 1e6:.0f} -> {_size(ek) / 1e6:.0f} MB "
-                  f"in {time.perf_counter() - t0:.1f} s", flush=True)
-            rows.append(_bench(name, cls, plain, ek, args.device, args.repeat))
+            for target in args.targets.split(","):
+                ek = work / f"{name}.{target}.ek"
+                t0 = time.perf_counter()
+                entropykit.compress_file(plain, ek, target=target)
+                print(f"{name}: compressed for {target} {_size(plain) / 1e6:.0f} -> "
+                      f"{_size(ek) / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
+                rows.append(_bench(name, cls, plain, ek, args.device, args.repeat, target))
+                shutil.rmtree(ek)
             shutil.rmtree(plain)
-            shutil.rmtree(ek)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("| model | device | plain MB | ek MB | plain s | ek s | plain/ek | decode s | "
+    print("| model | target | device | plain MB | ek MB | plain s | ek s | plain/ek | decode s | "
           "ek/(plain+decode) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         extra = (f"{r['decode_s']:.3f} | {r['vs_bound']:.2f}" if "decode_s" in r else "- | -")
-        print(f"| {r['model']} | {r['device']} | {r['plain_mb']:.0f} | {r['ek_mb']:.0f} | "
+        print(f"| {r['model']} | {r['target']} | {r['device']} | {r['plain_mb']:.0f} | "
+              f"{r['ek_mb']:.0f} | "
               f"{r['plain_s']:.3f} | {r['ek_s']:.3f} | {r['speedup']:.2f}x | {extra} |")
     return 0
 
