@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from entropykit import CorruptDataError  # noqa: E402
 from entropykit.rans import distribution as D  # noqa: E402
 
-SECTION = "## KV coder, GPU (issue 6)"
+SECTION = "## KV coder, GPU"
 POISON = {16: 0x7FA5, 8: 0xA5}
 SPECIALS = {  # NaN payloads, +-inf, +-0, subnormals, extremes
     "bf16": [0x7FC1, 0xFFFF, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8005, 0x007F,

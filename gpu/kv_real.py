@@ -183,7 +183,7 @@ def device_main(args) -> None:
     print("ALL EXACT" if res["all_exact"] else "NOT EXACT", flush=True)
 
 
-SECTION = "## KV coder, GPU, real caches (issue 6)"
+SECTION = "## KV coder, GPU, real caches"
 
 
 def write_results(path: Path, commit: str) -> None:
