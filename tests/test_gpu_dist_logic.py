@@ -236,10 +236,10 @@ def _twin_decode(blob: bytes, mu: np.ndarray, sigma: np.ndarray, midx=None) -> n
             else:
                 ob[first * width : (first + cn) * width] = pay
         elif length < 4 * LANES or (length - 4 * LANES) & 1:
-            code = K.ERR_ODD
+            code = int(Status.ODD)
         else:
             x = pay[: 4 * LANES].view("<u4").astype(np.int64)
-            code = K.ERR_STATE if (x < L).any() else 0
+            code = int(Status.STATE) if (x < L).any() else 0
             words = pay[4 * LANES :]
             n_words, wp = (length - 4 * LANES) >> 1, 0
             for g0 in range(0, cn, LANES):
