@@ -4,7 +4,7 @@ What it is: one run that codes the same uint8 symbol streams with entropykit's r
 tANS (its rows are skipped while it is not importable), zstd levels 3 and 19, and
 constriction's ANS coder with a categorical model, verifies every round trip, and prints a
 markdown table of size, bits/symbol, overhead over the empirical order-0 entropy and
-1-/2-thread throughput. ``--write`` replaces the "## Coders (issue 2)" section of
+1-/2-thread throughput. ``--write`` replaces the "## Coders" section of
 bench/RESULTS.md with it.
 What it is not: a container or per-format benchmark (the streams are raw symbol arrays).
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data  # noqa: E402 - bench/ is a folder of scripts, not a package
 import results as results_md  # noqa: E402
 
-SECTION = "## Coders (issue 2)"
+SECTION = "## Coders"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SYNTH_SIZE = 16 << 20
 SYNTH_SEED = 20261121

@@ -54,17 +54,10 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "compile": _jit.compile_s
 
 _KV = """
 import json, sys, time
-import torch
 from entropykit import _jit, predictive as P
-from entropykit.warmup import tiny_llama
+from entropykit.warmup import tiny_kv, tiny_llama
 model = tiny_llama(vocab=256, hidden=64, layers=3, heads=4, kv_heads=2, positions=256)
-gen = torch.Generator().manual_seed(1)
-prompts = [torch.randint(0, 256, (96,), generator=gen) for _ in range(4)]
-ids = torch.randint(0, 256, (2, 40), generator=gen)
-with torch.inference_mode():
-    cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
-pred = P.FP8Predictor(model)
-cal = P.calibrate(model, pred, prompts)
+cache, ids, pred, cal = tiny_kv(model, seed=1, prompt_len=96, batch=2, tokens=40)
 t0 = time.perf_counter()
 blob = P.compress_kv(cache, ids, pred, cal)
 t1 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""KV-cache benchmark (issue 6): the per-value-distribution coder, then predictive coding.
+"""KV-cache benchmark: the per-value-distribution coder, then predictive coding.
 
 What it is: ``--part coder`` times entropykit's per-symbol-distribution rANS against
 constriction's QuantizedGaussian on the same (symbols, mu, sigma) arrays, one thread, and
@@ -7,7 +7,7 @@ bits per cached value of SmolLM2-135M's KV cache (bf16, and fp8 e4m3 with one sc
 layer and k/v) on natural-language prompts: byte-plane entropy, no predictor, FP8-of-target
 and early exit at several k, each with the gaussian, mixture and conditional residual
 models, calibrated and evaluated on disjoint text (bench/data.py's prose split).
-``--write`` replaces the "## KV coder (issue 6)" / "## KV cache (issue 6)" section of
+``--write`` replaces the "## KV coder" / "## KV cache" section of
 bench/RESULTS.md.
 What it is not: a test; round trips are checked but correctness lives in tests/.
 
@@ -45,8 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results as results_md  # noqa: E402 - bench/ is a folder of scripts, not a package
 
-SECTION = "## KV coder (issue 6)"
-KV_SECTION = "## KV cache (issue 6)"
+SECTION = "## KV coder"
+KV_SECTION = "## KV cache"
 SEED = 20261122
 SEQ = 512
 

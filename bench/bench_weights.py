@@ -19,7 +19,7 @@ a safetensors file of packed 4-bit U8 blocks — that measures, per file:
   round trips checked there;
 - the order-0 entropy bound of the tensor bytes (per tensor, per field: cpu_peers.py's split).
 
-``--write`` replaces the "## Weights (issue 3)" section of bench/RESULTS.md with the table.
+``--write`` replaces the "## Weights" section of bench/RESULTS.md with the table.
 What it is not: a coder benchmark (``bench_coders.py``) or a GPU benchmark.
 
 Timings are the median of ``--reps`` runs after one warm-up run (which also compiles the
@@ -54,7 +54,7 @@ import bench_coders  # noqa: E402 - bench/ is a folder of scripts, not a package
 import data  # noqa: E402
 import results as results_md  # noqa: E402
 
-SECTION = "## Weights (issue 3)"
+SECTION = "## Weights"
 RESULTS = BENCH / "RESULTS.md"
 PEERS = BENCH.parent.parent / "shared" / "peers" / "cpu_peers.py"
 _Q4_VERSION = 1  # part of the cached Q4_1 file's name: bump it when its layout changes

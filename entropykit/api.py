@@ -132,7 +132,7 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
     one that is not a valid safetensors file raises ``CorruptDataError``.
 
     On a CUDA device (``"cuda"``, ``"cuda:1"``, an ``int`` or a ``torch.device``) a
-    compressed file is decoded by the GPU (``entropykit.gpu``: the file's payloads go to the
+    compressed file is decoded by the GPU (``container.cuda``: the file's payloads go to the
     device once, the kernel writes the tensors); this needs the ``gpu`` extra (CuPy) and
     raises ``entropykit.gpu.GpuUnavailableError`` saying what is missing. The GPU checks
     coded chunks by their rANS states, and the host checks the CRC-32 of every field it
@@ -156,10 +156,10 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
         c = Compressed(f)
         types = dtypes.torch_types()
         if _is_cuda(device):
-            from .gpu import _load_runtime
+            from ._cuda import require
 
-            _load_runtime(device)  # GpuUnavailableError before any work
-            from .gpu.load import load
+            require(device)  # GpuUnavailableError before any work
+            from .container.cuda.load import load
 
             out = load(c, device, types, n)
         else:

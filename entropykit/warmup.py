@@ -88,24 +88,37 @@ def tiny_llama(*, vocab: int = 64, hidden: int = 32, layers: int = 1, heads: int
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
+def tiny_kv(model: Any, *, seed: int = 0, prompts: int = 4, prompt_len: int = 48,
+            batch: int = 1, tokens: int = 24) -> tuple[Any, Any, Any, Any]:
+    """(cache, ids, predictor, calibration) for ``model`` (``tiny_llama``'s): random
+    ``ids`` [batch, tokens] and their KV cache, an ``FP8Predictor`` and its calibration on
+    ``prompts`` random prompts of ``prompt_len`` tokens, all drawn from ``seed``: what the
+    KV warm-up codes, also set up by the first-run benchmark and tests."""
+    import torch
+
+    from . import predictive as P
+
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    texts = [torch.randint(0, vocab, (prompt_len,), generator=gen) for _ in range(prompts)]
+    ids = torch.randint(0, vocab, (batch, tokens), generator=gen)
+    with torch.inference_mode():
+        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
+    predictor = P.FP8Predictor(model)
+    return cache, ids, predictor, P.calibrate(model, predictor, texts)
+
+
 def warm_kv() -> None:
     """Compile what ``compress_kv`` / ``decompress_kv`` compile, with every residual model,
     in bf16 and fp8 (needs torch and transformers: nothing to do without them)."""
     try:
-        import torch
-        import transformers  # noqa: F401 - tiny_llama needs it: nothing to warm without
+        import torch  # noqa: F401 - tiny_llama and tiny_kv need torch and transformers
+        import transformers  # noqa: F401
 
         from . import predictive as P
     except ImportError:
         return
-    model = tiny_llama()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 64, (48,), generator=gen) for _ in range(4)]
-    ids = torch.randint(0, 64, (1, 24), generator=gen)
-    with torch.inference_mode():
-        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
-    predictor = P.FP8Predictor(model)
-    cal = P.calibrate(model, predictor, prompts)
+    cache, ids, predictor, cal = tiny_kv(tiny_llama())
     for c in (cache, P.to_fp8(cache)):
         for kind in P.KINDS:
             blob = P.compress_kv(c, ids, predictor, cal, model=kind, threads=1)

@@ -54,7 +54,7 @@ from device_check import timed  # noqa: E402 - CUDA-event timing, shared
 
 from entropykit import rans  # noqa: E402
 from entropykit.coding import tables  # noqa: E402
-from entropykit.gpu import plan  # noqa: E402
+from entropykit.rans.cuda import plan  # noqa: E402
 
 DEV = torch.device(os.environ.get("EK_BENCH_DEVICE", "cuda:0"))  # cpu: dry runs of the data
 CHUNK = 1 << 16

@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from entropykit import CorruptDataError, rans  # noqa: E402
 from entropykit._status import Status  # noqa: E402
 from entropykit.coding import frame as fr  # noqa: E402
-from entropykit.gpu import decode_bf16, plan, upload  # noqa: E402
+from entropykit.gpu import decode_bf16, upload  # noqa: E402
+from entropykit.rans.cuda import plan  # noqa: E402
 from entropykit.rans.kernels import MESSAGES  # noqa: E402
 from entropykit.rans.static import CODER  # noqa: E402
 

@@ -27,9 +27,9 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
-from entropykit.gpu import dist as G  # noqa: E402
 from entropykit.rans import dist_kernels as K  # noqa: E402
 from entropykit.rans import distribution as D  # noqa: E402
+from entropykit.rans.cuda import dist as G  # noqa: E402
 
 F32 = np.float32
 INV_POINTS, ONE, WEIGHT_ONE = K.INV_POINTS, K.ONE, K.WEIGHT_ONE

@@ -1,4 +1,4 @@
-"""Device-side check and benchmark of entropykit.gpu.dist (distribution rANS on the GPU).
+"""Device-side check and benchmark of entropykit.rans.cuda.dist (distribution rANS on the GPU).
 
 What it is: the script a GPU machine runs. It checks the GPU
 coder against the CPU coder (``entropykit.rans.distribution``, Numba, on the device's
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from entropykit import CorruptDataError  # noqa: E402
 from entropykit.rans import distribution as D  # noqa: E402
 
-SECTION = "## KV coder, GPU (issue 6)"
+SECTION = "## KV coder, GPU"
 POISON = {16: 0x7FA5, 8: 0xA5}
 SPECIALS = {  # NaN payloads, +-inf, +-0, subnormals, extremes
     "bf16": [0x7FC1, 0xFFFF, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8005, 0x007F,
@@ -357,7 +357,7 @@ def profile_main(args) -> None:
     """One encode and one decode of ``--mib`` MiB per format, for a profiler (ncu -k)."""
     import torch
 
-    import entropykit.gpu.dist as dist
+    import entropykit.rans.cuda.dist as dist
 
     dev = torch.device("cuda", 0)
     for fmt in args.profile.split(","):
@@ -442,7 +442,7 @@ def ab_main(args) -> None:
     Timings only: a variant's numbers count once a full run passes with it."""
     import torch
 
-    import entropykit.gpu.dist as dist
+    import entropykit.rans.cuda.dist as dist
 
     dev = torch.device("cuda", 0)
     variants = ab_variants(args.ab, dist)
@@ -478,7 +478,7 @@ def ab_main(args) -> None:
 def device_main(args) -> None:
     import torch
 
-    import entropykit.gpu.dist as dist
+    import entropykit.rans.cuda.dist as dist
 
     dev = torch.device("cuda", 0)
     p = torch.cuda.get_device_properties(dev)
@@ -579,7 +579,7 @@ def table(res: dict) -> str:
 
 
 NOTES = """\
-What the rows are: `entropykit.gpu.dist.encode` / `decode` (CUDA C++ through NVRTC, one warp
+What the rows are: `entropykit.rans.cuda.dist.encode` / `decode` (CUDA C++ through NVRTC, one warp
 per chunk, all chunks in one launch; fp8's decoder warps take chunks from a counter) on 256
 MiB of cache values drawn as mu + sigma * t(4) noise with 1% NaN / inf / -0 / subnormal
 values (bf16: |mu| ~ 1, sigma ~ 0.15; fp8 e4m3 in scaled units: |mu| ~ 20, sigma ~ 2), mu

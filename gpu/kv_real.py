@@ -119,7 +119,7 @@ def _timed_layer(fmt: str, keys: tuple, values: tuple, model, mib: int, reps: in
     import torch
     from kv_check import timed
 
-    from entropykit.gpu import dist
+    from entropykit.rans.cuda import dist
 
     (xk, mk, sk, ik), (xv, mv, sv, iv) = keys, values
     width = xk.element_size()
@@ -143,7 +143,7 @@ def _timed_layer(fmt: str, keys: tuple, values: tuple, model, mib: int, reps: in
 def device_main(args) -> None:
     import torch
 
-    from entropykit.gpu import dist
+    from entropykit.rans.cuda import dist
 
     dev = torch.device("cuda:0")
     st, meta = streams(Path(args.data), dev)
@@ -183,7 +183,7 @@ def device_main(args) -> None:
     print("ALL EXACT" if res["all_exact"] else "NOT EXACT", flush=True)
 
 
-SECTION = "## KV coder, GPU, real caches (issue 6)"
+SECTION = "## KV coder, GPU, real caches"
 
 
 def write_results(path: Path, commit: str) -> None:

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 import entropykit  # noqa: E402
 from entropykit import CorruptDataError  # noqa: E402
+from entropykit.container.cuda import fileplan  # noqa: E402
 from entropykit.container.reader import Compressed  # noqa: E402
-from entropykit.gpu import fileplan  # noqa: E402
 
 DEV = "cuda:0"
 
@@ -242,7 +242,7 @@ def main() -> None:
         bigs.append((stem, comp["gpu"]))
 
     # Where the time goes on the big GPU-target files: host planning alone, then the rest.
-    from entropykit.gpu import load as gload
+    from entropykit.container.cuda import load as gload
 
     dtypes = entropykit.api._torch_dtypes()
     threads = len(os.sched_getaffinity(0))

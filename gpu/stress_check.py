@@ -1,7 +1,7 @@
 """Device check of the kernel's paths on adversarial sizes and placements.
 
 What it is: the script a GPU machine runs to hold every build
-of ``entropykit/gpu/_kernel.cu`` to the CPU decoder where real weights do not reach:
+of ``entropykit/rans/cuda/_kernel.cu`` to the CPU decoder where real weights do not reach:
 symbol counts around the 32-symbol step, the 512-symbol staged round and the chunk
 (1 .. 200,003), chunks of 1,024 and 65,536 symbols, outputs whose start is 16-byte aligned
 or off by 2 .. 14 bytes (staged or unstaged path per chunk pair), sign_mantissa coded,
@@ -32,7 +32,8 @@ from device_check import all_raw, fields, rebuild, specials  # noqa: E402
 from entropykit import CorruptDataError, rans  # noqa: E402
 from entropykit._status import Status  # noqa: E402
 from entropykit.coding import frame as fr  # noqa: E402
-from entropykit.gpu import plan, upload  # noqa: E402
+from entropykit.gpu import upload  # noqa: E402
+from entropykit.rans.cuda import plan  # noqa: E402
 from entropykit.rans.kernels import MESSAGES  # noqa: E402
 from entropykit.rans.static import CODER  # noqa: E402
 

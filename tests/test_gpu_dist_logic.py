@@ -1,6 +1,6 @@
 """The GPU distribution-rANS path's logic on the CPU: host half, warp algorithm, CRC, errors.
 
-The kernels (entropykit/gpu/_dist_kernel.cu) run only on the device machine, where
+The kernels (entropykit/rans/cuda/_dist_kernel.cu) run only on the device machine, where
 gpu/tests/test_cuda_kv.py checks them bit for bit against the CPU coder. Their per-value
 arithmetic is the CPU kernels' (dist_kernels), ported line for line; what the port adds is
 the warp's structure, which the twin here replays in numpy from the kernels' own buffers (model
@@ -31,9 +31,9 @@ from numba import njit
 
 from entropykit import CorruptDataError
 from entropykit._status import Status
-from entropykit.gpu import dist as G
 from entropykit.rans import dist_kernels as K
 from entropykit.rans import distribution as D
+from entropykit.rans.cuda import dist as G
 
 LANES = 32
 L = 1 << 16
@@ -236,10 +236,10 @@ def _twin_decode(blob: bytes, mu: np.ndarray, sigma: np.ndarray, midx=None) -> n
             else:
                 ob[first * width : (first + cn) * width] = pay
         elif length < 4 * LANES or (length - 4 * LANES) & 1:
-            code = K.ERR_ODD
+            code = int(Status.ODD)
         else:
             x = pay[: 4 * LANES].view("<u4").astype(np.int64)
-            code = K.ERR_STATE if (x < L).any() else 0
+            code = int(Status.STATE) if (x < L).any() else 0
             words = pay[4 * LANES :]
             n_words, wp = (length - 4 * LANES) >> 1, 0
             for g0 in range(0, cn, LANES):

@@ -1,4 +1,4 @@
-"""The GPU coder's model-table arguments (entropykit.gpu.dist._table_args), on the CPU.
+"""The GPU coder's model-table arguments (entropykit.rans.cuda.dist._table_args), on the CPU.
 
 A launch whose values all use one shape gets that shape's rows alone, as a model of one
 shape: the kernel indexes every per-shape table by the model index, so the rows it reads
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from entropykit.gpu import dist
 from entropykit.rans import distribution as D
+from entropykit.rans.cuda import dist
 
 
 def _model(shapes: int) -> D.CoderModel:
@@ -59,7 +59,7 @@ def _kernel_words() -> tuple[int, int]:
     import re
     from importlib import resources
 
-    src = resources.files("entropykit.gpu").joinpath("_dist_kernel.cu").read_text()
+    src = resources.files("entropykit.rans.cuda").joinpath("_dist_kernel.cu").read_text()
     const = {k: int(v) for k, v in re.findall(r"#define (INV_POINTS|Z_MAX|Z_GRID_BITS|EMP_W) "
                                              r"(\d+)\n", src)}
     shape_w = (2 * const["Z_MAX"] << const["Z_GRID_BITS"]) + 2
@@ -120,15 +120,15 @@ def test_one_model_runs_and_ints_need_no_index():
 
 @pytest.mark.parametrize("shape", [(1, 3, 7, 64), (2, 2, 1, 8), (3, 1, 5, 4), (1, 1, 1, 1)])
 def test_group_params_channel_of_each_value(shape):
-    """gpu.groupparams' kernel reads bias / std at channel c(i) = ((i / dim / seq) % heads)
-    dim + i % dim for flat value i of [batch, heads, seq, dim]: the (head, dim) a broadcast
-    of a [heads, dim] table gives (its float math is the reference's, checked on CUDA by
-    gpu/kv_hook_check.py)."""
+    """predictive.cuda.groupparams' kernel reads bias / std at channel
+    c(i) = ((i / dim / seq) % heads) dim + i % dim for flat value i of [batch, heads, seq,
+    dim]: the (head, dim) a broadcast of a [heads, dim] table gives (its float math is the
+    reference's, checked on CUDA by gpu/kv_hook_check.py)."""
     b, h, s, d = shape
     i = np.arange(b * h * s * d)
     row = i // d
     c = ((row // s) % h) * d + (i - row * d)
     want = np.broadcast_to(np.arange(h * d).reshape(1, h, 1, d), shape).reshape(-1)
     np.testing.assert_array_equal(c, want)
-    from entropykit.gpu import groupparams
+    from entropykit.predictive.cuda import groupparams
     assert "((row / seq) % heads) * dim + (int)(i - row * dim)" in groupparams._SRC

@@ -1,6 +1,6 @@
 """``load_file(..., device="cuda")`` on the CPU: the file plan, run through the kernel emulator.
 
-The GPU loader (entropykit/gpu/fileplan.py + load.py) decides for every field of every
+The GPU loader (entropykit/container/cuda/fileplan.py + load.py) decides for every field of every
 segment how it reaches the output tensor (kernel-decoded rANS, kernel-copied raw bytes,
 host-decoded tANS/zstd) and where it lands (byte planes at a stride, exponent+sign_mantissa
 pairs as the top 16 bits). Here the planned batches are run by ``test_gpu_logic``'s
@@ -23,9 +23,9 @@ import entropykit
 from entropykit import CorruptDataError, formats, gpu
 from entropykit.container import codecs, files, payload, segment
 from entropykit.container import header as hdr
+from entropykit.container.cuda import _staging, fileplan
 from entropykit.container.reader import Compressed
-from entropykit.gpu import _staging, fileplan
-from entropykit.gpu import plan as gplan
+from entropykit.rans.cuda import plan as gplan
 
 
 def _emulated_load(path, threads=1, **kw) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """The GPU decoder's logic on the CPU: host plan, kernel algorithm, errors, API contract.
 
-The kernel is CUDA C++ (entropykit/gpu/_kernel.cu) and runs only on the device machine
+The kernel is CUDA C++ (entropykit/rans/cuda/_kernel.cu) and runs only on the device machine
 (gpu/tests/test_cuda_static.py checks it bit for bit there, and on corrupt frames). Here
 ``_emulate`` replays the kernel's algorithm in numpy from the very buffers the kernel gets
 (descriptor rows, payload buffer, split tables, context maps) and returns its outputs and
@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from entropykit import CorruptDataError, gpu, rans
 from entropykit.coding import frame
-from entropykit.gpu import _layout as lay
-from entropykit.gpu import plan
 from entropykit.rans import kernels
+from entropykit.rans.cuda import _layout as lay
+from entropykit.rans.cuda import plan
 from entropykit.rans.static import CODER
 
 CHUNK = frame.MIN_CHUNK  # small chunks: several per frame at test sizes
@@ -373,11 +373,12 @@ def test_missing_torch_cuda_or_cupy_is_a_clear_error_at_call_time(monkeypatch):
 
 
 def test_kernel_source_ships_and_uses_only_the_layout_columns():
-    src = resources.files("entropykit.gpu").joinpath("_kernel.cu").read_text()
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
     used = set(re.findall(r"\bD_[A-Z]+\b", src))
     assert used and used <= {k for k in dir(lay) if k.startswith("D_")}
     assert "N_COLS" in src and "rans_decode" in src
-    assert "relayout" in resources.files("entropykit.gpu").joinpath("_relayout.cu").read_text()
+    relayout = resources.files("entropykit.container.cuda").joinpath("_relayout.cu")
+    assert "relayout" in relayout.read_text()
 
 
 def _byte_perm(x: np.ndarray, y: int, sel: int) -> np.ndarray:
@@ -394,7 +395,7 @@ def test_staged_output_packing_is_the_scalar_bf16_formula():
     """The kernel's staged path (VEC: bf16x2 / bf16x8) packs two values a 32-bit word with
     byte permutes and masks; for every exponent and sign_mantissa byte at either byte pair
     of the word it must give the scalar path's (sm >> 7) << 15 | exp << 7 | (sm & 0x7f)."""
-    src = resources.files("entropykit.gpu").joinpath("_kernel.cu").read_text()
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
     assert "(e2 << 7) | ((m2 << 8) & 0x80008000u) | (m2 & 0x007f007fu)" in src
     e, m = (a.ravel().astype(np.uint32) for a in np.meshgrid(np.arange(256), np.arange(256)))
     rng = np.random.default_rng(7)

@@ -9,10 +9,10 @@ from importlib import resources
 import numpy as np
 
 from entropykit._status import Status, by_status, cuda_prologue
-from entropykit.gpu import dist as G
-from entropykit.gpu import plan
 from entropykit.rans import dist_kernels as K
 from entropykit.rans import kernels as RK
+from entropykit.rans.cuda import dist as G
+from entropykit.rans.cuda import plan
 
 
 def test_numbers_are_stable_and_distinct():
@@ -41,7 +41,7 @@ def test_cuda_prologue_defines_every_code_and_the_kernels_no_number():
     lines = cuda_prologue().splitlines()
     assert lines == [f"#define ERR_{s.name} {int(s)}" for s in Status if s]
     for name in ("_dist_kernel.cu", "_kernel.cu"):
-        src = resources.files("entropykit.gpu").joinpath(name).read_text()
+        src = resources.files("entropykit.rans.cuda").joinpath(name).read_text()
         assert not re.search(r"#define ERR_", src), name
         used = set(re.findall(r"\bERR_([A-Z]+)\b", src))
         assert used and used <= {s.name for s in Status}, (name, used)

@@ -18,8 +18,8 @@ from test_safety_container import DATA, _resign
 import entropykit
 from entropykit import CorruptDataError
 from entropykit.container import files
+from entropykit.container.cuda import fileplan
 from entropykit.container.reader import Compressed
-from entropykit.gpu import fileplan
 
 SEGMENT = 4096  # bytes: each 64 x 64 BF16 tensor is two segments of two fields
 

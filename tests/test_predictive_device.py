@@ -14,10 +14,10 @@ import torch
 from test_predictive import CACHE, CALS, IDS, LAYERS, PREDICTORS
 
 from entropykit import predictive as P
-from entropykit.gpu import dist as gpu_dist
 from entropykit.predictive import _torchdist as T
 from entropykit.predictive import codec as C
 from entropykit.rans import distribution as D
+from entropykit.rans.cuda import dist as gpu_dist
 
 
 class _Fixed(P.Predictor):

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import entropykit
 from entropykit import CorruptDataError, rans, tans
+from entropykit._status import Status
 from entropykit.coding import contexts, frame, lines
 from entropykit.container import classed, codecs
 
@@ -274,19 +275,13 @@ class _Counting:
 
 @pytest.fixture(scope="module")
 def kv():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from entropykit import predictive as P
-    from entropykit.warmup import tiny_llama
+    from entropykit.warmup import tiny_kv, tiny_llama
 
-    model = tiny_llama(vocab=256, layers=2)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (48,), generator=gen) for _ in range(2)]
-    ids = torch.randint(0, 256, (1, 12), generator=gen)
-    with torch.inference_mode():
-        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
-    pred = P.FP8Predictor(model)
-    cal = P.calibrate(model, pred, prompts)
+    cache, ids, pred, cal = tiny_kv(tiny_llama(vocab=256, layers=2), seed=1, prompts=2,
+                                    tokens=12)
     blob = P.compress_kv(cache, ids, pred, cal, model="gaussian")
     assert P.decompress_kv(blob, pred, cal).equal(cache)
     return P, pred, cal, blob
@@ -387,7 +382,7 @@ def test_kernels_refuse_extents_outside_their_buffers(name: str) -> None:
     out, whole = _guarded(sym.size)
     assert run([start], [length], [0], [sym.size], out) == [k.OK]
     np.testing.assert_array_equal(out, sym)
-    bad_extent = rk.ERR_ODD if name == "rans" else tk.ERR_EMPTY
+    bad_extent = int(Status.ODD) if name == "rans" else tk.ERR_EMPTY
     out, whole = _guarded(sym.size)
     assert run([start, -1, start, buf.size - 8], [length, length, buf.size, 64],
                [0, 0, 0, 0], [sym.size] * 4, out) == [k.OK] + [bad_extent] * 3

@@ -24,6 +24,7 @@ from torch import nn  # noqa: E402
 
 import entropykit.torch as ekt  # noqa: E402
 from entropykit import gpu  # noqa: E402
+from entropykit.rans import cuda as rans_cuda  # noqa: E402
 from entropykit.torch import _coded, _cuda, _resident  # noqa: E402
 
 _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -242,7 +243,7 @@ def test_inference_only_and_misuse() -> None:
 
 
 class _FakeRuntime:
-    """entropykit.gpu's runtime with the kernel emulated in numpy on CPU tensors."""
+    """rans.cuda's runtime with the kernel emulated in numpy on CPU tensors."""
 
     class DeviceBatch:
         def __init__(self, batch, device) -> None:
@@ -274,7 +275,7 @@ class _FakeRuntime:
                          ids=["bf16", "fp16", "fp8"])
 def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
     """The CUDA backend's batches, places and outputs, run by the kernel emulator."""
-    monkeypatch.setattr(gpu, "_load_runtime", lambda device: _FakeRuntime)
+    monkeypatch.setattr(rans_cuda, "load_runtime", lambda device: _FakeRuntime)
 
     def backend(device, units):
         return (_resident.CpuStreams(),

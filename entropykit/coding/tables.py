@@ -242,7 +242,7 @@ def serialize(freqs: np.ndarray) -> bytes:
     return out[: _serialize(f, out)].tobytes()
 
 
-# Parse outcomes: OK, or what is wrong (messages in ``_parse_error``).
+# Parse outcomes: OK, or what is wrong (messages in ``_PARSE_ERRORS``).
 _OK = 0
 _TRUNC_COUNT, _TRUNC_LIST, _TRUNC_BITMAP, _TRUNC_FREQS = 1, 2, 3, 4
 _ORDER, _BITMAP_COUNT, _VARINT, _RANGE, _SUM = 5, 6, 7, 8, 9
@@ -304,24 +304,21 @@ def _parse(buf: np.ndarray, offset: int, end: int, precision: int,
     return _OK, offset, 0, 0
 
 
+_PARSE_ERRORS = {
+    _TRUNC_COUNT: "frequency table truncated in symbol count at byte {at}",
+    _TRUNC_LIST: "frequency table truncated in symbol list at byte {at}",
+    _TRUNC_BITMAP: "frequency table truncated in presence bitmap at byte {at}",
+    _TRUNC_FREQS: "frequency table truncated in frequencies at byte {at}",
+    _ORDER: "frequency table symbols not increasing at byte {at}",
+    _BITMAP_COUNT: "frequency table bitmap at byte {at} has {a} symbols, header says {b}",
+    _VARINT: "frequency varint too long at byte {at}",
+    _RANGE: "frequency {a} of symbol {b} out of range at byte {at}",
+    _SUM: "frequencies sum to {a}, expected {b} (table ends at byte {at})",
+}
+
+
 def _parse_error(code: int, at: int, a: int, b: int) -> str:
-    if code == _TRUNC_COUNT:
-        return f"frequency table truncated in symbol count at byte {at}"
-    if code == _TRUNC_LIST:
-        return f"frequency table truncated in symbol list at byte {at}"
-    if code == _TRUNC_BITMAP:
-        return f"frequency table truncated in presence bitmap at byte {at}"
-    if code == _TRUNC_FREQS:
-        return f"frequency table truncated in frequencies at byte {at}"
-    if code == _ORDER:
-        return f"frequency table symbols not increasing at byte {at}"
-    if code == _BITMAP_COUNT:
-        return f"frequency table bitmap at byte {at} has {a} symbols, header says {b}"
-    if code == _VARINT:
-        return f"frequency varint too long at byte {at}"
-    if code == _RANGE:
-        return f"frequency {a} of symbol {b} out of range at byte {at}"
-    return f"frequencies sum to {a}, expected {b} (table ends at byte {at})"
+    return _PARSE_ERRORS[code].format(at=at, a=a, b=b)
 
 
 def parse_into(buf: np.ndarray, offset: int, end: int, precision: int,

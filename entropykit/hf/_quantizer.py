@@ -222,8 +222,8 @@ class EntropyKitQuantizer(HfQuantizer):
         # The GPU decodes a whole shard at once; its tensors wait here until asked for.
         key = (path, str(device))
         if key not in self._gpu:
+            from .._cuda import GpuUnavailableError
             from ..api import load_file
-            from ..gpu import GpuUnavailableError
 
             try:
                 self._gpu[key] = load_file(path, device=str(device))

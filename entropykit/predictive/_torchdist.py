@@ -1,7 +1,7 @@
 """``codec.group_distribution`` in torch: a group's (mu, sigma) on the cache's own device.
 
 What it is: the numpy reference's float32 sums, products, maxima and divisions, and the
-conditional model's fixed-order affine (``gpu.affine`` on CUDA, ``_linear.affine`` on a
+conditional model's fixed-order affine (``cuda.affine`` on CUDA, ``_linear.affine`` on a
 CPU), done on torch tensors wherever the cache lives, so the GPU coder gets (mu, sigma)
 without a round trip through host memory; bit for bit the numpy ones, so frames coded
 either way are the same bytes (tests compare every model kind on the CPU here, and
@@ -35,10 +35,10 @@ def on_gpu(coder: str, device: torch.device | str) -> bool:
         return False
     if coder == "gpu":
         return True
-    from ..gpu import GpuUnavailableError, _load_runtime
+    from .._cuda import GpuUnavailableError, require
 
     try:
-        _load_runtime(device)
+        require(device)
     except GpuUnavailableError:
         return False
     return True
@@ -76,7 +76,7 @@ def _guess(guesses: Guesses, key: tuple[int, int], shape: tuple, device: torch.d
 
 def _affine(base: torch.Tensor, feats: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     if base.device.type == "cuda":
-        from ..gpu.affine import affine
+        from .cuda.affine import affine
 
         return affine(base, feats, weights)
     out = _host_affine(base.numpy(), feats.numpy(), weights.numpy())
@@ -110,7 +110,7 @@ def group_distribution(layer: int, kv: int, guesses: Guesses, shape: tuple, exac
     the device). ``out``: flat float32 tensors (mu, sigma) to write them into."""
     dev = cal.device
     if kind != "conditional" and layer >= exact and dev.type == "cuda":
-        from ..gpu.groupparams import group_params  # one kernel for ~6 launches
+        from .cuda.groupparams import group_params  # one kernel for ~6 launches
 
         n = int(np.prod(shape))
         mu, sg = out or (torch.empty(n, dtype=torch.float32, device=dev),

@@ -126,7 +126,7 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     """Code ``cache`` (a ``KVCache`` or transformers ``Cache``; bf16, or fp8 ``KVCache``)
     of the prompt ``input_ids`` ([batch, seq]) against ``predictor``'s guess.
 
-    ``coder``: "gpu" codes a CUDA cache on its device (``entropykit.gpu.dist``, needs
+    ``coder``: "gpu" codes a CUDA cache on its device (``entropykit.rans.cuda.dist``, needs
     CuPy; (mu, sigma) computed there too), "cpu" on the host with ``threads`` threads,
     "auto" (default) the GPU where the cache is on CUDA and the GPU coder runs. The blob
     is the same bytes either way."""
@@ -162,7 +162,7 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
             mu, sigma, index = groups.distribution(layer, k)
             t = kv.tensor(layer, k)
             if groups.device is not None:
-                from ..gpu import dist as gpu_dist
+                from ..rans.cuda import dist as gpu_dist
 
                 frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model_tables,
                                         fmt=kv.format, model_index=index, chunk_size=CHUNK)
@@ -366,7 +366,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
     tensors = []
     pending = []  # the GPU's decodes, checked in order once all are queued
     if groups.device is not None:
-        from ..gpu import dist as gpu_dist
+        from ..rans.cuda import dist as gpu_dist
 
         # frames upload asynchronously from pinned memory; each group's decode, and the
         # conditional model's use of its values, queue on the stream behind the last one

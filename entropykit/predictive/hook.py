@@ -40,7 +40,7 @@ class KVOffloadCodec:
     runs on the prompt.
 
     ``coder``: where the frames are coded. "gpu" runs the coder on the layer's CUDA device
-    (``entropykit.gpu.dist``, needs CuPy): only the frame crosses PCIe, into pinned host
+    (``entropykit.rans.cuda.dist``, needs CuPy): only the frame crosses PCIe, into pinned host
     memory, and back. "cpu" copies the layer to the host and codes it there with
     ``threads`` threads. "auto" (default): "gpu" for CUDA tensors where the GPU coder can
     run, else "cpu". Both write the same frame format, so either decodes the other's.
@@ -139,7 +139,7 @@ class KVOffloadCodec:
             raise ValueError(f"keys on {keys.device}, values on {values.device}")
         both = torch.cat([keys.detach().reshape(-1), values.detach().reshape(-1)])
         if on_gpu(self.coder, both.device):
-            from ..gpu import dist as gpu_dist
+            from ..rans.cuda import dist as gpu_dist
 
             mu, sigma, index = self.layer_distribution(layer, both.device)
             frame = gpu_dist.encode(both, mu, sigma, model, model_index=index,
@@ -170,7 +170,7 @@ class KVOffloadCodec:
         device = torch.device(device)
         model = self.calibration.coder_model(self.model, "bf16")
         if on_gpu(self.coder, device):
-            from ..gpu import dist as gpu_dist
+            from ..rans.cuda import dist as gpu_dist
 
             mu, sigma, index = self.layer_distribution(layer, device)
             pending = gpu_dist.decode_async(frame, mu, sigma, model, model_index=index,

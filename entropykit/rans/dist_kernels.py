@@ -59,14 +59,13 @@ from numba.extending import intrinsic, overload
 
 from .._status import (
     ERR_FINAL,
-    ERR_ODD,
-    ERR_STATE,
     ERR_TRAILING,
     ERR_TRUNCATED,
     OK,
     Status,
     messages,
 )
+from .lanes import LANES, STATE_BYTES, L, put_states, read_states
 
 # No kernel allocates: callers pass every buffer in. That lets them run without Numba's
 # reference counting, whose incref/decref pairs around inlined helpers taking arrays are
@@ -126,9 +125,6 @@ _lane_kernel = njit(nogil=True, cache=True, _nrt=False, pipeline_class=_NoAlias)
 # decoder took 55 s that way, 10 s this way.
 _inline = njit(nogil=True, cache=True, _nrt=False, forceinline=True)
 
-LANES = 32
-L = 1 << 16
-STATE_BYTES = 4 * LANES
 ONE_BITS = 31
 ONE = 1 << ONE_BITS
 Z_GRID_BITS = 6  # shape table points per unit of z: 2**6
@@ -466,13 +462,7 @@ def encode_chunk(vals, mu_bits, sg_bits, midx, fp, shapes, emps, ws, rtab, preci
     if status:
         return status, pos
     pos -= STATE_BYTES
-    for lane in range(LANES):
-        s = st[_EX, lane]
-        o = pos + 4 * lane
-        out[o] = s & 0xFF
-        out[o + 1] = (s >> 8) & 0xFF
-        out[o + 2] = (s >> 16) & 0xFF
-        out[o + 3] = (s >> 24) & 0xFF
+    put_states(st[_EX], out, pos)
     return 0, pos
 
 
@@ -842,15 +832,9 @@ def decode_chunk(buf, start, length, mu_bits, sg_bits, midx, fp, shapes, zinv,
     """
     f = _fmt(fp)
     end = start + length
-    if length < STATE_BYTES or (length - STATE_BYTES) & 1 or end > buf.size or start < 0:
-        return ERR_ODD
-    for lane in range(LANES):
-        o = start + 4 * lane
-        s = (np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8) | (np.int64(buf[o + 2]) << 16)
-             | (np.int64(buf[o + 3]) << 24))
-        if s < L:
-            return ERR_STATE
-        ln[_X, lane] = s
+    status = read_states(buf, start, length, ln[_X])
+    if status != OK:
+        return status
     ptr = start + STATE_BYTES
     # Two compiled copies: with the empirical term, and without it when no model uses one.
     if _mixed(ws):

@@ -30,8 +30,6 @@ from .._status import (
     ERR_BOUNDS,
     ERR_CONTEXT,
     ERR_FINAL,
-    ERR_ODD,
-    ERR_STATE,
     ERR_TABLE,
     ERR_TRAILING,
     ERR_TRUNCATED,
@@ -39,11 +37,8 @@ from .._status import (
     Status,
     messages,
 )
+from .lanes import LANES, STATE_BYTES, L, put_states, read_states
 from .simd import decode_step, encode_step
-
-LANES = 32
-L = 1 << 16
-STATE_BYTES = 4 * LANES
 
 MESSAGES = messages(Status.STATE, Status.TRUNCATED, Status.TRAILING, Status.FINAL, Status.ODD,
                     Status.CONTEXT, Status.BOUNDS, Status.TABLE)
@@ -174,29 +169,8 @@ def encode_chunk(sym, tab, precision, out, ctx, cmap):
     if pos < STATE_BYTES:
         return -1
     pos -= STATE_BYTES
-    for lane in range(LANES):
-        v = x[lane]
-        o = pos + 4 * lane
-        out[o] = v & 0xFF
-        out[o + 1] = (v >> 8) & 0xFF
-        out[o + 2] = (v >> 16) & 0xFF
-        out[o + 3] = (v >> 24) & 0xFF
+    put_states(x, out, pos)
     return pos
-
-
-@njit(nogil=True, cache=True)
-def _start(buf, start, length, x):
-    """Check a payload's extent and load its 32 start states into ``x``; an error code."""
-    if length < STATE_BYTES or (length - STATE_BYTES) & 1 or start < 0 or start + length > buf.size:
-        return ERR_ODD
-    for lane in range(LANES):
-        o = start + 4 * lane
-        v = (np.uint32(buf[o]) | (np.uint32(buf[o + 1]) << 8) | (np.uint32(buf[o + 2]) << 16)
-             | (np.uint32(buf[o + 3]) << 24))
-        if v < L:
-            return ERR_STATE
-        x[lane] = v
-    return OK
 
 
 @njit(nogil=True, cache=True)
@@ -266,7 +240,7 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
         if bad_context:
             errors[j] = ERR_CONTEXT
             continue
-        errors[j] = _start(buf, starts[j], lengths[j], x[j])
+        errors[j] = read_states(buf, starts[j], lengths[j], x[j])
         ptr[j] = starts[j] + STATE_BYTES
         base[j] = lo[j]
     # Invariant of a step taken here: 32 symbols left in the chunk and 64 bytes of payload

@@ -38,7 +38,7 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
 
     Weights of two or more dimensions in bfloat16, float16, float8_e4m3fn or float8_e5m2
     with at least ``min_elements`` elements are coded; they must all be on one device (a
-    CUDA device: decoded by ``entropykit.gpu``, needing CuPy; the CPU: by the CPU
+    CUDA device: decoded by ``rans.cuda``, needing CuPy; the CPU: by the CPU
     decoders). ``device`` (a CUDA device, for a model on the CPU) puts the coded weights
     there and moves the rest of the model after them, so the device never holds the
     plain weights. ``verify`` decodes every block once and compares it with the weights,

@@ -1,6 +1,6 @@
 """The CUDA backend of resident mode: coded weights on the device, decodes as bound launches.
 
-What it is: ``CudaDecoder``, a block's coded tensors uploaded once (``entropykit.gpu``'s
+What it is: ``CudaDecoder``, a block's coded tensors uploaded once (``rans.cuda``'s
 planner and ``DeviceBatch``: payload, decode tables, descriptors) with one bound launch
 per kernel mode and scratch buffer, fixed at compress time, so a decode only enqueues
 kernels on torch's current stream: no allocation, no copy, no host synchronisation, and
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import gpu
-from ..gpu.plan import Place, Planner, Stream
+from ..rans import cuda as rans_cuda
+from ..rans.cuda.plan import Place, Planner, Stream
 from ._coded import CodedTensor
 
 
@@ -34,7 +34,7 @@ class CudaDecoder:
 
     def __init__(self, coded: Sequence[CodedTensor], region: torch.Tensor,
                  device: torch.device) -> None:
-        rt = gpu._load_runtime(device)
+        rt = rans_cuda.load_runtime(device)
         self.device = device
         self.launches: list = []
         self.held: list[torch.Tensor] = []  # every device buffer the launches read

@@ -1,4 +1,4 @@
-"""The KV distribution coder on the device (``entropykit.gpu.dist``) against the CPU coder.
+"""The KV distribution coder on the device (``entropykit.rans.cuda.dist``) against the CPU coder.
 
 What it is: kv_check.py's checks, bf16 and fp8 e4m3: values drawn as mu + sigma * t(4)
 noise with NaN / inf / -0 / subnormal values mixed in, extreme (mu, sigma), the whole value
@@ -17,7 +17,7 @@ import kv_check as kc
 import pytest
 import torch
 
-from entropykit.gpu import dist
+from entropykit.rans.cuda import dist
 
 pytestmark = pytest.mark.cuda
 

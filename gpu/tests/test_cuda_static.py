@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import stress_check as sc
 
-from entropykit.gpu import plan
+from entropykit.rans.cuda import plan
 
 pytestmark = pytest.mark.cuda
 

@@ -4,7 +4,7 @@ What it is: ``Staging``, computed from a ``fileplan.Group`` with numpy alone (so
 tests check it): the pinned host buffer (mirrored byte for byte on the device) holds every
 stream's bytes as the file or the host decoder holds them, back to back, then per batch
 its tables and descriptors, then the relayout rows that ``_relayout.cu`` follows to move
-each chunk payload into the batch's 16-byte aligned payload layout (plan.py's) in a
+each chunk payload into the batch's 16-byte aligned payload layout (``rans.cuda.plan``'s) in a
 second device buffer. Copying whole streams, not chunks, keeps the host's part to a few
 large memory copies, run on threads.
 What it is not: the device side (``load.py``).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..coding import parallel
+from ...coding import parallel
 from . import fileplan
 
 ALIGN = 256  # section alignment (the kernels read tables as u32, descriptors as i64)
@@ -91,7 +91,7 @@ class Staging:
     def fill(self, group: fileplan.Group, host: np.ndarray, descs: list[np.ndarray],
              threads: int) -> None:
         """Write the group into ``host`` (>= ``size`` bytes); ``descs[k]``: batch k's
-        descriptors with its outputs bound (``_runtime.bound_desc``)."""
+        descriptors with its outputs bound (``rans.cuda._runtime.bound_desc``)."""
         jobs = []
         for part, at, sec, desc in zip(group.parts, self.streams, self.sections, descs,
                                        strict=True):

@@ -1,6 +1,6 @@
 """Launching the decoder: a host ``Batch`` uploaded once, decoded into torch tensors.
 
-What it is: the CUDA half of ``entropykit.gpu``: compiling ``_kernel.cu`` through NVRTC
+What it is: the CUDA half of ``rans.cuda``: compiling ``_kernel.cu`` through NVRTC
 (CuPy) at first use, one build per kernel flavour; output binding (each output's position
 as an element offset from the lowest-addressed output, so one launch writes many
 separately allocated tensors); the launch on torch's current stream; ``DeviceBatch``
@@ -8,7 +8,7 @@ separately allocated tensors); the launch on torch's current stream; ``DeviceBat
 ``CorruptDataError``. Imported only when a decode is asked for, so the package imports
 without torch or CuPy.
 What it is not: frame parsing (``plan.py``), the kernel (``_kernel.cu``) or the file
-loader's staging (``load.py``).
+loader's staging (``container.cuda``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import cupy as cp
 import numpy as np
 import torch
 
-from . import _device, _layout, _nvrtc, check_outputs
+from ..._cuda import cuda_device, nvrtc
+from . import _layout, check_outputs
 from .plan import Batch
 
 TABLE_SET_BYTES = 4096 + 1024  # _kernel.cu's SMEM_STREAM
@@ -41,25 +42,12 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int) -> cp.RawKernel:
         opts = ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}",
                 f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={RING_WINDOWS}",
                 *cols)
-        k = cp.RawKernel(_nvrtc.source("_kernel.cu"), "rans_decode", options=opts)
+        k = cp.RawKernel(nvrtc.source(__package__, "_kernel.cu"), "rans_decode", options=opts)
         # The most a block of this build may ask for: two table sets and the warps'.
         k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(ctx)
         return k
 
-    return _nvrtc.cached(("rans", bf16, ctx, smem, warps), build)
-
-
-def _relayout_kernel() -> cp.RawKernel:
-    return _nvrtc.kernel("relayout", lambda: _nvrtc.source("_relayout.cu"), ("--std=c++17",))
-
-
-def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> None:
-    """Enqueue the copy of ``n`` staged payloads (int64 rows: src offset, dst offset,
-    length, at device address ``rows``) from ``src`` to ``dst`` (16-byte aligned places)."""
-    if n:
-        _nvrtc.launch(device, [(_relayout_kernel(), min(n, 4096), 256,
-                                (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)),
-                                0)])
+    return nvrtc.cached(("rans", bf16, ctx, smem, warps), build)
 
 
 def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor | None]:
@@ -95,17 +83,8 @@ class Launch:
     def __call__(self) -> None:
         if self.kernel is None:
             return
-        with cp.cuda.Device(self.device.index), _nvrtc.stream():
+        with cp.cuda.Device(self.device.index), nvrtc.stream():
             self.kernel(self.grid, self.block, self.args, shared_mem=self.shared)
-
-
-def cuda_device(device: torch.device | str | int) -> torch.device:
-    dev = _device(torch, device)
-    if dev.type != "cuda":
-        raise ValueError(f"entropykit.gpu decodes into CUDA tensors, got device {device}")
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())  # as tensors say
-    return dev
 
 
 class DeviceBatch:

@@ -1,11 +1,12 @@
 """GPU-batched rANS decoding: many frames, one kernel launch, straight into torch tensors.
 
-What it is: the device decoder of ``entropykit.rans`` frames (same bits as the CPU
+What it is: the device decoder of ``entropykit.rans`` static frames (same bits as the CPU
 decoder). ``decode_batch`` decodes uint8 fields; ``decode_bf16`` / ``decode_bf16_batch``
 decode a BF16 tensor's ``exponent`` and ``sign_mantissa`` frames together and write the
 bf16 values themselves. For repeated decodes of one set of frames, ``prepare_u8`` /
 ``prepare_bf16`` build the host plan once and ``upload`` it. Whole compressed files go
-through ``entropykit.load_file(path, device="cuda")`` (``fileplan.py``, ``load.py``).
+through ``entropykit.load_file(path, device="cuda")`` (``container.cuda``). The per-value
+distribution coder's CUDA twin is ``dist.py`` here.
 What it is not: an encoder, or a CRC check: the kernel checks what the CPU decoder's rANS
 kernel checks (start states, exact word count, final states); the per-chunk CRC-32 stays
 with the CPU ``verify`` path.
@@ -13,7 +14,8 @@ with the CPU ``verify`` path.
 The kernel is CUDA C++ (``_kernel.cu``) compiled by NVRTC through CuPy at first use;
 docs/gpu.md says why. Needs torch with CUDA and CuPy
 (``pip install 'entropykit[gpu]'``); importing this module does not, calling it does
-(``GpuUnavailableError`` says what is missing).
+(``GpuUnavailableError`` says what is missing). The public name of this API is
+``entropykit.gpu``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import GpuUnavailableError
+from ..._cuda import GpuUnavailableError, require
 from .plan import Batch, prepare_bf16, prepare_u8
 
 if TYPE_CHECKING:
@@ -46,44 +48,19 @@ __all__ = [
 ]
 
 
-def _device(torch: Any, device: Any) -> torch.device:
-    """``device`` as a torch.device; an int is a CUDA index (as in safetensors)."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    return torch.device(device)
+def load_runtime(device: Any) -> Any:
+    """The launcher module (``_runtime``), once ``device`` is known to run kernels
+    (``GpuUnavailableError`` saying what is missing otherwise)."""
+    require(device)
+    from . import _runtime
 
-
-def _load_runtime(device: Any) -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise GpuUnavailableError(
-            "entropykit.gpu needs torch (with CUDA) and cupy: pip install 'entropykit[gpu]'"
-        ) from None
-    dev = _device(torch, device)
-    if dev.type != "cuda":
-        raise ValueError(f"entropykit.gpu decodes into CUDA tensors, got device {dev}")
-    if not torch.cuda.is_available():
-        raise GpuUnavailableError(
-            f"entropykit.gpu: device {dev} asked for, but torch {torch.__version__} sees no "
-            "CUDA device"
-        )
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        raise GpuUnavailableError(
-            "entropykit.gpu compiles its kernel with cupy, which is missing: "
-            "pip install 'entropykit[gpu]' (or the cupy-cudaXXx matching your CUDA)"
-        ) from None
-    from . import _runtime as rt
-
-    return rt
+    return _runtime
 
 
 def upload(batch: Batch, device: Any = "cuda") -> DeviceBatch:
     """Copy a prepared batch's buffers to ``device``; ``.decode(outs)`` then runs it, and
     ``.bind(outs)`` returns a launch to call repeatedly without re-checking the outputs."""
-    return _load_runtime(device).DeviceBatch(batch, device)
+    return load_runtime(device).DeviceBatch(batch, device)
 
 
 def check_outputs(batch: Batch, outs: Sequence[torch.Tensor]) -> None:

@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from .._errors import CorruptDataError
-from .._status import Status, by_status
-from ..rans import dist_kernels as _k
-from ..rans import distribution as D
-from . import _nvrtc
+from ... import dtypes
+from ..._cuda import checked_device, nvrtc
+from ..._errors import CorruptDataError
+from ..._status import Status, by_status
+from .. import dist_kernels as _k
+from .. import distribution as D
 
 DIST_CHUNK = 1 << 14  # values a chunk of a frame coded here: a warp each
 HEADER_SIZE = D.HEADER_SIZE
@@ -174,27 +174,7 @@ def smem_bytes(model: D.CoderModel, models: int | None = None, *, zinv: bool = F
 _lock = threading.Lock()
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _targs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # _table_args'
-_devices: dict[Any, tuple[Any, Any]] = {}  # _device_runtime's: device -> (runtime, device)
 _checked: dict[int, tuple] = {}  # _index's checked tensors: id -> (weak ref, version, key)
-
-
-def _runtime(device: Any) -> Any:
-    from . import _load_runtime  # checks torch, CUDA and CuPy; GpuUnavailableError
-
-    return _load_runtime(device)
-
-
-def _device_runtime(device: Any) -> tuple[Any, Any]:
-    """(runtime, torch.device with its index) of ``device``; the checks run once for an
-    indexed torch.device (what tensors report), every time for "cuda" / ints / strings
-    (their meaning follows the current device)."""
-    got = _devices.get(device)
-    if got is None:
-        rt = _runtime(device)
-        got = (rt, rt.cuda_device(device))
-        if getattr(device, "index", None) is not None:
-            _devices[device] = got
-    return got
 
 
 def _build_options(f: D.ValueFormat, smem: bool) -> tuple[str, ...]:
@@ -209,8 +189,8 @@ def _build_options(f: D.ValueFormat, smem: bool) -> tuple[str, ...]:
 def _kernels(f: D.ValueFormat, smem: bool) -> Any:
     import cupy as cp
 
-    return _nvrtc.cached(("dist", f.name, smem), lambda: cp.RawModule(
-        code=_nvrtc.source("_dist_kernel.cu"), options=_build_options(f, smem)))
+    return nvrtc.cached(("dist", f.name, smem), lambda: cp.RawModule(
+        code=nvrtc.source(__package__, "_dist_kernel.cu"), options=_build_options(f, smem)))
 
 
 def _device_tables(model: D.CoderModel, device: Any) -> dict[str, Any]:
@@ -244,7 +224,7 @@ def _table_args(model: D.CoderModel, device: Any, first: int = 0,
                 for k in ("shapes", "emps", "weights", "zinv")}
         at = {k: np.uint64(tb[k].data_ptr() + first * r) for k, r in rows.items()}
         got = (at["shapes"], at["emps"], np.int32(models), at["weights"], at["zinv"],
-               *_nvrtc.args(tb["rtab"], tb["xpow"]))
+               *nvrtc.args(tb["rtab"], tb["xpow"]))
         with _lock:
             _targs.setdefault(model, {})[key] = got
     return got
@@ -314,7 +294,7 @@ class _Models:
     count: int | None
 
     def args(self) -> tuple:
-        return _nvrtc.args(self.midx, np.int32(self.shift), np.int32(self.m0))
+        return nvrtc.args(self.midx, np.int32(self.shift), np.int32(self.m0))
 
 
 _run_index: dict[tuple, Any] = {}  # _models' run index tensors, by layout and device
@@ -364,7 +344,7 @@ def _bad_param(i: int, mu: Any, sigma: Any) -> ValueError:
 
 
 def _launch(kernel: Any, device: Any, grid: int, block: int, args: tuple, shared: int) -> None:
-    _nvrtc.launch(device, [(kernel, grid, block, args, shared)])
+    nvrtc.launch(device, [(kernel, grid, block, args, shared)])
 
 
 def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
@@ -381,7 +361,7 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     """
     import torch
 
-    dev = _device_runtime(values.device)[1]
+    dev = checked_device(values.device)
     f = format_of(values.dtype, fmt)
     flat = _aligned(values.reshape(-1).contiguous())
     n = flat.numel()
@@ -397,10 +377,10 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     mod = _kernels(f, smem > 0)
     scratch = torch.empty_like(raw)
     res = torch.empty((nc, 4), dtype=torch.int64, device=dev)
-    _launch(_nvrtc.function(mod, "dist_encode"), dev, -(-nc // WARPS), 32 * WARPS,
-            (*_nvrtc.args(raw, mu_t, sg_t), *ms.args(),
-             *_nvrtc.args(n, np.int32(chunk_size), np.int32(nc), np.int32(precision)),
-             *_table_args(model, dev, ms.first, ms.count), *_nvrtc.args(scratch, res)), smem)
+    _launch(nvrtc.function(mod, "dist_encode"), dev, -(-nc // WARPS), 32 * WARPS,
+            (*nvrtc.args(raw, mu_t, sg_t), *ms.args(),
+             *nvrtc.args(n, np.int32(chunk_size), np.int32(nc), np.int32(precision)),
+             *_table_args(model, dev, ms.first, ms.count), *nvrtc.args(scratch, res)), smem)
     lengths = res[:, 2]
     dst = torch.cumsum(lengths, 0) - lengths
     chunks = torch.arange(nc, device=dev)
@@ -411,9 +391,9 @@ def encode(values: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     base = HEADER_SIZE + 9 * nc
     frame = torch.empty(base + total, dtype=torch.uint8, device=dev)
     frame[:HEADER_SIZE].copy_(head_t)
-    _launch(_nvrtc.function(mod, "dist_gather"), dev, min(nc, 65535), 256,
-            _nvrtc.args(scratch, raw, res, dst, chunk_size * (f.bits // 8), np.int32(nc), base,
-                  frame), 0)
+    _launch(nvrtc.function(mod, "dist_gather"), dev, min(nc, 65535), 256,
+            nvrtc.args(scratch, raw, res, dst, chunk_size * (f.bits // 8), np.int32(nc), base,
+                       frame), 0)
     return frame
 
 
@@ -530,7 +510,7 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
     if device is None:
         device = out.device if out is not None else (
             mu.device if isinstance(mu, torch.Tensor) and mu.is_cuda else "cuda")
-    dev = _device_runtime(device)[1]
+    dev = checked_device(device)
     head, ft = _frame_info(frame)
     if head.fingerprint != model.fingerprint:
         raise CorruptDataError(f"frame was coded with model {head.fingerprint:#010x}, "
@@ -558,13 +538,13 @@ def decode_async(frame: Any, mu: Any, sigma: Any, model: D.CoderModel, *,
         ft = ft.to(dev, non_blocking=ft.is_pinned())
     smem = smem_bytes(model, ms.count, zinv=f.bits == 16)
     mod = _kernels(f, smem > 0)
-    _nvrtc.launch(dev, [  # dist_directory also zeroes the status
-        (_nvrtc.function(mod, "dist_directory"), 1, DIR_THREADS,
-         _nvrtc.args(ft, size, np.int32(nc), table, facts, status), 0),
-        (_nvrtc.function(mod, "dist_decode"), -(-nc // WARPS), 32 * WARPS,
-         (*_nvrtc.args(ft, table, mu_t, sg_t), *ms.args(),
-          *_nvrtc.args(n, np.int32(cs), np.int32(nc), np.int32(head.precision)),
-          *_table_args(model, dev, ms.first, ms.count), *_nvrtc.args(out, status)), smem)])
+    nvrtc.launch(dev, [  # dist_directory also zeroes the status
+        (nvrtc.function(mod, "dist_directory"), 1, DIR_THREADS,
+         nvrtc.args(ft, size, np.int32(nc), table, facts, status), 0),
+        (nvrtc.function(mod, "dist_decode"), -(-nc // WARPS), 32 * WARPS,
+         (*nvrtc.args(ft, table, mu_t, sg_t), *ms.args(),
+          *nvrtc.args(n, np.int32(cs), np.int32(nc), np.int32(head.precision)),
+          *_table_args(model, dev, ms.first, ms.count), *nvrtc.args(out, status)), smem)])
     return PendingDecode(out, work, nc, True, (ft, mu_t, sg_t, ms.midx), head, size,
                          mu_t, sg_t)
 

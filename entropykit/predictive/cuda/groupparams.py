@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ..._cuda import checked_device, nvrtc
+
 _SRC = r"""
 __device__ __forceinline__ float nan_max(float a, float b) {  // numpy / torch maximum
     return a != a ? a : b != b ? b : fmaxf(a, b);
@@ -44,9 +46,7 @@ _BLOCK = 256
 
 
 def _function() -> Any:
-    from . import _nvrtc
-
-    return _nvrtc.kernel("group_params", lambda: _SRC)
+    return nvrtc.kernel("group_params", lambda: _SRC)
 
 
 def group_params(guess: Any, bias: Any, std: Any, shape: tuple, scale: Any, rf: float,
@@ -56,9 +56,6 @@ def group_params(guess: Any, bias: Any, std: Any, shape: tuple, scale: Any, rf: 
     predictor: 0); ``bias``, ``std``: float32 [heads, dim]; ``scale``: a 0-d float32 tensor
     (fp8 caches) or None; ``rf``, ``tiny``: the floor's constants (float32 values)."""
     import torch
-
-    from . import _nvrtc
-    from .dist import _device_runtime
 
     n = int(np.prod(shape))
     dev = mu.device
@@ -71,8 +68,8 @@ def group_params(guess: Any, bias: Any, std: Any, shape: tuple, scale: Any, rf: 
     if bias.numel() != shape[1] * shape[3] or std.numel() != bias.numel():
         raise ValueError("group_params: bias and std must be [heads, dim]")
     if n:
-        _nvrtc.launch(_device_runtime(dev)[1], [(
+        nvrtc.launch(checked_device(dev), [(
             _function(), -(-n // _BLOCK), _BLOCK,
-            _nvrtc.args(guess, bias, std, n, np.int32(shape[1]), np.int32(shape[2]),
-                        np.int32(shape[3]), scale, np.float32(rf), np.float32(tiny), mu,
-                        sigma), 0)])
+            nvrtc.args(guess, bias, std, n, np.int32(shape[1]), np.int32(shape[2]),
+                       np.int32(shape[3]), scale, np.float32(rf), np.float32(tiny), mu,
+                       sigma), 0)])

@@ -5,7 +5,7 @@ differ), the package's kernel sources behind the status prologue
 (``entropykit._status``), kernel arguments from tensors and numbers, and launches on
 torch's current stream (CuPy's view of it). CuPy and torch are imported at first use, so
 the host code that imports this module runs without them.
-What it is not: any kernel's arguments, layout or checks (the decoders' modules).
+What it is not: any kernel's arguments, layout or checks (the backends' modules).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ _built: dict[tuple, Any] = {}  # builds (and their functions), kept for the proc
 _external: dict[tuple[int, int], Any] = {}  # CuPy's views of torch's streams
 
 
-def source(name: str) -> str:
-    """The CUDA source file ``name`` of this package, after the status prologue."""
-    return cuda_prologue() + resources.files(__package__).joinpath(name).read_text()
+def source(package: str, name: str) -> str:
+    """The CUDA source file ``name`` of ``package`` (the kernel's own), after the status
+    prologue."""
+    return cuda_prologue() + resources.files(package).joinpath(name).read_text()
 
 
 def cached(key: tuple, build: Callable[[], Any]) -> Any:

@@ -13,7 +13,7 @@ check them and decode tANS/zstd fields ahead; the fill copies what they read).
 The kernels' status is read once at the end: ``CorruptDataError`` names the tensor,
 segment, field and chunk.
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
-(``_staging.py``) or the kernels.
+(``_staging.py``) or the decoder (``rans.cuda``).
 """
 
 from __future__ import annotations
@@ -22,15 +22,31 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..container.reader import Compressed
-from . import _runtime as rt
+from ..._cuda import cuda_device, nvrtc
+from ...rans.cuda import _runtime as rt
+from ...rans.cuda.plan import WARPS, Origins
+from ..reader import Compressed
 from . import fileplan
 from ._staging import Staging
-from .plan import WARPS, Origins
 
 SLOTS = 3  # staging buffers in rotation: fill one, copy one, decode one
+
+
+def _relayout_kernel() -> Any:
+    return nvrtc.kernel("relayout", lambda: nvrtc.source(__package__, "_relayout.cu"),
+                        ("--std=c++17",))
+
+
+def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> None:
+    """Enqueue the copy of ``n`` staged payloads (int64 rows: src offset, dst offset,
+    length, at device address ``rows``) from ``src`` to ``dst`` (16-byte aligned places)."""
+    if n:
+        nvrtc.launch(device, [(_relayout_kernel(), min(n, 4096), 256,
+                               (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)),
+                               0)])
 
 
 class _Slot:
@@ -101,7 +117,7 @@ class Stager:
         cur = torch.cuda.current_stream()
         cur.wait_event(slot.copied)
         dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
-        rt.relayout(self.device, dev0 + st.moves_at, len(st.moves), dev0, pay0)
+        relayout(self.device, dev0 + st.moves_at, len(st.moves), dev0, pay0)
         rows = sum(len(part.batch.desc) for part in group.parts)
         status = torch.zeros(max(rows, 1), dtype=torch.int32, device=self.device)
         row = 0
@@ -143,7 +159,7 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
     data order, as ``dtypes`` (safetensors dtype -> torch dtype) says. ``seconds``, if
     given, receives where the host's time went (waiting for the planner, for a staging
     buffer, filling them, launching, the final wait)."""
-    dev = rt.cuda_device(device)
+    dev = cuda_device(device)
     entries = c.original.by_offset
     for e in entries:
         if e.dtype not in dtypes:

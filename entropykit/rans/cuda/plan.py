@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._errors import CorruptDataError
-from .._status import Status, by_status
-from ..coding import frame as _frame
-from ..coding import parallel
-from ..rans import kernels as _rk
-from ..rans.static import CODER
+from ..._errors import CorruptDataError
+from ..._status import Status, by_status
+from ...coding import frame as _frame
+from ...coding import parallel
+from .. import kernels as _rk
+from ..static import CODER
 from ._layout import (
     D_CMAP,
     D_INFO,

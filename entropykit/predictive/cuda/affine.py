@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..._cuda import checked_device, nvrtc
+
 _SRC = r"""
 extern "C" __global__ void affine_in_order(const float* feats, const float* w, float* out,
                                            long long rows, int n_feats, int n_out) {
@@ -32,17 +34,12 @@ _BLOCK = 256
 
 
 def _function() -> Any:
-    from . import _nvrtc
-
-    return _nvrtc.kernel("affine_in_order", lambda: _SRC)
+    return nvrtc.kernel("affine_in_order", lambda: _SRC)
 
 
 def affine(base: Any, feats: Any, weights: Any) -> Any:
     """float32 CUDA tensors base [T, C], feats [T, F], weights [F, C] -> a new [T, C]."""
     import torch
-
-    from . import _nvrtc
-    from .dist import _runtime
 
     out = base.to(torch.float32).contiguous().clone()
     f = feats.to(torch.float32).contiguous()
@@ -51,8 +48,8 @@ def affine(base: Any, feats: Any, weights: Any) -> Any:
         raise ValueError(f"shapes {tuple(f.shape)} @ {tuple(w.shape)} do not give "
                          f"{tuple(out.shape)}")
     if out.numel():
-        dev = _runtime(out.device).cuda_device(out.device)
-        _nvrtc.launch(dev, [(_function(), -(-out.numel() // _BLOCK), _BLOCK,
-                             _nvrtc.args(f, w, out, out.shape[0], np.int32(f.shape[1]),
-                                         np.int32(w.shape[1])), 0)])
+        dev = checked_device(out.device)
+        nvrtc.launch(dev, [(_function(), -(-out.numel() // _BLOCK), _BLOCK,
+                            nvrtc.args(f, w, out, out.shape[0], np.int32(f.shape[1]),
+                                       np.int32(w.shape[1])), 0)])
     return out

@@ -20,7 +20,7 @@ Segments are planned on a thread pool and gathered in data order into ``Group``s
 most ``group_bytes`` of payload: a group is what the loader stages, copies and launches
 at once (one launch per kernel flavour in it: u8 / bf16 mode, context tables, tables
 wider than shared memory holds), so host work, copies and decoding overlap.
-What it is not: the device side (``load.py``) or the decoder's layout (``plan.py``).
+What it is not: the device side (``load.py``) or the decoder's layout (``rans.cuda.plan``).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._errors import CorruptDataError
-from ..coding import frame as _frame
-from ..container import codecs, payload, segment
-from ..container import header as hdr
-from ..container.parallel import imap
-from ..container.reader import Compressed
-from ..rans import decode as _rans_decode
-from .plan import WARPS, Batch, Place, Planner, Stream
+from ..._errors import CorruptDataError
+from ...coding import frame as _frame
+from ...rans import decode as _rans_decode
+from ...rans.cuda.plan import WARPS, Batch, Place, Planner, Stream
+from .. import codecs, payload, segment
+from .. import header as hdr
+from ..parallel import imap
+from ..reader import Compressed
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
 _BYTE = re.compile(r"byte(\d+)")
