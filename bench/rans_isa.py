@@ -179,11 +179,12 @@ def measure(mib: float, precision: int, reps: int) -> dict:
 # ---------------------------------------------------------------- both ISAs (parent)
 
 
-def avx2_features() -> str:
-    """The host's Numba CPU features with every AVX-512 (and AVX10 / AMX) feature off."""
+def avx2_features(off: re.Pattern = _AVX512) -> str:
+    """The host's Numba CPU features with every AVX-512 (and AVX10 / AMX) feature off, or
+    those ``off`` matches."""
     import llvmlite.binding as ll
 
-    return ",".join("-" + f[1:] if _AVX512.match(f) else f
+    return ",".join("-" + f[1:] if off.match(f) else f
                     for f in ll.get_host_cpu_features().flatten().split(","))
 
 
@@ -191,6 +192,10 @@ def run_isa(isa: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, NUMBA_CACHE_DIR=str(CACHE / f"numba-{isa}"))
     if isa == "avx2":
         env.update(NUMBA_CPU_NAME=args.avx2_cpu, NUMBA_CPU_FEATURES=avx2_features())
+    elif isa == "avx512-no-vbmi2":  # AVX-512 without the expand (Skylake-SP, Cascade Lake)
+        env.update(NUMBA_CPU_FEATURES=avx2_features(re.compile(r"^\+avx512vbmi2")))
+    elif isa != "avx512":
+        raise SystemExit(f"unknown ISA {isa!r}")
     cmd = [sys.executable, __file__, "--child", "--mib", str(args.mib), "--precision",
            str(args.precision), "--reps", str(args.reps)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -220,7 +225,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--avx2-cpu", default="znver3",
                     help="LLVM CPU name of the AVX2 target (default znver3)")
-    ap.add_argument("--isa", default="avx512,avx2")
+    ap.add_argument("--isa", default="avx512,avx2",
+                    help="comma-separated: avx512 (the host), avx2, avx512-no-vbmi2")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
@@ -235,7 +241,8 @@ def main() -> None:
             f"{now} (git {results_md.git_commit()}).\n\n"
             f"- Machine: {results_md.cpu_model()}, {os.cpu_count()} cores; load average "
             f"{load0:.2f} before and {load1:.2f} after. ISA avx512: the host's target; avx2: "
-            f"`NUMBA_CPU_NAME={args.avx2_cpu}` with every AVX-512 feature off.\n"
+            f"`NUMBA_CPU_NAME={args.avx2_cpu}` with every AVX-512 feature off; "
+            f"avx512-no-vbmi2: the host's without VBMI2.\n"
             f"- {args.mib:g} MiB of each data kind, precision {args.precision}, chunks of "
             f"the frame's default size decoded in the frame's groups (kernel) or one by one "
             f"(plain loop); one thread, best CPU time of {args.reps} runs.\n\n")
