@@ -3,10 +3,11 @@
 What it is: a micro-benchmark of the static rANS decode kernel (``rans.kernels``) on the
 same payloads as a plain Numba loop that decodes the same format lane by lane (the scalar
 path every lane-interleaved rANS decoder starts from). Each ISA runs in its own process
-with its own Numba cache: the host's, and an AVX2-only target (``NUMBA_CPU_NAME`` =
-``--avx2-cpu``, ``NUMBA_CPU_FEATURES`` = the host's with every AVX-512 feature off); that
-process checks that the decode kernel's assembly has no ``zmm`` or mask-register
-instruction. ``--write`` replaces the "## rANS decode, AVX2 and AVX-512" section of
+with its own Numba cache: the host's, an AVX2-only target (``NUMBA_CPU_NAME`` =
+``--avx2-cpu``, ``NUMBA_CPU_FEATURES`` = the host's with every AVX-512 feature off) and,
+on request, the host's without AVX-512 VBMI2; each reports what the decode kernel's
+assembly holds (``zmm`` and mask-register operands, gathers, expands), so the emulation
+can be checked. ``--write`` replaces the "## rANS decode, AVX2 and AVX-512" section of
 bench/RESULTS.md.
 What it is not: a frame or file benchmark (``bench_coders.py``, ``bench_weights.py``).
 
