@@ -118,10 +118,16 @@ def _best(fn, reps: int) -> float:
     return min(times)
 
 
-def _asm_check() -> dict:
+def _asm_check(args: tuple) -> dict:
+    """What the decode kernel compiles to for ``args``: a fresh, uncached build (Numba
+    cannot show the assembly of a kernel it loaded from its cache)."""
+    from numba import njit
+
     from entropykit.rans import kernels
 
-    asm = "\n".join(kernels.decode_chunks.inspect_asm().values())
+    fresh = njit(nogil=True)(kernels.decode_chunks.py_func)
+    fresh(*args)
+    asm = "\n".join(fresh.inspect_asm().values())
     return {"zmm": len(re.findall(r"%zmm\d", asm)),
             "kmask": len(re.findall(r"%k[1-7]\b", asm)),
             "gathers": len(re.findall(r"\bvp?gather", asm)),
@@ -166,7 +172,9 @@ def _one(sym: np.ndarray, precision: int, reps: int, plain) -> dict:
         fn()
         assert np.array_equal(got, sym)
     return {"bits": 8 * buf.size / n, "kernel": n / _best(kernel, reps) / 1e6,
-            "plain": n / _best(loop, reps) / 1e6}
+            "plain": n / _best(loop, reps) / 1e6,
+            "args": (buf, starts[:g], lengths[:g], dec, precision, got, None, None, lo[:g],
+                     hi[:g], errors)}
 
 
 def measure(mib: float, precision: int, reps: int) -> dict:
@@ -174,7 +182,10 @@ def measure(mib: float, precision: int, reps: int) -> dict:
     n = int(mib * (1 << 20))
     rows = {name: _one(make(n, 20261126), precision, reps, plain)
             for name, make in DATA.items()}
-    return {"rows": rows, "asm": _asm_check()}
+    asm = _asm_check(next(iter(rows.values())).pop("args"))
+    for row in rows.values():
+        row.pop("args", None)
+    return {"rows": rows, "asm": asm}
 
 
 # ---------------------------------------------------------------- both ISAs (parent)
