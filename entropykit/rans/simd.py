@@ -6,7 +6,10 @@ the states, and renormalize with one *expand-load*: lanes whose state fell below
 take the next words of the stream in lane order, exactly the order the format prescribes
 (``kernels`` docstring). Encode mirrors it with a *compress-store* of the emitted words.
 On AVX-512 VBMI2 these are ``vpexpandw`` / ``vpcompressw``; elsewhere LLVM lowers the same
-intrinsics to scalar code, so results are identical on every machine.
+intrinsics to scalar code, so results are identical on every machine. An x86 target with
+AVX2 but without that expand (``NUMBA_CPU_FEATURES`` / the host's, chosen as a kernel
+compiles) decodes in groups of 8 lanes instead, with a branchless refill of the same
+lane order (``_decode_step_avx2``).
 What it is not: bounds checking. The callers guarantee 32 symbols at ``base``, table
 indices in range (``cmap`` of 256 entries, each a table), and 64 bytes of stream room at
 ``ptr`` / below ``pos``.
@@ -49,6 +52,114 @@ def _declare(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) ->
     return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, args), name)
 
 
+def _avx2_only(context) -> bool:  # noqa: ANN001 (Numba's target context)
+    """Whether the code is compiled for x86 with AVX2 but without AVX-512 VBMI2's expand.
+
+    The features are those of the target machine Numba compiles for (``NUMBA_CPU_FEATURES``
+    when set), which are part of its cache key, so a cached kernel always matches them.
+    """
+    features = getattr(context.codegen(), "_tm_features", "").split(",")
+    return "+avx2" in features and "+avx512vbmi2" not in features
+
+
+_G = 8  # lanes of one AVX2 group: 8 x i32 in a ymm register
+
+
+def _prefix_lut(module: ir.Module) -> ir.Value:
+    """[256 x i32]: for an 8-bit mask m, nibble i is popcount(m & (2**i - 1)), the word of
+    the lane-ordered refill that lane i takes when its bit is set."""
+    lut = module.globals.get("entropykit_rans_refill_lut")
+    if lut is None:
+        values = [sum(bin(m & ((1 << i) - 1)).count("1") << (4 * i) for i in range(_G))
+                  for m in range(256)]
+        ty = ir.ArrayType(_I32, 256)
+        lut = ir.GlobalVariable(module, ty, "entropykit_rans_refill_lut")
+        lut.initializer = ir.Constant(ty, values)
+        lut.global_constant = True
+        lut.linkage = "internal"
+    return lut
+
+
+def _lanes(builder: ir.IRBuilder, row0: ir.Value, idx: ir.Value) -> ir.Value:
+    """<8 x i64>: ``row0[idx[i]]`` for each lane i, as eight scalar loads.
+
+    Scalar loads rather than ``vpgatherdd``: AVX2 CPUs issue two or more loads a cycle,
+    while their gathers are long micro-op sequences; here the gathers were never faster
+    (bench/RESULTS.md).
+    """
+    v = ir.Constant(ir.VectorType(_I64, _G), None)
+    for i in range(_G):
+        lane = ir.Constant(_I32, i)
+        at = builder.gep(row0, [builder.zext(builder.extract_element(idx, lane), _I64)])
+        v = builder.insert_element(v, builder.load(at, align=8), lane)
+    return v
+
+
+def _decode_step_avx2(builder, x, table, prec, ctx, cmap, base, out, buf, ptr):  # noqa: ANN001
+    """``decode_step`` as four groups of 8 lanes in AVX2 instructions.
+
+    The refill emulates the expand-load without a branch: each group loads the next 8
+    words, and ``vpermd`` moves word popcount(need & (2**i - 1)) to lane i (indices from
+    a 256-entry table of nibbles), so the lanes that need a word take them in lane order.
+    A group reads 16 bytes at its position, at most 48 bytes past ``ptr``: inside the 64
+    bytes the caller guarantees.
+    """
+    mod = builder.module
+    v8 = ir.VectorType(_I32, _G)
+
+    def splat8(value):
+        return ir.Constant(v8, [value] * _G)
+
+    permd = _declare(mod, "llvm.x86.avx2.permd", v8, [v8, v8])
+    popcnt = _declare(mod, "llvm.ctpop.i32", _I32, [_I32])
+    zeros = ir.Constant(v8, [0] * _G)
+    p = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, None),
+                                                      builder.trunc(prec, _I32),
+                                                      ir.Constant(_I32, 0)),
+                               ir.Constant(v8, None), zeros)
+    mask = builder.sub(builder.shl(splat8(1), p), splat8(1))
+    row0 = builder.bitcast(table, _I64.as_pointer())
+    lut = _prefix_lut(mod)
+    shifts = ir.Constant(v8, [4 * i for i in range(_G)])
+    states = builder.bitcast(x, v8.as_pointer())
+    for g in range(_G // 2):
+        at = builder.add(base, ir.Constant(_I64, g * _G))
+        state_ptr = builder.gep(states, [ir.Constant(_I64, g)])
+        xs = builder.load(state_ptr, align=4)
+        slot = builder.and_(xs, mask)
+        if ctx is not None:  # row k = cmap[ctx] of the table: slot += k << precision
+            c_ptr = builder.bitcast(builder.gep(ctx, [at]), ir.VectorType(_I8, _G).as_pointer())
+            k = builder.zext(builder.load(c_ptr, align=1), v8)
+            if cmap is not None:
+                k = builder.trunc(_lanes(builder, builder.bitcast(cmap, _I64.as_pointer()), k),
+                                  v8)
+            slot = builder.add(slot, builder.shl(k, p))
+        # entry = bias | freq << 16 | sym << 32
+        e = _lanes(builder, row0, slot)
+        lo = builder.trunc(e, v8)
+        sym = builder.trunc(builder.lshr(e, ir.Constant(e.type, [32] * _G)),
+                            ir.VectorType(_I8, _G))
+        o_ptr = builder.bitcast(builder.gep(out, [at]), ir.VectorType(_I8, _G).as_pointer())
+        builder.store(sym, o_ptr, align=1)
+        xs = builder.add(builder.mul(builder.lshr(lo, splat8(16)), builder.lshr(xs, p)),
+                         builder.and_(lo, splat8(0xFFFF)))
+        need = builder.icmp_unsigned("<", xs, splat8(1 << 16))
+        bits = builder.zext(builder.bitcast(need, _I8), _I32)
+        w_ptr = builder.bitcast(builder.gep(buf, [ptr]), ir.VectorType(_I16, _G).as_pointer())
+        words = builder.zext(builder.load(w_ptr, align=1), v8)
+        nib = builder.load(builder.gep(lut, [ir.Constant(_I32, 0), bits]), align=4)
+        nib = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, None), nib,
+                                                            ir.Constant(_I32, 0)),
+                                     ir.Constant(v8, None), zeros)
+        # vpermd reads the low 3 bits of each index: no mask after the shift.
+        words = builder.call(permd, [words, builder.lshr(nib, shifts)])
+        refilled = builder.or_(builder.shl(xs, splat8(16)), words)
+        builder.store(builder.select(need, refilled, xs), state_ptr, align=4)
+        taken = builder.zext(builder.call(popcnt, [bits]), _I64)
+        ptr = builder.add(ptr, builder.shl(taken, ir.Constant(_I64, 1)))
+    return ptr
+
+
 @intrinsic
 def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
     """Decode lanes 0..31 of one step; return the stream position after its words.
@@ -69,6 +180,11 @@ def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
         def data(k, v):
             return context.make_array(signature.args[k])(context, builder, v).data
 
+        if _avx2_only(context):
+            return _decode_step_avx2(builder, data(0, x_v), data(1, table_v), prec_v,
+                                     data(3, ctx_v) if conditional else None,
+                                     None if direct else data(4, cmap_v), base_v,
+                                     data(6, out_v), data(7, buf_v), ptr_v)
         mod = builder.module
         state_ptr = builder.bitcast(data(0, x_v), _vec(_I32).as_pointer())
         xs = builder.load(state_ptr, align=4)
