@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from entropykit.api import _source
-from entropykit.coding import parallel
+from entropykit.coding import contexts, lines, parallel
 from entropykit.container import writer
 from entropykit.container.reader import Compressed
 from entropykit.rans import static as rans_static
@@ -134,3 +134,31 @@ def test_env_var_sets_the_default_count(monkeypatch: pytest.MonkeyPatch) -> None
             parallel.default_threads()
     monkeypatch.delenv(parallel.ENV)
     assert parallel.default_threads() >= 1
+
+
+@pytest.mark.parametrize("cols, phase, n", [(97, 0, 50_000), (97, 41, 50_000),
+                                            (5000, 4999, 12_345), (64, 3, 64 * 40 - 3)])
+def test_counts_in_parts_equal_one_pass(monkeypatch: pytest.MonkeyPatch, cols: int,
+                                        phase: int, n: int) -> None:
+    # A large field's histograms are counted in row-aligned parts on the pool's threads;
+    # the sums must equal one pass for any split (tiny parts here: many, mid-row start).
+    rng = np.random.default_rng(cols + phase)
+    sym = rng.integers(0, 40, n).astype(np.uint8)
+    ctx = rng.integers(0, 7, n).astype(np.uint8)
+    rows = lines.n_rows(n, cols, phase)
+    rcls = rng.integers(0, 3, rows).astype(np.uint8)
+    ccls = rng.integers(0, 2, cols).astype(np.uint8)
+    index, _ = lines.buckets(np.bincount(sym, minlength=256))
+    width = int(index.max()) + 1
+
+    def counts() -> list[np.ndarray]:
+        hr, hc = lines.line_histograms(sym, index, width, cols, phase)
+        return [hr, hc, lines.context_counts(sym, cols, phase, rcls, ccls, 2),
+                contexts.joint_histogram(ctx, sym)]
+
+    whole = counts()
+    monkeypatch.setattr(contexts, "PART", 300)
+    for threads in (1, 2):
+        parts = parallel.run(lambda _: counts(), 1, threads)[0]
+        for a, b in zip(whole, parts, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
