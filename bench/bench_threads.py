@@ -184,6 +184,57 @@ def scale(path: Path, threads: list[int], reps: int, tmp: Path) -> list[dict]:
     return rows
 
 
+def units(path: Path, threads: int, tmp: Path) -> str:
+    """The work units of one run of each operation on ``threads`` threads: their count,
+    median and the largest one's share of the CPU time (``time.thread_time``, exclusive
+    of the nested items a unit ran), which bounds the speed-up at any thread count."""
+    import threading
+
+    from entropykit.coding import parallel
+
+    log: list[float] = []
+    here = threading.local()
+    execute = parallel._Pool._execute
+
+    def timed(self, b, i):  # noqa: ANN001 - wraps a private method of the pool
+        stack = here.__dict__.setdefault("stack", [])
+        stack.append(0.0)
+        t0 = time.thread_time()
+        execute(self, b, i)
+        took = time.thread_time() - t0
+        log.append(took - stack.pop())
+        if stack:
+            stack[-1] += took
+
+    ops = [("compress", lambda: entropykit.compress_file(path, tmp / "u.ek", threads=threads,
+                                                       force=True)),
+           ("decompress", lambda: entropykit.decompress_file(tmp / "u.ek", tmp / "u.st",
+                                                             threads=threads, force=True))]
+    try:
+        import torch  # noqa: F401
+
+        ops.append(("load_file", lambda: entropykit.load_file(tmp / "u.ek", threads=threads)))
+    except ImportError:
+        pass
+    lines = ["| operation | units | median unit ms | largest unit ms | largest share | bound |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    parallel._Pool._execute = timed
+    try:
+        for name, op in ops:
+            op()  # warm
+            log.clear()
+            op()
+            t = np.array(log)
+            lines.append(f"| {name} | {t.size} | {np.median(t) * 1e3:.2f} | "
+                         f"{t.max() * 1e3:.1f} | {t.max() / t.sum():.1%} | "
+                         f"{t.sum() / t.max():.1f}x |")
+    finally:
+        parallel._Pool._execute = execute
+        for f in ("u.ek", "u.st"):
+            _drop(tmp / f)
+    return "\n".join(lines) + "\n"
+
+
 def table(name: str, path: Path, rows: list[dict], threads: list[int],
           zstd: tuple[float, float]) -> str:
     size = path.stat().st_size
@@ -212,6 +263,8 @@ def main() -> int:
     ap.add_argument("--llm-layers", type=int, default=3, help="blocks of the LLM file")
     ap.add_argument("--no-llm", action="store_true", help="MiniLM only")
     ap.add_argument("--minilm", help="a BF16 MiniLM safetensors file to use")
+    ap.add_argument("--units", action="store_true", help="also the work units of each "
+                    "operation (count, largest one's share of the CPU time)")
     ap.add_argument("--tmp", help="directory for outputs (default: a new temporary one)")
     args = ap.parse_args()
     cores = default_threads()
@@ -234,6 +287,8 @@ def main() -> int:
         for name, path, reps in files:
             rows = scale(path, threads, reps, Path(tmp))
             print(table(name, path, rows, threads, zstd_rates(path, reps)))
+            if args.units:
+                print(units(path, max(2, threads[-1]), Path(tmp)))
     print(f"load after {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -1,7 +1,8 @@
 """The package's one thread pool: nested calls share the outer call's threads (no nested
 pools), a segment's frame chunks run on every thread, the thread count is honoured (the
-``threads`` argument, ``ENTROPYKIT_THREADS``), errors come back in item order, and the
-bytes written do not depend on the thread count."""
+``threads`` argument, ``ENTROPYKIT_THREADS``), errors come back in item order, the work
+split into parts (histograms, a segment's join) gives exactly the one-pass result, and
+the bytes written do not depend on the thread count."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from test_container import all_dtypes
 
 from entropykit.api import _source
 from entropykit.coding import contexts, lines, parallel
-from entropykit.container import writer
+from entropykit.container import segment, writer
 from entropykit.container.reader import Compressed
 from entropykit.rans import static as rans_static
 
@@ -162,3 +164,17 @@ def test_counts_in_parts_equal_one_pass(monkeypatch: pytest.MonkeyPatch, cols: i
         parts = parallel.run(lambda _: counts(), 1, threads)[0]
         for a, b in zip(whole, parts, strict=True):
             assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_large_segments_join_in_parts_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A large segment's fields are joined in parts of whole elements on the pool's
+    # threads; every dtype's join must give the original bytes, in place or not.
+    packed = io.BytesIO()
+    writer.write(_source(all_dtypes(3), None), packed, threads=1)
+    c = Compressed(packed.getvalue())
+    whole = c.restored(1)
+    monkeypatch.setattr(segment, "JOIN_PART", 64)
+    assert np.array_equal(c.restored(2), whole)
+    assert np.array_equal(c.restored(1), whole)
+    for name in c.keys():
+        assert np.array_equal(c.tensor(name, threads=2), c.tensor(name))
