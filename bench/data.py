@@ -23,6 +23,8 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:  # torch is imported where it is used: fetching paths does not need it
     import torch
 
@@ -186,6 +188,48 @@ def minilm_cast_path(fmt: str) -> Path:
     if not dst.is_file() or dst.stat().st_mtime < src.stat().st_mtime:
         dst.parent.mkdir(parents=True, exist_ok=True)
         cast_file(src, dst, fmt)
+    return dst
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even (finite inputs;
+    the same bits as torch's cast)."""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def synthetic_bf16(dst: Path, shapes: list[tuple[str, tuple[int, ...]]], seed: int,
+                   note: str) -> Path:
+    """A safetensors file of BF16 tensors named and shaped as ``shapes``, written once
+    (streamed: one tensor in memory at a time; numpy only): 1-D tensors near 1 (norm
+    weights), others normal with a scale per row spread over three octaves (trained
+    weights' rows differ in scale), from a fixed ``seed``. ``note`` goes into the
+    metadata (``synthetic``)."""
+    if dst.is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    entries: dict[str, object] = {}
+    pos = 0
+    for name, shape in shapes:
+        n = 2 * int(np.prod(shape))
+        entries[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    entries["__metadata__"] = {"format": "pt", "synthetic": note}
+    head = json.dumps(entries, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    rng = np.random.default_rng(seed)
+    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.part")
+    with open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for _, shape in shapes:
+            if len(shape) == 1:
+                w = 1.0 + 0.05 * rng.standard_normal(shape, np.float32)
+            else:
+                rows = (int(np.prod(shape[:-1])), 1)
+                scale = 0.02 * np.exp2(rng.uniform(-1.5, 1.5, rows)).astype(np.float32)
+                w = rng.standard_normal(shape, np.float32) * scale.reshape(*shape[:-1], 1)
+            f.write(bf16_bits(w).tobytes())
+    os.replace(tmp, dst)
     return dst
 
 

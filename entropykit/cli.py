@@ -345,7 +345,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def threads_and_quiet(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--threads", type=_threads, default=None, metavar="N",
-                        help="worker threads (default: every available core)")
+                        help="worker threads (default: $ENTROPYKIT_THREADS, else every "
+                             "available core)")
         sp.add_argument("-q", "--quiet", action="store_true",
                         help="print nothing on success (errors and warnings still go to "
                              "stderr); no progress line")

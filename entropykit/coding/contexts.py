@@ -18,8 +18,12 @@ import numpy as np
 from numba import njit
 
 from . import tables
+from .parallel import run
 
 DEFAULT_MAX_TABLES = 16
+# Symbols per part of a histogram counted on several threads: large enough that a part's
+# own 256 x 256 counts cost little beside it.
+PART = 1 << 21
 
 
 @njit(nogil=True, cache=True)
@@ -30,9 +34,18 @@ def _joint_histogram(context: np.ndarray, symbols: np.ndarray) -> np.ndarray:
     return h
 
 
-def joint_histogram(context: np.ndarray, symbols: np.ndarray) -> np.ndarray:
-    """int64[256, 256]: counts of (context value, symbol) pairs."""
-    return _joint_histogram(context, symbols)
+def joint_histogram(context: np.ndarray, symbols: np.ndarray, threads: int | None = 1
+                    ) -> np.ndarray:
+    """int64[256, 256]: counts of (context value, symbol) pairs; a large field is counted
+    in parts on ``threads`` threads (``parallel.run``: inside a running call, on its
+    threads) and the parts summed, which is exact."""
+    n = symbols.size
+    if n <= PART:
+        return _joint_histogram(context, symbols)
+    cuts = list(range(0, n, PART)) + [n]
+    return sum(run(lambda k: _joint_histogram(context[cuts[k] : cuts[k + 1]],
+                                              symbols[cuts[k] : cuts[k + 1]]),
+                   len(cuts) - 1, threads))
 
 
 @njit(nogil=True, cache=True)

@@ -430,7 +430,7 @@ def encode(
             ctx = context
         else:
             ctx = _as_context(context, n)
-        joint = contexts.joint_histogram(ctx, sym) if counts is None else counts
+        joint = contexts.joint_histogram(ctx, sym, threads) if counts is None else counts
         _check_counts(joint, (256, 256), n)
     elif counts is None:
         counts = tables.histogram(sym)

@@ -30,6 +30,7 @@ import numpy as np
 from numba import njit
 
 from . import contexts, tables
+from .parallel import run
 from .tables import _log2
 
 MAX_CLASSES = 16  # per axis; a symbol's context (row class * kc + column class) fits a byte
@@ -190,9 +191,34 @@ def line_histograms(sym: np.ndarray, index: np.ndarray, n_buckets: int, cols: in
     wide = np.int32 if sym.size < 1 << 31 else np.int64  # a line holds <= n symbols
     hr = np.zeros((n_rows(sym.size, cols, phase) if rows else 0, n_buckets), wide)
     hc = np.zeros((cols if columns else 0, n_buckets), wide)
-    if rows or columns:
-        _line_hists(sym, index.astype(np.uint8), hr, hc, cols, phase)
+    if not (rows or columns):
+        return hr, hc
+    dense = index.astype(np.uint8)
+    parts = _row_parts(sym.size, cols, phase)
+
+    def part(k: int) -> np.ndarray:
+        # Rows are disjoint between parts; each part counts its columns apart (summed).
+        a, b, r0, r1 = parts[k]
+        own = hc if k == 0 else np.zeros_like(hc)
+        _line_hists(sym[a:b], dense, hr[r0:r1] if rows else hr, own, cols,
+                    phase if a == 0 else 0)
+        return own
+
+    for own in run(part, len(parts), 1)[1:]:
+        hc += own
     return hr, hc
+
+
+def _row_parts(n: int, cols: int, phase: int) -> list[tuple[int, int, int, int]]:
+    """(first symbol, end, first row, end row) of the parts a pass over ``n`` symbols
+    starting at column ``phase`` is split into: whole rows, about ``contexts.PART``
+    symbols each. Run with ``run(.., 1)``: serial, or inside a running call on its
+    threads; the summed counts are exact whatever the split."""
+    rows = n_rows(n, cols, phase)
+    step = max(1, contexts.PART // cols)
+    starts = list(range(0, rows, step))
+    return [(max(0, r * cols - phase), min(n, (r + step) * cols - phase), r,
+             min(rows, r + step)) for r in starts]
 
 
 @njit(nogil=True, cache=True)
@@ -365,7 +391,17 @@ def context_counts(sym: np.ndarray, cols: int, phase: int, rcls: np.ndarray | No
     """The int64[256, 256] (context, symbol) counts of ``sym`` with ``context(...)``'s
     contexts, without making them (one pass over ``sym``)."""
     rc, pattern, indirect = _context_args(sym.size, cols, phase, rcls, ccls, kc)
-    return _count(sym, cols, phase, rc, pattern, indirect, int(pattern.max(initial=0)) + 1)
+    kmax = int(pattern.max(initial=0)) + 1
+    parts = _row_parts(sym.size, cols, phase)
+    if len(parts) <= 1:
+        return _count(sym, cols, phase, rc, pattern, indirect, kmax)
+
+    def part(k: int) -> np.ndarray:
+        a, b, r0, _ = parts[k]
+        return _count(sym[a:b], cols, phase if a == 0 else 0, rc[r0:], pattern, indirect,
+                      kmax)
+
+    return sum(run(part, len(parts), 1))
 
 
 def map_bytes(count: int, k: int) -> int:

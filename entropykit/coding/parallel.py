@@ -1,28 +1,47 @@
-"""The one thread pool of the package: an ordered, bounded parallel map.
+"""The one thread pool of the package: ordered, bounded parallel maps that nest flat.
 
 What it is: ``imap(fn, items, threads)`` yields ``fn(item)`` in input order while at most
 ``2 * threads`` calls are in flight, so work overlaps but memory stays bounded (each
 result is consumed before more work is started); ``run(fn, count, threads)`` is the list
 of ``fn(0) .. fn(count - 1)`` the same way. The work functions release the GIL (Numba
-kernels, zstd, zlib, large numpy copies), so threads use every core. Frames run their
-chunks here, the container its segments.
-What it is not: a process pool, or a scheduler that reorders work.
+kernels, zstd, zlib, large numpy copies), so threads use every core.
+
+Calls nest without nesting pools: an ``imap`` or ``run`` made inside a work function
+(a segment coding its frame's chunks) hands its items to the threads already running,
+and the calling thread works through its own items meanwhile; a thread waits only for
+items another thread is running, so nesting cannot deadlock. Items of nested calls go
+before the outer call's next items (the oldest nested call first), so an outer item
+that is started finishes soon and its result is not held up. Inside a call of
+``threads=1`` every nested call runs inline too: the outermost call's count is the one
+used everywhere. The default count is ``ENTROPYKIT_THREADS`` where set, else every core
+this process may use.
+What it is not: a process pool, or a scheduler that reorders results.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 
+ENV = "ENTROPYKIT_THREADS"
+
+_here = threading.local()  # .pool: the _Pool this thread works for, or _SERIAL
+
 
 def default_threads() -> int:
-    """Every core this process may use."""
+    """``ENTROPYKIT_THREADS`` if set (ValueError unless an integer >= 1), else every core
+    this process may use."""
+    env = os.environ.get(ENV, "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{ENV} must be an integer >= 1, got {env!r}")
+        return int(env)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - non-Linux
@@ -30,34 +49,217 @@ def default_threads() -> int:
 
 
 def resolve(threads: int | None) -> int:
-    """``threads`` or every core this process may use; ValueError if not >= 1."""
+    """``threads`` or ``default_threads()``; ValueError if not >= 1."""
     n = default_threads() if threads is None else threads
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
     return n
 
 
+class _Batch:
+    """The items of one call: claimed in order by any thread of the pool; ``items`` may
+    grow while the call is open (the outer ``imap`` feeds it as results are taken)."""
+
+    def __init__(self, fn: Callable[[Any], Any], items: list[Any], cond: threading.Condition
+                 ) -> None:
+        self.fn, self.items = fn, items
+        self.next = 0  # the first item not claimed yet
+        self.results: list[Any] = [None] * len(items)
+        self.done: list[bool] = [False] * len(items)
+        self.errors: dict[int, BaseException] = {}
+        self.running = 0
+        self.stopped = False  # after an error or a close: claim nothing more
+        self.cond = cond  # on the pool's lock; notified as items finish
+
+    def claimable(self) -> bool:
+        return not self.stopped and self.next < len(self.items)
+
+
+class _Pool:
+    """Up to ``threads`` worker threads (started as items come: a call of few items
+    costs few threads) and the open batches they take items from."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # idle workers wait here
+        self._nested: deque[_Batch] = deque()  # oldest first
+        self._outer: _Batch | None = None
+        self._closed = False
+        self._idle = 0
+        self._workers: list[threading.Thread] = []
+
+    def _wake(self, k: int) -> None:
+        """Items for ``k`` more threads were added (the lock held): wake idle workers,
+        start new ones for the rest."""
+        woken = min(k, self._idle)
+        self._idle -= woken  # counted here: a woken worker takes the lock later
+        self._work.notify(woken)
+        for _ in range(min(k - woken, self.threads - len(self._workers))):
+            t = threading.Thread(target=self._serve, name=f"entropykit-{len(self._workers)}",
+                                 daemon=True)
+            self._workers.append(t)
+            t.start()
+
+    def _claim(self, only: _Batch | None = None) -> tuple[_Batch, int] | None:
+        """The next item to run (the lock held): of ``only``, else of the oldest nested
+        batch, else of the outer one."""
+        if only is not None:
+            sources: Iterable[_Batch] = (only,)
+        else:
+            while self._nested and not self._nested[0].claimable():
+                self._nested.popleft()
+            sources = (*self._nested, *((self._outer,) if self._outer else ()))
+        for b in sources:
+            if b.claimable():
+                i = b.next
+                b.next += 1
+                b.running += 1
+                return b, i
+        return None
+
+    def _execute(self, b: _Batch, i: int) -> None:
+        """Run item ``i`` of ``b`` (the lock not held) and record how it ended."""
+        try:
+            value, error = b.fn(b.items[i]), None
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of the batch
+            value, error = None, e
+        with self._lock:
+            b.running -= 1
+            b.done[i] = True
+            if error is None:
+                b.results[i] = value
+            else:
+                b.errors[i] = error
+                b.stopped = True
+            b.cond.notify_all()
+
+    def _serve(self) -> None:
+        _here.pool = self
+        while True:
+            with self._lock:
+                job = self._claim()
+                while job is None and not self._closed:
+                    self._idle += 1
+                    self._work.wait()
+                    job = self._claim()
+                if job is None:
+                    return
+            self._execute(*job)
+
+    def open(self, fn: Callable[[Any], Any], items: list[Any], outer: bool) -> _Batch:
+        b = _Batch(fn, items, threading.Condition(self._lock))
+        with self._lock:
+            if outer:
+                self._outer = b
+            else:
+                self._nested.append(b)
+            self._wake(len(items))
+        return b
+
+    def feed(self, b: _Batch, item: Any) -> None:
+        with self._lock:
+            b.items.append(item)
+            b.results.append(None)
+            b.done.append(False)
+            self._wake(1)
+
+    def wait(self, b: _Batch, i: int) -> Any:
+        """Item ``i``'s result, waiting for it (ValueError-free: its error is raised)."""
+        with self._lock:
+            while not b.done[i] and not (b.stopped and i >= b.next):
+                b.cond.wait()
+            if i in b.errors:
+                raise b.errors[i]
+            if not b.done[i]:  # skipped after an earlier error: that one is raised
+                raise min(b.errors.items())[1]
+            value, b.results[i] = b.results[i], None
+            return value
+
+    def join_batch(self, b: _Batch) -> list[Any]:
+        """Run ``b``'s items on this thread and the pool's; their results in order, or
+        the error of the first item that failed."""
+        while True:
+            with self._lock:
+                job = self._claim(b)
+            if job is None:
+                break
+            self._execute(*job)
+        with self._lock:
+            while b.running:
+                b.cond.wait()
+            if b.errors:
+                raise min(b.errors.items())[1]
+            return b.results
+
+    def stop(self, b: _Batch) -> None:
+        """Claim nothing more of ``b``; wait for its running items."""
+        with self._lock:
+            b.stopped = True
+            while b.running:
+                b.cond.wait()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._work.notify_all()
+        for t in self._workers:
+            t.join()
+
+
+class _Serial:
+    """The mark of a thread running a call of one thread: nested calls run inline."""
+
+
+_SERIAL = _Serial()
+
+
+def _inline(fn: Callable[[T], R], item: T) -> R:
+    before = getattr(_here, "pool", None)
+    _here.pool = _SERIAL
+    try:
+        return fn(item)
+    finally:
+        _here.pool = before
+
+
 def imap(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
-    """``fn`` over ``items``, results in order; the first exception propagates."""
-    if threads == 1:
+    """``fn`` over ``items``, results in order; the first exception (in item order)
+    propagates. Inside a call of this module, the enclosing call's threads run it."""
+    pool = getattr(_here, "pool", None)
+    if isinstance(pool, _Pool):
+        window = 2 * pool.threads
+        it = iter(items)
+        while True:  # nested: windows of items run flat on the enclosing pool
+            part = [x for _, x in zip(range(window), it, strict=False)]
+            if not part:
+                return
+            yield from pool.join_batch(pool.open(fn, part, outer=False))
+    if threads == 1 or pool is _SERIAL:
         for item in items:
-            yield fn(item)
+            yield _inline(fn, item)
         return
-    pool = ThreadPoolExecutor(max_workers=threads)
-    pending: deque[Future[R]] = deque()
+    pool = _Pool(threads)
+    b = pool.open(fn, [], outer=True)
+    taken = 0
     try:
         for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= 2 * threads:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+            pool.feed(b, item)
+            if len(b.items) - taken >= 2 * threads:
+                yield pool.wait(b, taken)
+                taken += 1
+        while taken < len(b.items):
+            yield pool.wait(b, taken)
+            taken += 1
     finally:
-        for f in pending:
-            f.cancel()
-        pool.shutdown(wait=True)
+        pool.stop(b)  # on error or close: cancel queued items, wait for running ones
+        pool.close()
 
 
 def run(fn: Callable[[int], R], count: int, threads: int | None) -> list[R]:
-    """``[fn(0), ..., fn(count - 1)]`` on ``threads`` threads (None: every core)."""
-    return list(imap(fn, range(count), min(resolve(threads), max(count, 1))))
+    """``[fn(0), ..., fn(count - 1)]`` on ``threads`` threads (None: ``default_threads``);
+    inside a call of this module, on the enclosing call's threads."""
+    pool = getattr(_here, "pool", None)
+    if isinstance(pool, _Pool):
+        return pool.join_batch(pool.open(fn, list(range(count)), outer=False))
+    return list(imap(fn, range(count), resolve(threads)))

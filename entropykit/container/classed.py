@@ -116,7 +116,7 @@ def encode(symbols: np.ndarray, cols: int, phase: int, p: Plan, precision: int) 
     head = _HEAD.pack(MAGIC, VERSION, p.kr, p.kc, 0, symbols.size, cols, phase)
     maps = (b"" if p.rows is None else lines.pack(p.rows, p.kr)) + (
         b"" if p.columns is None else lines.pack(p.columns, p.kc))
-    body = frame.encode(rans_static.CODER, symbols, precision, frame.DEFAULT_CHUNK, 1, ctx,
+    body = frame.encode(rans_static.CODER, symbols, precision, frame.DEFAULT_CHUNK, None, ctx,
                         max_tables=MAX_TABLES, counts=p.joint)
     return b"".join((head, maps, body))
 
@@ -203,7 +203,7 @@ def decode(data: np.ndarray, n: int) -> np.ndarray:
         # decode (in cache). A one-table frame needs no context.
         ctx = None if info.cmap is None else lines.context_source(n, cols, phase, rcls,
                                                                   ccls, kc, info.cmap)
-        return frame.decode(rans_static.CODER, body, 1, np.empty(n, np.uint8), ctx,
+        return frame.decode(rans_static.CODER, body, None, np.empty(n, np.uint8), ctx,
                             info=info, mapped=True)
     except CorruptDataError as e:
         raise CorruptDataError(f"rans2d frame: {e}") from None

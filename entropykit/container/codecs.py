@@ -209,9 +209,9 @@ class _Entropy:
     def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
                chunk_size: int, counts: np.ndarray | None) -> bytes:
         if not self._conditions:  # tANS: one table size and chunk size, no context
-            return frame.encode(self._coder, symbols, TANS_LOG, frame.DEFAULT_CHUNK, 1,
+            return frame.encode(self._coder, symbols, TANS_LOG, frame.DEFAULT_CHUNK, None,
                                 counts=counts)
-        return frame.encode(self._coder, symbols, precision, chunk_size, 1, context,
+        return frame.encode(self._coder, symbols, precision, chunk_size, None, context,
                             counts=counts)
 
     def count(self, data: np.ndarray) -> int:
@@ -227,7 +227,7 @@ class _Entropy:
             raise CorruptDataError(f"{self.name} frame holds {got} symbols, field has {n}")
         kw = {"context": context} if self._conditions else {}
         try:
-            return self._module.decode(data, threads=1, out=np.empty(n, np.uint8),
+            return self._module.decode(data, threads=None, out=np.empty(n, np.uint8),
                                        max_output=n, **kw)
         except CorruptDataError:
             raise

@@ -19,6 +19,7 @@ from numba import njit
 from .. import formats
 from .._errors import CorruptDataError
 from ..coding import contexts
+from ..coding.parallel import run
 from . import codecs
 from . import header as hdr
 
@@ -178,7 +179,7 @@ def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None],
         except CorruptDataError as e:
             raise CorruptDataError(f"field {name!r} ({codec}): {e}") from None
     try:
-        out = formats.join(dtype, done, nbytes, layout=layout, out=out)
+        out = _join(dtype, layout, done, want, nbytes, out)
     except CorruptDataError:
         raise
     except (ValueError, KeyError) as e:
@@ -187,6 +188,32 @@ def decode(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None],
     if out.dtype != np.uint8 or out.size != nbytes:
         raise CorruptDataError(f"fields join into {out.size} bytes, expected {nbytes}")
     return out.reshape(-1)
+
+
+JOIN_PART = 1 << 20  # output bytes per part of a large segment's join
+
+
+def _join(dtype: str, layout: str | None, done: dict[str, np.ndarray], want: list[int],
+          nbytes: int, out: np.ndarray | None) -> np.ndarray:
+    """``formats.join`` of a segment; a large one in parts of whole elements on the pool's
+    threads (``run(.., 1)``: serial, or inside a running call on its threads), where every
+    field has one symbol per element, as every split has: writing a fresh output is as
+    much of a segment's decode as its chunks are."""
+    m = want[0] if want else 0
+    if nbytes <= JOIN_PART or m == 0 or any(k != m for k in want) or nbytes % m:
+        return formats.join(dtype, done, nbytes, layout=layout, out=out)
+    if out is None:
+        out = np.empty(nbytes, np.uint8)
+    word = nbytes // m
+    cuts = list(range(0, m, max(1, JOIN_PART // word))) + [m]
+
+    def part(k: int) -> np.ndarray:
+        a, b = cuts[k], cuts[k + 1]
+        return formats.join(dtype, {f: sym[a:b] for f, sym in done.items()}, (b - a) * word,
+                            layout=layout, out=out[a * word : b * word])
+
+    run(part, len(cuts) - 1, 1)
+    return out
 
 
 def expect(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], ...]

