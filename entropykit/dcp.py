@@ -23,7 +23,9 @@ async staging), and ``consolidate``:
 
 Every size, count, name and offset in the metadata is checked (docs/format.md,
 "Distributed checkpoints"); damaged metadata or shards raise ``CorruptDataError``. DCP
-wraps what a storage reader raises in its ``CheckpointException``.
+wraps what a storage reader raises in its ``CheckpointException``. Non-tensor items are
+handed back as the bytes DCP stored, and DCP's load planner unpickles them
+(``torch.load(weights_only=False)``): load such items only from checkpoints you trust.
 What it is not: a launcher or scheduler (DCP and the caller's process group are), or a
 reader of DCP's own ``.metadata`` pickle.
 """
@@ -36,10 +38,11 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -180,8 +183,14 @@ class CompressedStorageWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner
                    ) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(_write_rank(Path(self.path), plan, planner, self.threads, self.fast))
+        fut.set_result(_write_rank(Path(self.path), plan, planner, self.threads, self.fast,
+                                   self._shard_output))
         return fut
+
+    def _shard_output(self, path: Path) -> AbstractContextManager[BinaryIO]:
+        """The stream a rank's shard is written to: a temporary file renamed to ``path``
+        when complete (a subclass may wrap it, e.g. to model slower storage)."""
+        return _atomic.output_file(path, force=True)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         root = Path(self.path)
@@ -198,7 +207,8 @@ class CompressedStorageWriter(FileSystemWriter):
 
 
 def _write_rank(root: Path, plan: SavePlan, planner: SavePlanner, threads: int,
-                fast: bool) -> list[WriteResult]:
+                fast: bool, output: Callable[[Path], AbstractContextManager[BinaryIO]]
+                ) -> list[WriteResult]:
     """Write this rank's items as one compressed file; the results name where each is."""
     if not plan.items:
         return []
@@ -225,7 +235,7 @@ def _write_rank(root: Path, plan: SavePlan, planner: SavePlanner, threads: int,
                                    storage_data=_Stored(name, key)))
     meta = {SHARDING_KEY: json.dumps(sharding), "format": "pt"}
     path = root / name
-    with files.named(path), _atomic.output_file(path, force=True) as out:
+    with files.named(path), output(path) as out:
         write(tensor_source(tensors, meta), out, threads=threads, fast=fast)
     return results
 
