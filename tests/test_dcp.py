@@ -348,3 +348,19 @@ def test_consolidate_gives_a_compressed_hugging_face_checkpoint(tmp_path: Path) 
     _save_plain(tmp_path / "both", 2, consolidate=True)
     got = entropykit.load_file(tmp_path / "both")
     assert all(_same(got[k], v) for k, v in _full(2).items())
+
+
+def test_consolidated_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from entropykit.warmup import tiny_llama
+
+    model = tiny_llama(layers=2)
+    model.save_pretrained(tmp_path / "plain")  # for its config.json
+    sd = {"model": model.state_dict(), "step": 3}
+    dcp.save(sd, storage_writer=CompressedStorageWriter(tmp_path / "ckpt"))
+    consolidate(tmp_path / "ckpt", tmp_path / "hf", prefix="model.",
+                config=tmp_path / "plain" / "config.json")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want) and all(_same(got[k], want[k]) for k in want)
