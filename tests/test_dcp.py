@@ -295,6 +295,9 @@ def test_damaged_shard_raises_corrupt_data_error(tmp_path: Path) -> None:
     (lambda d: d["tensors"]["model.proj"].update(size=[1 << 62]), "integers"),
     (lambda d: d["tensors"]["model.proj"].update(dtype="F128"), "dtype"),
     (lambda d: d.update(version=99), "version"),
+    (lambda d: d["tensors"]["model.proj"]["chunks"].clear(), "exactly once"),
+    (lambda d: d["tensors"]["model.proj"]["chunks"].append(
+        d["tensors"]["model.proj"]["chunks"][0]), "exactly once"),
     (lambda d: d["bytes"].update({"model.proj": d["bytes"]["step"]}), "both"),
 ])
 def test_damaged_metadata_raises_corrupt_data_error(tmp_path: Path, edit, what) -> None:
