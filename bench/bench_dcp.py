@@ -9,9 +9,10 @@ collective moves the data):
 - save and load seconds: rank 0's wall time from a barrier before ``dcp.save`` /
   ``dcp.load`` to a barrier after, best of ``--repeat``, into a page-cache directory
   (``--dir``, tmpfs by default) and with every rank's writes rate-limited (``--rate``
-  bytes/s per rank): the stream a rank writes its shard to sleeps in ``write`` whenever the
-  bytes written since it was opened would pass ``rate x`` the time since then (DCP's
-  writers through their ``fs`` extension point, entropykit's through its shard stream).
+  bytes/s per rank): every stream a rank writes to sleeps in ``write`` until the rank's
+  bytes written, this one included, are within ``rate x`` the time since its first write
+  (DCP's writers through their ``fs`` extension point, entropykit's through its shard
+  stream). Writes land in the page cache after the sleep, so the rate is the storage's.
 
 States: ``model``: the MiniLM-L6 weights (real, trained; ``bench/data.py``) cast to bf16;
 ``optim``: fp32 AdamW state of those weights: the fp32 master weights plus ``exp_avg`` and
@@ -31,6 +32,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -50,18 +52,33 @@ from entropykit.dcp import CompressedStorageReader, CompressedStorageWriter  # n
 WRITERS = ("ek", "hf", "fs")
 
 
-class _Throttled:
-    """A write stream that never gets ahead of ``rate`` bytes/s since it was opened."""
+class _Bucket:
+    """One rank's write budget: ``rate`` bytes/s from its first write on, shared by every
+    stream the rank writes (DCP's writer may write several files at once)."""
 
-    def __init__(self, raw, rate: float) -> None:
-        self._raw, self._rate = raw, rate
-        self._start, self._sent = time.perf_counter(), 0
+    def __init__(self, rate: float) -> None:
+        self.rate, self.sent, self.start = rate, 0, None
+        self.lock = threading.Lock()
 
-    def write(self, b) -> int:
-        self._sent += memoryview(b).nbytes
-        ahead = self._sent / self._rate - (time.perf_counter() - self._start)
+    def take(self, n: int) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            if self.start is None:
+                self.start = now
+            self.sent += n
+            ahead = self.sent / self.rate - (now - self.start)
         if ahead > 0:
             time.sleep(ahead)
+
+
+class _Throttled:
+    """A write stream that sleeps before each write until ``bucket`` allows it."""
+
+    def __init__(self, raw, bucket: _Bucket) -> None:
+        self._raw, self._bucket = raw, bucket
+
+    def write(self, b) -> int:
+        self._bucket.take(memoryview(b).nbytes)
         return self._raw.write(b)
 
     def __getattr__(self, name: str):
@@ -71,23 +88,23 @@ class _Throttled:
 class _ThrottledFS(FileSystem):
     def __init__(self, rate: float) -> None:
         super().__init__()
-        self.rate = rate
+        self.bucket = _Bucket(rate)
 
     @contextmanager
     def create_stream(self, path, mode):
         with super().create_stream(path, mode) as s:
-            yield _Throttled(s, self.rate) if "w" in mode else s
+            yield _Throttled(s, self.bucket) if "w" in mode else s
 
 
 class _ThrottledEK(CompressedStorageWriter):
     def __init__(self, path, rate: float, **kw) -> None:
         super().__init__(path, **kw)
-        self.rate = rate
+        self.bucket = _Bucket(rate)
 
     @contextmanager
     def _shard_output(self, path):
         with super()._shard_output(path) as out:
-            yield _Throttled(out, self.rate)
+            yield _Throttled(out, self.bucket)
 
 
 def _state(kind: str, synthetic: bool) -> dict[str, torch.Tensor]:
