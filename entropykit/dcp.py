@@ -154,14 +154,13 @@ class CompressedStorageWriter(FileSystemWriter):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None,
-                 fast: bool = False, overwrite: bool = True, sync_files: bool = True,
+                 fast: bool = False, overwrite: bool = True,
                  consolidate: bool = False) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=sync_files,
-                         overwrite=overwrite)
+        # Every file is on disk (fsync) before it is renamed into place: no sync_files.
+        super().__init__(path, single_file_per_rank=True, overwrite=overwrite)
         self.threads = resolve(threads)
         self.fast = fast
         self.consolidate = consolidate
-        self.rank: int | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any
                               ) -> None:
