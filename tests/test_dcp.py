@@ -3,7 +3,8 @@ or killed saves leave nothing that loads (and a previous checkpoint whole); dama
 ``CorruptDataError``; consolidation gives a compressed Hugging Face checkpoint.
 
 Ranks are ``torch.multiprocessing`` processes on the CPU (gloo, a FileStore in tmp_path).
-One spawn of three processes does the multi-rank work: ranks 0 and 1 save, all three load.
+One spawn of three processes does the multi-rank work: ranks 0 and 1 save (DTensors, and an
+FSDP2 model with its optimizer), all three load.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         sd = _nest(_dtensors(full, mesh2, rank, 2, 2)) | _extras(1)
         dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / "a", threads=1),
                  process_group=sub)
+        _save_fsdp(tmp, rank, mesh2, sub)
     dist.barrier()
     mesh3 = DeviceMesh("cpu", list(range(world)))
 
@@ -171,6 +173,33 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         dcp.save(sd, storage_writer=_Failing(tmp / "fresh", bad=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _fsdp_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+
+
+def _save_fsdp(tmp: Path, rank: int, mesh, group) -> None:
+    """An FSDP2 (``fully_shard``) model and AdamW state after one step, saved from two
+    ranks; rank 0 also writes the full tensors (gathered) for the test to compare."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = _fsdp_model()
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / "fsdp", threads=1),
+             process_group=group)
+    flat = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
+    flat |= {f"optim.{p}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
+             for p, st in osd["state"].items() for k, v in st.items()}
+    if rank == 0:
+        torch.save(flat, tmp / "fsdp-full.pt")
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +246,26 @@ def test_failed_resave_leaves_previous_checkpoint_and_failed_save_nothing(saved:
     with pytest.raises(CheckpointException):
         dcp.load(_nest({k: torch.zeros_like(v) for k, v in _full(1).items()}),
                  storage_reader=CompressedStorageReader(fresh))
+
+
+def test_fsdp2_state_dict_loads_into_one_process_bit_exact(saved: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _fsdp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.zeros(1, 8)).sum().backward()
+    opt.step()  # creates the state tensors the load fills in
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd},
+             storage_reader=CompressedStorageReader(saved / "fsdp"))
+    want = torch.load(saved / "fsdp-full.pt")
+    got = {f"model.{k}": v for k, v in msd.items()}
+    got |= {f"optim.{p}.{k}": v for p, st in osd["state"].items() for k, v in st.items()}
+    assert sorted(got) == sorted(want) and all(_same(got[k], want[k]) for k in want)
+    assert osd["param_groups"][0]["lr"] == 0.1
 
 
 def _kill_worker(rank: int, world: int, tmp: str) -> None:
