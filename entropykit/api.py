@@ -201,8 +201,9 @@ def _tensor_bytes(name: str, t: Any) -> tuple[str, tuple[int, ...], np.ndarray]:
     return names[t.dtype], tuple(t.shape), flat.view(torch.uint8).numpy()
 
 
-def _source(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> Source:
-    """An in-memory original file: the header safetensors would write, and the bytes."""
+def tensor_source(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> Source:
+    """An in-memory original file (torch tensors or numpy arrays): the header
+    ``safetensors`` would write, and the bytes, read by the container writer."""
     data = {k: _tensor_bytes(k, v) for k, v in tensors.items()}
     entries, pos = [], 0
     for e in hdr.write_order([hdr.Entry(k, d[0], d[1], 0, 0) for k, d in data.items()]):
@@ -256,7 +257,7 @@ def save_file(tensors: Mapping[str, Any], path: PathLike,
     weights) are refused with a ValueError, as safetensors refuses them.
     """
     _refuse_shared(tensors)
-    src = _source(tensors, metadata)
+    src = tensor_source(tensors, metadata)
     path = Path(path)
     with files.named(path), _atomic.output_file(path, force=force) as out:
         write(src, out, threads=resolve(threads), fast=fast, target=target)
@@ -274,7 +275,7 @@ def compress(obj: Any, *, threads: int | None = None) -> bytes:
         kind, value = "numpy", obj
     else:
         kind, value = "torch", obj  # _tensor_bytes says so if it is not a tensor
-    src = _source({_NAME: value}, {_KIND: kind})
+    src = tensor_source({_NAME: value}, {_KIND: kind})
     out = io.BytesIO()
     write(src, out, threads=resolve(threads))
     return out.getvalue()

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from entropykit.api import _source
+from entropykit.api import tensor_source
 from entropykit.container.writer import write
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -111,7 +111,7 @@ _VARIANTS = {
 
 def _digest(tensors: dict[str, np.ndarray], options: dict) -> str:
     out = io.BytesIO()
-    write(_source(tensors, None), out, threads=1, **options)
+    write(tensor_source(tensors, None), out, threads=1, **options)
     return hashlib.sha256(out.getvalue()).hexdigest()
 
 

@@ -1,0 +1,624 @@
+"""``torch.distributed.checkpoint`` storage that writes entropykit-compressed shards.
+
+What it is: ``CompressedStorageWriter`` / ``CompressedStorageReader``, a StorageWriter /
+StorageReader pair for ``torch.distributed.checkpoint`` (DCP), built on DCP's
+``FileSystemWriter`` / ``FileSystemReader`` (directory handling, overwrite rule, ids,
+async staging), and ``consolidate``:
+
+- every rank writes the items DCP's planner gives it (tensor chunks: DTensor / FSDP2
+  shards or whole tensors; non-tensor items as the bytes DCP serializes them to) as one
+  compressed safetensors file, each tensor coded by the container's dtype-aware codecs on
+  the package's thread pool; ranks write in parallel;
+- the coordinator writes the checkpoint's metadata (``METADATA``: JSON, nothing to
+  unpickle) last, in ``finish``, by atomic rename. A save that fails on any rank never gets
+  there, so it leaves nothing that loads. Shard names carry a token new with every save,
+  so re-saving into a directory leaves the previous checkpoint whole and loadable until
+  the new metadata replaces it; the previous shards are removed after that;
+- loading reshards to any world size: the reader decodes, of each saved chunk, only the
+  segments that hold the piece DCP's planner asks for;
+- ``consolidate`` (or ``consolidate=True`` on the writer): the full tensors as a
+  compressed Hugging Face checkpoint (``model-0000k-of-0000n.safetensors`` shards and
+  ``model.safetensors.index.json``), which ``entropykit.load_file`` and, with a marked
+  ``config.json``, ``from_pretrained`` read.
+
+Every size, count, name and offset in the metadata is checked (docs/format.md,
+"Distributed checkpoints"); damaged metadata or shards raise ``CorruptDataError``. DCP
+wraps what a storage reader raises in its ``CheckpointException``. Non-tensor items are
+handed back as the bytes DCP stored, and DCP's load planner unpickles them
+(``torch.load(weights_only=False)``): load such items only from checkpoints you trust.
+What it is not: a launcher or scheduler (DCP and the caller's process group are), or a
+reader of DCP's own ``.metadata`` pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import dtypes
+from ._errors import CorruptDataError
+from .api import tensor_source
+from .container import _atomic, config_mark, files
+from .container.parallel import imap, resolve
+from .container.reader import Compressed
+from .container.writer import write
+
+METADATA = ".metadata.ek.json"  # the checkpoint's metadata, written last
+FORMAT = "entropykit-dcp"
+VERSION = 1
+INDEX = "model.safetensors.index.json"  # the Hugging Face index of a consolidated output
+MAX_METADATA_BYTES = 1 << 30
+MAX_DIMS = 64
+MAX_GRID_CELLS = 1 << 24  # cells of one tensor's chunk grid (``_check_tiling``)
+SHARD_BYTES = 5 << 30  # a consolidated shard's original bytes at most (Hugging Face's size)
+SHARDING_KEY = "DCP_SHARDING_INFO"  # a shard's own record of its chunks, as torch's HF writer
+
+_SHARD = re.compile(r"shard-[0-9a-f]{12}-[0-9]{5}\.safetensors")
+_MODEL = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where one saved item is: the shard file (a name in the checkpoint directory) and
+    its tensor's name in it."""
+
+    file: str
+    key: str
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """A rank's shard name stem, chosen by the coordinator."""
+
+    stem: str
+
+
+@dataclass
+class _Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    stored: _Stored
+
+
+@dataclass
+class _Tensor:
+    dtype: str  # safetensors name
+    size: tuple[int, ...]
+    requires_grad: bool = False
+    chunks: list[_Chunk] = field(default_factory=list)
+
+
+@dataclass
+class _Layout:
+    """A checkpoint's metadata as this module writes and checks it."""
+
+    tensors: dict[str, _Tensor]
+    blobs: dict[str, _Stored]  # non-tensor items, stored as DCP's serialized bytes
+    planner_data: dict[str, list[str | int]] | None
+    save_id: str | None = None
+
+    def files(self) -> set[str]:
+        return ({c.stored.file for t in self.tensors.values() for c in t.chunks}
+                | {b.file for b in self.blobs.values()})
+
+
+def _dtype_name(dtype: torch.dtype, fqn: str) -> str:
+    name = dtypes.FROM_TORCH.get(str(dtype))
+    if name is None:
+        raise TypeError(f"{fqn!r}: torch dtype {dtype} has no safetensors dtype")
+    return name
+
+
+class CompressedStorageWriter(FileSystemWriter):
+    """DCP storage writer: each rank's items as one entropykit-compressed safetensors file.
+
+    ``dcp.save(state_dict, storage_writer=CompressedStorageWriter(path))`` on every rank.
+    ``threads``: coding threads per rank (default: every core this process may use);
+    ``fast`` as for ``entropykit.compress_file``; ``overwrite=False`` refuses a directory
+    that holds a checkpoint already (RuntimeError, as DCP's writer); ``consolidate`` also
+    writes the full tensors as a compressed Hugging Face checkpoint into ``path``
+    (``consolidate``, by the coordinator, before the metadata).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None,
+                 fast: bool = False, overwrite: bool = True,
+                 consolidate: bool = False) -> None:
+        # Every file is on disk (fsync) before it is renamed into place: no sync_files.
+        super().__init__(path, single_file_per_rank=True, overwrite=overwrite)
+        self.threads = resolve(threads)
+        self.fast = fast
+        self.consolidate = consolidate
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any
+                              ) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if not kwargs.get("use_collectives", True):
+            raise ValueError("CompressedStorageWriter needs DCP's collectives (the "
+                             "coordinator writes the one metadata file)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        if not self.overwrite and (Path(self.path) / METADATA).exists():
+            raise RuntimeError(f"{self.path}: a checkpoint exists and overwrite=False")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        token = self.save_id.replace("-", "")[:12]
+        return [dataclasses.replace(p, storage_data=_Prefix(f"shard-{token}-{i:05d}"))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner
+                   ) -> Future[list[WriteResult]]:
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(_write_rank(Path(self.path), plan, planner, self.threads, self.fast,
+                                   self._shard_output))
+        return fut
+
+    def _shard_output(self, path: Path) -> AbstractContextManager[BinaryIO]:
+        """The stream a rank's shard is written to: a temporary file renamed to ``path``
+        when complete (a subclass may wrap it, e.g. to model slower storage)."""
+        return _atomic.output_file(path, force=True)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        root = Path(self.path)
+        layout = _layout_of(metadata, results, self.save_id)
+        if self.consolidate:
+            _consolidate(root, layout, root, threads=self.threads)
+        with _atomic.output_file(root / METADATA, force=True) as out:
+            out.write(_dumps(layout))
+        _remove_unlisted(root, layout.files(), _SHARD)
+
+    @property
+    def metadata_path(self) -> str:
+        return METADATA
+
+
+def _write_rank(root: Path, plan: SavePlan, planner: SavePlanner, threads: int,
+                fast: bool, output: Callable[[Path], AbstractContextManager[BinaryIO]]
+                ) -> list[WriteResult]:
+    """Write this rank's items as one compressed file; the results name where each is."""
+    if not plan.items:
+        return []
+    if not isinstance(plan.storage_data, _Prefix):
+        raise ValueError("save plan without a shard name: the coordinator's global plan "
+                         "did not run")
+    name = plan.storage_data.stem + files.SUFFIX
+    tensors: dict[str, Any] = {}
+    sharding: dict[str, dict[str, list[int]]] = {}
+    results = []
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        key = _key(item.index.fqn, item.index.offset, tensors)
+        if item.type == WriteItemType.BYTE_IO:
+            tensors[key] = np.frombuffer(data.getbuffer(), np.uint8).copy()
+            size = tensors[key].size
+        else:
+            t = data.detach()
+            _dtype_name(t.dtype, item.index.fqn)
+            tensors[key] = t
+            size = t.numel() * t.element_size()
+            sharding[key] = {"saved_offsets": list(item.tensor_data.chunk.offsets)}
+        results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                   storage_data=_Stored(name, key)))
+    meta = {SHARDING_KEY: json.dumps(sharding), "format": "pt"}
+    path = root / name
+    with files.named(path), output(path) as out:
+        write(tensor_source(tensors, meta), out, threads=threads, fast=fast)
+    return results
+
+
+def _key(fqn: str, offset: Any, taken: dict[str, Any]) -> str:
+    """The name of an item in its shard: its fqn, or with its offsets when one rank saves
+    two chunks of one tensor."""
+    if fqn not in taken:
+        return fqn
+    return f"{fqn}@{','.join(str(int(o)) for o in (offset or ()))}"
+
+
+def _layout_of(metadata: Metadata, results: list[list[WriteResult]],
+               save_id: str | None) -> _Layout:
+    where = {}
+    for rs in results:
+        for r in rs:
+            where[(r.index.fqn, tuple(r.index.offset or ()))] = r.storage_data
+    tensors, blobs = {}, {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            blobs[fqn] = where[(fqn, ())]
+            continue
+        t = _Tensor(_dtype_name(md.properties.dtype, fqn), tuple(md.size),
+                    bool(md.properties.requires_grad))
+        for c in md.chunks:
+            offsets = tuple(int(o) for o in c.offsets)
+            t.chunks.append(_Chunk(offsets, tuple(int(s) for s in c.sizes),
+                                   where[(fqn, offsets)]))
+        tensors[fqn] = t
+    planner = metadata.planner_data
+    if planner is not None:
+        if not isinstance(planner, dict):
+            raise TypeError(f"the planner's data is a {type(planner).__name__}; this "
+                            f"writer stores a map of paths (DCP's default planners')")
+        planner = {k: list(v) for k, v in planner.items()}
+    return _Layout(tensors, blobs, planner, save_id)
+
+
+def _dumps(layout: _Layout) -> bytes:
+    def stored(s: _Stored) -> dict[str, str]:
+        return {"file": s.file, "key": s.key}
+
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "save_id": layout.save_id,
+        "tensors": {fqn: {"dtype": t.dtype, "size": list(t.size),
+                          "requires_grad": t.requires_grad,
+                          "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes),
+                                      **stored(c.stored)} for c in t.chunks]}
+                    for fqn, t in layout.tensors.items()},
+        "bytes": {fqn: stored(s) for fqn, s in layout.blobs.items()},
+        "planner_data": layout.planner_data,
+    }
+    try:
+        return (json.dumps(doc, separators=(",", ":"), ensure_ascii=False) + "\n").encode(
+            "utf-8")
+    except TypeError as e:
+        raise TypeError(f"the planner's data cannot be stored as JSON: {e}") from None
+
+
+# -- reading the metadata: every field checked ------------------------------------------
+
+def _expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise CorruptDataError(f"{METADATA}: {what}")
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    _expect(isinstance(v, list) and len(v) <= MAX_DIMS
+            and all(type(x) is int and 0 <= x < 1 << 62 for x in v),
+            f"{what} is not a list of at most {MAX_DIMS} non-negative integers")
+    return tuple(v)
+
+
+def _stored(v: Any, what: str, present: set[str]) -> _Stored:
+    _expect(isinstance(v, dict) and isinstance(v.get("file"), str)
+            and isinstance(v.get("key"), str), f"{what}: no file and key")
+    _expect(v["file"] in present, f"{what}: shard {v['file']!r} is not a shard file of "
+                                   f"this directory")
+    return _Stored(v["file"], v["key"])
+
+
+def _check_tiling(what: str, t: _Tensor) -> None:
+    """The chunks of ``t`` cover it exactly once (else a load would leave part of the
+    destination as it was): on the grid cut by every chunk boundary, each cell is in one
+    chunk. Chunks are checked inside the tensor before this."""
+    if math.prod(t.size) == 0:
+        return
+    cuts = [sorted({0, n, *(c.offsets[d] for c in t.chunks),
+                    *(c.offsets[d] + c.sizes[d] for c in t.chunks)})
+            for d, n in enumerate(t.size)]
+    cells = math.prod(len(b) - 1 for b in cuts)
+    _expect(cells <= MAX_GRID_CELLS, f"{what}: chunk boundaries cut it into {cells} cells, "
+                                     f"more than the cap of {MAX_GRID_CELLS}")
+    where = [{x: i for i, x in enumerate(b)} for b in cuts]
+    count = np.zeros([len(b) - 1 for b in cuts], np.int64)
+    for c in t.chunks:
+        if math.prod(c.sizes):
+            count[tuple(slice(w[o], w[o + n]) for w, o, n
+                        in zip(where, c.offsets, c.sizes, strict=True))] += 1
+    _expect(bool((count == 1).all()), f"{what}: its chunks do not cover it exactly once")
+
+
+def _parse(raw: bytes, present: set[str]) -> _Layout:
+    """The layout in metadata bytes ``raw``; shard names must be among ``present`` (plain
+    file names of the directory, so none leads outside it)."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptDataError(f"{METADATA}: not JSON ({e})") from None
+    _expect(isinstance(doc, dict) and doc.get("format") == FORMAT, f"not {FORMAT} metadata")
+    _expect(doc.get("version") == VERSION, f"version {doc.get('version')!r}, this reads "
+                                           f"{VERSION}")
+    tensors, blobs = doc.get("tensors"), doc.get("bytes")
+    _expect(isinstance(tensors, dict) and isinstance(blobs, dict), "no tensors or bytes")
+    out = _Layout({}, {}, None, doc.get("save_id") if isinstance(doc.get("save_id"), str)
+                  else None)
+    for fqn, t in tensors.items():
+        what = f"tensor {fqn!r}"
+        _expect(isinstance(t, dict) and isinstance(t.get("chunks"), list),
+                f"{what}: no chunks")
+        _expect(t.get("dtype") in dtypes.FROM_TORCH.values(), f"{what}: dtype "
+                                                              f"{t.get('dtype')!r}")
+        size = _ints(t.get("size"), f"{what} size")
+        rec = _Tensor(t["dtype"], size, t.get("requires_grad") is True)
+        for c in t["chunks"]:
+            _expect(isinstance(c, dict), f"{what}: a chunk is not an object")
+            offsets = _ints(c.get("offsets"), f"{what} chunk offsets")
+            sizes = _ints(c.get("sizes"), f"{what} chunk sizes")
+            _expect(len(offsets) == len(sizes) == len(size)
+                    and all(o + n <= s for o, n, s in zip(offsets, sizes, size, strict=True)),
+                    f"{what}: chunk at {list(offsets)} of {list(sizes)} lies outside "
+                    f"{list(size)}")
+            rec.chunks.append(_Chunk(offsets, sizes, _stored(c, what, present)))
+        _check_tiling(what, rec)
+        out.tensors[fqn] = rec
+    for fqn, b in blobs.items():
+        _expect(fqn not in out.tensors, f"{fqn!r} is both a tensor and bytes")
+        out.blobs[fqn] = _stored(b, f"item {fqn!r}", present)
+    planner = doc.get("planner_data")
+    if planner is not None:
+        _expect(isinstance(planner, dict) and all(
+            isinstance(v, list) and all(isinstance(x, (str, int)) for x in v)
+            for v in planner.values()), "planner_data is not a map of paths")
+        out.planner_data = planner
+    return out
+
+
+def _read_layout(root: Path) -> _Layout:
+    path = root / METADATA
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no checkpoint metadata (the save did not finish, "
+                                f"or this is not an entropykit DCP checkpoint)")
+    with files.named(path), files.opened(path) as f:
+        _expect(f.size <= MAX_METADATA_BYTES, f"{f.size} bytes, more than the cap of "
+                                              f"{MAX_METADATA_BYTES}")
+        raw = f.read(0, f.size).tobytes()
+        f.check()
+    present = {e.name for e in os.scandir(root) if e.is_file(follow_symlinks=False)}
+    with files.named(root):
+        return _parse(raw, present)
+
+
+def _metadata(layout: _Layout) -> Metadata:
+    types = dtypes.torch_types()
+    sd: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _Stored] = {}
+    for fqn, t in layout.tensors.items():
+        if t.dtype not in types:
+            raise CorruptDataError(f"tensor {fqn!r}: this torch has no {t.dtype}")
+        chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                  for c in t.chunks]
+        sd[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=types[t.dtype], requires_grad=t.requires_grad),
+            torch.Size(t.size), chunks)
+        for c in t.chunks:
+            storage[MetadataIndex(fqn, c.offsets)] = c.stored
+    for fqn, s in layout.blobs.items():
+        sd[fqn] = BytesStorageMetadata()
+        storage[MetadataIndex(fqn)] = s
+    planner = None if layout.planner_data is None else {
+        k: tuple(v) for k, v in layout.planner_data.items()}
+    return Metadata(state_dict_metadata=sd, planner_data=planner, storage_data=storage,
+                    storage_meta=StorageMeta(save_id=layout.save_id))
+
+
+# -- reading shards --------------------------------------------------------------------
+
+def _strides(sizes: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(sizes):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def _piece(c: Compressed, key: str, dtype: str, sizes: tuple[int, ...],
+           offsets: tuple[int, ...], lengths: tuple[int, ...], threads: int
+           ) -> torch.Tensor:
+    """The part ``offsets`` / ``lengths`` of saved chunk ``key`` (shape ``sizes``),
+    decoding only the segments that hold it."""
+    try:
+        e = c.entry(key)
+    except KeyError:
+        raise CorruptDataError(f"no tensor {key!r} in this shard") from None
+    if (e.dtype, tuple(e.shape)) != (dtype, sizes):
+        raise CorruptDataError(f"tensor {key!r}: {e.dtype}{list(e.shape)} in the shard, "
+                               f"{dtype}{list(sizes)} in the metadata")
+    if len(offsets) != len(sizes) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes,
+                                                           strict=True)):
+        raise ValueError(f"tensor {key!r}: piece {list(offsets)} + {list(lengths)} lies "
+                         f"outside {list(sizes)}")
+    tdtype = dtypes.torch_types()[dtype]
+    if math.prod(lengths) == 0:
+        return torch.empty(lengths, dtype=tdtype)
+    size = dtypes.BITS[dtype] // 8
+    strides = _strides(sizes)
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
+    start, raw = c.span(key, first * size, (last + 1) * size, threads)
+    flat = torch.from_numpy(raw).view(tdtype)
+    return flat.as_strided(lengths, strides, (first * size - start) // size)
+
+
+class CompressedStorageReader(FileSystemReader):
+    """DCP storage reader of ``CompressedStorageWriter``'s checkpoints, resharding to
+    any world size: ``dcp.load(state_dict, storage_reader=CompressedStorageReader(path))``.
+    ``threads``: decoding threads per rank (default: every core this process may use)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
+        super().__init__(path)
+        self.threads = resolve(threads)
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]] = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = _metadata(_read_layout(Path(self.path)))
+        md.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        # Every rank gets the coordinator's metadata here: each chunk's dtype and shape,
+        # which its shard must match.
+        self._chunks = {
+            (fqn, tuple(c.offsets)): (_dtype_name(md.properties.dtype, fqn), tuple(c.sizes))
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+        for name, items in sorted(per_file.items()):
+            path = Path(self.path) / name
+            with files.named(path), files.opened(path) as f:
+                c = Compressed(f)
+                for item, value in zip(items, self._pieces(c, items), strict=True):
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(value))
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != value.size():
+                        raise ValueError(f"{item.dest_index.fqn}: the planner wants "
+                                         f"{list(target.size())}, the piece is "
+                                         f"{list(value.size())}")
+                    target.copy_(value)
+                    planner.commit_tensor(item, target)
+                f.check()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _pieces(self, c: Compressed, items: list[ReadItem]) -> Iterator[Any]:
+        """The decoded value of each item, in order, on the thread pool (small items
+        in parallel, a large one's segments in parallel)."""
+        inner = 1 if len(items) >= self.threads else self.threads
+
+        def one(item: ReadItem) -> Any:
+            key = self.storage_data[item.storage_index].key
+            if item.type == LoadItemType.BYTE_IO:
+                try:
+                    e = c.entry(key)
+                except KeyError:
+                    raise CorruptDataError(f"no item {key!r} in this shard") from None
+                if e.dtype != "U8" or len(e.shape) != 1:
+                    raise CorruptDataError(f"item {key!r} is not a byte string")
+                return c.tensor(key, inner).tobytes()
+            index = item.storage_index
+            dtype, sizes = self._chunks[(index.fqn, tuple(index.offset))]
+            return _piece(c, key, dtype, sizes, tuple(item.storage_offsets),
+                          tuple(item.lengths), inner)
+
+        return imap(one, items, min(self.threads, max(1, len(items))))
+
+
+# -- consolidation into a Hugging Face checkpoint --------------------------------------
+
+def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
+                 shard_bytes: int = SHARD_BYTES, threads: int | None = None) -> list[str]:
+    """Write the full tensors of ``layout`` (those named with ``prefix``, without it) as
+    compressed Hugging Face shards and index into ``output``; returns the shard names."""
+    n = resolve(threads)
+    types = dtypes.torch_types()
+    chosen = [(fqn, fqn[len(prefix):], t) for fqn, t in layout.tensors.items()
+              if fqn.startswith(prefix) and len(fqn) > len(prefix)]
+    if not chosen:
+        raise ValueError(f"no tensors named {prefix!r}... in this checkpoint")
+    groups: list[list[tuple[str, str, _Tensor]]] = [[]]
+    used = 0
+    for x in chosen:
+        nbytes = math.prod(x[2].size) * dtypes.BITS[x[2].dtype] // 8
+        if groups[-1] and used + nbytes > shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(x)
+        used += nbytes
+    output.mkdir(parents=True, exist_ok=True)
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}{files.SUFFIX}"
+             for i in range(len(groups))]
+    weight_map, total = {}, 0
+    for name, group in zip(names, groups, strict=True):
+        full = {}
+        for fqn, hf_name, t in group:
+            full[hf_name] = _assemble(root, fqn, t, types[t.dtype], n)
+            total += full[hf_name].numel() * full[hf_name].element_size()
+            weight_map[hf_name] = name
+        path = output / name
+        with files.named(path), _atomic.output_file(path, force=True) as out:
+            write(tensor_source(full, {"format": "pt"}), out, threads=n)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with _atomic.output_file(output / INDEX, force=True) as out:
+        out.write((json.dumps(index, indent=2) + "\n").encode("utf-8"))
+    _remove_unlisted(output, set(names), _MODEL)
+    return names
+
+
+def _assemble(root: Path, fqn: str, t: _Tensor, dtype: torch.dtype, threads: int
+              ) -> torch.Tensor:
+    """Tensor ``fqn`` whole, from its chunks."""
+    full = torch.empty(t.size, dtype=dtype)
+    for c in t.chunks:  # they tile the tensor: checked when read, made so by DCP's planner
+        path = root / c.stored.file
+        with files.named(path), files.opened(path) as f:
+            piece = _piece(Compressed(f), c.stored.key, t.dtype, c.sizes,
+                           (0,) * len(c.sizes), c.sizes, threads)
+            f.check()
+        full[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))] = piece
+    return full
+
+
+def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str] | None = None,
+                *, prefix: str = "", config: str | os.PathLike[str] | None = None,
+                shard_bytes: int = SHARD_BYTES, threads: int | None = None) -> Path:
+    """Write the full tensors of checkpoint ``path`` as a compressed Hugging Face
+    checkpoint in ``output`` (default ``path``): ``model-0000k-of-0000n.safetensors``
+    shards of at most ``shard_bytes`` original bytes each and ``model.safetensors.index.json``
+    (written last). Only tensors named ``prefix...`` are taken, named without the prefix
+    (``prefix="model."`` for a state dict ``{"model": ..., "optim": ...}``); non-tensor
+    items are left out. ``config`` (a ``config.json``) is copied in with the mark that
+    makes ``from_pretrained`` load the checkpoint. Each shard's tensors are held whole in
+    memory while it is written. Returns the output directory."""
+    root = Path(path)
+    out = root if output is None else Path(output)
+    _consolidate(root, _read_layout(root), out, prefix=prefix, shard_bytes=shard_bytes,
+                 threads=threads)
+    if config is not None:
+        raw = Path(config).read_bytes()
+        with _atomic.output_file(out / config_mark.CONFIG, force=True) as f:
+            f.write(config_mark.marked(raw) or raw)
+    return out
+
+
+def _remove_unlisted(root: Path, keep: set[str], pattern: re.Pattern[str]) -> None:
+    """Remove the files of ``root`` named by ``pattern`` that are not in ``keep``: shards
+    of an earlier save into the same directory."""
+    for e in os.scandir(root):
+        if pattern.fullmatch(e.name) and e.name not in keep and e.is_file(
+                follow_symlinks=False):
+            os.unlink(e.path)
+
+
+__all__ = ["METADATA", "CompressedStorageReader", "CompressedStorageWriter", "consolidate"]

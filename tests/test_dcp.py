@@ -1,0 +1,418 @@
+"""``entropykit.dcp``: DCP saves from N gloo ranks load bit-exact into M != N ranks; failed
+or killed saves leave nothing that loads (and a previous checkpoint whole); damage raises
+``CorruptDataError``; consolidation gives a compressed Hugging Face checkpoint.
+
+Ranks are ``torch.multiprocessing`` processes on the CPU (gloo, a FileStore in tmp_path).
+One spawn of three processes does the multi-rank work: ranks 0 and 1 save (DTensors, and an
+FSDP2 model with its optimizer), all three load.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+import entropykit  # noqa: E402
+from entropykit import CorruptDataError  # noqa: E402
+from entropykit.dcp import (  # noqa: E402
+    INDEX,
+    METADATA,
+    CompressedStorageReader,
+    CompressedStorageWriter,
+    consolidate,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+# name -> (dtype, shape, shard dim when saved, shard dim when loaded); None: a plain tensor
+SPEC = {
+    "model.embed": (torch.bfloat16, (10, 6), 0, 1),
+    "model.proj": (torch.float32, (6, 7), 1, 0),
+    "model.fp8": (torch.float8_e4m3fn, (9, 4), 0, 0),
+    "model.norm": (torch.bfloat16, (6,), None, None),
+    "optim.exp_avg": (torch.float32, (10, 6), 0, 0),
+    "optim.step": (torch.float32, (), None, None),
+}
+
+
+def _full(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (torch.randn(shape, generator=g) * 3).to(dt)
+            for k, (dt, shape, _, _) in SPEC.items()}
+
+
+def _extras(seed: int) -> dict:
+    return {"step": 1000 + seed, "rng": torch.Generator().manual_seed(seed).get_state(),
+            "sched": {"lr": 1e-3 * seed, "betas": (0.9, 0.95), "name": f"cosine-{seed}"}}
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for k, v in flat.items():
+        top, rest = k.split(".", 1)
+        out.setdefault(top, {})[rest] = v
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact: same dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _local(full: torch.Tensor, dim: int | None, rank: int, n: int) -> torch.Tensor:
+    """A rank's part of ``full`` as DTensor's Shard(dim) places it (torch.chunk)."""
+    if dim is None:
+        return full
+    parts = torch.chunk(full, n, dim)
+    if rank < len(parts):
+        return parts[rank].contiguous()
+    shape = list(full.shape)
+    shape[dim] = 0
+    return full.new_empty(shape)
+
+
+def _dtensors(flat: dict, mesh, rank: int, n: int, which: int) -> dict:
+    from torch.distributed.tensor import DTensor, Shard
+
+    out = {}
+    for k, t in flat.items():
+        dim = SPEC[k][which]
+        if dim is None:
+            out[k] = t.clone()
+        else:  # from_local: no collective, so every dtype works on gloo
+            out[k] = DTensor.from_local(_local(t, dim, rank, n), mesh, [Shard(dim)],
+                                        run_check=False, shape=t.shape, stride=t.stride())
+    return out
+
+
+def _blank_extras() -> dict:
+    return {"step": 0, "rng": torch.zeros_like(torch.Generator().get_state()),
+            "sched": {"lr": 0.0, "betas": (0.0, 0.0), "name": ""}}
+
+
+def _check_extras(got: dict, seed: int) -> None:
+    want = _extras(seed)
+    assert got["step"] == want["step"]
+    assert got["sched"] == want["sched"]
+    assert _same(got["rng"], want["rng"])
+
+
+class _Failing(CompressedStorageWriter):
+    """Writes its shard, then fails on rank ``bad``: raises, or dies (``kill``)."""
+
+    def __init__(self, path, bad: int, kill: bool = False) -> None:
+        super().__init__(path, threads=1)
+        self.bad, self.kill = bad, kill
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        if dist.get_rank() == self.bad:
+            if self.kill:
+                os._exit(3)
+            raise RuntimeError("injected failure after writing the shard")
+        return fut
+
+
+def _init(tmp: Path, rank: int, world: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    """Ranks 0 and 1 save checkpoint ``a`` (seed 1); all three load it (resharded) and
+    check every value; then a three-rank re-save into ``a`` fails on rank 2 and a fresh
+    save into ``fresh`` fails on rank 1: ``a`` still loads as seed 1."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    warnings.simplefilter("ignore")
+    tmp = Path(tmp)
+    _init(tmp, rank, world)
+    sub = dist.new_group([0, 1])
+    full = _full(1)
+    if rank < 2:
+        mesh2 = DeviceMesh.from_group(sub, "cpu")
+        sd = _nest(_dtensors(full, mesh2, rank, 2, 2)) | _extras(1)
+        dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / "a", threads=1),
+                 process_group=sub)
+        _save_fsdp(tmp, rank, mesh2, sub)
+    dist.barrier()
+    mesh3 = DeviceMesh("cpu", list(range(world)))
+
+    def load_and_check(seed: int) -> None:
+        target = _dtensors({k: torch.zeros_like(v) for k, v in full.items()}, mesh3, rank,
+                           world, 3)
+        sd = _nest(target) | _blank_extras()
+        dcp.load(sd, storage_reader=CompressedStorageReader(tmp / "a", threads=1))
+        want = _full(seed)
+        for k, v in target.items():
+            got = v.to_local() if hasattr(v, "to_local") else v
+            assert _same(got, _local(want[k], SPEC[k][3], rank, world)), k
+        _check_extras(sd, seed)
+
+    load_and_check(1)
+    sd = _nest(_dtensors(_full(2), mesh3, rank, world, 3)) | _extras(2)
+    with pytest.raises(CheckpointException):
+        dcp.save(sd, storage_writer=_Failing(tmp / "a", bad=2))
+    load_and_check(1)
+    with pytest.raises(CheckpointException):
+        dcp.save(sd, storage_writer=_Failing(tmp / "fresh", bad=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fsdp_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+
+
+def _save_fsdp(tmp: Path, rank: int, mesh, group) -> None:
+    """An FSDP2 (``fully_shard``) model and AdamW state after one step, saved from two
+    ranks; rank 0 also writes the full tensors (gathered) for the test to compare."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = _fsdp_model()
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / "fsdp", threads=1),
+             process_group=group)
+    flat = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
+    flat |= {f"optim.{p}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
+             for p, st in osd["state"].items() for k, v in st.items()}
+    if rank == 0:
+        torch.save(flat, tmp / "fsdp-full.pt")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("dcp")
+    mp.spawn(_worker, args=(3, str(tmp)), nprocs=3, join=True)
+    return tmp
+
+
+def test_two_ranks_save_three_ranks_load_bit_exact(saved: Path) -> None:
+    # The spawned ranks checked every local shard bit for bit (DTensor Shard(0)/Shard(1),
+    # resharded to other dims and an uneven split; bf16, fp32, fp8; plain tensors and
+    # non-tensor items); here: what the save left on disk.
+    doc = json.loads((saved / "a" / METADATA).read_text())
+    shards = sorted({c["file"] for t in doc["tensors"].values() for c in t["chunks"]})
+    assert len(shards) == 2 and all(n.startswith("shard-") for n in shards)
+    for n in shards:  # each shard is an entropykit file, its chunks under their names
+        with entropykit.safe_open(saved / "a" / n) as f:
+            assert "model.embed" in f.keys()
+
+
+def test_two_ranks_load_into_one_process_bit_exact(saved: Path) -> None:
+    full = _full(1)
+    flat = {k: torch.zeros_like(v) for k, v in full.items()}
+    sd = _nest(flat) | _blank_extras()
+    dcp.load(sd, storage_reader=CompressedStorageReader(saved / "a"))
+    for k, v in flat.items():
+        assert _same(v, full[k]), k
+    _check_extras(sd, 1)
+
+
+def test_failed_resave_leaves_previous_checkpoint_and_failed_save_nothing(saved: Path
+                                                                          ) -> None:
+    # The failed three-rank re-save wrote shards of its own: they are there, unlisted.
+    listed = json.loads((saved / "a" / METADATA).read_text())["save_id"]
+    assert len([n for n in os.listdir(saved / "a") if n.startswith("shard-")]) > 2
+    assert listed
+    # The failed fresh save: shards, no metadata, nothing loads.
+    fresh = saved / "fresh"
+    assert any(n.startswith("shard-") for n in os.listdir(fresh))
+    assert not (fresh / METADATA).exists()
+    with pytest.raises(FileNotFoundError):
+        CompressedStorageReader(fresh).read_metadata()
+    with pytest.raises(CheckpointException):
+        dcp.load(_nest({k: torch.zeros_like(v) for k, v in _full(1).items()}),
+                 storage_reader=CompressedStorageReader(fresh))
+
+
+def test_fsdp2_state_dict_loads_into_one_process_bit_exact(saved: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _fsdp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.zeros(1, 8)).sum().backward()
+    opt.step()  # creates the state tensors the load fills in
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd},
+             storage_reader=CompressedStorageReader(saved / "fsdp"))
+    want = torch.load(saved / "fsdp-full.pt")
+    got = {f"model.{k}": v for k, v in msd.items()}
+    got |= {f"optim.{p}.{k}": v for p, st in osd["state"].items() for k, v in st.items()}
+    assert sorted(got) == sorted(want) and all(_same(got[k], want[k]) for k in want)
+    assert osd["param_groups"][0]["lr"] == 0.1
+
+
+def _kill_worker(rank: int, world: int, tmp: str) -> None:
+    warnings.simplefilter("ignore")
+    _init(Path(tmp), rank, world)
+    sd = _nest(_full(5)) | _extras(5)
+    dcp.save(sd, storage_writer=_Failing(Path(tmp) / "ckpt", bad=1, kill=True))
+
+
+def test_killed_rank_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp.save(_nest(_full(4)) | _extras(4), storage_writer=CompressedStorageWriter(ckpt))
+    with pytest.raises(mp.ProcessExitedException):
+        mp.spawn(_kill_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    flat = {k: torch.zeros_like(v) for k, v in _full(4).items()}
+    sd = _nest(flat) | _blank_extras()
+    dcp.load(sd, storage_reader=CompressedStorageReader(ckpt))
+    assert all(_same(flat[k], v) for k, v in _full(4).items())
+    _check_extras(sd, 4)
+
+
+def _save_plain(path: Path, seed: int, **options) -> None:
+    dcp.save(_nest(_full(seed)) | _extras(seed),
+             storage_writer=CompressedStorageWriter(path, **options))
+
+
+def test_resave_replaces_and_removes_old_shards(tmp_path: Path) -> None:
+    _save_plain(tmp_path, 1)
+    old = {n for n in os.listdir(tmp_path) if n.startswith("shard-")}
+    _save_plain(tmp_path, 2)
+    new = {n for n in os.listdir(tmp_path) if n.startswith("shard-")}
+    assert len(new) == 1 and not new & old
+    flat = {k: torch.zeros_like(v) for k, v in _full(1).items()}
+    sd = _nest(flat) | _blank_extras()
+    dcp.load(sd, storage_reader=CompressedStorageReader(tmp_path))
+    assert all(_same(flat[k], v) for k, v in _full(2).items())
+    _check_extras(sd, 2)
+    with pytest.raises(CheckpointException, match="overwrite=False"):
+        _save_plain(tmp_path, 3, overwrite=False)
+
+
+def test_shards_are_smaller_than_the_tensors(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 512, generator=g) * 0.02).bfloat16()
+    dcp.save({"w": w}, storage_writer=CompressedStorageWriter(tmp_path))
+    (shard,) = [n for n in os.listdir(tmp_path) if n.startswith("shard-")]
+    assert (tmp_path / shard).stat().st_size < 0.8 * w.numel() * 2
+
+
+def _damage(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+def _load_error(path: Path, seed: int = 1) -> BaseException:
+    flat = {k: torch.zeros_like(v) for k, v in _full(seed).items()}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(_nest(flat) | _blank_extras(), storage_reader=CompressedStorageReader(path))
+    (exc, _), = e.value.failures.values()
+    return exc
+
+
+def test_damaged_shard_raises_corrupt_data_error(tmp_path: Path) -> None:
+    _save_plain(tmp_path, 1)
+    (shard,) = [p for p in tmp_path.iterdir() if p.name.startswith("shard-")]
+    _damage(shard, shard.stat().st_size - 3)  # in the last tensor's payload
+    exc = _load_error(tmp_path)
+    assert isinstance(exc, CorruptDataError) and shard.name in str(exc)
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda d: d["tensors"]["model.proj"]["chunks"][0].update(file="../x.safetensors"),
+     "not a shard file"),
+    (lambda d: d["tensors"]["model.proj"]["chunks"][0].update(sizes=[7, 7]), "outside"),
+    (lambda d: d["tensors"]["model.proj"].update(size=[1 << 62]), "integers"),
+    (lambda d: d["tensors"]["model.proj"].update(dtype="F128"), "dtype"),
+    (lambda d: d.update(version=99), "version"),
+    (lambda d: d["tensors"]["model.proj"]["chunks"].clear(), "exactly once"),
+    (lambda d: d["tensors"]["model.proj"]["chunks"].append(
+        d["tensors"]["model.proj"]["chunks"][0]), "exactly once"),
+    (lambda d: d["bytes"].update({"model.proj": d["bytes"]["step"]}), "both"),
+])
+def test_damaged_metadata_raises_corrupt_data_error(tmp_path: Path, edit, what) -> None:
+    _save_plain(tmp_path, 1)
+    path = tmp_path / METADATA
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CorruptDataError, match=what):
+        CompressedStorageReader(tmp_path).read_metadata()
+    # DCP reports a failed metadata read in an error of its own, with ours in its text.
+    assert what in str(_load_error(tmp_path))
+
+
+def test_truncated_metadata_and_shard_with_wrong_shape(tmp_path: Path) -> None:
+    _save_plain(tmp_path, 1)
+    path = tmp_path / METADATA
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CorruptDataError, match="not JSON"):
+        CompressedStorageReader(tmp_path).read_metadata()
+    # Consistent metadata that disagrees with the shard: the shard's header decides.
+    doc = json.loads(good)
+    t = doc["tensors"]["model.proj"]
+    t["size"] = t["chunks"][0]["sizes"] = [7, 6]
+    path.write_text(json.dumps(doc))
+    flat = {k: torch.zeros_like(v) for k, v in _full(1).items()}
+    flat["model.proj"] = torch.zeros(7, 6)
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(_nest(flat) | _blank_extras(), storage_reader=CompressedStorageReader(tmp_path))
+    (exc, _), = e.value.failures.values()
+    assert isinstance(exc, CorruptDataError) and "in the metadata" in str(exc)
+
+
+def test_consolidate_gives_a_compressed_hugging_face_checkpoint(tmp_path: Path) -> None:
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    _save_plain(ckpt, 1)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}\n')
+    consolidate(ckpt, hf, prefix="model.", config=tmp_path / "config.json",
+                shard_bytes=200)
+    index = json.loads((hf / INDEX).read_text())
+    full = _full(1)
+    want = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+    assert sorted(index["weight_map"]) == sorted(want)
+    assert len(set(index["weight_map"].values())) > 1
+    got = entropykit.load_file(hf)
+    assert sorted(got) == sorted(want) and all(_same(got[k], v) for k, v in want.items())
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "entropykit"
+    # The writer's own consolidation: the HF files next to the DCP shards.
+    _save_plain(tmp_path / "both", 2, consolidate=True)
+    got = entropykit.load_file(tmp_path / "both")
+    assert all(_same(got[k], v) for k, v in _full(2).items())
+
+
+def test_consolidated_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from entropykit.warmup import tiny_llama
+
+    model = tiny_llama(layers=2)
+    model.save_pretrained(tmp_path / "plain")  # for its config.json
+    sd = {"model": model.state_dict(), "step": 3}
+    dcp.save(sd, storage_writer=CompressedStorageWriter(tmp_path / "ckpt"))
+    consolidate(tmp_path / "ckpt", tmp_path / "hf", prefix="model.",
+                config=tmp_path / "plain" / "config.json")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want) and all(_same(got[k], want[k]) for k in want)
