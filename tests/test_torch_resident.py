@@ -185,6 +185,28 @@ def test_memory_accounting_exact(vocab) -> None:
         assert all(u.size <= block for u in tiles)
 
 
+def test_tiled_blocks_scratch_is_two_tiles() -> None:
+    """With ``tile_bytes`` below a block, blocks of Linears decode weight by weight in
+    tiles: the scratch is two of the largest tile, the logits and tokens exact."""
+    model, ref = _llama_vocab(4096), _llama_vocab(4096)
+    ekt.compress_model(model, tile_bytes=8192)
+    state = model._entropykit_resident
+    assert all(u.tiled is not None for u in state.units)
+    assert ekt.resident_memory(model).scratch_bytes == 2 * max(u.size for u in state.units)
+    assert max(u.size for u in state.units) == 8192
+    mlp = model.model.layers[1].mlp
+    assert [u.rows for u in state.units if u.module is mlp.gate_proj] == [(0, 64), (64, 128)]
+    assert [u.rows for u in state.units if u.module is mlp.down_proj] == [(0, 32), (32, 64)]
+    ids = _ids().clamp(max=255)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    with torch.no_grad():
+        kw = dict(max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(ids[:1], **kw), ref.generate(ids[:1], **kw))
+    ekt.decompress_model(model)
+    got, want = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
+
+
 def _poison(model: nn.Module) -> None:
     s = model._entropykit_resident.scratch
     s.view(torch.bfloat16).fill_(float("nan"))
@@ -527,8 +549,9 @@ class _Log:
         pass
 
 
-@pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
-def test_decode_order_is_safe_on_two_streams(vocab, monkeypatch) -> None:
+@pytest.mark.parametrize(("vocab", "tile_bytes"), [(256, None), (4096, None), (4096, 8192)],
+                         ids=["small-vocab", "large-vocab", "tiled-blocks"])
+def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, monkeypatch) -> None:
     """What the hooks ask of the streams, replayed against the rules that make the CUDA
     backend's overlap safe: a unit computes right after its own decode ("now") or the
     join of its prefetch; a prefetch never targets the region of the unit about to
@@ -546,12 +569,16 @@ def test_decode_order_is_safe_on_two_streams(vocab, monkeypatch) -> None:
     monkeypatch.setattr(_resident.Resident, "before", before)
     model = _llama_vocab(vocab)
     ref = copy.deepcopy(model)
-    ekt.compress_model(model)
+    ekt.compress_model(model, tile_bytes=tile_bytes)
     state = model._entropykit_resident
     log.index = {id(u.decoder): k for k, u in enumerate(state.units)}
-    # large embeddings decode in tiles, each beside the one before like the blocks
-    tiles = 0 if vocab == 256 else 8
-    assert len(state.units) == 5 + 2 * max(0, tiles - 1)
+    # large embeddings decode in tiles, each beside the one before like the blocks; with
+    # tiles smaller than a block, the blocks' Linears too (q and o in one tile each, gate,
+    # up and down in two; k and v are too small to code)
+    if tile_bytes is None:
+        assert len(state.units) == (5 if vocab == 256 else 3 + 2 * 8)
+    else:
+        assert len(state.units) == 2 * 64 + 3 * 8 and not any(u.block for u in state.units)
     want = [False] + [True] * (len(state.units) - 1)
     assert [u.prefetch for u in state.units] == want
     log.ops.clear()

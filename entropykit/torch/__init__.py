@@ -47,7 +47,10 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     decoders). ``device`` (a CUDA device, for a model on the CPU) puts the coded weights
     there and moves the rest of the model after them, so the device never holds the
     plain weights. An embedding or Linear weight larger than ``tile_bytes`` (default: the
-    largest block's decoded size) decodes in row tiles of at most that size. ``verify``
+    largest block's decoded size) decodes in row tiles of at most that size; given, it
+    also tiles the weights of each block larger than that made of ``nn.Linear`` modules
+    only, so that the scratch buffer holds two tiles rather than two blocks (at the cost
+    of more, smaller decodes and products). ``verify``
     decodes every block once and compares it with the weights, bit for bit, before they
     are freed. Undo with ``decompress_model``.
     """

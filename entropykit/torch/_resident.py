@@ -186,7 +186,9 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
     dimensions, a dtype of ``FORMATS``, at least ``min_elements`` elements, and used by one
     module only, or by several stock embeddings or Linears (tied). An embedding's or
     Linear's weight larger than ``tile_bytes`` (default: the largest block's), or tied,
-    decodes in row tiles; ``tile_bytes`` is checked by the caller."""
+    decodes in row tiles; with ``tile_bytes`` given, so do the weights of each block
+    larger than that made of stock Linears only. ``tile_bytes`` is checked by the
+    caller."""
     owners: dict[int, list[nn.Module]] = {}
     names: dict[int, set[str]] = {}
     for m in model.modules():
@@ -205,16 +207,33 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
 
     blocks = {id(b) for b in _blocks(model)}
     inside = {id(x) for m in model.modules() if id(m) in blocks for x in m.modules()}
-    block_size = max([sum(_aligned(p.numel() * p.element_size()) for w in whole(m, True)
-                          for p in [getattr(w.owner, w.name)])
-                      for m in model.modules() if id(m) in blocks] + [0])
+    def size(ws: list[Weight]) -> int:
+        return sum(_aligned(getattr(w.owner, w.name).numel()
+                            * getattr(w.owner, w.name).element_size()) for w in ws)
+
+    block_size = max([size(whole(m, True)) for m in model.modules() if id(m) in blocks]
+                     + [0])
     cap = tile_bytes if tile_bytes is not None else block_size or _DEFAULT_TILE
     tiled: dict[int, Tiled] = {}
     units: list[Unit] = []
+    def tile(t: Tiled, m: nn.Module) -> None:
+        t.units.append(len(units))
+        units.extend(Unit(m, [], tiled=t, tile=i) for i in range(len(t.rows)))
+
+    def new_tiled(p: torch.Tensor, users: list[nn.Module]) -> Tiled:
+        return Tiled(users, p.requires_grad, p.dtype, tuple(p.shape),
+                     _tile_rows(p.shape[0], p[0].numel() * p.element_size(), cap))
+
     for m in model.modules():
         if id(m) in blocks:
             ws = whole(m, True)
-            if ws:
+            if (tile_bytes is not None and size(ws) > cap
+                    and all(_tileable(w.owner, w.name) for w in ws)):
+                # a block of stock Linears larger than the tiles asked for: every weight
+                # in tiles, so that nothing of the block stays decoded across its forward
+                for w in ws:
+                    tile(new_tiled(getattr(w.owner, w.name), [w.owner]), w.owner)
+            elif ws:
                 units.append(Unit(m, ws, block=True))
             continue
         if id(m) in inside:
@@ -232,13 +251,9 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
             if len(users) == 1 and _aligned(p.numel() * p.element_size()) <= cap:
                 ws.append(Weight(m, name, p.requires_grad, None))
                 continue
-            t = tiled.get(id(p))
-            if t is None:
-                row = p[0].numel() * p.element_size()
-                t = tiled[id(p)] = Tiled(users, p.requires_grad, p.dtype, tuple(p.shape),
-                                         _tile_rows(p.shape[0], row, cap))
-            t.units.append(len(units))
-            units += [Unit(m, [], tiled=t, tile=i) for i in range(len(t.rows))]
+            if id(p) not in tiled:
+                tiled[id(p)] = new_tiled(p, users)
+            tile(tiled[id(p)], m)
         if ws:
             units.append(Unit(m, ws))
     return units
