@@ -207,6 +207,23 @@ def test_tiled_blocks_scratch_is_two_tiles() -> None:
     assert all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
 
 
+def test_tiled_blocks_of_other_modules_decode_module_by_module() -> None:
+    """fp8 blocks (modules of their own, not stock Linears) larger than ``tile_bytes``
+    decode module by module: the scratch holds two modules, not two blocks."""
+    model, ref = _Fp8Net(), _Fp8Net()
+    ekt.compress_model(model, tile_bytes=8192)
+    state = model._entropykit_resident
+    linears = [m for b in model.blocks for m in b if isinstance(m, _Fp8Linear)]
+    assert [u.module for u in state.units if u.weights][:-1] == linears
+    assert state.units[-1].module is model.head  # not in a block: whole, as before
+    assert ekt.resident_memory(model).scratch_bytes == 2 * 8192 == 64 * 128 * 2
+    assert len([u for u in state.units if u.tiled is not None]) == 4  # the embedding
+    ids = _ids()
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    with pytest.raises((NotImplementedError, RuntimeError)):  # no data outside its forward
+        model.embed.weight.sum().item()
+
+
 def _poison(model: nn.Module) -> None:
     s = model._entropykit_resident.scratch
     s.view(torch.bfloat16).fill_(float("nan"))

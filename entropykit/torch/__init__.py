@@ -19,7 +19,7 @@ live in memory only. Weights shared by several modules stay as they are unless t
 embedding and Linear weights (tied embeddings: coded once, tiled for both); other
 parameters (norms, biases, scales of fp8 weights) stay as they are. A weight is valid only
 inside its block's forward, and a tiled weight never is (its modules' ``weight`` is a
-stand-in of its shape and dtype): code that reads a module's weight from outside it
+meta tensor of its shape and dtype): code that reads a module's weight from outside it
 (rather than calling the module) must decompress the model first.
 """
 
@@ -47,10 +47,11 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     decoders). ``device`` (a CUDA device, for a model on the CPU) puts the coded weights
     there and moves the rest of the model after them, so the device never holds the
     plain weights. An embedding or Linear weight larger than ``tile_bytes`` (default: the
-    largest block's decoded size) decodes in row tiles of at most that size; given, it
-    also tiles the weights of each block larger than that made of ``nn.Linear`` modules
-    only, so that the scratch buffer holds two tiles rather than two blocks (at the cost
-    of more, smaller decodes and products). ``verify``
+    largest block's decoded size) decodes in row tiles of at most that size; given, a
+    block larger than that decodes module by module (``nn.Linear`` weights in tiles,
+    other modules' weights whole), so that the scratch buffer holds two tiles or modules
+    rather than two blocks, at the cost of more, smaller decodes and products; each
+    module's weights must then be read only by its own forward. ``verify``
     decodes every block once and compares it with the weights, bit for bit, before they
     are freed. Undo with ``decompress_model``.
     """

@@ -116,7 +116,7 @@ class Tiled:
 class Unit:
     module: nn.Module
     weights: list[Weight]  # weights decoded whole (none for a tile)
-    block: bool = False  # one of a repeated ModuleList's modules
+    block: bool = False  # a repeated ModuleList's module, or a module of one (tile_bytes)
     tiled: Tiled | None = None  # a tile of this weight ...
     tile: int = 0  # ... this one
     size: int = 0  # bytes of its place in the scratch buffer
@@ -186,9 +186,8 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
     dimensions, a dtype of ``FORMATS``, at least ``min_elements`` elements, and used by one
     module only, or by several stock embeddings or Linears (tied). An embedding's or
     Linear's weight larger than ``tile_bytes`` (default: the largest block's), or tied,
-    decodes in row tiles; with ``tile_bytes`` given, so do the weights of each block
-    larger than that made of stock Linears only. ``tile_bytes`` is checked by the
-    caller."""
+    decodes in row tiles; with ``tile_bytes`` given, a block larger than that decodes
+    module by module (stock Linears in tiles). ``tile_bytes`` is checked by the caller."""
     owners: dict[int, list[nn.Module]] = {}
     names: dict[int, set[str]] = {}
     for m in model.modules():
@@ -227,12 +226,15 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
     for m in model.modules():
         if id(m) in blocks:
             ws = whole(m, True)
-            if (tile_bytes is not None and size(ws) > cap
-                    and all(_tileable(w.owner, w.name) for w in ws)):
-                # a block of stock Linears larger than the tiles asked for: every weight
-                # in tiles, so that nothing of the block stays decoded across its forward
-                for w in ws:
-                    tile(new_tiled(getattr(w.owner, w.name), [w.owner]), w.owner)
+            if tile_bytes is not None and size(ws) > cap:
+                # a block larger than the tiles asked for decodes module by module: a
+                # stock Linear's weight in tiles, another module's weights whole
+                for owner in dict.fromkeys(w.owner for w in ws):
+                    mine = [w for w in ws if w.owner is owner]
+                    if len(mine) == 1 and _tileable(owner, mine[0].name):
+                        tile(new_tiled(getattr(owner, mine[0].name), [owner]), owner)
+                    else:
+                        units.append(Unit(owner, mine, block=True))
             elif ws:
                 units.append(Unit(m, ws, block=True))
             continue
@@ -385,8 +387,9 @@ class Resident:
         if u.tile < len(t.rows) - 1 or u.module is not t.owners[-1]:
             return
         # the last tile of the last owner: every owner's forward decodes tiles from now on
-        stand_in = self.scratch[: t.dtype.itemsize].view(t.dtype).reshape(
-            [1] * len(t.shape)).expand(t.shape)
+        # what the modules show as their weight: its shape and dtype, and no data, so that
+        # reading it outside their forwards fails rather than reads stale bytes
+        stand_in = torch.empty(t.shape, dtype=t.dtype, device="meta")
         for m, first in zip(t.owners, t.units, strict=True):
             del m._parameters["weight"]
             m.weight = stand_in
