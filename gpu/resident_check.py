@@ -21,6 +21,7 @@ dry run of its logic).
 What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of record.
 
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py [--size small 8b-blocks]
+        [--tile-bytes block 16777216]
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | None = None,
            df11: str | None = None) -> list[str]:
     """(3) and (4) for one model, printed; the failures found (logits at batch 1 and 64)."""
     cuda = device.startswith("cuda")
-    name = f"{size} {'fp8 e4m3' if fp8 else 'bf16'}"
+    name = f"{size} {'fp8 e4m3' if fp8 else 'bf16'}" + (
+        f" tile_bytes={tile_bytes}" if tile_bytes is not None else "")
     if cuda:
         torch.cuda.empty_cache()
     base = _weights_bytes(device)
@@ -296,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--size", nargs="+", choices=sorted(SIZES),
                     default=["small", "8b-blocks"], help="models measured in (3) and (4)")
-    ap.add_argument("--tile-bytes", type=int, default=None,
-                    help="compress_model's tile_bytes (default: the largest block's)")
+    ap.add_argument("--tile-bytes", nargs="+", default=["block"],
+                    help="compress_model's tile_bytes to measure: bytes, or 'block' (the "
+                         "default: the largest block's)")
     ap.add_argument("--df11", metavar="DIR",
                     help="a DFloat11 checkpoint of the first size's bf16 model, to compare")
     ap.add_argument("--save-plain", metavar="DIR",
@@ -318,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             fails, how = graph_failures(make, args.device)
             print(f"{what}: CUDA graph captured: {how}")
             failures += [f"{what}: {f}" for f in fails]
+    tiles = [None if t == "block" else int(t) for t in args.tile_bytes]
     for k, size in enumerate(args.size):
         for fp8 in (False, True):
-            failures += report(size, fp8, args.device, args.tile_bytes,
-                               args.df11 if k == 0 else None)
+            for j, tile_bytes in enumerate(tiles):
+                failures += report(size, fp8, args.device, tile_bytes,
+                                   args.df11 if k == j == 0 else None)
     print("FAILURES: " + "; ".join(failures) if failures else "ALL OK")
     return 1 if failures else 0
 
