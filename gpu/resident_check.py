@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -94,13 +95,14 @@ def _ids(vocab: int, batch: int, n: int, device: str, seed: int) -> torch.Tensor
 
 
 @torch.no_grad()
-def exact_failures(make: Callable[[], nn.Module], device: str) -> list[str]:
+def exact_failures(make: Callable[[], nn.Module], device: str,
+                   tile_bytes: int | None = None) -> list[str]:
     """(1): logits, generate tokens, poisoned buffers, restore; the failures found."""
     plain, model = make(), make()
     vocab = plain.config.vocab_size
     fails = []
     want_state = {k: _bits(v).clone() for k, v in plain.state_dict().items()}
-    ekt.compress_model(model)
+    ekt.compress_model(model, tile_bytes=tile_bytes)
     for seed in range(3):
         ids = _ids(vocab, 3, 17, device, seed)
         want = _bits(plain(ids).logits)
@@ -151,13 +153,13 @@ def _capture(step: Callable, model: nn.Module, ids: torch.Tensor
 
 
 @torch.no_grad()
-def graph_failures(make: Callable[[], nn.Module], device: str, batch: int = 4
-                   ) -> tuple[list[str], str]:
+def graph_failures(make: Callable[[], nn.Module], device: str, batch: int = 4,
+                   tile_bytes: int | None = None) -> tuple[list[str], str]:
     """(2): a captured step replayed on new inputs, the buffer poisoned between replays;
     the failures found and which step was captured."""
     plain, model = make(), make()
     vocab = plain.config.vocab_size
-    ekt.compress_model(model)
+    ekt.compress_model(model, tile_bytes=tile_bytes)
     static = _ids(vocab, batch, 5, device, 0)
     try:
         _capture(_full_step, copy.deepcopy(plain), static.clone())
@@ -196,6 +198,7 @@ def _weights_bytes(device: str) -> int:
     return torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
 
 
+SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in tiles
 TARGET = {False: 0.68, True: 0.84}  # (coded + scratch) / plain weights, bf16 / fp8
 
 
@@ -313,12 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.cuda.get_device_name(args.device) if cuda else 'CPU'}")
     failures = []
-    for fp8 in (False, True):
+    for fp8, tile_bytes in itertools.product((False, True), (None, SMALL_TILES)):
         make = lambda fp8=fp8: llama("tiny", args.device, fp8)  # noqa: E731
-        what = "fp8" if fp8 else "bf16"
-        failures += [f"{what}: {f}" for f in exact_failures(make, args.device)]
+        what = ("fp8" if fp8 else "bf16") + (f" tile_bytes={tile_bytes}" if tile_bytes else "")
+        failures += [f"{what}: {f}" for f in exact_failures(make, args.device, tile_bytes)]
         if cuda:
-            fails, how = graph_failures(make, args.device)
+            fails, how = graph_failures(make, args.device, tile_bytes=tile_bytes)
             print(f"{what}: CUDA graph captured: {how}")
             failures += [f"{what}: {f}" for f in fails]
     tiles = [None if t == "block" else int(t) for t in args.tile_bytes]

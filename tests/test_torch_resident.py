@@ -640,6 +640,7 @@ def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
     spec.loader.exec_module(rc)
     make = lambda: rc.llama("tiny", "cpu", fp8)  # noqa: E731
     assert rc.exact_failures(make, "cpu") == []
+    assert rc.exact_failures(make, "cpu", rc.SMALL_TILES) == []
     real = _resident.CpuDecoder.run
 
     def wrong(self) -> None:  # a decoder that flips a bit after its verification
