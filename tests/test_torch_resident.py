@@ -224,6 +224,32 @@ def test_tiled_blocks_of_other_modules_decode_module_by_module() -> None:
         model.embed.weight.sum().item()
 
 
+class _Nested(nn.Module):
+    """A module using its own weight after a child's forward: it cannot be split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(64, 64, bias=False)
+        self.weight = nn.Parameter(torch.randn(64, 64) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) @ self.weight
+
+
+def test_blocks_with_nested_weights_stay_whole() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([_Nested(), _Nested()])).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ekt.compress_model(model, tile_bytes=4096)
+    units = model._entropykit_resident.units
+    assert [u.module for u in units] == list(model[0]) and all(u.block for u in units)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = model[0][1](model[0][0](x))
+        want = ref[0][1](ref[0][0](x))
+    assert torch.equal(_bits(got), _bits(want))
+
+
 def _poison(model: nn.Module) -> None:
     s = model._entropykit_resident.scratch
     s.view(torch.bfloat16).fill_(float("nan"))

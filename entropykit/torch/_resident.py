@@ -206,6 +206,7 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
 
     blocks = {id(b) for b in _blocks(model)}
     inside = {id(x) for m in model.modules() if id(m) in blocks for x in m.modules()}
+
     def size(ws: list[Weight]) -> int:
         return sum(_aligned(getattr(w.owner, w.name).numel()
                             * getattr(w.owner, w.name).element_size()) for w in ws)
@@ -215,6 +216,7 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
     cap = tile_bytes if tile_bytes is not None else block_size or _DEFAULT_TILE
     tiled: dict[int, Tiled] = {}
     units: list[Unit] = []
+
     def tile(t: Tiled, m: nn.Module) -> None:
         t.units.append(len(units))
         units.extend(Unit(m, [], tiled=t, tile=i) for i in range(len(t.rows)))
@@ -226,9 +228,11 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
     for m in model.modules():
         if id(m) in blocks:
             ws = whole(m, True)
-            if tile_bytes is not None and size(ws) > cap:
-                # a block larger than the tiles asked for decodes module by module: a
-                # stock Linear's weight in tiles, another module's weights whole
+            if (tile_bytes is not None and size(ws) > cap
+                    and not any(next(w.owner.children(), None) for w in ws)):
+                # a block larger than the tiles asked for decodes module by module (modules
+                # without children, so none runs inside another): a stock Linear's weight
+                # in tiles, another module's weights whole
                 for owner in dict.fromkeys(w.owner for w in ws):
                     mine = [w for w in ws if w.owner is owner]
                     if len(mine) == 1 and _tileable(owner, mine[0].name):
