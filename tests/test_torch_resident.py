@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 import entropykit.torch as ekt  # noqa: E402
 from entropykit import gpu  # noqa: E402
@@ -91,13 +92,26 @@ def _ids() -> torch.Tensor:
 
 def _coded_weights(model: nn.Module, min_elements: int = ekt.MIN_ELEMENTS) -> dict:
     """name -> parameter for what resident mode codes, found independently: 2+ dims, a
-    coded dtype, enough elements, used by one module."""
-    count: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        count[id(p)] = count.get(id(p), 0) + 1
+    coded dtype, enough elements, used by one module or tied between embeddings and
+    Linears (named once)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
     return {n: p for n, p in model.named_parameters()
             if p.dim() >= 2 and p.dtype in _coded.FORMATS and p.numel() >= min_elements
-            and count[id(p)] == 1}
+            and (len(owners[id(p)]) == 1
+                 or all(type(m) in (nn.Embedding, nn.Linear) for m in owners[id(p)]))}
+
+
+def _llama_vocab(vocab: int, **kw) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**_SMALL, "vocab_size": vocab, **kw})
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _coded.ALIGN) * _coded.ALIGN
 
 
 @pytest.mark.parametrize("make", [_llama, lambda: _llama(torch.float16), _gpt2, _Fp8Net],
@@ -131,30 +145,110 @@ def test_generate_exact() -> None:
     assert torch.equal(got, want)
 
 
-def test_memory_accounting_exact() -> None:
-    model = _llama()
+def _frames(state) -> int:
+    """Bytes of every coded field the units decode (a tied weight's tiles once)."""
+    coded = {id(w.coded): w.coded for u in state.units for w in u.weights}
+    coded.update({id(u.coded): u.coded for u in state.units if u.coded is not None})
+    return sum(f.data.nbytes for c in coded.values() for f in c.fields)
+
+
+@pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
+def test_memory_accounting_exact(vocab) -> None:
+    """Scratch is two of the largest block, whatever the embeddings' size: larger ones
+    decode in row tiles no larger than a block."""
+    model = _llama_vocab(vocab)
     coded = _coded_weights(model)
     assert "model.embed_tokens.weight" in coded and "lm_head.weight" in coded
     plain = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if n not in coded) + sum(b.numel() * b.element_size() for b in model.buffers())
-    # units in running order, each weight placed at a multiple of ALIGN; the buffer holds
-    # the largest unit, and two neighbouring layers
-    units = [[coded["model.embed_tokens.weight"]]] + [
-        [p for n, p in coded.items() if n.startswith(f"model.layers.{i}.")]
-        for i in range(3)] + [[coded["lm_head.weight"]]]
-    size = [sum(-(-p.numel() * 2 // _coded.ALIGN) * _coded.ALIGN for p in u) for u in units]
-    scratch = max(max(size), *(a + b for a, b in itertools.pairwise(size[1:-1])))
+    block = max(sum(_aligned(p.numel() * 2) for n, p in coded.items()
+                    if n.startswith(f"model.layers.{i}.")) for i in range(3))
+    embed = coded["model.embed_tokens.weight"].numel() * 2
     ekt.compress_model(model)
     mem = ekt.resident_memory(model)
     state = model._entropykit_resident
-    frames = sum(f.data.nbytes for u in state.units for w in u.weights for f in w.coded.fields)
     assert mem.tensors == len(coded)
     assert mem.uncompressed_bytes == sum(p.numel() * 2 for p in coded.values())
-    assert mem.scratch_bytes == scratch
+    assert mem.scratch_bytes == 2 * block
     assert mem.plain_bytes == plain
-    assert mem.coded_bytes == frames
+    assert mem.coded_bytes == _frames(state)
     assert 0 < mem.coded_bytes < mem.uncompressed_bytes  # random bf16 weights: exponents code
     assert mem.ratio == (mem.coded_bytes + mem.scratch_bytes) / mem.uncompressed_bytes
+    tiles = [u for u in state.units if u.tiled is not None]
+    if vocab == 256:  # embeddings smaller than a block decode whole
+        assert tiles == [] and embed < block
+    else:
+        assert embed > mem.scratch_bytes  # the buffer never holds a whole embedding
+        for m in (model.model.embed_tokens, model.lm_head):
+            rows = [u.rows for u in tiles if u.module is m]
+            assert rows[0][0] == 0 and rows[-1][1] == vocab and len(rows) > 2
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+        assert all(u.size <= block for u in tiles)
+
+
+def test_tiled_blocks_scratch_is_two_tiles() -> None:
+    """With ``tile_bytes`` below a block, blocks of Linears decode weight by weight in
+    tiles: the scratch is two of the largest tile, the logits and tokens exact."""
+    model, ref = _llama_vocab(4096), _llama_vocab(4096)
+    ekt.compress_model(model, tile_bytes=8192)
+    state = model._entropykit_resident
+    assert all(u.tiled is not None for u in state.units)
+    assert ekt.resident_memory(model).scratch_bytes == 2 * max(u.size for u in state.units)
+    assert max(u.size for u in state.units) == 8192
+    mlp = model.model.layers[1].mlp
+    assert [u.rows for u in state.units if u.module is mlp.gate_proj] == [(0, 64), (64, 128)]
+    assert [u.rows for u in state.units if u.module is mlp.down_proj] == [(0, 32), (32, 64)]
+    ids = _ids().clamp(max=255)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    with torch.no_grad():
+        kw = dict(max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(ids[:1], **kw), ref.generate(ids[:1], **kw))
+    ekt.decompress_model(model)
+    got, want = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
+
+
+def test_tiled_blocks_of_other_modules_decode_module_by_module() -> None:
+    """fp8 blocks (modules of their own, not stock Linears) larger than ``tile_bytes``
+    decode module by module: the scratch holds two modules, not two blocks."""
+    model, ref = _Fp8Net(), _Fp8Net()
+    ekt.compress_model(model, tile_bytes=8192)
+    state = model._entropykit_resident
+    linears = [m for b in model.blocks for m in b if isinstance(m, _Fp8Linear)]
+    assert [u.module for u in state.units if u.weights][:-1] == linears
+    assert state.units[-1].module is model.head  # not in a block: whole, as before
+    assert ekt.resident_memory(model).scratch_bytes == 2 * 8192 == 64 * 128 * 2
+    assert len([u for u in state.units if u.tiled is not None]) == 4  # the embedding
+    ids = _ids()
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    with pytest.raises((NotImplementedError, RuntimeError)):  # no data outside its forward
+        model.embed.weight.sum().item()
+
+
+class _Nested(nn.Module):
+    """A module using its own weight after a child's forward: it cannot be split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(64, 64, bias=False)
+        self.weight = nn.Parameter(torch.randn(64, 64) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) @ self.weight
+
+
+def test_blocks_with_nested_weights_stay_whole() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([_Nested(), _Nested()])).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ekt.compress_model(model, tile_bytes=4096)
+    units = model._entropykit_resident.units
+    assert [u.module for u in units] == list(model[0]) and all(u.block for u in units)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = model[0][1](model[0][0](x))
+        want = ref[0][1](ref[0][0](x))
+    assert torch.equal(_bits(got), _bits(want))
 
 
 def _poison(model: nn.Module) -> None:
@@ -191,11 +285,50 @@ def test_scratch_reused_and_poison_proof() -> None:
             assert getattr(w.owner, w.name).untyped_storage().data_ptr() == base
 
 
-def test_tied_and_small_weights_stay_plain() -> None:
-    model = _gpt2()
-    wte = model.transformer.wte.weight
+def _gpt2_vocab(vocab: int) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=3, n_head=4,
+                                  n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("vocab", [256, 4096], ids=["one-tile", "tiles"])
+def test_tied_embeddings_are_coded_once(vocab) -> None:
+    """GPT-2's token embedding is its head's weight: coded once, decoded in tiles by the
+    lookup and by the head, logits and tokens exact, restored as one parameter."""
+    model, ref = _gpt2_vocab(vocab), _gpt2_vocab(vocab)
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(3))
+    coded = _coded_weights(model)
+    assert "transformer.wte.weight" in coded and "lm_head.weight" not in coded  # named once
     ekt.compress_model(model)
-    assert model.lm_head.weight is wte and isinstance(wte, nn.Parameter)
+    wte = model.transformer.wte.weight
+    assert model.lm_head.weight is wte and not isinstance(wte, nn.Parameter)
+    assert wte.shape == (vocab, 64) and wte.dtype == torch.bfloat16
+    assert "transformer.wte.weight" not in dict(model.named_parameters())
+    state = model._entropykit_resident
+    embed = [u for u in state.units if u.module is model.transformer.wte]
+    head = [u for u in state.units if u.module is model.lm_head]
+    assert len(embed) == len(head) == (1 if vocab == 256 else 6)
+    assert all(e.decoder is h.decoder and e.region.data_ptr() == h.region.data_ptr()
+               for e, h in zip(embed, head, strict=True))
+    mem = ekt.resident_memory(model)
+    assert mem.tensors == len(coded)
+    assert mem.uncompressed_bytes == sum(p.numel() * 2 for p in coded.values())
+    assert mem.coded_bytes == _frames(state)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    with torch.no_grad():
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids[:1], **kw), ref.generate(ids[:1], **kw))
+    ekt.decompress_model(model)
+    wte = model.transformer.wte.weight
+    assert isinstance(wte, nn.Parameter) and model.lm_head.weight is wte
+    assert torch.equal(_bits(wte), _bits(ref.transformer.wte.weight))
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_small_weights_stay_plain() -> None:
+    model = _gpt2()
+    ekt.compress_model(model)
     assert isinstance(model.transformer.wpe.weight, torch.Tensor)
     assert "transformer.wpe.weight" not in dict(model.named_parameters())
     assert "transformer.h.0.ln_1.weight" in dict(model.named_parameters())
@@ -203,6 +336,73 @@ def test_tied_and_small_weights_stay_plain() -> None:
     ekt.compress_model(small, min_elements=1 << 20)
     assert ekt.resident_memory(small).tensors == 0
     assert torch.equal(_logits(small, _ids()), _logits(_llama(), _ids()))
+
+
+class _BiasNet(nn.Module):
+    """A vocabulary embedding, two blocks and a head with a bias, as a tiled head needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(1000, 64, padding_idx=0)
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+        self.head = nn.Linear(64, 1000)
+        self.to(torch.bfloat16).eval()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 1 << 14, 8000], ids=["block", "16K", "8000"])
+def test_tiled_lookup_and_head_exact(tile_bytes) -> None:
+    """Tiles of ``tile_bytes`` (default: the block's) at most, rows rounded to multiples
+    of 64 where they fit: the lookup and the head with its bias give the plain outputs
+    bit for bit at batch 1 and 64, and out-of-range ids raise as the plain lookup does."""
+    model, ref = _BiasNet(), _BiasNet()
+    ekt.compress_model(model, tile_bytes=tile_bytes)
+    state = model._entropykit_resident
+    cap = tile_bytes or _aligned(64 * 64 * 2)
+    rows = [u.rows for u in state.units if u.module is model.head]
+    assert rows == [u.rows for u in state.units if u.module is model.embed]
+    width = {8192: 64, 1 << 14: 128, 8000: 56}[cap]  # most rows of 128 bytes that fit
+    assert [b - a for a, b in rows[:-1]] == [width] * (len(rows) - 1)
+    assert rows[-1][1] == 1000 and 0 < rows[-1][1] - rows[-1][0] <= width
+    g = torch.Generator().manual_seed(5)
+    for batch in (1, 64):
+        ids = torch.randint(0, 1000, (batch, 3), generator=g)
+        ids[0, 0] = 0  # the padding row is read as stored
+        assert torch.equal(_logits(model, ids), _logits(ref, ids))
+        with torch.no_grad():
+            assert torch.equal(_bits(model.embed(ids)), _bits(ref.embed(ids)))
+    for bad in (1000, -1):
+        with torch.no_grad(), pytest.raises(IndexError, match="out of range"):
+            ref.embed(torch.tensor([[1, bad]]))
+        with torch.no_grad(), pytest.raises(IndexError, match="out of range"):
+            model.embed(torch.tensor([[1, bad]]))
+    with pytest.raises(ValueError, match="tile_bytes"):
+        ekt.compress_model(_BiasNet(), tile_bytes=0)
+    ekt.decompress_model(model)
+    got, want = model.state_dict(), ref.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
+
+
+def test_row_split_products_equal_the_whole_on_cpu() -> None:
+    """What tiled heads rely on: splitting a product's output features (never its
+    reduction) gives the whole product's bits, with tile widths as tiles are cut."""
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float16):
+        for batch, k, n in ((1, 64, 4096), (64, 64, 4096), (1, 576, 3000), (17, 2048, 1500)):
+            x = torch.randn(batch, k, generator=g).to(dtype)
+            w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+            bias = torch.randn(n, generator=g).to(dtype)
+            whole = F.linear(x, w, bias)
+            for rows in _resident._tile_rows(n, k * 2, 256 * k * 2), [(0, n // 2), (n // 2, n)]:
+                parts = torch.cat([F.linear(x, w[a:b], bias[a:b]) for a, b in rows], -1)
+                assert torch.equal(_bits(parts), _bits(whole)), (dtype, batch, k, n)
 
 
 def test_a_unit_called_alone_or_out_of_order() -> None:
@@ -240,6 +440,10 @@ def test_inference_only_and_misuse() -> None:
     half.lm_head.to("meta")
     with pytest.raises(ValueError, match="several devices"):
         ekt.compress_model(half)
+
+
+def _unit_coded(u) -> list:
+    return [w.coded for w in u.weights] if u.tiled is None else [u.coded]
 
 
 class _FakeRuntime:
@@ -287,15 +491,17 @@ def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
     ekt.compress_model(model)
     state = model._entropykit_resident
     assert all(isinstance(u.decoder, _cuda.CudaDecoder) for u in state.units)
-    assert all(len(u.decoder.launches) == len({w.coded.pair for w in u.weights})
+    assert all(len(u.decoder.launches) == len({c.pair for c in _unit_coded(u)})
                for u in state.units)
-    assert all(w.coded.fields == () for u in state.units for w in u.weights)  # on the device
+    assert any(u.tiled is not None for u in state.units) == (make is _Fp8Net)
+    assert all(c.fields == () for u in state.units for c in _unit_coded(u))  # on the device
     state.scratch.fill_(0xFF)
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
     mem = ekt.resident_memory(model)
+    decoders = {id(u.decoder): u.decoder for u in state.units}.values()
     assert mem.coded_bytes == sum(t.numel() * t.element_size()
-                                  for u in state.units for t in u.decoder.held)
-    payload = sum(u.decoder.held[0].numel() for u in state.units)
+                                  for d in decoders for t in d.held)
+    payload = sum(d.held[0].numel() for d in decoders)
     assert payload < mem.uncompressed_bytes  # the kernel decodes frames, not only copies
     ekt.decompress_model(model)
     got, want = model.state_dict(), ref.state_dict()
@@ -387,8 +593,9 @@ class _Log:
         pass
 
 
-@pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
-def test_decode_order_is_safe_on_two_streams(vocab, monkeypatch) -> None:
+@pytest.mark.parametrize(("vocab", "tile_bytes"), [(256, None), (4096, None), (4096, 8192)],
+                         ids=["small-vocab", "large-vocab", "tiled-blocks"])
+def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, monkeypatch) -> None:
     """What the hooks ask of the streams, replayed against the rules that make the CUDA
     backend's overlap safe: a unit computes right after its own decode ("now") or the
     join of its prefetch; a prefetch never targets the region of the unit about to
@@ -397,19 +604,27 @@ def test_decode_order_is_safe_on_two_streams(vocab, monkeypatch) -> None:
     log = _Log()
     monkeypatch.setattr(_resident, "_backend",
                         lambda device, units: (log, _resident.CpuDecoder))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{**_SMALL, "vocab_size": vocab})
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    real = _resident.Resident.before
+
+    def before(self, k, args, kwargs) -> None:  # the unit computes once its hook returns
+        real(self, k, args, kwargs)
+        log.ops.append(("compute", k))
+
+    monkeypatch.setattr(_resident.Resident, "before", before)
+    model = _llama_vocab(vocab)
     ref = copy.deepcopy(model)
-    ekt.compress_model(model)
+    ekt.compress_model(model, tile_bytes=tile_bytes)
     state = model._entropykit_resident
     log.index = {id(u.decoder): k for k, u in enumerate(state.units)}
-    # embeddings larger than two layers decode after, not beside, their neighbours
-    want = [False] + [True] * 3 + [True] if vocab == 256 else [False, False, True, True, False]
+    # large embeddings decode in tiles, each beside the one before like the blocks; with
+    # tiles smaller than a block, the blocks' Linears too (q and o in one tile each, gate,
+    # up and down in two; k and v are too small to code)
+    if tile_bytes is None:
+        assert len(state.units) == (5 if vocab == 256 else 3 + 2 * 8)
+    else:
+        assert len(state.units) == 2 * 64 + 3 * 8 and not any(u.block for u in state.units)
+    want = [False] + [True] * (len(state.units) - 1)
     assert [u.prefetch for u in state.units] == want
-    for k, u in enumerate(state.units):
-        u.module.register_forward_pre_hook(
-            lambda m, a, k=k: log.ops.append(("compute", k)))
     log.ops.clear()
     ids = _ids().clamp(max=255)
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
@@ -452,6 +667,7 @@ def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
     spec.loader.exec_module(rc)
     make = lambda: rc.llama("tiny", "cpu", fp8)  # noqa: E731
     assert rc.exact_failures(make, "cpu") == []
+    assert rc.exact_failures(make, "cpu", rc.SMALL_TILES) == []
     real = _resident.CpuDecoder.run
 
     def wrong(self) -> None:  # a decoder that flips a bit after its verification

@@ -3,20 +3,24 @@
 ``compress_model(model)`` codes the model's weight matrices (Linear, embedding and any
 other parameter of two or more dimensions in bf16, fp16 or fp8) losslessly and keeps only
 the coded bytes on the model's device. Each block of the model (each module of a repeated
-``nn.ModuleList``, such as ``model.model.layers``; every other module holding weights,
-such as the embeddings and the output head, is a block of its own) decodes just before its
-forward into one reused scratch buffer (even blocks at its front, odd blocks at its back),
-the next block's decode overlapping this block's compute on a side stream. The forward
-only enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
-bit-identical to the uncompressed model's.
+``nn.ModuleList``, such as ``model.model.layers``; every other module holding weights is a
+block of its own) decodes just before its forward into one reused scratch buffer (blocks
+alternate between its front and its back), the next block's decode overlapping this
+block's compute on a side stream. Embeddings and Linear heads larger than a block (such as
+the vocabulary's) decode in row tiles no larger than a block: the lookup takes each
+tile's rows, the head computes each tile's slice of the logits, so the buffer holds two
+blocks, never a whole embedding. The forward only enqueues work on the GPU, so it can be
+captured in a CUDA graph, and its outputs are bit-identical to the uncompressed model's.
 On the CPU the same hooks decode with the CPU decoders.
 
 What it is not: a training mode (the scratch buffer is overwritten block after block,
 so a resident model runs under ``torch.no_grad()``), or a file format: the coded weights
-live in memory only. Weights shared by several modules (tied embeddings) and other
+live in memory only. Weights shared by several modules stay as they are unless they are
+embedding and Linear weights (tied embeddings: coded once, tiled for both); other
 parameters (norms, biases, scales of fp8 weights) stay as they are. A weight is valid only
-inside its block's forward: code that reads a module's weight from outside it (rather
-than calling the module) must decompress the model first.
+inside its block's forward, and a tiled weight never is (its modules' ``weight`` is a
+meta tensor of its shape and dtype): code that reads a module's weight from outside it
+(rather than calling the module) must decompress the model first.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ MIN_ELEMENTS = 1 << 12
 
 
 def compress_model(model: nn.Module, *, device: torch.device | str | None = None,
-                   min_elements: int = MIN_ELEMENTS, verify: bool = True) -> nn.Module:
+                   min_elements: int = MIN_ELEMENTS, tile_bytes: int | None = None,
+                   verify: bool = True) -> nn.Module:
     """Make ``model``'s weights resident (in place; returns ``model``).
 
     Weights of two or more dimensions in bfloat16, float16, float8_e4m3fn or float8_e5m2
@@ -41,15 +46,24 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     CUDA device: decoded by ``rans.cuda``, needing CuPy; the CPU: by the CPU
     decoders). ``device`` (a CUDA device, for a model on the CPU) puts the coded weights
     there and moves the rest of the model after them, so the device never holds the
-    plain weights. ``verify`` decodes every block once and compares it with the weights,
-    bit for bit, before they are freed. Undo with ``decompress_model``.
+    plain weights. An embedding or Linear weight larger than ``tile_bytes`` (default: the
+    largest block's decoded size) decodes in row tiles of at most that size; given, a
+    block larger than that decodes module by module (``nn.Linear`` weights in tiles,
+    other modules' weights whole), so that the scratch buffer holds two tiles or modules
+    rather than two blocks, at the cost of more, smaller decodes and products; each
+    module's weights must then be read only by its own forward. ``verify``
+    decodes every block once and compares it with the weights, bit for bit, before they
+    are freed. Undo with ``decompress_model``.
     """
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("entropykit: this model is resident already")
     if min_elements < 1:
         raise ValueError(f"min_elements must be >= 1, got {min_elements}")
-    units = _units(model, min_elements)
+    if tile_bytes is not None and tile_bytes < 1:
+        raise ValueError(f"tile_bytes must be >= 1, got {tile_bytes}")
+    units = _units(model, min_elements, tile_bytes)
     devices = {getattr(w.owner, w.name).device for u in units for w in u.weights}
+    devices |= {u.tiled.owners[0].weight.device for u in units if u.tiled is not None}
     if len(devices) > 1:
         raise ValueError(f"entropykit: the weights to make resident are on several "
                          f"devices ({sorted(map(str, devices))}); resident mode needs one")

@@ -1,29 +1,34 @@
-"""Resident mode's machinery: blocks, a scratch buffer, hooks that decode before each forward.
+"""Resident mode's machinery: units, a scratch buffer, hooks that decode before each forward.
 
-What it is: a model's weights grouped into units (each block of a repeated
-``nn.ModuleList``, and every other module holding weights of its own, such as embeddings
-and the output head), in the order the modules are registered, which is the order they
-run in. Each unit's coded weights always decode to the same region of one scratch buffer:
-even units at its front, odd units at its back, so a unit and the next are apart where
-both fit; the modules' weights are fixed views into the region. A unit's forward pre-hook
-makes the compute stream wait for the unit's decode (issued then if it was not
-prefetched) and prefetches the next unit where their regions are apart, so the next
-decode overlaps this unit's compute. The hooks only enqueue work: no allocation or host
-synchronisation, so a forward can be captured in a CUDA graph. The CPU backend decodes
-with the CPU decoders through the same hooks (nothing overlaps there).
+What it is: a model's weights grouped into units, in the order the modules are registered,
+which is the order they run in: each block of a repeated ``nn.ModuleList``, every other
+module holding weights of its own, and the row tiles of an embedding or Linear weight
+larger than the largest block (or tied to another module: embeddings shared with the
+output head), which the module's forward decodes one tile at a time (the lookup picks
+each tile's rows, the head writes each tile's slice of the output). Each unit decodes to
+one of the two halves of one scratch buffer (its front or its back), alternating with the
+unit before, so the buffer holds two of the largest blocks. Block weights are fixed views
+into their region. A unit's forward pre-hook (a tile's: its module's forward) makes the
+compute stream wait for the unit's decode (issued then if it was not prefetched) and
+prefetches the next unit where their regions are apart, so the next decode overlaps this
+unit's compute. The hooks only enqueue work, with no host synchronisation, so a forward
+can be captured in a CUDA graph. The CPU backend decodes with the CPU decoders through
+the same hooks (nothing overlaps there).
 What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import math
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ._coded import ALIGN, FORMATS, CodedTensor, code_tensor, decode_into, raw_bytes
 
@@ -78,7 +83,7 @@ def _backend(device: torch.device, units: int
 
 @dataclass(frozen=True)
 class Weight:
-    """A parameter made resident: where it was and how it is coded."""
+    """A parameter made resident whole: where it was and how it is coded."""
 
     owner: nn.Module
     name: str
@@ -87,15 +92,48 @@ class Weight:
 
 
 @dataclass
+class Tiled:
+    """A weight decoded in row tiles by the forwards of the modules holding it: an
+    ``nn.Embedding``'s or ``nn.Linear``'s, one weight shared by several (tied) or not."""
+
+    owners: list[nn.Module]  # each holds it as ``weight``
+    requires_grad: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    rows: list[tuple[int, int]]  # each tile's rows [a, b)
+    units: list[int] = dataclasses.field(default_factory=list)  # per owner: its first unit
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+
+@dataclass
 class Unit:
     module: nn.Module
-    weights: list[Weight]
-    block: bool = False  # one of a repeated ModuleList's modules
+    weights: list[Weight]  # weights decoded whole (none for a tile)
+    block: bool = False  # a repeated ModuleList's module, or a module of one (tile_bytes)
+    tiled: Tiled | None = None  # a tile of this weight ...
+    tile: int = 0  # ... this one
     size: int = 0  # bytes of its place in the scratch buffer
     region: torch.Tensor | None = None  # that place
     prefetch: bool = False  # decoded while the unit before runs (their places are apart)
     decoder: Any = None
+    coded: CodedTensor | None = None  # a tile's, as it decodes into ``region``
     hook: Any = None
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self.tiled.rows[self.tile]
+
+    @property
+    def shared(self) -> bool:
+        """A tile of a tied weight met again: coded and placed by its first owner."""
+        return self.tiled is not None and self.tiled.owners[0] is not self.module
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -112,36 +150,122 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _units(model: nn.Module, min_elements: int) -> list[Unit]:
-    """The model's units in registration order, each with the weights it makes resident:
-    parameters of two or more dimensions, a dtype of ``FORMATS``, at least
-    ``min_elements`` elements, and used by one module only (tied weights stay plain)."""
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
-    def weights(m: nn.Module, recurse: bool) -> list[Weight]:
-        out = []
-        for owner in (m.modules() if recurse else [m]):
-            for name, p in owner.named_parameters(recurse=False):
-                if (p.dim() >= 2 and p.dtype in FORMATS and p.numel() >= min_elements
-                        and uses[id(p)] == 1):
-                    out.append(Weight(owner, name, p.requires_grad, None))
-        return out
+
+def _tileable(m: nn.Module, name: str) -> bool:
+    """Whether ``m``'s forward is the stock lookup or product of ``m.weight``, which a tiled
+    forward reproduces bit for bit (``max_norm`` would rewrite the weight)."""
+    if name != "weight":
+        return False
+    if type(m).forward is nn.Linear.forward:
+        return True
+    return type(m).forward is nn.Embedding.forward and m.max_norm is None
+
+
+# Tile rows are a multiple of the first of these the cap allows, so that tiles keep the
+# shapes matrix kernels are blocked for (the CPU's narrow products round differently).
+_ROW_MULTIPLES = (256, 64, 8)
+
+
+def _tile_rows(n_rows: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
+    """Row ranges of near-equal tiles of at most ``cap`` bytes (at least one row each)."""
+    most = max(1, cap // row_bytes)
+    rows = -(-n_rows // -(-n_rows // most))
+    for q in _ROW_MULTIPLES:
+        if q <= most:
+            rows = min(-(-rows // q) * q, most // q * q)
+            break
+    return [(a, min(a + rows, n_rows)) for a in range(0, n_rows, rows)]
+
+
+def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
+           ) -> list[Unit]:
+    """The model's units in running order. Resident weights: parameters of two or more
+    dimensions, a dtype of ``FORMATS``, at least ``min_elements`` elements, and used by one
+    module only, or by several stock embeddings or Linears (tied). An embedding's or
+    Linear's weight larger than ``tile_bytes`` (default: the largest block's), or tied,
+    decodes in row tiles; with ``tile_bytes`` given, a block larger than that decodes
+    module by module (stock Linears in tiles). ``tile_bytes`` is checked by the caller."""
+    owners: dict[int, list[nn.Module]] = {}
+    names: dict[int, set[str]] = {}
+    for m in model.modules():
+        for name, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+            names.setdefault(id(p), set()).add(name)
+
+    def coded(p: torch.Tensor) -> bool:
+        return p.dim() >= 2 and p.dtype in FORMATS and p.numel() >= min_elements
+
+    def whole(m: nn.Module, recurse: bool) -> list[Weight]:
+        return [Weight(owner, name, p.requires_grad, None)
+                for owner in (m.modules() if recurse else [m])
+                for name, p in owner.named_parameters(recurse=False)
+                if coded(p) and len(owners[id(p)]) == 1]
 
     blocks = {id(b) for b in _blocks(model)}
     inside = {id(x) for m in model.modules() if id(m) in blocks for x in m.modules()}
-    units = []
+
+    def size(ws: list[Weight]) -> int:
+        return sum(_aligned(getattr(w.owner, w.name).numel()
+                            * getattr(w.owner, w.name).element_size()) for w in ws)
+
+    block_size = max([size(whole(m, True)) for m in model.modules() if id(m) in blocks]
+                     + [0])
+    cap = tile_bytes if tile_bytes is not None else block_size or _DEFAULT_TILE
+    tiled: dict[int, Tiled] = {}
+    units: list[Unit] = []
+
+    def tile(t: Tiled, m: nn.Module) -> None:
+        t.units.append(len(units))
+        units.extend(Unit(m, [], tiled=t, tile=i) for i in range(len(t.rows)))
+
+    def new_tiled(p: torch.Tensor, users: list[nn.Module]) -> Tiled:
+        return Tiled(users, p.requires_grad, p.dtype, tuple(p.shape),
+                     _tile_rows(p.shape[0], p[0].numel() * p.element_size(), cap))
+
     for m in model.modules():
         if id(m) in blocks:
-            ws = weights(m, True)
-        elif id(m) in inside:
+            ws = whole(m, True)
+            if (tile_bytes is not None and size(ws) > cap
+                    and not any(next(w.owner.children(), None) for w in ws)):
+                # a block larger than the tiles asked for decodes module by module (modules
+                # without children, so none runs inside another): a stock Linear's weight
+                # in tiles, another module's weights whole
+                for owner in dict.fromkeys(w.owner for w in ws):
+                    mine = [w for w in ws if w.owner is owner]
+                    if len(mine) == 1 and _tileable(owner, mine[0].name):
+                        tile(new_tiled(getattr(owner, mine[0].name), [owner]), owner)
+                    else:
+                        units.append(Unit(owner, mine, block=True))
+            elif ws:
+                units.append(Unit(m, ws, block=True))
             continue
-        else:
-            ws = weights(m, False)
+        if id(m) in inside:
+            continue
+        ws = []
+        for name, p in m.named_parameters(recurse=False):
+            if not coded(p):
+                continue
+            users = owners[id(p)]
+            if not (len(names[id(p)]) == 1 and all(_tileable(u, name) and id(u) not in inside
+                                                   for u in users)):
+                if len(users) == 1:
+                    ws.append(Weight(m, name, p.requires_grad, None))
+                continue  # tied to a module that reads it its own way: stays plain
+            if len(users) == 1 and _aligned(p.numel() * p.element_size()) <= cap:
+                ws.append(Weight(m, name, p.requires_grad, None))
+                continue
+            if id(p) not in tiled:
+                tiled[id(p)] = new_tiled(p, users)
+            tile(tiled[id(p)], m)
         if ws:
-            units.append(Unit(m, ws, block=id(m) in blocks))
+            units.append(Unit(m, ws))
     return units
+
+
+_DEFAULT_TILE = 1 << 25  # tile bytes of a model without repeated blocks
 
 
 @dataclass(frozen=True)
@@ -160,6 +284,11 @@ class ResidentMemory:
         return (self.coded_bytes + self.scratch_bytes) / max(1, self.uncompressed_bytes)
 
 
+def _apart(a: Unit, b: Unit) -> bool:
+    pa, pb = a.region.data_ptr(), b.region.data_ptr()
+    return pa + a.size <= pb or pb + b.size <= pa
+
+
 class Resident:
     """A model's resident state: units, scratch buffer, hooks (``model._entropykit_resident``)."""
 
@@ -171,6 +300,7 @@ class Resident:
         self.scratch: torch.Tensor | None = None
         self.streams: Any = None
         self.hooks: list[Any] = []
+        self.tiled: list[Tiled] = []  # tiled weights, in the order they were made resident
 
     def build(self, verify: bool) -> None:
         """Code every unit's weights, allocate the scratch buffer, point the weights at it
@@ -179,34 +309,48 @@ class Resident:
         one unit's coded weights at a time; on an error the model is left as it was."""
         places = []
         for u in self.units:  # each weight's offset in its unit's region, ALIGNed
+            if u.tiled is not None:
+                a, b = u.rows
+                u.size = _aligned((b - a) * u.tiled.row_bytes)
+                places.append([0])
+                continue
             at, offsets = 0, []
             for w in u.weights:
                 p = getattr(w.owner, w.name)
                 offsets.append(at)
-                at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+                at += _aligned(p.numel() * p.element_size())
             places.append(offsets)
             u.size = at
-        # Even units decode to the front of the buffer, odd ones to its back, so a unit and
-        # the next are apart where both fit: the buffer holds the largest unit, and two
-        # neighbouring blocks. A unit that does not fit beside the one before (embeddings
-        # and heads, larger than blocks) decodes after it instead of during it.
-        size = max([u.size for u in self.units] + [0] + [
-            a.size + b.size for a, b in itertools.pairwise(self.units) if a.block and b.block])
-        for a, b in itertools.pairwise(self.units):
-            b.prefetch = a.size + b.size <= size
+        # Each unit decodes to the half of the buffer the unit before did not (a tile of a
+        # tied weight met again: where its first owner's did), so the buffer holds two of
+        # the largest blocks (tiles are no larger) and a unit decodes beside the one before.
+        pairs = [u.size for u in self.units if u.block or u.tiled is not None]
+        size = max([2 * s for s in pairs] + [u.size for u in self.units] + [0])
         self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+        back = True  # of the unit before: the first unit decodes to the front
+        for u in self.units:
+            if u.shared:
+                u.region = self.units[u.tiled.units[0] + u.tile].region
+                back = u.region.data_ptr() != self.scratch.data_ptr()
+            else:
+                back = not back
+                base = size - u.size if back else 0
+                u.region = self.scratch[base : base + u.size]
+        for k, u in enumerate(self.units):
+            u.prefetch = k > 0 and _apart(self.units[k - 1], u)
         self.streams, make = _backend(self.device, len(self.units))
         done: list[Unit] = []
         try:
-            for k, (u, offsets) in enumerate(zip(self.units, places, strict=True)):
+            for u, offsets in zip(self.units, places, strict=True):
+                if u.tiled is not None:
+                    self._build_tile(u, make, verify)
+                    continue
                 u.weights = [Weight(w.owner, w.name, w.requires_grad,
                                     code_tensor(getattr(w.owner, w.name), at))
                              for w, at in zip(u.weights, offsets, strict=True)]
-                base = 0 if k % 2 == 0 else size - u.size
-                u.region = self.scratch[base : base + u.size]
                 u.decoder = make([w.coded for w in u.weights], u.region)
                 if verify:
-                    self._verify(u)
+                    self._verify(u, [(w.coded, getattr(w.owner, w.name)) for w in u.weights])
                 if not u.decoder.reads_fields:  # the device holds them now, not the host
                     u.weights = [Weight(w.owner, w.name, w.requires_grad,
                                         dataclasses.replace(w.coded, fields=()))
@@ -221,19 +365,51 @@ class Resident:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the weights just freed
         for k, u in enumerate(self.units):
-            u.hook = u.module.register_forward_pre_hook(
-                lambda m, args, kwargs, k=k: self.before(k, args, kwargs), with_kwargs=True)
-        self.hooks = [u.hook for u in self.units]
+            if u.tiled is None:
+                u.hook = u.module.register_forward_pre_hook(
+                    lambda m, args, kwargs, k=k: self.before(k, args, kwargs),
+                    with_kwargs=True)
+                self.hooks.append(u.hook)
         self.hooks.append(self.model.register_forward_hook(lambda m, a, out: self.join()))
 
-    def _verify(self, u: Unit) -> None:
+    def _build_tile(self, u: Unit, make: Callable, verify: bool) -> None:
+        """Code tile ``u`` (its first owner's) or share it (a tied owner's); after the last
+        tile of an owner, the owner's weight goes and its forward decodes tiles."""
+        t = u.tiled
+        if u.shared:
+            first = self.units[t.units[0] + u.tile]
+            u.decoder, u.coded = first.decoder, first.coded
+        else:
+            a, b = u.rows
+            rows = t.owners[0].weight[a:b]
+            u.coded = code_tensor(rows, 0)
+            u.decoder = make([u.coded], u.region)
+            if verify:
+                self._verify(u, [(u.coded, rows)])
+            if not u.decoder.reads_fields:
+                u.coded = dataclasses.replace(u.coded, fields=())
+        if u.tile < len(t.rows) - 1 or u.module is not t.owners[-1]:
+            return
+        # the last tile of the last owner: every owner's forward decodes tiles from now on
+        # what the modules show as their weight: its shape and dtype, and no data, so that
+        # reading it outside their forwards fails rather than reads stale bytes
+        stand_in = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        for m, first in zip(t.owners, t.units, strict=True):
+            del m._parameters["weight"]
+            m.weight = stand_in
+            ks = list(range(first, first + len(t.rows)))
+            forward = _tiled_linear if isinstance(m, nn.Linear) else _tiled_embedding
+            m.forward = types.MethodType(
+                lambda m, x, f=forward, ks=ks: f(self, m, ks, x), m)
+        self.tiled.append(t)
+
+    def _verify(self, u: Unit, pairs: list[tuple[CodedTensor, torch.Tensor]]) -> None:
         u.decoder.run()
         self.streams.synchronize()
         u.decoder.check()
-        for w in u.weights:
-            weight = raw_bytes(getattr(w.owner, w.name)).to(u.region.device)
-            if not torch.equal(w.coded.bytes_in(u.region), weight):
-                raise RuntimeError(f"entropykit: {type(w.owner).__name__}.{w.name} did not "
+        for coded, want in pairs:
+            if not torch.equal(coded.bytes_in(u.region), raw_bytes(want).to(u.region.device)):
+                raise RuntimeError(f"entropykit: {type(u.module).__name__} weight did not "
                                    "decode to its weight")
 
     def before(self, k: int, args: tuple, kwargs: dict) -> None:
@@ -261,12 +437,14 @@ class Resident:
     def memory(self) -> ResidentMemory:
         plain = sum(t.numel() * t.element_size()
                     for t in (*self.model.parameters(), *self.model.buffers()))
+        decoders = {id(u.decoder): u.decoder for u in self.units}
         return ResidentMemory(
-            coded_bytes=sum(u.decoder.nbytes for u in self.units),
+            coded_bytes=sum(d.nbytes for d in decoders.values()),
             scratch_bytes=self.scratch.numel(),
-            uncompressed_bytes=sum(w.coded.nbytes for u in self.units for w in u.weights),
+            uncompressed_bytes=sum(w.coded.nbytes for u in self.units for w in u.weights)
+            + sum(t.nbytes for t in self.tiled),
             plain_bytes=plain,
-            tensors=sum(len(u.weights) for u in self.units),
+            tensors=sum(len(u.weights) for u in self.units) + len(self.tiled),
         )
 
     def restore(self) -> None:
@@ -274,15 +452,69 @@ class Resident:
         for h in self.hooks:
             h.remove()
         self.join()
-        self._decode_back(self.units)
+        self._decode_back([u for u in self.units if u.tiled is None], self.tiled)
         self.units = []
+        self.tiled = []
         self.scratch = None
 
-    def _decode_back(self, units: list[Unit]) -> None:
+    def _decode_back(self, units: list[Unit], tiled: list[Tiled] | None = None) -> None:
         for u in units:
             self.streams.now(u.decoder)
             for w in u.weights:
                 t = w.coded.view(u.region).clone()
                 delattr(w.owner, w.name)
                 w.owner.register_parameter(w.name, nn.Parameter(t, w.requires_grad))
+        for t in tiled if tiled is not None else self.tiled:
+            whole = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            for i, (a, b) in enumerate(t.rows):
+                u = self.units[t.units[0] + i]
+                self.streams.now(u.decoder)
+                whole[a:b] = u.coded.view(u.region)
+            p = nn.Parameter(whole, t.requires_grad)
+            for m in t.owners:
+                del m.forward, m.weight
+                m.register_parameter("weight", p)
         self.streams.synchronize()
+
+
+def _tiled_linear(state: Resident, m: nn.Linear, ks: list[int], x: torch.Tensor
+                  ) -> torch.Tensor:
+    """``m(x)`` with its weight decoded tile by tile, each tile's product written to its
+    slice of the output: the output's features split, each element's sum is the plain
+    product's."""
+    out = None
+    for k in ks:
+        state.before(k, (x,), {})
+        u = state.units[k]
+        a, b = u.rows
+        y = F.linear(x, u.coded.view(u.region), None if m.bias is None else m.bias[a:b])
+        if len(ks) == 1:
+            return y
+        if out is None:
+            out = y.new_empty((*y.shape[:-1], m.out_features))
+        out[..., a:b] = y
+    return out
+
+
+def _tiled_embedding(state: Resident, m: nn.Embedding, ks: list[int], ids: torch.Tensor
+                     ) -> torch.Tensor:
+    """``m(ids)`` with its weight decoded tile by tile, each tile giving the rows of the
+    ids that fall in it."""
+    n = m.num_embeddings
+    if ids.device.type == "cpu":
+        if ids.numel() and not bool(((ids >= 0) & (ids < n)).all()):
+            raise IndexError("index out of range in self")
+    else:  # on the device, as the plain lookup: an assertion, no host synchronisation
+        torch._assert_async(((ids >= 0) & (ids < n)).all())
+    out = None
+    for k in ks:
+        state.before(k, (ids,), {})
+        u = state.units[k]
+        a, b = u.rows
+        local = ids - a
+        rows = F.embedding(local.clamp(0, b - a - 1), u.coded.view(u.region))
+        if out is None:
+            out = rows
+        else:
+            out = torch.where(((local >= 0) & (local < b - a)).unsqueeze(-1), rows, out)
+    return out

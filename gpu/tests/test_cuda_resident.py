@@ -2,10 +2,11 @@
 
 What it is: with tiny random Llamas built on the GPU, in bf16 and with fp8 e4m3 weights
 and per-row scales in the blocks: ``entropykit.torch.compress_model`` gives the plain
-model's logits and greedy tokens bit for bit, also after the scratch buffer is poisoned
-with NaN, and ``decompress_model`` gives every weight back; a step captured in a CUDA
-graph and replayed on new inputs, the buffer poisoned between replays, gives the plain
-model's logits; the memory accounting adds up to the device memory the weights take.
+model's logits and greedy tokens bit for bit (whole blocks, and blocks in row tiles),
+also after the scratch buffer is poisoned with NaN, and ``decompress_model`` gives every
+weight back; a step captured in a CUDA graph and replayed on new inputs, the buffer
+poisoned between replays, gives the plain model's logits; the memory accounting adds up
+to the device memory the weights take.
 What it is not: the timings (resident_check.py prints them).
 """
 
@@ -24,14 +25,17 @@ import entropykit.torch as ekt  # noqa: E402
 DEV = "cuda:0"
 
 
+@pytest.mark.parametrize("tile_bytes", [None, rc.SMALL_TILES], ids=["blocks", "tiles"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_logits_tokens_and_restore_exact(fp8):
-    assert rc.exact_failures(lambda: rc.llama("tiny", DEV, fp8), DEV) == []
+def test_logits_tokens_and_restore_exact(fp8, tile_bytes):
+    assert rc.exact_failures(lambda: rc.llama("tiny", DEV, fp8), DEV, tile_bytes) == []
 
 
+@pytest.mark.parametrize("tile_bytes", [None, rc.SMALL_TILES], ids=["blocks", "tiles"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_cuda_graph_replay_exact(fp8):
-    fails, how = rc.graph_failures(lambda: rc.llama("tiny", DEV, fp8), DEV)
+def test_cuda_graph_replay_exact(fp8, tile_bytes):
+    fails, how = rc.graph_failures(lambda: rc.llama("tiny", DEV, fp8), DEV,
+                                   tile_bytes=tile_bytes)
     assert fails == [], how
 
 
