@@ -698,47 +698,54 @@ def _dist_target() -> Target:
 
 
 _VOCAB = 128
-_KV_HEAD = struct.Struct("<4sBBBBIIIIIIIIH")
+_KV_HEAD = struct.Struct("<4sBBBBIIIIIIH")  # blob version 2
+
+
+def _kv_front(b: bytes) -> tuple[int, int, int, int, int]:
+    """(layers, batch, seq, offset of the ids, offset of the frame lengths)."""
+    f = _KV_HEAD.unpack_from(b)
+    layers, batch, seq, dlen = f[5], f[6], f[7], f[11]
+    ids_at = _KV_HEAD.size + dlen + 24 * layers
+    return layers, batch, seq, ids_at, ids_at + 4 * batch * seq + (8 * layers if f[2] == 3
+                                                                   else 0)
 
 
 def kv_fix(b: bytearray) -> None:
     """Recompute a KV blob's header CRC-32 where its (edited) fields place it."""
     if len(b) < _KV_HEAD.size:
         return
-    f = _KV_HEAD.unpack_from(b)
-    layers, batch, seq, dlen = f[5], f[6], f[8], f[13]
-    scales = 8 * layers if f[2] == 3 else 0
-    end = _KV_HEAD.size + dlen + 4 * batch * seq + scales + 8 * layers
+    layers, _, _, _, lens_at = _kv_front(b)
+    end = lens_at + 8 * layers
     if end + 4 <= len(b):
         b[end : end + 4] = struct.pack("<I", zlib.crc32(b[:end]))
 
 
 def kv_fields(data: bytes) -> list[tuple[str, int, int]]:
-    names = ("version", "format", "model", "reserved", "layers", "batch", "heads", "seq",
-             "dim", "exact", "calibration", "guess_crc", "desc_len")
-    offs = [4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 36, 40]
-    sizes = [1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4, 2]
+    names = ("version", "format", "model", "reserved", "layers", "batch", "seq", "exact",
+             "calibration", "guess_crc", "desc_len")
+    offs = [4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32]
+    sizes = [1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 2]
     fields = [(f"kv.{n}", o, s) for n, o, s in zip(names, offs, sizes, strict=True)]
-    f = _KV_HEAD.unpack_from(data)
-    layers, batch, seq, dlen = f[5], f[6], f[8], f[13]
-    at = _KV_HEAD.size + dlen + 4 * batch * seq + (8 * layers if f[2] == 3 else 0)
-    return fields + [(f"kv.frame_length[{i}]", at + 4 * i, 4) for i in range(2 * layers)]
+    layers, _, _, ids_at, lens_at = _kv_front(data)
+    table_at = ids_at - 24 * layers
+    shapes = [(f"kv.shape[{i // 3}].{('heads', 'seq', 'dim')[i % 3]}", table_at + 4 * i, 4)
+              for i in range(6 * layers)]
+    return fields + shapes + [(f"kv.frame_length[{i}]", lens_at + 4 * i, 4)
+                              for i in range(2 * layers)]
 
 
 def _kv_edit(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     """More tokens claimed and present (random ids), or one frame's header edited; the
     blob's CRC recomputed."""
-    f = _KV_HEAD.unpack_from(data)
-    layers, batch, seq, dlen = f[5], f[6], f[8], f[13]
-    at = _KV_HEAD.size + dlen + 4 * batch * seq
+    layers, batch, seq, ids_at, lens_at = _kv_front(data)
+    at = ids_at + 4 * batch * seq
     if rng.random() < 0.5:
         extra = int(rng.choice([1, 100, 4000, 60000]))
         ids = rng.integers(0, _VOCAB, batch * extra).astype("<i4").tobytes()  # all valid
         b = bytearray(data[:at] + ids + data[at:])
-        struct.pack_into("<I", b, 20, seq + extra)
+        struct.pack_into("<I", b, 16, seq + extra)
         kv_fix(b)
         return bytes(b), f"kv: {extra} more tokens per row"
-    lens_at = at + (8 * layers if f[2] == 3 else 0)
     lengths = struct.unpack_from(f"<{2 * layers}I", data, lens_at)
     g = int(rng.integers(len(lengths)))
     start = lens_at + 8 * layers + 4 + sum(lengths[:g])
@@ -784,7 +791,7 @@ def _kv_values(c: Any) -> list:
     out = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in c.keys + c.values]
     if c.scales is not None:
         out.append(c.scales.numpy().tobytes())
-    return out + [str(c.dtype), tuple(c.shape)]
+    return out + [str(c.dtype), c.shapes]
 
 
 TARGETS: dict[str, Callable[[Path], Target]] = {
