@@ -94,7 +94,7 @@ def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
 
 
 _FUSED_QKV = ("c_attn", "qkv_proj", "query_key_value", "Wqkv")
-_KV_PROJ = ("k_proj", "v_proj", "key", "value")
+_KV_PROJ = ("k_proj", "v_proj", "key", "value", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def _linear_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -106,8 +106,9 @@ def _linear_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _kv_weights(layer: nn.Module, cfg: Any) -> float:
-    """Weights of ``layer``'s key and value projections: k_proj / v_proj (key / value),
-    or their share of a fused qkv projection (GPT-2's ``c_attn``)."""
+    """Weights of ``layer``'s key and value projections: k_proj / v_proj (key / value;
+    multi-head latent attention's kv_a / kv_b), or their share of a fused qkv projection
+    (GPT-2's ``c_attn``)."""
     heads = getattr(cfg, "num_attention_heads", 1)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     total = 0.0
