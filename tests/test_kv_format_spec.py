@@ -59,8 +59,12 @@ def _fields(buf: bytes, rows: list[tuple[int, int, str]]) -> dict[str, object]:
     return out
 
 
-def _kv_rows() -> list[tuple[int, int, str]]:
-    table = KV.split("### KV header", 1)[1].split("\n\n", 2)[1]
+def _kv_rows(version: int = 2) -> list[tuple[int, int, str]]:
+    """The header table of ``version``: the section's first (2) or the "Version 1" one."""
+    part = KV.split("### KV header", 1)[1]
+    if version == 1:
+        part = part.split("**Version 1**", 1)[1]
+    table = part.split("| offset |", 1)[1].split("\n\n", 1)[0]
     return [(int(o), int(s), f.strip())
             for o, s, f in re.findall(r"^\| (\d+) \| (\d+) \| ([a-z_ ]+) \|", table, re.M)]
 
@@ -137,17 +141,22 @@ def read_calibration(path: Path) -> tuple[dict, dict[str, np.ndarray], int]:
 def read_blob(blob: bytes, cache: P.KVCache, arrays: dict[str, np.ndarray],
               predictor: P.Predictor = PREDICTOR, ids_want: torch.Tensor = IDS) -> dict:
     """The blob's header fields; every rule of the section checked against ``cache``."""
-    h = _fields(blob, _kv_rows())
-    assert h["magic"] == b"EKKV" and h["version"] == 2 and h["reserved"] == 0
+    version = blob[4]
+    rows = _kv_rows(version)
+    h = _fields(blob, rows)
+    assert h["magic"] == b"EKKV" and h["version"] == version and h["reserved"] == 0
     fmt = _codes("value format")[h["value format"]]
     kind = _codes("residual model")[h["residual model"]]
     L, B, S = h["layers"], h["batch"], h["seq"]
-    off = max(o + n for o, n, _ in _kv_rows())
+    off = max(o + n for o, n, _ in rows)
     desc = blob[off : off + h["desc_len"]].decode()
     off += h["desc_len"]
-    table = np.frombuffer(blob, "<u4", 6 * L, off).reshape(2 * L, 3)
-    off += 24 * L
-    shapes = [None if hh == 0 else (B, int(hh), int(ss), int(dd)) for hh, ss, dd in table]
+    if version == 1:  # one shape for every group, no table
+        shapes = [(B, h["heads"], S, h["head_dim"])] * (2 * L)
+    else:
+        table = np.frombuffer(blob, "<u4", 6 * L, off).reshape(2 * L, 3)
+        off += 24 * L
+        shapes = [None if hh == 0 else (B, int(hh), int(ss), int(dd)) for hh, ss, dd in table]
     assert shapes == cache.shapes and all(s is None or s[2] <= S for s in shapes)
     ids = np.frombuffer(blob, "<i4", B * S, off).reshape(B, S)
     off += 4 * B * S
@@ -209,7 +218,7 @@ def test_spec_reader_reads_blobs(kind, fp8, tmp_path):
     blob = P.compress_kv(cache, IDS, PREDICTOR, CALIBRATION, model=kind)
     h = read_blob(blob, cache, arrays)
     assert (h["fmt"], h["kind"]) == ("fp8_e4m3" if fp8 else "bf16", kind)
-    assert (h["layers"], h["batch"], h["seq"]) == (3, 2, 24)
+    assert (h["version"], h["layers"], h["batch"], h["seq"]) == (1, 3, 2, 24)
     assert h["shapes"] == [(2, 2, 24, 8)] * 6
     assert h["calibration"] == fingerprint
     assert P.decompress_kv(blob, PREDICTOR, P.Calibration.load(path)).equal(cache)
@@ -228,12 +237,12 @@ def _with_header(**fields: int) -> bytes:
     """BLOB with header fields replaced and the front CRC recomputed (so the field's own
     check is what fails)."""
     b = bytearray(BLOB)
-    rows = {name: (off, size) for off, size, name in _kv_rows()}
+    rows = {name: (off, size) for off, size, name in _kv_rows(1)}
     for name, value in fields.items():
         off, size = rows[name.replace("_", " ") if name not in rows else name]
         struct.pack_into("<" + _SIZES[size], b, off, value)
-    h = _fields(BLOB, _kv_rows())
-    end = 34 + h["desc_len"] + 24 * h["layers"] + 4 * h["batch"] * h["seq"] + 8 * h["layers"]
+    h = _fields(BLOB, _kv_rows(1))
+    end = 42 + h["desc_len"] + 4 * h["batch"] * h["seq"] + 8 * h["layers"]
     struct.pack_into("<I", b, end, zlib.crc32(b[:end]))
     return bytes(b)
 
@@ -241,7 +250,8 @@ def _with_header(**fields: int) -> bytes:
 @pytest.mark.parametrize("fields, match", [
     ({"version": 3}, "version"), ({"reserved": 1}, "reserved"),
     ({"value_format": 2}, "value format"), ({"residual_model": 3}, "model 3"),
-    ({"exact": 4}, "shape fields"), ({"batch": 0}, "shape fields"),
+    ({"exact": 4}, "shape fields"), ({"heads": 0}, "shape fields"),
+    ({"head_dim": (1 << 12) + 1}, "head dim"), ({"heads": (1 << 10) + 1}, "kv heads"),
     ({"calibration": 1}, "calibration"), ({"guess_crc": 1}, "guess"),
 ])
 def test_documented_header_checks(fields, match):
@@ -252,13 +262,13 @@ def test_documented_header_checks(fields, match):
 def test_caps_are_checked_before_the_front_is_read():
     # A header alone claiming more layers or tokens than the caps: refused on the caps,
     # before the front (which such a blob cannot hold) is sized.
-    head = bytearray(BLOB[:34])
+    head = bytearray(BLOB[:42])
     struct.pack_into("<I", head, 8, (1 << 10) + 1)
     with pytest.raises(CorruptDataError, match="layers"):
         P.token_ids(bytes(head))
-    head = bytearray(BLOB[:34])
+    head = bytearray(BLOB[:42])
     struct.pack_into("<I", head, 12, 1 << 12)  # batch
-    struct.pack_into("<I", head, 16, (1 << 12) + 1)  # seq
+    struct.pack_into("<I", head, 20, (1 << 12) + 1)  # seq
     with pytest.raises(CorruptDataError, match="tokens"):
         P.token_ids(bytes(head))
 
@@ -356,5 +366,5 @@ def test_spec_reader_reads_a_sliding_window_blob(tmp_path):
         cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
     blob = P.compress_kv(cache, ids, pred, cal, model="conditional")
     h = read_blob(blob, cache, arrays, pred, ids)
-    assert h["shapes"] == [(1, 2, 7, 8)] * 2 + [(1, 2, 24, 8)] * 2
+    assert h["version"] == 2 and h["shapes"] == [(1, 2, 7, 8)] * 2 + [(1, 2, 24, 8)] * 2
     assert P.decompress_kv(blob, pred, cal).equal(cache)

@@ -49,7 +49,8 @@ from .kvcache import (
 from .predictors import Prediction, Predictor
 
 MAGIC = b"EKKV"
-VERSION = 2  # written; version 1 (one shape for every group) is read too
+VERSION = 2  # per-group shapes; version 1 (one shape for every group) is written where
+# every group has that one shape, so such blobs stay byte for byte those of earlier writers
 _HEAD1 = struct.Struct("<4sBBBBIIIIIIIIH")
 _HEAD = struct.Struct("<4sBBBBIIIIIIH")
 _SHAPE = np.dtype("<u4")  # per group: kv heads, seq, head dim
@@ -191,11 +192,19 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
         if groups.conditional:
             groups.decoded(layer, k, kv.real(layer, k))
     desc = predictor.describe().encode()
-    head = _HEAD.pack(MAGIC, VERSION, dist.FORMATS[kv.format].code, kinds.index(model), 0,
-                      layers, kv.batch, ids.shape[1], predictor.exact_layers,
-                      calibration.fingerprint, _guess_crc(guess, shapes), len(desc))
-    table = np.array([(sh[1], sh[2], sh[3]) if sh else (0, 0, 0) for sh in shapes], _SHAPE)
-    parts = [head, desc, table.tobytes(), ids.to(torch.int32).numpy().astype("<i4").tobytes()]
+    codes = (dist.FORMATS[kv.format].code, kinds.index(model), 0, layers, kv.batch)
+    tail = (predictor.exact_layers, calibration.fingerprint, _guess_crc(guess, shapes),
+            len(desc))
+    one = shapes[0]
+    if all(sh == one for sh in shapes) and one[2] == ids.shape[1]:
+        # one shape throughout: version 1, byte for byte what earlier writers wrote
+        parts = [_HEAD1.pack(MAGIC, 1, *codes, one[1], one[2], one[3], *tail), desc]
+    else:
+        table = np.array([(sh[1], sh[2], sh[3]) if sh else (0, 0, 0) for sh in shapes],
+                         _SHAPE)
+        parts = [_HEAD.pack(MAGIC, VERSION, *codes, ids.shape[1], *tail), desc,
+                 table.tobytes()]
+    parts.append(ids.to(torch.int32).numpy().astype("<i4").tobytes())
     if kv.scales is not None:
         parts.append(_host(kv.scales).numpy().astype("<f4").tobytes())
     parts.append(np.array([len(f) for f in frames], "<u4").tobytes())
@@ -282,14 +291,13 @@ def _front(blob: bytes | memoryview) -> _Front:
     if version == 1:
         (_, _, fcode, kcode, reserved, layers, batch, heads, seq, dim, exact, cal_crc,
          par_crc, dlen) = head.unpack_from(mv, 0)
-        one = (batch, heads, seq, dim)
-        if min(one) < 1:
+        one: list[Shape | None] = [(batch, heads, seq, dim)]
+        if min(heads, dim) < 1:
             raise CorruptDataError("KV blob shape fields (bytes 8-31) are invalid")
-        shapes: list[Shape | None] = [one] * (2 * layers)
     else:
         (_, _, fcode, kcode, reserved, layers, batch, seq, exact, cal_crc, par_crc,
          dlen) = head.unpack_from(mv, 0)
-        shapes = []
+        one = []
     if reserved:
         raise CorruptDataError(f"KV blob reserved byte is {reserved}, not 0")
     fmt = next((n for n, f in dist.FORMATS.items() if f.code == fcode), None)
@@ -297,9 +305,10 @@ def _front(blob: bytes | memoryview) -> _Front:
         raise CorruptDataError(f"KV blob value format {fcode} / model {kcode} (bytes 5-6)")
     if min(layers, batch, seq) < 1 or exact > layers:
         raise CorruptDataError("KV blob shape fields (layers, batch, seq, exact) are invalid")
-    too_big = _cap_error(layers, batch, seq, shapes)
+    too_big = _cap_error(layers, batch, seq, one)
     if too_big is not None:
         raise CorruptDataError(f"KV blob claims {too_big}")
+    shapes = one * (2 * layers)  # version 1; version 2's come from its table below
     off = head.size
     n_ids = batch * seq
     table_bytes = 0 if version == 1 else 2 * layers * 3 * _SHAPE.itemsize
