@@ -242,6 +242,8 @@ def test_layout_mismatches_are_refused():
         P.compress_kv(other, SYN_IDS, P.NoPredictor(), SYN_CAL)
     with pytest.raises(ValueError, match="up to 40 tokens"):
         P.compress_kv(SYN_CACHE, SYN_IDS[:, :39], P.NoPredictor(), SYN_CAL)
+    with pytest.raises(ValueError, match="differ in shape"):
+        _ = SYN_CACHE.shape  # one shape only where there is one
     with pytest.raises(ValueError, match="layer 1 has keys or values but not both"):
         P.KVCache([SYN_CACHE.keys[0], SYN_CACHE.keys[0]], [SYN_CACHE.values[0], None])
 

@@ -292,9 +292,8 @@ def _front(blob: bytes | memoryview) -> _Front:
         (_, _, fcode, kcode, reserved, layers, batch, heads, seq, dim, exact, cal_crc,
          par_crc, dlen) = head.unpack_from(mv, 0)
         one: list[Shape | None] = [(batch, heads, seq, dim)]
-        if min(heads, dim) < 1:
-            raise CorruptDataError("KV blob shape fields (bytes 8-31) are invalid")
     else:
+        heads = dim = 1
         (_, _, fcode, kcode, reserved, layers, batch, seq, exact, cal_crc, par_crc,
          dlen) = head.unpack_from(mv, 0)
         one = []
@@ -303,8 +302,9 @@ def _front(blob: bytes | memoryview) -> _Front:
     fmt = next((n for n, f in dist.FORMATS.items() if f.code == fcode), None)
     if fmt not in _FORMATS or kcode >= len(residual.KINDS):
         raise CorruptDataError(f"KV blob value format {fcode} / model {kcode} (bytes 5-6)")
-    if min(layers, batch, seq) < 1 or exact > layers:
-        raise CorruptDataError("KV blob shape fields (layers, batch, seq, exact) are invalid")
+    if min(layers, batch, seq, heads, dim) < 1 or exact > layers:
+        raise CorruptDataError("KV blob shape fields (layers, batch, seq, exact; version 1: "
+                               "heads, head dim) are invalid")
     too_big = _cap_error(layers, batch, seq, one)
     if too_big is not None:
         raise CorruptDataError(f"KV blob claims {too_big}")

@@ -80,6 +80,16 @@ class KVCache:
                 for pair in zip(self.keys, self.values, strict=True) for t in pair]
 
     @property
+    def shape(self) -> Shape:
+        """(batch, kv_heads, seq, head_dim) of every tensor, where all have one shape
+        (else ``ValueError``: see ``shapes``)."""
+        shapes = set(self.shapes)
+        if len(shapes) != 1 or None in shapes:
+            raise ValueError("the cache's layers differ in shape (or some have no KV): "
+                             "see KVCache.shapes")
+        return shapes.pop()
+
+    @property
     def batch(self) -> int:
         return next(t for t in self.keys if t is not None).shape[0]
 
