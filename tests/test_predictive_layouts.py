@@ -334,3 +334,18 @@ def test_corrupt_shape_table_is_refused():
         struct.pack_into("<I", b, end, zlib.crc32(b[:end]))
         with pytest.raises(CorruptDataError, match=match):
             P.decompress_kv(bytes(b), P.NoPredictor(), SYN_CAL)
+
+
+def test_to_transformers_with_config_continues_a_sliding_window_model():
+    model = FAMILIES["gemma2"][0]()
+    step = torch.randint(0, VOCAB, (1, 3), generator=GEN)
+    with torch.inference_mode():
+        ref = output_cache(model(IDS, use_cache=True))
+        cache = P.from_transformers(ref)
+        back = P.to_transformers(P.KVCache([k.clone() for k in cache.keys],
+                                           [v.clone() for v in cache.values]),
+                                 config=model.config, tokens=SEQ)
+        assert back.layers[0].keys.shape[-2] == WINDOW - 1 and back.get_seq_length() == SEQ
+        want = model(step, past_key_values=ref, use_cache=True).logits
+        got = model(step, past_key_values=back, use_cache=True).logits
+    assert torch.equal(got, want)

@@ -163,17 +163,25 @@ def from_transformers(cache: Any) -> KVCache:
     return KVCache(keys, values)
 
 
-def to_transformers(cache: KVCache) -> Any:
-    """A transformers ``DynamicCache`` holding copies of ``cache`` (bf16 caches only; its
-    layers are plain dynamic layers, empty for layers without KV)."""
+def to_transformers(cache: KVCache, config: Any = None, tokens: int | None = None) -> Any:
+    """A transformers ``DynamicCache`` holding copies of ``cache`` (bf16 caches only).
+
+    Without ``config`` its layers are plain dynamic layers (empty for layers without KV).
+    With the model's ``config`` they are the kinds the model uses (sliding-window layers
+    among them), so that generation can go on from it; ``tokens``: the tokens the cache
+    covers (default: the most any layer holds), which a sliding-window layer holding
+    fewer needs to know."""
     from transformers import DynamicCache
 
     if cache.scales is not None:
         raise ValueError("transformers caches hold bf16 tensors: dequantize an fp8 cache first")
-    out = DynamicCache()
+    out = DynamicCache() if config is None else DynamicCache(config=config)
+    seen = tokens if tokens is not None else max(k.shape[-2] for k in cache.keys if k is not None)
     for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
         if k is not None:
             out.update(k.clone(), v.clone(), i)
+            if hasattr(out.layers[i], "cumulative_length"):  # a sliding-window layer
+                out.layers[i].cumulative_length = seen
     return out
 
 
