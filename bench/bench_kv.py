@@ -253,7 +253,7 @@ def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int,
         with torch.inference_mode():
             caches.append(P.from_transformers(model(ids, use_cache=True).past_key_values))
     fp8_caches = [P.to_fp8(c) for c in caches]
-    values = 2 * len(caches[0].keys) * int(np.prod(caches[0].shape))
+    values = sum(int(np.prod(sh)) for sh in caches[0].shapes if sh)
     out = {"model": model, "n_calib": n_calib, "n_eval": n_eval, "values": values,
            "byte_plane": {"bf16": _byte_plane_bits(caches), "fp8": _byte_plane_bits(fp8_caches)},
            "rows": []}

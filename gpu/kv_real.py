@@ -97,7 +97,7 @@ def streams(data_dir: Path, device):
                            [v.to(device) for v in cache.values],
                            None if cache.scales is None else cache.scales.to(device))
         for kind in KINDS:
-            g = codec._Groups(cal, pred, kind, dcache.shape, dcache.scales, layers, device, None)
+            g = codec._Groups(cal, pred, kind, dcache.shapes, dcache.scales, device, None)
             g.set_guess(guess)
             groups = []
             for layer in range(layers):

@@ -698,47 +698,61 @@ def _dist_target() -> Target:
 
 
 _VOCAB = 128
-_KV_HEAD = struct.Struct("<4sBBBBIIIIIIIIH")
+_KV_HEADS = {1: struct.Struct("<4sBBBBIIIIIIIIH"), 2: struct.Struct("<4sBBBBIIIIIIH")}
+_KV_NAMES = {1: ("version", "format", "model", "reserved", "layers", "batch", "heads", "seq",
+                 "dim", "exact", "calibration", "guess_crc", "desc_len"),
+             2: ("version", "format", "model", "reserved", "layers", "batch", "seq", "exact",
+                 "calibration", "guess_crc", "desc_len")}
+
+
+def _kv_front(b: bytes) -> tuple[int, int, int, int, int, int]:
+    """(version, layers, batch, seq, offset of the ids, offset of the frame lengths) of a
+    blob of version 1 (one shape) or 2 (a shape table)."""
+    version = 1 if b[4] == 1 else 2
+    f = dict(zip(_KV_NAMES[version], _KV_HEADS[version].unpack_from(b)[1:], strict=True))
+    table = 0 if version == 1 else 24 * f["layers"]
+    ids_at = _KV_HEADS[version].size + f["desc_len"] + table
+    scales = 8 * f["layers"] if f["format"] == 3 else 0
+    return (version, f["layers"], f["batch"], f["seq"], ids_at,
+            ids_at + 4 * f["batch"] * f["seq"] + scales)
 
 
 def kv_fix(b: bytearray) -> None:
     """Recompute a KV blob's header CRC-32 where its (edited) fields place it."""
-    if len(b) < _KV_HEAD.size:
+    if len(b) < _KV_HEADS[1].size:
         return
-    f = _KV_HEAD.unpack_from(b)
-    layers, batch, seq, dlen = f[5], f[6], f[8], f[13]
-    scales = 8 * layers if f[2] == 3 else 0
-    end = _KV_HEAD.size + dlen + 4 * batch * seq + scales + 8 * layers
+    _, layers, _, _, _, lens_at = _kv_front(b)
+    end = lens_at + 8 * layers
     if end + 4 <= len(b):
         b[end : end + 4] = struct.pack("<I", zlib.crc32(b[:end]))
 
 
 def kv_fields(data: bytes) -> list[tuple[str, int, int]]:
-    names = ("version", "format", "model", "reserved", "layers", "batch", "heads", "seq",
-             "dim", "exact", "calibration", "guess_crc", "desc_len")
-    offs = [4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 36, 40]
-    sizes = [1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4, 2]
-    fields = [(f"kv.{n}", o, s) for n, o, s in zip(names, offs, sizes, strict=True)]
-    f = _KV_HEAD.unpack_from(data)
-    layers, batch, seq, dlen = f[5], f[6], f[8], f[13]
-    at = _KV_HEAD.size + dlen + 4 * batch * seq + (8 * layers if f[2] == 3 else 0)
-    return fields + [(f"kv.frame_length[{i}]", at + 4 * i, 4) for i in range(2 * layers)]
+    version, layers, _, _, ids_at, lens_at = _kv_front(data)
+    head = _KV_HEADS[version]
+    sizes = [struct.calcsize(c) for c in head.format[3:]]  # after "<4s"
+    offs = [4 + sum(sizes[:i]) for i in range(len(sizes))]
+    fields = [(f"kv.{n}", o, s)
+              for n, o, s in zip(_KV_NAMES[version], offs, sizes, strict=True)]
+    if version == 2:
+        table_at = ids_at - 24 * layers
+        fields += [(f"kv.shape[{i // 3}].{('heads', 'seq', 'dim')[i % 3]}", table_at + 4 * i, 4)
+                   for i in range(6 * layers)]
+    return fields + [(f"kv.frame_length[{i}]", lens_at + 4 * i, 4) for i in range(2 * layers)]
 
 
 def _kv_edit(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
     """More tokens claimed and present (random ids), or one frame's header edited; the
     blob's CRC recomputed."""
-    f = _KV_HEAD.unpack_from(data)
-    layers, batch, seq, dlen = f[5], f[6], f[8], f[13]
-    at = _KV_HEAD.size + dlen + 4 * batch * seq
+    version, layers, batch, seq, ids_at, lens_at = _kv_front(data)
+    at = ids_at + 4 * batch * seq
     if rng.random() < 0.5:
         extra = int(rng.choice([1, 100, 4000, 60000]))
         ids = rng.integers(0, _VOCAB, batch * extra).astype("<i4").tobytes()  # all valid
         b = bytearray(data[:at] + ids + data[at:])
-        struct.pack_into("<I", b, 20, seq + extra)
+        struct.pack_into("<I", b, 20 if version == 1 else 16, seq + extra)
         kv_fix(b)
         return bytes(b), f"kv: {extra} more tokens per row"
-    lens_at = at + (8 * layers if f[2] == 3 else 0)
     lengths = struct.unpack_from(f"<{2 * layers}I", data, lens_at)
     g = int(rng.integers(len(lengths)))
     start = lens_at + 8 * layers + 4 + sum(lengths[:g])
@@ -775,16 +789,35 @@ def _kv_target() -> Target:
             return _kv_values(out)
 
         samples.append(Sample(data, decode, _kv_values(c), kv_fields, kv_fix))
+    # A sliding-window layer beside a full one: a version-2 blob (a shape table).
+    cfg = transformers.MistralConfig(
+        vocab_size=_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1 << 15)
+    torch.manual_seed(0)
+    sliding = transformers.MistralForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.inference_mode():
+        cache = P.from_transformers(sliding(ids, use_cache=True).past_key_values)
+    pred = P.NoPredictor()
+    cal = P.calibrate(sliding, pred, prompts, formats=("bf16",))
+    data = P.compress_kv(cache, ids, pred, cal, model="conditional", threads=1)
+    assert data[4] == 2
+
+    def decode_sliding(b: bytes, cal: Any = cal) -> list:
+        return _kv_values(P.decompress_kv(b, P.NoPredictor(), cal, threads=1))
+
+    samples.append(Sample(data, decode_sliding, _kv_values(cache), kv_fields, kv_fix))
     return Target(samples, [_kv_edit])
 
 
 def _kv_values(c: Any) -> list:
     import torch
 
-    out = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in c.keys + c.values]
+    out = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in c.keys + c.values
+           if t is not None]
     if c.scales is not None:
         out.append(c.scales.numpy().tobytes())
-    return out + [str(c.dtype), tuple(c.shape)]
+    return out + [str(c.dtype), c.shapes]
 
 
 TARGETS: dict[str, Callable[[Path], Target]] = {

@@ -23,13 +23,15 @@ from test_dist_format_spec import _header_rows as _frame_rows
 
 from entropykit import CorruptDataError
 from entropykit import predictive as P
+from entropykit.predictive import residual
 from entropykit.rans import distribution as D
 
 DOC = (Path(__file__).parent.parent / "docs" / "format.md").read_text()
 KV = DOC.split("## KV blob", 1)[1].split("\n## ", 1)[0]
 CAL = DOC.split("## KV calibration file", 1)[1].split("\n## ", 1)[0]
 _SIZES = {1: "B", 2: "H", 4: "I", 8: "Q"}
-_DTYPES = {"F32": np.dtype("<f4"), "I8": np.dtype("i1"), "U32": np.dtype("<u4")}
+_DTYPES = {"F32": np.dtype("<f4"), "I8": np.dtype("i1"), "U32": np.dtype("<u4"),
+           "I32": np.dtype("<i4")}
 
 
 def _model() -> torch.nn.Module:
@@ -57,8 +59,12 @@ def _fields(buf: bytes, rows: list[tuple[int, int, str]]) -> dict[str, object]:
     return out
 
 
-def _kv_rows() -> list[tuple[int, int, str]]:
-    table = KV.split("### KV header", 1)[1].split("\n\n", 2)[1]
+def _kv_rows(version: int = 2) -> list[tuple[int, int, str]]:
+    """The header table of ``version``: the section's first (2) or the "Version 1" one."""
+    part = KV.split("### KV header", 1)[1]
+    if version == 1:
+        part = part.split("**Version 1**", 1)[1]
+    table = part.split("| offset |", 1)[1].split("\n\n", 1)[0]
     return [(int(o), int(s), f.strip())
             for o, s, f in re.findall(r"^\| (\d+) \| (\d+) \| ([a-z_ ]+) \|", table, re.M)]
 
@@ -85,13 +91,27 @@ def _model_table(kind: str, fmt: str, arrays: dict[str, np.ndarray]) -> tuple:
             [weights[kind]] * groups + [0])
 
 
+def _sizes(layout: np.ndarray) -> dict[str, int]:
+    """C, M and N of the "KV calibration file" section from a layout [L, 2, 2]."""
+    hd = [int(h) * int(d) for h, d in layout.reshape(-1, 2)]
+    kv_layers = {g // 2 for g, w in enumerate(hd) if w}
+    c = m = n = 0
+    for g, w in enumerate(hd):
+        if w:
+            srcs = residual.sources(g // 2, g % 2, kv_layers)
+            c += w
+            m += sum(hd[2 * layer + kv] for _, layer, kv in srcs) * w
+            n += len(srcs) * w
+    return {"C": c, "M": m, "N": n}
+
+
 def read_calibration(path: Path) -> tuple[dict, dict[str, np.ndarray], int]:
     """(metadata object, tensors, fingerprint) of a calibration file, every rule checked."""
     blob = path.read_bytes()
     (hlen,) = struct.unpack_from("<Q", blob)
     header = json.loads(blob[8 : 8 + hlen])
     meta = json.loads(header.pop("__metadata__")["entropykit_kv_calibration"])
-    assert list(meta) == ["version", "predictor", "tokens"] and meta["version"] == 1
+    assert list(meta) == ["version", "predictor", "tokens"] and meta["version"] == 2
     assert isinstance(meta["predictor"], str) and type(meta["tokens"]) is int
     arrays = {}
     for name, e in header.items():
@@ -99,8 +119,10 @@ def read_calibration(path: Path) -> tuple[dict, dict[str, np.ndarray], int]:
         arrays[name] = np.frombuffer(blob, _DTYPES[e["dtype"]], offset=8 + hlen + a,
                                      count=(b - a) // _DTYPES[e["dtype"]].itemsize
                                      ).reshape(e["shape"])
-    L, _, H, Dm = arrays["bias"].shape
-    dims = {"L": L, "H": H, "D": Dm, "hd": H * Dm}
+    layout = arrays["layout"]
+    none = layout[..., 0] == 0
+    assert (none == (layout[..., 1] == 0)).all() and (none[:, 0] == none[:, 1]).all()
+    dims = {"L": layout.shape[0]} | _sizes(layout)
     table = re.findall(r"^\| (\w+)(_<f>)? \| (\w+) \| \[([^\]]+)\] \|", CAL, re.M)
     want = {}
     for name, per_format, dtype, shape in table:
@@ -116,16 +138,26 @@ def read_calibration(path: Path) -> tuple[dict, dict[str, np.ndarray], int]:
     return meta, arrays, crc
 
 
-def read_blob(blob: bytes, cache: P.KVCache, arrays: dict[str, np.ndarray]) -> dict:
+def read_blob(blob: bytes, cache: P.KVCache, arrays: dict[str, np.ndarray],
+              predictor: P.Predictor = PREDICTOR, ids_want: torch.Tensor = IDS) -> dict:
     """The blob's header fields; every rule of the section checked against ``cache``."""
-    h = _fields(blob, _kv_rows())
-    assert h["magic"] == b"EKKV" and h["version"] == 1 and h["reserved"] == 0
+    version = blob[4]
+    rows = _kv_rows(version)
+    h = _fields(blob, rows)
+    assert h["magic"] == b"EKKV" and h["version"] == version and h["reserved"] == 0
     fmt = _codes("value format")[h["value format"]]
     kind = _codes("residual model")[h["residual model"]]
-    L, B, H, S, Dm = h["layers"], h["batch"], h["heads"], h["seq"], h["head_dim"]
-    off = 42
+    L, B, S = h["layers"], h["batch"], h["seq"]
+    off = max(o + n for o, n, _ in rows)
     desc = blob[off : off + h["desc_len"]].decode()
     off += h["desc_len"]
+    if version == 1:  # one shape for every group, no table
+        shapes = [(B, h["heads"], S, h["head_dim"])] * (2 * L)
+    else:
+        table = np.frombuffer(blob, "<u4", 6 * L, off).reshape(2 * L, 3)
+        off += 24 * L
+        shapes = [None if hh == 0 else (B, int(hh), int(ss), int(dd)) for hh, ss, dd in table]
+    assert shapes == cache.shapes and all(s is None or s[2] <= S for s in shapes)
     ids = np.frombuffer(blob, "<i4", B * S, off).reshape(B, S)
     off += 4 * B * S
     scales = None
@@ -137,21 +169,25 @@ def read_blob(blob: bytes, cache: P.KVCache, arrays: dict[str, np.ndarray]) -> d
     assert struct.unpack_from("<I", blob, off)[0] == zlib.crc32(blob[:off])
     off += 4
     assert off + sum(lengths) == len(blob)
-    assert desc == PREDICTOR.describe() and h["exact"] == PREDICTOR.exact_layers
-    np.testing.assert_array_equal(ids, IDS.numpy())
+    assert all((s is None) == (n == 0) for s, n in zip(shapes, lengths, strict=True))
+    assert desc == predictor.describe() and h["exact"] == predictor.exact_layers
+    np.testing.assert_array_equal(ids, ids_want.numpy())
     if scales is not None:
         np.testing.assert_array_equal(scales, cache.scales.numpy())
-    shapes, emps, weights = _model_table(kind, fmt, arrays)
-    fingerprint = zlib.crc32(shapes.astype("<u4").tobytes() + emps.astype("<u4").tobytes()
+    model_shapes, emps, weights = _model_table(kind, fmt, arrays)
+    fingerprint = zlib.crc32(model_shapes.astype("<u4").tobytes()
+                             + emps.astype("<u4").tobytes()
                              + np.asarray(weights, "<i8").tobytes())
     width = 2 if fmt == "bf16" else 1
     for g, length in enumerate(lengths):
+        if shapes[g] is None:
+            continue
         frame = blob[off : off + length]
         off += length
         f = _fields(frame, _frame_rows())
         assert f["magic"] == b"EKRD" and f["value format"] == h["value format"]
-        assert f["n"] == B * H * S * Dm and f["fingerprint"] == fingerprint
-        # The true tensor, [B, H, S, D] row-major: each chunk's CRC is of its values.
+        assert f["n"] == math.prod(shapes[g]) and f["fingerprint"] == fingerprint
+        # The true tensor, [B, H_g, S_g, D_g] row-major: each chunk's CRC is of its values.
         layer, kv = divmod(g, 2)
         t = cache.tensor(layer, kv).contiguous()
         truth = (t.view(torch.int16) if width == 2 else t.view(torch.uint8)).numpy().tobytes()
@@ -159,13 +195,16 @@ def read_blob(blob: bytes, cache: P.KVCache, arrays: dict[str, np.ndarray]) -> d
         crcs = struct.unpack_from(f"<{nc}I", frame, 28 + 4 * nc)
         for c in range(nc):
             assert crcs[c] == zlib.crc32(truth[c * cs * width : (c + 1) * cs * width])
-    guess = PREDICTOR.predict(torch.from_numpy(ids.astype(np.int64)))
+    guess = predictor.predict(torch.from_numpy(ids.astype(np.int64)))
     crc = 0
-    for layer in range(L):
-        for kv in (0, 1):
-            crc = zlib.crc32(guess[layer][kv].float().contiguous().numpy().tobytes(), crc)
+    for g, shape in enumerate(shapes):
+        if guess is not None and shape is not None:
+            t = guess[g // 2][g % 2].float()  # its last S_g tokens, zeros in front if fewer
+            t = t[..., -shape[2]:, :] if t.shape[2] >= shape[2] else torch.nn.functional.pad(
+                t, (0, 0, shape[2] - t.shape[2], 0))
+            crc = zlib.crc32(t.contiguous().numpy().tobytes(), crc)
     assert h["guess_crc"] == crc
-    return h | {"fmt": fmt, "kind": kind}
+    return h | {"fmt": fmt, "kind": kind, "shapes": shapes}
 
 
 @pytest.mark.parametrize("kind", P.KINDS)
@@ -179,7 +218,8 @@ def test_spec_reader_reads_blobs(kind, fp8, tmp_path):
     blob = P.compress_kv(cache, IDS, PREDICTOR, CALIBRATION, model=kind)
     h = read_blob(blob, cache, arrays)
     assert (h["fmt"], h["kind"]) == ("fp8_e4m3" if fp8 else "bf16", kind)
-    assert (h["layers"], h["batch"], h["heads"], h["seq"], h["head_dim"]) == (3, 2, 2, 24, 8)
+    assert (h["version"], h["layers"], h["batch"], h["seq"]) == (1, 3, 2, 24)
+    assert h["shapes"] == [(2, 2, 24, 8)] * 6
     assert h["calibration"] == fingerprint
     assert P.decompress_kv(blob, PREDICTOR, P.Calibration.load(path)).equal(cache)
 
@@ -197,18 +237,18 @@ def _with_header(**fields: int) -> bytes:
     """BLOB with header fields replaced and the front CRC recomputed (so the field's own
     check is what fails)."""
     b = bytearray(BLOB)
-    rows = {name: (off, size) for off, size, name in _kv_rows()}
+    rows = {name: (off, size) for off, size, name in _kv_rows(1)}
     for name, value in fields.items():
         off, size = rows[name.replace("_", " ") if name not in rows else name]
         struct.pack_into("<" + _SIZES[size], b, off, value)
-    h = _fields(BLOB, _kv_rows())
+    h = _fields(BLOB, _kv_rows(1))
     end = 42 + h["desc_len"] + 4 * h["batch"] * h["seq"] + 8 * h["layers"]
     struct.pack_into("<I", b, end, zlib.crc32(b[:end]))
     return bytes(b)
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"version": 2}, "version"), ({"reserved": 1}, "reserved"),
+    ({"version": 3}, "version"), ({"reserved": 1}, "reserved"),
     ({"value_format": 2}, "value format"), ({"residual_model": 3}, "model 3"),
     ({"exact": 4}, "shape fields"), ({"heads": 0}, "shape fields"),
     ({"head_dim": (1 << 12) + 1}, "head dim"), ({"heads": (1 << 10) + 1}, "kv heads"),
@@ -237,7 +277,7 @@ def _write(path: Path, arrays: dict[str, np.ndarray] | None = None,
            meta: str | None = None) -> Path:
     from safetensors.numpy import save_file
 
-    good = json.dumps({"version": 1, "predictor": PREDICTOR.describe(), "tokens": 64})
+    good = json.dumps({"version": 2, "predictor": PREDICTOR.describe(), "tokens": 64})
     save_file(dict(CALIBRATION.arrays) if arrays is None else arrays, str(path),
               metadata={"entropykit_kv_calibration": good if meta is None else meta})
     return path
@@ -254,7 +294,11 @@ def _changed(**arrays: np.ndarray | None) -> dict[str, np.ndarray]:
 
 
 _NAN_BIAS = CALIBRATION.arrays["bias"].copy()
-_NAN_BIAS[1, 0, 0, 0] = np.nan
+_NAN_BIAS[17] = np.nan
+_BAD_LAYOUT = CALIBRATION.arrays["layout"].copy()
+_BAD_LAYOUT[1, 1, 0] = 0  # values without heads but with a head dim
+_NO_KV = CALIBRATION.arrays["layout"].copy()
+_NO_KV[1, 0] = 0  # layer 1's keys without KV, its values with
 _FLAT_SHAPE = CALIBRATION.arrays["shapes_bf16"].copy()
 _FLAT_SHAPE[2, 3000] = 0  # no longer rises from 0 to 2^31 without falling
 
@@ -264,14 +308,19 @@ _FLAT_SHAPE[2, 3000] = 0  # no longer rises from 0 to 2^31 without falling
     (None, '{"version": 1, "predictor": "x", "tokens": {}}', "flat JSON"),
     (None, '{"version": 1, "predictor": "x"}', "exactly"),          # tokens missing
     (None, '{"version": 1, "version": 1, "predictor": "x", "tokens": 1}', "repeats"),
-    (None, '{"version": 2, "predictor": "x", "tokens": 1}', "version 2"),
+    (None, '{"version": 3, "predictor": "x", "tokens": 1}', "version 3"),
     (None, '{"version": 1, "predictor": 7, "tokens": 1}', "string"),
     (None, '{"version": true, "predictor": "x", "tokens": 1}', "exactly"),
     (None, "not json {", "not JSON"),
     (_changed(emp_fp8=None), None, "missing"),
     (_changed(extra=np.zeros(3, np.float32)), None, "unknown"),
     (_changed(cond_bf16=CALIBRATION.arrays["cond_bf16"].astype(np.float32)), None, "I8"),
-    (_changed(std=CALIBRATION.arrays["std"][:, :, :1]), None, "std"),
+    (_changed(std=CALIBRATION.arrays["std"][:-1]), None, "std"),
+    (_changed(layout=None), None, "layout"),
+    (_changed(layout=CALIBRATION.arrays["layout"].astype(np.float32)), None, "layout"),
+    (_changed(layout=_BAD_LAYOUT), None, "layout"),
+    (_changed(layout=_NO_KV), None, "layout"),
+    (_changed(layout=CALIBRATION.arrays["layout"][:2]), None, "bias"),
     (_changed(bias=_NAN_BIAS), None, "not finite"),
     (_changed(cstd_fp8=-CALIBRATION.arrays["cstd_fp8"]), None, "negative"),
     (_changed(shapes_bf16=_FLAT_SHAPE), None, "rise"),
@@ -295,3 +344,27 @@ def test_calibration_load_refuses_non_safetensors_files(tmp_path):
     save_file({"bias": CALIBRATION.arrays["bias"]}, str(tmp_path / "plain"))
     with pytest.raises(CorruptDataError, match="not an entropykit KV calibration"):
         P.Calibration.load(tmp_path / "plain")
+
+
+def test_spec_reader_reads_a_sliding_window_blob(tmp_path):
+    # Gemma 2: layer 0 slides (the prompt's last 7 tokens), layer 1 holds all 24.
+    cfg = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    pred = P.FP8Predictor(model)
+    cal = P.calibrate(model, pred, [torch.randint(0, 128, (40,), generator=GEN)],
+                      formats=("bf16",))
+    path = tmp_path / "cal.safetensors"
+    cal.save(path)
+    _, arrays, fingerprint = read_calibration(path)
+    assert fingerprint == cal.fingerprint
+    ids = torch.randint(0, 128, (1, 24), generator=GEN)
+    with torch.inference_mode():
+        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
+    blob = P.compress_kv(cache, ids, pred, cal, model="conditional")
+    h = read_blob(blob, cache, arrays, pred, ids)
+    assert h["version"] == 2 and h["shapes"] == [(1, 2, 7, 8)] * 2 + [(1, 2, 24, 8)] * 2
+    assert P.decompress_kv(blob, pred, cal).equal(cache)

@@ -6,18 +6,13 @@ the device path runs on the CPU with the CPU coder standing in for it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
+from _kvcheck import CALLS, check_torch_is_numpy, device_path  # noqa: F401 - a fixture
 from test_predictive import CACHE, CALS, IDS, LAYERS, PREDICTORS
 
 from entropykit import predictive as P
-from entropykit.predictive import _torchdist as T
-from entropykit.predictive import codec as C
-from entropykit.rans import distribution as D
-from entropykit.rans.cuda import dist as gpu_dist
 
 
 class _Fixed(P.Predictor):
@@ -30,7 +25,7 @@ class _Fixed(P.Predictor):
         for _ in range(LAYERS):
             pair = []
             for _ in range(2):
-                g = torch.randn(CACHE.shape, generator=gen) * 2.0
+                g = torch.randn(CACHE.shapes[0], generator=gen) * 2.0
                 g.view(-1)[:9] = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 1e30, -1e30, 65504.0,
                                                2.0**-126, 1.0 + 2.0**-20])
                 pair.append(g)
@@ -55,63 +50,13 @@ def test_torch_distribution_is_numpy(pred, kind, fp8):
         predictor, cal = _Fixed(CALS["fp8"].predictor, exact=1), CALS["fp8"]
     else:
         predictor, cal = PREDICTORS[pred], CALS[pred]
-    guess = predictor.predict(IDS)
-    shape, layers = cache.shape, len(cache.keys)
-    ref_guess = C.guess_arrays(guess, layers, shape)
-    dev_guess = T.guess_tensors(guess, layers, "cpu")
-    dcal = T.DeviceCalibration(cal, "cpu")
-    ref_res, dev_res = {}, {}
-    for layer in range(layers):
-        for kv in (0, 1):
-            want = C.group_distribution(layer, kv, ref_guess, shape, predictor.exact_layers,
-                                        kind, cal, cache.scales, ref_res)
-            scale = None if cache.scales is None else cache.scales[layer, kv]
-            got = T.group_distribution(layer, kv, dev_guess, shape, predictor.exact_layers,
-                                       kind, dcal, scale, dev_res)
-            assert got[2] == want[2]
-            assert got[0].dtype == got[1].dtype == torch.float32
-            assert np.array_equal(_bits(got[0]), _bits(want[0])), (layer, kv)
-            assert np.array_equal(_bits(got[1]), _bits(want[1])), (layer, kv)
-            assert np.array_equal(_bits(got[3]), _bits(np.broadcast_to(want[3], shape)))
-            real = cache.real(layer, kv)
-            ref_res[(layer, kv)] = real.numpy() - want[3]
-            dev_res[(layer, kv)] = real - got[3]
-
-
-CALLS = {"encode": 0, "decode": 0}
-
-
-def _cpu_encode(values, mu, sigma, model, *, fmt, model_index, chunk_size):
-    CALLS["encode"] += 1
-    assert mu.dtype == sigma.dtype == torch.float32  # the device path's torch tensors
-    bits = values.contiguous().view(torch.uint8).numpy().view(D.FORMATS[fmt].storage)
-    return torch.from_numpy(np.frombuffer(
-        D.encode(bits.reshape(-1), mu.numpy(), sigma.numpy(), model, fmt=fmt,
-                 model_index=model_index, chunk_size=chunk_size), np.uint8).copy())
-
-
-def _cpu_decode_async(frame, mu, sigma, model, *, model_index, device):
-    CALLS["decode"] += 1
-    assert mu.dtype == sigma.dtype == torch.float32
-    assert isinstance(frame, torch.Tensor) and frame.dtype == torch.uint8  # a host slice
-    out = D.decode(frame.numpy(), mu.numpy(), sigma.numpy(), model, model_index=model_index)
-    out = torch.from_numpy(out.view(np.int16) if out.dtype == np.uint16 else out).to(device)
-    return SimpleNamespace(out=out, result=lambda: out)
-
-
-@pytest.fixture
-def device_path(monkeypatch):
-    """compress_kv / decompress_kv take their device path on the CPU, the CPU coder
-    standing in for the GPU's (same signature, same frames)."""
-    monkeypatch.setattr(T, "on_gpu", lambda coder, device: coder != "cpu")
-    monkeypatch.setattr(gpu_dist, "encode", _cpu_encode)
-    monkeypatch.setattr(gpu_dist, "decode_async", _cpu_decode_async)
+    check_torch_is_numpy(cache, IDS, predictor, cal, kind)
 
 
 @pytest.mark.parametrize("pred", sorted(PREDICTORS))
 @pytest.mark.parametrize("kind", P.KINDS)
 @pytest.mark.parametrize("fp8", [False, True])
-def test_device_path_writes_the_host_blob(device_path, pred, kind, fp8):
+def test_device_path_writes_the_host_blob(device_path, pred, kind, fp8):  # noqa: F811
     cache = P.to_fp8(CACHE) if fp8 else CACHE
     predictor, cal = PREDICTORS[pred], CALS[pred]
     host = P.compress_kv(cache, IDS, predictor, cal, model=kind, coder="cpu")
@@ -122,7 +67,7 @@ def test_device_path_writes_the_host_blob(device_path, pred, kind, fp8):
     groups = 2 * len(cache.keys)
     assert CALLS == {"encode": calls["encode"] + groups, "decode": calls["decode"] + groups}
     assert out.equal(cache)
-    assert out.dtype == cache.dtype and out.shape == cache.shape
+    assert out.dtype == cache.dtype and out.shapes == cache.shapes
 
 
 def test_coder_argument():

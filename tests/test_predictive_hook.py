@@ -145,7 +145,7 @@ def test_distribution_is_the_codecs(kind, model):
     codec.set_prompt(ids)
     guess = pred.predict(ids)
     shape = (1, 2, 24, 16)
-    guesses = C.guess_arrays(guess, cal.layers, shape)
+    guesses = C.guess_arrays(guess, [shape] * (2 * cal.layers))
     for layer in range(cal.layers):
         for kv in (0, 1):
             mu, sigma, index = codec.distribution(layer, kv)

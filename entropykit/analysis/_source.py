@@ -150,7 +150,9 @@ def is_stream(obj: object) -> bool:
 def _cache_items(cache: object) -> Iterator[Item]:
     """The tensors of one KV cache, layer by layer, keys then values (then their scales)."""
     if isinstance(getattr(cache, "keys", None), (list, tuple)):
-        pairs = list(enumerate(zip(cache.keys, cache.values, strict=True)))  # type: ignore[attr-defined]
+        pairs = [(i, pair) for i, pair in  # a layer without KV holds None
+                 enumerate(zip(cache.keys, cache.values, strict=True))  # type: ignore[attr-defined]
+                 if pair[0] is not None]
         scales = getattr(cache, "scales", None)
     else:
         # transformers: a layer not yet written holds None (or an empty tensor).

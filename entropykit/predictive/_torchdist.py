@@ -17,6 +17,7 @@ import torch
 from . import residual
 from ._linear import affine as _host_affine
 from .calibration import Calibration
+from .kvcache import aligned_guess
 
 CODERS = ("auto", "cpu", "gpu")
 Guesses = dict[tuple[int, int], torch.Tensor | None]
@@ -51,27 +52,35 @@ class DeviceCalibration:
         self.calibration, self.device = calibration, torch.device(device)
         self._arrays: dict[tuple[str, str | None], torch.Tensor] = {}
 
-    def get(self, name: str, fmt: str | None = None) -> torch.Tensor:
-        """``bias`` / ``std`` (fmt None), or a per-format array (``Calibration.get``)."""
-        key = (name, fmt)
+    def _upload(self, key: tuple, a: np.ndarray) -> torch.Tensor:
         if key not in self._arrays:
-            cal = self.calibration
-            a = cal.arrays[name] if fmt is None else cal.get(name, fmt)
             self._arrays[key] = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
         return self._arrays[key]
 
+    def channels(self, name: str, layer: int, kv: int, fmt: str | None = None
+                 ) -> torch.Tensor:
+        """``Calibration.channels`` on the device."""
+        return self._upload((name, layer, kv, fmt),
+                            self.calibration.channels(name, layer, kv, fmt))
 
-def guess_tensors(guess: list | None, layers: int, device: torch.device | str) -> Guesses:
-    """``codec.guess_arrays`` on ``device``: float32 tensors, None where there is no guess."""
-    return {(layer, kv): None if guess is None else guess[layer][kv].to(device).float()
-            for layer in range(layers) for kv in (0, 1)}
+    def cond(self, layer: int, kv: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Calibration.cond`` on the device."""
+        q, scale = self.calibration.cond(layer, kv, fmt)
+        return (self._upload(("cond", layer, kv, fmt), q),
+                self._upload(("cscale", layer, kv, fmt), scale))
 
 
-def _guess(guesses: Guesses, key: tuple[int, int], shape: tuple, device: torch.device
-           ) -> torch.Tensor:
-    g = guesses.get(key)
+def guess_tensors(guess: list | None, shapes: list, device: torch.device | str) -> Guesses:
+    """``codec.guess_arrays`` on ``device``: float32 tensors of each group with KV; without
+    a guess a zero expanded to the group's shape (no memory; ``_has_guess``)."""
     zero = torch.zeros((), dtype=torch.float32, device=device)
-    return (zero if g is None else g).expand(shape)
+    return {divmod(g, 2): zero.expand(sh) if guess is None
+            else aligned_guess(guess, g // 2, g % 2, sh).to(device)
+            for g, sh in enumerate(shapes) if sh is not None}
+
+
+def _has_guess(g: torch.Tensor) -> bool:
+    return g.dim() == 0 or g.stride()[-1] != 0  # guess_tensors' zeros have stride 0
 
 
 def _affine(base: torch.Tensor, feats: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -87,14 +96,11 @@ def _conditional_mean(base: torch.Tensor, residuals: dict, guesses: Guesses, lay
                       kv: int, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``residual.conditional_mean`` (features, dequantized map, affine) in torch."""
     b, h, s, d = base.shape
-    srcs = residual.sources(layer, kv)
-    w = (q[: len(srcs)].float() * scale[: len(srcs), None, :]).reshape(-1, q.shape[-1])
-    blocks = []
-    for kind, src_layer, src_kv in srcs:
-        a = (residuals[(src_layer, src_kv)] if kind == "r"
-             else _guess(guesses, (src_layer, src_kv), base.shape, base.device))
-        blocks.append(a.permute(0, 2, 1, 3).reshape(b * s, -1))
-    feats = torch.cat(blocks, dim=1).float()
+    arrays = residual.source_arrays(residuals, guesses, layer, kv)
+    sizes = torch.tensor(residual.block_sizes(arrays), device=q.device)
+    w = q.float() * scale.repeat_interleave(sizes, dim=0)  # residual.dequantize
+    feats = torch.cat([a.permute(0, 2, 1, 3).reshape(b * s, -1) for a in arrays],
+                      dim=1).float()
     flat = base.float().permute(0, 2, 1, 3).reshape(b * s, h * d)
     return _affine(flat, feats, w).reshape(b, s, h, d).permute(0, 2, 1, 3)
 
@@ -115,26 +121,25 @@ def group_distribution(layer: int, kv: int, guesses: Guesses, shape: tuple, exac
         n = int(np.prod(shape))
         mu, sg = out or (torch.empty(n, dtype=torch.float32, device=dev),
                          torch.empty(n, dtype=torch.float32, device=dev))
-        g = guesses.get((layer, kv))
-        group_params(None if g is None else g.contiguous(), cal.get("bias")[layer, kv],
-                     cal.get("std")[layer, kv], shape, scale, float(residual.RELATIVE_FLOOR),
-                     float(residual.TINY), mu, sg)
+        g = guesses[(layer, kv)]
+        group_params(g.contiguous() if _has_guess(g) else None,
+                     cal.channels("bias", layer, kv), cal.channels("std", layer, kv), shape,
+                     scale, float(residual.RELATIVE_FLOOR), float(residual.TINY), mu, sg)
         return mu, sg, 2 * layer + kv, None
-    p = _guess(guesses, (layer, kv), shape, dev)
+    p = guesses[(layer, kv)].expand(shape)
     if layer < exact:
         base = mean = p
         sigma = torch.zeros((), dtype=torch.float32, device=dev).expand(shape)
         index = 2 * cal.calibration.layers  # residual.coder_model's last model
     else:
-        base = p + cal.get("bias")[layer, kv][None, :, None, :]
+        base = p + cal.channels("bias", layer, kv)[None, :, None, :]
         if kind == "conditional":
             fmt = "bf16" if scale is None else "fp8_e4m3"
             mean = _conditional_mean(base, residuals, guesses, layer, kv,
-                                     cal.get("cond", fmt)[layer, kv],
-                                     cal.get("cscale", fmt)[layer, kv])
-            sd = cal.get("cstd", fmt)[layer, kv]
+                                     *cal.cond(layer, kv, fmt))
+            sd = cal.channels("cstd", layer, kv, fmt)
         else:
-            mean, sd = base, cal.get("std")[layer, kv]
+            mean, sd = base, cal.channels("std", layer, kv)
         sigma = sd[None, :, None, :].expand(shape)
         index = 2 * layer + kv
     if scale is not None:  # a 0-d tensor: true division (a CPU scalar would be a reciprocal)

@@ -6,8 +6,9 @@ format (bf16; fp8 e4m3 with one scale per layer and k/v, whose coarse values nee
 own fit) the conditional model: per (layer, k/v) its linear maps, conditional std and
 shape; plus the empirical value distributions of each format. ``Calibration`` holds them,
 saves them to a safetensors file (docs/format.md, section "KV calibration file") and
-builds the coder's tables. Size: the int8 maps dominate, 2 * 5 * (heads * dim)^2 bytes
-per layer and format (SmolLM2-135M: ~0.37 MB per layer, ~11 MB per format).
+builds the coder's tables. Each (layer, k/v) group has its own kv heads and head dim, or
+none (a layer without KV); version 1 files (one shape for every group) still load. Size:
+the int8 maps dominate, about 2 * 4.5 * (heads * dim)^2 bytes per layer and format.
 What it is not: the codec (``codec``) or the residual models' definitions (``residual``).
 """
 
@@ -27,10 +28,10 @@ import torch
 from .._errors import CorruptDataError
 from ..rans import distribution as dist
 from . import residual
-from .kvcache import FP8_MAX, from_transformers
-from .predictors import Predictor, model_device
+from .kvcache import FP8_MAX, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, aligned_guess, from_transformers
+from .predictors import Predictor, model_device, output_cache
 
-VERSION = 1
+VERSION = 2  # written; version 1 (one [layers, 2, heads, dim] shape) is read too
 FORMATS = ("bf16", "fp8_e4m3")
 _SUFFIX = {"bf16": "bf16", "fp8_e4m3": "fp8"}
 _PER_FORMAT = ("cstd", "cond", "cscale", "shapes", "emp")
@@ -51,16 +52,48 @@ class Calibration:
     _models: dict = field(default_factory=dict, repr=False)
 
     @property
-    def bias(self) -> np.ndarray:
-        return self.arrays["bias"]
-
-    @property
-    def std(self) -> np.ndarray:
-        return self.arrays["std"]
+    def version(self) -> int:
+        """2 for the per-group layout (a ``layout`` tensor), 1 for the one-shape layout."""
+        return 2 if "layout" in self.arrays else 1
 
     @property
     def layers(self) -> int:
-        return self.bias.shape[0]
+        return (self.arrays["layout"] if self.version == 2 else self.arrays["bias"]).shape[0]
+
+    @property
+    def dims(self) -> list[tuple[int, int] | None]:
+        """Each (layer, k/v) group's (kv heads, head dim), layer 0 keys first; None for a
+        layer without KV."""
+        if self.version == 1:
+            return [tuple(self.arrays["bias"].shape[2:])] * (2 * self.layers)
+        return [None if h == 0 else (int(h), int(d))
+                for h, d in self.arrays["layout"].reshape(-1, 2)]
+
+    def channels(self, name: str, layer: int, kv: int, fmt: str | None = None) -> np.ndarray:
+        """Group (layer, kv)'s [heads, dim] slice of ``bias`` / ``std`` (fmt None) or of a
+        per-format ``cstd``."""
+        a = self.arrays[name] if fmt is None else self.get(name, fmt)
+        if self.version == 1:
+            return a[layer, kv]
+        start, (h, d) = self._offsets.chan[2 * layer + kv]
+        return a[start : start + h * d].reshape(h, d)
+
+    def cond(self, layer: int, kv: int, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+        """Group (layer, kv)'s conditional map of format ``fmt``: int8 rows [sum of its
+        sources' widths, hd] and scales [sources, hd] (``residual.dequantize``)."""
+        q, scale = self.get("cond", fmt), self.get("cscale", fmt)
+        n = len(residual.sources(layer, kv, self._offsets.kv_layers))
+        if self.version == 1:
+            hd = q.shape[-1]
+            return q[layer, kv, :n].reshape(n * hd, hd), scale[layer, kv, :n]
+        (qa, rows, hd), sa = self._offsets.cond[2 * layer + kv], self._offsets.scale[2 * layer + kv]
+        return q[qa : qa + rows * hd].reshape(rows, hd), scale[sa : sa + n * hd].reshape(n, hd)
+
+    @property
+    def _offsets(self) -> _Offsets:
+        if "offsets" not in self._models:
+            self._models["offsets"] = _Offsets(self.dims)
+        return self._models["offsets"]
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -94,7 +127,7 @@ class Calibration:
         from safetensors.numpy import save_file
 
         meta = {"entropykit_kv_calibration": json.dumps(
-            {"version": VERSION, "predictor": self.predictor, "tokens": self.tokens})}
+            {"version": self.version, "predictor": self.predictor, "tokens": self.tokens})}
         save_file({n: np.ascontiguousarray(a) for n, a in self.arrays.items()}, str(path),
                   metadata=meta)
 
@@ -109,7 +142,11 @@ class Calibration:
                 meta = _metadata(f.metadata())
                 specs = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()))
                          for n in f.keys()}  # noqa: SIM118 - not a dict
-                _check_specs(specs)  # before any tensor is read
+                layout = None
+                if meta["version"] == 2:  # the small layout first: it sizes the others
+                    _check_layout_spec(specs)
+                    layout = _checked_layout(f.get_tensor("layout"))
+                _check_specs(specs, layout)  # before any other tensor is read
                 arrays = {n: f.get_tensor(n) for n in specs}
         except SafetensorError as e:
             raise CorruptDataError(f"{path} is not a valid safetensors file: {e}") from None
@@ -131,32 +168,88 @@ class Calibration:
         """Check every array's shape and every table (raises ``ValueError``)."""
         if "bias" not in self.arrays or "std" not in self.arrays:
             raise ValueError("a calibration needs bias and std")
-        base = self.bias.shape
-        if len(base) != 4 or base[1] != 2:
-            raise ValueError(f"calibration bias has shape {base}")
-        hd = base[2] * base[3]
-        l2 = 2 * base[0]
-        want = {"std": base}
-        for f in self.formats:
-            s = _SUFFIX[f]
-            cond = (base[0], 2, residual.MAX_SOURCES, hd, hd)
-            want |= {f"cstd_{s}": base, f"cond_{s}": cond, f"cscale_{s}": cond[:-1],
-                     f"shapes_{s}": (l2, dist.Z_POINTS + 1), f"emp_{s}": (l2, dist.EMP_POINTS + 1)}
-        for name, shape in want.items():
-            if self.arrays[name].shape != shape:
-                raise ValueError(f"calibration {name} has shape {self.arrays[name].shape}, "
-                                 f"expected {shape}")
+        if self.version == 2:
+            _checked_layout(self.arrays["layout"], ValueError)
+        elif self.arrays["bias"].ndim != 4 or self.arrays["bias"].shape[1] != 2:
+            raise ValueError(f"calibration bias has shape {self.arrays['bias'].shape}")
+        want = _expected(self.layers, self.dims if self.version == 2 else None,
+                         self.arrays["bias"].shape, self.formats)
+        for name, (_, shape) in want.items():
+            if name not in self.arrays or self.arrays[name].shape != shape:
+                got = self.arrays[name].shape if name in self.arrays else None
+                raise ValueError(f"calibration {name} has shape {got}, expected {shape}")
         for f in self.formats:  # tables rise from 0 to ONE etc.
             for kind in residual.KINDS:
                 self.coder_model(kind, f)
+
+
+class _Offsets:
+    """Where each group's slice of a version-2 file's flat tensors starts: channels
+    (bias, std, cstd), map rows (cond) and map scales (cscale), groups in order."""
+
+    def __init__(self, dims: list[tuple[int, int] | None]) -> None:
+        self.kv_layers = {g // 2 for g, d in enumerate(dims) if d is not None}
+        self.chan: dict[int, tuple[int, tuple[int, int]]] = {}
+        self.cond: dict[int, tuple[int, int, int]] = {}
+        self.scale: dict[int, int] = {}
+        c = m = n = 0
+        for g, hdim in enumerate(dims):
+            if hdim is None:
+                continue
+            hd = hdim[0] * hdim[1]
+            srcs = residual.sources(g // 2, g % 2, self.kv_layers)
+            rows = sum(_width(dims[2 * layer + kv]) for _, layer, kv in srcs)
+            self.chan[g], self.cond[g], self.scale[g] = (c, hdim), (m, rows, hd), n
+            c, m, n = c + hd, m + rows * hd, n + len(srcs) * hd
+        self.sizes = (c, m, n)
+
+
+def _width(dims: tuple[int, int] | None) -> int:
+    return 0 if dims is None else dims[0] * dims[1]
+
+
+def _expected(layers: int, dims: list[tuple[int, int] | None] | None,
+              bias: tuple[int, ...], formats: Iterable[str]) -> dict[str, tuple[str, tuple]]:
+    """Every tensor's (dtype, shape) by the format's tables: version 2 when ``dims`` (the
+    per-group layout) is given, else version 1 with ``bias``'s shape [L, 2, H, D]."""
+    if dims is not None:
+        c, m, n = _Offsets(dims).sizes
+        base, cond, cscale = (c,), (m,), (n,)
+        want = {"layout": ("I32", (layers, 2, 2))}
+    else:
+        hd = bias[2] * bias[3]
+        base = (layers, 2, bias[2], bias[3])
+        cond = (layers, 2, residual.MAX_SOURCES, hd, hd)
+        cscale = cond[:-1]
+        want = {}
+    want |= {"bias": ("F32", base), "std": ("F32", base)}
+    for f in formats:
+        s = _SUFFIX[f]
+        want |= {f"cstd_{s}": ("F32", base), f"cond_{s}": ("I8", cond),
+                 f"cscale_{s}": ("F32", cscale),
+                 f"shapes_{s}": ("U32", (2 * layers, dist.Z_POINTS + 1)),
+                 f"emp_{s}": ("U32", (2 * layers, dist.EMP_POINTS + 1))}
+    return want
+
+
+def _checked_layout(layout: np.ndarray, error: type[Exception] = CorruptDataError
+                    ) -> np.ndarray:
+    """A version-2 layout [L, 2, 2] (kv heads, head dim per group): each within the caps,
+    both 0 exactly for the two groups of a layer without KV, at least one layer with."""
+    heads, dim = layout[..., 0].astype(np.int64), layout[..., 1].astype(np.int64)
+    none = heads == 0
+    if ((heads < 0) | (heads > MAX_HEADS) | (dim < 0) | (dim > MAX_HEAD_DIM)).any() or (
+            none != (dim == 0)).any() or (none[:, 0] != none[:, 1]).any() or none.all():
+        raise error("calibration layout: heads in 0..2^10 and head dim in 0..2^12, both 0 "
+                    "exactly for the keys and values of a layer without KV, and some layer "
+                    "with KV")
+    return layout
 
 
 _META_KEY = "entropykit_kv_calibration"
 _MAX_META = 1 << 16
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _FLOATS = ("bias", "std", "cstd", "cscale")
-_DTYPE_OF = {"bias": "F32", "std": "F32", "cstd": "F32", "cond": "I8", "cscale": "F32",
-             "shapes": "U32", "emp": "U32"}
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -168,7 +261,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _metadata(meta: dict[str, str] | None) -> dict[str, Any]:
     """The calibration's metadata object, checked: a flat JSON object of exactly version
-    (1), predictor (a string) and tokens (an int >= 0)."""
+    (1 or 2), predictor (a string) and tokens (an int >= 0)."""
     text = (meta or {}).get(_META_KEY)
     if text is None:
         raise CorruptDataError(f"not an entropykit KV calibration (no {_META_KEY!r} metadata)")
@@ -185,34 +278,43 @@ def _metadata(meta: dict[str, str] | None) -> dict[str, Any]:
             or type(obj["version"]) is not int or type(obj["tokens"]) is not int):
         raise CorruptDataError("calibration metadata must hold exactly version, predictor "
                                "and tokens")
-    if obj["version"] != VERSION:
+    if obj["version"] not in (1, VERSION):
         raise CorruptDataError(f"calibration version {obj['version']} unsupported "
-                               f"(this reader reads {VERSION})")
+                               f"(this reader reads 1 and {VERSION})")
     if not isinstance(obj["predictor"], str) or obj["tokens"] < 0:
         raise CorruptDataError("calibration predictor must be a string and tokens >= 0")
     return obj
 
 
-def _check_specs(specs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """Every tensor's name, dtype and shape (from the file's header) as the format gives."""
-    if "bias" not in specs or len(specs["bias"][1]) != 4:
-        raise CorruptDataError("calibration has no bias tensor of 4 dimensions")
-    layers, two, heads, dim = specs["bias"][1]
-    if min(layers, heads, dim) < 1 or two != 2:
-        raise CorruptDataError(f"calibration bias has shape {list(specs['bias'][1])}")
-    base, hd = (layers, 2, heads, dim), heads * dim
-    want = {"bias": base, "std": base}
-    for f in FORMATS:
-        names = [f"{p}_{_SUFFIX[f]}" for p in _PER_FORMAT]
-        if any(n in specs for n in names):
-            cond = (layers, 2, residual.MAX_SOURCES, hd, hd)
-            want |= dict(zip(names, (base, cond, cond[:-1], (2 * layers, dist.Z_POINTS + 1),
-                                     (2 * layers, dist.EMP_POINTS + 1)), strict=True))
+def _check_layout_spec(specs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    shape = specs.get("layout", ("", ()))[1]
+    if specs.get("layout", ("",))[0] != "I32" or len(shape) != 3 or shape[1:] != (2, 2) or (
+            not 1 <= shape[0] <= MAX_LAYERS):
+        raise CorruptDataError(f"calibration has no I32 layout tensor [L, 2, 2] with L in "
+                               f"1..{MAX_LAYERS}")
+
+
+def _check_specs(specs: dict[str, tuple[str, tuple[int, ...]]],
+                 layout: np.ndarray | None) -> None:
+    """Every tensor's name, dtype and shape (from the file's header) as the format gives:
+    version 2 with ``layout``, else version 1."""
+    if layout is not None:
+        dims = [None if h == 0 else (int(h), int(d)) for h, d in layout.reshape(-1, 2)]
+        layers, bias = layout.shape[0], ()
+    else:
+        if "bias" not in specs or len(specs["bias"][1]) != 4:
+            raise CorruptDataError("calibration has no bias tensor of 4 dimensions")
+        layers, two, heads, dim = bias = specs["bias"][1]
+        if min(layers, heads, dim) < 1 or two != 2:
+            raise CorruptDataError(f"calibration bias has shape {list(specs['bias'][1])}")
+        dims = None
+    formats = [f for f in FORMATS
+               if any(f"{p}_{_SUFFIX[f]}" in specs for p in _PER_FORMAT)]
+    want = _expected(layers, dims, bias, formats)
     if set(specs) != set(want):
         extra, missing = sorted(set(specs) - set(want)), sorted(set(want) - set(specs))
         raise CorruptDataError(f"calibration tensors: unknown {extra}, missing {missing}")
-    for name, shape in want.items():
-        dtype = _DTYPE_OF[name.split("_", 1)[0]]
+    for name, (dtype, shape) in want.items():
         if specs[name] != (dtype, shape):
             raise CorruptDataError(f"calibration {name} is {specs[name][0]}"
                                    f"{list(specs[name][1])}, expected {dtype}{list(shape)}")
@@ -237,37 +339,48 @@ def _key_counts(x: torch.Tensor, fmt: str) -> np.ndarray:
     return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << 8)
 
 
-def _fit_conditional(xs: list[np.ndarray], ps: list[np.ndarray], bias: np.ndarray,
-                     exact: int, out: dict[str, np.ndarray], suffix: str) -> None:
+Groups = dict[int, list[np.ndarray]]  # group 2 * layer + kv -> per prompt [1, h, s, d]
+
+
+def _fit_conditional(xs: Groups, ps: Groups, bias: dict[int, np.ndarray], exact: int,
+                     layers: int, out: dict[str, np.ndarray], suffix: str) -> None:
     """Fit the conditional model of one format from its values ``xs`` and guesses ``ps``
-    (per group, real units, [1, heads, tokens, dim]) into ``out``."""
-    n = len(xs) // 2
-    heads, dim = xs[0].shape[1], xs[0].shape[3]
-    hd = heads * dim
-    cstd = np.ones((n, 2, heads, dim), np.float32)
-    cond = np.zeros((n, 2, residual.MAX_SOURCES, hd, hd), np.int8)
-    cscale = np.ones((n, 2, residual.MAX_SOURCES, hd), np.float32)
-    shapes = np.tile(dist.gaussian_shape(), (2 * n, 1))
-    residuals: dict[tuple[int, int], np.ndarray] = {}
-    guesses = {(g // 2, g % 2): p for g, p in enumerate(ps)}
-    for g in range(2 * n):
+    (per group with KV, per prompt, real units) into ``out`` (version-2 layout)."""
+    dims = [None] * (2 * layers)
+    for g, a in xs.items():
+        dims[g] = (a[0].shape[1], a[0].shape[3])
+    offsets = _Offsets(dims)
+    c, m, n = offsets.sizes
+    cstd, cond, cscale = np.ones(c, np.float32), np.zeros(m, np.int8), np.ones(n, np.float32)
+    shapes = np.tile(dist.gaussian_shape(), (2 * layers, 1))
+    prompts = len(next(iter(xs.values())))
+    # per prompt: its groups' residuals and guesses (features align tokens within a prompt)
+    residuals: list[dict] = [{} for _ in range(prompts)]
+    guesses = [{(g // 2, g % 2): ps[g][i] for g in ps} for i in range(prompts)]
+    for g in sorted(xs):
         layer, kv = divmod(g, 2)
-        base = ps[g] if layer < exact else ps[g] + bias[layer, kv][None, :, None, :]
-        r = xs[g] - base
-        residuals[(layer, kv)] = r
+        bases = [p if layer < exact else p + bias[g][None, :, None, :] for p in ps[g]]
+        for i in range(prompts):
+            residuals[i][(layer, kv)] = xs[g][i] - bases[i]
         if layer < exact:
             continue  # coded as exact: nothing to fit
-        target = r.transpose(0, 2, 1, 3).reshape(-1, hd)
-        feats = residual.features(residuals, guesses, layer, kv)
-        k = len(residual.sources(layer, kv))
+        hd = dims[g][0] * dims[g][1]
+        target = np.concatenate([r[(layer, kv)].transpose(0, 2, 1, 3).reshape(-1, hd)
+                                 for r in residuals])
+        feats = np.concatenate([residual.features(residuals[i], guesses[i], layer, kv)
+                                for i in range(prompts)])
+        sizes = residual.block_sizes(residual.source_arrays(residuals[0], guesses[0], layer,
+                                                            kv))
         weights, oof = residual.fit_conditional(feats, target)
-        cond[layer, kv], cscale[layer, kv] = residual.quantize(weights, k, hd)
+        q, scale = residual.quantize(weights, sizes)
+        (ca, _), (qa, rows, _), sa = offsets.chan[g], offsets.cond[g], offsets.scale[g]
+        cond[qa : qa + rows * hd], cscale[sa : sa + scale.size] = q.reshape(-1), scale.reshape(-1)
         # What remains, for the std and shape: out-of-fold, as new text will see it.
         err = target - oof.astype(np.float32)
-        cstd[layer, kv] = np.sqrt((err.astype(np.float64) ** 2).mean(axis=0)).reshape(
-            heads, dim)
-        mean = base.transpose(0, 2, 1, 3).reshape(-1, hd)
-        sigma = residual.floor(np.broadcast_to(cstd[layer, kv].reshape(hd), err.shape), mean)
+        sd = np.sqrt((err.astype(np.float64) ** 2).mean(axis=0)).astype(np.float32)
+        cstd[ca : ca + hd] = sd
+        mean = np.concatenate([b.transpose(0, 2, 1, 3).reshape(-1, hd) for b in bases])
+        sigma = residual.floor(np.broadcast_to(sd, err.shape), mean)
         shapes[g] = residual.fit_shape((err / sigma).reshape(-1))
     out |= {f"cstd_{suffix}": cstd, f"cond_{suffix}": cond, f"cscale_{suffix}": cscale,
             f"shapes_{suffix}": shapes}
@@ -279,55 +392,70 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
 
     ``prompts`` are token-id sequences (1-d tensors, lists, or [1, seq] tensors);
     ``formats`` the cache formats to fit the conditional model for. Layers the predictor
-    reproduces exactly are not fitted (they are coded as exact).
+    reproduces exactly are not fitted (they are coded as exact). Every prompt must give
+    the same cache layout (kv heads and head dim per layer and k/v).
     """
     if not formats or any(f not in FORMATS for f in formats):
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}")
-    xs: dict[str, list[list[np.ndarray]]] = {}
-    ps: list[list[np.ndarray]] = []
-    counts: dict[str, list[np.ndarray]] = {}
+    xs: dict[str, Groups] = {}
+    ps: Groups = {}
+    counts: dict[str, dict[int, np.ndarray]] = {}
+    dims: list | None = None
     tokens = 0
     for prompt in prompts:
         ids = torch.as_tensor(prompt).reshape(1, -1)
         tokens += ids.shape[1]
         with torch.inference_mode():
             out = target(ids.to(model_device(target)), use_cache=True)
-            cache = from_transformers(out.past_key_values)
+            cache = from_transformers(output_cache(out))
         guess = predictor.predict(ids)
-        groups = 2 * len(cache.keys)
-        if not ps:
-            ps = [[] for _ in range(groups)]
-            xs = {f: [[] for _ in range(groups)] for f in ("bf16", *formats)}
-            counts = {f: [0] * groups for f in formats}
-        for g in range(groups):
+        shapes = cache.shapes
+        got = [None if sh is None else (sh[1], sh[3]) for sh in shapes]
+        if dims is None:
+            dims = got
+            live = [g for g, sh in enumerate(shapes) if sh is not None]
+            ps = {g: [] for g in live}
+            xs = {f: {g: [] for g in live} for f in ("bf16", *formats)}
+            counts = {f: dict.fromkeys(live, 0) for f in formats}
+        elif got != dims:
+            raise ValueError("the prompts' caches differ in layout (kv heads or head dim of "
+                             "some layer)")
+        for g in ps:
             layer, kv = divmod(g, 2)
             x = cache.real(layer, kv).cpu()
             ps[g].append(np.zeros(x.shape, np.float32) if guess is None
-                         else guess[layer][kv].cpu().numpy())
+                         else aligned_guess(guess, layer, kv, shapes[g]).cpu().numpy())
             for f in xs:
                 xs[f][g].append((x if f == "bf16" else _fp8_round(x)).numpy())
             for f in formats:
                 counts[f][g] = counts[f][g] + _key_counts(x, f)
-    if not ps:
+    if dims is None:
         raise ValueError("calibrate needs at least one prompt")
-    p = [np.concatenate(a, axis=2) for a in ps]
-    x16 = [np.concatenate(a, axis=2) for a in xs["bf16"]]
-    n = len(p) // 2
-    heads, dim = p[0].shape[1], p[0].shape[3]
-    bias = np.zeros((n, 2, heads, dim), np.float32)
-    std = np.ones((n, 2, heads, dim), np.float32)
-    for g in range(2 * n):
-        layer, kv = divmod(g, 2)
-        if layer >= predictor.exact_layers:
-            r = x16[g] - p[g]
-            bias[layer, kv] = r.mean(axis=(0, 2))
-            r -= bias[layer, kv][None, :, None, :]
-            std[layer, kv] = np.sqrt((r.astype(np.float64) ** 2).mean(axis=(0, 2)))
-    arrays: dict[str, np.ndarray] = {"bias": bias, "std": std}
+    layers = len(dims) // 2
+    layout = np.array([d or (0, 0) for d in dims], np.int32).reshape(layers, 2, 2)
+    x16 = {g: np.concatenate(a, axis=2) for g, a in xs["bf16"].items()}
+    bias: dict[int, np.ndarray] = {}
+    std: dict[int, np.ndarray] = {}
+    for g in sorted(ps):
+        p = np.concatenate(ps[g], axis=2)
+        heads, dim = dims[g]
+        bias[g] = np.zeros((heads, dim), np.float32)
+        std[g] = np.ones((heads, dim), np.float32)
+        if g // 2 >= predictor.exact_layers:
+            r = x16[g] - p
+            bias[g] = r.mean(axis=(0, 2))
+            r -= bias[g][None, :, None, :]
+            std[g] = np.sqrt((r.astype(np.float64) ** 2).mean(axis=(0, 2))).astype(np.float32)
+    arrays: dict[str, np.ndarray] = {
+        "layout": layout,
+        "bias": np.concatenate([bias[g].reshape(-1) for g in sorted(bias)]),
+        "std": np.concatenate([std[g].reshape(-1) for g in sorted(std)])}
+    uniform = np.linspace(0, dist.ONE, dist.EMP_POINTS + 1).astype(np.uint32)
     for f in formats:
-        vals = x16 if f == "bf16" else [np.concatenate(a, axis=2) for a in xs[f]]
-        _fit_conditional(vals, p, bias, predictor.exact_layers, arrays, _SUFFIX[f])
-        arrays[f"emp_{_SUFFIX[f]}"] = np.stack([dist.empirical_table(c) for c in counts[f]])
+        _fit_conditional(xs[f], ps, bias, predictor.exact_layers, layers, arrays, _SUFFIX[f])
+        arrays[f"emp_{_SUFFIX[f]}"] = np.stack([
+            dist.empirical_table(counts[f][g]) if g in counts[f] else uniform
+            for g in range(2 * layers)])
     cal = Calibration(predictor.describe(), arrays, tokens)
     cal.validate()
     return cal

@@ -12,7 +12,9 @@ The blob's layout, the coder model of each frame and every check a reader makes 
 the blob's before the predictor runs, whose cost grows with the tokens a blob claims) are
 specified in docs/format.md, section "KV blob". Each (layer, k/v) tensor is its own
 frame because with the conditional residual model its (mu, sigma) depend on the groups
-decoded before it.
+decoded before it. Each group has its own shape (kv heads, seq, head dim; sliding-window
+layers hold the prompt's last tokens) or none (a layer without KV); blobs of version 1
+(one shape for every group) still decode.
 
 Determinism: the decoder must compute the same (mu, sigma) bits as the encoder (see
 ``predictors``); when it does not, decompress_kv raises ``CorruptDataError`` saying so
@@ -34,23 +36,33 @@ from ..rans import distribution as dist
 from . import _torchdist as T
 from . import residual
 from .calibration import Calibration
-from .kvcache import DTYPES, KVCache, as_kvcache
+from .kvcache import (
+    DTYPES,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    KVCache,
+    Shape,
+    aligned_guess,
+    as_kvcache,
+)
 from .predictors import Prediction, Predictor
 
 MAGIC = b"EKKV"
-VERSION = 1
-_HEAD = struct.Struct("<4sBBBBIIIIIIIIH")
+VERSION = 2  # per-group shapes; version 1 (one shape for every group) is written where
+# every group has that one shape, so such blobs stay byte for byte those of earlier writers
+_HEAD1 = struct.Struct("<4sBBBBIIIIIIIIH")
+_HEAD = struct.Struct("<4sBBBBIIIIIIH")
+_SHAPE = np.dtype("<u4")  # per group: kv heads, seq, head dim
 CHUNK = 1 << 16  # values per chunk: a layer's tensor splits across threads
 _FORMATS = {name: t for t, name in DTYPES.items()}  # value-format name -> cache dtype
-# Far above any model's; a blob claiming more is refused before anything runs.
-MAX_LAYERS = 1 << 10
-MAX_HEADS = 1 << 10
-MAX_HEAD_DIM = 1 << 12
-MAX_TOKENS = 1 << 24
+MAX_TOKENS = 1 << 24  # far above any prompt's; a blob claiming more is refused first
 
 
-def _cap_error(layers: int, batch: int, heads: int, seq: int, dim: int) -> str | None:
+def _cap_error(layers: int, batch: int, seq: int, shapes: list[Shape | None]) -> str | None:
     """What exceeds a cap of the blob format (docs/format.md, "KV header"), or None."""
+    heads = max((sh[1] for sh in shapes if sh), default=0)
+    dim = max((sh[3] for sh in shapes if sh), default=0)
     for what, value, cap in (("layers", layers, MAX_LAYERS), ("kv heads", heads, MAX_HEADS),
                              ("head dim", dim, MAX_HEAD_DIM),
                              ("tokens (batch * seq)", batch * seq, MAX_TOKENS)):
@@ -59,21 +71,21 @@ def _cap_error(layers: int, batch: int, heads: int, seq: int, dim: int) -> str |
     return None
 
 
-def guess_arrays(guess: Prediction | None, layers: int,
-                  shape: tuple) -> dict[tuple[int, int], np.ndarray]:
-    """The predictor's guess per (layer, k/v) as float32 arrays (zeros without a guess)."""
-    if guess is None:
-        zero = np.zeros(shape, np.float32)
-        return {(layer, kv): zero for layer in range(layers) for kv in (0, 1)}
-    return {(layer, kv): _host(guess[layer][kv]).numpy().astype(np.float32, copy=False)
-            for layer in range(layers) for kv in (0, 1)}
+def guess_arrays(guess: Prediction | None, shapes: list[Shape | None]
+                 ) -> dict[tuple[int, int], np.ndarray]:
+    """The predictor's guess per (layer, k/v) group with KV as float32 arrays of the
+    group's shape (``kvcache.aligned_guess``; zeros without a guess)."""
+    return {divmod(g, 2): np.zeros(sh, np.float32) if guess is None
+            else _host(aligned_guess(guess, g // 2, g % 2, sh)).numpy()
+            for g, sh in enumerate(shapes) if sh is not None}
 
 
 def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: int,
                         kind: str, cal: Calibration, scales: torch.Tensor | None,
                         residuals: dict, threads: int | None = None
                         ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
-    """(mu, sigma, model index, base mean in real units) of one (layer, k/v) tensor.
+    """(mu, sigma, model index, base mean in real units) of one (layer, k/v) tensor of
+    ``shape``.
 
     mu and sigma are flat in the tensor's order and in the cache's units (fp8: divided by
     the scale); ``residuals`` holds the real-unit residuals of the groups already coded.
@@ -84,15 +96,14 @@ def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: 
         sigma = np.zeros(shape, np.float32)
         index = 2 * cal.layers  # residual.coder_model's last model
     else:
-        base = p + cal.bias[layer, kv][None, :, None, :]
+        base = p + cal.channels("bias", layer, kv)[None, :, None, :]
         if kind == "conditional":
             fmt = "bf16" if scales is None else "fp8_e4m3"
             mean = residual.conditional_mean(base, residuals, guesses, layer, kv,
-                                             cal.get("cond", fmt)[layer, kv],
-                                             cal.get("cscale", fmt)[layer, kv], threads)
-            sd = cal.get("cstd", fmt)[layer, kv]
+                                             *cal.cond(layer, kv, fmt), threads)
+            sd = cal.channels("cstd", layer, kv, fmt)
         else:
-            mean, sd = base, cal.std[layer, kv]
+            mean, sd = base, cal.channels("std", layer, kv)
         sigma = np.broadcast_to(sd[None, :, None, :], shape)
         index = 2 * layer + kv
     if scales is not None:
@@ -106,12 +117,13 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu()
 
 
-def _guess_crc(guess: Prediction | None) -> int:
+def _guess_crc(guess: Prediction | None, shapes: list[Shape | None]) -> int:
+    """CRC-32 of the guess as coded: each group's, over its tokens, in the frames' order."""
     crc = 0
-    for pair in guess or []:
-        for t in pair:
-            crc = zlib.crc32(np.ascontiguousarray(_host(t).numpy(), np.float32).view(np.uint8),
-                             crc)
+    for g, sh in enumerate(shapes):
+        if guess is not None and sh is not None:
+            t = _host(aligned_guess(guess, g // 2, g % 2, sh)).numpy()
+            crc = zlib.crc32(np.ascontiguousarray(t, np.float32).view(np.uint8), crc)
     return crc
 
 
@@ -134,56 +146,75 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     ids = _host(torch.as_tensor(input_ids))
     if ids.dim() == 1:
         ids = ids[None]
-    batch, heads, seq, dim = kv.shape
-    layers = len(kv.keys)
-    if tuple(ids.shape) != (batch, seq):
-        raise ValueError(f"input_ids has shape {tuple(ids.shape)}, the cache ({batch}, {seq})")
-    too_big = _cap_error(layers, batch, heads, seq, dim)
+    shapes, layers = kv.shapes, len(kv.keys)
+    seq = max(sh[2] for sh in shapes if sh)
+    if ids.dim() != 2 or ids.shape[0] != kv.batch or ids.shape[1] < seq:
+        raise ValueError(f"input_ids has shape {tuple(ids.shape)}; the cache has batch "
+                         f"{kv.batch} and up to {seq} tokens a layer")
+    too_big = _cap_error(layers, kv.batch, ids.shape[1], shapes)
     if too_big is not None:
         raise ValueError(f"cannot code a KV cache of {too_big}")
-    if calibration.bias.shape != (layers, 2, heads, dim):
-        raise ValueError("the calibration was fitted for another model shape")
+    if calibration.dims != _dims(shapes):
+        raise ValueError("the calibration was fitted for another model shape (kv heads or "
+                         "head dim of some layer, or its layers)")
     if predictor.describe() != calibration.predictor:
         raise ValueError(f"the calibration was fitted with predictor {calibration.predictor!r}, "
                          f"not {predictor.describe()!r}")
     kinds = residual.KINDS
     if model not in kinds:
         raise ValueError(f"unknown residual model {model!r}; known: {kinds}")
-    device = kv.keys[0].device
-    groups = _Groups(calibration, predictor, model, kv.shape, kv.scales, layers,
+    device = kv.device
+    groups = _Groups(calibration, predictor, model, shapes, kv.scales,
                      device if T.on_gpu(coder, device) else None, threads)
     guess = predictor.predict(ids)
     groups.set_guess(guess)
     model_tables = calibration.coder_model(model, kv.format)
     np_dtype, view = _storage(kv.format)
     frames = []
-    for layer in range(layers):
-        for k in (0, 1):
-            mu, sigma, index = groups.distribution(layer, k)
-            t = kv.tensor(layer, k)
-            if groups.device is not None:
-                from ..rans.cuda import dist as gpu_dist
+    for g, sh in enumerate(shapes):
+        layer, k = divmod(g, 2)
+        if sh is None:
+            frames.append(b"")
+            continue
+        mu, sigma, index = groups.distribution(layer, k)
+        t = kv.tensor(layer, k)
+        if groups.device is not None:
+            from ..rans.cuda import dist as gpu_dist
 
-                frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model_tables,
-                                        fmt=kv.format, model_index=index, chunk_size=CHUNK)
-                frames.append(frame.cpu().numpy().tobytes())
-            else:
-                bits = _host(t).contiguous().view(view).numpy().view(np_dtype).reshape(-1)
-                frames.append(dist.encode(bits, mu, sigma, model_tables, fmt=kv.format,
-                                          model_index=index, chunk_size=CHUNK,
-                                          threads=threads))
-            if groups.conditional:
-                groups.decoded(layer, k, kv.real(layer, k))
+            frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model_tables,
+                                    fmt=kv.format, model_index=index, chunk_size=CHUNK)
+            frames.append(frame.cpu().numpy().tobytes())
+        else:
+            bits = _host(t).contiguous().view(view).numpy().view(np_dtype).reshape(-1)
+            frames.append(dist.encode(bits, mu, sigma, model_tables, fmt=kv.format,
+                                      model_index=index, chunk_size=CHUNK,
+                                      threads=threads))
+        if groups.conditional:
+            groups.decoded(layer, k, kv.real(layer, k))
     desc = predictor.describe().encode()
-    head = _HEAD.pack(MAGIC, VERSION, dist.FORMATS[kv.format].code, kinds.index(model), 0,
-                      layers, batch, heads, seq, dim, predictor.exact_layers,
-                      calibration.fingerprint, _guess_crc(guess), len(desc))
-    parts = [head, desc, ids.to(torch.int32).numpy().astype("<i4").tobytes()]
+    codes = (dist.FORMATS[kv.format].code, kinds.index(model), 0, layers, kv.batch)
+    tail = (predictor.exact_layers, calibration.fingerprint, _guess_crc(guess, shapes),
+            len(desc))
+    one = shapes[0]
+    if all(sh == one for sh in shapes) and one[2] == ids.shape[1]:
+        # one shape throughout: version 1, byte for byte what earlier writers wrote
+        parts = [_HEAD1.pack(MAGIC, 1, *codes, one[1], one[2], one[3], *tail), desc]
+    else:
+        table = np.array([(sh[1], sh[2], sh[3]) if sh else (0, 0, 0) for sh in shapes],
+                         _SHAPE)
+        parts = [_HEAD.pack(MAGIC, VERSION, *codes, ids.shape[1], *tail), desc,
+                 table.tobytes()]
+    parts.append(ids.to(torch.int32).numpy().astype("<i4").tobytes())
     if kv.scales is not None:
         parts.append(_host(kv.scales).numpy().astype("<f4").tobytes())
     parts.append(np.array([len(f) for f in frames], "<u4").tobytes())
     front = b"".join(parts)
     return b"".join([front, struct.pack("<I", zlib.crc32(front))] + frames)
+
+
+def _dims(shapes: list[Shape | None]) -> list[tuple[int, int] | None]:
+    """Each group's (kv heads, head dim): what a calibration's layout must match."""
+    return [None if sh is None else (sh[1], sh[3]) for sh in shapes]
 
 
 class _Groups:
@@ -192,10 +223,10 @@ class _Groups:
     the same bits); ``decoded`` hands over each group's true values for the conditional
     model's residuals (``conditional``: it needs them)."""
 
-    def __init__(self, cal: Calibration, predictor: Predictor, kind: str, shape: tuple,
-                 scales: torch.Tensor | None, layers: int, device: torch.device | None,
-                 threads: int | None) -> None:
-        self.cal, self.kind, self.shape, self.layers = cal, kind, shape, layers
+    def __init__(self, cal: Calibration, predictor: Predictor, kind: str,
+                 shapes: list[Shape | None], scales: torch.Tensor | None,
+                 device: torch.device | None, threads: int | None) -> None:
+        self.cal, self.kind, self.shapes = cal, kind, shapes
         self.conditional = kind == "conditional"
         self.exact, self.scales, self.device = predictor.exact_layers, scales, device
         self.threads = threads
@@ -205,19 +236,19 @@ class _Groups:
         self.guesses: dict = {}
 
     def set_guess(self, guess: Prediction | None) -> None:
-        self.guesses = (guess_arrays(guess, self.layers, self.shape) if self.device is None
-                        else T.guess_tensors(guess, self.layers, self.device))
+        self.guesses = (guess_arrays(guess, self.shapes) if self.device is None
+                        else T.guess_tensors(guess, self.shapes, self.device))
 
     def distribution(self, layer: int, kv: int) -> tuple[Any, Any, int]:
         if self.device is None:
             mu, sigma, index, base = group_distribution(
-                layer, kv, self.guesses, self.shape, self.exact, self.kind, self.cal,
-                self.scales, self.residuals, self.threads)
+                layer, kv, self.guesses, self.shapes[2 * layer + kv], self.exact, self.kind,
+                self.cal, self.scales, self.residuals, self.threads)
         else:
             scale = None if self.scales is None else self.scales[layer, kv].to(self.device)
             mu, sigma, index, base = T.group_distribution(
-                layer, kv, self.guesses, self.shape, self.exact, self.kind, self.dcal, scale,
-                self.residuals)
+                layer, kv, self.guesses, self.shapes[2 * layer + kv], self.exact, self.kind,
+                self.dcal, scale, self.residuals)
         if self.conditional:
             self.bases[(layer, kv)] = base
         return mu, sigma, index
@@ -236,7 +267,7 @@ class _Front:
     fmt: str
     kind: str
     layers: int
-    shape: tuple[int, int, int, int]
+    shapes: list[Shape | None]  # per (layer, k/v) group; None without KV
     exact: int
     calibration: int
     params: int
@@ -248,32 +279,51 @@ class _Front:
 
 def _front(blob: bytes | memoryview) -> _Front:
     mv = memoryview(blob)
-    if len(mv) < _HEAD.size:
-        raise CorruptDataError(f"KV blob truncated: {len(mv)} bytes, header needs {_HEAD.size}")
-    (magic, version, fcode, kcode, reserved, layers, batch, heads, seq, dim, exact, cal_crc,
-     par_crc, dlen) = _HEAD.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise CorruptDataError(f"not a KV blob: magic {bytes(magic)!r} at byte 0")
-    if version != VERSION or reserved:
-        raise CorruptDataError(f"KV blob version {version} / reserved byte unsupported")
+    if len(mv) < 5 or bytes(mv[:4]) != MAGIC:
+        raise CorruptDataError(f"not a KV blob: magic {bytes(mv[:4])!r} at byte 0")
+    version = mv[4]
+    head = {1: _HEAD1, VERSION: _HEAD}.get(version)
+    if head is None:
+        raise CorruptDataError(f"KV blob version {version} unsupported (this reader reads 1 "
+                               f"and {VERSION})")
+    if len(mv) < head.size:
+        raise CorruptDataError(f"KV blob truncated: {len(mv)} bytes, header needs {head.size}")
+    if version == 1:
+        (_, _, fcode, kcode, reserved, layers, batch, heads, seq, dim, exact, cal_crc,
+         par_crc, dlen) = head.unpack_from(mv, 0)
+        one: list[Shape | None] = [(batch, heads, seq, dim)]
+    else:
+        heads = dim = 1
+        (_, _, fcode, kcode, reserved, layers, batch, seq, exact, cal_crc, par_crc,
+         dlen) = head.unpack_from(mv, 0)
+        one = []
+    if reserved:
+        raise CorruptDataError(f"KV blob reserved byte is {reserved}, not 0")
     fmt = next((n for n, f in dist.FORMATS.items() if f.code == fcode), None)
     if fmt not in _FORMATS or kcode >= len(residual.KINDS):
         raise CorruptDataError(f"KV blob value format {fcode} / model {kcode} (bytes 5-6)")
-    if min(layers, batch, heads, seq, dim) < 1 or exact > layers:
-        raise CorruptDataError("KV blob shape fields (bytes 8-31) are invalid")
-    too_big = _cap_error(layers, batch, heads, seq, dim)
+    if min(layers, batch, seq, heads, dim) < 1 or exact > layers:
+        raise CorruptDataError("KV blob shape fields (layers, batch, seq, exact; version 1: "
+                               "heads, head dim) are invalid")
+    too_big = _cap_error(layers, batch, seq, one)
     if too_big is not None:
-        raise CorruptDataError(f"KV blob claims {too_big} (bytes 8-27)")
-    off = _HEAD.size
+        raise CorruptDataError(f"KV blob claims {too_big}")
+    shapes = one * (2 * layers)  # version 1; version 2's come from its table below
+    off = head.size
     n_ids = batch * seq
+    table_bytes = 0 if version == 1 else 2 * layers * 3 * _SHAPE.itemsize
     scale_bytes = 8 * layers if fmt == "fp8_e4m3" else 0
-    end = off + dlen + 4 * n_ids + scale_bytes + 8 * layers
+    end = off + dlen + table_bytes + 4 * n_ids + scale_bytes + 8 * layers
     if end + 4 > len(mv):
         raise CorruptDataError("KV blob truncated before its coded values")
     if zlib.crc32(mv[:end]) != struct.unpack_from("<I", mv, end)[0]:
         raise CorruptDataError(f"KV blob header CRC-32 (byte {end}) does not match")
     desc = bytes(mv[off : off + dlen]).decode("utf-8", "replace")
     off += dlen
+    if version != 1:
+        table = np.frombuffer(mv, _SHAPE, 6 * layers, off).reshape(2 * layers, 3)
+        shapes = _table_shapes(table.astype(np.int64), batch, seq)
+        off += table_bytes
     ids = torch.from_numpy(np.frombuffer(mv, "<i4", n_ids, off).astype(np.int64)).reshape(
         batch, seq)
     off += 4 * n_ids
@@ -289,18 +339,42 @@ def _front(blob: bytes | memoryview) -> _Front:
     if end + 4 + int(lengths.sum()) != len(mv):
         raise CorruptDataError(f"KV blob frames end at byte {end + 4 + int(lengths.sum())}, "
                                f"the blob has {len(mv)} bytes")
-    return _Front(fmt, residual.KINDS[kcode], layers, (batch, heads, seq, dim), exact,
-                  cal_crc, par_crc, desc, ids, scales,
-                  [(int(a), int(n)) for a, n in zip(starts, lengths, strict=True)])
+    empty = [g for g, sh in enumerate(shapes) if (sh is None) != (lengths[g] == 0)]
+    if empty:
+        raise CorruptDataError(f"KV blob frame {empty[0]}: a frame is empty exactly where its "
+                               f"group has no KV")
+    return _Front(fmt, residual.KINDS[kcode], layers, shapes, exact, cal_crc, par_crc, desc,
+                  ids, scales, [(int(a), int(n)) for a, n in zip(starts, lengths, strict=True)])
+
+
+def _table_shapes(table: np.ndarray, batch: int, seq: int) -> list[Shape | None]:
+    """The groups' shapes from a version-2 shape table (kv heads, seq, head dim per
+    group), each checked: within the caps, seq at most the blob's, all three 0 exactly for
+    both groups of a layer without KV, and some layer with KV."""
+    heads, tokens, dim = table.T
+    none = heads == 0
+    bad = ((heads > MAX_HEADS) | (dim > MAX_HEAD_DIM) | (tokens > seq)
+           | (none != (tokens == 0)) | (none != (dim == 0)))
+    pairs = none.reshape(-1, 2)
+    if bad.any() or (pairs[:, 0] != pairs[:, 1]).any() or none.all():
+        g = int(np.flatnonzero(bad)[0]) if bad.any() else 0
+        raise CorruptDataError(f"KV blob shape table: group {g} has {table[g].tolist()} "
+                               f"(kv heads <= {MAX_HEADS}, seq <= {seq}, head dim <= "
+                               f"{MAX_HEAD_DIM}; all 0 for both groups of a layer without "
+                               f"KV; some layer with KV)")
+    return [None if h == 0 else (batch, int(h), int(s), int(d))
+            for h, s, d in table.tolist()]
 
 
 def _check_frames(h: _Front, buf: np.ndarray, model: dist.CoderModel) -> None:
     """Every frame's header and directory against the blob's header and ``model``
     (docs/format.md, "KV blob checks"); ``CorruptDataError`` naming the first frame that
     fails."""
-    n = int(np.prod(h.shape))
     width = dist.FORMATS[h.fmt].storage.itemsize
     for g, (start, length) in enumerate(h.frames):
+        if h.shapes[g] is None:
+            continue
+        n = int(np.prod(h.shapes[g]))
         frame = buf[start : start + length]
         info = dist.parse(frame)
         if info.fmt.name != h.fmt or info.n != n:
@@ -346,20 +420,21 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             f"KV blob was coded with predictor {h.predictor!r} (exact layers {h.exact}) and "
             f"calibration {h.calibration:#010x}; given {predictor.describe()!r} "
             f"({predictor.exact_layers}) and {calibration.fingerprint:#010x}")
-    if calibration.bias.shape != (h.layers, 2, h.shape[1], h.shape[3]):
+    if calibration.dims != _dims(h.shapes):
         raise CorruptDataError("KV blob shape does not match the calibration's model")
     buf = np.frombuffer(memoryview(blob), np.uint8)
     model_tables = calibration.coder_model(h.kind, h.fmt)
     _check_frames(h, buf, model_tables)  # all of the blob, before the predictor runs
     try:
         guess = predictor.predict(h.ids)
+        crc = _guess_crc(guess, h.shapes)
     except (IndexError, RuntimeError, ValueError) as e:
         raise CorruptDataError(f"the predictor cannot run on the blob's token ids: {e}") from e
-    if _guess_crc(guess) != h.params:
+    if crc != h.params:
         raise CorruptDataError(
             "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
             "decoding needs the same weights, torch build, device type and thread count")
-    groups = _Groups(calibration, predictor, h.kind, h.shape, h.scales, h.layers,
+    groups = _Groups(calibration, predictor, h.kind, h.shapes, h.scales,
                      dev if on_device else None, threads)
     groups.set_guess(guess)
     dtype = _FORMATS[h.fmt]
@@ -374,17 +449,20 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         host.numpy()[:] = buf
     for g, (start, length) in enumerate(h.frames):
         layer, k = divmod(g, 2)
+        if h.shapes[g] is None:
+            tensors.append(None)
+            continue
         mu, sigma, index = groups.distribution(layer, k)
         frame = buf[start : start + length]
         if groups.device is not None:
             pending.append(gpu_dist.decode_async(host[start : start + length], mu, sigma,
                                                  model_tables, model_index=index,
                                                  device=groups.device))
-            t = pending[-1].out.view(dtype).reshape(h.shape)
+            t = pending[-1].out.view(dtype).reshape(h.shapes[g])
         else:
             bits = dist.decode(frame, mu, sigma, model_tables, model_index=index,
                                threads=threads)
-            t = torch.from_numpy(bits).view(dtype).reshape(h.shape)
+            t = torch.from_numpy(bits).view(dtype).reshape(h.shapes[g])
         tensors.append(t)
         if groups.conditional:
             real = t.float()
@@ -392,5 +470,5 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
                            else real * h.scales[layer, k].to(real.device))
     for p in pending:  # the first bad frame's error; later groups may rest on its values
         p.result()
-    tensors = [t.to(dev) for t in tensors]
+    tensors = [None if t is None else t.to(dev) for t in tensors]
     return KVCache(tensors[0::2], tensors[1::2], h.scales)

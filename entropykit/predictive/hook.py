@@ -13,7 +13,12 @@ GPU coder can run (``KVOffloadCodec``'s ``coder``). What it is not: a whole-cach
 layers, coded one at a time, use ``gaussian`` or ``mixture``).
 
 Positions beyond the prompt (tokens generated after ``set_prompt``) stay uncompressed in
-host memory: the predictor's guess covers the prompt only. Supported transformers: 5.x
+host memory: the predictor's guess covers the prompt only. Every cache layout works:
+``PredictiveOffloadedSlidingLayer`` is the sliding-window layer (it codes the prompt's
+last tokens it holds), each layer has the calibration's kv heads and head dim (keys and
+values may differ), and ``PredictiveOffloadedCache(config=...)`` builds the layers the
+model's config asks for, keeping layers without KV (linear attention) as transformers
+makes them. Supported transformers: 5.x
 (the README lists the versions tested; ``Cache(offloading=True)`` needs CUDA).
 """
 
@@ -24,12 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..rans import distribution as dist
 from ._torchdist import CODERS, DeviceCalibration, group_distribution, on_gpu
 from .calibration import Calibration
 from .codec import CHUNK
+from .kvcache import align
 from .predictors import Predictor
 
 LAYER_MODELS = ("gaussian", "mixture")
@@ -72,9 +78,8 @@ class KVOffloadCodec:
             dist.check_chunk_size(chunk_size)  # refused here, not at the first offload
         self.predictor, self.calibration, self.model = predictor, calibration, model
         self.threads, self.coder, self.chunk_size = threads, coder, chunk_size
-        self.prompt_len = 0
+        self.prompt_len = self._batch = 0
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
-        self._shape: tuple[int, int, int, int] | None = None
         self._dcal: dict[torch.device, DeviceCalibration] = {}
 
     def set_prompt(self, input_ids: torch.Tensor) -> None:
@@ -82,58 +87,76 @@ class KVOffloadCodec:
         ids = torch.as_tensor(input_ids)
         ids = ids[None] if ids.dim() == 1 else ids
         guess = self.predictor.predict(ids)
-        cal = self.calibration
-        self._shape = (ids.shape[0], cal.bias.shape[2], ids.shape[1], cal.bias.shape[3])
+        dims = self.calibration.dims
+        self._batch = ids.shape[0]
         self._guesses = {} if guess is None else {
-            (layer, kv): _compact(guess[layer][kv]) for layer in range(cal.layers)
-            for kv in (0, 1)}
+            divmod(g, 2): _compact(guess[g // 2][g % 2]) for g, d in enumerate(dims)
+            if d is not None and g // 2 < len(guess) and guess[g // 2] is not None}
         self.prompt_len = ids.shape[1]
+
+    def shape(self, layer: int, kv: int, seq: int) -> tuple[int, int, int, int]:
+        """Group (layer, kv)'s shape over ``seq`` of the prompt's tokens."""
+        dims = self.calibration.dims
+        if not 0 <= layer < len(dims) // 2 or dims[2 * layer + kv] is None:
+            raise ValueError(f"the calibration has no keys and values for layer {layer}")
+        heads, dim = dims[2 * layer + kv]
+        return (self._batch, heads, seq, dim)
 
     def guess_bytes(self) -> int:
         """Host memory the kept guess takes (0 without a predictor)."""
         return sum(g.numel() * g.element_size() for g in self._guesses.values())
 
     def distribution(self, layer: int, kv: int, device: torch.device | str = "cpu",
-                     out: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(mu, sigma, model index) of one layer's keys (kv = 0) or values over the prompt:
-        flat float32 tensors on ``device`` (``out``'s, if given), bit for bit
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(mu, sigma, model index) of one layer's keys (kv = 0) or values over the
+        prompt's last ``seq`` tokens (default: all): flat float32 tensors on ``device``
+        (``out``'s, if given), bit for bit
         ``codec.group_distribution``'s (``_torchdist``: the same float32 operations, on
         any device)."""
         device = torch.device(device)
         if device not in self._dcal:
             self._dcal[device] = DeviceCalibration(self.calibration, device)
+        shape = self.shape(layer, kv, self.prompt_len if seq is None else seq)
         g = self._guesses.get((layer, kv))
-        guesses = {} if g is None else {
-            (layer, kv): g.to(device, non_blocking=g.is_pinned()).float()}
+        g = (torch.zeros((), dtype=torch.float32, device=device).expand(shape) if g is None
+             else align(g.to(device, non_blocking=g.is_pinned()).float(), shape[2]))
         mu, sigma, index, _ = group_distribution(
-            layer, kv, guesses, self._shape, self.predictor.exact_layers, self.model,
+            layer, kv, {(layer, kv): g}, shape, self.predictor.exact_layers, self.model,
             self._dcal[device], None, {}, out)
         return mu, sigma, index
 
-    def layer_distribution(self, layer: int, device: torch.device | str = "cpu"
+    def layer_distribution(self, layer: int, device: torch.device | str = "cpu",
+                           seq: int | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, int | list[tuple[int, int]]]:
-        """(mu, sigma, model index) of one layer's keys then values, as ``encode`` codes
-        them in one frame: the two ``distribution``s joined; the index an int where keys
-        and values use one model, else runs [(keys' model, n), (values' model, n)]
+        """(mu, sigma, model index) of one layer's keys then values over the prompt's
+        last ``seq`` tokens, as ``encode`` codes them in one frame: the two
+        ``distribution``s joined; the index an int where keys and values use one model,
+        else runs [(keys' model, n keys), (values' model, n values)]
         (``rans.distribution.model_runs``: no per-value index is made or kept)."""
-        n = int(np.prod(self._shape))
-        mu = torch.empty(2 * n, dtype=torch.float32, device=device)
+        seq = self.prompt_len if seq is None else seq
+        nk, nv = (int(np.prod(self.shape(layer, kv, seq))) for kv in (0, 1))
+        mu = torch.empty(nk + nv, dtype=torch.float32, device=device)
         sigma = torch.empty_like(mu)
-        ik = self.distribution(layer, 0, device, (mu[:n], sigma[:n]))[2]
-        iv = self.distribution(layer, 1, device, (mu[n:], sigma[n:]))[2]
-        return mu, sigma, ik if ik == iv else [(ik, n), (iv, n)]
+        ik = self.distribution(layer, 0, device, (mu[:nk], sigma[:nk]), seq)[2]
+        iv = self.distribution(layer, 1, device, (mu[nk:], sigma[nk:]), seq)[2]
+        return mu, sigma, ik if ik == iv else [(ik, nk), (iv, nv)]
 
     def encode(self, layer: int, keys: torch.Tensor, values: torch.Tensor
                ) -> bytes | torch.Tensor:
-        """One layer's keys and values over the prompt, bf16 [batch, heads, seq, dim] on
+        """One layer's keys and values over the prompt's last seq tokens (seq at most the
+        prompt's: all of them, or a sliding window's), bf16 [batch, heads, seq, dim] on
         any device, as one distribution-rANS frame (keys, then values: one launch and one
         directory a layer): bytes (CPU coder), or a uint8 tensor in pinned host memory
         (GPU coder)."""
-        for t in (keys, values):
-            if t.dtype != torch.bfloat16 or tuple(t.shape) != self._shape:
-                raise ValueError(f"expected bf16 {self._shape}, got {t.dtype} "
-                                 f"{tuple(t.shape)}")
+        seq = keys.shape[-2] if keys.dim() == 4 else -1
+        if not 1 <= seq <= self.prompt_len:
+            raise ValueError(f"expected 1..{self.prompt_len} of the prompt's tokens, got "
+                             f"keys of shape {tuple(keys.shape)}")
+        for kv, t in enumerate((keys, values)):
+            want = self.shape(layer, kv, seq)
+            if t.dtype != torch.bfloat16 or tuple(t.shape) != want:
+                raise ValueError(f"expected bf16 {want}, got {t.dtype} {tuple(t.shape)}")
         model = self.calibration.coder_model(self.model, "bf16")
         if keys.device != values.device:
             raise ValueError(f"keys on {keys.device}, values on {values.device}")
@@ -141,49 +164,58 @@ class KVOffloadCodec:
         if on_gpu(self.coder, both.device):
             from ..rans.cuda import dist as gpu_dist
 
-            mu, sigma, index = self.layer_distribution(layer, both.device)
+            mu, sigma, index = self.layer_distribution(layer, both.device, seq)
             frame = gpu_dist.encode(both, mu, sigma, model, model_index=index,
                                     chunk_size=self.chunk_size or gpu_chunk(both.numel()))
             host = torch.empty(frame.numel(), dtype=torch.uint8, pin_memory=True)
             return host.copy_(frame)
-        mu, sigma, index = self.layer_distribution(layer)
+        mu, sigma, index = self.layer_distribution(layer, seq=seq)
         bits = both.cpu().view(torch.int16).numpy().view(np.uint16)
         return dist.encode(bits, mu.numpy(), sigma.numpy(), model, fmt="bf16",
                            model_index=index, chunk_size=self.chunk_size or CHUNK,
                            threads=self.threads)
 
-    def decode(self, layer: int, frame: bytes | torch.Tensor, device: torch.device | str = "cpu"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``encode``'s keys and values back, bf16 on ``device`` (decoded there when the
-        GPU coder runs, else on the CPU and moved)."""
-        keys, values, check = self.start_decode(layer, frame, device)
+    def decode(self, layer: int, frame: bytes | torch.Tensor, device: torch.device | str = "cpu",
+               seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encode``'s keys and values back (``seq``: the tokens it coded; default the
+        prompt's), bf16 on ``device`` (decoded there when the GPU coder runs, else on the
+        CPU and moved)."""
+        keys, values, check = self.start_decode(layer, frame, device, seq)
         check()
         return keys, values
 
     def start_decode(self, layer: int, frame: bytes | torch.Tensor,
-                     device: torch.device | str = "cpu"
+                     device: torch.device | str = "cpu", seq: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
         """``decode`` without waiting where the GPU coder runs: (keys, values, a check).
         The tensors are queued on the current CUDA stream, so work queued after them may
         use them, but their values are right only once ``check()`` has returned (it waits
         for the decode and raises ``CorruptDataError`` for a bad chunk)."""
         device = torch.device(device)
+        seq = self.prompt_len if seq is None else seq
         model = self.calibration.coder_model(self.model, "bf16")
         if on_gpu(self.coder, device):
             from ..rans.cuda import dist as gpu_dist
 
-            mu, sigma, index = self.layer_distribution(layer, device)
+            mu, sigma, index = self.layer_distribution(layer, device, seq)
             pending = gpu_dist.decode_async(frame, mu, sigma, model, model_index=index,
                                             device=device)
-            keys, values = pending.out.view(torch.bfloat16).reshape(2, *self._shape)
+            keys, values = self._split(layer, pending.out.view(torch.bfloat16), seq)
             return keys, values, pending.result
-        mu, sigma, index = self.layer_distribution(layer)
+        mu, sigma, index = self.layer_distribution(layer, seq=seq)
         if isinstance(frame, torch.Tensor):
             frame = frame.numpy()
         bits = dist.decode(frame, mu.numpy(), sigma.numpy(), model,
                            model_index=index, threads=self.threads)
-        keys, values = torch.from_numpy(bits).view(torch.bfloat16).reshape(2, *self._shape)
+        keys, values = self._split(layer, torch.from_numpy(bits).view(torch.bfloat16), seq)
         return keys.to(device), values.to(device), lambda: None
+
+    def _split(self, layer: int, flat: torch.Tensor, seq: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer frame's values as (keys, values) of their shapes."""
+        shapes = [self.shape(layer, kv, seq) for kv in (0, 1)]
+        n = int(np.prod(shapes[0]))
+        return flat[:n].reshape(shapes[0]), flat[n:].reshape(shapes[1])
 
 
 GPU_MIN_CHUNK, GPU_MAX_CHUNK = 1 << 11, 1 << 14
@@ -226,6 +258,8 @@ class PredictiveOffloadedLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.codec, self.layer_idx = codec, layer_idx
         self._frame: bytes | torch.Tensor | None = None  # keys and values of the prompt
+        self._frame_seq = 0  # the prompt's tokens the frame holds (its last ones)
+        self._drop = 0  # of those, the ones a sliding window has since let go
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
         self._length = 0
 
@@ -250,22 +284,28 @@ class PredictiveOffloadedLayer(DynamicLayer):
         """Code the prompt's keys and values (once) and keep only the bytes and the tail."""
         if not self.is_initialized or self.offloaded or self.keys is None:
             return
-        n = self.codec.prompt_len
-        if self.keys.shape[-2] < n or n == 0:
-            return  # not the prompt's cache (yet): keep it as it is
+        n, seen, held = self.codec.prompt_len, self.get_seq_length(), self.keys.shape[-2]
+        prompt_held = n - (seen - held)  # the held tokens before the prompt's end
+        if seen < n or n == 0 or prompt_held <= 0:
+            return  # not the prompt's cache (yet), or none of it left: keep it as it is
         if self._frame is None:
-            self._frame = self.codec.encode(self.layer_idx, self.keys[..., :n, :],
-                                            self.values[..., :n, :])
-        self._tail = (self.keys[..., n:, :].to("cpu"), self.values[..., n:, :].to("cpu"))
-        self._length = self.keys.shape[-2]
+            self._frame = self.codec.encode(self.layer_idx, self.keys[..., :prompt_held, :],
+                                            self.values[..., :prompt_held, :])
+            self._frame_seq = prompt_held
+        self._drop = self._frame_seq - prompt_held
+        self._tail = (self.keys[..., prompt_held:, :].to("cpu"),
+                      self.values[..., prompt_held:, :].to("cpu"))
+        self._length = seen
         self.keys = self.values = None
 
     def prefetch(self) -> None:
         """Queue the prompt part's decode and the whole layer's return to its device."""
         if not self.offloaded:
             return
-        keys, values, check = self.codec.start_decode(self.layer_idx, self._frame, self.device)
-        self.keys, self.values = (torch.cat([p, t.to(self.device)], dim=-2)
+        keys, values, check = self.codec.start_decode(self.layer_idx, self._frame, self.device,
+                                                      self._frame_seq)
+        self.keys, self.values = (torch.cat([p[..., self._drop :, :], t.to(self.device)],
+                                            dim=-2)
                                   for p, t in zip((keys, values), self._tail, strict=True))
         self._checks = [check]
         self._tail = None
@@ -277,17 +317,39 @@ class PredictiveOffloadedLayer(DynamicLayer):
         return self._length if self.offloaded else super().get_seq_length()
 
 
+class PredictiveOffloadedSlidingLayer(PredictiveOffloadedLayer, DynamicSlidingWindowLayer):
+    """``PredictiveOffloadedLayer`` of a sliding-window attention layer: it holds (and
+    codes) the prompt's last ``sliding_window - 1`` tokens."""
+
+    def __init__(self, codec: KVOffloadCodec, layer_idx: int, sliding_window: int) -> None:
+        super().__init__(codec, layer_idx, sliding_window=sliding_window)
+
+
 class PredictiveOffloadedCache(Cache):
     """``Cache`` of ``PredictiveOffloadedLayer``s: each layer is offloaded after its update
-    and the next one prefetched, synchronously (no CUDA streams needed)."""
+    and the next one prefetched, synchronously (no CUDA streams needed).
 
-    def __init__(self, codec: KVOffloadCodec, num_layers: int) -> None:
-        super().__init__(layers=[PredictiveOffloadedLayer(codec, i) for i in range(num_layers)])
+    ``num_layers`` plain (full attention) layers, or, given the model's ``config``, the
+    layers its ``layer_types`` ask for (transformers 5's ``DynamicCache(config=...)``
+    choice): full and sliding-window attention offloaded, any other kind (linear
+    attention: no KV) as transformers makes it."""
+
+    def __init__(self, codec: KVOffloadCodec, num_layers: int | None = None, *,
+                 config: Any = None) -> None:
+        if (num_layers is None) == (config is None):
+            raise ValueError("give num_layers or config, not both")
+        if config is None:
+            layers = [PredictiveOffloadedLayer(codec, i) for i in range(num_layers)]
+        else:
+            layers = _layers_for(codec, config)
+        super().__init__(layers=layers)
         self.codec = codec
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
+        if not isinstance(layer, PredictiveOffloadedLayer):
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer.prefetch()
         keys, values = layer.update(key_states, value_states, *args, **kwargs)
         layer.offload()
@@ -295,4 +357,23 @@ class PredictiveOffloadedCache(Cache):
 
     def compressed_bytes(self) -> int:
         """Bytes of the offloaded prompt caches, all layers."""
-        return sum(layer.compressed_bytes() for layer in self.layers)
+        return sum(layer.compressed_bytes() for layer in self.layers
+                   if isinstance(layer, PredictiveOffloadedLayer))
+
+
+def _layers_for(codec: KVOffloadCodec, config: Any) -> list:
+    """The cache layers of a model's config: transformers' own choice per layer type, with
+    its full and sliding-window dynamic layers replaced by offloaded ones."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    layers = []
+    for i, (kind, kwargs) in enumerate(zip(*get_layer_types_and_kwargs(text), strict=True)):
+        cls = DYNAMIC_LAYER_TYPE_MAPPING[kind]
+        if cls is DynamicLayer:
+            layers.append(PredictiveOffloadedLayer(codec, i))
+        elif cls is DynamicSlidingWindowLayer:
+            layers.append(PredictiveOffloadedSlidingLayer(codec, i, **kwargs))
+        else:
+            layers.append(cls(**kwargs))
+    return layers

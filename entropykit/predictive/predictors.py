@@ -12,8 +12,12 @@ not: a residual model (how far the truth lands from the guess is ``residual``'s 
 Determinism: encoder and decoder run the same predictor and must get bit-identical
 guesses: same weights, torch build, device type and ``torch.get_num_threads()``. The
 codec records a CRC of what the predictor produced and says so when they differ.
-Only Llama-style decoder models (``model.model.layers[i].self_attn.{k,v}_proj``,
-``input_layernorm``, rotary embeddings) are supported by the early-exit predictor.
+
+Any decoder-only transformers model whose decoder (``get_decoder()``) holds its layers
+in one ``ModuleList`` and returns its cache works: the predictors run the model's own
+layers (so their rotary embeddings, key norms, sliding windows and fused projections are
+the model's), never its attention internals. ``FP8Predictor`` rounds ``nn.Linear`` and
+transformers' ``Conv1D`` (GPT-2) weights.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-Prediction = list[tuple[torch.Tensor, torch.Tensor]]
+Prediction = list[tuple[torch.Tensor, torch.Tensor] | None]  # None: a layer without KV
 
 
 class Predictor(ABC):
@@ -47,8 +51,20 @@ class Predictor(ABC):
         return self.name
 
 
-def _cache_tensors(cache: Any, n_layers: int) -> Prediction:
-    return [(layer.keys.float(), layer.values.float()) for layer in cache.layers[:n_layers]]
+def output_cache(out: Any) -> Any:
+    """The cache a transformers model's output holds (``cache``; ``past_key_values`` in
+    older releases)."""
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out.past_key_values
+
+
+def _cache_tensors(cache: Any) -> Prediction:
+    out: Prediction = []
+    for layer in cache.layers:
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        out.append(None if k is None or v is None or not k.numel()
+                   else (k.float(), v.float()))
+    return out
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -56,14 +72,53 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _layer_flops(cfg: Any) -> tuple[float, float]:
-    """(all Linear FLOPs of one decoder layer, those of its k_proj + v_proj), per token."""
-    h = cfg.hidden_size
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    q = h * cfg.num_attention_heads * hd
-    kv = 2 * h * cfg.num_key_value_heads * hd
-    mlp = 3 * h * cfg.intermediate_size
-    return 2.0 * (2 * q + kv + mlp), 2.0 * kv
+def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """(``model``'s decoder, its ``ModuleList`` of decoder layers): the decoder is
+    ``get_decoder()`` (else ``base_model``, else the model), the layers its one
+    ``ModuleList`` with as many entries as the config's ``num_hidden_layers``.
+    ``ValueError`` naming the model class where either is missing."""
+    name = type(model).__name__
+    body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(
+        model, "base_model", model)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config(decoder=True)
+    n = getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(n, int):
+        raise ValueError(f"{name}: unsupported model: its config has no num_hidden_layers")
+    lists = [m for m in body.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if len(lists) != 1:
+        raise ValueError(f"{name}: unsupported model: its decoder {type(body).__name__} "
+                         f"has {len(lists)} ModuleLists of {n} layers, not one")
+    return body, lists[0]
+
+
+_FUSED_QKV = ("c_attn", "qkv_proj", "query_key_value", "Wqkv")
+_KV_PROJ = ("k_proj", "v_proj", "key", "value", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def _linear_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, weight) of every Linear-like module (nn.Linear, transformers' Conv1D)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return [(n, m.weight) for n, m in module.named_modules()
+            if isinstance(m, (nn.Linear, Conv1D))]
+
+
+def _kv_weights(layer: nn.Module, cfg: Any) -> float:
+    """Weights of ``layer``'s key and value projections: k_proj / v_proj (key / value;
+    multi-head latent attention's kv_a / kv_b), or their share of a fused qkv projection
+    (GPT-2's ``c_attn``)."""
+    heads = getattr(cfg, "num_attention_heads", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    total = 0.0
+    for name, w in _linear_weights(layer):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _KV_PROJ:
+            total += w.numel()
+        elif leaf in _FUSED_QKV:
+            total += w.numel() * 2 * kv_heads / (heads + 2 * kv_heads)
+    return total
 
 
 class NoPredictor(Predictor):
@@ -88,17 +143,21 @@ class FP8Predictor(Predictor):
     name = "fp8-of-target"
 
     def __init__(self, target: nn.Module) -> None:
+        from transformers.pytorch_utils import Conv1D
+
         self.model = copy.deepcopy(target).eval()
+        self.body, _ = decoder_layers(self.model)
         with torch.no_grad():
             for module in self.model.modules():
                 if isinstance(module, nn.Linear):
                     module.weight.copy_(quantize_fp8_rows(module.weight))
-        self.n_layers = self.model.config.num_hidden_layers
+                elif isinstance(module, Conv1D):  # weight [in, out]: a column per output
+                    module.weight.copy_(quantize_fp8_rows(module.weight.T).T)
 
     def predict(self, input_ids: torch.Tensor) -> Prediction:
         with torch.inference_mode():
-            out = self.model.model(input_ids.to(model_device(self.model)), use_cache=True)
-        return _cache_tensors(out.past_key_values, self.n_layers)
+            out = self.body(input_ids.to(model_device(self.model)), use_cache=True)
+        return _cache_tensors(output_cache(out))
 
     def flops_fraction(self) -> float:
         return 1.0
@@ -107,16 +166,20 @@ class FP8Predictor(Predictor):
 class EarlyExitPredictor(Predictor):
     """The target's first ``k`` layers exactly; layer l >= k from the hidden state after k.
 
-    Layer l's guess is layer l's own input norm, k/v projections and rotary embedding
-    applied to the hidden state that leaves layer k-1 (instead of the one entering l).
-    For l = k that hidden state is the one entering layer k, and the same operations give
-    layer k's cache bit for bit: ``exact_layers`` is k + 1 (k for k = n).
+    Layer l's guess is what layer l writes to the cache when its input is the hidden state
+    that leaves layer k-1 (instead of the one entering l): its own input norm, k/v
+    projections, key norm and rotary embedding, as the model computes them. For l = k that
+    hidden state is the one entering layer k, so layer k's cache is exact: ``exact_layers``
+    is k + 1 (k for k = n). The deeper layers run whole on that hidden state (their
+    outputs are discarded), so the guess costs a full forward pass of the target;
+    ``flops_fraction`` counts only what the guess needs.
     """
 
     name = "early-exit"
 
     def __init__(self, target: nn.Module, k: int) -> None:
-        n = target.config.num_hidden_layers
+        self.body, self.layers = decoder_layers(target)
+        n = len(self.layers)
         if not 1 <= k <= n:
             raise ValueError(f"k must be in 1..{n}, got {k}")
         self.target, self.k, self.n_layers = target, k, n
@@ -126,39 +189,37 @@ class EarlyExitPredictor(Predictor):
         return f"{self.name}-{self.k}"
 
     def predict(self, input_ids: torch.Tensor) -> Prediction:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        body = self.target.model
-        layers = body.layers
+        layers = self.layers
         captured: dict[str, torch.Tensor] = {}
 
         def keep(module: nn.Module, args: Any, output: Any) -> None:
             captured["h"] = output[0] if isinstance(output, tuple) else output
 
-        hook = layers[self.k - 1].register_forward_hook(keep)
-        body.layers = nn.ModuleList(list(layers)[: self.k])
+        def replace(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (captured["h"], *args[1:]), kwargs
+            if "hidden_states" not in kwargs:
+                raise ValueError(f"{type(module).__name__}: unsupported decoder layer: its "
+                                 f"hidden state is not its first argument")
+            return args, kwargs | {"hidden_states": captured["h"]}
+
+        hooks = [layers[self.k - 1].register_forward_hook(keep)]
+        hooks += [layer.register_forward_pre_hook(replace, with_kwargs=True)
+                  for layer in list(layers)[self.k + 1 :]]
         try:
             with torch.inference_mode():
-                out = body(input_ids.to(model_device(body)), use_cache=True)
+                out = self.body(input_ids.to(model_device(self.body)), use_cache=True)
         finally:
-            body.layers = layers
-            hook.remove()
-        guess = _cache_tensors(out.past_key_values, self.k)
-        h = captured["h"]
-        b, s = input_ids.shape
-        with torch.inference_mode():
-            positions = torch.arange(s, device=h.device).unsqueeze(0).expand(b, s)
-            cos, sin = body.rotary_emb(h, positions)
-            for layer in layers[self.k :]:
-                attn = layer.self_attn
-                x = layer.input_layernorm(h)
-                shape = (b, s, -1, attn.head_dim)
-                keys = attn.k_proj(x).view(shape).transpose(1, 2)
-                values = attn.v_proj(x).view(shape).transpose(1, 2)
-                _, keys = apply_rotary_pos_emb(keys, keys, cos, sin)
-                guess.append((keys.float(), values.float()))
-        return guess
+            for hook in hooks:
+                hook.remove()
+        return _cache_tensors(output_cache(out))
 
     def flops_fraction(self) -> float:
-        full, kv = _layer_flops(self.target.config)
-        return (self.k * full + (self.n_layers - self.k) * kv) / (self.n_layers * full)
+        cfg = self.target.config
+        cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        full = [sum(w.numel() for _, w in _linear_weights(layer)) for layer in self.layers]
+        kv = [_kv_weights(layer, cfg) for layer in self.layers]
+        if not any(kv):
+            raise ValueError(f"{type(self.target).__name__}: no key/value projection "
+                             f"({', '.join(_KV_PROJ + _FUSED_QKV)}) in its decoder layers")
+        return (sum(full[: self.k]) + sum(kv[self.k :])) / sum(full)

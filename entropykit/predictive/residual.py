@@ -26,10 +26,13 @@ is then raised to ``floor``.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import numpy as np
 
 from ..rans import distribution as dist
 from ._linear import affine
+from .kvcache import align
 
 KINDS = ("gaussian", "mixture", "conditional")
 MIXTURE_EMPIRICAL = 0.02
@@ -79,52 +82,73 @@ def coder_model(kind: str, shapes: np.ndarray, emps: np.ndarray) -> dist.CoderMo
                            np.concatenate([emps, uniform]), list(w) + [0])
 
 
-def sources(layer: int, kv: int) -> list[tuple[str, int, int]]:
+def sources(layer: int, kv: int, kv_layers: Container[int] | None = None
+            ) -> list[tuple[str, int, int]]:
     """What conditions group (layer, kv), in order: ("r", l, k) a decoded residual,
-    ("g", l, k) the predictor's guess."""
-    prev = [("r", layer - 1, 0), ("r", layer - 1, 1)] if layer > 0 else []
+    ("g", l, k) the predictor's guess. The previous layer is the nearest earlier one in
+    ``kv_layers`` (the layers with KV; None: every layer)."""
+    prev_layer = layer - 1
+    while kv_layers is not None and prev_layer >= 0 and prev_layer not in kv_layers:
+        prev_layer -= 1
+    prev = [("r", prev_layer, 0), ("r", prev_layer, 1)] if prev_layer >= 0 else []
     own = [("r", layer, 0)] if kv == 1 else []
     return prev + own + [("g", layer, 0), ("g", layer, 1)]
 
 
+def source_arrays(residuals: dict, guesses: dict, layer: int, kv: int) -> list:
+    """The arrays (numpy or torch, [batch, heads, seq, dim]) that condition group (layer,
+    kv), each over the group's tokens (``kvcache.align``: its seq is the group's guess's).
+    ``guesses`` holds every group with KV, so its keys say which layers have KV."""
+    seq = guesses[(layer, kv)].shape[-2]
+    kv_layers = {g[0] for g in guesses}
+    return [align((residuals if kind == "r" else guesses)[(src_layer, src_kv)], seq)
+            for kind, src_layer, src_kv in sources(layer, kv, kv_layers)]
+
+
 def features(residuals: dict[tuple[int, int], np.ndarray],
              guesses: dict[tuple[int, int], np.ndarray], layer: int, kv: int) -> np.ndarray:
-    """float32 [batch * seq, sources * heads * dim]: each token's conditioning vector."""
-    blocks = []
-    for kind, src_layer, src_kv in sources(layer, kv):
-        a = (residuals if kind == "r" else guesses)[(src_layer, src_kv)]  # [b, h, s, d]
-        blocks.append(a.transpose(0, 2, 1, 3).reshape(a.shape[0] * a.shape[2], -1))
+    """float32 [batch * seq, sum of sources' heads * dim]: each token's conditioning
+    vector."""
+    return _flat(source_arrays(residuals, guesses, layer, kv))
+
+
+def _flat(arrays: list[np.ndarray]) -> np.ndarray:
+    blocks = [a.transpose(0, 2, 1, 3).reshape(a.shape[0] * a.shape[2], -1) for a in arrays]
     return np.concatenate(blocks, axis=1).astype(np.float32)
 
 
-def dequantize(q: np.ndarray, scale: np.ndarray, n: int) -> np.ndarray:
-    """float32 [n * hd, hd] map from int8 blocks q [>= n, hd, hd] and scales [>= n, hd]."""
-    return (q[:n].astype(np.float32) * scale[:n, None, :]).reshape(-1, q.shape[-1])
+def block_sizes(arrays: list) -> list[int]:
+    """Each conditioning source's width (heads * dim): the rows of its block of a map."""
+    return [a.shape[1] * a.shape[3] for a in arrays]
 
 
-def quantize(w: np.ndarray, n: int, hd: int) -> tuple[np.ndarray, np.ndarray]:
-    """int8 blocks [MAX_SOURCES, hd, hd] and float32 scales [MAX_SOURCES, hd] of a
-    [n * hd, hd] map: one scale per block and output channel."""
-    blocks = w.reshape(n, hd, hd)
-    scale = np.abs(blocks).max(axis=1) / 127.0
+def dequantize(q: np.ndarray, scale: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """float32 [sum(sizes), hd] map from int8 rows q [sum(sizes), hd] and one scale per
+    block and output channel, scale [len(sizes), hd]."""
+    return q.astype(np.float32) * np.repeat(scale, sizes, axis=0)
+
+
+def quantize(w: np.ndarray, sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """int8 rows [sum(sizes), hd] and float32 scales [len(sizes), hd] of a map w
+    [sum(sizes), hd]: one scale per block (``sizes`` rows each) and output channel."""
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    scale = np.maximum.reduceat(np.abs(w), starts, axis=0) / 127.0
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = np.zeros((MAX_SOURCES, hd, hd), np.int8)
-    s = np.ones((MAX_SOURCES, hd), np.float32)
-    q[:n] = np.clip(np.rint(blocks / scale[:, None, :]), -127, 127)
-    s[:n] = scale
-    return q, s
+    q = np.clip(np.rint(w / np.repeat(scale, sizes, axis=0)), -127, 127).astype(np.int8)
+    return q, scale
 
 
 def conditional_mean(base: np.ndarray, residuals: dict, guesses: dict, layer: int, kv: int,
                      q: np.ndarray, scale: np.ndarray, threads: int | None = None
                      ) -> np.ndarray:
     """base [batch, heads, seq, dim] + the conditional shift, with the group's int8 map
-    ``q`` [MAX_SOURCES, hd, hd] and ``scale`` [MAX_SOURCES, hd] (calibration), on
+    ``q`` [sum of sources' widths, hd] and ``scale`` [sources, hd] (calibration), on
     ``threads`` threads (the same bits on any number)."""
     b, h, s, d = base.shape
-    w = dequantize(q, scale, len(sources(layer, kv)))
+    arrays = source_arrays(residuals, guesses, layer, kv)
+    w = dequantize(q, scale, block_sizes(arrays))
     flat = base.astype(np.float32).transpose(0, 2, 1, 3).reshape(b * s, h * d)
-    out = affine(flat, features(residuals, guesses, layer, kv), w, threads)
+    out = affine(flat, _flat(arrays), w, threads)
     return out.reshape(b, s, h, d).transpose(0, 2, 1, 3)
 
 
