@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from entropykit.rans.cuda import dist as gpu_dist
 from entropykit.predictive import _torchdist as T
 from entropykit.predictive import codec as C
 from entropykit.rans import distribution as D
+from entropykit.rans.cuda import dist as gpu_dist
 
 
 def _bits(a) -> np.ndarray:
