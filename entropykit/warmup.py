@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _jit, dtypes
+from . import _jit, _portable, dtypes
 from .container import files
 
 PARTS = ("weights", "kv")
@@ -145,8 +145,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="compile the parts in this many processes at once (default 1)")
     ap.add_argument("--quiet", action="store_true", help="print nothing")
+    ap.add_argument("--portable", nargs="?", const="", metavar="DIR",
+                    help="instead, compile for any CPU of this architecture into the "
+                         "package's portable cache (or DIR), which every later process of "
+                         "any user on any machine can load: for wheels and images")
     args = ap.parse_args(argv)
     _jit.set_notice(False)
+    if args.portable is not None:
+        t0 = time.perf_counter()
+        child = ["-m", "entropykit.warmup", "--quiet", "--jobs", str(args.jobs)]
+        for p in args.part or ():
+            child += ["--part", p]
+        where = _portable.build(child, args.portable or None)
+        if not args.quiet:
+            print(f"entropykit: portable kernels ready in {where} "
+                  f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        return 0
     seconds = warm(args.part or PARTS, jobs=args.jobs)
     if not args.quiet:
         print(f"entropykit: kernels ready ({seconds:.1f} s, "
