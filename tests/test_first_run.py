@@ -203,8 +203,7 @@ def test_portable_kernels_load_without_compiling_then_native_ones_replace_them(
     assert _crc_run(portable, native, background=True) == (0.0, 1)
     deadline = time.monotonic() + 120
     while not list(native.rglob("crc32._crc-*.nbc")) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(1.0)  # its last file lands by a rename: whole or absent
+        time.sleep(0.5)  # the kernel's data file, its last, lands by a rename: whole
     assert _crc_run(portable, native) == (0.0, 0)
 
 
