@@ -5,7 +5,9 @@ install, as the user that will run entropykit) compresses, verifies, decompresse
 loads a small synthetic file holding a tensor of every dtype numpy can hold, in each
 compression mode, and, where torch and transformers are installed, codes the KV cache of
 a tiny random Llama with every residual model in bf16 and fp8. Numba caches what that
-compiles (``entropykit._jit`` says where), so later processes load it instead.
+compiles (``entropykit._jit`` says where), so later processes load it instead. With
+``--portable`` the same runs compile for any CPU of the architecture into the package's
+portable cache (``entropykit._portable``), which a wheel or an image can ship.
 
 What it is not: a benchmark or a test; nothing here checks results beyond what the calls
 themselves check.
@@ -156,7 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         child = ["-m", "entropykit.warmup", "--quiet", "--jobs", str(args.jobs)]
         for p in args.part or ():
             child += ["--part", p]
-        where = _portable.build(child, args.portable or None)
+        try:
+            where = _portable.build(child, args.portable or None)
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"entropykit: portable build failed: {e}", file=sys.stderr)
+            return 1
         if not args.quiet:
             print(f"entropykit: portable kernels ready in {where} "
                   f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
