@@ -8,7 +8,7 @@ adds a second, read-only cache the package's kernels fall back to when Numba's o
 entry: ``_portable_kernels/`` in the package (``ENTROPYKIT_PORTABLE_KERNELS`` names another
 directory; empty turns it off), laid out by the source file's place in the package and
 keyed on the source's content, holding code for the baseline CPU of the architecture
-(``generic``, plus PCLMULQDQ on x86-64: every x86-64 CPU since 2010). ``build`` fills it
+(``generic``, plus PCLMULQDQ on x86-64: Intel since 2010, AMD since 2011). ``build`` fills it
 (``python -m entropykit.warmup --portable``: before building a wheel or an image). A
 process that loads a kernel from it starts, at exit, a low-priority background process that
 compiles those kernels for this CPU into Numba's own cache, which later processes prefer
