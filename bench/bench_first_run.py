@@ -5,10 +5,12 @@ included): ``entropykit compress`` of MiniLM-L6 cast to bf16 (bench/data.py), ``
 of its compressed file, and ``decompress_kv`` of the KV cache of a tiny random Llama
 (timed alone, after ``compress_kv`` in the same process). Each is run cold (an empty Numba
 cache: ``NUMBA_CACHE_DIR`` a new directory), then warm (the same cache again), then first
-after ``python -m entropykit.warmup`` into another empty cache, whose own time is reported
-too (one process, and ``--jobs 2``). For each: seconds, and the seconds spent compiling
-(``entropykit._jit.compile_seconds``). ``--write`` replaces the "## First run" section of
-bench/RESULTS.md.
+after ``python -m entropykit.warmup --jobs 2`` into another empty cache, then first on an
+empty cache with the portable cache of ``python -m entropykit.warmup --portable --jobs 2``
+(what a wheel or image built with it ships; background native compile off, so the run is
+all portable code); the warm-ups' own times are reported too. For each: seconds, and the
+seconds spent compiling (``entropykit._jit.compile_seconds``). ``--write`` replaces the
+"## First run" section of bench/RESULTS.md.
 What it is not: a test (tests/test_first_run.py bounds the cold start).
 """
 
@@ -70,8 +72,14 @@ print(json.dumps({"seconds": t2 - t1, "compile": _jit.compile_seconds() - c1,
 """
 
 
-def _run(code: str, cache: Path, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NUMBA_CACHE_DIR": str(cache)}
+def _env(cache: Path, portable: Path | None = None) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "NUMBA_CACHE_DIR": str(cache),
+            "ENTROPYKIT_PORTABLE_KERNELS": str(portable or ""),
+            "ENTROPYKIT_BACKGROUND_COMPILE": "0"}
+
+
+def _run(code: str, cache: Path, *args: str, portable: Path | None = None) -> dict:
+    env = _env(cache, portable)
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                        env=env, cwd=REPO)
@@ -82,11 +90,10 @@ def _run(code: str, cache: Path, *args: str) -> dict:
     return out
 
 
-def _warmup(cache: Path, jobs: int) -> float:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NUMBA_CACHE_DIR": str(cache)}
+def _warmup(cache: Path, *extra: str) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "entropykit.warmup", "--quiet", "--jobs", str(jobs)],
-                   check=True, env=env, cwd=REPO)
+    subprocess.run([sys.executable, "-m", "entropykit.warmup", "--quiet", "--jobs", "2",
+                    *extra], check=True, env=_env(cache), cwd=REPO)
     return time.perf_counter() - t0
 
 
@@ -103,22 +110,24 @@ def measure(tmp: Path) -> dict:
         cold = _run(code, cache, *args)
         warm = _run(code, cache, *args)
         res["steps"][name] = {"cold": cold, "warm": warm}
-    for jobs in (1, 2):
-        cache = tmp / f"warmup-{jobs}"
-        res[f"warmup_jobs{jobs}"] = _warmup(cache, jobs)
+    res["warmup"] = _warmup(tmp / "warmup")
+    res["warmup_portable"] = _warmup(tmp / "unused", "--portable", str(tmp / "portable"))
     for name, (code, args) in steps.items():
-        res["steps"][name]["after_warmup"] = _run(code, tmp / "warmup-2", *args)
+        res["steps"][name]["after_warmup"] = _run(code, tmp / "warmup", *args)
+        res["steps"][name]["portable"] = _run(code, tmp / f"first-{name}", *args,
+                                              portable=tmp / "portable")
     return res
 
 
 def section(res: dict, load: tuple[float, float], seconds: float) -> str:
     rows = []
     for name, r in res["steps"].items():
-        c, w, a = r["cold"], r["warm"], r["after_warmup"]
+        c, w, a, p = r["cold"], r["warm"], r["after_warmup"], r["portable"]
         timed = "call" if name == "decompress_kv" else "process"
         key = "seconds" if name == "decompress_kv" else "process"
         rows.append(f"| {name} ({timed}) | {c[key]:.1f} | {c['compile']:.1f} | {w[key]:.1f} "
-                    f"| {a[key]:.1f} | {a['compile']:.1f} |")
+                    f"| {a[key]:.1f} | {p[key]:.1f} | {p['compile']:.1f} "
+                    f"| {p[key] - w[key]:+.1f} |")
     return "\n".join([
         SECTION, "",
         f"Produced by `python bench/bench_first_run.py --write` on "
@@ -134,14 +143,16 @@ def section(res: dict, load: tuple[float, float], seconds: float) -> str:
         "decompress_kv: the call alone (after compress_kv in the same process), KV cache of a "
         "tiny random Llama (3 layers, 2 x 40 tokens), FP8 predictor, conditional model. "
         "cold: empty Numba cache; warm: the same cache again; after warm-up: first run after "
-        "`python -m entropykit.warmup --jobs 2` into an empty cache. compiling: seconds "
-        "spent compiling kernels in that run.", "",
-        "| step | cold s | cold compiling s | warm s | after warm-up s | its compiling s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "`python -m entropykit.warmup --jobs 2` into an empty cache; portable: first run on an "
+        "empty Numba cache with the portable cache of `python -m entropykit.warmup --portable "
+        "--jobs 2` (background native compile off); portable - warm: the first-run cost left. "
+        "compiling: seconds spent compiling kernels in that run.", "",
+        "| step | cold s | cold compiling s | warm s | after warm-up s | portable s "
+        "| its compiling s | portable - warm s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
         *rows, "",
-        f"`python -m entropykit.warmup` (all parts) into an empty cache: "
-        f"{res['warmup_jobs1']:.1f} s in one process, {res['warmup_jobs2']:.1f} s with "
-        f"`--jobs 2`.", "",
+        f"Warm-ups (all parts, `--jobs 2`) into an empty cache: native "
+        f"{res['warmup']:.1f} s, portable {res['warmup_portable']:.1f} s.", "",
     ])
 
 

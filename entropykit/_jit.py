@@ -8,7 +8,8 @@ instead, in a directory only this user may write (``NUMBA_CACHE_DIR``, when set,
 first as always); (2) the time this process spent compiling them, which the summaries'
 rates leave out; (3) one line on stderr, when it is a terminal, as they start compiling,
 which only happens on a cache miss (the first run of an install, or after an upgrade).
-What it is not: the kernels, or compiling them ahead (``entropykit.warmup``).
+What it is not: the kernels, compiling them ahead (``entropykit.warmup``), or the cache of
+kernels compiled for a portable CPU (``entropykit._portable``, installed here too).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from collections.abc import Callable
 
 from numba.core import caching
 from numba.core import event as _event
+
+from . import _portable
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # Order of magnitude of a cold compress or load on a small machine: compiling is
@@ -160,6 +163,7 @@ def install() -> None:
     if _TempDirLocator not in impl._locator_classes:
         impl._locator_classes.append(_TempDirLocator)
     _event.register("numba:compile", _Compiles())
+    _portable.install()
 
 
 install()  # at import: Numba picks a kernel's cache location as its module defines it

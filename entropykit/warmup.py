@@ -5,7 +5,9 @@ install, as the user that will run entropykit) compresses, verifies, decompresse
 loads a small synthetic file holding a tensor of every dtype numpy can hold, in each
 compression mode, and, where torch and transformers are installed, codes the KV cache of
 a tiny random Llama with every residual model in bf16 and fp8. Numba caches what that
-compiles (``entropykit._jit`` says where), so later processes load it instead.
+compiles (``entropykit._jit`` says where), so later processes load it instead. With
+``--portable`` the same runs compile for any CPU of the architecture into the package's
+portable cache (``entropykit._portable``), which a wheel or an image can ship.
 
 What it is not: a benchmark or a test; nothing here checks results beyond what the calls
 themselves check.
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _jit, dtypes
+from . import _jit, _portable, dtypes
 from .container import files
 
 PARTS = ("weights", "kv")
@@ -158,8 +160,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="compile the parts in this many processes at once (default 1)")
     ap.add_argument("--quiet", action="store_true", help="print nothing")
+    ap.add_argument("--portable", nargs="?", const="", metavar="DIR",
+                    help="instead, compile for any CPU of this architecture into the "
+                         "package's portable cache (or DIR), which every later process of "
+                         "any user on any machine can load: for wheels and images")
     args = ap.parse_args(argv)
     _jit.set_notice(False)
+    if args.portable is not None:
+        t0 = time.perf_counter()
+        child = ["-m", "entropykit.warmup", "--quiet", "--jobs", str(args.jobs)]
+        for p in args.part or ():
+            child += ["--part", p]
+        try:
+            where = _portable.build(child, args.portable or None)
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"entropykit: portable build failed: {e}", file=sys.stderr)
+            return 1
+        if not args.quiet:
+            print(f"entropykit: portable kernels ready in {where} "
+                  f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        return 0
     seconds = warm(args.part or PARTS, jobs=args.jobs)
     if not args.quiet:
         print(f"entropykit: kernels ready ({seconds:.1f} s, "

@@ -138,13 +138,13 @@ def _crc(a, value, table):
 
 
 def _available() -> bool:
-    # Only where Numba compiles for this very CPU (no CPU_NAME/CPU_FEATURES override, as a
-    # portable cache would set) and the CPU has PCLMULQDQ; LLVM cannot lower the intrinsic
+    # Only where the CPU Numba compiles for has PCLMULQDQ (this one, or the one named by
+    # CPU_NAME/CPU_FEATURES, as for the portable cache); LLVM cannot lower the intrinsic
     # otherwise.
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
-        return False
+        return "+pclmul" in (config.CPU_FEATURES or "").split(",")
     return bool(binding.get_host_cpu_features().get("pclmul"))
 
 
