@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_container import all_dtypes
 
-from entropykit.api import _source
+from entropykit.api import tensor_source
 from entropykit.coding import contexts, lines, parallel
 from entropykit.container import segment, writer
 from entropykit.container.reader import Compressed
@@ -95,7 +95,7 @@ def test_a_segments_chunks_run_on_every_thread(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(rans_static.CODER, "encode_chunk", chunk)
     x = (np.random.default_rng(0).standard_normal(700_000) * 0.02).astype(ml_dtypes.bfloat16)
     out = io.BytesIO()
-    writer.write(_source({"w": x}, None), out, threads=2)
+    writer.write(tensor_source({"w": x}, None), out, threads=2)
     assert len(set(calls[:2])) == 2
     assert np.array_equal(Compressed(out.getvalue()).tensor("w").view(x.dtype), x)
 
@@ -112,7 +112,7 @@ def _file(fast: bool, threads: int) -> bytes:
     }
     out = io.BytesIO()
     # Small segments too: many segments of a tensor, each of several chunks.
-    writer.write(_source(tensors, None), out, threads=threads, fast=fast,
+    writer.write(tensor_source(tensors, None), out, threads=threads, fast=fast,
                  segment_bytes=1 << 20)
     return out.getvalue()
 
@@ -170,7 +170,7 @@ def test_large_segments_join_in_parts_exactly(monkeypatch: pytest.MonkeyPatch) -
     # A large segment's fields are joined in parts of whole elements on the pool's
     # threads; every dtype's join must give the original bytes, in place or not.
     packed = io.BytesIO()
-    writer.write(_source(all_dtypes(3), None), packed, threads=1)
+    writer.write(tensor_source(all_dtypes(3), None), packed, threads=1)
     c = Compressed(packed.getvalue())
     whole = c.restored(1)
     monkeypatch.setattr(segment, "JOIN_PART", 64)
