@@ -13,8 +13,9 @@ items another thread is running, so nesting cannot deadlock. Items of nested cal
 before the outer call's next items (the oldest nested call first), so an outer item
 that is started finishes soon and its result is not held up. Inside a call of
 ``threads=1`` every nested call runs inline too: the outermost call's count is the one
-used everywhere. The default count is ``ENTROPYKIT_THREADS`` where set, else every core
-this process may use.
+used everywhere, and ``spread(threads)`` tells work that is split only to be shared (a
+histogram in parts) whether more than one thread would share it. The default count is
+``ENTROPYKIT_THREADS`` where set, else every core this process may use.
 What it is not: a process pool, or a scheduler that reorders results.
 """
 
