@@ -11,6 +11,10 @@ cores this process may use, or ``--threads``) of:
 - ``load_file`` of the default compressed file on the CPU (needs torch; skipped without);
 - zstd level 3, one thread, in memory, tensor by tensor (the row to compare with).
 
+``--units``, ``--cpu`` and ``--gil`` add what limits the scaling: the work units' sizes,
+each cell's busy threads, system time and page faults, and the GIL-held share on one
+thread.
+
 Every compressed file is compared with the one of 1 thread (the bytes must not depend on
 the thread count) and every restored file with the original. Timings: median of
 ``--reps`` runs after one warm-up (which also compiles the Numba kernels). The files are
@@ -30,6 +34,7 @@ import filecmp
 import json
 import os
 import platform
+import resource
 import statistics
 import struct
 import sys
@@ -105,16 +110,27 @@ def _save_bf16(tensors: dict, dst: Path) -> None:
     dst.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
+# (wall s, user CPU s, system CPU s, minor page faults) of the median run of each _median
+# call, in call order: what --cpu prints.
+_USAGE: list[tuple[float, float, float, int]] = []
+
+
 def _median(fn: Callable[[], object], reps: int, before: Callable[[], None] | None = None
             ) -> float:
-    times = []
+    runs = []
     for _ in range(reps + 1):  # the first run warms up
         if before is not None:
             before()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        wall = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        runs.append((wall, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime,
+                     r1.ru_minflt - r0.ru_minflt))
+    timed = sorted(runs[1:])
+    _USAGE.append(timed[(len(timed) - 1) // 2])
+    return statistics.median(r[0] for r in timed)
 
 
 def _tensors(path: Path) -> list[bytes]:
@@ -152,22 +168,27 @@ def scale(path: Path, threads: list[int], reps: int, tmp: Path) -> list[dict]:
         ref = tmp / f"ref{int(fast)}.ek.safetensors"
         entropykit.compress_file(path, ref, threads=1, fast=fast, force=True)
         comp, dec, same = {}, {}, True
+        comp_use, dec_use = {}, {}
         for n in threads:
             out, back = tmp / f"c{n}.ek.safetensors", tmp / f"d{n}.safetensors"
             comp[n] = size / _median(
                 lambda n=n, out=out, fast=fast: entropykit.compress_file(path, out, threads=n,
                                                                          fast=fast),
                 reps, lambda out=out: _drop(out)) / MB
+            comp_use[n] = _USAGE[-1]
             same &= filecmp.cmp(out, ref, shallow=False)
             dec[n] = size / _median(
                 lambda n=n, out=out, back=back: entropykit.decompress_file(out, back,
                                                                            threads=n),
                 reps, lambda back=back: _drop(back)) / MB
+            dec_use[n] = _USAGE[-1]
             same &= filecmp.cmp(back, path, shallow=False)
             _drop(out)
             _drop(back)
-        rows.append({"op": f"compress {mode}", "rates": comp, "exact": same})
-        rows.append({"op": f"decompress {mode}", "rates": dec, "exact": same})
+        rows.append({"op": f"compress {mode}", "rates": comp, "exact": same,
+                     "usage": comp_use})
+        rows.append({"op": f"decompress {mode}", "rates": dec, "exact": same,
+                     "usage": dec_use})
         if fast:
             _drop(ref)
             continue
@@ -177,9 +198,13 @@ def scale(path: Path, threads: list[int], reps: int, tmp: Path) -> list[dict]:
             print("load_file: skipped (torch is not installed)", file=sys.stderr)
             _drop(ref)
             continue
-        load = {n: size / _median(lambda n=n, ref=ref: entropykit.load_file(ref, threads=n),
-                                  reps) / MB for n in threads}
-        rows.append({"op": "load_file (CPU)", "rates": load, "exact": True})
+        load, load_use = {}, {}
+        for n in threads:
+            load[n] = size / _median(lambda n=n, ref=ref: entropykit.load_file(ref, threads=n),
+                                     reps) / MB
+            load_use[n] = _USAGE[-1]
+        rows.append({"op": "load_file (CPU)", "rates": load, "exact": True,
+                     "usage": load_use})
         _drop(ref)
     return rows
 
@@ -235,6 +260,88 @@ def units(path: Path, threads: int, tmp: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Calls that release the GIL beside the Numba kernels compiled with nogil: reads, writes,
+# zstd, zlib (cProfile names built-ins by these words).
+_GIL_FREE_BUILTINS = ("preadv", "pread", "readinto", "write", "compress", "decompress",
+                      "crc32")
+
+
+def gil(path: Path, tmp: Path) -> str:
+    """The GIL-held share of each operation on one thread: the calling thread's CPU time
+    (``time.thread_time``, best of three) less what cProfile finds in calls that release
+    the GIL (nogil Numba kernels, reads, writes, zstd, zlib). That share runs one thread
+    at a time whatever the count, so 1 / share bounds the speed-up."""
+    import cProfile
+    import importlib
+    import pstats
+
+    from numba.core.registry import CPUDispatcher
+
+    def free(stats: dict) -> float:
+        total = 0.0
+        for (file, _, name), (_, _, own, _, _) in stats.items():
+            if file == "~":
+                total += own * any(w in name for w in _GIL_FREE_BUILTINS)
+            elif "/entropykit/" in file and file.endswith(".py"):
+                module = "entropykit." + file.split("/entropykit/", 1)[1][:-3].replace("/", ".")
+                fn = getattr(importlib.import_module(module), name, None)
+                total += own * (isinstance(fn, CPUDispatcher)
+                                and bool(fn.targetoptions.get("nogil")))
+        return total
+
+    ref = tmp / "g.ek"
+    entropykit.compress_file(path, ref, threads=1, force=True)
+    ops = [("compress", lambda: entropykit.compress_file(path, tmp / "g2.ek", threads=1,
+                                                       force=True)),
+           ("decompress", lambda: entropykit.decompress_file(ref, tmp / "g.st", threads=1,
+                                                             force=True))]
+    try:
+        import torch  # noqa: F401
+
+        ops.append(("load_file", lambda: entropykit.load_file(ref, threads=1)))
+    except ImportError:
+        pass
+    lines = ["| operation, 1 thread | CPU ms | GIL-free ms | GIL-held ms | GIL-held share |"
+             " bound |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    try:
+        for name, op in ops:
+            op()  # warm
+            took = []
+            for _ in range(3):
+                t0 = time.thread_time()
+                op()
+                took.append(time.thread_time() - t0)
+            prof = cProfile.Profile(time.thread_time)
+            prof.runcall(op)
+            cpu = min(took)
+            held = max(0.0, cpu - free(pstats.Stats(prof).stats))
+            lines.append(f"| {name} | {cpu * 1e3:.1f} | {(cpu - held) * 1e3:.1f} | "
+                         f"{held * 1e3:.1f} | {held / cpu:.0%} | {cpu / max(held, 1e-9):.1f}x |")
+    finally:
+        for f in ("g.ek", "g2.ek", "g.st"):
+            _drop(tmp / f)
+    return "\n".join(lines) + "\n"
+
+
+def cpu_table(rows: list[dict], threads: list[int]) -> str:
+    """Where each median run's time went: CPU seconds over wall seconds (threads busy on
+    average; well under the thread count means threads wait: for the GIL, for work, for
+    I/O), the system CPU's share of it (page faults, reads, writes) and the minor page
+    faults (fresh memory touched)."""
+    head = ("| operation (busy threads, system share, page faults) | "
+            + " | ".join(f"{n} thr" for n in threads) + " |\n"
+            + "| --- " * (len(threads) + 1) + "|\n")
+    lines = []
+    for r in rows:
+        cells = []
+        for n in threads:
+            wall, user, system, faults = r["usage"][n]
+            cells.append(f"{(user + system) / wall:.1f}, {system / max(user + system, 1e-9):.0%}"
+                         f", {faults / 1000:.1f}k")
+        lines.append(f"| {r['op']} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
 def table(name: str, path: Path, rows: list[dict], threads: list[int],
           zstd: tuple[float, float]) -> str:
     size = path.stat().st_size
@@ -265,6 +372,10 @@ def main() -> int:
     ap.add_argument("--minilm", help="a BF16 MiniLM safetensors file to use")
     ap.add_argument("--units", action="store_true", help="also the work units of each "
                     "operation (count, largest one's share of the CPU time)")
+    ap.add_argument("--cpu", action="store_true", help="also where each cell's time went: "
+                    "busy threads (CPU / wall), system CPU share, minor page faults")
+    ap.add_argument("--gil", action="store_true", help="also each operation's GIL-held "
+                    "share of its CPU time on one thread")
     ap.add_argument("--tmp", help="directory for outputs (default: a new temporary one)")
     args = ap.parse_args()
     cores = default_threads()
@@ -287,6 +398,10 @@ def main() -> int:
         for name, path, reps in files:
             rows = scale(path, threads, reps, Path(tmp))
             print(table(name, path, rows, threads, zstd_rates(path, reps)))
+            if args.cpu:
+                print(cpu_table(rows, threads))
+            if args.gil:
+                print(gil(path, Path(tmp)))
             if args.units:
                 print(units(path, max(2, threads[-1]), Path(tmp)))
     print(f"load after {os.getloadavg()[0]:.2f}")

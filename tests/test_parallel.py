@@ -178,3 +178,45 @@ def test_large_segments_join_in_parts_exactly(monkeypatch: pytest.MonkeyPatch) -
     assert np.array_equal(c.restored(1), whole)
     for name in c.keys():
         assert np.array_equal(c.tensor(name, threads=2), c.tensor(name))
+
+
+def test_one_thread_counts_and_joins_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Parts exist only to share work: on one thread each pass runs whole (one kernel call,
+    # no partial counts to sum), as unsplit code does; on two threads, in parts.
+    calls: dict[str, int] = {}
+
+    def counted(module: object, name: str) -> None:
+        fn = getattr(module, name)
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, name in ((contexts, "_joint_histogram"), (lines, "_line_hists"),
+                         (lines, "_count"), (segment.formats, "join")):
+        counted(module, name)
+    monkeypatch.setattr(contexts, "PART", 300)
+    monkeypatch.setattr(segment, "JOIN_PART", 64)
+    rng = np.random.default_rng(5)
+    n, cols = 50_000, 97
+    sym = rng.integers(0, 40, n).astype(np.uint8)
+    index, _ = lines.buckets(np.bincount(sym, minlength=256))
+    rcls = rng.integers(0, 3, lines.n_rows(n, cols, 0)).astype(np.uint8)
+    ccls = rng.integers(0, 2, cols).astype(np.uint8)
+    done = {"exponent": sym, "sign_mantissa": sym[::-1].copy()}
+
+    def passes(_: int) -> dict[str, int]:
+        calls.clear()
+        lines.line_histograms(sym, index, int(index.max()) + 1, cols, 0)
+        lines.context_counts(sym, cols, 0, rcls, ccls, 2)
+        contexts.joint_histogram(sym, sym, 1)
+        segment._join("BF16", None, done, [n, n], 2 * n, None)
+        return dict(calls)
+
+    one = {"_line_hists": 1, "_count": 1, "_joint_histogram": 1, "join": 1}
+    assert passes(0) == one  # outside any call
+    assert parallel.run(passes, 1, 1)[0] == one  # inside a call of one thread
+    split = list(parallel.imap(passes, [0], 2))[0]
+    assert all(split[k] > 1 for k in one), split

@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from . import tables
-from .parallel import run
+from .parallel import run, spread
 
 DEFAULT_MAX_TABLES = 16
 # Symbols per part of a histogram counted on several threads: large enough that a part's
@@ -40,7 +40,7 @@ def joint_histogram(context: np.ndarray, symbols: np.ndarray, threads: int | Non
     in parts on ``threads`` threads (``parallel.run``: inside a running call, on its
     threads) and the parts summed, which is exact."""
     n = symbols.size
-    if n <= PART:
+    if n <= PART or spread(threads) == 1:
         return _joint_histogram(context, symbols)
     cuts = list(range(0, n, PART)) + [n]
     return sum(run(lambda k: _joint_histogram(context[cuts[k] : cuts[k + 1]],

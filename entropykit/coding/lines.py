@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit
 
 from . import contexts, tables
-from .parallel import run
+from .parallel import run, spread
 from .tables import _log2
 
 MAX_CLASSES = 16  # per axis; a symbol's context (row class * kc + column class) fits a byte
@@ -195,6 +195,9 @@ def line_histograms(sym: np.ndarray, index: np.ndarray, n_buckets: int, cols: in
         return hr, hc
     dense = index.astype(np.uint8)
     parts = _row_parts(sym.size, cols, phase)
+    if len(parts) <= 1:
+        _line_hists(sym, dense, hr, hc, cols, phase)
+        return hr, hc
 
     def part(k: int) -> np.ndarray:
         # Rows are disjoint between parts; each part counts its columns apart (summed).
@@ -215,6 +218,8 @@ def _row_parts(n: int, cols: int, phase: int) -> list[tuple[int, int, int, int]]
     symbols each. Run with ``run(.., 1)``: serial, or inside a running call on its
     threads; the summed counts are exact whatever the split."""
     rows = n_rows(n, cols, phase)
+    if spread(1) == 1:  # one thread: one pass, no partial counts to sum
+        return [(0, n, 0, rows)]
     step = max(1, contexts.PART // cols)
     starts = list(range(0, rows, step))
     return [(max(0, r * cols - phase), min(n, (r + step) * cols - phase), r,

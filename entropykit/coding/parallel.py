@@ -13,8 +13,9 @@ items another thread is running, so nesting cannot deadlock. Items of nested cal
 before the outer call's next items (the oldest nested call first), so an outer item
 that is started finishes soon and its result is not held up. Inside a call of
 ``threads=1`` every nested call runs inline too: the outermost call's count is the one
-used everywhere. The default count is ``ENTROPYKIT_THREADS`` where set, else every core
-this process may use.
+used everywhere, and ``spread(threads)`` tells work that is split only to be shared (a
+histogram in parts) whether more than one thread would share it. The default count is
+``ENTROPYKIT_THREADS`` where set, else every core this process may use.
 What it is not: a process pool, or a scheduler that reorders results.
 """
 
@@ -261,5 +262,20 @@ def run(fn: Callable[[int], R], count: int, threads: int | None) -> list[R]:
     inside a call of this module, on the enclosing call's threads."""
     pool = getattr(_here, "pool", None)
     if isinstance(pool, _Pool):
+        if count <= 1:  # nothing to share: no batch, no lock
+            return [fn(i) for i in range(count)]
         return pool.join_batch(pool.open(fn, list(range(count)), outer=False))
+    if pool is _SERIAL:
+        return [fn(i) for i in range(count)]
     return list(imap(fn, range(count), resolve(threads)))
+
+
+def spread(threads: int | None) -> int:
+    """How many threads a ``run(.., threads)`` made here would use: the enclosing call's
+    count inside a call of this module (1 inside a call of one thread), else
+    ``resolve(threads)``. Work that is split only to share it out asks this first, so
+    that one thread does it whole, as cheaply as unsplit code."""
+    pool = getattr(_here, "pool", None)
+    if isinstance(pool, _Pool):
+        return pool.threads
+    return 1 if pool is _SERIAL else resolve(threads)

@@ -19,7 +19,7 @@ from numba import njit
 from .. import formats
 from .._errors import CorruptDataError
 from ..coding import contexts
-from ..coding.parallel import run
+from ..coding.parallel import run, spread
 from . import codecs
 from . import header as hdr
 
@@ -200,7 +200,8 @@ def _join(dtype: str, layout: str | None, done: dict[str, np.ndarray], want: lis
     field has one symbol per element, as every split has: writing a fresh output is as
     much of a segment's decode as its chunks are."""
     m = want[0] if want else 0
-    if nbytes <= JOIN_PART or m == 0 or any(k != m for k in want) or nbytes % m:
+    if (nbytes <= JOIN_PART or m == 0 or any(k != m for k in want) or nbytes % m
+            or spread(1) == 1):
         return formats.join(dtype, done, nbytes, layout=layout, out=out)
     if out is None:
         out = np.empty(nbytes, np.uint8)
