@@ -2,12 +2,13 @@
 
 What it is: ``calibrate(target, predictor, prompts)`` runs both models on the prompts and
 fits per channel (layer, k/v, kv head, dim) the residual bias and std, and for each cache
-format (bf16; fp8 e4m3 with one scale per layer and k/v, whose coarse values need their
-own fit) the conditional model: per (layer, k/v) its linear maps, conditional std and
-shape; plus the empirical value distributions of each format. ``Calibration`` holds them,
-saves them to a safetensors file (docs/format.md, section "KV calibration file") and
-builds the coder's tables. Size: the int8 maps dominate, 2 * 5 * (heads * dim)^2 bytes
-per layer and format (SmolLM2-135M: ~0.37 MB per layer, ~11 MB per format).
+format asked for (bf16, fp16, fp32; fp8 e4m3 and e5m2 with one scale per layer and k/v,
+whose coarse values need their own fit) the conditional model: per (layer, k/v) its
+linear maps, conditional std and shape; plus the empirical value distributions of each
+format. ``Calibration`` holds them, saves them to a safetensors file (docs/format.md,
+section "KV calibration file") and builds the coder's tables. Size (``file_bytes``, capped
+at ``MAX_BYTES``): the int8 maps dominate, 2 * 5 * (heads * dim)^2 bytes per layer and
+format (SmolLM2-135M: ~0.37 MB per layer, ~11 MB per format).
 What it is not: the codec (``codec``) or the residual models' definitions (``residual``).
 """
 
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,13 +29,31 @@ import torch
 from .._errors import CorruptDataError
 from ..rans import distribution as dist
 from . import residual
-from .kvcache import FP8_MAX, from_transformers
+from .kvcache import DTYPES, FP8_MAXES, from_transformers
 from .predictors import Predictor, model_device
 
 VERSION = 1
-FORMATS = ("bf16", "fp8_e4m3")
-_SUFFIX = {"bf16": "bf16", "fp8_e4m3": "fp8"}
+FORMATS = ("bf16", "fp8_e4m3", "fp16", "fp32", "fp8_e5m2")
+DEFAULT_FORMATS = ("bf16", "fp8_e4m3")
+_SUFFIX = {"bf16": "bf16", "fp8_e4m3": "fp8", "fp16": "fp16", "fp32": "fp32",
+           "fp8_e5m2": "e5m2"}
+_TORCH = {name: t for t, name in DTYPES.items()}
 _PER_FORMAT = ("cstd", "cond", "cscale", "shapes", "emp")
+# Caps of the file (docs/format.md, "KV calibration file"): checked by the reader from the
+# header before any tensor is read, and by ``calibrate`` before it fits anything.
+MAX_LAYERS = 1 << 10
+MAX_CHANNELS = 1 << 12  # kv heads * head dim
+MAX_BYTES = 1 << 34  # of all tensors together
+
+
+def file_bytes(layers: int, heads: int, dim: int, formats: int) -> int:
+    """Bytes of a calibration's tensors (the file adds a header of a few kB): bias and
+    std, then per format the int8 maps (which dominate: 10 (heads * dim)^2 per layer),
+    their scales, the conditional std and the shape and empirical tables."""
+    hd = heads * dim
+    per_format = layers * (10 * hd * hd + 40 * hd + 8 * hd
+                           + 8 * (dist.Z_POINTS + 1) + 8 * (dist.EMP_POINTS + 1))
+    return 16 * layers * hd + formats * per_format
 
 
 @dataclass(eq=False)
@@ -200,6 +220,9 @@ def _check_specs(specs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     layers, two, heads, dim = specs["bias"][1]
     if min(layers, heads, dim) < 1 or two != 2:
         raise CorruptDataError(f"calibration bias has shape {list(specs['bias'][1])}")
+    too_big = _cap_error(layers, heads, dim, 0)
+    if too_big is not None:
+        raise CorruptDataError(f"calibration bias {list(specs['bias'][1])}: {too_big}")
     base, hd = (layers, 2, heads, dim), heads * dim
     want = {"bias": base, "std": base}
     for f in FORMATS:
@@ -211,6 +234,9 @@ def _check_specs(specs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     if set(specs) != set(want):
         extra, missing = sorted(set(specs) - set(want)), sorted(set(want) - set(specs))
         raise CorruptDataError(f"calibration tensors: unknown {extra}, missing {missing}")
+    too_big = _cap_error(layers, heads, dim, (len(want) - 2) // len(_PER_FORMAT))
+    if too_big is not None:
+        raise CorruptDataError(f"calibration: {too_big}")
     for name, shape in want.items():
         dtype = _DTYPE_OF[name.split("_", 1)[0]]
         if specs[name] != (dtype, shape):
@@ -218,29 +244,60 @@ def _check_specs(specs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
                                    f"{list(specs[name][1])}, expected {dtype}{list(shape)}")
 
 
-def _fp8_round(x: torch.Tensor) -> torch.Tensor:
-    """x through e4m3 with one scale (max |x| / 448), back in real units: ``to_fp8``'s."""
-    amax = float(x.abs().max())
-    scale = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+def _cap_error(layers: int, heads: int, dim: int, formats: int) -> str | None:
+    """What exceeds a cap of the file format for this shape and count of formats, or
+    None."""
+    size = file_bytes(layers, heads, dim, formats)
+    for what, value, cap in (("layers", layers, MAX_LAYERS),
+                             ("kv heads * head dim", heads * dim, MAX_CHANNELS),
+                             ("tensor bytes", size, MAX_BYTES)):
+        if value > cap:
+            return f"{value} {what}, more than the format's {cap}"
+    return None
+
+
+def _cast(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float]:
+    """Real values ``x`` (float32) in format ``fmt`` and their scale: fp8 with one scale
+    (max |x| / the format's largest value, ``to_fp8``'s), others unscaled (fp16 clamped
+    to its finite range: the fit needs finite values)."""
+    dtype = _TORCH[fmt]
+    if dtype in FP8_MAXES:
+        top = FP8_MAXES[dtype]
+        amax = float(x.abs().max())
+        scale = torch.tensor(amax / top if 0 < amax < float("inf") else 1.0,
+                             dtype=torch.float32)
+        return (x / scale).clamp(-top, top).to(dtype), float(scale)
+    if dtype == torch.float16:
+        x = x.clamp(-65504.0, 65504.0)
+    return x.to(dtype), 1.0
+
+
+def _as_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x through format ``fmt``, back in real units (float32)."""
+    q, scale = _cast(x, fmt)
+    return q.float() * scale if scale != 1.0 else q.float()
 
 
 def _key_counts(x: torch.Tensor, fmt: str) -> np.ndarray:
-    """Counts of each key (numeric order, as the coder's) of ``x`` in format ``fmt``."""
-    if fmt == "bf16":
-        bits = x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-        return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << 16)
-    amax = float(x.abs().max())
-    scale = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
-    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    bits = q.contiguous().view(torch.uint8).numpy()
-    return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << 8)
+    """Counts of each key (numeric order, as the coder's) of ``x`` in format ``fmt``
+    (fp32: of its high halves, bf16 keys, as the codec splits it)."""
+    q, _ = _cast(x, fmt)
+    if fmt == "fp32":
+        y = q.contiguous().view(torch.int32).numpy().view(np.uint32) + np.uint32(0x8000)
+        bits = (y >> 16).astype(np.uint16)
+    else:
+        view = torch.int16 if q.element_size() == 2 else torch.uint8
+        bits = q.contiguous().view(view).numpy().view(np.uint16 if view == torch.int16
+                                                       else np.uint8)
+    return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << (8 * bits.itemsize))
 
 
 def _fit_conditional(xs: list[np.ndarray], ps: list[np.ndarray], bias: np.ndarray,
-                     exact: int, out: dict[str, np.ndarray], suffix: str) -> None:
+                     exact: int, out: dict[str, np.ndarray], suffix: str,
+                     tick: Callable[[], None]) -> None:
     """Fit the conditional model of one format from its values ``xs`` and guesses ``ps``
-    (per group, real units, [1, heads, tokens, dim]) into ``out``."""
+    (per group, real units, [1, heads, tokens, dim]) into ``out``; ``tick`` after each
+    group."""
     n = len(xs) // 2
     heads, dim = xs[0].shape[1], xs[0].shape[3]
     hd = heads * dim
@@ -255,6 +312,7 @@ def _fit_conditional(xs: list[np.ndarray], ps: list[np.ndarray], bias: np.ndarra
         base = ps[g] if layer < exact else ps[g] + bias[layer, kv][None, :, None, :]
         r = xs[g] - base
         residuals[(layer, kv)] = r
+        tick()
         if layer < exact:
             continue  # coded as exact: nothing to fit
         target = r.transpose(0, 2, 1, 3).reshape(-1, hd)
@@ -273,20 +331,62 @@ def _fit_conditional(xs: list[np.ndarray], ps: list[np.ndarray], bias: np.ndarra
             f"shapes_{suffix}": shapes}
 
 
+Progress = Callable[[int, int], None]
+
+
+def _progress(progress: bool | Progress | None) -> tuple[Progress | None, Any]:
+    """(the callback, the bar to close) for ``calibrate``'s ``progress``: None draws a bar
+    on stderr where it is a terminal, True always, False never; a callable is called."""
+    if callable(progress):
+        return progress, None
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None, None
+    from ..container.progress import Bar
+
+    bar = Bar("calibrate", unit="steps", scale=1)
+    return bar, bar
+
+
 def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[Any],
-              formats: Sequence[str] = FORMATS) -> Calibration:
+              formats: Sequence[str] = DEFAULT_FORMATS, *,
+              progress: bool | Progress | None = None) -> Calibration:
     """Fit every residual model of (``target``, ``predictor``) on ``prompts``.
 
     ``prompts`` are token-id sequences (1-d tensors, lists, or [1, seq] tensors);
-    ``formats`` the cache formats to fit the conditional model for. Layers the predictor
-    reproduces exactly are not fitted (they are coded as exact).
+    ``formats`` the cache formats to fit the conditional model for (a subset of
+    ``FORMATS``; a cache is coded only with a calibration of its format). Layers the
+    predictor reproduces exactly are not fitted (they are coded as exact). ``progress``: a
+    progress line on stderr (None: where stderr is a terminal; True: always; False: never)
+    or a callable given (steps done, steps in all): one step a prompt, then one a
+    (layer, k/v, format) fit. ``ValueError`` before anything runs past the first prompt
+    where the calibration file would exceed the format's caps (``file_bytes``).
     """
     if not formats or any(f not in FORMATS for f in formats):
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}")
+    prompts = list(prompts)
+    report, bar = _progress(progress)
+    try:
+        return _calibrate(target, predictor, prompts, formats, report)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any],
+               formats: Sequence[str], report: Progress | None) -> Calibration:
     xs: dict[str, list[list[np.ndarray]]] = {}
     ps: list[list[np.ndarray]] = []
     counts: dict[str, list[np.ndarray]] = {}
     tokens = 0
+    steps = [0, len(prompts)]
+
+    def tick() -> None:
+        steps[0] += 1
+        if report is not None:
+            report(*steps)
+
     for prompt in prompts:
         ids = torch.as_tensor(prompt).reshape(1, -1)
         tokens += ids.shape[1]
@@ -296,6 +396,11 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
         guess = predictor.predict(ids)
         groups = 2 * len(cache.keys)
         if not ps:
+            _, heads, _, dim = cache.shape
+            too_big = _cap_error(len(cache.keys), heads, dim, len(formats))
+            if too_big is not None:
+                raise ValueError(f"a calibration of this model would hold {too_big}")
+            steps[1] += groups * len(formats)
             ps = [[] for _ in range(groups)]
             xs = {f: [[] for _ in range(groups)] for f in ("bf16", *formats)}
             counts = {f: [0] * groups for f in formats}
@@ -305,9 +410,10 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
             ps[g].append(np.zeros(x.shape, np.float32) if guess is None
                          else guess[layer][kv].cpu().numpy())
             for f in xs:
-                xs[f][g].append((x if f == "bf16" else _fp8_round(x)).numpy())
+                xs[f][g].append((x if f == "bf16" else _as_format(x, f)).numpy())
             for f in formats:
                 counts[f][g] = counts[f][g] + _key_counts(x, f)
+        tick()
     if not ps:
         raise ValueError("calibrate needs at least one prompt")
     p = [np.concatenate(a, axis=2) for a in ps]
@@ -326,7 +432,7 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
     arrays: dict[str, np.ndarray] = {"bias": bias, "std": std}
     for f in formats:
         vals = x16 if f == "bf16" else [np.concatenate(a, axis=2) for a in xs[f]]
-        _fit_conditional(vals, p, bias, predictor.exact_layers, arrays, _SUFFIX[f])
+        _fit_conditional(vals, p, bias, predictor.exact_layers, arrays, _SUFFIX[f], tick)
         arrays[f"emp_{_SUFFIX[f]}"] = np.stack([dist.empirical_table(c) for c in counts[f]])
     cal = Calibration(predictor.describe(), arrays, tokens)
     cal.validate()

@@ -14,6 +14,12 @@ specified in docs/format.md, section "KV blob". Each (layer, k/v) tensor is its 
 frame because with the conditional residual model its (mu, sigma) depend on the groups
 decoded before it.
 
+fp32 caches: each value's 32 bits, plus 2**15 (mod 2**32), split into a high half, a bf16
+bit pattern (the value rounded to bf16), coded under (mu, sigma) like a bf16 cache, and
+a low half (where the value sits in that bf16 value's bin), coded with the static rANS
+coder (one table per byte): two frames per tensor. The distribution coder has no 32-bit
+format, and below bf16's resolution the guess says little about a value.
+
 Determinism: the decoder must compute the same (mu, sigma) bits as the encoder (see
 ``predictors``); when it does not, decompress_kv raises ``CorruptDataError`` saying so
 instead of returning a wrong cache.
@@ -30,11 +36,13 @@ import numpy as np
 import torch
 
 from .._errors import CorruptDataError
+from ..coding import frame as _frame
 from ..rans import distribution as dist
+from ..rans import static
 from . import _torchdist as T
 from . import residual
 from .calibration import Calibration
-from .kvcache import DTYPES, KVCache, as_kvcache
+from .kvcache import DTYPES, FP8_MAXES, KVCache, as_kvcache
 from .predictors import Prediction, Predictor
 
 MAGIC = b"EKKV"
@@ -42,6 +50,11 @@ VERSION = 1
 _HEAD = struct.Struct("<4sBBBBIIIIIIIIH")
 CHUNK = 1 << 16  # values per chunk: a layer's tensor splits across threads
 _FORMATS = {name: t for t, name in DTYPES.items()}  # value-format name -> cache dtype
+# The blob's value format codes: the distribution frame's, and 5 for fp32 (split).
+_CODES = {name: dist.FORMATS[name].code for name in _FORMATS if name in dist.FORMATS}
+_CODES["fp32"] = 5
+_SCALED = {DTYPES[t] for t in FP8_MAXES}  # formats whose blobs carry per-layer scales
+_GPU_FORMATS = ("bf16", "fp8_e4m3")  # those the GPU coder is checked on
 # Far above any model's; a blob claiming more is refused before anything runs.
 MAX_LAYERS = 1 << 10
 MAX_HEADS = 1 << 10
@@ -71,9 +84,10 @@ def guess_arrays(guess: Prediction | None, layers: int,
 
 def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: int,
                         kind: str, cal: Calibration, scales: torch.Tensor | None,
-                        residuals: dict, threads: int | None = None
+                        residuals: dict, threads: int | None = None, fmt: str | None = None
                         ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
-    """(mu, sigma, model index, base mean in real units) of one (layer, k/v) tensor.
+    """(mu, sigma, model index, base mean in real units) of one (layer, k/v) tensor of
+    format ``fmt`` (None: bf16, or fp8_e4m3 where there are ``scales``).
 
     mu and sigma are flat in the tensor's order and in the cache's units (fp8: divided by
     the scale); ``residuals`` holds the real-unit residuals of the groups already coded.
@@ -86,7 +100,7 @@ def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: 
     else:
         base = p + cal.bias[layer, kv][None, :, None, :]
         if kind == "conditional":
-            fmt = "bf16" if scales is None else "fp8_e4m3"
+            fmt = fmt or ("bf16" if scales is None else "fp8_e4m3")
             mean = residual.conditional_mean(base, residuals, guesses, layer, kv,
                                              cal.get("cond", fmt)[layer, kv],
                                              cal.get("cscale", fmt)[layer, kv], threads)
@@ -116,20 +130,52 @@ def _guess_crc(guess: Prediction | None) -> int:
 
 
 def _storage(fmt: str) -> tuple[np.dtype, torch.dtype]:
-    return (np.dtype(np.uint16), torch.int16) if fmt == "bf16" else (np.dtype(np.uint8),
-                                                                      torch.uint8)
+    return (np.dtype(np.uint16), torch.int16) if dist.FORMATS[fmt].bits == 16 else (
+        np.dtype(np.uint8), torch.uint8)
+
+
+def _on_gpu(coder: str, device: torch.device, fmt: str) -> bool:
+    """``T.on_gpu``, for the formats the GPU coder is checked on; others code on the host
+    ("auto") or are refused ("gpu")."""
+    gpu = T.on_gpu(coder, device)
+    if gpu and fmt not in _GPU_FORMATS:
+        if coder == "gpu":
+            raise ValueError(f"the GPU coder codes {' and '.join(_GPU_FORMATS)} KV caches, "
+                             f"not {fmt}: use coder='cpu' or 'auto'")
+        return False
+    return gpu
+
+
+def _split32(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """An fp32 tensor's high halves (bf16 bits, the values rounded to bf16) and low halves
+    (bytes, two a value) of its bits + 2**15 (module docstring)."""
+    y = _host(t).contiguous().view(torch.int32).numpy().view(np.uint32).reshape(-1)
+    y = y + np.uint32(0x8000)  # wraps mod 2**32: the split is a bijection
+    return (y >> 16).astype(np.uint16), (y & 0xFFFF).astype("<u2").view(np.uint8)
+
+
+def _join32(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """``_split32``'s inverse: float32 values from their halves."""
+    y = (high.astype(np.uint32) << 16) | low.view("<u2").astype(np.uint32)
+    return (y - np.uint32(0x8000)).view(np.float32)
+
+
+def _low_context(n: int) -> np.ndarray:
+    """The low halves' contexts: which byte of its value each of ``n`` bytes is."""
+    return np.tile(np.arange(2, dtype=np.uint8), n // 2)
 
 
 def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
                 calibration: Calibration, *, model: str = "conditional",
                 threads: int | None = None, coder: str = "auto") -> bytes:
-    """Code ``cache`` (a ``KVCache`` or transformers ``Cache``; bf16, or fp8 ``KVCache``)
-    of the prompt ``input_ids`` ([batch, seq]) against ``predictor``'s guess.
+    """Code ``cache`` (a ``KVCache`` or transformers ``Cache``; bf16, fp16 or fp32, or an
+    fp8 e4m3 / e5m2 ``KVCache``) of the prompt ``input_ids`` ([batch, seq]) against
+    ``predictor``'s guess. The calibration must have a fit of the cache's format.
 
     ``coder``: "gpu" codes a CUDA cache on its device (``entropykit.gpu.dist``, needs
-    CuPy; (mu, sigma) computed there too), "cpu" on the host with ``threads`` threads,
-    "auto" (default) the GPU where the cache is on CUDA and the GPU coder runs. The blob
-    is the same bytes either way."""
+    CuPy; (mu, sigma) computed there too; bf16 and fp8 e4m3 caches only), "cpu" on the
+    host with ``threads`` threads, "auto" (default) the GPU where the cache is on CUDA,
+    the GPU coder runs and codes the format. The blob is the same bytes either way."""
     kv = as_kvcache(cache)
     ids = _host(torch.as_tensor(input_ids))
     if ids.dim() == 1:
@@ -150,12 +196,11 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     if model not in kinds:
         raise ValueError(f"unknown residual model {model!r}; known: {kinds}")
     device = kv.keys[0].device
+    model_tables = calibration.coder_model(model, kv.format)
     groups = _Groups(calibration, predictor, model, kv.shape, kv.scales, layers,
-                     device if T.on_gpu(coder, device) else None, threads)
+                     device if _on_gpu(coder, device, kv.format) else None, threads, kv.format)
     guess = predictor.predict(ids)
     groups.set_guess(guess)
-    model_tables = calibration.coder_model(model, kv.format)
-    np_dtype, view = _storage(kv.format)
     frames = []
     for layer in range(layers):
         for k in (0, 1):
@@ -167,7 +212,15 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
                 frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model_tables,
                                         fmt=kv.format, model_index=index, chunk_size=CHUNK)
                 frames.append(frame.cpu().numpy().tobytes())
+            elif kv.format == "fp32":
+                high, low = _split32(t)
+                frames.append(dist.encode(high, mu, sigma, model_tables, fmt="bf16",
+                                          model_index=index, chunk_size=CHUNK,
+                                          threads=threads))
+                frames.append(static.encode(low, chunk_size=2 * CHUNK, threads=threads,
+                                            context=_low_context(low.size)))
             else:
+                np_dtype, view = _storage(kv.format)
                 bits = _host(t).contiguous().view(view).numpy().view(np_dtype).reshape(-1)
                 frames.append(dist.encode(bits, mu, sigma, model_tables, fmt=kv.format,
                                           model_index=index, chunk_size=CHUNK,
@@ -175,7 +228,7 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
             if groups.conditional:
                 groups.decoded(layer, k, kv.real(layer, k))
     desc = predictor.describe().encode()
-    head = _HEAD.pack(MAGIC, VERSION, dist.FORMATS[kv.format].code, kinds.index(model), 0,
+    head = _HEAD.pack(MAGIC, VERSION, _CODES[kv.format], kinds.index(model), 0,
                       layers, batch, heads, seq, dim, predictor.exact_layers,
                       calibration.fingerprint, _guess_crc(guess), len(desc))
     parts = [head, desc, ids.to(torch.int32).numpy().astype("<i4").tobytes()]
@@ -194,8 +247,8 @@ class _Groups:
 
     def __init__(self, cal: Calibration, predictor: Predictor, kind: str, shape: tuple,
                  scales: torch.Tensor | None, layers: int, device: torch.device | None,
-                 threads: int | None) -> None:
-        self.cal, self.kind, self.shape, self.layers = cal, kind, shape, layers
+                 threads: int | None, fmt: str) -> None:
+        self.cal, self.kind, self.shape, self.layers, self.fmt = cal, kind, shape, layers, fmt
         self.conditional = kind == "conditional"
         self.exact, self.scales, self.device = predictor.exact_layers, scales, device
         self.threads = threads
@@ -212,7 +265,7 @@ class _Groups:
         if self.device is None:
             mu, sigma, index, base = group_distribution(
                 layer, kv, self.guesses, self.shape, self.exact, self.kind, self.cal,
-                self.scales, self.residuals, self.threads)
+                self.scales, self.residuals, self.threads, self.fmt)
         else:
             scale = None if self.scales is None else self.scales[layer, kv].to(self.device)
             mu, sigma, index, base = T.group_distribution(
@@ -225,8 +278,16 @@ class _Groups:
     def decoded(self, layer: int, kv: int, real: torch.Tensor) -> None:
         """Group (layer, kv)'s values in real units (float32), coded or decoded."""
         base = self.bases.pop((layer, kv))
-        self.residuals[(layer, kv)] = (_host(real).numpy() - base if self.device is None
-                                       else real.to(self.device) - base)
+        # As features of later groups, residuals are finite and bounded (NaN -> 0, others
+        # clamped): a cache may hold NaN, inf or huge values, whose raw residuals would
+        # make the next groups' mu non-finite. The same on host and device.
+        top = residual.RESIDUAL_MAX
+        if self.device is None:
+            with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, then 0
+                r = np.clip(np.nan_to_num(_host(real).numpy() - base, nan=0.0), -top, top)
+        else:
+            r = torch.nan_to_num(real.to(self.device) - base, nan=0.0).clamp(-top, top)
+        self.residuals[(layer, kv)] = r
 
 
 @dataclass(frozen=True)
@@ -243,7 +304,12 @@ class _Front:
     predictor: str
     ids: torch.Tensor
     scales: torch.Tensor | None
-    frames: list[tuple[int, int]]  # (offset, length) of each (layer, k/v) frame
+    frames: list[tuple[int, int]]  # (offset, length) of each frame, in the blob's order
+
+    @property
+    def per_group(self) -> int:
+        """Frames a (layer, k/v) tensor takes: 2 for fp32 (high, low halves), else 1."""
+        return 2 if self.fmt == "fp32" else 1
 
 
 def _front(blob: bytes | memoryview) -> _Front:
@@ -256,8 +322,8 @@ def _front(blob: bytes | memoryview) -> _Front:
         raise CorruptDataError(f"not a KV blob: magic {bytes(magic)!r} at byte 0")
     if version != VERSION or reserved:
         raise CorruptDataError(f"KV blob version {version} / reserved byte unsupported")
-    fmt = next((n for n, f in dist.FORMATS.items() if f.code == fcode), None)
-    if fmt not in _FORMATS or kcode >= len(residual.KINDS):
+    fmt = next((n for n, c in _CODES.items() if c == fcode), None)
+    if fmt is None or kcode >= len(residual.KINDS):
         raise CorruptDataError(f"KV blob value format {fcode} / model {kcode} (bytes 5-6)")
     if min(layers, batch, heads, seq, dim) < 1 or exact > layers:
         raise CorruptDataError("KV blob shape fields (bytes 8-31) are invalid")
@@ -266,8 +332,9 @@ def _front(blob: bytes | memoryview) -> _Front:
         raise CorruptDataError(f"KV blob claims {too_big} (bytes 8-27)")
     off = _HEAD.size
     n_ids = batch * seq
-    scale_bytes = 8 * layers if fmt == "fp8_e4m3" else 0
-    end = off + dlen + 4 * n_ids + scale_bytes + 8 * layers
+    scale_bytes = 8 * layers if fmt in _SCALED else 0
+    n_frames = 2 * layers * (2 if fmt == "fp32" else 1)
+    end = off + dlen + 4 * n_ids + scale_bytes + 4 * n_frames
     if end + 4 > len(mv):
         raise CorruptDataError("KV blob truncated before its coded values")
     if zlib.crc32(mv[:end]) != struct.unpack_from("<I", mv, end)[0]:
@@ -284,7 +351,7 @@ def _front(blob: bytes | memoryview) -> _Front:
         if not torch.isfinite(scales).all() or (scales <= 0).any():
             raise CorruptDataError("KV blob fp8 scales are not finite positive numbers")
         off += scale_bytes
-    lengths = np.frombuffer(mv, "<u4", 2 * layers, off).astype(np.int64)
+    lengths = np.frombuffer(mv, "<u4", n_frames, off).astype(np.int64)
     starts = end + 4 + np.concatenate(([0], np.cumsum(lengths)[:-1]))
     if end + 4 + int(lengths.sum()) != len(mv):
         raise CorruptDataError(f"KV blob frames end at byte {end + 4 + int(lengths.sum())}, "
@@ -299,11 +366,18 @@ def _check_frames(h: _Front, buf: np.ndarray, model: dist.CoderModel) -> None:
     (docs/format.md, "KV blob checks"); ``CorruptDataError`` naming the first frame that
     fails."""
     n = int(np.prod(h.shape))
-    width = dist.FORMATS[h.fmt].storage.itemsize
+    fmt = "bf16" if h.fmt == "fp32" else h.fmt  # the distribution frames' format
+    width = dist.FORMATS[fmt].storage.itemsize
     for g, (start, length) in enumerate(h.frames):
         frame = buf[start : start + length]
+        if g % h.per_group:  # an fp32 low half: a static frame of 2 bytes a value
+            info = _frame.parse(static.CODER, frame, max_output=2 * n)
+            if info.n != 2 * n:
+                raise CorruptDataError(f"KV blob frame {g} holds {info.n} low-half bytes, "
+                                       f"the header says {n} fp32 values")
+            continue
         info = dist.parse(frame)
-        if info.fmt.name != h.fmt or info.n != n:
+        if info.fmt.name != fmt or info.n != n:
             raise CorruptDataError(f"KV blob frame {g} holds {info.n} {info.fmt.name} values, "
                                    f"the header says {n} {h.fmt}")
         if info.fingerprint != model.fingerprint:
@@ -339,7 +413,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
     """
     h = _front(blob)
     dev = torch.device(device)
-    on_device = T.on_gpu(coder, dev)
+    on_device = _on_gpu(coder, dev, h.fmt)
     if (h.calibration != calibration.fingerprint or h.predictor != predictor.describe()
             or h.exact != predictor.exact_layers):
         raise CorruptDataError(
@@ -360,7 +434,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
             "decoding needs the same weights, torch build, device type and thread count")
     groups = _Groups(calibration, predictor, h.kind, h.shape, h.scales, h.layers,
-                     dev if on_device else None, threads)
+                     dev if on_device else None, threads, h.fmt)
     groups.set_guess(guess)
     dtype = _FORMATS[h.fmt]
     tensors = []
@@ -372,11 +446,19 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         # conditional model's use of its values, queue on the stream behind the last one
         host = torch.empty(buf.size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         host.numpy()[:] = buf
-    for g, (start, length) in enumerate(h.frames):
+    for g in range(2 * h.layers):
         layer, k = divmod(g, 2)
         mu, sigma, index = groups.distribution(layer, k)
+        start, length = h.frames[g * h.per_group]
         frame = buf[start : start + length]
-        if groups.device is not None:
+        if h.fmt == "fp32":
+            high = dist.decode(frame, mu, sigma, model_tables, model_index=index,
+                               threads=threads)
+            lo_start, lo_length = h.frames[g * h.per_group + 1]
+            low = static.decode(buf[lo_start : lo_start + lo_length], threads=threads,
+                                context=_low_context(2 * high.size), max_output=2 * high.size)
+            t = torch.from_numpy(_join32(high, low)).reshape(h.shape)
+        elif groups.device is not None:
             pending.append(gpu_dist.decode_async(host[start : start + length], mu, sigma,
                                                  model_tables, model_index=index,
                                                  device=groups.device))
