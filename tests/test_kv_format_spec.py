@@ -213,7 +213,8 @@ def _with_header(**fields: int) -> bytes:
 
 @pytest.mark.parametrize("fields, match", [
     ({"version": 2}, "version"), ({"reserved": 1}, "reserved"),
-    ({"value_format": 2}, "value format"), ({"residual_model": 3}, "model 3"),
+    ({"value_format": 6}, "value format"), ({"value_format": 2}, "no fp16 fit"),
+    ({"residual_model": 3}, "model 3"),
     ({"exact": 4}, "shape fields"), ({"heads": 0}, "shape fields"),
     ({"head_dim": (1 << 12) + 1}, "head dim"), ({"heads": (1 << 10) + 1}, "kv heads"),
     ({"calibration": 1}, "calibration"), ({"guess_crc": 1}, "guess"),

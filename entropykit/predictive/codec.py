@@ -422,6 +422,9 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             f"({predictor.exact_layers}) and {calibration.fingerprint:#010x}")
     if calibration.bias.shape != (h.layers, 2, h.shape[1], h.shape[3]):
         raise CorruptDataError("KV blob shape does not match the calibration's model")
+    if h.fmt not in calibration.formats:
+        raise CorruptDataError(f"KV blob holds {h.fmt} values; the calibration has no "
+                               f"{h.fmt} fit (it has {', '.join(calibration.formats)})")
     buf = np.frombuffer(memoryview(blob), np.uint8)
     model_tables = calibration.coder_model(h.kind, h.fmt)
     _check_frames(h, buf, model_tables)  # all of the blob, before the predictor runs
