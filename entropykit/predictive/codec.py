@@ -247,8 +247,9 @@ class _Groups:
 
     def __init__(self, cal: Calibration, predictor: Predictor, kind: str, shape: tuple,
                  scales: torch.Tensor | None, layers: int, device: torch.device | None,
-                 threads: int | None, fmt: str) -> None:
-        self.cal, self.kind, self.shape, self.layers, self.fmt = cal, kind, shape, layers, fmt
+                 threads: int | None, fmt: str | None = None) -> None:
+        self.cal, self.kind, self.shape, self.layers = cal, kind, shape, layers
+        self.fmt = fmt or ("bf16" if scales is None else "fp8_e4m3")
         self.conditional = kind == "conditional"
         self.exact, self.scales, self.device = predictor.exact_layers, scales, device
         self.threads = threads
