@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from entropykit import CorruptDataError
 from entropykit import predictive as P
-from entropykit.predictive import calibration, codec, kvcache
+from entropykit.predictive import calibration, codec, kvcache, residual
 from entropykit.rans import distribution as D
 from entropykit.rans import static
 from entropykit.warmup import tiny_llama
@@ -101,7 +101,7 @@ def test_adversarial_values_roundtrip(dtype):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bits=st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=300),
-       mu=st.floats(-1e6, 1e6, width=32), sigma=st.floats(1e-6, 1e6, width=32))
+       mu=st.floats(-2.0**20, 2.0**20, width=32), sigma=st.floats(2.0**-20, 2.0**20, width=32))
 def test_fp32_halves_code_every_bit_pattern(bits, mu, sigma):
     # The fp32 path's pieces: the split is a bijection, the high halves code as bf16 under
     # any (mu, sigma), the low halves under the static coder with their byte context.
@@ -110,10 +110,10 @@ def test_fp32_halves_code_every_bit_pattern(bits, mu, sigma):
     assert np.array_equal(codec._join32(high, low).view(np.uint32), np.array(bits, np.uint32))
     model = CALS[NONE.describe()].coder_model("conditional", "fp32")
     n = high.size
-    frame = D.encode(high, np.full(n, mu, np.float32), np.full(n, sigma, np.float32), model,
-                     fmt="bf16", model_index=0, chunk_size=1024)
-    back = D.decode(frame, np.full(n, mu, np.float32), np.full(n, sigma, np.float32), model,
-                    model_index=0)
+    mus = np.full(n, mu, np.float32)
+    sigmas = residual.floor(np.full(n, sigma, np.float32), mus)  # as the codec's
+    frame = D.encode(high, mus, sigmas, model, fmt="bf16", model_index=0, chunk_size=1024)
+    back = D.decode(frame, mus, sigmas, model, model_index=0)
     ctx = codec._low_context(low.size)
     lo = static.decode(static.encode(low, chunk_size=1024, context=ctx), context=ctx,
                        max_output=low.size)
@@ -128,11 +128,11 @@ def test_new_formats_code_every_bit_pattern(fmt, data):
     width = D.FORMATS[fmt].bits
     bits = np.array(data.draw(st.lists(st.integers(0, (1 << width) - 1), min_size=1,
                                        max_size=400)), D.FORMATS[fmt].storage)
-    mu = np.float32(data.draw(st.floats(-6e4, 6e4, width=32)))
-    sigma = np.float32(data.draw(st.floats(1e-7, 1e4, width=32)))
+    mu = np.full(bits.size, data.draw(st.floats(-6e4, 6e4, width=32)), np.float32)
+    sigma = np.full(bits.size, data.draw(st.floats(2.0**-23, 2.0**13, width=32)), np.float32)
     model = CALS[NONE.describe()].coder_model("conditional", fmt)
     n = bits.size
-    args = (np.full(n, mu, np.float32), np.full(n, sigma, np.float32), model)
+    args = (mu, residual.floor(sigma, mu), model)
     frame = D.encode(bits, *args, fmt=fmt, model_index=n % (len(model)), chunk_size=1024)
     assert np.array_equal(D.decode(frame, *args, model_index=n % len(model)), bits)
 
