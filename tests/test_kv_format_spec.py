@@ -23,7 +23,7 @@ from test_dist_format_spec import _header_rows as _frame_rows
 
 from entropykit import CorruptDataError
 from entropykit import predictive as P
-from entropykit.predictive import residual
+from entropykit.predictive import kvcache, residual
 from entropykit.rans import distribution as D
 
 DOC = (Path(__file__).parent.parent / "docs" / "format.md").read_text()
@@ -226,8 +226,11 @@ def test_spec_reader_reads_blobs(kind, fp8, tmp_path):
 
 def test_residual_model_codes_are_the_codes_kinds():
     assert _codes("residual model") == dict(enumerate(P.KINDS))
-    assert set(_codes("value format").values()) == {"bf16", "fp8_e4m3"}
-    assert {c: D.FORMATS[n].code for c, n in _codes("value format").items()} == {1: 1, 3: 3}
+    codes = _codes("value format")
+    assert set(codes.values()) == {"bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32"}
+    assert {c: D.FORMATS[n].code for c, n in codes.items() if n != "fp32"} == {
+        1: 1, 2: 2, 3: 3, 4: 4}
+    assert set(codes.values()) == set(kvcache.DTYPES.values())
 
 
 BLOB = P.compress_kv(CACHE, IDS, PREDICTOR, CALIBRATION)
@@ -249,7 +252,8 @@ def _with_header(**fields: int) -> bytes:
 
 @pytest.mark.parametrize("fields, match", [
     ({"version": 3}, "version"), ({"reserved": 1}, "reserved"),
-    ({"value_format": 2}, "value format"), ({"residual_model": 3}, "model 3"),
+    ({"value_format": 6}, "value format"), ({"value_format": 2}, "no fp16 fit"),
+    ({"residual_model": 3}, "model 3"),
     ({"exact": 4}, "shape fields"), ({"heads": 0}, "shape fields"),
     ({"head_dim": (1 << 12) + 1}, "head dim"), ({"heads": (1 << 10) + 1}, "kv heads"),
     ({"calibration": 1}, "calibration"), ({"guess_crc": 1}, "guess"),
