@@ -99,3 +99,28 @@ def test_load_refuses_a_shape_over_the_channel_cap(tmp_path):
     ok = np.zeros((1, 2, 1, calibration.MAX_CHANNELS), np.float32)
     path.write_bytes(_safetensors({"bias": ok, "std": ok}))
     assert P.Calibration.load(path).arrays["bias"].shape == ok.shape
+
+
+def test_load_checks_the_caps_on_a_version_2_layout(tmp_path, monkeypatch):
+    cal = P.calibrate(MODEL, P.NoPredictor(), PROMPTS, ("bf16",), progress=False)
+    path = tmp_path / "c.safetensors"
+    cal.save(path)
+    size = calibration.file_bytes(cal.dims, 1)
+    monkeypatch.setattr(calibration, "MAX_BYTES", size - 1)
+    with pytest.raises(CorruptDataError, match=f"{size} tensor bytes, more than"):
+        P.Calibration.load(path)
+    monkeypatch.setattr(calibration, "MAX_BYTES", size)
+    assert P.Calibration.load(path).fingerprint == cal.fingerprint
+    # One group of 2 heads of 2**12 in the layout: over the channel cap, refused from the
+    # layout before the other tensors (not of its sizes) are compared or read.
+    layout = cal.arrays["layout"].copy()
+    layout[0, 0] = (2, calibration.MAX_CHANNELS)
+    P.Calibration(cal.predictor, dict(cal.arrays, layout=layout), cal.tokens).save(path)
+    with pytest.raises(CorruptDataError, match="8192 kv heads \\* head dim, more than"):
+        P.Calibration.load(path)
+
+
+def test_calibrate_refuses_a_group_over_the_channel_cap(monkeypatch):
+    monkeypatch.setattr(calibration, "MAX_CHANNELS", 31)  # MODEL's groups: 2 heads of 16
+    with pytest.raises(ValueError, match="32 kv heads \\* head dim, more than"):
+        P.calibrate(MODEL, P.NoPredictor(), PROMPTS, progress=False)
