@@ -23,7 +23,7 @@ from test_dist_format_spec import _header_rows as _frame_rows
 
 from entropykit import CorruptDataError
 from entropykit import predictive as P
-from entropykit.predictive import residual
+from entropykit.predictive import kvcache, residual
 from entropykit.rans import distribution as D
 
 DOC = (Path(__file__).parent.parent / "docs" / "format.md").read_text()
@@ -75,9 +75,14 @@ def _codes(field: str) -> dict[int, str]:
     return {int(c): n for c, n in re.findall(r"(\d) (\w+)", row)}
 
 
+# the calibration's suffix `<f>` of each cache format ("KV frames")
+_SUFFIX = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8_e4m3": "fp8",
+           "fp8_e5m2": "e5m2"}
+
+
 def _model_table(kind: str, fmt: str, arrays: dict[str, np.ndarray]) -> tuple:
     """(shapes, emps, weights) of a blob's coder model as the "KV frames" table gives it."""
-    suffix = "bf16" if fmt == "bf16" else "fp8"
+    suffix = _SUFFIX[fmt]
     row = re.search(r"^\| 2 \* layer \+ kv .*\| ([^|]*) \|$", KV, re.M)[1]
     weights = {k: int(w) for k, w in re.findall(r"(\w+) (?:round\([^)]*\) = )?(\d+)", row)}
     groups = arrays[f"emp_{suffix}"].shape[0]
@@ -128,7 +133,7 @@ def read_calibration(path: Path) -> tuple[dict, dict[str, np.ndarray], int]:
     for name, per_format, dtype, shape in table:
         size = tuple(math.prod(dims[t] if t in dims else int(t) for t in s.split())
                      for s in shape.split(", "))  # "2 L": a product
-        for suffix in ("bf16", "fp8") if per_format else ("",):
+        for suffix in _SUFFIX.values() if per_format else ("",):
             if not per_format or f"cstd_{suffix}" in arrays:
                 want[f"{name}_{suffix}" if per_format else name] = (dtype, size)
     assert {n: (e["dtype"], tuple(e["shape"])) for n, e in header.items()} == want
@@ -161,15 +166,16 @@ def read_blob(blob: bytes, cache: P.KVCache, arrays: dict[str, np.ndarray],
     ids = np.frombuffer(blob, "<i4", B * S, off).reshape(B, S)
     off += 4 * B * S
     scales = None
-    if fmt == "fp8_e4m3":
+    if fmt in ("fp8_e4m3", "fp8_e5m2"):
         scales = np.frombuffer(blob, "<f4", 2 * L, off).reshape(L, 2)
         off += 8 * L
-    lengths = struct.unpack_from(f"<{2 * L}I", blob, off)
-    off += 8 * L
+    per = 2 if fmt == "fp32" else 1  # frames a group: fp32's high and low halves
+    lengths = struct.unpack_from(f"<{2 * L * per}I", blob, off)
+    off += 8 * L * per
     assert struct.unpack_from("<I", blob, off)[0] == zlib.crc32(blob[:off])
     off += 4
     assert off + sum(lengths) == len(blob)
-    assert all((s is None) == (n == 0) for s, n in zip(shapes, lengths, strict=True))
+    assert all((shapes[f // per] is None) == (n == 0) for f, n in enumerate(lengths))
     assert desc == predictor.describe() and h["exact"] == predictor.exact_layers
     np.testing.assert_array_equal(ids, ids_want.numpy())
     if scales is not None:
@@ -178,19 +184,31 @@ def read_blob(blob: bytes, cache: P.KVCache, arrays: dict[str, np.ndarray],
     fingerprint = zlib.crc32(model_shapes.astype("<u4").tobytes()
                              + emps.astype("<u4").tobytes()
                              + np.asarray(weights, "<i8").tobytes())
-    width = 2 if fmt == "bf16" else 1
-    for g, length in enumerate(lengths):
+    width = 1 if fmt.startswith("fp8") else 2
+    for i, length in enumerate(lengths):
+        g = i // per
         if shapes[g] is None:
             continue
         frame = blob[off : off + length]
         off += length
-        f = _fields(frame, _frame_rows())
-        assert f["magic"] == b"EKRD" and f["value format"] == h["value format"]
-        assert f["n"] == math.prod(shapes[g]) and f["fingerprint"] == fingerprint
-        # The true tensor, [B, H_g, S_g, D_g] row-major: each chunk's CRC is of its values.
         layer, kv = divmod(g, 2)
         t = cache.tensor(layer, kv).contiguous()
-        truth = (t.view(torch.int16) if width == 2 else t.view(torch.uint8)).numpy().tobytes()
+        n = math.prod(shapes[g])
+        if fmt == "fp32":  # y = bits + 2^15 mod 2^32: high halves, then low halves
+            y = t.view(torch.int32).numpy().view(np.uint32).reshape(-1) + np.uint32(1 << 15)
+            if i % 2:
+                f = _fields(frame, _frame_rows()[:1])
+                assert f["magic"] == b"EKRA" and frame[7] in (0, 1)  # one table or per byte
+                assert struct.unpack_from("<Q", frame, 8)[0] == 2 * n
+                continue
+            truth = (y >> 16).astype("<u2").tobytes()
+        else:
+            truth = (t.view(torch.int16) if width == 2 else t.view(torch.uint8)).numpy().tobytes()
+        f = _fields(frame, _frame_rows())
+        code = 1 if fmt == "fp32" else h["value format"]  # fp32's high halves: bf16
+        assert f["magic"] == b"EKRD" and f["value format"] == code
+        assert f["n"] == n and f["fingerprint"] == fingerprint
+        # The true tensor, [B, H_g, S_g, D_g] row-major: each chunk's CRC is of its values.
         cs, nc = f["chunk_size"], f["n_chunks"]
         crcs = struct.unpack_from(f"<{nc}I", frame, 28 + 4 * nc)
         for c in range(nc):
@@ -224,10 +242,37 @@ def test_spec_reader_reads_blobs(kind, fp8, tmp_path):
     assert P.decompress_kv(blob, PREDICTOR, P.Calibration.load(path)).equal(cache)
 
 
+NEW_CALIBRATION = P.calibrate(MODEL, PREDICTOR, [torch.randint(0, 128, (64,), generator=GEN)],
+                              ("fp16", "fp32", "fp8_e5m2"), progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e5m2])
+@pytest.mark.parametrize("tokens", [24, 20])  # 20: the groups hold the last 20, version 2
+def test_spec_reader_reads_blobs_of_the_other_dtypes(dtype, tokens, tmp_path):
+    cache = P.KVCache([k[:, :, -tokens:].float() for k in CACHE.keys],
+                      [v[:, :, -tokens:].float() for v in CACHE.values])
+    gen = torch.Generator().manual_seed(1)
+    cache = P.KVCache(*[[t * (1 + 2.0**-10 * torch.randn(t.shape, generator=gen)) for t in ts]
+                        for ts in (cache.keys, cache.values)])  # low halves not all alike
+    cache = (P.to_fp8(cache, dtype) if dtype == torch.float8_e5m2 else
+             P.KVCache([k.to(dtype) for k in cache.keys], [v.to(dtype) for v in cache.values]))
+    path = tmp_path / "cal.safetensors"
+    NEW_CALIBRATION.save(path)
+    _, arrays, fingerprint = read_calibration(path)
+    blob = P.compress_kv(cache, IDS, PREDICTOR, NEW_CALIBRATION)
+    h = read_blob(blob, cache, arrays)
+    assert h["fmt"] == kvcache.DTYPES[dtype] and h["calibration"] == fingerprint
+    assert h["version"] == (1 if tokens == 24 else 2)
+    assert P.decompress_kv(blob, PREDICTOR, P.Calibration.load(path)).equal(cache)
+
+
 def test_residual_model_codes_are_the_codes_kinds():
     assert _codes("residual model") == dict(enumerate(P.KINDS))
-    assert set(_codes("value format").values()) == {"bf16", "fp8_e4m3"}
-    assert {c: D.FORMATS[n].code for c, n in _codes("value format").items()} == {1: 1, 3: 3}
+    codes = _codes("value format")
+    assert set(codes.values()) == {"bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32"}
+    assert {c: D.FORMATS[n].code for c, n in codes.items() if n != "fp32"} == {
+        1: 1, 2: 2, 3: 3, 4: 4}
+    assert set(codes.values()) == set(kvcache.DTYPES.values())
 
 
 BLOB = P.compress_kv(CACHE, IDS, PREDICTOR, CALIBRATION)
@@ -249,7 +294,8 @@ def _with_header(**fields: int) -> bytes:
 
 @pytest.mark.parametrize("fields, match", [
     ({"version": 3}, "version"), ({"reserved": 1}, "reserved"),
-    ({"value_format": 2}, "value format"), ({"residual_model": 3}, "model 3"),
+    ({"value_format": 6}, "value format"), ({"value_format": 2}, "no fp16 fit"),
+    ({"residual_model": 3}, "model 3"),
     ({"exact": 4}, "shape fields"), ({"heads": 0}, "shape fields"),
     ({"head_dim": (1 << 12) + 1}, "head dim"), ({"heads": (1 << 10) + 1}, "kv heads"),
     ({"calibration": 1}, "calibration"), ({"guess_crc": 1}, "guess"),

@@ -212,4 +212,4 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown residual"):
         P.compress_kv(CACHE, IDS, PREDICTORS["fp8"], CALS["fp8"], model="laplace")
     with pytest.raises(TypeError):
-        P.KVCache([k.float() for k in CACHE.keys], [v.float() for v in CACHE.values])
+        P.KVCache([k.double() for k in CACHE.keys], [v.double() for v in CACHE.values])

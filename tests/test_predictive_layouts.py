@@ -17,6 +17,7 @@ from _kvcheck import check_torch_is_numpy, device_path  # noqa: F401 - a fixture
 
 from entropykit import CorruptDataError
 from entropykit import predictive as P
+from entropykit.predictive import codec
 from entropykit.predictive.predictors import decoder_layers, output_cache
 
 transformers = pytest.importorskip("transformers")
@@ -349,3 +350,68 @@ def test_to_transformers_with_config_continues_a_sliding_window_model():
         want = model(step, past_key_values=ref, use_cache=True).logits
         got = model(step, past_key_values=back, use_cache=True).logits
     assert torch.equal(got, want)
+
+
+# ---- cache dtypes beside bf16 and fp8 e4m3 on per-group layouts ----------------------------
+
+NEW_DTYPES = {torch.float16: "fp16", torch.float32: "fp32", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def _as_dtype(cache: P.KVCache, dtype: torch.dtype) -> P.KVCache:
+    """``cache`` in ``dtype``; fp32 values perturbed below bf16's resolution, so that their
+    low halves are not all alike."""
+    if dtype == torch.float8_e5m2:
+        return P.to_fp8(cache, dtype)
+    gen = torch.Generator().manual_seed(5)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        x = t.to(dtype)
+        if dtype == torch.float32:
+            x = x * (1 + 2.0**-10 * torch.randn(x.shape, generator=gen))
+        return x
+
+    return P.KVCache([cast(k) for k in cache.keys], [cast(v) for v in cache.values])
+
+
+def _frames_per_group(blob: bytes, cache: P.KVCache) -> None:
+    """The blob is version 2 with one frame length a group (fp32: two), 0 exactly for the
+    groups without KV."""
+    front = codec._front(blob)
+    per = 2 if cache.format == "fp32" else 1
+    assert blob[4] == 2 and len(front.frames) == per * len(cache.shapes)
+    empty = [n == 0 for _, n in front.frames]
+    assert empty == [sh is None for sh in cache.shapes for _ in range(per)]
+
+
+@pytest.fixture(scope="module")
+def syn_new_cal() -> P.Calibration:
+    gen = torch.Generator().manual_seed(12)
+    return P.calibrate(SYN, P.NoPredictor(),
+                       [torch.randint(0, VOCAB, (64,), generator=gen) for _ in range(6)],
+                       tuple(NEW_DTYPES.values()), progress=False)
+
+
+@pytest.mark.parametrize("dtype", list(NEW_DTYPES), ids=list(NEW_DTYPES.values()))
+def test_new_dtypes_on_a_mixed_layout(dtype, syn_new_cal):
+    # keys and values of other shapes, a layer without KV, a sliding layer
+    cache = _as_dtype(SYN_CACHE, dtype)
+    for kind in ("conditional", "gaussian"):
+        blob = P.compress_kv(cache, SYN_IDS, P.NoPredictor(), syn_new_cal, model=kind,
+                             threads=1)
+        _frames_per_group(blob, cache)
+        _assert_exact(P.decompress_kv(blob, P.NoPredictor(), syn_new_cal, threads=1), cache)
+    assert codec._CODES[cache.format] == blob[5]
+
+
+def test_gemma2_sliding_cache_in_fp16_and_fp32():
+    model = FAMILIES["gemma2"][0]()
+    pred = P.FP8Predictor(model)
+    cal = P.calibrate(model, pred, PROMPTS, formats=("fp16", "fp32"), progress=False)
+    for dtype in (torch.float16, torch.float32):
+        cache = _as_dtype(_cache(model), dtype)
+        assert cache.shapes == FAMILIES["gemma2"][1]
+        blob = P.compress_kv(cache, IDS, pred, cal, threads=1)
+        _frames_per_group(blob, cache)
+        _assert_exact(P.decompress_kv(blob, pred, cal, threads=1), cache)

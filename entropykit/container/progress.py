@@ -26,10 +26,13 @@ def _clock(seconds: float) -> str:
 
 
 class Bar:
-    """Call with (bytes done, bytes total); call ``close()`` when the work ends."""
+    """Call with (bytes done, bytes total); call ``close()`` when the work ends. ``unit``
+    and ``scale`` name other work: ``Bar("fit", unit="steps", scale=1)`` counts steps."""
 
-    def __init__(self, label: str, stream: TextIO | None = None, interval: float = 0.1) -> None:
+    def __init__(self, label: str, stream: TextIO | None = None, interval: float = 0.1,
+                 *, unit: str = "MB", scale: float = 1e6) -> None:
         self.label = label
+        self.unit, self.scale = unit, scale
         self.stream = sys.stderr if stream is None else stream
         self.interval = interval
         self._last = -1.0
@@ -47,10 +50,13 @@ class Bar:
     def line(self, done: int, total: int, now: float) -> str:
         """The text drawn for (done, total) at time ``now``."""
         pct = 100.0 * done / total if total else 100.0
-        text = f"{self.label}  {pct:3.0f}%  {done / 1e6:.1f}/{total / 1e6:.1f} MB"
+        digits = 0 if self.scale == 1 else 1
+        text = (f"{self.label}  {pct:3.0f}%  {done / self.scale:.{digits}f}/"
+                f"{total / self.scale:.{digits}f} {self.unit}")
         if self._first is not None and now > self._first[0] and done > self._first[1]:
             rate = (done - self._first[1]) / (now - self._first[0])
-            text += f"  {rate / 1e6:.0f} MB/s  ETA {_clock((total - done) / rate)}"
+            text += (f"  {rate / self.scale:.{1 - digits}f} {self.unit}/s  "
+                     f"ETA {_clock((total - done) / rate)}")
         if self._file is not None:
             name, base, size, k = self._file
             mine = 100.0 * min(max(done - base, 0), size) / size if size else 100.0

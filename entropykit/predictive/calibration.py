@@ -2,22 +2,26 @@
 
 What it is: ``calibrate(target, predictor, prompts)`` runs both models on the prompts and
 fits per channel (layer, k/v, kv head, dim) the residual bias and std, and for each cache
-format (bf16; fp8 e4m3 with one scale per layer and k/v, whose coarse values need their
-own fit) the conditional model: per (layer, k/v) its linear maps, conditional std and
-shape; plus the empirical value distributions of each format. ``Calibration`` holds them,
-saves them to a safetensors file (docs/format.md, section "KV calibration file") and
-builds the coder's tables. Each (layer, k/v) group has its own kv heads and head dim, or
-none (a layer without KV); version 1 files (one shape for every group) still load. Size:
-the int8 maps dominate, about 2 * 4.5 * (heads * dim)^2 bytes per layer and format.
+format asked for (bf16, fp16, fp32; fp8 e4m3 and e5m2 with one scale per layer and k/v,
+whose coarse values need their own fit) the conditional model: per (layer, k/v) its
+linear maps, conditional std and shape; plus the empirical value distributions of each
+format. ``Calibration`` holds them, saves them to a safetensors file (docs/format.md,
+section "KV calibration file") and builds the coder's tables. Each (layer, k/v) group has
+its own kv heads and head dim, or none (a layer without KV); version 1 files (one shape
+for every group) still load. Size (``file_bytes``, capped at ``MAX_BYTES``): the int8
+maps dominate, about 2 * 4.5 * (heads * dim)^2 bytes per layer and format (SmolLM2-135M:
+~0.37 MB per layer, ~11 MB per format).
 What it is not: the codec (``codec``) or the residual models' definitions (``residual``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import sys
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,13 +32,58 @@ import torch
 from .._errors import CorruptDataError
 from ..rans import distribution as dist
 from . import residual
-from .kvcache import FP8_MAX, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, aligned_guess, from_transformers
+from .kvcache import (
+    DTYPES,
+    FP8_MAXES,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    aligned_guess,
+    from_transformers,
+)
 from .predictors import Predictor, model_device, output_cache
 
 VERSION = 2  # written; version 1 (one [layers, 2, heads, dim] shape) is read too
-FORMATS = ("bf16", "fp8_e4m3")
-_SUFFIX = {"bf16": "bf16", "fp8_e4m3": "fp8"}
+FORMATS = ("bf16", "fp8_e4m3", "fp16", "fp32", "fp8_e5m2")
+DEFAULT_FORMATS = ("bf16", "fp8_e4m3")
+_SUFFIX = {"bf16": "bf16", "fp8_e4m3": "fp8", "fp16": "fp16", "fp32": "fp32",
+           "fp8_e5m2": "e5m2"}
+_TORCH = {name: t for t, name in DTYPES.items()}
 _PER_FORMAT = ("cstd", "cond", "cscale", "shapes", "emp")
+# Caps of the file (docs/format.md, "KV calibration file"), besides the layout's (layers,
+# kv heads, head dim): checked by the reader from the header before any tensor but the
+# layout is read, and by ``calibrate`` before it fits anything.
+MAX_CHANNELS = 1 << 12  # kv heads * head dim of a group
+MAX_BYTES = 1 << 34  # of all tensors together
+_ITEMSIZE = {"F32": 4, "I32": 4, "U32": 4, "I8": 1}
+
+
+def file_bytes(dims: Sequence[tuple[int, int] | None], formats: int) -> int:
+    """Bytes of the tensors (the file adds a header of a few kB) of a calibration of
+    ``formats`` cache formats for the layout ``dims`` (each (layer, k/v) group's (kv
+    heads, head dim), None for a layer without KV: ``Calibration.dims``), as ``calibrate``
+    writes it (version 2). The int8 maps dominate: per group its channels times the
+    channels of the groups it is conditioned on (``residual.sources``)."""
+    return _bytes(_expected(len(dims) // 2, list(dims), (), FORMATS[:formats]))
+
+
+def _bytes(want: dict[str, tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes of the tensors ``_expected`` gives."""
+    return sum(_ITEMSIZE[dtype] * math.prod(shape) for dtype, shape in want.values())
+
+
+def _cap_error(layers: int, channels: int,
+               want: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> str | None:
+    """What exceeds a cap of the file format: its layers, a group's kv heads * head dim
+    (``channels``: the most of any group's) or, given ``want`` (``_expected``'s), the
+    tensors' bytes; None if nothing does."""
+    checks = [("layers", layers, MAX_LAYERS), ("kv heads * head dim", channels, MAX_CHANNELS)]
+    if want is not None:
+        checks.append(("tensor bytes", _bytes(want), MAX_BYTES))
+    for what, value, cap in checks:
+        if value > cap:
+            return f"{value} {what}, more than the format's {cap}"
+    return None
 
 
 @dataclass(eq=False)
@@ -308,9 +357,16 @@ def _check_specs(specs: dict[str, tuple[str, tuple[int, ...]]],
         if min(layers, heads, dim) < 1 or two != 2:
             raise CorruptDataError(f"calibration bias has shape {list(specs['bias'][1])}")
         dims = None
+    channels = max(_width(d) for d in dims) if dims is not None else bias[2] * bias[3]
+    too_big = _cap_error(layers, channels)  # first: the sizes below grow with these
+    if too_big is not None:
+        raise CorruptDataError(f"calibration: {too_big}")
     formats = [f for f in FORMATS
                if any(f"{p}_{_SUFFIX[f]}" in specs for p in _PER_FORMAT)]
     want = _expected(layers, dims, bias, formats)
+    too_big = _cap_error(layers, channels, want)
+    if too_big is not None:
+        raise CorruptDataError(f"calibration: {too_big}")
     if set(specs) != set(want):
         extra, missing = sorted(set(specs) - set(want)), sorted(set(want) - set(specs))
         raise CorruptDataError(f"calibration tensors: unknown {extra}, missing {missing}")
@@ -320,32 +376,51 @@ def _check_specs(specs: dict[str, tuple[str, tuple[int, ...]]],
                                    f"{list(specs[name][1])}, expected {dtype}{list(shape)}")
 
 
-def _fp8_round(x: torch.Tensor) -> torch.Tensor:
-    """x through e4m3 with one scale (max |x| / 448), back in real units: ``to_fp8``'s."""
-    amax = float(x.abs().max())
-    scale = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+def _cast(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float]:
+    """Real values ``x`` (float32) in format ``fmt`` and their scale: fp8 with one scale
+    (max |x| / the format's largest value, ``to_fp8``'s), others unscaled (fp16 clamped
+    to its finite range: the fit needs finite values)."""
+    dtype = _TORCH[fmt]
+    if dtype in FP8_MAXES:
+        top = FP8_MAXES[dtype]
+        amax = float(x.abs().max())
+        scale = torch.tensor(amax / top if 0 < amax < float("inf") else 1.0,
+                             dtype=torch.float32)
+        return (x / scale).clamp(-top, top).to(dtype), float(scale)
+    if dtype == torch.float16:
+        x = x.clamp(-65504.0, 65504.0)
+    return x.to(dtype), 1.0
+
+
+def _as_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x through format ``fmt``, back in real units (float32)."""
+    q, scale = _cast(x, fmt)
+    return q.float() * scale if scale != 1.0 else q.float()
 
 
 def _key_counts(x: torch.Tensor, fmt: str) -> np.ndarray:
-    """Counts of each key (numeric order, as the coder's) of ``x`` in format ``fmt``."""
-    if fmt == "bf16":
-        bits = x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-        return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << 16)
-    amax = float(x.abs().max())
-    scale = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
-    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    bits = q.contiguous().view(torch.uint8).numpy()
-    return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << 8)
+    """Counts of each key (numeric order, as the coder's) of ``x`` in format ``fmt``
+    (fp32: of its high halves, bf16 keys, as the codec splits it)."""
+    q, _ = _cast(x, fmt)
+    if fmt == "fp32":
+        y = q.contiguous().view(torch.int32).numpy().view(np.uint32) + np.uint32(0x8000)
+        bits = (y >> 16).astype(np.uint16)
+    else:
+        view = torch.int16 if q.element_size() == 2 else torch.uint8
+        bits = q.contiguous().view(view).numpy().view(np.uint16 if view == torch.int16
+                                                       else np.uint8)
+    return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << (8 * bits.itemsize))
 
 
 Groups = dict[int, list[np.ndarray]]  # group 2 * layer + kv -> per prompt [1, h, s, d]
 
 
 def _fit_conditional(xs: Groups, ps: Groups, bias: dict[int, np.ndarray], exact: int,
-                     layers: int, out: dict[str, np.ndarray], suffix: str) -> None:
+                     layers: int, out: dict[str, np.ndarray], suffix: str,
+                     tick: Callable[[], None]) -> None:
     """Fit the conditional model of one format from its values ``xs`` and guesses ``ps``
-    (per group with KV, per prompt, real units) into ``out`` (version-2 layout)."""
+    (per group with KV, per prompt, real units) into ``out`` (version-2 layout); ``tick``
+    after each group."""
     dims = [None] * (2 * layers)
     for g, a in xs.items():
         dims[g] = (a[0].shape[1], a[0].shape[3])
@@ -362,6 +437,7 @@ def _fit_conditional(xs: Groups, ps: Groups, bias: dict[int, np.ndarray], exact:
         bases = [p if layer < exact else p + bias[g][None, :, None, :] for p in ps[g]]
         for i in range(prompts):
             residuals[i][(layer, kv)] = xs[g][i] - bases[i]
+        tick()
         if layer < exact:
             continue  # coded as exact: nothing to fit
         hd = dims[g][0] * dims[g][1]
@@ -386,22 +462,65 @@ def _fit_conditional(xs: Groups, ps: Groups, bias: dict[int, np.ndarray], exact:
             f"shapes_{suffix}": shapes}
 
 
+Progress = Callable[[int, int], None]
+
+
+def _progress(progress: bool | Progress | None) -> tuple[Progress | None, Any]:
+    """(the callback, the bar to close) for ``calibrate``'s ``progress``: None draws a bar
+    on stderr where it is a terminal, True always, False never; a callable is called."""
+    if callable(progress):
+        return progress, None
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None, None
+    from ..container.progress import Bar
+
+    bar = Bar("calibrate", unit="steps", scale=1)
+    return bar, bar
+
+
 def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[Any],
-              formats: Sequence[str] = FORMATS) -> Calibration:
+              formats: Sequence[str] = DEFAULT_FORMATS, *,
+              progress: bool | Progress | None = None) -> Calibration:
     """Fit every residual model of (``target``, ``predictor``) on ``prompts``.
 
     ``prompts`` are token-id sequences (1-d tensors, lists, or [1, seq] tensors);
-    ``formats`` the cache formats to fit the conditional model for. Layers the predictor
-    reproduces exactly are not fitted (they are coded as exact). Every prompt must give
-    the same cache layout (kv heads and head dim per layer and k/v).
+    ``formats`` the cache formats to fit the conditional model for (a subset of
+    ``FORMATS``; a cache is coded only with a calibration of its format). Layers the
+    predictor reproduces exactly are not fitted (they are coded as exact). Every prompt
+    must give the same cache layout (kv heads and head dim per layer and k/v).
+    ``progress``: a progress line on stderr (None: where stderr is a terminal; True:
+    always; False: never) or a callable given (steps done, steps in all): one step a
+    prompt, then one a (layer, k/v, format) fit of each group with KV. ``ValueError``
+    before anything runs past the first prompt where the calibration file would exceed
+    the format's caps (``file_bytes``).
     """
     if not formats or any(f not in FORMATS for f in formats):
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}")
+    prompts = list(prompts)
+    report, bar = _progress(progress)
+    try:
+        return _calibrate(target, predictor, prompts, formats, report)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any],
+               formats: Sequence[str], report: Progress | None) -> Calibration:
     xs: dict[str, Groups] = {}
     ps: Groups = {}
     counts: dict[str, dict[int, np.ndarray]] = {}
     dims: list | None = None
     tokens = 0
+    steps = [0, len(prompts)]
+
+    def tick() -> None:
+        steps[0] += 1
+        if report is not None:
+            report(*steps)
+
     for prompt in prompts:
         ids = torch.as_tensor(prompt).reshape(1, -1)
         tokens += ids.shape[1]
@@ -413,7 +532,12 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
         got = [None if sh is None else (sh[1], sh[3]) for sh in shapes]
         if dims is None:
             dims = got
+            too_big = _cap_error(len(dims) // 2, max(map(_width, dims)),
+                                 _expected(len(dims) // 2, dims, (), formats))
+            if too_big is not None:
+                raise ValueError(f"a calibration of this model would hold {too_big}")
             live = [g for g, sh in enumerate(shapes) if sh is not None]
+            steps[1] += len(live) * len(formats)
             ps = {g: [] for g in live}
             xs = {f: {g: [] for g in live} for f in ("bf16", *formats)}
             counts = {f: dict.fromkeys(live, 0) for f in formats}
@@ -426,9 +550,10 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
             ps[g].append(np.zeros(x.shape, np.float32) if guess is None
                          else aligned_guess(guess, layer, kv, shapes[g]).cpu().numpy())
             for f in xs:
-                xs[f][g].append((x if f == "bf16" else _fp8_round(x)).numpy())
+                xs[f][g].append((x if f == "bf16" else _as_format(x, f)).numpy())
             for f in formats:
                 counts[f][g] = counts[f][g] + _key_counts(x, f)
+        tick()
     if dims is None:
         raise ValueError("calibrate needs at least one prompt")
     layers = len(dims) // 2
@@ -452,7 +577,8 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
         "std": np.concatenate([std[g].reshape(-1) for g in sorted(std)])}
     uniform = np.linspace(0, dist.ONE, dist.EMP_POINTS + 1).astype(np.uint32)
     for f in formats:
-        _fit_conditional(xs[f], ps, bias, predictor.exact_layers, layers, arrays, _SUFFIX[f])
+        _fit_conditional(xs[f], ps, bias, predictor.exact_layers, layers, arrays, _SUFFIX[f],
+                         tick)
         arrays[f"emp_{_SUFFIX[f]}"] = np.stack([
             dist.empirical_table(counts[f][g]) if g in counts[f] else uniform
             for g in range(2 * layers)])

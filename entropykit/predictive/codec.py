@@ -16,6 +16,12 @@ decoded before it. Each group has its own shape (kv heads, seq, head dim; slidin
 layers hold the prompt's last tokens) or none (a layer without KV); blobs of version 1
 (one shape for every group) still decode.
 
+fp32 caches: each value's 32 bits, plus 2**15 (mod 2**32), split into a high half, a bf16
+bit pattern (the value rounded to bf16), coded under (mu, sigma) like a bf16 cache, and
+a low half (where the value sits in that bf16 value's bin), coded with the static rANS
+coder (one table per byte): two frames per group. The distribution coder has no 32-bit
+format, and below bf16's resolution the guess says little about a value.
+
 Determinism: the decoder must compute the same (mu, sigma) bits as the encoder (see
 ``predictors``); when it does not, decompress_kv raises ``CorruptDataError`` saying so
 instead of returning a wrong cache.
@@ -32,12 +38,15 @@ import numpy as np
 import torch
 
 from .._errors import CorruptDataError
+from ..coding import frame as _frame
 from ..rans import distribution as dist
+from ..rans import static
 from . import _torchdist as T
 from . import residual
 from .calibration import Calibration
 from .kvcache import (
     DTYPES,
+    FP8_MAXES,
     MAX_HEAD_DIM,
     MAX_HEADS,
     MAX_LAYERS,
@@ -56,6 +65,11 @@ _HEAD = struct.Struct("<4sBBBBIIIIIIH")
 _SHAPE = np.dtype("<u4")  # per group: kv heads, seq, head dim
 CHUNK = 1 << 16  # values per chunk: a layer's tensor splits across threads
 _FORMATS = {name: t for t, name in DTYPES.items()}  # value-format name -> cache dtype
+# The blob's value format codes: the distribution frame's, and 5 for fp32 (split).
+_CODES = {name: dist.FORMATS[name].code for name in _FORMATS if name in dist.FORMATS}
+_CODES["fp32"] = 5
+_SCALED = {DTYPES[t] for t in FP8_MAXES}  # formats whose blobs carry per-layer scales
+_GPU_FORMATS = ("bf16", "fp8_e4m3")  # those the GPU coder is checked on
 MAX_TOKENS = 1 << 24  # far above any prompt's; a blob claiming more is refused first
 
 
@@ -82,10 +96,10 @@ def guess_arrays(guess: Prediction | None, shapes: list[Shape | None]
 
 def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: int,
                         kind: str, cal: Calibration, scales: torch.Tensor | None,
-                        residuals: dict, threads: int | None = None
+                        residuals: dict, threads: int | None = None, fmt: str | None = None
                         ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
     """(mu, sigma, model index, base mean in real units) of one (layer, k/v) tensor of
-    ``shape``.
+    ``shape`` and format ``fmt`` (None: bf16, or fp8_e4m3 where there are ``scales``).
 
     mu and sigma are flat in the tensor's order and in the cache's units (fp8: divided by
     the scale); ``residuals`` holds the real-unit residuals of the groups already coded.
@@ -98,7 +112,7 @@ def group_distribution(layer: int, kv: int, guesses: dict, shape: tuple, exact: 
     else:
         base = p + cal.channels("bias", layer, kv)[None, :, None, :]
         if kind == "conditional":
-            fmt = "bf16" if scales is None else "fp8_e4m3"
+            fmt = fmt or ("bf16" if scales is None else "fp8_e4m3")
             mean = residual.conditional_mean(base, residuals, guesses, layer, kv,
                                              *cal.cond(layer, kv, fmt), threads)
             sd = cal.channels("cstd", layer, kv, fmt)
@@ -128,20 +142,57 @@ def _guess_crc(guess: Prediction | None, shapes: list[Shape | None]) -> int:
 
 
 def _storage(fmt: str) -> tuple[np.dtype, torch.dtype]:
-    return (np.dtype(np.uint16), torch.int16) if fmt == "bf16" else (np.dtype(np.uint8),
-                                                                      torch.uint8)
+    return (np.dtype(np.uint16), torch.int16) if dist.FORMATS[fmt].bits == 16 else (
+        np.dtype(np.uint8), torch.uint8)
+
+
+def _on_gpu(coder: str, device: torch.device, fmt: str) -> bool:
+    """``T.on_gpu``, for the formats the GPU coder is checked on; others code on the host
+    ("auto") or are refused ("gpu")."""
+    gpu = T.on_gpu(coder, device)
+    if gpu and fmt not in _GPU_FORMATS:
+        if coder == "gpu":
+            raise ValueError(f"the GPU coder codes {' and '.join(_GPU_FORMATS)} KV caches, "
+                             f"not {fmt}: use coder='cpu' or 'auto'")
+        return False
+    return gpu
+
+
+def _split32(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """An fp32 tensor's high halves (bf16 bits, the values rounded to bf16) and low halves
+    (bytes, two a value) of its bits + 2**15 (module docstring)."""
+    y = _host(t).contiguous().view(torch.int32).numpy().view(np.uint32).reshape(-1)
+    y = y + np.uint32(0x8000)  # wraps mod 2**32: the split is a bijection
+    return (y >> 16).astype(np.uint16), (y & 0xFFFF).astype("<u2").view(np.uint8)
+
+
+def _join32(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """``_split32``'s inverse: float32 values from their halves."""
+    y = (high.astype(np.uint32) << 16) | low.view("<u2").astype(np.uint32)
+    return (y - np.uint32(0x8000)).view(np.float32)
+
+
+def _low_context(n: int) -> np.ndarray:
+    """The low halves' contexts: which byte of its value each of ``n`` bytes is."""
+    return np.tile(np.arange(2, dtype=np.uint8), n // 2)
+
+
+def _per_group(fmt: str) -> int:
+    """Frames a (layer, k/v) group takes: 2 for fp32 (high, low halves), else 1."""
+    return 2 if fmt == "fp32" else 1
 
 
 def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
                 calibration: Calibration, *, model: str = "conditional",
                 threads: int | None = None, coder: str = "auto") -> bytes:
-    """Code ``cache`` (a ``KVCache`` or transformers ``Cache``; bf16, or fp8 ``KVCache``)
-    of the prompt ``input_ids`` ([batch, seq]) against ``predictor``'s guess.
+    """Code ``cache`` (a ``KVCache`` or transformers ``Cache``; bf16, fp16 or fp32, or an
+    fp8 e4m3 / e5m2 ``KVCache``) of the prompt ``input_ids`` ([batch, seq]) against
+    ``predictor``'s guess. The calibration must have a fit of the cache's format.
 
     ``coder``: "gpu" codes a CUDA cache on its device (``entropykit.rans.cuda.dist``, needs
-    CuPy; (mu, sigma) computed there too), "cpu" on the host with ``threads`` threads,
-    "auto" (default) the GPU where the cache is on CUDA and the GPU coder runs. The blob
-    is the same bytes either way."""
+    CuPy; (mu, sigma) computed there too; bf16 and fp8 e4m3 caches only), "cpu" on the
+    host with ``threads`` threads, "auto" (default) the GPU where the cache is on CUDA,
+    the GPU coder runs and codes the format. The blob is the same bytes either way."""
     kv = as_kvcache(cache)
     ids = _host(torch.as_tensor(input_ids))
     if ids.dim() == 1:
@@ -164,17 +215,17 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     if model not in kinds:
         raise ValueError(f"unknown residual model {model!r}; known: {kinds}")
     device = kv.device
+    model_tables = calibration.coder_model(model, kv.format)
     groups = _Groups(calibration, predictor, model, shapes, kv.scales,
-                     device if T.on_gpu(coder, device) else None, threads)
+                     device if _on_gpu(coder, device, kv.format) else None, threads,
+                     kv.format)
     guess = predictor.predict(ids)
     groups.set_guess(guess)
-    model_tables = calibration.coder_model(model, kv.format)
-    np_dtype, view = _storage(kv.format)
     frames = []
     for g, sh in enumerate(shapes):
         layer, k = divmod(g, 2)
         if sh is None:
-            frames.append(b"")
+            frames.extend([b""] * _per_group(kv.format))
             continue
         mu, sigma, index = groups.distribution(layer, k)
         t = kv.tensor(layer, k)
@@ -184,7 +235,14 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
             frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model_tables,
                                     fmt=kv.format, model_index=index, chunk_size=CHUNK)
             frames.append(frame.cpu().numpy().tobytes())
+        elif kv.format == "fp32":
+            high, low = _split32(t)
+            frames.append(dist.encode(high, mu, sigma, model_tables, fmt="bf16",
+                                      model_index=index, chunk_size=CHUNK, threads=threads))
+            frames.append(static.encode(low, chunk_size=2 * CHUNK, threads=threads,
+                                        context=_low_context(low.size)))
         else:
+            np_dtype, view = _storage(kv.format)
             bits = _host(t).contiguous().view(view).numpy().view(np_dtype).reshape(-1)
             frames.append(dist.encode(bits, mu, sigma, model_tables, fmt=kv.format,
                                       model_index=index, chunk_size=CHUNK,
@@ -192,7 +250,7 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
         if groups.conditional:
             groups.decoded(layer, k, kv.real(layer, k))
     desc = predictor.describe().encode()
-    codes = (dist.FORMATS[kv.format].code, kinds.index(model), 0, layers, kv.batch)
+    codes = (_CODES[kv.format], kinds.index(model), 0, layers, kv.batch)
     tail = (predictor.exact_layers, calibration.fingerprint, _guess_crc(guess, shapes),
             len(desc))
     one = shapes[0]
@@ -225,8 +283,10 @@ class _Groups:
 
     def __init__(self, cal: Calibration, predictor: Predictor, kind: str,
                  shapes: list[Shape | None], scales: torch.Tensor | None,
-                 device: torch.device | None, threads: int | None) -> None:
+                 device: torch.device | None, threads: int | None,
+                 fmt: str | None = None) -> None:
         self.cal, self.kind, self.shapes = cal, kind, shapes
+        self.fmt = fmt or ("bf16" if scales is None else "fp8_e4m3")
         self.conditional = kind == "conditional"
         self.exact, self.scales, self.device = predictor.exact_layers, scales, device
         self.threads = threads
@@ -243,7 +303,7 @@ class _Groups:
         if self.device is None:
             mu, sigma, index, base = group_distribution(
                 layer, kv, self.guesses, self.shapes[2 * layer + kv], self.exact, self.kind,
-                self.cal, self.scales, self.residuals, self.threads)
+                self.cal, self.scales, self.residuals, self.threads, self.fmt)
         else:
             scale = None if self.scales is None else self.scales[layer, kv].to(self.device)
             mu, sigma, index, base = T.group_distribution(
@@ -256,8 +316,16 @@ class _Groups:
     def decoded(self, layer: int, kv: int, real: torch.Tensor) -> None:
         """Group (layer, kv)'s values in real units (float32), coded or decoded."""
         base = self.bases.pop((layer, kv))
-        self.residuals[(layer, kv)] = (_host(real).numpy() - base if self.device is None
-                                       else real.to(self.device) - base)
+        # As features of later groups, residuals are finite and bounded (NaN -> 0, others
+        # clamped): a cache may hold NaN, inf or huge values, whose raw residuals would
+        # make the next groups' mu non-finite. The same on host and device.
+        top = residual.RESIDUAL_MAX
+        if self.device is None:
+            with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, then 0
+                r = np.clip(np.nan_to_num(_host(real).numpy() - base, nan=0.0), -top, top)
+        else:
+            r = torch.nan_to_num(real.to(self.device) - base, nan=0.0).clamp(-top, top)
+        self.residuals[(layer, kv)] = r
 
 
 @dataclass(frozen=True)
@@ -274,7 +342,12 @@ class _Front:
     predictor: str
     ids: torch.Tensor
     scales: torch.Tensor | None
-    frames: list[tuple[int, int]]  # (offset, length) of each (layer, k/v) frame
+    frames: list[tuple[int, int]]  # (offset, length) of each frame, in the blob's order
+
+    @property
+    def per_group(self) -> int:
+        """Frames a (layer, k/v) group takes: 2 for fp32 (high, low halves), else 1."""
+        return _per_group(self.fmt)
 
 
 def _front(blob: bytes | memoryview) -> _Front:
@@ -299,8 +372,8 @@ def _front(blob: bytes | memoryview) -> _Front:
         one = []
     if reserved:
         raise CorruptDataError(f"KV blob reserved byte is {reserved}, not 0")
-    fmt = next((n for n, f in dist.FORMATS.items() if f.code == fcode), None)
-    if fmt not in _FORMATS or kcode >= len(residual.KINDS):
+    fmt = next((n for n, c in _CODES.items() if c == fcode), None)
+    if fmt is None or kcode >= len(residual.KINDS):
         raise CorruptDataError(f"KV blob value format {fcode} / model {kcode} (bytes 5-6)")
     if min(layers, batch, seq, heads, dim) < 1 or exact > layers:
         raise CorruptDataError("KV blob shape fields (layers, batch, seq, exact; version 1: "
@@ -312,8 +385,10 @@ def _front(blob: bytes | memoryview) -> _Front:
     off = head.size
     n_ids = batch * seq
     table_bytes = 0 if version == 1 else 2 * layers * 3 * _SHAPE.itemsize
-    scale_bytes = 8 * layers if fmt == "fp8_e4m3" else 0
-    end = off + dlen + table_bytes + 4 * n_ids + scale_bytes + 8 * layers
+    scale_bytes = 8 * layers if fmt in _SCALED else 0
+    per_group = _per_group(fmt)
+    n_frames = 2 * layers * per_group
+    end = off + dlen + table_bytes + 4 * n_ids + scale_bytes + 4 * n_frames
     if end + 4 > len(mv):
         raise CorruptDataError("KV blob truncated before its coded values")
     if zlib.crc32(mv[:end]) != struct.unpack_from("<I", mv, end)[0]:
@@ -334,12 +409,13 @@ def _front(blob: bytes | memoryview) -> _Front:
         if not torch.isfinite(scales).all() or (scales <= 0).any():
             raise CorruptDataError("KV blob fp8 scales are not finite positive numbers")
         off += scale_bytes
-    lengths = np.frombuffer(mv, "<u4", 2 * layers, off).astype(np.int64)
+    lengths = np.frombuffer(mv, "<u4", n_frames, off).astype(np.int64)
     starts = end + 4 + np.concatenate(([0], np.cumsum(lengths)[:-1]))
     if end + 4 + int(lengths.sum()) != len(mv):
         raise CorruptDataError(f"KV blob frames end at byte {end + 4 + int(lengths.sum())}, "
                                f"the blob has {len(mv)} bytes")
-    empty = [g for g, sh in enumerate(shapes) if (sh is None) != (lengths[g] == 0)]
+    empty = [f for f in range(n_frames)
+             if (shapes[f // per_group] is None) != (lengths[f] == 0)]
     if empty:
         raise CorruptDataError(f"KV blob frame {empty[0]}: a frame is empty exactly where its "
                                f"group has no KV")
@@ -370,14 +446,22 @@ def _check_frames(h: _Front, buf: np.ndarray, model: dist.CoderModel) -> None:
     """Every frame's header and directory against the blob's header and ``model``
     (docs/format.md, "KV blob checks"); ``CorruptDataError`` naming the first frame that
     fails."""
-    width = dist.FORMATS[h.fmt].storage.itemsize
+    fmt = "bf16" if h.fmt == "fp32" else h.fmt  # the distribution frames' format
+    width = dist.FORMATS[fmt].storage.itemsize
     for g, (start, length) in enumerate(h.frames):
-        if h.shapes[g] is None:
+        shape = h.shapes[g // h.per_group]
+        if shape is None:
             continue
-        n = int(np.prod(h.shapes[g]))
+        n = int(np.prod(shape))
         frame = buf[start : start + length]
+        if g % h.per_group:  # an fp32 low half: a static frame of 2 bytes a value
+            info = _frame.parse(static.CODER, frame, max_output=2 * n)
+            if info.n != 2 * n:
+                raise CorruptDataError(f"KV blob frame {g} holds {info.n} low-half bytes, "
+                                       f"the header says {n} fp32 values")
+            continue
         info = dist.parse(frame)
-        if info.fmt.name != h.fmt or info.n != n:
+        if info.fmt.name != fmt or info.n != n:
             raise CorruptDataError(f"KV blob frame {g} holds {info.n} {info.fmt.name} values, "
                                    f"the header says {n} {h.fmt}")
         if info.fingerprint != model.fingerprint:
@@ -413,7 +497,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
     """
     h = _front(blob)
     dev = torch.device(device)
-    on_device = T.on_gpu(coder, dev)
+    on_device = _on_gpu(coder, dev, h.fmt)
     if (h.calibration != calibration.fingerprint or h.predictor != predictor.describe()
             or h.exact != predictor.exact_layers):
         raise CorruptDataError(
@@ -422,6 +506,9 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             f"({predictor.exact_layers}) and {calibration.fingerprint:#010x}")
     if calibration.dims != _dims(h.shapes):
         raise CorruptDataError("KV blob shape does not match the calibration's model")
+    if h.fmt not in calibration.formats:
+        raise CorruptDataError(f"KV blob holds {h.fmt} values; the calibration has no "
+                               f"{h.fmt} fit (it has {', '.join(calibration.formats)})")
     buf = np.frombuffer(memoryview(blob), np.uint8)
     model_tables = calibration.coder_model(h.kind, h.fmt)
     _check_frames(h, buf, model_tables)  # all of the blob, before the predictor runs
@@ -435,7 +522,7 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
             "decoding needs the same weights, torch build, device type and thread count")
     groups = _Groups(calibration, predictor, h.kind, h.shapes, h.scales,
-                     dev if on_device else None, threads)
+                     dev if on_device else None, threads, h.fmt)
     groups.set_guess(guess)
     dtype = _FORMATS[h.fmt]
     tensors = []
@@ -447,22 +534,30 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         # conditional model's use of its values, queue on the stream behind the last one
         host = torch.empty(buf.size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         host.numpy()[:] = buf
-    for g, (start, length) in enumerate(h.frames):
+    for g, shape in enumerate(h.shapes):
         layer, k = divmod(g, 2)
-        if h.shapes[g] is None:
+        if shape is None:
             tensors.append(None)
             continue
         mu, sigma, index = groups.distribution(layer, k)
+        start, length = h.frames[g * h.per_group]
         frame = buf[start : start + length]
-        if groups.device is not None:
+        if h.fmt == "fp32":
+            high = dist.decode(frame, mu, sigma, model_tables, model_index=index,
+                               threads=threads)
+            lo_start, lo_length = h.frames[g * h.per_group + 1]
+            low = static.decode(buf[lo_start : lo_start + lo_length], threads=threads,
+                                context=_low_context(2 * high.size), max_output=2 * high.size)
+            t = torch.from_numpy(_join32(high, low)).reshape(shape)
+        elif groups.device is not None:
             pending.append(gpu_dist.decode_async(host[start : start + length], mu, sigma,
                                                  model_tables, model_index=index,
                                                  device=groups.device))
-            t = pending[-1].out.view(dtype).reshape(h.shapes[g])
+            t = pending[-1].out.view(dtype).reshape(shape)
         else:
             bits = dist.decode(frame, mu, sigma, model_tables, model_index=index,
                                threads=threads)
-            t = torch.from_numpy(bits).view(dtype).reshape(h.shapes[g])
+            t = torch.from_numpy(bits).view(dtype).reshape(shape)
         tensors.append(t)
         if groups.conditional:
             real = t.float()

@@ -1,12 +1,13 @@
-"""A model's KV cache as the codec sees it: per-layer key and value tensors, bf16 or fp8.
+"""A model's KV cache as the codec sees it: per-layer key and value tensors.
 
 What it is: ``KVCache`` (keys and values per layer, each [batch, kv_heads, seq, head_dim]
 with its own heads, seq and dim: sliding-window layers hold fewer tokens, keys and values
 may differ in heads or dim, and a layer without KV (a hybrid model's linear-attention
-layer) holds None for both; for fp8 e4m3 caches one float32 scale per layer and k/v, real
-value = fp8 value * scale), ``align`` (a tensor's last tokens, as the layers hold them), its
-conversion from and to a transformers ``Cache``, and ``to_fp8`` (the per-layer-scaled e4m3
-quantization of a bf16 cache). What it is not: a predictor or a coder.
+layer) holds None for both; of bf16, fp16, fp32, fp8 e4m3 or fp8 e5m2; for fp8 caches one
+float32 scale per layer and k/v, real value = fp8 value * scale), ``align`` (a tensor's
+last tokens, as the layers hold them), its conversion from and to a transformers
+``Cache``, and ``to_fp8`` (the per-layer-scaled fp8 quantization of a cache). What it is
+not: a predictor or a coder.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from .. import dtypes
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-# The cache dtypes the KV coder takes -> their value-format names.
+# fp8 cache dtypes (scaled per layer and k/v) -> their largest finite value.
+FP8_MAXES = {FP8: FP8_MAX, torch.float8_e5m2: 57344.0}
+# The cache dtypes the KV coder takes -> their value-format names: the distribution
+# coder's, and "fp32", which the codec splits into a bf16-like high half and a low half.
 DTYPES = {getattr(torch, d.torch): d.value_format
-          for d in (dtypes.BY_NAME["BF16"], dtypes.BY_NAME["F8_E4M3"])}
+          for d in (dtypes.BY_NAME[n] for n in ("BF16", "F16", "F8_E4M3", "F8_E5M2"))}
+DTYPES[torch.float32] = "fp32"
 
 
 Shape = tuple[int, int, int, int]  # batch, kv heads, seq, head dim
@@ -53,13 +58,14 @@ class KVCache:
             raise ValueError("the cache holds no layer with keys and values")
         dtype, batch = present[0].dtype, present[0].shape[0]
         if dtype not in DTYPES:
-            raise TypeError(f"cache dtype must be bfloat16 or float8_e4m3fn, got {dtype}")
+            raise TypeError(f"cache dtype must be one of {sorted(map(str, DTYPES))}, "
+                            f"got {dtype}")
         for t in present:
             if t.dtype != dtype or t.dim() != 4 or t.shape[0] != batch or 0 in t.shape:
                 raise ValueError("every key and value tensor must be 4-d, non-empty, of one "
                                  "dtype and one batch size")
-        if (dtype == FP8) != (self.scales is not None):
-            raise ValueError("an fp8 cache needs scales [layers, 2]; a bf16 cache has none")
+        if (dtype in FP8_MAXES) != (self.scales is not None):
+            raise ValueError("an fp8 cache needs scales [layers, 2]; other caches have none")
         if self.scales is not None and tuple(self.scales.shape) != (len(self.keys), 2):
             raise ValueError(f"scales must have shape ({len(self.keys)}, 2)")
 
@@ -69,7 +75,8 @@ class KVCache:
 
     @property
     def format(self) -> str:
-        """The value format name the coder uses ("bf16" or "fp8_e4m3")."""
+        """The value format name the coder uses ("bf16", "fp16", "fp32", "fp8_e4m3",
+        "fp8_e5m2")."""
         return DTYPES[self.dtype]
 
     @property
@@ -118,7 +125,7 @@ class KVCache:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 def align(t: Any, seq: int) -> Any:
@@ -164,7 +171,7 @@ def from_transformers(cache: Any) -> KVCache:
 
 
 def to_transformers(cache: KVCache, config: Any = None, tokens: int | None = None) -> Any:
-    """A transformers ``DynamicCache`` holding copies of ``cache`` (bf16 caches only).
+    """A transformers ``DynamicCache`` holding copies of ``cache`` (not fp8 caches).
 
     Without ``config`` its layers are plain dynamic layers (empty for layers without KV).
     With the model's ``config`` they are the kinds the model uses (sliding-window layers
@@ -174,7 +181,8 @@ def to_transformers(cache: KVCache, config: Any = None, tokens: int | None = Non
     from transformers import DynamicCache
 
     if cache.scales is not None:
-        raise ValueError("transformers caches hold bf16 tensors: dequantize an fp8 cache first")
+        raise ValueError("transformers caches hold unscaled tensors: dequantize an fp8 "
+                         "cache first")
     out = DynamicCache() if config is None else DynamicCache(config=config)
     seen = tokens if tokens is not None else max(k.shape[-2] for k in cache.keys if k is not None)
     for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
@@ -189,10 +197,15 @@ def as_kvcache(cache: Any) -> KVCache:
     return cache if isinstance(cache, KVCache) else from_transformers(cache)
 
 
-def to_fp8(cache: KVCache) -> KVCache:
-    """e4m3 quantization with one scale per layer and k/v: scale = max |x| / 448."""
+def to_fp8(cache: KVCache, dtype: torch.dtype = FP8) -> KVCache:
+    """fp8 quantization (``dtype``: float8_e4m3fn or float8_e5m2) with one scale per layer
+    and k/v: scale = max |x| / the format's largest value (448 or 57344). An fp8 cache is
+    returned as it is."""
+    if dtype not in FP8_MAXES:
+        raise TypeError(f"dtype must be one of {sorted(map(str, FP8_MAXES))}, got {dtype}")
     if cache.scales is not None:
         return cache
+    top = FP8_MAXES[dtype]
     n = len(cache.keys)
     scales = torch.empty(n, 2, dtype=torch.float32)
     out: list[list[torch.Tensor]] = [[], []]
@@ -205,7 +218,7 @@ def to_fp8(cache: KVCache) -> KVCache:
                 continue
             x = t.float()
             amax = float(x.abs().max())
-            scale = amax / FP8_MAX if amax > 0 else 1.0
+            scale = amax / top if 0 < amax < float("inf") else 1.0
             scales[layer, kv] = scale
-            out[kv].append((x / scales[layer, kv]).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+            out[kv].append((x / scales[layer, kv]).clamp(-top, top).to(dtype))
     return KVCache(out[0], out[1], scales)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Container
 
 import numpy as np
+import torch
 
 from ..rans import distribution as dist
 from ._linear import affine
@@ -43,6 +44,7 @@ FOLDS = 5
 FOLD_BLOCK = 32  # tokens per block of a fold
 MIN_FOLD = 64  # tokens per fold below which no map is fitted
 TINY = np.float32(1e-30)
+RESIDUAL_MAX = 2.0**64  # |a decoded residual| as a feature, at most (codec: NaN -> 0)
 RELATIVE_FLOOR = np.float32(2.0**-12)  # far below the spacing of bf16 (2**-8) and fp8 values
 
 
@@ -163,7 +165,7 @@ def folds(tokens: int) -> np.ndarray:
 
 def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Ridge regression of ``target`` [T, C] on ``feats`` [T, F]: (weights [F, C], float64;
-    the out-of-fold prediction of every token [T, C]).
+    the out-of-fold prediction of every token [T, C], float32).
 
     Features are standardized first (residuals and guesses differ in scale by ~20x). The
     penalty, RIDGES[i] times the mean energy of the standardized features, or no map at
@@ -173,46 +175,85 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     then refitted on every token; the out-of-fold predictions (each fold predicted by a
     map fitted without it) give honest residuals for the std and shape: in-sample ones
     would be too narrow.
+
+    Cost: the products over tokens run once, in float32 (one Gram matrix and one cross
+    product per fold, float64 from there on); each penalty's and each fold's system is
+    solved by one Cholesky factorization, and the last fold's errors come from its
+    sufficient statistics, not from predicting its tokens again. Features that are zero
+    throughout (a predictor that guesses nothing) get weight 0 without entering a system.
     """
-    f = feats.astype(np.float64)
-    t = target.astype(np.float64)
-    sd = f.std(axis=0)
-    sd = np.where(sd > 0, sd, 1.0)
-    f /= sd
-    n_feat = f.shape[1]
-    zero = np.zeros((n_feat, t.shape[1]))
-    fold = folds(f.shape[0])
+    f32 = np.asarray(feats, np.float32)
+    t32 = np.asarray(target, np.float32)
+    tokens, n_feat = f32.shape
+    zero = np.zeros((n_feat, t32.shape[1]))
+    none = np.zeros(t32.shape, np.float32)
+    fold = folds(tokens)
     if np.bincount(fold, minlength=FOLDS).min() < MIN_FOLD:
-        return zero, np.zeros_like(t)  # too little data to tell a map from noise
-    parts = [(f[fold == k].T @ f[fold == k], f[fold == k].T @ t[fold == k])
-             for k in range(FOLDS)]
+        return zero, none  # too little data to tell a map from noise
+    live = np.flatnonzero(np.any(f32 != 0, axis=0))
+    if live.size == 0:
+        return zero, none
+    order = np.argsort(fold, kind="stable")  # each fold's tokens contiguous
+    cuts = np.concatenate(([0], np.cumsum(np.bincount(fold, minlength=FOLDS))))
+    f = f32[order][:, live]
+    t = t32[order]
+    mean = f.mean(axis=0, dtype=np.float64)
+    dev = f - mean.astype(np.float32)
+    sd = np.sqrt(np.einsum("ij,ij->j", dev, dev) / tokens).astype(np.float64)
+    del dev
+    sd = np.where(sd > 0, sd, 1.0)
+    f *= (1.0 / sd).astype(np.float32)
+    rows = [slice(cuts[k], cuts[k + 1]) for k in range(FOLDS)]
+    parts = []
+    for r in rows:
+        fk, tk = f[r], t[r]
+        parts.append(((fk.T @ fk).astype(np.float64), (fk.T @ tk).astype(np.float64)))
     gram = sum(g for g, _ in parts)
     cross = sum(c for _, c in parts)
-    eye = np.eye(n_feat)
 
     def solve(ridge: float, k: int | None) -> np.ndarray:
         g = gram - parts[k][0] if k is not None else gram
         c = cross - parts[k][1] if k is not None else cross
-        return np.linalg.solve(g + ridge * (np.trace(g) / n_feat) * eye, c)
+        return _ridge_solve(g, c, ridge * np.trace(g) / n_feat)
 
-    last = fold == FOLDS - 1
+    last = FOLDS - 1
+    g_last, c_last = parts[last]
+    t_last = t[rows[last]].astype(np.float64)
+    tt = (t_last * t_last).sum(axis=0)
+    n_last = cuts[last + 1] - cuts[last]
 
-    def score(w: np.ndarray) -> float:
-        err = t[last] - f[last] @ w
-        return float(np.log((err * err).mean(axis=0) + 1e-30).sum())
+    def score(w: np.ndarray | None) -> float:
+        # mean squared error per channel of fold ``last`` from its Gram and cross products
+        sq = tt if w is None else tt - 2 * (w * c_last).sum(axis=0) + (w * (g_last @ w)).sum(0)
+        return float(np.log(np.maximum(sq, 0.0) / n_last + 1e-30).sum())
 
-    best, best_score = None, score(zero)
+    best, best_score, held = None, score(None), None
     if np.trace(gram) > 0:
         for ridge in RIDGES:
-            s = score(solve(ridge, FOLDS - 1))
+            w = solve(ridge, last)
+            s = score(w)
             if s < best_score:
-                best, best_score = ridge, s
+                best, best_score, held = ridge, s, w
     if best is None:
-        return zero, np.zeros_like(t)
-    oof = np.empty_like(t)
+        return zero, none
+    oof = np.empty(t32.shape, np.float32)
     for k in range(FOLDS):
-        oof[fold == k] = f[fold == k] @ solve(best, k)
-    return solve(best, None) / sd[:, None], oof
+        w = held if k == last else solve(best, k)
+        oof[order[rows[k]]] = f[rows[k]] @ w.astype(np.float32)
+    weights = zero.copy()
+    weights[live] = solve(best, None) / sd[:, None]
+    return weights, oof
+
+
+def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float) -> np.ndarray:
+    """(g + penalty I)^-1 c by one Cholesky factorization (g is a Gram matrix, so the
+    system is positive definite for penalty > 0); LU where rounding made it not so."""
+    a = torch.from_numpy(g + penalty * np.eye(g.shape[0]))
+    b = torch.from_numpy(c)
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) == 0:
+        return torch.cholesky_solve(b, chol).numpy()
+    return torch.linalg.solve(a, b).numpy()
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
