@@ -79,6 +79,21 @@ def _source_stamp(path: str) -> bytes:
     return _stamp(path, st.st_mtime, st.st_size)
 
 
+@functools.cache
+def _package_stamp() -> bytes:
+    """Digest of every Python source of the package (names and contents), once a process."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(_PACKAGE):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                h.update(os.path.relpath(path, _PACKAGE).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.digest()
+
+
 def _subdir(source_dir: str) -> str:
     """Where a source directory's kernels sit in the portable cache: its place in the
     package, so that the cache holds wherever the package is installed."""
@@ -96,6 +111,11 @@ class _KernelCache(caching.FunctionCache):
             source = os.path.abspath(inspect.getfile(py_func))
             if os.path.commonpath([_PACKAGE, source]) == _PACKAGE:
                 self._source = source
+                # Numba stamps an entry with its own file only, but kernels inline helpers
+                # from other modules of the package: an entry is fresh only for the
+                # package's sources as they were when it was compiled.
+                self._cache_file._source_stamp = (self._cache_file._source_stamp,
+                                                  _package_stamp())
 
     def _load_overload(self, sig, target_context):  # noqa: ANN001, ANN202
         cres = super()._load_overload(sig, target_context)
