@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from results import cpu_model  # noqa: E402
 
 from entropykit.dcp import CompressedStorageReader, CompressedStorageWriter  # noqa: E402
 
@@ -222,16 +223,6 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
     dist.destroy_process_group()
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
@@ -251,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                          nprocs=n, join=True)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {_cpu()}, "
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}, "
           f"{os.cpu_count()} cores, torch {torch.__version__}, "
           f"{'synthetic' if args.synthetic else 'MiniLM-L6'} state, rate "
           f"{args.rate / 1e9:g} GB/s per rank")
