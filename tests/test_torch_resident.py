@@ -537,11 +537,11 @@ def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
     want = {k: _bits(v).clone() for k, v in ref.state_dict().items()}
     real, calls = _resident.code_tensor, []
 
-    def fail_late(t, offset):
+    def fail_late(t, offset, chunk_size):
         calls.append(1)
         if len(calls) == 9:  # units 0 and 1 are converted by then
             raise OSError("disk on fire")
-        return real(t, offset)
+        return real(t, offset, chunk_size)
 
     monkeypatch.setattr(_resident, "code_tensor", fail_late)
     with pytest.raises(OSError, match="disk on fire"):

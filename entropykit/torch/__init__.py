@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..coding.frame import MAX_CHUNK, MIN_CHUNK
+from ..container.codecs import GPU_CHUNK
 from ._resident import Resident, ResidentMemory, _units
 
 __all__ = ["ResidentMemory", "compress_model", "decompress_model", "resident_memory"]
@@ -38,6 +40,7 @@ MIN_ELEMENTS = 1 << 12
 
 def compress_model(model: nn.Module, *, device: torch.device | str | None = None,
                    min_elements: int = MIN_ELEMENTS, tile_bytes: int | None = None,
+                   tiles_ahead: int = 1, chunk_size: int = GPU_CHUNK,
                    verify: bool = True) -> nn.Module:
     """Make ``model``'s weights resident (in place; returns ``model``).
 
@@ -61,6 +64,11 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
         raise ValueError(f"min_elements must be >= 1, got {min_elements}")
     if tile_bytes is not None and tile_bytes < 1:
         raise ValueError(f"tile_bytes must be >= 1, got {tile_bytes}")
+    if tiles_ahead < 1:
+        raise ValueError(f"tiles_ahead must be >= 1, got {tiles_ahead}")
+    if not (MIN_CHUNK <= chunk_size <= MAX_CHUNK and chunk_size & (chunk_size - 1) == 0):
+        raise ValueError(f"chunk_size must be a power of two in [{MIN_CHUNK}, {MAX_CHUNK}], "
+                         f"got {chunk_size}")
     units = _units(model, min_elements, tile_bytes)
     devices = {getattr(w.owner, w.name).device for u in units for w in u.weights}
     devices |= {u.tiled.owners[0].weight.device for u in units if u.tiled is not None}
@@ -78,7 +86,7 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     if here != target and here.type != "cpu":
         raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
                          f"{target} (only weights on the CPU move)")
-    state = Resident(model, units, target)
+    state = Resident(model, units, target, chunk_size, tiles_ahead)
     with torch.no_grad():
         state.build(verify)
     if here != target:
