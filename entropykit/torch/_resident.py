@@ -3,19 +3,20 @@
 What it is: a model's weights grouped into units, in the order the modules are registered,
 which is the order they run in: each block of a repeated ``nn.ModuleList``, every other
 module holding weights of its own, and the row tiles of an embedding or Linear weight
-larger than the largest block (or tied to another module: embeddings shared with the
-output head), which the module's forward decodes one tile at a time (the lookup picks
-each tile's rows, the head writes each tile's slice of the output). Each unit decodes to
-one of the two halves of one scratch buffer (its front or its back), alternating with the
-unit before, so the buffer holds two of the largest blocks. Block weights are fixed views
-into their region. A unit's forward pre-hook (a tile's: its module's forward) makes the
-compute stream wait for the unit's decode (issued then if it was not prefetched) and
-prefetches the next unit where their regions are apart, so the next decode overlaps this
-unit's compute. The hooks only enqueue work, with no host synchronisation, so a forward
-can be captured in a CUDA graph. The CPU backend decodes with the CPU decoders through
-the same hooks (nothing overlaps there).
-What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
-"""
+larger than the largest block (or tied to another module: embeddings shared with the output
+head), which the module's forward decodes one tile at a time (the lookup picks each tile's
+rows, the head writes each tile's slice of the output). Units decode in launches: a unit
+alone, or up to ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per
+launch). Each launch decodes to one of the two halves of one scratch buffer (its front or
+its back), alternating with the launch before, so the buffer holds two of the largest
+launches. Block weights are fixed views into their region. A unit's forward pre-hook (a
+tile's: its module's forward) makes the compute stream wait for its launch (issued then if
+it was not prefetched; nothing to do for a tile entered right after the one before it in
+the same launch) and prefetches the next launch where their places are apart, so the next
+decode overlaps this launch's compute. The hooks only enqueue work, with no host
+synchronisation, so a forward can be captured in a CUDA graph. The CPU backend decodes with
+the CPU decoders through the same hooks (nothing overlaps there). What it is not: the
+coding (``_coded.py``) or the CUDA launches (``_cuda.py``)."""
 
 from __future__ import annotations
 
