@@ -11,8 +11,8 @@ vocabulary's) decode in row tiles no larger than a block: the lookup takes each 
 rows, the head computes each tile's slice of the logits, so the buffer holds two blocks,
 never a whole embedding. With ``tile_bytes`` the blocks' Linears decode in tiles too,
 ``tiles_ahead`` of them in one launch, for a buffer of a few tiles. The forward only
-enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are bit-
-identical to the uncompressed model's. On the CPU the same hooks decode with the CPU
+enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
+bit-identical to the uncompressed model's. On the CPU the same hooks decode with the CPU
 decoders.
 
 What it is not: a training mode (the scratch buffer is overwritten block after block,

@@ -15,8 +15,9 @@ it was not prefetched; nothing to do for a tile entered right after the one befo
 the same launch) and prefetches the next launch where their places are apart, so the next
 decode overlaps this launch's compute. The hooks only enqueue work, with no host
 synchronisation, so a forward can be captured in a CUDA graph. The CPU backend decodes with
-the CPU decoders through the same hooks (nothing overlaps there). What it is not: the
-coding (``_coded.py``) or the CUDA launches (``_cuda.py``)."""
+the CPU decoders through the same hooks (nothing overlaps there).
+What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
+"""
 
 from __future__ import annotations
 
