@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..coding import parallel
 from ._coded import ALIGN, FORMATS, CodedTensor, code_tensor, decode_into, raw_bytes
 
 
@@ -387,16 +388,18 @@ class Resident:
             u.prefetch = j > 0 and _apart(self.units[self.leads[j - 1]], u)
         self.streams, make = _backend(self.device, len(self.units))
         done: list[Unit] = []
+        # Tensors are coded on the package's threads, a bounded window ahead of the launch
+        # being built, in the order the launches take them.
+        coded = parallel.imap(lambda job: code_tensor(*job, self.chunk_size),
+                              self._jobs(places), parallel.resolve(None))
         try:
             for g in self.leads:
                 u = self.units[g]
                 if u.tiled is not None:
-                    self._build_tiles(self._members(g), make, verify)
+                    self._build_tiles(self._members(g), make, verify, coded)
                     continue
-                u.weights = [Weight(w.owner, w.name, w.requires_grad,
-                                    code_tensor(getattr(w.owner, w.name), at,
-                                                self.chunk_size))
-                             for w, at in zip(u.weights, places[g], strict=True)]
+                u.weights = [Weight(w.owner, w.name, w.requires_grad, next(coded))
+                             for w in u.weights]
                 u.decoder = make([w.coded for w in u.weights], u.region)
                 if verify:
                     self._verify(u, [(w.coded, u, getattr(w.owner, w.name))
@@ -410,6 +413,7 @@ class Resident:
                     setattr(w.owner, w.name, w.coded.view(u.region))
                 done.append(u)
         except BaseException:
+            coded.close()
             self._decode_back(done)
             raise
         if self.device.type == "cuda":
@@ -422,12 +426,26 @@ class Resident:
                 self.hooks.append(u.hook)
         self.hooks.append(self.model.register_forward_hook(lambda m, a, out: self.end()))
 
+    def _jobs(self, places: list[list[int]]) -> Iterator[tuple[torch.Tensor, int]]:
+        """(tensor, offset in its region) of everything to code, in building order: each
+        launch's weights or its tiles' rows (a tied owner's tiles are its first owner's)."""
+        for g in self.leads:
+            u = self.units[g]
+            if u.tiled is None:
+                for w, at in zip(u.weights, places[g], strict=True):
+                    yield getattr(w.owner, w.name), at
+            elif not u.shared:
+                for t in self._members(g):
+                    a, b = t.rows
+                    yield t.tiled.owners[0].weight[a:b], 0
+
     def _members(self, g: int) -> list[Unit]:
         """The units of the launch led by unit ``g``."""
         end = self.units[g].after
         return self.units[g : len(self.units) if end is None else end]
 
-    def _build_tiles(self, tiles: list[Unit], make: Callable, verify: bool) -> None:
+    def _build_tiles(self, tiles: list[Unit], make: Callable, verify: bool,
+                     coded: Iterator[CodedTensor]) -> None:
         """Code one launch of tiles (its first owner's) or share it (a tied owner's);
         after the last tile of an owner, the owner's weight goes and its forward decodes
         tiles."""
@@ -441,7 +459,7 @@ class Resident:
             for u in tiles:
                 a, b = u.rows
                 wants.append(u.tiled.owners[0].weight[a:b])
-                u.coded = code_tensor(wants[-1], 0, self.chunk_size)
+                u.coded = next(coded)
             base = lead.place.data_ptr()
             decoder = make([dataclasses.replace(u.coded, offset=u.region.data_ptr() - base)
                             for u in tiles], lead.place)
