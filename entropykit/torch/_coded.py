@@ -95,13 +95,24 @@ def code_tensor(t: torch.Tensor, offset: int, chunk_size: int = GPU_CHUNK) -> Co
     raw = raw_bytes(t).cpu().numpy()
     fields = []
     for f in formats.split(FORMATS[t.dtype], raw):
-        frame = np.frombuffer(rans.encode(f.symbols, precision=RANS_PRECISION,
-                                          chunk_size=chunk_size), np.uint8)
-        if frame.size <= (1 - GPU_MIN_SAVING) * f.symbols.size:
+        frame = None
+        if _entropy_bytes(f.symbols) <= (1 - GPU_MIN_SAVING) * f.symbols.size:
+            frame = np.frombuffer(rans.encode(f.symbols, precision=RANS_PRECISION,
+                                              chunk_size=chunk_size), np.uint8)
+        if frame is not None and frame.size <= (1 - GPU_MIN_SAVING) * f.symbols.size:
             fields.append(Field(f.name, frame, True))
         else:  # a copy: one-byte planes share memory with the tensor
             fields.append(Field(f.name, np.array(f.symbols, np.uint8), False))
     return CodedTensor(t.dtype, tuple(t.shape), offset, tuple(fields))
+
+
+def _entropy_bytes(symbols: np.ndarray) -> float:
+    """A lower bound of any rANS frame of ``symbols``: their empirical order-0 entropy
+    (no static code is shorter; a frame adds its states and tables), less a rounding
+    margin. A field whose bound misses the saving asked for is not worth encoding."""
+    counts = np.bincount(symbols.reshape(-1), minlength=256)
+    p = counts[counts > 0] / max(1, symbols.size)
+    return float(-(p * np.log2(p)).sum()) * symbols.size / 8 * (1 - 1e-9) - 1
 
 
 def decode_into(c: CodedTensor, out: np.ndarray) -> None:
