@@ -322,6 +322,34 @@ def test_chunk_size_codes_smaller_chunks() -> None:
             ekt.compress_model(_llama(), chunk_size=bad)
 
 
+def test_entropy_bound_skips_only_encodes_that_would_be_dropped(monkeypatch) -> None:
+    """A field is encoded only when its entropy bound could meet the saving asked for:
+    the fields chosen (coded or plain, and their bytes) are those of encoding every
+    field, and the bound is never above a frame's size."""
+    from entropykit import rans
+
+    g = torch.Generator().manual_seed(9)
+    rng = np.random.default_rng(9)
+    tensors = [(torch.randn(256, 96, generator=g) * 0.02).to(dt)
+               for dt in (torch.bfloat16, torch.float16)]
+    tensors.append((torch.randn(128, 64, generator=g) * 100).to(torch.float8_e4m3fn))
+    u8 = torch.from_numpy(rng.integers(0, 256, (64, 512), dtype=np.uint8))
+    tensors.append(u8.view(torch.bfloat16))  # every field near uniform: all plain
+    got = [_coded.code_tensor(t, 0, 1024) for t in tensors]
+    monkeypatch.setattr(_coded, "_entropy_bytes", lambda symbols: 0.0)  # encode all
+    want = [_coded.code_tensor(t, 0, 1024) for t in tensors]
+    for a, b in zip(got, want, strict=True):
+        assert [(f.name, f.coded, f.data.tobytes()) for f in a.fields] == [
+            (f.name, f.coded, f.data.tobytes()) for f in b.fields]
+    assert {f.coded for c in got for f in c.fields} == {True, False}
+    monkeypatch.undo()
+    for n, p in ((1 << 16, None), (4096, [0.5, 0.5]), (3000, [0.9, 0.05, 0.05]), (10, None)):
+        sym = rng.choice(len(p), n, p=p).astype(np.uint8) if p else rng.integers(
+            0, 256, n, dtype=np.uint8)
+        assert _coded._entropy_bytes(sym) <= len(rans.encode(sym, precision=12,
+                                                             chunk_size=1024))
+
+
 class _Nested(nn.Module):
     """A module using its own weight after a child's forward: it cannot be split."""
 
