@@ -214,6 +214,7 @@ SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in t
 AHEAD = dict(tile_bytes=SMALL_TILES, tiles_ahead=3, chunk_size=1 << 10)
 TINY_OPTS = (None, SMALL_TILES, AHEAD)
 TARGET = {False: 0.68, True: 0.84}  # (coded + scratch) / plain weights, bf16 / fp8
+STEP_TARGET = {1: 2.0, 64: 1.6}  # CUDA-graph decode step / the plain model's, per batch
 
 
 def _generate_rate(model: nn.Module, ids: torch.Tensor, device: str, new: int = 32) -> float:
@@ -358,8 +359,9 @@ def _graph_ms(model: nn.Module, ids: torch.Tensor, device: str, poison: bool
 @torch.no_grad()
 def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
     """Memory and decode-step times of every option set in ``grid`` on one model, one row
-    each (eager and CUDA-graph ms at batch 1 and 64, x the plain model's), and whether
-    every logit is the plain model's bit for bit; the failures found."""
+    each (eager and CUDA-graph ms at batch 1 and 64, x the plain model's), whether every
+    logit is the plain model's bit for bit, and which targets the row meets (memory,
+    graph step at batch 1 and 64); the failures found."""
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     plain = llama(size, device, fp8)
@@ -374,7 +376,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
           f"b64 eager {base[64][3]:.3f} graph {base[64][4]:.3f} ms")
     print(f"{'model':<15} {'chunk':>6} {'tile':>6} {'ahead':>5} {'ratio':>6} "
           f"{'coded+scratch MiB':>18} {'units':>5} {'launch':>6} | {'b1 eager':>14} "
-          f"{'b1 graph':>14} | {'b64 eager':>14} {'b64 graph':>14} | exact")
+          f"{'b1 graph':>14} | {'b64 eager':>14} {'b64 graph':>14} | exact | targets met")
     fails, coded_key = [], None
     with _coding_memo() as memo:
         for opts in grid:
@@ -386,7 +388,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
             ekt.compress_model(model, **opts)
             mem = ekt.resident_memory(model)
             state = model._entropykit_resident
-            row, exact = [], True
+            row, exact, met = [], True, ["mem"] if mem.ratio <= TARGET[fp8] else []
             for batch in (1, 64):
                 ids, want, want_graph, eager0, graph0 = base[batch]
                 exact &= torch.equal(_bits(_full_step(model, ids)), want)
@@ -395,6 +397,8 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
                 exact &= torch.equal(_bits(out), want_graph)
                 row.append(f"{eager:7.2f} ({eager / eager0:4.1f}x) "
                            f"{graph:7.2f} ({graph / graph0:4.1f}x)")
+                if graph <= STEP_TARGET[batch] * graph0:
+                    met.append(f"b{batch}")
             tile = opts["tile_bytes"]
             tile_s = ("block" if tile is None else f"{tile >> 20}M" if tile >= 1 << 20
                       else f"{tile >> 10}K")
@@ -402,7 +406,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
                   f"{opts['tiles_ahead']:>5} {mem.ratio:6.3f} "
                   f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
                   f"{len(state.units):>5} {len(state.leads):>6} | {row[0]} | {row[1]} | "
-                  f"{'yes' if exact else 'NO'}", flush=True)
+                  f"{'yes' if exact else 'NO':<5} | {'+'.join(met) or '-'}", flush=True)
             if not exact:
                 fails.append(f"{name} {opts}: logits differ from the plain model's")
             del model, state
