@@ -838,3 +838,37 @@ def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
     monkeypatch.setattr(_resident.CpuDecoder, "run", wrong)
     fails = rc.exact_failures(make, "cpu")
     assert fails and all("differ" in f or "give the weights back" in f for f in fails)
+
+
+@pytest.mark.slow
+def test_device_sweep_logic_on_the_cpu(capsys) -> None:
+    """gpu/resident_check.py's sweep on the CPU backend (no graphs there): one row per
+    option set, every one exact, the coding shared between option sets that cut the same
+    tiles and the memo left as it was."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
+    spec = importlib.util.spec_from_file_location("resident_check", path)
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    grid = rc.sweep_grid([1 << 16, 1 << 12], [None, 1 << 16], [1, 3], 1 << 17)
+    assert [(g["chunk_size"], g["tile_bytes"], g["tiles_ahead"]) for g in grid] == [
+        (c, t, a) for c in (1 << 16, 1 << 12) for t, a in ((None, 1), (1 << 16, 1))]
+    grid = rc.sweep_grid([1 << 12], [1 << 16], [1, 3], 1 << 26)
+    calls = []
+    real = _resident.code_tensor
+
+    def counted(t, offset, chunk_size):
+        calls.append(1)
+        return real(t, offset, chunk_size)
+
+    _resident.code_tensor = counted
+    try:
+        assert rc.sweep("tiny", False, "cpu", grid) == []
+    finally:
+        _resident.code_tensor = real
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("tiny bf16 ")]
+    assert len(rows) == 3 and all("| yes " in r for r in rows[1:])
+    units = 53  # tiny's tiles of 64 KiB: coded once for both tiles_ahead values
+    assert len(calls) == units
