@@ -583,21 +583,17 @@ class Resident:
 
 def _tiled_linear(state: Resident, m: nn.Linear, ks: list[int], x: torch.Tensor
                   ) -> torch.Tensor:
-    """``m(x)`` with its weight decoded tile by tile, each tile's product written to its
-    slice of the output: the output's features split, each element's sum is the plain
-    product's."""
-    out = None
+    """``m(x)`` with its weight decoded tile by tile, the tiles' products joined along the
+    output features (one copy for all tiles): the output's features split, each
+    element's sum is the plain product's."""
+    ys = []
     for k in ks:
         state.before(k, (x,), {})
         u = state.units[k]
         a, b = u.rows
-        y = F.linear(x, u.coded.view(u.region), None if m.bias is None else m.bias[a:b])
-        if len(ks) == 1:
-            return y
-        if out is None:
-            out = y.new_empty((*y.shape[:-1], m.out_features))
-        out[..., a:b] = y
-    return out
+        ys.append(F.linear(x, u.coded.view(u.region),
+                           None if m.bias is None else m.bias[a:b]))
+    return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
 
 
 def _tiled_embedding(state: Resident, m: nn.Embedding, ks: list[int], ids: torch.Tensor
