@@ -22,16 +22,22 @@ What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of r
 
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py [--size small 8b-blocks]
         [--tile-bytes block 16777216]
+    PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --size small 8b-blocks
+        --tile-bytes block 16777216 4194304 [--chunks 65536 16384 4096] [--ahead 1 4 16]
+    python3 gpu/resident_check.py --ratios FILE.safetensors   (host only)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
+import gc
 import itertools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import transformers
@@ -94,15 +100,21 @@ def _ids(vocab: int, batch: int, n: int, device: str, seed: int) -> torch.Tensor
     return torch.randint(0, vocab, (batch, n), generator=g).to(device)
 
 
+def _opts(tile_bytes: int | dict | None) -> dict:
+    """compress_model's options: a dict of them, or just ``tile_bytes``."""
+    return dict(tile_bytes) if isinstance(tile_bytes, dict) else {"tile_bytes": tile_bytes}
+
+
 @torch.no_grad()
 def exact_failures(make: Callable[[], nn.Module], device: str,
-                   tile_bytes: int | None = None) -> list[str]:
-    """(1): logits, generate tokens, poisoned buffers, restore; the failures found."""
+                   tile_bytes: int | dict | None = None) -> list[str]:
+    """(1): logits, generate tokens, poisoned buffers, restore; the failures found.
+    ``tile_bytes``: compress_model's, or a dict of its options."""
     plain, model = make(), make()
     vocab = plain.config.vocab_size
     fails = []
     want_state = {k: _bits(v).clone() for k, v in plain.state_dict().items()}
-    ekt.compress_model(model, tile_bytes=tile_bytes)
+    ekt.compress_model(model, **_opts(tile_bytes))
     for seed in range(3):
         ids = _ids(vocab, 3, 17, device, seed)
         want = _bits(plain(ids).logits)
@@ -154,12 +166,12 @@ def _capture(step: Callable, model: nn.Module, ids: torch.Tensor
 
 @torch.no_grad()
 def graph_failures(make: Callable[[], nn.Module], device: str, batch: int = 4,
-                   tile_bytes: int | None = None) -> tuple[list[str], str]:
+                   tile_bytes: int | dict | None = None) -> tuple[list[str], str]:
     """(2): a captured step replayed on new inputs, the buffer poisoned between replays;
     the failures found and which step was captured."""
     plain, model = make(), make()
     vocab = plain.config.vocab_size
-    ekt.compress_model(model, tile_bytes=tile_bytes)
+    ekt.compress_model(model, **_opts(tile_bytes))
     static = _ids(vocab, batch, 5, device, 0)
     try:
         _capture(_full_step, copy.deepcopy(plain), static.clone())
@@ -199,7 +211,11 @@ def _weights_bytes(device: str) -> int:
 
 
 SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in tiles
+# and launches of three tiles coded in the smallest chunks
+AHEAD = dict(tile_bytes=SMALL_TILES, tiles_ahead=3, chunk_size=1 << 10)
+TINY_OPTS = (None, SMALL_TILES, AHEAD)
 TARGET = {False: 0.68, True: 0.84}  # (coded + scratch) / plain weights, bf16 / fp8
+STEP_TARGET = {1: 2.0, 64: 1.6}  # CUDA-graph decode step / the plain model's, per batch
 
 
 def _generate_rate(model: nn.Module, ids: torch.Tensor, device: str, new: int = 32) -> float:
@@ -296,6 +312,143 @@ def llama_skeleton(plain: nn.Module) -> nn.Module:
         return transformers.LlamaForCausalLM(plain.config).to(torch.bfloat16).eval()
 
 
+@contextlib.contextmanager
+def _coding_memo() -> Iterator[dict]:
+    """``compress_model`` codes each (tensor, chunk size) once while this is open: a sweep
+    compresses models sharing their plain weights (``_sharing``) with several options."""
+    from entropykit.torch import _resident
+
+    memo: dict = {}
+    real = _resident.code_tensor
+
+    def code(t: torch.Tensor, offset: int, chunk_size: int) -> object:
+        key = (t.data_ptr(), tuple(t.shape), t.dtype, chunk_size)
+        if key not in memo:
+            memo[key] = real(t, 0, chunk_size)
+        return dataclasses.replace(memo[key], offset=offset)
+
+    _resident.code_tensor = code
+    try:
+        yield memo
+    finally:
+        _resident.code_tensor = real
+
+
+def _sharing(plain: nn.Module) -> nn.Module:
+    """A copy of ``plain`` holding the same parameters (compress_model leaves their data
+    as it is and takes them off the copy's modules only)."""
+    return copy.deepcopy(plain, memo={id(p): p for p in plain.parameters()})
+
+
+def _graph_ms(model: nn.Module, ids: torch.Tensor, device: str, poison: bool
+              ) -> tuple[float, torch.Tensor]:
+    """A decode step captured and replayed: its median ms and its logits (replayed once
+    more, after the scratch buffer is poisoned). On the CPU: NaN and the step's logits."""
+    if not device.startswith("cuda"):
+        if poison:
+            _poison(model)
+        return float("nan"), _manual_step(model, ids)
+    g, out = _capture(_manual_step, model, ids)
+    ms = _time(g.replay, device)
+    if poison:
+        _poison(model)
+    g.replay()
+    torch.cuda.synchronize()
+    return ms, out.clone()
+
+
+@torch.no_grad()
+def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
+    """Memory and decode-step times of every option set in ``grid`` on one model, one row
+    each (eager and CUDA-graph ms at batch 1 and 64, x the plain model's), whether every
+    logit is the plain model's bit for bit, and which targets the row meets (memory,
+    graph step at batch 1 and 64); the failures found."""
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    plain = llama(size, device, fp8)
+    name = f"{size} {'fp8' if fp8 else 'bf16'}"
+    base: dict[int, tuple] = {}
+    for batch in (1, 64):
+        ids = _ids(plain.config.vocab_size, batch, 1, device, 1)
+        eager = _time(lambda ids=ids: _full_step(plain, ids), device, n=10)
+        graph, out = _graph_ms(plain, ids, device, poison=False)
+        base[batch] = (ids, _bits(_full_step(plain, ids)), _bits(out), eager, graph)
+    print(f"{name} plain: step b1 eager {base[1][3]:.3f} graph {base[1][4]:.3f} ms, "
+          f"b64 eager {base[64][3]:.3f} graph {base[64][4]:.3f} ms")
+    print(f"{'model':<15} {'chunk':>6} {'tile':>6} {'ahead':>5} {'ratio':>6} "
+          f"{'coded+scratch MiB':>18} {'units':>5} {'launch':>6} | {'b1 eager':>14} "
+          f"{'b1 graph':>14} | {'b64 eager':>14} {'b64 graph':>14} | exact | targets met")
+    fails, coded_key = [], None
+    with _coding_memo() as memo:
+        for opts in grid:
+            key = (opts["chunk_size"], opts["tile_bytes"])
+            if key != coded_key:  # the next options code other tiles: free the last ones
+                memo.clear()
+                coded_key = key
+            model = _sharing(plain)
+            ekt.compress_model(model, **opts)
+            mem = ekt.resident_memory(model)
+            state = model._entropykit_resident
+            row, exact, met = [], True, ["mem"] if mem.ratio <= TARGET[fp8] else []
+            for batch in (1, 64):
+                ids, want, want_graph, eager0, graph0 = base[batch]
+                exact &= torch.equal(_bits(_full_step(model, ids)), want)
+                eager = _time(lambda ids=ids, m=model: _full_step(m, ids), device, n=10)
+                graph, out = _graph_ms(model, ids, device, poison=True)
+                exact &= torch.equal(_bits(out), want_graph)
+                row.append(f"{eager:7.2f} ({eager / eager0:4.1f}x) "
+                           f"{graph:7.2f} ({graph / graph0:4.1f}x)")
+                if graph <= STEP_TARGET[batch] * graph0:
+                    met.append(f"b{batch}")
+            tile = opts["tile_bytes"]
+            tile_s = ("block" if tile is None else f"{tile >> 20}M" if tile >= 1 << 20
+                      else f"{tile >> 10}K")
+            print(f"{name:<15} {opts['chunk_size'] >> 10:>5}K {tile_s:>6} "
+                  f"{opts['tiles_ahead']:>5} {mem.ratio:6.3f} "
+                  f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
+                  f"{len(state.units):>5} {len(state.leads):>6} | {row[0]} | {row[1]} | "
+                  f"{'yes' if exact else 'NO':<5} | {'+'.join(met) or '-'}", flush=True)
+            if not exact:
+                fails.append(f"{name} {opts}: logits differ from the plain model's")
+            del model, state
+            gc.collect()  # the hooks hold the model in cycles: free its device buffers now
+    return fails
+
+
+def sweep_grid(chunks: list[int], tiles: list[int | None], ahead: list[int],
+               max_launch: int) -> list[dict]:
+    """compress_model's option sets: every chunk size with every tile size and tiles
+    ahead whose launches hold at most ``max_launch`` bytes (the default tiles, a
+    block's, with one tile a launch only: more would hold several blocks)."""
+    return [dict(chunk_size=c, tile_bytes=t, tiles_ahead=a)
+            for c in chunks for t in tiles
+            for a in (ahead if t is not None else [1])
+            if a == 1 or t * a <= max_launch]
+
+
+def chunk_ratios(path: str, chunks: list[int]) -> None:
+    """Device bytes resident mode holds for the 2-D bf16 tensors of a (compressed or
+    plain) safetensors file, and for them cast to fp8 e4m3 (scaled per tensor onto
+    +-448), against their plain bytes, per chunk size (host only: the launches'
+    payload, tables, statuses and descriptors as ``CudaDecoder`` would hold them)."""
+    import entropykit
+    from entropykit.torch import _coded, _cuda
+
+    sd = entropykit.load_file(path)
+    bf16 = [t for t in sd.values() if t.dim() >= 2 and t.dtype == torch.bfloat16
+            and t.numel() >= ekt.MIN_ELEMENTS]
+    fp8 = [(t.float() / t.float().abs().amax().clamp(min=1e-30) * 448).to(
+        torch.float8_e4m3fn) for t in bf16]
+    print(f"{path}: {len(bf16)} bf16 tensors, {sum(t.numel() for t in bf16)} values")
+    for label, ts in (("bf16", bf16), ("fp8 e4m3", fp8)):
+        plain = sum(t.numel() * t.element_size() for t in ts)
+        cells = []
+        for c in chunks:
+            held = sum(_cuda.planned_bytes([_coded.code_tensor(t, 0, c)]) for t in ts)
+            cells.append(f"{c >> 10}K {held / plain:.4f}")
+        print(f"  {label}: " + ", ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
@@ -308,28 +461,49 @@ def main(argv: list[str] | None = None) -> int:
                     help="a DFloat11 checkpoint of the first size's bf16 model, to compare")
     ap.add_argument("--save-plain", metavar="DIR",
                     help="save the first size's bf16 model there (for DFloat11) and stop")
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead of (3) and (4): one row per option set of chunk sizes x "
+                         "tile bytes x tiles ahead, for each size, bf16 and fp8")
+    ap.add_argument("--chunks", nargs="+", type=int, default=[1 << 16, 1 << 14, 1 << 12],
+                    help="chunk sizes (symbols) the sweep and --ratios measure")
+    ap.add_argument("--ahead", nargs="+", type=int, default=[1, 4, 16],
+                    help="tiles_ahead values the sweep measures (with tile bytes given)")
+    ap.add_argument("--max-launch", type=int, default=1 << 26,
+                    help="the sweep skips tiles x ahead above these bytes (a launch's)")
+    ap.add_argument("--ratios", metavar="FILE",
+                    help="print the device bytes per chunk size of FILE's bf16 tensors "
+                         "(and fp8 casts of them) against plain, and stop (no GPU needed)")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
+    if args.ratios:
+        chunk_ratios(args.ratios, args.chunks)
+        return 0
     if args.save_plain:
         llama(args.size[0], "cpu").save_pretrained(args.save_plain)
         return 0
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.cuda.get_device_name(args.device) if cuda else 'CPU'}")
     failures = []
-    for fp8, tile_bytes in itertools.product((False, True), (None, SMALL_TILES)):
+    for fp8, tile_bytes in itertools.product((False, True), TINY_OPTS):
         make = lambda fp8=fp8: llama("tiny", args.device, fp8)  # noqa: E731
-        what = ("fp8" if fp8 else "bf16") + (f" tile_bytes={tile_bytes}" if tile_bytes else "")
+        what = ("fp8" if fp8 else "bf16") + (f" {_opts(tile_bytes)}" if tile_bytes else "")
         failures += [f"{what}: {f}" for f in exact_failures(make, args.device, tile_bytes)]
         if cuda:
             fails, how = graph_failures(make, args.device, tile_bytes=tile_bytes)
             print(f"{what}: CUDA graph captured: {how}")
             failures += [f"{what}: {f}" for f in fails]
     tiles = [None if t == "block" else int(t) for t in args.tile_bytes]
-    for k, size in enumerate(args.size):
-        for fp8 in (False, True):
-            for j, tile_bytes in enumerate(tiles):
-                failures += report(size, fp8, args.device, tile_bytes,
-                                   args.df11 if k == j == 0 else None)
+    if args.sweep:
+        grid = sweep_grid(args.chunks, tiles, args.ahead, args.max_launch)
+        for size in args.size:
+            for fp8 in (False, True):
+                failures += sweep(size, fp8, args.device, grid)
+    else:
+        for k, size in enumerate(args.size):
+            for fp8 in (False, True):
+                for j, tile_bytes in enumerate(tiles):
+                    failures += report(size, fp8, args.device, tile_bytes,
+                                       args.df11 if k == j == 0 else None)
     print("FAILURES: " + "; ".join(failures) if failures else "ALL OK")
     return 1 if failures else 0
 

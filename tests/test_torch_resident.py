@@ -225,6 +225,131 @@ def test_tiled_blocks_of_other_modules_decode_module_by_module() -> None:
         model.embed.weight.sum().item()
 
 
+def _launches(state) -> list[list[int]]:
+    """The units of each launch, in order."""
+    out: list[list[int]] = []
+    for k, u in enumerate(state.units):
+        if u.lead == k:
+            out.append([])
+        out[-1].append(k)
+    return out
+
+
+def test_tiles_ahead_decode_in_one_launch() -> None:
+    """``tiles_ahead``: up to that many consecutive tiles (across Linears) decode in one
+    launch, back to back in one place; the scratch is two of the largest launches, the
+    outputs exact, the weights restored."""
+    model, ref = _llama_vocab(4096), _llama_vocab(4096)
+    one = copy.deepcopy(model)
+    ekt.compress_model(one, tile_bytes=8192)
+    ekt.compress_model(model, tile_bytes=8192, tiles_ahead=3)
+    state = model._entropykit_resident
+    assert [u.rows for u in state.units] == [u.rows for u in one._entropykit_resident.units]
+    launches = _launches(state)
+    assert [len(g) for g in launches] == [3] * (len(state.units) // 3) + (
+        [len(state.units) % 3] if len(state.units) % 3 else [])
+    mlp = model.model.layers[0].mlp  # gate's two tiles and up's first in one launch
+    assert any({state.units[k].module for k in g} == {mlp.gate_proj, mlp.up_proj}
+               for g in launches)
+    for g in launches:
+        lead = state.units[g[0]]
+        assert all(state.units[k].decoder is lead.decoder for k in g)
+        at = lead.place.data_ptr()
+        for k in g:  # back to back in the launch's place
+            assert state.units[k].region.data_ptr() == at
+            at += state.units[k].size
+        assert at == lead.place.data_ptr() + lead.place.numel()
+    biggest = max(state.units[g[0]].place.numel() for g in launches)
+    assert biggest == 3 * 8192
+    assert ekt.resident_memory(model).scratch_bytes == 2 * biggest
+    assert len({id(u.decoder) for u in state.units}) == len(launches)
+    assert ekt.resident_memory(model).uncompressed_bytes == ekt.resident_memory(
+        one).uncompressed_bytes
+    ids = _ids().clamp(max=255)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    _poison(model)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    with torch.no_grad():
+        kw = dict(max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(ids[:1], **kw), ref.generate(ids[:1], **kw))
+        h = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(2))
+        h = h.to(torch.bfloat16)
+        _poison(model)  # a Linear whose tiles start inside a launch, called alone
+        assert torch.equal(_bits(mlp.up_proj(h)), _bits(ref.model.layers[0].mlp.up_proj(h)))
+    ekt.decompress_model(model)
+    got, want = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
+    with pytest.raises(ValueError, match="tiles_ahead"):
+        ekt.compress_model(_llama(), tiles_ahead=0)
+
+
+def test_tiles_ahead_tied_owners_share_launches() -> None:
+    """A tied embedding's tiles group only with their own module's: the lookup's and the
+    head's launches are the same tiles, share decoders and places."""
+    model, ref = _gpt2_vocab(4096), _gpt2_vocab(4096)
+    ekt.compress_model(model, tiles_ahead=4)
+    state = model._entropykit_resident
+    wte, head = model.transformer.wte, model.lm_head
+    launches = [[state.units[k] for k in g] for g in _launches(state)]
+    mine = [g for g in launches if g[0].module in (wte, head)]
+    assert [len(g) for g in mine] == [4, 2, 4, 2]
+    assert all(len({u.module for u in g}) == 1 for g in launches)
+    for e, h in zip(mine[:2], mine[2:], strict=True):
+        assert e[0].decoder is h[0].decoder and e[0].place is h[0].place
+    ids = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    ekt.decompress_model(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(_bits(model.lm_head.weight), _bits(ref.lm_head.weight))
+
+
+def test_chunk_size_codes_smaller_chunks() -> None:
+    """``chunk_size``: every coded field's frame is cut in chunks of that many symbols,
+    the outputs exact; sizes outside the frame's bounds or not powers of two refused."""
+    from entropykit.coding import frame
+    from entropykit.rans.static import CODER
+
+    model, ref = _llama(), _llama()
+    ekt.compress_model(model, chunk_size=1024)
+    state = model._entropykit_resident
+    frames = [f.data for u in state.units for w in u.weights for f in w.coded.fields
+              if f.coded]
+    assert frames and {frame.parse(CODER, d).chunk_size for d in frames} == {1024}
+    assert any(frame.parse(CODER, d).n > 1024 for d in frames)
+    assert torch.equal(_logits(model, _ids()), _logits(ref, _ids()))
+    for bad in (512, 1000, 3 << 10, 1 << 27):
+        with pytest.raises(ValueError, match="chunk_size must be a power of two"):
+            ekt.compress_model(_llama(), chunk_size=bad)
+
+
+def test_entropy_bound_skips_only_encodes_that_would_be_dropped(monkeypatch) -> None:
+    """A field is encoded only when its entropy bound could meet the saving asked for:
+    the fields chosen (coded or plain, and their bytes) are those of encoding every
+    field, and the bound is never above a frame's size."""
+    from entropykit import rans
+
+    g = torch.Generator().manual_seed(9)
+    rng = np.random.default_rng(9)
+    tensors = [(torch.randn(256, 96, generator=g) * 0.02).to(dt)
+               for dt in (torch.bfloat16, torch.float16)]
+    tensors.append((torch.randn(128, 64, generator=g) * 100).to(torch.float8_e4m3fn))
+    u8 = torch.from_numpy(rng.integers(0, 256, (64, 512), dtype=np.uint8))
+    tensors.append(u8.view(torch.bfloat16))  # every field near uniform: all plain
+    got = [_coded.code_tensor(t, 0, 1024) for t in tensors]
+    monkeypatch.setattr(_coded, "_entropy_bytes", lambda symbols: 0.0)  # encode all
+    want = [_coded.code_tensor(t, 0, 1024) for t in tensors]
+    for a, b in zip(got, want, strict=True):
+        assert [(f.name, f.coded, f.data.tobytes()) for f in a.fields] == [
+            (f.name, f.coded, f.data.tobytes()) for f in b.fields]
+    assert {f.coded for c in got for f in c.fields} == {True, False}
+    monkeypatch.undo()
+    for n, p in ((1 << 16, None), (4096, [0.5, 0.5]), (3000, [0.9, 0.05, 0.05]), (10, None)):
+        sym = rng.choice(len(p), n, p=p).astype(np.uint8) if p else rng.integers(
+            0, 256, n, dtype=np.uint8)
+        assert _coded._entropy_bytes(sym) <= len(rans.encode(sym, precision=12,
+                                                             chunk_size=1024))
+
+
 class _Nested(nn.Module):
     """A module using its own weight after a child's forward: it cannot be split."""
 
@@ -475,10 +600,14 @@ class _FakeRuntime:
             return Bound()
 
 
+@pytest.mark.parametrize("opts", [{}, dict(tile_bytes=8192, tiles_ahead=3, chunk_size=1024)],
+                         ids=["default", "launches-of-tiles"])
 @pytest.mark.parametrize("make", [_llama, lambda: _llama(torch.float16), _Fp8Net],
                          ids=["bf16", "fp16", "fp8"])
-def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
-    """The CUDA backend's batches, places and outputs, run by the kernel emulator."""
+def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
+    """The CUDA backend's batches, places and outputs, run by the kernel emulator (tiles
+    of one launch at their offsets in its place, chunks as small as asked); the device
+    bytes ``planned_bytes`` computes on the host are what the decoders hold."""
     monkeypatch.setattr(rans_cuda, "load_runtime", lambda device: _FakeRuntime)
 
     def backend(device, units):
@@ -488,12 +617,29 @@ def test_cuda_decoder_plans_on_the_emulator(make, monkeypatch) -> None:
     monkeypatch.setattr(_resident, "_backend", backend)
     model, ref = make(), make()
     ids = _ids()
-    ekt.compress_model(model)
+    planned = []
+    real_init = _cuda.CudaDecoder.__init__
+
+    def init(self, coded, region, device) -> None:
+        planned.append(_cuda.planned_bytes(coded))
+        real_init(self, coded, region, device)
+        self.planned = planned[-1]
+
+    monkeypatch.setattr(_cuda.CudaDecoder, "__init__", init)
+    ekt.compress_model(model, **opts)
     state = model._entropykit_resident
     assert all(isinstance(u.decoder, _cuda.CudaDecoder) for u in state.units)
     assert all(len(u.decoder.launches) == len({c.pair for c in _unit_coded(u)})
                for u in state.units)
-    assert any(u.tiled is not None for u in state.units) == (make is _Fp8Net)
+    assert any(u.tiled is not None for u in state.units) == (make is _Fp8Net or bool(opts))
+    assert all(d.planned == d.nbytes for d in {id(u.decoder): u.decoder
+                                                for u in state.units}.values())
+    if opts:
+        assert max(len(g) for g in _launches(state)) == 3
+        rows = sum(len(b) for d in {id(u.decoder): u.decoder for u in state.units
+                                         }.values() for b in d.held[5::6])
+        coded = sum(c.nbytes for u in state.units for c in _unit_coded(u))
+        assert rows >= coded // (2 * 1024)  # chunks of 1024 symbols, pairs in rows
     assert all(c.fields == () for u in state.units for c in _unit_coded(u))  # on the device
     state.scratch.fill_(0xFF)
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
@@ -537,11 +683,11 @@ def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
     want = {k: _bits(v).clone() for k, v in ref.state_dict().items()}
     real, calls = _resident.code_tensor, []
 
-    def fail_late(t, offset):
+    def fail_late(t, offset, chunk_size):
         calls.append(1)
         if len(calls) == 9:  # units 0 and 1 are converted by then
             raise OSError("disk on fire")
-        return real(t, offset)
+        return real(t, offset, chunk_size)
 
     monkeypatch.setattr(_resident, "code_tensor", fail_late)
     with pytest.raises(OSError, match="disk on fire"):
@@ -593,14 +739,18 @@ class _Log:
         pass
 
 
-@pytest.mark.parametrize(("vocab", "tile_bytes"), [(256, None), (4096, None), (4096, 8192)],
-                         ids=["small-vocab", "large-vocab", "tiled-blocks"])
-def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, monkeypatch) -> None:
+@pytest.mark.parametrize(("vocab", "tile_bytes", "ahead"),
+                         [(256, None, 1), (4096, None, 1), (4096, 8192, 1), (4096, 8192, 3),
+                          (4096, None, 4)],
+                         ids=["small-vocab", "large-vocab", "tiled-blocks", "tiled-blocks-ahead",
+                              "tiles-ahead"])
+def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, ahead, monkeypatch) -> None:
     """What the hooks ask of the streams, replayed against the rules that make the CUDA
-    backend's overlap safe: a unit computes right after its own decode ("now") or the
-    join of its prefetch; a prefetch never targets the region of the unit about to
-    compute; a decode on the compute stream never races an un-joined prefetch into the
-    same bytes; nothing is left un-joined when the forward returns (graph capture)."""
+    backend's overlap safe: a unit computes only while its launch's decode, issued on the
+    compute stream ("now") or prefetched and joined, is the last write to its place; a
+    prefetch never targets the place of the launch about to compute; a decode on the
+    compute stream never races an un-joined prefetch into the same bytes; nothing is left
+    un-joined when the forward returns (graph capture); each launch decodes once."""
     log = _Log()
     monkeypatch.setattr(_resident, "_backend",
                         lambda device, units: (log, _resident.CpuDecoder))
@@ -613,9 +763,9 @@ def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, monkeypatch) -> 
     monkeypatch.setattr(_resident.Resident, "before", before)
     model = _llama_vocab(vocab)
     ref = copy.deepcopy(model)
-    ekt.compress_model(model, tile_bytes=tile_bytes)
+    ekt.compress_model(model, tile_bytes=tile_bytes, tiles_ahead=ahead)
     state = model._entropykit_resident
-    log.index = {id(u.decoder): k for k, u in enumerate(state.units)}
+    log.index = {id(u.decoder): u.lead for u in state.units}
     # large embeddings decode in tiles, each beside the one before like the blocks; with
     # tiles smaller than a block, the blocks' Linears too (q and o in one tile each, gate,
     # up and down in two; k and v are too small to code)
@@ -623,34 +773,43 @@ def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, monkeypatch) -> 
         assert len(state.units) == (5 if vocab == 256 else 3 + 2 * 8)
     else:
         assert len(state.units) == 2 * 64 + 3 * 8 and not any(u.block for u in state.units)
-    want = [False] + [True] * (len(state.units) - 1)
-    assert [u.prefetch for u in state.units] == want
+    leads = [g[0] for g in _launches(state)]
+    # launches of tiles_ahead tiles (the embedding's 8 in two, then the blocks, the head's)
+    assert len(leads) == {1: len(state.units), 3: -(-len(state.units) // 3), 4: 7}[ahead]
+    want = [False] + [True] * (len(leads) - 1)
+    assert [state.units[g].prefetch for g in leads] == want
     log.ops.clear()
     ids = _ids().clamp(max=255)
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
-    span = [(u.region.data_ptr(), u.region.data_ptr() + u.region.numel())
-            for u in state.units]
+    span = {g: (state.units[g].place.data_ptr(),
+                state.units[g].place.data_ptr() + state.units[g].place.numel())
+            for g in leads}
     apart = lambda a, b: span[a][1] <= span[b][0] or span[b][1] <= span[a][0]  # noqa: E731
     pending: set[int] = set()
+    ready: set[int] = set()  # launches whose place holds their decode, on the compute stream
     computed = []
     for i, (op, k) in enumerate(log.ops):
         if op == "compute":
-            prev = log.ops[i - 2] if log.ops[i - 1] == ("prefetch", k + 1) else log.ops[i - 1]
-            assert prev in (("now", k), ("join", k)), log.ops[: i + 1]
-            assert k not in pending
+            g = state.units[k].lead
+            assert g in ready and g not in pending, log.ops[: i + 1]
             computed.append(k)
         elif op == "prefetch":
-            nxt = next(j for o, j in log.ops[i:] if o == "compute")
-            assert nxt == k - 1 and apart(k, k - 1)
+            nxt = state.units[next(j for o, j in log.ops[i:] if o == "compute")].lead
+            assert apart(k, nxt)
             pending.add(k)
+            ready = {g for g in ready if apart(g, k)}
         elif op == "join":
             pending.discard(k)
+            ready = {g for g in ready if apart(g, k)} | {k}
         elif op == "now":
             assert all(apart(k, j) for j in pending)
+            ready = {g for g in ready if apart(g, k)} | {k}
     assert not pending
     assert computed == list(range(len(state.units)))
-    assert [k for op, k in log.ops if op == "now"] == [
-        k for k, p in enumerate(want) if not p]
+    assert [k for op, k in log.ops if op == "now"] == [g for g, p in zip(leads, want,
+                                                                          strict=True)
+                                                        if not p]
+    assert sorted(k for op, k in log.ops if op in ("now", "prefetch")) == leads
 
 
 @pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)],
@@ -679,3 +838,37 @@ def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
     monkeypatch.setattr(_resident.CpuDecoder, "run", wrong)
     fails = rc.exact_failures(make, "cpu")
     assert fails and all("differ" in f or "give the weights back" in f for f in fails)
+
+
+@pytest.mark.slow
+def test_device_sweep_logic_on_the_cpu(capsys) -> None:
+    """gpu/resident_check.py's sweep on the CPU backend (no graphs there): one row per
+    option set, every one exact, the coding shared between option sets that cut the same
+    tiles and the memo left as it was."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
+    spec = importlib.util.spec_from_file_location("resident_check", path)
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    grid = rc.sweep_grid([1 << 16, 1 << 12], [None, 1 << 16], [1, 3], 1 << 17)
+    assert [(g["chunk_size"], g["tile_bytes"], g["tiles_ahead"]) for g in grid] == [
+        (c, t, a) for c in (1 << 16, 1 << 12) for t, a in ((None, 1), (1 << 16, 1))]
+    grid = rc.sweep_grid([1 << 12], [1 << 16], [1, 3], 1 << 26)
+    calls = []
+    real = _resident.code_tensor
+
+    def counted(t, offset, chunk_size):
+        calls.append(1)
+        return real(t, offset, chunk_size)
+
+    _resident.code_tensor = counted
+    try:
+        assert rc.sweep("tiny", False, "cpu", grid) == []
+    finally:
+        _resident.code_tensor = real
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("tiny bf16 ")]
+    assert len(rows) == 3 and all("| yes " in r for r in rows[1:])
+    units = 53  # tiny's tiles of 64 KiB: coded once for both tiles_ahead values
+    assert len(calls) == units

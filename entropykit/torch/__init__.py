@@ -5,13 +5,15 @@ other parameter of two or more dimensions in bf16, fp16 or fp8) losslessly and k
 the coded bytes on the model's device. Each block of the model (each module of a repeated
 ``nn.ModuleList``, such as ``model.model.layers``; every other module holding weights is a
 block of its own) decodes just before its forward into one reused scratch buffer (blocks
-alternate between its front and its back), the next block's decode overlapping this
-block's compute on a side stream. Embeddings and Linear heads larger than a block (such as
-the vocabulary's) decode in row tiles no larger than a block: the lookup takes each
-tile's rows, the head computes each tile's slice of the logits, so the buffer holds two
-blocks, never a whole embedding. The forward only enqueues work on the GPU, so it can be
-captured in a CUDA graph, and its outputs are bit-identical to the uncompressed model's.
-On the CPU the same hooks decode with the CPU decoders.
+alternate between its front and its back), the next block's decode overlapping this block's
+compute on a side stream. Embeddings and Linear heads larger than a block (such as the
+vocabulary's) decode in row tiles no larger than a block: the lookup takes each tile's
+rows, the head computes each tile's slice of the logits, so the buffer holds two blocks,
+never a whole embedding. With ``tile_bytes`` the blocks' Linears decode in tiles too,
+``tiles_ahead`` of them in one launch, for a buffer of a few tiles. The forward only
+enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
+bit-identical to the uncompressed model's. On the CPU the same hooks decode with the CPU
+decoders.
 
 What it is not: a training mode (the scratch buffer is overwritten block after block,
 so a resident model runs under ``torch.no_grad()``), or a file format: the coded weights
@@ -28,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..coding.frame import MAX_CHUNK, MIN_CHUNK
+from ..container.codecs import GPU_CHUNK
 from ._resident import Resident, ResidentMemory, _units
 
 __all__ = ["ResidentMemory", "compress_model", "decompress_model", "resident_memory"]
@@ -38,6 +42,7 @@ MIN_ELEMENTS = 1 << 12
 
 def compress_model(model: nn.Module, *, device: torch.device | str | None = None,
                    min_elements: int = MIN_ELEMENTS, tile_bytes: int | None = None,
+                   tiles_ahead: int = 1, chunk_size: int = GPU_CHUNK,
                    verify: bool = True) -> nn.Module:
     """Make ``model``'s weights resident (in place; returns ``model``).
 
@@ -49,11 +54,17 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     plain weights. An embedding or Linear weight larger than ``tile_bytes`` (default: the
     largest block's decoded size) decodes in row tiles of at most that size; given, a
     block larger than that decodes module by module (``nn.Linear`` weights in tiles,
-    other modules' weights whole), so that the scratch buffer holds two tiles or modules
+    other modules' weights whole), so that the scratch buffer holds tiles or modules
     rather than two blocks, at the cost of more, smaller decodes and products; each
-    module's weights must then be read only by its own forward. ``verify``
-    decodes every block once and compares it with the weights, bit for bit, before they
-    are freed. Undo with ``decompress_model``.
+    module's weights must then be read only by its own forward.
+
+    Memory against speed: ``tiles_ahead`` consecutive tiles (of one Linear or of the
+    next ones) decode in one launch, the next launch while they compute, so the scratch
+    buffer holds about ``2 * tiles_ahead * tile_bytes``; ``chunk_size`` (symbols per
+    rANS chunk, a power of two in [1024, 2**26]) sets how many GPU warps share a decode:
+    smaller chunks decode a tile sooner and cost a little more coded size (a chunk's
+    states and descriptor). ``verify`` decodes every launch once and compares it with
+    the weights, bit for bit, before they are freed. Undo with ``decompress_model``.
     """
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("entropykit: this model is resident already")
@@ -61,6 +72,11 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
         raise ValueError(f"min_elements must be >= 1, got {min_elements}")
     if tile_bytes is not None and tile_bytes < 1:
         raise ValueError(f"tile_bytes must be >= 1, got {tile_bytes}")
+    if tiles_ahead < 1:
+        raise ValueError(f"tiles_ahead must be >= 1, got {tiles_ahead}")
+    if not (MIN_CHUNK <= chunk_size <= MAX_CHUNK and chunk_size & (chunk_size - 1) == 0):
+        raise ValueError(f"chunk_size must be a power of two in [{MIN_CHUNK}, {MAX_CHUNK}], "
+                         f"got {chunk_size}")
     units = _units(model, min_elements, tile_bytes)
     devices = {getattr(w.owner, w.name).device for u in units for w in u.weights}
     devices |= {u.tiled.owners[0].weight.device for u in units if u.tiled is not None}
@@ -78,7 +94,7 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     if here != target and here.type != "cpu":
         raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
                          f"{target} (only weights on the CPU move)")
-    state = Resident(model, units, target)
+    state = Resident(model, units, target, chunk_size, tiles_ahead)
     with torch.no_grad():
         state.build(verify)
     if here != target:

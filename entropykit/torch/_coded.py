@@ -2,9 +2,11 @@
 
 What it is: the host half of resident mode, with no GPU. ``code_tensor`` splits a tensor
 (``entropykit.formats``) and codes each field as the GPU decoder reads fastest: static
-rANS at 12-bit precision (tables fit shared memory) in chunks of ``GPU_CHUNK``, without
-context tables, a field kept plain where coding saves less than ``GPU_MIN_SAVING`` (the
-choices ``target="gpu"`` files make). ``decode_into`` is the CPU decoder of one tensor.
+rANS at 12-bit precision (tables fit shared memory) in chunks of ``GPU_CHUNK`` symbols
+by default (smaller chunks: more warps decode a tensor at once, for a little more
+payload), without context tables, a field kept plain where coding saves less than
+``GPU_MIN_SAVING`` (the choices ``target="gpu"`` files make). ``decode_into`` is the CPU
+decoder of one tensor.
 What it is not: where tensors live or when they are decoded (``_resident.py``), or the
 GPU launches (``_cuda.py``).
 """
@@ -87,18 +89,30 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def code_tensor(t: torch.Tensor, offset: int) -> CodedTensor:
-    """``t`` (a dtype of ``FORMATS``) coded, to decode at ``offset`` of a scratch region."""
+def code_tensor(t: torch.Tensor, offset: int, chunk_size: int = GPU_CHUNK) -> CodedTensor:
+    """``t`` (a dtype of ``FORMATS``) coded in chunks of ``chunk_size`` symbols, to decode
+    at ``offset`` of a scratch region."""
     raw = raw_bytes(t).cpu().numpy()
     fields = []
     for f in formats.split(FORMATS[t.dtype], raw):
-        frame = np.frombuffer(rans.encode(f.symbols, precision=RANS_PRECISION,
-                                          chunk_size=GPU_CHUNK), np.uint8)
-        if frame.size <= (1 - GPU_MIN_SAVING) * f.symbols.size:
+        frame = None
+        if _entropy_bytes(f.symbols) <= (1 - GPU_MIN_SAVING) * f.symbols.size:
+            frame = np.frombuffer(rans.encode(f.symbols, precision=RANS_PRECISION,
+                                              chunk_size=chunk_size), np.uint8)
+        if frame is not None and frame.size <= (1 - GPU_MIN_SAVING) * f.symbols.size:
             fields.append(Field(f.name, frame, True))
         else:  # a copy: one-byte planes share memory with the tensor
             fields.append(Field(f.name, np.array(f.symbols, np.uint8), False))
     return CodedTensor(t.dtype, tuple(t.shape), offset, tuple(fields))
+
+
+def _entropy_bytes(symbols: np.ndarray) -> float:
+    """A lower bound of any rANS frame of ``symbols``: their empirical order-0 entropy
+    (no static code is shorter; a frame adds its states and tables), less a rounding
+    margin. A field whose bound misses the saving asked for is not worth encoding."""
+    counts = np.bincount(symbols.reshape(-1), minlength=256)
+    p = counts[counts > 0] / max(1, symbols.size)
+    return float(-(p * np.log2(p)).sum()) * symbols.size / 8 * (1 - 1e-9) - 1
 
 
 def decode_into(c: CodedTensor, out: np.ndarray) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..rans import cuda as rans_cuda
-from ..rans.cuda.plan import Place, Planner, Stream
+from ..rans.cuda.plan import Batch, Place, Planner, Stream
 from ._coded import CodedTensor
 
 
@@ -27,8 +27,35 @@ def _streams(c: CodedTensor, k: int) -> list[Stream]:
             else Stream.plain(f.data, f"tensor {k} {f.name}") for f in c.fields]
 
 
+def plan(coded: Sequence[CodedTensor]) -> list[tuple[list[CodedTensor], Batch]]:
+    """The launches of ``coded`` (host side): the bf16 tensors' batch, then the others'."""
+    out = []
+    for bf16 in (True, False):
+        group = [c for c in coded if c.pair == bf16]
+        if not group:
+            continue
+        p = Planner(bf16)
+        for k, c in enumerate(group):
+            s = _streams(c, k)
+            if bf16:
+                p.add_pair(s[0], s[1], Place(k))
+            else:
+                for f, st in zip(c.fields, s, strict=True):
+                    p.add(st, Place(k, f.byte, c.itemsize))
+        out.append((group, p.finish([c.nbytes // (2 if bf16 else 1) for c in group])))
+    return out
+
+
+def planned_bytes(coded: Sequence[CodedTensor]) -> int:
+    """Device bytes ``CudaDecoder(coded, ...)`` holds, computed on the host: payload,
+    decode tables, context maps, statuses and descriptors of each launch."""
+    return sum(b.payload_size + b.sym_tables.nbytes + b.info_tables.nbytes + b.cmaps.nbytes
+               + 4 * max(1, len(b.desc)) + b.desc.nbytes for _, b in plan(coded))
+
+
 class CudaDecoder:
-    """A block's coded tensors on one CUDA device, decoding into ``region`` (uint8)."""
+    """Coded tensors on one CUDA device, decoding into ``region`` (uint8) in one launch
+    per kernel mode."""
 
     reads_fields = False  # uploaded at construction; the host copies may go
 
@@ -39,23 +66,11 @@ class CudaDecoder:
         self.launches: list = []
         self.held: list[torch.Tensor] = []  # every device buffer the launches read
         self._checks = []  # (origins, status) of each batch, for check()
-        for bf16 in (True, False):
-            group = [c for c in coded if c.pair == bf16]
-            if not group:
-                continue
-            p = Planner(bf16)
-            for k, c in enumerate(group):
-                s = _streams(c, k)
-                if bf16:
-                    p.add_pair(s[0], s[1], Place(k))
-                else:
-                    for f, st in zip(c.fields, s, strict=True):
-                        p.add(st, Place(k, f.byte, c.itemsize))
-            batch = p.finish([c.nbytes // (2 if bf16 else 1) for c in group])
+        for group, batch in plan(coded):
             db = rt.DeviceBatch(batch, device)
             self.held += [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status]
             self._checks.append((batch.origins, db.status[: len(batch.desc)]))
-            bound = db.bind([c.view(region).reshape(-1) if bf16 else c.bytes_in(region)
+            bound = db.bind([c.view(region).reshape(-1) if batch.bf16 else c.bytes_in(region)
                              for c in group])
             self.held.append(bound.desc)
             self.launches.append(bound)

@@ -3,17 +3,19 @@
 What it is: a model's weights grouped into units, in the order the modules are registered,
 which is the order they run in: each block of a repeated ``nn.ModuleList``, every other
 module holding weights of its own, and the row tiles of an embedding or Linear weight
-larger than the largest block (or tied to another module: embeddings shared with the
-output head), which the module's forward decodes one tile at a time (the lookup picks
-each tile's rows, the head writes each tile's slice of the output). Each unit decodes to
-one of the two halves of one scratch buffer (its front or its back), alternating with the
-unit before, so the buffer holds two of the largest blocks. Block weights are fixed views
-into their region. A unit's forward pre-hook (a tile's: its module's forward) makes the
-compute stream wait for the unit's decode (issued then if it was not prefetched) and
-prefetches the next unit where their regions are apart, so the next decode overlaps this
-unit's compute. The hooks only enqueue work, with no host synchronisation, so a forward
-can be captured in a CUDA graph. The CPU backend decodes with the CPU decoders through
-the same hooks (nothing overlaps there).
+larger than the largest block (or tied to another module: embeddings shared with the output
+head), which the module's forward decodes one tile at a time (the lookup picks each tile's
+rows, the head writes each tile's slice of the output). Units decode in launches: a unit
+alone, or up to ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per
+launch). Each launch decodes to one of the two halves of one scratch buffer (its front or
+its back), alternating with the launch before, so the buffer holds two of the largest
+launches. Block weights are fixed views into their region. A unit's forward pre-hook (a
+tile's: its module's forward) makes the compute stream wait for its launch (issued then if
+it was not prefetched; nothing to do for a tile entered right after the one before it in
+the same launch) and prefetches the next launch where their places are apart, so the next
+decode overlaps this launch's compute. The hooks only enqueue work, with no host
+synchronisation, so a forward can be captured in a CUDA graph. The CPU backend decodes with
+the CPU decoders through the same hooks (nothing overlaps there).
 What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..coding import parallel
 from ._coded import ALIGN, FORMATS, CodedTensor, code_tensor, decode_into, raw_bytes
 
 
@@ -125,6 +128,9 @@ class Unit:
     decoder: Any = None
     coded: CodedTensor | None = None  # a tile's, as it decodes into ``region``
     hook: Any = None
+    lead: int = 0  # the first unit of the launch this unit decodes in (tiles_ahead)
+    after: int | None = None  # a lead's: the next launch's lead
+    place: torch.Tensor | None = None  # a lead's: its launch's region (its units' regions)
 
     @property
     def rows(self) -> tuple[int, int]:
@@ -268,6 +274,31 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
 _DEFAULT_TILE = 1 << 25  # tile bytes of a model without repeated blocks
 
 
+def _launches(units: list[Unit], ahead: int) -> None:
+    """Group the units into launches: up to ``ahead`` consecutive tiles decode in one
+    (more chunks, so more warps, per launch); any other unit in one of its own. A tied
+    weight's tiles group only with their own module's, so that every owner's tiles form
+    the same launches (they share them)."""
+    k = 0
+    while k < len(units):
+        n = 1
+        while (units[k].tiled is not None and n < ahead and k + n < len(units)
+               and _together(units[k + n - 1], units[k + n])):
+            n += 1
+        for u in units[k : k + n]:
+            u.lead = k
+        units[k].after = k + n if k + n < len(units) else None
+        k += n
+
+
+def _together(a: Unit, b: Unit) -> bool:
+    if b.tiled is None:
+        return False
+    if len(a.tiled.owners) > 1 or len(b.tiled.owners) > 1:
+        return a.tiled is b.tiled and a.module is b.module
+    return True
+
+
 @dataclass(frozen=True)
 class ResidentMemory:
     """Device memory of a resident model's weights, in bytes."""
@@ -285,18 +316,25 @@ class ResidentMemory:
 
 
 def _apart(a: Unit, b: Unit) -> bool:
-    pa, pb = a.region.data_ptr(), b.region.data_ptr()
-    return pa + a.size <= pb or pb + b.size <= pa
+    """Whether the launches led by ``a`` and ``b`` decode to places apart."""
+    pa, pb = a.place.data_ptr(), b.place.data_ptr()
+    return pa + a.place.numel() <= pb or pb + b.place.numel() <= pa
 
 
 class Resident:
     """A model's resident state: units, scratch buffer, hooks (``model._entropykit_resident``)."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], device: torch.device) -> None:
+    def __init__(self, model: nn.Module, units: list[Unit], device: torch.device,
+                 chunk_size: int, tiles_ahead: int = 1) -> None:
         self.model = model
         self.units = units
         self.device = device
-        self.pending: int | None = None  # the unit prefetched and not yet waited for
+        self.chunk_size = chunk_size
+        _launches(units, tiles_ahead)
+        self.leads = [k for k, u in enumerate(units) if u.lead == k]
+        self.pending: int | None = None  # the launch prefetched and not yet waited for
+        self.current: int | None = None  # the launch whose units were entered last
+        self.last: int | None = None  # the unit entered last
         self.scratch: torch.Tensor | None = None
         self.streams: Any = None
         self.hooks: list[Any] = []
@@ -304,9 +342,10 @@ class Resident:
 
     def build(self, verify: bool) -> None:
         """Code every unit's weights, allocate the scratch buffer, point the weights at it
-        and install the hooks. With ``verify``, each unit is decoded once and compared with
-        its weights, bit for bit, before they are dropped. Unit by unit, so the host holds
-        one unit's coded weights at a time; on an error the model is left as it was."""
+        and install the hooks. With ``verify``, each launch is decoded once and compared
+        with its weights, bit for bit, before they are dropped. Launch by launch, so the
+        host holds one launch's coded weights at a time; on an error the model is left as
+        it was."""
         places = []
         for u in self.units:  # each weight's offset in its unit's region, ALIGNed
             if u.tiled is not None:
@@ -321,36 +360,50 @@ class Resident:
                 at += _aligned(p.numel() * p.element_size())
             places.append(offsets)
             u.size = at
-        # Each unit decodes to the half of the buffer the unit before did not (a tile of a
-        # tied weight met again: where its first owner's did), so the buffer holds two of
-        # the largest blocks (tiles are no larger) and a unit decodes beside the one before.
-        pairs = [u.size for u in self.units if u.block or u.tiled is not None]
-        size = max([2 * s for s in pairs] + [u.size for u in self.units] + [0])
+        # Each launch decodes to the half of the buffer the launch before did not (a tile
+        # of a tied weight met again: where its first owner's did), so the buffer holds two
+        # of the largest launches of blocks or tiles, and a launch decodes beside the one
+        # before; a launch's units lie back to back in its place.
+        sizes = {g: sum(u.size for u in self._members(g)) for g in self.leads}
+        pairs = [sizes[g] for g in self.leads
+                 if self.units[g].block or self.units[g].tiled is not None]
+        size = max([2 * s for s in pairs] + list(sizes.values()) + [0])
         self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
-        back = True  # of the unit before: the first unit decodes to the front
-        for u in self.units:
-            if u.shared:
-                u.region = self.units[u.tiled.units[0] + u.tile].region
-                back = u.region.data_ptr() != self.scratch.data_ptr()
+        back = True  # of the launch before: the first launch decodes to the front
+        for g in self.leads:
+            lead = self.units[g]
+            if lead.shared:
+                lead.place = self.units[lead.tiled.units[0] + lead.tile].place
+                back = lead.place.data_ptr() != self.scratch.data_ptr()
             else:
                 back = not back
-                base = size - u.size if back else 0
-                u.region = self.scratch[base : base + u.size]
-        for k, u in enumerate(self.units):
-            u.prefetch = k > 0 and _apart(self.units[k - 1], u)
+                base = size - sizes[g] if back else 0
+                lead.place = self.scratch[base : base + sizes[g]]
+            at = 0
+            for u in self._members(g):
+                u.region = lead.place[at : at + u.size]
+                at += u.size
+        for j, g in enumerate(self.leads):
+            u = self.units[g]
+            u.prefetch = j > 0 and _apart(self.units[self.leads[j - 1]], u)
         self.streams, make = _backend(self.device, len(self.units))
         done: list[Unit] = []
+        # Tensors are coded on the package's threads, a bounded window ahead of the launch
+        # being built, in the order the launches take them.
+        coded = parallel.imap(lambda job: code_tensor(*job, self.chunk_size),
+                              self._jobs(places), parallel.resolve(None))
         try:
-            for u, offsets in zip(self.units, places, strict=True):
+            for g in self.leads:
+                u = self.units[g]
                 if u.tiled is not None:
-                    self._build_tile(u, make, verify)
+                    self._build_tiles(self._members(g), make, verify, coded)
                     continue
-                u.weights = [Weight(w.owner, w.name, w.requires_grad,
-                                    code_tensor(getattr(w.owner, w.name), at))
-                             for w, at in zip(u.weights, offsets, strict=True)]
+                u.weights = [Weight(w.owner, w.name, w.requires_grad, next(coded))
+                             for w in u.weights]
                 u.decoder = make([w.coded for w in u.weights], u.region)
                 if verify:
-                    self._verify(u, [(w.coded, getattr(w.owner, w.name)) for w in u.weights])
+                    self._verify(u, [(w.coded, u, getattr(w.owner, w.name))
+                                     for w in u.weights])
                 if not u.decoder.reads_fields:  # the device holds them now, not the host
                     u.weights = [Weight(w.owner, w.name, w.requires_grad,
                                         dataclasses.replace(w.coded, fields=()))
@@ -360,6 +413,7 @@ class Resident:
                     setattr(w.owner, w.name, w.coded.view(u.region))
                 done.append(u)
         except BaseException:
+            coded.close()
             self._decode_back(done)
             raise
         if self.device.type == "cuda":
@@ -370,29 +424,62 @@ class Resident:
                     lambda m, args, kwargs, k=k: self.before(k, args, kwargs),
                     with_kwargs=True)
                 self.hooks.append(u.hook)
-        self.hooks.append(self.model.register_forward_hook(lambda m, a, out: self.join()))
+        self.hooks.append(self.model.register_forward_hook(lambda m, a, out: self.end()))
 
-    def _build_tile(self, u: Unit, make: Callable, verify: bool) -> None:
-        """Code tile ``u`` (its first owner's) or share it (a tied owner's); after the last
-        tile of an owner, the owner's weight goes and its forward decodes tiles."""
-        t = u.tiled
-        if u.shared:
-            first = self.units[t.units[0] + u.tile]
-            u.decoder, u.coded = first.decoder, first.coded
+    def _jobs(self, places: list[list[int]]) -> Iterator[tuple[torch.Tensor, int]]:
+        """(tensor, offset in its region) of everything to code, in building order: each
+        launch's weights or its tiles' rows (a tied owner's tiles are its first owner's)."""
+        for g in self.leads:
+            u = self.units[g]
+            if u.tiled is None:
+                for w, at in zip(u.weights, places[g], strict=True):
+                    yield getattr(w.owner, w.name), at
+            elif not u.shared:
+                for t in self._members(g):
+                    a, b = t.rows
+                    yield t.tiled.owners[0].weight[a:b], 0
+
+    def _members(self, g: int) -> list[Unit]:
+        """The units of the launch led by unit ``g``."""
+        end = self.units[g].after
+        return self.units[g : len(self.units) if end is None else end]
+
+    def _build_tiles(self, tiles: list[Unit], make: Callable, verify: bool,
+                     coded: Iterator[CodedTensor]) -> None:
+        """Code one launch of tiles (its first owner's) or share it (a tied owner's);
+        after the last tile of an owner, the owner's weight goes and its forward decodes
+        tiles."""
+        lead = tiles[0]
+        if lead.shared:
+            for u in tiles:
+                first = self.units[u.tiled.units[0] + u.tile]
+                u.decoder, u.coded = first.decoder, first.coded
         else:
-            a, b = u.rows
-            rows = t.owners[0].weight[a:b]
-            u.coded = code_tensor(rows, 0)
-            u.decoder = make([u.coded], u.region)
+            wants = []
+            for u in tiles:
+                a, b = u.rows
+                wants.append(u.tiled.owners[0].weight[a:b])
+                u.coded = next(coded)
+            base = lead.place.data_ptr()
+            decoder = make([dataclasses.replace(u.coded, offset=u.region.data_ptr() - base)
+                            for u in tiles], lead.place)
+            for u in tiles:
+                u.decoder = decoder
             if verify:
-                self._verify(u, [(u.coded, rows)])
-            if not u.decoder.reads_fields:
-                u.coded = dataclasses.replace(u.coded, fields=())
-        if u.tile < len(t.rows) - 1 or u.module is not t.owners[-1]:
-            return
-        # the last tile of the last owner: every owner's forward decodes tiles from now on
-        # what the modules show as their weight: its shape and dtype, and no data, so that
-        # reading it outside their forwards fails rather than reads stale bytes
+                self._verify(lead, [(u.coded, u, w) for u, w in zip(tiles, wants,
+                                                                  strict=True)])
+            if not decoder.reads_fields:
+                for u in tiles:
+                    u.coded = dataclasses.replace(u.coded, fields=())
+        for u in tiles:
+            t = u.tiled
+            if u.tile == len(t.rows) - 1 and u.module is t.owners[-1]:
+                self._swap_forwards(t)
+
+    def _swap_forwards(self, t: Tiled) -> None:
+        """Every owner's forward decodes ``t``'s tiles from now on; what the modules show
+        as their weight: its shape and dtype, and no data, so that reading it outside
+        their forwards fails rather than reads stale bytes."""
         stand_in = torch.empty(t.shape, dtype=t.dtype, device="meta")
         for m, first in zip(t.owners, t.units, strict=True):
             del m._parameters["weight"]
@@ -403,33 +490,47 @@ class Resident:
                 lambda m, x, f=forward, ks=ks: f(self, m, ks, x), m)
         self.tiled.append(t)
 
-    def _verify(self, u: Unit, pairs: list[tuple[CodedTensor, torch.Tensor]]) -> None:
-        u.decoder.run()
+    def _verify(self, lead: Unit, checks: list[tuple[CodedTensor, Unit, torch.Tensor]]
+                ) -> None:
+        """Run ``lead``'s decoder; each (coded, unit, weight) must come out as the weight."""
+        lead.decoder.run()
         self.streams.synchronize()
-        u.decoder.check()
-        for coded, want in pairs:
+        lead.decoder.check()
+        for coded, u, want in checks:
             if not torch.equal(coded.bytes_in(u.region), raw_bytes(want).to(u.region.device)):
                 raise RuntimeError(f"entropykit: {type(u.module).__name__} weight did not "
                                    "decode to its weight")
 
     def before(self, k: int, args: tuple, kwargs: dict) -> None:
-        """Unit ``k``'s pre-hook: its weights are decoded, the next unit's on the way."""
+        """Unit ``k``'s pre-hook: its launch is decoded, the next launch's on the way."""
         if torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad
                 for a in (*args, *kwargs.values())):
             raise RuntimeError("entropykit: a resident model runs inference only (its "
                                "weights are overwritten by the next blocks): use "
                                "torch.no_grad() or decompress_model first")
-        hit = self.pending == k
+        g = self.units[k].lead
+        entered = g != k and self.current == g and self.last == k - 1
+        self.last = k
+        if entered:  # decoded with the unit before it, in one launch
+            return
+        hit = self.pending == g
         self.join()
         if not hit:
-            self.streams.now(self.units[k].decoder)
-        if k + 1 < len(self.units) and self.units[k + 1].prefetch:
-            self.streams.prefetch(k + 1, self.units[k + 1].decoder)
-            self.pending = k + 1
+            self.streams.now(self.units[g].decoder)
+        self.current = g
+        n = self.units[g].after
+        if n is not None and self.units[n].prefetch:
+            self.streams.prefetch(n, self.units[n].decoder)
+            self.pending = n
+
+    def end(self) -> None:
+        """The model's forward returned: nothing left pending, nothing taken as decoded."""
+        self.join()
+        self.current = self.last = None
 
     def join(self) -> None:
-        """The compute stream waits for the prefetched unit (if any)."""
+        """The compute stream waits for the prefetched launch (if any)."""
         if self.pending is not None:
             self.streams.join(self.pending)
             self.pending = None
@@ -466,9 +567,12 @@ class Resident:
                 w.owner.register_parameter(w.name, nn.Parameter(t, w.requires_grad))
         for t in tiled if tiled is not None else self.tiled:
             whole = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            ran = None
             for i, (a, b) in enumerate(t.rows):
                 u = self.units[t.units[0] + i]
-                self.streams.now(u.decoder)
+                if u.decoder is not ran:  # once per launch
+                    self.streams.now(u.decoder)
+                    ran = u.decoder
                 whole[a:b] = u.coded.view(u.region)
             p = nn.Parameter(whole, t.requires_grad)
             for m in t.owners:
@@ -479,21 +583,17 @@ class Resident:
 
 def _tiled_linear(state: Resident, m: nn.Linear, ks: list[int], x: torch.Tensor
                   ) -> torch.Tensor:
-    """``m(x)`` with its weight decoded tile by tile, each tile's product written to its
-    slice of the output: the output's features split, each element's sum is the plain
-    product's."""
-    out = None
+    """``m(x)`` with its weight decoded tile by tile, the tiles' products joined along the
+    output features (one copy for all tiles): the output's features split, each
+    element's sum is the plain product's."""
+    ys = []
     for k in ks:
         state.before(k, (x,), {})
         u = state.units[k]
         a, b = u.rows
-        y = F.linear(x, u.coded.view(u.region), None if m.bias is None else m.bias[a:b])
-        if len(ks) == 1:
-            return y
-        if out is None:
-            out = y.new_empty((*y.shape[:-1], m.out_features))
-        out[..., a:b] = y
-    return out
+        ys.append(F.linear(x, u.coded.view(u.region),
+                           None if m.bias is None else m.bias[a:b]))
+    return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
 
 
 def _tiled_embedding(state: Resident, m: nn.Embedding, ks: list[int], ids: torch.Tensor

@@ -5,8 +5,9 @@ and per-row scales in the blocks: ``entropykit.torch.compress_model`` gives the 
 model's logits and greedy tokens bit for bit (whole blocks, and blocks in row tiles),
 also after the scratch buffer is poisoned with NaN, and ``decompress_model`` gives every
 weight back; a step captured in a CUDA graph and replayed on new inputs, the buffer
-poisoned between replays, gives the plain model's logits; the memory accounting adds up
-to the device memory the weights take.
+poisoned between replays, gives the plain model's logits; the same with tiles decoded
+several to a launch in small chunks, and for each option set of a small sweep; the
+memory accounting adds up to the device memory the weights take.
 What it is not: the timings (resident_check.py prints them).
 """
 
@@ -25,13 +26,17 @@ import entropykit.torch as ekt  # noqa: E402
 DEV = "cuda:0"
 
 
-@pytest.mark.parametrize("tile_bytes", [None, rc.SMALL_TILES], ids=["blocks", "tiles"])
+OPTS = pytest.mark.parametrize("tile_bytes", rc.TINY_OPTS,
+                               ids=["blocks", "tiles", "launches-of-small-chunks"])
+
+
+@OPTS
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_logits_tokens_and_restore_exact(fp8, tile_bytes):
     assert rc.exact_failures(lambda: rc.llama("tiny", DEV, fp8), DEV, tile_bytes) == []
 
 
-@pytest.mark.parametrize("tile_bytes", [None, rc.SMALL_TILES], ids=["blocks", "tiles"])
+@OPTS
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_cuda_graph_replay_exact(fp8, tile_bytes):
     fails, how = rc.graph_failures(lambda: rc.llama("tiny", DEV, fp8), DEV,
@@ -73,3 +78,29 @@ def test_compress_from_the_cpu_onto_the_device():
     ids = rc._ids(plain.config.vocab_size, 3, 17, DEV, 0)
     with torch.no_grad():
         assert torch.equal(rc._bits(model(ids).logits), rc._bits(plain(ids).logits))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sweep_rows_exact(fp8, capsys):
+    """The sweep's option sets (chunk sizes x tiles x tiles ahead) each give the plain
+    model's logits, eager and graph-replayed with poisoned scratch, and print a row."""
+    grid = rc.sweep_grid([1 << 16, 1 << 10], [None, rc.SMALL_TILES], [1, 4], 1 << 26)
+    assert len(grid) == 6
+    assert rc.sweep("tiny", fp8, DEV, grid) == []
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("tiny")]
+    assert len(rows) == 1 + len(grid) and all("| yes " in r for r in rows[1:])
+
+
+def test_launches_of_tiles_hold_what_they_plan():
+    """Launches of several tiles in small chunks: one decoder (one kernel launch) per
+    launch of tiles, the accounting its buffers, the scratch two of the largest
+    launches."""
+    model = rc.llama("tiny", DEV)
+    ekt.compress_model(model, **rc.AHEAD)
+    state = model._entropykit_resident
+    decoders = {id(u.decoder): u.decoder for u in state.units}.values()
+    assert len(decoders) == len(state.leads) < len(state.units)
+    mem = ekt.resident_memory(model)
+    assert mem.coded_bytes == sum(d.nbytes for d in decoders)
+    assert mem.scratch_bytes == 2 * max(state.units[g].place.numel() for g in state.leads)
+    assert all(len(d.launches) == 1 for d in decoders)  # bf16 only: one kernel mode
