@@ -14,7 +14,7 @@ prints (3) memory: coded weights, scratch buffer, what they replace, their ratio
 the target, and the device memory the model takes before and after; (4) decode-step times
 (one new token per sequence, batch 1 and 64) of the plain and the resident model, eager
 and graph-replayed, and ``generate`` tokens/s; with ``--df11 DIR`` (a DFloat11 checkpoint
-of the bf16 model that ``--save-plain DIR`` writes, compressed by DFloat11's own tool) the
+of the bf16 model that ``--save-plain DIR`` writes, made by ``df11_model.py``) the
 same for DFloat11's ``DFloat11Model``. It prints ALL OK at the end, or the failures, and
 exits non-zero on any. With ``--device cpu`` it runs (1) and (3) on the CPU backend (a
 dry run of its logic).
@@ -288,8 +288,8 @@ def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[st
         print(f"  DFloat11: not measured ({e})")
         return []
     try:
-        model = DFloat11Model.from_pretrained(path, device=device,
-                                              bfloat16_model=llama_skeleton(plain))
+        # As its users load it: the model built from the checkpoint's config.json.
+        model = DFloat11Model.from_pretrained(path, device=device)
     except Exception as e:  # its API or the checkpoint: say so, the rest stands
         print(f"  DFloat11: not measured (DFloat11Model.from_pretrained: {e!r:.200})")
         return []
@@ -304,12 +304,6 @@ def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[st
                f"generate {_generate_rate(model, ids, device):.0f} tok/s"]
         print(f"  DFloat11 decode step, batch {batch}: " + " ".join(row))
     return fails
-
-
-def llama_skeleton(plain: nn.Module) -> nn.Module:
-    """A model of ``plain``'s config, for DFloat11 to load its weights into."""
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(plain.config).to(torch.bfloat16).eval()
 
 
 @contextlib.contextmanager
