@@ -139,7 +139,7 @@ def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, target,
     files.compress_file(model_file, ek, threads=2, segment_bytes=segment_bytes, target=target)
     used = _codecs_used(ek)
     if target == "cpu":  # every path of the plan runs: kernel, copies, host decodes
-        assert {("exponent", "tans"), ("sign_mantissa", "rans"), ("byte0", "zstd"),
+        assert {("exponent", "rans"), ("sign_mantissa", "rans"), ("byte0", "zstd"),
                 ("byte0", "raw")} <= used
     else:
         assert {c for _, c in used} <= {"rans", "raw", "zstd"} and ("exponent", "rans") in used
@@ -198,7 +198,7 @@ def test_gpu_target_codec_choice():
     assert sm.codec == "rans"
     assert entropykit.coding.frame.parse(entropykit.rans.static.CODER, sm.blob).cmap is None
     assert codecs.choose(nearly, None, target="gpu").codec == "raw"
-    assert codecs.choose(exp, None).codec == "tans"  # the CPU default is unchanged
+    assert codecs.choose(exp, None).codec == "rans"  # the default: rANS, which the kernel decodes
     with pytest.raises(ValueError, match="target must be one of"):
         codecs.choose(exp, None, target="tpu")
 
