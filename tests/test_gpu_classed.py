@@ -209,3 +209,14 @@ def test_default_file_with_rans2d_fields_loads_through_the_kernel(tmp_path, segm
     restored = entropykit.load_file(src)
     assert all(np.array_equal(want[k], restored[k].reshape(-1).view(torch.uint8).numpy())
                for k in want)
+
+
+def test_a_classed_sign_mantissa_is_refused_in_bf16_mode():
+    """bf16 builds keep a class grid for the exponent stream only (registers): a classed
+    sign_mantissa, which entropykit never writes, is the loader's to decode on the host."""
+    rng = np.random.default_rng(7)
+    data, sym = _field(rng, 5000, 50, 0, 4, 4)
+    e = plan.Stream.frame(codecs.encode("rans", sym, None, chunk_size=CHUNK), "exponent")
+    m = fileplan._stream("rans2d", data, sym.size, None, "sign_mantissa")
+    with pytest.raises(ValueError, match="sign_mantissa frame is classed"):
+        plan.Planner(True).add_pair(e, m, plan.Place(0))

@@ -202,6 +202,9 @@ def _plan_segment(c: Compressed, job: _Job) -> Piece:
             codec, part, n = coded["exponent"]
             exp = Stream.plain(_rans_decode(exp.data, threads=1) if codec == "rans" else
                                codecs.decode(codec, part, n, None), exp.label)
+        if sm.classed:  # never written by ours (the field has a context): decode it here
+            codec, part, n = coded["sign_mantissa"]
+            sm = Stream.plain(codecs.decode(codec, part, n, None), sm.label)
         off, step = place.pair
         piece.pairs.append((exp, sm, Place(job.tensor, job.lo // 2 + off, step)))
     for name, (k, word) in place.planes.items():

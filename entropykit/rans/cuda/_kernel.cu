@@ -7,7 +7,8 @@
 //   bf16 mode (BF16 1): stream a is an exponent chunk, stream b the sign_mantissa chunk of
 //     the same position; the warp writes (sm >> 7) << 15 | exp << 7 | (sm & 0x7f).
 //     CTX: b's tables are chosen per symbol by the class of a's symbol (cmap[exp]).
-//   CLS (either mode): a stream whose row has D_GRID >= 0 is classed (the "rans2d" codec):
+//   CLS (either mode; in bf16 mode stream a only): a stream whose row has D_GRID >= 0 is
+//     classed (the "rans2d" codec):
 //     the table of its symbol at row r, column j of rows of D_WIDTH is
 //     cmaps[D_GRID + rowmap[r] + colmap[j]] (rowmap holds class * kc; a map at -1 is all
 //     0). Each lane keeps its symbol's (row, column), moved 32 symbols on each step, so no
@@ -252,7 +253,7 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
     sb = b.sym + (cls << b.p);
     ib = b.info + cls * 256;
 #endif
-#if CLS
+#if CLS && !BF16  // bf16 mode: b (sign_mantissa) is never classed (plan.py), no registers
     if (!RAW_B && b.classed) {
         const unsigned t = grid_table(b, FULL || i < b.n);
         sb = b.sym + (t << b.p);

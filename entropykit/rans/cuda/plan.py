@@ -442,6 +442,8 @@ class Planner:
             raise ValueError("a u8-mode planner takes single streams")
         if exp.context:
             raise ValueError(f"{exp.label} is context-conditioned; it has no context")
+        if sm.classed:  # the kernel keeps no class grid for it (its registers)
+            raise ValueError(f"{sm.label} is classed: decode it on the host")
         chunks = {s.info.chunk_size for s in (exp, sm) if s.info is not None}
         if exp.n != sm.n or len(chunks) > 1:
             def says(s: Stream) -> str:
