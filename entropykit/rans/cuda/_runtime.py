@@ -28,10 +28,10 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds witho
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
 
 
-def warp_smem(ctx: bool) -> int:
+def warp_smem(ctx: bool, cls: bool = False) -> int:
     """Shared-memory bytes a warp of a build uses: two word rings (+ staging, in builds
-    without contexts: _kernel.cu's VEC)."""
-    return 256 * RING_WINDOWS + (0 if ctx else STAGE_BYTES)
+    without contexts or classes: _kernel.cu's VEC)."""
+    return 256 * RING_WINDOWS + (0 if ctx or cls else STAGE_BYTES)
 
 
 def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False
@@ -45,7 +45,7 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False
                 f"-DRING_WINDOWS={RING_WINDOWS}", *cols)
         k = cp.RawKernel(nvrtc.source(__package__, "_kernel.cu"), "rans_decode", options=opts)
         # The most a block of this build may ask for: two table sets and the warps'.
-        k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(ctx)
+        k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(ctx, cls)
         return k
 
     return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps), build)
@@ -81,7 +81,7 @@ class Launch:
         self.grid = (-(-self.pairs // b.warps),)
         self.block = (32 * b.warps,)
         self.shared = ((b.slots * TABLE_SET_BYTES if smem else 0)
-                       + b.warps * warp_smem(b.context))
+                       + b.warps * warp_smem(b.context, b.classed))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
 
     def __call__(self) -> None:
