@@ -150,20 +150,24 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
 }
 
 #if CLS
-// The table of a classed stream's current symbol (0 for a lane past the end), then the
-// lane's place moves on 32 symbols (col < width < 2^31, so col + dr does not wrap).
-__device__ __forceinline__ unsigned grid_table(Stream& s, bool live) {
+// A classed stream's tables for its current symbol (table 0 for a lane past the end; a
+// stream not classed keeps sym / info), then the lane's place moves on 32 symbols
+// (col < width < 2^31, so col + dr does not wrap).
+__device__ __forceinline__ void grid_tables(Stream& s, bool live, const unsigned char*& sym,
+                                            const unsigned*& info) {
+    if (!s.classed) return;
     unsigned ctx = 0;
     if (live && s.has_rows) ctx = s.rmap[s.row];
     if (live && s.has_cols) ctx += s.kmap[s.col];
     const unsigned t = live ? (unsigned)s.grid[ctx] : 0u;
+    sym = s.sym + (t << s.p);
+    info = s.info + t * 256;
     s.col += s.dr;
     s.row += s.dq;
     if (s.col >= s.width) {
         s.col -= s.width;
         s.row += 1;
     }
-    return t;
 }
 #endif
 
@@ -238,11 +242,7 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
     const unsigned char* sa = q.sa;
     const unsigned* ia = q.ia;
 #if CLS
-    if (!RAW_A && a.classed) {
-        const unsigned t = grid_table(a, FULL || i < a.n);
-        sa = a.sym + (t << a.p);
-        ia = a.info + t * 256;
-    }
+    if (!RAW_A) grid_tables(a, FULL || i < a.n, sa, ia);
 #endif
     const unsigned ea = stream_step<FULL, RAW_A>(a, i, lane, lt, sa, ia);
     const unsigned char* sb = q.sb;
@@ -254,11 +254,7 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
     ib = b.info + cls * 256;
 #endif
 #if CLS && !BF16  // bf16 mode: b (sign_mantissa) is never classed (plan.py), no registers
-    if (!RAW_B && b.classed) {
-        const unsigned t = grid_table(b, FULL || i < b.n);
-        sb = b.sym + (t << b.p);
-        ib = b.info + t * 256;
-    }
+    if (!RAW_B) grid_tables(b, FULL || i < b.n, sb, ib);
 #endif
     const unsigned eb = stream_step<FULL, RAW_B>(b, i, lane, lt, sb, ib);
 #if BF16
