@@ -9,6 +9,7 @@ of every dtype, both codec targets (``codecs.choose(target=...)``), several segm
 group sizes, and on damaged files. The device runs gpu/tests/test_cuda_load.py.
 """
 
+import dataclasses
 import struct
 import sys
 import zlib
@@ -247,9 +248,12 @@ def test_damaged_files_are_caught_where_the_gpu_loader_checks(model_file, tmp_pa
         list(fileplan.groups(Compressed(np.fromfile(bad, np.uint8))))
 
 
-def test_host_decoded_and_raw_chunk_damage(model_file, tmp_path):
+def test_host_decoded_and_raw_chunk_damage(model_file, tmp_path, monkeypatch):
     ek = tmp_path / "m.ek.safetensors"
-    files.compress_file(model_file, ek, threads=2)  # CPU target: tANS exponents
+    # A file as earlier defaults wrote it, with tANS exponents (decoded on the host).
+    old = dataclasses.replace(codecs.CPU, candidates=("rans", "tans", "zstd", "raw", "rans2d"))
+    monkeypatch.setitem(codecs.POLICIES, ("cpu", False), old)
+    files.compress_file(model_file, ek, threads=2)
     bad = _damaged(ek, tmp_path / "a.safetensors", "big.bf16", "exponent", 0.7, "tans")
     with pytest.raises(CorruptDataError, match=r"'big\.bf16' segment 0: field 'exponent' "
                                                r"\(tans\): "):
