@@ -175,8 +175,9 @@ def test_compression_pays_on_real_weights(tmp_path: Path) -> None:
     assert summary.compressed_bytes == (tmp_path / "w.ek").stat().st_size
     assert summary.original_bytes == src.stat().st_size
     c = Compressed(np.fromfile(tmp_path / "w.ek", np.uint8))
-    # Exponent: tANS; sign+mantissa given the exponent: rANS (the only context coder).
-    assert c.record.tensors["w"].codecs == (("tans", "rans"),)
+    # Exponent: rANS (the default writes what the GPU kernel decodes); sign+mantissa
+    # given the exponent: rANS (the only context coder).
+    assert c.record.tensors["w"].codecs == (("rans", "rans"),)
 
 
 def _codecs_by_field(packed: Path, name: str) -> dict[str, set[str]]:
@@ -197,7 +198,7 @@ def test_fast_mode_stores_near_incompressible_fields_raw(tmp_path: Path) -> None
                "b": (torch.randn(2000, generator=g) * 0.02).to(torch.bfloat16)}, src)
     slow, fast = roundtrip(src, tmp_path), tmp_path / "fast.ek"
     files.compress_file(src, fast, fast=True)
-    assert _codecs_by_field(slow, "w") == {"exponent": {"tans"}, "sign_mantissa": {"rans"}}
+    assert _codecs_by_field(slow, "w") == {"exponent": {"rans"}, "sign_mantissa": {"rans"}}
     # sign+mantissa saves ~0.4% (under codecs.FAST_MIN_SAVING): stored raw; the
     # exponent (2.6 of 8 bits) is still coded, so the file stays small, by rANS (faster;
     # its lane states cost under codecs.FAST_TANS_GAIN here), but by tANS in a field
@@ -220,7 +221,7 @@ def test_zstd_wins_large_fields_where_lz_matching_pays() -> None:
                        n // 1000 + 1)[:n]
     assert codecs.choose(periodic, None).codec == "zstd"
     iid = np.random.default_rng(6).geometric(0.3, n).clip(0, 255).astype(np.uint8)
-    assert codecs.choose(iid, None).codec == "tans"
+    assert codecs.choose(iid, None).codec == "rans"
     # LZ matching only in the field's first third (an embedding's untrained rows), order-0
     # uniform throughout: the probe must look where the sample looks, not only mid-field.
     part = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
@@ -244,7 +245,7 @@ def test_field_saving_under_min_saving_is_stored_raw(tmp_path: Path) -> None:
     save_file(out, src)
     packed = roundtrip(src, tmp_path)
     assert _codecs_by_field(packed, "slight") == {"byte0": {"raw"}}
-    assert _codecs_by_field(packed, "more") == {"byte0": {"tans"}}
+    assert _codecs_by_field(packed, "more") == {"byte0": {"rans"}}
 
 
 @pytest.mark.parametrize("header", [

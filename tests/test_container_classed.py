@@ -140,7 +140,7 @@ def test_choose_picks_rans2d_where_rows_differ_and_it_pays() -> None:
     sym = _exponents(_scaled_rows(512, 384))
     plain = codecs.choose(sym, None)
     got = codecs.choose(sym, None, grid=(384, 0))
-    assert plain.codec == "tans" and got.codec == "rans2d"
+    assert plain.codec == "rans" and got.codec == "rans2d"
     assert len(got.blob) < 0.92 * len(plain.blob)
     assert got.entropy_bits == plain.entropy_bits
     back = codecs.decode("rans2d", np.frombuffer(got.blob, np.uint8), sym.size, None)
@@ -158,7 +158,7 @@ def test_context_fields_and_homogeneous_rows_stay_plain() -> None:
     assert codecs.choose(sym, sym, grid=(384, 0)).codec == "rans"  # has a context
     g = torch.Generator().manual_seed(0)
     same = _exponents((torch.randn(512, 384, generator=g) * 0.02).to(torch.bfloat16))
-    assert codecs.choose(same, None, grid=(384, 0)).codec == "tans"  # classes do not pay
+    assert codecs.choose(same, None, grid=(384, 0)).codec == "rans"  # classes do not pay
 
 
 def test_grid_of() -> None:

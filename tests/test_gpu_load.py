@@ -9,6 +9,7 @@ of every dtype, both codec targets (``codecs.choose(target=...)``), several segm
 group sizes, and on damaged files. The device runs gpu/tests/test_cuda_load.py.
 """
 
+import dataclasses
 import struct
 import sys
 import zlib
@@ -139,7 +140,7 @@ def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, target,
     files.compress_file(model_file, ek, threads=2, segment_bytes=segment_bytes, target=target)
     used = _codecs_used(ek)
     if target == "cpu":  # every path of the plan runs: kernel, copies, host decodes
-        assert {("exponent", "tans"), ("sign_mantissa", "rans"), ("byte0", "zstd"),
+        assert {("exponent", "rans"), ("sign_mantissa", "rans"), ("byte0", "zstd"),
                 ("byte0", "raw")} <= used
     else:
         assert {c for _, c in used} <= {"rans", "raw", "zstd"} and ("exponent", "rans") in used
@@ -198,7 +199,7 @@ def test_gpu_target_codec_choice():
     assert sm.codec == "rans"
     assert entropykit.coding.frame.parse(entropykit.rans.static.CODER, sm.blob).cmap is None
     assert codecs.choose(nearly, None, target="gpu").codec == "raw"
-    assert codecs.choose(exp, None).codec == "tans"  # the CPU default is unchanged
+    assert codecs.choose(exp, None).codec == "rans"  # the default: rANS, which the kernel decodes
     with pytest.raises(ValueError, match="target must be one of"):
         codecs.choose(exp, None, target="tpu")
 
@@ -247,9 +248,12 @@ def test_damaged_files_are_caught_where_the_gpu_loader_checks(model_file, tmp_pa
         list(fileplan.groups(Compressed(np.fromfile(bad, np.uint8))))
 
 
-def test_host_decoded_and_raw_chunk_damage(model_file, tmp_path):
+def test_host_decoded_and_raw_chunk_damage(model_file, tmp_path, monkeypatch):
     ek = tmp_path / "m.ek.safetensors"
-    files.compress_file(model_file, ek, threads=2)  # CPU target: tANS exponents
+    # A file as earlier defaults wrote it, with tANS exponents (decoded on the host).
+    old = dataclasses.replace(codecs.CPU, candidates=("rans", "tans", "zstd", "raw", "rans2d"))
+    monkeypatch.setitem(codecs.POLICIES, ("cpu", False), old)
+    files.compress_file(model_file, ek, threads=2)
     bad = _damaged(ek, tmp_path / "a.safetensors", "big.bf16", "exponent", 0.7, "tans")
     with pytest.raises(CorruptDataError, match=r"'big\.bf16' segment 0: field 'exponent' "
                                                r"\(tans\): "):

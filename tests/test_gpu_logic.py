@@ -42,12 +42,22 @@ def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None) -> tuple[np.
     x, wp, mask = x0.copy(), 0, np.uint64((1 << p) - 1)
     out = np.zeros(n, np.uint8)
     lanes = np.arange(32)
+    # A classed stream's lanes keep their symbol's column and row as the kernel does:
+    # one division at the start, then 32 symbols on per step (dq rows, dr columns).
+    width = int(row[lay.D_WIDTH])
+    col, rw = np.divmod(int(row[lay.D_COL]) + lanes, width)[::-1]
+    dq, dr = divmod(32, width)
     for s in range(-(-n // 32)):
         i = s * 32 + lanes
         live = i < n
         cls = np.zeros(32, np.int64)
         if row[lay.D_CMAP] >= 0:
             cls[live] = b.cmaps[int(row[lay.D_CMAP]) + ctx[i[live]].astype(np.int64)]
+        if row[lay.D_GRID] >= 0:
+            cls[live] = _grid_table(b, row, rw[live], col[live])
+        col, rw = col + dr, rw + dq
+        wrap = col >= width
+        col, rw = np.where(wrap, col - width, col), rw + wrap
         slot = (x & mask).astype(np.int64)
         c = b.sym_tables[int(row[lay.D_SYM]) + (cls << p) + slot].astype(np.int64)
         inf = b.info_tables[int(row[lay.D_INFO]) + cls * 256 + c].astype(np.uint64)
@@ -64,6 +74,20 @@ def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None) -> tuple[np.
     code = (1 if (x0 < L).any() else 2 if wp > words.size else 3 if wp < words.size
             else 4 if (x != L).any() else 0)
     return out, code
+
+
+def _grid_table(b: plan.Batch, row: np.ndarray, rw: np.ndarray, col: np.ndarray
+                ) -> np.ndarray:
+    """The kernel's table of classed symbols at rows ``rw`` (from the chunk's first row)
+    and columns ``col``; asserts every read lies in the maps the plan laid out."""
+    ctx = np.zeros(rw.size, np.int64)
+    for at, where in ((int(row[lay.D_RMAP]), rw), (int(row[lay.D_KMAP]), col)):
+        if at >= 0:
+            assert where.size == 0 or 0 <= at + int(where.max()) < b.cmaps.size
+            ctx += b.cmaps[at + where]
+    g = int(row[lay.D_GRID])
+    assert ctx.size == 0 or (0 <= g and g + int(ctx.max()) < b.cmaps.size)
+    return b.cmaps[g + ctx].astype(np.int64)
 
 
 def _emulate(b: plan.Batch) -> tuple[list[np.ndarray], np.ndarray]:

@@ -161,8 +161,24 @@ def count(data: np.ndarray) -> int:
     return int(data[8:16].view("<u8")[0])
 
 
-def decode(data: np.ndarray, n: int) -> np.ndarray:
-    """The ``n`` symbols of a payload; CorruptDataError saying what is wrong."""
+@dataclass(frozen=True)
+class Parsed:
+    """A checked payload's classing: its rANS frame is ``data[body:]``; symbol i of the
+    field sits at row ``(phase + i) // cols``, column ``(phase + i) % cols`` and is coded
+    with context ``rows[row] * kc + columns[column]`` (a None map: class 0)."""
+
+    kr: int
+    kc: int
+    cols: int
+    phase: int
+    rows: np.ndarray | None
+    columns: np.ndarray | None
+    body: int
+
+
+def parse(data: np.ndarray, n: int) -> Parsed:
+    """The header and class maps of a payload of ``n`` symbols, checked (the frame after
+    them is not parsed); CorruptDataError saying what is wrong."""
     if data.size < HEADER_SIZE:
         raise CorruptDataError(f"rans2d payload truncated: {data.size} bytes")
     magic, version, kr, kc, reserved, got, cols, phase = _HEAD.unpack(
@@ -195,18 +211,23 @@ def decode(data: np.ndarray, n: int) -> np.ndarray:
             raise CorruptDataError(f"rans2d payload: column class map at byte "
                                    f"{HEADER_SIZE + row_bytes} names a class >= {kc} or "
                                    "sets padding bits")
-    body = data[start:]
+    return Parsed(kr, kc, cols, phase, rcls, ccls, start)
+
+
+def decode(data: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` symbols of a payload; CorruptDataError saying what is wrong."""
+    p = parse(data, n)
+    body = data[p.body:]
     try:
         info = frame.parse(rans_static.CODER, body, max_output=n)
         # Each symbol's table index straight from the maps (cmap folded into the row
         # patterns): the kernel skips its cmap lookup; made group by group as the chunks
         # decode (in cache). A one-table frame needs no context.
-        ctx = None if info.cmap is None else lines.context_source(n, cols, phase, rcls,
-                                                                  ccls, kc, info.cmap)
+        ctx = None if info.cmap is None else lines.context_source(
+            n, p.cols, p.phase, p.rows, p.columns, p.kc, info.cmap)
         return frame.decode(rans_static.CODER, body, None, np.empty(n, np.uint8), ctx,
                             info=info, mapped=True)
     except CorruptDataError as e:
         raise CorruptDataError(f"rans2d frame: {e}") from None
     except ValueError as e:
         raise CorruptDataError(f"rans2d frame: {e}") from None
-

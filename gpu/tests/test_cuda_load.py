@@ -96,3 +96,37 @@ def test_damaged_fields_raise_naming_tensor_and_field(files, tmp_path):
     rows = lc.corruption(files["bf16"][1]["gpu"], tmp_path)
     assert [r["codec"] for r in rows] == ["rans", "raw"]
     assert [(r["codec"], r["cpu"], r["gpu"]) for r in rows if not r["ok"]] == []
+
+
+def _row_scaled(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Weights whose rows and columns differ in scale: the default codes their exponents
+    (bf16) or bytes (fp8) as rans2d."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(1.5 * torch.randn(shape[0], 1, generator=g)) * torch.exp(
+        0.7 * torch.randn(1, shape[1], generator=g))
+    return (torch.randn(shape, generator=g) * scale * 0.02).to(dtype).contiguous()
+
+
+@pytest.mark.parametrize("segment_bytes", [1 << 24, 3 * (1 << 14) + 8])
+def test_default_file_with_rans2d_fields_decodes_on_the_device(tmp_path, segment_bytes):
+    """rans2d fields go to the kernel's classed build: bit-exact with the CPU load, also
+    with segments that start mid-row, and none of their fields decoded on the host."""
+    from entropykit.container import files
+    from entropykit.container.cuda import fileplan
+    from entropykit.container.reader import Compressed
+
+    orig = tmp_path / "rows.safetensors"
+    safetensors.torch.save_file({
+        "a.bf16": _row_scaled((384, 1000), torch.bfloat16, 1),
+        "b.bf16": _row_scaled((1536, 384), torch.bfloat16, 2),
+        "c.e4m3": _row_scaled((256, 300), torch.float32, 3).clamp(-448, 448)
+        .to(torch.float8_e4m3fn),
+        "d.bf16": _row_scaled((3, 50_000), torch.bfloat16, 4)}, orig)
+    ek = tmp_path / "rows.ek.safetensors"
+    files.compress_file(orig, ek, segment_bytes=segment_bytes)
+    c = Compressed(np.fromfile(ek, np.uint8))
+    used = {cd for t in c.record.tensors.values() for seg in t.codecs for cd in seg}
+    assert "rans2d" in used and "tans" not in used
+    assert any(p.batch.classed and p.batch.bf16 for g in fileplan.groups(c) for p in g.parts)
+    rows = lc.check_exact("rows", orig, {"cpu": ek})
+    assert [(r["target"], r["bad"]) for r in rows if not r["exact"]] == []

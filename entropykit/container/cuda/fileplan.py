@@ -5,11 +5,13 @@ For each segment of each tensor it checks every field payload's position CRC (th
 payload is where the record says: ``payload.check``), then decides how every field
 reaches the output tensor:
 
-- rANS frames go to the kernel as they are; ``raw`` fields are copied by the kernel
-  (their CRC-32 is checked here, and the CRC-32 of every raw chunk inside an rANS frame:
-  bytes the GPU copies verbatim are checked on the host, coded chunks by the kernel's
-  state checks); ``tans`` and ``zstd`` fields are decoded here (their own checks run)
-  and copied by the kernel as plain bytes.
+- rANS frames go to the kernel as they are, and so do ``rans2d`` fields: their class
+  maps are checked and unpacked here, and the kernel picks each symbol's table from its
+  row's and column's class; ``raw`` fields are copied by the kernel (their CRC-32 is
+  checked here, and the CRC-32 of every raw chunk inside an rANS frame: bytes the GPU
+  copies verbatim are checked on the host, coded chunks by the kernel's state checks);
+  ``tans`` and ``zstd`` fields (zstd: small fields only, as entropykit writes them) are
+  decoded here (their own checks run) and copied by the kernel as plain bytes.
 - Where a field lands (``placement``): a byte plane ``byteK`` of W-byte elements goes
   to byte K of every element (stride W); ``exponent`` + ``sign_mantissa`` (BF16, F32,
   the sign moved below the exponent) are decoded together in bf16 mode and written as
@@ -35,8 +37,8 @@ import numpy as np
 from ..._errors import CorruptDataError
 from ...coding import frame as _frame
 from ...rans import decode as _rans_decode
-from ...rans.cuda.plan import WARPS, Batch, Place, Planner, Stream
-from .. import codecs, payload, segment
+from ...rans.cuda.plan import GRID_MAX_WIDTH, WARPS, Batch, Grid, Place, Planner, Stream
+from .. import classed, codecs, payload, segment
 from .. import header as hdr
 from ..parallel import imap
 from ..reader import Compressed
@@ -128,10 +130,29 @@ def _stream(codec: str, part: np.ndarray, n: int, ctx: str | None, label: str) -
         if zlib.crc32(part[codecs.RAW_OVERHEAD:]) != int(part[:4].view("<u4")[0]):
             raise CorruptDataError(f"{label}: raw field fails its CRC-32")
         return Stream.plain(part[codecs.RAW_OVERHEAD:], label)
+    if codec == "rans2d":
+        return _classed(part, n, label)
     try:
         return Stream.plain(codecs.decode(codec, part, n, None), label)  # tans, zstd
     except CorruptDataError as e:
         raise CorruptDataError(f"{label}: {e}") from None
+
+
+def _classed(part: np.ndarray, n: int, label: str) -> Stream:
+    """A rans2d field as a classed stream (rows wider than the kernel's grid coordinates:
+    decoded here)."""
+    try:
+        p = classed.parse(part, n)
+        if p.cols > GRID_MAX_WIDTH:
+            return Stream.plain(classed.decode(part, n), label)
+    except CorruptDataError as e:
+        raise CorruptDataError(f"{label}: {e}") from None
+    s = Stream.on_grid(part[p.body:], Grid(p.cols, p.phase, p.kc, p.rows, p.columns),
+                       f"{label} frame")
+    if s.n != n:
+        raise CorruptDataError(f"{label}: frame holds {s.n} symbols, the field has {n}")
+    _check_raw_chunks(s)
+    return s
 
 
 @dataclass(frozen=True)
@@ -168,16 +189,22 @@ def _plan_segment(c: Compressed, job: _Job) -> Piece:
         raise CorruptDataError(f"{where}: record lists fields {t.fields}, {e.dtype} splits "
                                f"into {split.fields}")
     counts = split.symbols(job.hi - job.lo)
-    streams = {}
+    streams, coded = {}, {}
     for (name, ctx), codec, part, n in zip(t.fields, codec_names, parts, counts,
                                            strict=True):
         streams[name] = _stream(codec, part, n, ctx, f"{where}: field {name!r} ({codec})")
+        coded[name] = (codec, part, n)
     if place.pair is not None:
         exp, sm = streams["exponent"], streams["sign_mantissa"]
         if exp.info is not None and sm.info is not None \
                 and exp.info.chunk_size != sm.info.chunk_size:
             # Valid for the CPU decoder, never written by ours: decode the context here.
-            exp = Stream.plain(_rans_decode(exp.data, threads=1), exp.label)
+            codec, part, n = coded["exponent"]
+            exp = Stream.plain(_rans_decode(exp.data, threads=1) if codec == "rans" else
+                               codecs.decode(codec, part, n, None), exp.label)
+        if sm.classed:  # never written by ours (the field has a context): decode it here
+            codec, part, n = coded["sign_mantissa"]
+            sm = Stream.plain(codecs.decode(codec, part, n, None), sm.label)
         off, step = place.pair
         piece.pairs.append((exp, sm, Place(job.tensor, job.lo // 2 + off, step)))
     for name, (k, word) in place.planes.items():
@@ -202,11 +229,13 @@ class Group:
 
 
 def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) -> Group:
-    """The launches of some pieces: one per kernel flavour (mode, context, narrow)."""
-    planners: dict[tuple[bool, bool, bool], tuple[Planner, dict[int, int]]] = {}
+    """The launches of some pieces: one per kernel flavour (mode, context, narrow,
+    classed)."""
+    planners: dict[tuple[bool, bool, bool, bool], tuple[Planner, dict[int, int]]] = {}
 
-    def planner(bf16: bool, ctx: bool, narrow: bool) -> tuple[Planner, dict[int, int]]:
-        key = (bf16, ctx, narrow)
+    def planner(bf16: bool, ctx: bool, narrow: bool, cls: bool = False
+                ) -> tuple[Planner, dict[int, int]]:
+        key = (bf16, ctx, narrow, cls)
         if key not in planners:
             planners[key] = (Planner(bf16, warps), {})
         return planners[key]
@@ -217,13 +246,14 @@ def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) ->
 
     for piece in pieces:
         for exp, sm, p in piece.pairs:
-            pl, outs = planner(True, sm.context, exp.narrow and sm.narrow)
+            pl, outs = planner(True, sm.context, exp.narrow and sm.narrow,
+                               exp.classed or sm.classed)
             try:
                 pl.add_pair(exp, sm, local(outs, p))
             except ValueError as err:  # fields of different lengths: a damaged file
                 raise CorruptDataError(str(err)) from None
         for s, p in piece.singles:
-            pl, outs = planner(False, False, s.narrow)
+            pl, outs = planner(False, False, s.narrow, s.classed)
             pl.add(s, local(outs, p))
     parts = []
     for key in sorted(planners):

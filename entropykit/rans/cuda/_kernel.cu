@@ -7,6 +7,13 @@
 //   bf16 mode (BF16 1): stream a is an exponent chunk, stream b the sign_mantissa chunk of
 //     the same position; the warp writes (sm >> 7) << 15 | exp << 7 | (sm & 0x7f).
 //     CTX: b's tables are chosen per symbol by the class of a's symbol (cmap[exp]).
+//   CLS (either mode; in bf16 mode stream a only): a stream whose row has D_GRID >= 0 is
+//     classed (the "rans2d" codec):
+//     the table of its symbol at row r, column j of rows of D_WIDTH is
+//     cmaps[D_GRID + rowmap[r] + colmap[j]] (rowmap holds class * kc; a map at -1 is all
+//     0). Each lane keeps its symbol's (row, column), moved 32 symbols on each step, so no
+//     step divides; classed tables are read through L1 (a frame's 16 table sets do not
+//     fit beside the rings).
 // What it is not: a parser. plan.py has checked every structural fact (offsets, lengths,
 // alignment, table sums, output sizes); the kernel checks what depends on the coded data
 // (start states, words missing, words left over, final states) and writes per stream its
@@ -46,7 +53,7 @@
 // math, compose, raw ring read or ring slide), which bound the kernel (docs/gpu.md).
 // The last < 512 symbols take a scalar path with the same output places.
 
-#define VEC (!CTX)  // staged output: the builds without contexts
+#define VEC (!CTX && !CLS)  // staged output: the builds without contexts or classes
 // blocks an SM for 32 resident warps, so at most 64 registers a thread (the staged u8 build
 // would take more and halve the resident warps)
 #define MIN_BLOCKS (32 / WARPS > 1 ? 32 / WARPS : 1)
@@ -70,6 +77,14 @@ struct Stream {
     int owner;                    // 0 or 16: the half-warp that copies this stream
     unsigned p, x, x0;
     bool is_raw, coded;
+#if CLS
+    const unsigned char* grid;    // the frame's context map -> table (cmaps)
+    const unsigned char* rmap;    // row classes * kc from the chunk's first row (cmaps)
+    const unsigned char* kmap;    // column classes (cmaps)
+    unsigned width, col, row, dq, dr;  // the lane's column and row (from rmap); 32 = dq
+                                       // rows + dr columns
+    bool classed, has_rows, has_cols;
+#endif
 };
 
 // The owner half-warp copies window j (bytes 128 j .. + 127) into its ring slot, 8 bytes a
@@ -94,7 +109,8 @@ __device__ __forceinline__ void landed(const Stream& s, int lane) {
 
 __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
         const unsigned char* buf, const unsigned char* symt, const unsigned* infot,
-        unsigned short* ring, int owner, int lane, bool ringed = true) {
+        const unsigned char* cmaps, unsigned short* ring, int owner, int lane,
+        bool ringed = true) {
     long long off = d[D_OFF], len = d[D_LEN];
     s.n = (int)d[D_N];
     s.p = (unsigned)d[D_PREC];
@@ -115,7 +131,45 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
         for (int j = 0; j <= AHEAD; ++j) fetch(s, j, lane);
     s.sym = symt + max(d[D_SYM], 0LL);  // plain streams (-1) have no tables, read none
     s.info = infot + max(d[D_INFO], 0LL);
+#if CLS
+    // plan.py: 1 <= D_WIDTH < 2^31, D_COL < D_WIDTH, and the maps cover every row and
+    // column the chunk's symbols touch, so a live symbol's reads stay in them.
+    s.classed = d[D_GRID] >= 0;
+    s.has_rows = d[D_RMAP] >= 0;
+    s.has_cols = d[D_KMAP] >= 0;
+    const long long w = max(d[D_WIDTH], 1LL), at = d[D_COL] + lane;
+    s.width = (unsigned)w;
+    s.col = (unsigned)(at % w);
+    s.row = (unsigned)(at / w);
+    s.dq = (unsigned)(32 / w);
+    s.dr = (unsigned)(32 % w);
+    s.grid = cmaps + max(d[D_GRID], 0LL);
+    s.rmap = cmaps + max(d[D_RMAP], 0LL);
+    s.kmap = cmaps + max(d[D_KMAP], 0LL);
+#endif
 }
+
+#if CLS
+// A classed stream's tables for its current symbol (table 0 for a lane past the end; a
+// stream not classed keeps sym / info), then the lane's place moves on 32 symbols
+// (col < width < 2^31, so col + dr does not wrap).
+__device__ __forceinline__ void grid_tables(Stream& s, bool live, const unsigned char*& sym,
+                                            const unsigned*& info) {
+    if (!s.classed) return;
+    unsigned ctx = 0;
+    if (live && s.has_rows) ctx = s.rmap[s.row];
+    if (live && s.has_cols) ctx += s.kmap[s.col];
+    const unsigned t = live ? (unsigned)s.grid[ctx] : 0u;
+    sym = s.sym + (t << s.p);
+    info = s.info + t * 256;
+    s.col += s.dr;
+    s.row += s.dq;
+    if (s.col >= s.width) {
+        s.col -= s.width;
+        s.row += 1;
+    }
+}
+#endif
 
 // After a step: once wp leaves window base / 64, start copying the window AHEAD past the
 // new one (over the slot read two windows ago) and wait until the new window and the next
@@ -185,7 +239,12 @@ template <bool FULL, bool RAW_A, bool RAW_B>
 __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
                                           unsigned lt) {
     const int lane = i & 31;
-    const unsigned ea = stream_step<FULL, RAW_A>(a, i, lane, lt, q.sa, q.ia);
+    const unsigned char* sa = q.sa;
+    const unsigned* ia = q.ia;
+#if CLS
+    if (!RAW_A) grid_tables(a, FULL || i < a.n, sa, ia);
+#endif
+    const unsigned ea = stream_step<FULL, RAW_A>(a, i, lane, lt, sa, ia);
     const unsigned char* sb = q.sb;
     const unsigned* ib = q.ib;
 #if CTX
@@ -193,6 +252,9 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
     const unsigned cls = (q.cmap_b >= 0 && (FULL || i < b.n)) ? q.cmaps[q.cmap_b + ea] : 0u;
     sb = b.sym + (cls << b.p);
     ib = b.info + cls * 256;
+#endif
+#if CLS && !BF16  // bf16 mode: b (sign_mantissa) is never classed (plan.py), no registers
+    if (!RAW_B) grid_tables(b, FULL || i < b.n, sb, ib);
 #endif
     const unsigned eb = stream_step<FULL, RAW_B>(b, i, lane, lt, sb, ib);
 #if BF16
@@ -405,9 +467,9 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     const bool vec = at != at;  // false (at is used)
 #endif
     Stream a, b;
-    load_stream(a, d, buf, symt, infot, reinterpret_cast<unsigned short*>(mine), 0, lane,
-                !(vec && d[D_MODE] == 1));
-    load_stream(b, d + N_COLS, buf, symt, infot,
+    load_stream(a, d, buf, symt, infot, cmaps, reinterpret_cast<unsigned short*>(mine), 0,
+                lane, !(vec && d[D_MODE] == 1));
+    load_stream(b, d + N_COLS, buf, symt, infot, cmaps,
                 reinterpret_cast<unsigned short*>(mine + 2 * RING), 16, lane,
                 !(vec && d[N_COLS + D_MODE] == 1));
     Pair q;

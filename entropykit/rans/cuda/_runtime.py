@@ -28,26 +28,27 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds witho
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
 
 
-def warp_smem(ctx: bool) -> int:
+def warp_smem(ctx: bool, cls: bool = False) -> int:
     """Shared-memory bytes a warp of a build uses: two word rings (+ staging, in builds
-    without contexts: _kernel.cu's VEC)."""
-    return 256 * RING_WINDOWS + (0 if ctx else STAGE_BYTES)
+    without contexts or classes: _kernel.cu's VEC)."""
+    return 256 * RING_WINDOWS + (0 if ctx or cls else STAGE_BYTES)
 
 
-def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int) -> cp.RawKernel:
+def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False
+            ) -> cp.RawKernel:
     """The build of a batch's kind (warps per block are the batch's: plan.py lays the rows
     out for them)."""
     def build() -> cp.RawKernel:
         cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
         opts = ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}",
-                f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={RING_WINDOWS}",
-                *cols)
+                f"-DCLS={int(cls)}", f"-DSMEM={int(smem)}", f"-DWARPS={warps}",
+                f"-DRING_WINDOWS={RING_WINDOWS}", *cols)
         k = cp.RawKernel(nvrtc.source(__package__, "_kernel.cu"), "rans_decode", options=opts)
         # The most a block of this build may ask for: two table sets and the warps'.
-        k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(ctx)
+        k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(ctx, cls)
         return k
 
-    return nvrtc.cached(("rans", bf16, ctx, smem, warps), build)
+    return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps), build)
 
 
 def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor | None]:
@@ -72,12 +73,15 @@ class Launch:
         """``ptrs``: device addresses of desc, status, payload, sym, info, cmaps, output."""
         self.device = device
         self.pairs = len(b.desc) // 2
-        smem = b.narrow  # tables in shared memory: batches with every p <= 12
-        self.kernel = (_kernel(b.bf16, b.context, smem, b.warps) if self.pairs else None)
+        # Tables in shared memory: batches with every p <= 12, unless classed (their
+        # frames' table sets are read through L1: _kernel.cu).
+        smem = b.narrow and not b.classed
+        self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, b.classed)
+                       if self.pairs else None)
         self.grid = (-(-self.pairs // b.warps),)
         self.block = (32 * b.warps,)
         self.shared = ((b.slots * TABLE_SET_BYTES if smem else 0)
-                       + b.warps * warp_smem(b.context))
+                       + b.warps * warp_smem(b.context, b.classed))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
 
     def __call__(self) -> None:

@@ -28,6 +28,13 @@ Descriptor row (int64, columns named in ``_layout.py``):
     D_CMAP offset of the frame's context map in ``cmaps`` (-1: one table); the tables of
            class c are at D_SYM + c << p and D_INFO + 256 c (a frame's tables are adjacent)
     D_STEP output elements from one symbol to the next
+    D_GRID classed streams (``Grid``): offset in ``cmaps`` of the frame's context map,
+           whose context for a symbol is its row class * kc + its column class (-1: not
+           classed; then D_RMAP, D_KMAP are -1, D_WIDTH 1, D_COL 0)
+    D_RMAP offset in ``cmaps`` of the row class (times kc) of the chunk's first symbol's
+           row, the next rows' after it (-1: rows not classed, class 0)
+    D_KMAP offset in ``cmaps`` of the column classes, one per column (-1: not classed)
+    D_WIDTH columns of a row                            D_COL column of the first symbol
 """
 
 from __future__ import annotations
@@ -45,15 +52,20 @@ from .. import kernels as _rk
 from ..static import CODER
 from ._layout import (
     D_CMAP,
+    D_COL,
+    D_GRID,
     D_INFO,
+    D_KMAP,
     D_LEN,
     D_MODE,
     D_N,
     D_OFF,
     D_OUT,
     D_PREC,
+    D_RMAP,
     D_STEP,
     D_SYM,
+    D_WIDTH,
     N_COLS,
 )
 
@@ -67,10 +79,13 @@ SMEM_MAX_PRECISION = 12  # a shared-memory table set holds 2**12 slots per strea
 _SRC, _C, _AT, _OUTPUT = range(N_COLS, N_COLS + 4)
 _WIDTH = N_COLS + 4
 # Columns of a registered stream (Planner.specs): stream index, symbols, chunk size,
-# chunks, table offsets, precision, context map offset, output place.
+# chunks, table offsets, precision, context map offset, output place, grid (classed
+# frame's context map, row and column maps, columns, phase).
 (_S_SRC, _S_N, _S_CHUNK, _S_COUNT, _S_SYM, _S_INFO, _S_PREC, _S_CMAP, _S_OUT, _S_AT,
- _S_STEP) = range(11)
-_SPEC = 11
+ _S_STEP, _S_GRID, _S_RMAP, _S_KMAP, _S_WIDTH, _S_PHASE) = range(16)
+_SPEC = 16
+# Grid coordinates are 32-bit in the kernel: wider rows are decoded on the host.
+GRID_MAX_WIDTH = (1 << 31) - 1
 
 FrameBytes = bytes | memoryview | np.ndarray
 
@@ -93,12 +108,27 @@ def _as_u8(data: FrameBytes) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class Grid:
+    """A classed frame's geometry: its symbols are the elements of rows of ``width``
+    from column ``phase`` on, and symbol i's context is ``rows[row] * kc +
+    columns[column]`` (a None map: class 0 on that axis); the frame's context map turns
+    it into a table."""
+
+    width: int
+    phase: int
+    kc: int
+    rows: np.ndarray | None  # uint8, one per row touched
+    columns: np.ndarray | None  # uint8, one per column
+
+
+@dataclass(frozen=True)
 class Stream:
     """One field's symbols as the kernel reads them: an rANS frame, or plain symbols."""
 
     data: np.ndarray  # uint8: the frame's bytes, or the symbols themselves
     info: _frame.FrameInfo | None  # the parsed frame; None for plain symbols
     label: str  # names the field in error messages, e.g. "exponent frame 3"
+    grid: Grid | None = None  # a frame conditioned on its symbols' rows and columns
 
     @staticmethod
     def frame(data: FrameBytes, label: str) -> Stream:
@@ -110,6 +140,26 @@ class Stream:
         return Stream(_as_u8(data), info, label)
 
     @staticmethod
+    def on_grid(data: FrameBytes, grid: Grid, label: str) -> Stream:
+        """An rANS frame whose context is each symbol's class on ``grid`` (maps checked
+        by the caller: classes below their counts, one per row and column);
+        CorruptDataError if the frame is damaged or its contexts leave the grid's."""
+        s = Stream.frame(data, label)
+        if s.info.cmap is None:  # one table: the classes choose nothing
+            return s
+        if not 1 <= grid.width <= GRID_MAX_WIDTH or not 0 <= grid.phase < grid.width:
+            raise CorruptDataError(f"{label}: rows of {grid.width} from column {grid.phase}")
+        rows = -(-(grid.phase + s.n) // grid.width)
+        if ((grid.rows is not None and grid.rows.size != rows)
+                or (grid.columns is not None and grid.columns.size != grid.width)):
+            raise CorruptDataError(f"{label}: class maps do not cover the grid")
+        kr = 1 if grid.rows is None else int(grid.rows.max(initial=0)) + 1
+        kc = 1 if grid.columns is None else int(grid.columns.max(initial=0)) + 1
+        if kc > grid.kc or kr * grid.kc > 256:
+            raise CorruptDataError(f"{label}: contexts beyond 256")
+        return Stream(s.data, s.info, label, grid)
+
+    @staticmethod
     def plain(symbols: FrameBytes, label: str) -> Stream:
         return Stream(_as_u8(symbols).reshape(-1), None, label)
 
@@ -119,7 +169,13 @@ class Stream:
 
     @property
     def context(self) -> bool:
-        return self.info is not None and self.info.cmap is not None
+        """Conditioned on its partner's symbols (bf16 mode's sign_mantissa)."""
+        return self.info is not None and self.info.cmap is not None and self.grid is None
+
+    @property
+    def classed(self) -> bool:
+        """Conditioned on its own symbols' rows and columns (``grid``)."""
+        return self.grid is not None
 
     @property
     def narrow(self) -> bool:
@@ -148,7 +204,7 @@ class Batch:
     streams: tuple[Stream, ...]
     sym_tables: np.ndarray  # uint8: slot -> symbol tables back to back (never empty)
     info_tables: np.ndarray  # uint32: 256 symbol infos per table (never empty)
-    cmaps: np.ndarray  # uint8, 256 per context-conditioned frame (never empty)
+    cmaps: np.ndarray  # uint8: context maps (256 each) and class maps (never empty)
     desc: np.ndarray  # int64[n_rows, N_COLS], n_rows a multiple of 2 * warps
     out_index: np.ndarray  # int64[n_rows]: output each row writes, -1 for padding
     origin: np.ndarray  # int64[n_rows, 3]: stream, chunk, byte offset in the stream
@@ -158,6 +214,11 @@ class Batch:
     @property
     def context(self) -> bool:
         return bool((self.desc[:, D_CMAP] >= 0).any())
+
+    @property
+    def classed(self) -> bool:
+        """Some stream's tables are chosen by its symbols' rows and columns (D_GRID)."""
+        return bool((self.desc[:, D_GRID] >= 0).any())
 
     @property
     def narrow(self) -> bool:
@@ -264,6 +325,13 @@ def _chunk_rows(streams: Sequence[Stream], specs: np.ndarray) -> np.ndarray:
     rows[:, D_MODE] = mode
     rows[:, D_CMAP] = per[:, _S_CMAP]
     rows[:, D_STEP] = per[:, _S_STEP]
+    # The grid coordinates of each chunk's first symbol (width 1 for streams without).
+    row0, col0 = np.divmod(per[:, _S_PHASE] + first, per[:, _S_WIDTH])
+    rows[:, D_GRID] = per[:, _S_GRID]
+    rows[:, D_RMAP] = np.where(per[:, _S_RMAP] >= 0, per[:, _S_RMAP] + row0, -1)
+    rows[:, D_KMAP] = per[:, _S_KMAP]
+    rows[:, D_WIDTH] = per[:, _S_WIDTH]
+    rows[:, D_COL] = col0
     rows[:, _SRC] = per[:, _S_SRC]
     rows[:, _C] = c
     rows[:, _AT] = off
@@ -280,6 +348,8 @@ def _padding_like(rows: np.ndarray) -> np.ndarray:
     pad[:, D_MODE] = _frame.MODE_RAW
     pad[:, D_CMAP] = -1
     pad[:, D_STEP] = 1
+    pad[:, [D_GRID, D_RMAP, D_KMAP]] = -1
+    pad[:, D_WIDTH] = 1
     pad[:, _OUTPUT] = -1
     return pad
 
@@ -297,6 +367,7 @@ class Planner:
         self.sym_size = 0
         self.known: dict[tuple[int, bytes, bytes], tuple[int, int]] = {}
         self.cmaps: list[np.ndarray] = []
+        self.cmap_size = 0
         self.streams: list[Stream] = []
         self.specs: list[tuple[int, ...]] = []  # per non-empty stream, _SPEC columns
         self.units: list[int] = []  # chunks of each add (u8) / add_pair (bf16), in order
@@ -328,14 +399,26 @@ class Planner:
             count = -(-s.n // chunk)
             sym_off = info_off = -1
             prec = 0
-        cmap_off = -1
-        if s.context:
-            cmap_off = 256 * len(self.cmaps)
-            self.cmaps.append(np.asarray(s.info.cmap, np.uint8))
+        cmap_off = self._cmap(s.info.cmap) if s.context else -1
+        grid = (-1, -1, -1, 1, 0)
+        if s.classed:
+            g = s.grid
+            rmap = None if g.rows is None else g.rows.astype(np.uint8) * np.uint8(g.kc)
+            grid = (self._cmap(s.info.cmap), self._cmap(rmap), self._cmap(g.columns),
+                    g.width, g.phase)
         self.specs.append((len(self.streams), s.n, chunk, count, sym_off, info_off, prec,
-                           cmap_off, place.out, place.at, place.step))
+                           cmap_off, place.out, place.at, place.step, *grid))
         self.streams.append(s)
         return count
+
+    def _cmap(self, values: np.ndarray | None) -> int:
+        """Offset of ``values`` (uint8) appended to ``cmaps``; -1 for None."""
+        if values is None:
+            return -1
+        at = self.cmap_size
+        self.cmaps.append(np.asarray(values, np.uint8).reshape(-1))
+        self.cmap_size += self.cmaps[-1].size
+        return at
 
     def add(self, s: Stream, place: Place) -> None:
         """u8 mode: decode ``s`` into bytes of output ``place.out``."""
@@ -359,6 +442,8 @@ class Planner:
             raise ValueError("a u8-mode planner takes single streams")
         if exp.context:
             raise ValueError(f"{exp.label} is context-conditioned; it has no context")
+        if sm.classed:  # the kernel keeps no class grid for it (its registers)
+            raise ValueError(f"{sm.label} is classed: decode it on the host")
         chunks = {s.info.chunk_size for s in (exp, sm) if s.info is not None}
         if exp.n != sm.n or len(chunks) > 1:
             def says(s: Stream) -> str:
