@@ -17,9 +17,10 @@ and adds converters through ``update_weight_conversions``. That is the path take
   with the tensor decoded from the shard, cast to the dtype transformers chose
   (``get_new_dtype``) and placed on the parameter's device (the device map's choice; the
   converters read payloads into host memory, so no payload byte goes to a GPU only to be
-  replaced). On a CUDA device the shard is
-  decoded by the GPU (``entropykit.load_file(shard, device=...)``; by the CPU, with a
-  warning, where the GPU decoder is not installed); elsewhere by the CPU;
+  replaced). The first tensor a shard is asked for decodes all of that shard's tensors
+  bound for the same device at once, and later calls hand them out: on a CUDA device by
+  the GPU, in one plan (by the CPU, with a warning, where the GPU decoder is not
+  installed); elsewhere by the CPU, small tensors in one thread pool, large ones as asked;
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint; with
   ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its
@@ -54,6 +55,8 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..container import files
+from ..container.parallel import resolve
 from ..lazy import CompressedFile, safe_open
 from . import MARK_VERSION, QUANT_METHOD
 
@@ -117,6 +120,7 @@ class Decode(ConversionOps):
         return out
 
 
+SMALL = 4 << 20  # bytes: CPU-bound tensors up to this size are decoded a shard at a time
 _ALL = "^(.+)$"  # matches every name and keeps it (the captured group is the target)
 # Converters that read their checkpoint tensors on the CPU: transformers then reads a
 # payload into host memory only, and the decoded tensor is made on the parameter's device
@@ -137,7 +141,10 @@ class EntropyKitQuantizer(HfQuantizer):
         self._files: dict[str, tuple[Path, CompressedFile | None]] = {}
         # parameter name -> converter source pattern -> checkpoint names, in loading order
         self.plan: dict[str, dict[str, list[str]]] = {}
-        self._gpu: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
+        self._targets: dict[str, str] = {}  # checkpoint name -> the parameter it loads into
+        self._where: dict[str, torch.device] = {}  # parameter -> its device-map device
+        # (shard, device) -> its tensors bound there, decoded together, until handed out
+        self._batches: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
         self._model: Any = None
         self._device_map: dict | None = None
 
@@ -178,6 +185,8 @@ class EntropyKitQuantizer(HfQuantizer):
                 # transformers would then load k under its own name with no converter
                 raise NotImplementedError(f"entropykit: renaming {k!r} to {target!r} "
                                           "(not a parameter) is not supported")
+            if target in meta:
+                self._targets[k] = target
             names = self.plan.setdefault(target, {}).setdefault(pattern, [])
             names.append(k)
             if pattern == every.source_patterns[0] and len(names) > 1:
@@ -199,14 +208,14 @@ class EntropyKitQuantizer(HfQuantizer):
         bytes of a compressed tensor, the tensor of a plain one) on the device of parameter
         ``target``, cast to ``dtype`` if not None."""
         path, f = self._files[name]
-        device = self._device(target, given)
         if f is None:
             out = given
-        elif device.type == "cuda":
-            out = self._decode_gpu(path, name, device)
         else:
-            out = f.get_tensor(name)
-            out = out if device.type == "cpu" else out.to(device)
+            device = self._device(target, given)
+            out = self._batch(path, f, device, given).pop(name, None)
+            if out is None:  # left out of the batch (e.g. asked for twice): on its own
+                out = f.get_tensor(name)
+                out = out if device.type == "cpu" else out.to(device)
         return out if dtype is None else out.to(dtype)
 
     def _device(self, target: str, given: torch.Tensor) -> torch.device:
@@ -214,30 +223,53 @@ class EntropyKitQuantizer(HfQuantizer):
         where it read the payload."""
         if not self._device_map:
             return given.device
-        from transformers.integrations.accelerate import get_device
+        if target not in self._where:
+            from transformers.integrations.accelerate import get_device
 
-        return torch.device(get_device(self._device_map, target, valid_torch_device=True))
+            self._where[target] = torch.device(get_device(self._device_map, target,
+                                                          valid_torch_device=True))
+        return self._where[target]
 
-    def _decode_gpu(self, path: Path, name: str, device: torch.device) -> torch.Tensor:
-        # The GPU decodes a whole shard at once; its tensors wait here until asked for.
+    def _batch(self, path: Path, f: CompressedFile, device: torch.device,
+               given: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors of shard ``path`` bound for ``device``, decoded together on the
+        first call (one GPU plan and launch per kernel flavour, or one CPU thread pool:
+        no per-tensor setup) and handed out one by one (``pop``), so the memory held is
+        at most the shard's. On the CPU only tensors up to ``SMALL`` bytes are batched:
+        a large one is decoded when asked for, on every thread, as before."""
         key = (path, str(device))
-        if key not in self._gpu:
-            from .._cuda import GpuUnavailableError
-            from ..api import load_file
+        if key in self._batches:
+            return self._batches[key]
+        c = f._open()  # the shard as opened by preprocess_model: parsed once
+        small = device.type != "cuda"
+        names = [k for k, (p, g) in self._files.items()
+                 if p == path and g is not None and k in self._targets
+                 and (not small or c.entry(k).nbytes <= SMALL)
+                 and self._device(self._targets[k], given) == device]
+        from .._cuda import GpuUnavailableError
+        from ..api import _load_compressed
 
+        threads = resolve(None)
+        with files.named(path):
             try:
-                self._gpu[key] = load_file(path, device=str(device))
+                got = _load_compressed(c, device if device.type == "cuda" else "cpu",
+                                       threads, names)
             except GpuUnavailableError as e:  # same tensors, decoded by the CPU
                 warnings.warn(f"entropykit: {path.name} decoded on the CPU ({e})",
-                              stacklevel=2)
-                self._gpu[key] = {k: v.to(device) for k, v in load_file(path).items()}
-        return self._gpu[key].pop(name)
+                              stacklevel=3)
+                got = _load_compressed(c, "cpu", threads, names)
+        if device.type != "cpu":
+            got = {k: v.to(device) for k, v in got.items()}
+        self._batches[key] = got
+        return got
 
     def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
         self._stack.close()
         self._files.clear()
         self.plan.clear()
-        self._gpu.clear()
+        self._targets.clear()
+        self._where.clear()
+        self._batches.clear()
         resident = self.quantization_config.resident
         self.remove_quantization_config(model)
         if resident:

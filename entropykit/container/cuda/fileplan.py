@@ -242,12 +242,13 @@ def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[_Job]:
             yield _Job(k, e, s, lo, hi, fields)
 
 
-def groups(c: Compressed, threads: int = 1, *, warps: int = WARPS,
-           group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
-    """The groups decoding every tensor of ``c``, tensors numbered in data order
-    (``c.keys()``); segments are planned ``threads`` at a time, ahead of use, each
-    reading its own field payloads (``Compressed.segment_parts``)."""
-    entries = c.original.by_offset
+def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | None = None,
+           warps: int = WARPS, group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
+    """The groups decoding every tensor of ``c`` (or only ``entries``, some of its
+    ``original`` entries), tensors numbered in data order (``c.keys()``, or as
+    ``entries`` lists them); segments are planned ``threads`` at a time, ahead of use,
+    each reading its own field payloads (``Compressed.segment_parts``)."""
+    entries = c.original.by_offset if entries is None else entries
     pending: list[Piece] = []
     size = 0
     results = imap(lambda j: _plan_segment(c, j), _jobs(c, entries), threads)
