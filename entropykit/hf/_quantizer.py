@@ -250,15 +250,16 @@ class EntropyKitQuantizer(HfQuantizer):
         from ..api import _load_compressed
 
         threads = resolve(None)
+        on = device if device.type == "cuda" else torch.device("cpu")
         with files.named(path):
             try:
-                got = _load_compressed(c, device if device.type == "cuda" else "cpu",
-                                       threads, names)
+                got = _load_compressed(c, on, threads, names)
             except GpuUnavailableError as e:  # same tensors, decoded by the CPU
                 warnings.warn(f"entropykit: {path.name} decoded on the CPU ({e})",
                               stacklevel=3)
-                got = _load_compressed(c, "cpu", threads, names)
-        if device.type != "cpu":
+                on = torch.device("cpu")
+                got = _load_compressed(c, on, threads, names)
+        if on != device:
             got = {k: v.to(device) for k, v in got.items()}
         self._batches[key] = got
         return got
