@@ -249,6 +249,9 @@ class EntropyKitQuantizer(HfQuantizer):
         from .._cuda import GpuUnavailableError
         from ..api import _load_compressed
 
+        if not names:  # the shard's tensors for this device are all large
+            self._batches[key] = {}
+            return self._batches[key]
         threads = resolve(None)
         on = device if device.type == "cuda" else torch.device("cpu")
         with files.named(path):
