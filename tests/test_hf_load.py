@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +129,9 @@ def test_from_pretrained_dtype_and_device_map(tmp_path: Path) -> None:
     assert _load(ek, dtype=torch.float32).model.norm.weight.dtype == torch.float32
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict]]:
-    """Every batch the quantizer decodes: (device, names, the tensors it returned). A CUDA
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, str]]:
+    """Every batch the quantizer decodes: (device, names, the tensors it returned, the
+    thread that decoded it). A CUDA
     device's batch goes through the GPU loader's plan of those tensors and the kernel's
     emulator (tests/test_gpu_load.py), giving CPU tensors."""
     from test_gpu_load import emulated_tensors
@@ -145,7 +147,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict]]:
                    for k, v in emulated_tensors(c, 2, names).items()}
         else:
             got = real(c, device, threads, names)
-        calls.append((str(device), list(names), got))
+        calls.append((str(device), list(names), got, threading.current_thread().name))
         return got
 
     monkeypatch.setattr(api, "_load_compressed", spy)
@@ -185,10 +187,10 @@ def test_shard_tensors_decode_together_and_are_handed_out(tmp_path: Path,
         if n <= 20_000:
             small.setdefault(shard, set()).add(k)
     assert len(calls) == len(small) > 1  # one batch per shard
-    assert {frozenset(names) for _, names, _ in calls} == \
+    assert {frozenset(c[1]) for c in calls} == \
         {frozenset(v) for v in small.values()}
-    assert {dev for dev, _, _ in calls} == {"cpu"}
-    assert [got for _, _, got in calls] == [{}] * len(calls)  # all handed out
+    assert {c[0] for c in calls} == {"cpu"}
+    assert [c[2] for c in calls] == [{}] * len(calls)  # all handed out
 
 
 def test_batches_follow_the_device_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -210,6 +212,7 @@ def test_batches_follow_the_device_map(tmp_path: Path, monkeypatch: pytest.Monke
         model, checkpoint_files=[str(p) for p in sorted(ek.glob("*.safetensors"))],
         device_map=device_map)
     q.update_weight_conversions([], model)
+    assert len(q._ahead) == 1  # the first CUDA batch is under way before any tensor is read
     want = entropykit.load_file(d)
     ckpt = _checkpoint(ek)
 
@@ -219,25 +222,29 @@ def test_batches_follow_the_device_map(tmp_path: Path, monkeypatch: pytest.Monke
         return "cuda:0" if k.startswith(("model.layers.0.mlp.", "lm_head.")) else "cpu"
 
     try:
-        for k in reversed(sorted(want)):  # any order
+        for k in sorted(want, key=lambda k: k.startswith("lm_head"), reverse=True):
             got = q.decode(k, torch.empty(0, dtype=torch.uint8), None, q._targets[k])
             assert got.dtype == want[k].dtype and got.shape == want[k].shape, k
             if bound(k) == "meta":
                 assert got.device.type == "meta", k
             else:  # the emulated GPU batch stays on the CPU
                 assert got.device.type == "cpu" and torch.equal(_bits(got), _bits(want[k])), k
+        assert [dict(v) for v in q._batches.values()] == [{}] * len(q._batches)  # handed out
     finally:
-        q._stack.close()
-    expect: dict[tuple[str, str], set[str]] = {}
+        q.postprocess_model(model)
+    expect: dict[tuple[str, str], set[str]] = {}  # (shard, device) -> its batch
     for k, (shard, n) in ckpt.items():
         if bound(k) == "cuda:0" or n <= 12_000:
-            on = "cuda:0" if bound(k) == "cuda:0" else "cpu"
-            expect.setdefault((shard, on), set()).add(k)
-    assert sorted((dev, sorted(names)) for dev, names, _ in calls) == \
-        sorted((dev, sorted(v)) for (_, dev), v in expect.items())
+            expect.setdefault((shard, bound(k)), set()).add(k)
+    # meta's batch is decoded on the CPU, then moved
+    assert sorted((c[0], sorted(c[1])) for c in calls) == \
+        sorted(("cpu" if dev == "meta" else dev, sorted(v)) for (_, dev), v in expect.items())
     assert any(ckpt[k][1] > 12_000 for (_, dev), v in expect.items() if dev == "cuda:0"
                for k in v)  # a large tensor went with the CUDA batch
-    assert [got for _, _, got in calls] == [{}] * len(calls)
+    assert {dev for _, dev in expect} == {"cuda:0", "cpu", "meta"}
+    # CUDA batches are decoded ahead, on a side thread; the others when first asked for
+    assert {c[3].startswith("entropykit-decode") for c in calls if c[0] == "cuda:0"} == {True}
+    assert {c[3] for c in calls if c[0] == "cpu"} == {threading.current_thread().name}
 
 
 def test_cli_compress_then_decompress_restores_config(tmp_path: Path) -> None:

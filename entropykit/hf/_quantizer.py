@@ -20,7 +20,9 @@ and adds converters through ``update_weight_conversions``. That is the path take
   replaced). The first tensor a shard is asked for decodes all of that shard's tensors
   bound for the same device at once, and later calls hand them out: on a CUDA device by
   the GPU, in one plan (by the CPU, with a warning, where the GPU decoder is not
-  installed); elsewhere by the CPU, small tensors in one thread pool, large ones as asked;
+  installed); elsewhere by the CPU, small tensors in one thread pool, large ones as asked.
+  With a device map, the next CUDA batch is decoded ahead on a side thread while
+  transformers reads and places the tensors before it (one batch ahead at most);
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint; with
   ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +148,12 @@ class EntropyKitQuantizer(HfQuantizer):
         self._where: dict[str, torch.device] = {}  # parameter -> its device-map device
         # (shard, device) -> its tensors bound there, decoded together, until handed out
         self._batches: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
+        self._shards: dict[Path, list[str]] = {}  # compressed shard -> its tensors
+        self._order: list[str] = []  # checkpoint names in the order transformers asks
+        self._cursor = 0  # in _order: names before it need no batch started
+        self._ahead: dict[tuple[Path, str], Future] = {}  # the batch decoding ahead
+        self._started: set[tuple[Path, str]] = set()
+        self._pool: ThreadPoolExecutor | None = None
         self._model: Any = None
         self._device_map: dict | None = None
 
@@ -163,6 +172,8 @@ class EntropyKitQuantizer(HfQuantizer):
                                      f"{self._files[k][0]}")
                 # a plain shard's tensors are the weights as transformers reads them
                 self._files[k] = (path, f if isinstance(f, CompressedFile) else None)
+                if isinstance(f, CompressedFile):
+                    self._shards.setdefault(path, []).append(k)
         return model
 
     def update_weight_conversions(self, weight_conversions: list, model: Any = None) -> list:
@@ -178,7 +189,8 @@ class EntropyKitQuantizer(HfQuantizer):
         meta = model.state_dict()
         # The order transformers collects tensors in, so the n-th one a converter gets is
         # the n-th name planned for it.
-        for k in sorted(self._files, key=dot_natural_key):
+        self._order = sorted(self._files, key=dot_natural_key)
+        for k in self._order:
             target, pattern = rename_source_key(k, renamings, converters,
                                                 model.base_model_prefix, meta)
             if target not in meta and k in meta and self._files[k][1] is not None:
@@ -192,6 +204,7 @@ class EntropyKitQuantizer(HfQuantizer):
             if pattern == every.source_patterns[0] and len(names) > 1:
                 raise ValueError(f"checkpoint tensors {names[0]!r} and {k!r} both load "
                                  f"into {target!r}")
+        self._start_next()
         return [*ours, every]
 
     def get_new_dtype(self, converter: Any, param: Any, dtype: torch.dtype | None
@@ -218,7 +231,7 @@ class EntropyKitQuantizer(HfQuantizer):
                 out = out if device.type == "cpu" else out.to(device)
         return out if dtype is None else out.to(dtype)
 
-    def _device(self, target: str, given: torch.Tensor) -> torch.device:
+    def _device(self, target: str, given: torch.Tensor | None) -> torch.device:
         """Where transformers puts parameter ``target``: its device map's choice, else
         where it read the payload."""
         if not self._device_map:
@@ -236,22 +249,36 @@ class EntropyKitQuantizer(HfQuantizer):
         first call (one GPU plan and launch per kernel flavour, or one CPU thread pool:
         no per-tensor setup) and handed out one by one (``pop``), so the memory held is
         at most the shard's. On the CPU only tensors up to ``SMALL`` bytes are batched:
-        a large one is decoded when asked for, on every thread, as before."""
+        a large one is decoded when asked for, on every thread, as before. A CUDA batch
+        may have been started ahead (``_ahead``)."""
         key = (path, str(device))
-        if key in self._batches:
-            return self._batches[key]
-        c = f._open()  # the shard as opened by preprocess_model: parsed once
+        if key not in self._batches:
+            ahead = self._ahead.pop(key, None)
+            self._batches[key] = (ahead.result() if ahead is not None else
+                                  self._decode_batch(path, f, device,
+                                                     self._names(path, device, given)))
+            self._start_next()
+        return self._batches[key]
+
+    def _names(self, path: Path, device: torch.device, given: torch.Tensor | None
+               ) -> list[str]:
+        """The tensors of compressed shard ``path`` that a batch for ``device`` holds
+        (``given``: where a tensor was read, for loads without a device map)."""
         small = device.type != "cuda"
-        names = [k for k, (p, g) in self._files.items()
-                 if p == path and g is not None and k in self._targets
-                 and (not small or c.entry(k).nbytes <= SMALL)
-                 and self._device(self._targets[k], given) == device]
+        f = self._files[self._shards[path][0]][1]
+        c = f._open()
+        return [k for k in self._shards[path] if k in self._targets
+                and (not small or c.entry(k).nbytes <= SMALL)
+                and self._device(self._targets[k], given) == device]
+
+    def _decode_batch(self, path: Path, f: CompressedFile, device: torch.device,
+                      names: list[str]) -> dict[str, torch.Tensor]:
+        if not names:  # e.g. the shard's tensors for this device are all large
+            return {}
         from .._cuda import GpuUnavailableError
         from ..api import _load_compressed
 
-        if not names:  # the shard's tensors for this device are all large
-            self._batches[key] = {}
-            return self._batches[key]
+        c = f._open()  # the shard as opened by preprocess_model: parsed once
         threads = resolve(None)
         on = device if device.type == "cuda" else torch.device("cpu")
         with files.named(path):
@@ -259,21 +286,50 @@ class EntropyKitQuantizer(HfQuantizer):
                 got = _load_compressed(c, on, threads, names)
             except GpuUnavailableError as e:  # same tensors, decoded by the CPU
                 warnings.warn(f"entropykit: {path.name} decoded on the CPU ({e})",
-                              stacklevel=3)
+                              stacklevel=2)
                 on = torch.device("cpu")
                 got = _load_compressed(c, on, threads, names)
         if on != device:
             got = {k: v.to(device) for k, v in got.items()}
-        self._batches[key] = got
         return got
 
+    def _start_next(self) -> None:
+        """Start decoding, on a side thread, the next CUDA batch transformers will ask for
+        (known only from a device map), so that the GPU decodes it while transformers
+        reads and places the tensors before it; at most one batch is decoded ahead."""
+        if self._ahead or not self._device_map:
+            return
+        while self._cursor < len(self._order):
+            k = self._order[self._cursor]
+            path, f = self._files[k]
+            device = self._device(self._targets[k], None) if k in self._targets else None
+            key = (path, str(device))
+            if f is None or device is None or device.type != "cuda" \
+                    or key in self._batches or key in self._started:
+                self._cursor += 1  # passed for good: its batch is done, going or none
+                continue
+            self._started.add(key)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="entropykit-decode")
+            self._ahead[key] = self._pool.submit(self._decode_batch, path, f, device,
+                                                 self._names(path, device, None))
+            return
+
     def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
+        if self._pool is not None:  # a batch decoded ahead and never asked for
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._stack.close()
         self._files.clear()
         self.plan.clear()
         self._targets.clear()
         self._where.clear()
         self._batches.clear()
+        self._ahead.clear()
+        self._started.clear()
+        self._shards.clear()
+        self._order.clear()
+        self._cursor = 0
         resident = self.quantization_config.resident
         self.remove_quantization_config(model)
         if resident:
