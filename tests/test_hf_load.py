@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 import entropykit  # noqa: E402
 from entropykit import api, dtypes, hf  # noqa: E402
 from entropykit.container import checkpoint  # noqa: E402
+from entropykit.container.reader import Compressed  # noqa: E402
 from entropykit.hf import _quantizer  # noqa: E402
 from entropykit.lazy import CompressedFile  # noqa: E402
 
@@ -245,6 +247,41 @@ def test_batches_follow_the_device_map(tmp_path: Path, monkeypatch: pytest.Monke
     # CUDA batches are decoded ahead, on a side thread; the others when first asked for
     assert {c[3].startswith("entropykit-decode") for c in calls if c[0] == "cuda:0"} == {True}
     assert {c[3] for c in calls if c[0] == "cpu"} == {threading.current_thread().name}
+
+
+def test_damage_in_a_batch_decoded_ahead_is_raised_when_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard decoded ahead on the side thread (CUDA, emulated) that turns out damaged
+    raises CorruptDataError naming the shard when its first tensor is asked for."""
+    d, _ = _save(tmp_path, "llama", torch.bfloat16, "40KB")
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    shard = next(p for p in ek.glob("*.safetensors") if "lm_head.weight" in _keys(p))
+    c = Compressed(np.fromfile(shard, np.uint8))
+    o = next(e for e in c.outer.entries if e.name == "lm_head.weight")
+    buf = np.fromfile(shard, np.uint8)
+    buf[c.outer.data_start + o.begin + o.nbytes // 2] ^= 0x40
+    buf.tofile(shard)
+    _spy(monkeypatch)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    q._process_model_before_weight_loading(
+        model, checkpoint_files=[str(p) for p in sorted(ek.glob("*.safetensors"))],
+        device_map={"lm_head": "cuda:0", "": "cpu"})
+    try:
+        q.update_weight_conversions([], model)
+        assert [key[0] for key in q._ahead] == [shard]
+        with pytest.raises(entropykit.CorruptDataError, match=f"^{shard}: "):
+            q.decode("lm_head.weight", torch.empty(0, dtype=torch.uint8), None,
+                     "lm_head.weight")
+    finally:
+        q.postprocess_model(model)
+
+
+def _keys(p: Path) -> list[str]:
+    with entropykit.safe_open(p, framework="pt") as f:
+        return list(f.keys())
 
 
 def test_cli_compress_then_decompress_restores_config(tmp_path: Path) -> None:
