@@ -279,6 +279,35 @@ def test_damage_in_a_batch_decoded_ahead_is_raised_when_asked_for(
         q.postprocess_model(model)
 
 
+def test_one_device_map_starts_the_first_batch_when_the_shards_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``device_map={"": "cuda:0"}`` the first shard's GPU batch (emulated) starts as
+    soon as the shards are open, before transformers plans its conversions; each shard is
+    one batch on the side thread, and every tensor arrives exact."""
+    d, _ = _save(tmp_path, "llama", torch.bfloat16, "40KB")
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    calls = _spy(monkeypatch)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    shards = sorted(ek.glob("*.safetensors"))
+    q._process_model_before_weight_loading(
+        model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
+    try:
+        assert len(q._ahead) == 1
+        q.update_weight_conversions([], model)
+        want = entropykit.load_file(d)
+        for k in q._order:
+            got = q.decode(k, torch.empty(0, dtype=torch.uint8), None, q._targets[k])
+            assert torch.equal(_bits(got), _bits(want[k])), k
+    finally:
+        q.postprocess_model(model)
+    assert sorted(len(c[1]) for c in calls) == sorted(len(_keys(p)) for p in shards)
+    assert {c[0] for c in calls} == {"cuda:0"}
+    assert {c[3].startswith("entropykit-decode") for c in calls} == {True}
+
+
 def _keys(p: Path) -> list[str]:
     with entropykit.safe_open(p, framework="pt") as f:
         return list(f.keys())

@@ -22,7 +22,8 @@ and adds converters through ``update_weight_conversions``. That is the path take
   the GPU, in one plan (by the CPU, with a warning, where the GPU decoder is not
   installed); elsewhere by the CPU, small tensors in one thread pool, large ones as asked.
   With a device map, the next CUDA batch is decoded ahead on a side thread while
-  transformers reads and places the tensors before it (one batch ahead at most);
+  transformers reads and places the tensors before it (one batch ahead at most; with a
+  map of one device the first starts as soon as the shards are open);
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint; with
   ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its
@@ -174,6 +175,8 @@ class EntropyKitQuantizer(HfQuantizer):
                 self._files[k] = (path, f if isinstance(f, CompressedFile) else None)
                 if isinstance(f, CompressedFile):
                     self._shards.setdefault(path, []).append(k)
+        self._order = sorted(self._files, key=dot_natural_key)
+        self._start_next()  # a one-device map places every tensor already
         return model
 
     def update_weight_conversions(self, weight_conversions: list, model: Any = None) -> list:
@@ -189,7 +192,6 @@ class EntropyKitQuantizer(HfQuantizer):
         meta = model.state_dict()
         # The order transformers collects tensors in, so the n-th one a converter gets is
         # the n-th name planned for it.
-        self._order = sorted(self._files, key=dot_natural_key)
         for k in self._order:
             target, pattern = rename_source_key(k, renamings, converters,
                                                 model.base_model_prefix, meta)
@@ -265,11 +267,22 @@ class EntropyKitQuantizer(HfQuantizer):
         """The tensors of compressed shard ``path`` that a batch for ``device`` holds
         (``given``: where a tensor was read, for loads without a device map)."""
         small = device.type != "cuda"
-        f = self._files[self._shards[path][0]][1]
-        c = f._open()
-        return [k for k in self._shards[path] if k in self._targets
-                and (not small or c.entry(k).nbytes <= SMALL)
-                and self._device(self._targets[k], given) == device]
+        c = self._files[self._shards[path][0]][1]._open()
+        return [k for k in self._shards[path] if self._bound(k, given) == device
+                and (not small or c.entry(k).nbytes <= SMALL)]
+
+    def _bound(self, k: str, given: torch.Tensor | None) -> torch.device | None:
+        """Where checkpoint tensor ``k`` goes: its parameter's device, or with a device
+        map of one device, that device (even before the parameters are known); None
+        where that is not known."""
+        if k in self._targets:
+            return self._device(self._targets[k], given)
+        if self._one_device():
+            return self._device("", None)
+        return None
+
+    def _one_device(self) -> bool:
+        return isinstance(self._device_map, dict) and set(self._device_map) == {""}
 
     def _decode_batch(self, path: Path, f: CompressedFile, device: torch.device,
                       names: list[str]) -> dict[str, torch.Tensor]:
@@ -297,12 +310,12 @@ class EntropyKitQuantizer(HfQuantizer):
         """Start decoding, on a side thread, the next CUDA batch transformers will ask for
         (known only from a device map), so that the GPU decodes it while transformers
         reads and places the tensors before it; at most one batch is decoded ahead."""
-        if self._ahead or not self._device_map:
-            return
+        if self._ahead or not self._device_map or not (self._targets or self._one_device()):
+            return  # one going, or where tensors go is not known (yet)
         while self._cursor < len(self._order):
             k = self._order[self._cursor]
             path, f = self._files[k]
-            device = self._device(self._targets[k], None) if k in self._targets else None
+            device = self._bound(k, None)
             key = (path, str(device))
             if f is None or device is None or device.type != "cuda" \
                     or key in self._batches or key in self._started:
