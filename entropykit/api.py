@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,23 +153,30 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
         h = read_header(f)
         if not is_compressed(h, f):
             return safetensors.torch.load_file(path, device=device)
-        c = Compressed(f)
-        types = dtypes.torch_types()
-        if _is_cuda(device):
-            from ._cuda import require
-
-            require(device)  # GpuUnavailableError before any work
-            from .container.cuda.load import load
-
-            out = load(c, device, types, n)
-        else:
-            names = c.keys()
-            out = {}
-            for name, raw in zip(names, imap(lambda k: c.tensor(k), names, n), strict=True):
-                t = _as_torch(raw, c.entry(name), types)
-                out[name] = t if str(device) == "cpu" else t.to(device)
+        out = _load_compressed(Compressed(f), device, n)
         f.check()
         return out
+
+
+def _load_compressed(c: Compressed, device: Any, threads: int,
+                     names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Tensors ``names`` (default: all) of compressed file ``c`` on ``device``, in data
+    order, all decoded in one go: one GPU plan for all of them, or one CPU thread pool."""
+    types = dtypes.torch_types()
+    if _is_cuda(device):
+        from ._cuda import require
+
+        require(device)  # GpuUnavailableError before any work
+        from .container.cuda.load import load
+
+        return load(c, device, types, threads, names=names)
+    keep = None if names is None else frozenset(names)
+    wanted = [k for k in c.keys() if keep is None or k in keep]
+    out = {}
+    for name, raw in zip(wanted, imap(lambda k: c.tensor(k), wanted, threads), strict=True):
+        t = _as_torch(raw, c.entry(name), types)
+        out[name] = t if str(device) == "cpu" else t.to(device)
+    return out
 
 
 def _is_cuda(device: Any) -> bool:

@@ -5,8 +5,8 @@ What it is: the script a GPU machine runs for the transformers loader. Tiny rand
 CPU and for the GPU (``target="gpu"``), and loaded with
 ``AutoModelForCausalLM.from_pretrained(dir, device_map={"": DEVICE})``; every compressed
 load must give the state dict of the plain checkpoint's load bit for bit, the same logits
-bit for bit, and (on a CUDA device) must have decoded through ``entropykit.load_file(...,
-device="cuda")`` (counted). Prints one line per case and ALL OK or FAILED.
+bit for bit, and (on a CUDA device) must have decoded every shard's tensors on the GPU in
+one batch per shard (counted). Prints one line per case and ALL OK or FAILED.
 What it is not: a benchmark or a CPU test (tests/test_hf_load.py is).
 
     python3 gpu/hf_check.py --device cuda:0     # needs accelerate (device_map), CuPy
@@ -26,7 +26,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 import entropykit  # noqa: E402
-from entropykit.hf import _quantizer  # noqa: E402
+from entropykit import api  # noqa: E402
 
 _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -57,14 +57,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args()
-    gpu_decodes = []
-    decode_gpu = _quantizer.EntropyKitQuantizer._decode_gpu
+    batches = []  # (device, tensors) of each batch the quantizer decoded
+    load = api._load_compressed
 
-    def counted(self, path, name, device):  # noqa: ANN001, ANN202
-        gpu_decodes.append(name)
-        return decode_gpu(self, path, name, device)
+    def counted(c, device, threads, names=None):  # noqa: ANN001, ANN202
+        if names is not None:
+            batches.append((str(device), len(names)))
+        return load(c, device, threads, names)
 
-    _quantizer.EntropyKitQuantizer._decode_gpu = counted
+    api._load_compressed = counted
     kwargs = {"device_map": {"": args.device}} if args.device != "cpu" else {}
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,21 +85,25 @@ def main() -> int:
             for target in ("cpu", "gpu"):
                 ek = root / f"{name}.{target}.ek"
                 entropykit.compress_file(plain_dir, ek, target=target)
-                gpu_decodes.clear()
+                batches.clear()
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     packed = transformers.AutoModelForCausalLM.from_pretrained(ek, **kwargs)
                 fallback = [str(w.message) for w in caught if "decoded on the CPU" in
                             str(w.message)]
                 err = _same(plain, packed, args.device)
-                if err is None and args.device.startswith("cuda") and not gpu_decodes:
-                    err = "the GPU decoder was not used"
+                on_gpu = [n for dev, n in batches if dev.startswith("cuda")]
+                shards = len(list(ek.glob("*.safetensors")))
+                if err is None and args.device.startswith("cuda") and (
+                        len(on_gpu) != len(batches) or len(on_gpu) != shards):
+                    err = f"GPU batches {on_gpu} of {batches}, expected one per shard ({shards})"
                 if err is None and fallback:
                     err = fallback[0]
                 failed += err is not None
                 print(f"{name} target={target} device={args.device}: "
                       f"{'ok' if err is None else 'FAILED: ' + err} "
-                      f"({len(gpu_decodes)} tensors decoded on the GPU)")
+                      f"({sum(on_gpu)} tensors decoded on the GPU in {len(on_gpu)} "
+                      "batches)")
     print("ALL OK" if not failed else f"FAILED ({failed})")
     return 1 if failed else 0
 

@@ -29,13 +29,20 @@ from entropykit.container.reader import Compressed
 from entropykit.rans.cuda import plan as gplan
 
 
-def _emulated_load(path, threads=1, **kw) -> dict[str, np.ndarray]:
-    """Every tensor's bytes as the GPU loader would write them (0xA5 where it wrote none)."""
-    buf = np.fromfile(path, np.uint8)
-    c = Compressed(buf)
+def _emulated_load(path, threads=1, names=None, **kw) -> dict[str, np.ndarray]:
+    """Every tensor's bytes (only ``names``' if given) as the GPU loader would write them
+    (0xA5 where it wrote none)."""
+    return emulated_tensors(Compressed(np.fromfile(path, np.uint8)), threads, names, **kw)
+
+
+def emulated_tensors(c, threads=1, names=None, **kw) -> dict[str, np.ndarray]:
+    """``_emulated_load`` of an open file: ``container.cuda.load.load``'s plan and subset,
+    run through the kernel emulator."""
     entries = c.original.by_offset
+    if names is not None:
+        entries = [e for e in entries if e.name in set(names)]
     outs = [np.full(e.nbytes, 0xA5, np.uint8) for e in entries]
-    for group in fileplan.groups(c, threads, **kw):
+    for group in fileplan.groups(c, threads, entries=entries, **kw):
         for part in group.parts:
             b = part.batch
             views = [outs[t].view(np.uint16) if b.bf16 else outs[t] for t in part.tensors]
@@ -153,6 +160,50 @@ def test_emulated_gpu_load_is_the_cpu_load(model_file, tmp_path, target,
     assert list(got) == list(want)  # data order, as safetensors lists them
     for name in want:
         assert np.array_equal(got[name], want[name]), name
+
+
+def _many_small(rng) -> dict[str, torch.Tensor]:
+    """Hundreds of tiny tensors of mixed dtypes (empty, one element, a few, a few hundred),
+    then two of several 64 KiB segments."""
+    kinds = [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.int64,
+             torch.uint8, torch.bool]
+    sizes = [0, 1, 2, 7, 64, 385, 1000, 3]
+    out = {}
+    for k in range(200):
+        w = torch.from_numpy(rng.standard_normal(sizes[k % 8]).astype(np.float32) * 0.05)
+        dt = kinds[k % len(kinds)]
+        out[f"layer.{k // 8}.t{k % 8}"] = (w > 0) if dt == torch.bool else (w * 100).to(dt)
+    out["z.span.f32"] = torch.from_numpy(rng.standard_normal(40_000).astype(np.float32))
+    out["z.span.bf16"] = _bf16_weights(rng, 70_001)
+    return out
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+@pytest.mark.parametrize(("segment_bytes", "group_bytes"),
+                         [(1 << 24, fileplan.GROUP_BYTES), (1 << 16, 1 << 16)])
+def test_emulated_gpu_load_of_many_small_tensors_and_of_subsets(tmp_path, target,
+                                                                segment_bytes, group_bytes):
+    """Hundreds of tiny tensors plan into one group (one launch per kernel flavour) when
+    they fit it, and any subset of a file's tensors (``load(..., names=...)``, what
+    from_pretrained asks for one device) decodes exactly, touching nothing else, also
+    with segments and groups cut small (tensors spanning groups)."""
+    src, ek = tmp_path / "m.safetensors", tmp_path / "m.ek.safetensors"
+    safetensors.torch.save_file(_many_small(np.random.default_rng(9)), src)
+    files.compress_file(src, ek, threads=2, segment_bytes=segment_bytes, target=target)
+    want = _cpu_bytes(ek)
+    c = Compressed(np.fromfile(ek, np.uint8))
+    planned = list(fileplan.groups(c, 2, group_bytes=group_bytes))
+    if group_bytes == fileplan.GROUP_BYTES:
+        assert len(planned) == 1 and len(planned[0].parts) <= 3  # u8, bf16, bf16 wide
+    else:
+        assert len(planned) > 3
+    names = list(want)
+    for subset in (names[::3], names[1:2], [n for n in names if want[n].size == 0],
+                   names[-5:]):
+        got = _emulated_load(ek, 2, subset, group_bytes=group_bytes)
+        assert list(got) == subset
+        for name in subset:
+            assert np.array_equal(got[name], want[name]), name
 
 
 @pytest.mark.parametrize("target", ["cpu", "gpu"])

@@ -14,16 +14,22 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import entropykit  # noqa: E402
-from entropykit import hf  # noqa: E402
+from entropykit import api, dtypes, hf  # noqa: E402
 from entropykit.container import checkpoint  # noqa: E402
+from entropykit.container.reader import Compressed  # noqa: E402
+from entropykit.hf import _quantizer  # noqa: E402
+from entropykit.lazy import CompressedFile  # noqa: E402
 
 _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -123,6 +129,188 @@ def test_from_pretrained_dtype_and_device_map(tmp_path: Path) -> None:
     for kwargs in options:
         _same_model(_load(d, **kwargs), _load(ek, **kwargs))
     assert _load(ek, dtype=torch.float32).model.norm.weight.dtype == torch.float32
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, str]]:
+    """Every batch the quantizer decodes: (device, names, the tensors it returned, the
+    thread that decoded it). A CUDA
+    device's batch goes through the GPU loader's plan of those tensors and the kernel's
+    emulator (tests/test_gpu_load.py), giving CPU tensors."""
+    from test_gpu_load import emulated_tensors
+
+    calls, real = [], api._load_compressed
+
+    def spy(c: Any, device: Any, threads: int, names: list[str] | None = None) -> dict:
+        if names is None:  # load_file, not the quantizer
+            return real(c, device, threads, names)
+        if str(device).startswith("cuda"):
+            types = dtypes.torch_types()
+            got = {k: api._as_torch(v, c.entry(k), types)
+                   for k, v in emulated_tensors(c, 2, names).items()}
+        else:
+            got = real(c, device, threads, names)
+        calls.append((str(device), list(names), got, threading.current_thread().name))
+        return got
+
+    monkeypatch.setattr(api, "_load_compressed", spy)
+    return calls
+
+
+def _checkpoint(d: Path) -> dict[str, tuple[Path, int]]:
+    """Checkpoint name -> (its shard's name, its bytes)."""
+    out = {}
+    for p in sorted(d.glob("*.safetensors")):
+        for k, v in entropykit.load_file(p).items():
+            out[k] = (p.name, v.numel() * v.element_size())
+    return out
+
+
+def test_shard_tensors_decode_together_and_are_handed_out(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """On the CPU the first tensor asked of a shard decodes all of its small tensors in
+    one call (one thread pool, no per-tensor setup); each is then handed out (nothing
+    left held), large ones are decoded when asked; the model is bit-identical."""
+    d, saved = _save(tmp_path, "llama", torch.bfloat16, "40KB")
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    monkeypatch.setattr(_quantizer, "SMALL", 20_000)  # embedding and head (32 KB): large
+    asked: list[str] = []
+    get_tensor = CompressedFile.get_tensor
+    monkeypatch.setattr(CompressedFile, "get_tensor",
+                        lambda self, name: asked.append(name) or get_tensor(self, name))
+    calls = _spy(monkeypatch)
+    _same_model(_load(d), _load(ek))
+    ckpt = _checkpoint(ek)
+    assert sorted(asked) == sorted(k for k, (_, n) in ckpt.items() if n > 20_000)
+    assert asked  # the threshold split this checkpoint
+    small = {}
+    for k, (shard, n) in ckpt.items():
+        if n <= 20_000:
+            small.setdefault(shard, set()).add(k)
+    assert len(calls) == len(small) > 1  # one batch per shard
+    assert {frozenset(c[1]) for c in calls} == \
+        {frozenset(v) for v in small.values()}
+    assert {c[0] for c in calls} == {"cpu"}
+    assert [c[2] for c in calls] == [{}] * len(calls)  # all handed out
+
+
+def test_batches_follow_the_device_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                       ) -> None:
+    """A shard split by the device map decodes one batch per device, each holding only
+    the tensors bound there: a CUDA device's every tensor (large too), through the GPU
+    plan (emulated here), the CPU's and meta's small ones; every tensor arrives exact."""
+    d, _ = _save(tmp_path, "llama", torch.bfloat16, "40KB")
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    monkeypatch.setattr(_quantizer, "SMALL", 12_000)
+    calls = _spy(monkeypatch)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    device_map = {"model.layers.1": "meta", "model.layers.0.mlp": "cuda:0",
+                  "lm_head": "cuda:0", "": "cpu"}
+    q._process_model_before_weight_loading(
+        model, checkpoint_files=[str(p) for p in sorted(ek.glob("*.safetensors"))],
+        device_map=device_map)
+    q.update_weight_conversions([], model)
+    assert len(q._ahead) == 1  # the first CUDA batch is under way before any tensor is read
+    want = entropykit.load_file(d)
+    ckpt = _checkpoint(ek)
+
+    def bound(k: str) -> str:
+        if k.startswith("model.layers.1."):
+            return "meta"
+        return "cuda:0" if k.startswith(("model.layers.0.mlp.", "lm_head.")) else "cpu"
+
+    try:
+        for k in sorted(want, key=lambda k: k.startswith("lm_head"), reverse=True):
+            got = q.decode(k, torch.empty(0, dtype=torch.uint8), None, q._targets[k])
+            assert got.dtype == want[k].dtype and got.shape == want[k].shape, k
+            if bound(k) == "meta":
+                assert got.device.type == "meta", k
+            else:  # the emulated GPU batch stays on the CPU
+                assert got.device.type == "cpu" and torch.equal(_bits(got), _bits(want[k])), k
+        assert [dict(v) for v in q._batches.values()] == [{}] * len(q._batches)  # handed out
+    finally:
+        q.postprocess_model(model)
+    expect: dict[tuple[str, str], set[str]] = {}  # (shard, device) -> its batch
+    for k, (shard, n) in ckpt.items():
+        if bound(k) == "cuda:0" or n <= 12_000:
+            expect.setdefault((shard, bound(k)), set()).add(k)
+    # meta's batch is decoded on the CPU, then moved
+    assert sorted((c[0], sorted(c[1])) for c in calls) == \
+        sorted(("cpu" if dev == "meta" else dev, sorted(v)) for (_, dev), v in expect.items())
+    assert any(ckpt[k][1] > 12_000 for (_, dev), v in expect.items() if dev == "cuda:0"
+               for k in v)  # a large tensor went with the CUDA batch
+    assert {dev for _, dev in expect} == {"cuda:0", "cpu", "meta"}
+    # CUDA batches are decoded ahead, on a side thread; the others when first asked for
+    assert {c[3].startswith("entropykit-decode") for c in calls if c[0] == "cuda:0"} == {True}
+    assert {c[3] for c in calls if c[0] == "cpu"} == {threading.current_thread().name}
+
+
+def test_damage_in_a_batch_decoded_ahead_is_raised_when_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard decoded ahead on the side thread (CUDA, emulated) that turns out damaged
+    raises CorruptDataError naming the shard when its first tensor is asked for."""
+    d, _ = _save(tmp_path, "llama", torch.bfloat16, "40KB")
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    shard = next(p for p in ek.glob("*.safetensors") if "lm_head.weight" in _keys(p))
+    c = Compressed(np.fromfile(shard, np.uint8))
+    o = next(e for e in c.outer.entries if e.name == "lm_head.weight")
+    buf = np.fromfile(shard, np.uint8)
+    buf[c.outer.data_start + o.begin + o.nbytes // 2] ^= 0x40
+    buf.tofile(shard)
+    _spy(monkeypatch)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    q._process_model_before_weight_loading(
+        model, checkpoint_files=[str(p) for p in sorted(ek.glob("*.safetensors"))],
+        device_map={"lm_head": "cuda:0", "": "cpu"})
+    try:
+        q.update_weight_conversions([], model)
+        assert [key[0] for key in q._ahead] == [shard]
+        with pytest.raises(entropykit.CorruptDataError, match=f"^{shard}: "):
+            q.decode("lm_head.weight", torch.empty(0, dtype=torch.uint8), None,
+                     "lm_head.weight")
+    finally:
+        q.postprocess_model(model)
+
+
+def test_one_device_map_starts_the_first_batch_when_the_shards_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``device_map={"": "cuda:0"}`` the first shard's GPU batch (emulated) starts as
+    soon as the shards are open, before transformers plans its conversions; each shard is
+    one batch on the side thread, and every tensor arrives exact."""
+    d, _ = _save(tmp_path, "llama", torch.bfloat16, "40KB")
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    calls = _spy(monkeypatch)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    shards = sorted(ek.glob("*.safetensors"))
+    q._process_model_before_weight_loading(
+        model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
+    try:
+        assert len(q._ahead) == 1
+        q.update_weight_conversions([], model)
+        want = entropykit.load_file(d)
+        for k in q._order:
+            got = q.decode(k, torch.empty(0, dtype=torch.uint8), None, q._targets[k])
+            assert torch.equal(_bits(got), _bits(want[k])), k
+    finally:
+        q.postprocess_model(model)
+    assert sorted(len(c[1]) for c in calls) == sorted(len(_keys(p)) for p in shards)
+    assert {c[0] for c in calls} == {"cuda:0"}
+    assert {c[3].startswith("entropykit-decode") for c in calls} == {True}
+
+
+def _keys(p: Path) -> list[str]:
+    with entropykit.safe_open(p, framework="pt") as f:
+        return list(f.keys())
 
 
 def test_cli_compress_then_decompress_restores_config(tmp_path: Path) -> None:

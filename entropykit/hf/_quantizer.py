@@ -17,9 +17,13 @@ and adds converters through ``update_weight_conversions``. That is the path take
   with the tensor decoded from the shard, cast to the dtype transformers chose
   (``get_new_dtype``) and placed on the parameter's device (the device map's choice; the
   converters read payloads into host memory, so no payload byte goes to a GPU only to be
-  replaced). On a CUDA device the shard is
-  decoded by the GPU (``entropykit.load_file(shard, device=...)``; by the CPU, with a
-  warning, where the GPU decoder is not installed); elsewhere by the CPU;
+  replaced). The first tensor a shard is asked for decodes all of that shard's tensors
+  bound for the same device at once, and later calls hand them out: on a CUDA device by
+  the GPU, in one plan (by the CPU, with a warning, where the GPU decoder is not
+  installed); elsewhere by the CPU, small tensors in one thread pool, large ones as asked.
+  With a device map, the next CUDA batch is decoded ahead on a side thread while
+  transformers reads and places the tensors before it (one batch ahead at most; with a
+  map of one device the first starts as soon as the shards are open);
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint; with
   ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its
@@ -33,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,8 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..container import files
+from ..container.parallel import resolve
 from ..lazy import CompressedFile, safe_open
 from . import MARK_VERSION, QUANT_METHOD
 
@@ -117,6 +124,7 @@ class Decode(ConversionOps):
         return out
 
 
+SMALL = 4 << 20  # bytes: CPU-bound tensors up to this size are decoded a shard at a time
 _ALL = "^(.+)$"  # matches every name and keeps it (the captured group is the target)
 # Converters that read their checkpoint tensors on the CPU: transformers then reads a
 # payload into host memory only, and the decoded tensor is made on the parameter's device
@@ -137,7 +145,16 @@ class EntropyKitQuantizer(HfQuantizer):
         self._files: dict[str, tuple[Path, CompressedFile | None]] = {}
         # parameter name -> converter source pattern -> checkpoint names, in loading order
         self.plan: dict[str, dict[str, list[str]]] = {}
-        self._gpu: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
+        self._targets: dict[str, str] = {}  # checkpoint name -> the parameter it loads into
+        self._where: dict[str, torch.device] = {}  # parameter -> its device-map device
+        # (shard, device) -> its tensors bound there, decoded together, until handed out
+        self._batches: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
+        self._shards: dict[Path, list[str]] = {}  # compressed shard -> its tensors
+        self._order: list[str] = []  # checkpoint names in the order transformers asks
+        self._cursor = 0  # in _order: names before it need no batch started
+        self._ahead: dict[tuple[Path, str], Future] = {}  # the batch decoding ahead
+        self._started: set[tuple[Path, str]] = set()
+        self._pool: ThreadPoolExecutor | None = None
         self._model: Any = None
         self._device_map: dict | None = None
 
@@ -156,6 +173,10 @@ class EntropyKitQuantizer(HfQuantizer):
                                      f"{self._files[k][0]}")
                 # a plain shard's tensors are the weights as transformers reads them
                 self._files[k] = (path, f if isinstance(f, CompressedFile) else None)
+                if isinstance(f, CompressedFile):
+                    self._shards.setdefault(path, []).append(k)
+        self._order = sorted(self._files, key=dot_natural_key)
+        self._start_next()  # a one-device map places every tensor already
         return model
 
     def update_weight_conversions(self, weight_conversions: list, model: Any = None) -> list:
@@ -171,18 +192,21 @@ class EntropyKitQuantizer(HfQuantizer):
         meta = model.state_dict()
         # The order transformers collects tensors in, so the n-th one a converter gets is
         # the n-th name planned for it.
-        for k in sorted(self._files, key=dot_natural_key):
+        for k in self._order:
             target, pattern = rename_source_key(k, renamings, converters,
                                                 model.base_model_prefix, meta)
             if target not in meta and k in meta and self._files[k][1] is not None:
                 # transformers would then load k under its own name with no converter
                 raise NotImplementedError(f"entropykit: renaming {k!r} to {target!r} "
                                           "(not a parameter) is not supported")
+            if target in meta:
+                self._targets[k] = target
             names = self.plan.setdefault(target, {}).setdefault(pattern, [])
             names.append(k)
             if pattern == every.source_patterns[0] and len(names) > 1:
                 raise ValueError(f"checkpoint tensors {names[0]!r} and {k!r} both load "
                                  f"into {target!r}")
+        self._start_next()
         return [*ours, every]
 
     def get_new_dtype(self, converter: Any, param: Any, dtype: torch.dtype | None
@@ -199,45 +223,126 @@ class EntropyKitQuantizer(HfQuantizer):
         bytes of a compressed tensor, the tensor of a plain one) on the device of parameter
         ``target``, cast to ``dtype`` if not None."""
         path, f = self._files[name]
-        device = self._device(target, given)
         if f is None:
             out = given
-        elif device.type == "cuda":
-            out = self._decode_gpu(path, name, device)
         else:
-            out = f.get_tensor(name)
-            out = out if device.type == "cpu" else out.to(device)
+            device = self._device(target, given)
+            out = self._batch(path, f, device, given).pop(name, None)
+            if out is None:  # left out of the batch (e.g. asked for twice): on its own
+                out = f.get_tensor(name)
+                out = out if device.type == "cpu" else out.to(device)
         return out if dtype is None else out.to(dtype)
 
-    def _device(self, target: str, given: torch.Tensor) -> torch.device:
+    def _device(self, target: str, given: torch.Tensor | None) -> torch.device:
         """Where transformers puts parameter ``target``: its device map's choice, else
         where it read the payload."""
         if not self._device_map:
             return given.device
-        from transformers.integrations.accelerate import get_device
+        if target not in self._where:
+            from transformers.integrations.accelerate import get_device
 
-        return torch.device(get_device(self._device_map, target, valid_torch_device=True))
+            self._where[target] = torch.device(get_device(self._device_map, target,
+                                                          valid_torch_device=True))
+        return self._where[target]
 
-    def _decode_gpu(self, path: Path, name: str, device: torch.device) -> torch.Tensor:
-        # The GPU decodes a whole shard at once; its tensors wait here until asked for.
+    def _batch(self, path: Path, f: CompressedFile, device: torch.device,
+               given: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors of shard ``path`` bound for ``device``, decoded together on the
+        first call (one GPU plan and launch per kernel flavour, or one CPU thread pool:
+        no per-tensor setup) and handed out one by one (``pop``), so the memory held is
+        at most the shard's. On the CPU only tensors up to ``SMALL`` bytes are batched:
+        a large one is decoded when asked for, on every thread, as before. A CUDA batch
+        may have been started ahead (``_ahead``)."""
         key = (path, str(device))
-        if key not in self._gpu:
-            from .._cuda import GpuUnavailableError
-            from ..api import load_file
+        if key not in self._batches:
+            ahead = self._ahead.pop(key, None)
+            self._batches[key] = (ahead.result() if ahead is not None else
+                                  self._decode_batch(path, f, device,
+                                                     self._names(path, device, given)))
+            self._start_next()
+        return self._batches[key]
 
+    def _names(self, path: Path, device: torch.device, given: torch.Tensor | None
+               ) -> list[str]:
+        """The tensors of compressed shard ``path`` that a batch for ``device`` holds
+        (``given``: where a tensor was read, for loads without a device map)."""
+        small = device.type != "cuda"
+        c = self._files[self._shards[path][0]][1]._open()
+        return [k for k in self._shards[path] if self._bound(k, given) == device
+                and (not small or c.entry(k).nbytes <= SMALL)]
+
+    def _bound(self, k: str, given: torch.Tensor | None) -> torch.device | None:
+        """Where checkpoint tensor ``k`` goes: its parameter's device, or with a device
+        map of one device, that device (even before the parameters are known); None
+        where that is not known."""
+        if k in self._targets:
+            return self._device(self._targets[k], given)
+        if self._one_device():
+            return self._device("", None)
+        return None
+
+    def _one_device(self) -> bool:
+        return isinstance(self._device_map, dict) and set(self._device_map) == {""}
+
+    def _decode_batch(self, path: Path, f: CompressedFile, device: torch.device,
+                      names: list[str]) -> dict[str, torch.Tensor]:
+        if not names:  # e.g. the shard's tensors for this device are all large
+            return {}
+        from .._cuda import GpuUnavailableError
+        from ..api import _load_compressed
+
+        c = f._open()  # the shard as opened by preprocess_model: parsed once
+        threads = resolve(None)
+        on = device if device.type == "cuda" else torch.device("cpu")
+        with files.named(path):
             try:
-                self._gpu[key] = load_file(path, device=str(device))
+                got = _load_compressed(c, on, threads, names)
             except GpuUnavailableError as e:  # same tensors, decoded by the CPU
                 warnings.warn(f"entropykit: {path.name} decoded on the CPU ({e})",
                               stacklevel=2)
-                self._gpu[key] = {k: v.to(device) for k, v in load_file(path).items()}
-        return self._gpu[key].pop(name)
+                on = torch.device("cpu")
+                got = _load_compressed(c, on, threads, names)
+        if on != device:
+            got = {k: v.to(device) for k, v in got.items()}
+        return got
+
+    def _start_next(self) -> None:
+        """Start decoding, on a side thread, the next CUDA batch transformers will ask for
+        (known only from a device map), so that the GPU decodes it while transformers
+        reads and places the tensors before it; at most one batch is decoded ahead."""
+        if self._ahead or not self._device_map or not (self._targets or self._one_device()):
+            return  # one going, or where tensors go is not known (yet)
+        while self._cursor < len(self._order):
+            k = self._order[self._cursor]
+            path, f = self._files[k]
+            device = self._bound(k, None)
+            key = (path, str(device))
+            if f is None or device is None or device.type != "cuda" \
+                    or key in self._batches or key in self._started:
+                self._cursor += 1  # passed for good: its batch is done, going or none
+                continue
+            self._started.add(key)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="entropykit-decode")
+            self._ahead[key] = self._pool.submit(self._decode_batch, path, f, device,
+                                                 self._names(path, device, None))
+            return
 
     def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
+        if self._pool is not None:  # a batch decoded ahead and never asked for
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._stack.close()
         self._files.clear()
         self.plan.clear()
-        self._gpu.clear()
+        self._targets.clear()
+        self._where.clear()
+        self._batches.clear()
+        self._ahead.clear()
+        self._started.clear()
+        self._shards.clear()
+        self._order.clear()
+        self._cursor = 0
         resident = self.quantization_config.resident
         self.remove_quantization_config(model)
         if resident:

@@ -130,3 +130,88 @@ def test_default_file_with_rans2d_fields_decodes_on_the_device(tmp_path, segment
     assert any(p.batch.classed and p.batch.bf16 for g in fileplan.groups(c) for p in g.parts)
     rows = lc.check_exact("rows", orig, {"cpu": ek})
     assert [(r["target"], r["bad"]) for r in rows if not r["exact"]] == []
+
+def _many_small(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hundreds of tiny tensors of mixed dtypes (empty, one element, a few hundred), then
+    two that span several 64 KiB segments."""
+    g = torch.Generator().manual_seed(seed)
+    kinds = [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.int64,
+             torch.uint8, torch.bool]
+    out = {}
+    for k in range(300):
+        w = torch.randn([0, 1, 2, 7, 64, 385, 1000, 3][k % 8], generator=g)
+        dt = kinds[k % len(kinds)]
+        out[f"layer.{k // 8}.t{k % 8}"] = (w > 0) if dt == torch.bool else (w * 5).to(dt)
+    out["z.span.f32"] = torch.randn(40_000, generator=g)
+    out["z.span.bf16"] = (torch.randn(70_001, generator=g) * 0.02).to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_cuda_load_of_many_small_tensors_and_of_subsets(tmp_path, target):
+    """Hundreds of tiny tensors in one plan, and any subset of a file's tensors (what
+    from_pretrained asks for one device), equal the CPU load bit for bit; segments and
+    groups cut small so that tensors span groups."""
+    from entropykit import dtypes
+    from entropykit.container import files as cfiles
+    from entropykit.container.cuda import fileplan
+    from entropykit.container.cuda.load import load
+    from entropykit.container.reader import Compressed
+
+    orig, ek = tmp_path / "m.safetensors", tmp_path / "m.ek.safetensors"
+    safetensors.torch.save_file(_many_small(), orig)
+    cfiles.compress_file(orig, ek, segment_bytes=1 << 16, target=target)
+    want = entropykit.load_file(ek)
+    names = list(want)
+    types = dtypes.torch_types()
+    with cfiles.opened(ek) as f:
+        c = Compressed(f)
+        for group_bytes in (fileplan.GROUP_BYTES, 1 << 16):
+            for subset in (names, names[::3], names[1:2], names[-5:],
+                           [k for k in names if want[k].numel() == 0]):
+                got = load(c, "cuda", types, 4, names=subset, group_bytes=group_bytes)
+                assert list(got) == subset
+                for k in subset:
+                    assert got[k].device.type == "cuda" and got[k].dtype == want[k].dtype
+                    assert got[k].shape == want[k].shape, k
+                    assert torch.equal(got[k].cpu().reshape(-1).view(torch.uint8),
+                                       want[k].reshape(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_from_pretrained_decodes_each_shard_in_one_gpu_batch(tmp_path, monkeypatch, target):
+    """``from_pretrained(ek, device_map={"": "cuda:0"})`` of a sharded checkpoint decodes
+    each shard's tensors on the GPU in one batch (one plan) and gives the plain load's
+    state dict bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from entropykit import api
+
+    batches = []
+    real = api._load_compressed
+
+    def spy(c, device, threads, names=None):
+        if names is not None:
+            batches.append((str(device), len(names)))
+        return real(c, device, threads, names)
+
+    monkeypatch.setattr(api, "_load_compressed", spy)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    plain_dir, ek = tmp_path / "plain", tmp_path / "ek"
+    transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(
+        plain_dir, max_shard_size="60KB")
+    entropykit.compress_file(plain_dir, ek, target=target)
+    kw = {"device_map": {"": "cuda:0"}}
+    plain = transformers.AutoModelForCausalLM.from_pretrained(plain_dir, **kw)
+    packed = transformers.AutoModelForCausalLM.from_pretrained(ek, **kw)
+    shards = len(list(ek.glob("*.safetensors")))
+    assert shards > 1 and [d for d, _ in batches] == ["cuda:0"] * shards
+    sa, sb = plain.state_dict(), packed.state_dict()
+    assert sum(n for _, n in batches) == len(sa) and sa.keys() == sb.keys()
+    for k in sa:
+        assert sb[k].device == sa[k].device and sb[k].dtype == sa[k].dtype, k
+        assert torch.equal(sa[k].reshape(-1).view(torch.uint8),
+                           sb[k].reshape(-1).view(torch.uint8)), k

@@ -44,6 +44,7 @@ from ..parallel import imap
 from ..reader import Compressed
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
+RUN_BYTES = 1 << 20  # output bytes of the small segments one thread plans in a row
 _BYTE = re.compile(r"byte(\d+)")
 _SIGN_MOVED = (("exponent", None), ("sign_mantissa", "exponent"))
 
@@ -265,29 +266,43 @@ def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) ->
     return Group(tuple(parts))
 
 
-def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[_Job]:
+def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
+    """Every segment's job, in data order, in runs a thread plans in a row: a segment of
+    ``RUN_BYTES`` or more alone, smaller ones together up to that size (a thread pool's
+    hand-off per segment would cost more than planning a tiny one)."""
+    run: list[_Job] = []
+    size = 0
     for k, e in enumerate(entries):
         fields = c.fields(e.name)
         for s, (lo, hi) in enumerate(c.bounds(e)):
-            yield _Job(k, e, s, lo, hi, fields)
+            if run and size + hi - lo > RUN_BYTES:
+                yield run
+                run, size = [], 0
+            run.append(_Job(k, e, s, lo, hi, fields))
+            size += hi - lo
+    if run:
+        yield run
 
 
-def groups(c: Compressed, threads: int = 1, *, warps: int = WARPS,
-           group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
-    """The groups decoding every tensor of ``c``, tensors numbered in data order
-    (``c.keys()``); segments are planned ``threads`` at a time, ahead of use, each
-    reading its own field payloads (``Compressed.segment_parts``)."""
-    entries = c.original.by_offset
+def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | None = None,
+           warps: int = WARPS, group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
+    """The groups decoding every tensor of ``c`` (or only ``entries``, some of its
+    ``original`` entries), tensors numbered in data order (``c.keys()``, or as
+    ``entries`` lists them); segments are planned ``threads`` at a time, ahead of use,
+    each reading its own field payloads (``Compressed.segment_parts``)."""
+    entries = c.original.by_offset if entries is None else entries
     pending: list[Piece] = []
     size = 0
-    results = imap(lambda j: _plan_segment(c, j), _jobs(c, entries), threads)
+    results = imap(lambda run: [_plan_segment(c, j) for j in run], _jobs(c, entries),
+                   threads)
     try:
-        for piece in results:
-            pending.append(piece)
-            size += piece.nbytes
-            if size >= group_bytes:
-                yield _group(pending, entries, warps)
-                pending, size = [], 0
+        for pieces in results:
+            for piece in pieces:
+                pending.append(piece)
+                size += piece.nbytes
+                if size >= group_bytes:
+                    yield _group(pending, entries, warps)
+                    pending, size = [], 0
         if pending:
             yield _group(pending, entries, warps)
     finally:

@@ -19,7 +19,7 @@ What it is not: the decision of what goes where (``fileplan.py``), the staging l
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -153,14 +153,18 @@ class Stager:
 
 
 def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
-         threads: int, *, warps: int = WARPS, group_bytes: int = fileplan.GROUP_BYTES,
+         threads: int, *, names: Collection[str] | None = None, warps: int = WARPS,
+         group_bytes: int = fileplan.GROUP_BYTES,
          seconds: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of ``c`` (a compressed file) decoded on ``device``, in
-    data order, as ``dtypes`` (safetensors dtype -> torch dtype) says. ``seconds``, if
-    given, receives where the host's time went (waiting for the planner, for a staging
-    buffer, filling them, launching, the final wait)."""
+    """The tensors of ``c`` (a compressed file; only ``names`` if given) decoded on
+    ``device``, in data order, as ``dtypes`` (safetensors dtype -> torch dtype) says.
+    ``seconds``, if given, receives where the host's time went (waiting for the planner,
+    for a staging buffer, filling them, launching, the final wait)."""
     dev = cuda_device(device)
     entries = c.original.by_offset
+    if names is not None:
+        keep = frozenset(names)
+        entries = [e for e in entries if e.name in keep]
     for e in entries:
         if e.dtype not in dtypes:
             raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
@@ -173,7 +177,8 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
             return flat[k].view(torch.int16 if bf16 else torch.uint8)
 
         stager = Stager(dev, threads)
-        planned = fileplan.groups(c, threads, warps=warps, group_bytes=group_bytes)
+        planned = fileplan.groups(c, threads, entries=entries, warps=warps,
+                                  group_bytes=group_bytes)
         wait = 0.0
         while True:
             t = time.perf_counter()
