@@ -177,13 +177,14 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     would be too narrow.
 
     Cost: the products over tokens run once, in float32 (one Gram matrix and one cross
-    product per fold); each system is solved by one float32 Cholesky factorization
-    (``_ridge_solve``). The penalties are tried from the largest down while the score
-    improves: the score falls and then rises as the penalty falls (too much bias, then too
-    much variance), so the first rise ends the search where a full sweep would end it,
-    and the small, ill-conditioned penalties are tried only where they may win. Features
-    that are zero throughout (a predictor that guesses nothing) get weight 0 without
-    entering a system.
+    product per fold); each system is solved by one Cholesky factorization
+    (``_ridge_solve``): in float32 for the penalty search and the out-of-fold maps (they
+    choose a penalty and size the std), in float64 for the stored map. The penalties are
+    tried from the largest down while the score improves: the score falls and then rises
+    as the penalty falls (too much bias, then too much variance), so the first rise ends
+    the search where a full sweep would end it, and the small, ill-conditioned penalties
+    are tried only where they may win. Features that are zero throughout (a predictor
+    that guesses nothing) get weight 0 without entering a system.
     """
     f32 = np.asarray(feats, np.float32)
     t32 = np.asarray(target, np.float32)
@@ -217,14 +218,14 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     def solve(ridge: float, k: int | None) -> np.ndarray:
         g = gram - parts[k][0] if k is not None else gram
         c = cross - parts[k][1] if k is not None else cross
-        return _ridge_solve(g, c, ridge * np.trace(g) / n_feat)
+        return _ridge_solve(g, c, ridge * np.trace(g) / n_feat, exact=k is None)
 
     last = FOLDS - 1
     f_last, t_last = f[rows[last]], t[rows[last]]
 
     def score(w: np.ndarray | None) -> float:
         # Gaussian code length of fold ``last``: sum over channels of log(mean sq. error)
-        err = t_last if w is None else t_last - f_last @ w
+        err = t_last if w is None else t_last - f_last @ w.astype(np.float32)
         sq = np.einsum("ij,ij->j", err, err, dtype=np.float64)
         return float(np.log(sq / len(err) + 1e-30).sum())
 
@@ -244,25 +245,25 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     oof = np.empty(t32.shape, np.float32)
     for k in range(FOLDS):
         w = held if k == last else solve(best, k)
-        oof[order[rows[k]]] = f[rows[k]] @ w
+        oof[order[rows[k]]] = f[rows[k]] @ w.astype(np.float32)
     weights = zero.copy()
     weights[live] = solve(best, None) / sd[:, None]
     return weights, oof
 
 
-def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float) -> np.ndarray:
-    """float32 (g + penalty I)^-1 c by one Cholesky factorization (g is a Gram matrix, so
-    the system is positive definite for penalty > 0), in float32: the map is stored as
-    int8 and the out-of-fold errors only size the std, so float64 would buy no bits. In
-    float64 where float32 rounding made the system not positive definite, by LU where
+def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float, exact: bool) -> np.ndarray:
+    """(g + penalty I)^-1 c by one Cholesky factorization (g is a Gram matrix, so the
+    system is positive definite for penalty > 0): in float64 where ``exact`` (the stored
+    map: float32's rounding moves some of its int8 weights), else in float32 (half the
+    time), then float64 where rounding made the system not positive definite; by LU where
     even that did."""
     a = g + penalty * np.eye(g.shape[0])
-    for dtype in (torch.float32, torch.float64):
+    for dtype in (torch.float64,) if exact else (torch.float32, torch.float64):
         ta = torch.from_numpy(a).to(dtype)
         chol, info = torch.linalg.cholesky_ex(ta)
         if int(info) == 0:
-            return torch.cholesky_solve(torch.from_numpy(c).to(dtype), chol).float().numpy()
-    return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).float().numpy()
+            return torch.cholesky_solve(torch.from_numpy(c).to(dtype), chol).numpy()
+    return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).numpy()
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
