@@ -96,7 +96,7 @@ def test_fit_matches_a_full_sweep_with_fewer_factorizations(monkeypatch, noise, 
     solves = []
     real = residual._ridge_solve
     monkeypatch.setattr(residual, "_ridge_solve",
-                        lambda *a: solves.append(a[2]) or real(*a))
+                        lambda *a, **k: solves.append(a[2]) or real(*a, **k))
     w, oof = residual.fit_conditional(feats, target)
     w_ref, oof_ref = _sweep_fit(feats, target)
     assert len(solves) == most
