@@ -182,9 +182,10 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     choose a penalty and size the std), in float64 for the stored map. The penalties are
     tried from the largest down while the score improves: the score falls and then rises
     as the penalty falls (too much bias, then too much variance), so the first rise ends
-    the search where a full sweep would end it, and the small, ill-conditioned penalties
-    are tried only where they may win. Features that are zero throughout (a predictor
-    that guesses nothing) get weight 0 without entering a system.
+    the search with a full sweep's choice wherever the scores have that one minimum, and
+    the small, ill-conditioned penalties are tried only where they may win. Features
+    that are zero throughout (a predictor that guesses nothing) get weight 0 without
+    entering a system.
     """
     f32 = np.asarray(feats, np.float32)
     t32 = np.asarray(target, np.float32)
