@@ -1,19 +1,31 @@
-"""Conditional-model fit time on SmolLM2-135M's real KV residuals, this tree against another.
+"""Calibration time on SmolLM2-135M, this tree against another: the fits, or whole runs.
 
-What it is: builds the calibration features of a few (layer, k/v) groups (FP8-of-target and
-no predictor, ``--seqs`` x 512 tokens of bench/data.py's "calib" prose) and times
+What it is, by default: builds the calibration features of a few (layer, k/v) groups
+(FP8-of-target and no predictor, ``--seqs`` x 512 tokens of bench/data.py's "calib" prose) and times
 ``residual.fit_conditional`` of this tree and of ``--old``'s ``residual.py`` on the same
 arrays, twice each in turn, as CPU seconds of this process (run it with one BLAS and torch
 thread: ``OPENBLAS_NUM_THREADS=1``; the default), with the out-of-fold errors' Gaussian
 code length per value (what the conditional std encodes) for each.
-What it is not: a whole ``calibrate`` run, or a test.
+``--whole``: whole ``calibrate`` runs with the FP8-of-target predictor (bf16 and fp8 e4m3
+fits, ``--seqs`` x ``--tokens`` calibration tokens), one per tree in a child process with
+that tree on its path (``--old`` names the other tree's ``residual.py``, as above; its
+package root is three folders up), timed as the child's CPU seconds; then this tree's
+codec codes the first 2 x 512 tokens of the "eval" prose (bf16 cache and fp8 e4m3 with one
+scale per layer and k/v, conditional model) with each tree's file and prints bits per
+value. ``--scaling``: ``fit_conditional`` CPU seconds on random features of F columns and
+T tokens (F / 5 outputs, as a values group: 5 sources of kv heads x head dim), the
+measured scaling behind the README's calibration-time guidance.
+What it is not: a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,26 +43,110 @@ def _old_fit(path: Path, namespace: dict):
     return ns["fit_conditional"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def _smollm2(split: str, seqs: int, tokens: int):
+    """(model, [1, tokens] prompts of the split's prose)."""
     import transformers
 
-    from entropykit import predictive as P
-    from entropykit.predictive import residual
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", type=Path, required=True, help="another tree's residual.py")
-    ap.add_argument("--seqs", type=int, default=2)
-    ap.add_argument("--groups", default="1:0,1:1,15:1,29:1", help="layer:kv,...")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    fits = {"old": _old_fit(args.old, vars(residual)), "new": residual.fit_conditional}
     path = data.smollm2_gguf_path()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
-    ids = tok(data.prose_text("calib"), return_tensors="pt").input_ids[0]
-    prompts = [ids[i * 512 : (i + 1) * 512][None] for i in range(args.seqs)]
+    ids = tok(data.prose_text(split), return_tensors="pt").input_ids[0]
+    return model, [ids[i * tokens : (i + 1) * tokens][None] for i in range(seqs)]
+
+
+def _calibrate_child(out: str, seqs: int, tokens: int) -> None:
+    """Calibrate with the entropykit on the path; print its CPU seconds as JSON."""
+    from entropykit import predictive as P
+
+    model, prompts = _smollm2("calib", seqs, tokens)
+    pred = P.FP8Predictor(model)
+    kw = {"progress": False} if "progress" in P.calibrate.__code__.co_varnames else {}
+    t = time.process_time()
+    cal = P.calibrate(model, pred, prompts, **kw)
+    cpu = time.process_time() - t
+    cal.save(out)
+    print(json.dumps({"cpu_s": round(cpu, 2), "fingerprint": hex(cal.fingerprint)}))
+
+
+def _whole(args: argparse.Namespace) -> None:
+    from entropykit import predictive as P
+
+    trees = {"new": Path(__file__).resolve().parent.parent,
+             "old": args.old.resolve().parent.parent.parent}
+    files, rows = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("old", "new", "old", "new")[: 2 * args.runs]:
+            files[name] = str(Path(tmp) / f"{name}.safetensors")
+            env = dict(os.environ, PYTHONPATH=str(trees[name]), OPENBLAS_NUM_THREADS="1",
+                       OMP_NUM_THREADS="1")
+            out = subprocess.run([sys.executable, __file__, "--child", files[name],
+                                  "--seqs", str(args.seqs), "--tokens", str(args.tokens)],
+                                 env=env, capture_output=True, text=True, check=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.setdefault(name, []).append(row)
+            print(name, json.dumps(row), flush=True)
+        model, prompts = _smollm2("eval", 2, 512)
+        pred = P.FP8Predictor(model)
+        for name in ("old", "new"):
+            cal = P.Calibration.load(files[name])
+            size = {"bf16": 0, "fp8_e4m3": 0}
+            values = 0
+            for ids in prompts:
+                with torch.inference_mode():
+                    cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
+                values += sum(t.numel() for t in cache.keys + cache.values)
+                for fmt, c in (("bf16", cache), ("fp8_e4m3", P.to_fp8(cache))):
+                    blob = P.compress_kv(c, ids, pred, cal)
+                    assert P.decompress_kv(blob, pred, cal).equal(c)
+                    size[fmt] += len(blob)
+            print(name, "bits per value", json.dumps(
+                {f: round(8 * n / values, 4) for f, n in size.items()}), "bytes",
+                json.dumps(size), flush=True)
+
+
+def _scaling(args: argparse.Namespace) -> None:
+    from entropykit.predictive import residual
+
+    rng = np.random.default_rng(0)
+    for spec in args.scaling.split(","):
+        n_feat, tokens = map(int, spec.split("x"))
+        feats = rng.standard_normal((tokens, n_feat)).astype(np.float32)
+        feats[:, : n_feat // 2] += feats[:, n_feat // 2 :]  # correlated, as sources are
+        target = (feats[:, : n_feat // 5] @ rng.standard_normal((n_feat // 5, n_feat // 5))
+                  + 3 * rng.standard_normal((tokens, n_feat // 5))).astype(np.float32)
+        t = time.process_time()
+        residual.fit_conditional(feats, target)
+        print(json.dumps({"F": n_feat, "T": tokens,
+                          "cpu_s": round(time.process_time() - t, 3)}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", type=Path, help="another tree's residual.py")
+    ap.add_argument("--seqs", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=512, help="per sequence (--whole)")
+    ap.add_argument("--groups", default="1:0,1:1,15:1,29:1", help="layer:kv,...")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--whole", action="store_true", help="whole calibrate runs, and bits")
+    ap.add_argument("--runs", type=int, default=1, help="whole runs per tree (--whole)")
+    ap.add_argument("--scaling", help="FxT,... fit times on random features")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.child:
+        return _calibrate_child(args.child, args.seqs, args.tokens)
+    if args.scaling:
+        return _scaling(args)
+    if args.old is None:
+        ap.error("--old is required")
+    if args.whole:
+        return _whole(args)
+    from entropykit import predictive as P
+    from entropykit.predictive import residual
+
+    fits = {"old": _old_fit(args.old, vars(residual)), "new": residual.fit_conditional}
+    model, prompts = _smollm2("calib", args.seqs, 512)
     groups = [tuple(map(int, g.split(":"))) for g in args.groups.split(",")]
     for name, pred in (("fp8-of-target", P.FP8Predictor(model)), ("none", P.NoPredictor())):
         xs: dict = {}

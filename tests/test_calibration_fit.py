@@ -43,7 +43,94 @@ def test_calibration_bytes_are_deterministic_and_file_bytes_is_their_size(tmp_pa
     assert sum(x.nbytes for x in a.arrays.values()) == calibration.file_bytes(
         a.dims, len(a.formats))
     a.save(tmp_path / "c.safetensors")
+    b.save(tmp_path / "d.safetensors")
+    assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "d.safetensors").read_bytes()
     assert P.Calibration.load(tmp_path / "c.safetensors").fingerprint == a.fingerprint
+
+
+def _sweep_fit(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``fit_conditional``'s model written plainly in float64: every penalty tried on the
+    last fold, each fold's map solved on its own."""
+    f, t = feats.astype(np.float64), target.astype(np.float64)
+    fold = residual.folds(len(f))
+    live = np.any(f != 0, axis=0)
+    sd = f[:, live].std(axis=0)
+    x = f[:, live] / np.where(sd > 0, sd, 1.0)
+
+    def fit(ridge: float, train: np.ndarray) -> np.ndarray:
+        g = x[train].T @ x[train]
+        return np.linalg.solve(g + ridge * np.trace(g) / f.shape[1] * np.eye(len(g)),
+                               x[train].T @ t[train])
+
+    def code(err: np.ndarray) -> float:
+        return float(np.log((err**2).mean(axis=0) + 1e-30).sum())
+
+    last = fold == residual.FOLDS - 1
+    scores = {r: code(t[last] - x[last] @ fit(r, ~last)) for r in residual.RIDGES}
+    best = min(scores, key=scores.get)
+    if scores[best] >= code(t[last]):
+        return np.zeros((f.shape[1], t.shape[1])), np.zeros(t.shape, np.float32)
+    oof = np.empty(t.shape)
+    for k in range(residual.FOLDS):
+        oof[fold == k] = x[fold == k] @ fit(best, fold != k)
+    w = np.zeros((f.shape[1], t.shape[1]))
+    w[live] = fit(best, np.ones(len(f), bool)) / np.where(sd > 0, sd, 1.0)[:, None]
+    return w, oof.astype(np.float32)
+
+
+def _code_length(target: np.ndarray, oof: np.ndarray) -> float:
+    err = (target - oof).astype(np.float64)
+    return float(0.5 * np.log2((err**2).mean(axis=0)).mean())
+
+
+@pytest.mark.parametrize(("noise", "most"), [(0.3, 11), (10.0, 9), (30.0, 8), (3000.0, 2)])
+def test_fit_matches_a_full_sweep_with_fewer_factorizations(monkeypatch, noise, most):
+    # Noise levels whose best penalty is the smallest, a middling one, a larger one and
+    # "no map": the search from the largest penalty down stops at the first rise and
+    # picks what the sweep picks, factorizing ``most`` systems (the sweep: 6 + 5).
+    rng = np.random.default_rng(11)
+    feats = rng.standard_normal((640, 48)).astype(np.float32)
+    feats[:, :24] += feats[:, 24:]  # correlated features, as the sources are
+    target = (feats[:, :12] @ rng.standard_normal((12, 6)) +
+              noise * rng.standard_normal((640, 6))).astype(np.float32)
+    solves = []
+    real = residual._ridge_solve
+    monkeypatch.setattr(residual, "_ridge_solve",
+                        lambda *a, **k: solves.append(a[2]) or real(*a, **k))
+    w, oof = residual.fit_conditional(feats, target)
+    w_ref, oof_ref = _sweep_fit(feats, target)
+    assert len(solves) == most
+    assert _code_length(target, oof) <= _code_length(target, oof_ref) + 1e-5
+    np.testing.assert_allclose(w, w_ref, rtol=1e-3, atol=1e-4 * np.abs(w_ref).max())
+
+
+def test_fit_shape_bins_as_numpy_histogram():
+    from entropykit.rans import distribution as dist
+
+    edges = dist.z_grid()
+    rng = np.random.default_rng(5)
+    z = np.concatenate([4 * rng.standard_normal(50_000), edges, edges[:-1] + 2**-7,
+                        [-1e9, 1e9, np.nextafter(edges[-1], 0)]]).astype(np.float32)
+    hist = np.histogram(np.clip(z, edges[0], edges[-1]), bins=edges)[0].astype(np.float64)
+    smooth = np.convolve(hist, np.ones(9) / 9, mode="same")
+    smooth /= smooth.sum()
+    wide = np.diff(dist.gaussian_shape((4.0,), (1.0,)).astype(np.float64)) / dist.ONE
+    want = dist.shape_from_masses(0.999 * smooth + 0.001 * wide)
+    assert np.array_equal(residual.fit_shape(z), want)
+
+
+def test_fitted_model_decodes_exactly_and_codes_no_worse_than_a_full_sweep(monkeypatch):
+    pred = P.FP8Predictor(MODEL)
+    cal = P.calibrate(MODEL, pred, PROMPTS, progress=False)
+    monkeypatch.setattr(residual, "fit_conditional", _sweep_fit)
+    ref = P.calibrate(MODEL, pred, PROMPTS, progress=False)
+    ids = torch.randint(0, 64, (1, 96), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        cache = P.from_transformers(MODEL(ids, use_cache=True).past_key_values)
+    for c in (cache, P.to_fp8(cache)):
+        blob = P.compress_kv(c, ids, pred, cal)
+        assert P.decompress_kv(blob, pred, cal).equal(c)
+        assert len(blob) <= len(P.compress_kv(c, ids, pred, ref))
 
 
 def test_progress_reports_every_step():

@@ -177,10 +177,15 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     would be too narrow.
 
     Cost: the products over tokens run once, in float32 (one Gram matrix and one cross
-    product per fold, float64 from there on); each penalty's and each fold's system is
-    solved by one Cholesky factorization, and the last fold's errors come from its
-    sufficient statistics, not from predicting its tokens again. Features that are zero
-    throughout (a predictor that guesses nothing) get weight 0 without entering a system.
+    product per fold); each system is solved by one Cholesky factorization
+    (``_ridge_solve``): in float32 for the penalty search and the out-of-fold maps (they
+    choose a penalty and size the std), in float64 for the stored map. The penalties are
+    tried from the largest down while the score improves: the score falls and then rises
+    as the penalty falls (too much bias, then too much variance), so the first rise ends
+    the search with a full sweep's choice wherever the scores have that one minimum, and
+    the small, ill-conditioned penalties are tried only where they may win. Features
+    that are zero throughout (a predictor that guesses nothing) get weight 0 without
+    entering a system.
     """
     f32 = np.asarray(feats, np.float32)
     t32 = np.asarray(target, np.float32)
@@ -214,26 +219,28 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     def solve(ridge: float, k: int | None) -> np.ndarray:
         g = gram - parts[k][0] if k is not None else gram
         c = cross - parts[k][1] if k is not None else cross
-        return _ridge_solve(g, c, ridge * np.trace(g) / n_feat)
+        return _ridge_solve(g, c, ridge * np.trace(g) / n_feat, exact=k is None)
 
     last = FOLDS - 1
-    g_last, c_last = parts[last]
-    t_last = t[rows[last]].astype(np.float64)
-    tt = (t_last * t_last).sum(axis=0)
-    n_last = cuts[last + 1] - cuts[last]
+    f_last, t_last = f[rows[last]], t[rows[last]]
 
     def score(w: np.ndarray | None) -> float:
-        # mean squared error per channel of fold ``last`` from its Gram and cross products
-        sq = tt if w is None else tt - 2 * (w * c_last).sum(axis=0) + (w * (g_last @ w)).sum(0)
-        return float(np.log(np.maximum(sq, 0.0) / n_last + 1e-30).sum())
+        # Gaussian code length of fold ``last``: sum over channels of log(mean sq. error)
+        err = t_last if w is None else t_last - f_last @ w.astype(np.float32)
+        sq = np.einsum("ij,ij->j", err, err, dtype=np.float64)
+        return float(np.log(sq / len(err) + 1e-30).sum())
 
     best, best_score, held = None, score(None), None
     if np.trace(gram) > 0:
-        for ridge in RIDGES:
+        previous = np.inf
+        for ridge in sorted(RIDGES, reverse=True):
             w = solve(ridge, last)
             s = score(w)
             if s < best_score:
                 best, best_score, held = ridge, s, w
+            if s >= previous:
+                break
+            previous = s
     if best is None:
         return zero, none
     oof = np.empty(t32.shape, np.float32)
@@ -245,22 +252,32 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     return weights, oof
 
 
-def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float) -> np.ndarray:
+def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float, exact: bool) -> np.ndarray:
     """(g + penalty I)^-1 c by one Cholesky factorization (g is a Gram matrix, so the
-    system is positive definite for penalty > 0); LU where rounding made it not so."""
-    a = torch.from_numpy(g + penalty * np.eye(g.shape[0]))
-    b = torch.from_numpy(c)
-    chol, info = torch.linalg.cholesky_ex(a)
-    if int(info) == 0:
-        return torch.cholesky_solve(b, chol).numpy()
-    return torch.linalg.solve(a, b).numpy()
+    system is positive definite for penalty > 0): in float64 where ``exact`` (the stored
+    map: float32's rounding moves some of its int8 weights), else in float32 (half the
+    time), then float64 where rounding made the system not positive definite; by LU where
+    even that did."""
+    a = g + penalty * np.eye(g.shape[0])
+    for dtype in (torch.float64,) if exact else (torch.float32, torch.float64):
+        ta = torch.from_numpy(a).to(dtype)
+        chol, info = torch.linalg.cholesky_ex(ta)
+        if int(info) == 0:
+            return torch.cholesky_solve(torch.from_numpy(c).to(dtype), chol).numpy()
+    return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).numpy()
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
     """A shape table from standardized residuals ``z``: their histogram on the coder's z
     grid, smoothed over +-4 bins and mixed with 0.1% of N(0, 4^2) so no region is empty."""
+    # np.histogram on the grid's edges, by index: the grid is uniform with dyadic edges,
+    # so (z - first edge) * steps is exact and floor finds z's bin (the last edge joins
+    # the last bin, as in np.histogram).
     edges = dist.z_grid()
-    hist = np.histogram(np.clip(z, edges[0], edges[-1]), bins=edges)[0].astype(np.float64)
+    steps = 1 << dist._k.Z_GRID_BITS
+    zc = np.clip(np.asarray(z, np.float64), edges[0], edges[-1])
+    index = np.minimum(np.floor((zc - edges[0]) * steps).astype(np.int64), dist.Z_POINTS - 1)
+    hist = np.bincount(index, minlength=dist.Z_POINTS).astype(np.float64)
     smooth = np.convolve(hist, np.ones(9) / 9, mode="same")
     smooth /= max(smooth.sum(), 1.0)
     wide = np.diff(dist.gaussian_shape((4.0,), (1.0,)).astype(np.float64)) / dist.ONE
