@@ -28,7 +28,7 @@ import numpy as np
 from . import dtypes
 from .container import _atomic, checkpoint, files
 from .container import header as hdr
-from .container.parallel import imap, resolve
+from .container.parallel import UNIT_BYTES, imap_grouped, resolve
 from .container.progress import Bar
 from .container.reader import Compressed, is_compressed, read_header
 from .container.stats import Summary
@@ -165,7 +165,9 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
         else:
             names = c.keys()
             out = {}
-            for name, raw in zip(names, imap(lambda k: c.tensor(k), names, n), strict=True):
+            tensors = imap_grouped(c.tensor, names, n, lambda k: c.entry(k).nbytes,
+                                   UNIT_BYTES)
+            for name, raw in zip(names, tensors, strict=True):
                 t = _as_torch(raw, c.entry(name), types)
                 out[name] = t if str(device) == "cpu" else t.to(device)
         f.check()

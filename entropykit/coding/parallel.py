@@ -3,7 +3,8 @@
 What it is: ``imap(fn, items, threads)`` yields ``fn(item)`` in input order while at most
 ``2 * threads`` calls are in flight, so work overlaps but memory stays bounded (each
 result is consumed before more work is started); ``run(fn, count, threads)`` is the list
-of ``fn(0) .. fn(count - 1)`` the same way. The work functions release the GIL (Numba
+of ``fn(0) .. fn(count - 1)`` the same way; ``imap_grouped`` is ``imap`` with small items
+run several to a work unit. The work functions release the GIL (Numba
 kernels, zstd, zlib, large numpy copies), so threads use every core.
 
 Calls nest without nesting pools: an ``imap`` or ``run`` made inside a work function
@@ -31,6 +32,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 ENV = "ENTROPYKIT_THREADS"
+# Bytes of data per work unit at least, for ``imap_grouped`` callers: below this, a unit's
+# hand-offs between threads cost as much as its work.
+UNIT_BYTES = 1 << 20
 
 _here = threading.local()  # .pool: the _Pool this thread works for, or _SERIAL
 
@@ -235,6 +239,9 @@ def imap(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
             part = [x for _, x in zip(range(window), it, strict=False)]
             if not part:
                 return
+            if len(part) == 1:  # nothing to share: no batch, no lock, no hand-off
+                yield fn(part[0])
+                continue
             yield from pool.join_batch(pool.open(fn, part, outer=False))
     if threads == 1 or pool is _SERIAL:
         for item in items:
@@ -255,6 +262,44 @@ def imap(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
     finally:
         pool.stop(b)  # on error or close: cancel queued items, wait for running ones
         pool.close()
+
+
+def _groups(items: Iterable[T], size: Callable[[T], int], unit: int) -> Iterator[list[T]]:
+    """Consecutive ``items`` in lists of at least ``unit`` in total ``size`` (the last may
+    be less); an item of ``unit`` or more is a list of its own."""
+    group: list[T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if n >= unit:
+            if group:
+                yield group
+                group, total = [], 0
+            yield [item]
+            continue
+        group.append(item)
+        total += n
+        if total >= unit:
+            yield group
+            group, total = [], 0
+    if group:
+        yield group
+
+
+def imap_grouped(fn: Callable[[T], R], items: Iterable[T], threads: int,
+                 size: Callable[[T], int], unit: int) -> Iterator[R]:
+    """``imap(fn, items, threads)``, same results in the same order, with consecutive
+    items smaller than ``unit`` run as one work unit of at least ``unit`` in total
+    ``size``: a unit's hand-offs (a worker woken, its result waited for) and its share of
+    the pool's lock cost the same for a tensor of a few hundred bytes as for one of
+    megabytes, so many small items would spend more time handed between threads (with
+    the GIL) than in work."""
+    results = imap(lambda group: [fn(x) for x in group], _groups(items, size, unit), threads)
+    try:
+        for group in results:
+            yield from group
+    finally:
+        results.close()  # at once, not when collected: cancel queued units, wait for running
 
 
 def run(fn: Callable[[int], R], count: int, threads: int | None) -> list[R]:

@@ -23,7 +23,7 @@ import numpy as np
 from .._errors import CorruptDataError
 from . import header as hdr
 from . import payload, record, segment
-from .parallel import imap
+from .parallel import UNIT_BYTES, imap, imap_grouped
 from .source import ArrayBytes, Bytes, Scratch, Window
 
 Progress = Callable[[int, int], None]
@@ -186,6 +186,13 @@ class Compressed:
                 dest = None if into is None else into[base + lo : base + hi]
                 yield e, s, hi - lo, fields, dest
 
+    def _decoded(self, jobs: Iterator[tuple[hdr.Entry, int, int, payload.Fields,
+                                             np.ndarray | None]],
+                 threads: int) -> Iterator[np.ndarray]:
+        """``_decode`` of every job in order, the segments of small tensors several to a
+        work unit."""
+        return imap_grouped(self._decode, jobs, threads, lambda j: j[2], UNIT_BYTES)
+
     def _decode(self, job: tuple[hdr.Entry, int, int, payload.Fields, np.ndarray | None]
                 ) -> np.ndarray:
         e, s, nbytes, fields, dest = job
@@ -230,8 +237,7 @@ class Compressed:
         head = hdr.prefix(self.record.header) + self.record.header
         out = np.empty(self.original.file_size(), np.uint8)
         out[: len(head)] = np.frombuffer(head, np.uint8)
-        for _ in imap(self._decode, self._jobs(self.original.by_offset, out, len(head)),
-                      threads):
+        for _ in self._decoded(self._jobs(self.original.by_offset, out, len(head)), threads):
             pass
         return out
 
@@ -242,7 +248,7 @@ class Compressed:
         entries = self.original.by_offset
         total = self.original.data_size
         done = 0
-        results = imap(self._decode, self._jobs(entries), threads)
+        results = self._decoded(self._jobs(entries), threads)
         try:
             for seg in results:
                 out.write(seg.data)
@@ -259,7 +265,7 @@ class Compressed:
         with each decoded piece's data-section offset (to compare with an original)."""
         total = self.original.data_size
         done = 0
-        results = imap(self._decode, self._jobs(self.original.by_offset), threads)
+        results = self._decoded(self._jobs(self.original.by_offset), threads)
         try:
             for seg in results:
                 if against is not None:
