@@ -15,6 +15,7 @@ What it is not: file handling (``files.py``) or encoding (``writer.py``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -66,6 +67,27 @@ def claim(h: hdr.Header, read: Callable[[hdr.Entry], payload.Sliceable] | None =
             for e in h.entries):
         why = "every tensor is an entropykit payload"
     return why
+
+
+class _Once:
+    """A value made by the first caller of ``get`` (the others wait for it and share it):
+    a tensor's payload index, read and checked on the worker that runs the tensor's first
+    segment instead of on the thread handing out the jobs, whose work stays serial at
+    any thread count. A failed attempt is repeated by the next caller, failing the same."""
+
+    def __init__(self, make: Callable[[], payload.Fields]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._value: payload.Fields | None = None
+
+    def get(self) -> payload.Fields:
+        with self._lock:
+            if self._value is None:
+                self._value = self._make()
+            return self._value
+
+
+_Job = tuple[hdr.Entry, int, int, _Once, np.ndarray | None]
 
 
 class Compressed:
@@ -176,30 +198,27 @@ class Compressed:
         return parts
 
     def _jobs(self, entries: list[hdr.Entry], into: np.ndarray | None = None, at: int = 0
-              ) -> Iterator[tuple[hdr.Entry, int, int, payload.Fields, np.ndarray | None]]:
+              ) -> Iterator[_Job]:
         """One job per segment of ``entries``; with ``into``, each job's destination is its
         slice of ``into``, where the data section starts at ``at``."""
         for e in entries:
-            fields = self.fields(e.name)
+            fields = _Once(lambda name=e.name: self.fields(name))
             base = at + e.begin
             for s, (lo, hi) in enumerate(self.bounds(e)):
                 dest = None if into is None else into[base + lo : base + hi]
                 yield e, s, hi - lo, fields, dest
 
-    def _decoded(self, jobs: Iterator[tuple[hdr.Entry, int, int, payload.Fields,
-                                             np.ndarray | None]],
-                 threads: int) -> Iterator[np.ndarray]:
+    def _decoded(self, jobs: Iterator[_Job], threads: int) -> Iterator[np.ndarray]:
         """``_decode`` of every job in order, the segments of small tensors several to a
         work unit."""
         return imap_grouped(self._decode, jobs, threads, lambda j: j[2], UNIT_BYTES)
 
-    def _decode(self, job: tuple[hdr.Entry, int, int, payload.Fields, np.ndarray | None]
-                ) -> np.ndarray:
+    def _decode(self, job: _Job) -> np.ndarray:
         e, s, nbytes, fields, dest = job
         t = self.record.tensors[e.name]
         # The parts are dead once decoded (the output never shares their memory), so
         # they are read into a buffer this thread reuses.
-        parts = self.segment_parts(e.name, fields, s, self._scratch)
+        parts = self.segment_parts(e.name, fields.get(), s, self._scratch)
         try:
             return segment.decode(e.dtype, t.layout, t.fields, t.codecs[s], parts, nbytes,
                                   out=dest)
