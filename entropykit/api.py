@@ -153,7 +153,7 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
         h = read_header(f)
         if not is_compressed(h, f):
             return safetensors.torch.load_file(path, device=device)
-        c = Compressed(f)
+        c = Compressed(f, outer=h)
         types = dtypes.torch_types()
         if _is_cuda(device):
             from ._cuda import require

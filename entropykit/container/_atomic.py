@@ -122,30 +122,36 @@ class _OutputFile:
                     self._cv.wait()
                 if not self._ops:
                     return
-                op, arg, n = self._ops.popleft()
+                # Everything queued, taken at once: one round trip of the lock (and of the
+                # GIL, which the coding threads contend for) per batch, not per operation.
+                ops = list(self._ops)
+                self._ops.clear()
                 self._busy = True
                 failed = self._error is not None  # after an error, drop the rest
             error = None
-            try:
-                if failed:
-                    pass
-                elif op == "write":
-                    self._f.write(arg)  # type: ignore[arg-type]
-                    unsynced += n
-                    if unsynced >= SYNC_BYTES and self._wb is not None:
-                        self._f.flush()  # the OS must hold the bytes before fdatasync
-                        self._wb.kick()
-                        unsynced = 0
-                elif op == "seek":
-                    self._f.seek(arg)  # type: ignore[arg-type]
-                else:
-                    self._f.truncate(arg)  # type: ignore[arg-type]
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                error = e
+            done = 0
+            for op, arg, n in ops:
+                done += n
+                if failed or error is not None:
+                    continue
+                try:
+                    if op == "write":
+                        self._f.write(arg)  # type: ignore[arg-type]
+                        unsynced += n
+                        if unsynced >= SYNC_BYTES and self._wb is not None:
+                            self._f.flush()  # the OS must hold the bytes before fdatasync
+                            self._wb.kick()
+                            unsynced = 0
+                    elif op == "seek":
+                        self._f.seek(arg)  # type: ignore[arg-type]
+                    else:
+                        self._f.truncate(arg)  # type: ignore[arg-type]
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                    error = e
             with self._cv:
                 if error is not None and self._error is None:
                     self._error = error
-                self._queued -= n
+                self._queued -= done
                 self._busy = False
                 self._cv.notify_all()
 

@@ -99,11 +99,14 @@ class Compressed:
     against the file and the format's caps before anything is sized by it.
     """
 
-    def __init__(self, buf: bytes | bytearray | memoryview | np.ndarray | Bytes) -> None:
+    def __init__(self, buf: bytes | bytearray | memoryview | np.ndarray | Bytes, *,
+                 outer: hdr.Header | None = None) -> None:
+        """``outer``: the header ``read_header(buf)`` gave, when the caller has it already
+        (parsing it again is work no thread can share)."""
         in_memory = isinstance(buf, (bytes, bytearray, memoryview, np.ndarray))
         self._src: Bytes = ArrayBytes(buf) if in_memory else buf
         self._scratch = Scratch()
-        self.outer = read_header(self._src)
+        self.outer = read_header(self._src) if outer is None else outer
         if record.KEY not in (self.outer.metadata or {}):
             why = claim(self.outer, _tensors(self.outer, self._src))
             if why is not None:
