@@ -298,3 +298,22 @@ def test_small_tensors_share_work_units(monkeypatch: pytest.MonkeyPatch, tmp_pat
     # 97 tensors of under a megabyte between two of 1.4 MB (2 segments each, of a few
     # chunks): a few units and the large ones' chunks, where each segment was a unit.
     assert coded <= 20 and restored[4][1] <= 20 and len(items) <= 20
+
+
+def test_payload_indexes_are_read_on_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The thread handing out the jobs does serial work at any thread count; reading and
+    # checking each tensor's payload index is done by the worker of its first segment.
+    c = Compressed(_tiny_file(1))
+    readers: list[int] = []
+    fields = Compressed.fields
+
+    def recorded(self: Compressed, name: str):  # noqa: ANN202 - wraps a method
+        readers.append(threading.get_ident())
+        return fields(self, name)
+
+    monkeypatch.setattr(Compressed, "fields", recorded)
+    out = io.BytesIO()
+    c.restore(out, 2)
+    assert len(readers) == len(c.keys())  # once per tensor, however many segments
+    assert threading.get_ident() not in readers
+    assert out.getvalue() == c.restored(1).tobytes()
