@@ -13,7 +13,8 @@ cores this process may use, or ``--threads``) of:
 
 ``--units``, ``--cpu`` and ``--gil`` add what limits the scaling: the work units' sizes,
 each cell's busy threads, system time and page faults, and the GIL-held share on one
-thread.
+thread with the serial part (the calling thread's own work); ``--switch-interval`` tries
+another ``sys.setswitchinterval``.
 
 Every compressed file is compared with the one of 1 thread (the bytes must not depend on
 the thread count) and every restored file with the original. Timings: median of
@@ -24,6 +25,7 @@ pip into the benchmark cache, or given with ``--minilm PATH``.
 What it is not: a peer comparison (``bench_weights.py``) or a GPU benchmark.
 
     python bench/bench_threads.py                 # both files, 1..16 threads
+    python bench/bench_threads.py --minilm F --cpu --gil   # and what bounds the scaling
     python bench/bench_threads.py --threads 1,2 --no-llm
 """
 
@@ -266,11 +268,12 @@ _GIL_FREE_BUILTINS = ("preadv", "pread", "readinto", "write", "replace", "fsync"
                       "fdatasync", "truncate", "compress", "decompress", "crc32")
 
 
-def gil(path: Path, tmp: Path) -> str:
+def gil(path: Path, tmp: Path, reps: int) -> str:
     """The GIL-held share of each operation on one thread: its CPU time on the calling
-    thread (``time.thread_time``, least of five runs) less the least time that cProfile
-    finds in calls that release the GIL (nogil Numba kernels, reads, writes, zstd, zlib)
-    over five profiled runs (so the profiler's own cost is not counted as held). That
+    thread (``time.thread_time``, least of ``reps`` runs) less the least time that
+    cProfile finds in calls that release the GIL (nogil Numba kernels, reads, writes,
+    zstd, zlib) over ``reps`` profiled runs (so the profiler's own cost is not counted as
+    held). That
     share runs one thread at a time whatever the count, so Amdahl's law bounds the
     speed-up: at most 1 / share, and at 16 threads 1 / (share + (1 - share) / 16). Also
     how many times the GIL is let go and taken back (calls of those functions: each is a
@@ -314,11 +317,11 @@ def gil(path: Path, tmp: Path) -> str:
         for name, op in ops:
             op()  # warm
             cpus, frees = [], []
-            for _ in range(5):  # the least: the run least disturbed by other processes
+            for _ in range(reps):  # the least: the run least disturbed by other processes
                 t0 = time.thread_time()
                 op()
                 cpus.append(time.thread_time() - t0)
-            for _ in range(5):
+            for _ in range(reps):
                 prof = cProfile.Profile(time.thread_time)
                 prof.runcall(op)
                 free = releases = 0
@@ -332,7 +335,7 @@ def gil(path: Path, tmp: Path) -> str:
                         held_by[where] = own
                 frees.append((free, releases, held_by))
             serial = []  # on more threads the calling thread runs no item: what it does
-            for _ in range(5):  # (open, plan, feed, write, the record) is the serial part
+            for _ in range(reps):  # (open, plan, feed, write, the record): the serial part
                 t0 = time.thread_time()
                 op(2)
                 serial.append(time.thread_time() - t0)
@@ -436,7 +439,7 @@ def main() -> int:
             if args.cpu:
                 print(cpu_table(rows, threads))
             if args.gil:
-                print(gil(path, Path(tmp)))
+                print(gil(path, Path(tmp), max(reps, 2)))
             if args.units:
                 print(units(path, max(2, threads[-1]), Path(tmp)))
     print(f"load after {os.getloadavg()[0]:.2f}")
