@@ -277,7 +277,9 @@ def gil(path: Path, tmp: Path, reps: int) -> str:
     share runs one thread at a time whatever the count, so Amdahl's law bounds the
     speed-up: at most 1 / share, and at 16 threads 1 / (share + (1 - share) / 16). Also
     how many times the GIL is let go and taken back (calls of those functions: each is a
-    hand-off when threads contend for it), the functions holding it longest (own time
+    hand-off when threads contend for it), the Python-level calls made with it held (a
+    count, so it compares trees on a loaded machine where times do not), the functions
+    holding it longest (own time
     under the profiler; numpy calls that release the GIL count as held: an upper bound),
     and the CPU time of the calling thread on two threads, where it runs no work unit:
     opening, planning, handing out units, taking results in order, writing the record —
@@ -310,8 +312,9 @@ def gil(path: Path, tmp: Path, reps: int) -> str:
     except ImportError:
         pass
     lines = ["| operation, 1 thread | CPU ms | GIL-free ms | GIL-held ms | GIL-held share | "
-             "bound | bound at 16 | GIL releases | calling thread on 2 threads, ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "bound | bound at 16 | GIL releases | Python calls | calling thread on 2 "
+             "threads, ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     top = []
     try:
         for name, op in ops:
@@ -324,28 +327,29 @@ def gil(path: Path, tmp: Path, reps: int) -> str:
             for _ in range(reps):
                 prof = cProfile.Profile(time.thread_time)
                 prof.runcall(op)
-                free = releases = 0
+                free = releases = calls = 0
                 held_by: dict[str, float] = {}
                 for (file, line, fn), (_, ncalls, own, _, _) in pstats.Stats(prof).stats.items():
                     if is_free(file, fn):
                         free += own
                         releases += ncalls
                     else:
+                        calls += ncalls
                         where = f"{Path(file).name}:{line}({fn})" if file != "~" else fn
                         held_by[where] = own
-                frees.append((free, releases, held_by))
+                frees.append((free, releases, calls, held_by))
             serial = []  # on more threads the calling thread runs no item: what it does
             for _ in range(reps):  # (open, plan, feed, write, the record): the serial part
                 t0 = time.thread_time()
                 op(2)
                 serial.append(time.thread_time() - t0)
             cpu = min(cpus)
-            free, releases, held_by = min(frees, key=lambda r: r[0])
+            free, releases, calls, held_by = min(frees, key=lambda r: r[0])
             held = min(max(0.0, cpu - free), cpu)
             share = held / max(cpu, 1e-9)
             lines.append(f"| {name} | {cpu * 1e3:.1f} | {free * 1e3:.1f} | {held * 1e3:.1f} | "
                          f"{share:.0%} | {1 / max(share, 1e-9):.1f}x | "
-                         f"{1 / (share + (1 - share) / 16):.1f}x | {releases:,} | "
+                         f"{1 / (share + (1 - share) / 16):.1f}x | {releases:,} | {calls:,} | "
                          f"{min(serial) * 1e3:.1f} |")
             longest = sorted(held_by.items(), key=lambda kv: -kv[1])[:6]
             top.append(f"- {name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in longest))
