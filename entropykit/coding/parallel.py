@@ -61,6 +61,9 @@ def resolve(threads: int | None) -> int:
     return n
 
 
+_ALL = -1  # a _Batch.waiter waiting for no item to be running
+
+
 class _Batch:
     """The items of one call: claimed in order by any thread of the pool; ``items`` may
     grow while the call is open (the outer ``imap`` feeds it as results are taken)."""
@@ -74,7 +77,10 @@ class _Batch:
         self.errors: dict[int, BaseException] = {}
         self.running = 0
         self.stopped = False  # after an error or a close: claim nothing more
-        self.cond = cond  # on the pool's lock; notified as items finish
+        self.cond = cond  # on the pool's lock; notified as the waiter's item finishes
+        # What the batch's one waiting thread waits for: an item's index, _ALL (no item
+        # running), or None. Only that wakes it: each wake-up hands it the GIL.
+        self.waiter: int | None = None
 
     def claimable(self) -> bool:
         return not self.stopped and self.next < len(self.items)
@@ -137,7 +143,9 @@ class _Pool:
             else:
                 b.errors[i] = error
                 b.stopped = True
-            b.cond.notify_all()
+            w = b.waiter
+            if w is not None and (error is not None or w == i or (w == _ALL and not b.running)):
+                b.cond.notify_all()
 
     def _serve(self) -> None:
         _here.pool = self
@@ -173,7 +181,7 @@ class _Pool:
         """Item ``i``'s result, waiting for it (ValueError-free: its error is raised)."""
         with self._lock:
             while not b.done[i] and not (b.stopped and i >= b.next):
-                b.cond.wait()
+                self._await(b, i)
             if i in b.errors:
                 raise b.errors[i]
             if not b.done[i]:  # skipped after an earlier error: that one is raised
@@ -192,7 +200,7 @@ class _Pool:
             self._execute(*job)
         with self._lock:
             while b.running:
-                b.cond.wait()
+                self._await(b, _ALL)
             if b.errors:
                 raise min(b.errors.items())[1]
             return b.results
@@ -202,7 +210,17 @@ class _Pool:
         with self._lock:
             b.stopped = True
             while b.running:
-                b.cond.wait()
+                self._await(b, _ALL)
+
+    @staticmethod
+    def _await(b: _Batch, what: int) -> None:
+        """Wait (the lock held) until item ``what`` of ``b`` finishes, or with ``_ALL``
+        until none is running, or until an item fails."""
+        b.waiter = what
+        try:
+            b.cond.wait()
+        finally:
+            b.waiter = None
 
     def close(self) -> None:
         with self._lock:
