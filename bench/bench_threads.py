@@ -13,7 +13,8 @@ cores this process may use, or ``--threads``) of:
 
 ``--units``, ``--cpu`` and ``--gil`` add what limits the scaling: the work units' sizes,
 each cell's busy threads, system time and page faults, and the GIL-held share on one
-thread.
+thread with the serial part (the calling thread's own work); ``--switch-interval`` tries
+another ``sys.setswitchinterval``.
 
 Every compressed file is compared with the one of 1 thread (the bytes must not depend on
 the thread count) and every restored file with the original. Timings: median of
@@ -24,6 +25,7 @@ pip into the benchmark cache, or given with ``--minilm PATH``.
 What it is not: a peer comparison (``bench_weights.py``) or a GPU benchmark.
 
     python bench/bench_threads.py                 # both files, 1..16 threads
+    python bench/bench_threads.py --minilm F --cpu --gil   # and what bounds the scaling
     python bench/bench_threads.py --threads 1,2 --no-llm
 """
 
@@ -261,66 +263,101 @@ def units(path: Path, threads: int, tmp: Path) -> str:
 
 
 # Calls that release the GIL beside the Numba kernels compiled with nogil: reads, writes,
-# zstd, zlib (cProfile names built-ins by these words).
-_GIL_FREE_BUILTINS = ("preadv", "pread", "readinto", "write", "compress", "decompress",
-                      "crc32")
+# renames and syncs, zstd, zlib (cProfile names built-ins by these words).
+_GIL_FREE_BUILTINS = ("preadv", "pread", "readinto", "write", "replace", "fsync",
+                      "fdatasync", "truncate", "compress", "decompress", "crc32")
 
 
-def gil(path: Path, tmp: Path) -> str:
-    """The GIL-held share of each operation on one thread: the calling thread's CPU time
-    (``time.thread_time``, best of three) less what cProfile finds in calls that release
-    the GIL (nogil Numba kernels, reads, writes, zstd, zlib). That share runs one thread
-    at a time whatever the count, so 1 / share bounds the speed-up."""
+def gil(path: Path, tmp: Path, reps: int) -> str:
+    """The GIL-held share of each operation on one thread: its CPU time on the calling
+    thread (``time.thread_time``, least of ``reps`` runs) less the least time that
+    cProfile finds in calls that release the GIL (nogil Numba kernels, reads, writes,
+    zstd, zlib) over ``reps`` profiled runs (so the profiler's own cost is not counted as
+    held). That
+    share runs one thread at a time whatever the count, so Amdahl's law bounds the
+    speed-up: at most 1 / share, and at 16 threads 1 / (share + (1 - share) / 16). Also
+    how many times the GIL is let go and taken back (calls of those functions: each is a
+    hand-off when threads contend for it), the Python-level calls made with it held (a
+    count, so it compares trees on a loaded machine where times do not), the functions
+    holding it longest (own time
+    under the profiler; numpy calls that release the GIL count as held: an upper bound),
+    and the CPU time of the calling thread on two threads, where it runs no work unit:
+    opening, planning, handing out units, taking results in order, writing the record —
+    the part that stays serial at any thread count."""
     import cProfile
     import importlib
     import pstats
 
     from numba.core.registry import CPUDispatcher
 
-    def free(stats: dict) -> float:
-        total = 0.0
-        for (file, _, name), (_, _, own, _, _) in stats.items():
-            if file == "~":
-                total += own * any(w in name for w in _GIL_FREE_BUILTINS)
-            elif "/entropykit/" in file and file.endswith(".py"):
-                module = "entropykit." + file.split("/entropykit/", 1)[1][:-3].replace("/", ".")
-                fn = getattr(importlib.import_module(module), name, None)
-                total += own * (isinstance(fn, CPUDispatcher)
-                                and bool(fn.targetoptions.get("nogil")))
-        return total
+    def is_free(file: str, name: str) -> bool:
+        if file == "~":
+            return any(w in name for w in _GIL_FREE_BUILTINS)
+        if "/entropykit/" in file and file.endswith(".py"):
+            module = "entropykit." + file.split("/entropykit/", 1)[1][:-3].replace("/", ".")
+            fn = getattr(importlib.import_module(module), name, None)
+            return isinstance(fn, CPUDispatcher) and bool(fn.targetoptions.get("nogil"))
+        return False
 
     ref = tmp / "g.ek"
     entropykit.compress_file(path, ref, threads=1, force=True)
-    ops = [("compress", lambda: entropykit.compress_file(path, tmp / "g2.ek", threads=1,
-                                                       force=True)),
-           ("decompress", lambda: entropykit.decompress_file(ref, tmp / "g.st", threads=1,
-                                                             force=True))]
+    ops = [("compress", lambda n=1: entropykit.compress_file(path, tmp / "g2.ek", threads=n,
+                                                           force=True)),
+           ("decompress", lambda n=1: entropykit.decompress_file(ref, tmp / "g.st", threads=n,
+                                                                 force=True))]
     try:
         import torch  # noqa: F401
 
-        ops.append(("load_file", lambda: entropykit.load_file(ref, threads=1)))
+        ops.append(("load_file", lambda n=1: entropykit.load_file(ref, threads=n)))
     except ImportError:
         pass
-    lines = ["| operation, 1 thread | CPU ms | GIL-free ms | GIL-held ms | GIL-held share |"
-             " bound |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| operation, 1 thread | CPU ms | GIL-free ms | GIL-held ms | GIL-held share | "
+             "bound | bound at 16 | GIL releases | Python calls | calling thread on 2 "
+             "threads, ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    top = []
     try:
         for name, op in ops:
             op()  # warm
-            took = []
-            for _ in range(3):
+            cpus, frees = [], []
+            for _ in range(reps):  # the least: the run least disturbed by other processes
                 t0 = time.thread_time()
                 op()
-                took.append(time.thread_time() - t0)
-            prof = cProfile.Profile(time.thread_time)
-            prof.runcall(op)
-            cpu = min(took)
-            held = max(0.0, cpu - free(pstats.Stats(prof).stats))
-            lines.append(f"| {name} | {cpu * 1e3:.1f} | {(cpu - held) * 1e3:.1f} | "
-                         f"{held * 1e3:.1f} | {held / cpu:.0%} | {cpu / max(held, 1e-9):.1f}x |")
+                cpus.append(time.thread_time() - t0)
+            for _ in range(reps):
+                prof = cProfile.Profile(time.thread_time)
+                prof.runcall(op)
+                free = releases = calls = 0
+                held_by: dict[str, float] = {}
+                for (file, line, fn), (_, ncalls, own, _, _) in pstats.Stats(prof).stats.items():
+                    if is_free(file, fn):
+                        free += own
+                        releases += ncalls
+                    else:
+                        calls += ncalls
+                        where = f"{Path(file).name}:{line}({fn})" if file != "~" else fn
+                        held_by[where] = own
+                frees.append((free, releases, calls, held_by))
+            serial = []  # on more threads the calling thread runs no item: what it does
+            for _ in range(reps):  # (open, plan, feed, write, the record): the serial part
+                t0 = time.thread_time()
+                op(2)
+                serial.append(time.thread_time() - t0)
+            cpu = min(cpus)
+            free, releases, calls, held_by = min(frees, key=lambda r: r[0])
+            held = min(max(0.0, cpu - free), cpu)
+            share = held / max(cpu, 1e-9)
+            lines.append(f"| {name} | {cpu * 1e3:.1f} | {free * 1e3:.1f} | {held * 1e3:.1f} | "
+                         f"{share:.0%} | {1 / max(share, 1e-9):.1f}x | "
+                         f"{1 / (share + (1 - share) / 16):.1f}x | {releases:,} | {calls:,} | "
+                         f"{min(serial) * 1e3:.1f} |")
+            longest = sorted(held_by.items(), key=lambda kv: -kv[1])[:6]
+            top.append(f"- {name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in longest))
     finally:
         for f in ("g.ek", "g2.ek", "g.st"):
             _drop(tmp / f)
-    return "\n".join(lines) + "\n"
+    return ("\n".join(lines) + "\n\nLongest GIL-held (own time under the profiler, "
+            "its cost included):\n\n" + "\n".join(top) + "\n")
 
 
 def cpu_table(rows: list[dict], threads: list[int]) -> str:
@@ -376,8 +413,13 @@ def main() -> int:
                     "busy threads (CPU / wall), system CPU share, minor page faults")
     ap.add_argument("--gil", action="store_true", help="also each operation's GIL-held "
                     "share of its CPU time on one thread")
+    ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval in "
+                    "seconds (default Python's 0.005): how long a thread running Python "
+                    "keeps the GIL from one that waits")
     ap.add_argument("--tmp", help="directory for outputs (default: a new temporary one)")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     cores = default_threads()
     if args.threads:
         threads = [int(t) for t in args.threads.split(",")]
@@ -389,7 +431,7 @@ def main() -> int:
     print(f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, {cores} usable; "
           f"entropykit {entropykit.__version__}, Python {platform.python_version()}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load before "
-          f"{os.getloadavg()[0]:.2f}\n")
+          f"{os.getloadavg()[0]:.2f}; switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
     files = [("MiniLM-L6 BF16", minilm_path(args.minilm), args.reps)]
     if not args.no_llm:
         files.append((f"synthetic LLM-shaped BF16 ({args.llm_layers} Llama-8B-shaped blocks, "
@@ -401,7 +443,7 @@ def main() -> int:
             if args.cpu:
                 print(cpu_table(rows, threads))
             if args.gil:
-                print(gil(path, Path(tmp)))
+                print(gil(path, Path(tmp), max(reps, 2)))
             if args.units:
                 print(units(path, max(2, threads[-1]), Path(tmp)))
     print(f"load after {os.getloadavg()[0]:.2f}")

@@ -28,7 +28,7 @@ import numpy as np
 from . import dtypes
 from .container import _atomic, checkpoint, files
 from .container import header as hdr
-from .container.parallel import imap, resolve
+from .container.parallel import UNIT_BYTES, imap_grouped, resolve
 from .container.progress import Bar
 from .container.reader import Compressed, is_compressed, read_header
 from .container.stats import Summary
@@ -154,6 +154,24 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
         if not is_compressed(h, f):
             return safetensors.torch.load_file(path, device=device)
         out = _load_compressed(Compressed(f), device, n)
+
+        c = Compressed(f, outer=h)
+        types = dtypes.torch_types()
+        if _is_cuda(device):
+            from ._cuda import require
+
+            require(device)  # GpuUnavailableError before any work
+            from .container.cuda.load import load
+
+            out = load(c, device, types, n)
+        else:
+            names = c.keys()
+            out = {}
+            tensors = imap_grouped(c.tensor, names, n, lambda k: c.entry(k).nbytes,
+                                   UNIT_BYTES)
+            for name, raw in zip(names, tensors, strict=True):
+                t = _as_torch(raw, c.entry(name), types)
+                out[name] = t if str(device) == "cpu" else t.to(device)
         f.check()
         return out
 

@@ -220,3 +220,100 @@ def test_one_thread_counts_and_joins_whole(monkeypatch: pytest.MonkeyPatch) -> N
     assert parallel.run(passes, 1, 1)[0] == one  # inside a call of one thread
     split = list(parallel.imap(passes, [0], 2))[0]
     assert all(split[k] > 1 for k in one), split
+
+
+def test_grouped_map_runs_small_items_together_in_order() -> None:
+    sizes = [5, 1, 1, 8, 2, 2, 2, 2, 1, 9, 1]
+    assert list(parallel._groups(range(len(sizes)), sizes.__getitem__, 4)) == [
+        [0], [1, 2], [3], [4, 5], [6, 7], [8], [9], [10]]
+    units: list[int] = []
+
+    def fn(i: int) -> int:
+        units.append(threading.get_ident())
+        return i * i
+
+    for threads in (1, 2, 4):
+        assert list(parallel.imap_grouped(fn, range(200), threads, lambda _: 1, 7)) == [
+            i * i for i in range(200)]
+
+    def fail(i: int) -> int:
+        if i in (9, 30):
+            raise KeyError(i)
+        return i
+
+    with pytest.raises(KeyError) as e:
+        list(parallel.imap_grouped(fail, range(100), 2, lambda _: 1, 4))
+    assert e.value.args == (9,)
+
+
+def _tiny_file(threads: int) -> bytes:
+    """Many tensors of a few hundred bytes around two of over a megabyte (whose segments
+    and chunks run on every thread), as a model's biases and norms sit between its
+    matrices."""
+    rng = np.random.default_rng(7)
+    bf16 = ml_dtypes.bfloat16
+    tensors: dict[str, np.ndarray] = {}
+    for i in range(48):
+        tensors[f"l{i}.bias"] = (rng.standard_normal(384) * 0.01).astype(bf16)
+        tensors[f"l{i}.norm"] = (1 + rng.standard_normal(96) * 0.1).astype(np.float32)
+        if i in (10, 30):
+            tensors[f"l{i}.w"] = (rng.standard_normal((700, 1024)) * 0.02).astype(bf16)
+    tensors["steps"] = np.arange(5, dtype=np.int64)
+    out = io.BytesIO()
+    writer.write(tensor_source(tensors, None), out, threads=threads, segment_bytes=1 << 20)
+    return out.getvalue()
+
+
+def test_small_tensors_share_work_units(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    # One pool item per tiny tensor cost more hand-offs between threads (each holding the
+    # GIL) than work; they now run several to an item. Bytes and tensors are the same for
+    # every thread count.
+    items = []
+    execute = parallel._Pool._execute
+
+    def counted(self, b, i):  # noqa: ANN001 - wraps the pool's private method
+        items.append(b)
+        return execute(self, b, i)
+
+    monkeypatch.setattr(parallel._Pool, "_execute", counted)
+    packed = {n: _tiny_file(n) for n in (1, 4)}
+    assert packed[1] == packed[4]
+    coded = len(items)
+    c = Compressed(packed[1])
+    restored = {}
+    for n in (1, 4):
+        items.clear()
+        out = io.BytesIO()
+        c.restore(out, n)
+        restored[n] = (out.getvalue(), len(items))
+    assert restored[1][0] == restored[4][0] and restored[1][1] == 0
+    path = tmp_path / "t.ek.safetensors"
+    path.write_bytes(packed[1])
+    from entropykit import load_file
+
+    items.clear()
+    loaded = {n: load_file(path, threads=n) for n in (1, 4)}
+    assert list(loaded[1]) == list(loaded[4]) == c.keys()
+    assert all(loaded[1][k].equal(loaded[4][k]) for k in loaded[1])
+    # 97 tensors of under a megabyte between two of 1.4 MB (2 segments each, of a few
+    # chunks): a few units and the large ones' chunks, where each segment was a unit.
+    assert coded <= 20 and restored[4][1] <= 20 and len(items) <= 20
+
+
+def test_payload_indexes_are_read_on_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The thread handing out the jobs does serial work at any thread count; reading and
+    # checking each tensor's payload index is done by the worker of its first segment.
+    c = Compressed(_tiny_file(1))
+    readers: list[int] = []
+    fields = Compressed.fields
+
+    def recorded(self: Compressed, name: str):  # noqa: ANN202 - wraps a method
+        readers.append(threading.get_ident())
+        return fields(self, name)
+
+    monkeypatch.setattr(Compressed, "fields", recorded)
+    out = io.BytesIO()
+    c.restore(out, 2)
+    assert len(readers) == len(c.keys())  # once per tensor, however many segments
+    assert threading.get_ident() not in readers
+    assert out.getvalue() == c.restored(1).tobytes()

@@ -3,7 +3,8 @@
 What it is: ``imap(fn, items, threads)`` yields ``fn(item)`` in input order while at most
 ``2 * threads`` calls are in flight, so work overlaps but memory stays bounded (each
 result is consumed before more work is started); ``run(fn, count, threads)`` is the list
-of ``fn(0) .. fn(count - 1)`` the same way. The work functions release the GIL (Numba
+of ``fn(0) .. fn(count - 1)`` the same way; ``imap_grouped`` is ``imap`` with small items
+run several to a work unit. The work functions release the GIL (Numba
 kernels, zstd, zlib, large numpy copies), so threads use every core.
 
 Calls nest without nesting pools: an ``imap`` or ``run`` made inside a work function
@@ -31,6 +32,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 ENV = "ENTROPYKIT_THREADS"
+# Bytes of data per work unit at least, for ``imap_grouped`` callers: below this, a unit's
+# hand-offs between threads cost as much as its work.
+UNIT_BYTES = 1 << 20
 
 _here = threading.local()  # .pool: the _Pool this thread works for, or _SERIAL
 
@@ -57,6 +61,9 @@ def resolve(threads: int | None) -> int:
     return n
 
 
+_ALL = -1  # a _Batch.waiter waiting for no item to be running
+
+
 class _Batch:
     """The items of one call: claimed in order by any thread of the pool; ``items`` may
     grow while the call is open (the outer ``imap`` feeds it as results are taken)."""
@@ -70,7 +77,10 @@ class _Batch:
         self.errors: dict[int, BaseException] = {}
         self.running = 0
         self.stopped = False  # after an error or a close: claim nothing more
-        self.cond = cond  # on the pool's lock; notified as items finish
+        self.cond = cond  # on the pool's lock; notified as the waiter's item finishes
+        # What the batch's one waiting thread waits for: an item's index, _ALL (no item
+        # running), or None. Only that wakes it: each wake-up hands it the GIL.
+        self.waiter: int | None = None
 
     def claimable(self) -> bool:
         return not self.stopped and self.next < len(self.items)
@@ -133,7 +143,9 @@ class _Pool:
             else:
                 b.errors[i] = error
                 b.stopped = True
-            b.cond.notify_all()
+            w = b.waiter
+            if w is not None and (error is not None or w == i or (w == _ALL and not b.running)):
+                b.cond.notify_all()
 
     def _serve(self) -> None:
         _here.pool = self
@@ -169,7 +181,7 @@ class _Pool:
         """Item ``i``'s result, waiting for it (ValueError-free: its error is raised)."""
         with self._lock:
             while not b.done[i] and not (b.stopped and i >= b.next):
-                b.cond.wait()
+                self._await(b, i)
             if i in b.errors:
                 raise b.errors[i]
             if not b.done[i]:  # skipped after an earlier error: that one is raised
@@ -188,7 +200,7 @@ class _Pool:
             self._execute(*job)
         with self._lock:
             while b.running:
-                b.cond.wait()
+                self._await(b, _ALL)
             if b.errors:
                 raise min(b.errors.items())[1]
             return b.results
@@ -198,7 +210,17 @@ class _Pool:
         with self._lock:
             b.stopped = True
             while b.running:
-                b.cond.wait()
+                self._await(b, _ALL)
+
+    @staticmethod
+    def _await(b: _Batch, what: int) -> None:
+        """Wait (the lock held) until item ``what`` of ``b`` finishes, or with ``_ALL``
+        until none is running, or until an item fails."""
+        b.waiter = what
+        try:
+            b.cond.wait()
+        finally:
+            b.waiter = None
 
     def close(self) -> None:
         with self._lock:
@@ -235,6 +257,9 @@ def imap(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
             part = [x for _, x in zip(range(window), it, strict=False)]
             if not part:
                 return
+            if len(part) == 1:  # nothing to share: no batch, no lock, no hand-off
+                yield fn(part[0])
+                continue
             yield from pool.join_batch(pool.open(fn, part, outer=False))
     if threads == 1 or pool is _SERIAL:
         for item in items:
@@ -255,6 +280,44 @@ def imap(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
     finally:
         pool.stop(b)  # on error or close: cancel queued items, wait for running ones
         pool.close()
+
+
+def _groups(items: Iterable[T], size: Callable[[T], int], unit: int) -> Iterator[list[T]]:
+    """Consecutive ``items`` in lists of at least ``unit`` in total ``size`` (the last may
+    be less); an item of ``unit`` or more is a list of its own."""
+    group: list[T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if n >= unit:
+            if group:
+                yield group
+                group, total = [], 0
+            yield [item]
+            continue
+        group.append(item)
+        total += n
+        if total >= unit:
+            yield group
+            group, total = [], 0
+    if group:
+        yield group
+
+
+def imap_grouped(fn: Callable[[T], R], items: Iterable[T], threads: int,
+                 size: Callable[[T], int], unit: int) -> Iterator[R]:
+    """``imap(fn, items, threads)``, same results in the same order, with consecutive
+    items smaller than ``unit`` run as one work unit of at least ``unit`` in total
+    ``size``: a unit's hand-offs (a worker woken, its result waited for) and its share of
+    the pool's lock cost the same for a tensor of a few hundred bytes as for one of
+    megabytes, so many small items would spend more time handed between threads (with
+    the GIL) than in work."""
+    results = imap(lambda group: [fn(x) for x in group], _groups(items, size, unit), threads)
+    try:
+        for group in results:
+            yield from group
+    finally:
+        results.close()  # at once, not when collected: cancel queued units, wait for running
 
 
 def run(fn: Callable[[int], R], count: int, threads: int | None) -> list[R]:

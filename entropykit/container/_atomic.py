@@ -109,6 +109,10 @@ class _OutputFile:
         self._busy = False
         self._closed = False
         self._error: BaseException | None = None
+        # Who waits on _cv: a thread is woken only when it waits, since each wake-up hands
+        # the GIL to it (with many coding threads, a queue of hand-offs on the caller's).
+        self._idle = False  # the writer thread, for operations
+        self._waiting = 0  # callers, for room in the queue or for the queue to empty
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="entropykit-writer",
                                         daemon=True)
@@ -119,35 +123,44 @@ class _OutputFile:
         while True:
             with self._cv:
                 while not self._ops and not self._closed:
+                    self._idle = True
                     self._cv.wait()
+                    self._idle = False
                 if not self._ops:
                     return
-                op, arg, n = self._ops.popleft()
+                # Everything queued, taken at once: one round trip of the lock (and of the
+                # GIL, which the coding threads contend for) per batch, not per operation.
+                ops = list(self._ops)
+                self._ops.clear()
                 self._busy = True
                 failed = self._error is not None  # after an error, drop the rest
             error = None
-            try:
-                if failed:
-                    pass
-                elif op == "write":
-                    self._f.write(arg)  # type: ignore[arg-type]
-                    unsynced += n
-                    if unsynced >= SYNC_BYTES and self._wb is not None:
-                        self._f.flush()  # the OS must hold the bytes before fdatasync
-                        self._wb.kick()
-                        unsynced = 0
-                elif op == "seek":
-                    self._f.seek(arg)  # type: ignore[arg-type]
-                else:
-                    self._f.truncate(arg)  # type: ignore[arg-type]
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                error = e
+            done = 0
+            for op, arg, n in ops:
+                done += n
+                if failed or error is not None:
+                    continue
+                try:
+                    if op == "write":
+                        self._f.write(arg)  # type: ignore[arg-type]
+                        unsynced += n
+                        if unsynced >= SYNC_BYTES and self._wb is not None:
+                            self._f.flush()  # the OS must hold the bytes before fdatasync
+                            self._wb.kick()
+                            unsynced = 0
+                    elif op == "seek":
+                        self._f.seek(arg)  # type: ignore[arg-type]
+                    else:
+                        self._f.truncate(arg)  # type: ignore[arg-type]
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                    error = e
             with self._cv:
                 if error is not None and self._error is None:
                     self._error = error
-                self._queued -= n
+                self._queued -= done
                 self._busy = False
-                self._cv.notify_all()
+                if self._waiting:
+                    self._cv.notify_all()
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -156,11 +169,20 @@ class _OutputFile:
     def _submit(self, op: str, arg: object, n: int = 0) -> None:
         with self._cv:
             while self._queued > QUEUE_BYTES and self._error is None:
-                self._cv.wait()
+                self._wait()
             self._raise()
             self._ops.append((op, arg, n))
             self._queued += n
-            self._cv.notify_all()
+            if self._idle:
+                self._cv.notify_all()
+
+    def _wait(self) -> None:
+        """A caller's wait on ``_cv`` (held) for the writer thread to get on."""
+        self._waiting += 1
+        try:
+            self._cv.wait()
+        finally:
+            self._waiting -= 1
 
     def write(self, data: bytes | memoryview) -> int:
         n = memoryview(data).nbytes
@@ -186,7 +208,7 @@ class _OutputFile:
         """Wait until every queued operation is done; raise the thread's error, if any."""
         with self._cv:
             while (self._ops or self._busy) and self._error is None:
-                self._cv.wait()
+                self._wait()
             self._raise()
         self._f.flush()
 

@@ -1,5 +1,5 @@
 """The container's name for the package's thread pool (``coding.parallel``); nothing else."""
 
-from ..coding.parallel import default_threads, imap, resolve, run
+from ..coding.parallel import UNIT_BYTES, default_threads, imap, imap_grouped, resolve, run
 
-__all__ = ["default_threads", "imap", "resolve", "run"]
+__all__ = ["UNIT_BYTES", "default_threads", "imap", "imap_grouped", "resolve", "run"]

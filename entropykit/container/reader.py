@@ -15,6 +15,7 @@ What it is not: file handling (``files.py``) or encoding (``writer.py``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -23,7 +24,7 @@ import numpy as np
 from .._errors import CorruptDataError
 from . import header as hdr
 from . import payload, record, segment
-from .parallel import imap
+from .parallel import UNIT_BYTES, imap, imap_grouped
 from .source import ArrayBytes, Bytes, Scratch, Window
 
 Progress = Callable[[int, int], None]
@@ -68,6 +69,27 @@ def claim(h: hdr.Header, read: Callable[[hdr.Entry], payload.Sliceable] | None =
     return why
 
 
+class _Once:
+    """A value made by the first caller of ``get`` (the others wait for it and share it):
+    a tensor's payload index, read and checked on the worker that runs the tensor's first
+    segment instead of on the thread handing out the jobs, whose work stays serial at
+    any thread count. A failed attempt is repeated by the next caller, failing the same."""
+
+    def __init__(self, make: Callable[[], payload.Fields]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._value: payload.Fields | None = None
+
+    def get(self) -> payload.Fields:
+        with self._lock:
+            if self._value is None:
+                self._value = self._make()
+            return self._value
+
+
+_Job = tuple[hdr.Entry, int, int, _Once, np.ndarray | None]
+
+
 class Compressed:
     """A compressed file: bytes in memory, or a ``source.FileBytes`` read on demand;
     raises CorruptDataError if inconsistent.
@@ -77,11 +99,14 @@ class Compressed:
     against the file and the format's caps before anything is sized by it.
     """
 
-    def __init__(self, buf: bytes | bytearray | memoryview | np.ndarray | Bytes) -> None:
+    def __init__(self, buf: bytes | bytearray | memoryview | np.ndarray | Bytes, *,
+                 outer: hdr.Header | None = None) -> None:
+        """``outer``: the header ``read_header(buf)`` gave, when the caller has it already
+        (parsing it again is work no thread can share)."""
         in_memory = isinstance(buf, (bytes, bytearray, memoryview, np.ndarray))
         self._src: Bytes = ArrayBytes(buf) if in_memory else buf
         self._scratch = Scratch()
-        self.outer = read_header(self._src)
+        self.outer = read_header(self._src) if outer is None else outer
         if record.KEY not in (self.outer.metadata or {}):
             why = claim(self.outer, _tensors(self.outer, self._src))
             if why is not None:
@@ -176,23 +201,27 @@ class Compressed:
         return parts
 
     def _jobs(self, entries: list[hdr.Entry], into: np.ndarray | None = None, at: int = 0
-              ) -> Iterator[tuple[hdr.Entry, int, int, payload.Fields, np.ndarray | None]]:
+              ) -> Iterator[_Job]:
         """One job per segment of ``entries``; with ``into``, each job's destination is its
         slice of ``into``, where the data section starts at ``at``."""
         for e in entries:
-            fields = self.fields(e.name)
+            fields = _Once(lambda name=e.name: self.fields(name))
             base = at + e.begin
             for s, (lo, hi) in enumerate(self.bounds(e)):
                 dest = None if into is None else into[base + lo : base + hi]
                 yield e, s, hi - lo, fields, dest
 
-    def _decode(self, job: tuple[hdr.Entry, int, int, payload.Fields, np.ndarray | None]
-                ) -> np.ndarray:
+    def _decoded(self, jobs: Iterator[_Job], threads: int) -> Iterator[np.ndarray]:
+        """``_decode`` of every job in order, the segments of small tensors several to a
+        work unit."""
+        return imap_grouped(self._decode, jobs, threads, lambda j: j[2], UNIT_BYTES)
+
+    def _decode(self, job: _Job) -> np.ndarray:
         e, s, nbytes, fields, dest = job
         t = self.record.tensors[e.name]
         # The parts are dead once decoded (the output never shares their memory), so
         # they are read into a buffer this thread reuses.
-        parts = self.segment_parts(e.name, fields, s, self._scratch)
+        parts = self.segment_parts(e.name, fields.get(), s, self._scratch)
         try:
             return segment.decode(e.dtype, t.layout, t.fields, t.codecs[s], parts, nbytes,
                                   out=dest)
@@ -230,8 +259,7 @@ class Compressed:
         head = hdr.prefix(self.record.header) + self.record.header
         out = np.empty(self.original.file_size(), np.uint8)
         out[: len(head)] = np.frombuffer(head, np.uint8)
-        for _ in imap(self._decode, self._jobs(self.original.by_offset, out, len(head)),
-                      threads):
+        for _ in self._decoded(self._jobs(self.original.by_offset, out, len(head)), threads):
             pass
         return out
 
@@ -242,7 +270,7 @@ class Compressed:
         entries = self.original.by_offset
         total = self.original.data_size
         done = 0
-        results = imap(self._decode, self._jobs(entries), threads)
+        results = self._decoded(self._jobs(entries), threads)
         try:
             for seg in results:
                 out.write(seg.data)
@@ -259,7 +287,7 @@ class Compressed:
         with each decoded piece's data-section offset (to compare with an original)."""
         total = self.original.data_size
         done = 0
-        results = imap(self._decode, self._jobs(self.original.by_offset), threads)
+        results = self._decoded(self._jobs(self.original.by_offset), threads)
         try:
             for seg in results:
                 if against is not None:

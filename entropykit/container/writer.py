@@ -21,7 +21,7 @@ import numpy as np
 from .. import formats
 from . import codecs, payload, record, segment
 from . import header as hdr
-from .parallel import imap
+from .parallel import UNIT_BYTES, imap_grouped
 from .reader import claim
 from .stats import Summary
 
@@ -155,7 +155,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     sizes: dict[str, int] = {}
     total = sum(p.entry.nbytes for p in plans)
     pos, done = 8 + reserve, 0
-    results = imap(work, jobs(), threads)
+    results = imap_grouped(work, jobs(), threads, lambda j: j[3] - j[2], UNIT_BYTES)
     try:
         for p in plans:
             # Payload: index (filled in once the lengths are known), then field payloads.
