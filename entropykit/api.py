@@ -153,25 +153,7 @@ def load_file(path: PathLike, device: str | int = "cpu", *,
         h = read_header(f)
         if not is_compressed(h, f):
             return safetensors.torch.load_file(path, device=device)
-        out = _load_compressed(Compressed(f), device, n)
-
-        c = Compressed(f, outer=h)
-        types = dtypes.torch_types()
-        if _is_cuda(device):
-            from ._cuda import require
-
-            require(device)  # GpuUnavailableError before any work
-            from .container.cuda.load import load
-
-            out = load(c, device, types, n)
-        else:
-            names = c.keys()
-            out = {}
-            tensors = imap_grouped(c.tensor, names, n, lambda k: c.entry(k).nbytes,
-                                   UNIT_BYTES)
-            for name, raw in zip(names, tensors, strict=True):
-                t = _as_torch(raw, c.entry(name), types)
-                out[name] = t if str(device) == "cpu" else t.to(device)
+        out = _load_compressed(Compressed(f, outer=h), device, n)
         f.check()
         return out
 
@@ -191,7 +173,8 @@ def _load_compressed(c: Compressed, device: Any, threads: int,
     keep = None if names is None else frozenset(names)
     wanted = [k for k in c.keys() if keep is None or k in keep]
     out = {}
-    for name, raw in zip(wanted, imap(lambda k: c.tensor(k), wanted, threads), strict=True):
+    tensors = imap_grouped(c.tensor, wanted, threads, lambda k: c.entry(k).nbytes, UNIT_BYTES)
+    for name, raw in zip(wanted, tensors, strict=True):
         t = _as_torch(raw, c.entry(name), types)
         out[name] = t if str(device) == "cpu" else t.to(device)
     return out
