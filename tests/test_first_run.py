@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from entropykit import _portable
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTICE = "entropykit: compiling kernels (first run"
 
@@ -194,7 +196,10 @@ def test_portable_kernels_load_without_compiling_then_native_ones_replace_them(
     portable = tmp_path / "portable"
     r = _build_portable(_CRC_CHECK, portable)
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in portable.iterdir()) == ["coding"]  # laid out by package
+    tiers = [t.name for t in _portable.TIERS]
+    assert sorted(p.name for p in portable.iterdir()) == sorted([*tiers, "manifest.json"])
+    for tier in tiers:  # each tier laid out by the package's directories
+        assert [p.name for p in (portable / tier).iterdir()] == ["coding"]
     assert not list(tmp_path.glob(".ek-portable-*"))  # the staging is gone
     assert _crc_run(portable, tmp_path / "a") == (0.0, 1)  # nothing compiles
     # At exit, a background process compiles for this CPU what came from the portable
