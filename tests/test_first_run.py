@@ -352,3 +352,21 @@ def test_a_cache_built_for_other_versions_is_compiled_around_with_one_line(
                              "ENTROPYKIT_BACKGROUND_COMPILE": "0"})
     assert r.returncode == 0 and r.stdout.split()[1] == "0"
     assert "without a readable manifest" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+# --- Fewer compiles on a cold start: one specialization per kernel where the inputs allow.
+
+def test_crc32_compiles_once_for_bytes_and_arrays() -> None:
+    import zlib
+
+    import numpy as np
+
+    from entropykit.coding import crc32
+
+    if not crc32.ACCELERATED:
+        pytest.skip("zlib computes it: no kernel")
+    a = np.arange(1 << 14, dtype=np.uint32)
+    for data in (a, a.tobytes(), memoryview(a.tobytes()), a.view(np.uint8)):
+        assert crc32.crc32(data) == zlib.crc32(a.tobytes())
+    assert a.flags.writeable  # the caller's array is left as it was
+    assert len(crc32._crc.signatures) == 1
