@@ -283,11 +283,13 @@ def _compile_native(path: str) -> None:
 
 
 def build(argv: Sequence[str], target: str | None = None,
-          tiers: Sequence[Tier] = TIERS) -> str:
-    """Run ``python argv`` once for each of ``tiers``, compiling for its CPU, then make what
-    they compiled the portable cache ``target`` (default: the package's), replacing the one
+          tiers: Sequence[Tier] | None = None) -> str:
+    """Run ``python argv`` once for each of ``tiers`` (default: every tier this CPU runs,
+    since ``argv`` runs the code it compiles), compiling for its CPU, then make what they
+    compiled the portable cache ``target`` (default: the package's), replacing the one
     there. The new cache is assembled beside it and swapped in: an interrupted build leaves
     the old one or none, never a partial one. Returns ``target``."""
+    tiers = host_tiers() if tiers is None else tiers
     target = os.path.abspath(target or DEFAULT_DIR)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
