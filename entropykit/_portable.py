@@ -124,7 +124,9 @@ def _usable(root: str) -> bool:
     try:
         with open(os.path.join(root, MANIFEST), encoding="utf-8") as f:
             built = json.load(f)["versions"]
-        ok = isinstance(built, dict) and all(built.get(k) == v for k, v in here.items())
+        if not isinstance(built, dict):
+            raise TypeError("versions is not a mapping")
+        ok = all(built.get(k) == v for k, v in here.items())
     except (OSError, ValueError, KeyError, TypeError):
         built, ok = {}, False
     if not ok:

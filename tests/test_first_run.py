@@ -346,12 +346,17 @@ def test_a_cache_built_for_other_versions_is_compiled_around_with_one_line(
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("entropykit: the shipped kernels in ")
     assert "numba 0.1.0" in lines[0] and f"numba {numba.__version__}" in lines[0]
-    manifest.unlink()  # no manifest (a cache of an older layout): the same
-    r = _python(_CRC_CHECK, {"ENTROPYKIT_PORTABLE_KERNELS": str(portable),
-                             "NUMBA_CACHE_DIR": str(tmp_path / "b"),
-                             "ENTROPYKIT_BACKGROUND_COMPILE": "0"})
-    assert r.returncode == 0 and r.stdout.split()[1] == "0"
-    assert "without a readable manifest" in r.stderr and len(r.stderr.splitlines()) == 1
+    # No manifest (a cache of an older layout), or a damaged one: the same.
+    for damaged, content in (("b", None), ("c", '{"versions": [1]}'), ("d", "{")):
+        if content is None:
+            manifest.unlink()
+        else:
+            manifest.write_text(content)
+        r = _python(_CRC_CHECK, {"ENTROPYKIT_PORTABLE_KERNELS": str(portable),
+                                 "NUMBA_CACHE_DIR": str(tmp_path / damaged),
+                                 "ENTROPYKIT_BACKGROUND_COMPILE": "0"})
+        assert r.returncode == 0 and r.stdout.split()[1] == "0", r.stderr
+        assert "without a readable manifest" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 # --- Fewer compiles on a cold start: one specialization per kernel where the inputs allow.
