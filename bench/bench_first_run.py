@@ -7,10 +7,11 @@ of its compressed file, and ``decompress_kv`` of the KV cache of a tiny random L
 cache: ``NUMBA_CACHE_DIR`` a new directory), then warm (the same cache again), then first
 after ``python -m entropykit.warmup --jobs 2`` into another empty cache, then first on an
 empty cache with the portable cache of ``python -m entropykit.warmup --portable --jobs 2``
-(what a wheel or image built with it ships; background native compile off, so the run is
-all portable code); the warm-ups' own times are reported too. For each: seconds, and the
-seconds spent compiling (``entropykit._jit.compile_seconds``). ``--write`` replaces the
-"## First run" section of bench/RESULTS.md.
+(what a wheel or image built with it ships, read from the best tier this CPU runs;
+background native compile off, so the run is all portable code); the warm-ups' own times
+are reported too. For each: seconds, and the seconds spent compiling
+(``entropykit._jit.compile_seconds``). ``--write`` replaces the "## First run" section of
+bench/RESULTS.md.
 What it is not: a test (tests/test_first_run.py bounds the cold start).
 """
 
@@ -32,6 +33,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data  # noqa: E402
 import results as results_md  # noqa: E402
+
+from entropykit import _portable  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "## First run"
@@ -145,7 +148,8 @@ def section(res: dict, load: tuple[float, float], seconds: float) -> str:
         "cold: empty Numba cache; warm: the same cache again; after warm-up: first run after "
         "`python -m entropykit.warmup --jobs 2` into an empty cache; portable: first run on an "
         "empty Numba cache with the portable cache of `python -m entropykit.warmup --portable "
-        "--jobs 2` (background native compile off); portable - warm: the first-run cost left. "
+        f"--jobs 2`, its {_portable.host_tiers()[0].name} tier on this CPU (background native "
+        "compile off); portable - warm: the first-run cost left. "
         "compiling: seconds spent compiling kernels in that run.", "",
         "| step | cold s | cold compiling s | warm s | after warm-up s | portable s "
         "| its compiling s | portable - warm s |",

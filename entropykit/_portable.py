@@ -1,4 +1,4 @@
-"""Compiled kernels that need no compiling: a cache built for a portable CPU, shipped beside
+"""Compiled kernels that need no compiling: a cache built for portable CPUs, shipped beside
 the package, and the native compile it stands in for until that is cached.
 
 What it is: Numba caches a kernel's machine code for the CPU it compiled on (its name and
@@ -6,14 +6,18 @@ features are part of every cache key), under a path derived from where the packa
 installed, so a cache cannot travel from one machine or install to another. This module
 adds a second, read-only cache the package's kernels fall back to when Numba's own has no
 entry: ``_portable_kernels/`` in the package (``ENTROPYKIT_PORTABLE_KERNELS`` names another
-directory; empty turns it off), laid out by the source file's place in the package and
-keyed on the source's content, holding code for the baseline CPU of the architecture
-(``generic``, plus PCLMULQDQ on x86-64: Intel since 2010, AMD since 2011). ``build`` fills it
-(``python -m entropykit.warmup --portable``: before building a wheel or an image). A
-process that loads a kernel from it starts, at exit, a low-priority background process that
-compiles those kernels for this CPU into Numba's own cache, which later processes prefer
-(``ENTROPYKIT_BACKGROUND_COMPILE=0`` turns that off). Same code, same bytes: the portable
-kernels only lack the newer vector instructions.
+directory; empty turns it off), keyed on the package's sources by content and laid out by
+*tier* (``TIERS``), then by the source file's place in the package. On x86-64 the tiers are
+``x86-64-v3`` (AVX2, FMA, BMI2: Intel since 2013, AMD since 2015; it runs the AVX2 rANS
+step) and ``baseline`` (x86-64 plus PCLMULQDQ: Intel since 2010, AMD since 2011); other
+architectures have the baseline (``generic``) only. A process reads the best tier its CPU
+runs, the others after a miss. ``manifest.json`` records the Python, Numba and llvmlite the
+cache was built with: under any other, the cache is not read, and a line on stderr says so.
+``build`` fills it (``python -m entropykit.warmup --portable``; the wheel's build hook runs
+it). A process that loads a kernel from it starts, at exit, a low-priority background
+process that compiles those kernels for this CPU into Numba's own cache, which later
+processes prefer (``ENTROPYKIT_BACKGROUND_COMPILE=0`` turns that off). Same code, same
+bytes: the portable kernels only lack the newer vector instructions.
 What it is not: Numba's own cache location (``entropykit._jit``), or which kernels are
 compiled ahead (``entropykit.warmup``).
 """
@@ -24,6 +28,7 @@ import atexit
 import functools
 import hashlib
 import inspect
+import json
 import os
 import pickle
 import platform
@@ -32,8 +37,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
+import llvmlite
 import numba
 from llvmlite import binding
 from numba.core import caching, dispatcher
@@ -43,12 +50,31 @@ DEFAULT_DIR = os.path.join(_PACKAGE, "_portable_kernels")
 _DIR_ENV = "ENTROPYKIT_PORTABLE_KERNELS"
 _BACKGROUND_ENV = "ENTROPYKIT_BACKGROUND_COMPILE"
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
-CPU_NAME = "generic"
-CPU_FEATURES = "+pclmul" if _X86 else ""  # the CRC-32 kernel's carry-less multiply
+MANIFEST = "manifest.json"
+
+
+class Tier(NamedTuple):
+    """A CPU the portable cache holds code for: ``name`` (its directory), and the
+    ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` it is compiled with. Every feature the CPU
+    name implies is listed, so that a CPU runs the tier's code exactly when it has them all
+    (and the kernels that choose code by feature, such as the rANS step, see them)."""
+
+    name: str
+    cpu_name: str
+    cpu_features: str
+
+
+_PCLMUL = "+pclmul"  # the CRC-32 kernel's carry-less multiply
+_V3 = ("+avx,+avx2,+bmi,+bmi2,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sahf,+sse3,+sse4.1,"
+       "+sse4.2,+ssse3,+xsave")
+TIERS: tuple[Tier, ...] = (
+    (Tier("x86-64-v3", "x86-64-v3", f"{_PCLMUL},{_V3}"), Tier("baseline", "generic", _PCLMUL))
+    if _X86 else (Tier("baseline", "generic", ""),))
 
 _IndexFile = getattr(caching, "IndexDataCacheFile", None) or caching._IndexDataCacheFile
 _lock = threading.Lock()
 _loaded: list[tuple[str, str, tuple]] = []  # (module, qualname, argument types)
+_tiers_loaded: list[str] = []
 
 
 def directory() -> str | None:
@@ -62,10 +88,56 @@ def loads() -> int:
         return len(_loaded)
 
 
+def runnable(features: Mapping[str, bool]) -> tuple[Tier, ...]:
+    """The tiers a CPU with ``features`` (LLVM's names, as ``get_host_cpu_features``) runs,
+    best first."""
+    return tuple(t for t in TIERS
+                 if all(features.get(f.lstrip("+")) for f in t.cpu_features.split(",") if f))
+
+
 @functools.cache
-def _host_runs_it() -> bool:
-    features = binding.get_host_cpu_features()
-    return all(features.get(f.lstrip("+")) for f in CPU_FEATURES.split(",") if f)
+def host_tiers() -> tuple[Tier, ...]:
+    """The tiers this CPU runs, best first: the order a kernel is looked up in."""
+    return runnable(binding.get_host_cpu_features())
+
+
+def _versions() -> dict[str, str]:
+    """What a portable cache is valid for: the Python (its files are named after it), Numba
+    (its index files) and llvmlite (the machine code's linking) it was built with."""
+    return {"python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+            "numba": numba.__version__, "llvmlite": llvmlite.__version__,
+            "machine": platform.machine().lower()}
+
+
+def _describe(v: Mapping[str, str]) -> str:
+    return (f"Python {v.get('python')}, numba {v.get('numba')}, llvmlite {v.get('llvmlite')} "
+            f"on {v.get('machine')}")
+
+
+@functools.cache
+def _usable(root: str) -> bool:
+    """Whether the portable cache at ``root`` was built for this Python, Numba and llvmlite;
+    where it was not, say so on stderr, once (a process then compiles, as without it)."""
+    if not os.path.isdir(root):
+        return False
+    here = _versions()
+    try:
+        with open(os.path.join(root, MANIFEST), encoding="utf-8") as f:
+            built = json.load(f)["versions"]
+        if not isinstance(built, dict):
+            raise TypeError("versions is not a mapping")
+        ok = all(built.get(k) == v for k, v in here.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        built, ok = {}, False
+    if not ok:
+        why = (f"built for {_describe(built)}" if built else "without a readable manifest")
+        try:
+            print(f"entropykit: the shipped kernels in {root} are {why}; this is "
+                  f"{_describe(here)}: compiling kernels instead (cached after the first run)",
+                  file=sys.stderr, flush=True)
+        except (AttributeError, OSError, ValueError):  # no stderr, or a closed one
+            pass
+    return ok
 
 
 @functools.cache
@@ -77,6 +149,12 @@ def _stamp(path: str, mtime: float, size: int) -> bytes:
 def _source_stamp(path: str) -> bytes:
     st = os.stat(path)
     return _stamp(path, st.st_mtime, st.st_size)
+
+
+def _stamp_of(source: str) -> tuple[bytes, bytes]:
+    """A portable entry's stamp: its source file and, since kernels inline helpers from
+    other modules, every source of the package, by content."""
+    return _source_stamp(source), _package_stamp()
 
 
 @functools.cache
@@ -125,28 +203,39 @@ class _KernelCache(caching.FunctionCache):
 
     def _load_portable(self, sig, target_context):  # noqa: ANN001, ANN202
         root = directory()
-        if root is None or not _host_runs_it():
+        if root is None or not _usable(root):
             return None
         codegen = target_context.codegen()
         key = self._index_key(sig, codegen)
-        key = (key[0], (codegen.magic_tuple()[0], CPU_NAME, CPU_FEATURES), *key[2:])
-        path = os.path.join(root, _subdir(os.path.dirname(self._source)))
-        try:
-            payload = _IndexFile(path, self._impl.filename_base,
-                                 _source_stamp(self._source)).load(key)
-            cres = None if payload is None else self._impl.rebuild(target_context, payload)
-        except Exception:  # a damaged or foreign file: compile instead
-            return None
-        if cres is not None:
-            _note(self._py_func, key[0])
-        return cres
+        sub = _subdir(os.path.dirname(self._source))
+        for tier in host_tiers():
+            tier_key = (key[0], (codegen.magic_tuple()[0], tier.cpu_name, tier.cpu_features),
+                        *key[2:])
+            try:
+                payload = _IndexFile(os.path.join(root, tier.name, sub),
+                                     self._impl.filename_base, _stamp_of(self._source)
+                                     ).load(tier_key)
+                cres = None if payload is None else self._impl.rebuild(target_context, payload)
+            except Exception:  # a damaged or foreign file: the next tier, or compile
+                continue
+            if cres is not None:
+                _note(self._py_func, key[0], tier.name)
+                return cres
+        return None
 
 
-def _note(py_func, args: tuple) -> None:  # noqa: ANN001
+def _note(py_func, args: tuple, tier: str) -> None:  # noqa: ANN001
     with _lock:
         if not _loaded:
             atexit.register(_compile_native_later)
         _loaded.append((py_func.__module__, py_func.__qualname__, args))
+        _tiers_loaded.append(tier)
+
+
+def tiers_loaded() -> list[str]:
+    """The tier of each kernel this process loaded from the portable cache, in order."""
+    with _lock:
+        return list(_tiers_loaded)
 
 
 def _compile_native_later() -> None:
@@ -195,24 +284,33 @@ def _compile_native(path: str) -> None:
             continue
 
 
-def build(argv: Sequence[str], target: str | None = None) -> str:
-    """Run ``python argv`` compiling for the portable CPU, then make what it compiled the
-    portable cache ``target`` (default: the package's), replacing the one there. The new
-    cache is assembled beside it and swapped in: an interrupted build leaves the old one or
-    none, never a partial one. Returns ``target``."""
+def build(argv: Sequence[str], target: str | None = None,
+          tiers: Sequence[Tier] | None = None) -> str:
+    """Run ``python argv`` once for each of ``tiers`` (default: every tier this CPU runs,
+    since ``argv`` runs the code it compiles), compiling for its CPU, then make what they
+    compiled the portable cache ``target`` (default: the package's), replacing the one
+    there. The new cache is assembled beside it and swapped in: an interrupted build leaves
+    the old one or none, never a partial one. Returns ``target``."""
+    tiers = host_tiers() if tiers is None else tiers
     target = os.path.abspath(target or DEFAULT_DIR)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".ek-portable-", dir=parent)
     try:
-        numba_dir = os.path.join(staging, "numba")
-        env = {**os.environ, "NUMBA_CPU_NAME": CPU_NAME, "NUMBA_CPU_FEATURES": CPU_FEATURES,
-               "NUMBA_CACHE_DIR": numba_dir, _DIR_ENV: "", _BACKGROUND_ENV: "0",
-               "PYTHONPATH": os.pathsep.join(
-                   [os.path.dirname(_PACKAGE), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        subprocess.run([sys.executable, *argv], env=env, check=True)
         new = os.path.join(staging, "portable")
-        _relayout(numba_dir, new)
+        os.makedirs(new)
+        for tier in tiers:
+            numba_dir = os.path.join(staging, "numba", tier.name)
+            env = {**os.environ, "NUMBA_CPU_NAME": tier.cpu_name,
+                   "NUMBA_CPU_FEATURES": tier.cpu_features, "NUMBA_CACHE_DIR": numba_dir,
+                   _DIR_ENV: "", _BACKGROUND_ENV: "0",
+                   "PYTHONPATH": os.pathsep.join(
+                       [os.path.dirname(_PACKAGE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+            subprocess.run([sys.executable, *argv], env=env, check=True)
+            _relayout(numba_dir, os.path.join(new, tier.name))
+        with open(os.path.join(new, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump({"versions": _versions(), "tiers": [t._asdict() for t in tiers]}, f,
+                      indent=1, sort_keys=True)
         old = os.path.join(staging, "old")
         if os.path.exists(target):
             os.rename(target, old)
@@ -247,7 +345,7 @@ def _relayout(numba_dir: str, out: str) -> None:
                         continue
                     _, overloads = pickle.loads(f.read())
                 base = name[: -len(".nbi")]
-                _IndexFile(dst, base, _source_stamp(by_module[base.split(".")[0]])
+                _IndexFile(dst, base, _stamp_of(by_module[base.split(".")[0]])
                            )._save_index(overloads)
 
 

@@ -6,8 +6,9 @@ loads a small synthetic file holding a tensor of every dtype numpy can hold, in 
 compression mode, and, where torch and transformers are installed, codes the KV cache of
 a tiny random Llama with every residual model in bf16 and fp8. Numba caches what that
 compiles (``entropykit._jit`` says where), so later processes load it instead. With
-``--portable`` the same runs compile for any CPU of the architecture into the package's
-portable cache (``entropykit._portable``), which a wheel or an image can ship.
+``--portable`` the same runs compile, once for each tier of CPUs this one belongs to
+(x86-64-v3 and a baseline on x86-64), into the package's portable cache
+(``entropykit._portable``), which a wheel (its build hook runs this) or an image can ship.
 
 What it is not: a benchmark or a test; nothing here checks results beyond what the calls
 themselves check.
@@ -161,9 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="compile the parts in this many processes at once (default 1)")
     ap.add_argument("--quiet", action="store_true", help="print nothing")
     ap.add_argument("--portable", nargs="?", const="", metavar="DIR",
-                    help="instead, compile for any CPU of this architecture into the "
-                         "package's portable cache (or DIR), which every later process of "
-                         "any user on any machine can load: for wheels and images")
+                    help="instead, compile for portable CPUs (each tier this one runs) "
+                         "into the package's portable cache (or DIR), which every later "
+                         "process of any user on any machine with the same Python, Numba "
+                         "and llvmlite can load: for wheels and images")
     args = ap.parse_args(argv)
     _jit.set_notice(False)
     if args.portable is not None:

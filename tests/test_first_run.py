@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from entropykit import _portable
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTICE = "entropykit: compiling kernels (first run"
 
@@ -194,7 +196,10 @@ def test_portable_kernels_load_without_compiling_then_native_ones_replace_them(
     portable = tmp_path / "portable"
     r = _build_portable(_CRC_CHECK, portable)
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in portable.iterdir()) == ["coding"]  # laid out by package
+    tiers = [t.name for t in _portable.TIERS]
+    assert sorted(p.name for p in portable.iterdir()) == sorted([*tiers, "manifest.json"])
+    for tier in tiers:  # each tier laid out by the package's directories
+        assert [p.name for p in (portable / tier).iterdir()] == ["coding"]
     assert not list(tmp_path.glob(".ek-portable-*"))  # the staging is gone
     assert _crc_run(portable, tmp_path / "a") == (0.0, 1)  # nothing compiles
     # At exit, a background process compiles for this CPU what came from the portable
@@ -252,3 +257,121 @@ def test_first_run_with_the_portable_cache_is_within_the_margin_of_a_warm_one(
     assert compiling == 0.0
     assert first_wall - warm_wall < FIRST_RUN_MARGIN_S
     assert coded.read_bytes() == native_bytes  # the portable code writes the same bytes
+
+
+# --- Tiers: the best code the CPU runs, same bytes.
+
+_X86 = [t.name for t in _portable.TIERS] == ["x86-64-v3", "baseline"]
+_V3_FLAGS = {f.lstrip("+"): True for f in _portable.TIERS[0].cpu_features.split(",")}
+
+
+@pytest.mark.skipif(not _X86, reason="the tiers of x86-64")
+def test_tier_choice_follows_the_cpu_flags() -> None:
+    names = lambda flags: [t.name for t in _portable.runnable(flags)]  # noqa: E731
+    assert names(_V3_FLAGS) == ["x86-64-v3", "baseline"]
+    assert names({**_V3_FLAGS, "avx512vbmi2": True}) == ["x86-64-v3", "baseline"]
+    for missing in ("avx2", "fma", "bmi2"):
+        assert names({**_V3_FLAGS, missing: False}) == ["baseline"]
+    assert names({"pclmul": True, "sse2": True}) == ["baseline"]
+    assert names({"sse2": True}) == []  # no carry-less multiply: no portable code
+
+
+_AVX2_STEP = """
+from numba.core.registry import cpu_target
+from entropykit.rans import simd
+print(simd._avx2_only(cpu_target.target_context))
+"""
+
+
+@pytest.mark.skipif(not _X86, reason="the tiers of x86-64")
+def test_the_v3_tier_compiles_the_avx2_rans_step() -> None:
+    # What a kernel compiled for each tier's NUMBA_CPU_NAME / NUMBA_CPU_FEATURES sees.
+    for tier, avx2 in zip(_portable.TIERS, ("True", "False"), strict=True):
+        r = _python(_AVX2_STEP, {"NUMBA_CPU_NAME": tier.cpu_name,
+                                 "NUMBA_CPU_FEATURES": tier.cpu_features})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [avx2]
+
+
+_RANS = """
+import hashlib, numpy as np
+from entropykit import _jit, _portable, rans
+x = np.random.default_rng(0).geometric(0.05, 1 << 16).clip(0, 255).astype(np.uint8)
+blob = bytes(rans.encode(x))
+assert np.array_equal(np.asarray(rans.decode(blob)), x)
+print(hashlib.sha256(blob).hexdigest(), _jit.compile_seconds(),
+      ",".join(sorted(set(_portable.tiers_loaded()))) or "-")
+"""
+
+
+def _rans_run(portable: Path, cache: Path) -> tuple[str, float, str]:
+    r = _python(_RANS, {"ENTROPYKIT_PORTABLE_KERNELS": str(portable),
+                        "NUMBA_CACHE_DIR": str(cache), "ENTROPYKIT_BACKGROUND_COMPILE": "0"})
+    assert r.returncode == 0, r.stderr
+    digest, compiling, tiers = r.stdout.split()
+    return digest, float(compiling), tiers
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _X86 or len(_portable.host_tiers()) < 2,
+                    reason="an x86-64 CPU that runs the v3 tier")
+def test_the_best_tier_is_loaded_and_codes_the_same_bytes(tmp_path: Path) -> None:
+    both, base = tmp_path / "both", tmp_path / "baseline"
+    assert _build_portable(_RANS, both).returncode == 0
+    build = ("import sys; from entropykit import _portable; "
+             "_portable.build(['-c', sys.argv[1]], sys.argv[2], _portable.TIERS[1:])")
+    assert _python(build, {}, _RANS, str(base)).returncode == 0
+    v3 = _rans_run(both, tmp_path / "a")
+    baseline = _rans_run(base, tmp_path / "b")
+    assert v3[1:] == (0.0, "x86-64-v3") and baseline[1:] == (0.0, "baseline")
+    assert v3[0] == baseline[0] == _rans_run(tmp_path / "none", tmp_path / "c")[0]
+
+
+def test_a_cache_built_for_other_versions_is_compiled_around_with_one_line(
+        tmp_path: Path) -> None:
+    portable = tmp_path / "portable"
+    assert _build_portable(_CRC_CHECK, portable).returncode == 0
+    manifest = portable / "manifest.json"
+    text = manifest.read_text()
+    assert '"numba"' in text and '"llvmlite"' in text and '"python"' in text
+    import numba
+
+    manifest.write_text(text.replace(f'"{numba.__version__}"', '"0.1.0"'))
+    r = _python(_CRC_CHECK, {"ENTROPYKIT_PORTABLE_KERNELS": str(portable),
+                             "NUMBA_CACHE_DIR": str(tmp_path / "a"),
+                             "ENTROPYKIT_BACKGROUND_COMPILE": "0"})
+    assert r.returncode == 0, r.stderr
+    compiling, loads = r.stdout.split()
+    assert float(compiling) > 0.0 and loads == "0"
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("entropykit: the shipped kernels in ")
+    assert "numba 0.1.0" in lines[0] and f"numba {numba.__version__}" in lines[0]
+    # No manifest (a cache of an older layout), or a damaged one: the same.
+    for damaged, content in (("b", None), ("c", '{"versions": [1]}'), ("d", "{")):
+        if content is None:
+            manifest.unlink()
+        else:
+            manifest.write_text(content)
+        r = _python(_CRC_CHECK, {"ENTROPYKIT_PORTABLE_KERNELS": str(portable),
+                                 "NUMBA_CACHE_DIR": str(tmp_path / damaged),
+                                 "ENTROPYKIT_BACKGROUND_COMPILE": "0"})
+        assert r.returncode == 0 and r.stdout.split()[1] == "0", r.stderr
+        assert "without a readable manifest" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+# --- Fewer compiles on a cold start: one specialization per kernel where the inputs allow.
+
+def test_crc32_compiles_once_for_bytes_and_arrays() -> None:
+    import zlib
+
+    import numpy as np
+
+    from entropykit.coding import crc32
+
+    if not crc32.ACCELERATED:
+        pytest.skip("zlib computes it: no kernel")
+    a = np.arange(1 << 14, dtype=np.uint32)
+    for data in (a, a.tobytes(), memoryview(a.tobytes()), a.view(np.uint8)):
+        assert crc32.crc32(data) == zlib.crc32(a.tobytes())
+    assert a.flags.writeable  # the caller's array is left as it was
+    assert len(crc32._crc.signatures) == 1

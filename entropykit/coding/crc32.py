@@ -164,4 +164,8 @@ def crc32(data: np.ndarray | bytes | memoryview, value: int = 0) -> int:
         return zlib.crc32(a, value)  # small: no call overhead; strided: zlib's error
     if a.dtype != np.uint8 or a.ndim != 1:
         a = a.reshape(-1).view(np.uint8)
+    if a.flags.writeable:
+        # Numba compiles read-only and writable arrays apart: one of them, one compile.
+        a = a.view()
+        a.flags.writeable = False
     return int(_crc(a, value & 0xFFFFFFFF, _TABLE))
