@@ -5,8 +5,9 @@ ids (which travel in the blob) and turn its guess into per-value (mu, sigma) wit
 calibrated residual model; the encoder codes the true cache under them with the
 per-symbol-distribution rANS, the decoder reproduces it bit for bit. Either side codes on
 the host (the CPU coder) or, for a CUDA cache, on its device (the GPU coder, with (mu,
-sigma) from ``_torchdist``): the same blob either way. What it is not: the predictors,
-residual models or the coder themselves.
+sigma) from ``_torchdist``): the same blob either way. ``encode`` / ``decode`` also code
+a chunk's blob for ``chunk`` (the predictor then runs on the prefix ids before the blob's
+own). What it is not: the predictors, residual models or the coder themselves.
 
 The blob's layout, the coder model of each frame and every check a reader makes (all of
 the blob's before the predictor runs, whose cost grows with the tokens a blob claims) are
