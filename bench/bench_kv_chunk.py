@@ -27,16 +27,9 @@ SECTION = "## KV chunked coding, {model}"
 
 
 def _smollm2(n_calib: int, n_eval: int, seq: int):
-    import data
-    import torch
-    import transformers
+    from bench_kv import smollm2_prose
 
-    path = data.smollm2_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
-    calib_ids = tok(data.prose_text("calib"), return_tensors="pt").input_ids[0]
-    eval_ids = tok(data.prose_text("eval"), return_tensors="pt").input_ids[0]
+    model, calib_ids, eval_ids = smollm2_prose()
     calib = [calib_ids[i * 512 : (i + 1) * 512] for i in range(n_calib)]
     evals = [eval_ids[i * seq : (i + 1) * seq][None] for i in range(n_eval)]
     if any(e.shape[1] < seq for e in evals):

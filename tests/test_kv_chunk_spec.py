@@ -15,8 +15,9 @@ import zlib
 import numpy as np
 import pytest
 import torch
-import transformers
 from test_kv_format_spec import CACHE, CALIBRATION, DOC, IDS, PREDICTOR, read_blob
+from test_predictive_layouts import FAMILIES, PROMPTS, _cache
+from test_predictive_layouts import IDS as LAYOUT_IDS
 
 from entropykit import predictive as P
 
@@ -78,25 +79,19 @@ def test_spec_reader_reads_chunks_of_a_batch(fp8):
 
 
 def test_spec_reader_reads_chunks_of_a_sliding_window_model():
-    # Gemma 2: layer 0 slides (the prompt's last 7 of 24 tokens: 17..23)
-    cfg = transformers.Gemma2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    # Gemma 2: layers 0 and 1 alternate sliding (the prompt's last 7 of 24: 17..23) and full
+    build, layout = FAMILIES["gemma2"]
+    model = build()
     pred = P.FP8Predictor(model)
-    gen = torch.Generator().manual_seed(4)
-    cal = P.calibrate(model, pred, [torch.randint(0, 128, (40,), generator=gen)],
-                      formats=("bf16",), progress=False)
-    ids = torch.randint(0, 128, (1, 24), generator=gen)
-    with torch.inference_mode():
-        cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
-    layouts = {(0, 10): [None, None], (10, 20): [(1, 2, 3, 8)] * 2, (20, 24): [(1, 2, 4, 8)] * 2}
-    for (a, b), sliding in layouts.items():
+    cal = P.calibrate(model, pred, PROMPTS, formats=("bf16",), progress=False)
+    cache = _cache(model)
+    assert cache.shapes == layout and layout[0][2] == 7
+    parts = {(0, 10): [None, None], (10, 20): [(1, 2, 3, 16)] * 2,
+             (20, 24): [(1, 2, 4, 16)] * 2}
+    for (a, b), sliding in parts.items():
         chunk = P.slice_kv(cache, a, b)
-        blob = P.compress_kv_chunk(chunk, ids[:, :b], pred, cal, start=a)
-        h = read_chunk(blob, chunk, ids, pred, _arrays(cal))
+        blob = P.compress_kv_chunk(chunk, LAYOUT_IDS[:, :b], pred, cal, start=a)
+        h = read_chunk(blob, chunk, LAYOUT_IDS, pred, _arrays(cal))
         # the sliding layer: no tokens (a layer without KV in the KV blob), then its last
-        assert h["kv"]["shapes"] == sliding + [(1, 2, b - a, 8)] * 2
-        assert P.decompress_kv_chunk(blob, ids[:, :a], pred, cal).equal(chunk)
+        assert h["kv"]["shapes"] == sliding + [(1, 2, b - a, 16)] * 2
+        assert P.decompress_kv_chunk(blob, LAYOUT_IDS[:, :a], pred, cal).equal(chunk)
