@@ -226,24 +226,32 @@ def _load_rows(path: Path | None) -> dict[str, dict]:
     return {r["predictor"]: {**r, "bits": {(f, k): v for f, k, v in r["bits"]}} for r in rows}
 
 
+def smollm2_prose():
+    """(SmolLM2-135M-Instruct in bf16, the token ids of the "calib" prose, those of the
+    "eval" prose): bench/data.py's GGUF and text."""
+    import data
+    import torch
+    import transformers
+
+    path = data.smollm2_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    return (model, tok(data.prose_text("calib"), return_tensors="pt").input_ids[0],
+            tok(data.prose_text("eval"), return_tensors="pt").input_ids[0])
+
+
 def kv_rows(n_calib: int, n_eval: int, exits: list[int], threads: int,
             rows_files: list[Path] = (), only: set[str] | None = None) -> dict:
     """Measure every predictor (or those named in ``only``). Rows found in ``rows_files``
     (JSON; same arguments assumed) are taken as measured; the first file receives each row
     this run finishes, so an interrupted run resumes, and runs measuring different
     predictors in parallel each write their own file and a last run joins them."""
-    import data
     import torch
-    import transformers
 
     from entropykit import predictive as P
 
-    path = data.smollm2_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
-    calib_ids = tok(data.prose_text("calib"), return_tensors="pt").input_ids[0]
-    eval_ids = tok(data.prose_text("eval"), return_tensors="pt").input_ids[0]
+    model, calib_ids, eval_ids = smollm2_prose()
     if calib_ids.numel() < n_calib * SEQ or eval_ids.numel() < n_eval * SEQ:
         raise SystemExit("not enough prose tokens for the requested sequences")
     calib = [calib_ids[i * SEQ : (i + 1) * SEQ] for i in range(n_calib)]

@@ -5,8 +5,9 @@ ids (which travel in the blob) and turn its guess into per-value (mu, sigma) wit
 calibrated residual model; the encoder codes the true cache under them with the
 per-symbol-distribution rANS, the decoder reproduces it bit for bit. Either side codes on
 the host (the CPU coder) or, for a CUDA cache, on its device (the GPU coder, with (mu,
-sigma) from ``_torchdist``): the same blob either way. What it is not: the predictors,
-residual models or the coder themselves.
+sigma) from ``_torchdist``): the same blob either way. ``encode`` / ``decode`` also code
+a chunk's blob for ``chunk`` (the predictor then runs on the prefix ids before the blob's
+own). What it is not: the predictors, residual models or the coder themselves.
 
 The blob's layout, the coder model of each frame and every check a reader makes (all of
 the blob's before the predictor runs, whose cost grows with the tokens a blob claims) are
@@ -193,6 +194,17 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     CuPy; (mu, sigma) computed there too; bf16 and fp8 e4m3 caches only), "cpu" on the
     host with ``threads`` threads, "auto" (default) the GPU where the cache is on CUDA,
     the GPU coder runs and codes the format. The blob is the same bytes either way."""
+    return encode(cache, input_ids, predictor, calibration, model=model, threads=threads,
+                  coder=coder)
+
+
+def encode(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
+           calibration: Calibration, *, model: str, threads: int | None, coder: str,
+           prefix: torch.Tensor | None = None) -> bytes:
+    """``compress_kv``'s blob; with ``prefix`` (the [batch, p] ids before ``input_ids``:
+    a chunk, ``chunk``) the predictor runs on prefix + input_ids, and a group that the
+    calibration gives KV but the cache holds None for is a group of no tokens
+    (``chunk_shapes``)."""
     kv = as_kvcache(cache)
     ids = _host(torch.as_tensor(input_ids))
     if ids.dim() == 1:
@@ -205,6 +217,8 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     too_big = _cap_error(layers, kv.batch, ids.shape[1], shapes)
     if too_big is not None:
         raise ValueError(f"cannot code a KV cache of {too_big}")
+    if prefix is not None:
+        shapes = chunk_shapes(shapes, calibration.dims)
     if calibration.dims != _dims(shapes):
         raise ValueError("the calibration was fitted for another model shape (kv heads or "
                          "head dim of some layer, or its layers)")
@@ -219,13 +233,14 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     groups = _Groups(calibration, predictor, model, shapes, kv.scales,
                      device if _on_gpu(coder, device, kv.format) else None, threads,
                      kv.format)
-    guess = predictor.predict(ids)
+    guess = predictor.predict(ids if prefix is None else torch.cat([prefix, ids], 1))
     groups.set_guess(guess)
     frames = []
     for g, sh in enumerate(shapes):
         layer, k = divmod(g, 2)
-        if sh is None:
+        if sh is None or not sh[2]:
             frames.extend([b""] * _per_group(kv.format))
+            groups.skip(layer, k)
             continue
         mu, sigma, index = groups.distribution(layer, k)
         t = kv.tensor(layer, k)
@@ -258,8 +273,8 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
         # one shape throughout: version 1, byte for byte what earlier writers wrote
         parts = [_HEAD1.pack(MAGIC, 1, *codes, one[1], one[2], one[3], *tail), desc]
     else:
-        table = np.array([(sh[1], sh[2], sh[3]) if sh else (0, 0, 0) for sh in shapes],
-                         _SHAPE)
+        table = np.array([(sh[1], sh[2], sh[3]) if sh and sh[2] else (0, 0, 0)
+                          for sh in shapes], _SHAPE)
         parts = [_HEAD.pack(MAGIC, VERSION, *codes, ids.shape[1], *tail), desc,
                  table.tobytes()]
     parts.append(ids.to(torch.int32).numpy().astype("<i4").tobytes())
@@ -273,6 +288,19 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
 def _dims(shapes: list[Shape | None]) -> list[tuple[int, int] | None]:
     """Each group's (kv heads, head dim): what a calibration's layout must match."""
     return [None if sh is None else (sh[1], sh[3]) for sh in shapes]
+
+
+def chunk_shapes(shapes: list[Shape | None], dims: list[tuple[int, int] | None]
+                 ) -> list[Shape | None]:
+    """A chunk's group shapes, where a group without KV that the calibration's layout
+    (``dims``) gives KV is a group of no tokens, (batch, heads, 0, head dim): a
+    sliding-window layer before its window. Such a group is coded as one without KV, and
+    is zeros where the conditional model uses its residuals (``kvcache.align``)."""
+    if len(dims) != len(shapes):
+        return shapes  # the layout check refuses it
+    batch = next(sh[0] for sh in shapes if sh)
+    return [(batch, d[0], 0, d[1]) if sh is None and d else sh
+            for sh, d in zip(shapes, dims, strict=True)]
 
 
 class _Groups:
@@ -312,6 +340,14 @@ class _Groups:
         if self.conditional:
             self.bases[(layer, kv)] = base
         return mu, sigma, index
+
+    def skip(self, layer: int, kv: int) -> None:
+        """Group (layer, kv) holds no values here (no KV, or a chunk's group of no
+        tokens): a group of no tokens is zeros as a later group's source."""
+        sh = self.shapes[2 * layer + kv]
+        if self.conditional and sh is not None:
+            self.residuals[(layer, kv)] = (np.zeros(sh, np.float32) if self.device is None
+                                           else torch.zeros(sh, device=self.device))
 
     def decoded(self, layer: int, kv: int, real: torch.Tensor) -> None:
         """Group (layer, kv)'s values in real units (float32), coded or decoded."""
@@ -495,7 +531,15 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
     ``CorruptDataError`` if the blob is malformed, or was coded with another calibration
     or predictor, or the predictor's guess here differs from the encoder's.
     """
-    h = _front(blob)
+    return decode(_front(blob), blob, predictor, calibration, threads=threads,
+                  device=device, coder=coder)
+
+
+def decode(h: _Front, blob: bytes | memoryview, predictor: Predictor,
+           calibration: Calibration, *, threads: int | None, device: str | torch.device,
+           coder: str, prefix: torch.Tensor | None = None) -> KVCache:
+    """``decompress_kv`` of a blob whose front ``_front`` read as ``h``; with ``prefix``
+    as in ``encode`` (a chunk: None for its groups of no tokens)."""
     dev = torch.device(device)
     on_device = _on_gpu(coder, dev, h.fmt)
     if (h.calibration != calibration.fingerprint or h.predictor != predictor.describe()
@@ -504,7 +548,8 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
             f"KV blob was coded with predictor {h.predictor!r} (exact layers {h.exact}) and "
             f"calibration {h.calibration:#010x}; given {predictor.describe()!r} "
             f"({predictor.exact_layers}) and {calibration.fingerprint:#010x}")
-    if calibration.dims != _dims(h.shapes):
+    shapes = h.shapes if prefix is None else chunk_shapes(h.shapes, calibration.dims)
+    if calibration.dims != _dims(shapes):
         raise CorruptDataError("KV blob shape does not match the calibration's model")
     if h.fmt not in calibration.formats:
         raise CorruptDataError(f"KV blob holds {h.fmt} values; the calibration has no "
@@ -513,15 +558,15 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
     model_tables = calibration.coder_model(h.kind, h.fmt)
     _check_frames(h, buf, model_tables)  # all of the blob, before the predictor runs
     try:
-        guess = predictor.predict(h.ids)
-        crc = _guess_crc(guess, h.shapes)
+        guess = predictor.predict(h.ids if prefix is None else torch.cat([prefix, h.ids], 1))
+        crc = _guess_crc(guess, shapes)
     except (IndexError, RuntimeError, ValueError) as e:
         raise CorruptDataError(f"the predictor cannot run on the blob's token ids: {e}") from e
     if crc != h.params:
         raise CorruptDataError(
             "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
             "decoding needs the same weights, torch build, device type and thread count")
-    groups = _Groups(calibration, predictor, h.kind, h.shapes, h.scales,
+    groups = _Groups(calibration, predictor, h.kind, shapes, h.scales,
                      dev if on_device else None, threads, h.fmt)
     groups.set_guess(guess)
     dtype = _FORMATS[h.fmt]
@@ -534,10 +579,11 @@ def decompress_kv(blob: bytes, predictor: Predictor, calibration: Calibration, *
         # conditional model's use of its values, queue on the stream behind the last one
         host = torch.empty(buf.size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         host.numpy()[:] = buf
-    for g, shape in enumerate(h.shapes):
+    for g, shape in enumerate(shapes):
         layer, k = divmod(g, 2)
-        if shape is None:
+        if shape is None or not shape[2]:
             tensors.append(None)
+            groups.skip(layer, k)
             continue
         mu, sigma, index = groups.distribution(layer, k)
         start, length = h.frames[g * h.per_group]
