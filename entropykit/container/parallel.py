@@ -1,5 +1,5 @@
 """The container's name for the package's thread pool (``coding.parallel``); nothing else."""
 
-from ..coding.parallel import default_threads, imap, resolve, run
+from ..coding.parallel import ENV, default_threads, imap, resolve, run
 
-__all__ = ["default_threads", "imap", "resolve", "run"]
+__all__ = ["ENV", "default_threads", "imap", "resolve", "run"]
