@@ -85,6 +85,11 @@ MAX_DIMS = 64
 MAX_GRID_CELLS = 1 << 24  # cells of one tensor's chunk grid (``_check_tiling``)
 SHARD_BYTES = 5 << 30  # a consolidated shard's original bytes at most (Hugging Face's size)
 SHARDING_KEY = "DCP_SHARDING_INFO"  # a shard's own record of its chunks, as torch's HF writer
+# A rank's shard in segments of this many original bytes: a segment is coded on one
+# thread (its frame's chunks spread), so the container's default leaves a rank's largest
+# tensor (an embedding, a large FSDP shard) as the long pole of the save; this many cut it
+# for every thread at little coding cost, and a resharding load decodes less.
+SEGMENT_BYTES = 4 << 20
 
 _SHARD = re.compile(r"shard-[0-9a-f]{12}-[0-9]{5}\.safetensors")
 _MODEL = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
@@ -261,7 +266,8 @@ def _write_rank(root: Path, plan: SavePlan, planner: SavePlanner, threads: int,
     meta = {SHARDING_KEY: json.dumps(sharding), "format": "pt"}
     path = root / name
     with files.named(path), output(path) as out:
-        write(tensor_source(tensors, meta), out, threads=threads, fast=fast)
+        write(tensor_source(tensors, meta), out, threads=threads, fast=fast,
+              segment_bytes=SEGMENT_BYTES)
     return results
 
 
