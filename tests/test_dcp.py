@@ -4,7 +4,8 @@ or killed saves leave nothing that loads (and a previous checkpoint whole); dama
 
 Ranks are ``torch.multiprocessing`` processes on the CPU (gloo, a FileStore in tmp_path).
 One spawn of three processes does the multi-rank work: ranks 0 and 1 save (DTensors, and an
-FSDP2 model with its optimizer), all three load.
+FSDP2 model with its optimizer; larger bf16 / fp32 / fp8 tensors with each codec policy),
+all three load.
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         _check_extras(sd, seed)
 
     load_and_check(1)
+    _load_big(tmp, rank, world, mesh3)
     sd = _nest(_dtensors(_full(2), mesh3, rank, world, 3)) | _extras(2)
     with pytest.raises(CheckpointException):
         dcp.save(sd, storage_writer=_Failing(tmp / "a", bad=2))
@@ -229,6 +231,22 @@ def _save_big(tmp: Path, rank: int, mesh, group) -> None:
         dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / f"big-{fast}", threads=1,
                                                             fast=fast),
                  process_group=group)
+
+
+def _load_big(tmp: Path, rank: int, world: int, mesh) -> None:
+    """Both ``_save_big`` checkpoints (two ranks, Shard(0)) into ``world`` ranks as
+    Shard(1), bit-exact."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    want = _big()
+    for fast in (True, False):
+        got = {k: DTensor.from_local(torch.zeros_like(_local(t, 1, rank, world)), mesh,
+                                     [Shard(1)], run_check=False, shape=t.shape,
+                                     stride=t.stride())
+               for k, t in want.items()}
+        dcp.load(got, storage_reader=CompressedStorageReader(tmp / f"big-{fast}", threads=1))
+        for k, t in want.items():
+            assert _same(got[k].to_local(), _local(t, 1, rank, world)), (fast, k)
 
 
 @pytest.fixture(scope="module")
