@@ -53,9 +53,9 @@ SPEC = {
 # Tensors large enough that the writer's two codec policies (``fast``) code them
 # differently: name -> (dtype, shape), saved Shard(0) from two ranks.
 BIG = {
-    "w.bf16": (torch.bfloat16, (256, 512)),
-    "w.fp32": (torch.float32, (64, 512)),
-    "w.fp8": (torch.float8_e4m3fn, (128, 512)),
+    "w.bf16": (torch.bfloat16, (512, 512)),
+    "w.fp32": (torch.float32, (128, 512)),
+    "w.fp8": (torch.float8_e4m3fn, (256, 512)),
 }
 
 
