@@ -85,10 +85,11 @@ MAX_DIMS = 64
 MAX_GRID_CELLS = 1 << 24  # cells of one tensor's chunk grid (``_check_tiling``)
 SHARD_BYTES = 5 << 30  # a consolidated shard's original bytes at most (Hugging Face's size)
 SHARDING_KEY = "DCP_SHARDING_INFO"  # a shard's own record of its chunks, as torch's HF writer
-# A rank's shard in segments of this many original bytes: a segment is coded on one
-# thread (its frame's chunks spread), so the container's default leaves a rank's largest
-# tensor (an embedding, a large FSDP shard) as the long pole of the save; this many cut it
-# for every thread at little coding cost, and a resharding load decodes less.
+# A rank's shard is coded in segments of this many original bytes. A segment is coded by
+# one thread (only its frame's chunks spread), so with the container's larger default a
+# rank's largest tensor (an embedding, a large FSDP shard) is the long pole of its save;
+# segments this size spread it over the threads at little coding cost, and a resharding
+# load decodes less.
 SEGMENT_BYTES = 4 << 20
 
 _SHARD = re.compile(r"shard-[0-9a-f]{12}-[0-9]{5}\.safetensors")
@@ -151,25 +152,25 @@ class CompressedStorageWriter(FileSystemWriter):
     """DCP storage writer: each rank's items as one entropykit-compressed safetensors file.
 
     ``dcp.save(state_dict, storage_writer=CompressedStorageWriter(path))`` on every rank.
+
+    ``fast`` trades size for speed, as for ``entropykit.compress_file``. ``True`` (the
+    default) entropy codes the fields that pay (float exponents) and stores the rest
+    (most mantissa bytes) raw on a sample's say-so, without trials; ``False`` tries every
+    codec on every field (contexts, row / column classes, zstd) for the smallest shards.
+    A save is on the training job's critical path and comes again every few hundred
+    steps, so the default is the policy whose coding keeps up with the storage:
+    ``False`` makes float shards slightly smaller for several times the coding time,
+    which pays only where storage is much slower than a rank's coding (archives).
+    Either way the shards are ordinary compressed files, read by the reader,
+    ``consolidate`` and ``entropykit.load_file``, and the same state and options give the
+    same shard bytes (their names carry each save's token).
+
     ``threads``: coding threads per rank (default: ``ENTROPYKIT_THREADS`` where set, else
     the cores this process may use divided among the ranks of its host, as ``torchrun``
-    counts them in ``LOCAL_WORLD_SIZE``). ``fast`` trades
-    size for speed, as for ``entropykit.compress_file``: ``True`` (the default) entropy
-    codes the fields that pay (float exponents) and stores the rest (mantissa bytes) raw
-    on a sample's say-so, without trials; ``False`` tries every codec on every field
-    (contexts, row / column classes, zstd) for the smallest shards. A save is on the
-    training job's critical path and is written again every few hundred steps, so the
-    default is the one whose coding keeps up with the storage: ``False`` makes float
-    shards slightly smaller for several times the coding time, which pays only where
-    storage is much slower than a rank's coding (archives). Either way the shards are
-    ordinary compressed files, read by the reader, ``consolidate`` and
-    ``entropykit.load_file``, and the same state and options give the same shard bytes
-    (their names carry each save's token). ``consolidate=True`` codes the consolidated
-    files with this ``fast`` too.
-    ``overwrite=False`` refuses a directory that holds a checkpoint already
-    (RuntimeError, as DCP's writer); ``consolidate`` also writes the full tensors as a
-    compressed Hugging Face checkpoint into ``path`` (``consolidate``, by the
-    coordinator, before the metadata).
+    counts them in ``LOCAL_WORLD_SIZE``). ``overwrite=False`` refuses a directory that
+    holds a checkpoint already (RuntimeError, as DCP's writer). ``consolidate`` also
+    writes the full tensors as a compressed Hugging Face checkpoint into ``path``
+    (``consolidate``, by the coordinator, before the metadata; coded with this ``fast``).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None,
