@@ -7,19 +7,28 @@ collective moves the data):
 - size: the checkpoint directory's bytes, against ``HuggingFaceStorageWriter`` (safetensors
   shards) and ``FileSystemWriter`` (``torch.save`` per rank);
 - save and load seconds: rank 0's wall time from a barrier before ``dcp.save`` /
-  ``dcp.load`` to a barrier after, best of ``--repeat``, into a page-cache directory
+  ``dcp.load`` to a barrier after, median of ``--repeat`` after one untimed round per
+  writer (kernel compiles, caches), into a page-cache directory
   (``--dir``, tmpfs by default) and with every rank's writes rate-limited (``--rate``
   bytes/s per rank): every stream a rank writes to sleeps in ``write`` until the rank's
   bytes written, this one included, are within ``rate x`` the time since its first write
   (DCP's writers through their ``fs`` extension point, entropykit's through its shard
   stream). Writes land in the page cache after the sleep, so the rate is the storage's.
+  The sleep holds up the thread that writes, as a full device queue would: DCP's writer
+  threads, or the thread that hands entropykit's coded segments to its shard (its coding
+  threads go on until the segments in flight fill up).
+
+Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-small``:
+with ``fast=False`` (every codec tried, smallest shards); ``hf``:
+``HuggingFaceStorageWriter(save_distributed=True)``; ``fs``: ``FileSystemWriter``.
 
 States: ``model``: the MiniLM-L6 weights (real, trained; ``bench/data.py``) cast to bf16;
 ``optim``: fp32 AdamW state of those weights: the fp32 master weights plus ``exp_avg`` and
 ``exp_avg_sq`` after three AdamW steps on synthetic gradients (the moments are
 synthetic). ``--synthetic`` uses an LLM-shaped random state instead (no download).
 
-Run: ``python bench/bench_dcp.py --ranks 1 2`` (needs torch; prints a markdown table).
+Run: ``python bench/bench_dcp.py --ranks 1 2`` (needs torch; prints a markdown table;
+``--writers`` picks a subset, ``fs`` always runs: the ratios are to it).
 What it is not: a test; nothing here checks values (tests/test_dcp.py does).
 """
 
@@ -29,6 +38,7 @@ import argparse
 import datetime
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -50,7 +60,7 @@ from results import cpu_model  # noqa: E402
 
 from entropykit.dcp import CompressedStorageReader, CompressedStorageWriter  # noqa: E402
 
-WRITERS = ("ek", "hf", "fs")
+WRITERS = ("ek", "ek-small", "hf", "fs")
 
 
 class _Bucket:
@@ -155,10 +165,9 @@ def _sharded(full: dict[str, torch.Tensor], mesh, rank: int, n: int) -> dict:
 
 
 def _writer(name: str, path: Path, rate: float | None, threads: int):
-    if name == "ek":
-        if rate:
-            return _ThrottledEK(path, rate, threads=threads)
-        return CompressedStorageWriter(path, threads=threads)
+    if name in ("ek", "ek-small"):
+        kw = {"threads": threads, "fast": name == "ek"}
+        return _ThrottledEK(path, rate, **kw) if rate else CompressedStorageWriter(path, **kw)
     if name == "hf":
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -171,7 +180,7 @@ def _writer(name: str, path: Path, rate: float | None, threads: int):
 
 
 def _reader(name: str, path: Path, threads: int):
-    if name == "ek":
+    if name in ("ek", "ek-small"):
         return CompressedStorageReader(path, threads=threads)
     if name == "hf":
         from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -197,16 +206,18 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
     torch.set_num_threads(1)
     threads = max(1, (os.cpu_count() or 1) // n)
     mesh = DeviceMesh("cpu", list(range(n)))
+    warm: set[str] = set()
     for kind in args.states:
         full = _state(kind, args.synthetic)
         sd = _sharded(full, mesh, rank, n)
         target = _sharded({k: torch.zeros_like(v) for k, v in full.items()}, mesh, rank, n)
         del full
         for rate in (None, *([args.rate] if args.rate else [])):
-            for name in WRITERS:
+            for name in args.writers:
                 path = Path(args.dir) / f"{kind}-{name}-{n}"
                 saves, loads = [], []
-                for _ in range(args.repeat):
+                # One untimed round per writer first: kernel compiles and cache loads.
+                for _ in range(args.repeat + (name not in warm)):
                     if rank == 0:
                         shutil.rmtree(path, ignore_errors=True)
                     dist.barrier()
@@ -215,10 +226,13 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                     if rate is None:
                         loads.append(_timed(dcp.load, target,
                                             storage_reader=_reader(name, path, threads)))
+                    if name not in warm:
+                        warm.add(name)
+                        saves, loads = [], []
                 if rank == 0:
                     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-                    out[(kind, name, n, rate)] = (size, min(saves),
-                                                  min(loads) if loads else None)
+                    out[(kind, name, n, rate)] = (size, statistics.median(saves),
+                                                  statistics.median(loads) if loads else None)
                     shutil.rmtree(path, ignore_errors=True)
     dist.destroy_process_group()
 
@@ -229,10 +243,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--states", nargs="+", default=["model", "optim"],
                     choices=["model", "optim"])
     ap.add_argument("--rate", type=float, default=1e9, help="bytes/s per rank; 0: none")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--writers", nargs="+", default=list(WRITERS), choices=WRITERS)
     ap.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument("--synthetic", action="store_true")
     args = ap.parse_args(argv)
+    args.writers = [w for w in WRITERS if w in {*args.writers, "hf", "fs"}]
     args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
     results: dict = mp.Manager().dict()
     try:
@@ -245,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}, "
           f"{os.cpu_count()} cores, torch {torch.__version__}, "
           f"{'synthetic' if args.synthetic else 'MiniLM-L6'} state, rate "
-          f"{args.rate / 1e9:g} GB/s per rank")
+          f"{args.rate / 1e9:g} GB/s per rank, median of {args.repeat}")
     print("| state | ranks | writer | size MB | size / hf | save s | save / fs | load s | "
           f"load / fs | save s at {args.rate / 1e9:g} GB/s | / fs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -254,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
             hf = results[(kind, "hf", n, None)][0]
             fs = results[(kind, "fs", n, None)]
             slow_fs = results.get((kind, "fs", n, args.rate or None))
-            for name in WRITERS:
+            for name in args.writers:
                 size, save, load = results[(kind, name, n, None)]
                 slow = results.get((kind, name, n, args.rate or None))
                 slow_cells = (f"{slow[1]:.2f} | {slow[1] / slow_fs[1]:.2f}x" if slow

@@ -72,7 +72,7 @@ from . import dtypes
 from ._errors import CorruptDataError
 from .api import tensor_source
 from .container import _atomic, config_mark, files
-from .container.parallel import imap, resolve
+from .container.parallel import ENV, default_threads, imap, resolve
 from .container.reader import Compressed
 from .container.writer import write
 
@@ -85,6 +85,12 @@ MAX_DIMS = 64
 MAX_GRID_CELLS = 1 << 24  # cells of one tensor's chunk grid (``_check_tiling``)
 SHARD_BYTES = 5 << 30  # a consolidated shard's original bytes at most (Hugging Face's size)
 SHARDING_KEY = "DCP_SHARDING_INFO"  # a shard's own record of its chunks, as torch's HF writer
+# A rank's shard is coded in segments of this many original bytes. A segment is coded by
+# one thread (only its frame's chunks spread), so with the container's larger default a
+# rank's largest tensor (an embedding, a large FSDP shard) is the long pole of its save;
+# segments this size spread it over the threads at little coding cost, and a resharding
+# load decodes less.
+SEGMENT_BYTES = 4 << 20
 
 _SHARD = re.compile(r"shard-[0-9a-f]{12}-[0-9]{5}\.safetensors")
 _MODEL = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
@@ -146,19 +152,33 @@ class CompressedStorageWriter(FileSystemWriter):
     """DCP storage writer: each rank's items as one entropykit-compressed safetensors file.
 
     ``dcp.save(state_dict, storage_writer=CompressedStorageWriter(path))`` on every rank.
-    ``threads``: coding threads per rank (default: every core this process may use);
-    ``fast`` as for ``entropykit.compress_file``; ``overwrite=False`` refuses a directory
-    that holds a checkpoint already (RuntimeError, as DCP's writer); ``consolidate`` also
+
+    ``fast`` trades size for speed, as for ``entropykit.compress_file``. ``True`` (the
+    default) entropy codes the fields that pay (float exponents) and stores the rest
+    (most mantissa bytes) raw on a sample's say-so, without trials; ``False`` tries every
+    codec on every field (contexts, row / column classes, zstd) for the smallest shards.
+    A save is on the training job's critical path and comes again every few hundred
+    steps, so the default is the policy whose coding keeps up with the storage:
+    ``False`` makes float shards slightly smaller for several times the coding time,
+    which pays only where storage is much slower than a rank's coding (archives).
+    Either way the shards are ordinary compressed files, read by the reader,
+    ``consolidate`` and ``entropykit.load_file``, and the same state and options give the
+    same shard bytes (their names carry each save's token).
+
+    ``threads``: coding threads per rank (default: ``ENTROPYKIT_THREADS`` where set, else
+    the cores this process may use divided among the ranks of its host, as ``torchrun``
+    counts them in ``LOCAL_WORLD_SIZE``). ``overwrite=False`` refuses a directory that
+    holds a checkpoint already (RuntimeError, as DCP's writer). ``consolidate`` also
     writes the full tensors as a compressed Hugging Face checkpoint into ``path``
-    (``consolidate``, by the coordinator, before the metadata).
+    (``consolidate``, by the coordinator, before the metadata; coded with this ``fast``).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None,
-                 fast: bool = False, overwrite: bool = True,
+                 fast: bool = True, overwrite: bool = True,
                  consolidate: bool = False) -> None:
         # Every file is on disk (fsync) before it is renamed into place: no sync_files.
         super().__init__(path, single_file_per_rank=True, overwrite=overwrite)
-        self.threads = resolve(threads)
+        self.threads = _rank_threads(threads)
         self.fast = fast
         self.consolidate = consolidate
 
@@ -196,7 +216,7 @@ class CompressedStorageWriter(FileSystemWriter):
         root = Path(self.path)
         layout = _layout_of(metadata, results, self.save_id)
         if self.consolidate:
-            _consolidate(root, layout, root, threads=self.threads)
+            _consolidate(root, layout, root, threads=self.threads, fast=self.fast)
         with _atomic.output_file(root / METADATA, force=True) as out:
             out.write(_dumps(layout))
         _remove_unlisted(root, layout.files(), _SHARD)
@@ -204,6 +224,17 @@ class CompressedStorageWriter(FileSystemWriter):
     @property
     def metadata_path(self) -> str:
         return METADATA
+
+
+def _rank_threads(threads: int | None) -> int:
+    """``threads``, else ``ENTROPYKIT_THREADS`` where set, else this rank's share of the
+    cores this process may use: ranks of one host that each ran a thread per core would
+    contend for the cores and each hold a segment in flight per thread."""
+    if threads is not None or os.environ.get(ENV, "").strip():
+        return resolve(threads)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    ranks = int(local) if local.isdigit() and int(local) >= 1 else 1
+    return max(1, default_threads() // ranks)
 
 
 def _write_rank(root: Path, plan: SavePlan, planner: SavePlanner, threads: int,
@@ -236,7 +267,8 @@ def _write_rank(root: Path, plan: SavePlan, planner: SavePlanner, threads: int,
     meta = {SHARDING_KEY: json.dumps(sharding), "format": "pt"}
     path = root / name
     with files.named(path), output(path) as out:
-        write(tensor_source(tensors, meta), out, threads=threads, fast=fast)
+        write(tensor_source(tensors, meta), out, threads=threads, fast=fast,
+              segment_bytes=SEGMENT_BYTES)
     return results
 
 
@@ -466,11 +498,11 @@ def _piece(c: Compressed, key: str, dtype: str, sizes: tuple[int, ...],
 class CompressedStorageReader(FileSystemReader):
     """DCP storage reader of ``CompressedStorageWriter``'s checkpoints, resharding to
     any world size: ``dcp.load(state_dict, storage_reader=CompressedStorageReader(path))``.
-    ``threads``: decoding threads per rank (default: every core this process may use)."""
+    ``threads``: decoding threads per rank (default: as the writer's)."""
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
         super().__init__(path)
-        self.threads = resolve(threads)
+        self.threads = _rank_threads(threads)
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -538,7 +570,8 @@ class CompressedStorageReader(FileSystemReader):
 # -- consolidation into a Hugging Face checkpoint --------------------------------------
 
 def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
-                 shard_bytes: int = SHARD_BYTES, threads: int | None = None) -> list[str]:
+                 shard_bytes: int = SHARD_BYTES, threads: int | None = None,
+                 fast: bool = False) -> list[str]:
     """Write the full tensors of ``layout`` (those named with ``prefix``, without it) as
     compressed Hugging Face shards and index into ``output``; returns the shard names."""
     n = resolve(threads)
@@ -568,7 +601,7 @@ def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
             weight_map[hf_name] = name
         path = output / name
         with files.named(path), _atomic.output_file(path, force=True) as out:
-            write(tensor_source(full, {"format": "pt"}), out, threads=n)
+            write(tensor_source(full, {"format": "pt"}), out, threads=n, fast=fast)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     with _atomic.output_file(output / INDEX, force=True) as out:
         out.write((json.dumps(index, indent=2) + "\n").encode("utf-8"))
@@ -592,7 +625,8 @@ def _assemble(root: Path, fqn: str, t: _Tensor, dtype: torch.dtype, threads: int
 
 def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str] | None = None,
                 *, prefix: str = "", config: str | os.PathLike[str] | None = None,
-                shard_bytes: int = SHARD_BYTES, threads: int | None = None) -> Path:
+                shard_bytes: int = SHARD_BYTES, threads: int | None = None,
+                fast: bool = False) -> Path:
     """Write the full tensors of checkpoint ``path`` as a compressed Hugging Face
     checkpoint in ``output`` (default ``path``): ``model-0000k-of-0000n.safetensors``
     shards of at most ``shard_bytes`` original bytes each and ``model.safetensors.index.json``
@@ -600,11 +634,13 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str] | N
     (``prefix="model."`` for a state dict ``{"model": ..., "optim": ...}``); non-tensor
     items are left out. ``config`` (a ``config.json``) is copied in with the mark that
     makes ``from_pretrained`` load the checkpoint. Each shard's tensors are held whole in
-    memory while it is written. Returns the output directory."""
+    memory while it is written. ``fast`` as for ``entropykit.compress_file`` (default
+    False, the smallest files: consolidation runs once, off the training job's path).
+    Returns the output directory."""
     root = Path(path)
     out = root if output is None else Path(output)
     _consolidate(root, _read_layout(root), out, prefix=prefix, shard_bytes=shard_bytes,
-                 threads=threads)
+                 threads=threads, fast=fast)
     if config is not None:
         raw = Path(config).read_bytes()
         with _atomic.output_file(out / config_mark.CONFIG, force=True) as f:

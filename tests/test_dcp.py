@@ -4,7 +4,8 @@ or killed saves leave nothing that loads (and a previous checkpoint whole); dama
 
 Ranks are ``torch.multiprocessing`` processes on the CPU (gloo, a FileStore in tmp_path).
 One spawn of three processes does the multi-rank work: ranks 0 and 1 save (DTensors, and an
-FSDP2 model with its optimizer), all three load.
+FSDP2 model with its optimizer; larger bf16 / fp32 / fp8 tensors with each codec policy),
+all three load.
 """
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ SPEC = {
     "optim.exp_avg": (torch.float32, (10, 6), 0, 0),
     "optim.step": (torch.float32, (), None, None),
 }
+
+
+# Tensors large enough that the writer's two codec policies (``fast``) code them
+# differently: name -> (dtype, shape), saved Shard(0) from two ranks.
+BIG = {
+    "w.bf16": (torch.bfloat16, (512, 512)),
+    "w.fp32": (torch.float32, (128, 512)),
+    "w.fp8": (torch.float8_e4m3fn, (256, 512)),
+}
+
+
+def _big() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {k: (torch.randn(shape, generator=g) * 0.02).to(dt)
+            for k, (dt, shape) in BIG.items()}
 
 
 def _full(seed: int) -> dict[str, torch.Tensor]:
@@ -150,6 +166,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / "a", threads=1),
                  process_group=sub)
         _save_fsdp(tmp, rank, mesh2, sub)
+        _save_big(tmp, rank, mesh2, sub)
     dist.barrier()
     mesh3 = DeviceMesh("cpu", list(range(world)))
 
@@ -165,6 +182,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         _check_extras(sd, seed)
 
     load_and_check(1)
+    _load_big(tmp, rank, world, mesh3)
     sd = _nest(_dtensors(_full(2), mesh3, rank, world, 3)) | _extras(2)
     with pytest.raises(CheckpointException):
         dcp.save(sd, storage_writer=_Failing(tmp / "a", bad=2))
@@ -200,6 +218,35 @@ def _save_fsdp(tmp: Path, rank: int, mesh, group) -> None:
              for p, st in osd["state"].items() for k, v in st.items()}
     if rank == 0:
         torch.save(flat, tmp / "fsdp-full.pt")
+
+
+def _save_big(tmp: Path, rank: int, mesh, group) -> None:
+    """``_big()`` saved from two ranks (Shard(0)) with each ``fast`` setting."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sd = {k: DTensor.from_local(_local(t, 0, rank, 2), mesh, [Shard(0)], run_check=False,
+                                shape=t.shape, stride=t.stride())
+          for k, t in _big().items()}
+    for fast in (True, False):
+        dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / f"big-{fast}", threads=1,
+                                                            fast=fast),
+                 process_group=group)
+
+
+def _load_big(tmp: Path, rank: int, world: int, mesh) -> None:
+    """Both ``_save_big`` checkpoints (two ranks, Shard(0)) into ``world`` ranks as
+    Shard(1), bit-exact."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    want = _big()
+    for fast in (True, False):
+        got = {k: DTensor.from_local(torch.zeros_like(_local(t, 1, rank, world)), mesh,
+                                     [Shard(1)], run_check=False, shape=t.shape,
+                                     stride=t.stride())
+               for k, t in want.items()}
+        dcp.load(got, storage_reader=CompressedStorageReader(tmp / f"big-{fast}", threads=1))
+        for k, t in want.items():
+            assert _same(got[k].to_local(), _local(t, 1, rank, world)), (fast, k)
 
 
 @pytest.fixture(scope="module")
@@ -416,3 +463,66 @@ def test_consolidated_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> N
     want = model.state_dict()
     got = loaded.state_dict()
     assert sorted(got) == sorted(want) and all(_same(got[k], want[k]) for k in want)
+
+
+def _shards(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.name.startswith("shard-"))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_either_policy_two_ranks_save_one_process_loads_bit_exact(saved: Path, fast: bool
+                                                                  ) -> None:
+    path = saved / f"big-{fast}"
+    want = _big()
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=CompressedStorageReader(path, threads=2))
+    assert all(_same(got[k], v) for k, v in want.items())
+    # Each shard is a compressed file of its rank's chunks, as entropykit reads any.
+    for rank, shard in enumerate(_shards(path)):
+        chunks = entropykit.load_file(shard)
+        assert sorted(chunks) == sorted(want)
+        assert all(_same(chunks[k], _local(v, 0, rank, 2)) for k, v in want.items())
+    hf = consolidate(path, saved / f"big-{fast}-hf")
+    merged = entropykit.load_file(hf)
+    assert all(_same(merged[k], v) for k, v in want.items())
+
+
+def test_fast_policy_trades_a_little_size(saved: Path) -> None:
+    raw = sum(t.numel() * t.element_size() for t in _big().values())
+    size = {fast: sum(p.stat().st_size for p in _shards(saved / f"big-{fast}"))
+            for fast in (True, False)}
+    assert size[False] < size[True] < 0.9 * raw
+
+
+def _shard_bytes(path: Path, state: dict, **options) -> list[bytes]:
+    dcp.save(state, storage_writer=CompressedStorageWriter(path, **options))
+    return [p.read_bytes() for p in _shards(path)]
+
+
+def test_default_is_fast_and_bytes_do_not_depend_on_threads(tmp_path: Path) -> None:
+    state = _big()
+    default = _shard_bytes(tmp_path / "default", state)
+    assert _shard_bytes(tmp_path / "fast", state, fast=True, threads=1) == default
+    small = _shard_bytes(tmp_path / "small", state, fast=False, threads=2)
+    assert _shard_bytes(tmp_path / "small1", state, fast=False, threads=1) == small
+    assert small != default
+    # Segments of 4 MiB (the container's default is 16): a rank's large chunk is coded on
+    # several threads at once.
+    from entropykit.container.reader import Compressed
+
+    assert {Compressed(b).record.segment_bytes for b in default + small} == {4 << 20}
+
+
+def test_threads_default_to_this_rank_share_of_the_cores(monkeypatch) -> None:
+    from entropykit.coding.parallel import ENV, default_threads
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    share = max(1, default_threads() // 2)
+    assert CompressedStorageWriter("unused").threads == share
+    assert CompressedStorageReader("unused").threads == share
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(1 << 20))
+    assert CompressedStorageWriter("unused").threads == 1
+    monkeypatch.setenv(ENV, "3")  # set by the user: taken as is
+    assert CompressedStorageWriter("unused").threads == 3
+    assert CompressedStorageWriter("unused", threads=5).threads == 5
