@@ -60,8 +60,11 @@ BIG = {
 
 
 def _big() -> dict[str, torch.Tensor]:
+    """Weights whose rows differ in scale, as trained weights' do (what the default
+    policy's row classes code smaller than the fast policy)."""
     g = torch.Generator().manual_seed(7)
-    return {k: (torch.randn(shape, generator=g) * 0.02).to(dt)
+    return {k: (torch.randn(shape, generator=g) * 0.02
+                * torch.exp(torch.randn(shape[0], 1, generator=g))).to(dt)
             for k, (dt, shape) in BIG.items()}
 
 
