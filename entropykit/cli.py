@@ -381,8 +381,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="store fields that would shrink by under 2%% raw: faster to "
                         "compress and decompress, files slightly larger")
     c.add_argument("--target", choices=("cpu", "gpu"), default="cpu",
-                   help="gpu: rANS only, in GPU-sized chunks, so that "
-                        "load_file(..., device='cuda') decodes everything on the GPU")
+                   help="gpu: rANS without contexts or row/column classes, in GPU-sized "
+                        "chunks (the GPU kernel's fastest builds; both targets decode on "
+                        "the GPU)")
 
     d = verb("decompress", "Restore the original files or directories, byte for byte.",
              _decompress)

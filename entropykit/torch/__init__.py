@@ -12,8 +12,10 @@ rows, the head computes each tile's slice of the logits, so the buffer holds two
 never a whole embedding. With ``tile_bytes`` the blocks' Linears decode in tiles too,
 ``tiles_ahead`` of them in one launch, for a buffer of a few tiles. The forward only
 enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
-bit-identical to the uncompressed model's. On the CPU the same hooks decode with the CPU
-decoders.
+bit-identical to the uncompressed model's, except where ``tile_bytes`` cuts a Linear's
+weight into row tiles: its product is then computed tile by tile, which the GPU's matrix
+library may sum in another order than the whole product. On the CPU the same hooks decode
+with the CPU decoders.
 
 What it is not: a training mode (the scratch buffer is overwritten block after block,
 so a resident model runs under ``torch.no_grad()``), or a file format: the coded weights
@@ -56,7 +58,11 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     block larger than that decodes module by module (``nn.Linear`` weights in tiles,
     other modules' weights whole), so that the scratch buffer holds tiles or modules
     rather than two blocks, at the cost of more, smaller decodes and products; each
-    module's weights must then be read only by its own forward.
+    module's weights must then be read only by its own forward. Weights always decode
+    exactly, but a Linear in row tiles computes its product per tile, and on a GPU the
+    matrix library chooses its algorithm per shape: outputs can then differ from the
+    plain model's in the last bits. A ``tile_bytes`` of at least the largest Linear
+    weight keeps them bit-identical.
 
     Memory against speed: ``tiles_ahead`` consecutive tiles (of one Linear or of the
     next ones) decode in one launch, the next launch while they compute, so the scratch
