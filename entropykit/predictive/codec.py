@@ -564,7 +564,7 @@ def decode(h: _Front, blob: bytes | memoryview, predictor: Predictor,
         raise CorruptDataError(f"the predictor cannot run on the blob's token ids: {e}") from e
     if crc != h.params:
         raise CorruptDataError(
-            "the predictor's guess here differs from the encoder's (CRC-32 at byte 36): "
+            "the predictor's guess here differs from the encoder's (the header's guess_crc): "
             "decoding needs the same weights, torch build, device type and thread count")
     groups = _Groups(calibration, predictor, h.kind, shapes, h.scales,
                      dev if on_device else None, threads, h.fmt)
