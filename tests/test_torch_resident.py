@@ -678,6 +678,35 @@ def test_from_pretrained_resident(tmp_path, family) -> None:
         EntropyKitConfig(resident="yes")
 
 
+def test_from_pretrained_resident_options_reach_compress_model(tmp_path) -> None:
+    """tile_bytes, tiles_ahead and chunk_size of the config are compress_model's: the
+    loaded model's units, launches and frames are those of compress_model called with
+    them, and its logits the plain model's."""
+    import entropykit
+    from entropykit.hf import EntropyKitConfig
+
+    model = _llama()
+    model.save_pretrained(tmp_path / "plain")
+    entropykit.compress_file(tmp_path / "plain", tmp_path / "ek")
+    options = {"tile_bytes": 4096, "tiles_ahead": 2, "chunk_size": 1024}
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    with pytest.warns(UserWarning, match="resident"):
+        got = load(tmp_path / "ek", quantization_config=EntropyKitConfig(resident=True,
+                                                                          **options))
+    plain = load(tmp_path / "ek")
+    direct = ekt.compress_model(load(tmp_path / "ek"), **options)
+    default = ekt.compress_model(load(tmp_path / "ek"))
+    state = got._entropykit_resident
+    assert state.chunk_size == 1024
+    assert len(state.units) == len(direct._entropykit_resident.units) \
+        > len(default._entropykit_resident.units)
+    assert state.leads == direct._entropykit_resident.leads
+    assert ekt.resident_memory(got) == ekt.resident_memory(direct)
+    assert torch.equal(_logits(got, _ids()), _logits(plain, _ids()))
+    with pytest.raises(TypeError, match="tiles_ahead must be an int or None"):
+        EntropyKitConfig(resident=True, tiles_ahead=2.0)
+
+
 def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
     model, ref = _llama(), _llama()
     want = {k: _bits(v).clone() for k, v in ref.state_dict().items()}

@@ -70,11 +70,15 @@ class EntropyKitConfig(QuantizationConfigMixin):
 
     Passed to ``from_pretrained`` (``quantization_config=EntropyKitConfig(resident=True)``)
     it sets how the checkpoint loads: ``resident`` keeps the weights coded on the device
-    (``entropykit.torch.compress_model``) instead of decoding them into parameters.
+    (``entropykit.torch.compress_model``) instead of decoding them into parameters;
+    ``tile_bytes``, ``tiles_ahead`` and ``chunk_size`` are ``compress_model``'s options of
+    the same names (None: its defaults).
     """
 
     def __init__(self, version: int = MARK_VERSION, original_config: str | None = None,
-                 resident: bool = False, **kwargs: Any) -> None:
+                 resident: bool = False, tile_bytes: int | None = None,
+                 tiles_ahead: int | None = None, chunk_size: int | None = None,
+                 **kwargs: Any) -> None:
         kwargs.pop("quant_method", None)
         self.quant_method = QUANT_METHOD
         self.version = version
@@ -82,13 +86,23 @@ class EntropyKitConfig(QuantizationConfigMixin):
         if not isinstance(resident, bool):
             raise TypeError(f"resident must be a bool, got {type(resident).__name__}")
         self.resident = resident
+        for name, value in (("tile_bytes", tile_bytes), ("tiles_ahead", tiles_ahead),
+                            ("chunk_size", chunk_size)):
+            if value is not None and (type(value) is not int):
+                raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+        self.tile_bytes, self.tiles_ahead, self.chunk_size = tile_bytes, tiles_ahead, chunk_size
         if type(version) is not int or not 1 <= version <= MARK_VERSION:
             raise ValueError(f"entropykit quantization_config version {version!r} is not "
                              f"supported (this entropykit: 1..{MARK_VERSION}); upgrade it")
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """What a config passed to ``from_pretrained`` overrides in the checkpoint's."""
-        return {"resident": self.resident}
+        return {"resident": self.resident, **self.resident_options()}
+
+    def resident_options(self) -> dict[str, int]:
+        """``compress_model``'s options this config sets."""
+        return {k: v for k in ("tile_bytes", "tiles_ahead", "chunk_size")
+                if (v := getattr(self, k, None)) is not None}
 
 
 class Decode(ConversionOps):
@@ -344,11 +358,12 @@ class EntropyKitQuantizer(HfQuantizer):
         self._order.clear()
         self._cursor = 0
         resident = self.quantization_config.resident
+        options = self.quantization_config.resident_options()
         self.remove_quantization_config(model)
         if resident:
             from ..torch import compress_model
 
-            compress_model(model)
+            compress_model(model, **options)
         return model
 
     def is_serializable(self) -> bool:
