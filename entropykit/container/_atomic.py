@@ -129,14 +129,15 @@ class _OutputFile:
                 if not self._ops:
                     return
                 # Everything queued, taken at once: one round trip of the lock (and of the
-                # GIL, which the coding threads contend for) per batch, not per operation.
-                ops = list(self._ops)
-                self._ops.clear()
+                # GIL, which the coding threads contend for) per batch, not per operation;
+                # each operation's data is let go as soon as it is written.
+                ops, self._ops = self._ops, deque()
                 self._busy = True
                 failed = self._error is not None  # after an error, drop the rest
             error = None
             done = 0
-            for op, arg, n in ops:
+            while ops:
+                op, arg, n = ops.popleft()
                 done += n
                 if failed or error is not None:
                     continue
@@ -154,6 +155,7 @@ class _OutputFile:
                         self._f.truncate(arg)  # type: ignore[arg-type]
                 except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                     error = e
+            arg = None  # the last write's data is not kept while the thread waits
             with self._cv:
                 if error is not None and self._error is None:
                     self._error = error
