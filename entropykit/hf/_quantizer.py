@@ -88,7 +88,7 @@ class EntropyKitConfig(QuantizationConfigMixin):
         self.resident = resident
         for name, value in (("tile_bytes", tile_bytes), ("tiles_ahead", tiles_ahead),
                             ("chunk_size", chunk_size)):
-            if value is not None and (type(value) is not int):
+            if value is not None and type(value) is not int:
                 raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
         self.tile_bytes, self.tiles_ahead, self.chunk_size = tile_bytes, tiles_ahead, chunk_size
         if type(version) is not int or not 1 <= version <= MARK_VERSION:
@@ -101,8 +101,9 @@ class EntropyKitConfig(QuantizationConfigMixin):
 
     def resident_options(self) -> dict[str, int]:
         """``compress_model``'s options this config sets."""
-        return {k: v for k in ("tile_bytes", "tiles_ahead", "chunk_size")
-                if (v := getattr(self, k, None)) is not None}
+        options = {"tile_bytes": self.tile_bytes, "tiles_ahead": self.tiles_ahead,
+                   "chunk_size": self.chunk_size}
+        return {k: v for k, v in options.items() if v is not None}
 
 
 class Decode(ConversionOps):
