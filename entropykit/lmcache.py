@@ -1,0 +1,422 @@
+"""LMCache plugin: KV chunks coded losslessly in LMCache's L2 storage, read back at their size.
+
+What it is, for LMCache's multi-process mode (``lmcache.v1.distributed``):
+
+- the serde ``"entropykit"`` (registered with ``register_serde_factory`` when this module
+  is imported): each chunk LMCache stores (one buffer of one or more (shape, dtype)
+  groups, e.g. ``[2, layers, 256 tokens, kv heads x head dim]`` in bf16, fp16 or fp8)
+  becomes one *LMCache chunk blob* (docs/format.md): a header stating the blob's true
+  length and CRC, then the groups coded by the container's static coders (each group as
+  a 2-D tensor whose columns are its last dimension, so that per-channel statistics can
+  bid), or their bytes as they are where coding would not make them smaller;
+- ``SizedL2Adapter``: an L2 adapter that wraps another (``"inner"``) and loads each blob
+  at its true length. LMCache's serde wrapper stores the bytes the serializer wrote, but
+  loads into a buffer of the estimated size, and its file-system adapter counts a shorter
+  file as a miss; this adapter reads a blob's header first, narrows the buffer to the
+  length the header states, then reads the blob.
+
+What it is not: the predictive KV coder (a serde sees no token ids and no model), or an
+adapter that stores anything itself.
+
+Loading the plugin: LMCache imports this module when an L2 adapter spec names it as a
+``"plugin"`` adapter (README, "LMCache"); the serde then exists before LMCache builds it.
+A damaged blob fails its load: the deserializer raises ``CorruptDataError`` and LMCache
+reports the chunk as not loaded (a miss, so the engine recomputes it).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import select
+import struct
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from lmcache.lmcache_native import Bitmap
+from lmcache.logging import init_logger
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import (
+    L2AdapterConfigBase,
+    get_l2_adapter_config_class,
+)
+from lmcache.v1.distributed.serde import (
+    AsyncSerdeProcessor,
+    Deserializer,
+    SerdeProcessor,
+    Serializer,
+    get_registered_serde_types,
+    register_serde_factory,
+)
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.platform import consume_fd, create_event_notifier
+
+from . import dtypes
+from ._errors import CorruptDataError
+from .api import tensor_source
+from .container.parallel import resolve
+from .container.reader import Compressed
+from .container.writer import write
+
+SERDE_NAME = "entropykit"
+MAGIC = b"EKLM"
+VERSION = 1
+CODED, RAW = 0, 1  # body modes: a compressed container holding the groups; their bytes
+# magic, version, mode, reserved, total length, CRC-32 of the body; then the CRC-32 of those
+_HEAD = struct.Struct("<4sBBHQI")
+HEADER_BYTES = _HEAD.size + 4
+_POLL_MS = 200
+
+_log = init_logger(__name__)
+
+
+def max_blob_bytes(layout: MemoryLayoutDesc) -> int:
+    """The most bytes a blob of a buffer of ``layout`` takes: the header and the groups'
+    bytes (a body that coding would not make smaller is stored as it is)."""
+    return HEADER_BYTES + sum(math.prod(int(d) for d in s) * t.itemsize
+                              for s, t in zip(layout.shapes, layout.dtypes, strict=True))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 view (``t`` contiguous)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _grid(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the 2-D tensor the container codes: rows x its last dimension."""
+    return t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(-1)
+
+
+def encode_chunk(groups: Sequence[torch.Tensor], *, threads: int | None = None) -> bytes:
+    """One blob of a chunk's groups (host tensors of any safetensors dtype), decoded by
+    ``decode_chunk`` into buffers of the same dtypes and sizes; never longer than
+    ``HEADER_BYTES`` plus the groups' bytes. Deterministic."""
+    host = [g.detach().to("cpu").contiguous() for g in groups]
+    out = io.BytesIO()
+    write(tensor_source({str(i): _grid(g) for i, g in enumerate(host)}, None), out,
+          threads=resolve(threads))
+    body, mode = out.getvalue(), CODED
+    raw = sum(g.numel() * g.element_size() for g in host)
+    if len(body) >= raw:
+        body, mode = b"".join(_bytes(g).numpy().tobytes() for g in host), RAW
+    head = _HEAD.pack(MAGIC, VERSION, mode, 0, HEADER_BYTES + len(body), zlib.crc32(body))
+    return b"".join([head, struct.pack("<I", zlib.crc32(head)), body])
+
+
+def _u8(blob: bytes | memoryview) -> memoryview:
+    """``blob`` as a flat memoryview of bytes (LMCache's buffers have format ``<B``)."""
+    return memoryview(np.frombuffer(blob, np.uint8))
+
+
+def blob_length(blob: bytes | memoryview) -> int:
+    """The true length a blob's header states (its first ``HEADER_BYTES`` suffice), every
+    header check made; ``CorruptDataError`` if they fail."""
+    mv = _u8(blob)
+    if len(mv) < HEADER_BYTES or bytes(mv[:4]) != MAGIC:
+        raise CorruptDataError(f"not an LMCache chunk blob: {len(mv)} bytes, magic "
+                               f"{bytes(mv[:4])!r} (need {MAGIC!r} and {HEADER_BYTES} bytes)")
+    _, version, mode, reserved, total, _ = _HEAD.unpack_from(mv, 0)
+    if zlib.crc32(mv[: _HEAD.size]) != struct.unpack_from("<I", mv, _HEAD.size)[0]:
+        raise CorruptDataError(f"LMCache chunk blob header CRC-32 (byte {_HEAD.size}) does "
+                               f"not match")
+    if version != VERSION or mode not in (CODED, RAW) or reserved or total < HEADER_BYTES:
+        raise CorruptDataError(f"LMCache chunk blob header: version {version}, mode {mode}, "
+                               f"reserved {reserved}, length {total} (this reader reads "
+                               f"version {VERSION}, modes 0 and 1, length >= {HEADER_BYTES})")
+    return total
+
+
+def decode_chunk(blob: bytes | memoryview, into: Sequence[torch.Tensor], *,
+                 threads: int | None = None) -> None:
+    """Write the groups of ``blob`` (``encode_chunk``'s; bytes after its stated length are
+    ignored) into ``into``: contiguous host tensors of the groups' dtypes and sizes, in
+    order. ``CorruptDataError`` if the blob is damaged or holds other groups."""
+    mv = _u8(blob)
+    total = blob_length(mv)
+    if total > len(mv):
+        raise CorruptDataError(f"LMCache chunk blob truncated: its header states {total} "
+                               f"bytes, {len(mv)} given")
+    body = mv[HEADER_BYTES:total]
+    if zlib.crc32(body) != _HEAD.unpack_from(mv, 0)[5]:
+        raise CorruptDataError("LMCache chunk blob body CRC-32 does not match")
+    want = [t.numel() * t.element_size() for t in into]
+    if _HEAD.unpack_from(mv, 0)[2] == RAW:
+        if len(body) != sum(want):
+            raise CorruptDataError(f"LMCache chunk blob holds {len(body)} bytes as they "
+                                   f"are; the buffer's groups take {sum(want)}")
+        at = 0
+        for t, n in zip(into, want, strict=True):
+            _bytes(t).numpy()[:] = np.frombuffer(body, np.uint8, n, at)
+            at += n
+        return
+    try:
+        c = Compressed(body)
+    except CorruptDataError:
+        raise
+    except ValueError as e:
+        raise CorruptDataError(f"LMCache chunk blob body: {e}") from None
+    if c.keys() != sorted(str(i) for i in range(len(into))) or len(c.keys()) != len(into):
+        raise CorruptDataError(f"LMCache chunk blob holds groups {c.keys()}; the buffer "
+                               f"has {len(into)}")
+    for i, t in enumerate(into):
+        e = c.entry(str(i))
+        have = dtypes.FROM_TORCH.get(str(t.dtype))
+        if e.dtype != have or math.prod(e.shape) != t.numel():
+            raise CorruptDataError(f"LMCache chunk blob group {i} is {e.dtype}{list(e.shape)}; "
+                                   f"the buffer's is {have} of {t.numel()} values")
+        _bytes(t).numpy()[:] = c.tensor(str(i), resolve(threads))
+
+
+def _groups(obj: MemoryObj) -> list[torch.Tensor]:
+    return [obj.get_tensor(i) for i in range(len(obj.get_shapes()))]
+
+
+class EntropySerializer(Serializer):
+    """LMCache's serializer side: a KV buffer to its chunk blob."""
+
+    def __init__(self, *, threads: int | None = None) -> None:
+        self._threads = threads
+
+    def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
+        blob = encode_chunk(_groups(src), threads=self._threads)
+        np.frombuffer(dst.byte_array, np.uint8)[: len(blob)] = np.frombuffer(blob, np.uint8)
+        return len(blob)
+
+    def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
+        return max_blob_bytes(layout_desc)
+
+
+class EntropyDeserializer(Deserializer):
+    """LMCache's deserializer side: a chunk blob back into its KV buffer, bit for bit."""
+
+    def __init__(self, *, threads: int | None = None) -> None:
+        self._threads = threads
+
+    def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
+        decode_chunk(src.byte_array, _groups(dst), threads=self._threads)
+
+
+def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
+    """The serde LMCache builds from ``{"type": "entropykit", ...}``: ``threads`` (entropykit's
+    threads per chunk, default all cores) and ``max_workers`` (LMCache's chunks coded at
+    once, default 1)."""
+    unknown = set(kwargs) - {"threads", "max_workers"}
+    if unknown:
+        raise ValueError(f"entropykit serde: unknown options {sorted(unknown)} (it takes "
+                         f"threads and max_workers)")
+    threads = kwargs.get("threads")
+    workers = kwargs.get("max_workers", 1)
+    for name, v in (("threads", threads), ("max_workers", workers)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"entropykit serde: {name} must be an integer >= 1, got {v!r}")
+    return AsyncSerdeProcessor(EntropySerializer(threads=threads),  # type: ignore[arg-type]
+                               EntropyDeserializer(threads=threads),  # type: ignore[arg-type]
+                               max_workers=workers)  # type: ignore[arg-type]
+
+
+if SERDE_NAME not in get_registered_serde_types():
+    register_serde_factory(SERDE_NAME, create_serde)
+
+
+class SizedL2AdapterConfig(L2AdapterConfigBase):
+    """``{"inner": {"type": ..., ...}}``: the spec of the adapter that stores the blobs."""
+
+    def __init__(self, inner: L2AdapterConfigBase) -> None:
+        self.inner = inner
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SizedL2AdapterConfig:
+        inner = d.get("inner")
+        if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):
+            raise ValueError("SizedL2Adapter needs 'inner': an L2 adapter spec with a 'type'")
+        if "serde" in inner:
+            raise ValueError("put 'serde' on the plugin adapter's spec, not on 'inner'")
+        return cls(get_l2_adapter_config_class(inner["type"]).from_dict(inner))
+
+    @classmethod
+    def help(cls) -> str:
+        return ("entropykit SizedL2Adapter config fields:\n"
+                "- inner (dict): the L2 adapter spec that stores the blobs, e.g. "
+                '{"type": "fs", "base_path": "/cache"}')
+
+
+@dataclass
+class _Load:
+    keys: list[ObjectKey]
+    objects: list[MemoryObj]
+    picked: list[int] = field(default_factory=list)  # the keys of the body read
+
+
+class SizedL2Adapter(L2AdapterInterface):
+    """An L2 adapter loading LMCache chunk blobs at their true length from ``inner``.
+
+    Store, lookup, delete and the rest go to the inner adapter. A load reads each key's
+    header (the buffer narrowed to ``HEADER_BYTES``), then the blob (the buffer narrowed
+    to the length its header states); a key whose header is damaged, or states more than
+    the buffer holds, is not loaded. The buffers are LMCache's L1 buffers, which can be
+    narrowed (``set_used_size``).
+    """
+
+    def __init__(self, config: SizedL2AdapterConfig, l1_memory_desc: Any = None) -> None:
+        super().__init__()
+        self._inner = create_l2_adapter(config.inner, l1_memory_desc)
+        self._load_efd = create_event_notifier()
+        self._lock = threading.Lock()
+        self._next_id: L2TaskId = 0
+        self._heads: dict[L2TaskId, tuple[L2TaskId, _Load]] = {}  # inner id -> ours
+        self._bodies: dict[L2TaskId, tuple[L2TaskId, _Load]] = {}
+        self._done: dict[L2TaskId, Bitmap] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="entropykit-sized-l2",
+                                        daemon=True)
+        self._thread.start()
+
+    # Everything but loads is the inner adapter's.
+    def get_store_event_fd(self) -> int:
+        return self._inner.get_store_event_fd()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._inner.get_lookup_and_lock_event_fd()
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._inner.submit_store_task(keys, objects)
+
+    def pop_completed_store_tasks(self) -> dict:
+        return self._inner.pop_completed_store_tasks()
+
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
+                                    group_layout_descs: dict[int, MemoryLayoutDesc]
+                                    ) -> L2TaskId:
+        return self._inner.submit_lookup_and_lock_task(keys, group_layout_descs)
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._inner.query_lookup_and_lock_result(task_id)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        self._inner.submit_unlock(keys)
+
+    def register_listener(self, listener: Any) -> None:
+        self._inner.register_listener(listener)
+
+    def set_backend_identity(self, name: str, shared: bool = False) -> None:
+        self._inner.set_backend_identity(name, shared)
+
+    @property
+    def supports_global_eviction(self) -> bool:
+        return self._inner.supports_global_eviction
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        self._inner.delete(keys)
+
+    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
+                     cursor: str | None = None) -> Any:
+        return self._inner.list_l2_keys(model_name=model_name, page_size=page_size,
+                                        cursor=cursor)
+
+    def get_usage(self) -> Any:
+        return self._inner.get_usage()
+
+    def report_status(self) -> dict:
+        return {**self._inner.report_status(), "entropykit_sized": True}
+
+    @property
+    def inner_adapter(self) -> L2AdapterInterface:
+        return self._inner
+
+    # Loads: header, then body.
+    def get_load_event_fd(self) -> int:
+        return self._load_efd.fileno()
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        for obj in objects:
+            obj.set_used_size(HEADER_BYTES)
+        state = _Load(list(keys), list(objects))
+        with self._lock:  # held until the inner id is mapped: its completion looks it up
+            ours = self._next_id
+            self._next_id += 1
+            self._heads[self._inner.submit_load_task(keys, objects)] = (ours, state)
+        return ours
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done.pop(task_id, None)
+
+    def _finish(self, ours: L2TaskId, bitmap: Bitmap) -> None:
+        with self._lock:
+            self._done[ours] = bitmap
+        self._load_efd.notify()
+
+    def _headers_read(self, ours: L2TaskId, state: _Load, bitmap: Bitmap) -> None:
+        for i in bitmap.get_indices_list():
+            obj = state.objects[i]
+            try:
+                n = blob_length(obj.byte_array)
+            except CorruptDataError as e:
+                _log.warning("entropykit: %s not loaded: %s", state.keys[i], e)
+                continue
+            if n > obj.get_physical_size():
+                _log.warning("entropykit: %s not loaded: its blob states %d bytes, the "
+                             "buffer holds %d", state.keys[i], n, obj.get_physical_size())
+                continue
+            obj.set_used_size(n)
+            state.picked.append(i)
+        if not state.picked:
+            self._finish(ours, Bitmap(len(state.keys)))
+            return
+        with self._lock:
+            inner = self._inner.submit_load_task([state.keys[i] for i in state.picked],
+                                                 [state.objects[i] for i in state.picked])
+            self._bodies[inner] = (ours, state)
+
+    def _bodies_read(self, ours: L2TaskId, state: _Load, bitmap: Bitmap) -> None:
+        out = Bitmap(len(state.keys))
+        for j in bitmap.get_indices_list():
+            out.set(state.picked[j])
+        self._finish(ours, out)
+
+    def _drain(self) -> None:
+        for table, then in ((self._heads, self._headers_read),
+                            (self._bodies, self._bodies_read)):
+            with self._lock:
+                pending = list(table)
+            for inner in pending:
+                bitmap = self._inner.query_load_result(inner)
+                if bitmap is None:
+                    continue
+                with self._lock:
+                    ours, state = table.pop(inner)
+                try:
+                    then(ours, state, bitmap)
+                except Exception:
+                    _log.exception("entropykit: load task %d failed", ours)
+                    self._finish(ours, Bitmap(len(state.keys)))
+
+    def _loop(self) -> None:
+        poller = select.poll()
+        fd = self._inner.get_load_event_fd()
+        poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(_POLL_MS):
+                try:
+                    consume_fd(fd)
+                except OSError:
+                    pass
+                self._drain()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._inner.close()
+        self._load_efd.close()
+
+
+__all__ = ["HEADER_BYTES", "SERDE_NAME", "EntropyDeserializer", "EntropySerializer",
+           "SizedL2Adapter", "SizedL2AdapterConfig", "blob_length", "create_serde",
+           "decode_chunk", "encode_chunk", "max_blob_bytes"]
