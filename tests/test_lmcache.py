@@ -1,0 +1,235 @@
+"""The LMCache plugin through the released LMCache: real stores and loads of KV chunks.
+
+Each round trip goes the way LMCache's multi-process mode goes: the adapter spec parsed
+by LMCache's own ``--l2-adapter`` parser (a ``"plugin"`` adapter naming
+``entropykit.lmcache``, with ``"serde": {"type": "entropykit"}``), the adapter built by
+its factory, wrapped in its ``SerdeL2AdapterWrapper`` with its ``L1Manager`` holding the
+buffers, storing into its file-system adapter. Run with ``.ci/lmcache`` (deselected by
+default: it needs ``pip install lmcache``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache")
+
+import torch  # noqa: E402
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
+from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig  # noqa: E402
+from lmcache.v1.distributed.l1_manager import L1Manager  # noqa: E402
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
+from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
+    add_l2_adapters_args,
+    parse_args_to_l2_adapters_config,
+)
+from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper  # noqa: E402
+from lmcache.v1.distributed.serde import create_serde_processor  # noqa: E402
+
+from entropykit import CorruptDataError  # noqa: E402
+from entropykit import lmcache as ek  # noqa: E402
+
+pytestmark = pytest.mark.lmcache
+
+TOKENS = 256  # LMCache's chunk
+LAYERS, HIDDEN = 2, 64  # [2 (k, v), layers, tokens, kv heads x head dim]: its non-MLA shape
+WAIT_S = 300  # the first store compiles the coder's kernels
+
+
+def _chunk(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A KV-like chunk: channels of different scales, as keys have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.linspace(0.05, 4.0, shape[-1])
+    return x.to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _key(i: int) -> ObjectKey:
+    return ObjectKey(chunk_hash=bytes([i]) * 16, model_name="org/model", kv_rank=0)
+
+
+class _Lmcache:
+    """LMCache's L2 path as its storage manager builds it, over a directory."""
+
+    def __init__(self, root: Path, *, sized: bool = True) -> None:
+        fs = {"type": "fs", "base_path": str(root)}
+        spec = {"type": "plugin", "module_path": "entropykit.lmcache",
+                "class_name": "SizedL2Adapter", "adapter_params": {"inner": fs}} if sized else fs
+        spec["serde"] = {"type": "entropykit", "threads": 2}
+        args = add_l2_adapters_args(argparse.ArgumentParser()).parse_args(
+            ["--l2-adapter", json.dumps(spec)])
+        cfg = parse_args_to_l2_adapters_config(args).adapters[0]
+        self.root = root
+        self.l1 = L1Manager(L1ManagerConfig(memory_config=L1MemoryManagerConfig(
+            size_in_bytes=64 << 20, use_lazy=False, shm_name="")))
+        self.adapter = SerdeL2AdapterWrapper(create_l2_adapter(cfg),
+                                             create_serde_processor(cfg.serde_config), self.l1)
+
+    def store(self, key: ObjectKey, groups: list[torch.Tensor]) -> bool:
+        layout = MemoryLayoutDesc(shapes=[g.shape for g in groups],
+                                  dtypes=[g.dtype for g in groups])
+        err, obj = self.l1.reserve_write([key], [False], layout, tag="test")[key]
+        for i, g in enumerate(groups):
+            obj.get_tensor(i).copy_(g)
+        self.l1.finish_write([key], tag="test")
+        err, obj = self.l1.reserve_read([key])[key]
+        task = self.adapter.submit_store_task([key], [obj])
+        done = _wait(lambda: self.adapter.pop_completed_store_tasks().get(task))
+        self.l1.finish_read([key])
+        return done.is_successful()
+
+    def load(self, keys: list[ObjectKey], like: list[torch.Tensor]
+             ) -> tuple[list[bool], list[list[torch.Tensor]]]:
+        """Which of ``keys`` loaded, and the buffers they loaded into (copies)."""
+        layout = MemoryLayoutDesc(shapes=[g.shape for g in like],
+                                  dtypes=[g.dtype for g in like])
+        dst = [ObjectKey(chunk_hash=b"\xff" * 15 + bytes([i]), model_name="dst", kv_rank=0)
+               for i in range(len(keys))]
+        got = self.l1.reserve_write(dst, [True] * len(dst), layout, tag="test")
+        objs = [got[k][1] for k in dst]
+        for o in objs:  # so that a load that writes nothing shows
+            for i in range(len(like)):
+                o.get_tensor(i).view(torch.uint8).zero_()
+        task = self.adapter.submit_load_task(keys, objs)
+        bitmap = _wait(lambda: self.adapter.query_load_result(task))
+        out = [[o.get_tensor(i).clone() for i in range(len(like))] for o in objs]
+        self.l1.finish_write_and_delete(dst, tag="test")
+        return [bitmap.test(i) for i in range(len(keys))], out
+
+    def files(self) -> list[Path]:
+        return sorted(self.root.glob("*.data"))
+
+    def close(self) -> None:
+        self.adapter.close()
+
+
+def _wait(poll):
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        got = poll()
+        if got is not None:
+            return got
+        time.sleep(0.01)
+    raise AssertionError("LMCache did not finish the task")
+
+
+@pytest.fixture
+def lmc(tmp_path):
+    c = _Lmcache(tmp_path)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_round_trip_is_exact_and_the_file_holds_the_true_length(lmc, dtype):
+    chunk = _chunk(dtype, (2, LAYERS, TOKENS, HIDDEN), seed=1)
+    assert lmc.store(_key(1), [chunk])
+    (path,) = lmc.files()
+    blob = ek.encode_chunk([chunk], threads=2)
+    raw = chunk.numel() * chunk.element_size()
+    # on disk: exactly the blob (deterministic), coded, smaller than the values and than
+    # the buffer LMCache sized from the estimate
+    assert path.read_bytes() == blob
+    assert blob[5] == ek.CODED and len(blob) < raw
+    assert ek.max_blob_bytes(MemoryLayoutDesc([chunk.shape], [dtype])) == raw + 24
+    loaded, (out,) = lmc.load([_key(1)], [chunk])
+    assert loaded == [True] and _same(out[0], chunk)
+
+
+def test_lmcache_alone_stores_the_true_length_but_cannot_load_it(tmp_path):
+    # why SizedL2Adapter exists: LMCache's serde wrapper stores the bytes the serializer
+    # wrote, then loads into a buffer of the estimated size, and its file-system adapter
+    # counts the shorter file as a miss
+    import entropykit.lmcache  # noqa: F401  (registers the serde, as the plugin spec does)
+
+    c = _Lmcache(tmp_path, sized=False)
+    try:
+        chunk = _chunk(torch.bfloat16, (2, LAYERS, TOKENS, HIDDEN), seed=7)
+        assert c.store(_key(5), [chunk])
+        (path,) = c.files()
+        assert path.read_bytes() == ek.encode_chunk([chunk], threads=2)
+        loaded, _ = c.load([_key(5)], [chunk])
+        assert loaded == [False]
+    finally:
+        c.close()
+
+
+def test_groups_of_several_dtypes_and_a_missing_key(lmc):
+    # one buffer of two groups (LMCache's object groups hold one per kernel group)
+    groups = [_chunk(torch.bfloat16, (2, LAYERS, TOKENS, HIDDEN), seed=2),
+              _chunk(torch.float8_e5m2, (LAYERS, TOKENS, 32), seed=3)]
+    assert lmc.store(_key(2), groups)
+    loaded, outs = lmc.load([_key(9), _key(2)], groups)
+    assert loaded == [False, True]
+    assert all(_same(o, g) for o, g in zip(outs[1], groups, strict=True))
+
+
+def test_incompressible_chunk_is_stored_as_it_is(lmc):
+    g = torch.Generator().manual_seed(4)
+    chunk = torch.randint(0, 256, (2, LAYERS, TOKENS, HIDDEN * 2), dtype=torch.uint8,
+                          generator=g).view(torch.bfloat16)  # random bits, NaNs included
+    assert lmc.store(_key(3), [chunk])
+    (path,) = lmc.files()
+    data = path.read_bytes()
+    assert data[5] == ek.RAW and len(data) == 24 + chunk.numel() * 2
+    loaded, (out,) = lmc.load([_key(3)], [chunk])
+    assert loaded == [True] and _same(out[0], chunk)
+
+
+@pytest.mark.parametrize("damage", ["body byte", "header byte", "truncated", "extended"])
+def test_damaged_file_is_a_miss(lmc, damage):
+    chunk = _chunk(torch.bfloat16, (2, LAYERS, TOKENS, HIDDEN), seed=5)
+    assert lmc.store(_key(4), [chunk])
+    (path,) = lmc.files()
+    data = bytearray(path.read_bytes())
+    if damage == "body byte":
+        data[len(data) // 2] ^= 0x10
+    elif damage == "header byte":
+        data[9] ^= 0x01  # the stated length
+    elif damage == "truncated":
+        del data[-100:]
+    else:
+        data += b"\0" * 100  # bytes after the blob are not read: still a hit
+    path.write_bytes(bytes(data))
+    loaded, (out,) = lmc.load([_key(4)], [chunk])
+    if damage == "extended":
+        assert loaded == [True] and _same(out[0], chunk)
+    else:
+        assert loaded == [False]
+        with pytest.raises(CorruptDataError):
+            ek.decode_chunk(bytes(data), [torch.empty_like(chunk)])
+
+
+def test_decode_refuses_other_buffers_and_bad_headers():
+    chunk = _chunk(torch.bfloat16, (2, LAYERS, TOKENS, HIDDEN), seed=6)
+    blob = ek.encode_chunk([chunk], threads=1)
+    assert ek.blob_length(blob[: ek.HEADER_BYTES]) == len(blob)
+    out = torch.empty_like(chunk)
+    ek.decode_chunk(blob, [out], threads=1)
+    assert _same(out, chunk)
+    with pytest.raises(CorruptDataError, match="group 0 is BF16"):
+        ek.decode_chunk(blob, [torch.empty(chunk.shape, dtype=torch.float16)])
+    with pytest.raises(CorruptDataError, match="holds groups"):
+        ek.decode_chunk(blob, [out, out])
+    with pytest.raises(CorruptDataError, match="truncated"):
+        ek.decode_chunk(blob[:-1], [out])
+    with pytest.raises(CorruptDataError, match="not an LMCache chunk blob"):
+        ek.blob_length(blob[: ek.HEADER_BYTES - 1])
+    with pytest.raises(CorruptDataError, match="header CRC-32"):
+        ek.blob_length(blob[:12] + bytes([blob[12] ^ 1]) + blob[13:ek.HEADER_BYTES])
+
+
+def test_serde_options_are_checked():
+    with pytest.raises(ValueError, match="unknown options"):
+        ek.create_serde({"thread": 2})
+    with pytest.raises(ValueError, match="threads must be"):
+        ek.create_serde({"threads": 0})
+    ek.create_serde({"threads": 1, "max_workers": 2}).close()
