@@ -128,7 +128,8 @@ def lmc(tmp_path):
     c.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.float32])
 def test_round_trip_is_exact_and_the_file_holds_the_true_length(lmc, dtype):
     chunk = _chunk(dtype, (2, LAYERS, TOKENS, HIDDEN), seed=1)
     assert lmc.store(_key(1), [chunk])
