@@ -20,8 +20,10 @@ adapter that stores anything itself.
 
 Loading the plugin: LMCache imports this module when an L2 adapter spec names it as a
 ``"plugin"`` adapter (README, "LMCache"); the serde then exists before LMCache builds it.
-A damaged blob fails its load: the deserializer raises ``CorruptDataError`` and LMCache
-reports the chunk as not loaded (a miss, so the engine recomputes it).
+A damaged blob is a miss (LMCache reports the chunk as not loaded; the engine recomputes
+it): ``SizedL2Adapter`` does not load a blob whose header or body CRC fails, and the
+deserializer raises ``CorruptDataError`` on any damage, which LMCache turns into a miss of
+every chunk of that load.
 """
 
 from __future__ import annotations
@@ -133,11 +135,9 @@ def blob_length(blob: bytes | memoryview) -> int:
     return total
 
 
-def decode_chunk(blob: bytes | memoryview, into: Sequence[torch.Tensor], *,
-                 threads: int | None = None) -> None:
-    """Write the groups of ``blob`` (``encode_chunk``'s; bytes after its stated length are
-    ignored) into ``into``: contiguous host tensors of the groups' dtypes and sizes, in
-    order. ``CorruptDataError`` if the blob is damaged or holds other groups."""
+def check_blob(blob: bytes | memoryview) -> memoryview:
+    """The body of ``blob`` (bytes after its stated length ignored), its header and body
+    CRC checked; ``CorruptDataError`` if a check fails."""
     mv = _u8(blob)
     total = blob_length(mv)
     if total > len(mv):
@@ -146,6 +146,16 @@ def decode_chunk(blob: bytes | memoryview, into: Sequence[torch.Tensor], *,
     body = mv[HEADER_BYTES:total]
     if zlib.crc32(body) != _HEAD.unpack_from(mv, 0)[5]:
         raise CorruptDataError("LMCache chunk blob body CRC-32 does not match")
+    return body
+
+
+def decode_chunk(blob: bytes | memoryview, into: Sequence[torch.Tensor], *,
+                 threads: int | None = None) -> None:
+    """Write the groups of ``blob`` (``encode_chunk``'s; bytes after its stated length are
+    ignored) into ``into``: contiguous host tensors of the groups' dtypes and sizes, in
+    order. ``CorruptDataError`` if the blob is damaged or holds other groups."""
+    body = check_blob(blob)
+    mv = _u8(blob)
     want = [t.numel() * t.element_size() for t in into]
     if _HEAD.unpack_from(mv, 0)[2] == RAW:
         if len(body) != sum(want):
@@ -259,9 +269,9 @@ class SizedL2Adapter(L2AdapterInterface):
 
     Store, lookup, delete and the rest go to the inner adapter. A load reads each key's
     header (the buffer narrowed to ``HEADER_BYTES``), then the blob (the buffer narrowed
-    to the length its header states); a key whose header is damaged, or states more than
-    the buffer holds, is not loaded. The buffers are LMCache's L1 buffers, which can be
-    narrowed (``set_used_size``).
+    to the length its header states); a key whose header is damaged or states more than
+    the buffer holds, or whose body fails its CRC, is not loaded. The buffers are
+    LMCache's L1 buffers, which can be narrowed (``set_used_size``).
     """
 
     def __init__(self, config: SizedL2AdapterConfig, l1_memory_desc: Any = None) -> None:
@@ -376,9 +386,17 @@ class SizedL2Adapter(L2AdapterInterface):
             self._bodies[inner] = (ours, state)
 
     def _bodies_read(self, ours: L2TaskId, state: _Load, bitmap: Bitmap) -> None:
+        # A damaged blob is a miss of its key alone: LMCache fails every key of a
+        # deserialize batch where one fails.
         out = Bitmap(len(state.keys))
         for j in bitmap.get_indices_list():
-            out.set(state.picked[j])
+            i = state.picked[j]
+            try:
+                check_blob(state.objects[i].byte_array)
+            except CorruptDataError as e:
+                _log.warning("entropykit: %s not loaded: %s", state.keys[i], e)
+                continue
+            out.set(i)
         self._finish(ours, out)
 
     def _drain(self) -> None:
@@ -418,5 +436,5 @@ class SizedL2Adapter(L2AdapterInterface):
 
 
 __all__ = ["HEADER_BYTES", "SERDE_NAME", "EntropyDeserializer", "EntropySerializer",
-           "SizedL2Adapter", "SizedL2AdapterConfig", "blob_length", "create_serde",
+           "SizedL2Adapter", "SizedL2AdapterConfig", "blob_length", "check_blob", "create_serde",
            "decode_chunk", "encode_chunk", "max_blob_bytes"]

@@ -20,8 +20,18 @@ import pytest
 pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
-from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig  # noqa: E402
+from lmcache.v1.distributed.api import (  # noqa: E402
+    GroupedObjectKeys,
+    MemoryLayoutDesc,
+    ObjectKey,
+    PrefetchTaskSpec,
+)
+from lmcache.v1.distributed.config import (  # noqa: E402
+    EvictionConfig,
+    L1ManagerConfig,
+    L1MemoryManagerConfig,
+    StorageManagerConfig,
+)
 from lmcache.v1.distributed.l1_manager import L1Manager  # noqa: E402
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
 from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
@@ -30,6 +40,7 @@ from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
 )
 from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper  # noqa: E402
 from lmcache.v1.distributed.serde import create_serde_processor  # noqa: E402
+from lmcache.v1.distributed.storage_manager import StorageManager  # noqa: E402
 
 from entropykit import CorruptDataError  # noqa: E402
 from entropykit import lmcache as ek  # noqa: E402
@@ -56,20 +67,29 @@ def _key(i: int) -> ObjectKey:
     return ObjectKey(chunk_hash=bytes([i]) * 16, model_name="org/model", kv_rank=0)
 
 
+def _l2_config(root: Path, *, sized: bool = True):
+    """The adapters' config as LMCache parses its ``--l2-adapter`` argument (README)."""
+    fs = {"type": "fs", "base_path": str(root)}
+    spec = {"type": "plugin", "module_path": "entropykit.lmcache",
+            "class_name": "SizedL2Adapter", "adapter_params": {"inner": fs}} if sized else fs
+    spec["serde"] = {"type": "entropykit", "threads": 2}
+    args = add_l2_adapters_args(argparse.ArgumentParser()).parse_args(
+        ["--l2-adapter", json.dumps(spec)])
+    return parse_args_to_l2_adapters_config(args)
+
+
+def _l1_config() -> L1ManagerConfig:
+    return L1ManagerConfig(memory_config=L1MemoryManagerConfig(
+        size_in_bytes=64 << 20, use_lazy=False, shm_name=""))
+
+
 class _Lmcache:
     """LMCache's L2 path as its storage manager builds it, over a directory."""
 
     def __init__(self, root: Path, *, sized: bool = True) -> None:
-        fs = {"type": "fs", "base_path": str(root)}
-        spec = {"type": "plugin", "module_path": "entropykit.lmcache",
-                "class_name": "SizedL2Adapter", "adapter_params": {"inner": fs}} if sized else fs
-        spec["serde"] = {"type": "entropykit", "threads": 2}
-        args = add_l2_adapters_args(argparse.ArgumentParser()).parse_args(
-            ["--l2-adapter", json.dumps(spec)])
-        cfg = parse_args_to_l2_adapters_config(args).adapters[0]
+        cfg = _l2_config(root, sized=sized).adapters[0]
         self.root = root
-        self.l1 = L1Manager(L1ManagerConfig(memory_config=L1MemoryManagerConfig(
-            size_in_bytes=64 << 20, use_lazy=False, shm_name="")))
+        self.l1 = L1Manager(_l1_config())
         self.adapter = SerdeL2AdapterWrapper(create_l2_adapter(cfg),
                                              create_serde_processor(cfg.serde_config), self.l1)
 
@@ -126,6 +146,46 @@ def lmc(tmp_path):
     c = _Lmcache(tmp_path)
     yield c
     c.close()
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_storage_manager_stores_evicts_and_prefetches_exactly(tmp_path, damaged):
+    # LMCache's own store and prefetch controllers: chunks written to L1 go to L2 by
+    # themselves; once L1 forgets them, a prefetch loads them back from the files
+    sm = StorageManager(StorageManagerConfig(
+        l1_manager_config=_l1_config(), eviction_config=EvictionConfig("LRU"),
+        l2_adapter_config=_l2_config(tmp_path)))
+    try:
+        shape = (2, LAYERS, TOKENS, HIDDEN)
+        layout = MemoryLayoutDesc([torch.Size(shape)], [torch.bfloat16])
+        keys = [_key(i) for i in range(3)]
+        chunks = [_chunk(torch.bfloat16, shape, seed=10 + i) for i in range(3)]
+        objs = sm.reserve_write(keys, layout)
+        for k, c in zip(keys, chunks, strict=True):
+            objs[k].tensor.copy_(c)
+        sm.finish_write(keys)
+        end = time.monotonic() + WAIT_S
+        while len(list(tmp_path.glob("*.data"))) < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        files = {p.read_bytes(): p for p in tmp_path.glob("*.data")}
+        assert sorted(files) == sorted(ek.encode_chunk([c], threads=2) for c in chunks)
+        sm.delete_l1_keys(keys)
+        if damaged:  # the last chunk's file: that chunk alone is not loaded
+            path = files[ek.encode_chunk([chunks[2]], threads=2)]
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x04
+            path.write_bytes(bytes(data))
+        handle = sm.submit_prefetch_task(PrefetchTaskSpec(
+            key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0, layout_desc=layout)]))
+        assert sm.wait_prefetch_status(handle, WAIT_S)
+        result = sm.query_prefetch_status(handle)
+        hits = result.hit_cells[0].get_indices_list()
+        assert hits == ([0, 1] if damaged else [0, 1, 2])
+        assert result.l2_hit_cells[0].get_indices_list() == hits
+        with sm.read_prefetched_results(keys[: len(hits)], result.l1_owners) as got:
+            assert all(_same(o.tensor, c) for o, c in zip(got, chunks, strict=False))
+    finally:
+        sm.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn,
