@@ -93,7 +93,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _grid(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the 2-D tensor the container codes: rows x its last dimension."""
-    return t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(-1)
+    return t.reshape(-1, t.shape[-1]) if t.dim() >= 2 and t.numel() else t.reshape(-1)
 
 
 def encode_chunk(groups: Sequence[torch.Tensor], *, threads: int | None = None) -> bytes:
@@ -135,18 +135,19 @@ def blob_length(blob: bytes | memoryview) -> int:
     return total
 
 
-def check_blob(blob: bytes | memoryview) -> memoryview:
-    """The body of ``blob`` (bytes after its stated length ignored), its header and body
-    CRC checked; ``CorruptDataError`` if a check fails."""
+def _checked(blob: bytes | memoryview) -> tuple[int, memoryview]:
+    """(mode, body) of ``blob`` (bytes after its stated length ignored), its header and
+    body CRC checked; ``CorruptDataError`` if a check fails."""
     mv = _u8(blob)
     total = blob_length(mv)
     if total > len(mv):
         raise CorruptDataError(f"LMCache chunk blob truncated: its header states {total} "
                                f"bytes, {len(mv)} given")
+    _, _, mode, _, _, crc = _HEAD.unpack_from(mv, 0)
     body = mv[HEADER_BYTES:total]
-    if zlib.crc32(body) != _HEAD.unpack_from(mv, 0)[5]:
+    if zlib.crc32(body) != crc:
         raise CorruptDataError("LMCache chunk blob body CRC-32 does not match")
-    return body
+    return mode, body
 
 
 def decode_chunk(blob: bytes | memoryview, into: Sequence[torch.Tensor], *,
@@ -154,10 +155,11 @@ def decode_chunk(blob: bytes | memoryview, into: Sequence[torch.Tensor], *,
     """Write the groups of ``blob`` (``encode_chunk``'s; bytes after its stated length are
     ignored) into ``into``: contiguous host tensors of the groups' dtypes and sizes, in
     order. ``CorruptDataError`` if the blob is damaged or holds other groups."""
-    body = check_blob(blob)
-    mv = _u8(blob)
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in into):
+        raise ValueError("decode_chunk writes into contiguous host tensors only")
+    mode, body = _checked(blob)
     want = [t.numel() * t.element_size() for t in into]
-    if _HEAD.unpack_from(mv, 0)[2] == RAW:
+    if mode == RAW:
         if len(body) != sum(want):
             raise CorruptDataError(f"LMCache chunk blob holds {len(body)} bytes as they "
                                    f"are; the buffer's groups take {sum(want)}")
@@ -172,7 +174,7 @@ def decode_chunk(blob: bytes | memoryview, into: Sequence[torch.Tensor], *,
         raise
     except ValueError as e:
         raise CorruptDataError(f"LMCache chunk blob body: {e}") from None
-    if c.keys() != sorted(str(i) for i in range(len(into))) or len(c.keys()) != len(into):
+    if len(c.keys()) != len(into) or set(c.keys()) != {str(i) for i in range(len(into))}:
         raise CorruptDataError(f"LMCache chunk blob holds groups {c.keys()}; the buffer "
                                f"has {len(into)}")
     for i, t in enumerate(into):
@@ -392,7 +394,7 @@ class SizedL2Adapter(L2AdapterInterface):
         for j in bitmap.get_indices_list():
             i = state.picked[j]
             try:
-                check_blob(state.objects[i].byte_array)
+                _checked(state.objects[i].byte_array)
             except CorruptDataError as e:
                 _log.warning("entropykit: %s not loaded: %s", state.keys[i], e)
                 continue
@@ -436,5 +438,5 @@ class SizedL2Adapter(L2AdapterInterface):
 
 
 __all__ = ["HEADER_BYTES", "SERDE_NAME", "EntropyDeserializer", "EntropySerializer",
-           "SizedL2Adapter", "SizedL2AdapterConfig", "blob_length", "check_blob", "create_serde",
+           "SizedL2Adapter", "SizedL2AdapterConfig", "blob_length", "create_serde",
            "decode_chunk", "encode_chunk", "max_blob_bytes"]

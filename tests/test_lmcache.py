@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -72,7 +74,7 @@ def _l2_config(root: Path, *, sized: bool = True):
     fs = {"type": "fs", "base_path": str(root)}
     spec = {"type": "plugin", "module_path": "entropykit.lmcache",
             "class_name": "SizedL2Adapter", "adapter_params": {"inner": fs}} if sized else fs
-    spec["serde"] = {"type": "entropykit", "threads": 2}
+    spec["serde"] = {"type": "entropykit", "threads": 2, "max_workers": 2}
     args = add_l2_adapters_args(argparse.ArgumentParser()).parse_args(
         ["--l2-adapter", json.dumps(spec)])
     return parse_args_to_l2_adapters_config(args)
@@ -245,7 +247,8 @@ def test_incompressible_chunk_is_stored_as_it_is(lmc):
     assert loaded == [True] and _same(out[0], chunk)
 
 
-@pytest.mark.parametrize("damage", ["body byte", "header byte", "truncated", "extended"])
+@pytest.mark.parametrize("damage", ["body byte", "header byte", "claims more", "truncated",
+                                    "extended"])
 def test_damaged_file_is_a_miss(lmc, damage):
     chunk = _chunk(torch.bfloat16, (2, LAYERS, TOKENS, HIDDEN), seed=5)
     assert lmc.store(_key(4), [chunk])
@@ -255,6 +258,9 @@ def test_damaged_file_is_a_miss(lmc, damage):
         data[len(data) // 2] ^= 0x10
     elif damage == "header byte":
         data[9] ^= 0x01  # the stated length
+    elif damage == "claims more":  # a valid header stating more than the buffer holds
+        struct.pack_into("<Q", data, 8, 1 << 40)
+        struct.pack_into("<I", data, 20, zlib.crc32(data[:20]))
     elif damage == "truncated":
         del data[-100:]
     else:
@@ -280,6 +286,8 @@ def test_decode_refuses_other_buffers_and_bad_headers():
         ek.decode_chunk(blob, [torch.empty(chunk.shape, dtype=torch.float16)])
     with pytest.raises(CorruptDataError, match="holds groups"):
         ek.decode_chunk(blob, [out, out])
+    with pytest.raises(ValueError, match="contiguous host tensors"):
+        ek.decode_chunk(blob, [out.transpose(0, 1)])
     with pytest.raises(CorruptDataError, match="truncated"):
         ek.decode_chunk(blob[:-1], [out])
     with pytest.raises(CorruptDataError, match="not an LMCache chunk blob"):
