@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -205,6 +207,38 @@ def test_round_trip_is_exact_and_the_file_holds_the_true_length(lmc, dtype):
     assert ek.max_blob_bytes(MemoryLayoutDesc([chunk.shape], [dtype])) == raw + 24
     loaded, (out,) = lmc.load([_key(1)], [chunk])
     assert loaded == [True] and _same(out[0], chunk)
+
+
+def test_the_spec_alone_loads_the_plugin(tmp_path):
+    # a fresh LMCache process that never imports entropykit itself: building the storage
+    # manager from the README's spec imports the plugin, which registers the serde first
+    spec = {"type": "plugin", "module_path": "entropykit.lmcache",
+            "class_name": "SizedL2Adapter",
+            "adapter_params": {"inner": {"type": "fs", "base_path": str(tmp_path)}},
+            "serde": {"type": "entropykit"}}
+    code = f"""
+import argparse, sys
+from lmcache.v1.distributed.config import (EvictionConfig, L1ManagerConfig,
+    L1MemoryManagerConfig, StorageManagerConfig)
+from lmcache.v1.distributed.l2_adapters.config import (add_l2_adapters_args,
+    parse_args_to_l2_adapters_config)
+from lmcache.v1.distributed.storage_manager import StorageManager
+args = add_l2_adapters_args(argparse.ArgumentParser()).parse_args(
+    ["--l2-adapter", {json.dumps(spec)!r}])
+l1 = L1ManagerConfig(memory_config=L1MemoryManagerConfig(
+    size_in_bytes=1 << 24, use_lazy=False, shm_name=""))
+sm = StorageManager(StorageManagerConfig(l1_manager_config=l1,
+    eviction_config=EvictionConfig("LRU"),
+    l2_adapter_config=parse_args_to_l2_adapters_config(args)))
+(desc, adapter), = sm.l2_adapters()
+print(type(adapter).__name__, type(adapter.inner_adapter).__name__,
+      type(adapter.inner_adapter.inner_adapter).__name__)
+sm.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=WAIT_S)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["SerdeL2AdapterWrapper", "SizedL2Adapter", "FSL2Adapter"]
 
 
 def test_lmcache_alone_stores_the_true_length_but_cannot_load_it(tmp_path):
