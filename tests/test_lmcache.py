@@ -244,6 +244,34 @@ sm.close()
     assert out.stdout.split() == ["SerdeL2AdapterWrapper", "SizedL2Adapter", "FSL2Adapter"]
 
 
+def test_without_the_serde_the_adapter_is_its_inner_one(tmp_path):
+    # a spec that leaves out "serde": KV buffers are stored and loaded as they are
+    args = add_l2_adapters_args(argparse.ArgumentParser()).parse_args(["--l2-adapter", json.dumps(
+        {"type": "plugin", "module_path": "entropykit.lmcache.plugin",
+         "class_name": "SizedL2Adapter",
+         "adapter_params": {"inner": {"type": "fs", "base_path": str(tmp_path)}}})])
+    cfg = parse_args_to_l2_adapters_config(args).adapters[0]
+    assert cfg.serde_config is None
+    l1, adapter = L1Manager(_l1_config()), create_l2_adapter(cfg)
+    try:
+        chunk = _chunk(torch.bfloat16, (2, LAYERS, TOKENS, HIDDEN), seed=8)
+        layout = MemoryLayoutDesc([chunk.shape], [chunk.dtype])
+        src, dst = _key(6), _key(7)
+        got = l1.reserve_write([src, dst], [True, True], layout, tag="test")
+        obj, out = got[src][1], got[dst][1]
+        obj.tensor.copy_(chunk)
+        out.tensor.zero_()
+        task = adapter.submit_store_task([src], [obj])
+        assert _wait(lambda: adapter.pop_completed_store_tasks().get(task)).is_successful()
+        (path,) = tmp_path.glob("*.data")
+        assert path.read_bytes() == chunk.view(torch.uint8).numpy().tobytes()
+        task = adapter.submit_load_task([src], [out])
+        assert _wait(lambda: adapter.query_load_result(task)).test(0)
+        assert _same(out.tensor, chunk)
+    finally:
+        adapter.close()
+
+
 def test_lmcache_alone_stores_the_true_length_but_cannot_load_it(tmp_path):
     # why SizedL2Adapter exists: LMCache's serde wrapper stores the bytes the serializer
     # wrote, then loads into a buffer of the estimated size, and its file-system adapter

@@ -146,7 +146,8 @@ class SizedL2Adapter(L2AdapterInterface):
     header (the buffer narrowed to ``HEADER_BYTES``), then the blob (the buffer narrowed
     to the length its header states); a key whose header is damaged or states more than
     the buffer holds, or whose body fails its CRC, is not loaded. The buffers are
-    LMCache's L1 buffers, which can be narrowed (``set_used_size``).
+    LMCache's L1 byte buffers of the serde, which can be narrowed (``set_used_size``);
+    a load into other buffers (a spec without the serde) is the inner adapter's alone.
     """
 
     def __init__(self, config: SizedL2AdapterConfig, l1_memory_desc: Any = None) -> None:
@@ -157,6 +158,7 @@ class SizedL2Adapter(L2AdapterInterface):
         self._next_id: L2TaskId = 0
         self._heads: dict[L2TaskId, tuple[L2TaskId, _Load]] = {}  # inner id -> ours
         self._bodies: dict[L2TaskId, tuple[L2TaskId, _Load]] = {}
+        self._plain: dict[L2TaskId, tuple[L2TaskId, _Load]] = {}
         self._done: dict[L2TaskId, Bitmap] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="entropykit-sized-l2",
@@ -220,13 +222,19 @@ class SizedL2Adapter(L2AdapterInterface):
         return self._load_efd.fileno()
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        for obj in objects:
-            obj.set_used_size(HEADER_BYTES)
+        # Blobs arrive in the serde's byte buffers; any other buffer (a spec without the
+        # serde) is the inner adapter's to load as it is, never narrowed.
+        blobs = all(o.get_dtypes() == [torch.uint8] and len(o.get_shapes()) == 1
+                    for o in objects)
+        if blobs:
+            for obj in objects:
+                obj.set_used_size(HEADER_BYTES)
         state = _Load(list(keys), list(objects))
         with self._lock:  # held until the inner id is mapped: its completion looks it up
             ours = self._next_id
             self._next_id += 1
-            self._heads[self._inner.submit_load_task(keys, objects)] = (ours, state)
+            table = self._heads if blobs else self._plain
+            table[self._inner.submit_load_task(keys, objects)] = (ours, state)
         return ours
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -276,7 +284,8 @@ class SizedL2Adapter(L2AdapterInterface):
 
     def _drain(self) -> None:
         for table, then in ((self._heads, self._headers_read),
-                            (self._bodies, self._bodies_read)):
+                            (self._bodies, self._bodies_read),
+                            (self._plain, lambda ours, _, bitmap: self._finish(ours, bitmap))):
             with self._lock:
                 pending = list(table)
             for inner in pending:
