@@ -101,9 +101,8 @@ def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     for name, v in (("threads", threads), ("max_workers", workers)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"entropykit serde: {name} must be an integer >= 1, got {v!r}")
-    return AsyncSerdeProcessor(EntropySerializer(threads=threads),  # type: ignore[arg-type]
-                               EntropyDeserializer(threads=threads),  # type: ignore[arg-type]
-                               max_workers=workers)  # type: ignore[arg-type]
+    return AsyncSerdeProcessor(EntropySerializer(threads=threads),
+                               EntropyDeserializer(threads=threads), max_workers=workers)
 
 
 if SERDE_NAME not in get_registered_serde_types():
