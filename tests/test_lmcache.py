@@ -20,35 +20,32 @@ import zlib
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("lmcache")
-
-import torch  # noqa: E402
-from lmcache.v1.distributed.api import (  # noqa: E402
+import torch
+from lmcache.v1.distributed.api import (
     GroupedObjectKeys,
     MemoryLayoutDesc,
     ObjectKey,
     PrefetchTaskSpec,
 )
-from lmcache.v1.distributed.config import (  # noqa: E402
+from lmcache.v1.distributed.config import (
     EvictionConfig,
     L1ManagerConfig,
     L1MemoryManagerConfig,
     StorageManagerConfig,
 )
-from lmcache.v1.distributed.l1_manager import L1Manager  # noqa: E402
-from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
-from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
+from lmcache.v1.distributed.l1_manager import L1Manager
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.config import (
     add_l2_adapters_args,
     parse_args_to_l2_adapters_config,
 )
-from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper  # noqa: E402
-from lmcache.v1.distributed.serde import create_serde_processor  # noqa: E402
-from lmcache.v1.distributed.storage_manager import StorageManager  # noqa: E402
+from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
+from lmcache.v1.distributed.serde import create_serde_processor
+from lmcache.v1.distributed.storage_manager import StorageManager
 
-from entropykit import CorruptDataError  # noqa: E402
-from entropykit import lmcache as ek  # noqa: E402
-from entropykit.lmcache import plugin  # noqa: E402
+from entropykit import CorruptDataError
+from entropykit import lmcache as ek
+from entropykit.lmcache import plugin
 
 pytestmark = pytest.mark.lmcache
 
