@@ -52,7 +52,18 @@
 // copy). This cuts the per-symbol instructions (no per-step narrow store and its address
 // math, compose, raw ring read or ring slide), which bound the kernel (docs/gpu.md).
 // The last < 512 symbols take a scalar path with the same output places.
+//
+// Table layout (TABLES, a build option; 0 unless the runtime asks): 0 reads a step's
+// tables as two gathers, slot -> symbol byte, then symbol -> f | start << 16; 1 (packed,
+// SMEM builds only) stages one word per slot, sym | (f - 1) << 8 | (slot - start) << 20
+// (every field fits 12 bits since p <= 12; f - 1 because f may be 2^12), built by the
+// block from the same two tables: one gather a step instead of two, and a dependency
+// chain one shared-memory load shorter. Tables read through L1 (CTX's b, classed
+// streams, p > 12) keep layout 0.
 
+#ifndef TABLES
+#define TABLES 0
+#endif
 #define VEC (!CTX && !CLS)  // staged output: the builds without contexts or classes
 // blocks an SM for 32 resident warps, so at most 64 registers a thread (the staged u8 build
 // would take more and halve the resident warps)
@@ -60,7 +71,10 @@
 
 #define LB 65536u
 #define FULL_MASK 0xffffffffu
-#define SMEM_STREAM (4096 + 1024)  // bytes of one table set in shared memory
+#define PACKED (TABLES == 1 && SMEM)  // shared table sets hold one word per slot
+#define PACKED_B (PACKED && !CTX)      // b's tables are in shared memory (CTX: L1, layout 0)
+// bytes of one table set in shared memory: 2^12 packed words, or symbol bytes + infos
+#define SMEM_STREAM (PACKED ? 4 * 4096 : 4096 + 1024)
 #define STAGE (VEC ? 1024 : 0)  // staging bytes a warp: a round's exponents, then sm bytes
 #define WARP_SMEM (4 * RING + STAGE)  // bytes of shared memory a warp: word rings, staging
 
@@ -193,15 +207,24 @@ __device__ __forceinline__ unsigned warp_ballot(bool need) {
     return b;
 }
 
-// One step of a coded stream with its tables at sym/info; returns the symbols of i.
-template <bool FULL>
+// One step of a coded stream with its tables at sym/info (PK: sym is the packed table,
+// info unused); returns the symbols of i.
+template <bool FULL, bool PK = false>
 __device__ __forceinline__ unsigned rans_step(Stream& s, int i, int lane, unsigned lt,
         const unsigned char* sym, const unsigned* info) {
     const bool live = FULL || i < s.n;
     const unsigned slot = s.x & ((1u << s.p) - 1u);
-    const unsigned c = live ? (unsigned)sym[slot] : 0u;
-    const unsigned inf = live ? info[c] : 0u;
-    unsigned y = (inf & 0xffffu) * (s.x >> s.p) + slot - (inf >> 16);
+    unsigned c, y;
+    if (PK) {  // f * q + slot - start = (f - 1) * q + q + (slot - start)
+        const unsigned e = live ? reinterpret_cast<const unsigned*>(sym)[slot] : 0u;
+        const unsigned q = s.x >> s.p;
+        c = e & 0xffu;
+        y = ((e >> 8) & 0xfffu) * q + q + (e >> 20);
+    } else {
+        c = live ? (unsigned)sym[slot] : 0u;
+        const unsigned inf = live ? info[c] : 0u;
+        y = (inf & 0xffffu) * (s.x >> s.p) + slot - (inf >> 16);
+    }
     const bool need = live && y < LB;
     const unsigned b = warp_ballot(need);
     // Past the payload the windows hold 0; the final wp > n_words check reports it.
@@ -220,11 +243,11 @@ __device__ __forceinline__ unsigned raw_step(Stream& s, int lane) {
     return c;
 }
 
-template <bool FULL, bool RAW>
+template <bool FULL, bool RAW, bool PK>
 __device__ __forceinline__ unsigned stream_step(Stream& s, int i, int lane, unsigned lt,
         const unsigned char* sym, const unsigned* info) {
     if (RAW) return raw_step(s, lane);
-    return rans_step<FULL>(s, i, lane, lt, sym, info);
+    return rans_step<FULL, PK>(s, i, lane, lt, sym, info);
 }
 
 struct Pair {
@@ -244,7 +267,7 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
 #if CLS
     if (!RAW_A) grid_tables(a, FULL || i < a.n, sa, ia);
 #endif
-    const unsigned ea = stream_step<FULL, RAW_A>(a, i, lane, lt, sa, ia);
+    const unsigned ea = stream_step<FULL, RAW_A, PACKED>(a, i, lane, lt, sa, ia);
     const unsigned char* sb = q.sb;
     const unsigned* ib = q.ib;
 #if CTX
@@ -256,7 +279,7 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
 #if CLS && !BF16  // bf16 mode: b (sign_mantissa) is never classed (plan.py), no registers
     if (!RAW_B) grid_tables(b, FULL || i < b.n, sb, ib);
 #endif
-    const unsigned eb = stream_step<FULL, RAW_B>(b, i, lane, lt, sb, ib);
+    const unsigned eb = stream_step<FULL, RAW_B, PACKED_B>(b, i, lane, lt, sb, ib);
 #if BF16
     if (FULL || i < a.n)
         reinterpret_cast<unsigned short*>(q.out)[q.out_a + i * q.step_a] =
@@ -288,11 +311,11 @@ __device__ __forceinline__ void run_pair(Stream& a, Stream& b, Pair& q, int lane
 #if VEC
 // A stream's symbol i outside the rounds: a raw stream's byte from global memory (its ring
 // is unused in VEC mode), a coded stream's next step.
-template <bool RAW>
+template <bool RAW, bool PK>
 __device__ __forceinline__ unsigned tail_step(Stream& s, int i, int lane, unsigned lt,
                                               const unsigned char* sym, const unsigned* info) {
     if (RAW) return i < s.n ? (unsigned)__ldg(s.bytes + i) : 0u;
-    return rans_step<false>(s, i, lane, lt, sym, info);
+    return rans_step<false, PK>(s, i, lane, lt, sym, info);
 }
 #endif
 
@@ -327,10 +350,10 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
         if (RAW_B && r + 1 < rounds) next = __ldg(smv + 32 * (r + 1) + lane);
 #pragma unroll
         for (int k = 0; k < 16; ++k, i += 32) {
-            stage[32 * k + lane] = (unsigned char)rans_step<true>(a, i, lane, lt, q.sa, q.ia);
+            stage[32 * k + lane] = (unsigned char)rans_step<true, PACKED>(a, i, lane, lt, q.sa, q.ia);
             if (!RAW_B)
                 stage[512 + 32 * k + lane] =
-                    (unsigned char)rans_step<true>(b, i, lane, lt, q.sb, q.ib);
+                    (unsigned char)rans_step<true, PACKED_B>(b, i, lane, lt, q.sb, q.ib);
             if (k & 1) {
                 slide(a, lane);
                 if (!RAW_B) slide(b, lane);
@@ -348,8 +371,8 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
     // The last < 512 symbols one step at a time (b raw: its bytes straight from global).
     const int steps = (a.n + 31) >> 5;
     for (int s = rounds << 4; s < steps; ++s, i += 32) {
-        const unsigned ea = tail_step<false>(a, i, lane, lt, q.sa, q.ia);
-        const unsigned eb = tail_step<RAW_B>(b, i, lane, lt, q.sb, q.ib);
+        const unsigned ea = tail_step<false, PACKED>(a, i, lane, lt, q.sa, q.ia);
+        const unsigned eb = tail_step<RAW_B, PACKED_B>(b, i, lane, lt, q.sb, q.ib);
         if (i < a.n) out[i] = (unsigned short)(((eb >> 7) << 15) | (ea << 7) | (eb & 0x7fu));
         slide(a, lane);
         if (!RAW_B) slide(b, lane);
@@ -378,10 +401,10 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
             for (int k = 0; k < 16; ++k, i += 32) {
                 if (!RAW_A)
                     stage[32 * k + lane] =
-                        (unsigned char)rans_step<true>(a, i, lane, lt, q.sa, q.ia);
+                        (unsigned char)rans_step<true, PACKED>(a, i, lane, lt, q.sa, q.ia);
                 if (!RAW_B)
                     stage[512 + 32 * k + lane] =
-                        (unsigned char)rans_step<true>(b, i, lane, lt, q.sb, q.ib);
+                        (unsigned char)rans_step<true, PACKED_B>(b, i, lane, lt, q.sb, q.ib);
                 if (k & 1) {
                     if (!RAW_A) slide(a, lane);
                     if (!RAW_B) slide(b, lane);
@@ -399,8 +422,8 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
     }
     const int steps = (max(a.n, b.n) + 31) >> 5;
     for (int s = rounds << 4; s < steps; ++s, i += 32) {
-        const unsigned ea = tail_step<RAW_A>(a, i, lane, lt, q.sa, q.ia);
-        const unsigned eb = tail_step<RAW_B>(b, i, lane, lt, q.sb, q.ib);
+        const unsigned ea = tail_step<RAW_A, PACKED>(a, i, lane, lt, q.sa, q.ia);
+        const unsigned eb = tail_step<RAW_B, PACKED_B>(b, i, lane, lt, q.sb, q.ib);
         if (i < a.n) oa[i] = (unsigned char)ea;
         if (i < b.n) ob[i] = (unsigned char)eb;
         if (!RAW_A) slide(a, lane);
@@ -420,13 +443,22 @@ __device__ __forceinline__ int status_of(const Stream& s) {
 }
 
 #if SMEM
-// The whole block copies one table set (2^p <= 4096 symbol bytes, 256 infos) to dst.
+// The whole block copies one table set (2^p <= 4096 symbol bytes, 256 infos) to dst, or
+// (PACKED) writes its 2^p packed slot words. plan.py builds the tables from a validated
+// frequency table, so slot j's symbol c has f >= 1 and start <= j < start + f <= 2^p.
 __device__ __forceinline__ void stage(unsigned char* dst, const unsigned char* sym,
                                       const unsigned* info, int p) {
-    const unsigned* src = reinterpret_cast<const unsigned*>(sym);  // 256-byte aligned
     unsigned* d32 = reinterpret_cast<unsigned*>(dst);
+#if PACKED
+    for (int j = threadIdx.x; j < (1 << p); j += blockDim.x) {
+        const unsigned c = __ldg(sym + j), inf = __ldg(info + c);
+        d32[j] = c | ((inf & 0xffffu) - 1u) << 8 | (j - (inf >> 16)) << 20;
+    }
+#else
+    const unsigned* src = reinterpret_cast<const unsigned*>(sym);  // 256-byte aligned
     for (int j = threadIdx.x; j < (1 << p) / 4; j += blockDim.x) d32[j] = src[j];
     for (int j = threadIdx.x; j < 256; j += blockDim.x) d32[1024 + j] = info[j];
+#endif
 }
 #endif
 
@@ -482,7 +514,7 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     q.out = out;
 #if SMEM
     q.sa = ta;
-    q.ia = reinterpret_cast<const unsigned*>(ta + 4096);
+    q.ia = reinterpret_cast<const unsigned*>(ta + 4096);  // unused when PACKED
     q.sb = CTX ? b.sym : tb;
     q.ib = CTX ? b.info : reinterpret_cast<const unsigned*>(tb + 4096);
 #else
