@@ -43,19 +43,23 @@ from device_check import occupancy, timed  # noqa: E402
 
 from entropykit import rans  # noqa: E402
 from entropykit.gpu import upload  # noqa: E402
-from entropykit.rans.cuda import _runtime, plan  # noqa: E402
+from entropykit.rans.cuda import plan  # noqa: E402
 
 
 class Variant(NamedTuple):
+    """A build and its warps per block; None: the default (``_runtime.TABLES``,
+    ``_runtime.RING_WINDOWS``, ``plan.WARPS``)."""
+
     name: str
-    tables: int  # _runtime.TABLES
-    ring: int  # _runtime.RING_WINDOWS
-    warps: int  # plan.WARPS
+    tables: int | None
+    ring: int | None
+    warps: int | None
 
 
-# The first is today's default build; each other changes one or two of its choices.
+# The first is the default build, as a decode takes it; each other changes one or two of
+# today's choices (tables 0, ring 8, warps 16).
 VARIANTS = (
-    Variant("default", _runtime.TABLES, _runtime.RING_WINDOWS, plan.WARPS),
+    Variant("default", None, None, None),
     Variant("packed", 1, 8, 16),
     Variant("packed-w8", 1, 8, 8),
     Variant("packed-w32", 1, 8, 32),
@@ -67,10 +71,21 @@ VARIANTS = (
 )
 
 
+def env(v: Variant) -> dict[str, str | None]:
+    """The environment that makes ``v``'s build the one the next bound launch takes
+    (None: unset)."""
+    from entropykit.rans.cuda import _runtime  # CuPy's: only where a decode runs
+
+    return {_runtime._ENV_TABLES: None if v.tables is None else str(v.tables),
+            _runtime._ENV_RING: None if v.ring is None else str(v.ring)}
+
+
 def select(v: Variant) -> None:
-    """Make ``v``'s build the one the next bound launch takes."""
-    os.environ[_runtime._ENV_TABLES] = str(v.tables)
-    os.environ[_runtime._ENV_RING] = str(v.ring)
+    for k, val in env(v).items():
+        if val is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = val
 
 
 def cpu_reference(per: list, width: int) -> list[np.ndarray]:
@@ -113,6 +128,8 @@ def copy_gbps(data: torch.Tensor, reps: int) -> float:
 
 def sweep(name: str, tensors: list[np.ndarray], reps_tile: int, variants, reps: int,
           sm_rule: str) -> list[dict]:
+    from entropykit.rans.cuda import _runtime
+
     width = tensors[0].dtype.itemsize
     # ek_streams reads only these of a DataSet (whose constructor uploads the tiled data)
     per, stored, note = bg.ek_streams(SimpleNamespace(name=name, tensors=tensors, width=width),
@@ -131,14 +148,16 @@ def sweep(name: str, tensors: list[np.ndarray], reps_tile: int, variants, reps: 
     outs = list(torch.split(arena, sizes))
     uploaded: dict[int, object] = {}
     for v in (*variants, variants[0]):
-        if v.warps not in uploaded:
+        warps = v.warps or plan.WARPS
+        if warps not in uploaded:
             uploaded.clear()  # one batch on the device at a time
             torch.cuda.empty_cache()
-            uploaded[v.warps] = upload(batch_of(per, ds, v.warps), bg.DEV)
-        db = uploaded[v.warps]
+            uploaded[warps] = upload(batch_of(per, ds, warps), bg.DEV)
+        db = uploaded[warps]
         select(v)
-        row = {"set": name, "variant": v.name, "tables": v.tables, "ring": v.ring,
-               "warps": v.warps, "ratio": round(ratio, 4)}
+        tables, ring = _runtime.variant()
+        row = {"set": name, "variant": v.name, "tables": tables, "ring": ring,
+               "warps": warps, "ratio": round(ratio, 4)}
         try:
             t0 = time.perf_counter()
             launch = db.bind(outs)
@@ -188,6 +207,8 @@ def main() -> None:
     chosen = [v for v in VARIANTS if not args.variants or v.name in args.variants.split(",")]
     if not chosen:
         raise SystemExit(f"no variant named in {args.variants!r}")
+    if any(os.environ.get(k) is not None for k in env(VARIANTS[0])):
+        raise SystemExit(f"unset {', '.join(env(VARIANTS[0]))}: the sweep sets them")
     t0 = time.perf_counter()
     name = torch.cuda.get_device_name(bg.DEV)
     bg.log(f"device {name}, torch {torch.__version__}")
@@ -203,8 +224,7 @@ def main() -> None:
             set_name, tensors, reps_tile, rule = sets[s]()
             rows += sweep(set_name, tensors, reps_tile, chosen, args.reps, rule)
     finally:
-        for k in (_runtime._ENV_TABLES, _runtime._ENV_RING):
-            os.environ.pop(k, None)
+        select(VARIANTS[0])
     md = f"{name}, {time.perf_counter() - t0:.0f} s\n\n" + table(rows)
     bg.log("\n" + md)
     if args.out:
