@@ -528,3 +528,38 @@ def test_packed_tables_give_the_same_status_on_corrupt_chunks(case):
     out1, status1 = _emulate(b, tables=1)
     assert status1.any() and np.array_equal(status0, status1)
     assert all(np.array_equal(x, y) for x, y in zip(out0, out1, strict=True))
+
+
+def test_register_store_round_writes_the_symbols_in_order():
+    """STORE=1 (u8 staged rounds): put_byte builds each lane's words w[g] step by step,
+    put_round transposes each 4-lane group's bytes with two shuffles and writes words at
+    o + 32 (4 g + r) + 4 m; emulated over a round of random symbols (and dirty high bytes
+    in the step symbols, as a packed step's c would not have), the 512 bytes must be the
+    symbols in order: symbol 32 s + lane of step s at byte 32 s + lane."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    assert "j == 1 ? 0x3240u : j == 2 ? 0x3410u : 0x4210u" in src
+    assert "const unsigned sel1 = (r & 1) ? 0x3715u : 0x6240u, sel2 = (r & 2) ? 0x3276u" \
+           " : 0x5410u;" in src
+    assert "*reinterpret_cast<unsigned*>(o + 32 * (4 * g + r) + 4 * (lane >> 2)) = u;" in src
+    rng = np.random.default_rng(9)
+    lane = np.arange(32)
+    r, m = lane & 3, lane >> 2
+    for _ in range(20):
+        sym = rng.integers(0, 256, (16, 32)).astype(np.uint32)  # [step, lane]
+        dirty = sym | rng.integers(0, 1 << 24, (16, 32)).astype(np.uint32) << np.uint32(8)
+        w = np.zeros((4, 32), np.uint32)
+        for k in range(16):
+            j, g = k & 3, k >> 2
+            sel = {1: 0x3240, 2: 0x3410, 3: 0x4210}.get(j)
+            w[g] = dirty[k] if j == 0 else np.array(
+                [_byte_perm(w[g][x : x + 1], int(dirty[k][x]), sel)[0] for x in lane])
+        out = np.full(512, 0xA5, np.uint8)
+        for g in range(4):
+            t = np.array([_byte_perm(w[g][x : x + 1], int(w[g][x ^ 1]),
+                                     0x3715 if x & 1 else 0x6240)[0] for x in lane])
+            u = np.array([_byte_perm(t[x : x + 1], int(t[x ^ 2]),
+                                     0x3276 if x & 2 else 0x5410)[0] for x in lane])
+            at = 32 * (4 * g + r) + 4 * m
+            for b in range(4):
+                out[at + b] = (u >> np.uint32(8 * b)) & np.uint32(0xFF)
+        assert np.array_equal(out, sym.reshape(-1).astype(np.uint8))

@@ -60,9 +60,19 @@
 // block from the same two tables: one gather a step instead of two, and a dependency
 // chain one shared-memory load shorter. Tables read through L1 (CTX's b, classed
 // streams, p > 12) keep layout 0.
+//
+// u8 staged output (STORE, a build option; 0 unless the runtime asks): 0 drops each coded
+// symbol into the staging bytes (one narrow shared store a step) and reads a round back
+// 16 bytes a lane; 1 keeps a lane's symbols of steps 4g .. 4g + 3 as the bytes of one
+// register w[g] (one byte permute a step), and at the round's end each group of 4 lanes
+// transposes its 4 x 4 bytes with two shuffles and writes 4-byte words: no shared memory
+// for the output.
 
 #ifndef TABLES
 #define TABLES 0
+#endif
+#ifndef STORE
+#define STORE 0
 #endif
 #define VEC (!CTX && !CLS)  // staged output: the builds without contexts or classes
 // blocks an SM for 32 resident warps, so at most 64 registers a thread (the staged u8 build
@@ -381,8 +391,32 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
 #endif
 
 #if VEC && !BF16
+// STORE 1: byte j of w (j = step & 3, known at compile time) becomes c's low byte; the
+// bytes above j are written by the steps after it, so step 0 may leave them dirty.
+__device__ __forceinline__ unsigned put_byte(unsigned w, unsigned c, int j) {
+    return j == 0 ? c : __byte_perm(w, c, j == 1 ? 0x3240u : j == 2 ? 0x3410u : 0x4210u);
+}
+
+// STORE 1: a round's 512 symbols to o (16-byte aligned) from each lane's w[g] (byte j:
+// the symbol of step 4 g + j at this lane). Lanes 4 m + r (r < 4) hold a 4 x 4 byte block
+// M[r][j]; after the two exchanges lane 4 m + r holds M[0..3][r], the symbols of step
+// 4 g + r at lanes 4 m .. 4 m + 3, which is the word at o + 32 (4 g + r) + 4 m.
+__device__ __forceinline__ void put_round(unsigned char* o, const unsigned (&w)[4], int lane) {
+    const int r = lane & 3;
+    // exchange with lane ^ 1: even lanes keep column 0 and 2 of both rows, odd 1 and 3;
+    // then with lane ^ 2: lanes 0, 1 take the low halves (rows 0-1 of column r), 2, 3 the high
+    const unsigned sel1 = (r & 1) ? 0x3715u : 0x6240u, sel2 = (r & 2) ? 0x3276u : 0x5410u;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+        const unsigned t = __byte_perm(w[g], __shfl_xor_sync(FULL_MASK, w[g], 1), sel1);
+        const unsigned u = __byte_perm(t, __shfl_xor_sync(FULL_MASK, t, 2), sel2);
+        *reinterpret_cast<unsigned*>(o + 32 * (4 * g + r) + 4 * (lane >> 2)) = u;
+    }
+}
+
 // The staged pair loop of u8 mode (see the header): two chunks with their own outputs,
-// each coded (staged) or raw (copied 16 bytes a lane); stage = the warp's 1 KiB.
+// each coded (staged; STORE 1: in registers) or raw (copied 16 bytes a lane); stage = the
+// warp's 1 KiB.
 template <bool RAW_A, bool RAW_B>
 __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane, unsigned lt,
                                         unsigned char* stage) {
@@ -396,6 +430,27 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
         uint4 va = make_uint4(0u, 0u, 0u, 0u), vb = va;
         if (RAW_A) va = __ldg(rawa + 32 * r + lane);
         if (RAW_B) vb = __ldg(rawb + 32 * r + lane);
+        if (STORE == 1 && (!RAW_A || !RAW_B)) {
+            unsigned wa[4] = {0u, 0u, 0u, 0u}, wb[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int k = 0; k < 16; ++k, i += 32) {
+                if (!RAW_A)
+                    wa[k >> 2] = put_byte(wa[k >> 2],
+                        rans_step<true, PACKED>(a, i, lane, lt, q.sa, q.ia), k & 3);
+                if (!RAW_B)
+                    wb[k >> 2] = put_byte(wb[k >> 2],
+                        rans_step<true, PACKED_B>(b, i, lane, lt, q.sb, q.ib), k & 3);
+                if (k & 1) {
+                    if (!RAW_A) slide(a, lane);
+                    if (!RAW_B) slide(b, lane);
+                }
+            }
+            if (!RAW_A) put_round(oa + 512 * r, wa, lane);
+            if (!RAW_B) put_round(ob + 512 * r, wb, lane);
+            if (RAW_A) reinterpret_cast<uint4*>(oa + 512 * r)[lane] = va;
+            if (RAW_B) reinterpret_cast<uint4*>(ob + 512 * r)[lane] = vb;
+            continue;
+        }
         if (!RAW_A || !RAW_B) {
 #pragma unroll
             for (int k = 0; k < 16; ++k, i += 32) {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import cupy as cp
 import numpy as np
@@ -30,21 +31,37 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds witho
 # builds every decode takes; the private environment variables below override them for
 # gpu/kernel_sweep.py's comparisons (read at each launch's construction).
 TABLES = 0  # shared table layout: 0 symbol bytes + per-symbol infos, 1 one word per slot
+STORE = 0  # u8 staged rounds: 0 through shared staging bytes, 1 registers + shuffles
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
 _ENV_TABLES = "ENTROPYKIT_RANS_TABLES"
+_ENV_STORE = "ENTROPYKIT_RANS_STORE"
 _ENV_RING = "ENTROPYKIT_RANS_RING_WINDOWS"
 
 
-def variant() -> tuple[int, int]:
-    """(tables, ring windows) of the builds launched now: the module's defaults unless the
-    private environment variables name others."""
-    tables = int(os.environ.get(_ENV_TABLES, TABLES))
-    ring = int(os.environ.get(_ENV_RING, RING_WINDOWS))
-    if tables not in (0, 1):
-        raise ValueError(f"{_ENV_TABLES} must be 0 or 1, got {tables}")
-    if ring < 4 or ring & (ring - 1):
-        raise ValueError(f"{_ENV_RING} must be a power of 2 >= 4, got {ring}")
-    return tables, ring
+class Variant(NamedTuple):
+    """The compile-time choices of a build that do not follow from its batch."""
+
+    tables: int = TABLES
+    store: int = STORE
+    ring: int = RING_WINDOWS
+
+
+DEFAULT = Variant()
+
+
+def variant() -> Variant:
+    """The variant of the builds launched now: the module's defaults unless the private
+    environment variables name others."""
+    v = Variant(int(os.environ.get(_ENV_TABLES, TABLES)),
+                int(os.environ.get(_ENV_STORE, STORE)),
+                int(os.environ.get(_ENV_RING, RING_WINDOWS)))
+    if v.tables not in (0, 1):
+        raise ValueError(f"{_ENV_TABLES} must be 0 or 1, got {v.tables}")
+    if v.store not in (0, 1):
+        raise ValueError(f"{_ENV_STORE} must be 0 or 1, got {v.store}")
+    if v.ring < 4 or v.ring & (v.ring - 1):
+        raise ValueError(f"{_ENV_RING} must be a power of 2 >= 4, got {v.ring}")
+    return v
 
 
 def table_set_bytes(tables: int) -> int:
@@ -59,27 +76,27 @@ def warp_smem(ctx: bool, cls: bool = False, ring: int = RING_WINDOWS) -> int:
 
 
 def build_options(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
-                  tables: int = TABLES, ring: int = RING_WINDOWS) -> tuple[str, ...]:
+                  v: Variant = DEFAULT) -> tuple[str, ...]:
     """NVRTC options of one build of _kernel.cu."""
     cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
     return ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}", f"-DCLS={int(cls)}",
-            f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={ring}",
-            f"-DTABLES={tables}", *cols)
+            f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={v.ring}",
+            f"-DTABLES={v.tables}", f"-DSTORE={v.store}", *cols)
 
 
 def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
-            tables: int = TABLES, ring: int = RING_WINDOWS) -> cp.RawKernel:
+            v: Variant = DEFAULT) -> cp.RawKernel:
     """The build of a batch's kind (warps per block are the batch's: plan.py lays the rows
     out for them)."""
     def build() -> cp.RawKernel:
-        opts = build_options(bf16, ctx, smem, warps, cls, tables, ring)
+        opts = build_options(bf16, ctx, smem, warps, cls, v)
         k = cp.RawKernel(nvrtc.source(__package__, "_kernel.cu"), "rans_decode", options=opts)
         # The most a block of this build may ask for: two table sets and the warps'.
-        k.max_dynamic_shared_size_bytes = (2 * table_set_bytes(tables)
-                                           + warps * warp_smem(ctx, cls, ring))
+        k.max_dynamic_shared_size_bytes = (2 * table_set_bytes(v.tables)
+                                           + warps * warp_smem(ctx, cls, v.ring))
         return k
 
-    return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps, tables, ring), build)
+    return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps, *v), build)
 
 
 def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor | None]:
@@ -107,13 +124,13 @@ class Launch:
         # Tables in shared memory: batches with every p <= 12, unless classed (their
         # frames' table sets are read through L1: _kernel.cu).
         smem = b.narrow and not b.classed
-        tables, ring = variant()
-        self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, b.classed, tables, ring)
+        v = variant()
+        self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, b.classed, v)
                        if self.pairs else None)
         self.grid = (-(-self.pairs // b.warps),)
         self.block = (32 * b.warps,)
-        self.shared = ((b.slots * table_set_bytes(tables) if smem else 0)
-                       + b.warps * warp_smem(b.context, b.classed, ring))
+        self.shared = ((b.slots * table_set_bytes(v.tables) if smem else 0)
+                       + b.warps * warp_smem(b.context, b.classed, v.ring))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
 
     def __call__(self) -> None:
