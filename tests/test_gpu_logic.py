@@ -530,36 +530,63 @@ def test_packed_tables_give_the_same_status_on_corrupt_chunks(case):
     assert all(np.array_equal(x, y) for x, y in zip(out0, out1, strict=True))
 
 
-def test_register_store_round_writes_the_symbols_in_order():
-    """STORE=1 (u8 staged rounds): put_byte builds each lane's words w[g] step by step,
-    put_round transposes each 4-lane group's bytes with two shuffles and writes words at
-    o + 32 (4 g + r) + 4 m; emulated over a round of random symbols (and dirty high bytes
-    in the step symbols, as a packed step's c would not have), the 512 bytes must be the
-    symbols in order: symbol 32 s + lane of step s at byte 32 s + lane."""
-    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
-    assert "j == 1 ? 0x3240u : j == 2 ? 0x3410u : 0x4210u" in src
-    assert "const unsigned sel1 = (r & 1) ? 0x3715u : 0x6240u, sel2 = (r & 2) ? 0x3276u" \
-           " : 0x5410u;" in src
-    assert "*reinterpret_cast<unsigned*>(o + 32 * (4 * g + r) + 4 * (lane >> 2)) = u;" in src
-    rng = np.random.default_rng(9)
+def _register_round(sym: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+    """STORE=1's round in numpy: put_byte over 16 steps of symbols ``sym`` [step, lane]
+    (with dirty high bytes, which put_byte must ignore), then transpose4 per step group;
+    returns the words [group, lane] and the symbol index each word's byte 0 is
+    (round_at)."""
+    dirty = sym | rng.integers(0, 1 << 24, sym.shape).astype(np.uint32) << np.uint32(8)
     lane = np.arange(32)
-    r, m = lane & 3, lane >> 2
-    for _ in range(20):
-        sym = rng.integers(0, 256, (16, 32)).astype(np.uint32)  # [step, lane]
-        dirty = sym | rng.integers(0, 1 << 24, (16, 32)).astype(np.uint32) << np.uint32(8)
-        w = np.zeros((4, 32), np.uint32)
-        for k in range(16):
-            j, g = k & 3, k >> 2
-            sel = {1: 0x3240, 2: 0x3410, 3: 0x4210}.get(j)
-            w[g] = dirty[k] if j == 0 else np.array(
-                [_byte_perm(w[g][x : x + 1], int(dirty[k][x]), sel)[0] for x in lane])
-        out = np.full(512, 0xA5, np.uint8)
-        for g in range(4):
-            t = np.array([_byte_perm(w[g][x : x + 1], int(w[g][x ^ 1]),
-                                     0x3715 if x & 1 else 0x6240)[0] for x in lane])
-            u = np.array([_byte_perm(t[x : x + 1], int(t[x ^ 2]),
-                                     0x3276 if x & 2 else 0x5410)[0] for x in lane])
-            at = 32 * (4 * g + r) + 4 * m
-            for b in range(4):
-                out[at + b] = (u >> np.uint32(8 * b)) & np.uint32(0xFF)
-        assert np.array_equal(out, sym.reshape(-1).astype(np.uint8))
+    w = np.zeros((4, 32), np.uint32)
+    for k in range(16):
+        j, g = k & 3, k >> 2
+        sel = {1: 0x3240, 2: 0x3410, 3: 0x4210}.get(j)
+        w[g] = dirty[k] if j == 0 else np.array(
+            [_byte_perm(w[g][x : x + 1], int(dirty[k][x]), sel)[0] for x in lane])
+    words = np.zeros((4, 32), np.uint32)
+    for g in range(4):
+        t = np.array([_byte_perm(w[g][x : x + 1], int(w[g][x ^ 1]),
+                                 0x3715 if x & 1 else 0x6240)[0] for x in lane])
+        words[g] = [_byte_perm(t[x : x + 1], int(t[x ^ 2]), 0x3276 if x & 2 else 0x5410)[0]
+                    for x in lane]
+    at = np.array([[32 * (4 * g + (x & 3)) + 4 * (x >> 2) for x in lane] for g in range(4)])
+    return words, at
+
+
+def test_register_store_rounds_write_the_symbols_in_order():
+    """STORE=1 (staged rounds in registers): after put_byte and transpose4, the word a lane
+    holds for step group g is the 4 symbols from round_at(g, lane) on. u8 writes it as is;
+    bf16 joins it with the sign_mantissa word of the same symbols (transposed too, or a
+    raw stream's 4 bytes loaded there) through bf16x2 into 4 values: each must be the
+    scalar formula's value of its symbol."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    for line in ("j == 1 ? 0x3240u : j == 2 ? 0x3410u : 0x4210u",
+                 "const unsigned sel1 = (r & 1) ? 0x3715u : 0x6240u, sel2 = (r & 2) ? 0x3276u",
+                 "return 32 * (4 * g + (lane & 3)) + 4 * (lane >> 2);",
+                 "*reinterpret_cast<unsigned*>(o + round_at(g, lane)) = transpose4(w[g], lane);",
+                 "make_uint2(bf16x2(e, sm, 0x4140u), bf16x2(e, sm, 0x4342u));"):
+        assert line in src
+    rng = np.random.default_rng(9)
+    for _ in range(12):
+        e = rng.integers(0, 256, (16, 32)).astype(np.uint32)  # [step, lane]: symbol 32 s + l
+        m = rng.integers(0, 256, (16, 32)).astype(np.uint32)
+        we, at = _register_round(e, rng)
+        u8 = np.full(512, 0xA5, np.uint8)
+        for b in range(4):
+            u8[at + b] = (we >> np.uint32(8 * b)) & np.uint32(0xFF)
+        assert np.array_equal(u8, e.reshape(-1).astype(np.uint8))
+        wm, at_m = _register_round(m, rng)
+        assert np.array_equal(at, at_m)
+        flat_m = m.reshape(-1)
+        raw = np.array([[int.from_bytes(flat_m[a : a + 4].astype(np.uint8).tobytes(), "little")
+                         for a in row] for row in at], np.uint32)
+        for sm in (wm, raw):  # coded (transposed) or raw (loaded) sign_mantissa words
+            out = np.full(512, 0x7FA5, np.uint16)
+            for g in range(4):
+                for h, sel in ((0, 0x4140), (2, 0x4342)):
+                    e2, m2 = _byte_perm(we[g], 0, sel), _byte_perm(sm[g], 0, sel)
+                    word = (e2 << 7) | ((m2 << 8) & 0x80008000) | (m2 & 0x007F007F)
+                    out[at[g] + h] = word & 0xFFFF
+                    out[at[g] + h + 1] = word >> 16
+            ev, mv = e.reshape(-1), flat_m
+            assert np.array_equal(out, ((mv >> 7) << 15 | ev << 7 | (mv & 0x7F)).astype(np.uint16))
