@@ -2,7 +2,7 @@
 
 What it is: the script a GPU machine runs to choose the decoder's build. Every variant is
 one build of the one kernel (``_kernel.cu``'s compile-time options: table layout
-``TABLES``, u8 output ``STORE``, ring windows ``RING_WINDOWS``) at some warps per block,
+``TABLES``, staged output ``STORE``, ring windows ``RING_WINDOWS``) at some warps per block,
 selected the way a
 user's decode selects it (``rans.cuda._runtime.variant``: the private environment
 variables set here) and bound to the same uploaded batch. Data: MiniLM-L6's bf16 tensors
@@ -49,8 +49,7 @@ from entropykit.rans.cuda import plan  # noqa: E402
 
 class Variant(NamedTuple):
     """A build and its warps per block; None: the default (``_runtime.TABLES``,
-    ``_runtime.STORE``, ``_runtime.RING_WINDOWS``, ``plan.WARPS``). ``store`` changes
-    only u8 builds (the e4m3 set)."""
+    ``_runtime.STORE``, ``_runtime.RING_WINDOWS``, ``plan.WARPS``)."""
 
     name: str
     tables: int | None = None
@@ -60,18 +59,19 @@ class Variant(NamedTuple):
 
 
 # The first is the default build, as a decode takes it; each other changes some of
-# today's choices (tables 0, store 0, ring 8, warps 16).
+# today's choices (tables 0, store 0, ring 8, warps 16). Grouped by warps: a change of
+# warps plans and uploads the batch again.
 VARIANTS = (
     Variant("default"),
     Variant("t1", tables=1, store=0, ring=8, warps=16),
     Variant("s1", tables=0, store=1, ring=8, warps=16),
     Variant("t1s1", tables=1, store=1, ring=8, warps=16),
-    Variant("t1s1-w8", tables=1, store=1, ring=8, warps=8),
-    Variant("t1s1-w32", tables=1, store=1, ring=8, warps=32),
     Variant("t1s1-r4", tables=1, store=1, ring=4, warps=16),
     Variant("t1s1-r16", tables=1, store=1, ring=16, warps=16),
     Variant("t0s0", tables=0, store=0, ring=8, warps=16),
+    Variant("t1s1-w8", tables=1, store=1, ring=8, warps=8),
     Variant("t0s0-w8", tables=0, store=0, ring=8, warps=8),
+    Variant("t1s1-w32", tables=1, store=1, ring=8, warps=32),
 )
 
 
