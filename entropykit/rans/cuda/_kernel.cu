@@ -87,7 +87,8 @@
 #define PACKED_B (PACKED && !CTX)      // b's tables are in shared memory (CTX: L1, layout 0)
 // bytes of one table set in shared memory: 2^12 packed words, or symbol bytes + infos
 #define SMEM_STREAM (PACKED ? 4 * 4096 : 4096 + 1024)
-#define STAGE (VEC ? 1024 : 0)  // staging bytes a warp: a round's exponents, then sm bytes
+// staging bytes a warp: a round's exponents, then sm bytes (STORE 1 stages in registers)
+#define STAGE (VEC && STORE != 1 ? 1024 : 0)
 #define WARP_SMEM (4 * RING + STAGE)  // bytes of shared memory a warp: word rings, staging
 
 #define RING (64 * RING_WINDOWS)  // words per stream ring: windows of 64 (128 bytes)

@@ -69,10 +69,11 @@ def table_set_bytes(tables: int) -> int:
     return 4 * 4096 if tables else 4096 + 1024
 
 
-def warp_smem(ctx: bool, cls: bool = False, ring: int = RING_WINDOWS) -> int:
-    """Shared-memory bytes a warp of a build uses: two word rings of ``ring`` windows
-    (+ staging, in builds without contexts or classes: _kernel.cu's VEC)."""
-    return 256 * ring + (0 if ctx or cls else STAGE_BYTES)
+def warp_smem(ctx: bool, cls: bool = False, v: Variant = DEFAULT) -> int:
+    """Shared-memory bytes a warp of a build uses: two word rings of ``v.ring`` windows
+    (+ staging, in builds without contexts or classes, _kernel.cu's VEC, unless they stage
+    in registers: STORE 1)."""
+    return 256 * v.ring + (0 if ctx or cls or v.store else STAGE_BYTES)
 
 
 def build_options(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
@@ -93,7 +94,7 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
         k = cp.RawKernel(nvrtc.source(__package__, "_kernel.cu"), "rans_decode", options=opts)
         # The most a block of this build may ask for: two table sets and the warps'.
         k.max_dynamic_shared_size_bytes = (2 * table_set_bytes(v.tables)
-                                           + warps * warp_smem(ctx, cls, v.ring))
+                                           + warps * warp_smem(ctx, cls, v))
         return k
 
     return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps, *v), build)
@@ -130,7 +131,7 @@ class Launch:
         self.grid = (-(-self.pairs // b.warps),)
         self.block = (32 * b.warps,)
         self.shared = ((b.slots * table_set_bytes(v.tables) if smem else 0)
-                       + b.warps * warp_smem(b.context, b.classed, v.ring))
+                       + b.warps * warp_smem(b.context, b.classed, v))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
 
     def __call__(self) -> None:
