@@ -221,8 +221,9 @@ __device__ __forceinline__ unsigned warp_ballot(bool need) {
 }
 
 // One step of a coded stream with its tables at sym/info (PK: sym is the packed table,
-// info unused); returns the symbols of i.
-template <bool FULL, bool PK = false>
+// info unused); returns the symbols of i (LOW: only its low byte is the symbol, for
+// callers that keep only that byte: a packed step then skips the mask).
+template <bool FULL, bool PK = false, bool LOW = false>
 __device__ __forceinline__ unsigned rans_step(Stream& s, int i, int lane, unsigned lt,
         const unsigned char* sym, const unsigned* info) {
     const bool live = FULL || i < s.n;
@@ -231,7 +232,7 @@ __device__ __forceinline__ unsigned rans_step(Stream& s, int i, int lane, unsign
     if (PK) {  // f * q + slot - start = (f - 1) * q + q + (slot - start)
         const unsigned e = live ? reinterpret_cast<const unsigned*>(sym)[slot] : 0u;
         const unsigned q = s.x >> s.p;
-        c = e & 0xffu;
+        c = LOW ? e : e & 0xffu;
         y = ((e >> 8) & 0xfffu) * q + q + (e >> 20);
     } else {
         c = live ? (unsigned)sym[slot] : 0u;
@@ -393,10 +394,10 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
 #pragma unroll
         for (int k = 0; k < 16; ++k, i += 32) {
             we[k >> 2] = put_byte(we[k >> 2],
-                rans_step<true, PACKED>(a, i, lane, lt, q.sa, q.ia), k & 3);
+                rans_step<true, PACKED, true>(a, i, lane, lt, q.sa, q.ia), k & 3);
             if (!RAW_B)
                 wm[k >> 2] = put_byte(wm[k >> 2],
-                    rans_step<true, PACKED_B>(b, i, lane, lt, q.sb, q.ib), k & 3);
+                    rans_step<true, PACKED_B, true>(b, i, lane, lt, q.sb, q.ib), k & 3);
             if (k & 1) {
                 slide(a, lane);
                 if (!RAW_B) slide(b, lane);
@@ -420,10 +421,10 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
 #pragma unroll
         for (int k = 0; k < 16; ++k, i += 32) {
             stage[32 * k + lane] =
-                (unsigned char)rans_step<true, PACKED>(a, i, lane, lt, q.sa, q.ia);
+                (unsigned char)rans_step<true, PACKED, true>(a, i, lane, lt, q.sa, q.ia);
             if (!RAW_B)
                 stage[512 + 32 * k + lane] =
-                    (unsigned char)rans_step<true, PACKED_B>(b, i, lane, lt, q.sb, q.ib);
+                    (unsigned char)rans_step<true, PACKED_B, true>(b, i, lane, lt, q.sb, q.ib);
             if (k & 1) {
                 slide(a, lane);
                 if (!RAW_B) slide(b, lane);
@@ -481,10 +482,10 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
             for (int k = 0; k < 16; ++k, i += 32) {
                 if (!RAW_A)
                     wa[k >> 2] = put_byte(wa[k >> 2],
-                        rans_step<true, PACKED>(a, i, lane, lt, q.sa, q.ia), k & 3);
+                        rans_step<true, PACKED, true>(a, i, lane, lt, q.sa, q.ia), k & 3);
                 if (!RAW_B)
                     wb[k >> 2] = put_byte(wb[k >> 2],
-                        rans_step<true, PACKED_B>(b, i, lane, lt, q.sb, q.ib), k & 3);
+                        rans_step<true, PACKED_B, true>(b, i, lane, lt, q.sb, q.ib), k & 3);
                 if (k & 1) {
                     if (!RAW_A) slide(a, lane);
                     if (!RAW_B) slide(b, lane);
@@ -501,10 +502,10 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
             for (int k = 0; k < 16; ++k, i += 32) {
                 if (!RAW_A)
                     stage[32 * k + lane] =
-                        (unsigned char)rans_step<true, PACKED>(a, i, lane, lt, q.sa, q.ia);
+                        (unsigned char)rans_step<true, PACKED, true>(a, i, lane, lt, q.sa, q.ia);
                 if (!RAW_B)
                     stage[512 + 32 * k + lane] =
-                        (unsigned char)rans_step<true, PACKED_B>(b, i, lane, lt, q.sb, q.ib);
+                        (unsigned char)rans_step<true, PACKED_B, true>(b, i, lane, lt, q.sb, q.ib);
                 if (k & 1) {
                     if (!RAW_A) slide(a, lane);
                     if (!RAW_B) slide(b, lane);
