@@ -30,8 +30,26 @@ CHUNK = frame.MIN_CHUNK  # small chunks: several per frame at test sizes
 L = 1 << 16
 
 
-def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None) -> tuple[np.ndarray, int]:
-    """One descriptor row as the kernel decodes it: (symbols, status code)."""
+def _packed_table(b: plan.Batch, row: np.ndarray) -> np.ndarray:
+    """The kernel's packed table set of a row (``stage`` in TABLES=1 builds): per slot
+    sym | (f - 1) << 8 | (slot - start) << 20, in uint32 arithmetic as the kernel builds it;
+    asserts that every field fits its bits (so unpacking gives back sym, f and start)."""
+    p = int(row[lay.D_PREC])
+    slot = np.arange(1 << p, dtype=np.uint32)
+    c = b.sym_tables[int(row[lay.D_SYM]) + slot].astype(np.uint32)
+    inf = b.info_tables[int(row[lay.D_INFO]) + c].astype(np.uint32)
+    f, start = inf & np.uint32(0xFFFF), inf >> np.uint32(16)
+    word = c | (f - np.uint32(1)) << np.uint32(8) | (slot - start) << np.uint32(20)
+    assert np.array_equal(word & np.uint32(0xFF), c)
+    assert np.array_equal((word >> np.uint32(8)) & np.uint32(0xFFF), f - np.uint32(1))
+    assert np.array_equal(word >> np.uint32(20), slot - start)
+    return word
+
+
+def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool = False
+            ) -> tuple[np.ndarray, int]:
+    """One descriptor row as the kernel decodes it: (symbols, status code); ``packed``:
+    its table set is the packed one (TABLES=1, shared memory)."""
     n, off, length, p = (int(row[c]) for c in (lay.D_N, lay.D_OFF, lay.D_LEN, lay.D_PREC))
     if n == 0:
         return np.zeros(0, np.uint8), 0
@@ -40,6 +58,7 @@ def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None) -> tuple[np.
     x0 = b.payload[off : off + 128].view("<u4").astype(np.uint64)
     words = b.payload[off + 128 : off + length].view("<u2").astype(np.uint64)
     x, wp, mask = x0.copy(), 0, np.uint64((1 << p) - 1)
+    table = _packed_table(b, row) if packed else None
     out = np.zeros(n, np.uint8)
     lanes = np.arange(32)
     # A classed stream's lanes keep their symbol's column and row as the kernel does:
@@ -59,10 +78,17 @@ def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None) -> tuple[np.
         wrap = col >= width
         col, rw = np.where(wrap, col - width, col), rw + wrap
         slot = (x & mask).astype(np.int64)
-        c = b.sym_tables[int(row[lay.D_SYM]) + (cls << p) + slot].astype(np.int64)
-        inf = b.info_tables[int(row[lay.D_INFO]) + cls * 256 + c].astype(np.uint64)
-        y = ((inf & np.uint64(0xFFFF)) * (x >> np.uint64(p)) + slot.astype(np.uint64)
-             - (inf >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
+        if table is not None:  # (f - 1) * q + q + (slot - start), in 32 bits
+            e = table[slot].astype(np.uint64)
+            q = x >> np.uint64(p)
+            c = (e & np.uint64(0xFF)).astype(np.int64)
+            y = (((e >> np.uint64(8)) & np.uint64(0xFFF)) * q + q
+                 + (e >> np.uint64(20))) & np.uint64(0xFFFFFFFF)
+        else:
+            c = b.sym_tables[int(row[lay.D_SYM]) + (cls << p) + slot].astype(np.int64)
+            inf = b.info_tables[int(row[lay.D_INFO]) + cls * 256 + c].astype(np.uint64)
+            y = ((inf & np.uint64(0xFFFF)) * (x >> np.uint64(p)) + slot.astype(np.uint64)
+                 - (inf >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
         need = live & (y < L)
         idx = wp + np.cumsum(need) - need
         w = np.where(idx < words.size, words[np.minimum(idx, max(words.size - 1, 0))]
@@ -90,23 +116,29 @@ def _grid_table(b: plan.Batch, row: np.ndarray, rw: np.ndarray, col: np.ndarray
     return b.cmaps[g + ctx].astype(np.int64)
 
 
-def _emulate(b: plan.Batch) -> tuple[list[np.ndarray], np.ndarray]:
+def _emulate(b: plan.Batch, tables: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
     """The kernel's outputs (poisoned where it writes nothing) and status, from ``b``."""
     outs = [np.full(n, 0xA5A5 if b.bf16 else 0xA5, np.uint16 if b.bf16 else np.uint8)
             for n in b.sizes]
-    return outs, emulate_into(b, outs)[1]
+    return outs, emulate_into(b, outs, tables)[1]
 
 
-def emulate_into(b: plan.Batch, outs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
-    """Run ``b`` as the kernel does into ``outs`` (uint8 / uint16 arrays); also checks
-    the block rule the kernel's shared tables rest on."""
+def emulate_into(b: plan.Batch, outs: list[np.ndarray], tables: int = 0
+                 ) -> tuple[list[np.ndarray], np.ndarray]:
+    """Run ``b`` as the kernel does into ``outs`` (uint8 / uint16 arrays), its build with
+    table layout ``tables`` (_runtime.TABLES); also checks the block rule the kernel's
+    shared tables rest on."""
     status = np.zeros(len(b.desc), np.int32)
+    # TABLES=1 packs the shared-memory sets (SMEM builds): a's always, b's unless b reads
+    # its class tables through L1 (a context batch).
+    smem = tables == 1 and b.narrow and not b.classed
+    packed_a, packed_b = smem, smem and not b.context
     assert len(b.desc) % (2 * b.warps) == 0
     for blk in b.desc.reshape(-1, b.warps, 2, lay.N_COLS):
         assert (blk[:, :, [lay.D_SYM, lay.D_INFO]] == blk[0, :, [lay.D_SYM, lay.D_INFO]].T).all()
     for r in range(0, len(b.desc), 2):
-        sa, status[r] = _stream(b, b.desc[r], None)
-        sb, status[r + 1] = _stream(b, b.desc[r + 1], sa if b.bf16 else None)
+        sa, status[r] = _stream(b, b.desc[r], None, packed_a)
+        sb, status[r + 1] = _stream(b, b.desc[r + 1], sa if b.bf16 else None, packed_b)
         for row, k, sym in ((r, b.out_index[r], sa), (r + 1, b.out_index[r + 1], sb)):
             at, step = int(b.desc[row, lay.D_OUT]), int(b.desc[row, lay.D_STEP])
             if k < 0 or (b.bf16 and row % 2):
@@ -435,3 +467,126 @@ def test_staged_output_packing_is_the_scalar_bf16_formula():
         word = (e2 << 7) | ((m2 << 8) & 0x80008000) | (m2 & 0x007F007F)
         assert np.array_equal(word & 0xFFFF, scalar)
         assert np.array_equal(word >> 16, scalar_next)
+
+
+def test_packed_tables_are_the_kernels_arithmetic():
+    """The emulator's TABLES=1 step and staging are the kernel's own expressions."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    assert "y = ((e >> 8) & 0xfffu) * q + q + (e >> 20);" in src
+    assert "d32[j] = c | ((inf & 0xffffu) - 1u) << 8 | (j - (inf >> 16)) << 20;" in src
+    assert "#define PACKED_B (PACKED && !CTX)" in src
+
+
+@pytest.mark.parametrize("precision", [8, 11, 12])
+def test_packed_tables_decode_u8_as_the_cpu(precision):
+    """Every slot word of a table (one symbol of f = 2^p, all 256 symbols, skewed) unpacks
+    to its symbol, f and start, and the packed step decodes the CPU's bytes."""
+    rng = np.random.default_rng(precision)
+    arrays = [np.full(3 * CHUNK + 9, 7, np.uint8),  # one symbol: f - 1 = 2^p - 1
+              rng.integers(0, 256, 2 * CHUNK + 100).astype(np.uint8),
+              _skewed(rng, 5 * CHUNK + 31, 60, 0.2), _skewed(rng, 70, 3)]
+    frames = [rans.encode(a, precision=precision, chunk_size=CHUNK) for a in arrays]
+    b = plan.prepare_u8(frames, 4)
+    assert b.narrow and not b.context
+    assert (b.desc[b.desc[:, lay.D_N] > 0, lay.D_MODE] == 0).any()  # coded rows run packed
+    outs, status = _emulate(b, tables=1)
+    assert not status.any()
+    for f, a, got in zip(frames, arrays, outs, strict=True):
+        assert np.array_equal(got, a) and np.array_equal(got, rans.decode(f))
+
+
+def test_packed_tables_decode_bf16_with_raw_and_context_fields():
+    """bf16 mode, TABLES=1: exponents packed; sign_mantissa packed, raw, or (context batch)
+    read with layout 0; every value as the CPU decodes it."""
+    rng = np.random.default_rng(5)
+    tensors = [_special_bf16(rng, 2 * CHUNK + 5), _context_bits(rng, CHUNK + 40),
+               _special_bf16(rng, 600)]
+    for context in (False, True):
+        efs, sfs = [], []
+        for t, bits in enumerate(tensors):
+            exp, sm = _bf16_fields(bits)
+            efs.append(rans.encode(exp, precision=11 + t % 2, chunk_size=CHUNK))
+            sm_ctx = exp if context and t == 1 else None
+            sfs.append(rans.encode(sm, chunk_size=CHUNK, context=sm_ctx))
+        b = plan.prepare_bf16(efs, sfs, 2)
+        live = b.desc[:, lay.D_N] > 0
+        assert b.context == context and b.narrow and b.slots == (1 if context else 2)
+        assert set(b.desc[live, lay.D_MODE].tolist()) == {0, 1}  # coded and raw chunks
+        packed, status = _emulate(b, tables=1)
+        plain, status0 = _emulate(b, tables=0)
+        assert not status.any() and not status0.any()
+        for bits, got, ref in zip(tensors, packed, plain, strict=True):
+            assert np.array_equal(got, bits) and np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("case", ["start state", "flipped word", "words left over",
+                                  "words missing"])
+def test_packed_tables_give_the_same_status_on_corrupt_chunks(case):
+    f, bad = _corrupt(case)
+    b = plan.prepare_u8([f])
+    out0, status0 = _emulate(b, tables=0)
+    out1, status1 = _emulate(b, tables=1)
+    assert status1.any() and np.array_equal(status0, status1)
+    assert all(np.array_equal(x, y) for x, y in zip(out0, out1, strict=True))
+
+
+def _register_round(sym: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+    """STORE=1's round in numpy: put_byte over 16 steps of symbols ``sym`` [step, lane]
+    (with dirty high bytes, which put_byte must ignore), then transpose4 per step group;
+    returns the words [group, lane] and the symbol index each word's byte 0 is
+    (round_at)."""
+    dirty = sym | rng.integers(0, 1 << 24, sym.shape).astype(np.uint32) << np.uint32(8)
+    lane = np.arange(32)
+    w = np.zeros((4, 32), np.uint32)
+    for k in range(16):
+        j, g = k & 3, k >> 2
+        sel = {1: 0x3240, 2: 0x3410, 3: 0x4210}.get(j)
+        w[g] = dirty[k] if j == 0 else np.array(
+            [_byte_perm(w[g][x : x + 1], int(dirty[k][x]), sel)[0] for x in lane])
+    words = np.zeros((4, 32), np.uint32)
+    for g in range(4):
+        t = np.array([_byte_perm(w[g][x : x + 1], int(w[g][x ^ 1]),
+                                 0x3715 if x & 1 else 0x6240)[0] for x in lane])
+        words[g] = [_byte_perm(t[x : x + 1], int(t[x ^ 2]), 0x3276 if x & 2 else 0x5410)[0]
+                    for x in lane]
+    at = np.array([[32 * (4 * g + (x & 3)) + 4 * (x >> 2) for x in lane] for g in range(4)])
+    return words, at
+
+
+def test_register_store_rounds_write_the_symbols_in_order():
+    """STORE=1 (staged rounds in registers): after put_byte and transpose4, the word a lane
+    holds for step group g is the 4 symbols from round_at(g, lane) on. u8 writes it as is;
+    bf16 joins it with the sign_mantissa word of the same symbols (transposed too, or a
+    raw stream's 4 bytes loaded there) through bf16x2 into 4 values: each must be the
+    scalar formula's value of its symbol."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    for line in ("j == 1 ? 0x3240u : j == 2 ? 0x3410u : 0x4210u",
+                 "const unsigned sel1 = (r & 1) ? 0x3715u : 0x6240u, sel2 = (r & 2) ? 0x3276u",
+                 "return 32 * (4 * g + (lane & 3)) + 4 * (lane >> 2);",
+                 "*reinterpret_cast<unsigned*>(o + round_at(g, lane)) = transpose4(w[g], lane);",
+                 "make_uint2(bf16x2(e, sm, 0x4140u), bf16x2(e, sm, 0x4342u));"):
+        assert line in src
+    rng = np.random.default_rng(9)
+    for _ in range(12):
+        e = rng.integers(0, 256, (16, 32)).astype(np.uint32)  # [step, lane]: symbol 32 s + l
+        m = rng.integers(0, 256, (16, 32)).astype(np.uint32)
+        we, at = _register_round(e, rng)
+        u8 = np.full(512, 0xA5, np.uint8)
+        for b in range(4):
+            u8[at + b] = (we >> np.uint32(8 * b)) & np.uint32(0xFF)
+        assert np.array_equal(u8, e.reshape(-1).astype(np.uint8))
+        wm, at_m = _register_round(m, rng)
+        assert np.array_equal(at, at_m)
+        flat_m = m.reshape(-1)
+        raw = np.array([[int.from_bytes(flat_m[a : a + 4].astype(np.uint8).tobytes(), "little")
+                         for a in row] for row in at], np.uint32)
+        for sm in (wm, raw):  # coded (transposed) or raw (loaded) sign_mantissa words
+            out = np.full(512, 0x7FA5, np.uint16)
+            for g in range(4):
+                for h, sel in ((0, 0x4140), (2, 0x4342)):
+                    e2, m2 = _byte_perm(we[g], 0, sel), _byte_perm(sm[g], 0, sel)
+                    word = (e2 << 7) | ((m2 << 8) & 0x80008000) | (m2 & 0x007F007F)
+                    out[at[g] + h] = word & 0xFFFF
+                    out[at[g] + h + 1] = word >> 16
+            ev, mv = e.reshape(-1), flat_m
+            assert np.array_equal(out, ((mv >> 7) << 15 | ev << 7 | (mv & 0x7F)).astype(np.uint16))

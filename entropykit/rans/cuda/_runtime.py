@@ -13,7 +13,9 @@ loader's staging (``container.cuda``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import cupy as cp
 import numpy as np
@@ -23,32 +25,79 @@ from ..._cuda import cuda_device, nvrtc
 from . import _layout, check_outputs
 from .plan import Batch
 
-TABLE_SET_BYTES = 4096 + 1024  # _kernel.cu's SMEM_STREAM
 STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds without contexts
+
+# Kernel variants (compile-time options of _kernel.cu; docs/gpu.md). The defaults are the
+# builds every decode takes; the private environment variables below override them for
+# gpu/kernel_sweep.py's comparisons (read at each launch's construction).
+TABLES = 0  # shared table layout: 0 symbol bytes + per-symbol infos, 1 one word per slot
+STORE = 0  # staged rounds' output: 0 through shared staging bytes, 1 registers + shuffles
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
+_ENV_TABLES = "ENTROPYKIT_RANS_TABLES"
+_ENV_STORE = "ENTROPYKIT_RANS_STORE"
+_ENV_RING = "ENTROPYKIT_RANS_RING_WINDOWS"
 
 
-def warp_smem(ctx: bool, cls: bool = False) -> int:
-    """Shared-memory bytes a warp of a build uses: two word rings (+ staging, in builds
-    without contexts or classes: _kernel.cu's VEC)."""
-    return 256 * RING_WINDOWS + (0 if ctx or cls else STAGE_BYTES)
+class Variant(NamedTuple):
+    """The compile-time choices of a build that do not follow from its batch."""
+
+    tables: int = TABLES
+    store: int = STORE
+    ring: int = RING_WINDOWS
 
 
-def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False
-            ) -> cp.RawKernel:
+DEFAULT = Variant()
+
+
+def variant() -> Variant:
+    """The variant of the builds launched now: the module's defaults unless the private
+    environment variables name others."""
+    v = Variant(int(os.environ.get(_ENV_TABLES, TABLES)),
+                int(os.environ.get(_ENV_STORE, STORE)),
+                int(os.environ.get(_ENV_RING, RING_WINDOWS)))
+    if v.tables not in (0, 1):
+        raise ValueError(f"{_ENV_TABLES} must be 0 or 1, got {v.tables}")
+    if v.store not in (0, 1):
+        raise ValueError(f"{_ENV_STORE} must be 0 or 1, got {v.store}")
+    if v.ring < 4 or v.ring & (v.ring - 1):
+        raise ValueError(f"{_ENV_RING} must be a power of 2 >= 4, got {v.ring}")
+    return v
+
+
+def table_set_bytes(tables: int) -> int:
+    """Bytes of one shared-memory table set (_kernel.cu's SMEM_STREAM)."""
+    return 4 * 4096 if tables else 4096 + 1024
+
+
+def warp_smem(ctx: bool, cls: bool = False, v: Variant = DEFAULT) -> int:
+    """Shared-memory bytes a warp of a build uses: two word rings of ``v.ring`` windows
+    (+ staging, in builds without contexts or classes, _kernel.cu's VEC, unless they stage
+    in registers: STORE 1)."""
+    return 256 * v.ring + (0 if ctx or cls or v.store else STAGE_BYTES)
+
+
+def build_options(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
+                  v: Variant = DEFAULT) -> tuple[str, ...]:
+    """NVRTC options of one build of _kernel.cu."""
+    cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
+    return ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}", f"-DCLS={int(cls)}",
+            f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={v.ring}",
+            f"-DTABLES={v.tables}", f"-DSTORE={v.store}", *cols)
+
+
+def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
+            v: Variant = DEFAULT) -> cp.RawKernel:
     """The build of a batch's kind (warps per block are the batch's: plan.py lays the rows
     out for them)."""
     def build() -> cp.RawKernel:
-        cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
-        opts = ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}",
-                f"-DCLS={int(cls)}", f"-DSMEM={int(smem)}", f"-DWARPS={warps}",
-                f"-DRING_WINDOWS={RING_WINDOWS}", *cols)
+        opts = build_options(bf16, ctx, smem, warps, cls, v)
         k = cp.RawKernel(nvrtc.source(__package__, "_kernel.cu"), "rans_decode", options=opts)
         # The most a block of this build may ask for: two table sets and the warps'.
-        k.max_dynamic_shared_size_bytes = 2 * TABLE_SET_BYTES + warps * warp_smem(ctx, cls)
+        k.max_dynamic_shared_size_bytes = (2 * table_set_bytes(v.tables)
+                                           + warps * warp_smem(ctx, cls, v))
         return k
 
-    return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps), build)
+    return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps, *v), build)
 
 
 def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor | None]:
@@ -76,12 +125,13 @@ class Launch:
         # Tables in shared memory: batches with every p <= 12, unless classed (their
         # frames' table sets are read through L1: _kernel.cu).
         smem = b.narrow and not b.classed
-        self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, b.classed)
+        v = variant()
+        self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, b.classed, v)
                        if self.pairs else None)
         self.grid = (-(-self.pairs // b.warps),)
         self.block = (32 * b.warps,)
-        self.shared = ((b.slots * TABLE_SET_BYTES if smem else 0)
-                       + b.warps * warp_smem(b.context, b.classed))
+        self.shared = ((b.slots * table_set_bytes(v.tables) if smem else 0)
+                       + b.warps * warp_smem(b.context, b.classed, v))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
 
     def __call__(self) -> None:
