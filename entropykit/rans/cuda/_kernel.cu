@@ -53,7 +53,7 @@
 // math, compose, raw ring read or ring slide), which bound the kernel (docs/gpu.md).
 // The last < 512 symbols take a scalar path with the same output places.
 //
-// Table layout (TABLES, a build option; 0 unless the runtime asks): 0 reads a step's
+// Table layout (TABLES, a build option; 1 unless the runtime asks): 0 reads a step's
 // tables as two gathers, slot -> symbol byte, then symbol -> f | start << 16; 1 (packed,
 // SMEM builds only) stages one word per slot, sym | (f - 1) << 8 | (slot - start) << 20
 // (every field fits 12 bits since p <= 12; f - 1 because f may be 2^12), built by the

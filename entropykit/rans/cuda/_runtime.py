@@ -30,7 +30,7 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds witho
 # Kernel variants (compile-time options of _kernel.cu; docs/gpu.md). The defaults are the
 # builds every decode takes; the private environment variables below override them for
 # gpu/kernel_sweep.py's comparisons (read at each launch's construction).
-TABLES = 0  # shared table layout: 0 symbol bytes + per-symbol infos, 1 one word per slot
+TABLES = 1  # shared table layout: 0 symbol bytes + per-symbol infos, 1 one word per slot
 STORE = 0  # staged rounds' output: 0 through shared staging bytes, 1 registers + shuffles
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
 _ENV_TABLES = "ENTROPYKIT_RANS_TABLES"
