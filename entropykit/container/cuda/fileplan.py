@@ -28,7 +28,6 @@ What it is not: the device side (``load.py``) or the decoder's layout (``rans.cu
 from __future__ import annotations
 
 import re
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +35,8 @@ import numpy as np
 
 from ..._errors import CorruptDataError
 from ...coding import frame as _frame
+from ...coding.crc32 import crc32, crc32_ranges
+from ...coding.parallel import alone
 from ...rans import decode as _rans_decode
 from ...rans.cuda.plan import GRID_MAX_WIDTH, WARPS, Batch, Grid, Place, Planner, Stream
 from .. import classed, codecs, payload, segment
@@ -103,10 +104,13 @@ class Piece:
 def _check_raw_chunks(s: Stream) -> None:
     """CRC-32 of the raw chunks of an rANS frame (the kernel copies them unchecked)."""
     info = s.info
-    for c in np.flatnonzero(info.modes == _frame.MODE_RAW).tolist():
-        a, n = int(info.offsets[c]), int(info.lengths[c])
-        if zlib.crc32(s.data[a : a + n]) != int(info.crcs[c]):
-            raise CorruptDataError(f"{s.label}: chunk {c} (raw) fails its CRC-32")
+    raw = np.flatnonzero(info.modes == _frame.MODE_RAW)
+    if raw.size == 0:
+        return
+    got = crc32_ranges(s.data, info.offsets[raw], info.lengths[raw], np.zeros(raw.size))
+    bad = np.flatnonzero(got != info.crcs[raw].astype(np.uint32))
+    if bad.size:
+        raise CorruptDataError(f"{s.label}: chunk {int(raw[bad[0]])} (raw) fails its CRC-32")
 
 
 def _stream(codec: str, part: np.ndarray, n: int, ctx: str | None, label: str) -> Stream:
@@ -128,7 +132,7 @@ def _stream(codec: str, part: np.ndarray, n: int, ctx: str | None, label: str) -
         if part.size != n + codecs.RAW_OVERHEAD:
             raise CorruptDataError(f"{label}: raw field is {part.size} bytes, expected "
                                    f"{n + codecs.RAW_OVERHEAD}")
-        if zlib.crc32(part[codecs.RAW_OVERHEAD:]) != int(part[:4].view("<u4")[0]):
+        if crc32(part[codecs.RAW_OVERHEAD:]) != int(part[:4].view("<u4")[0]):
             raise CorruptDataError(f"{label}: raw field fails its CRC-32")
         return Stream.plain(part[codecs.RAW_OVERHEAD:], label)
     if codec == "rans2d":
@@ -166,10 +170,10 @@ class _Job:
     fields: payload.Fields  # the tensor's; this segment's are checked by _plan_segment
 
 
-def _plan_segment(c: Compressed, job: _Job) -> Piece:
+def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray]) -> Piece:
+    """The piece of one segment, whose field payloads ``parts`` are read and checked."""
     e, s = job.entry, job.seg
     t = c.record.tensors[e.name]
-    parts = c.segment_parts(e.name, job.fields, s)  # position CRCs, in this thread
     codec_names = t.codecs[s]
     where = f"tensor {e.name!r} segment {s}"
     piece = Piece()
@@ -284,17 +288,25 @@ def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
         yield run
 
 
+def _plan_run(c: Compressed, run: list[_Job]) -> list[Piece]:
+    """The pieces of a run of segments: their field payloads read together and their
+    position CRCs checked in one pass (``Compressed.parts_of``), in this thread."""
+    parts = c.parts_of([(j.entry.name, j.fields, j.seg) for j in run])
+    # Host decodes (tANS, zstd) of a run stay on its thread: runs are what is shared out.
+    return alone(lambda _: [_plan_segment(c, j, p) for j, p in zip(run, parts, strict=True)],
+                 None)
+
+
 def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | None = None,
            warps: int = WARPS, group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
     """The groups decoding every tensor of ``c`` (or only ``entries``, some of its
     ``original`` entries), tensors numbered in data order (``c.keys()``, or as
     ``entries`` lists them); segments are planned ``threads`` at a time, ahead of use,
-    each reading its own field payloads (``Compressed.segment_parts``)."""
+    each run of them reading its own field payloads (``Compressed.parts_of``)."""
     entries = c.original.by_offset if entries is None else entries
     pending: list[Piece] = []
     size = 0
-    results = imap(lambda run: [_plan_segment(c, j) for j in run], _jobs(c, entries),
-                   threads)
+    results = imap(lambda run: _plan_run(c, run), _jobs(c, entries), threads)
     try:
         for pieces in results:
             for piece in pieces:

@@ -95,11 +95,18 @@ def split_table(freqs: np.ndarray, precision: int) -> tuple[np.ndarray, np.ndarr
     guarantees): ``sym`` uint8[2**p], the symbol of each slot, and ``info`` uint32[256],
     f | start << 16 for each symbol (f <= 2**15 and start < 2**15 since p <= 15).
     """
+    sym, info = split_tables(np.asarray(freqs, np.int64).reshape(1, -1), precision)
+    return sym, info.reshape(-1)
+
+
+def split_tables(freqs: np.ndarray, precision: int) -> tuple[np.ndarray, np.ndarray]:
+    """``split_table`` of every row of int64[n_tables, 256] at once: the ``sym`` tables
+    back to back, ``info`` uint32[n_tables, 256]."""
     f = np.asarray(freqs, np.int64)
-    sym = np.repeat(np.arange(f.size, dtype=np.uint8), f)
-    start = np.cumsum(f) - f
+    sym = np.repeat(np.tile(np.arange(f.shape[1], dtype=np.uint8), len(f)), f.reshape(-1))
+    start = np.cumsum(f, axis=1) - f
     info = (f | start << 16).astype(np.uint32)
-    assert sym.size == 1 << precision
+    assert sym.size == len(f) << precision
     return sym, info
 
 
@@ -365,6 +372,7 @@ class Planner:
         self.sym: list[np.ndarray] = []
         self.info: list[np.ndarray] = []
         self.sym_size = 0
+        self.tables = 0  # tables in ``info``
         self.known: dict[tuple[int, bytes, bytes], tuple[int, int]] = {}
         self.cmaps: list[np.ndarray] = []
         self.cmap_size = 0
@@ -377,12 +385,12 @@ class Planner:
         key = (info.param, info.freqs.tobytes(),
                b"" if info.cmap is None else info.cmap.tobytes())
         if key not in self.known:
-            self.known[key] = (self.sym_size, 256 * len(self.info))
-            for row in info.freqs:  # [n_tables, 256]
-                sym, inf = split_table(row, info.param)
-                self.sym.append(sym)
-                self.info.append(inf)
-                self.sym_size += sym.size
+            self.known[key] = (self.sym_size, 256 * self.tables)
+            sym, inf = split_tables(info.freqs, info.param)  # [n_tables, 256]
+            self.sym.append(sym)
+            self.info.append(inf.reshape(-1))
+            self.sym_size += sym.size
+            self.tables += len(inf)
         return self.known[key]
 
     def _register(self, s: Stream, place: Place, chunk: int) -> int:
