@@ -172,13 +172,14 @@ class Compressed:
         o = self._outer[name]
         return Window(self._src, self.outer.data_start + o.begin, o.nbytes)
 
-    def fields(self, name: str) -> payload.Fields:
+    def fields(self, name: str, buf: np.ndarray | None = None) -> payload.Fields:
         """Where the field payloads of tensor ``name`` are and their position CRCs, from
-        its payload index (read and checked; the CRCs are checked by ``segment_parts``)."""
+        its payload index (read and checked; the CRCs are checked by ``segment_parts``);
+        ``buf``: the tensor's whole payload, when the caller has read it."""
         t = self.record.tensors[name]
         try:
-            return payload.unpack(self._payload(name), len(t.codecs) * len(t.fields),
-                                  self.record.bound)
+            return payload.unpack(self._payload(name) if buf is None else buf,
+                                  len(t.codecs) * len(t.fields), self.record.bound)
         except CorruptDataError as err:
             raise CorruptDataError(f"tensor {name!r}: {err}") from None
 
@@ -202,18 +203,24 @@ class Compressed:
             raise CorruptDataError(f"tensor {name!r} segment {seg}: {err}") from None
         return parts
 
-    def parts_of(self, segs: Sequence[tuple[str, payload.Fields, int]]
+    def parts_of(self, segs: Sequence[tuple[str, payload.Fields | None, int]]
                  ) -> list[list[np.ndarray]]:
         """``segment_parts`` of several segments (tensor name, its ``fields``, segment):
         their field payloads read in as few reads as lie within ``GAP`` bytes of each other
         (the parts are views of those reads), all their position CRCs computed in one call
-        (``crc32_ranges``, no Python per field), each checked as ``segment_parts`` checks
-        it; the first failure in ``segs`` order raises its error."""
+        per read (``crc32_ranges``, no Python per field), each checked as
+        ``segment_parts`` checks it; the first failure in ``segs`` order raises its error.
+        ``fields`` None: the tensor's whole payload is read with the rest and its index
+        unpacked from it (``fields(name, buf)``; for a tensor of one segment, it saves the
+        index's own reads)."""
         spans = []
         for name, fields, seg in segs:
+            at = self.outer.data_start + self._outer[name].begin
+            if fields is None:
+                spans.append((at, at + self._outer[name].nbytes))
+                continue
             nf = len(self.record.tensors[name].fields)
             a, b = fields.span(seg * nf, (seg + 1) * nf)
-            at = self.outer.data_start + self._outer[name].begin
             spans.append((at + a, at + b))
         block_of = [0] * len(spans)
         blocks: list[list[int]] = []  # [start, end] of each read
@@ -233,13 +240,17 @@ class Compressed:
             nf = len(self.record.tensors[name].fields)
             lo, hi = seg * nf, (seg + 1) * nf
             at = a - blocks[block_of[k]][0]
-            out.append(fields.split(bufs[block_of[k]][at : at + b - a], lo, hi))
+            view = bufs[block_of[k]][at : at + b - a]
+            if fields is None:  # the whole payload: its index first
+                fields = self.fields(name, view)
+                first, end = fields.span(lo, hi)
+                view, at = view[first:end], at + first
+            out.append(fields.split(view, lo, hi))
             if fields.crcs is None:
                 continue  # EKT1: no position CRCs
             starts, lengths, seeds, want, where = checks[block_of[k]]
-            first = fields.offsets[lo]
             for f in range(nf):
-                starts.append(at + fields.offsets[lo + f] - first)
+                starts.append(at + fields.offsets[lo + f] - fields.offsets[lo])
                 lengths.append(fields.lengths[lo + f])
                 seeds.append(payload.place_seed(name, seg, f))
                 want.append(fields.crcs[lo + f])

@@ -167,7 +167,9 @@ class _Job:
     seg: int
     lo: int
     hi: int
-    fields: payload.Fields  # the tensor's; this segment's are checked by _plan_segment
+    # The tensor's (this segment's parts are checked as they are read); None for a tensor
+    # of one segment, whose index is read with its field payloads (``parts_of``).
+    fields: payload.Fields | None
 
 
 def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray]) -> Piece:
@@ -277,8 +279,9 @@ def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
     run: list[_Job] = []
     size = 0
     for k, e in enumerate(entries):
-        fields = c.fields(e.name)
-        for s, (lo, hi) in enumerate(c.bounds(e)):
+        bounds = c.bounds(e)
+        fields = c.fields(e.name) if len(bounds) > 1 else None
+        for s, (lo, hi) in enumerate(bounds):
             if run and size + hi - lo > RUN_BYTES:
                 yield run
                 run, size = [], 0
