@@ -2,8 +2,8 @@
 
 What it is: the host half of ``load_file(..., device="cuda")``, with no torch and no GPU.
 For each segment of each tensor it checks every field payload's position CRC (the
-payload is where the record says: ``payload.check``), then decides how every field
-reaches the output tensor:
+payload is where the record says, as ``payload.check`` checks it), then decides how every
+field reaches the output tensor:
 
 - rANS frames go to the kernel as they are, and so do ``rans2d`` fields: their class
   maps are checked and unpacked here, and the kernel picks each symbol's table from its
@@ -18,7 +18,11 @@ reaches the output tensor:
   the element's top 16 bits; ``nibble_pair`` (packed 4-bit) is every byte. Any other
   split is decoded here (``segment.decode``) and copied.
 
-Segments are planned on a thread pool and gathered in data order into ``Group``s of at
+Segments are planned in runs (small segments together, up to ``RUN_BYTES``), each run on
+one thread of a pool: its field payloads are read in as few reads as lie together (a
+tensor of one segment with its payload index), all their position CRCs computed in one
+call (``Compressed.parts_of``), and its host decodes run on that thread. The pieces are
+gathered in data order into ``Group``s of at
 most ``group_bytes`` of payload: a group is what the loader stages, copies and launches
 at once (one launch per kernel flavour in it: u8 / bf16 mode, context tables, tables
 wider than shared memory holds), so host work, copies and decoding overlap.
