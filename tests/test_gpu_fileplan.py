@@ -30,7 +30,7 @@ from entropykit.rans.cuda import plan as gplan
 DATA = pathlib.Path(__file__).parent / "data"
 
 
-def _row_by_row(freqs, precision):
+def _row_by_row(freqs, precision=None):
     """The tables as split before: one row at a time."""
     syms, infos = [], []
     for f in np.asarray(freqs, np.int64):
