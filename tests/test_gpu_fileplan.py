@@ -45,7 +45,7 @@ def _zlib_ranges(buf, starts, lengths, values):
                          np.asarray(values).tolist(), strict=True)], np.uint32)
 
 
-def _by_segment(c, run):
+def _by_segment(c, run, arena=None):
     return [fileplan._plan_segment(c, j, c.segment_parts(
         j.entry.name, j.fields or c.fields(j.entry.name), j.seg)) for j in run]
 
@@ -268,3 +268,21 @@ def test_split_tables_is_split_table_per_row():
         one_sym, one_info = gplan.split_table(freqs[2], precision)
         assert np.array_equal(one_sym, want_sym[2 << precision : 3 << precision])
         assert np.array_equal(one_info, want_info[2])
+
+
+def test_arena_hands_out_fresh_disjoint_buffers_from_large_blocks():
+    """Reads held together come from a few large allocations (huge pages where the kernel
+    has them), never sharing bytes; a read of a quarter block or more gets its own."""
+    arena = source.Arena(block=1 << 16)
+    sizes = [1, 100, 16_000, 16_000, 16_000, 16_000, 16_000, 3, 16_384, 0]
+    got = [arena.get(n) for n in sizes]
+    assert [g.size for g in got] == sizes
+    carved = [g for g, n in zip(got, sizes, strict=True) if 0 < n < 1 << 14]
+    addr = lambda a: a.__array_interface__["data"][0]  # noqa: E731
+    for i, a in enumerate(carved):
+        assert a.base is not None and a.base.size == 1 << 16
+        assert (addr(a) - addr(a.base)) % 64 == 0  # each starts on a cache line
+        for b in carved[i + 1:]:
+            assert not np.shares_memory(a, b)
+    assert len({id(g.base) for g in carved}) == 2  # the fifth 16_000 starts a new block
+    assert got[8].base is None or got[8].base.size == 1 << 14  # its own array

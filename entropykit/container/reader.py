@@ -26,7 +26,7 @@ from ..coding.crc32 import crc32_ranges
 from . import header as hdr
 from . import payload, record, segment
 from .parallel import UNIT_BYTES, imap, imap_grouped
-from .source import ArrayBytes, Bytes, Scratch, Window
+from .source import Arena, ArrayBytes, Bytes, Scratch, Window
 
 Progress = Callable[[int, int], None]
 GAP = 64 << 10  # bytes between field payloads read in one read anyway (``parts_of``)
@@ -203,8 +203,8 @@ class Compressed:
             raise CorruptDataError(f"tensor {name!r} segment {seg}: {err}") from None
         return parts
 
-    def parts_of(self, segs: Sequence[tuple[str, payload.Fields | None, int]]
-                 ) -> list[list[np.ndarray]]:
+    def parts_of(self, segs: Sequence[tuple[str, payload.Fields | None, int]],
+                 arena: Arena | None = None) -> list[list[np.ndarray]]:
         """``segment_parts`` of several segments (tensor name, its ``fields``, segment):
         their field payloads read in as few reads as lie within ``GAP`` bytes of each other
         (the parts are views of those reads), all their position CRCs computed in one call
@@ -212,7 +212,7 @@ class Compressed:
         ``segment_parts`` checks it; the first failure in ``segs`` order raises its error.
         ``fields`` None: the tensor's whole payload is read with the rest and its index
         unpacked from it (``fields(name, buf)``; for a tensor of one segment, it saves the
-        index's own reads)."""
+        index's own reads). ``arena``: where the reads go (``source.Arena``)."""
         spans = []
         for name, fields, seg in segs:
             at = self.outer.data_start + self._outer[name].begin
@@ -231,7 +231,7 @@ class Compressed:
             else:
                 blocks.append([a, b])
             block_of[k] = len(blocks) - 1
-        bufs = [self._src.read(a, b - a) for a, b in blocks]
+        bufs = [self._src.read(a, b - a, arena) for a, b in blocks]
         out = []
         # per read: starts, lengths, seeds, wanted CRCs, and (segment, field) of each
         checks: list[tuple[list[int], list[int], list[int], list[int], list[tuple[int, int]]]]

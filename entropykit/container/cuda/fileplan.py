@@ -47,6 +47,7 @@ from .. import classed, codecs, payload, segment
 from .. import header as hdr
 from ..parallel import imap
 from ..reader import Compressed
+from ..source import Arena
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
 RUN_BYTES = 1 << 20  # output bytes of the small segments one thread plans in a row
@@ -295,10 +296,11 @@ def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
         yield run
 
 
-def _plan_run(c: Compressed, run: list[_Job]) -> list[Piece]:
-    """The pieces of a run of segments: their field payloads read together and their
-    position CRCs checked in one pass (``Compressed.parts_of``), in this thread."""
-    parts = c.parts_of([(j.entry.name, j.fields, j.seg) for j in run])
+def _plan_run(c: Compressed, run: list[_Job], arena: Arena | None = None) -> list[Piece]:
+    """The pieces of a run of segments: their field payloads read together (into
+    ``arena``) and their position CRCs checked in one pass (``Compressed.parts_of``), in
+    this thread."""
+    parts = c.parts_of([(j.entry.name, j.fields, j.seg) for j in run], arena)
     # Host decodes (tANS, zstd) of a run stay on its thread: runs are what is shared out.
     return alone(lambda _: [_plan_segment(c, j, p) for j, p in zip(run, parts, strict=True)],
                  None)
@@ -313,7 +315,8 @@ def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | No
     entries = c.original.by_offset if entries is None else entries
     pending: list[Piece] = []
     size = 0
-    results = imap(lambda run: _plan_run(c, run), _jobs(c, entries), threads)
+    arena = Arena()  # the reads of runs held together until their group is staged
+    results = imap(lambda run: _plan_run(c, run, arena), _jobs(c, entries), threads)
     try:
         for pieces in results:
             for piece in pieces:
