@@ -246,6 +246,13 @@ def _inline(fn: Callable[[T], R], item: T) -> R:
         _here.pool = before
 
 
+def alone(fn: Callable[[T], R], item: T) -> R:
+    """``fn(item)`` on this thread, with the calls of this module it makes run inline: for
+    work units that are already spread over threads, where a nested hand-off per small
+    piece of work would cost more than the piece."""
+    return _inline(fn, item)
+
+
 def imap(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
     """``fn`` over ``items``, results in order; the first exception (in item order)
     propagates. Inside a call of this module, the enclosing call's threads run it."""

@@ -45,9 +45,13 @@ def field_crc(part: np.ndarray | bytes, name: str, seg: int, field: int) -> int:
     """The position CRC of field payload ``part``, field ``field`` of segment ``seg`` of
     tensor ``name``: CRC-32 of the tensor name's UTF-8 bytes, a NUL, u32 seg, u32 field,
     then the payload (one pass: the payload's CRC seeded with the prefix's)."""
+    return crc32(part, place_seed(name, seg, field))
+
+
+def place_seed(name: str, seg: int, field: int) -> int:
+    """The CRC-32 of the place prefix of ``field_crc`` (the seed of the payload's CRC)."""
     # surrogatepass: a name no writer can write still gets a value (a mismatch), no error.
-    prefix = name.encode("utf-8", "surrogatepass") + b"\0" + _PLACE.pack(seg, field)
-    return crc32(part, zlib.crc32(prefix))
+    return zlib.crc32(name.encode("utf-8", "surrogatepass") + b"\0" + _PLACE.pack(seg, field))
 
 
 def index(lengths: Sequence[int], crcs: Sequence[int]) -> bytes:
@@ -133,9 +137,13 @@ def check(name: str, seg: int, fields: Sequence[tuple[str, str | None]],
         return
     for f, (part, want) in enumerate(zip(parts, crcs, strict=True)):
         if field_crc(part, name, seg, f) != want:
-            raise CorruptDataError(
-                f"field {f} ({fields[f][0]!r}): payload fails its position CRC-32 (damaged, "
-                f"or moved from another tensor, segment or field)")
+            raise misplaced(fields, f)
+
+
+def misplaced(fields: Sequence[tuple[str, str | None]], f: int) -> CorruptDataError:
+    """The error of field payload ``f`` failing its position CRC."""
+    return CorruptDataError(f"field {f} ({fields[f][0]!r}): payload fails its position "
+                            "CRC-32 (damaged, or moved from another tensor, segment or field)")
 
 
 def well_formed(buf: Sliceable) -> bool:

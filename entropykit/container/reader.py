@@ -16,18 +16,20 @@ What it is not: file handling (``files.py``) or encoding (``writer.py``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
 import numpy as np
 
 from .._errors import CorruptDataError
+from ..coding.crc32 import crc32_ranges
 from . import header as hdr
 from . import payload, record, segment
 from .parallel import UNIT_BYTES, imap, imap_grouped
-from .source import ArrayBytes, Bytes, Scratch, Window
+from .source import Arena, ArrayBytes, Bytes, Scratch, Window
 
 Progress = Callable[[int, int], None]
+GAP = 64 << 10  # bytes between field payloads read in one read anyway (``parts_of``)
 
 
 def is_compressed(h: hdr.Header, src: Bytes | None = None) -> bool:
@@ -170,13 +172,14 @@ class Compressed:
         o = self._outer[name]
         return Window(self._src, self.outer.data_start + o.begin, o.nbytes)
 
-    def fields(self, name: str) -> payload.Fields:
+    def fields(self, name: str, buf: np.ndarray | None = None) -> payload.Fields:
         """Where the field payloads of tensor ``name`` are and their position CRCs, from
-        its payload index (read and checked; the CRCs are checked by ``segment_parts``)."""
+        its payload index (read and checked; the CRCs are checked by ``segment_parts``);
+        ``buf``: the tensor's whole payload, when the caller has read it."""
         t = self.record.tensors[name]
         try:
-            return payload.unpack(self._payload(name), len(t.codecs) * len(t.fields),
-                                  self.record.bound)
+            return payload.unpack(self._payload(name) if buf is None else buf,
+                                  len(t.codecs) * len(t.fields), self.record.bound)
         except CorruptDataError as err:
             raise CorruptDataError(f"tensor {name!r}: {err}") from None
 
@@ -199,6 +202,71 @@ class Compressed:
         except CorruptDataError as err:
             raise CorruptDataError(f"tensor {name!r} segment {seg}: {err}") from None
         return parts
+
+    def parts_of(self, segs: Sequence[tuple[str, payload.Fields | None, int]],
+                 arena: Arena | None = None) -> list[list[np.ndarray]]:
+        """``segment_parts`` of several segments (tensor name, its ``fields``, segment):
+        their field payloads read in as few reads as lie within ``GAP`` bytes of each other
+        (the parts are views of those reads), all their position CRCs computed in one call
+        per read (``crc32_ranges``, no Python per field), each checked as
+        ``segment_parts`` checks it; the first failure in ``segs`` order raises its error.
+        ``fields`` None: the tensor's whole payload is read with the rest and its index
+        unpacked from it (``fields(name, buf)``; for a tensor of one segment, it saves the
+        index's own reads). ``arena``: where the reads go (``source.Arena``)."""
+        spans = []
+        for name, fields, seg in segs:
+            at = self.outer.data_start + self._outer[name].begin
+            if fields is None:
+                spans.append((at, at + self._outer[name].nbytes))
+                continue
+            nf = len(self.record.tensors[name].fields)
+            a, b = fields.span(seg * nf, (seg + 1) * nf)
+            spans.append((at + a, at + b))
+        block_of = [0] * len(spans)
+        blocks: list[list[int]] = []  # [start, end] of each read
+        for k in sorted(range(len(spans)), key=lambda k: spans[k]):
+            a, b = spans[k]
+            if blocks and a - blocks[-1][1] <= GAP:
+                blocks[-1][1] = max(blocks[-1][1], b)
+            else:
+                blocks.append([a, b])
+            block_of[k] = len(blocks) - 1
+        bufs = [self._src.read(a, b - a, arena) for a, b in blocks]
+        out = []
+        # per read: starts, lengths, seeds, wanted CRCs, and (segment, field) of each
+        checks: list[tuple[list[int], list[int], list[int], list[int], list[tuple[int, int]]]]
+        checks = [([], [], [], [], []) for _ in blocks]
+        for k, ((name, fields, seg), (a, b)) in enumerate(zip(segs, spans, strict=True)):
+            nf = len(self.record.tensors[name].fields)
+            lo, hi = seg * nf, (seg + 1) * nf
+            at = a - blocks[block_of[k]][0]
+            view = bufs[block_of[k]][at : at + b - a]
+            if fields is None:  # the whole payload: its index first
+                fields = self.fields(name, view)
+                first, end = fields.span(lo, hi)
+                view, at = view[first:end], at + first
+            out.append(fields.split(view, lo, hi))
+            if fields.crcs is None:
+                continue  # EKT1: no position CRCs
+            starts, lengths, seeds, want, where = checks[block_of[k]]
+            for f in range(nf):
+                starts.append(at + fields.offsets[lo + f] - fields.offsets[lo])
+                lengths.append(fields.lengths[lo + f])
+                seeds.append(payload.place_seed(name, seg, f))
+                want.append(fields.crcs[lo + f])
+                where.append((k, f))
+        bad = []
+        for buf, (starts, lengths, seeds, want, where) in zip(bufs, checks, strict=True):
+            if starts:
+                got = crc32_ranges(buf, np.array(starts, np.int64),
+                                   np.array(lengths, np.int64), np.array(seeds, np.uint32))
+                bad += [where[i] for i in np.flatnonzero(got != np.array(want, np.uint32))]
+        if bad:
+            k, f = min(bad)
+            name, _, seg = segs[k]
+            err = payload.misplaced(self.record.tensors[name].fields, f)
+            raise CorruptDataError(f"tensor {name!r} segment {seg}: {err}")
+        return out
 
     def _jobs(self, entries: list[hdr.Entry], into: np.ndarray | None = None, at: int = 0
               ) -> Iterator[_Job]:

@@ -7,8 +7,9 @@ shrinks kills the process with SIGBUS, while a read past the end here is a short
 raised as ``CorruptDataError`` and never used as data. The file is remembered as it was
 when opened (size, modification time) so that a change can be detected (``check``).
 ``ArrayBytes`` gives the same interface over bytes in memory (views, no copy),
-``Window`` a slice of either that is read when sliced, and ``Scratch`` a read buffer
-reused per thread. What it is not: parsing or decoding (``header``, ``reader``).
+``Window`` a slice of either that is read when sliced, ``Scratch`` a read buffer
+reused per thread, and ``Arena`` fresh read buffers carved from large blocks.
+What it is not: parsing or decoding (``header``, ``reader``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Bytes(Protocol):
 
     size: int
 
-    def read(self, offset: int, n: int, scratch: Scratch | None = None) -> np.ndarray: ...
+    def read(self, offset: int, n: int, scratch: Scratch | Arena | None = None
+             ) -> np.ndarray: ...
 
 
 def _past_end(offset: int, n: int, size: int) -> CorruptDataError | None:
@@ -48,7 +50,8 @@ class ArrayBytes:
             np.frombuffer(memoryview(buf).cast("B"), np.uint8)
         self.size = int(self._buf.size)
 
-    def read(self, offset: int, n: int, scratch: Scratch | None = None) -> np.ndarray:
+    def read(self, offset: int, n: int, scratch: Scratch | Arena | None = None
+             ) -> np.ndarray:
         """A view (``scratch`` is not needed: nothing is copied)."""
         err = _past_end(offset, n, self.size)
         if err is not None:
@@ -91,10 +94,11 @@ class FileBytes:
             raise CorruptDataError(f"file changed while being read ({self.size} bytes when "
                                    f"opened, now {now.st_size})")
 
-    def read(self, offset: int, n: int, scratch: Scratch | None = None) -> np.ndarray:
-        """``n`` bytes at ``offset``: a new array, or with ``scratch`` this thread's buffer
-        there (valid until its next use); CorruptDataError if the file is shorter now than
-        when opened."""
+    def read(self, offset: int, n: int, scratch: Scratch | Arena | None = None
+             ) -> np.ndarray:
+        """``n`` bytes at ``offset``: a new array, or with ``scratch`` its buffer (a
+        ``Scratch``: this thread's, valid until its next use; an ``Arena``: a fresh one);
+        CorruptDataError if the file is shorter now than when opened."""
         err = _past_end(offset, n, self.size)
         if err is not None:
             raise err
@@ -142,3 +146,28 @@ class Scratch:
         if buf is None or buf.size < n:
             buf = self._local.buf = np.empty(n, np.uint8)
         return buf
+
+
+class Arena:
+    """Fresh read buffers (``get(n)``, never handed out twice) carved from blocks of
+    ``block`` bytes, for many small reads that stay alive together (a GPU load's plan
+    holds a group's field payloads until the group is staged): one large allocation
+    takes the kernel's transparent huge pages where it has them, where reads into buffers
+    of a megabyte each fault their memory in 4 KiB page by page. A block is freed when
+    no buffer of it is left; reads of a quarter block or more get their own array."""
+
+    def __init__(self, block: int = 32 << 20) -> None:
+        self._block = block
+        self._lock = threading.Lock()
+        self._buf = np.empty(0, np.uint8)
+        self._at = 0
+
+    def get(self, n: int) -> np.ndarray:
+        if 4 * n >= self._block:
+            return np.empty(n, np.uint8)
+        with self._lock:
+            if self._at + n > self._buf.size:
+                self._buf, self._at = np.empty(self._block, np.uint8), 0
+            out = self._buf[self._at : self._at + n]
+            self._at += -(-n // 64) * 64  # the next buffer starts on a cache line
+        return out

@@ -215,3 +215,28 @@ def test_from_pretrained_decodes_each_shard_in_one_gpu_batch(tmp_path, monkeypat
         assert sb[k].device == sa[k].device and sb[k].dtype == sa[k].dtype, k
         assert torch.equal(sa[k].reshape(-1).view(torch.uint8),
                            sb[k].reshape(-1).view(torch.uint8)), k
+
+
+def test_moved_payload_in_a_run_of_small_tensors_fails_as_on_the_cpu(tmp_path):
+    """A changed byte in a field payload of a tiny tensor (its position CRC not updated):
+    the GPU load, which reads and checks a run of small tensors together, raises the CPU
+    load's error, naming the same tensor, segment and field."""
+    from entropykit import CorruptDataError
+    from entropykit.container.reader import Compressed
+
+    orig, ek = tmp_path / "m.safetensors", tmp_path / "m.ek.safetensors"
+    safetensors.torch.save_file(_many_small(1), orig)
+    entropykit.compress_file(orig, ek)
+    buf = np.fromfile(ek, np.uint8)
+    c = Compressed(buf)
+    name = "layer.5.t5"  # 385 float8 values
+    o = next(e for e in c.outer.entries if e.name == name)
+    buf[c.outer.data_start + o.end - 1] ^= 0x20  # the last byte of its last field payload
+    bad = tmp_path / "bad.safetensors"
+    buf.tofile(bad)
+    with pytest.raises(CorruptDataError) as cpu:
+        entropykit.load_file(bad)
+    with pytest.raises(CorruptDataError) as gpu:
+        entropykit.load_file(bad, "cuda")
+    assert str(gpu.value) == str(cpu.value)
+    assert str(gpu.value).startswith(f"tensor {name!r} segment 0: field ")

@@ -2,8 +2,8 @@
 
 What it is: the host half of ``load_file(..., device="cuda")``, with no torch and no GPU.
 For each segment of each tensor it checks every field payload's position CRC (the
-payload is where the record says: ``payload.check``), then decides how every field
-reaches the output tensor:
+payload is where the record says, as ``payload.check`` checks it), then decides how every
+field reaches the output tensor:
 
 - rANS frames go to the kernel as they are, and so do ``rans2d`` fields: their class
   maps are checked and unpacked here, and the kernel picks each symbol's table from its
@@ -18,7 +18,11 @@ reaches the output tensor:
   the element's top 16 bits; ``nibble_pair`` (packed 4-bit) is every byte. Any other
   split is decoded here (``segment.decode``) and copied.
 
-Segments are planned on a thread pool and gathered in data order into ``Group``s of at
+Segments are planned in runs (small segments together, up to ``RUN_BYTES``), each run on
+one thread of a pool: its field payloads are read in as few reads as lie together (a
+tensor of one segment with its payload index), all their position CRCs computed in one
+call (``Compressed.parts_of``), and its host decodes run on that thread. The pieces are
+gathered in data order into ``Group``s of at
 most ``group_bytes`` of payload: a group is what the loader stages, copies and launches
 at once (one launch per kernel flavour in it: u8 / bf16 mode, context tables, tables
 wider than shared memory holds), so host work, copies and decoding overlap.
@@ -28,7 +32,6 @@ What it is not: the device side (``load.py``) or the decoder's layout (``rans.cu
 from __future__ import annotations
 
 import re
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -36,12 +39,15 @@ import numpy as np
 
 from ..._errors import CorruptDataError
 from ...coding import frame as _frame
+from ...coding.crc32 import crc32, crc32_ranges
+from ...coding.parallel import alone
 from ...rans import decode as _rans_decode
 from ...rans.cuda.plan import GRID_MAX_WIDTH, WARPS, Batch, Grid, Place, Planner, Stream
 from .. import classed, codecs, payload, segment
 from .. import header as hdr
 from ..parallel import imap
 from ..reader import Compressed
+from ..source import Arena
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
 RUN_BYTES = 1 << 20  # output bytes of the small segments one thread plans in a row
@@ -103,10 +109,13 @@ class Piece:
 def _check_raw_chunks(s: Stream) -> None:
     """CRC-32 of the raw chunks of an rANS frame (the kernel copies them unchecked)."""
     info = s.info
-    for c in np.flatnonzero(info.modes == _frame.MODE_RAW).tolist():
-        a, n = int(info.offsets[c]), int(info.lengths[c])
-        if zlib.crc32(s.data[a : a + n]) != int(info.crcs[c]):
-            raise CorruptDataError(f"{s.label}: chunk {c} (raw) fails its CRC-32")
+    raw = np.flatnonzero(info.modes == _frame.MODE_RAW)
+    if raw.size == 0:
+        return
+    got = crc32_ranges(s.data, info.offsets[raw], info.lengths[raw], np.zeros(raw.size))
+    bad = np.flatnonzero(got != info.crcs[raw].astype(np.uint32))
+    if bad.size:
+        raise CorruptDataError(f"{s.label}: chunk {int(raw[bad[0]])} (raw) fails its CRC-32")
 
 
 def _stream(codec: str, part: np.ndarray, n: int, ctx: str | None, label: str) -> Stream:
@@ -128,7 +137,7 @@ def _stream(codec: str, part: np.ndarray, n: int, ctx: str | None, label: str) -
         if part.size != n + codecs.RAW_OVERHEAD:
             raise CorruptDataError(f"{label}: raw field is {part.size} bytes, expected "
                                    f"{n + codecs.RAW_OVERHEAD}")
-        if zlib.crc32(part[codecs.RAW_OVERHEAD:]) != int(part[:4].view("<u4")[0]):
+        if crc32(part[codecs.RAW_OVERHEAD:]) != int(part[:4].view("<u4")[0]):
             raise CorruptDataError(f"{label}: raw field fails its CRC-32")
         return Stream.plain(part[codecs.RAW_OVERHEAD:], label)
     if codec == "rans2d":
@@ -163,13 +172,15 @@ class _Job:
     seg: int
     lo: int
     hi: int
-    fields: payload.Fields  # the tensor's; this segment's are checked by _plan_segment
+    # The tensor's (this segment's parts are checked as they are read); None for a tensor
+    # of one segment, whose index is read with its field payloads (``parts_of``).
+    fields: payload.Fields | None
 
 
-def _plan_segment(c: Compressed, job: _Job) -> Piece:
+def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray]) -> Piece:
+    """The piece of one segment, whose field payloads ``parts`` are read and checked."""
     e, s = job.entry, job.seg
     t = c.record.tensors[e.name]
-    parts = c.segment_parts(e.name, job.fields, s)  # position CRCs, in this thread
     codec_names = t.codecs[s]
     where = f"tensor {e.name!r} segment {s}"
     piece = Piece()
@@ -273,8 +284,9 @@ def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
     run: list[_Job] = []
     size = 0
     for k, e in enumerate(entries):
-        fields = c.fields(e.name)
-        for s, (lo, hi) in enumerate(c.bounds(e)):
+        bounds = c.bounds(e)
+        fields = c.fields(e.name) if len(bounds) > 1 else None
+        for s, (lo, hi) in enumerate(bounds):
             if run and size + hi - lo > RUN_BYTES:
                 yield run
                 run, size = [], 0
@@ -284,17 +296,27 @@ def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
         yield run
 
 
+def _plan_run(c: Compressed, run: list[_Job], arena: Arena | None = None) -> list[Piece]:
+    """The pieces of a run of segments: their field payloads read together (into
+    ``arena``) and their position CRCs checked in one pass (``Compressed.parts_of``), in
+    this thread."""
+    parts = c.parts_of([(j.entry.name, j.fields, j.seg) for j in run], arena)
+    # Host decodes (tANS, zstd) of a run stay on its thread: runs are what is shared out.
+    return alone(lambda _: [_plan_segment(c, j, p) for j, p in zip(run, parts, strict=True)],
+                 None)
+
+
 def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | None = None,
            warps: int = WARPS, group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
     """The groups decoding every tensor of ``c`` (or only ``entries``, some of its
     ``original`` entries), tensors numbered in data order (``c.keys()``, or as
     ``entries`` lists them); segments are planned ``threads`` at a time, ahead of use,
-    each reading its own field payloads (``Compressed.segment_parts``)."""
+    each run of them reading its own field payloads (``Compressed.parts_of``)."""
     entries = c.original.by_offset if entries is None else entries
     pending: list[Piece] = []
     size = 0
-    results = imap(lambda run: [_plan_segment(c, j) for j in run], _jobs(c, entries),
-                   threads)
+    arena = Arena()  # the reads of runs held together until their group is staged
+    results = imap(lambda run: _plan_run(c, run, arena), _jobs(c, entries), threads)
     try:
         for pieces in results:
             for piece in pieces:

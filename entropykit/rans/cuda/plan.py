@@ -95,11 +95,20 @@ def split_table(freqs: np.ndarray, precision: int) -> tuple[np.ndarray, np.ndarr
     guarantees): ``sym`` uint8[2**p], the symbol of each slot, and ``info`` uint32[256],
     f | start << 16 for each symbol (f <= 2**15 and start < 2**15 since p <= 15).
     """
+    sym, info = split_tables(np.asarray(freqs, np.int64).reshape(1, -1), precision)
+    return sym, info.reshape(-1)
+
+
+def split_tables(freqs: np.ndarray, precision: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``split_table`` of every row of int64[n_tables, 256] at once (rows of any
+    precisions where ``precision`` is None): the ``sym`` tables back to back, ``info``
+    uint32[n_tables, 256]."""
     f = np.asarray(freqs, np.int64)
-    sym = np.repeat(np.arange(f.size, dtype=np.uint8), f)
-    start = np.cumsum(f) - f
+    sym = np.repeat(np.tile(np.arange(f.shape[1], dtype=np.uint8), len(f)), f.reshape(-1))
+    start = np.cumsum(f, axis=1) - f
     info = (f | start << 16).astype(np.uint32)
-    assert sym.size == 1 << precision
+    assert precision is None or sym.size == len(f) << precision
     return sym, info
 
 
@@ -362,9 +371,9 @@ class Planner:
             raise ValueError(f"warps must be >= 1, got {warps}")
         self.bf16 = bf16
         self.warps = warps
-        self.sym: list[np.ndarray] = []
-        self.info: list[np.ndarray] = []
+        self.freqs: list[np.ndarray] = []  # each distinct frame's tables, split in finish
         self.sym_size = 0
+        self.tables = 0
         self.known: dict[tuple[int, bytes, bytes], tuple[int, int]] = {}
         self.cmaps: list[np.ndarray] = []
         self.cmap_size = 0
@@ -377,12 +386,10 @@ class Planner:
         key = (info.param, info.freqs.tobytes(),
                b"" if info.cmap is None else info.cmap.tobytes())
         if key not in self.known:
-            self.known[key] = (self.sym_size, 256 * len(self.info))
-            for row in info.freqs:  # [n_tables, 256]
-                sym, inf = split_table(row, info.param)
-                self.sym.append(sym)
-                self.info.append(inf)
-                self.sym_size += sym.size
+            self.known[key] = (self.sym_size, 256 * self.tables)
+            self.freqs.append(info.freqs)  # [n_tables, 256], each summing to 2**param
+            self.sym_size += len(info.freqs) << info.param
+            self.tables += len(info.freqs)
         return self.known[key]
 
     def _register(self, s: Stream, place: Place, chunk: int) -> int:
@@ -525,8 +532,11 @@ class Planner:
         start = np.cumsum(padded) - padded
         copies = np.stack([flat[:, _SRC], desc[:, D_OFF], start, size], axis=1)[live]
         desc[:, D_OFF] = np.where(live, start, 0)
-        sym = np.concatenate(self.sym) if self.sym else np.zeros(1, np.uint8)
-        info = np.concatenate(self.info) if self.info else np.zeros(1, np.uint32)
+        sym, info = np.zeros(1, np.uint8), np.zeros(1, np.uint32)
+        if self.freqs:  # every frame's tables split in one pass
+            sym, info = split_tables(np.concatenate(self.freqs))
+            info = info.reshape(-1)
+            assert sym.size == self.sym_size
         cmaps = np.concatenate(self.cmaps) if self.cmaps else np.zeros(1, np.uint8)
         out_index = np.where(live, flat[:, _OUTPUT], -1)
         origin = flat[:, [_SRC, _C, _AT]].copy()
