@@ -31,14 +31,18 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..coding import frame as _frame
 from ..rans import distribution as dist
+from ..rans import static as rans_static
+from . import static_kv
 from ._torchdist import CODERS, DeviceCalibration, group_distribution, on_gpu
 from .calibration import Calibration
 from .codec import CHUNK
 from .kvcache import align
-from .predictors import Predictor
+from .predictors import NoPredictor, Predictor
 
 LAYER_MODELS = ("gaussian", "mixture")
+METHODS = ("auto", "static", "distribution")
 
 
 class KVOffloadCodec:
@@ -64,20 +68,34 @@ class KVOffloadCodec:
     host memory and, with the GPU coder, PCIe traffic shrink to the frames' size.
     """
 
-    def __init__(self, predictor: Predictor, calibration: Calibration,
-                 model: str = "mixture", threads: int | None = 1, coder: str = "auto",
-                 chunk_size: int | None = None) -> None:
+    def __init__(self, predictor: Predictor | None = None,
+                 calibration: Calibration | None = None, model: str = "mixture",
+                 threads: int | None = 1, coder: str = "auto", chunk_size: int | None = None,
+                 *, method: str = "auto") -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method == "auto":
+            method = ("static" if predictor is None or isinstance(predictor, NoPredictor)
+                      else "distribution")
         if model not in LAYER_MODELS:
             raise ValueError(f"offloaded layers are coded one at a time: model must be one of "
                              f"{LAYER_MODELS}, got {model!r}")
         if coder not in CODERS:
             raise ValueError(f"coder must be one of {CODERS}, got {coder!r}")
-        if predictor.describe() != calibration.predictor:
-            raise ValueError("the calibration was fitted with another predictor")
+        if method == "distribution":
+            if predictor is None or calibration is None:
+                raise ValueError("the per-value coder (method 'distribution') needs a "
+                                 "predictor and its calibration")
+            if predictor.describe() != calibration.predictor:
+                raise ValueError("the calibration was fitted with another predictor")
         if chunk_size is not None:
-            dist.check_chunk_size(chunk_size)  # refused here, not at the first offload
+            if method == "static":
+                _frame.check_chunk_size(chunk_size, rans_static.CODER.lanes)
+            else:
+                dist.check_chunk_size(chunk_size)  # refused here, not at the first offload
         self.predictor, self.calibration, self.model = predictor, calibration, model
         self.threads, self.coder, self.chunk_size = threads, coder, chunk_size
+        self.method = method
         self.prompt_len = self._batch = 0
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._dcal: dict[torch.device, DeviceCalibration] = {}
@@ -86,13 +104,15 @@ class KVOffloadCodec:
         """Run the predictor on the prompt ([batch, seq]) whose cache will be offloaded."""
         ids = torch.as_tensor(input_ids)
         ids = ids[None] if ids.dim() == 1 else ids
+        self._batch = ids.shape[0]
+        self.prompt_len = ids.shape[1]
+        if self.method == "static":
+            return  # the static tables are the data's own: no guess
         guess = self.predictor.predict(ids)
         dims = self.calibration.dims
-        self._batch = ids.shape[0]
         self._guesses = {} if guess is None else {
             divmod(g, 2): _compact(guess[g // 2][g % 2]) for g, d in enumerate(dims)
             if d is not None and g // 2 < len(guess) and guess[g // 2] is not None}
-        self.prompt_len = ids.shape[1]
 
     def shape(self, layer: int, kv: int, seq: int) -> tuple[int, int, int, int]:
         """Group (layer, kv)'s shape over ``seq`` of the prompt's tokens."""
@@ -153,6 +173,8 @@ class KVOffloadCodec:
         if not 1 <= seq <= self.prompt_len:
             raise ValueError(f"expected 1..{self.prompt_len} of the prompt's tokens, got "
                              f"keys of shape {tuple(keys.shape)}")
+        if self.method == "static":
+            return self._encode_static(keys, values)
         for kv, t in enumerate((keys, values)):
             want = self.shape(layer, kv, seq)
             if t.dtype != torch.bfloat16 or tuple(t.shape) != want:
@@ -192,6 +214,8 @@ class KVOffloadCodec:
         use them, but their values are right only once ``check()`` has returned (it waits
         for the decode and raises ``CorruptDataError`` for a bad chunk)."""
         device = torch.device(device)
+        if self.method == "static":
+            return _start_static(frame, device)
         seq = self.prompt_len if seq is None else seq
         model = self.calibration.coder_model(self.model, "bf16")
         if on_gpu(self.coder, device):
@@ -210,12 +234,45 @@ class KVOffloadCodec:
         keys, values = self._split(layer, torch.from_numpy(bits).view(torch.bfloat16), seq)
         return keys.to(device), values.to(device), lambda: None
 
+    def _encode_static(self, keys: torch.Tensor, values: torch.Tensor
+                       ) -> static_kv.StaticLayer | static_kv.GpuLayer:
+        """``encode`` with static tables: any [batch, heads, seq, dim] shapes of one batch
+        and seq (keys and values may differ in heads and dim), coded on the host; kept as
+        the GPU decoder's batch where the layer's device decodes it."""
+        for name, t in (("keys", keys), ("values", values)):
+            if t.dtype != torch.bfloat16 or t.dim() != 4 or 0 in t.shape:
+                raise ValueError(f"expected bf16 [batch, heads, seq, dim] {name}, got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        if keys.shape[0] != values.shape[0] or keys.shape[2] != values.shape[2]:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} "
+                             "differ in batch or tokens")
+        if keys.device != values.device:
+            raise ValueError(f"keys on {keys.device}, values on {values.device}")
+        host = [t.detach().to("cpu").contiguous().view(torch.int16).numpy().view(np.uint16)
+                for t in (keys, values)]
+        coded = static_kv.encode(*host, chunk=self.chunk_size or static_kv.CHUNK,
+                                 threads=self.threads)
+        return static_kv.GpuLayer(coded) if on_gpu(self.coder, keys.device) else coded
+
     def _split(self, layer: int, flat: torch.Tensor, seq: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer frame's values as (keys, values) of their shapes."""
         shapes = [self.shape(layer, kv, seq) for kv in (0, 1)]
         n = int(np.prod(shapes[0]))
         return flat[:n].reshape(shapes[0]), flat[n:].reshape(shapes[1])
+
+
+def _start_static(frame: Any, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+    """``start_decode`` of a static-table layer: queued on the GPU for a ``GpuLayer``,
+    else decoded on the host and moved."""
+    if isinstance(frame, static_kv.GpuLayer):
+        return frame.start(device)
+    if not isinstance(frame, static_kv.StaticLayer):
+        raise TypeError(f"a static-table codec decodes its own layers, got {type(frame)}")
+    keys, values = (torch.from_numpy(t.view(np.int16)).view(torch.bfloat16).to(device)
+                    for t in static_kv.decode(frame))
+    return keys, values, lambda: None
 
 
 GPU_MIN_CHUNK, GPU_MAX_CHUNK = 1 << 11, 1 << 14

@@ -1,0 +1,202 @@
+"""Static-table coding of a layer's keys and values, in the GPU weight decoder's format.
+
+What it is: one layer's bf16 keys and values (each [batch, heads, seq, dim]) coded with
+static rANS tables and no predictor, the way bf16 weights are: each tensor split into its
+``exponent`` byte and its ``sign_mantissa`` byte (``formats``' BF16 split), the exponents
+as a rans2d frame (``container.classed``: the tensor as rows of ``dim`` channels, rows
+(batch, head, token) and columns (channels) in classes, one table per pair of classes) or
+a one-table rANS frame where classes do not pay, the sign+mantissa bytes as an rANS frame
+with one table per exponent class (context: the exponent). ``encode`` makes a
+``StaticLayer``; ``decode`` reads it back on the CPU; ``plan`` lays its four frames out as
+one batch of ``rans.cuda``'s decoder (keys and values in one launch into one bf16 output),
+and ``GpuLayer`` keeps only that batch's buffers (the payload pinned) and decodes it
+asynchronously on a CUDA stream.
+What it is not: a file format (the frames live in memory while a layer is offloaded; each
+is a standard frame, docs/format.md) or a per-value coder (``rans.distribution``, which
+codes against a predictor's guess).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._errors import CorruptDataError
+from ..coding import frame
+from ..container import classed
+from ..rans import static as rans_static
+from ..rans.cuda import plan as gpu_plan
+
+PRECISION = 12  # tables fit the GPU kernel's shared-memory table sets (<= 12 bits)
+# Symbols a chunk: a chunk is one warp's serial work on the GPU, so a layer needs many of
+# them to fill it; each costs its 128 bytes of lane states.
+CHUNK = 1 << 14
+
+
+def split(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 bit patterns (uint16) as (exponent, sign_mantissa) bytes: s eeeeeeee mmmmmmm
+    -> eeeeeeee, s mmmmmmm (the BF16 split of ``formats``)."""
+    exp = ((bits >> 7) & 0xFF).astype(np.uint8)
+    sm = (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8)
+    return exp, sm
+
+
+def join(exp: np.ndarray, sm: np.ndarray) -> np.ndarray:
+    """``split``'s inverse: uint16 bit patterns."""
+    e, m = exp.astype(np.uint16), sm.astype(np.uint16)
+    return (m >> 7) << 15 | e << 7 | (m & 0x7F)
+
+
+@dataclass(frozen=True)
+class StaticLayer:
+    """One layer's coded keys and values: per tensor (keys, then values) its shape, its
+    exponent payload (a rans2d payload where ``classes`` says so, else an rANS frame) and
+    its sign_mantissa frame (context: the exponent)."""
+
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]
+    exponents: tuple[bytes, bytes]
+    classes: tuple[bool, bool]
+    sign_mantissas: tuple[bytes, bytes]
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in (*self.exponents, *self.sign_mantissas))
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return tuple(int(np.prod(s)) for s in self.shapes)  # type: ignore[return-value]
+
+
+def _exponent_payload(exp: np.ndarray, width: int, chunk: int, threads: int | None
+                      ) -> tuple[bytes, bool]:
+    """The smaller of a rans2d payload (rows of ``width`` channels, in classes) and a
+    one-table frame, as (bytes, classed)."""
+    plain = frame.encode(rans_static.CODER, exp, PRECISION, chunk, threads)
+    p = classed.plan(exp, width, 0)
+    if p is None or p.estimate >= len(plain) or width > gpu_plan.GRID_MAX_WIDTH:
+        return plain, False
+    payload = classed.encode(exp, width, 0, p, PRECISION, chunk_size=chunk)
+    return (payload, True) if len(payload) < len(plain) else (plain, False)
+
+
+def encode_tensor(bits: np.ndarray, width: int, chunk: int = CHUNK,
+                  threads: int | None = 1) -> tuple[bytes, bool, bytes]:
+    """One tensor's bf16 bit patterns (uint16, rows of ``width``) as (exponent payload,
+    classed, sign_mantissa frame)."""
+    exp, sm = split(np.ascontiguousarray(bits).reshape(-1))
+    payload, is_classed = _exponent_payload(exp, width, chunk, threads)
+    sm_frame = frame.encode(rans_static.CODER, sm, PRECISION, chunk, threads, context=exp)
+    return payload, is_classed, sm_frame
+
+
+def encode(keys: np.ndarray, values: np.ndarray, chunk: int = CHUNK,
+           threads: int | None = 1) -> StaticLayer:
+    """A layer's keys and values (bf16 bit patterns, uint16 arrays of any shape whose last
+    axis is the channels) as a ``StaticLayer``."""
+    coded = [encode_tensor(t, t.shape[-1], chunk, threads) for t in (keys, values)]
+    return StaticLayer((tuple(keys.shape), tuple(values.shape)),
+                       (coded[0][0], coded[1][0]), (coded[0][1], coded[1][1]),
+                       (coded[0][2], coded[1][2]))
+
+
+def _exponents(layer: StaticLayer, kv: int) -> np.ndarray:
+    n = layer.sizes[kv]
+    data = np.frombuffer(layer.exponents[kv], np.uint8)
+    if layer.classes[kv]:
+        return classed.decode(data, n)
+    return rans_static.decode(data, threads=1, out=np.empty(n, np.uint8))
+
+
+def decode(layer: StaticLayer) -> tuple[np.ndarray, np.ndarray]:
+    """The (keys, values) bit patterns (uint16, their shapes) on the CPU;
+    ``CorruptDataError`` for damaged frames."""
+    out = []
+    for kv in (0, 1):
+        exp = _exponents(layer, kv)
+        sm = rans_static.decode(layer.sign_mantissas[kv], threads=1,
+                                out=np.empty(exp.size, np.uint8), context=exp)
+        out.append(join(exp, sm).reshape(layer.shapes[kv]))
+    return out[0], out[1]
+
+
+def _exponent_stream(layer: StaticLayer, kv: int, label: str) -> gpu_plan.Stream:
+    data = np.frombuffer(layer.exponents[kv], np.uint8)
+    if not layer.classes[kv]:
+        return gpu_plan.Stream.frame(data, label)
+    n = layer.sizes[kv]
+    p = classed.parse(data, n)
+    s = gpu_plan.Stream.on_grid(data[p.body:], gpu_plan.Grid(p.cols, p.phase, p.kc, p.rows,
+                                                             p.columns), label)
+    if s.n != n:
+        raise CorruptDataError(f"{label}: frame holds {s.n} symbols, the tensor has {n}")
+    return s
+
+
+def plan(layer: StaticLayer, warps: int = gpu_plan.WARPS) -> gpu_plan.Batch:
+    """The decode batch of a layer (bf16 mode, one output: keys then values, flat)."""
+    p = gpu_plan.Planner(True, warps)
+    at = 0
+    for kv, name in enumerate(("keys", "values")):
+        exp = _exponent_stream(layer, kv, f"{name} exponent")
+        sm = gpu_plan.Stream.frame(layer.sign_mantissas[kv], f"{name} sign_mantissa")
+        p.add_pair(exp, sm, gpu_plan.Place(0, at))
+        at += layer.sizes[kv]
+    return p.finish([at])
+
+
+class GpuLayer:
+    """A layer's decode batch without its frames: the buffers the kernel reads, the
+    payload in pinned host memory. ``start(device)`` queues its upload and decode on the
+    current CUDA stream."""
+
+    def __init__(self, layer: StaticLayer, warps: int = gpu_plan.WARPS) -> None:
+        import torch
+
+        b = plan(layer, warps)
+        pin = torch.cuda.is_available()
+        self.payload = torch.from_numpy(b.payload)
+        if pin:
+            self.payload = self.payload.pin_memory()
+        self.origins = b.origins
+        self.batch = dataclasses.replace(b, streams=(), copies=np.zeros((0, 4), np.int64),
+                                         _cache={})
+        self.shapes = layer.shapes
+
+    def __len__(self) -> int:
+        b = self.batch
+        return (self.payload.numel() + b.desc.nbytes + b.sym_tables.nbytes
+                + b.info_tables.nbytes + b.cmaps.nbytes + b.out_index.nbytes
+                + self.origins.origin.nbytes)
+
+    def start(self, device) -> tuple[object, object, Callable[[], None]]:
+        """(keys, values, check): bf16 tensors on ``device`` queued on the current stream;
+        ``check()`` waits and raises ``CorruptDataError`` for a bad chunk."""
+        import torch
+
+        from ..rans.cuda import load_runtime
+
+        rt = load_runtime(device)
+        b = self.batch
+        dev = torch.device(device)
+        up = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)
+        payload = self.payload.to(dev, non_blocking=True)
+        sym, info, cmaps = up(b.sym_tables), up(b.info_tables.view(np.int32)), up(b.cmaps)
+        out = torch.empty(b.sizes[0], dtype=torch.bfloat16, device=dev)
+        desc, base = rt.bound_desc(b, [out])
+        desc_t = up(desc)
+        status = torch.zeros(max(1, len(b.desc)), dtype=torch.int32, device=dev)
+        rt.Launch(b, dev, [x.data_ptr() for x in (desc_t, status, payload, sym, info, cmaps,
+                                                    out)])()
+        alive = (payload, sym, info, cmaps, desc_t)  # until the launch is done with them
+
+        def check() -> None:
+            err = self.origins.error(status[: len(b.desc)].cpu().numpy())
+            del alive_ref[:]
+            if err is not None:
+                raise err
+
+        alive_ref = list(alive)
+        nk = int(np.prod(self.shapes[0]))
+        return out[:nk].view(self.shapes[0]), out[nk:].view(self.shapes[1]), check
