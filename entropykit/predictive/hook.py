@@ -82,12 +82,12 @@ class KVOffloadCodec:
                              f"{LAYER_MODELS}, got {model!r}")
         if coder not in CODERS:
             raise ValueError(f"coder must be one of {CODERS}, got {coder!r}")
-        if method == "distribution":
-            if predictor is None or calibration is None:
-                raise ValueError("the per-value coder (method 'distribution') needs a "
-                                 "predictor and its calibration")
-            if predictor.describe() != calibration.predictor:
-                raise ValueError("the calibration was fitted with another predictor")
+        if method == "distribution" and (predictor is None or calibration is None):
+            raise ValueError("the per-value coder (method 'distribution') needs a "
+                             "predictor and its calibration")
+        if (predictor is not None and calibration is not None
+                and predictor.describe() != calibration.predictor):
+            raise ValueError("the calibration was fitted with another predictor")
         if chunk_size is not None:
             if method == "static":
                 _frame.check_chunk_size(chunk_size, rans_static.CODER.lanes)

@@ -147,56 +147,54 @@ def plan(layer: StaticLayer, warps: int = gpu_plan.WARPS) -> gpu_plan.Batch:
 
 
 class GpuLayer:
-    """A layer's decode batch without its frames: the buffers the kernel reads, the
-    payload in pinned host memory. ``start(device)`` queues its upload and decode on the
-    current CUDA stream."""
+    """A layer's decode batch without its frames: the buffers the kernel reads, in pinned
+    host memory where CUDA is. ``start(device)`` queues their upload and the decode on
+    the current CUDA stream."""
 
     def __init__(self, layer: StaticLayer, warps: int = gpu_plan.WARPS) -> None:
         import torch
 
         b = plan(layer, warps)
         pin = torch.cuda.is_available()
-        self.payload = torch.from_numpy(b.payload)
-        if pin:
-            self.payload = self.payload.pin_memory()
+        host = lambda a: (torch.from_numpy(a).pin_memory() if pin else torch.from_numpy(a))
+        # One output, keys then values: the descriptors' output offsets need no binding.
+        self.payload, self.desc, self.sym, self.info, self.cmaps = (
+            host(a) for a in (b.payload, b.desc, b.sym_tables, b.info_tables.view(np.int32),
+                              b.cmaps))
         self.origins = b.origins
         self.batch = dataclasses.replace(b, streams=(), copies=np.zeros((0, 4), np.int64),
                                          _cache={})
         self.shapes = layer.shapes
 
     def __len__(self) -> int:
-        b = self.batch
-        return (self.payload.numel() + b.desc.nbytes + b.sym_tables.nbytes
-                + b.info_tables.nbytes + b.cmaps.nbytes + b.out_index.nbytes
+        """Host bytes kept: the buffers and what names the rows in errors."""
+        return (sum(t.numel() * t.element_size() for t in (self.payload, self.desc, self.sym,
+                                                            self.info, self.cmaps))
                 + self.origins.origin.nbytes)
 
     def start(self, device) -> tuple[object, object, Callable[[], None]]:
         """(keys, values, check): bf16 tensors on ``device`` queued on the current stream;
-        ``check()`` waits and raises ``CorruptDataError`` for a bad chunk."""
+        ``check()`` waits for the decode and raises ``CorruptDataError`` for a bad chunk."""
         import torch
 
         from ..rans.cuda import load_runtime
 
         rt = load_runtime(device)
-        b = self.batch
         dev = torch.device(device)
-        up = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)
-        payload = self.payload.to(dev, non_blocking=True)
-        sym, info, cmaps = up(b.sym_tables), up(b.info_tables.view(np.int32)), up(b.cmaps)
-        out = torch.empty(b.sizes[0], dtype=torch.bfloat16, device=dev)
-        desc, base = rt.bound_desc(b, [out])
-        desc_t = up(desc)
-        status = torch.zeros(max(1, len(b.desc)), dtype=torch.int32, device=dev)
-        rt.Launch(b, dev, [x.data_ptr() for x in (desc_t, status, payload, sym, info, cmaps,
-                                                    out)])()
-        alive = (payload, sym, info, cmaps, desc_t)  # until the launch is done with them
+        bufs = [t.to(dev, non_blocking=True) for t in (self.desc, self.payload, self.sym,
+                                                      self.info, self.cmaps)]
+        out = torch.empty(self.batch.sizes[0], dtype=torch.bfloat16, device=dev)
+        status = torch.zeros(max(1, len(self.batch.desc)), dtype=torch.int32, device=dev)
+        desc, payload, sym, info, cmaps = bufs
+        rt.Launch(self.batch, dev, [x.data_ptr() for x in (desc, status, payload, sym, info,
+                                                           cmaps, out)])()
+        held = [bufs]  # the device buffers live until the decode is checked
 
         def check() -> None:
-            err = self.origins.error(status[: len(b.desc)].cpu().numpy())
-            del alive_ref[:]
+            err = self.origins.error(status[: len(self.batch.desc)].cpu().numpy())
+            held.clear()
             if err is not None:
                 raise err
 
-        alive_ref = list(alive)
         nk = int(np.prod(self.shapes[0]))
         return out[:nk].view(self.shapes[0]), out[nk:].view(self.shapes[1]), check
