@@ -3,7 +3,8 @@
 What it is: ``PredictiveOffloadedLayer`` (a ``DynamicLayer`` whose ``offload()`` codes the
 prompt's keys and values against the predictor's guess into host memory and frees them,
 and whose ``prefetch()`` decodes them back, bit for bit), the ``KVOffloadCodec`` the layers
-of one cache share (predictor, calibration, residual model, the prompt's guess), and
+of one cache share (its method: static tables, or predictor, calibration, residual model
+and the prompt's guess for the per-value coder), and
 ``PredictiveOffloadedCache``, a ``Cache`` of such layers that offloads each layer after
 its update and prefetches the next one without CUDA streams, so it also runs on a CPU.
 On a GPU, ``transformers.Cache(layers=[PredictiveOffloadedLayer(...)...],
@@ -48,6 +49,16 @@ METHODS = ("auto", "static", "distribution")
 class KVOffloadCodec:
     """What the offloaded layers of one cache share; call ``set_prompt`` before the model
     runs on the prompt.
+
+    ``method``: how a layer is coded. "static": static rANS tables of the layer's own
+    values, per class of rows and channels (``static_kv``: no predictor, no calibration;
+    coded on the host, decoded on a CUDA device by the weight decoder's kernel in one
+    launch, an order of magnitude faster than the per-value coder). "distribution": the
+    per-value coder against the predictor's guess and the calibration's residual model
+    (fewer bits where a predictor guesses well). "auto" (default): "static" without a
+    predictor (None or ``NoPredictor``), else "distribution". What follows is the per-value
+    coder's; of it, the static method uses ``coder`` (where it decodes), ``threads`` and
+    ``chunk_size`` (values a chunk; default ``static_kv.CHUNK``).
 
     ``coder``: where the frames are coded. "gpu" runs the coder on the layer's CUDA device
     (``entropykit.rans.cuda.dist``, needs CuPy): only the frame crosses PCIe, into pinned host

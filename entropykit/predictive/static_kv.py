@@ -69,12 +69,12 @@ class StaticLayer:
         return tuple(int(np.prod(s)) for s in self.shapes)  # type: ignore[return-value]
 
 
-def _exponent_payload(exp: np.ndarray, width: int, chunk: int, threads: int | None
-                      ) -> tuple[bytes, bool]:
-    """The smaller of a rans2d payload (rows of ``width`` channels, in classes) and a
-    one-table frame, as (bytes, classed)."""
+def _exponent_payload(exp: np.ndarray, width: int, chunk: int, threads: int | None,
+                      classes: bool) -> tuple[bytes, bool]:
+    """The smaller of a rans2d payload (rows of ``width`` channels, in classes; only if
+    ``classes``) and a one-table frame, as (bytes, classed)."""
     plain = frame.encode(rans_static.CODER, exp, PRECISION, chunk, threads)
-    p = classed.plan(exp, width, 0)
+    p = classed.plan(exp, width, 0) if classes else None
     if p is None or p.estimate >= len(plain) or width > gpu_plan.GRID_MAX_WIDTH:
         return plain, False
     payload = classed.encode(exp, width, 0, p, PRECISION, chunk_size=chunk)
@@ -82,23 +82,49 @@ def _exponent_payload(exp: np.ndarray, width: int, chunk: int, threads: int | No
 
 
 def encode_tensor(bits: np.ndarray, width: int, chunk: int = CHUNK,
-                  threads: int | None = 1) -> tuple[bytes, bool, bytes]:
+                  threads: int | None = 1, classes: bool = True) -> tuple[bytes, bool, bytes]:
     """One tensor's bf16 bit patterns (uint16, rows of ``width``) as (exponent payload,
     classed, sign_mantissa frame)."""
     exp, sm = split(np.ascontiguousarray(bits).reshape(-1))
-    payload, is_classed = _exponent_payload(exp, width, chunk, threads)
+    payload, is_classed = _exponent_payload(exp, width, chunk, threads, classes)
     sm_frame = frame.encode(rans_static.CODER, sm, PRECISION, chunk, threads, context=exp)
     return payload, is_classed, sm_frame
 
 
+def _layer(shapes: list[tuple[int, ...]], coded: list[tuple[bytes, bool, bytes]]
+           ) -> StaticLayer:
+    return StaticLayer((shapes[0], shapes[1]), (coded[0][0], coded[1][0]),
+                       (coded[0][1], coded[1][1]), (coded[0][2], coded[1][2]))
+
+
 def encode(keys: np.ndarray, values: np.ndarray, chunk: int = CHUNK,
-           threads: int | None = 1) -> StaticLayer:
+           threads: int | None = 1, classes: bool = True) -> StaticLayer:
     """A layer's keys and values (bf16 bit patterns, uint16 arrays of any shape whose last
-    axis is the channels) as a ``StaticLayer``."""
-    coded = [encode_tensor(t, t.shape[-1], chunk, threads) for t in (keys, values)]
-    return StaticLayer((tuple(keys.shape), tuple(values.shape)),
-                       (coded[0][0], coded[1][0]), (coded[0][1], coded[1][1]),
-                       (coded[0][2], coded[1][2]))
+    axis is the channels) as a ``StaticLayer``; ``classes``: exponents may be classed
+    (else one table each, as ``encode_on_device`` codes them)."""
+    return _layer([tuple(keys.shape), tuple(values.shape)],
+                  [encode_tensor(t, t.shape[-1], chunk, threads, classes)
+                   for t in (keys, values)])
+
+
+def encode_on_device(keys, values, chunk: int = CHUNK, run=None) -> StaticLayer:
+    """``encode(..., classes=False)``'s layer, byte for byte, of bf16 tensors coded where
+    they are (a CUDA device: ``rans.cuda.encode``; ``run``: its kernels): only the
+    frames cross to the host."""
+    import torch
+
+    from ..rans.cuda import encode as gpu_encode
+
+    coded = []
+    for t in (keys, values):
+        w = t.detach().contiguous().reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+        exp = ((w >> 7) & 0xFF).to(torch.uint8)
+        sm = (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8)
+        coded.append((gpu_encode.encode(exp, precision=PRECISION, chunk_size=chunk, run=run),
+                      False,
+                      gpu_encode.encode(sm, precision=PRECISION, chunk_size=chunk,
+                                        context=exp, run=run)))
+    return _layer([tuple(keys.shape), tuple(values.shape)], coded)
 
 
 def _exponents(layer: StaticLayer, kv: int) -> np.ndarray:

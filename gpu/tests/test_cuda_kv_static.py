@@ -48,7 +48,11 @@ def test_gpu_layer_decodes_exactly(scale):
 def test_gpu_layer_damaged_payload_raises_at_check():
     k = torch.randn(1, 2, 4096, 64, generator=torch.Generator().manual_seed(3))
     g = static_kv.GpuLayer(static_kv.encode(_bits(k.bfloat16()), _bits(k.bfloat16()), 1 << 12))
-    g.payload[g.payload.numel() // 3] ^= 0x10
+    from entropykit.rans.cuda import _layout as lay
+
+    d = g.batch.desc
+    row = np.flatnonzero((d[:, lay.D_MODE] == 0) & (d[:, lay.D_N] > 0))[0]  # a coded chunk
+    g.payload[int(d[row, lay.D_OFF]) + 130] ^= 0x10  # its first word after the states
     *_, check = g.start(kh.DEV)
     with pytest.raises(CorruptDataError, match="chunk"):
         check()
