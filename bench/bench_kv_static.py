@@ -23,14 +23,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--calib", type=int, default=2, help="calibration sequences (dist)")
     ap.add_argument("--chunk", type=int, default=None, help="static coder's chunk size")
+    ap.add_argument("--coders", default="static,static-one-table,dist",
+                    help="comma-separated: static (exponents classed where it pays), "
+                         "static-one-table (as the GPU encoder codes), dist")
     args = ap.parse_args(argv)
 
     import torch
     from bench_kv import smollm2_prose
 
-    from entropykit import predictive as P
     from entropykit.predictive import static_kv
-    from entropykit.predictive.hook import KVOffloadCodec
 
     model, calib_ids, eval_ids = smollm2_prose()
     n = args.tokens
@@ -39,27 +40,56 @@ def main(argv: list[str] | None = None) -> None:
         cache = model(ids, use_cache=True).past_key_values
     layers = [(layer.keys, layer.values) for layer in cache.layers]
     chunk = args.chunk or static_kv.CHUNK
-    bits = {"static": [0, 0], "dist": [0, 0]}
-    values = [0, 0]
-    times = {"static": [0.0, 0.0], "dist": [0.0, 0.0]}
+    coders = args.coders.split(",")
+    bits = {c: [0, 0] for c in coders}
+    times = {c: [0.0, 0.0] for c in coders}
+    values = [sum(t.numel() for t, _ in layers), sum(t.numel() for _, t in layers)]
     classes = 0
-    for k, v in layers:
-        kb, vb = (t.contiguous().view(torch.int16).numpy().view(np.uint16) for t in (k, v))
-        t = time.perf_counter()
-        coded = static_kv.encode(kb, vb, chunk)
-        times["static"][0] += time.perf_counter() - t
-        t = time.perf_counter()
-        back = static_kv.decode(coded)
-        times["static"][1] += time.perf_counter() - t
-        assert all(np.array_equal(a, b) for a, b in zip(back, (kb, vb), strict=True))
-        classes += sum(coded.classes)
-        for kv in (0, 1):
-            bits["static"][kv] += 8 * (len(coded.exponents[kv]) + len(coded.sign_mantissas[kv]))
-            values[kv] += coded.sizes[kv]
+    first = [t.contiguous().view(torch.int16).numpy().view(np.uint16) for t in layers[0]]
+    static_kv.decode(static_kv.encode(*first, chunk))  # compiles the kernels: not timed
+    for name in [c for c in coders if c.startswith("static")]:
+        for k, v in layers:
+            kb, vb = (t.contiguous().view(torch.int16).numpy().view(np.uint16) for t in (k, v))
+            t = time.perf_counter()
+            coded = static_kv.encode(kb, vb, chunk, classes=name == "static")
+            times[name][0] += time.perf_counter() - t
+            t = time.perf_counter()
+            back = static_kv.decode(coded)
+            times[name][1] += time.perf_counter() - t
+            assert all(np.array_equal(a, b) for a, b in zip(back, (kb, vb), strict=True))
+            classes += sum(coded.classes)
+            for kv in (0, 1):
+                bits[name][kv] += 8 * (len(coded.exponents[kv])
+                                       + len(coded.sign_mantissas[kv]))
+    if "dist" in coders:
+        _dist(model, layers, calib_ids, ids, args, bits, times)
+    print(f"SmolLM2-135M prompt caches: {args.seqs} x {n} tokens, {len(layers)} layers, "
+          f"{sum(values)} values; static: {classes} of {2 * len(layers)} exponent fields "
+          f"classed, chunk {chunk}")
+    print("| coder | keys bits/value | values bits/value | all | encode s | decode s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, b in bits.items():
+        kv = (f"{b[0] / values[0]:.3f} | {b[1] / values[1]:.3f}" if name != "dist"
+              else "- | -")
+        print(f"| {name} | {kv} | {sum(b) / sum(values):.3f} | {times[name][0]:.2f} | "
+              f"{times[name][1]:.2f} |")
+
+
+def _dist(model, layers, calib_ids, ids, args, bits, times) -> None:
+    """The per-value coder's bits and times, layer by layer as the hook codes them."""
+    import time
+
+    import torch
+
+    from entropykit import predictive as P
+    from entropykit.predictive.hook import KVOffloadCodec
+
+    n = args.tokens
     pred = P.NoPredictor()
     t = time.perf_counter()
     cal = P.calibrate(model, pred, [calib_ids[i * n : (i + 1) * n] for i in range(args.calib)])
-    t_cal = time.perf_counter() - t
+    print(f"dist: mixture model, NoPredictor calibrated on {args.calib} x {n} tokens in "
+          f"{time.perf_counter() - t:.1f} s")
     codec = KVOffloadCodec(pred, cal, model="mixture", method="distribution")
     codec.set_prompt(ids)
     for i, (k, v) in enumerate(layers):
@@ -71,17 +101,6 @@ def main(argv: list[str] | None = None) -> None:
         times["dist"][1] += time.perf_counter() - t
         assert torch.equal(bk, k) and torch.equal(bv, v)
         bits["dist"][0] += 8 * len(frame)  # one frame a layer: keys and values together
-    print(f"SmolLM2-135M prompt caches: {args.seqs} x {n} tokens, {len(layers)} layers, "
-          f"{sum(values)} values; static: {classes} of {2 * len(layers)} exponent fields "
-          f"classed, chunk {chunk}; dist: mixture model, NoPredictor calibrated on "
-          f"{args.calib} x {n} tokens in {t_cal:.1f} s")
-    print("| coder | keys bits/value | values bits/value | all | encode s | decode s |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, b in bits.items():
-        kv = (f"{b[0] / values[0]:.3f} | {b[1] / values[1]:.3f}" if name == "static"
-              else "- | -")
-        print(f"| {name} | {kv} | {sum(b) / sum(values):.3f} | {times[name][0]:.2f} | "
-              f"{times[name][1]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -51,14 +51,16 @@ class KVOffloadCodec:
     runs on the prompt.
 
     ``method``: how a layer is coded. "static": static rANS tables of the layer's own
-    values, per class of rows and channels (``static_kv``: no predictor, no calibration;
-    coded on the host, decoded on a CUDA device by the weight decoder's kernel in one
-    launch, an order of magnitude faster than the per-value coder). "distribution": the
-    per-value coder against the predictor's guess and the calibration's residual model
-    (fewer bits where a predictor guesses well). "auto" (default): "static" without a
-    predictor (None or ``NoPredictor``), else "distribution". What follows is the per-value
-    coder's; of it, the static method uses ``coder`` (where it decodes), ``threads`` and
-    ``chunk_size`` (values a chunk; default ``static_kv.CHUNK``).
+    values (``static_kv``: no predictor, no calibration). With the GPU coder a layer is
+    coded on its device (``rans.cuda.encode``) and decoded there in one launch of the
+    weight decoder's kernel, which decodes far faster than the per-value coder; with the
+    CPU coder on the host, exponents in classes of rows and channels where that pays.
+    "distribution": the per-value coder against the predictor's guess and the
+    calibration's residual model (fewer bits where a predictor guesses well). "auto"
+    (default): "static" without a predictor (None or ``NoPredictor``), else
+    "distribution". What follows is the per-value coder's; of it, the static method uses
+    ``coder`` (where it codes and decodes), ``threads`` and ``chunk_size`` (values a
+    chunk; default ``static_kv.CHUNK``).
 
     ``coder``: where the frames are coded. "gpu" runs the coder on the layer's CUDA device
     (``entropykit.rans.cuda.dist``, needs CuPy): only the frame crosses PCIe, into pinned host
@@ -248,8 +250,10 @@ class KVOffloadCodec:
     def _encode_static(self, keys: torch.Tensor, values: torch.Tensor
                        ) -> static_kv.StaticLayer | static_kv.GpuLayer:
         """``encode`` with static tables: any [batch, heads, seq, dim] shapes of one batch
-        and seq (keys and values may differ in heads and dim), coded on the host; kept as
-        the GPU decoder's batch where the layer's device decodes it."""
+        and seq (keys and values may differ in heads and dim). Where the GPU coder runs,
+        coded on the layer's device (one table per exponent field: the GPU encoder's) and
+        kept as the GPU decoder's batch; else coded on the host, exponents classed by rows
+        and channels where that pays."""
         for name, t in (("keys", keys), ("values", values)):
             if t.dtype != torch.bfloat16 or t.dim() != 4 or 0 in t.shape:
                 raise ValueError(f"expected bf16 [batch, heads, seq, dim] {name}, got "
@@ -259,11 +263,12 @@ class KVOffloadCodec:
                              "differ in batch or tokens")
         if keys.device != values.device:
             raise ValueError(f"keys on {keys.device}, values on {values.device}")
+        chunk = self.chunk_size or static_kv.CHUNK
+        if on_gpu(self.coder, keys.device):
+            return static_kv.GpuLayer(static_kv.encode_on_device(keys, values, chunk))
         host = [t.detach().to("cpu").contiguous().view(torch.int16).numpy().view(np.uint16)
                 for t in (keys, values)]
-        coded = static_kv.encode(*host, chunk=self.chunk_size or static_kv.CHUNK,
-                                 threads=self.threads)
-        return static_kv.GpuLayer(coded) if on_gpu(self.coder, keys.device) else coded
+        return static_kv.encode(*host, chunk=chunk, threads=self.threads)
 
     def _split(self, layer: int, flat: torch.Tensor, seq: int
                ) -> tuple[torch.Tensor, torch.Tensor]:

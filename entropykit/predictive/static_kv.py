@@ -7,10 +7,11 @@ as a rans2d frame (``container.classed``: the tensor as rows of ``dim`` channels
 (batch, head, token) and columns (channels) in classes, one table per pair of classes) or
 a one-table rANS frame where classes do not pay, the sign+mantissa bytes as an rANS frame
 with one table per exponent class (context: the exponent). ``encode`` makes a
-``StaticLayer``; ``decode`` reads it back on the CPU; ``plan`` lays its four frames out as
-one batch of ``rans.cuda``'s decoder (keys and values in one launch into one bf16 output),
-and ``GpuLayer`` keeps only that batch's buffers (the payload pinned) and decodes it
-asynchronously on a CUDA stream.
+``StaticLayer`` on the host; ``encode_on_device`` the same layer without exponent classes
+from CUDA tensors, coded there (``rans.cuda.encode``); ``decode`` reads it back on the
+CPU; ``plan`` lays its four frames out as one batch of ``rans.cuda``'s decoder (keys and
+values in one launch into one bf16 output), and ``GpuLayer`` keeps only that batch's
+buffers (the payload pinned) and decodes it asynchronously on a CUDA stream.
 What it is not: a file format (the frames live in memory while a layer is offloaded; each
 is a standard frame, docs/format.md) or a per-value coder (``rans.distribution``, which
 codes against a predictor's guess).

@@ -1,11 +1,14 @@
 """The static-table KV offload path on the device.
 
-What it is: a layer coded with static tables (``predictive.static_kv``) decodes on the GPU
-in one launch of the weight decoder's kernel to exactly its keys and values (classed and
-one-table exponents, keys and values of different shapes); a damaged payload raises
-``CorruptDataError`` at the check; ``generate`` through ``transformers.Cache(
-offloading=True)`` of static-coded ``PredictiveOffloadedLayer``s gives the tokens and
-logits of a ``DynamicCache``; gpu/kv_offload_bench.py's smoke run finds identical tokens.
+What it is: the GPU encoder (``rans.cuda.encode``) writes the CPU encoder's frames byte
+for byte (contexts, raw chunks, short last chunks) and a layer coded on the device is the
+host's one-table layer; a layer coded with static tables (``predictive.static_kv``)
+decodes on the GPU in one launch of the weight decoder's kernel to exactly its keys and
+values (classed and one-table exponents, keys and values of different shapes); a damaged
+payload raises ``CorruptDataError`` at the check; ``generate`` through
+``transformers.Cache( offloading=True)`` of static-coded ``PredictiveOffloadedLayer``s
+gives the tokens and logits of a ``DynamicCache``; gpu/kv_offload_bench.py's smoke run
+finds identical tokens.
 What it is not: the benchmark's numbers (run gpu/kv_offload_bench.py with its defaults).
 """
 
@@ -43,6 +46,35 @@ def test_gpu_layer_decodes_exactly(scale):
     keys, values, check = g.start(kh.DEV)
     check()
     assert np.array_equal(_bits(keys), _bits(k)) and np.array_equal(_bits(values), _bits(v))
+
+
+@pytest.mark.parametrize("n, chunk, with_context", [(1 << 20, 1 << 14, False),
+                                                    (300_017, 1 << 12, True),
+                                                    (5000, 1024, True)])
+def test_gpu_encoder_writes_the_cpu_frame(n, chunk, with_context):
+    from entropykit.rans import static as rans_static
+    from entropykit.rans.cuda import encode as gpu_encode
+
+    rng = np.random.default_rng(n)
+    sym = np.minimum(rng.geometric(0.2, n) - 1, 255).astype(np.uint8)
+    sym[: n // 10] = rng.integers(0, 256, n // 10)  # uniform bytes: the first chunks raw
+    ctx = None
+    if with_context:
+        ctx = rng.integers(0, 6, n).astype(np.uint8)
+        sym = (sym + 40 * ctx).astype(np.uint8)
+    want = rans_static.encode(sym, chunk_size=chunk, context=ctx)
+    got = gpu_encode.encode(torch.from_numpy(sym).to(kh.DEV), chunk_size=chunk,
+                            context=None if ctx is None else torch.from_numpy(ctx).to(kh.DEV))
+    assert got == want
+
+
+def test_layer_coded_on_the_device_is_the_hosts():
+    gen = torch.Generator().manual_seed(5)
+    k = (torch.randn(2, 4, 2000, 64, generator=gen) * torch.logspace(-2, 1, 64)).bfloat16()
+    v = torch.randn(2, 4, 2000, 64, generator=gen).bfloat16()
+    want = static_kv.encode(_bits(k), _bits(v), classes=False)
+    got = static_kv.encode_on_device(k.to(kh.DEV), v.to(kh.DEV))
+    assert got == want
 
 
 def test_gpu_layer_damaged_payload_raises_at_check():
