@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._cuda import cuda_device
 from .._errors import CorruptDataError
 from ..coding import frame
 from ..container import classed
@@ -207,7 +208,7 @@ class GpuLayer:
         from ..rans.cuda import load_runtime
 
         rt = load_runtime(device)
-        dev = torch.device(device)
+        dev = cuda_device(device)
         bufs = [t.to(dev, non_blocking=True) for t in (self.desc, self.payload, self.sym,
                                                       self.info, self.cmaps)]
         out = torch.empty(self.batch.sizes[0], dtype=torch.bfloat16, device=dev)
@@ -215,11 +216,19 @@ class GpuLayer:
         desc, payload, sym, info, cmaps = bufs
         rt.Launch(self.batch, dev, [x.data_ptr() for x in (desc, status, payload, sym, info,
                                                            cmaps, out)])()
-        held = [bufs]  # the device buffers live until the decode is checked
+        # The statuses come back behind the launch on its stream; the inputs stay alive
+        # (and out of the allocator's reach) until the check has seen it finish.
+        host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+        done = torch.cuda.Event()
+        with torch.cuda.device(dev):
+            host.copy_(status, non_blocking=True)
+            done.record()
+        held = [bufs, status]
 
         def check() -> None:
-            err = self.origins.error(status[: len(self.batch.desc)].cpu().numpy())
+            done.synchronize()
             held.clear()
+            err = self.origins.error(host[: len(self.batch.desc)].numpy())
             if err is not None:
                 raise err
 
