@@ -52,15 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=16, help="host threads coding (static)")
     args = ap.parse_args(argv)
     model = model_of(args.layers)
     layers = args.layers
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 32000, (args.batch, args.prompt), generator=gen).to(DEV)
     none = P.NoPredictor()
-    cal = P.calibrate(model, none, [torch.randint(0, 32000, (512,), generator=gen)
-                                     for _ in range(2)], formats=("bf16",))
+    cal = P.calibrate(model, none, [torch.randint(0, 32000, (256,), generator=gen)],
+                      formats=("bf16",))
     held: dict[str, int] = {}
 
     def plain() -> transformers.Cache:
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return make
 
     rows = [("plain offloading", plain),
-            ("static tables", coded(coder="gpu", method="static", threads=args.threads)),
+            ("static tables", coded(coder="gpu", method="static")),
             ("per-value coder, no predictor",
              coded(predictor=none, calibration=cal, coder="gpu", method="distribution"))]
     raw = 2 * layers * args.batch * args.prompt * 8 * 128 * 2
