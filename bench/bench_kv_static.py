@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             assert all(np.array_equal(a, b) for a, b in zip(back, (kb, vb), strict=True))
             classes += sum(coded.classes)
             for kv in (0, 1):
-                bits[name][kv] += 8 * (len(coded.exponents[kv])
-                                       + len(coded.sign_mantissas[kv]))
+                bits[name][kv] += 8 * (len(coded.high[kv]) + len(coded.low[kv]))
     if "dist" in coders:
         _dist(model, layers, calib_ids, ids, args, bits, times)
     print(f"SmolLM2-135M prompt caches: {args.seqs} x {n} tokens, {len(layers)} layers, "

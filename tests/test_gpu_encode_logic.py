@@ -139,14 +139,19 @@ def test_frame_is_the_cpu_encoders(n, chunk, precision, spread, with_context):
         assert (frame.parse(rans_static.CODER, got).modes == frame.MODE_RAW).any()
 
 
-def test_a_layers_fields_coded_on_the_device_are_the_cpu_layer():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
+def test_a_layers_fields_coded_on_the_device_are_the_cpu_layer(dtype):
     """``static_kv.encode_on_device`` (fields split by torch, frames by the GPU encoder)
     writes ``static_kv.encode(..., classes=False)``'s layer, byte for byte."""
     gen = torch.Generator().manual_seed(6)
-    k = (torch.randn(1, 2, 300, 32, generator=gen) * torch.logspace(-2, 1, 32)).bfloat16()
-    v = torch.randn(1, 1, 300, 16, generator=gen).bfloat16()
-    bits = [t.view(torch.int16).numpy().view(np.uint16) for t in (k, v)]
-    want = static_kv.encode(*bits, 1024, classes=False)
+    k = (torch.randn(1, 2, 300, 32, generator=gen) * torch.logspace(-2, 1, 32)).to(dtype)
+    v = torch.randn(1, 1, 300, 16, generator=gen).to(dtype)
+    if dtype == torch.float8_e5m2:
+        bits = [t.view(torch.uint8).numpy() for t in (k, v)]
+    else:
+        bits = [t.view(torch.int16).numpy().view(np.uint16) for t in (k, v)]
+    name = str(dtype).removeprefix("torch.")
+    want = static_kv.encode(*bits, 1024, classes=False, dtype=name)
     got = static_kv.encode_on_device(k, v, 1024, run=_Emulator())
     assert got == want
     back = static_kv.decode(got)

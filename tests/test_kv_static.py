@@ -30,7 +30,8 @@ CHUNK = frame.MIN_CHUNK  # several chunks per field
 
 def _kv_like(rng, shape, scale):
     """bf16 patterns (uint16) with per-channel scales, as keys have; specials sprinkled."""
-    x = torch.from_numpy(rng.normal(size=shape).astype(np.float32)) * scale
+    x = torch.from_numpy(rng.normal(size=shape).astype(np.float32)) * torch.as_tensor(
+        scale, dtype=torch.float32)
     bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
     flat = bits.reshape(-1)
     flat[::97] = _special_bf16(rng, flat[::97].size)
@@ -67,7 +68,7 @@ def test_exponents_are_classed_where_channels_differ():
     assert layer.classes[0]
     exp = static_kv.split(k.reshape(-1))[0]
     plain = frame.encode(static_kv.rans_static.CODER, exp, static_kv.PRECISION, CHUNK, 1)
-    assert len(layer.exponents[0]) < len(plain)
+    assert len(layer.high[0]) < len(plain)
     assert len(layer) < k.nbytes + v.nbytes
     b = static_kv.plan(layer, warps=2)
     assert b.classed and b.context
@@ -95,12 +96,12 @@ def test_damaged_frames_raise_corrupt_data():
     rng = np.random.default_rng(4)
     k = _kv_like(rng, (1, 2, 200, 32), 1.0)
     layer = static_kv.encode(k, k, CHUNK)
-    bad = bytearray(layer.sign_mantissas[1])
+    bad = bytearray(layer.low[1])
     bad[-3] ^= 0x40  # a coded word: the chunk's CRC or final state fails
-    hurt = dataclasses.replace(layer, sign_mantissas=(layer.sign_mantissas[0], bytes(bad)))
+    hurt = dataclasses.replace(layer, low=(layer.low[0], bytes(bad)))
     with pytest.raises(CorruptDataError):
         static_kv.decode(hurt)
-    cut = dataclasses.replace(layer, exponents=(layer.exponents[0][:40], layer.exponents[1]))
+    cut = dataclasses.replace(layer, high=(layer.high[0][:40], layer.high[1]))
     for run in (static_kv.decode, static_kv.plan):
         with pytest.raises(CorruptDataError):
             run(cut)
@@ -108,6 +109,34 @@ def test_damaged_frames_raise_corrupt_data():
         wrong = dataclasses.replace(layer, shapes=((1, 2, 100, 32), layer.shapes[1]))
         with pytest.raises(CorruptDataError):
             static_kv.plan(wrong)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp16_and_fp8_round_trip_on_cpu_and_in_the_gpu_plan(dtype):
+    """fp16 (two byte fields, the high one classed where it pays) and fp8 (one field)
+    come back bit for bit from the CPU decoder and from the kernel's u8 mode (fp16's
+    bytes interleaved into its values), every pattern (NaNs, infinities, -0) included."""
+    rng = np.random.default_rng(7)
+    scale = torch.from_numpy(np.geomspace(0.01, 8, 32).astype(np.float32))
+    k = (torch.randn(2, 2, 400, 32) * scale).to(dtype)
+    v = torch.randn(2, 1, 400, 16).to(dtype)
+    width = 2 if dtype == torch.float16 else 1
+    view = torch.int16 if width == 2 else torch.uint8
+    kb, vb = (t.view(view).numpy().view(np.uint16 if width == 2 else np.uint8).copy()
+              for t in (k, v))
+    kb.reshape(-1)[::41] = rng.integers(0, 1 << (8 * width), kb.reshape(-1)[::41].size)
+    name = str(dtype).removeprefix("torch.")
+    layer = static_kv.encode(kb, vb, CHUNK, dtype=name)
+    assert (layer.low[0] is None) == (width == 1)
+    back = static_kv.decode(layer)
+    assert np.array_equal(back[0], kb) and np.array_equal(back[1], vb)
+    b = static_kv.plan(layer, warps=2)
+    outs, status = _emulate(b)
+    assert not status.any() and not b.bf16
+    flat = np.concatenate([kb.reshape(-1), vb.reshape(-1)])
+    assert np.array_equal(outs[0], flat.view(np.uint8))
+    with pytest.raises(TypeError, match="static tables code"):
+        static_kv.encode(kb, vb, CHUNK, dtype="float32")
 
 
 def test_method_choice_and_misuse():
@@ -126,18 +155,23 @@ def test_method_choice_and_misuse():
     codec = KVOffloadCodec()
     codec.set_prompt(torch.zeros(1, 4, dtype=torch.long))
     k = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="expected bf16"):
-        codec.encode(0, k.float(), k)
+    with pytest.raises(ValueError, match="of one of"):
+        codec.encode(0, k.float(), k.float())
+    with pytest.raises(ValueError, match="of one of"):
+        codec.encode(0, k, k.half())
     with pytest.raises(ValueError, match="differ in batch or tokens"):
         codec.encode(0, k, k[..., :3, :])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek-v3", "qwen3-next"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek-v3", "qwen3-next",
+                                    "llama-fp16"])
 def test_hook_static_generate_equality(family):
     """No predictor, no calibration: every layer the config makes is offloaded with
     static tables (sliding windows, keys and values of different shapes; layers without
     KV kept), comes back bit for bit, and generate() is equal to a plain cache."""
-    model = FAMILIES[family][0]()
+    model = FAMILIES[family.removesuffix("-fp16")][0]()
+    if family.endswith("-fp16"):
+        model = model.to(torch.float16)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     codec = KVOffloadCodec(chunk_size=CHUNK)
     codec.set_prompt(ids)

@@ -254,10 +254,13 @@ class KVOffloadCodec:
         coded on the layer's device (one table per exponent field: the GPU encoder's) and
         kept as the GPU decoder's batch; else coded on the host, exponents classed by rows
         and channels where that pays."""
+        dtype = str(keys.dtype).removeprefix("torch.")
         for name, t in (("keys", keys), ("values", values)):
-            if t.dtype != torch.bfloat16 or t.dim() != 4 or 0 in t.shape:
-                raise ValueError(f"expected bf16 [batch, heads, seq, dim] {name}, got "
-                                 f"{t.dtype} {tuple(t.shape)}")
+            if t.dtype != keys.dtype or dtype not in static_kv.DTYPES or t.dim() != 4 \
+                    or 0 in t.shape:
+                raise ValueError(f"expected [batch, heads, seq, dim] {name} of one of "
+                                 f"{sorted(static_kv.DTYPES)}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
         if keys.shape[0] != values.shape[0] or keys.shape[2] != values.shape[2]:
             raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} "
                              "differ in batch or tokens")
@@ -266,9 +269,8 @@ class KVOffloadCodec:
         chunk = self.chunk_size or static_kv.CHUNK
         if on_gpu(self.coder, keys.device):
             return static_kv.GpuLayer(static_kv.encode_on_device(keys, values, chunk))
-        host = [t.detach().to("cpu").contiguous().view(torch.int16).numpy().view(np.uint16)
-                for t in (keys, values)]
-        return static_kv.encode(*host, chunk=chunk, threads=self.threads)
+        host = [_bits(t.detach().to("cpu").contiguous()) for t in (keys, values)]
+        return static_kv.encode(*host, chunk=chunk, threads=self.threads, dtype=dtype)
 
     def _split(self, layer: int, flat: torch.Tensor, seq: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,9 +288,18 @@ def _start_static(frame: Any, device: torch.device
         return frame.start(device)
     if not isinstance(frame, static_kv.StaticLayer):
         raise TypeError(f"a static-table codec decodes its own layers, got {type(frame)}")
-    keys, values = (torch.from_numpy(t.view(np.int16)).view(torch.bfloat16).to(device)
+    dtype = getattr(torch, frame.dtype)
+    keys, values = (torch.from_numpy(t.view(np.int16 if t.itemsize == 2 else np.uint8)
+                                     ).view(dtype).to(device)
                     for t in static_kv.decode(frame))
     return keys, values, lambda: None
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's bit patterns: uint16 for 16-bit dtypes, uint8 for fp8."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8).numpy()
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 GPU_MIN_CHUNK, GPU_MAX_CHUNK = 1 << 11, 1 << 14

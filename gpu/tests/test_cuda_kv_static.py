@@ -30,22 +30,32 @@ from entropykit.predictive.hook import KVOffloadCodec, PredictiveOffloadedLayer 
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+    t = t.contiguous().cpu()
+    if t.element_size() == 1:
+        return t.view(torch.uint8).numpy()
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 @pytest.mark.parametrize("scale", [1.0, "channels"])
-def test_gpu_layer_decodes_exactly(scale):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_gpu_layer_decodes_exactly(scale, dtype):
     gen = torch.Generator().manual_seed(2)
     s = torch.logspace(-3, 2, 64) if scale == "channels" else 1.0
-    k = (torch.randn(2, 4, 3000, 64, generator=gen) * s).to(torch.bfloat16)
-    v = torch.randn(2, 2, 3000, 32, generator=gen).to(torch.bfloat16)
-    layer = static_kv.encode(_bits(k), _bits(v), 1 << 12)
-    assert layer.classes[0] == (scale == "channels")
+    k = (torch.randn(2, 4, 3000, 64, generator=gen) * s).to(dtype)
+    v = torch.randn(2, 2, 3000, 32, generator=gen).to(dtype)
+    name = str(dtype).removeprefix("torch.")
+    layer = static_kv.encode(_bits(k), _bits(v), 1 << 12, dtype=name)
+    if dtype == torch.bfloat16:
+        assert layer.classes[0] == (scale == "channels")
     g = static_kv.GpuLayer(layer)
     assert g.payload.is_pinned()
     keys, values, check = g.start(kh.DEV)
     check()
+    assert keys.dtype == values.dtype == dtype
     assert np.array_equal(_bits(keys), _bits(k)) and np.array_equal(_bits(values), _bits(v))
+    on_device = static_kv.encode_on_device(k.to(kh.DEV), v.to(kh.DEV), 1 << 12)
+    assert on_device == static_kv.encode(_bits(k), _bits(v), 1 << 12, classes=False,
+                                         dtype=name)
 
 
 @pytest.mark.parametrize("n, chunk, with_context", [(1 << 20, 1 << 14, False),
