@@ -176,12 +176,13 @@ class KVOffloadCodec:
         return mu, sigma, ik if ik == iv else [(ik, nk), (iv, nv)]
 
     def encode(self, layer: int, keys: torch.Tensor, values: torch.Tensor
-               ) -> bytes | torch.Tensor:
+               ) -> bytes | torch.Tensor | static_kv.StaticLayer | static_kv.GpuLayer:
         """One layer's keys and values over the prompt's last seq tokens (seq at most the
         prompt's: all of them, or a sliding window's), bf16 [batch, heads, seq, dim] on
         any device, as one distribution-rANS frame (keys, then values: one launch and one
         directory a layer): bytes (CPU coder), or a uint8 tensor in pinned host memory
-        (GPU coder)."""
+        (GPU coder). With the static method (bf16, fp16 or fp8): a
+        ``static_kv.StaticLayer`` (CPU coder) or ``static_kv.GpuLayer`` (GPU coder)."""
         seq = keys.shape[-2] if keys.dim() == 4 else -1
         if not 1 <= seq <= self.prompt_len:
             raise ValueError(f"expected 1..{self.prompt_len} of the prompt's tokens, got "
@@ -210,7 +211,7 @@ class KVOffloadCodec:
                            model_index=index, chunk_size=self.chunk_size or CHUNK,
                            threads=self.threads)
 
-    def decode(self, layer: int, frame: bytes | torch.Tensor, device: torch.device | str = "cpu",
+    def decode(self, layer: int, frame: Any, device: torch.device | str = "cpu",
                seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``encode``'s keys and values back (``seq``: the tokens it coded; default the
         prompt's), bf16 on ``device`` (decoded there when the GPU coder runs, else on the
@@ -219,7 +220,7 @@ class KVOffloadCodec:
         check()
         return keys, values
 
-    def start_decode(self, layer: int, frame: bytes | torch.Tensor,
+    def start_decode(self, layer: int, frame: Any,
                      device: torch.device | str = "cpu", seq: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
         """``decode`` without waiting where the GPU coder runs: (keys, values, a check).
