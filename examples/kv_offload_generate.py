@@ -5,7 +5,8 @@ Runs ``model.generate`` twice with greedy decoding: once with transformers' plai
 and values against a predictor's guess into host memory after every update and decode them
 back before the next one. It checks that the generated tokens and every step's logits are
 identical and prints what the offloaded prompt cache costs: the frames, and the guess the
-codec keeps to decode them (none with ``--predictor none``).
+codec keeps to decode them (none with ``--predictor none``, whose layers are coded with
+static tables of their own values: no calibration, and the GPU weight decoder's speed).
 
     python examples/kv_offload_generate.py                     # a tiny random Llama
     python examples/kv_offload_generate.py --gguf PATH.gguf    # e.g. SmolLM2-135M (bench/data.py)
@@ -58,13 +59,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--predictor", choices=("fp8", "none"), default="fp8",
                     help="FP8-of-target (fewer bits, keeps a guess as large as the cache) "
-                         "or none (per-channel statistics, keeps nothing per value)")
+                         "or none (static tables per channel class, keeps nothing per value)")
     ap.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
     args = ap.parse_args()
     model, calib, prompt = _gguf_model(args.gguf) if args.gguf else _tiny_model()
     model, prompt = model.to(args.device), prompt.to(args.device)
     predictor = P.FP8Predictor(model) if args.predictor == "fp8" else P.NoPredictor()
-    calibration = P.calibrate(model, predictor, calib, formats=("bf16",))
+    # No predictor: the static-table coder needs no calibration (the tables are the data's).
+    calibration = (P.calibrate(model, predictor, calib, formats=("bf16",))
+                   if args.predictor == "fp8" else None)
 
     def generate(cache):
         t = time.perf_counter()

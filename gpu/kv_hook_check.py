@@ -103,7 +103,7 @@ def generate_checks(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibratio
         ("PredictiveOffloadedCache", lambda codec: PredictiveOffloadedCache(codec, layers)),
     ):
         for kind in ("gaussian", "mixture"):
-            codec = KVOffloadCodec(pred, cal, model=kind)
+            codec = KVOffloadCodec(pred, cal, model=kind, method="distribution")
             codec.set_prompt(prompt)
             c = make(codec)
             out = generate(c)
@@ -157,8 +157,8 @@ def offload_codec_checks(model: torch.nn.Module, pred: P.Predictor, cal: P.Calib
         cache = model(prompt, use_cache=True).past_key_values
     for name, pr, cl in (("fp8-of-target", pred, cal), ("none", none, none_cal)):
         for kind in ("gaussian", "mixture"):
-            gpu = KVOffloadCodec(pr, cl, model=kind, coder="gpu")
-            cpu = KVOffloadCodec(pr, cl, model=kind, coder="cpu")
+            gpu = KVOffloadCodec(pr, cl, model=kind, coder="gpu", method="distribution")
+            cpu = KVOffloadCodec(pr, cl, model=kind, coder="cpu", method="distribution")
             gpu.set_prompt(prompt)
             cpu.set_prompt(prompt)
             ok = True
@@ -176,7 +176,7 @@ def offload_codec_checks(model: torch.nn.Module, pred: P.Predictor, cal: P.Calib
                   f"across coders: {ok}")
             if not ok:
                 failures.append(f"gpu coder {name} {kind}")
-            codec = KVOffloadCodec(pr, cl, model=kind, coder="gpu")
+            codec = KVOffloadCodec(pr, cl, model=kind, coder="gpu", method="distribution")
             codec.set_prompt(prompt[:1])
             ref = model.generate(prompt[:1], max_new_tokens=8, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True,
@@ -221,7 +221,7 @@ def _corrupt(model: torch.nn.Module, none: P.Predictor, none_cal: P.Calibration,
     first read of keys raises CorruptDataError, and so does every later one."""
     from entropykit import CorruptDataError
 
-    codec = KVOffloadCodec(none, none_cal, coder="gpu")
+    codec = KVOffloadCodec(none, none_cal, coder="gpu", method="distribution")
     codec.set_prompt(prompt)
     layer = PredictiveOffloadedLayer(codec, 1)
     layer.update(cache.layers[1].keys.clone(), cache.layers[1].values.clone())
@@ -257,7 +257,8 @@ def _generate_times(model: torch.nn.Module, none: P.Predictor, none_cal: P.Calib
 
     def ours(chunk):
         def make():
-            codec = KVOffloadCodec(none, none_cal, coder="gpu", chunk_size=chunk)
+            codec = KVOffloadCodec(none, none_cal, coder="gpu", chunk_size=chunk,
+                                   method="distribution")
             codec.set_prompt(prompt)
             return transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i)
                                               for i in range(layers)], offloading=True)
@@ -353,7 +354,7 @@ def _timings(model: torch.nn.Module, pred: P.Predictor, cal: P.Calibration,
             ("fp8-of-target, GPU coder, chunks of 16384", pred, cal, "gpu", 1, 16384),
             ("none, CPU coder, 16 threads", none, none_cal, "cpu", 16, None)):
         codec = KVOffloadCodec(pr, cl, model="mixture", coder=coder, threads=threads,
-                               chunk_size=chunk)
+                               chunk_size=chunk, method="distribution")
         codec.set_prompt(prompt)
         frame = codec.encode(2, k, v)
         bk, bv = codec.decode(2, frame, DEV)

@@ -2,12 +2,13 @@
 # The GPU-machine suite in one command: the cuda tests (gpu/tests), then the benchmarks on
 # whatever data is here, then a short summary. Logs and results go to $OUT (default
 # /tmp/entropykit-gpu): summary.txt, tests.log, bench.log, bench_gpu.json/.md, kv.log,
-# load.log, load.json, resident.log. Exits non-zero when a test fails or skips or a step
+# load.log, load.json, resident.log, offload.log. Exits non-zero when a test fails or skips or a step
 # fails.
 #   STEPS=tests,bench,kv,load,resident   the steps to run (default these; a step lacking its data
 #                               is left out and says so); also "check" (device_check.py's
 #                               timings per build) and "ncu" (Nsight Compute on two
-#                               launches), both on the MiniLM file
+#                               launches), both on the MiniLM file, and "offload"
+#                               (kv_offload_bench.py: generate() with KV offloading)
 #   BENCH_ARGS=...              more arguments for bench_gpu.py
 #   RESIDENT_ARGS=...           more arguments for resident_check.py (--size 8b-blocks)
 # Git-ignored folders it uses where present:
@@ -92,6 +93,9 @@ fi
 if [[ $STEPS == *resident* ]]; then
     step resident resident.log python3 gpu/resident_check.py $RESIDENT_ARGS
 fi
+if [[ $STEPS == *offload* ]]; then
+    step offload offload.log python3 gpu/kv_offload_bench.py
+fi
 
 {
     if command -v nvidia-smi > /dev/null; then
@@ -106,5 +110,6 @@ fi
     [[ $ran == *bench* && -f $OUT/bench_gpu.md ]] && echo && cat "$OUT/bench_gpu.md"
     [[ $ran == *kv* ]] && echo && grep -E '^\|' "$OUT/kv.log"
     [[ $ran == *load* ]] && echo && sed -n '/ CPUs$/,$p' "$OUT/load.log"
+    [[ $ran == *offload* ]] && echo && grep -E '^\||^random|^identical' "$OUT/offload.log"
 } | tee "$OUT/summary.txt"
 exit $status

@@ -109,14 +109,16 @@ def plan(symbols: np.ndarray, cols: int, phase: int, counts: np.ndarray | None =
     return best
 
 
-def encode(symbols: np.ndarray, cols: int, phase: int, p: Plan, precision: int) -> bytes:
-    """The payload of ``symbols`` classed as ``p`` says."""
+def encode(symbols: np.ndarray, cols: int, phase: int, p: Plan, precision: int,
+           chunk_size: int = frame.DEFAULT_CHUNK) -> bytes:
+    """The payload of ``symbols`` classed as ``p`` says (its frame in chunks of
+    ``chunk_size``)."""
     # The contexts are made chunk by chunk as the frame codes them (in cache).
     ctx = lines.context_source(symbols.size, cols, phase, p.rows, p.columns, p.kc)
     head = _HEAD.pack(MAGIC, VERSION, p.kr, p.kc, 0, symbols.size, cols, phase)
     maps = (b"" if p.rows is None else lines.pack(p.rows, p.kr)) + (
         b"" if p.columns is None else lines.pack(p.columns, p.kc))
-    body = frame.encode(rans_static.CODER, symbols, precision, frame.DEFAULT_CHUNK, None, ctx,
+    body = frame.encode(rans_static.CODER, symbols, precision, chunk_size, None, ctx,
                         max_tables=MAX_TABLES, counts=p.joint)
     return b"".join((head, maps, body))
 

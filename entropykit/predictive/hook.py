@@ -3,7 +3,8 @@
 What it is: ``PredictiveOffloadedLayer`` (a ``DynamicLayer`` whose ``offload()`` codes the
 prompt's keys and values against the predictor's guess into host memory and frees them,
 and whose ``prefetch()`` decodes them back, bit for bit), the ``KVOffloadCodec`` the layers
-of one cache share (predictor, calibration, residual model, the prompt's guess), and
+of one cache share (its method: static tables, or predictor, calibration, residual model
+and the prompt's guess for the per-value coder), and
 ``PredictiveOffloadedCache``, a ``Cache`` of such layers that offloads each layer after
 its update and prefetches the next one without CUDA streams, so it also runs on a CPU.
 On a GPU, ``transformers.Cache(layers=[PredictiveOffloadedLayer(...)...],
@@ -31,19 +32,35 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..coding import frame as _frame
 from ..rans import distribution as dist
+from ..rans import static as rans_static
+from . import static_kv
 from ._torchdist import CODERS, DeviceCalibration, group_distribution, on_gpu
 from .calibration import Calibration
 from .codec import CHUNK
 from .kvcache import align
-from .predictors import Predictor
+from .predictors import NoPredictor, Predictor
 
 LAYER_MODELS = ("gaussian", "mixture")
+METHODS = ("auto", "static", "distribution")
 
 
 class KVOffloadCodec:
     """What the offloaded layers of one cache share; call ``set_prompt`` before the model
     runs on the prompt.
+
+    ``method``: how a layer is coded. "static": static rANS tables of the layer's own
+    values (``static_kv``: no predictor, no calibration). With the GPU coder a layer is
+    coded on its device (``rans.cuda.encode``) and decoded there in one launch of the
+    weight decoder's kernel, which decodes far faster than the per-value coder; with the
+    CPU coder on the host, exponents in classes of rows and channels where that pays.
+    "distribution": the per-value coder against the predictor's guess and the
+    calibration's residual model (fewer bits where a predictor guesses well). "auto"
+    (default): "static" without a predictor (None or ``NoPredictor``), else
+    "distribution". What follows is the per-value coder's; of it, the static method uses
+    ``coder`` (where it codes and decodes), ``threads`` and ``chunk_size`` (values a
+    chunk; default ``static_kv.CHUNK``).
 
     ``coder``: where the frames are coded. "gpu" runs the coder on the layer's CUDA device
     (``entropykit.rans.cuda.dist``, needs CuPy): only the frame crosses PCIe, into pinned host
@@ -64,20 +81,34 @@ class KVOffloadCodec:
     host memory and, with the GPU coder, PCIe traffic shrink to the frames' size.
     """
 
-    def __init__(self, predictor: Predictor, calibration: Calibration,
-                 model: str = "mixture", threads: int | None = 1, coder: str = "auto",
-                 chunk_size: int | None = None) -> None:
+    def __init__(self, predictor: Predictor | None = None,
+                 calibration: Calibration | None = None, model: str = "mixture",
+                 threads: int | None = 1, coder: str = "auto", chunk_size: int | None = None,
+                 *, method: str = "auto") -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method == "auto":
+            method = ("static" if predictor is None or isinstance(predictor, NoPredictor)
+                      else "distribution")
         if model not in LAYER_MODELS:
             raise ValueError(f"offloaded layers are coded one at a time: model must be one of "
                              f"{LAYER_MODELS}, got {model!r}")
         if coder not in CODERS:
             raise ValueError(f"coder must be one of {CODERS}, got {coder!r}")
-        if predictor.describe() != calibration.predictor:
+        if method == "distribution" and (predictor is None or calibration is None):
+            raise ValueError("the per-value coder (method 'distribution') needs a "
+                             "predictor and its calibration")
+        if (predictor is not None and calibration is not None
+                and predictor.describe() != calibration.predictor):
             raise ValueError("the calibration was fitted with another predictor")
         if chunk_size is not None:
-            dist.check_chunk_size(chunk_size)  # refused here, not at the first offload
+            if method == "static":
+                _frame.check_chunk_size(chunk_size, rans_static.CODER.lanes)
+            else:
+                dist.check_chunk_size(chunk_size)  # refused here, not at the first offload
         self.predictor, self.calibration, self.model = predictor, calibration, model
         self.threads, self.coder, self.chunk_size = threads, coder, chunk_size
+        self.method = method
         self.prompt_len = self._batch = 0
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._dcal: dict[torch.device, DeviceCalibration] = {}
@@ -86,13 +117,15 @@ class KVOffloadCodec:
         """Run the predictor on the prompt ([batch, seq]) whose cache will be offloaded."""
         ids = torch.as_tensor(input_ids)
         ids = ids[None] if ids.dim() == 1 else ids
+        self._batch = ids.shape[0]
+        self.prompt_len = ids.shape[1]
+        if self.method == "static":
+            return  # the static tables are the data's own: no guess
         guess = self.predictor.predict(ids)
         dims = self.calibration.dims
-        self._batch = ids.shape[0]
         self._guesses = {} if guess is None else {
             divmod(g, 2): _compact(guess[g // 2][g % 2]) for g, d in enumerate(dims)
             if d is not None and g // 2 < len(guess) and guess[g // 2] is not None}
-        self.prompt_len = ids.shape[1]
 
     def shape(self, layer: int, kv: int, seq: int) -> tuple[int, int, int, int]:
         """Group (layer, kv)'s shape over ``seq`` of the prompt's tokens."""
@@ -143,16 +176,19 @@ class KVOffloadCodec:
         return mu, sigma, ik if ik == iv else [(ik, nk), (iv, nv)]
 
     def encode(self, layer: int, keys: torch.Tensor, values: torch.Tensor
-               ) -> bytes | torch.Tensor:
+               ) -> bytes | torch.Tensor | static_kv.StaticLayer | static_kv.GpuLayer:
         """One layer's keys and values over the prompt's last seq tokens (seq at most the
         prompt's: all of them, or a sliding window's), bf16 [batch, heads, seq, dim] on
         any device, as one distribution-rANS frame (keys, then values: one launch and one
         directory a layer): bytes (CPU coder), or a uint8 tensor in pinned host memory
-        (GPU coder)."""
+        (GPU coder). With the static method (bf16, fp16 or fp8): a
+        ``static_kv.StaticLayer`` (CPU coder) or ``static_kv.GpuLayer`` (GPU coder)."""
         seq = keys.shape[-2] if keys.dim() == 4 else -1
         if not 1 <= seq <= self.prompt_len:
             raise ValueError(f"expected 1..{self.prompt_len} of the prompt's tokens, got "
                              f"keys of shape {tuple(keys.shape)}")
+        if self.method == "static":
+            return self._encode_static(keys, values)
         for kv, t in enumerate((keys, values)):
             want = self.shape(layer, kv, seq)
             if t.dtype != torch.bfloat16 or tuple(t.shape) != want:
@@ -175,7 +211,7 @@ class KVOffloadCodec:
                            model_index=index, chunk_size=self.chunk_size or CHUNK,
                            threads=self.threads)
 
-    def decode(self, layer: int, frame: bytes | torch.Tensor, device: torch.device | str = "cpu",
+    def decode(self, layer: int, frame: Any, device: torch.device | str = "cpu",
                seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``encode``'s keys and values back (``seq``: the tokens it coded; default the
         prompt's), bf16 on ``device`` (decoded there when the GPU coder runs, else on the
@@ -184,7 +220,7 @@ class KVOffloadCodec:
         check()
         return keys, values
 
-    def start_decode(self, layer: int, frame: bytes | torch.Tensor,
+    def start_decode(self, layer: int, frame: Any,
                      device: torch.device | str = "cpu", seq: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
         """``decode`` without waiting where the GPU coder runs: (keys, values, a check).
@@ -192,6 +228,8 @@ class KVOffloadCodec:
         use them, but their values are right only once ``check()`` has returned (it waits
         for the decode and raises ``CorruptDataError`` for a bad chunk)."""
         device = torch.device(device)
+        if self.method == "static":
+            return _start_static(frame, device)
         seq = self.prompt_len if seq is None else seq
         model = self.calibration.coder_model(self.model, "bf16")
         if on_gpu(self.coder, device):
@@ -210,12 +248,59 @@ class KVOffloadCodec:
         keys, values = self._split(layer, torch.from_numpy(bits).view(torch.bfloat16), seq)
         return keys.to(device), values.to(device), lambda: None
 
+    def _encode_static(self, keys: torch.Tensor, values: torch.Tensor
+                       ) -> static_kv.StaticLayer | static_kv.GpuLayer:
+        """``encode`` with static tables: any [batch, heads, seq, dim] shapes of one batch
+        and seq (keys and values may differ in heads and dim). Where the GPU coder runs,
+        coded on the layer's device (one table per exponent field: the GPU encoder's) and
+        kept as the GPU decoder's batch; else coded on the host, exponents classed by rows
+        and channels where that pays."""
+        dtype = str(keys.dtype).removeprefix("torch.")
+        for name, t in (("keys", keys), ("values", values)):
+            if t.dtype != keys.dtype or dtype not in static_kv.DTYPES or t.dim() != 4 \
+                    or 0 in t.shape:
+                raise ValueError(f"expected [batch, heads, seq, dim] {name} of one of "
+                                 f"{sorted(static_kv.DTYPES)}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        if keys.shape[0] != values.shape[0] or keys.shape[2] != values.shape[2]:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} "
+                             "differ in batch or tokens")
+        if keys.device != values.device:
+            raise ValueError(f"keys on {keys.device}, values on {values.device}")
+        chunk = self.chunk_size or static_kv.CHUNK
+        if on_gpu(self.coder, keys.device):
+            return static_kv.GpuLayer(static_kv.encode_on_device(keys, values, chunk))
+        host = [_bits(t.detach().to("cpu").contiguous()) for t in (keys, values)]
+        return static_kv.encode(*host, chunk=chunk, threads=self.threads, dtype=dtype)
+
     def _split(self, layer: int, flat: torch.Tensor, seq: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer frame's values as (keys, values) of their shapes."""
         shapes = [self.shape(layer, kv, seq) for kv in (0, 1)]
         n = int(np.prod(shapes[0]))
         return flat[:n].reshape(shapes[0]), flat[n:].reshape(shapes[1])
+
+
+def _start_static(frame: Any, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+    """``start_decode`` of a static-table layer: queued on the GPU for a ``GpuLayer``,
+    else decoded on the host and moved."""
+    if isinstance(frame, static_kv.GpuLayer):
+        return frame.start(device)
+    if not isinstance(frame, static_kv.StaticLayer):
+        raise TypeError(f"a static-table codec decodes its own layers, got {type(frame)}")
+    dtype = getattr(torch, frame.dtype)
+    keys, values = (torch.from_numpy(t.view(np.int16 if t.itemsize == 2 else np.uint8)
+                                     ).view(dtype).to(device)
+                    for t in static_kv.decode(frame))
+    return keys, values, lambda: None
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's bit patterns: uint16 for 16-bit dtypes, uint8 for fp8."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8).numpy()
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 GPU_MIN_CHUNK, GPU_MAX_CHUNK = 1 << 11, 1 << 14

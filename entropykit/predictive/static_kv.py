@@ -1,0 +1,312 @@
+"""Static-table coding of a layer's keys and values, in the GPU weight decoder's format.
+
+What it is: one layer's keys and values (each [batch, heads, seq, dim]; bf16, fp16 or fp8)
+coded with static rANS tables and no predictor, the way weights are: each tensor split
+into byte fields (``split``: bf16 into its ``exponent`` and ``sign_mantissa`` bytes, fp16
+into its two bytes, fp8 one byte), the high field as a rans2d frame
+(``container.classed``: the tensor as rows of ``dim`` channels, rows (batch, head, token)
+and columns (channels) in classes, one table per pair of classes) or a one-table rANS
+frame where classes do not pay, the low field as an rANS frame (bf16: one table per
+exponent class, its context the exponent). ``encode`` makes a ``StaticLayer`` on the host;
+``encode_on_device`` the same layer without classes from CUDA tensors, coded there
+(``rans.cuda.encode``); ``decode`` reads it back on the CPU; ``plan`` lays its frames out
+as one batch of ``rans.cuda``'s decoder (keys and values in one launch into one output),
+and ``GpuLayer`` keeps only that batch's buffers (pinned) and decodes it asynchronously on
+a CUDA stream.
+What it is not: a file format (the frames live in memory while a layer is offloaded; each
+is a standard frame, docs/format.md) or a per-value coder (``rans.distribution``, which
+codes against a predictor's guess).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._cuda import cuda_device
+from .._errors import CorruptDataError
+from ..coding import frame
+from ..container import classed
+from ..rans import static as rans_static
+from ..rans.cuda import plan as gpu_plan
+
+PRECISION = 12  # tables fit the GPU kernel's shared-memory table sets (<= 12 bits)
+# Symbols a chunk: a chunk is one warp's serial work on the GPU, so a layer needs many of
+# them to fill it; each costs its 128 bytes of lane states.
+CHUNK = 1 << 14
+
+
+# The dtypes coded, by torch's name: their split into a high field (rows of channels,
+# classed where that pays) and a low one (None: one byte a value), and the kernel's mode.
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8",
+          "float8_e5m2": "fp8"}
+
+
+def split(bits: np.ndarray, kind: str = "bf16") -> tuple[np.ndarray, np.ndarray | None]:
+    """Bit patterns (uint16; uint8 for fp8) as (high, low) byte fields: bf16 s eeeeeeee
+    mmmmmmm as (eeeeeeee, s mmmmmmm) (the BF16 split of ``formats``: the low field is coded
+    per exponent), fp16 as its two bytes (``formats``' F16 planes), fp8 as itself."""
+    if kind == "fp8":
+        return bits.astype(np.uint8), None
+    if kind == "fp16":
+        return (bits >> 8).astype(np.uint8), (bits & 0xFF).astype(np.uint8)
+    exp = ((bits >> 7) & 0xFF).astype(np.uint8)
+    sm = (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8)
+    return exp, sm
+
+
+def join(high: np.ndarray, low: np.ndarray | None, kind: str = "bf16") -> np.ndarray:
+    """``split``'s inverse."""
+    if kind == "fp8":
+        return high.copy()
+    h, m = high.astype(np.uint16), low.astype(np.uint16)
+    if kind == "fp16":
+        return h << 8 | m
+    return (m >> 7) << 15 | h << 7 | (m & 0x7F)
+
+
+@dataclass(frozen=True)
+class StaticLayer:
+    """One layer's coded keys and values (torch ``dtype`` name, a key of ``DTYPES``): per
+    tensor (keys, then values) its shape, its high field's payload (a rans2d payload where
+    ``classes`` says so, else an rANS frame) and its low field's frame (bf16: context the
+    exponent; fp8: None)."""
+
+    dtype: str
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]
+    high: tuple[bytes, bytes]
+    classes: tuple[bool, bool]
+    low: tuple[bytes | None, bytes | None]
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in (*self.high, *self.low) if b is not None)
+
+    @property
+    def kind(self) -> str:
+        return DTYPES[self.dtype]
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return tuple(int(np.prod(s)) for s in self.shapes)  # type: ignore[return-value]
+
+
+def _high_payload(high: np.ndarray, width: int, chunk: int, threads: int | None,
+                  classes: bool) -> tuple[bytes, bool]:
+    """The smaller of a rans2d payload (rows of ``width`` channels, in classes; only if
+    ``classes``) and a one-table frame, as (bytes, classed)."""
+    plain = frame.encode(rans_static.CODER, high, PRECISION, chunk, threads)
+    p = classed.plan(high, width, 0) if classes else None
+    if p is None or p.estimate >= len(plain) or width > gpu_plan.GRID_MAX_WIDTH:
+        return plain, False
+    payload = classed.encode(high, width, 0, p, PRECISION, chunk_size=chunk)
+    return (payload, True) if len(payload) < len(plain) else (plain, False)
+
+
+def encode_tensor(bits: np.ndarray, width: int, kind: str = "bf16", chunk: int = CHUNK,
+                  threads: int | None = 1, classes: bool = True
+                  ) -> tuple[bytes, bool, bytes | None]:
+    """One tensor's bit patterns (rows of ``width``) as (high payload, classed, low
+    frame)."""
+    high, low = split(np.ascontiguousarray(bits).reshape(-1), kind)
+    payload, is_classed = _high_payload(high, width, chunk, threads, classes)
+    ctx = high if kind == "bf16" else None
+    low_frame = None if low is None else frame.encode(rans_static.CODER, low, PRECISION,
+                                                      chunk, threads, context=ctx)
+    return payload, is_classed, low_frame
+
+
+def _layer(dtype: str, shapes: list[tuple[int, ...]],
+           coded: list[tuple[bytes, bool, bytes | None]]) -> StaticLayer:
+    return StaticLayer(dtype, (shapes[0], shapes[1]), (coded[0][0], coded[1][0]),
+                       (coded[0][1], coded[1][1]), (coded[0][2], coded[1][2]))
+
+
+def _check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise TypeError(f"static tables code {sorted(DTYPES)} caches, got {dtype}")
+    return DTYPES[dtype]
+
+
+def encode(keys: np.ndarray, values: np.ndarray, chunk: int = CHUNK,
+           threads: int | None = 1, classes: bool = True, dtype: str = "bfloat16"
+           ) -> StaticLayer:
+    """A layer's keys and values (bit patterns of torch dtype ``dtype``: uint16 arrays,
+    uint8 for fp8, of any shape whose last axis is the channels) as a ``StaticLayer``;
+    ``classes``: high fields may be classed (else one table each, as ``encode_on_device``
+    codes them)."""
+    kind = _check_dtype(dtype)
+    return _layer(dtype, [tuple(keys.shape), tuple(values.shape)],
+                  [encode_tensor(t, t.shape[-1], kind, chunk, threads, classes)
+                   for t in (keys, values)])
+
+
+def encode_on_device(keys, values, chunk: int = CHUNK, run=None) -> StaticLayer:
+    """``encode(..., classes=False)``'s layer, byte for byte, of torch tensors coded where
+    they are (a CUDA device: ``rans.cuda.encode``; ``run``: its kernels): only the
+    frames cross to the host."""
+    import torch
+
+    from ..rans.cuda import encode as gpu_encode
+
+    dtype = str(keys.dtype).removeprefix("torch.")
+    kind = _check_dtype(dtype)
+    if values.dtype != keys.dtype:
+        raise TypeError(f"keys are {keys.dtype}, values {values.dtype}")
+    code = lambda f, ctx=None: gpu_encode.encode(f, precision=PRECISION, chunk_size=chunk,
+                                                 context=ctx, run=run)
+    coded = []
+    for t in (keys, values):
+        flat = t.detach().contiguous().reshape(-1)
+        if kind == "fp8":
+            coded.append((code(flat.view(torch.uint8)), False, None))
+            continue
+        w = flat.view(torch.int16).to(torch.int32) & 0xFFFF
+        if kind == "fp16":
+            high, low = (w >> 8).to(torch.uint8), (w & 0xFF).to(torch.uint8)
+            coded.append((code(high), False, code(low)))
+            continue
+        exp = ((w >> 7) & 0xFF).to(torch.uint8)
+        sm = (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8)
+        coded.append((code(exp), False, code(sm, exp)))
+    return _layer(dtype, [tuple(keys.shape), tuple(values.shape)], coded)
+
+
+def _high(layer: StaticLayer, kv: int) -> np.ndarray:
+    n = layer.sizes[kv]
+    data = np.frombuffer(layer.high[kv], np.uint8)
+    if layer.classes[kv]:
+        return classed.decode(data, n)
+    return rans_static.decode(data, threads=1, out=np.empty(n, np.uint8))
+
+
+def decode(layer: StaticLayer) -> tuple[np.ndarray, np.ndarray]:
+    """The (keys, values) bit patterns (uint16, uint8 for fp8; their shapes) on the CPU;
+    ``CorruptDataError`` for damaged frames."""
+    out = []
+    kind = layer.kind
+    for kv in (0, 1):
+        high = _high(layer, kv)
+        low = None
+        if kind != "fp8":
+            if layer.low[kv] is None:
+                raise CorruptDataError(f"a {layer.dtype} layer without its low field")
+            low = rans_static.decode(layer.low[kv], threads=1,
+                                     out=np.empty(high.size, np.uint8),
+                                     context=high if kind == "bf16" else None)
+        out.append(join(high, low, kind).reshape(layer.shapes[kv]))
+    return out[0], out[1]
+
+
+def _high_stream(layer: StaticLayer, kv: int, label: str) -> gpu_plan.Stream:
+    data = np.frombuffer(layer.high[kv], np.uint8)
+    n = layer.sizes[kv]
+    if not layer.classes[kv]:
+        s = gpu_plan.Stream.frame(data, label)
+    else:
+        p = classed.parse(data, n)
+        s = gpu_plan.Stream.on_grid(data[p.body:], gpu_plan.Grid(p.cols, p.phase, p.kc,
+                                                                 p.rows, p.columns), label)
+    if s.n != n:
+        raise CorruptDataError(f"{label}: frame holds {s.n} symbols, the tensor has {n}")
+    return s
+
+
+def _low_stream(layer: StaticLayer, kv: int, label: str) -> gpu_plan.Stream:
+    if layer.low[kv] is None:
+        raise CorruptDataError(f"{label}: missing")
+    s = gpu_plan.Stream.frame(layer.low[kv], label)
+    if s.n != layer.sizes[kv]:
+        raise CorruptDataError(f"{label}: frame holds {s.n} symbols, the tensor has "
+                               f"{layer.sizes[kv]}")
+    if s.context and layer.kind != "bf16":
+        raise CorruptDataError(f"{label}: context-conditioned, the {layer.dtype} split "
+                               "has no context")
+    return s
+
+
+def plan(layer: StaticLayer, warps: int = gpu_plan.WARPS) -> gpu_plan.Batch:
+    """The decode batch of a layer, one output: keys then values, flat (bf16 mode for
+    bf16; else bytes, fp16's two fields interleaved into its 16-bit values)."""
+    kind = layer.kind
+    p = gpu_plan.Planner(kind == "bf16", warps)
+    at = 0
+    for kv, name in enumerate(("keys", "values")):
+        what = "exponent" if kind == "bf16" else "high byte"
+        high = _high_stream(layer, kv, f"{name} {what}")
+        if kind == "bf16":
+            p.add_pair(high, _low_stream(layer, kv, f"{name} sign_mantissa"),
+                       gpu_plan.Place(0, at))
+        elif kind == "fp16":
+            p.add(high, gpu_plan.Place(0, 2 * at + 1, 2))
+            p.add(_low_stream(layer, kv, f"{name} low byte"), gpu_plan.Place(0, 2 * at, 2))
+        else:
+            p.add(high, gpu_plan.Place(0, at))
+        at += layer.sizes[kv]
+    return p.finish([2 * at if kind == "fp16" else at])
+
+
+class GpuLayer:
+    """A layer's decode batch without its frames: the buffers the kernel reads, in pinned
+    host memory where CUDA is. ``start(device)`` queues their upload and the decode on
+    the current CUDA stream."""
+
+    def __init__(self, layer: StaticLayer, warps: int = gpu_plan.WARPS) -> None:
+        import torch
+
+        b = plan(layer, warps)
+        pin = torch.cuda.is_available()
+        host = lambda a: (torch.from_numpy(a).pin_memory() if pin else torch.from_numpy(a))
+        # One output, keys then values: the descriptors' output offsets need no binding.
+        self.payload, self.desc, self.sym, self.info, self.cmaps = (
+            host(a) for a in (b.payload, b.desc, b.sym_tables, b.info_tables.view(np.int32),
+                              b.cmaps))
+        self.origins = b.origins
+        self.batch = dataclasses.replace(b, streams=(), copies=np.zeros((0, 4), np.int64),
+                                         _cache={})
+        self.shapes, self.dtype = layer.shapes, layer.dtype
+
+    def __len__(self) -> int:
+        """Host bytes kept: the buffers and what names the rows in errors."""
+        return (sum(t.numel() * t.element_size() for t in (self.payload, self.desc, self.sym,
+                                                            self.info, self.cmaps))
+                + self.origins.origin.nbytes)
+
+    def start(self, device) -> tuple[object, object, Callable[[], None]]:
+        """(keys, values, check): bf16 tensors on ``device`` queued on the current stream;
+        ``check()`` waits for the decode and raises ``CorruptDataError`` for a bad chunk."""
+        import torch
+
+        from ..rans.cuda import load_runtime
+
+        rt = load_runtime(device)
+        dev = cuda_device(device)
+        bufs = [t.to(dev, non_blocking=True) for t in (self.desc, self.payload, self.sym,
+                                                      self.info, self.cmaps)]
+        out = torch.empty(self.batch.sizes[0], device=dev,
+                          dtype=torch.bfloat16 if self.batch.bf16 else torch.uint8)
+        status = torch.zeros(max(1, len(self.batch.desc)), dtype=torch.int32, device=dev)
+        desc, payload, sym, info, cmaps = bufs
+        rt.Launch(self.batch, dev, [x.data_ptr() for x in (desc, status, payload, sym, info,
+                                                           cmaps, out)])()
+        # The statuses come back behind the launch on its stream; the inputs stay alive
+        # (and out of the allocator's reach) until the check has seen it finish.
+        host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+        done = torch.cuda.Event()
+        with torch.cuda.device(dev):
+            host.copy_(status, non_blocking=True)
+            done.record()
+        held = [bufs, status]
+
+        def check() -> None:
+            done.synchronize()
+            held.clear()
+            err = self.origins.error(host[: len(self.batch.desc)].numpy())
+            if err is not None:
+                raise err
+
+        out = out.view(getattr(torch, self.dtype))
+        nk = int(np.prod(self.shapes[0]))
+        return out[:nk].view(self.shapes[0]), out[nk:].view(self.shapes[1]), check

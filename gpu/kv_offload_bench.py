@@ -1,0 +1,115 @@
+"""Device benchmark of KV offloading: plain copies against static-table and per-value coding.
+
+What it is: a script for a GPU machine. A random Llama built from a config (no download:
+``--layers`` layers, 32 heads, 8 kv heads x 128, hidden 4096, bf16) generates
+``--new-tokens`` greedy tokens after a ``--batch`` x ``--prompt`` prompt through
+``transformers.Cache(layers=..., offloading=True)`` (transformers' prefetch stream) with
+(1) plain ``DynamicLayer``s, (2) ``PredictiveOffloadedLayer``s coding with static tables
+(``KVOffloadCodec(method="static")``: encoded on the host, decoded by the weight
+decoder's kernel) and (3) with the per-value coder and no predictor
+(``method="distribution"``, GPU coder). For each it prints the generate() time (best of
+``--reps``), the decode-phase tokens/s (from the times of ``--new-tokens`` and one new
+token, so the prompt's one-off encode is left out) and the host bytes the offloaded
+prompt holds; it checks that every run generates the same tokens and exits non-zero if
+not. Random weights give random-like KV: the bytes held are an upper bound of what a
+trained model's cache takes (bench/bench_kv_static.py measures bits on SmolLM2's).
+What it is not: a correctness suite (gpu/tests/test_cuda_kv_static.py).
+
+    python3 gpu/kv_offload_bench.py                      # 4 x 8192 tokens, 4 layers
+    python3 gpu/kv_offload_bench.py --prompt 1024 --batch 1 --new-tokens 4   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicLayer
+
+from entropykit import predictive as P
+from entropykit.predictive.hook import KVOffloadCodec, PredictiveOffloadedLayer
+
+DEV = "cuda:0"
+
+
+def model_of(layers: int) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args(argv)
+    model = model_of(args.layers)
+    layers = args.layers
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32000, (args.batch, args.prompt), generator=gen).to(DEV)
+    none = P.NoPredictor()
+    cal = P.calibrate(model, none, [torch.randint(0, 32000, (256,), generator=gen)],
+                      formats=("bf16",))
+    held: dict[str, int] = {}
+
+    def plain() -> transformers.Cache:
+        return transformers.Cache(layers=[DynamicLayer() for _ in range(layers)],
+                                  offloading=True)
+
+    def coded(**kw):
+        def make() -> transformers.Cache:
+            codec = KVOffloadCodec(**kw)
+            codec.set_prompt(ids)
+            return transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i)
+                                              for i in range(layers)], offloading=True)
+        return make
+
+    rows = [("plain offloading", plain),
+            ("static tables", coded(coder="gpu", method="static")),
+            ("per-value coder, no predictor",
+             coded(predictor=none, calibration=cal, coder="gpu", method="distribution"))]
+    raw = 2 * layers * args.batch * args.prompt * 8 * 128 * 2
+    print(f"random Llama, {layers} layers, 8 kv heads x 128, prompt {args.batch} x "
+          f"{args.prompt}, {args.new_tokens} new tokens, best of {args.reps}; "
+          f"{torch.cuda.get_device_name(0)}; transformers {transformers.__version__}")
+    print("| offloading | generate s | 1 token s | decode tokens/s | host MiB held | "
+          "vs plain |")
+    print("|---|---:|---:|---:|---:|---:|")
+    outs = {}
+    for label, make in rows:
+        best = {}
+        for n in (1, args.new_tokens):
+            best[n] = float("inf")
+            for _ in range(args.reps):
+                cache = make()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=n, do_sample=False, past_key_values=cache)
+                torch.cuda.synchronize()
+                best[n] = min(best[n], time.perf_counter() - t)
+            if n == args.new_tokens:
+                outs[label] = out.cpu()
+                held[label] = (raw if label == "plain offloading" else sum(
+                    layer.compressed_bytes() for layer in cache.layers))
+        rate = args.batch * (args.new_tokens - 1) / max(1e-9, best[args.new_tokens] - best[1])
+        print(f"| {label} | {best[args.new_tokens]:.3f} | {best[1]:.3f} | {rate:.1f} | "
+              f"{held[label] / 2**20:.1f} | {held[label] / raw:.3f} |")
+    first = next(iter(outs.values()))
+    same = all(torch.equal(first, o) for o in outs.values())
+    print(f"identical tokens in every run: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The static-table KV offload path on the device.
+
+What it is: the GPU encoder (``rans.cuda.encode``) writes the CPU encoder's frames byte
+for byte (contexts, raw chunks, short last chunks) and a layer coded on the device is the
+host's one-table layer; a layer coded with static tables (``predictive.static_kv``)
+decodes on the GPU in one launch of the weight decoder's kernel to exactly its keys and
+values (classed and one-table exponents, keys and values of different shapes); a damaged
+payload raises ``CorruptDataError`` at the check; ``generate`` through
+``transformers.Cache( offloading=True)`` of static-coded ``PredictiveOffloadedLayer``s
+gives the tokens and logits of a ``DynamicCache``; gpu/kv_offload_bench.py's smoke run
+finds identical tokens.
+What it is not: the benchmark's numbers (run gpu/kv_offload_bench.py with its defaults).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+transformers = pytest.importorskip("transformers")
+
+import kv_hook_check as kh  # noqa: E402 - needs transformers
+import kv_offload_bench  # noqa: E402
+
+from entropykit import CorruptDataError  # noqa: E402
+from entropykit.predictive import static_kv  # noqa: E402
+from entropykit.predictive.hook import KVOffloadCodec, PredictiveOffloadedLayer  # noqa: E402
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    t = t.contiguous().cpu()
+    if t.element_size() == 1:
+        return t.view(torch.uint8).numpy()
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("scale", [1.0, "channels"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_gpu_layer_decodes_exactly(scale, dtype):
+    gen = torch.Generator().manual_seed(2)
+    s = torch.logspace(-3, 2, 64) if scale == "channels" else 1.0
+    k = (torch.randn(2, 4, 3000, 64, generator=gen) * s).to(dtype)
+    v = torch.randn(2, 2, 3000, 32, generator=gen).to(dtype)
+    name = str(dtype).removeprefix("torch.")
+    layer = static_kv.encode(_bits(k), _bits(v), 1 << 12, dtype=name)
+    if dtype == torch.bfloat16:
+        assert layer.classes[0] == (scale == "channels")
+    g = static_kv.GpuLayer(layer)
+    assert g.payload.is_pinned()
+    keys, values, check = g.start(kh.DEV)
+    check()
+    assert keys.dtype == values.dtype == dtype
+    assert np.array_equal(_bits(keys), _bits(k)) and np.array_equal(_bits(values), _bits(v))
+    on_device = static_kv.encode_on_device(k.to(kh.DEV), v.to(kh.DEV), 1 << 12)
+    assert on_device == static_kv.encode(_bits(k), _bits(v), 1 << 12, classes=False,
+                                         dtype=name)
+
+
+@pytest.mark.parametrize("n, chunk, with_context", [(1 << 20, 1 << 14, False),
+                                                    (300_017, 1 << 12, True),
+                                                    (5000, 1024, True)])
+def test_gpu_encoder_writes_the_cpu_frame(n, chunk, with_context):
+    from entropykit.rans import static as rans_static
+    from entropykit.rans.cuda import encode as gpu_encode
+
+    rng = np.random.default_rng(n)
+    sym = np.minimum(rng.geometric(0.2, n) - 1, 255).astype(np.uint8)
+    sym[: n // 10] = rng.integers(0, 256, n // 10)  # uniform bytes: the first chunks raw
+    ctx = None
+    if with_context:
+        ctx = rng.integers(0, 6, n).astype(np.uint8)
+        sym = (sym + 40 * ctx).astype(np.uint8)
+    want = rans_static.encode(sym, chunk_size=chunk, context=ctx)
+    got = gpu_encode.encode(torch.from_numpy(sym).to(kh.DEV), chunk_size=chunk,
+                            context=None if ctx is None else torch.from_numpy(ctx).to(kh.DEV))
+    assert got == want
+
+
+def test_layer_coded_on_the_device_is_the_hosts():
+    gen = torch.Generator().manual_seed(5)
+    k = (torch.randn(2, 4, 2000, 64, generator=gen) * torch.logspace(-2, 1, 64)).bfloat16()
+    v = torch.randn(2, 4, 2000, 64, generator=gen).bfloat16()
+    want = static_kv.encode(_bits(k), _bits(v), classes=False)
+    got = static_kv.encode_on_device(k.to(kh.DEV), v.to(kh.DEV))
+    assert got == want
+
+
+def test_gpu_layer_damaged_payload_raises_at_check():
+    k = torch.randn(1, 2, 4096, 64, generator=torch.Generator().manual_seed(3))
+    g = static_kv.GpuLayer(static_kv.encode(_bits(k.bfloat16()), _bits(k.bfloat16()), 1 << 12))
+    from entropykit.rans.cuda import _layout as lay
+
+    d = g.batch.desc
+    row = np.flatnonzero((d[:, lay.D_MODE] == 0) & (d[:, lay.D_N] > 0))[0]  # a coded chunk
+    g.payload[int(d[row, lay.D_OFF]) + 130] ^= 0x10  # its first word after the states
+    *_, check = g.start(kh.DEV)
+    with pytest.raises(CorruptDataError, match="chunk"):
+        check()
+
+
+def test_generate_through_static_offloading_is_unchanged():
+    model = kh.tiny_model()
+    prompt = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(4))
+    prompt = prompt.to(kh.DEV)
+    layers = model.config.num_hidden_layers
+
+    def generate(cache):
+        return model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, past_key_values=cache)
+
+    ref = generate(transformers.DynamicCache())
+    codec = KVOffloadCodec(coder="gpu")
+    codec.set_prompt(prompt)
+    cache = transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i)
+                                       for i in range(layers)], offloading=True)
+    out = generate(cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits, strict=True))
+    assert all(isinstance(layer._frame, static_kv.GpuLayer) for layer in cache.layers)
+
+
+def test_offload_bench_smoke_run_is_identical():
+    assert kv_offload_bench.main(["--layers", "2", "--prompt", "1024", "--batch", "1",
+                                  "--new-tokens", "4", "--reps", "1"]) == 0
