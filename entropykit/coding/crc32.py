@@ -169,3 +169,33 @@ def crc32(data: np.ndarray | bytes | memoryview, value: int = 0) -> int:
         a = a.view()
         a.flags.writeable = False
     return int(_crc(a, value & 0xFFFFFFFF, _TABLE))
+
+
+@njit(nogil=True, cache=True)
+def _check_chunks(a, size, crcs, codes, fail, table):
+    # One call for a group of chunks: the per-chunk Python of ``crc32`` held the GIL.
+    for j in range(codes.size):
+        if codes[j] == 0:
+            lo = j * size
+            if _crc(a[lo : min(a.size, lo + size)], 0, table) != crcs[j]:
+                codes[j] = fail
+        if codes[j] != 0:
+            return j
+    return -1
+
+
+def check_chunks(data: np.ndarray, size: int, crcs: np.ndarray, codes: np.ndarray,
+                 fail: int) -> int:
+    """Check consecutive ``size``-byte chunks of ``data`` (1-D contiguous uint8; the last
+    chunk may be shorter) against ``crcs`` (uint32, one per chunk): in chunk order, a
+    chunk whose ``codes`` entry (int64) is 0 gets ``fail`` there where its CRC-32
+    differs; returns the first chunk whose code is then not 0, or -1. Chunks after that
+    one are not checked."""
+    if ACCELERATED:
+        return int(_check_chunks(data, size, crcs, codes, fail, _TABLE))
+    for j in range(codes.size):
+        if codes[j] == 0 and zlib.crc32(data[j * size : (j + 1) * size]) != crcs[j]:
+            codes[j] = fail
+        if codes[j] != 0:
+            return j
+    return -1

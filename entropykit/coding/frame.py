@@ -50,7 +50,7 @@ from numba import njit
 from .._errors import CorruptDataError
 from .._status import ERR_CRC, ERR_RAW, MESSAGES, OK, Status
 from . import contexts, table_section, tables
-from .crc32 import crc32
+from .crc32 import check_chunks, crc32
 from .parallel import default_threads, run
 
 VERSION = 1
@@ -263,32 +263,35 @@ def decode_payloads(
     """
     n, n_chunks, cs = out.size, len(d.lengths), chunk_size
     # Python ints, read once: the per-chunk bookkeeping stays small beside a chunk's decode.
-    offsets, lengths, modes, crcs = (a.tolist() for a in (d.offsets, d.lengths, d.modes,
-                                                          d.crcs))
+    offsets, lengths = d.offsets.tolist(), d.lengths.tolist()
+    raw = set(np.flatnonzero(d.modes == MODE_RAW).tolist())  # mostly none
+    crcs = np.array(d.crcs, np.uint32)  # aligned, native: one kernel type
+    data = out.reshape(-1).view(np.uint8)
+    cs_bytes = cs * out.itemsize
 
     def task(g: int) -> tuple[int, int] | None:
         first, last = g * group, min(n_chunks, (g + 1) * group)
-        codes = [OK] * (last - first)
-        coded = []
-        for i in range(first, last):
-            if modes[i] != MODE_RAW:
-                coded.append(i)
-                continue
-            dst = out[i * cs : (i + 1) * cs].view(np.uint8)
-            if lengths[i] != dst.size:
-                codes[i - first] = ERR_RAW
-            else:
-                dst[:] = buf[offsets[i] : offsets[i] + lengths[i]]
+        codes = np.zeros(last - first, np.int64)  # OK
+        coded = list(range(first, last))
+        if raw:
+            coded = [i for i in coded if i not in raw]
+            for i in range(first, last):
+                if i in raw:
+                    dst = out[i * cs : (i + 1) * cs].view(np.uint8)
+                    if lengths[i] != dst.size:
+                        codes[i - first] = ERR_RAW
+                    else:
+                        dst[:] = buf[offsets[i] : offsets[i] + lengths[i]]
         if coded:
             found = decode_coded(coded, first * cs, min(n, last * cs))
-            for i, code in zip(coded, found, strict=True):
-                codes[i - first] = code
-        for i in range(first, last):
-            if codes[i - first] == OK and crc32(out[i * cs : (i + 1) * cs]) != crcs[i]:
-                codes[i - first] = ERR_CRC
-            if codes[i - first] != OK:
-                return i, codes[i - first]
-        return None
+            if raw:
+                codes[np.array(coded, np.int64) - first] = found
+            else:
+                codes[:] = found
+        # Every chunk's CRC in one call, while the group is in cache.
+        bad = check_chunks(data[first * cs_bytes : min(n, last * cs) * out.itemsize],
+                           cs_bytes, crcs[first:last], codes, ERR_CRC)
+        return None if bad < 0 else (first + bad, int(codes[bad]))
 
     for failed in run(task, -(-n_chunks // group), threads):
         if failed is not None:
