@@ -44,6 +44,7 @@ class Tally:
     def __init__(self, is_free: Callable[[str], bool]) -> None:
         self.is_free = is_free
         self.own: dict[str, float] = {}
+        self.count: dict[str, int] = {}
         self.free = 0.0
         self.calls = 0
         self.releases = 0
@@ -59,6 +60,7 @@ class Tally:
         elapsed = max(0.0, now - start)
         own = max(0.0, elapsed - inner)
         self.own[key] = self.own.get(key, 0.0) + own
+        self.count[key] = self.count.get(key, 0) + 1
         if self.is_free(key):
             self.free += own
             self.releases += 1

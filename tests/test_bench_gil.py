@@ -35,6 +35,7 @@ def test_tally_own_times_of_nested_calls():
     t.leave(9.0)  # FREE: 4 - 1
     t.leave(10.0)  # a: 10 - 3 - 4
     assert t.own == {"a": 3.0, "~write": 3.0, gil.FREE: 3.0, "b": 1.0}
+    assert t.count == {"a": 1, "~write": 1, gil.FREE: 1, "b": 1}
     assert t.free == 6.0
     assert t.free_except(gil.FREE) == 3.0
     assert (t.calls, t.releases) == (2, 2)

@@ -39,6 +39,7 @@ exponents when decoding sign+mantissa).
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -264,7 +265,7 @@ def decode_payloads(
     n, n_chunks, cs = out.size, len(d.lengths), chunk_size
     # Python ints, read once: the per-chunk bookkeeping stays small beside a chunk's decode.
     offsets, lengths = d.offsets.tolist(), d.lengths.tolist()
-    raw = set(np.flatnonzero(d.modes == MODE_RAW).tolist())  # mostly none
+    raw = {i for i, m in enumerate(d.modes.tobytes()) if m == MODE_RAW}  # mostly none
     crcs = np.array(d.crcs, np.uint32)  # aligned, native: one kernel type
     data = out.reshape(-1).view(np.uint8)
     cs_bytes = cs * out.itemsize
@@ -370,6 +371,7 @@ class FrameInfo:
     end: int
 
 
+@functools.cache  # coders are module singletons: one Kind each, not one per frame
 def _kind(coder: ChunkCoder) -> Kind:
     return Kind(coder.name, coder.magic, coder.lanes, coder.check_param)
 
@@ -526,17 +528,21 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
                                info.param)
     cs = info.chunk_size
 
+    los = np.arange(len(info.lengths), dtype=np.int64) * cs  # each chunk's first symbol
+    his = np.minimum(los + cs, info.n)
+
     def coded(chunks: list[int], lo0: int, hi0: int) -> list[int]:
         # The group's coded chunks together: their dependency chains overlap.
-        idx = np.array(chunks, np.int64)
-        lo = idx * cs - lo0
+        a, b = chunks[0], chunks[-1] + 1
+        idx: slice | np.ndarray = (slice(a, b) if b - a == len(chunks)  # mostly: views
+                                   else np.array(chunks, np.int64))
         part = None  # the group's contexts: the kernel checks their count
         if ctx is not None:
             part = _as_symbols(ctx(lo0, hi0)) if callable(ctx) else ctx[lo0:hi0]
         return coder.decode_status(buf, info.offsets[idx], info.lengths[idx], tabs,
                                    info.param, out[lo0:hi0], part,
-                                   None if mapped else info.cmap, lo,
-                                   np.minimum(lo + cs, hi0 - lo0))
+                                   None if mapped else info.cmap, los[idx] - lo0,
+                                   his[idx] - lo0)
 
     d = Directory(info.lengths, info.crcs, info.modes, info.offsets)
     decode_payloads(_kind(coder), buf, d, cs, out, coded, DECODE_GROUP, threads)
