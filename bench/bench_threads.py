@@ -27,6 +27,7 @@ What it is not: a peer comparison (``bench_weights.py``) or a GPU benchmark.
     python bench/bench_threads.py                 # both files, 1..16 threads
     python bench/bench_threads.py --minilm F --cpu --gil   # and what bounds the scaling
     python bench/bench_threads.py --threads 1,2 --no-llm
+    python bench/bench_threads.py --no-minilm --cpu --gil   # the LLM-shaped file alone
 """
 
 from __future__ import annotations
@@ -392,6 +393,7 @@ def main() -> int:
     ap.add_argument("--llm-reps", type=int, default=1, help="timed runs per cell, LLM file")
     ap.add_argument("--llm-layers", type=int, default=3, help="blocks of the LLM file")
     ap.add_argument("--no-llm", action="store_true", help="MiniLM only")
+    ap.add_argument("--no-minilm", action="store_true", help="the LLM-shaped file only")
     ap.add_argument("--minilm", help="a BF16 MiniLM safetensors file to use")
     ap.add_argument("--units", action="store_true", help="also the work units of each "
                     "operation (count, largest one's share of the CPU time)")
@@ -418,7 +420,7 @@ def main() -> int:
           f"entropykit {entropykit.__version__}, Python {platform.python_version()}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load before "
           f"{os.getloadavg()[0]:.2f}; switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
-    files = [("MiniLM-L6 BF16", minilm_path(args.minilm), args.reps)]
+    files = [] if args.no_minilm else [("MiniLM-L6 BF16", minilm_path(args.minilm), args.reps)]
     if not args.no_llm:
         files.append((f"synthetic LLM-shaped BF16 ({args.llm_layers} Llama-8B-shaped blocks, "
                       "random weights)", llm_path(args.llm_layers), args.llm_reps))
