@@ -335,6 +335,27 @@ def parse_into(buf: np.ndarray, offset: int, end: int, precision: int,
     return at
 
 
+@njit(nogil=True, cache=True)
+def _parse_rows(buf: np.ndarray, offset: int, end: int, precision: int,
+                freqs: np.ndarray) -> tuple[int, int, int, int]:
+    # ``_parse`` of each row of ``freqs`` in turn, one call for a frame's tables.
+    for t in range(freqs.shape[0]):
+        code, offset, a, b = _parse(buf, offset, end, precision, freqs[t])
+        if code != _OK:
+            return code, offset, a, b
+    return _OK, offset, 0, 0
+
+
+def parse_rows_into(buf: np.ndarray, offset: int, end: int, precision: int,
+                    freqs: np.ndarray) -> int:
+    """``parse_into`` of ``freqs.shape[0]`` tables serialized back to back from
+    ``offset`` into the rows of ``freqs`` (int64[n, 256]); the end offset of the last."""
+    code, at, a, b = _parse_rows(buf, offset, min(end, buf.size), precision, freqs)
+    if code != _OK:
+        raise CorruptDataError(_parse_error(code, at, a, b))
+    return at
+
+
 def parse(buf: bytes | memoryview | np.ndarray, offset: int,
           precision: int) -> tuple[np.ndarray, int]:
     """Read a serialized table at ``offset``; return ``(freqs int64[256], end offset)``.

@@ -117,9 +117,10 @@ def _check_tables(f: np.ndarray, precision: int) -> None:
                          f"2**{precision} (precision 8..15)")
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _rows_sum_to(f, total):
-    # One call where numpy took four (a few microseconds each, with the GIL held).
+    # One call where numpy took four. It keeps the GIL: a check this small costs less than
+    # letting the GIL go and waiting for it again while other threads hold it.
     for k in range(f.shape[0]):
         row = 0
         for s in range(f.shape[1]):
