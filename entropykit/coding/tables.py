@@ -197,7 +197,7 @@ def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
 _SERIAL_MAX = 1 + _LIST_MAX + 3 * ALPHABET  # count, bitmap (32 bytes) or list, 3-byte varints
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # keeps the GIL, as _entropy_bits_held: one table is a few hundred bytes
 def _serialize(freqs: np.ndarray, out: np.ndarray) -> int:
     # Frequencies are < 2**21 (precision <= 15), so every varint fits in 3 bytes and the
     # whole table in _SERIAL_MAX bytes.
@@ -374,4 +374,15 @@ def entropy_bits(counts: np.ndarray) -> float:
     Computed with the machine-independent logarithm, so choices made on it (codec, context
     classes) are the same everywhere.
     """
-    return entropy_bits_exact(np.ascontiguousarray(counts, dtype=np.int64).reshape(-1))
+    c = np.ascontiguousarray(counts, dtype=np.int64).reshape(-1)
+    return float((_entropy_bits_held if c.size <= _HELD_MAX else entropy_bits_exact)(c))
+
+
+# Counts up to this many are summed with the GIL held: a few microseconds of work cost less
+# than letting the GIL go and waiting for it again while other threads hold it.
+_HELD_MAX = 4 * ALPHABET
+
+
+@njit(cache=True)
+def _entropy_bits_held(counts: np.ndarray) -> float:
+    return entropy_bits_exact(counts)
