@@ -197,7 +197,7 @@ def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
 _SERIAL_MAX = 1 + _LIST_MAX + 3 * ALPHABET  # count, bitmap (32 bytes) or list, 3-byte varints
 
 
-@njit(cache=True)  # keeps the GIL, as _entropy_bits_held: one table is a few hundred bytes
+@njit(cache=True)  # keeps the GIL: a microsecond or two costs less than a hand-off of it
 def _serialize(freqs: np.ndarray, out: np.ndarray) -> int:
     # Frequencies are < 2**21 (precision <= 15), so every varint fits in 3 bytes and the
     # whole table in _SERIAL_MAX bytes.
@@ -335,11 +335,10 @@ def parse_into(buf: np.ndarray, offset: int, end: int, precision: int,
     return at
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def _parse_rows(buf: np.ndarray, offset: int, end: int, precision: int,
                 freqs: np.ndarray) -> tuple[int, int, int, int]:
-    # ``_parse`` of each row of ``freqs`` in turn, one call for a frame's tables. It keeps
-    # the GIL: a few hundred bytes cost less than a hand-off of the GIL under contention.
+    # ``_parse`` of each row of ``freqs`` in turn, one call for a frame's tables.
     for t in range(freqs.shape[0]):
         code, offset, a, b = _parse(buf, offset, end, precision, freqs[t])
         if code != _OK:
@@ -374,15 +373,4 @@ def entropy_bits(counts: np.ndarray) -> float:
     Computed with the machine-independent logarithm, so choices made on it (codec, context
     classes) are the same everywhere.
     """
-    c = np.ascontiguousarray(counts, dtype=np.int64).reshape(-1)
-    return float((_entropy_bits_held if c.size <= _HELD_MAX else entropy_bits_exact)(c))
-
-
-# Counts up to this many are summed with the GIL held: a few microseconds of work cost less
-# than letting the GIL go and waiting for it again while other threads hold it.
-_HELD_MAX = 4 * ALPHABET
-
-
-@njit(cache=True)
-def _entropy_bits_held(counts: np.ndarray) -> float:
-    return entropy_bits_exact(counts)
+    return entropy_bits_exact(np.ascontiguousarray(counts, dtype=np.int64).reshape(-1))
