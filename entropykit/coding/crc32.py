@@ -2,7 +2,8 @@
 
 What it is: ``crc32(data, value=0)``, equal to ``zlib.crc32(data, value)`` for every input,
 computed by carry-less multiplication (x86 PCLMULQDQ, through an LLVM intrinsic) where the
-CPU has it, and by zlib otherwise. The frame checks a CRC-32 of every decoded chunk, so the
+CPU has it, and by zlib otherwise; and ``check_chunks``, the check of a run of chunks
+against their CRCs in one call. The frame checks a CRC-32 of every decoded chunk, so the
 checksum runs over every byte a file decodes to and its speed is part of decoding's.
 What it is not: another checksum; the values are zlib's, bit for bit.
 
