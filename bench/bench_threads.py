@@ -27,6 +27,7 @@ What it is not: a peer comparison (``bench_weights.py``) or a GPU benchmark.
     python bench/bench_threads.py                 # both files, 1..16 threads
     python bench/bench_threads.py --minilm F --cpu --gil   # and what bounds the scaling
     python bench/bench_threads.py --threads 1,2 --no-llm
+    python bench/bench_threads.py --no-minilm --cpu --gil   # the LLM-shaped file alone
 """
 
 from __future__ import annotations
@@ -262,45 +263,38 @@ def units(path: Path, threads: int, tmp: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Calls that release the GIL beside the Numba kernels compiled with nogil: reads, writes,
-# renames and syncs, zstd, zlib (cProfile names built-ins by these words).
-_GIL_FREE_BUILTINS = ("preadv", "pread", "readinto", "write", "replace", "fsync",
-                      "fdatasync", "truncate", "compress", "decompress", "crc32")
+def _segments(path: Path) -> int:
+    """How many segments the compressed file ``path`` codes (the record's lists)."""
+    from entropykit.container.reader import Compressed
+
+    c = Compressed(np.fromfile(path, np.uint8))
+    return sum(len(t.codecs) for t in c.record.tensors.values())
 
 
 def gil(path: Path, tmp: Path, reps: int) -> str:
     """The GIL-held share of each operation on one thread: its CPU time on the calling
     thread (``time.thread_time``, least of ``reps`` runs) less the least time that
-    cProfile finds in calls that release the GIL (nogil Numba kernels, reads, writes,
-    zstd, zlib) over ``reps`` profiled runs (so the profiler's own cost is not counted as
-    held). That
-    share runs one thread at a time whatever the count, so Amdahl's law bounds the
-    speed-up: at most 1 / share, and at 16 threads 1 / (share + (1 - share) / 16). Also
-    how many times the GIL is let go and taken back (calls of those functions: each is a
-    hand-off when threads contend for it), the Python-level calls made with it held (a
-    count, so it compares trees on a loaded machine where times do not), the functions
-    holding it longest (own time
-    under the profiler; numpy calls that release the GIL count as held: an upper bound),
-    and the CPU time of the calling thread on two threads, where it runs no work unit:
-    opening, planning, handing out units, taking results in order, writing the record —
-    the part that stays serial at any thread count."""
-    import cProfile
-    import importlib
-    import pstats
+    ``gil.GilProfile`` finds in calls that release the GIL (nogil Numba kernels, reads,
+    writes, zstd, zlib) over ``reps`` profiled runs (so the profiler's own cost is not
+    counted as held). That share runs one thread at a time whatever the count, so
+    Amdahl's law bounds the speed-up: at most 1 / share, and at 16 threads
+    1 / (share + (1 - share) / 16). Also how many times the GIL is let go and taken back
+    (calls of those functions: each is a hand-off when threads contend for it), the
+    Python-level calls made with it held (a count, so it compares trees on a loaded
+    machine where times do not), both per segment, the functions holding it longest (own
+    time under the profiler; numpy calls that release the GIL count as held: an upper
+    bound), and the CPU time of the calling thread on two threads, where it runs no work
+    unit: opening, planning, handing out units, taking results in order, writing the
+    record — the part that stays serial at any thread count."""
+    import gil as gil_profile
 
-    from numba.core.registry import CPUDispatcher
-
-    def is_free(file: str, name: str) -> bool:
-        if file == "~":
-            return any(w in name for w in _GIL_FREE_BUILTINS)
-        if "/entropykit/" in file and file.endswith(".py"):
-            module = "entropykit." + file.split("/entropykit/", 1)[1][:-3].replace("/", ".")
-            fn = getattr(importlib.import_module(module), name, None)
-            return isinstance(fn, CPUDispatcher) and bool(fn.targetoptions.get("nogil"))
-        return False
+    def modules() -> list:
+        return [m for k, m in sorted(sys.modules.items())
+                if (k == "entropykit" or k.startswith("entropykit.")) and m is not None]
 
     ref = tmp / "g.ek"
     entropykit.compress_file(path, ref, threads=1, force=True)
+    segments = _segments(ref)
     ops = [("compress", lambda n=1: entropykit.compress_file(path, tmp / "g2.ek", threads=n,
                                                            force=True)),
            ("decompress", lambda n=1: entropykit.decompress_file(ref, tmp / "g.st", threads=n,
@@ -311,48 +305,41 @@ def gil(path: Path, tmp: Path, reps: int) -> str:
         ops.append(("load_file", lambda n=1: entropykit.load_file(ref, threads=n)))
     except ImportError:
         pass
-    lines = ["| operation, 1 thread | CPU ms | GIL-free ms | GIL-held ms | GIL-held share | "
-             "bound | bound at 16 | GIL releases | Python calls | calling thread on 2 "
-             "threads, ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"{segments} segments; per segment: GIL-held ms, GIL releases, Python calls\n",
+             "| operation, 1 thread | CPU ms | GIL-free ms | GIL-held ms | GIL-held share | "
+             "bound | bound at 16 | GIL releases | Python calls | held ms / seg | "
+             "releases / seg | calls / seg | calling thread on 2 threads, ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "---: | ---: |"]
     top = []
     try:
         for name, op in ops:
             op()  # warm
-            cpus, frees = [], []
+            runs, tallies = [], []
             for _ in range(reps):  # the least: the run least disturbed by other processes
-                t0 = time.thread_time()
-                op()
-                cpus.append(time.thread_time() - t0)
-            for _ in range(reps):
-                prof = cProfile.Profile(time.thread_time)
-                prof.runcall(op)
-                free = releases = calls = 0
-                held_by: dict[str, float] = {}
-                for (file, line, fn), (_, ncalls, own, _, _) in pstats.Stats(prof).stats.items():
-                    if is_free(file, fn):
-                        free += own
-                        releases += ncalls
-                    else:
-                        calls += ncalls
-                        where = f"{Path(file).name}:{line}({fn})" if file != "~" else fn
-                        held_by[where] = own
-                frees.append((free, releases, calls, held_by))
+                prof = gil_profile.GilProfile(modules())
+                runs.append(prof.kernels(op))
+                tallies.append(prof.profile(op))
             serial = []  # on more threads the calling thread runs no item: what it does
             for _ in range(reps):  # (open, plan, feed, write, the record): the serial part
                 t0 = time.thread_time()
                 op(2)
                 serial.append(time.thread_time() - t0)
-            cpu = min(cpus)
-            free, releases, calls, held_by = min(frees, key=lambda r: r[0])
-            held = min(max(0.0, cpu - free), cpu)
+            # Held: the run's CPU time less its time in the kernels (same run, no profile
+            # function), less the free built-ins' time (profiled: few, long calls).
+            cpu, inside = min(runs, key=lambda r: r[0] - r[1])
+            t = min(tallies, key=lambda r: r.free_except(gil_profile.FREE))
+            held = min(max(0.0, cpu - inside - t.free_except(gil_profile.FREE)), cpu)
+            free, releases, calls, held_by = cpu - held, t.releases, t.calls, t.held()
             share = held / max(cpu, 1e-9)
             lines.append(f"| {name} | {cpu * 1e3:.1f} | {free * 1e3:.1f} | {held * 1e3:.1f} | "
                          f"{share:.0%} | {1 / max(share, 1e-9):.1f}x | "
                          f"{1 / (share + (1 - share) / 16):.1f}x | {releases:,} | {calls:,} | "
-                         f"{min(serial) * 1e3:.1f} |")
+                         f"{held * 1e3 / segments:.3f} | {releases / segments:.1f} | "
+                         f"{calls / segments:.0f} | {min(serial) * 1e3:.1f} |")
             longest = sorted(held_by.items(), key=lambda kv: -kv[1])[:6]
-            top.append(f"- {name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in longest))
+            top.append(f"- {name}: " + ", ".join(f"{k.lstrip('~')} {v * 1e3:.1f} ms"
+                                                for k, v in longest))
     finally:
         for f in ("g.ek", "g2.ek", "g.st"):
             _drop(tmp / f)
@@ -406,6 +393,7 @@ def main() -> int:
     ap.add_argument("--llm-reps", type=int, default=1, help="timed runs per cell, LLM file")
     ap.add_argument("--llm-layers", type=int, default=3, help="blocks of the LLM file")
     ap.add_argument("--no-llm", action="store_true", help="MiniLM only")
+    ap.add_argument("--no-minilm", action="store_true", help="the LLM-shaped file only")
     ap.add_argument("--minilm", help="a BF16 MiniLM safetensors file to use")
     ap.add_argument("--units", action="store_true", help="also the work units of each "
                     "operation (count, largest one's share of the CPU time)")
@@ -432,7 +420,7 @@ def main() -> int:
           f"entropykit {entropykit.__version__}, Python {platform.python_version()}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load before "
           f"{os.getloadavg()[0]:.2f}; switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
-    files = [("MiniLM-L6 BF16", minilm_path(args.minilm), args.reps)]
+    files = [] if args.no_minilm else [("MiniLM-L6 BF16", minilm_path(args.minilm), args.reps)]
     if not args.no_llm:
         files.append((f"synthetic LLM-shaped BF16 ({args.llm_layers} Llama-8B-shaped blocks, "
                       "random weights)", llm_path(args.llm_layers), args.llm_reps))

@@ -60,3 +60,30 @@ def test_non_contiguous_input_is_refused_like_zlib() -> None:
 def test_property_equals_zlib(data: bytes, value: int, offset: int) -> None:
     buf = np.frombuffer(b"\x00" * offset + data, np.uint8)[offset:]
     assert crc32(buf, value) == zlib.crc32(data, value)
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+@pytest.mark.parametrize("n,size", [(4 * 4096 + 77, 4096), (3000, 1024), (100, 1024)])
+def test_check_chunks_finds_the_first_failing_chunk(monkeypatch: pytest.MonkeyPatch,
+                                                    accelerated: bool, n: int,
+                                                    size: int) -> None:
+    from entropykit.coding import crc32 as mod
+
+    if accelerated and not mod.ACCELERATED:
+        pytest.skip("no PCLMULQDQ here")
+    monkeypatch.setattr(mod, "ACCELERATED", accelerated)
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    k = -(-n // size)
+    crcs = np.array([zlib.crc32(data[j * size : (j + 1) * size]) for j in range(k)], np.uint32)
+    codes = np.zeros(k, np.int64)
+    assert mod.check_chunks(data, size, crcs, codes, 9) == -1
+    assert not codes.any()
+    bad = crcs.copy()
+    bad[k - 1] ^= 1  # the last (short) chunk
+    assert mod.check_chunks(data, size, bad, codes, 9) == k - 1
+    assert codes.tolist() == [0] * (k - 1) + [9]
+    if k > 1:  # an earlier chunk's own code stops the check there
+        codes = np.zeros(k, np.int64)
+        codes[0] = 3
+        assert mod.check_chunks(data, size, bad, codes, 9) == 0
+        assert codes.tolist() == [3] + [0] * (k - 1)

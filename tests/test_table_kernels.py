@@ -101,3 +101,25 @@ def test_rans_tables_refuse_bad_frequencies(build):
                              (good, 11)):
         with pytest.raises(ValueError, match="summing to"):
             build(freqs, precision)
+
+
+def test_rans_tables_whose_counts_wrap_int64_are_refused() -> None:
+    # Rows whose int64 sum wraps round to 2**precision: a numpy sum took them for valid
+    # and the table builder wrote past its table. In a child process: a crash is a failure.
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "from entropykit.rans import kernels\n"
+            "f = np.zeros(256, np.int64)\n"
+            "f[:4] = 1 << 62\n"
+            "f[4] = 1 << 12\n"
+            "for build in (kernels.decode_table, kernels.encode_tables):\n"
+            "    try:\n"
+            "        build(f, 12)\n"
+            "    except ValueError:\n"
+            "        print('refused')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["refused", "refused"]

@@ -2,7 +2,8 @@
 
 What it is: ``crc32(data, value=0)``, equal to ``zlib.crc32(data, value)`` for every input,
 computed by carry-less multiplication (x86 PCLMULQDQ, through an LLVM intrinsic) where the
-CPU has it, and by zlib otherwise. The frame checks a CRC-32 of every decoded chunk, so the
+CPU has it, and by zlib otherwise; and ``check_chunks``, the check of a run of chunks
+against their CRCs in one call. The frame checks a CRC-32 of every decoded chunk, so the
 checksum runs over every byte a file decodes to and its speed is part of decoding's.
 What it is not: another checksum; the values are zlib's, bit for bit.
 
@@ -194,3 +195,33 @@ def crc32_ranges(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
     out = np.empty(starts.size, np.uint64)
     _crc_ranges(a, starts, lengths, values.astype(np.uint64), _TABLE, out)
     return out.astype(np.uint32)
+
+
+@njit(nogil=True, cache=True)
+def _check_chunks(a, size, crcs, codes, fail, table):
+    # One call for a group of chunks: the per-chunk Python of ``crc32`` held the GIL.
+    for j in range(codes.size):
+        if codes[j] == 0:
+            lo = j * size
+            if _crc(a[lo : min(a.size, lo + size)], 0, table) != crcs[j]:
+                codes[j] = fail
+        if codes[j] != 0:
+            return j
+    return -1
+
+
+def check_chunks(data: np.ndarray, size: int, crcs: np.ndarray, codes: np.ndarray,
+                 fail: int) -> int:
+    """Check consecutive ``size``-byte chunks of ``data`` (1-D contiguous uint8; the last
+    chunk may be shorter) against ``crcs`` (uint32, one per chunk): in chunk order, a
+    chunk whose ``codes`` entry (int64) is 0 gets ``fail`` there where its CRC-32
+    differs; returns the first chunk whose code is then not 0, or -1. Chunks after that
+    one are not checked."""
+    if ACCELERATED:
+        return int(_check_chunks(data, size, crcs, codes, fail, _TABLE))
+    for j in range(codes.size):
+        if codes[j] == 0 and zlib.crc32(data[j * size : (j + 1) * size]) != crcs[j]:
+            codes[j] = fail
+        if codes[j] != 0:
+            return j
+    return -1

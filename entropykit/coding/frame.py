@@ -39,6 +39,7 @@ exponents when decoding sign+mantissa).
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from numba import njit
 from .._errors import CorruptDataError
 from .._status import ERR_CRC, ERR_RAW, MESSAGES, OK, Status
 from . import contexts, table_section, tables
-from .crc32 import crc32
+from .crc32 import check_chunks, crc32
 from .parallel import default_threads, run
 
 VERSION = 1
@@ -207,7 +208,7 @@ def read_directory(kind: Kind, buf: np.ndarray, off: int, n_chunks: int) -> Dire
     return Directory(lengths, crcs, modes, offsets)
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # keeps the GIL: 9 bytes a chunk cost less than a hand-off of the GIL
 def _directory(buf, off, lengths, offsets):
     """Read the chunk directory at ``buf[off:]`` (the caller checked that its 9 bytes per
     chunk are inside ``buf``): fill ``lengths`` and payload ``offsets``; return where the
@@ -263,32 +264,35 @@ def decode_payloads(
     """
     n, n_chunks, cs = out.size, len(d.lengths), chunk_size
     # Python ints, read once: the per-chunk bookkeeping stays small beside a chunk's decode.
-    offsets, lengths, modes, crcs = (a.tolist() for a in (d.offsets, d.lengths, d.modes,
-                                                          d.crcs))
+    offsets, lengths = d.offsets.tolist(), d.lengths.tolist()
+    raw = {i for i, m in enumerate(d.modes.tobytes()) if m == MODE_RAW}  # mostly none
+    crcs = np.array(d.crcs, np.uint32)  # aligned, native: one kernel type
+    data = out.reshape(-1).view(np.uint8)
+    cs_bytes = cs * out.itemsize
 
     def task(g: int) -> tuple[int, int] | None:
         first, last = g * group, min(n_chunks, (g + 1) * group)
-        codes = [OK] * (last - first)
-        coded = []
-        for i in range(first, last):
-            if modes[i] != MODE_RAW:
-                coded.append(i)
-                continue
-            dst = out[i * cs : (i + 1) * cs].view(np.uint8)
-            if lengths[i] != dst.size:
-                codes[i - first] = ERR_RAW
-            else:
-                dst[:] = buf[offsets[i] : offsets[i] + lengths[i]]
+        codes = np.zeros(last - first, np.int64)  # OK
+        coded = list(range(first, last))
+        if raw:
+            coded = [i for i in coded if i not in raw]
+            for i in range(first, last):
+                if i in raw:
+                    dst = out[i * cs : (i + 1) * cs].view(np.uint8)
+                    if lengths[i] != dst.size:
+                        codes[i - first] = ERR_RAW
+                    else:
+                        dst[:] = buf[offsets[i] : offsets[i] + lengths[i]]
         if coded:
             found = decode_coded(coded, first * cs, min(n, last * cs))
-            for i, code in zip(coded, found, strict=True):
-                codes[i - first] = code
-        for i in range(first, last):
-            if codes[i - first] == OK and crc32(out[i * cs : (i + 1) * cs]) != crcs[i]:
-                codes[i - first] = ERR_CRC
-            if codes[i - first] != OK:
-                return i, codes[i - first]
-        return None
+            if raw:
+                codes[np.array(coded, np.int64) - first] = found
+            else:
+                codes[:] = found
+        # Every chunk's CRC in one call, while the group is in cache.
+        bad = check_chunks(data[first * cs_bytes : min(n, last * cs) * out.itemsize],
+                           cs_bytes, crcs[first:last], codes, ERR_CRC)
+        return None if bad < 0 else (first + bad, int(codes[bad]))
 
     for failed in run(task, -(-n_chunks // group), threads):
         if failed is not None:
@@ -367,6 +371,7 @@ class FrameInfo:
     end: int
 
 
+@functools.cache  # coders are module singletons: one Kind each, not one per frame
 def _kind(coder: ChunkCoder) -> Kind:
     return Kind(coder.name, coder.magic, coder.lanes, coder.check_param)
 
@@ -523,17 +528,21 @@ def decode(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray,
                                info.param)
     cs = info.chunk_size
 
+    los = np.arange(len(info.lengths), dtype=np.int64) * cs  # each chunk's first symbol
+    his = np.minimum(los + cs, info.n)
+
     def coded(chunks: list[int], lo0: int, hi0: int) -> list[int]:
         # The group's coded chunks together: their dependency chains overlap.
-        idx = np.array(chunks, np.int64)
-        lo = idx * cs - lo0
+        a, b = chunks[0], chunks[-1] + 1
+        idx: slice | np.ndarray = (slice(a, b) if b - a == len(chunks)  # mostly: views
+                                   else np.array(chunks, np.int64))
         part = None  # the group's contexts: the kernel checks their count
         if ctx is not None:
             part = _as_symbols(ctx(lo0, hi0)) if callable(ctx) else ctx[lo0:hi0]
         return coder.decode_status(buf, info.offsets[idx], info.lengths[idx], tabs,
                                    info.param, out[lo0:hi0], part,
-                                   None if mapped else info.cmap, lo,
-                                   np.minimum(lo + cs, hi0 - lo0))
+                                   None if mapped else info.cmap, los[idx] - lo0,
+                                   his[idx] - lo0)
 
     d = Directory(info.lengths, info.crcs, info.modes, info.offsets)
     decode_payloads(_kind(coder), buf, d, cs, out, coded, DECODE_GROUP, threads)

@@ -41,7 +41,7 @@ def parse(name: str, buf: np.ndarray, off: int, end: int, param: int, flag: int
     ``CorruptDataError`` unless it is exactly one well-formed section."""
     if flag == 0:
         freqs = np.empty((1, 256), np.int64)
-        t_end = tables.parse_into(buf, off, end, param, freqs[0])
+        t_end = tables.parse_rows_into(buf, off, end, param, freqs)
         cmap = None
     else:
         if off + 257 > end:
@@ -55,8 +55,7 @@ def parse(name: str, buf: np.ndarray, off: int, end: int, param: int, flag: int
             )
         t_end = off + 257
         freqs = np.empty((n_tables, 256), np.int64)
-        for t in range(n_tables):
-            t_end = tables.parse_into(buf, t_end, end, param, freqs[t])
+        t_end = tables.parse_rows_into(buf, t_end, end, param, freqs)
     if t_end != end:
         raise CorruptDataError(f"{name} frame tables end at byte {t_end}, header says {end}")
     return freqs, cmap

@@ -197,7 +197,7 @@ def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
 _SERIAL_MAX = 1 + _LIST_MAX + 3 * ALPHABET  # count, bitmap (32 bytes) or list, 3-byte varints
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # keeps the GIL: a microsecond or two costs less than a hand-off of it
 def _serialize(freqs: np.ndarray, out: np.ndarray) -> int:
     # Frequencies are < 2**21 (precision <= 15), so every varint fits in 3 bytes and the
     # whole table in _SERIAL_MAX bytes.
@@ -330,6 +330,27 @@ def parse_into(buf: np.ndarray, offset: int, end: int, precision: int,
     frequency, or does not sum to ``2**precision``.
     """
     code, at, a, b = _parse(buf, offset, min(end, buf.size), precision, freqs)
+    if code != _OK:
+        raise CorruptDataError(_parse_error(code, at, a, b))
+    return at
+
+
+@njit(nogil=True, cache=True)
+def _parse_rows(buf: np.ndarray, offset: int, end: int, precision: int,
+                freqs: np.ndarray) -> tuple[int, int, int, int]:
+    # ``_parse`` of each row of ``freqs`` in turn, one call for a frame's tables.
+    for t in range(freqs.shape[0]):
+        code, offset, a, b = _parse(buf, offset, end, precision, freqs[t])
+        if code != _OK:
+            return code, offset, a, b
+    return _OK, offset, 0, 0
+
+
+def parse_rows_into(buf: np.ndarray, offset: int, end: int, precision: int,
+                    freqs: np.ndarray) -> int:
+    """``parse_into`` of ``freqs.shape[0]`` tables serialized back to back from
+    ``offset`` into the rows of ``freqs`` (int64[n, 256]); the end offset of the last."""
+    code, at, a, b = _parse_rows(buf, offset, min(end, buf.size), precision, freqs)
     if code != _OK:
         raise CorruptDataError(_parse_error(code, at, a, b))
     return at

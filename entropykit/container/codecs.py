@@ -409,11 +409,10 @@ def _sample_bits(symbols: np.ndarray) -> float:
     return tables.entropy_bits(tables.histogram(sample)) / sample.size
 
 
-def _entropy_estimate(counts: np.ndarray, bits: float, n: int) -> int:
-    """Bytes an entropy-coded frame of ``n`` symbols with these counts (order-0 entropy
-    ``bits``) is expected to take: the entropy, the table (estimated as in
-    coding/contexts.py) and the frame header and directory."""
-    present = int(np.count_nonzero(counts))
+def _entropy_estimate(present: int, bits: float, n: int) -> int:
+    """Bytes an entropy-coded frame of ``n`` symbols of ``present`` distinct values
+    (order-0 entropy ``bits``) is expected to take: the entropy, the table (estimated as
+    in coding/contexts.py) and the frame header and directory."""
     table = 1 + min(present, 32) + 2 * present
     chunks = -(-n // frame.DEFAULT_CHUNK)
     return int(bits / 8) + table + frame.HEADER_SIZE + 9 * chunks
@@ -476,9 +475,10 @@ def _analyse(symbols: np.ndarray, context: np.ndarray | None, p: Policy,
     elif counts is None:
         counts = tables.histogram(symbols)
     bits = tables.entropy_bits(counts)
-    estimate = _entropy_estimate(counts, bits, n)
+    present = int(np.count_nonzero(counts))
+    estimate = _entropy_estimate(present, bits, n)
     saving = p.min_saving if context is None else p.conditioned_min_saving
-    wide = int(np.count_nonzero(counts)) > _WIDE_SYMBOLS and bits < _WIDE_MAX_BITS * n
+    wide = present > _WIDE_SYMBOLS and bits < _WIDE_MAX_BITS * n
     return Field(symbols, context, p, grid, counts, joint, bits, estimate,
                  estimate <= (1 - saving) * (n + RAW_OVERHEAD), wide)
 
@@ -522,10 +522,12 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
         f.joint = contexts.joint_histogram(f.context, symbols)
     f.coder = _coder(f)
     bids: dict[str, Bid] = {}
+    rival = raw  # the smallest bid so far
     for name in p.candidates:
-        bid = CODECS[name].estimate(f, min([raw, *(b.size for b in bids.values())]))
+        bid = CODECS[name].estimate(f, rival)
         if bid is not None:
             bids[name] = bid
+            rival = min(rival, bid.size)
     codec = min(bids, key=lambda c: bids[c].size)  # the first of equal bids
     blob = bids[codec].make()
     if codec != "raw" and len(blob) >= raw:

@@ -101,7 +101,9 @@ def unpack(buf: Sliceable, count: int | None, bound: bool | None) -> Fields:
     size = buf.size
     if size < _HEAD.size:
         raise CorruptDataError(f"payload truncated: {size} bytes")
-    magic, k = _HEAD.unpack(buf[: _HEAD.size].tobytes())
+    # With the count known, the head and the index it should have come in one read.
+    head = buf[: min(size, _HEAD.size if count is None else index_size(count, bound is not False))]
+    magic, k = _HEAD.unpack(head[: _HEAD.size].tobytes())
     want = {True: (MAGIC,), False: (MAGIC_V1,), None: (MAGIC, MAGIC_V1)}[bound]
     if magic not in want:
         raise CorruptDataError(f"payload magic {magic!r}, expected "
@@ -112,7 +114,7 @@ def unpack(buf: Sliceable, count: int | None, bound: bool | None) -> Fields:
     start = index_size(k, is_bound)
     if size < start:
         raise CorruptDataError(f"payload index truncated: {size} bytes, index needs {start}")
-    idx = buf[_HEAD.size : start]
+    idx = head[_HEAD.size : start] if start <= head.size else buf[_HEAD.size : start]
     # Python ints: a hostile index must not wrap an int64 sum into a plausible total.
     lengths = idx[: 8 * k].view("<u8").tolist()
     if sum(lengths) != size - start:
