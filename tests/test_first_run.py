@@ -375,3 +375,41 @@ def test_crc32_compiles_once_for_bytes_and_arrays() -> None:
         assert crc32.crc32(data) == zlib.crc32(a.tobytes())
     assert a.flags.writeable  # the caller's array is left as it was
     assert len(crc32._crc.signatures) == 1
+
+
+_SPECIALIZATIONS = """
+import sys, numpy as np
+from numba.core.dispatcher import Dispatcher
+from entropykit import api, rans
+from entropykit.coding import crc32, frame
+from entropykit.rans import kernels
+src, out = sys.argv[1:3]
+for opts in ({}, {"fast": True}, {"target": "gpu"}):
+    api.compress_file(src, out, force=True, threads=1, **opts)
+    api.decompress_file(out, out + ".back", force=True, threads=1)
+    api.load_file(out, threads=1)
+x = np.random.default_rng(0).integers(0, 7, 1 << 15).astype(np.uint8)
+ctx = (x % 3).astype(np.uint8)
+for c in (None, ctx):
+    blob = rans.encode(x, context=c, threads=1)
+    for b in (blob, np.frombuffer(blob, np.uint8).copy()):  # read-only and writable
+        assert np.array_equal(rans.decode(b, context=c, threads=1), x)
+for m in (kernels, frame, crc32):
+    for k, v in sorted(vars(m).items()):
+        if isinstance(v, Dispatcher) and len(v.signatures) > 1:
+            print(m.__name__ + "." + k, *v.signatures, sep=" | ")
+"""
+
+
+def test_the_coders_kernels_compile_once_whatever_the_context_and_buffer(
+        tmp_path: Path) -> None:
+    # Each specialization is a compile of its own on a cold start: the rANS decoder was
+    # compiled for a context passed as None, as table indices and through a map (three),
+    # the encoder twice, the frame directory for read-only and writable buffers, the CRC's
+    # byte loop for a literal start and a variable one.
+    path = _weights(tmp_path)
+    r = subprocess.run([sys.executable, "-c", _SPECIALIZATIONS, str(path),
+                        str(tmp_path / "w.ek.safetensors")], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""
