@@ -303,8 +303,23 @@ def test_progress_rate_and_eta_start_at_the_first_report() -> None:
     s = io.StringIO()
     bar = Bar("compress d", stream=s, interval=0)
     assert "MB/s" not in bar.line(0, 100, 5.0)
-    bar._first = (10.0, 10_000_000)  # the first segment done at t=10 s (compilation before)
+    bar._first = (10.0, 10_000_000, 0.0)  # the first segment done at t=10 s (compiling before)
     line = bar.line(30_000_000, 110_000_000, 12.0)
+    assert "10 MB/s" in line and "ETA 0:08" in line
+
+
+def test_progress_rate_leaves_out_compiling_after_the_first_report(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from entropykit import _jit
+
+    s = io.StringIO()
+    bar = Bar("compress d", stream=s, interval=0)
+    bar(10_000_000, 110_000_000)
+    t0 = bar._first[0]
+    compiled = _jit.compile_seconds()
+    # A kernel compiled for 100 s meanwhile (a dtype met later): 2 s of work remain.
+    monkeypatch.setattr(_jit, "compile_seconds", lambda: compiled + 100.0)
+    line = bar.line(30_000_000, 110_000_000, t0 + 102.0)
     assert "10 MB/s" in line and "ETA 0:08" in line
 
 

@@ -8,6 +8,7 @@ decompress and load use, twice: cold, and through ``python -m entropykit.warmup`
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -346,6 +347,8 @@ def test_a_cache_built_for_other_versions_is_compiled_around_with_one_line(
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("entropykit: the shipped kernels in ")
     assert "numba 0.1.0" in lines[0] and f"numba {numba.__version__}" in lines[0]
+    llvm = json.loads(text)["versions"]["llvmlite"]
+    assert lines[0].endswith(f"`pip install numba==0.1.0 llvmlite=={llvm}` would use them")
     # No manifest (a cache of an older layout), or a damaged one: the same.
     for damaged, content in (("b", None), ("c", '{"versions": [1]}'), ("d", "{")):
         if content is None:
