@@ -125,7 +125,7 @@ def _asm_check(args: tuple) -> dict:
 
     from entropykit.rans import kernels
 
-    fresh = njit(nogil=True)(kernels._decode_chunks.py_func)
+    fresh = njit(nogil=True)(kernels.decode_chunks.py_func)
     fresh(*args)
     asm = "\n".join(fresh.inspect_asm().values())
     return {"zmm": len(re.findall(r"%zmm\d", asm)),
@@ -173,8 +173,8 @@ def _one(sym: np.ndarray, precision: int, reps: int, plain) -> dict:
         assert np.array_equal(got, sym)
     return {"bits": 8 * buf.size / n, "kernel": n / _best(kernel, reps) / 1e6,
             "plain": n / _best(loop, reps) / 1e6,
-            "args": (buf, starts[:g], lengths[:g], dec, precision, got,
-                     *kernels._context_args(None, None), lo[:g], hi[:g], errors)}
+            "args": (buf, starts[:g], lengths[:g], dec, precision, got, None, None, lo[:g],
+                     hi[:g], errors)}
 
 
 def measure(mib: float, precision: int, reps: int) -> dict:

@@ -21,7 +21,7 @@ from entropykit import rans
 from entropykit.rans import kernels
 x = np.random.default_rng(0).integers(0, 7, 5000).astype(np.uint8)
 assert np.array_equal(rans.decode(rans.encode(x)), x)
-s = kernels._decode_chunks.stats
+s = kernels.decode_chunks.stats
 print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))
 """
 

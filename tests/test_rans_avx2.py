@@ -86,7 +86,7 @@ try:
 except CorruptDataError:
     pass
 # Numba shows the assembly of a fresh build only: the subprocess's (its own cache).
-res["asm"] = ("\n".join(kernels._decode_chunks.inspect_asm().values())
+res["asm"] = ("\n".join(kernels.decode_chunks.inspect_asm().values())
               if "NUMBA_CPU_FEATURES" in os.environ else "")
 print(json.dumps(res))
 '''

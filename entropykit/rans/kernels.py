@@ -131,30 +131,17 @@ def _encode_symbol(x, lane, s, k, tab, precision, out, pos):
     return pos
 
 
-# Whether and how a symbol's table is chosen, as the kernels take it: one argument type
-# for every case, so that each kernel compiles once (Numba compiles a kernel anew for each
-# combination of None and array arguments).
-NO_CONTEXT, CONTEXT_DIRECT, CONTEXT_MAPPED = 0, 1, 2
-_NO_CTX = np.zeros(0, np.uint8)
-_NO_CMAP = np.zeros(0, np.int64)
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    # Numba compiles apart for read-only and writable arrays too: always the first.
-    if a.flags.writeable:
+def read_only(a: np.ndarray | None) -> np.ndarray | None:
+    """``a`` as a read-only array (a view where it is writable; None stays None): Numba
+    compiles a kernel apart for read-only and writable arguments, so callers pass one."""
+    if a is not None and a.flags.writeable:
         a = a.view()
         a.flags.writeable = False
     return a
 
 
-def _context_args(ctx: np.ndarray | None, cmap: np.ndarray | None
-                  ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(ctx, cmap, how) for the kernels: ``how`` one of NO_CONTEXT (``ctx`` None),
-    CONTEXT_DIRECT (``cmap`` None: the context values are table indices) and
-    CONTEXT_MAPPED, with an empty array in place of each None, every array read-only."""
-    how = NO_CONTEXT if ctx is None else CONTEXT_DIRECT if cmap is None else CONTEXT_MAPPED
-    return (_read_only(_NO_CTX if ctx is None else ctx),
-            _read_only(_NO_CMAP if cmap is None else cmap), how)
+_NO_CTX = read_only(np.zeros(0, np.uint8))
+_NO_CMAP = read_only(np.zeros(0, np.int64))
 
 
 def encode_chunk(sym, tab, precision, out, ctx, cmap):
@@ -166,10 +153,11 @@ def encode_chunk(sym, tab, precision, out, ctx, cmap):
     payload is ``out[start:]``: 128 bytes of states then the words. -1 means it did not
     fit in ``out`` (the caller stores raw) or the context does not fit.
     """
-    if ctx is not None and cmap is None:
+    if ctx is None:  # one argument type for both cases: the kernel compiles once
+        return _encode_chunk(sym, tab, precision, out, _NO_CTX, _NO_CMAP, False)
+    if cmap is None:
         raise ValueError("a context needs its context map (cmap)")
-    c, m, how = _context_args(ctx, cmap)
-    return _encode_chunk(sym, tab, precision, out, c, m, how != NO_CONTEXT)
+    return _encode_chunk(sym, tab, precision, out, read_only(ctx), read_only(cmap), True)
 
 
 @njit(nogil=True, cache=True)
@@ -212,17 +200,7 @@ def _encode_chunk(sym, tab, precision, out, ctx, cmap, conditional):
 
 
 @njit(nogil=True, cache=True)
-def _step(x, table, precision, ctx, cmap, how, base, out, buf, ptr):
-    """One vector decode step (``simd.decode_step``), built for each context case."""
-    if how == NO_CONTEXT:
-        return decode_step(x, table, precision, None, None, base, out, buf, ptr)
-    if how == CONTEXT_DIRECT:
-        return decode_step(x, table, precision, ctx, None, base, out, buf, ptr)
-    return decode_step(x, table, precision, ctx, cmap, base, out, buf, ptr)
-
-
-@njit(nogil=True, cache=True)
-def _finish(x, buf, ptr, end, base, hi, table, precision, out, ctx, cmap, how):
+def _finish(x, buf, ptr, end, base, hi, table, precision, out, ctx, cmap):
     """Decode ``out[base:hi]`` from states ``x`` and the words at ``buf[ptr:end]``, then check
     that the stream and the states end exactly as the encoder began; an error code."""
     mask = (1 << precision) - 1
@@ -231,13 +209,11 @@ def _finish(x, buf, ptr, end, base, hi, table, precision, out, ctx, cmap, how):
         step = min(LANES, hi - base)
         if step == LANES and end - ptr >= 2 * LANES:
             # Fast path: a whole step reads at most 32 words, all inside the payload.
-            ptr = _step(x, table, precision, ctx, cmap, how, base, out, buf, ptr)
+            ptr = decode_step(x, table, precision, ctx, cmap, base, out, buf, ptr)
         else:
             for lane in range(step):
-                if how == CONTEXT_DIRECT:
-                    k = np.int64(ctx[base + lane])
-                elif how == CONTEXT_MAPPED:
-                    k = cmap[ctx[base + lane]]
+                if ctx is not None:
+                    k = ctx[base + lane] if cmap is None else cmap[ctx[base + lane]]
                 xs = x[lane]
                 e = table[k, xs & mask]
                 out[base + lane] = np.uint8(e >> 32)
@@ -257,6 +233,7 @@ def _finish(x, buf, ptr, end, base, hi, table, precision, out, ctx, cmap, how):
     return OK
 
 
+@njit(nogil=True, cache=True)
 def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi, errors):
     """Decode chunk j's payload ``buf[starts[j]:starts[j]+lengths[j]]`` into
     ``out[lo[j]:hi[j]]`` for every j together; its error code goes to ``errors[j]``.
@@ -268,24 +245,17 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
     chunks' whole steps are taken in turn, so their independent dependency chains
     (gather, multiply, refill) overlap in the CPU.
     """
-    c, m, how = _context_args(ctx, cmap)
-    _decode_chunks(buf, starts, lengths, table, precision, out, c, m, how, lo, hi, errors)
-
-
-@njit(nogil=True, cache=True)
-def _decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, how, lo, hi,
-                   errors):
-    """``decode_chunks``, with ``ctx`` and ``cmap`` used as ``how`` says."""
     g = starts.size
     x = np.empty((g, LANES), np.uint32)
     ptr = np.empty(g, np.int64)
     base = np.empty(g, np.int64)
     bad_context = False
-    if how == CONTEXT_DIRECT:
-        bad_context = ctx.size != out.size or (ctx.size and ctx.max() >= table.shape[0])
-    elif how == CONTEXT_MAPPED:
-        bad_context = (ctx.size != out.size or cmap.size != 256 or cmap.min() < 0
-                       or cmap.max() >= table.shape[0])
+    if ctx is not None:
+        if cmap is None:
+            bad_context = ctx.size != out.size or (ctx.size and ctx.max() >= table.shape[0])
+        else:
+            bad_context = (ctx.size != out.size or cmap.size != 256 or cmap.min() < 0
+                           or cmap.max() >= table.shape[0])
     for j in range(g):
         if not 0 <= lo[j] <= hi[j] <= out.size:
             errors[j] = ERR_BOUNDS
@@ -307,14 +277,14 @@ def _decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, how, 
         for j in range(g):
             if (errors[j] == OK and hi[j] - base[j] >= LANES
                     and starts[j] + lengths[j] - ptr[j] >= 2 * LANES):
-                ptr[j] = _step(x[j], table, precision, ctx, cmap, how, base[j], out, buf,
-                               ptr[j])
+                ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf,
+                                     ptr[j])
                 base[j] += LANES
                 busy = True
     for j in range(g):
         if errors[j] == OK:
             errors[j] = _finish(x[j], buf, ptr[j], starts[j] + lengths[j], base[j], hi[j],
-                                table, precision, out, ctx, cmap, how)
+                                table, precision, out, ctx, cmap)
 
 
 def decode_chunk(buf, start, length, table, precision, out, ctx, cmap):
