@@ -333,6 +333,33 @@ def test_progress_of_a_directory_names_each_file(models: Path, tmp_path: Path) -
     assert text.rstrip("\n").split("\r")[-1].startswith("compress models  100%")
 
 
+def test_progress_line_on_a_terminal_for_a_directory(models: Path, tmp_path: Path) -> None:
+    # The line is drawn only where stderr is a terminal: give the command one.
+    controller, terminal = os.openpty()
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "entropykit.cli", "compress", models,
+                              "-o", tmp_path / "out"], stdout=subprocess.PIPE,
+                             stderr=terminal)
+        os.close(terminal)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(controller, 1 << 16)
+            except OSError:  # the terminal's other side closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert p.wait(timeout=300) == 0
+    finally:
+        os.close(controller)
+    text = _text(seen)
+    last = text.rstrip("\r\n").split("\r")[-1]
+    assert last.startswith(f"compress {models.name}  100%") and "MB/s  ETA 0:00" in last
+    assert "[file 1 a.safetensors" in text and "[file 2 b.safetensors 100%]" in last
+    assert b"compress " in p.stdout.read()  # the summary still goes to stdout
+
+
 # --- analyze ----------------------------------------------------------------------------
 
 
