@@ -19,6 +19,7 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 import entropykit as ek
+from entropykit import _jit
 from entropykit.container import checkpoint, files
 from entropykit.container.progress import Bar
 
@@ -303,15 +304,14 @@ def test_progress_rate_and_eta_start_at_the_first_report() -> None:
     s = io.StringIO()
     bar = Bar("compress d", stream=s, interval=0)
     assert "MB/s" not in bar.line(0, 100, 5.0)
-    bar._first = (10.0, 10_000_000, 0.0)  # the first segment done at t=10 s (compiling before)
+    # The first segment done at t=10 s (compiling before it), nothing compiled since.
+    bar._first = (10.0, 10_000_000, _jit.compile_seconds())
     line = bar.line(30_000_000, 110_000_000, 12.0)
     assert "10 MB/s" in line and "ETA 0:08" in line
 
 
 def test_progress_rate_leaves_out_compiling_after_the_first_report(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from entropykit import _jit
-
     s = io.StringIO()
     bar = Bar("compress d", stream=s, interval=0)
     bar(10_000_000, 110_000_000)
