@@ -133,11 +133,21 @@ def _usable(root: str) -> bool:
         why = (f"built for {_describe(built)}" if built else "without a readable manifest")
         try:
             print(f"entropykit: the shipped kernels in {root} are {why}; this is "
-                  f"{_describe(here)}: compiling kernels instead (cached after the first run)",
-                  file=sys.stderr, flush=True)
+                  f"{_describe(here)}: compiling kernels instead (cached after the first run)"
+                  f"{_remedy(built, here)}", file=sys.stderr, flush=True)
         except (AttributeError, OSError, ValueError):  # no stderr, or a closed one
             pass
     return ok
+
+
+def _remedy(built: Mapping[str, str], here: Mapping[str, str]) -> str:
+    """How to use the shipped kernels after all, where only Numba and llvmlite differ:
+    the package does not pin them, so that it installs beside any other that needs
+    another release of them."""
+    if not built or any(built.get(k) != here[k] for k in ("python", "machine")):
+        return ""
+    return (f"; `pip install numba=={built.get('numba')} llvmlite=={built.get('llvmlite')}` "
+            f"would use them")
 
 
 @functools.cache

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers  # noqa: F401 - the kv extra; .ci/run installs it
 
-from entropykit import CorruptDataError
+from entropykit import CorruptDataError, _jit
 from entropykit import predictive as P
 from entropykit.container.progress import Bar
 from entropykit.predictive import calibration, residual
@@ -151,7 +151,7 @@ def test_progress_line_only_where_asked(capsys):
 
 def test_bar_counts_steps():
     bar = Bar("fit", stream=io.StringIO(), unit="steps", scale=1)
-    bar._first = (0.0, 1)
+    bar._first = (0.0, 1, _jit.compile_seconds())  # (time, steps, compiling) at step 1
     assert bar.line(3, 10, 1.0) == "fit   30%  3/10 steps  2.0 steps/s  ETA 0:04"
 
 

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 import entropykit as ek
+from entropykit import _jit
 from entropykit.container import checkpoint, files
 from entropykit.container.progress import Bar
 
@@ -303,8 +304,22 @@ def test_progress_rate_and_eta_start_at_the_first_report() -> None:
     s = io.StringIO()
     bar = Bar("compress d", stream=s, interval=0)
     assert "MB/s" not in bar.line(0, 100, 5.0)
-    bar._first = (10.0, 10_000_000)  # the first segment done at t=10 s (compilation before)
+    # The first segment done at t=10 s (compiling before it), nothing compiled since.
+    bar._first = (10.0, 10_000_000, _jit.compile_seconds())
     line = bar.line(30_000_000, 110_000_000, 12.0)
+    assert "10 MB/s" in line and "ETA 0:08" in line
+
+
+def test_progress_rate_leaves_out_compiling_after_the_first_report(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    s = io.StringIO()
+    bar = Bar("compress d", stream=s, interval=0)
+    bar(10_000_000, 110_000_000)
+    t0 = bar._first[0]
+    compiled = _jit.compile_seconds()
+    # A kernel compiled for 100 s meanwhile (a dtype met later): 2 s of work remain.
+    monkeypatch.setattr(_jit, "compile_seconds", lambda: compiled + 100.0)
+    line = bar.line(30_000_000, 110_000_000, t0 + 102.0)
     assert "10 MB/s" in line and "ETA 0:08" in line
 
 
@@ -316,6 +331,33 @@ def test_progress_of_a_directory_names_each_file(models: Path, tmp_path: Path) -
     text = s.getvalue()
     assert "[file 1 a.safetensors" in text and "[file 2 b.safetensors 100%]" in text
     assert text.rstrip("\n").split("\r")[-1].startswith("compress models  100%")
+
+
+def test_progress_line_on_a_terminal_for_a_directory(models: Path, tmp_path: Path) -> None:
+    # The line is drawn only where stderr is a terminal: give the command one.
+    controller, terminal = os.openpty()
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "entropykit.cli", "compress", models,
+                              "-o", tmp_path / "out"], stdout=subprocess.PIPE,
+                             stderr=terminal)
+        os.close(terminal)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(controller, 1 << 16)
+            except OSError:  # the terminal's other side closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert p.wait(timeout=300) == 0
+    finally:
+        os.close(controller)
+    text = _text(seen)
+    last = text.rstrip("\r\n").split("\r")[-1]
+    assert last.startswith(f"compress {models.name}  100%") and "MB/s  ETA 0:00" in last
+    assert "[file 1 a.safetensors" in text and "[file 2 b.safetensors 100%]" in last
+    assert b"compress " in p.stdout.read()  # the summary still goes to stdout
 
 
 # --- analyze ----------------------------------------------------------------------------

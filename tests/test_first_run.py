@@ -8,6 +8,7 @@ decompress and load use, twice: cold, and through ``python -m entropykit.warmup`
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -346,6 +347,8 @@ def test_a_cache_built_for_other_versions_is_compiled_around_with_one_line(
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("entropykit: the shipped kernels in ")
     assert "numba 0.1.0" in lines[0] and f"numba {numba.__version__}" in lines[0]
+    llvm = json.loads(text)["versions"]["llvmlite"]
+    assert lines[0].endswith(f"`pip install numba==0.1.0 llvmlite=={llvm}` would use them")
     # No manifest (a cache of an older layout), or a damaged one: the same.
     for damaged, content in (("b", None), ("c", '{"versions": [1]}'), ("d", "{")):
         if content is None:
@@ -375,3 +378,44 @@ def test_crc32_compiles_once_for_bytes_and_arrays() -> None:
         assert crc32.crc32(data) == zlib.crc32(a.tobytes())
     assert a.flags.writeable  # the caller's array is left as it was
     assert len(crc32._crc.signatures) == 1
+
+
+_SPECIALIZATIONS = """
+import sys, numpy as np
+from numba.core.dispatcher import Dispatcher
+from entropykit import api, rans
+from entropykit.coding import crc32, frame
+from entropykit.rans import kernels
+src, out = sys.argv[1:3]
+for opts in ({}, {"fast": True}, {"target": "gpu"}):
+    api.compress_file(src, out, force=True, threads=1, **opts)
+    api.decompress_file(out, out + ".back", force=True, threads=1)
+    api.load_file(out, threads=1)
+x = np.random.default_rng(0).integers(0, 7, 1 << 15).astype(np.uint8)
+ctx = (x % 3).astype(np.uint8)
+for c in (None, ctx):
+    blob = rans.encode(x, context=c, threads=1)
+    for b in (blob, np.frombuffer(blob, np.uint8).copy()):  # read-only and writable
+        assert np.array_equal(rans.decode(b, context=c, threads=1), x)
+# The decoder is built for each case of a context (none, table indices, mapped): its
+# vector step differs, and a step choosing at run time decodes far slower.
+CASES = {"decode_chunks": 3, "_finish": 3}
+for m in (kernels, frame, crc32):
+    for k, v in sorted(vars(m).items()):
+        if isinstance(v, Dispatcher) and len(v.signatures) > CASES.get(k, 1):
+            print(m.__name__ + "." + k, *v.signatures, sep=" | ")
+"""
+
+
+def test_the_coders_kernels_compile_once_whatever_the_buffer(
+        tmp_path: Path) -> None:
+    # Each specialization is a compile of its own on a cold start: the rANS decoder was
+    # also compiled for read-only and writable frames and contexts (five in all), the
+    # encoder for a context and none, the frame directory for read-only and writable
+    # frames, the CRC's byte loop for a literal start and a variable one.
+    path = _weights(tmp_path)
+    r = subprocess.run([sys.executable, "-c", _SPECIALIZATIONS, str(path),
+                        str(tmp_path / "w.ek.safetensors")], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -308,3 +313,45 @@ def test_layout_for_nvfp4_and_int4():
     assert layout_for("l.0.q_proj.qweight", "F16", (8, 64), gptq) is None
     for plain in ("l.0.q_proj.weight", "l.0.q_proj.weight_scale", "l.0.q_proj.qzeros"):
         assert layout_for(plain, "U8", (8, 8), nv + sorted(gptq)) is None
+
+
+@pytest.mark.parametrize("word", [2, 4, 8])
+@pytest.mark.parametrize("sign_move", [False, True])
+def test_small_arrays_split_and_join_in_numpy_as_the_kernels_do(word, sign_move):
+    from entropykit.formats import _planes
+
+    rng = np.random.default_rng(word)
+    for n in (1, 31, 1000, _planes.SMALL - 1):
+        raw = rng.integers(0, 256, n * word, dtype=np.uint8)
+        raw[:word] = 0xFF  # -1, then the most negative value
+        raw[word:2 * word] = ([0] * (word - 1) + [0x80])[: raw[word:2 * word].size]
+        words = _planes.int_view(raw[: n * word], word)
+        kernel = np.empty((word, n), np.uint8)
+        small = np.empty((word, n), np.uint8)
+        _planes.split_planes(words, sign_move, tuple(kernel))
+        _planes.split_words(words, sign_move, tuple(small))
+        assert np.array_equal(small, kernel)
+        back = np.empty_like(words)
+        _planes.join_words(tuple(small), sign_move, back)
+        assert np.array_equal(back, words)
+
+
+_SMALL_ONLY = """
+import numpy as np
+from entropykit.formats import _planes, join, split
+for dtype in ("I64", "F32", "BF16", "U16"):
+    raw = np.arange(8 * 512, dtype=np.uint8)
+    fields = split(dtype, raw)
+    assert np.array_equal(join(dtype, {f.name: f.symbols for f in fields}, raw.size), raw)
+print(len(_planes.split_planes.signatures), len(_planes.join_planes.signatures))
+"""
+
+
+def test_a_small_tensor_compiles_no_plane_kernel():
+    # A checkpoint's one small I64 buffer (position ids) compiled both kernels for 8-byte
+    # words on a cold start; so did the empty split that only names a dtype's fields.
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _SMALL_ONLY], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "0"]

@@ -128,7 +128,7 @@ def _crc(a, value, table):
     state = ~np.uint64(value) & _M32
     n = a.size
     head = min(n, (-a.ctypes.data) % 8)
-    state = _crc_bytes(a, 0, head, state, table)
+    state = _crc_bytes(a, np.int64(0), head, state, table)
     body = (n - head) // 16 * 16
     if body >= _MIN_BODY:
         state = _crc_words(a[head : head + body].view(np.uint64), state)

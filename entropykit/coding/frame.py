@@ -127,10 +127,15 @@ def check_chunk_size(chunk_size: int, lanes: int) -> None:
 
 
 def as_bytes(frame: bytes | memoryview | np.ndarray) -> np.ndarray:
-    """A frame as flat uint8 (no copy)."""
+    """A frame as flat, read-only uint8 (no copy): read-only whatever it came as, since
+    Numba compiles a kernel apart for read-only and writable arrays."""
     if isinstance(frame, np.ndarray):
         if frame.dtype != np.uint8 or frame.ndim != 1:
             raise TypeError(f"a frame array must be 1-D uint8, got {frame.dtype}{frame.shape}")
+        if not frame.flags.writeable:
+            return frame
+        frame = frame.view()
+        frame.flags.writeable = False
         return frame
     return np.frombuffer(memoryview(frame).cast("B"), np.uint8)
 

@@ -7,8 +7,8 @@ own percentage. No dependency beyond the standard library. What it is not: a mul
 display, or anything that writes to stdout (scripts may parse stdout).
 
 The rate (and so the ETA) counts from the first progress report with some work done, not
-from the start: the first segment's time, which holds any one-off kernel compilation, is
-left out, so the rate approximates the steady speed.
+from the start, and leaves out the time spent compiling kernels since (a dtype met later
+in a file or directory compiles its own): what is left approximates the steady speed.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 import time
 from typing import TextIO
+
+from .. import _jit
 
 
 def _clock(seconds: float) -> str:
@@ -37,7 +39,8 @@ class Bar:
         self.interval = interval
         self._last = -1.0
         self._drawn = False
-        self._first: tuple[float, int] | None = None  # (time, bytes) of the first report
+        # (time, bytes, seconds compiled) at the first report with some work done
+        self._first: tuple[float, int, float] | None = None
         self._file: tuple[str, int, int, int] | None = None  # name, base, size, number
         self._files = 0
 
@@ -53,8 +56,8 @@ class Bar:
         digits = 0 if self.scale == 1 else 1
         text = (f"{self.label}  {pct:3.0f}%  {done / self.scale:.{digits}f}/"
                 f"{total / self.scale:.{digits}f} {self.unit}")
-        if self._first is not None and now > self._first[0] and done > self._first[1]:
-            rate = (done - self._first[1]) / (now - self._first[0])
+        rate = self._rate(done, now)
+        if rate is not None:
             text += (f"  {rate / self.scale:.{1 - digits}f} {self.unit}/s  "
                      f"ETA {_clock((total - done) / rate)}")
         if self._file is not None:
@@ -63,10 +66,18 @@ class Bar:
             text += f"  [file {k} {name} {mine:.0f}%]"
         return text
 
+    def _rate(self, done: int, now: float) -> float | None:
+        """Units a second since the first report, compiling left out; None before."""
+        if self._first is None or done <= self._first[1]:
+            return None
+        t0, d0, c0 = self._first
+        working = now - t0 - (_jit.compile_seconds() - c0)
+        return (done - d0) / working if working > 0 else None
+
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
         if self._first is None and done > 0:
-            self._first = (now, done)
+            self._first = (now, done, _jit.compile_seconds())
         if done < total and now - self._last < self.interval:
             return
         self._last = now

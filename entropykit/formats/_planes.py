@@ -100,3 +100,43 @@ def join_planes(planes, sign_move, words):
         shift = top - 8 * p
         for i in range(n):
             words[i] |= np.int64(plane[i]) << shift
+
+
+# Below this many elements the planes are computed with numpy: the same bytes, without
+# compiling a kernel for the element width (a small tensor of another dtype in a file, or
+# the empty split that only names the fields, would otherwise compile one).
+SMALL = 1 << 14
+
+
+def split_words(words: np.ndarray, sign_move: bool, planes: tuple[np.ndarray, ...]) -> None:
+    """``split_planes``, in numpy for fewer than ``SMALL`` elements."""
+    if words.size >= SMALL:
+        split_planes(words, sign_move, planes)
+        return
+    w = words.astype(np.int64)
+    top = 8 * (len(planes) - 1)
+    if sign_move:
+        planes[0][:] = (w >> (top - 1)) & 0xFF
+        planes[1][:] = ((w >> top) & 0x80) | ((w >> (top - 8)) & 0x7F)
+    else:
+        planes[0][:] = (w >> top) & 0xFF
+        planes[1][:] = (w >> (top - 8)) & 0xFF
+    for p in range(2, len(planes)):
+        planes[p][:] = (w >> (top - 8 * p)) & 0xFF
+
+
+def join_words(planes: tuple[np.ndarray, ...], sign_move: bool, words: np.ndarray) -> None:
+    """``join_planes``, in numpy for fewer than ``SMALL`` elements."""
+    if words.size >= SMALL:
+        join_planes(planes, sign_move, words)
+        return
+    top = 8 * (len(planes) - 1)
+    hi, lo = planes[0].astype(np.int64), planes[1].astype(np.int64)
+    if sign_move:
+        w = ((((lo & 0x80) | (hi >> 1)) << top)
+             | ((((hi & 1) << 7) | (lo & 0x7F)) << (top - 8)))
+    else:
+        w = (hi << top) | (lo << (top - 8))
+    for p in range(2, len(planes)):
+        w |= planes[p].astype(np.int64) << (top - 8 * p)
+    words[:] = w.astype(words.dtype)  # wraps to the word's width, as the kernel's stores

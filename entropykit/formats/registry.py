@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import dtypes
 from . import floats, integers, packed4
-from ._planes import Planes, int_view, join_planes, split_planes
+from ._planes import Planes, int_view, join_words, split_words
 
 _PLANES: dict[str, Planes] = {d: f.planes() for d, f in floats.FORMATS.items()}
 _PLANES.update({d: integers.planes(d) for d in integers.ITEMSIZE})
@@ -67,7 +67,7 @@ def split(dtype: str, raw: np.ndarray, *, layout: str | None = None) -> list[Fie
     else:
         rows = np.empty((plan.word, data.size // plan.word), np.uint8)
         planes = tuple(rows)
-        split_planes(int_view(data, plan.word), plan.sign_move, planes)
+        split_words(int_view(data, plan.word), plan.sign_move, planes)
     return [Field(n, p, c) for n, p, c in zip(plan.names, planes, plan.contexts, strict=True)]
 
 
@@ -109,5 +109,5 @@ def join(
     if plan.word == 1:
         out[:] = planes[0]
     else:
-        join_planes(tuple(planes), plan.sign_move, int_view(out, plan.word))
+        join_words(tuple(planes), plan.sign_move, int_view(out, plan.word))
     return out

@@ -152,7 +152,19 @@ def _encode_symbol(x, lane, s, k, tab, precision, out, pos):
     return pos
 
 
-@njit(nogil=True, cache=True)
+def read_only(a: np.ndarray | None) -> np.ndarray | None:
+    """``a`` as a read-only array (a view where it is writable; None stays None): Numba
+    compiles a kernel apart for read-only and writable arguments, so callers pass one."""
+    if a is not None and a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+_NO_CTX = read_only(np.zeros(0, np.uint8))
+_NO_CMAP = read_only(np.zeros(0, np.int64))
+
+
 def encode_chunk(sym, tab, precision, out, ctx, cmap):
     """Encode ``sym`` into ``out``; return the payload's start offset in ``out``, or -1.
 
@@ -162,8 +174,18 @@ def encode_chunk(sym, tab, precision, out, ctx, cmap):
     payload is ``out[start:]``: 128 bytes of states then the words. -1 means it did not
     fit in ``out`` (the caller stores raw) or the context does not fit.
     """
+    if ctx is None:  # one argument type for both cases: the kernel compiles once
+        return _encode_chunk(sym, tab, precision, out, _NO_CTX, _NO_CMAP, False)
+    if cmap is None:
+        raise ValueError("a context needs its context map (cmap)")
+    return _encode_chunk(sym, tab, precision, out, read_only(ctx), read_only(cmap), True)
+
+
+@njit(nogil=True, cache=True)
+def _encode_chunk(sym, tab, precision, out, ctx, cmap, conditional):
+    """``encode_chunk``, with ``ctx`` and ``cmap`` used only when ``conditional``."""
     n = sym.size
-    if ctx is not None:
+    if conditional:
         if (ctx.size != n or cmap.size != 256 or cmap.min() < 0
                 or cmap.max() >= tab.shape[0]):
             return -1
@@ -172,17 +194,21 @@ def encode_chunk(sym, tab, precision, out, ctx, cmap):
     full = n - n % LANES
     k = 0
     for i in range(n - 1, full - 1, -1):  # the last, partial step
-        if ctx is not None:
+        if conditional:
             k = cmap[ctx[i]]
         pos = _encode_symbol(x, i - full, sym[i], k, tab, precision, out, pos)
         if pos < 0:
             return -1
     for base in range(full - LANES, -1, -LANES):
         if pos - 2 * LANES >= STATE_BYTES:
-            pos = encode_step(x, tab, precision, ctx, cmap, base, sym, out, pos)
+            # The vector step is built for one case: both are here, chosen per step.
+            if conditional:
+                pos = encode_step(x, tab, precision, ctx, cmap, base, sym, out, pos)
+            else:
+                pos = encode_step(x, tab, precision, None, None, base, sym, out, pos)
             continue
         for lane in range(LANES - 1, -1, -1):
-            if ctx is not None:
+            if conditional:
                 k = cmap[ctx[base + lane]]
             pos = _encode_symbol(x, lane, sym[base + lane], k, tab, precision, out, pos)
             if pos < 0:

@@ -41,8 +41,11 @@ class _RansCoder:
                       ) -> list[int]:
         # A context without a map holds table indices (frame.decode's ``mapped``).
         errors = np.empty(len(starts), np.int64)
-        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, ctx,
-                              None if cmap is None else _int_map(ctx, cmap), lo, hi, errors)
+        # Numba compiles the kernel for each case of a context (none, table indices,
+        # mapped), each of them once: the context and its map are always read-only.
+        kernels.decode_chunks(buf, starts, lengths, tabs, param, out, kernels.read_only(ctx),
+                              None if cmap is None else kernels.read_only(_int_map(ctx, cmap)),
+                              lo, hi, errors)
         return errors.tolist()
 
     def decode_chunks(self, *args) -> list[str | None]:
