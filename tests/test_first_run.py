@@ -397,6 +397,9 @@ for c in (None, ctx):
     blob = rans.encode(x, context=c, threads=1)
     for b in (blob, np.frombuffer(blob, np.uint8).copy()):  # read-only and writable
         assert np.array_equal(rans.decode(b, context=c, threads=1), x)
+buf = np.frombuffer(bytes(range(256)) * 40, np.uint8).copy()
+crc32.crc32_ranges(buf, [0, 100], [4000, 3000], [0, 5])
+crc32.check_chunks(buf, 4096, np.zeros(3, np.uint32), np.zeros(3, np.int64), 1)
 # The decoder is built for each case of a context (none, table indices, mapped): its
 # vector step differs, and a step choosing at run time decodes far slower.
 CASES = {"decode_chunks": 3, "_finish": 3}

@@ -191,9 +191,9 @@ def crc32_ranges(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                          zip(starts.tolist(), lengths.tolist(), values.tolist(), strict=True)],
                         np.uint32)
     a = buf.view()
-    a.flags.writeable = False  # one compile (see crc32)
+    a.flags.writeable = False  # one compile of _crc (see crc32): read-only, int64 seed
     out = np.empty(starts.size, np.uint64)
-    _crc_ranges(a, starts, lengths, values.astype(np.uint64), _TABLE, out)
+    _crc_ranges(a, starts, lengths, values.astype(np.int64), _TABLE, out)
     return out.astype(np.uint32)
 
 
@@ -203,7 +203,7 @@ def _check_chunks(a, size, crcs, codes, fail, table):
     for j in range(codes.size):
         if codes[j] == 0:
             lo = j * size
-            if _crc(a[lo : min(a.size, lo + size)], 0, table) != crcs[j]:
+            if _crc(a[lo : min(a.size, lo + size)], np.int64(0), table) != crcs[j]:
                 codes[j] = fail
         if codes[j] != 0:
             return j
@@ -218,7 +218,9 @@ def check_chunks(data: np.ndarray, size: int, crcs: np.ndarray, codes: np.ndarra
     differs; returns the first chunk whose code is then not 0, or -1. Chunks after that
     one are not checked."""
     if ACCELERATED:
-        return int(_check_chunks(data, size, crcs, codes, fail, _TABLE))
+        a = data.view()
+        a.flags.writeable = False  # one compile of _crc (see crc32)
+        return int(_check_chunks(a, size, crcs, codes, fail, _TABLE))
     for j in range(codes.size):
         if codes[j] == 0 and zlib.crc32(data[j * size : (j + 1) * size]) != crcs[j]:
             codes[j] = fail
