@@ -12,8 +12,8 @@ collective moves the data):
   (``--dir``, tmpfs by default) and with every rank's writes rate-limited (``--rate``
   bytes/s per rank): every stream a rank writes to sleeps in ``write`` until the rank's
   bytes written, this one included, are within ``rate x`` the time since its first write
-  (DCP's writers through their ``fs`` extension point, entropykit's through the file
-  under each shard file's write-behind thread). Writes land in the
+  (DCP's writers through their ``fs`` extension point, entropykit's through the writes of
+  each shard file's write-behind thread). Writes land in the
   page cache after the sleep, so the rate is the storage's. The sleep holds up the
   thread that writes, as a full device queue would: DCP's writer threads, or entropykit's
   write-behind thread (its coding threads go on until the writes queued and the segments
@@ -116,9 +116,15 @@ class _ThrottledEK(CompressedStorageWriter):
     @contextmanager
     def _shard_output(self, path):
         with super()._shard_output(path) as out:
-            # The file its write-behind thread writes: the storage is what is slow, not
-            # the hand-off of coded segments to that thread.
-            out._f = _Throttled(out._f, self.bucket)
+            # Its write-behind thread's writes: the storage is what is slow, not the
+            # hand-off of coded segments to that thread.
+            real = out._write_all
+
+            def throttled(bufs):
+                self.bucket.take(sum(memoryview(b).nbytes for b in bufs))
+                real(bufs)
+
+            out._write_all = throttled
             yield out
 
 

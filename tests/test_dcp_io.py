@@ -214,3 +214,40 @@ def test_span_into_refuses_a_range_outside_the_tensor():
         c.span_into("c", 90, 101, np.empty(11, np.uint8))
     with pytest.raises(ValueError, match="bytes"):
         c.span_into("c", 0, 10, np.empty(9, np.uint8))
+
+
+# -- the write-behind thread: queued writes in one writev ------------------------------
+
+def test_queued_writes_go_out_in_few_writev_calls_even_when_short(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from entropykit.container import _atomic
+
+    gate = threading.Event()
+    calls = []
+    real = os.writev
+
+    def writev(fd, bufs):
+        gate.wait(30)  # the writer thread waits here while the caller queues the rest
+        calls.append(len(bufs))
+        room, part = 5000, []  # a short write: at most 5000 bytes, often mid-buffer
+        for b in bufs:
+            part.append(memoryview(b)[:room])
+            room -= part[-1].nbytes
+            if not room:
+                break
+        return real(fd, part)
+
+    monkeypatch.setattr(os, "writev", writev)
+    want = b"".join(bytes([i % 251]) * (100 + i) for i in range(300))
+    with _atomic.output_file(tmp_path / "o.bin") as out:
+        at = 0
+        for i in range(300):
+            n = 100 + i
+            out.write(memoryview(want)[at : at + n])
+            at += n
+        gate.set()
+    assert (tmp_path / "o.bin").read_bytes() == want
+    # 300 writes of 74 850 bytes: calls of many buffers (short writes taken up again).
+    assert 15 <= len(calls) < 40 and max(calls) > 100
