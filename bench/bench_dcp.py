@@ -118,7 +118,11 @@ class _ThrottledEK(CompressedStorageWriter):
         with super()._shard_output(path) as out:
             # Its write-behind thread's writes: the storage is what is slow, not the
             # hand-off of coded segments to that thread.
-            real = out._write_all
+            real = getattr(out, "_write_all", None)
+            if real is None:  # an older tree's writer thread writes through the file
+                out._f = _Throttled(out._f, self.bucket)
+                yield out
+                return
 
             def throttled(bufs):
                 self.bucket.take(sum(memoryview(b).nbytes for b in bufs))
