@@ -294,10 +294,10 @@ def _nbytes(value: Any) -> int:
 
 
 def _parts(sizes: list[int], part_bytes: int) -> list[list[int]]:
-    """The items (indices, in order) of each of a rank's files: consecutive items, a new
-    file begun before one would pass ``part_bytes`` (an item larger than that has a file
-    of its own). From the sizes alone, so the same state gives the same files whatever
-    the thread count."""
+    """The items (indices, in order) of each file of a group of files (a rank's shards,
+    a consolidated checkpoint): consecutive items, a new file begun before one would pass
+    ``part_bytes`` (an item larger than that has a file of its own). From the sizes
+    alone, so the same state gives the same files whatever the thread count."""
     parts: list[list[int]] = [[]]
     used = 0
     for i, n in enumerate(sizes):
@@ -711,15 +711,8 @@ def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
               if fqn.startswith(prefix) and len(fqn) > len(prefix)]
     if not chosen:
         raise ValueError(f"no tensors named {prefix!r}... in this checkpoint")
-    groups: list[list[tuple[str, str, _Tensor]]] = [[]]
-    used = 0
-    for x in chosen:
-        nbytes = math.prod(x[2].size) * dtypes.BITS[x[2].dtype] // 8
-        if groups[-1] and used + nbytes > shard_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(x)
-        used += nbytes
+    sizes = [math.prod(t.size) * dtypes.BITS[t.dtype] // 8 for _, _, t in chosen]
+    groups = [[chosen[i] for i in part] for part in _parts(sizes, shard_bytes)]
     output.mkdir(parents=True, exist_ok=True)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}{files.SUFFIX}"
              for i in range(len(groups))]
