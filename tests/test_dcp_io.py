@@ -29,18 +29,18 @@ def test_raw_fields_are_read_once_by_the_crcs_and_never_joined(monkeypatch):
 
     monkeypatch.setattr(codecs, "crc32", counting(codecs.crc32))
     monkeypatch.setattr(payload, "crc32", counting(payload.crc32))
-    joins = []
+    writes = []
 
     class Out(io.BytesIO):
         def write(self, b):
-            joins.append(memoryview(b).nbytes)
+            writes.append(memoryview(b).nbytes)
             return super().write(b)
 
     out = Out()
     write(tensor_source({"x": data}, None), out, threads=1, fast=True, segment_bytes=1 << 20)
     # Each byte once (old: twice), and each field's 4-byte CRC in its position CRC.
     assert data.size <= sum(crcd) <= data.size + 4 * 3
-    assert max(joins) == 1 << 20  # the symbols as they are, not joined to their CRC
+    assert max(writes) == 1 << 20  # the symbols as they are, not joined to their CRC
     got = Compressed(out.getvalue()).tensor("x")
     assert np.array_equal(got, data)
 
