@@ -12,11 +12,12 @@ collective moves the data):
   (``--dir``, tmpfs by default) and with every rank's writes rate-limited (``--rate``
   bytes/s per rank): every stream a rank writes to sleeps in ``write`` until the rank's
   bytes written, this one included, are within ``rate x`` the time since its first write
-  (DCP's writers through their ``fs`` extension point, entropykit's through its shard
-  stream). Writes land in the page cache after the sleep, so the rate is the storage's.
-  The sleep holds up the thread that writes, as a full device queue would: DCP's writer
-  threads, or the thread that hands entropykit's coded segments to its shard (its coding
-  threads go on until the segments in flight fill up).
+  (DCP's writers through their ``fs`` extension point, entropykit's through the writes of
+  each shard file's write-behind thread). Writes land in the
+  page cache after the sleep, so the rate is the storage's. The sleep holds up the
+  thread that writes, as a full device queue would: DCP's writer threads, or entropykit's
+  write-behind thread (its coding threads go on until the writes queued and the segments
+  in flight fill up).
 
 Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-small``:
 with ``fast=False`` (every codec tried, smallest shards); ``hf``:
@@ -115,7 +116,20 @@ class _ThrottledEK(CompressedStorageWriter):
     @contextmanager
     def _shard_output(self, path):
         with super()._shard_output(path) as out:
-            yield _Throttled(out, self.bucket)
+            # Its write-behind thread's writes: the storage is what is slow, not the
+            # hand-off of coded segments to that thread.
+            real = getattr(out, "_write_all", None)
+            if real is None:  # an older tree's writer thread writes through the file
+                out._f = _Throttled(out._f, self.bucket)
+                yield out
+                return
+
+            def throttled(bufs):
+                self.bucket.take(sum(memoryview(b).nbytes for b in bufs))
+                real(bufs)
+
+            out._write_all = throttled
+            yield out
 
 
 def _state(kind: str, synthetic: bool) -> dict[str, torch.Tensor]:

@@ -6,9 +6,13 @@ StorageReader pair for ``torch.distributed.checkpoint`` (DCP), built on DCP's
 async staging), and ``consolidate``:
 
 - every rank writes the items DCP's planner gives it (tensor chunks: DTensor / FSDP2
-  shards or whole tensors; non-tensor items as the bytes DCP serializes them to) as one
-  compressed safetensors file, each tensor coded by the container's dtype-aware codecs on
+  shards or whole tensors; non-tensor items as the bytes DCP serializes them to) as
+  compressed safetensors files (one, or one per ``PART_BYTES`` of a large rank's items,
+  several written at once), each tensor coded by the container's dtype-aware codecs on
   the package's thread pool; ranks write in parallel;
+- loading decodes a rank's pieces on the thread pool, across its files, straight into
+  the planner's tensors where a piece is one run of the saved chunk's bytes and the
+  tensor a contiguous CPU tensor of its dtype;
 - the coordinator writes the checkpoint's metadata (``METADATA``: JSON, nothing to
   unpickle) last, in ``finish``, by atomic rename. A save that fails on any rank never gets
   there, so it leaves nothing that loads. Shard names carry a token new with every save,
@@ -39,7 +43,8 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -91,8 +96,12 @@ SHARDING_KEY = "DCP_SHARDING_INFO"  # a shard's own record of its chunks, as tor
 # segments this size spread it over the threads at little coding cost, and a resharding
 # load decodes less.
 SEGMENT_BYTES = 4 << 20
+# A rank's items go into files of about this many original bytes, written several at
+# once (``_write_files``): a file per this many coding threads.
+PART_BYTES = 32 << 20
+THREADS_PER_FILE = 4
 
-_SHARD = re.compile(r"shard-[0-9a-f]{12}-[0-9]{5}\.safetensors")
+_SHARD = re.compile(r"shard-[0-9a-f]{12}-[0-9]{5}(-[0-9]{4,})?\.safetensors")
 _MODEL = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
 
 
@@ -149,7 +158,7 @@ def _dtype_name(dtype: torch.dtype, fqn: str) -> str:
 
 
 class CompressedStorageWriter(FileSystemWriter):
-    """DCP storage writer: each rank's items as one entropykit-compressed safetensors file.
+    """DCP storage writer: each rank's items as entropykit-compressed safetensors files.
 
     ``dcp.save(state_dict, storage_writer=CompressedStorageWriter(path))`` on every rank.
 
@@ -240,36 +249,95 @@ def _rank_threads(threads: int | None) -> int:
 def _write_rank(root: Path, plan: SavePlan, planner: SavePlanner, threads: int,
                 fast: bool, output: Callable[[Path], AbstractContextManager[BinaryIO]]
                 ) -> list[WriteResult]:
-    """Write this rank's items as one compressed file; the results name where each is."""
+    """Write this rank's items as compressed files (``_parts``); the results name where
+    each is."""
     if not plan.items:
         return []
     if not isinstance(plan.storage_data, _Prefix):
         raise ValueError("save plan without a shard name: the coordinator's global plan "
                          "did not run")
-    name = plan.storage_data.stem + files.SUFFIX
+    keys: list[str] = []
     tensors: dict[str, Any] = {}
-    sharding: dict[str, dict[str, list[int]]] = {}
-    results = []
+    offsets: dict[str, list[int]] = {}
     for item in plan.items:
         data = planner.resolve_data(item)
         key = _key(item.index.fqn, item.index.offset, tensors)
         if item.type == WriteItemType.BYTE_IO:
             tensors[key] = np.frombuffer(data.getbuffer(), np.uint8).copy()
-            size = tensors[key].size
         else:
             t = data.detach()
             _dtype_name(t.dtype, item.index.fqn)
             tensors[key] = t
-            size = t.numel() * t.element_size()
-            sharding[key] = {"saved_offsets": list(item.tensor_data.chunk.offsets)}
-        results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                   storage_data=_Stored(name, key)))
-    meta = {SHARDING_KEY: json.dumps(sharding), "format": "pt"}
-    path = root / name
-    with files.named(path), output(path) as out:
-        write(tensor_source(tensors, meta), out, threads=threads, fast=fast,
-              segment_bytes=SEGMENT_BYTES)
-    return results
+            offsets[key] = list(item.tensor_data.chunk.offsets)
+        keys.append(key)
+    sizes = [_nbytes(tensors[k]) for k in keys]
+    parts = _parts(sizes, PART_BYTES)
+    stem = plan.storage_data.stem
+    names = ([stem + files.SUFFIX] if len(parts) == 1 else
+             [f"{stem}-{p:04d}{files.SUFFIX}" for p in range(len(parts))])
+    jobs, where = [], {}
+    for name, part in zip(names, parts, strict=True):
+        chosen = {keys[i]: tensors[keys[i]] for i in part}
+        sharding = {k: {"saved_offsets": offsets[k]} for k in chosen if k in offsets}
+        jobs.append((root / name, chosen, {SHARDING_KEY: json.dumps(sharding), "format": "pt"}))
+        where.update({i: name for i in part})
+    _write_files(jobs, threads, fast, output)
+    return [WriteResult(index=item.index, size_in_bytes=sizes[i],
+                        storage_data=_Stored(where[i], keys[i]))
+            for i, item in enumerate(plan.items)]
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    return value.numel() * value.element_size()
+
+
+def _parts(sizes: list[int], part_bytes: int) -> list[list[int]]:
+    """The items (indices, in order) of each file of a group of files (a rank's shards,
+    a consolidated checkpoint): consecutive items, a new file begun before one would pass
+    ``part_bytes`` (an item larger than that has a file of its own). From the sizes
+    alone, so the same state gives the same files whatever the thread count."""
+    parts: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if parts[-1] and used + n > part_bytes:
+            parts.append([])
+            used = 0
+        parts[-1].append(i)
+        used += n
+    return parts
+
+
+def _write_files(jobs: list[tuple[Path, dict[str, Any], dict[str, str]]], threads: int,
+                 fast: bool, output: Callable[[Path], AbstractContextManager[BinaryIO]]
+                 ) -> None:
+    """Write each (path, tensors, metadata) as a compressed file, several at once where
+    ``threads`` allow (``THREADS_PER_FILE`` coding threads each): one file's writes run
+    one at a time in the kernel (a file's write lock), so one file per rank would cap a
+    rank's write bandwidth at one thread's, where DCP's own writer writes a file per
+    thread."""
+    at_once = min(len(jobs), max(1, -(-threads // THREADS_PER_FILE)))
+    share = max(1, threads // at_once)
+
+    def one(job: tuple[Path, dict[str, Any], dict[str, str]]) -> None:
+        path, tensors, meta = job
+        with files.named(path), output(path) as out:
+            write(tensor_source(tensors, meta), out, threads=share, fast=fast,
+                  segment_bytes=SEGMENT_BYTES)
+
+    if at_once == 1:
+        for job in jobs:
+            one(job)
+        return
+    with ThreadPoolExecutor(at_once, thread_name_prefix="entropykit-shard") as ex:
+        futures = [ex.submit(one, job) for job in jobs]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            for f in futures:  # after an error: start no more files (running ones end)
+                f.cancel()
 
 
 def _key(fqn: str, offset: Any, taken: dict[str, Any]) -> str:
@@ -466,11 +534,8 @@ def _strides(sizes: tuple[int, ...]) -> list[int]:
     return out[::-1]
 
 
-def _piece(c: Compressed, key: str, dtype: str, sizes: tuple[int, ...],
-           offsets: tuple[int, ...], lengths: tuple[int, ...], threads: int
-           ) -> torch.Tensor:
-    """The part ``offsets`` / ``lengths`` of saved chunk ``key`` (shape ``sizes``),
-    decoding only the segments that hold it."""
+def _check_piece(c: Compressed, key: str, dtype: str, sizes: tuple[int, ...],
+                 offsets: tuple[int, ...], lengths: tuple[int, ...]) -> None:
     try:
         e = c.entry(key)
     except KeyError:
@@ -478,21 +543,64 @@ def _piece(c: Compressed, key: str, dtype: str, sizes: tuple[int, ...],
     if (e.dtype, tuple(e.shape)) != (dtype, sizes):
         raise CorruptDataError(f"tensor {key!r}: {e.dtype}{list(e.shape)} in the shard, "
                                f"{dtype}{list(sizes)} in the metadata")
-    if len(offsets) != len(sizes) or any(
+    if len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(
             o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes,
                                                            strict=True)):
         raise ValueError(f"tensor {key!r}: piece {list(offsets)} + {list(lengths)} lies "
                          f"outside {list(sizes)}")
+
+
+def _bounds(sizes: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]
+            ) -> tuple[int, int, list[int]]:
+    """The first and last element (flat) of a non-empty piece of a chunk, and the
+    chunk's strides in elements."""
+    strides = _strides(sizes)
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
+    return first, last, strides
+
+
+def _piece(c: Compressed, key: str, dtype: str, sizes: tuple[int, ...],
+           offsets: tuple[int, ...], lengths: tuple[int, ...], threads: int
+           ) -> torch.Tensor:
+    """The part ``offsets`` / ``lengths`` of saved chunk ``key`` (shape ``sizes``),
+    decoding only the segments that hold it."""
+    _check_piece(c, key, dtype, sizes, offsets, lengths)
     tdtype = dtypes.torch_types()[dtype]
     if math.prod(lengths) == 0:
         return torch.empty(lengths, dtype=tdtype)
     size = dtypes.BITS[dtype] // 8
-    strides = _strides(sizes)
-    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
+    first, last, strides = _bounds(sizes, offsets, lengths)
     start, raw = c.span(key, first * size, (last + 1) * size, threads)
     flat = torch.from_numpy(raw).view(tdtype)
     return flat.as_strided(lengths, strides, (first * size - start) // size)
+
+
+def _runs_on(sizes: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
+    """Whether a piece of these ``lengths`` of a chunk of ``sizes`` is one run of the
+    chunk's bytes (row-major): after its first dimension longer than one, whole."""
+    k = next((d for d, n in enumerate(lengths) if n != 1), len(lengths))
+    return all(n == s for n, s in zip(lengths[k + 1:], sizes[k + 1:], strict=True))
+
+
+def _into(c: Compressed, key: str, dtype: str, sizes: tuple[int, ...],
+          offsets: tuple[int, ...], lengths: tuple[int, ...], target: torch.Tensor,
+          threads: int) -> None:
+    """The piece ``offsets`` / ``lengths`` of saved chunk ``key`` into ``target``:
+    decoded straight into it where it can be (no copy), else by ``_piece`` and a copy."""
+    if tuple(target.size()) != lengths:
+        raise ValueError(f"{key}: the planner wants {list(target.size())}, the piece is "
+                         f"{list(lengths)}")
+    _check_piece(c, key, dtype, sizes, offsets, lengths)
+    direct = (target.device.type == "cpu" and target.is_contiguous()
+              and target.dtype == dtypes.torch_types()[dtype] and _runs_on(sizes, lengths))
+    if not direct or target.numel() == 0:
+        target.copy_(_piece(c, key, dtype, sizes, offsets, lengths, threads))
+        return
+    size = dtypes.BITS[dtype] // 8
+    first, last, _ = _bounds(sizes, offsets, lengths)
+    out = target.reshape(-1).view(torch.uint8).numpy()
+    c.span_into(key, first * size, (last + 1) * size, out, threads)
 
 
 class CompressedStorageReader(FileSystemReader):
@@ -524,47 +632,70 @@ class CompressedStorageReader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
-        for name, items in sorted(per_file.items()):
-            path = Path(self.path) / name
-            with files.named(path), files.opened(path) as f:
-                c = Compressed(f)
-                for item, value in zip(items, self._pieces(c, items), strict=True):
-                    if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(value))
-                        continue
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != value.size():
-                        raise ValueError(f"{item.dest_index.fqn}: the planner wants "
-                                         f"{list(target.size())}, the piece is "
-                                         f"{list(value.size())}")
-                    target.copy_(value)
-                    planner.commit_tensor(item, target)
-                f.check()
+        with ExitStack() as stack:
+            jobs: list[_ReadJob] = []
+            opened = []
+            for name, items in sorted(per_file.items()):
+                path = Path(self.path) / name
+                with files.named(path):
+                    f = stack.enter_context(files.opened(path))
+                    c = Compressed(f)
+                opened.append((path, f))
+                jobs += [_ReadJob(path, c, item, None if item.type == LoadItemType.BYTE_IO
+                                  else planner.resolve_tensor(item).detach())
+                         for item in items]
+            # Every file's items on one pool: a file's reads and decodes overlap the next
+            # file's instead of waiting for its last item.
+            for job, value in zip(jobs, self._pieces(jobs), strict=True):
+                if job.target is None:
+                    planner.load_bytes(job.item, io.BytesIO(value))
+                else:
+                    planner.commit_tensor(job.item, job.target)
+            for path, f in opened:
+                with files.named(path):
+                    f.check()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _pieces(self, c: Compressed, items: list[ReadItem]) -> Iterator[Any]:
-        """The decoded value of each item, in order, on the thread pool (small items
-        in parallel, a large one's segments in parallel)."""
-        inner = 1 if len(items) >= self.threads else self.threads
+    def _pieces(self, jobs: list[_ReadJob]) -> Iterator[Any]:
+        """Each job's item decoded, in order, on the thread pool (small items in
+        parallel, a large one's segments in parallel): a tensor piece into its target
+        (straight into it where it is one run of bytes of the saved chunk and the target
+        a contiguous CPU tensor of its dtype; else decoded, then copied), a byte item's
+        bytes returned."""
+        inner = 1 if len(jobs) >= self.threads else self.threads
 
-        def one(item: ReadItem) -> Any:
+        def one(job: _ReadJob) -> Any:
+            item = job.item
             key = self.storage_data[item.storage_index].key
-            if item.type == LoadItemType.BYTE_IO:
-                try:
-                    e = c.entry(key)
-                except KeyError:
-                    raise CorruptDataError(f"no item {key!r} in this shard") from None
-                if e.dtype != "U8" or len(e.shape) != 1:
-                    raise CorruptDataError(f"item {key!r} is not a byte string")
-                return c.tensor(key, inner).tobytes()
-            index = item.storage_index
-            dtype, sizes = self._chunks[(index.fqn, tuple(index.offset))]
-            return _piece(c, key, dtype, sizes, tuple(item.storage_offsets),
-                          tuple(item.lengths), inner)
+            with files.named(job.path):
+                if job.target is None:
+                    try:
+                        e = job.c.entry(key)
+                    except KeyError:
+                        raise CorruptDataError(f"no item {key!r} in this shard") from None
+                    if e.dtype != "U8" or len(e.shape) != 1:
+                        raise CorruptDataError(f"item {key!r} is not a byte string")
+                    return job.c.tensor(key, inner).tobytes()
+                index = item.storage_index
+                dtype, sizes = self._chunks[(index.fqn, tuple(index.offset))]
+                _into(job.c, key, dtype, sizes, tuple(item.storage_offsets),
+                      tuple(item.lengths), job.target, inner)
+                return None
 
-        return imap(one, items, min(self.threads, max(1, len(items))))
+        return imap(one, jobs, min(self.threads, max(1, len(jobs))))
+
+
+@dataclass(frozen=True)
+class _ReadJob:
+    """One item a rank loads: its shard (path, opened), and the tensor it goes into (None
+    for a byte item)."""
+
+    path: Path
+    c: Compressed
+    item: ReadItem
+    target: torch.Tensor | None
 
 
 # -- consolidation into a Hugging Face checkpoint --------------------------------------
@@ -580,15 +711,8 @@ def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
               if fqn.startswith(prefix) and len(fqn) > len(prefix)]
     if not chosen:
         raise ValueError(f"no tensors named {prefix!r}... in this checkpoint")
-    groups: list[list[tuple[str, str, _Tensor]]] = [[]]
-    used = 0
-    for x in chosen:
-        nbytes = math.prod(x[2].size) * dtypes.BITS[x[2].dtype] // 8
-        if groups[-1] and used + nbytes > shard_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(x)
-        used += nbytes
+    sizes = [math.prod(t.size) * dtypes.BITS[t.dtype] // 8 for _, _, t in chosen]
+    groups = [[chosen[i] for i in part] for part in _parts(sizes, shard_bytes)]
     output.mkdir(parents=True, exist_ok=True)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}{files.SUFFIX}"
              for i in range(len(groups))]

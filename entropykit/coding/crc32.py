@@ -18,6 +18,7 @@ go through the byte-at-a-time table update; inputs under ``_SMALL`` bytes go to 
 
 from __future__ import annotations
 
+import functools
 import platform
 import zlib
 
@@ -227,3 +228,60 @@ def check_chunks(data: np.ndarray, size: int, crcs: np.ndarray, codes: np.ndarra
         if codes[j] != 0:
             return j
     return -1
+
+
+# crc32_combine: zlib's method (multiplication modulo the polynomial, reflected), so that
+# the CRC of a concatenation is had from its parts' CRCs without reading the bytes again.
+_REFLECTED = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a x b modulo the CRC polynomial (bit-reflected, as zlib's ``multmodp``); a != 0."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _REFLECTED if b & 1 else b >> 1
+
+
+def _powers() -> list[int]:
+    out = [1 << 30]  # x^1
+    for _ in range(31):
+        out.append(_multmodp(out[-1], out[-1]))  # x^(2^k)
+    return out
+
+
+_X2N = _powers()
+
+
+@functools.lru_cache(maxsize=64)
+def _shift(n: int) -> tuple[int, ...]:
+    """Appending ``n`` zero bytes to a CRC state, as the images of its 32 bits: x^(8n)
+    times each power of x modulo the polynomial (cached: a writer's field lengths
+    repeat, and then a combine is a few XORs)."""
+    p, k = 1 << 31, 3  # x^0; x^(8n) is x^(2^3) to the power n
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    out = []
+    for _ in range(32):  # p x^i for i = 0..31, bit 31 - i of a state
+        out.append(p)
+        p = (p >> 1) ^ _REFLECTED if p & 1 else p >> 1
+    return tuple(out)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len(B)``
+    (zlib's ``crc32_combine``): no byte read again."""
+    images = _shift(len2)
+    out, a = crc2 & 0xFFFFFFFF, crc1 & 0xFFFFFFFF
+    while a:
+        low = a & -a
+        out ^= images[31 - low.bit_length() + 1]
+        a ^= low
+    return out

@@ -37,7 +37,7 @@ import zstandard
 from .. import rans, tans
 from .._errors import CorruptDataError
 from ..coding import contexts, frame, tables
-from ..coding.crc32 import crc32
+from ..coding.crc32 import crc32, crc32_combine
 from ..rans import static as rans_static
 from ..tans import static as tans_static
 from . import classed
@@ -342,7 +342,11 @@ class _Raw:
 
     def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
                chunk_size: int, counts: np.ndarray | None) -> bytes:
-        return b"".join((_CRC.pack(crc32(symbols)), symbols.data))  # one copy
+        return self.stored(symbols).joined()
+
+    def stored(self, symbols: np.ndarray) -> Stored:
+        """The payload of ``symbols`` in its two pieces, not joined."""
+        return Stored(crc32(symbols), symbols)
 
     def count(self, data: np.ndarray) -> int:
         if data.size < _CRC.size:
@@ -419,13 +423,43 @@ def _entropy_estimate(present: int, bits: float, n: int) -> int:
 
 
 @dataclass(frozen=True)
+class Stored:
+    """A raw payload kept in its two pieces, the CRC-32 of the symbols and the symbols
+    (read, not copied): a writer writes them one after the other and binds the payload
+    to its place from ``crc`` (``crc32``), so the symbols are neither joined to their CRC
+    (a copy) nor read again."""
+
+    crc: int
+    symbols: np.ndarray  # uint8, 1-D, contiguous; not changed while the payload is used
+
+    def pieces(self) -> tuple[bytes, memoryview]:
+        return _CRC.pack(self.crc), memoryview(self.symbols).cast("B")
+
+    def joined(self) -> bytes:
+        return b"".join(self.pieces())
+
+    def crc32(self, value: int = 0) -> int:
+        """``crc32(payload, value)``, from the CRC of the symbols: no pass over them."""
+        return crc32_combine(crc32(_CRC.pack(self.crc), value), self.crc, self.symbols.size)
+
+    def __len__(self) -> int:
+        return _CRC.size + self.symbols.size
+
+
+@dataclass(frozen=True)
 class Choice:
-    """A coded field: its codec, payload, and order-0 entropy in bits (for a large field
-    stored raw by the sample screen, estimated from the spread sample)."""
+    """A coded field: its codec, payload (bytes, or for raw its ``Stored`` pieces), and
+    order-0 entropy in bits (for a large field stored raw by the sample screen,
+    estimated from the spread sample)."""
 
     codec: str
-    blob: bytes
+    payload: bytes | Stored
     entropy_bits: float
+
+    @property
+    def blob(self) -> bytes:
+        """The payload as one bytes object (raw pieces joined: a copy)."""
+        return self.payload if isinstance(self.payload, bytes) else self.payload.joined()
 
 
 def check_target(target: str) -> None:
@@ -444,7 +478,7 @@ def grid_of(shape: tuple[int, ...], first: int) -> tuple[int, int] | None:
 
 
 def _raw(symbols: np.ndarray, bits: float) -> Choice:
-    return Choice("raw", RAW.encode(symbols, None, 0, 0, None), bits)
+    return Choice("raw", RAW.stored(symbols), bits)
 
 
 def _screened(symbols: np.ndarray, p: Policy) -> float | None:
@@ -529,7 +563,9 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
             bids[name] = bid
             rival = min(rival, bid.size)
     codec = min(bids, key=lambda c: bids[c].size)  # the first of equal bids
+    if codec == "raw":
+        return _raw(symbols, f.bits)
     blob = bids[codec].make()
-    if codec != "raw" and len(blob) >= raw:
+    if len(blob) >= raw:
         return _raw(symbols, f.bits)
     return Choice(codec, blob, f.bits)

@@ -41,11 +41,22 @@ def index_size(count: int, bound: bool = True) -> int:
     return _HEAD.size + (12 if bound else 8) * count
 
 
-def field_crc(part: np.ndarray | bytes, name: str, seg: int, field: int) -> int:
+class _Pieces(Protocol):
+    """A payload that knows its CRC-32 without being read (``codecs.Stored``)."""
+
+    def crc32(self, value: int = 0) -> int: ...
+
+
+def field_crc(part: np.ndarray | bytes | memoryview | _Pieces, name: str, seg: int,
+              field: int) -> int:
     """The position CRC of field payload ``part``, field ``field`` of segment ``seg`` of
     tensor ``name``: CRC-32 of the tensor name's UTF-8 bytes, a NUL, u32 seg, u32 field,
-    then the payload (one pass: the payload's CRC seeded with the prefix's)."""
-    return crc32(part, place_seed(name, seg, field))
+    then the payload (one pass: the payload's CRC seeded with the prefix's; none for a
+    payload that has its own)."""
+    seed = place_seed(name, seg, field)
+    if isinstance(part, (bytes, bytearray, memoryview, np.ndarray)):
+        return crc32(part, seed)
+    return part.crc32(seed)
 
 
 def place_seed(name: str, seg: int, field: int) -> int:

@@ -321,6 +321,31 @@ class Compressed:
             pass
         return start, out
 
+    def span_into(self, name: str, lo: int, hi: int, out: np.ndarray, threads: int = 1
+                  ) -> None:
+        """The original bytes ``[lo, hi)`` of tensor ``name`` into ``out`` (uint8, 1-D,
+        ``hi - lo`` bytes, writable): the segments inside the range decoded straight into
+        their place, the one or two it cuts decoded apart and their part copied."""
+        e = self.entry(name)
+        if not 0 <= lo <= hi <= e.nbytes or out.shape != (hi - lo,) or out.dtype != np.uint8:
+            raise ValueError(f"tensor {name!r}: bytes [{lo}, {hi}) of {e.nbytes} into "
+                             f"{out.dtype}{list(out.shape)}")
+        bounds = self.bounds(e)
+        fields = _Once(lambda: self.fields(name))
+
+        def one(s: int) -> None:
+            a, b = bounds[s]
+            if lo <= a and b <= hi:
+                self._decode((e, s, b - a, fields, out[a - lo : b - lo]))
+                return
+            got = self._decode((e, s, b - a, fields, None))
+            x, y = max(a, lo), min(b, hi)
+            out[x - lo : y - lo] = got[x - a : y - a]
+
+        for _ in imap(one, [s for s, (a, b) in enumerate(bounds) if a < hi and b > lo],
+                      threads):
+            pass
+
     def restored(self, threads: int = 1) -> np.ndarray:
         """The whole original file in memory (uint8, writable): every segment decoded
         straight into its place, no copy."""

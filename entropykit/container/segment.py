@@ -26,12 +26,13 @@ from . import header as hdr
 
 @dataclass(frozen=True)
 class Coded:
-    """A coded segment: its fields (name, context field), codec and payload per field, and
-    the order-0 entropy of its fields in bits."""
+    """A coded segment: its fields (name, context field), codec and payload per field
+    (bytes, or a raw field's ``codecs.Stored`` pieces), and the order-0 entropy of its
+    fields in bits."""
 
     fields: tuple[tuple[str, str | None], ...]
     codecs: tuple[str, ...]
-    parts: tuple[bytes, ...]
+    parts: tuple[bytes | codecs.Stored, ...]
     entropy_bits: float
 
 
@@ -112,13 +113,13 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
     for sym, field, n in zip(syms, split.fields, want, strict=True):
         if stored:
             names.append(codecs.RAW.name)
-            parts.append(codecs.RAW.encode(sym, None, 0, 0, None))
+            parts.append(codecs.RAW.stored(sym))
             continue
         choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
                                fast=fast, grid=grid if n == elements else None,
                                counts=_expand(counts.pop(field[0], None)))
         names.append(choice.codec)
-        parts.append(choice.blob)
+        parts.append(choice.payload)
         bits += choice.entropy_bits
     return Coded(split.fields, tuple(names), tuple(parts), bits)
 

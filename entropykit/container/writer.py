@@ -169,7 +169,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
                 crcs += part_crcs
                 chosen[p.entry.name].append(coded.codecs)
                 for part in coded.parts:
-                    out.write(part)
+                    _put(out, part)
                     lengths.append(len(part))
                 bits += coded.entropy_bits
                 done += hi - lo
@@ -214,10 +214,19 @@ def _store(p: _Plan, source: Source, out: BinaryIO, at: int) -> tuple[list[int],
         coded = segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split,
                                stored=True)
         for f, part in enumerate(coded.parts):
-            out.write(part)
+            _put(out, part)
             lengths.append(len(part))
             crcs.append(payload.field_crc(part, p.entry.name, s, f))
     return lengths, crcs
+
+
+def _put(out: BinaryIO, part: bytes | codecs.Stored) -> None:
+    """Write a field payload; a raw one as its pieces (no join)."""
+    if isinstance(part, bytes):
+        out.write(part)
+    else:
+        for piece in part.pieces():
+            out.write(piece)
 
 
 def _count(summary: Summary, e: hdr.Entry, size: int, bits: float) -> None:

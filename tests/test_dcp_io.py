@@ -1,0 +1,253 @@
+"""How a rank's shard is written and read: raw fields checksummed once and written
+without a join copy, a rank's items spread over files written in parallel, loads decoded
+straight into the planner's tensors. (Round trips and failure behaviour: test_dcp.py.)"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from entropykit.api import tensor_source
+from entropykit.container import codecs, payload
+from entropykit.container.reader import Compressed
+from entropykit.container.writer import write
+
+
+def test_raw_fields_are_read_once_by_the_crcs_and_never_joined(monkeypatch):
+    # Random bytes: every field is stored raw. Its CRC is taken once (the field's own);
+    # the position CRC comes from it, and the payload is written in pieces.
+    data = np.random.default_rng(1).integers(0, 256, 3 << 20).astype(np.uint8)
+    crcd = []
+
+    def counting(real):
+        def crc(buf, value=0):
+            crcd.append(memoryview(buf).nbytes)
+            return real(buf, value)
+        return crc
+
+    monkeypatch.setattr(codecs, "crc32", counting(codecs.crc32))
+    monkeypatch.setattr(payload, "crc32", counting(payload.crc32))
+    writes = []
+
+    class Out(io.BytesIO):
+        def write(self, b):
+            writes.append(memoryview(b).nbytes)
+            return super().write(b)
+
+    out = Out()
+    write(tensor_source({"x": data}, None), out, threads=1, fast=True, segment_bytes=1 << 20)
+    # Each byte once (old: twice), and each field's 4-byte CRC in its position CRC.
+    assert data.size <= sum(crcd) <= data.size + 4 * 3
+    assert max(writes) == 1 << 20  # the symbols as they are, not joined to their CRC
+    got = Compressed(out.getvalue()).tensor("x")
+    assert np.array_equal(got, data)
+
+
+def test_stored_payload_crc_equals_the_joined_bytes_crc():
+    from entropykit.coding.crc32 import crc32
+
+    sym = np.random.default_rng(2).integers(0, 256, 100_003).astype(np.uint8)
+    s = codecs.RAW.stored(sym)
+    joined = codecs.RAW.encode(sym, None, 0, 0, None)
+    assert s.joined() == joined and len(s) == len(joined)
+    for seed in (0, 1, 0xFFFFFFFF, 0x12345678):
+        assert s.crc32(seed) == crc32(joined, seed)
+    assert payload.field_crc(s, "t", 3, 1) == payload.field_crc(joined, "t", 3, 1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 4096, 1 << 20])
+def test_crc32_combine_is_zlibs(n):
+    import zlib
+
+    from entropykit.coding.crc32 import crc32_combine
+
+    g = np.random.default_rng(n)
+    a, b = g.bytes(13), g.bytes(n)
+    for seed in (0, 0xDEADBEEF):
+        assert crc32_combine(zlib.crc32(a, seed), zlib.crc32(b), n) == zlib.crc32(a + b, seed)
+
+
+# -- a rank's files, and loads into the planner's tensors (one process, no_dist) -------
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+ekdcp = pytest.importorskip("entropykit.dcp")
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    sd = {f"w{i}": (torch.randn(64, 256 + 8 * i, generator=g) * 0.02).to(dt)
+          for i, dt in enumerate([torch.float32, torch.bfloat16] * 3)}
+    sd["fp8"] = torch.randn(33, 65, generator=g).to(torch.float8_e4m3fn)
+    sd["scalar"] = torch.tensor(3.5)
+    sd["step"] = 17
+    return sd
+
+
+def _zeros(sd: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+            for k, v in sd.items()}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+               if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+class _Counting(ekdcp.CompressedStorageWriter):
+    """Counts the shard files written at once; ``fail`` names one that fails."""
+
+    def __init__(self, *a, fail: str | None = None, **kw) -> None:
+        super().__init__(*a, **kw)
+        import threading
+
+        self.lock, self.now, self.most, self.fail = threading.Lock(), 0, 0, fail
+
+    def _shard_output(self, path):
+        import contextlib
+        import time
+
+        @contextlib.contextmanager
+        def counted():
+            with self.lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+            try:
+                time.sleep(0.05)  # so that files meant to overlap do
+                if self.fail and path.name.endswith(self.fail):
+                    raise OSError("disk full")
+                with super(_Counting, self)._shard_output(path) as out:
+                    yield out
+            finally:
+                with self.lock:
+                    self.now -= 1
+        return counted()
+
+
+def test_a_rank_writes_files_of_part_bytes_several_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
+    sd = _state()
+    w = _Counting(tmp_path, threads=8)
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    shards = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("shard-"))
+    # Items in order, a file begun before one would pass 40 000 bytes: 6 tensors of
+    # 32-66 KB each alone, fp8 + scalar + step together.
+    assert len(shards) == 7 and all(ekdcp._SHARD.fullmatch(n) for n in shards)
+    assert w.most == 2  # 8 threads: two files at once, four coding threads each
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
+    # Same state, other thread count: the same files, byte for byte.
+    before = {n: (tmp_path / n).read_bytes() for n in shards}
+    dcp.save(sd, storage_writer=_Counting(tmp_path, threads=1), no_dist=True)
+    after = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("shard-"))
+    assert len(after) == 7 and [(tmp_path / n).read_bytes() for n in after] == list(
+        before.values())
+
+
+def test_a_failing_file_of_a_rank_leaves_no_checkpoint_and_the_old_one_whole(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
+    old = _state()
+    dcp.save(old, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=8),
+             no_dist=True)
+    new = {k: v + 1 if isinstance(v, torch.Tensor) and v.dtype != torch.float8_e4m3fn
+           else v for k, v in old.items()}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException):
+        dcp.save(new, storage_writer=_Counting(tmp_path, threads=8, fail="-0003.safetensors"),
+                 no_dist=True)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ek-tmp")]
+    got = _zeros(old)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(old, got)
+
+
+def test_whole_chunks_load_straight_into_their_tensors(tmp_path, monkeypatch):
+    # Segments of 4 KiB: tensors of several segments each.
+    monkeypatch.setattr(ekdcp, "SEGMENT_BYTES", 4096)
+    sd = _state()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    calls = []
+    real = ekdcp._piece
+    monkeypatch.setattr(ekdcp, "_piece", lambda *a: calls.append(a[1]) or real(*a))
+    got = _zeros(sd)
+    ptrs = {k: v.data_ptr() for k, v in got.items() if isinstance(v, torch.Tensor)}
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path, threads=2),
+             no_dist=True)
+    assert _equal(sd, got) and calls == []  # no piece decoded apart and copied
+    assert ptrs == {k: v.data_ptr() for k, v in got.items() if isinstance(v, torch.Tensor)}
+    # A target that is not contiguous (or of another dtype) still loads, through a copy.
+    t = torch.zeros(256, 64).t()
+    got = {"w0": t}
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert torch.equal(got["w0"], sd["w0"]) and calls == ["w0"]
+
+
+@pytest.mark.parametrize("offsets, lengths", [
+    ((0, 0), (40, 70)), ((3, 0), (20, 70)), ((5, 0), (1, 70)), ((7, 9), (1, 30)),
+    ((39, 69), (1, 1)), ((2, 5), (30, 20)), ((0, 3), (40, 1)), ((11, 0), (0, 70))])
+def test_a_piece_decodes_into_its_target_exactly(offsets, lengths):
+    # Segments of 512 bytes (64 bf16 elements, less than a row): pieces start and end
+    # inside segments, or span whole ones.
+    g = torch.Generator().manual_seed(5)
+    chunk = torch.randn(40, 70, generator=g).to(torch.bfloat16)
+    buf = io.BytesIO()
+    write(tensor_source({"c": chunk}, None), buf, threads=1, fast=True, segment_bytes=512)
+    c = Compressed(buf.getvalue())
+    want = chunk[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
+    for threads in (1, 3):
+        target = torch.full(lengths, 7.0, dtype=torch.bfloat16)
+        ekdcp._into(c, "c", "BF16", (40, 70), offsets, lengths, target, threads)
+        assert torch.equal(target.view(torch.int16), want.view(torch.int16))
+
+
+def test_span_into_refuses_a_range_outside_the_tensor():
+    buf = io.BytesIO()
+    write(tensor_source({"c": np.zeros(100, np.uint8)}, None), buf, threads=1)
+    c = Compressed(buf.getvalue())
+    with pytest.raises(ValueError, match="bytes"):
+        c.span_into("c", 90, 101, np.empty(11, np.uint8))
+    with pytest.raises(ValueError, match="bytes"):
+        c.span_into("c", 0, 10, np.empty(9, np.uint8))
+
+
+# -- the write-behind thread: queued writes in one writev ------------------------------
+
+def test_queued_writes_go_out_in_few_writev_calls_even_when_short(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from entropykit.container import _atomic
+
+    gate = threading.Event()
+    calls = []
+    real = os.writev
+
+    def writev(fd, bufs):
+        gate.wait(30)  # the writer thread waits here while the caller queues the rest
+        calls.append(len(bufs))
+        room, part = 5000, []  # a short write: at most 5000 bytes, often mid-buffer
+        for b in bufs:
+            part.append(memoryview(b)[:room])
+            room -= part[-1].nbytes
+            if not room:
+                break
+        return real(fd, part)
+
+    monkeypatch.setattr(os, "writev", writev)
+    want = b"".join(bytes([i % 251]) * (100 + i) for i in range(300))
+    with _atomic.output_file(tmp_path / "o.bin") as out:
+        at = 0
+        for i in range(300):
+            n = 100 + i
+            out.write(memoryview(want)[at : at + n])
+            at += n
+        gate.set()
+    assert (tmp_path / "o.bin").read_bytes() == want
+    # 300 writes of 74 850 bytes: calls of many buffers (short writes taken up again).
+    assert 15 <= len(calls) < 40 and max(calls) > 100
