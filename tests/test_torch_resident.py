@@ -362,11 +362,13 @@ class _Nested(nn.Module):
         return self.inner(x) @ self.weight
 
 
-def test_blocks_with_nested_weights_stay_whole() -> None:
+@pytest.mark.parametrize("opts", [dict(tile_bytes=4096), dict(granularity="weight")],
+                         ids=["tiles", "weight"])
+def test_blocks_with_nested_weights_stay_whole(opts) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.ModuleList([_Nested(), _Nested()])).to(torch.bfloat16)
     ref = copy.deepcopy(model)
-    ekt.compress_model(model, tile_bytes=4096)
+    ekt.compress_model(model, **opts)
     units = model._entropykit_resident.units
     assert [u.module for u in units] == list(model[0]) and all(u.block for u in units)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
@@ -747,25 +749,85 @@ def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
 
 
 class _Log:
-    """Streams that decode at once (as the CPU's) and log what the hooks asked for."""
+    """Streams that log what the hooks asked for and decode at once (as the CPU's), or,
+    ``lazy``, as late as a side stream could: a prefetch poisons its place at once (the
+    side stream may write it any time) and decodes when it is joined."""
 
-    def __init__(self) -> None:
+    def __init__(self, lazy: bool = False) -> None:
         self.ops: list[tuple[str, int]] = []
-        self.index: dict[int, int] = {}
+        self.entered: int | None = None  # the launch of the unit whose hook runs
+        self.lazy = lazy
+        self.queued: dict[int, object] = {}
 
     def now(self, decoder) -> None:
-        self.ops.append(("now", self.index[id(decoder)]))
+        self.ops.append(("now", self.entered))
         decoder.run()
 
     def prefetch(self, u, decoder) -> None:
         self.ops.append(("prefetch", u))
-        decoder.run()
+        if self.lazy:
+            decoder.region[:] = 0xFF  # NaN in every coded float format
+            self.queued[u] = decoder
+        else:
+            decoder.run()
 
     def join(self, u) -> None:
         self.ops.append(("join", u))
+        if self.lazy:
+            self.queued.pop(u).run()
 
     def synchronize(self) -> None:
         pass
+
+
+def _logged(monkeypatch, lazy: bool = False) -> _Log:
+    """A ``_Log`` as the streams of every model made resident from now on, told which
+    launch each hook enters and logging each unit's compute once its hook returns."""
+    log = _Log(lazy)
+    monkeypatch.setattr(_resident, "_backend",
+                        lambda device, units: (log, _resident.CpuDecoder))
+    real = _resident.Resident.before
+
+    def before(self, k, args, kwargs) -> None:
+        log.entered = self.units[k].lead
+        real(self, k, args, kwargs)
+        log.ops.append(("compute", k))
+
+    monkeypatch.setattr(_resident.Resident, "before", before)
+    return log
+
+
+def _check_order(state, ops: list[tuple[str, int]], leads: list[int]) -> list[int]:
+    """Replay streams ops against the rules that make the CUDA backend's overlap safe (a
+    prefetch may write its place at any moment until it is joined): a unit computes only
+    while its launch's decode, issued on the compute stream ("now") or prefetched and
+    joined, is the last write to its place; a decode never races an un-joined prefetch
+    into the same bytes; nothing is left un-joined at the end (graph capture). The units
+    computed, in order."""
+    span = {g: (state.units[g].place.data_ptr(),
+                state.units[g].place.data_ptr() + state.units[g].place.numel())
+            for g in leads}
+    apart = lambda a, b: span[a][1] <= span[b][0] or span[b][1] <= span[a][0]  # noqa: E731
+    pending: set[int] = set()
+    ready: set[int] = set()  # launches whose place holds their decode, on the compute stream
+    computed = []
+    for i, (op, k) in enumerate(ops):
+        if op == "compute":
+            g = state.units[k].lead
+            assert g in ready and g not in pending, ops[: i + 1]
+            computed.append(k)
+        elif op == "prefetch":
+            assert all(apart(k, j) for j in pending), ops[: i + 1]
+            pending.add(k)
+            ready = {g for g in ready if apart(g, k)}
+        elif op == "join":
+            pending.discard(k)
+            ready = {g for g in ready if apart(g, k)} | {k}
+        elif op == "now":
+            assert all(apart(k, j) for j in pending), ops[: i + 1]
+            ready = {g for g in ready if apart(g, k)} | {k}
+    assert not pending
+    return computed
 
 
 @pytest.mark.parametrize(("vocab", "tile_bytes", "ahead"),
@@ -780,21 +842,11 @@ def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, ahead, monkeypat
     prefetch never targets the place of the launch about to compute; a decode on the
     compute stream never races an un-joined prefetch into the same bytes; nothing is left
     un-joined when the forward returns (graph capture); each launch decodes once."""
-    log = _Log()
-    monkeypatch.setattr(_resident, "_backend",
-                        lambda device, units: (log, _resident.CpuDecoder))
-    real = _resident.Resident.before
-
-    def before(self, k, args, kwargs) -> None:  # the unit computes once its hook returns
-        real(self, k, args, kwargs)
-        log.ops.append(("compute", k))
-
-    monkeypatch.setattr(_resident.Resident, "before", before)
+    log = _logged(monkeypatch)
     model = _llama_vocab(vocab)
     ref = copy.deepcopy(model)
     ekt.compress_model(model, tile_bytes=tile_bytes, tiles_ahead=ahead)
     state = model._entropykit_resident
-    log.index = {id(u.decoder): u.lead for u in state.units}
     # large embeddings decode in tiles, each beside the one before like the blocks; with
     # tiles smaller than a block, the blocks' Linears too (q and o in one tile each, gate,
     # up and down in two; k and v are too small to code)
@@ -810,30 +862,7 @@ def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, ahead, monkeypat
     log.ops.clear()
     ids = _ids().clamp(max=255)
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
-    span = {g: (state.units[g].place.data_ptr(),
-                state.units[g].place.data_ptr() + state.units[g].place.numel())
-            for g in leads}
-    apart = lambda a, b: span[a][1] <= span[b][0] or span[b][1] <= span[a][0]  # noqa: E731
-    pending: set[int] = set()
-    ready: set[int] = set()  # launches whose place holds their decode, on the compute stream
-    computed = []
-    for i, (op, k) in enumerate(log.ops):
-        if op == "compute":
-            g = state.units[k].lead
-            assert g in ready and g not in pending, log.ops[: i + 1]
-            computed.append(k)
-        elif op == "prefetch":
-            nxt = state.units[next(j for o, j in log.ops[i:] if o == "compute")].lead
-            assert apart(k, nxt)
-            pending.add(k)
-            ready = {g for g in ready if apart(g, k)}
-        elif op == "join":
-            pending.discard(k)
-            ready = {g for g in ready if apart(g, k)} | {k}
-        elif op == "now":
-            assert all(apart(k, j) for j in pending)
-            ready = {g for g in ready if apart(g, k)} | {k}
-    assert not pending
+    computed = _check_order(state, log.ops, leads)
     assert computed == list(range(len(state.units)))
     assert [k for op, k in log.ops if op == "now"] == [g for g, p in zip(leads, want,
                                                                           strict=True)
@@ -901,3 +930,155 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     assert len(rows) == 3 and all("| yes " in r for r in rows[1:])
     units = 53  # tiny's tiles of 64 KiB: coded once for both tiles_ahead values
     assert len(calls) == units
+
+
+def _family(name: str, vocab: int = 256) -> nn.Module:
+    """Tiny models of the families resident mode meets (random weights, bf16)."""
+    if name == "gpt2":
+        return _gpt2_vocab(vocab)
+    torch.manual_seed(0)
+    kw = {**_SMALL, "vocab_size": vocab}
+    if name == "llama-tied":
+        return _llama_vocab(vocab, tie_word_embeddings=True)
+    model, config = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)
+                     }[name]
+    if name == "qwen3":
+        kw["head_dim"] = 16
+    return model(config(**kw)).to(torch.bfloat16).eval()
+
+
+_WEIGHT_MODELS = {
+    "llama": lambda: _family("llama"),
+    "llama-tied-tiles": lambda: _family("llama-tied", 4096),
+    "qwen2": lambda: _family("qwen2"),
+    "qwen3": lambda: _family("qwen3"),
+    "gpt2-tied-tiles": lambda: _family("gpt2", 4096),
+    "llama-fp16": lambda: _llama(torch.float16),
+    "fp8-scales": _Fp8Net,
+}
+
+
+@pytest.mark.parametrize("make", list(_WEIGHT_MODELS.values()), ids=list(_WEIGHT_MODELS))
+def test_weight_granularity_exact(make) -> None:
+    """``granularity="weight"``: every block unit is one module's own weights, hooked on
+    that module; logits bit-identical to the plain model's, again after the ring is
+    poisoned, and every weight restored bit for bit."""
+    model = make()
+    ref = copy.deepcopy(model)
+    before = {k: _bits(v).clone() for k, v in model.state_dict().items()}
+    ids = _ids()
+    want = _logits(ref, ids)
+    ekt.compress_model(model, granularity="weight")
+    state = model._entropykit_resident
+    blocks = [u for u in state.units if u.block]
+    assert len(blocks) > 3  # more than one unit per block
+    for u in blocks:
+        assert {w.owner for w in u.weights} == {u.module}
+        assert next(u.module.children(), None) is None
+    mem = ekt.resident_memory(model)
+    assert mem.tensors == len(_coded_weights(ref))
+    for _ in range(2):
+        _poison(model)
+        assert torch.equal(_logits(model, ids), want)
+    ekt.decompress_model(model)
+    after = model.state_dict()
+    assert set(after) == set(before)
+    assert all(torch.equal(_bits(after[k]), v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+@pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
+def test_weight_ring_is_ahead_plus_one_largest_modules(vocab, ahead) -> None:
+    """The scratch buffer is ``ahead + 1`` slots of the largest module's weights (a
+    Llama's MLP Linears: 128 x 64 bf16), not two blocks; the embedding and head decode in
+    row tiles of a slot; launches take the slots in turn."""
+    model, block = _llama_vocab(vocab), _llama_vocab(vocab)
+    ekt.compress_model(model, granularity="weight", ahead=ahead)
+    ekt.compress_model(block)
+    state = model._entropykit_resident
+    slot = _aligned(128 * 64 * 2)
+    mem = ekt.resident_memory(model)
+    assert mem.scratch_bytes == (ahead + 1) * slot
+    assert ekt.resident_memory(block).scratch_bytes == 2 * (2 * _aligned(64 * 64 * 2) + 3 * slot)
+    assert mem.uncompressed_bytes == ekt.resident_memory(block).uncompressed_bytes
+    assert mem.ratio == (mem.coded_bytes + mem.scratch_bytes) / mem.uncompressed_bytes
+    # q, o, gate, up, down of each layer (k and v are too small to code); the embedding
+    # and the head in tiles of a slot
+    names = [type(u.module).__name__ for u in state.units if u.block]
+    assert names == ["Linear"] * 5 * 3
+    tiles = -(-vocab * 64 * 2 // slot)
+    assert len(state.units) == 5 * 3 + 2 * tiles
+    base = state.scratch.data_ptr()
+    places = [(state.units[g].place.data_ptr() - base) // slot for g in state.leads]
+    assert places == [k % (ahead + 1) for k in range(len(state.leads))]
+    # every launch but the first is decoded while the ones before it compute
+    for j, g in enumerate(state.leads):
+        assert state.window[g] == state.leads[j + 1 : j + 1 + ahead]
+    ids = _ids().clamp(max=255)
+    assert torch.equal(_logits(model, ids), _logits(block, ids))
+
+
+def _alone(model: nn.Module, opts: dict) -> list[nn.Module]:
+    """Modules of ``model`` a caller may run on their own (units, or holding whole units),
+    taking a batch of hidden states: its head, and a block's MLP by weight."""
+    if isinstance(model, _Fp8Net):
+        return [model.head, model.blocks[1]]
+    inner = model.model.layers[1] if hasattr(model, "model") else model.transformer.h[1]
+    return [model.lm_head] + ([inner.mlp] if opts.get("granularity") == "weight" else [])
+
+
+@pytest.mark.parametrize(("make", "opts"), [
+    (lambda: _llama_vocab(4096), dict(granularity="weight")),
+    (lambda: _llama_vocab(4096), dict(granularity="weight", ahead=3, tiles_ahead=2)),
+    (lambda: _llama_vocab(4096), dict(granularity="weight", ahead=1)),
+    (lambda: _gpt2_vocab(4096), dict(granularity="weight")),
+    (lambda: _gpt2_vocab(4096), dict(ahead=2)),
+    (_Fp8Net, dict(granularity="weight", ahead=2)),
+    (lambda: _llama_vocab(4096), dict(tile_bytes=8192, ahead=3)),
+], ids=["weight", "weight-ahead3-tiles2", "weight-ahead1", "gpt2-tied-weight",
+        "gpt2-tied-blocks-ahead2", "fp8-weight", "tiles-ahead3"])
+def test_ring_order_when_prefetches_land_late(make, opts, monkeypatch) -> None:
+    """The ring's ordering on streams that write a prefetched place as early and decode
+    it as late as a side stream could (poisoned at the prefetch, decoded at the join): the
+    logits stay exact only if no unit reads its slot after a later launch took it and
+    every prefetch is joined before its unit computes; the replay checks the same rules
+    op by op, over two forwards and a unit called on its own between them."""
+    log = _logged(monkeypatch, lazy=True)
+    model = make()
+    ref = copy.deepcopy(model)
+    ekt.compress_model(model, **opts)
+    state = model._entropykit_resident
+    assert sum(bool(w) for w in state.window.values()) > len(state.leads) // 2
+    log.ops.clear()
+    for seed in range(2):
+        ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(_logits(model, ids), _logits(ref, ids))
+        assert _check_order(state, log.ops, state.leads) == list(range(len(state.units)))
+        log.ops.clear()
+        _poison(model)
+        x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(seed)).to(
+            torch.bfloat16)
+        with torch.no_grad():  # units called on their own, out of the forward's order
+            for m, r in zip(_alone(model, opts), _alone(ref, opts), strict=True):
+                assert torch.equal(_bits(m(x)), _bits(r(x)))
+        state.end()
+        _check_order(state, log.ops, state.leads)
+        log.ops.clear()
+
+
+def test_granularity_and_ahead_checked() -> None:
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        ekt.compress_model(_llama(), granularity="tile")
+    with pytest.raises(ValueError, match="ahead must be >= 1"):
+        ekt.compress_model(_llama(), ahead=0)
+    from entropykit.hf import EntropyKitConfig
+
+    with pytest.raises(TypeError, match="granularity must be a str or None"):
+        EntropyKitConfig(resident=True, granularity=1)
+    with pytest.raises(TypeError, match="ahead must be an int or None"):
+        EntropyKitConfig(resident=True, ahead="2")
+    config = EntropyKitConfig(resident=True, granularity="weight", ahead=3)
+    assert config.resident_options() == {"granularity": "weight", "ahead": 3}
+
