@@ -680,17 +680,19 @@ def test_from_pretrained_resident(tmp_path, family) -> None:
         EntropyKitConfig(resident="yes")
 
 
-def test_from_pretrained_resident_options_reach_compress_model(tmp_path) -> None:
-    """tile_bytes, tiles_ahead and chunk_size of the config are compress_model's: the
-    loaded model's units, launches and frames are those of compress_model called with
-    them, and its logits the plain model's."""
+@pytest.mark.parametrize("options", [
+    {"tile_bytes": 4096, "tiles_ahead": 2, "chunk_size": 1024},
+    {"granularity": "weight", "ahead": 3, "chunk_size": 1024}], ids=["tiles", "weight"])
+def test_from_pretrained_resident_options_reach_compress_model(tmp_path, options) -> None:
+    """granularity, ahead, tile_bytes, tiles_ahead and chunk_size of the config are
+    compress_model's: the loaded model's units, launches, ring and frames are those of
+    compress_model called with them, and its logits the plain model's."""
     import entropykit
     from entropykit.hf import EntropyKitConfig
 
     model = _llama()
     model.save_pretrained(tmp_path / "plain")
     entropykit.compress_file(tmp_path / "plain", tmp_path / "ek")
-    options = {"tile_bytes": 4096, "tiles_ahead": 2, "chunk_size": 1024}
     load = transformers.AutoModelForCausalLM.from_pretrained
     with pytest.warns(UserWarning, match="resident"):
         got = load(tmp_path / "ek", quantization_config=EntropyKitConfig(resident=True,
@@ -700,6 +702,7 @@ def test_from_pretrained_resident_options_reach_compress_model(tmp_path) -> None
     default = ekt.compress_model(load(tmp_path / "ek"))
     state = got._entropykit_resident
     assert state.chunk_size == 1024
+    assert state.ahead == options.get("ahead", 1)
     assert len(state.units) == len(direct._entropykit_resident.units) \
         > len(default._entropykit_resident.units)
     assert state.leads == direct._entropykit_resident.leads
