@@ -300,14 +300,20 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
 
 def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[str]:
     """DFloat11's ``DFloat11Model`` of the same bf16 model: logits and step times."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import df11_compat  # what DFloat11 0.5.0 imports, on transformers 5
+
     try:
-        from dfloat11 import DFloat11Model
+        df11_compat.install()
+        import dfloat11  # noqa: F401
     except ImportError as e:
         print(f"  DFloat11: not measured ({e})")
         return []
     try:
         # As its users load it: the model built from the checkpoint's config.json.
-        model = DFloat11Model.from_pretrained(path, device=device)
+        model = df11_compat.load(path, device)
     except Exception as e:  # its API or the checkpoint: say so, the rest stands
         print(f"  DFloat11: not measured (DFloat11Model.from_pretrained: {e!r:.200})")
         return []

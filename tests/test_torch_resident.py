@@ -904,8 +904,9 @@ def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
 @pytest.mark.slow
 def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     """gpu/resident_check.py's sweep on the CPU backend (no graphs there): one row per
-    option set, every one exact, the coding shared between option sets that cut the same
-    tiles and the memo left as it was."""
+    option set (blocks in tiles, weights in rings of two and three), every one exact, the
+    coding shared between option sets that cut the same tiles and the memo left as it
+    was."""
     import importlib.util
     from pathlib import Path
 
@@ -916,7 +917,9 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     grid = rc.sweep_grid([1 << 16, 1 << 12], [None, 1 << 16], [1, 3], 1 << 17)
     assert [(g["chunk_size"], g["tile_bytes"], g["tiles_ahead"]) for g in grid] == [
         (c, t, a) for c in (1 << 16, 1 << 12) for t, a in ((None, 1), (1 << 16, 1))]
-    grid = rc.sweep_grid([1 << 12], [1 << 16], [1, 3], 1 << 26)
+    grid = rc.sweep_grid([1 << 12], [1 << 16], [1, 3], 1 << 26, ("block", "weight"), (1, 2))
+    assert [(g["granularity"], g["tiles_ahead"], g["ahead"]) for g in grid] == [
+        ("block", 1, 1), ("block", 3, 1), ("weight", 1, 1), ("weight", 1, 2)]
     calls = []
     real = _resident.code_tensor
 
@@ -930,9 +933,11 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     finally:
         _resident.code_tensor = real
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("tiny bf16 ")]
-    assert len(rows) == 3 and all("| yes " in r for r in rows[1:])
-    units = 53  # tiny's tiles of 64 KiB: coded once for both tiles_ahead values
-    assert len(calls) == units
+    assert len(rows) == 5 and all("| yes " in r for r in rows[1:])
+    # tiny's tiles of 64 KiB, coded once for both tiles_ahead values; then its 21 Linear
+    # weights whole and the embedding's and head's 16 tiles each (a slot: the MLP's
+    # 64 KiB), coded once for both rings
+    assert len(calls) == 53 + 21 + 2 * 16
 
 
 def _family(name: str, vocab: int = 256) -> nn.Module:
