@@ -47,12 +47,12 @@ _ATTR = "_entropykit_resident"
 MIN_ELEMENTS = 1 << 12
 
 
-GRANULARITIES = ("block", "weight")
-Granularity = Literal["block", "weight"]
+_GRANULARITIES = ("block", "weight")
+_Granularity = Literal["block", "weight"]
 
 
 def compress_model(model: nn.Module, *, device: torch.device | str | None = None,
-                   min_elements: int = MIN_ELEMENTS, granularity: Granularity = "block",
+                   min_elements: int = MIN_ELEMENTS, granularity: _Granularity = "block",
                    ahead: int | None = None, tile_bytes: int | None = None,
                    tiles_ahead: int = 1, chunk_size: int = GPU_CHUNK,
                    verify: bool = True) -> nn.Module:
@@ -98,8 +98,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
         raise ValueError(f"min_elements must be >= 1, got {min_elements}")
     if tile_bytes is not None and tile_bytes < 1:
         raise ValueError(f"tile_bytes must be >= 1, got {tile_bytes}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity not in _GRANULARITIES:
+        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
     if ahead is None:
         ahead = 2 if granularity == "weight" else 1
     if ahead < 1:
