@@ -602,8 +602,9 @@ class _FakeRuntime:
             return Bound()
 
 
-@pytest.mark.parametrize("opts", [{}, dict(tile_bytes=8192, tiles_ahead=3, chunk_size=1024)],
-                         ids=["default", "launches-of-tiles"])
+@pytest.mark.parametrize("opts", [{}, dict(tile_bytes=8192, tiles_ahead=3, chunk_size=1024),
+                                  dict(granularity="weight")],
+                         ids=["default", "launches-of-tiles", "weight"])
 @pytest.mark.parametrize("make", [_llama, lambda: _llama(torch.float16), _Fp8Net],
                          ids=["bf16", "fp16", "fp8"])
 def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
@@ -633,10 +634,11 @@ def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
     assert all(isinstance(u.decoder, _cuda.CudaDecoder) for u in state.units)
     assert all(len(u.decoder.launches) == len({c.pair for c in _unit_coded(u)})
                for u in state.units)
-    assert any(u.tiled is not None for u in state.units) == (make is _Fp8Net or bool(opts))
+    assert any(u.tiled is not None for u in state.units) == (make is _Fp8Net
+                                                             or "tile_bytes" in opts)
     assert all(d.planned == d.nbytes for d in {id(u.decoder): u.decoder
                                                 for u in state.units}.values())
-    if opts:
+    if "tiles_ahead" in opts:
         assert max(len(g) for g in _launches(state)) == 3
         rows = sum(len(b) for d in {id(u.decoder): u.decoder for u in state.units
                                          }.values() for b in d.held[5::6])
@@ -999,33 +1001,58 @@ def test_weight_granularity_exact(make) -> None:
 @pytest.mark.parametrize("ahead", [1, 2, 3])
 @pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
 def test_weight_ring_is_ahead_plus_one_largest_modules(vocab, ahead) -> None:
-    """The scratch buffer is ``ahead + 1`` slots of the largest module's weights (a
-    Llama's MLP Linears: 128 x 64 bf16), not two blocks; the embedding and head decode in
-    row tiles of a slot; launches take the slots in turn."""
+    """The blocks decode in a ring of ``ahead + 1`` slots of the largest module's weights
+    (a Llama's MLP Linears: 128 x 64 bf16), taken in turn and each prefetched; the
+    embedding and head keep block mode's row tiles (so the head's products have block
+    mode's shapes) and share the ring's bytes: the buffer is the ring or one block-sized
+    launch, whichever is larger, never two blocks."""
     model, block = _llama_vocab(vocab), _llama_vocab(vocab)
     ekt.compress_model(model, granularity="weight", ahead=ahead)
     ekt.compress_model(block)
-    state = model._entropykit_resident
+    state, ref = model._entropykit_resident, block._entropykit_resident
     slot = _aligned(128 * 64 * 2)
+    whole = 2 * _aligned(64 * 64 * 2) + 3 * slot
+    # the embedding whole (vocab 256) or in tiles of a block (4096): the widest launch
+    wide = vocab * 64 * 2 if vocab == 256 else whole
     mem = ekt.resident_memory(model)
-    assert mem.scratch_bytes == (ahead + 1) * slot
-    assert ekt.resident_memory(block).scratch_bytes == 2 * (2 * _aligned(64 * 64 * 2) + 3 * slot)
+    assert mem.scratch_bytes == max((ahead + 1) * slot, wide)
+    assert ekt.resident_memory(block).scratch_bytes == 2 * whole
     assert mem.uncompressed_bytes == ekt.resident_memory(block).uncompressed_bytes
     assert mem.ratio == (mem.coded_bytes + mem.scratch_bytes) / mem.uncompressed_bytes
-    # q, o, gate, up, down of each layer (k and v are too small to code); the embedding
-    # and the head in tiles of a slot
-    names = [type(u.module).__name__ for u in state.units if u.block]
-    assert names == ["Linear"] * 5 * 3
-    tiles = -(-vocab * 64 * 2 // slot)
-    assert len(state.units) == 5 * 3 + 2 * tiles
+    assert [t.rows for t in state.tiled] == [t.rows for t in ref.tiled]
+    assert len(state.tiled) == (2 if vocab == 4096 else 0)
+    # q, o, gate, up, down of each layer (k and v are too small to code)
+    blocks = [g for g in state.leads if state.units[g].block]
+    assert [type(state.units[g].module).__name__ for g in blocks] == ["Linear"] * 5 * 3
     base = state.scratch.data_ptr()
-    places = [(state.units[g].place.data_ptr() - base) // slot for g in state.leads]
-    assert places == [k % (ahead + 1) for k in range(len(state.leads))]
-    # every launch but the first is decoded while the ones before it compute
+    assert [(state.units[g].place.data_ptr() - base) // slot for g in blocks] == [
+        k % (ahead + 1) for k in range(len(blocks))]
+    rest = [state.units[g].place for g in state.leads if not state.units[g].block]
+    assert all((p.data_ptr() - base) % wide == 0 and p.numel() <= wide for p in rest)
+    # every Linear but the first (whose slot the embedding's last launch holds) is decoded
+    # while the ones before it compute
+    assert [state.units[g].prefetch for g in blocks] == [False] + [True] * (len(blocks) - 1)
     for j, g in enumerate(state.leads):
-        assert state.window[g] == state.leads[j + 1 : j + 1 + ahead]
+        assert state.window[g] == [n for n in state.leads[j + 1 : j + 1 + ahead]
+                                   if state.units[n].prefetch][: len(state.window[g])]
     ids = _ids().clamp(max=255)
     assert torch.equal(_logits(model, ids), _logits(block, ids))
+
+
+@pytest.mark.parametrize("make", [lambda: _llama_vocab(4096), _Fp8Net, lambda: _gpt2_vocab(4096)],
+                         ids=["llama", "fp8", "gpt2-tied"])
+def test_weight_granularity_tiles_as_blocks_do(make) -> None:
+    """By weight, the embedding's and head's row tiles are block mode's (the head's
+    products keep block mode's shapes, which a GPU's matrix library rounds as the plain
+    model's); chunks are smaller by default than block mode's."""
+    model, block = make(), make()
+    ekt.compress_model(model, granularity="weight")
+    ekt.compress_model(block)
+    state, ref = model._entropykit_resident, block._entropykit_resident
+    assert state.tiled and [t.rows for t in state.tiled] == [t.rows for t in ref.tiled]
+    slot = max(u.size for u in state.units if u.block)
+    assert max(b - a for t in state.tiled for a, b in t.rows) * state.tiled[0].row_bytes > slot
+    assert (state.chunk_size, ref.chunk_size) == (1 << 14, 1 << 16)
 
 
 def _alone(model: nn.Module, opts: dict) -> list[nn.Module]:
@@ -1058,7 +1085,7 @@ def test_ring_order_when_prefetches_land_late(make, opts, monkeypatch) -> None:
     ref = copy.deepcopy(model)
     ekt.compress_model(model, **opts)
     state = model._entropykit_resident
-    assert sum(bool(w) for w in state.window.values()) > len(state.leads) // 2
+    assert sum(bool(w) for w in state.window.values()) > len(state.leads) // 3
     log.ops.clear()
     for seed in range(2):
         ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(seed))

@@ -48,13 +48,16 @@ MIN_ELEMENTS = 1 << 12
 
 
 _GRANULARITIES = ("block", "weight")
+# A module's weights are a few chunks of the default size, too few warps to fill a GPU
+# per launch: by weight, chunks are smaller by default.
+_WEIGHT_CHUNK = 1 << 14
 _Granularity = Literal["block", "weight"]
 
 
 def compress_model(model: nn.Module, *, device: torch.device | str | None = None,
                    min_elements: int = MIN_ELEMENTS, granularity: _Granularity = "block",
                    ahead: int | None = None, tile_bytes: int | None = None,
-                   tiles_ahead: int = 1, chunk_size: int = GPU_CHUNK,
+                   tiles_ahead: int = 1, chunk_size: int | None = None,
                    verify: bool = True) -> nn.Module:
     """Make ``model``'s weights resident (in place; returns ``model``).
 
@@ -76,8 +79,11 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     keep every product in its plain shape, so outputs stay bit-identical.
 
     An embedding or Linear weight outside the blocks larger than ``tile_bytes`` (default:
-    the largest unit of a block) decodes in row tiles of at most that size: the lookup
-    takes each tile's rows, the head each tile's slice of the logits, exactly. Given with
+    the largest block, in both granularities, so that the head's products have the same
+    shapes) decodes in row tiles of at most that size: the lookup takes each tile's rows,
+    the head each tile's slice of the logits, exactly; by weight, such tiles share the
+    ring's bytes, as many at a time as it holds (at least one: the buffer is then one
+    tile). Given with
     ``"block"``, a block larger than ``tile_bytes`` decodes module by module with
     ``nn.Linear`` weights in row tiles too, so that a slot holds a tile: a Linear in row
     tiles computes its product per tile, and on a GPU the matrix library chooses its
@@ -86,8 +92,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
 
     Memory against speed: ``tiles_ahead`` consecutive tiles (of one Linear or of the
     next ones) decode in one launch, so a slot holds ``tiles_ahead`` tiles; ``chunk_size``
-    (symbols per rANS chunk, a power of two in [1024, 2**26]) sets how many GPU warps
-    share a decode:
+    (symbols per rANS chunk, a power of two in [1024, 2**26]; default 65536 for blocks,
+    16384 by weight) sets how many GPU warps share a decode:
     smaller chunks decode a tile sooner and cost a little more coded size (a chunk's
     states and descriptor). ``verify`` decodes every launch once and compares it with
     the weights, bit for bit, before they are freed. Undo with ``decompress_model``.
@@ -106,6 +112,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
         raise ValueError(f"ahead must be >= 1, got {ahead}")
     if tiles_ahead < 1:
         raise ValueError(f"tiles_ahead must be >= 1, got {tiles_ahead}")
+    if chunk_size is None:
+        chunk_size = _WEIGHT_CHUNK if granularity == "weight" else GPU_CHUNK
     if not (MIN_CHUNK <= chunk_size <= MAX_CHUNK and chunk_size & (chunk_size - 1) == 0):
         raise ValueError(f"chunk_size must be a power of two in [{MIN_CHUNK}, {MAX_CHUNK}], "
                          f"got {chunk_size}")
@@ -126,7 +134,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     if here != target and here.type != "cpu":
         raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
                          f"{target} (only weights on the CPU move)")
-    state = Resident(model, units, target, chunk_size, tiles_ahead, ahead)
+    state = Resident(model, units, target, chunk_size, tiles_ahead, ahead,
+                     granularity == "weight")
     with torch.no_grad():
         state.build(verify)
     if here != target:

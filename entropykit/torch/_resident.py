@@ -194,7 +194,7 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
     dimensions, a dtype of ``FORMATS``, at least ``min_elements`` elements, and used by one
     module only, or by several stock embeddings or Linears (tied). With ``by_weight``, a
     block decodes module by module, each module's weights whole. An embedding's or
-    Linear's weight larger than ``tile_bytes`` (default: the largest block unit's), or
+    Linear's weight larger than ``tile_bytes`` (default: the largest block's), or
     tied, decodes in row tiles; with ``tile_bytes`` given and not ``by_weight``, a block
     larger than that decodes module by module (stock Linears in tiles). Blocks whose
     weights sit in modules with children of their own stay whole. ``tile_bytes`` is
@@ -229,12 +229,11 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
     def by_module(ws: list[Weight]) -> list[list[Weight]]:
         return [[w for w in ws if w.owner is o] for o in dict.fromkeys(w.owner for w in ws)]
 
-    def pieces(m: nn.Module) -> list[list[Weight]]:
-        ws = whole(m, True)
-        return by_module(ws) if by_weight and split(ws) else [ws]
-
-    block_size = max([size(p) for m in model.modules() if id(m) in blocks
-                      for p in pieces(m)] + [0])
+    # Tiles are the largest whole block's size in both granularities, so that a tiled
+    # product has the shapes it has in block mode (a GPU's matrix library picks its
+    # algorithm per shape, so other shapes may round differently).
+    block_size = max([size(whole(m, True)) for m in model.modules() if id(m) in blocks]
+                     + [0])
     cap = tile_bytes if tile_bytes is not None else block_size or _DEFAULT_TILE
     tiled: dict[int, Tiled] = {}
     units: list[Unit] = []
@@ -341,8 +340,10 @@ class Resident:
     """A model's resident state: units, scratch buffer, hooks (``model._entropykit_resident``)."""
 
     def __init__(self, model: nn.Module, units: list[Unit], device: torch.device,
-                 chunk_size: int, tiles_ahead: int = 1, ahead: int = 1) -> None:
+                 chunk_size: int, tiles_ahead: int = 1, ahead: int = 1,
+                 by_weight: bool = False) -> None:
         self.model = model
+        self.by_weight = by_weight
         self.units = units
         self.device = device
         self.chunk_size = chunk_size
@@ -382,27 +383,38 @@ class Resident:
             u.size = at
         # The buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch
         # of blocks or tiles; launches take the slots in turn (a tile of a tied weight met
-        # again: its first owner's place; a launch larger than a slot: the buffer's start),
-        # so up to ``ahead`` launches decode while the one before them computes. A
-        # launch's units lie back to back in its place.
+        # again: its first owner's place), so up to ``ahead`` launches decode while the one
+        # before them computes. A launch's units lie back to back in its place. By
+        # weight, the slots are the size of the largest block launch (a module's weights),
+        # and a launch larger than that (the tiles of the embedding and head, which keep
+        # block mode's shapes) takes, in turn, one of as many slots of the largest such
+        # launch as the buffer holds, at least one: the buffer stays the ring's size or
+        # one such launch, whichever is larger. Otherwise a launch larger than a slot
+        # takes the buffer's start.
         sizes = {g: sum(u.size for u in self._members(g)) for g in self.leads}
-        slot = max([sizes[g] for g in self.leads
-                    if self.units[g].block or self.units[g].tiled is not None] + [0])
+        kinds = ([g for g in self.leads if self.units[g].block] if self.by_weight else [])
+        kinds = kinds or [g for g in self.leads
+                          if self.units[g].block or self.units[g].tiled is not None]
+        slot = max([sizes[g] for g in kinds] + [0])
         slots = self.ahead + 1
+        wide = max([s for s in sizes.values() if s > slot] + [0]) if self.by_weight else 0
         size = max([slots * slot] + list(sizes.values()) + [0])
+        rings = [(slot, slots), (wide, size // wide if wide else 0)]
         self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
-        base, turn = self.scratch.data_ptr(), -1  # the slot the launch before took
+        base, turns = self.scratch.data_ptr(), [-1, -1]  # the slot the launch before took
         for g in self.leads:
             lead = self.units[g]
+            ring = 0 if sizes[g] <= slot else 1
+            width, count = rings[ring]
             if lead.shared:
                 lead.place = self.units[lead.tiled.units[0] + lead.tile].place
-                turn = (lead.place.data_ptr() - base) // slot
-            elif 0 < sizes[g] <= slot:
-                turn = (turn + 1) % slots
-                lead.place = self.scratch[turn * slot : turn * slot + sizes[g]]
+                turns[ring] = (lead.place.data_ptr() - base) // width
+            elif 0 < sizes[g] and count:
+                turns[ring] = (turns[ring] + 1) % count
+                lead.place = self.scratch[turns[ring] * width : turns[ring] * width + sizes[g]]
             else:
                 lead.place = self.scratch[: sizes[g]]
-                turn = (sizes[g] - 1) // slot if slot else -1
+                turns[0] = (sizes[g] - 1) // slot if slot else -1
             at = 0
             for u in self._members(g):
                 u.region = lead.place[at : at + u.size]
