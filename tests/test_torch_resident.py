@@ -613,7 +613,7 @@ def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
     bytes ``planned_bytes`` computes on the host are what the decoders hold."""
     monkeypatch.setattr(rans_cuda, "load_runtime", lambda device: _FakeRuntime)
 
-    def backend(device, units):
+    def backend(device, units, sides):
         return (_resident.CpuStreams(),
                 lambda coded, region: _cuda.CudaDecoder(coded, region, device))
 
@@ -790,7 +790,7 @@ def _logged(monkeypatch, lazy: bool = False) -> _Log:
     launch each hook enters and logging each unit's compute once its hook returns."""
     log = _Log(lazy)
     monkeypatch.setattr(_resident, "_backend",
-                        lambda device, units: (log, _resident.CpuDecoder))
+                        lambda device, units, sides: (log, _resident.CpuDecoder))
     real = _resident.Resident.before
 
     def before(self, k, args, kwargs) -> None:

@@ -3,18 +3,20 @@
 What it is: a model's weights grouped into units, in the order the modules are registered,
 which is the order they run in: each block of a repeated ``nn.ModuleList`` (or, by weight,
 each module of a block holding weights), every other module holding weights of its own,
-and the row tiles of an embedding or Linear weight larger than the largest block unit (or
+and the row tiles of an embedding or Linear weight larger than the largest block (or
 tied to another module: embeddings shared with the output head), which the module's
 forward decodes one tile at a time (the lookup picks each tile's rows, the head writes
 each tile's slice of the output). Units decode in launches: a unit alone, or up to
 ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per launch). The
-scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch, and
-launches take the slots in turn. Block weights are fixed views into their region. A
+scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch (by
+weight: of a block's modules, the larger tiles sharing its bytes), and launches take the
+slots in turn. Block weights are fixed views into their region. A
 unit's forward pre-hook (a tile's: its module's forward) makes the compute stream wait for
 its launch (issued then if it was not prefetched; nothing to do for a tile entered right
 after the one before it in the same launch) and prefetches up to ``ahead`` launches after
 it whose places are apart from every launch before them that has not computed yet, so
-their decodes overlap this launch's compute. The hooks only enqueue work, with no host
+their decodes overlap this launch's compute (and, on ``ahead`` side streams, each
+other). The hooks only enqueue work, with no host
 synchronisation, so a forward can be captured in a CUDA graph. The CPU backend decodes with
 the CPU decoders through the same hooks (nothing overlaps there: a prefetch decodes at
 once, as early as the side stream could).
@@ -75,13 +77,14 @@ class CpuStreams:
         pass
 
 
-def _backend(device: torch.device, units: int
+def _backend(device: torch.device, units: int, sides: int
              ) -> tuple[Any, Callable[[Sequence[CodedTensor], torch.Tensor], Any]]:
-    """The streams object and decoder factory (coded tensors, region) of ``device``."""
+    """The streams object (``sides`` side streams for prefetches) and decoder factory
+    (coded tensors, region) of ``device``."""
     if device.type == "cuda":
         from ._cuda import CudaDecoder, CudaStreams
 
-        return (CudaStreams(device, units),
+        return (CudaStreams(device, units, sides),
                 lambda coded, region: CudaDecoder(coded, region, device))
     return CpuStreams(), CpuDecoder
 
@@ -431,7 +434,7 @@ class Resident:
                     break
                 self.window[g].append(self.leads[i])
                 m.prefetch = True
-        self.streams, make = _backend(self.device, len(self.units))
+        self.streams, make = _backend(self.device, len(self.units), self.ahead)
         done: list[Unit] = []
         # Tensors are coded on the package's threads, a bounded window ahead of the launch
         # being built, in the order the launches take them.
