@@ -213,6 +213,7 @@ def _weights_bytes(device: str) -> int:
     return torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
 
 
+WEIGHT_CHUNK = 1 << 14  # compress_model's default chunk size by weight
 SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in tiles
 # and launches of three tiles coded in the smallest chunks
 AHEAD = dict(tile_bytes=SMALL_TILES, tiles_ahead=3, chunk_size=1 << 10)
@@ -508,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short", action="store_true",
                     help="a short run: the tiny checks of whole blocks and of weights, "
                          "then 8b-blocks at chunk size 65536 with blocks and with weights "
-                         "one and two launches ahead")
+                         "one launch ahead, and with weights one and two launches ahead "
+                         "at 16384 (their default)")
     ap.add_argument("--max-launch", type=int, default=1 << 26,
                     help="the sweep skips tiles x ahead above these bytes (a launch's)")
     ap.add_argument("--ratios", metavar="FILE",
@@ -516,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(and fp8 casts of them) against plain, and stop (no GPU needed)")
     args = ap.parse_args(argv)
     if args.short:
-        args.size, args.chunks, args.launches_ahead = ["8b-blocks"], [1 << 16], [1, 2]
+        args.size, args.chunks, args.launches_ahead = ["8b-blocks"], [1 << 16], [1]
         args.granularity, args.tile_bytes = ["block", "weight"], ["block"]
     cuda = args.device.startswith("cuda")
     if args.ratios:
@@ -541,12 +543,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         grid = sweep_grid(args.chunks, tiles, args.ahead, args.max_launch,
                           tuple(args.granularity), tuple(args.launches_ahead))
+        if args.short:  # and weights at their default chunk size, one and two ahead
+            grid += sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2))
         for size in args.size:
             for fp8 in (False, True):
                 failures += sweep(size, fp8, args.device, grid)
     else:
-        grid = sweep_grid([GPU_CHUNK], tiles, [1], 0, tuple(args.granularity),
-                          tuple(args.launches_ahead))
+        grid = [dict(o, chunk_size=None) if o["granularity"] == "weight" else o
+                for o in sweep_grid([GPU_CHUNK], tiles, [1], 0, tuple(args.granularity),
+                                    tuple(args.launches_ahead))]  # weights' own default
         for k, size in enumerate(args.size):
             for fp8 in (False, True):
                 for j, opts in enumerate(grid):

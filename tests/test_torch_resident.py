@@ -937,9 +937,9 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("tiny bf16 ")]
     assert len(rows) == 5 and all("| yes " in r for r in rows[1:])
     # tiny's tiles of 64 KiB, coded once for both tiles_ahead values; then its 21 Linear
-    # weights whole and the embedding's and head's 16 tiles each (a slot: the MLP's
-    # 64 KiB), coded once for both rings
-    assert len(calls) == 53 + 21 + 2 * 16
+    # weights whole and the embedding's and head's 4 tiles each (a block's, as block
+    # mode cuts them), coded once for both rings
+    assert len(calls) == 53 + 21 + 2 * 4
 
 
 def _family(name: str, vocab: int = 256) -> nn.Module:
