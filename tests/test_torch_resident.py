@@ -653,6 +653,13 @@ def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
                                   for d in decoders for t in d.held)
     payload = sum(d.held[0].numel() for d in decoders)
     assert payload < mem.uncompressed_bytes  # the kernel decodes frames, not only copies
+    # what the device test reads off the allocator: the model's tensors are its plain
+    # parameters and buffers, the decoders' buffers and the scratch, each held once
+    held = [*model.parameters(), *model.buffers(), *(t for d in decoders for t in d.held),
+            state.scratch]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in held if t.numel()}
+    assert sum(storages.values()) == mem.plain_bytes + mem.coded_bytes + mem.scratch_bytes
     ekt.decompress_model(model)
     got, want = model.state_dict(), ref.state_dict()
     assert set(got) == set(want)

@@ -117,9 +117,9 @@ def test_launches_of_tiles_hold_what_they_plan():
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_weight_ring_is_three_of_the_largest_linears(fp8):
     """Weight granularity on the device: the blocks' Linears decode in a ring of
-    ``ahead + 1`` slots of the largest, each but the first prefetched on one of two side
-streams, in chunks of 16 Ki symbols;
-    the embedding and head in block mode's row tiles (the head's products in block
+    ``ahead + 1`` slots of the largest, each but the first prefetched on one of two
+    side streams, in chunks of 16 Ki symbols; the embedding and head in block mode's row
+    tiles (the head's products in block
     mode's shapes), sharing the buffer; the decode step's logits the plain model's at
     batch 1 and 64, also graph-replayed with the ring poisoned."""
     plain, model = rc.llama("tiny", DEV, fp8), rc.llama("tiny", DEV, fp8)
