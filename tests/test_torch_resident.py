@@ -12,7 +12,10 @@ kernel emulator of test_gpu_logic.py. gpu/tests/test_cuda_resident.py runs the d
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -882,18 +885,22 @@ def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, ahead, monkeypat
     assert sorted(k for op, k in log.ops if op in ("now", "prefetch")) == leads
 
 
+
+def _resident_check() -> types.ModuleType:
+    """gpu/resident_check.py, imported from its file."""
+    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
+    spec = importlib.util.spec_from_file_location("resident_check", path)
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    return rc
+
+
 @pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["bf16", "fp8"])
 def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
     """gpu/resident_check.py's exactness checks, run on the CPU backend (the GPU machine
     runs them once; here they must pass and must catch a wrong weight)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
-    spec = importlib.util.spec_from_file_location("resident_check", path)
-    rc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rc)
+    rc = _resident_check()
     make = lambda: rc.llama("tiny", "cpu", fp8)  # noqa: E731
     assert rc.exact_failures(make, "cpu") == []
     assert rc.exact_failures(make, "cpu", rc.SMALL_TILES) == []
@@ -916,13 +923,7 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     option set (blocks in tiles, weights in rings of two and three), every one exact, the
     coding shared between option sets that cut the same tiles and the memo left as it
     was."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
-    spec = importlib.util.spec_from_file_location("resident_check", path)
-    rc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rc)
+    rc = _resident_check()
     grid = rc.sweep_grid([1 << 16, 1 << 12], [None, 1 << 16], [1, 3], 1 << 17)
     assert [(g["chunk_size"], g["tile_bytes"], g["tiles_ahead"]) for g in grid] == [
         (c, t, a) for c in (1 << 16, 1 << 12) for t, a in ((None, 1), (1 << 16, 1))]
@@ -1044,6 +1045,22 @@ def test_weight_ring_is_ahead_plus_one_largest_modules(vocab, ahead) -> None:
                                    if state.units[n].prefetch][: len(state.window[g])]
     ids = _ids().clamp(max=255)
     assert torch.equal(_logits(model, ids), _logits(block, ids))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_weight_granularity_head_tiles_of_the_device_check(fp8) -> None:
+    """The device check's Llama-8B-shaped blocks (on the meta device: shapes only): by
+    weight, the embedding and head decode in block mode's row tiles, so the head's
+    products have the shapes whose logits the GPU gave bit for bit in block mode, not
+    tiles of one Linear's size."""
+    model = _resident_check().llama("8b-blocks", "meta", fp8)
+    rows = {}
+    for by_weight in (False, True):
+        units = _resident._units(model, ekt.MIN_ELEMENTS, None, by_weight)
+        rows[by_weight] = [t.rows for t in {id(u.tiled): u.tiled for u in units
+                                            if u.tiled is not None}.values()]
+    assert rows[True] == rows[False]
+    assert [r[0] for r in rows[True]] == [(0, 25856 if fp8 else 42752)] * 2
 
 
 @pytest.mark.parametrize("make", [lambda: _llama_vocab(4096), _Fp8Net, lambda: _gpt2_vocab(4096)],
