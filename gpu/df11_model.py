@@ -6,8 +6,8 @@ with its own CUDA kernel and compares it with the original weights), with one su
 the per-block bit packing (``encode_weights``, a Python loop over every symbol) is done by
 ``df11_codec.encode``, the vectorized twin that ``bench_gpu.py --df11-selftest`` checks
 byte for byte against the package's encoder. The output directory loads with
-``DFloat11Model.from_pretrained(DIR, bfloat16_model=..., device=...)``, which is what
-``resident_check.py --df11 DIR`` does.
+``DFloat11Model.from_pretrained(DIR, device=...)`` (on transformers 5 after
+``df11_compat.install()``), which is what ``resident_check.py --df11 DIR`` does.
 What it is not: part of entropykit, or a change to DFloat11's format.
 
     python3 gpu/resident_check.py --size 8b-blocks --save-plain /tmp/plain
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("plain", type=Path, help="a bf16 model directory (save_pretrained)")
     ap.add_argument("out", type=Path, help="the DFloat11 checkpoint directory to write")
     args = ap.parse_args(argv)
+    import df11_compat
     import transformers
+
+    df11_compat.install()  # dfloat11 imports pkg_resources, which setuptools may lack
     from dfloat11 import dfloat11 as D
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.plain,

@@ -21,9 +21,11 @@ dry run of its logic).
 What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of record.
 
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py [--size small 8b-blocks]
-        [--tile-bytes block 16777216]
+        [--granularity block weight] [--tile-bytes block 16777216] [--launches-ahead 2]
+    PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --short
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --size small 8b-blocks
-        --tile-bytes block 16777216 4194304 [--chunks 65536 16384 4096] [--ahead 1 4 16]
+        --granularity block weight --tile-bytes block 16777216 4194304
+        [--chunks 65536 16384 4096] [--ahead 1 4 16] [--launches-ahead 1 2 3]
     python3 gpu/resident_check.py --ratios FILE.safetensors   (host only)
 """
 
@@ -45,6 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import entropykit.torch as ekt
+from entropykit.container.codecs import GPU_CHUNK
 
 SIZES = {  # LlamaConfig fields; tiny's embeddings are larger than two layers, so both
     # ways a block's decode is ordered (prefetched beside the one before, or after it) run
@@ -210,10 +213,17 @@ def _weights_bytes(device: str) -> int:
     return torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
 
 
+WEIGHT_CHUNK = 1 << 14  # compress_model's default chunk size by weight
 SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in tiles
 # and launches of three tiles coded in the smallest chunks
 AHEAD = dict(tile_bytes=SMALL_TILES, tiles_ahead=3, chunk_size=1 << 10)
-TINY_OPTS = (None, SMALL_TILES, AHEAD)
+WEIGHT = dict(granularity="weight")  # each Linear whole before its forward, ring of 3
+# a deeper ring in the smallest chunks, and blocks in a ring of three
+WEIGHT_AHEAD = dict(granularity="weight", ahead=3, chunk_size=1 << 10)
+BLOCK_AHEAD = dict(ahead=2)
+TINY_OPTS = (None, SMALL_TILES, AHEAD, WEIGHT, WEIGHT_AHEAD, BLOCK_AHEAD)
+TINY_IDS = ("blocks", "tiles", "launches-of-small-chunks", "weights", "weights-ahead-3",
+            "blocks-ahead-2")
 TARGET = {False: 0.68, True: 0.84}  # (coded + scratch) / plain weights, bf16 / fp8
 STEP_TARGET = {1: 2.0, 64: 1.6}  # CUDA-graph decode step / the plain model's, per batch
 
@@ -235,13 +245,21 @@ def _steps(label: str, model: nn.Module, device: str, batch: int) -> str:
     return " ".join(row)
 
 
+def _label(opts: dict) -> str:
+    """compress_model's options as a row names them (defaults of tiles left out)."""
+    return " ".join(f"{k}={v}" for k, v in opts.items() if v is not None
+                    and (k, v) not in (("tiles_ahead", 1), ("chunk_size", GPU_CHUNK)))
+
+
 @torch.no_grad()
-def report(size: str, fp8: bool, device: str, tile_bytes: int | None = None,
+def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = None,
            df11: str | None = None) -> list[str]:
-    """(3) and (4) for one model, printed; the failures found (logits at batch 1 and 64)."""
+    """(3) and (4) for one model, printed; the failures found (logits at batch 1 and 64).
+    ``tile_bytes``: compress_model's, or a dict of its options."""
     cuda = device.startswith("cuda")
+    opts = _opts(tile_bytes)
     name = f"{size} {'fp8 e4m3' if fp8 else 'bf16'}" + (
-        f" tile_bytes={tile_bytes}" if tile_bytes is not None else "")
+        f" {_label(opts)}" if _label(opts) else "")
     if cuda:
         torch.cuda.empty_cache()
     base = _weights_bytes(device)
@@ -249,7 +267,7 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | None = None,
     before = _weights_bytes(device) - base
     plain = copy.deepcopy(model)
     t = time.perf_counter()
-    ekt.compress_model(model, tile_bytes=tile_bytes)
+    ekt.compress_model(model, **opts)
     took = time.perf_counter() - t
     after = _weights_bytes(device) - base - before  # the plain copy's share taken off
     mem = ekt.resident_memory(model)
@@ -257,7 +275,8 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | None = None,
     units = model._entropykit_resident.units
     tiles = sum(u.tiled is not None for u in units)
     print(f"{name}: {mem.tensors} weights resident in {len(units)} units ({tiles} row "
-          f"tiles; {sum(u.prefetch for u in units)} decoded during the unit before), "
+          f"tiles; {sum(u.prefetch for u in units)} launches decoded while earlier ones "
+          f"compute; a ring of {model._entropykit_resident.ahead + 1} slots), "
           f"compress_model {took:.1f} s")
     verdict = "meets" if mem.ratio <= TARGET[fp8] else "misses"
     print(f"  coded {mib(mem.coded_bytes)} + scratch {mib(mem.scratch_bytes)} "
@@ -282,14 +301,20 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | None = None,
 
 def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[str]:
     """DFloat11's ``DFloat11Model`` of the same bf16 model: logits and step times."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import df11_compat  # what DFloat11 0.5.0 imports, on transformers 5
+
     try:
-        from dfloat11 import DFloat11Model
+        df11_compat.install()
+        import dfloat11  # noqa: F401
     except ImportError as e:
         print(f"  DFloat11: not measured ({e})")
         return []
     try:
         # As its users load it: the model built from the checkpoint's config.json.
-        model = DFloat11Model.from_pretrained(path, device=device)
+        model = df11_compat.load(path, device)
     except Exception as e:  # its API or the checkpoint: say so, the rest stands
         print(f"  DFloat11: not measured (DFloat11Model.from_pretrained: {e!r:.200})")
         return []
@@ -369,7 +394,8 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
         base[batch] = (ids, _bits(_full_step(plain, ids)), _bits(out), eager, graph)
     print(f"{name} plain: step b1 eager {base[1][3]:.3f} graph {base[1][4]:.3f} ms, "
           f"b64 eager {base[64][3]:.3f} graph {base[64][4]:.3f} ms")
-    print(f"{'model':<15} {'chunk':>6} {'tile':>6} {'ahead':>5} {'ratio':>6} "
+    print(f"{'model':<15} {'chunk':>6} {'unit':>6} {'tile':>6} {'tpl':>3} {'ring':>4} "
+          f"{'ratio':>6} "
           f"{'coded+scratch MiB':>18} {'units':>5} {'launch':>6} | {'b1 eager':>14} "
           f"{'b1 graph':>14} | {'b64 eager':>14} {'b64 graph':>14} | exact | targets met")
     fails, coded_key = [], None
@@ -395,10 +421,11 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
                 if graph <= STEP_TARGET[batch] * graph0:
                     met.append(f"b{batch}")
             tile = opts["tile_bytes"]
-            tile_s = ("block" if tile is None else f"{tile >> 20}M" if tile >= 1 << 20
+            tile_s = ("auto" if tile is None else f"{tile >> 20}M" if tile >= 1 << 20
                       else f"{tile >> 10}K")
-            print(f"{name:<15} {opts['chunk_size'] >> 10:>5}K {tile_s:>6} "
-                  f"{opts['tiles_ahead']:>5} {mem.ratio:6.3f} "
+            print(f"{name:<15} {opts['chunk_size'] >> 10:>5}K {opts['granularity']:>6} "
+                  f"{tile_s:>6} {opts['tiles_ahead']:>3} {state.ahead + 1:>4} "
+                  f"{mem.ratio:6.3f} "
                   f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
                   f"{len(state.units):>5} {len(state.leads):>6} | {row[0]} | {row[1]} | "
                   f"{'yes' if exact else 'NO':<5} | {'+'.join(met) or '-'}", flush=True)
@@ -410,14 +437,24 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
 
 
 def sweep_grid(chunks: list[int], tiles: list[int | None], ahead: list[int],
-               max_launch: int) -> list[dict]:
-    """compress_model's option sets: every chunk size with every tile size and tiles
-    ahead whose launches hold at most ``max_launch`` bytes (the default tiles, a
-    block's, with one tile a launch only: more would hold several blocks)."""
-    return [dict(chunk_size=c, tile_bytes=t, tiles_ahead=a)
-            for c in chunks for t in tiles
-            for a in (ahead if t is not None else [1])
-            if a == 1 or t * a <= max_launch]
+               max_launch: int, granularities: tuple[str, ...] = ("block",),
+               rings: tuple[int, ...] = (2,)) -> list[dict]:
+    """compress_model's option sets, for every chunk size: blocks with every tile size
+    and tiles ahead whose launches hold at most ``max_launch`` bytes (the default tiles,
+    a block's, with one tile a launch only: more would hold several blocks), then weights
+    (each Linear whole) with every number of launches ahead in ``rings`` (a ring of one
+    slot more)."""
+    grid = []
+    for c in chunks:
+        if "block" in granularities:
+            grid += [dict(chunk_size=c, granularity="block", ahead=1, tile_bytes=t,
+                          tiles_ahead=a)
+                     for t in tiles for a in (ahead if t is not None else [1])
+                     if a == 1 or t * a <= max_launch]
+        if "weight" in granularities:
+            grid += [dict(chunk_size=c, granularity="weight", ahead=n, tile_bytes=None,
+                          tiles_ahead=1) for n in rings]
+    return grid
 
 
 def chunk_ratios(path: str, chunks: list[int]) -> None:
@@ -462,12 +499,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="chunk sizes (symbols) the sweep and --ratios measure")
     ap.add_argument("--ahead", nargs="+", type=int, default=[1, 4, 16],
                     help="tiles_ahead values the sweep measures (with tile bytes given)")
+    ap.add_argument("--granularity", nargs="+", choices=["block", "weight"],
+                    default=["block", "weight"],
+                    help="compress_model's granularity values to measure (block: with "
+                         "each --tile-bytes; weight: with each --launches-ahead)")
+    ap.add_argument("--launches-ahead", nargs="+", type=int, default=[2],
+                    help="compress_model's ahead values measured with granularity weight "
+                         "(a ring of one slot more)")
+    ap.add_argument("--short", action="store_true",
+                    help="a short run: the tiny checks of whole blocks and of weights, "
+                         "then 8b-blocks at chunk size 65536 with blocks and with weights "
+                         "one launch ahead, and with weights one and two launches ahead "
+                         "at 16384 (their default)")
     ap.add_argument("--max-launch", type=int, default=1 << 26,
                     help="the sweep skips tiles x ahead above these bytes (a launch's)")
     ap.add_argument("--ratios", metavar="FILE",
                     help="print the device bytes per chunk size of FILE's bf16 tensors "
                          "(and fp8 casts of them) against plain, and stop (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.short:
+        args.size, args.chunks, args.launches_ahead = ["8b-blocks"], [1 << 16], [1]
+        args.granularity, args.tile_bytes = ["block", "weight"], ["block"]
     cuda = args.device.startswith("cuda")
     if args.ratios:
         chunk_ratios(args.ratios, args.chunks)
@@ -478,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.cuda.get_device_name(args.device) if cuda else 'CPU'}")
     failures = []
-    for fp8, tile_bytes in itertools.product((False, True), TINY_OPTS):
+    tiny = (None, WEIGHT) if args.short else TINY_OPTS
+    for fp8, tile_bytes in itertools.product((False, True), tiny):
         make = lambda fp8=fp8: llama("tiny", args.device, fp8)  # noqa: E731
         what = ("fp8" if fp8 else "bf16") + (f" {_opts(tile_bytes)}" if tile_bytes else "")
         failures += [f"{what}: {f}" for f in exact_failures(make, args.device, tile_bytes)]
@@ -488,15 +541,21 @@ def main(argv: list[str] | None = None) -> int:
             failures += [f"{what}: {f}" for f in fails]
     tiles = [None if t == "block" else int(t) for t in args.tile_bytes]
     if args.sweep:
-        grid = sweep_grid(args.chunks, tiles, args.ahead, args.max_launch)
+        grid = sweep_grid(args.chunks, tiles, args.ahead, args.max_launch,
+                          tuple(args.granularity), tuple(args.launches_ahead))
+        if args.short:  # and weights at their default chunk size, one and two ahead
+            grid += sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2))
         for size in args.size:
             for fp8 in (False, True):
                 failures += sweep(size, fp8, args.device, grid)
     else:
+        grid = [dict(o, chunk_size=None) if o["granularity"] == "weight" else o
+                for o in sweep_grid([GPU_CHUNK], tiles, [1], 0, tuple(args.granularity),
+                                    tuple(args.launches_ahead))]  # weights' own default
         for k, size in enumerate(args.size):
             for fp8 in (False, True):
-                for j, tile_bytes in enumerate(tiles):
-                    failures += report(size, fp8, args.device, tile_bytes,
+                for j, opts in enumerate(grid):
+                    failures += report(size, fp8, args.device, opts,
                                        args.df11 if k == j == 0 else None)
     print("FAILURES: " + "; ".join(failures) if failures else "ALL OK")
     return 1 if failures else 0

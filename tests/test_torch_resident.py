@@ -12,7 +12,10 @@ kernel emulator of test_gpu_logic.py. gpu/tests/test_cuda_resident.py runs the d
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -362,11 +365,13 @@ class _Nested(nn.Module):
         return self.inner(x) @ self.weight
 
 
-def test_blocks_with_nested_weights_stay_whole() -> None:
+@pytest.mark.parametrize("opts", [dict(tile_bytes=4096), dict(granularity="weight")],
+                         ids=["tiles", "weight"])
+def test_blocks_with_nested_weights_stay_whole(opts) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.ModuleList([_Nested(), _Nested()])).to(torch.bfloat16)
     ref = copy.deepcopy(model)
-    ekt.compress_model(model, tile_bytes=4096)
+    ekt.compress_model(model, **opts)
     units = model._entropykit_resident.units
     assert [u.module for u in units] == list(model[0]) and all(u.block for u in units)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
@@ -600,8 +605,9 @@ class _FakeRuntime:
             return Bound()
 
 
-@pytest.mark.parametrize("opts", [{}, dict(tile_bytes=8192, tiles_ahead=3, chunk_size=1024)],
-                         ids=["default", "launches-of-tiles"])
+@pytest.mark.parametrize("opts", [{}, dict(tile_bytes=8192, tiles_ahead=3, chunk_size=1024),
+                                  dict(granularity="weight")],
+                         ids=["default", "launches-of-tiles", "weight"])
 @pytest.mark.parametrize("make", [_llama, lambda: _llama(torch.float16), _Fp8Net],
                          ids=["bf16", "fp16", "fp8"])
 def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
@@ -610,7 +616,7 @@ def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
     bytes ``planned_bytes`` computes on the host are what the decoders hold."""
     monkeypatch.setattr(rans_cuda, "load_runtime", lambda device: _FakeRuntime)
 
-    def backend(device, units):
+    def backend(device, units, sides):
         return (_resident.CpuStreams(),
                 lambda coded, region: _cuda.CudaDecoder(coded, region, device))
 
@@ -631,10 +637,11 @@ def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
     assert all(isinstance(u.decoder, _cuda.CudaDecoder) for u in state.units)
     assert all(len(u.decoder.launches) == len({c.pair for c in _unit_coded(u)})
                for u in state.units)
-    assert any(u.tiled is not None for u in state.units) == (make is _Fp8Net or bool(opts))
+    assert any(u.tiled is not None for u in state.units) == (make is _Fp8Net
+                                                             or "tile_bytes" in opts)
     assert all(d.planned == d.nbytes for d in {id(u.decoder): u.decoder
                                                 for u in state.units}.values())
-    if opts:
+    if "tiles_ahead" in opts:
         assert max(len(g) for g in _launches(state)) == 3
         rows = sum(len(b) for d in {id(u.decoder): u.decoder for u in state.units
                                          }.values() for b in d.held[5::6])
@@ -649,6 +656,13 @@ def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
                                   for d in decoders for t in d.held)
     payload = sum(d.held[0].numel() for d in decoders)
     assert payload < mem.uncompressed_bytes  # the kernel decodes frames, not only copies
+    # what the device test reads off the allocator: the model's tensors are its plain
+    # parameters and buffers, the decoders' buffers and the scratch, each held once
+    held = [*model.parameters(), *model.buffers(), *(t for d in decoders for t in d.held),
+            state.scratch]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in held if t.numel()}
+    assert sum(storages.values()) == mem.plain_bytes + mem.coded_bytes + mem.scratch_bytes
     ekt.decompress_model(model)
     got, want = model.state_dict(), ref.state_dict()
     assert set(got) == set(want)
@@ -678,17 +692,19 @@ def test_from_pretrained_resident(tmp_path, family) -> None:
         EntropyKitConfig(resident="yes")
 
 
-def test_from_pretrained_resident_options_reach_compress_model(tmp_path) -> None:
-    """tile_bytes, tiles_ahead and chunk_size of the config are compress_model's: the
-    loaded model's units, launches and frames are those of compress_model called with
-    them, and its logits the plain model's."""
+@pytest.mark.parametrize("options", [
+    {"tile_bytes": 4096, "tiles_ahead": 2, "chunk_size": 1024},
+    {"granularity": "weight", "ahead": 3, "chunk_size": 1024}], ids=["tiles", "weight"])
+def test_from_pretrained_resident_options_reach_compress_model(tmp_path, options) -> None:
+    """granularity, ahead, tile_bytes, tiles_ahead and chunk_size of the config are
+    compress_model's: the loaded model's units, launches, ring and frames are those of
+    compress_model called with them, and its logits the plain model's."""
     import entropykit
     from entropykit.hf import EntropyKitConfig
 
     model = _llama()
     model.save_pretrained(tmp_path / "plain")
     entropykit.compress_file(tmp_path / "plain", tmp_path / "ek")
-    options = {"tile_bytes": 4096, "tiles_ahead": 2, "chunk_size": 1024}
     load = transformers.AutoModelForCausalLM.from_pretrained
     with pytest.warns(UserWarning, match="resident"):
         got = load(tmp_path / "ek", quantization_config=EntropyKitConfig(resident=True,
@@ -698,6 +714,7 @@ def test_from_pretrained_resident_options_reach_compress_model(tmp_path) -> None
     default = ekt.compress_model(load(tmp_path / "ek"))
     state = got._entropykit_resident
     assert state.chunk_size == 1024
+    assert state.ahead == options.get("ahead", 1)
     assert len(state.units) == len(direct._entropykit_resident.units) \
         > len(default._entropykit_resident.units)
     assert state.leads == direct._entropykit_resident.leads
@@ -747,25 +764,85 @@ def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
 
 
 class _Log:
-    """Streams that decode at once (as the CPU's) and log what the hooks asked for."""
+    """Streams that log what the hooks asked for and decode at once (as the CPU's), or,
+    ``lazy``, as late as a side stream could: a prefetch poisons its place at once (the
+    side stream may write it any time) and decodes when it is joined."""
 
-    def __init__(self) -> None:
+    def __init__(self, lazy: bool = False) -> None:
         self.ops: list[tuple[str, int]] = []
-        self.index: dict[int, int] = {}
+        self.entered: int | None = None  # the launch of the unit whose hook runs
+        self.lazy = lazy
+        self.queued: dict[int, object] = {}
 
     def now(self, decoder) -> None:
-        self.ops.append(("now", self.index[id(decoder)]))
+        self.ops.append(("now", self.entered))
         decoder.run()
 
     def prefetch(self, u, decoder) -> None:
         self.ops.append(("prefetch", u))
-        decoder.run()
+        if self.lazy:
+            decoder.region[:] = 0xFF  # NaN in every coded float format
+            self.queued[u] = decoder
+        else:
+            decoder.run()
 
     def join(self, u) -> None:
         self.ops.append(("join", u))
+        if self.lazy:
+            self.queued.pop(u).run()
 
     def synchronize(self) -> None:
         pass
+
+
+def _logged(monkeypatch, lazy: bool = False) -> _Log:
+    """A ``_Log`` as the streams of every model made resident from now on, told which
+    launch each hook enters and logging each unit's compute once its hook returns."""
+    log = _Log(lazy)
+    monkeypatch.setattr(_resident, "_backend",
+                        lambda device, units, sides: (log, _resident.CpuDecoder))
+    real = _resident.Resident.before
+
+    def before(self, k, args, kwargs) -> None:
+        log.entered = self.units[k].lead
+        real(self, k, args, kwargs)
+        log.ops.append(("compute", k))
+
+    monkeypatch.setattr(_resident.Resident, "before", before)
+    return log
+
+
+def _check_order(state, ops: list[tuple[str, int]], leads: list[int]) -> list[int]:
+    """Replay streams ops against the rules that make the CUDA backend's overlap safe (a
+    prefetch may write its place at any moment until it is joined): a unit computes only
+    while its launch's decode, issued on the compute stream ("now") or prefetched and
+    joined, is the last write to its place; a decode never races an un-joined prefetch
+    into the same bytes; nothing is left un-joined at the end (graph capture). The units
+    computed, in order."""
+    span = {g: (state.units[g].place.data_ptr(),
+                state.units[g].place.data_ptr() + state.units[g].place.numel())
+            for g in leads}
+    apart = lambda a, b: span[a][1] <= span[b][0] or span[b][1] <= span[a][0]  # noqa: E731
+    pending: set[int] = set()
+    ready: set[int] = set()  # launches whose place holds their decode, on the compute stream
+    computed = []
+    for i, (op, k) in enumerate(ops):
+        if op == "compute":
+            g = state.units[k].lead
+            assert g in ready and g not in pending, ops[: i + 1]
+            computed.append(k)
+        elif op == "prefetch":
+            assert all(apart(k, j) for j in pending), ops[: i + 1]
+            pending.add(k)
+            ready = {g for g in ready if apart(g, k)}
+        elif op == "join":
+            pending.discard(k)
+            ready = {g for g in ready if apart(g, k)} | {k}
+        elif op == "now":
+            assert all(apart(k, j) for j in pending), ops[: i + 1]
+            ready = {g for g in ready if apart(g, k)} | {k}
+    assert not pending
+    return computed
 
 
 @pytest.mark.parametrize(("vocab", "tile_bytes", "ahead"),
@@ -780,21 +857,11 @@ def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, ahead, monkeypat
     prefetch never targets the place of the launch about to compute; a decode on the
     compute stream never races an un-joined prefetch into the same bytes; nothing is left
     un-joined when the forward returns (graph capture); each launch decodes once."""
-    log = _Log()
-    monkeypatch.setattr(_resident, "_backend",
-                        lambda device, units: (log, _resident.CpuDecoder))
-    real = _resident.Resident.before
-
-    def before(self, k, args, kwargs) -> None:  # the unit computes once its hook returns
-        real(self, k, args, kwargs)
-        log.ops.append(("compute", k))
-
-    monkeypatch.setattr(_resident.Resident, "before", before)
+    log = _logged(monkeypatch)
     model = _llama_vocab(vocab)
     ref = copy.deepcopy(model)
     ekt.compress_model(model, tile_bytes=tile_bytes, tiles_ahead=ahead)
     state = model._entropykit_resident
-    log.index = {id(u.decoder): u.lead for u in state.units}
     # large embeddings decode in tiles, each beside the one before like the blocks; with
     # tiles smaller than a block, the blocks' Linears too (q and o in one tile each, gate,
     # up and down in two; k and v are too small to code)
@@ -810,30 +877,7 @@ def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, ahead, monkeypat
     log.ops.clear()
     ids = _ids().clamp(max=255)
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
-    span = {g: (state.units[g].place.data_ptr(),
-                state.units[g].place.data_ptr() + state.units[g].place.numel())
-            for g in leads}
-    apart = lambda a, b: span[a][1] <= span[b][0] or span[b][1] <= span[a][0]  # noqa: E731
-    pending: set[int] = set()
-    ready: set[int] = set()  # launches whose place holds their decode, on the compute stream
-    computed = []
-    for i, (op, k) in enumerate(log.ops):
-        if op == "compute":
-            g = state.units[k].lead
-            assert g in ready and g not in pending, log.ops[: i + 1]
-            computed.append(k)
-        elif op == "prefetch":
-            nxt = state.units[next(j for o, j in log.ops[i:] if o == "compute")].lead
-            assert apart(k, nxt)
-            pending.add(k)
-            ready = {g for g in ready if apart(g, k)}
-        elif op == "join":
-            pending.discard(k)
-            ready = {g for g in ready if apart(g, k)} | {k}
-        elif op == "now":
-            assert all(apart(k, j) for j in pending)
-            ready = {g for g in ready if apart(g, k)} | {k}
-    assert not pending
+    computed = _check_order(state, log.ops, leads)
     assert computed == list(range(len(state.units)))
     assert [k for op, k in log.ops if op == "now"] == [g for g, p in zip(leads, want,
                                                                           strict=True)
@@ -841,18 +885,22 @@ def test_decode_order_is_safe_on_two_streams(vocab, tile_bytes, ahead, monkeypat
     assert sorted(k for op, k in log.ops if op in ("now", "prefetch")) == leads
 
 
+
+def _resident_check() -> types.ModuleType:
+    """gpu/resident_check.py, imported from its file."""
+    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
+    spec = importlib.util.spec_from_file_location("resident_check", path)
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    return rc
+
+
 @pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["bf16", "fp8"])
 def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
     """gpu/resident_check.py's exactness checks, run on the CPU backend (the GPU machine
     runs them once; here they must pass and must catch a wrong weight)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
-    spec = importlib.util.spec_from_file_location("resident_check", path)
-    rc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rc)
+    rc = _resident_check()
     make = lambda: rc.llama("tiny", "cpu", fp8)  # noqa: E731
     assert rc.exact_failures(make, "cpu") == []
     assert rc.exact_failures(make, "cpu", rc.SMALL_TILES) == []
@@ -872,19 +920,16 @@ def test_device_check_logic_on_the_cpu(fp8, monkeypatch) -> None:
 @pytest.mark.slow
 def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     """gpu/resident_check.py's sweep on the CPU backend (no graphs there): one row per
-    option set, every one exact, the coding shared between option sets that cut the same
-    tiles and the memo left as it was."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "gpu" / "resident_check.py"
-    spec = importlib.util.spec_from_file_location("resident_check", path)
-    rc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rc)
+    option set (blocks in tiles, weights in rings of two and three), every one exact, the
+    coding shared between option sets that cut the same tiles and the memo left as it
+    was."""
+    rc = _resident_check()
     grid = rc.sweep_grid([1 << 16, 1 << 12], [None, 1 << 16], [1, 3], 1 << 17)
     assert [(g["chunk_size"], g["tile_bytes"], g["tiles_ahead"]) for g in grid] == [
         (c, t, a) for c in (1 << 16, 1 << 12) for t, a in ((None, 1), (1 << 16, 1))]
-    grid = rc.sweep_grid([1 << 12], [1 << 16], [1, 3], 1 << 26)
+    grid = rc.sweep_grid([1 << 12], [1 << 16], [1, 3], 1 << 26, ("block", "weight"), (1, 2))
+    assert [(g["granularity"], g["tiles_ahead"], g["ahead"]) for g in grid] == [
+        ("block", 1, 1), ("block", 3, 1), ("weight", 1, 1), ("weight", 1, 2)]
     calls = []
     real = _resident.code_tensor
 
@@ -898,6 +943,201 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     finally:
         _resident.code_tensor = real
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("tiny bf16 ")]
-    assert len(rows) == 3 and all("| yes " in r for r in rows[1:])
-    units = 53  # tiny's tiles of 64 KiB: coded once for both tiles_ahead values
-    assert len(calls) == units
+    assert len(rows) == 5 and all("| yes " in r for r in rows[1:])
+    # tiny's tiles of 64 KiB, coded once for both tiles_ahead values; then its 21 Linear
+    # weights whole and the embedding's and head's 4 tiles each (a block's, as block
+    # mode cuts them), coded once for both rings
+    assert len(calls) == 53 + 21 + 2 * 4
+
+
+def _family(name: str, vocab: int = 256) -> nn.Module:
+    """Tiny models of the families resident mode meets (random weights, bf16)."""
+    if name == "gpt2":
+        return _gpt2_vocab(vocab)
+    torch.manual_seed(0)
+    kw = {**_SMALL, "vocab_size": vocab}
+    if name == "llama-tied":
+        return _llama_vocab(vocab, tie_word_embeddings=True)
+    model, config = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)
+                     }[name]
+    if name == "qwen3":
+        kw["head_dim"] = 16
+    return model(config(**kw)).to(torch.bfloat16).eval()
+
+
+_WEIGHT_MODELS = {
+    "llama": lambda: _family("llama"),
+    "llama-tied-tiles": lambda: _family("llama-tied", 4096),
+    "qwen2": lambda: _family("qwen2"),
+    "qwen3": lambda: _family("qwen3"),
+    "gpt2-tied-tiles": lambda: _family("gpt2", 4096),
+    "llama-fp16": lambda: _llama(torch.float16),
+    "fp8-scales": _Fp8Net,
+}
+
+
+@pytest.mark.parametrize("make", list(_WEIGHT_MODELS.values()), ids=list(_WEIGHT_MODELS))
+def test_weight_granularity_exact(make) -> None:
+    """``granularity="weight"``: every block unit is one module's own weights, hooked on
+    that module; logits bit-identical to the plain model's, again after the ring is
+    poisoned, and every weight restored bit for bit."""
+    model = make()
+    ref = copy.deepcopy(model)
+    before = {k: _bits(v).clone() for k, v in model.state_dict().items()}
+    ids = _ids()
+    want = _logits(ref, ids)
+    ekt.compress_model(model, granularity="weight")
+    state = model._entropykit_resident
+    blocks = [u for u in state.units if u.block]
+    assert len(blocks) > 3  # more than one unit per block
+    for u in blocks:
+        assert {w.owner for w in u.weights} == {u.module}
+        assert next(u.module.children(), None) is None
+    mem = ekt.resident_memory(model)
+    assert mem.tensors == len(_coded_weights(ref))
+    for _ in range(2):
+        _poison(model)
+        assert torch.equal(_logits(model, ids), want)
+    ekt.decompress_model(model)
+    after = model.state_dict()
+    assert set(after) == set(before)
+    assert all(torch.equal(_bits(after[k]), v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+@pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
+def test_weight_ring_is_ahead_plus_one_largest_modules(vocab, ahead) -> None:
+    """The blocks decode in a ring of ``ahead + 1`` slots of the largest module's weights
+    (a Llama's MLP Linears: 128 x 64 bf16), taken in turn and each prefetched; the
+    embedding and head keep block mode's row tiles (so the head's products have block
+    mode's shapes) and share the ring's bytes: the buffer is the ring or one block-sized
+    launch, whichever is larger, never two blocks."""
+    model, block = _llama_vocab(vocab), _llama_vocab(vocab)
+    ekt.compress_model(model, granularity="weight", ahead=ahead)
+    ekt.compress_model(block)
+    state, ref = model._entropykit_resident, block._entropykit_resident
+    slot = _aligned(128 * 64 * 2)
+    whole = 2 * _aligned(64 * 64 * 2) + 3 * slot
+    # the embedding whole (vocab 256) or in tiles of a block (4096): the widest launch
+    wide = vocab * 64 * 2 if vocab == 256 else whole
+    mem = ekt.resident_memory(model)
+    assert mem.scratch_bytes == max((ahead + 1) * slot, wide)
+    assert ekt.resident_memory(block).scratch_bytes == 2 * whole
+    assert mem.uncompressed_bytes == ekt.resident_memory(block).uncompressed_bytes
+    assert mem.ratio == (mem.coded_bytes + mem.scratch_bytes) / mem.uncompressed_bytes
+    assert [t.rows for t in state.tiled] == [t.rows for t in ref.tiled]
+    assert len(state.tiled) == (2 if vocab == 4096 else 0)
+    # q, o, gate, up, down of each layer (k and v are too small to code)
+    blocks = [g for g in state.leads if state.units[g].block]
+    assert [type(state.units[g].module).__name__ for g in blocks] == ["Linear"] * 5 * 3
+    base = state.scratch.data_ptr()
+    assert [(state.units[g].place.data_ptr() - base) // slot for g in blocks] == [
+        k % (ahead + 1) for k in range(len(blocks))]
+    rest = [state.units[g].place for g in state.leads if not state.units[g].block]
+    assert all((p.data_ptr() - base) % wide == 0 and p.numel() <= wide for p in rest)
+    # every Linear but the first (whose slot the embedding's last launch holds) is decoded
+    # while the ones before it compute
+    assert [state.units[g].prefetch for g in blocks] == [False] + [True] * (len(blocks) - 1)
+    for j, g in enumerate(state.leads):
+        assert state.window[g] == [n for n in state.leads[j + 1 : j + 1 + ahead]
+                                   if state.units[n].prefetch][: len(state.window[g])]
+    ids = _ids().clamp(max=255)
+    assert torch.equal(_logits(model, ids), _logits(block, ids))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_weight_granularity_head_tiles_of_the_device_check(fp8) -> None:
+    """The device check's Llama-8B-shaped blocks (on the meta device: shapes only): by
+    weight, the embedding and head decode in block mode's row tiles, so the head's
+    products have the shapes whose logits the GPU gave bit for bit in block mode, not
+    tiles of one Linear's size."""
+    model = _resident_check().llama("8b-blocks", "meta", fp8)
+    rows = {}
+    for by_weight in (False, True):
+        units = _resident._units(model, ekt.MIN_ELEMENTS, None, by_weight)
+        rows[by_weight] = [t.rows for t in {id(u.tiled): u.tiled for u in units
+                                            if u.tiled is not None}.values()]
+    assert rows[True] == rows[False]
+    assert [r[0] for r in rows[True]] == [(0, 25856 if fp8 else 42752)] * 2
+
+
+@pytest.mark.parametrize("make", [lambda: _llama_vocab(4096), _Fp8Net, lambda: _gpt2_vocab(4096)],
+                         ids=["llama", "fp8", "gpt2-tied"])
+def test_weight_granularity_tiles_as_blocks_do(make) -> None:
+    """By weight, the embedding's and head's row tiles are block mode's (the head's
+    products keep block mode's shapes, which a GPU's matrix library rounds as the plain
+    model's); chunks are smaller by default than block mode's."""
+    model, block = make(), make()
+    ekt.compress_model(model, granularity="weight")
+    ekt.compress_model(block)
+    state, ref = model._entropykit_resident, block._entropykit_resident
+    assert state.tiled and [t.rows for t in state.tiled] == [t.rows for t in ref.tiled]
+    slot = max(u.size for u in state.units if u.block)
+    assert max(b - a for t in state.tiled for a, b in t.rows) * state.tiled[0].row_bytes > slot
+    assert (state.chunk_size, ref.chunk_size) == (1 << 14, 1 << 16)
+
+
+def _alone(model: nn.Module, opts: dict) -> list[nn.Module]:
+    """Modules of ``model`` a caller may run on their own (units, or holding whole units),
+    taking a batch of hidden states: its head, and a block's MLP by weight."""
+    if isinstance(model, _Fp8Net):
+        return [model.head, model.blocks[1]]
+    inner = model.model.layers[1] if hasattr(model, "model") else model.transformer.h[1]
+    return [model.lm_head] + ([inner.mlp] if opts.get("granularity") == "weight" else [])
+
+
+@pytest.mark.parametrize(("make", "opts"), [
+    (lambda: _llama_vocab(4096), dict(granularity="weight")),
+    (lambda: _llama_vocab(4096), dict(granularity="weight", ahead=3, tiles_ahead=2)),
+    (lambda: _llama_vocab(4096), dict(granularity="weight", ahead=1)),
+    (lambda: _gpt2_vocab(4096), dict(granularity="weight")),
+    (lambda: _gpt2_vocab(4096), dict(ahead=2)),
+    (_Fp8Net, dict(granularity="weight", ahead=2)),
+    (lambda: _llama_vocab(4096), dict(tile_bytes=8192, ahead=3)),
+], ids=["weight", "weight-ahead3-tiles2", "weight-ahead1", "gpt2-tied-weight",
+        "gpt2-tied-blocks-ahead2", "fp8-weight", "tiles-ahead3"])
+def test_ring_order_when_prefetches_land_late(make, opts, monkeypatch) -> None:
+    """The ring's ordering on streams that write a prefetched place as early and decode
+    it as late as a side stream could (poisoned at the prefetch, decoded at the join): the
+    logits stay exact only if no unit reads its slot after a later launch took it and
+    every prefetch is joined before its unit computes; the replay checks the same rules
+    op by op, over two forwards and a unit called on its own between them."""
+    log = _logged(monkeypatch, lazy=True)
+    model = make()
+    ref = copy.deepcopy(model)
+    ekt.compress_model(model, **opts)
+    state = model._entropykit_resident
+    assert sum(bool(w) for w in state.window.values()) > len(state.leads) // 3
+    log.ops.clear()
+    for seed in range(2):
+        ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(_logits(model, ids), _logits(ref, ids))
+        assert _check_order(state, log.ops, state.leads) == list(range(len(state.units)))
+        log.ops.clear()
+        _poison(model)
+        x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(seed)).to(
+            torch.bfloat16)
+        with torch.no_grad():  # units called on their own, out of the forward's order
+            for m, r in zip(_alone(model, opts), _alone(ref, opts), strict=True):
+                assert torch.equal(_bits(m(x)), _bits(r(x)))
+        state.end()
+        _check_order(state, log.ops, state.leads)
+        log.ops.clear()
+
+
+def test_granularity_and_ahead_checked() -> None:
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        ekt.compress_model(_llama(), granularity="tile")
+    with pytest.raises(ValueError, match="ahead must be >= 1"):
+        ekt.compress_model(_llama(), ahead=0)
+    from entropykit.hf import EntropyKitConfig
+
+    with pytest.raises(TypeError, match="granularity must be a str or None"):
+        EntropyKitConfig(resident=True, granularity=1)
+    with pytest.raises(TypeError, match="ahead must be an int or None"):
+        EntropyKitConfig(resident=True, ahead="2")
+    config = EntropyKitConfig(resident=True, granularity="weight", ahead=3)
+    assert config.resident_options() == {"granularity": "weight", "ahead": 3}
+

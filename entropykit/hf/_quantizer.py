@@ -71,12 +71,13 @@ class EntropyKitConfig(QuantizationConfigMixin):
     Passed to ``from_pretrained`` (``quantization_config=EntropyKitConfig(resident=True)``)
     it sets how the checkpoint loads: ``resident`` keeps the weights coded on the device
     (``entropykit.torch.compress_model``) instead of decoding them into parameters;
-    ``tile_bytes``, ``tiles_ahead`` and ``chunk_size`` are ``compress_model``'s options of
-    the same names (None: its defaults).
+    ``granularity``, ``ahead``, ``tile_bytes``, ``tiles_ahead`` and ``chunk_size`` are
+    ``compress_model``'s options of the same names (None: its defaults).
     """
 
     def __init__(self, version: int = MARK_VERSION, original_config: str | None = None,
-                 resident: bool = False, tile_bytes: int | None = None,
+                 resident: bool = False, granularity: str | None = None,
+                 ahead: int | None = None, tile_bytes: int | None = None,
                  tiles_ahead: int | None = None, chunk_size: int | None = None,
                  **kwargs: Any) -> None:
         kwargs.pop("quant_method", None)
@@ -86,10 +87,14 @@ class EntropyKitConfig(QuantizationConfigMixin):
         if not isinstance(resident, bool):
             raise TypeError(f"resident must be a bool, got {type(resident).__name__}")
         self.resident = resident
-        for name, value in (("tile_bytes", tile_bytes), ("tiles_ahead", tiles_ahead),
-                            ("chunk_size", chunk_size)):
+        for name, value in (("ahead", ahead), ("tile_bytes", tile_bytes),
+                            ("tiles_ahead", tiles_ahead), ("chunk_size", chunk_size)):
             if value is not None and type(value) is not int:
                 raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+        if granularity is not None and not isinstance(granularity, str):
+            raise TypeError(f"granularity must be a str or None, got "
+                            f"{type(granularity).__name__}")
+        self.granularity, self.ahead = granularity, ahead
         self.tile_bytes, self.tiles_ahead, self.chunk_size = tile_bytes, tiles_ahead, chunk_size
         if type(version) is not int or not 1 <= version <= MARK_VERSION:
             raise ValueError(f"entropykit quantization_config version {version!r} is not "
@@ -99,9 +104,10 @@ class EntropyKitConfig(QuantizationConfigMixin):
         """What a config passed to ``from_pretrained`` overrides in the checkpoint's."""
         return {"resident": self.resident, **self.resident_options()}
 
-    def resident_options(self) -> dict[str, int]:
+    def resident_options(self) -> dict[str, int | str]:
         """``compress_model``'s options this config sets."""
-        options = {"tile_bytes": self.tile_bytes, "tiles_ahead": self.tiles_ahead,
+        options = {"granularity": self.granularity, "ahead": self.ahead,
+                   "tile_bytes": self.tile_bytes, "tiles_ahead": self.tiles_ahead,
                    "chunk_size": self.chunk_size}
         return {k: v for k, v in options.items() if v is not None}
 

@@ -4,30 +4,35 @@
 other parameter of two or more dimensions in bf16, fp16 or fp8) losslessly and keeps only
 the coded bytes on the model's device. Each block of the model (each module of a repeated
 ``nn.ModuleList``, such as ``model.model.layers``; every other module holding weights is a
-block of its own) decodes just before its forward into one reused scratch buffer (blocks
-alternate between its front and its back), the next block's decode overlapping this block's
-compute on a side stream. Embeddings and Linear heads larger than a block (such as the
-vocabulary's) decode in row tiles no larger than a block: the lookup takes each tile's
-rows, the head computes each tile's slice of the logits, so the buffer holds two blocks,
-never a whole embedding. With ``tile_bytes`` the blocks' Linears decode in tiles too,
+block of its own) decodes just before its forward into a slot of a small ring of scratch
+slots, the next ones' decodes overlapping its compute on a side stream; with
+``granularity="weight"`` each module of a block (each Linear) decodes on its own, whole,
+before its own forward, so a slot holds the largest Linear rather than a block.
+Embeddings and Linear heads larger than a slot (such as the vocabulary's) decode in row
+tiles no larger than a slot: the lookup takes each tile's rows, the head computes each
+tile's slice of the logits, so the buffer never holds a whole embedding. With
+``tile_bytes`` and block granularity the blocks' Linears decode in row tiles too,
 ``tiles_ahead`` of them in one launch, for a buffer of a few tiles. The forward only
 enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
-bit-identical to the uncompressed model's, except where ``tile_bytes`` cuts a Linear's
-weight into row tiles: its product is then computed tile by tile, which the GPU's matrix
-library may sum in another order than the whole product. On the CPU the same hooks decode
-with the CPU decoders.
+bit-identical to the uncompressed model's, except where ``tile_bytes`` cuts a block's
+Linear weight into row tiles: its product is then computed tile by tile, which the GPU's
+matrix library may sum in another order than the whole product. On the CPU the same hooks
+decode with the CPU decoders.
 
 What it is not: a training mode (the scratch buffer is overwritten block after block,
 so a resident model runs under ``torch.no_grad()``), or a file format: the coded weights
 live in memory only. Weights shared by several modules stay as they are unless they are
 embedding and Linear weights (tied embeddings: coded once, tiled for both); other
 parameters (norms, biases, scales of fp8 weights) stay as they are. A weight is valid only
-inside its block's forward, and a tiled weight never is (its modules' ``weight`` is a
-meta tensor of its shape and dtype): code that reads a module's weight from outside it
-(rather than calling the module) must decompress the model first.
+inside its unit's forward (its block's, or by weight its module's), and a tiled weight
+never is (its modules' ``weight`` is a meta tensor of its shape and dtype): code that
+reads a module's weight from outside it (rather than calling the module) must decompress
+the model first.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
@@ -42,9 +47,17 @@ _ATTR = "_entropykit_resident"
 MIN_ELEMENTS = 1 << 12
 
 
+_GRANULARITIES = ("block", "weight")
+# A module's weights are a few chunks of the default size, too few warps to fill a GPU
+# per launch: by weight, chunks are smaller by default.
+_WEIGHT_CHUNK = 1 << 14
+_Granularity = Literal["block", "weight"]
+
+
 def compress_model(model: nn.Module, *, device: torch.device | str | None = None,
-                   min_elements: int = MIN_ELEMENTS, tile_bytes: int | None = None,
-                   tiles_ahead: int = 1, chunk_size: int = GPU_CHUNK,
+                   min_elements: int = MIN_ELEMENTS, granularity: _Granularity = "block",
+                   ahead: int | None = None, tile_bytes: int | None = None,
+                   tiles_ahead: int = 1, chunk_size: int | None = None,
                    verify: bool = True) -> nn.Module:
     """Make ``model``'s weights resident (in place; returns ``model``).
 
@@ -53,21 +66,34 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     CUDA device: decoded by ``rans.cuda``, needing CuPy; the CPU: by the CPU
     decoders). ``device`` (a CUDA device, for a model on the CPU) puts the coded weights
     there and moves the rest of the model after them, so the device never holds the
-    plain weights. An embedding or Linear weight larger than ``tile_bytes`` (default: the
-    largest block's decoded size) decodes in row tiles of at most that size; given, a
-    block larger than that decodes module by module (``nn.Linear`` weights in tiles,
-    other modules' weights whole), so that the scratch buffer holds tiles or modules
-    rather than two blocks, at the cost of more, smaller decodes and products; each
-    module's weights must then be read only by its own forward. Weights always decode
-    exactly, but a Linear in row tiles computes its product per tile, and on a GPU the
-    matrix library chooses its algorithm per shape: outputs can then differ from the
-    plain model's in the last bits. A ``tile_bytes`` of at least the largest Linear
-    weight keeps them bit-identical.
+    plain weights.
+
+    ``granularity`` is what decodes at once into a slot of the scratch buffer, a ring of
+    ``ahead + 1`` slots (``ahead``, launches decoded in advance: default 1 for blocks, 2
+    for weights), each the size of the largest unit: ``"block"``, each block of the model
+    whole (the buffer holds ``ahead + 1`` blocks); ``"weight"``, each module of a block
+    holding weights (a Linear, an expert, ...) its weights whole, just before its own
+    forward, so the buffer holds ``ahead + 1`` of the largest modules' weights, at the
+    cost of more, smaller decodes; each module's weights must then be read only by its
+    own forward (a block whose weights sit in modules with children stays whole). Both
+    keep every product in its plain shape, so outputs stay bit-identical.
+
+    An embedding or Linear weight outside the blocks larger than ``tile_bytes`` (default:
+    the largest block, in both granularities, so that the head's products have the same
+    shapes) decodes in row tiles of at most that size: the lookup takes each tile's rows,
+    the head each tile's slice of the logits, exactly; by weight, such tiles share the
+    ring's bytes, as many at a time as it holds (at least one: the buffer is then one
+    tile). Given with
+    ``"block"``, a block larger than ``tile_bytes`` decodes module by module with
+    ``nn.Linear`` weights in row tiles too, so that a slot holds a tile: a Linear in row
+    tiles computes its product per tile, and on a GPU the matrix library chooses its
+    algorithm per shape, so outputs can then differ from the plain model's in the last
+    bits (``"weight"`` is the exact way to a small buffer).
 
     Memory against speed: ``tiles_ahead`` consecutive tiles (of one Linear or of the
-    next ones) decode in one launch, the next launch while they compute, so the scratch
-    buffer holds about ``2 * tiles_ahead * tile_bytes``; ``chunk_size`` (symbols per
-    rANS chunk, a power of two in [1024, 2**26]) sets how many GPU warps share a decode:
+    next ones) decode in one launch, so a slot holds ``tiles_ahead`` tiles; ``chunk_size``
+    (symbols per rANS chunk, a power of two in [1024, 2**26]; default 65536 for blocks,
+    16384 by weight) sets how many GPU warps share a decode:
     smaller chunks decode a tile sooner and cost a little more coded size (a chunk's
     states and descriptor). ``verify`` decodes every launch once and compares it with
     the weights, bit for bit, before they are freed. Undo with ``decompress_model``.
@@ -78,12 +104,20 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
         raise ValueError(f"min_elements must be >= 1, got {min_elements}")
     if tile_bytes is not None and tile_bytes < 1:
         raise ValueError(f"tile_bytes must be >= 1, got {tile_bytes}")
+    if granularity not in _GRANULARITIES:
+        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
+    if ahead is None:
+        ahead = 2 if granularity == "weight" else 1
+    if ahead < 1:
+        raise ValueError(f"ahead must be >= 1, got {ahead}")
     if tiles_ahead < 1:
         raise ValueError(f"tiles_ahead must be >= 1, got {tiles_ahead}")
+    if chunk_size is None:
+        chunk_size = _WEIGHT_CHUNK if granularity == "weight" else GPU_CHUNK
     if not (MIN_CHUNK <= chunk_size <= MAX_CHUNK and chunk_size & (chunk_size - 1) == 0):
         raise ValueError(f"chunk_size must be a power of two in [{MIN_CHUNK}, {MAX_CHUNK}], "
                          f"got {chunk_size}")
-    units = _units(model, min_elements, tile_bytes)
+    units = _units(model, min_elements, tile_bytes, granularity == "weight")
     devices = {getattr(w.owner, w.name).device for u in units for w in u.weights}
     devices |= {u.tiled.owners[0].weight.device for u in units if u.tiled is not None}
     if len(devices) > 1:
@@ -100,7 +134,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     if here != target and here.type != "cpu":
         raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
                          f"{target} (only weights on the CPU move)")
-    state = Resident(model, units, target, chunk_size, tiles_ahead)
+    state = Resident(model, units, target, chunk_size, tiles_ahead, ahead,
+                     granularity == "weight")
     with torch.no_grad():
         state.build(verify)
     if here != target:

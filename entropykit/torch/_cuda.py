@@ -5,8 +5,8 @@ planner and ``DeviceBatch``: payload, decode tables, descriptors) with one bound
 per kernel mode and scratch buffer, fixed at compress time, so a decode only enqueues
 kernels on torch's current stream: no allocation, no copy, no host synchronisation, and
 it can be captured in a CUDA graph. ``CudaStreams`` orders decodes with the forward: a
-prefetch runs on a side stream after an event recorded on the compute stream, and the
-compute stream waits for its own event before the block runs.
+prefetch runs on a side stream (one of ``ahead``, in turn) after an event recorded on
+the compute stream, and the compute stream waits for its own event before the block runs.
 What it is not: the coding (``_coded.py``) or the hooks (``_resident.py``). Imported only
 for a model on a CUDA device.
 """
@@ -93,11 +93,14 @@ class CudaDecoder:
 
 
 class CudaStreams:
-    """Decodes ordered with the compute stream: now, or prefetched on a side stream."""
+    """Decodes ordered with the compute stream: now, or prefetched on one of ``sides``
+    side streams, taken in turn, so that up to ``sides`` prefetched decodes (each into a
+    place apart from the others') run at once, more warps than one small decode fills."""
 
-    def __init__(self, device: torch.device, units: int) -> None:
+    def __init__(self, device: torch.device, units: int, sides: int = 1) -> None:
         self.device = device
-        self.side = torch.cuda.Stream(device)
+        self.sides = [torch.cuda.Stream(device) for _ in range(sides)]
+        self.turn = 0
         self.free = [torch.cuda.Event() for _ in range(units)]
         self.ready = [torch.cuda.Event() for _ in range(units)]
 
@@ -108,12 +111,14 @@ class CudaStreams:
     def prefetch(self, u: int, decoder: CudaDecoder) -> None:
         # The side stream starts once the compute stream has done everything enqueued so
         # far: every block before the one about to run, which may share unit u's place.
+        side = self.sides[self.turn]
+        self.turn = (self.turn + 1) % len(self.sides)
         with torch.cuda.device(self.device):
             self.free[u].record(torch.cuda.current_stream(self.device))
-            self.side.wait_event(self.free[u])
-            with torch.cuda.stream(self.side):
+            side.wait_event(self.free[u])
+            with torch.cuda.stream(side):
                 decoder.run()
-            self.ready[u].record(self.side)
+            self.ready[u].record(side)
 
     def join(self, u: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.ready[u])

@@ -1,21 +1,25 @@
 """Resident mode's machinery: units, a scratch buffer, hooks that decode before each forward.
 
 What it is: a model's weights grouped into units, in the order the modules are registered,
-which is the order they run in: each block of a repeated ``nn.ModuleList``, every other
-module holding weights of its own, and the row tiles of an embedding or Linear weight
-larger than the largest block (or tied to another module: embeddings shared with the output
-head), which the module's forward decodes one tile at a time (the lookup picks each tile's
-rows, the head writes each tile's slice of the output). Units decode in launches: a unit
-alone, or up to ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per
-launch). Each launch decodes to one of the two halves of one scratch buffer (its front or
-its back), alternating with the launch before, so the buffer holds two of the largest
-launches. Block weights are fixed views into their region. A unit's forward pre-hook (a
-tile's: its module's forward) makes the compute stream wait for its launch (issued then if
-it was not prefetched; nothing to do for a tile entered right after the one before it in
-the same launch) and prefetches the next launch where their places are apart, so the next
-decode overlaps this launch's compute. The hooks only enqueue work, with no host
+which is the order they run in: each block of a repeated ``nn.ModuleList`` (or, by weight,
+each module of a block holding weights), every other module holding weights of its own,
+and the row tiles of an embedding or Linear weight larger than the largest block (or
+tied to another module: embeddings shared with the output head), which the module's
+forward decodes one tile at a time (the lookup picks each tile's rows, the head writes
+each tile's slice of the output). Units decode in launches: a unit alone, or up to
+``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per launch). The
+scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch (by
+weight: of a block's modules, the larger tiles sharing its bytes), and launches take the
+slots in turn. Block weights are fixed views into their region. A
+unit's forward pre-hook (a tile's: its module's forward) makes the compute stream wait for
+its launch (issued then if it was not prefetched; nothing to do for a tile entered right
+after the one before it in the same launch) and prefetches up to ``ahead`` launches after
+it whose places are apart from every launch before them that has not computed yet, so
+their decodes overlap this launch's compute (and, on ``ahead`` side streams, each
+other). The hooks only enqueue work, with no host
 synchronisation, so a forward can be captured in a CUDA graph. The CPU backend decodes with
-the CPU decoders through the same hooks (nothing overlaps there).
+the CPU decoders through the same hooks (nothing overlaps there: a prefetch decodes at
+once, as early as the side stream could).
 What it is not: the coding (``_coded.py``) or the CUDA launches (``_cuda.py``).
 """
 
@@ -73,13 +77,14 @@ class CpuStreams:
         pass
 
 
-def _backend(device: torch.device, units: int
+def _backend(device: torch.device, units: int, sides: int
              ) -> tuple[Any, Callable[[Sequence[CodedTensor], torch.Tensor], Any]]:
-    """The streams object and decoder factory (coded tensors, region) of ``device``."""
+    """The streams object (``sides`` side streams for prefetches) and decoder factory
+    (coded tensors, region) of ``device``."""
     if device.type == "cuda":
         from ._cuda import CudaDecoder, CudaStreams
 
-        return (CudaStreams(device, units),
+        return (CudaStreams(device, units, sides),
                 lambda coded, region: CudaDecoder(coded, region, device))
     return CpuStreams(), CpuDecoder
 
@@ -124,7 +129,7 @@ class Unit:
     tile: int = 0  # ... this one
     size: int = 0  # bytes of its place in the scratch buffer
     region: torch.Tensor | None = None  # that place
-    prefetch: bool = False  # decoded while the unit before runs (their places are apart)
+    prefetch: bool = False  # a lead's: decoded while a launch before it runs (places apart)
     decoder: Any = None
     coded: CodedTensor | None = None  # a tile's, as it decodes into ``region``
     hook: Any = None
@@ -186,14 +191,17 @@ def _tile_rows(n_rows: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
     return [(a, min(a + rows, n_rows)) for a in range(0, n_rows, rows)]
 
 
-def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
-           ) -> list[Unit]:
+def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
+           by_weight: bool = False) -> list[Unit]:
     """The model's units in running order. Resident weights: parameters of two or more
     dimensions, a dtype of ``FORMATS``, at least ``min_elements`` elements, and used by one
-    module only, or by several stock embeddings or Linears (tied). An embedding's or
-    Linear's weight larger than ``tile_bytes`` (default: the largest block's), or tied,
-    decodes in row tiles; with ``tile_bytes`` given, a block larger than that decodes
-    module by module (stock Linears in tiles). ``tile_bytes`` is checked by the caller."""
+    module only, or by several stock embeddings or Linears (tied). With ``by_weight``, a
+    block decodes module by module, each module's weights whole. An embedding's or
+    Linear's weight larger than ``tile_bytes`` (default: the largest block's), or
+    tied, decodes in row tiles; with ``tile_bytes`` given and not ``by_weight``, a block
+    larger than that decodes module by module (stock Linears in tiles). Blocks whose
+    weights sit in modules with children of their own stay whole. ``tile_bytes`` is
+    checked by the caller."""
     owners: dict[int, list[nn.Module]] = {}
     names: dict[int, set[str]] = {}
     for m in model.modules():
@@ -217,6 +225,16 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
         return sum(_aligned(getattr(w.owner, w.name).numel()
                             * getattr(w.owner, w.name).element_size()) for w in ws)
 
+    def split(ws: list[Weight]) -> bool:
+        # modules without children only, so that no unit's module runs inside another's
+        return bool(ws) and not any(next(w.owner.children(), None) for w in ws)
+
+    def by_module(ws: list[Weight]) -> list[list[Weight]]:
+        return [[w for w in ws if w.owner is o] for o in dict.fromkeys(w.owner for w in ws)]
+
+    # Tiles are the largest whole block's size in both granularities, so that a tiled
+    # product has the shapes it has in block mode (a GPU's matrix library picks its
+    # algorithm per shape, so other shapes may round differently).
     block_size = max([size(whole(m, True)) for m in model.modules() if id(m) in blocks]
                      + [0])
     cap = tile_bytes if tile_bytes is not None else block_size or _DEFAULT_TILE
@@ -234,13 +252,13 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None
     for m in model.modules():
         if id(m) in blocks:
             ws = whole(m, True)
-            if (tile_bytes is not None and size(ws) > cap
-                    and not any(next(w.owner.children(), None) for w in ws)):
-                # a block larger than the tiles asked for decodes module by module (modules
-                # without children, so none runs inside another): a stock Linear's weight
-                # in tiles, another module's weights whole
-                for owner in dict.fromkeys(w.owner for w in ws):
-                    mine = [w for w in ws if w.owner is owner]
+            if by_weight and split(ws):
+                units.extend(Unit(mine[0].owner, mine, block=True) for mine in by_module(ws))
+            elif tile_bytes is not None and size(ws) > cap and split(ws):
+                # a block larger than the tiles asked for decodes module by module: a
+                # stock Linear's weight in tiles, another module's weights whole
+                for mine in by_module(ws):
+                    owner = mine[0].owner
                     if len(mine) == 1 and _tileable(owner, mine[0].name):
                         tile(new_tiled(getattr(owner, mine[0].name), [owner]), owner)
                     else:
@@ -325,14 +343,20 @@ class Resident:
     """A model's resident state: units, scratch buffer, hooks (``model._entropykit_resident``)."""
 
     def __init__(self, model: nn.Module, units: list[Unit], device: torch.device,
-                 chunk_size: int, tiles_ahead: int = 1) -> None:
+                 chunk_size: int, tiles_ahead: int = 1, ahead: int = 1,
+                 by_weight: bool = False) -> None:
         self.model = model
+        self.by_weight = by_weight
         self.units = units
         self.device = device
         self.chunk_size = chunk_size
+        self.ahead = ahead
         _launches(units, tiles_ahead)
         self.leads = [k for k, u in enumerate(units) if u.lead == k]
-        self.pending: int | None = None  # the launch prefetched and not yet waited for
+        self.window: dict[int, list[int]] = {}  # per lead: the launches it prefetches
+        # launches prefetched and not yet waited for, in order: the ones right after the
+        # launch entered last
+        self.pending: list[int] = []
         self.current: int | None = None  # the launch whose units were entered last
         self.last: int | None = None  # the unit entered last
         self.scratch: torch.Tensor | None = None
@@ -360,33 +384,57 @@ class Resident:
                 at += _aligned(p.numel() * p.element_size())
             places.append(offsets)
             u.size = at
-        # Each launch decodes to the half of the buffer the launch before did not (a tile
-        # of a tied weight met again: where its first owner's did), so the buffer holds two
-        # of the largest launches of blocks or tiles, and a launch decodes beside the one
-        # before; a launch's units lie back to back in its place.
+        # The buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch
+        # of blocks or tiles; launches take the slots in turn (a tile of a tied weight met
+        # again: its first owner's place), so up to ``ahead`` launches decode while the one
+        # before them computes. A launch's units lie back to back in its place. By
+        # weight, the slots are the size of the largest block launch (a module's weights),
+        # and a launch larger than that (the tiles of the embedding and head, which keep
+        # block mode's shapes) takes, in turn, one of as many slots of the largest such
+        # launch as the buffer holds, at least one: the buffer stays the ring's size or
+        # one such launch, whichever is larger. Otherwise a launch larger than a slot
+        # takes the buffer's start.
         sizes = {g: sum(u.size for u in self._members(g)) for g in self.leads}
-        pairs = [sizes[g] for g in self.leads
-                 if self.units[g].block or self.units[g].tiled is not None]
-        size = max([2 * s for s in pairs] + list(sizes.values()) + [0])
+        kinds = ([g for g in self.leads if self.units[g].block] if self.by_weight else [])
+        kinds = kinds or [g for g in self.leads
+                          if self.units[g].block or self.units[g].tiled is not None]
+        slot = max([sizes[g] for g in kinds] + [0])
+        slots = self.ahead + 1
+        wide = max([s for s in sizes.values() if s > slot] + [0]) if self.by_weight else 0
+        size = max([slots * slot] + list(sizes.values()) + [0])
+        rings = [(slot, slots), (wide, size // wide if wide else 0)]
         self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
-        back = True  # of the launch before: the first launch decodes to the front
+        base, turns = self.scratch.data_ptr(), [-1, -1]  # the slot the launch before took
         for g in self.leads:
             lead = self.units[g]
+            ring = 0 if sizes[g] <= slot else 1
+            width, count = rings[ring]
             if lead.shared:
                 lead.place = self.units[lead.tiled.units[0] + lead.tile].place
-                back = lead.place.data_ptr() != self.scratch.data_ptr()
+                turns[ring] = (lead.place.data_ptr() - base) // width
+            elif 0 < sizes[g] and count:
+                turns[ring] = (turns[ring] + 1) % count
+                lead.place = self.scratch[turns[ring] * width : turns[ring] * width + sizes[g]]
             else:
-                back = not back
-                base = size - sizes[g] if back else 0
-                lead.place = self.scratch[base : base + sizes[g]]
+                lead.place = self.scratch[: sizes[g]]
+                turns[0] = (sizes[g] - 1) // slot if slot else -1
             at = 0
             for u in self._members(g):
                 u.region = lead.place[at : at + u.size]
                 at += u.size
+        # Entering a launch prefetches the next ``ahead`` launches while their places are
+        # apart from every launch from this one up to them (those decoded or computing
+        # before them); the launches before this one have been enqueued on the compute
+        # stream, which a prefetch waits for.
         for j, g in enumerate(self.leads):
-            u = self.units[g]
-            u.prefetch = j > 0 and _apart(self.units[self.leads[j - 1]], u)
-        self.streams, make = _backend(self.device, len(self.units))
+            self.window[g] = []
+            for i in range(j + 1, min(j + 1 + self.ahead, len(self.leads))):
+                m = self.units[self.leads[i]]
+                if not all(_apart(m, self.units[x]) for x in self.leads[j:i]):
+                    break
+                self.window[g].append(self.leads[i])
+                m.prefetch = True
+        self.streams, make = _backend(self.device, len(self.units), self.ahead)
         done: list[Unit] = []
         # Tensors are coded on the package's threads, a bounded window ahead of the launch
         # being built, in the order the launches take them.
@@ -514,15 +562,18 @@ class Resident:
         self.last = k
         if entered:  # decoded with the unit before it, in one launch
             return
-        hit = self.pending == g
-        self.join()
-        if not hit:
-            self.streams.now(self.units[g].decoder)
+        if self.pending[:1] == [g]:  # the launch prefetched first: wait for it alone
+            self.streams.join(self.pending.pop(0))
+        else:  # out of the expected order: nothing pending stays in flight
+            hit = g in self.pending
+            self.join()
+            if not hit:
+                self.streams.now(self.units[g].decoder)
         self.current = g
-        n = self.units[g].after
-        if n is not None and self.units[n].prefetch:
-            self.streams.prefetch(n, self.units[n].decoder)
-            self.pending = n
+        for n in self.window[g]:
+            if n not in self.pending:
+                self.streams.prefetch(n, self.units[n].decoder)
+                self.pending.append(n)
 
     def end(self) -> None:
         """The model's forward returned: nothing left pending, nothing taken as decoded."""
@@ -530,10 +581,10 @@ class Resident:
         self.current = self.last = None
 
     def join(self) -> None:
-        """The compute stream waits for the prefetched launch (if any)."""
-        if self.pending is not None:
-            self.streams.join(self.pending)
-            self.pending = None
+        """The compute stream waits for every prefetched launch."""
+        for n in self.pending:
+            self.streams.join(n)
+        self.pending = []
 
     def memory(self) -> ResidentMemory:
         plain = sum(t.numel() * t.element_size()

@@ -2,7 +2,8 @@
 
 What it is: with tiny random Llamas built on the GPU, in bf16 and with fp8 e4m3 weights
 and per-row scales in the blocks: ``entropykit.torch.compress_model`` gives the plain
-model's logits and greedy tokens bit for bit (whole blocks, and blocks in row tiles),
+model's logits and greedy tokens bit for bit (whole blocks, in a ring of two or three
+slots, each Linear whole before its own forward, and blocks in row tiles),
 also after the scratch buffer is poisoned with NaN, and ``decompress_model`` gives every
 weight back; a step captured in a CUDA graph and replayed on new inputs, the buffer
 poisoned between replays, gives the plain model's logits; the same with tiles decoded
@@ -12,6 +13,8 @@ What it is not: the timings (resident_check.py prints them).
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -26,8 +29,7 @@ import entropykit.torch as ekt  # noqa: E402
 DEV = "cuda:0"
 
 
-OPTS = pytest.mark.parametrize("tile_bytes", rc.TINY_OPTS,
-                               ids=["blocks", "tiles", "launches-of-small-chunks"])
+OPTS = pytest.mark.parametrize("tile_bytes", rc.TINY_OPTS, ids=rc.TINY_IDS)
 
 
 @OPTS
@@ -44,17 +46,21 @@ def test_cuda_graph_replay_exact(fp8, tile_bytes):
     assert fails == [], how
 
 
-def test_memory_is_what_the_device_holds():
+@pytest.mark.parametrize("opts", [{}, rc.WEIGHT, rc.WEIGHT_AHEAD],
+                         ids=["blocks", "weights", "weights-ahead-3"])
+def test_memory_is_what_the_device_holds(opts):
+    gc.collect()  # earlier tests' models (a resident model and its state form a cycle)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated(DEV)
     model = rc.llama("tiny", DEV)
     plain = torch.cuda.memory_allocated(DEV) - start
     tensors = len(list(model.parameters())) + len(list(model.buffers()))
-    ekt.compress_model(model)
+    ekt.compress_model(model, **opts)
     mem = ekt.resident_memory(model)
     now = torch.cuda.memory_allocated(DEV) - start
-    held = sum(len(u.decoder.held) for u in model._entropykit_resident.units) + 1
+    decoders = {id(u.decoder): u.decoder for u in model._entropykit_resident.units}
+    held = sum(len(d.held) for d in decoders.values()) + 1  # and the scratch buffer
     # the caching allocator rounds each tensor up to a multiple of 512 bytes
     assert 0 <= plain - (mem.plain_bytes + mem.uncompressed_bytes) < 512 * tensors
     want = mem.plain_bytes + mem.coded_bytes + mem.scratch_bytes
@@ -82,10 +88,12 @@ def test_compress_from_the_cpu_onto_the_device():
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_sweep_rows_exact(fp8, capsys):
-    """The sweep's option sets (chunk sizes x tiles x tiles ahead) each give the plain
+    """The sweep's option sets (chunk sizes x tiles x tiles ahead, and weights one and
+    two launches ahead) each give the plain
     model's logits, eager and graph-replayed with poisoned scratch, and print a row."""
-    grid = rc.sweep_grid([1 << 16, 1 << 10], [None, rc.SMALL_TILES], [1, 4], 1 << 26)
-    assert len(grid) == 6
+    grid = rc.sweep_grid([1 << 16, 1 << 10], [None, rc.SMALL_TILES], [1, 4], 1 << 26,
+                         ("block", "weight"), (1, 2))
+    assert len(grid) == 10
     assert rc.sweep("tiny", fp8, DEV, grid) == []
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("tiny")]
     assert len(rows) == 1 + len(grid) and all("| yes " in r for r in rows[1:])
@@ -104,3 +112,34 @@ def test_launches_of_tiles_hold_what_they_plan():
     assert mem.coded_bytes == sum(d.nbytes for d in decoders)
     assert mem.scratch_bytes == 2 * max(state.units[g].place.numel() for g in state.leads)
     assert all(len(d.launches) == 1 for d in decoders)  # bf16 only: one kernel mode
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_weight_ring_is_three_of_the_largest_linears(fp8):
+    """Weight granularity on the device: the blocks' Linears decode in a ring of
+    ``ahead + 1`` slots of the largest, each but the first prefetched on one of two
+    side streams, in chunks of 16 Ki symbols; the embedding and head in block mode's row
+    tiles (the head's products in block
+    mode's shapes), sharing the buffer; the decode step's logits the plain model's at
+    batch 1 and 64, also graph-replayed with the ring poisoned."""
+    plain, model = rc.llama("tiny", DEV, fp8), rc.llama("tiny", DEV, fp8)
+    block = rc.llama("tiny", DEV, fp8)
+    ekt.compress_model(model, **rc.WEIGHT)
+    ekt.compress_model(block)
+    state = model._entropykit_resident
+    largest = max(u.size for u in state.units if u.block)
+    wide = max(state.units[g].place.numel() for g in state.leads)
+    assert ekt.resident_memory(model).scratch_bytes == max(3 * largest, wide)
+    assert [t.rows for t in state.tiled] == [t.rows for t in block._entropykit_resident.tiled]
+    blocks = [g for g in state.leads if state.units[g].block]
+    assert all(state.units[g].prefetch for g in blocks[1:])
+    assert len(state.streams.sides) == 2 and state.chunk_size == 1 << 14
+    del block
+    with torch.no_grad():
+        for batch in (1, 64):
+            ids = rc._ids(plain.config.vocab_size, batch, 1, DEV, batch)
+            want = rc._bits(rc._full_step(plain, ids))
+            assert torch.equal(rc._bits(rc._full_step(model, ids)), want)
+            _, out = rc._graph_ms(model, ids, DEV, poison=True)
+            _, want_graph = rc._graph_ms(plain, ids, DEV, poison=False)
+            assert torch.equal(rc._bits(out), rc._bits(want_graph))
