@@ -48,6 +48,37 @@ def test_calibration_bytes_are_deterministic_and_file_bytes_is_their_size(tmp_pa
     assert P.Calibration.load(tmp_path / "c.safetensors").fingerprint == a.fingerprint
 
 
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for a test and restores it after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_fit_is_the_same_on_any_number_of_torch_threads(torch_threads):
+    # 160 features: a size whose factorization torch rounds differently on 1 and 2 threads
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((320, 160)).astype(np.float32)
+    target = (feats[:, :32] * 0.3 + rng.standard_normal((320, 32))).astype(np.float32)
+    fits = []
+    for threads in (1, 2, 1):
+        torch_threads(threads)
+        w, oof = residual.fit_conditional(feats, target)
+        fits.append((w.tobytes(), oof.tobytes()))
+        assert torch.get_num_threads() == threads  # the fit restores the caller's count
+    assert fits[0] == fits[1] == fits[2] and w.any()
+
+
+def test_calibration_file_is_the_same_on_any_number_of_torch_threads(torch_threads):
+    prints = []
+    for threads in (1, 2):
+        torch_threads(threads)
+        prints.append(P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS,
+                                  progress=False).fingerprint)
+    assert prints[0] == prints[1]
+
+
 def _sweep_fit(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``fit_conditional``'s model written plainly in float64: every penalty tried on the
     last fold, each fold's map solved on its own."""

@@ -26,7 +26,8 @@ is then raised to ``floor``.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -216,10 +217,15 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     gram = sum(g for g, _ in parts)
     cross = sum(c for _, c in parts)
 
+    systems: dict[int | None, tuple[np.ndarray, np.ndarray, float]] = {}
+
     def solve(ridge: float, k: int | None) -> np.ndarray:
-        g = gram - parts[k][0] if k is not None else gram
-        c = cross - parts[k][1] if k is not None else cross
-        return _ridge_solve(g, c, ridge * np.trace(g) / n_feat, exact=k is None)
+        if k not in systems:  # the search solves one fold's system for every penalty
+            g = gram - parts[k][0] if k is not None else gram
+            c = cross - parts[k][1] if k is not None else cross
+            systems[k] = g, c, float(np.trace(g))
+        g, c, trace = systems[k]
+        return _ridge_solve(g, c, ridge * trace / n_feat, exact=k is None)
 
     last = FOLDS - 1
     f_last, t_last = f[rows[last]], t[rows[last]]
@@ -258,13 +264,27 @@ def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float, exact: bool) -> n
     map: float32's rounding moves some of its int8 weights), else in float32 (half the
     time), then float64 where rounding made the system not positive definite; by LU where
     even that did."""
-    a = g + penalty * np.eye(g.shape[0])
-    for dtype in (torch.float64,) if exact else (torch.float32, torch.float64):
-        ta = torch.from_numpy(a).to(dtype)
-        chol, info = torch.linalg.cholesky_ex(ta)
-        if int(info) == 0:
-            return torch.cholesky_solve(torch.from_numpy(c).to(dtype), chol).numpy()
-    return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).numpy()
+    a = g.copy()
+    a[np.diag_indices_from(a)] += penalty  # g + penalty I, without an identity matrix
+    with _one_thread():
+        for dtype in (torch.float64,) if exact else (torch.float32, torch.float64):
+            ta = torch.from_numpy(a).to(dtype)
+            chol, info = torch.linalg.cholesky_ex(ta)
+            if int(info) == 0:
+                return torch.cholesky_solve(torch.from_numpy(c).to(dtype), chol).numpy()
+        return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).numpy()
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread within: its factorizations' rounding depends on the thread
+    count, and the calibration file must not (the fit is still one solve at a time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
