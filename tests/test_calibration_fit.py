@@ -76,7 +76,19 @@ def test_calibration_file_is_the_same_on_any_number_of_torch_threads(torch_threa
         torch_threads(threads)
         prints.append(P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS,
                                   progress=False).fingerprint)
+        assert torch.get_num_threads() == threads
     assert prints[0] == prints[1]
+
+
+def test_fits_side_by_side_give_the_same_file_and_progress():
+    steps = {1: [], 3: []}
+    cals = {t: P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS, progress=lambda *a, t=t:
+                           steps[t].append(a), threads=t) for t in steps}
+    assert cals[1].fingerprint == cals[3].fingerprint
+    assert cals[1].arrays["cond_bf16"].any()  # real maps were fitted, not zeros
+    assert steps[1] == steps[3] == [(i + 1, len(PROMPTS) + 8) for i in range(len(PROMPTS) + 8)]
+    with pytest.raises(ValueError, match="threads"):
+        P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS, progress=False, threads=0)
 
 
 def _sweep_fit(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

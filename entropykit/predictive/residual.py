@@ -26,6 +26,7 @@ is then raised to ``floor``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
 
@@ -266,7 +267,7 @@ def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float, exact: bool) -> n
     even that did."""
     a = g.copy()
     a[np.diag_indices_from(a)] += penalty  # g + penalty I, without an identity matrix
-    with _one_thread():
+    with one_torch_thread():
         for dtype in (torch.float64,) if exact else (torch.float32, torch.float64):
             ta = torch.from_numpy(a).to(dtype)
             chol, info = torch.linalg.cholesky_ex(ta)
@@ -275,16 +276,26 @@ def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float, exact: bool) -> n
         return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).numpy()
 
 
+_PIN = threading.Lock()
+_pinned = [0, 0]  # callers inside ``one_torch_thread``, the thread count to restore
+
+
 @contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch on one thread within: its factorizations' rounding depends on the thread
-    count, and the calibration file must not (the fit is still one solve at a time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread while any caller is inside (from any number of threads): its
+    factorizations' rounding depends on its thread count, and the fit must not."""
+    with _PIN:
+        if _pinned[0] == 0:
+            _pinned[1] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _pinned[0] += 1
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        with _PIN:
+            _pinned[0] -= 1
+            if _pinned[0] == 0:
+                torch.set_num_threads(_pinned[1])
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
