@@ -9,7 +9,7 @@ code length per value (what the conditional std encodes) for each.
 ``--whole``: whole ``calibrate`` runs with the FP8-of-target predictor (bf16 and fp8 e4m3
 fits, ``--seqs`` x ``--tokens`` calibration tokens), one per tree in a child process with
 that tree on its path (``--old`` names the other tree's ``residual.py``, as above; its
-package root is three folders up), timed as the child's CPU seconds; then this tree's
+package root is three folders up), timed as the child's CPU and wall seconds; then this tree's
 codec codes the first 2 x 512 tokens of the "eval" prose (bf16 cache and fp8 e4m3 with one
 scale per layer and k/v, conditional model) with each tree's file and prints bits per
 value. ``--scaling``: ``fit_conditional`` CPU seconds on random features of F columns and
@@ -62,11 +62,12 @@ def _calibrate_child(out: str, seqs: int, tokens: int) -> None:
     model, prompts = _smollm2("calib", seqs, tokens)
     pred = P.FP8Predictor(model)
     kw = {"progress": False} if "progress" in P.calibrate.__code__.co_varnames else {}
-    t = time.process_time()
+    t, wall = time.process_time(), time.perf_counter()
     cal = P.calibrate(model, pred, prompts, **kw)
-    cpu = time.process_time() - t
+    cpu, wall = time.process_time() - t, time.perf_counter() - wall
     cal.save(out)
-    print(json.dumps({"cpu_s": round(cpu, 2), "fingerprint": hex(cal.fingerprint)}))
+    print(json.dumps({"cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
+                      "fingerprint": hex(cal.fingerprint)}))
 
 
 def _whole(args: argparse.Namespace) -> None:

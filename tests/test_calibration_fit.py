@@ -48,6 +48,49 @@ def test_calibration_bytes_are_deterministic_and_file_bytes_is_their_size(tmp_pa
     assert P.Calibration.load(tmp_path / "c.safetensors").fingerprint == a.fingerprint
 
 
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for a test and restores it after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_fit_is_the_same_on_any_number_of_torch_threads(torch_threads):
+    # 160 features: a size whose factorization torch rounds differently on 1 and 2 threads
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((320, 160)).astype(np.float32)
+    target = (feats[:, :32] * 0.3 + rng.standard_normal((320, 32))).astype(np.float32)
+    fits = []
+    for threads in (1, 2, 1):
+        torch_threads(threads)
+        w, oof = residual.fit_conditional(feats, target)
+        fits.append((w.tobytes(), oof.tobytes()))
+        assert torch.get_num_threads() == threads  # the fit restores the caller's count
+    assert fits[0] == fits[1] == fits[2] and w.any()
+
+
+def test_calibration_file_is_the_same_on_any_number_of_torch_threads(torch_threads):
+    prints = []
+    for threads in (1, 2):
+        torch_threads(threads)
+        prints.append(P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS,
+                                  progress=False).fingerprint)
+        assert torch.get_num_threads() == threads
+    assert prints[0] == prints[1]
+
+
+def test_fits_side_by_side_give_the_same_file_and_progress():
+    steps = {1: [], 3: []}
+    cals = {t: P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS, progress=lambda *a, t=t:
+                           steps[t].append(a), threads=t) for t in steps}
+    assert cals[1].fingerprint == cals[3].fingerprint
+    assert cals[1].arrays["cond_bf16"].any()  # real maps were fitted, not zeros
+    assert steps[1] == steps[3] == [(i + 1, len(PROMPTS) + 8) for i in range(len(PROMPTS) + 8)]
+    with pytest.raises(ValueError, match="threads"):
+        P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS, progress=False, threads=0)
+
+
 def _sweep_fit(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``fit_conditional``'s model written plainly in float64: every penalty tried on the
     last fold, each fold's map solved on its own."""

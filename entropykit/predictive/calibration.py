@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .._errors import CorruptDataError
+from ..coding.parallel import imap, resolve
 from ..rans import distribution as dist
 from . import residual
 from .kvcache import (
@@ -417,10 +418,12 @@ Groups = dict[int, list[np.ndarray]]  # group 2 * layer + kv -> per prompt [1, h
 
 def _fit_conditional(xs: Groups, ps: Groups, bias: dict[int, np.ndarray], exact: int,
                      layers: int, out: dict[str, np.ndarray], suffix: str,
-                     tick: Callable[[], None]) -> None:
+                     tick: Callable[[], None], threads: int) -> None:
     """Fit the conditional model of one format from its values ``xs`` and guesses ``ps``
     (per group with KV, per prompt, real units) into ``out`` (version-2 layout); ``tick``
-    after each group."""
+    after each group. The groups' fits are independent (a group's features are the base
+    residuals of earlier groups, not their fits), so ``threads`` run them side by side;
+    each fit's arithmetic is its own, so the result does not depend on the count."""
     dims = [None] * (2 * layers)
     for g, a in xs.items():
         dims[g] = (a[0].shape[1], a[0].shape[3])
@@ -432,14 +435,15 @@ def _fit_conditional(xs: Groups, ps: Groups, bias: dict[int, np.ndarray], exact:
     # per prompt: its groups' residuals and guesses (features align tokens within a prompt)
     residuals: list[dict] = [{} for _ in range(prompts)]
     guesses = [{(g // 2, g % 2): ps[g][i] for g in ps} for i in range(prompts)]
+    bases: Groups = {}
     for g in sorted(xs):
         layer, kv = divmod(g, 2)
-        bases = [p if layer < exact else p + bias[g][None, :, None, :] for p in ps[g]]
+        bases[g] = [p if layer < exact else p + bias[g][None, :, None, :] for p in ps[g]]
         for i in range(prompts):
-            residuals[i][(layer, kv)] = xs[g][i] - bases[i]
-        tick()
-        if layer < exact:
-            continue  # coded as exact: nothing to fit
+            residuals[i][(layer, kv)] = xs[g][i] - bases[g][i]
+
+    def fit(g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        layer, kv = divmod(g, 2)
         hd = dims[g][0] * dims[g][1]
         target = np.concatenate([r[(layer, kv)].transpose(0, 2, 1, 3).reshape(-1, hd)
                                  for r in residuals])
@@ -448,16 +452,25 @@ def _fit_conditional(xs: Groups, ps: Groups, bias: dict[int, np.ndarray], exact:
         sizes = residual.block_sizes(residual.source_arrays(residuals[0], guesses[0], layer,
                                                             kv))
         weights, oof = residual.fit_conditional(feats, target)
+        del feats
         q, scale = residual.quantize(weights, sizes)
-        (ca, _), (qa, rows, _), sa = offsets.chan[g], offsets.cond[g], offsets.scale[g]
-        cond[qa : qa + rows * hd], cscale[sa : sa + scale.size] = q.reshape(-1), scale.reshape(-1)
         # What remains, for the std and shape: out-of-fold, as new text will see it.
         err = target - oof.astype(np.float32)
         sd = np.sqrt((err.astype(np.float64) ** 2).mean(axis=0)).astype(np.float32)
-        cstd[ca : ca + hd] = sd
-        mean = np.concatenate([b.transpose(0, 2, 1, 3).reshape(-1, hd) for b in bases])
+        mean = np.concatenate([b.transpose(0, 2, 1, 3).reshape(-1, hd) for b in bases[g]])
         sigma = residual.floor(np.broadcast_to(sd, err.shape), mean)
-        shapes[g] = residual.fit_shape((err / sigma).reshape(-1))
+        return q, scale, sd, residual.fit_shape((err / sigma).reshape(-1))
+
+    todo = [g for g in sorted(xs) if g // 2 >= exact]  # exact layers: nothing to fit
+    for _ in range(len(xs) - len(todo)):
+        tick()
+    with residual.one_torch_thread():  # pinned once here: the fits run side by side
+        for g, (q, scale, sd, shape) in zip(todo, imap(fit, todo, threads), strict=True):
+            (ca, _), (qa, rows, hd), sa = offsets.chan[g], offsets.cond[g], offsets.scale[g]
+            cond[qa : qa + rows * hd] = q.reshape(-1)
+            cscale[sa : sa + scale.size] = scale.reshape(-1)
+            cstd[ca : ca + hd], shapes[g] = sd, shape
+            tick()
     out |= {f"cstd_{suffix}": cstd, f"cond_{suffix}": cond, f"cscale_{suffix}": cscale,
             f"shapes_{suffix}": shapes}
 
@@ -482,7 +495,8 @@ def _progress(progress: bool | Progress | None) -> tuple[Progress | None, Any]:
 
 def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[Any],
               formats: Sequence[str] = DEFAULT_FORMATS, *,
-              progress: bool | Progress | None = None) -> Calibration:
+              progress: bool | Progress | None = None,
+              threads: int | None = None) -> Calibration:
     """Fit every residual model of (``target``, ``predictor``) on ``prompts``.
 
     ``prompts`` are token-id sequences (1-d tensors, lists, or [1, seq] tensors);
@@ -494,21 +508,23 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
     always; False: never) or a callable given (steps done, steps in all): one step a
     prompt, then one a (layer, k/v, format) fit of each group with KV. ``ValueError``
     before anything runs past the first prompt where the calibration file would exceed
-    the format's caps (``file_bytes``).
+    the format's caps (``file_bytes``). ``threads``: the (layer, k/v) fits run side by
+    side on this many threads (None: ``ENTROPYKIT_THREADS`` or every core), each fit on
+    one torch thread; the result is the same for any count.
     """
     if not formats or any(f not in FORMATS for f in formats):
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}")
     prompts = list(prompts)
     report, bar = _progress(progress)
     try:
-        return _calibrate(target, predictor, prompts, formats, report)
+        return _calibrate(target, predictor, prompts, formats, report, resolve(threads))
     finally:
         if bar is not None:
             bar.close()
 
 
 def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any],
-               formats: Sequence[str], report: Progress | None) -> Calibration:
+               formats: Sequence[str], report: Progress | None, threads: int) -> Calibration:
     xs: dict[str, Groups] = {}
     ps: Groups = {}
     counts: dict[str, dict[int, np.ndarray]] = {}
@@ -578,7 +594,7 @@ def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any]
     uniform = np.linspace(0, dist.ONE, dist.EMP_POINTS + 1).astype(np.uint32)
     for f in formats:
         _fit_conditional(xs[f], ps, bias, predictor.exact_layers, layers, arrays, _SUFFIX[f],
-                         tick)
+                         tick, threads)
         arrays[f"emp_{_SUFFIX[f]}"] = np.stack([
             dist.empirical_table(counts[f][g]) if g in counts[f] else uniform
             for g in range(2 * layers)])

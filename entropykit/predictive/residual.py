@@ -26,7 +26,9 @@ is then raised to ``floor``.
 
 from __future__ import annotations
 
-from collections.abc import Container
+import threading
+from collections.abc import Container, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -216,10 +218,15 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     gram = sum(g for g, _ in parts)
     cross = sum(c for _, c in parts)
 
+    systems: dict[int | None, tuple[np.ndarray, np.ndarray, float]] = {}
+
     def solve(ridge: float, k: int | None) -> np.ndarray:
-        g = gram - parts[k][0] if k is not None else gram
-        c = cross - parts[k][1] if k is not None else cross
-        return _ridge_solve(g, c, ridge * np.trace(g) / n_feat, exact=k is None)
+        if k not in systems:  # the search solves one fold's system for every penalty
+            g = gram - parts[k][0] if k is not None else gram
+            c = cross - parts[k][1] if k is not None else cross
+            systems[k] = g, c, float(np.trace(g))
+        g, c, trace = systems[k]
+        return _ridge_solve(g, c, ridge * trace / n_feat, exact=k is None)
 
     last = FOLDS - 1
     f_last, t_last = f[rows[last]], t[rows[last]]
@@ -258,13 +265,37 @@ def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float, exact: bool) -> n
     map: float32's rounding moves some of its int8 weights), else in float32 (half the
     time), then float64 where rounding made the system not positive definite; by LU where
     even that did."""
-    a = g + penalty * np.eye(g.shape[0])
-    for dtype in (torch.float64,) if exact else (torch.float32, torch.float64):
-        ta = torch.from_numpy(a).to(dtype)
-        chol, info = torch.linalg.cholesky_ex(ta)
-        if int(info) == 0:
-            return torch.cholesky_solve(torch.from_numpy(c).to(dtype), chol).numpy()
-    return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).numpy()
+    a = g.copy()
+    a[np.diag_indices_from(a)] += penalty  # g + penalty I, without an identity matrix
+    with one_torch_thread():
+        for dtype in (torch.float64,) if exact else (torch.float32, torch.float64):
+            ta = torch.from_numpy(a).to(dtype)
+            chol, info = torch.linalg.cholesky_ex(ta)
+            if int(info) == 0:
+                return torch.cholesky_solve(torch.from_numpy(c).to(dtype), chol).numpy()
+        return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).numpy()
+
+
+_PIN = threading.Lock()
+_pinned = [0, 0]  # callers inside ``one_torch_thread``, the thread count to restore
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread while any caller is inside (from any number of threads): its
+    factorizations' rounding depends on its thread count, and the fit must not."""
+    with _PIN:
+        if _pinned[0] == 0:
+            _pinned[1] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _pinned[0] += 1
+    try:
+        yield
+    finally:
+        with _PIN:
+            _pinned[0] -= 1
+            if _pinned[0] == 0:
+                torch.set_num_threads(_pinned[1])
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
