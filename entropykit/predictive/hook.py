@@ -387,6 +387,12 @@ class PredictiveOffloadedLayer(DynamicLayer):
         """Queue the prompt part's decode and the whole layer's return to its device."""
         if not self.offloaded:
             return
+        if torch.device(self.device).type == "cuda":
+            # The decode's new tensors may take memory the default stream still reads (the
+            # layer before's, freed while its compute runs); some transformers releases
+            # queue prefetches on their own stream without waiting for the default one.
+            torch.cuda.current_stream(self.device).wait_stream(
+                torch.cuda.default_stream(self.device))
         keys, values, check = self.codec.start_decode(self.layer_idx, self._frame, self.device,
                                                       self._frame_seq)
         self.keys, self.values = (torch.cat([p[..., self._drop :, :], t.to(self.device)],
