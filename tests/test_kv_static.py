@@ -196,3 +196,41 @@ def test_hook_static_generate_equality(family):
     plain = model.generate(ids, max_new_tokens=8, do_sample=False,
                            past_key_values=transformers.DynamicCache(config=model.config))
     assert torch.equal(out, plain)
+
+
+def test_prefetch_on_a_gpu_waits_for_the_default_stream_before_decoding(monkeypatch):
+    """transformers queues ``prefetch()`` on its own stream; the decode's new tensors may
+    take memory the default stream still reads, so the layer's stream first waits for the
+    default stream (some transformers releases do not make it wait). Streams and the
+    decode are stand-ins here: the order of the calls is what is checked."""
+    model = FAMILIES["llama"][0]()
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    codec = KVOffloadCodec(chunk_size=CHUNK)
+    codec.set_prompt(ids)
+    cache = PredictiveOffloadedCache(codec, config=model.config)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert layer.offloaded
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(("wait", self.name, other.name))
+
+    decode = codec.start_decode
+
+    def start_decode(i, frame, device, seq):
+        calls.append(("decode", str(device)))
+        return decode(i, frame, "cpu", seq)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("prefetch"))
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: Stream("default"))
+    monkeypatch.setattr(codec, "start_decode", start_decode)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self)  # no CUDA here
+    layer.device = torch.device("cuda", 0)
+    layer.prefetch()
+    assert calls == [("wait", "prefetch", "default"), ("decode", "cuda:0")]
