@@ -179,6 +179,19 @@ def _coded_pays(sym: np.ndarray) -> bool:
     return bits / 8 + 128 * -(-sym.size // CHUNK) <= (1 - GPU_MIN_SAVING) * sym.size
 
 
+
+def batch_of(per: list, ds: DataSet, warps: int = plan.WARPS) -> plan.Batch:
+    """One launch's plan of a data set's streams (``ek_streams``), tiled ``ds.reps`` times."""
+    p = plan.Planner(ds.width == 2, warps)
+    for r in range(ds.reps):
+        for k, streams in enumerate(per):
+            place = plan.Place(r * len(per) + k)
+            if ds.width == 2:
+                p.add_pair(*streams, place)
+            else:
+                p.add(streams[0], place)
+    return p.finish([t.size for t in ds.tensors] * ds.reps)
+
 def ek_streams(ds: DataSet, sm_rule: str) -> tuple[list, int, str]:
     """Per tensor the streams entropykit's kernel decodes, their stored bytes, a note."""
     t0 = time.perf_counter()
@@ -219,20 +232,11 @@ def bench_entropykit(ds: DataSet, sm_rule: str, reps: int) -> None:
     per, stored, note = ek_streams(ds, sm_rule)
     ratio = stored / (ds.values * ds.width)
     t0 = time.perf_counter()
-    p = plan.Planner(ds.width == 2)
-    sizes = [t.size for t in ds.tensors] * ds.reps
-    for r in range(ds.reps):
-        for k, streams in enumerate(per):
-            place = plan.Place(r * len(per) + k)
-            if ds.width == 2:
-                p.add_pair(*streams, place)
-            else:
-                p.add(streams[0], place)
-    batch = p.finish(sizes)
+    batch = batch_of(per, ds)
     db = upload(batch, DEV)
     t_plan = time.perf_counter() - t0
     arena = torch.empty_like(ds.data)
-    outs = list(torch.split(arena, sizes))
+    outs = list(torch.split(arena, [t.size for t in ds.tensors] * ds.reps))
     poison = POISON[ds.width]
 
     def fill() -> None:
@@ -375,12 +379,8 @@ def profile(args) -> None:
 
     ds = DataSet("minilm-bf16", minilm_bf16(args.data), args.profile_reps, "")
     per, _, _ = ek_streams(ds, "gpu")
-    p = plan.Planner(True)
     sizes = [t.size for t in ds.tensors] * ds.reps
-    for r in range(ds.reps):
-        for k, (es, ss) in enumerate(per):
-            p.add_pair(es, ss, plan.Place(r * len(per) + k))
-    db = upload(p.finish(sizes), DEV)
+    db = upload(batch_of(per, ds), DEV)
     arena = torch.empty_like(ds.data)
     arena.fill_(POISON[2])
     db.bind(list(torch.split(arena, sizes)))()

@@ -112,18 +112,6 @@ def cpu_reference(per: list, width: int) -> list[np.ndarray]:
     return out
 
 
-def batch_of(per: list, ds: bg.DataSet, warps: int) -> plan.Batch:
-    p = plan.Planner(ds.width == 2, warps)
-    for r in range(ds.reps):
-        for k, streams in enumerate(per):
-            place = plan.Place(r * len(per) + k)
-            if ds.width == 2:
-                p.add_pair(*streams, place)
-            else:
-                p.add(streams[0], place)
-    return p.finish([t.size for t in ds.tensors] * ds.reps)
-
-
 def copy_gbps(data: torch.Tensor, reps: int) -> float:
     """GB/s of a device-to-device copy of ``data`` (its bytes per second)."""
     dst = torch.empty_like(data)
@@ -157,7 +145,7 @@ def sweep(name: str, tensors: list[np.ndarray], reps_tile: int, variants, reps: 
         if warps not in uploaded:
             uploaded.clear()  # one batch on the device at a time
             torch.cuda.empty_cache()
-            uploaded[warps] = upload(batch_of(per, ds, warps), bg.DEV)
+            uploaded[warps] = upload(bg.batch_of(per, ds, warps), bg.DEV)
         db = uploaded[warps]
         select(v)
         built = _runtime.variant()
