@@ -48,7 +48,7 @@ skip() {
 }
 
 if [[ $STEPS == *tests* ]]; then
-    step tests tests.log python3 -m pytest -m cuda gpu/tests -q -rs -p no:cacheprovider
+    step tests tests.log python3 -m pytest -m cuda gpu/tests tests/test_df11_compat.py -q -rs -p no:cacheprovider
     if tail -n 1 "$OUT/tests.log" | grep -q skipped; then  # a GPU machine runs them all
         status=1
         rows[${#rows[@]}-1]="| tests  | skip |        | a test skipped: see tests.log |"

@@ -3,7 +3,8 @@
 The shim always: ``transformers.modeling_utils.no_init_weights`` is transformers 5's
 context manager (init functions do nothing inside it) and ``pkg_resources`` finds package
 files where setuptools no longer ships it. Where the ``dfloat11`` and ``dahuffman``
-packages are installed (the GPU machine's wheels; CI has neither, so it skips), DFloat11's
+packages are installed (the GPU machine's wheels, so that test carries the ``cuda`` marker
+and runs there: ``python3 -m pytest -m cuda tests/test_df11_compat.py``), DFloat11's
 own ``compress_model`` codes a tiny Llama on the CPU and ``DFloat11Model.from_pretrained``
 loads it through the shim: every coded weight replaced by DFloat11's buffers and its
 decode hook, the rest of the model the original's. The decode kernel itself needs a GPU.
@@ -77,6 +78,7 @@ def _cupy_stub() -> types.ModuleType:
     return types.SimpleNamespace(RawModule=RawModule, cuda=cuda)
 
 
+@pytest.mark.cuda
 def test_dfloat11_model_loads_through_the_shim(tmp_path, monkeypatch) -> None:
     pytest.importorskip("dahuffman")
     if importlib.util.find_spec("dfloat11") is None:
