@@ -321,9 +321,12 @@ def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[st
     fails = []
     for batch in (1, 64):
         ids = _ids(plain.config.vocab_size, batch, 1, device, 1)
-        if not torch.equal(_bits(_full_step(model, ids)), _bits(_full_step(plain, ids))):
+        got, want = _full_step(model, ids), _full_step(plain, ids)
+        if not torch.equal(_bits(got), _bits(want)):
+            d = (got.float() - want.float()).abs()
             fails.append(f"{name}: DFloat11's logits differ at batch {batch} (is {path} "
-                         "this model?)")
+                         f"this model?): {(d > 0).float().mean().item():.1%} of them, by up "
+                         f"to {d.max().item():.3g}")
         ids = _ids(plain.config.vocab_size, batch, 1, device, 0)
         row = [f"eager {_time(lambda ids=ids: _full_step(model, ids), device):.3f} ms",
                f"generate {_generate_rate(model, ids, device):.0f} tok/s"]
