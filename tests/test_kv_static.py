@@ -23,7 +23,7 @@ from entropykit.predictive.hook import (
 )
 
 transformers = pytest.importorskip("transformers")
-from test_predictive_layouts import FAMILIES, SEQ, VOCAB  # noqa: E402
+from test_predictive_layouts import FAMILIES, SEQ, VOCAB, assert_offload_exact  # noqa: E402
 
 CHUNK = frame.MIN_CHUNK  # several chunks per field
 
@@ -186,16 +186,7 @@ def test_hook_static_generate_equality(family):
     assert cache.compressed_bytes() > 0
     if family == "gemma2":
         assert isinstance(cache.layers[0], PredictiveOffloadedSlidingLayer)
-    for layer, want in zip(cache.layers, ref.layers, strict=True):
-        if hasattr(layer, "offloaded"):
-            layer.prefetch()
-            assert torch.equal(layer.keys, want.keys) and torch.equal(layer.values, want.values)
-    codec.set_prompt(ids)
-    out = model.generate(ids, max_new_tokens=8, do_sample=False,
-                         past_key_values=PredictiveOffloadedCache(codec, config=model.config))
-    plain = model.generate(ids, max_new_tokens=8, do_sample=False,
-                           past_key_values=transformers.DynamicCache(config=model.config))
-    assert torch.equal(out, plain)
+    assert_offload_exact(model, codec, ids, cache, ref, 8)
 
 
 def test_prefetch_on_a_gpu_waits_for_the_default_stream_before_decoding(monkeypatch):

@@ -278,6 +278,25 @@ def test_version_1_blobs_and_calibration_still_decode(name, tmp_path):
 # ---- the offload hook on a sliding-window model -------------------------------------------
 
 
+def assert_offload_exact(model, codec, ids, cache, ref, new_tokens: int) -> None:
+    """Each offloaded layer of ``cache`` prefetches back to ``ref``'s tensors bit for bit,
+    and generate() through a fresh offloaded cache equals generate() through a plain one."""
+    import transformers
+
+    from entropykit.predictive.hook import PredictiveOffloadedCache
+
+    for layer, want in zip(cache.layers, ref.layers, strict=True):
+        if hasattr(layer, "offloaded"):
+            layer.prefetch()
+            assert torch.equal(layer.keys, want.keys) and torch.equal(layer.values, want.values)
+    codec.set_prompt(ids)
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                         past_key_values=PredictiveOffloadedCache(codec, config=model.config))
+    plain = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                           past_key_values=transformers.DynamicCache(config=model.config))
+    assert torch.equal(out, plain)
+
+
 def test_offload_hook_sliding_window_round_trip():
     from entropykit.predictive.hook import (
         KVOffloadCodec,
@@ -298,16 +317,8 @@ def test_offload_hook_sliding_window_round_trip():
             model(ids, past_key_values=cache, use_cache=True)
             model(ids, past_key_values=ref, use_cache=True)
         assert all(layer.offloaded for layer in cache.layers) and cache.compressed_bytes() > 0
-        for layer, want in zip(cache.layers, ref.layers, strict=True):
-            layer.prefetch()
-            assert torch.equal(layer.keys, want.keys) and torch.equal(layer.values, want.values)
-        assert cache.layers[0].keys.shape[-2] == WINDOW - 1
-        codec.set_prompt(ids)
-        out = model.generate(ids, max_new_tokens=12, do_sample=False,
-                             past_key_values=PredictiveOffloadedCache(codec, config=model.config))
-        plain = model.generate(ids, max_new_tokens=12, do_sample=False,
-                               past_key_values=transformers.DynamicCache(config=model.config))
-        assert torch.equal(out, plain)
+        assert_offload_exact(model, codec, ids, cache, ref, 12)
+        assert cache.layers[0].keys.shape[-2] == WINDOW - 1  # the window, prefetched
 
 
 def test_offload_hook_keeps_layers_without_kv():
