@@ -14,7 +14,9 @@ collective moves the data):
   machine's load reaches all of them alike). Reported: the median and the spread (least
   to most) of the rounds, and the ratio of medians to ``fs``; ``save CPU`` is rank 0's
   process CPU seconds (every thread) during its save, and ``busy`` that over the save's
-  wall time: how many cores the rank kept busy;
+  wall time: how many cores the rank kept busy; ``in write_data`` / ``in read_data``:
+  rank 0's seconds in the storage's own ``write_data`` / ``read_data`` (the rest of a
+  save or load is DCP's planning, collectives and the coordinator's ``finish``);
 - into a page-cache directory (``--dir``, tmpfs by default), and with every rank's writes
   rate-limited (``--rate`` bytes/s per rank, ``0``: not run). The limit is a token bucket
   per rank (``_Bucket``), shared by every stream the rank writes, applied to the write
@@ -255,6 +257,22 @@ def _reader(name: str, path: Path, threads: int):
     return dcp.FileSystemReader(path)
 
 
+def _clocked(storage, method: str, into: list[float]):
+    """``storage`` with its ``method`` (``write_data`` / ``read_data``: the rank's own data,
+    without DCP's planning and collectives) timed into ``into``."""
+    real = getattr(storage, method)
+
+    def clocked(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return real(*args, **kwargs)  # both writers' futures are done on return
+        finally:
+            into.append(time.perf_counter() - t)
+
+    setattr(storage, method, clocked)
+    return storage
+
+
 def _timed(fn, *args, **kwargs) -> tuple[float, float]:
     """Wall seconds between barriers around ``fn``, and this process's CPU seconds."""
     dist.barrier()
@@ -291,15 +309,16 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                     if rank == 0:
                         shutil.rmtree(path, ignore_errors=True)
                     dist.barrier()
-                    save = _timed(dcp.save, sd,
-                                  storage_writer=_writer(name, path, rate, threads))
-                    load = None if rate else _timed(
-                        dcp.load, target, storage_reader=_reader(name, path, threads))[0]
+                    inner: list[float] = []
+                    save = _timed(dcp.save, sd, storage_writer=_clocked(
+                        _writer(name, path, rate, threads), "write_data", inner))
+                    load = None if rate else _timed(dcp.load, target, storage_reader=_clocked(
+                        _reader(name, path, threads), "read_data", inner))[0]
                     if rank == 0 and rate is None:
                         sizes[name] = sum(p.stat().st_size for p in path.rglob("*")
                                           if p.is_file())
                     if r:
-                        times.setdefault((name, rate), []).append((*save, load))
+                        times.setdefault((name, rate), []).append((*save, load, *inner))
         if "hf" not in args.writers:  # the size reference, untimed
             path = Path(args.dir) / f"{kind}-hf-{n}"
             dcp.save(sd, storage_writer=_writer("hf", path, None, threads))
@@ -354,9 +373,10 @@ def main(argv: list[str] | None = None) -> None:
           + (f"; rate-limited: {args.rate / 1e9:g} GB/s per rank (token bucket in the "
              f"write path of every writer)" if rate else ""))
     print("| state | ranks | writer | MB per rank | size / hf | save s | save / fs | "
-          "save CPU s | busy | load s | load / fs |"
+          "save CPU s | busy | in write_data | load s | load / fs | in read_data |"
           + (f" save s at {args.rate / 1e9:g} GB/s | / fs |" if rate else ""))
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if rate else ""))
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+          + ("---:|---:|" if rate else ""))
     for kind in args.states:
         for n in args.ranks:
             fs = results[(kind, "fs", n, None)][3]
@@ -367,10 +387,13 @@ def main(argv: list[str] | None = None) -> None:
                 save = [x[0] for x in rows]
                 cpu = statistics.median(x[1] for x in rows)
                 load = [x[2] for x in rows]
+                writes = statistics.median(x[3] for x in rows)
+                reads = statistics.median(x[4] for x in rows)
                 line = (f"| {kind} | {n} | {name} | {per_rank / 1e6:.0f} | {size / hf:.3f} | "
                         f"{_spread(save)} | {statistics.median(save) / fs_save:.2f}x | "
-                        f"{cpu:.2f} | {cpu / statistics.median(save):.1f} | {_spread(load)} | "
-                        f"{statistics.median(load) / fs_load:.2f}x |")
+                        f"{cpu:.2f} | {cpu / statistics.median(save):.1f} | {writes:.3f} | "
+                        f"{_spread(load)} | {statistics.median(load) / fs_load:.2f}x | "
+                        f"{reads:.3f} |")
                 if rate:
                     slow = [x[0] for x in results[(kind, name, n, rate)][3]]
                     slow_fs = statistics.median(x[0] for x in results[(kind, "fs", n, rate)][3])
