@@ -17,7 +17,8 @@ collective moves the data):
   wall time: how many cores the rank kept busy; ``in write_data`` / ``in read_data``:
   rank 0's seconds in the storage's own ``write_data`` / ``read_data`` (the rest of a
   save or load is DCP's planning, collectives and the coordinator's ``finish``);
-- into a page-cache directory (``--dir``, tmpfs by default), and with every rank's writes
+- into a page-cache directory (``--dir``, tmpfs by default; it holds one checkpoint at a
+  time), and with every rank's writes
   rate-limited (``--rate`` bytes/s per rank, ``0``: not run). The limit is a token bucket
   per rank (``_Bucket``), shared by every stream the rank writes, applied to the write
   calls that hand bytes to the file system, the same way for both kinds of writer: a
@@ -314,9 +315,11 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                         _writer(name, path, rate, threads), "write_data", inner))
                     load = None if rate else _timed(dcp.load, target, storage_reader=_clocked(
                         _reader(name, path, threads), "read_data", inner))[0]
-                    if rank == 0 and rate is None:
-                        sizes[name] = sum(p.stat().st_size for p in path.rglob("*")
-                                          if p.is_file())
+                    if rank == 0:  # every rank is past the barrier after its load
+                        if rate is None:
+                            sizes[name] = sum(p.stat().st_size for p in path.rglob("*")
+                                              if p.is_file())
+                        shutil.rmtree(path)  # one checkpoint in --dir at a time
                     if r:
                         times.setdefault((name, rate), []).append((*save, load, *inner))
         if "hf" not in args.writers:  # the size reference, untimed
