@@ -7,9 +7,9 @@ async staging), and ``consolidate``:
 
 - every rank writes the items DCP's planner gives it (tensor chunks: DTensor / FSDP2
   shards or whole tensors; non-tensor items as the bytes DCP serializes them to) as
-  compressed safetensors files (one, or several of a rank's items that pass a segment,
-  written at once), each tensor coded by the container's dtype-aware codecs on
-  the package's thread pool; ranks write in parallel;
+  compressed safetensors files (one; or, where they pass a segment, about
+  ``FILES_PER_RANK`` written at once, a coding thread each), each tensor coded by the
+  container's dtype-aware codecs; ranks write in parallel;
 - loading decodes a rank's pieces on the thread pool, across its files, straight into
   the planner's tensors where a piece is one run of the saved chunk's bytes and the
   tensor a contiguous CPU tensor of its dtype;
