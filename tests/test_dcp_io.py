@@ -115,7 +115,7 @@ class _Counting(ekdcp.CompressedStorageWriter):
                 self.now += 1
                 self.most = max(self.most, self.now)
             try:
-                time.sleep(0.05)  # so that files meant to overlap do
+                time.sleep(0.2)  # so that files meant to overlap do, on a busy machine too
                 if self.fail and path.name.endswith(self.fail):
                     raise OSError("disk full")
                 with super(_Counting, self)._shard_output(path) as out:
