@@ -7,9 +7,9 @@ async staging), and ``consolidate``:
 
 - every rank writes the items DCP's planner gives it (tensor chunks: DTensor / FSDP2
   shards or whole tensors; non-tensor items as the bytes DCP serializes them to) as
-  compressed safetensors files (one, or one per ``PART_BYTES`` of a large rank's items,
-  several written at once), each tensor coded by the container's dtype-aware codecs on
-  the package's thread pool; ranks write in parallel;
+  compressed safetensors files (one; or, where they pass a segment, about
+  ``FILES_PER_RANK`` written at once, a coding thread each), each tensor coded by the
+  container's dtype-aware codecs; ranks write in parallel;
 - loading decodes a rank's pieces on the thread pool, across its files, straight into
   the planner's tensors where a piece is one run of the saved chunk's bytes and the
   tensor a contiguous CPU tensor of its dtype;
@@ -96,10 +96,12 @@ SHARDING_KEY = "DCP_SHARDING_INFO"  # a shard's own record of its chunks, as tor
 # segments this size spread it over the threads at little coding cost, and a resharding
 # load decodes less.
 SEGMENT_BYTES = 4 << 20
-# A rank's items go into files of about this many original bytes, written several at
-# once (``_write_files``): a file per this many coding threads.
+# A rank's items go into about FILES_PER_RANK files (``_part_bytes``), of SEGMENT_BYTES
+# to PART_BYTES of original bytes each, written at once, one coding thread each
+# (``_write_files``), as DCP's own writer writes a file per thread: one file's writes are
+# serial in the kernel, and a file coded by one thread needs no hand-offs between threads.
+FILES_PER_RANK = 16
 PART_BYTES = 32 << 20
-THREADS_PER_FILE = 4
 
 _SHARD = re.compile(r"shard-[0-9a-f]{12}-[0-9]{5}(-[0-9]{4,})?\.safetensors")
 _MODEL = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
@@ -271,7 +273,7 @@ def _write_rank(root: Path, plan: SavePlan, planner: SavePlanner, threads: int,
             offsets[key] = list(item.tensor_data.chunk.offsets)
         keys.append(key)
     sizes = [_nbytes(tensors[k]) for k in keys]
-    parts = _parts(sizes, PART_BYTES)
+    parts = _parts(sizes, _part_bytes(sum(sizes)))
     stem = plan.storage_data.stem
     names = ([stem + files.SUFFIX] if len(parts) == 1 else
              [f"{stem}-{p:04d}{files.SUFFIX}" for p in range(len(parts))])
@@ -309,29 +311,40 @@ def _parts(sizes: list[int], part_bytes: int) -> list[list[int]]:
     return parts
 
 
+def _part_bytes(total: int) -> int:
+    """Original bytes per file for a rank's ``total``: a share of ``FILES_PER_RANK``,
+    within ``SEGMENT_BYTES`` (smaller files cost their fixed costs for no more
+    parallelism than a segment's) and ``PART_BYTES``. From the total alone, so the same
+    state gives the same files whatever the thread count."""
+    return min(PART_BYTES, max(SEGMENT_BYTES, -(-total // FILES_PER_RANK)))
+
+
 def _write_files(jobs: list[tuple[Path, dict[str, Any], dict[str, str]]], threads: int,
                  fast: bool, output: Callable[[Path], AbstractContextManager[BinaryIO]]
                  ) -> None:
-    """Write each (path, tensors, metadata) as a compressed file, several at once where
-    ``threads`` allow (``THREADS_PER_FILE`` coding threads each): one file's writes run
-    one at a time in the kernel (a file's write lock), so one file per rank would cap a
-    rank's write bandwidth at one thread's, where DCP's own writer writes a file per
-    thread."""
-    at_once = min(len(jobs), max(1, -(-threads // THREADS_PER_FILE)))
-    share = max(1, threads // at_once)
+    """Write each (path, tensors, metadata) as a compressed file, up to ``threads`` at
+    once, the largest first; a file gets coding threads in proportion to its share of
+    the bytes (one, unless one item outweighs the rest). One file's writes run one at a
+    time in the kernel (a file's write lock), so one file per rank would cap a rank's
+    write bandwidth at one thread's."""
+    sizes = [sum(_nbytes(t) for t in tensors.values()) for _, tensors, _ in jobs]
+    total = max(1, sum(sizes))
+    at_once = min(len(jobs), threads)
 
-    def one(job: tuple[Path, dict[str, Any], dict[str, str]]) -> None:
-        path, tensors, meta = job
+    def one(i: int) -> None:
+        path, tensors, meta = jobs[i]
+        share = max(1, min(threads, threads * sizes[i] // total))
         with files.named(path), output(path) as out:
             write(tensor_source(tensors, meta), out, threads=share, fast=fast,
                   segment_bytes=SEGMENT_BYTES)
 
+    order = sorted(range(len(jobs)), key=lambda i: -sizes[i])
     if at_once == 1:
-        for job in jobs:
-            one(job)
+        for i in order:
+            one(i)
         return
     with ThreadPoolExecutor(at_once, thread_name_prefix="entropykit-shard") as ex:
-        futures = [ex.submit(one, job) for job in jobs]
+        futures = [ex.submit(one, i) for i in order]
         try:
             for f in futures:
                 f.result()
@@ -426,6 +439,8 @@ def _check_tiling(what: str, t: _Tensor) -> None:
     chunk. Chunks are checked inside the tensor before this."""
     if math.prod(t.size) == 0:
         return
+    if _rows_tile(t):
+        return
     cuts = [sorted({0, n, *(c.offsets[d] for c in t.chunks),
                     *(c.offsets[d] + c.sizes[d] for c in t.chunks)})
             for d, n in enumerate(t.size)]
@@ -439,6 +454,28 @@ def _check_tiling(what: str, t: _Tensor) -> None:
             count[tuple(slice(w[o], w[o + n]) for w, o, n
                         in zip(where, c.offsets, c.sizes, strict=True))] += 1
     _expect(bool((count == 1).all()), f"{what}: its chunks do not cover it exactly once")
+
+
+def _rows_tile(t: _Tensor) -> bool:
+    """Whether the chunks of ``t`` (non-empty) are whole in every dimension but the first
+    and, taken in order of their first offset, follow one another from 0 to its end: the
+    tiling of ``Shard(0)`` / FSDP states, told in one sort. False leaves the question to
+    the grid count (other tilings, and overlaps or gaps, which it reports)."""
+    if not t.size:
+        return False
+    rest = t.size[1:]
+    spans = []
+    for c in t.chunks:
+        if c.sizes[0]:
+            if c.sizes[1:] != rest or any(c.offsets[1:]):
+                return False
+            spans.append((c.offsets[0], c.sizes[0]))
+    at = 0
+    for o, n in sorted(spans):
+        if o != at:
+            return False
+        at += n
+    return at == t.size[0]
 
 
 def _parse(raw: bytes, present: set[str]) -> _Layout:

@@ -411,6 +411,31 @@ def test_damaged_metadata_raises_corrupt_data_error(tmp_path: Path, edit, what) 
     assert what in str(_load_error(tmp_path))
 
 
+@pytest.mark.parametrize("size, chunks, rows, ok", [
+    ((10, 4), [((6, 0), (4, 4)), ((0, 0), (3, 4)), ((3, 0), (3, 4))], True, True),
+    ((10, 4), [((0, 0), (3, 4)), ((0, 0), (0, 4)), ((3, 0), (7, 4))], True, True),
+    ((10, 4), [((0, 0), (3, 4)), ((4, 0), (6, 4))], False, False),  # a gap
+    ((10, 4), [((0, 0), (4, 4)), ((3, 0), (7, 4))], False, False),  # an overlap
+    ((10, 4), [((0, 0), (3, 4)), ((3, 0), (3, 4)), ((3, 0), (4, 4))], False, False),
+    ((10, 4), [((0, 0), (10, 2)), ((0, 2), (10, 2))], False, True),  # columns
+    ((10, 4), [((0, 0), (10, 2)), ((0, 1), (10, 3))], False, False),
+    ((), [((), ())], False, True),
+])
+def test_chunk_tiling_by_rows_or_by_the_grid(size, chunks, rows, ok) -> None:
+    # Chunks of whole rows (Shard(0), FSDP) are told in one sort; any other layout, and
+    # any row layout that is not exact, is left to the grid count, which decides.
+    from entropykit import dcp as ekdcp
+
+    t = ekdcp._Tensor("F32", size, chunks=[
+        ekdcp._Chunk(o, n, ekdcp._Stored("f", "k")) for o, n in chunks])
+    assert ekdcp._rows_tile(t) is rows
+    if ok:
+        ekdcp._check_tiling("t", t)
+    else:
+        with pytest.raises(CorruptDataError, match="exactly once"):
+            ekdcp._check_tiling("t", t)
+
+
 def test_truncated_metadata_and_shard_with_wrong_shape(tmp_path: Path) -> None:
     _save_plain(tmp_path, 1)
     path = tmp_path / METADATA

@@ -115,7 +115,7 @@ class _Counting(ekdcp.CompressedStorageWriter):
                 self.now += 1
                 self.most = max(self.most, self.now)
             try:
-                time.sleep(0.05)  # so that files meant to overlap do
+                time.sleep(0.2)  # so that files meant to overlap do, on a busy machine too
                 if self.fail and path.name.endswith(self.fail):
                     raise OSError("disk full")
                 with super(_Counting, self)._shard_output(path) as out:
@@ -126,8 +126,22 @@ class _Counting(ekdcp.CompressedStorageWriter):
         return counted()
 
 
-def test_a_rank_writes_files_of_part_bytes_several_at_once(tmp_path, monkeypatch):
+def _coding_threads(monkeypatch) -> list[tuple[str, int]]:
+    """(file name, coding threads) of every shard file written, in the order begun."""
+    calls: list[tuple[str, int]] = []
+    real = ekdcp.write
+
+    def recording(source, out, *, threads, **kw):
+        calls.append((source.header.metadata[ekdcp.SHARDING_KEY], threads))
+        return real(source, out, threads=threads, **kw)
+
+    monkeypatch.setattr(ekdcp, "write", recording)
+    return calls
+
+
+def test_a_rank_writes_its_files_at_once_one_coding_thread_each(tmp_path, monkeypatch):
     monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
+    calls = _coding_threads(monkeypatch)
     sd = _state()
     w = _Counting(tmp_path, threads=8)
     dcp.save(sd, storage_writer=w, no_dist=True)
@@ -135,16 +149,48 @@ def test_a_rank_writes_files_of_part_bytes_several_at_once(tmp_path, monkeypatch
     # Items in order, a file begun before one would pass 40 000 bytes: 6 tensors of
     # 32-66 KB each alone, fp8 + scalar + step together.
     assert len(shards) == 7 and all(ekdcp._SHARD.fullmatch(n) for n in shards)
-    assert w.most == 2  # 8 threads: two files at once, four coding threads each
+    assert w.most == 7  # 8 threads: every file at once (old: two, four threads each)
+    assert [t for _, t in calls] == [1] * 7
     got = _zeros(sd)
     dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
     assert _equal(sd, got)
-    # Same state, other thread count: the same files, byte for byte.
+    # Same state, other thread counts: the same files, byte for byte; 3 at once, or one
+    # after another, the largest (w4: fp32, 64 x 288) first.
     before = {n: (tmp_path / n).read_bytes() for n in shards}
-    dcp.save(sd, storage_writer=_Counting(tmp_path, threads=1), no_dist=True)
-    after = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("shard-"))
-    assert len(after) == 7 and [(tmp_path / n).read_bytes() for n in after] == list(
-        before.values())
+    for threads, most in ((3, 3), (1, 1)):
+        calls.clear()
+        w = _Counting(tmp_path, threads=threads)
+        dcp.save(sd, storage_writer=w, no_dist=True)
+        after = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("shard-"))
+        assert len(after) == 7 and [(tmp_path / n).read_bytes() for n in after] == list(
+            before.values())
+        assert w.most == most
+    assert '"w4"' in calls[0][0] and '"w2"' in calls[1][0]
+
+
+def test_a_rank_spreads_its_items_over_files_per_rank(tmp_path, monkeypatch):
+    # 4 KiB segments; 3 MiB of items: files of 3 MiB / 16 (old: one file up to 32 MiB).
+    monkeypatch.setattr(ekdcp, "SEGMENT_BYTES", 4096)
+    g = torch.Generator().manual_seed(4)
+    sd = {f"t{i:02d}": torch.randn(256, 128, generator=g).to(torch.bfloat16)
+          for i in range(32)}  # 64 KiB each
+    sd["big"] = torch.randn(1024, 256, generator=g)  # 1 MiB of fp32: a file of its own
+    calls = _coding_threads(monkeypatch)
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=4),
+             no_dist=True)
+    shards = [p.name for p in tmp_path.iterdir() if p.name.startswith("shard-")]
+    assert len(shards) == 12 == len(calls)  # 11 of three 64 KiB tensors or less, "big"
+    assert ekdcp._part_bytes(3 << 20) == (3 << 20) // 16
+    # "big" holds a third of the bytes: a third of the threads (of 4: one, as the rest).
+    assert [t for _, t in calls] == [1] * 12
+    calls.clear()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=9),
+             no_dist=True)
+    assert sorted(t for _, t in calls) == [1] * 11 + [3]
+    assert [t for k, t in calls if '"big"' in k] == [3]
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
 
 
 def test_a_failing_file_of_a_rank_leaves_no_checkpoint_and_the_old_one_whole(
