@@ -226,7 +226,8 @@ class KVOffloadCodec:
         """``decode`` without waiting where the GPU coder runs: (keys, values, a check).
         The tensors are queued on the current CUDA stream, so work queued after them may
         use them, but their values are right only once ``check()`` has returned (it waits
-        for the decode and raises ``CorruptDataError`` for a bad chunk)."""
+        for the decode and raises ``CorruptDataError`` for a bad chunk); a check with a
+        ``ready()`` method says without waiting whether calling it would wait."""
         device = torch.device(device)
         if self.method == "static":
             return _start_static(frame, device)
@@ -239,7 +240,7 @@ class KVOffloadCodec:
             pending = gpu_dist.decode_async(frame, mu, sigma, model, model_index=index,
                                             device=device)
             keys, values = self._split(layer, pending.out.view(torch.bfloat16), seq)
-            return keys, values, pending.result
+            return keys, values, static_kv.DecodeCheck(pending.done, pending.result)
         mu, sigma, index = self.layer_distribution(layer, seq=seq)
         if isinstance(frame, torch.Tensor):
             frame = frame.numpy()
@@ -334,22 +335,32 @@ class PredictiveOffloadedLayer(DynamicLayer):
     """A dynamic cache layer whose offloaded prompt part lives as compressed bytes.
 
     ``prefetch()`` only queues the decode on the current stream (transformers' prefetch
-    stream, with the GPU coder), so it overlaps the compute queued after it; the first read
-    of ``keys`` or ``values`` then waits for it and checks it, and raises
-    ``CorruptDataError`` (on every read) if a chunk was bad."""
+    stream, with the GPU coder), so it overlaps the compute queued after it. The decode's
+    check (a bad chunk raises ``CorruptDataError``, and then on every read) never makes
+    the cache's own step wait: inside ``update`` and ``offload`` it runs only if the
+    decode has already finished, else at the next read of ``keys`` or ``values`` from
+    outside the cache, or at the layer's next ``prefetch`` (the decode long done by
+    then), whichever comes first; either waits for the decode.
+
+    The generated tokens' keys and values (the tail) go to host buffers of their own,
+    pinned on a GPU and reused from step to step (grown by doubling), with asynchronous
+    copies both ways: no step waits for a copy."""
 
     def __init__(self, codec: KVOffloadCodec, layer_idx: int, **kwargs: Any) -> None:
         self._checks: list[Callable[[], None]] = []
+        self._hot = False  # inside the cache's own update / offload: checks never wait
         super().__init__(**kwargs)
         self.codec, self.layer_idx = codec, layer_idx
         self._frame: bytes | torch.Tensor | None = None  # keys and values of the prompt
         self._frame_seq = 0  # the prompt's tokens the frame holds (its last ones)
         self._drop = 0  # of those, the ones a sliding window has since let go
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._bufs: list[torch.Tensor | None] = [None, None]  # the tail's host buffers
+        self._read: Any = None  # a CUDA event: the last upload of the buffers has run
         self._length = 0
 
     def _settled(self, name: str) -> torch.Tensor | None:
-        if self._checks:
+        if self._checks and (not self._hot or all(_ready(c) for c in self._checks)):
             for check in self._checks:
                 check()  # raises, and again on the next read: the tensors stay unchecked
             self._checks = []
@@ -361,12 +372,28 @@ class PredictiveOffloadedLayer(DynamicLayer):
     values = property(lambda self: self._settled("_values"),
                       lambda self, v: self.__dict__.__setitem__("_values", v))
 
+    def _quietly(self, run: Callable[[], Any]) -> Any:
+        """``run()`` with reads that do not wait for an unfinished decode's check."""
+        hot, self._hot = self._hot, True
+        try:
+            return run()
+        finally:
+            self._hot = hot
+
     @property
     def offloaded(self) -> bool:
         return self._tail is not None
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._quietly(lambda: super(PredictiveOffloadedLayer, self).update(
+            key_states, value_states, *args, **kwargs))
+
     def offload(self) -> None:
         """Code the prompt's keys and values (once) and keep only the bytes and the tail."""
+        self._quietly(self._offload)
+
+    def _offload(self) -> None:
         if not self.is_initialized or self.offloaded or self.keys is None:
             return
         n, seen, held = self.codec.prompt_len, self.get_seq_length(), self.keys.shape[-2]
@@ -378,13 +405,27 @@ class PredictiveOffloadedLayer(DynamicLayer):
                                             self.values[..., :prompt_held, :])
             self._frame_seq = prompt_held
         self._drop = self._frame_seq - prompt_held
-        self._tail = (self.keys[..., prompt_held:, :].to("cpu"),
-                      self.values[..., prompt_held:, :].to("cpu"))
+        if self._read is not None:  # the buffers' last upload must be done before reuse
+            torch.cuda.current_stream(self.keys.device).wait_event(self._read)
+            self._read = None
+        self._tail = tuple(self._stash(kv, t[..., prompt_held:, :])
+                           for kv, t in enumerate((self.keys, self.values)))
         self._length = seen
         self.keys = self.values = None
 
+    def _stash(self, kv: int, t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied (queued, where it is on a GPU) into the start of host buffer
+        ``kv``, grown by doubling: a contiguous host tensor of its shape."""
+        n, buf = t.numel(), self._bufs[kv]
+        if buf is None or buf.numel() < n or buf.dtype != t.dtype:
+            least = 16 * t.shape[0] * t.shape[1] * t.shape[3]  # 16 tokens
+            size = max(n, least, 0 if buf is None else 2 * buf.numel())
+            buf = self._bufs[kv] = torch.empty(size, dtype=t.dtype, pin_memory=t.is_cuda)
+        return buf[:n].view(t.shape).copy_(t, non_blocking=t.is_cuda)
+
     def prefetch(self) -> None:
         """Queue the prompt part's decode and the whole layer's return to its device."""
+        self._settled("_keys")  # the last decode's check, waiting if it must
         if not self.offloaded:
             return
         if torch.device(self.device).type == "cuda":
@@ -395,9 +436,12 @@ class PredictiveOffloadedLayer(DynamicLayer):
                 torch.cuda.default_stream(self.device))
         keys, values, check = self.codec.start_decode(self.layer_idx, self._frame, self.device,
                                                       self._frame_seq)
-        self.keys, self.values = (torch.cat([p[..., self._drop :, :], t.to(self.device)],
-                                            dim=-2)
-                                  for p, t in zip((keys, values), self._tail, strict=True))
+        tail = [t.to(self.device, non_blocking=True) for t in self._tail]
+        if tail[0].is_cuda:
+            self._read = torch.cuda.Event()
+            self._read.record()
+        self.keys, self.values = (torch.cat([p[..., self._drop :, :], t], dim=-2)
+                                  for p, t in zip((keys, values), tail, strict=True))
         self._checks = [check]
         self._tail = None
 
@@ -405,7 +449,15 @@ class PredictiveOffloadedLayer(DynamicLayer):
         return 0 if self._frame is None else len(self._frame)
 
     def get_seq_length(self) -> int:
-        return self._length if self.offloaded else super().get_seq_length()
+        if self.offloaded:
+            return self._length
+        return self._quietly(super().get_seq_length)  # shapes need no check
+
+
+def _ready(check: Callable[[], None]) -> bool:
+    """Whether ``check()`` would run without waiting (checks without ``ready``: always)."""
+    ready = getattr(check, "ready", None)
+    return ready is None or bool(ready())
 
 
 class PredictiveOffloadedSlidingLayer(PredictiveOffloadedLayer, DynamicSlidingWindowLayer):

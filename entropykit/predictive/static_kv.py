@@ -248,47 +248,77 @@ def plan(layer: StaticLayer, warps: int = gpu_plan.WARPS) -> gpu_plan.Batch:
     return p.finish([2 * at if kind == "fp16" else at])
 
 
+class DecodeCheck:
+    """A queued decode's check: ``ready()`` says without waiting whether the decode has
+    run; calling it waits for the decode and raises ``CorruptDataError`` for a bad chunk."""
+
+    def __init__(self, ready: Callable[[], bool], wait: Callable[[], object]) -> None:
+        self.ready, self._wait = ready, wait
+
+    def __call__(self) -> None:
+        self._wait()
+
+
+_ALIGN = 256  # bytes: each buffer's offset in the packed upload (any dtype's alignment)
+
+
 class GpuLayer:
-    """A layer's decode batch without its frames: the buffers the kernel reads, in pinned
-    host memory where CUDA is. ``start(device)`` queues their upload and the decode on
-    the current CUDA stream."""
+    """A layer's decode batch without its frames: the buffers the kernel reads, packed
+    into one host buffer (pinned where CUDA is) so that a decode uploads them in one
+    copy. ``start(device)`` queues that copy and the decode on the current CUDA stream."""
 
     def __init__(self, layer: StaticLayer, warps: int = gpu_plan.WARPS) -> None:
         import torch
 
         b = plan(layer, warps)
-        pin = torch.cuda.is_available()
-        host = lambda a: (torch.from_numpy(a).pin_memory() if pin else torch.from_numpy(a))
-        # One output, keys then values: the descriptors' output offsets need no binding.
-        self.payload, self.desc, self.sym, self.info, self.cmaps = (
-            host(a) for a in (b.payload, b.desc, b.sym_tables, b.info_tables.view(np.int32),
-                              b.cmaps))
+        parts = [np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+                 for a in (b.desc, b.payload, b.sym_tables, b.info_tables.view(np.int32),
+                           b.cmaps)]
+        sizes = np.array([p.size for p in parts], np.int64)
+        ends = np.cumsum(-(-sizes // _ALIGN) * _ALIGN)
+        starts = ends - -(-sizes // _ALIGN) * _ALIGN
+        packed = torch.empty(int(ends[-1]), dtype=torch.uint8,
+                             pin_memory=torch.cuda.is_available())
+        view = packed.numpy()
+        for p, at in zip(parts, starts, strict=True):
+            view[at : at + p.size] = p
+        self.packed = packed
+        # (offset, bytes, dtype) of desc, payload, sym, info, cmaps in ``packed``
+        self._parts = [(int(at), int(n), d) for at, n, d in zip(
+            starts, sizes, (torch.int64, torch.uint8, torch.uint8, torch.int32, torch.uint8),
+            strict=True)]
+        self.payload = self.buffers(packed)[1]  # a view: where the coded bytes lie
         self.origins = b.origins
+        # One output, keys then values: the descriptors' output offsets need no binding.
         self.batch = dataclasses.replace(b, streams=(), copies=np.zeros((0, 4), np.int64),
                                          _cache={})
         self.shapes, self.dtype = layer.shapes, layer.dtype
 
     def __len__(self) -> int:
-        """Host bytes kept: the buffers and what names the rows in errors."""
-        return (sum(t.numel() * t.element_size() for t in (self.payload, self.desc, self.sym,
-                                                            self.info, self.cmaps))
-                + self.origins.origin.nbytes)
+        """Host bytes kept: the packed buffers and what names the rows in errors."""
+        return self.packed.numel() + self.origins.origin.nbytes
 
-    def start(self, device) -> tuple[object, object, Callable[[], None]]:
-        """(keys, values, check): bf16 tensors on ``device`` queued on the current stream;
-        ``check()`` waits for the decode and raises ``CorruptDataError`` for a bad chunk."""
+    def buffers(self, packed):
+        """(desc, payload, sym, info, cmaps): views of ``packed`` (this layer's packed
+        buffer, wherever it lies) as the kernel's typed buffers."""
+        return [packed[at : at + n].view(d) for at, n, d in self._parts]
+
+    def start(self, device) -> tuple[object, object, DecodeCheck]:
+        """(keys, values, check): tensors of the layer's dtype on ``device`` queued on the
+        current stream behind one upload of the packed buffers; ``check()`` waits for the
+        decode and raises ``CorruptDataError`` for a bad chunk (``check.ready()`` asks
+        without waiting)."""
         import torch
 
         from ..rans.cuda import load_runtime
 
         rt = load_runtime(device)
         dev = cuda_device(device)
-        bufs = [t.to(dev, non_blocking=True) for t in (self.desc, self.payload, self.sym,
-                                                      self.info, self.cmaps)]
+        packed = self.packed.to(dev, non_blocking=True)
+        desc, payload, sym, info, cmaps = self.buffers(packed)
         out = torch.empty(self.batch.sizes[0], device=dev,
                           dtype=torch.bfloat16 if self.batch.bf16 else torch.uint8)
         status = torch.zeros(max(1, len(self.batch.desc)), dtype=torch.int32, device=dev)
-        desc, payload, sym, info, cmaps = bufs
         rt.Launch(self.batch, dev, [x.data_ptr() for x in (desc, status, payload, sym, info,
                                                            cmaps, out)])()
         # The statuses come back behind the launch on its stream; the inputs stay alive
@@ -298,9 +328,9 @@ class GpuLayer:
         with torch.cuda.device(dev):
             host.copy_(status, non_blocking=True)
             done.record()
-        held = [bufs, status]
+        held = [packed, status]
 
-        def check() -> None:
+        def wait() -> None:
             done.synchronize()
             held.clear()
             err = self.origins.error(host[: len(self.batch.desc)].numpy())
@@ -309,4 +339,5 @@ class GpuLayer:
 
         out = out.view(getattr(torch, self.dtype))
         nk = int(np.prod(self.shapes[0]))
-        return out[:nk].view(self.shapes[0]), out[nk:].view(self.shapes[1]), check
+        return (out[:nk].view(self.shapes[0]), out[nk:].view(self.shapes[1]),
+                DecodeCheck(done.query, wait))
