@@ -240,7 +240,9 @@ class KVOffloadCodec:
             pending = gpu_dist.decode_async(frame, mu, sigma, model, model_index=index,
                                             device=device)
             keys, values = self._split(layer, pending.out.view(torch.bfloat16), seq)
-            return keys, values, static_kv.DecodeCheck(pending.done, pending.result)
+            # no ``ready``: its inputs (mu and sigma, larger than the layer) stay on the
+            # GPU until it is checked, so a layer's update waits for it
+            return keys, values, pending.result
         mu, sigma, index = self.layer_distribution(layer, seq=seq)
         if isinstance(frame, torch.Tensor):
             frame = frame.numpy()
@@ -336,11 +338,13 @@ class PredictiveOffloadedLayer(DynamicLayer):
 
     ``prefetch()`` only queues the decode on the current stream (transformers' prefetch
     stream, with the GPU coder), so it overlaps the compute queued after it. The decode's
-    check (a bad chunk raises ``CorruptDataError``, and then on every read) never makes
-    the cache's own step wait: inside ``update`` and ``offload`` it runs only if the
-    decode has already finished, else at the next read of ``keys`` or ``values`` from
-    outside the cache, or at the layer's next ``prefetch`` (the decode long done by
-    then), whichever comes first; either waits for the decode.
+    check (a bad chunk raises ``CorruptDataError``, and then on every read) of a
+    static-table layer never makes the cache's own step wait: inside ``update`` and
+    ``offload`` it runs only if the decode has already finished, else at the next read of
+    ``keys`` or ``values`` from outside the cache, or at the layer's next ``prefetch``
+    (the decode long done by then), whichever comes first; either waits for the decode.
+    The per-value coder's check runs at the layer's ``update``, waiting for its decode
+    (its inputs stay on the GPU until then).
 
     The generated tokens' keys and values (the tail) go to host buffers of their own,
     pinned on a GPU and reused from step to step (grown by doubling), with asynchronous

@@ -321,18 +321,17 @@ class GpuLayer:
         status = torch.zeros(max(1, len(self.batch.desc)), dtype=torch.int32, device=dev)
         rt.Launch(self.batch, dev, [x.data_ptr() for x in (desc, status, payload, sym, info,
                                                            cmaps, out)])()
-        # The statuses come back behind the launch on its stream; the inputs stay alive
-        # (and out of the allocator's reach) until the check has seen it finish.
+        # The statuses come back behind the launch on its stream. The inputs are not kept:
+        # they were allocated on this stream, so memory they free is reused only by work
+        # queued after the launch on it (a check that waits long keeps nothing on the GPU).
         host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
         done = torch.cuda.Event()
         with torch.cuda.device(dev):
             host.copy_(status, non_blocking=True)
             done.record()
-        held = [packed, status]
 
         def wait() -> None:
             done.synchronize()
-            held.clear()
             err = self.origins.error(host[: len(self.batch.desc)].numpy())
             if err is not None:
                 raise err
