@@ -1,14 +1,19 @@
 """The offload hook's decode step on the CPU: the tail's reused host buffers, the order in
 which a prefetch's check runs (never waiting inside the cache's own update and offload),
-and exact keys and values through many steps (static tables, the CPU coder)."""
+exact keys and values through many steps (static tables, the CPU coder), and the "auto"
+method's static tables for the dtypes the per-value coder does not take."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from entropykit import CorruptDataError
+from entropykit import predictive as P
 from entropykit.coding import frame
+from entropykit.predictive import static_kv
 from entropykit.predictive.hook import KVOffloadCodec, PredictiveOffloadedLayer
 
 transformers = pytest.importorskip("transformers")
@@ -125,3 +130,31 @@ def test_bad_decode_raises_at_the_next_prefetch_and_every_read(monkeypatch):
         with pytest.raises(CorruptDataError, match="bad: chunk 0"):
             run()
     assert calls.count(("decode",)) == 1  # no decode was queued on top of a bad one
+
+
+class _Guessless(P.Predictor):
+    name = "guessless"
+
+    def predict(self, input_ids):
+        return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_auto_method_codes_non_bf16_layers_with_static_tables(dtype):
+    """With a predictor, "auto" codes bf16 layers with the per-value coder and routes
+    fp16 and fp8 layers, which it does not take, to static tables: exact round trip. An
+    explicit "distribution" refuses them."""
+    cal = SimpleNamespace(predictor="guessless", dims=[(3, 16), (3, 8)])
+    codec = KVOffloadCodec(_Guessless(), cal)
+    codec.set_prompt(torch.zeros(2, PROMPT, dtype=torch.long))
+    assert codec.method == "distribution"
+    k, v = (t.float().to(dtype) for t in _states(torch.Generator().manual_seed(4), PROMPT))
+    layer = codec.encode(0, k, v)
+    assert isinstance(layer, static_kv.StaticLayer) and layer.dtype == str(dtype)[6:]
+    keys, values = codec.decode(0, layer)
+    assert torch.equal(keys.view(torch.uint8), k.view(torch.uint8))
+    assert torch.equal(values.view(torch.uint8), v.view(torch.uint8))
+    strict = KVOffloadCodec(_Guessless(), cal, method="distribution")
+    strict.set_prompt(torch.zeros(2, PROMPT, dtype=torch.long))
+    with pytest.raises(ValueError, match="expected bf16"):
+        strict.encode(0, k, v)

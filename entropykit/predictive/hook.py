@@ -56,11 +56,12 @@ class KVOffloadCodec:
     weight decoder's kernel, which decodes far faster than the per-value coder; with the
     CPU coder on the host, exponents in classes of rows and channels where that pays.
     "distribution": the per-value coder against the predictor's guess and the
-    calibration's residual model (fewer bits where a predictor guesses well). "auto"
-    (default): "static" without a predictor (None or ``NoPredictor``), else
-    "distribution". What follows is the per-value coder's; of it, the static method uses
-    ``coder`` (where it codes and decodes), ``threads`` and ``chunk_size`` (values a
-    chunk; default ``static_kv.CHUNK``).
+    calibration's residual model (fewer bits where a predictor guesses well; bf16 layers
+    only). "auto" (default): "static" without a predictor (None or ``NoPredictor``), else
+    "distribution" for bf16 layers and "static" for fp16 and fp8 ones. What follows is
+    the per-value coder's; of it, the static method uses ``coder`` (where it codes and
+    decodes), ``threads`` and ``chunk_size`` (values a chunk; default
+    ``static_kv.CHUNK``).
 
     ``coder``: where the frames are coded. "gpu" runs the coder on the layer's CUDA device
     (``entropykit.rans.cuda.dist``, needs CuPy): only the frame crosses PCIe, into pinned host
@@ -87,6 +88,7 @@ class KVOffloadCodec:
                  *, method: str = "auto") -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self._auto = method == "auto"
         if method == "auto":
             method = ("static" if predictor is None or isinstance(predictor, NoPredictor)
                       else "distribution")
@@ -187,7 +189,7 @@ class KVOffloadCodec:
         if not 1 <= seq <= self.prompt_len:
             raise ValueError(f"expected 1..{self.prompt_len} of the prompt's tokens, got "
                              f"keys of shape {tuple(keys.shape)}")
-        if self.method == "static":
+        if self.method == "static" or (self._auto and keys.dtype != torch.bfloat16):
             return self._encode_static(keys, values)
         for kv, t in enumerate((keys, values)):
             want = self.shape(layer, kv, seq)
@@ -229,8 +231,10 @@ class KVOffloadCodec:
         for the decode and raises ``CorruptDataError`` for a bad chunk); a check with a
         ``ready()`` method says without waiting whether calling it would wait."""
         device = torch.device(device)
-        if self.method == "static":
+        if isinstance(frame, static_kv.StaticLayer | static_kv.GpuLayer):
             return _start_static(frame, device)
+        if self.method == "static":
+            raise TypeError(f"a static-table codec decodes its own layers, got {type(frame)}")
         seq = self.prompt_len if seq is None else seq
         model = self.calibration.coder_model(self.model, "bf16")
         if on_gpu(self.coder, device):
@@ -290,8 +294,6 @@ def _start_static(frame: Any, device: torch.device
     else decoded on the host and moved."""
     if isinstance(frame, static_kv.GpuLayer):
         return frame.start(device)
-    if not isinstance(frame, static_kv.StaticLayer):
-        raise TypeError(f"a static-table codec decodes its own layers, got {type(frame)}")
     dtype = getattr(torch, frame.dtype)
     keys, values = (torch.from_numpy(t.view(np.int16 if t.itemsize == 2 else np.uint8)
                                      ).view(dtype).to(device)
