@@ -189,7 +189,9 @@ class KVOffloadCodec:
         if not 1 <= seq <= self.prompt_len:
             raise ValueError(f"expected 1..{self.prompt_len} of the prompt's tokens, got "
                              f"keys of shape {tuple(keys.shape)}")
-        if self.method == "static" or (self._auto and keys.dtype != torch.bfloat16):
+        routed = (self._auto and keys.dtype != torch.bfloat16
+                  and str(keys.dtype).removeprefix("torch.") in static_kv.DTYPES)
+        if self.method == "static" or routed:
             return self._encode_static(keys, values)
         for kv, t in enumerate((keys, values)):
             want = self.shape(layer, kv, seq)
@@ -276,7 +278,7 @@ class KVOffloadCodec:
             raise ValueError(f"keys on {keys.device}, values on {values.device}")
         chunk = self.chunk_size or static_kv.CHUNK
         if on_gpu(self.coder, keys.device):
-            return static_kv.GpuLayer(static_kv.encode_on_device(keys, values, chunk))
+            return static_kv.encode_gpu_layer(keys, values, chunk)
         host = [_bits(t.detach().to("cpu").contiguous()) for t in (keys, values)]
         return static_kv.encode(*host, chunk=chunk, threads=self.threads, dtype=dtype)
 
