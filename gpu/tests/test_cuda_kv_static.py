@@ -4,11 +4,13 @@ What it is: the GPU encoder (``rans.cuda.encode``) writes the CPU encoder's fram
 for byte (contexts, raw chunks, short last chunks) and a layer coded on the device is the
 host's one-table layer; a layer coded with static tables (``predictive.static_kv``)
 decodes on the GPU in one launch of the weight decoder's kernel to exactly its keys and
-values (classed and one-table exponents, keys and values of different shapes); a damaged
+values (classed and one-table exponents, keys and values of different shapes), also when
+coded on the device straight into the decoder's buffers; a damaged
 payload raises ``CorruptDataError`` at the check; ``generate`` through
 ``transformers.Cache( offloading=True)`` of static-coded ``PredictiveOffloadedLayer``s
-gives the tokens and logits of a ``DynamicCache``; gpu/kv_offload_bench.py's smoke run
-finds identical tokens.
+gives the tokens and logits of a ``DynamicCache``, and its decode steps make no host
+synchronisation and keep a GPU-resident cache's keys and values; gpu/kv_offload_bench.py's
+smoke run finds identical tokens.
 What it is not: the benchmark's numbers (run gpu/kv_offload_bench.py with its defaults).
 """
 
@@ -85,6 +87,24 @@ def test_layer_coded_on_the_device_is_the_hosts():
     want = static_kv.encode(_bits(k), _bits(v), classes=False)
     got = static_kv.encode_on_device(k.to(kh.DEV), v.to(kh.DEV))
     assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
+def test_layer_coded_into_the_decoders_buffers_is_the_hosts_gpu_layer(dtype):
+    """``encode_gpu_layer`` (payloads gathered on the device into the batch's buffer,
+    queued to pinned memory) packs ``GpuLayer(encode_on_device(...))``'s bytes exactly,
+    and decodes to the layer."""
+    gen = torch.Generator().manual_seed(8)
+    k = (torch.randn(2, 4, 3000, 64, generator=gen) * torch.logspace(-2, 1, 64)).to(dtype)
+    v = torch.randn(2, 2, 3000, 32, generator=gen).to(dtype)
+    kd, vd = k.to(kh.DEV), v.to(kh.DEV)
+    want = static_kv.GpuLayer(static_kv.encode_on_device(kd, vd, 1 << 12))
+    got = static_kv.encode_gpu_layer(kd, vd, 1 << 12)
+    torch.cuda.synchronize()
+    assert got.packed.is_pinned() and torch.equal(got.packed, want.packed)
+    keys, values, check = got.start(kh.DEV)
+    check()
+    assert np.array_equal(_bits(keys), _bits(k)) and np.array_equal(_bits(values), _bits(v))
 
 
 def test_gpu_layer_damaged_payload_raises_at_check():
