@@ -1,5 +1,6 @@
 """The offload hook's decode step on the CPU: the tail's reused host buffers, the order in
-which a prefetch's check runs (never waiting inside the cache's own update and offload),
+which a prefetch's check runs (by default inside the update that returns the keys and
+values; deferred: never waiting inside the cache's own update and offload),
 exact keys and values through many steps (static tables, the CPU coder), and the "auto"
 method's static tables for the dtypes the per-value coder does not take."""
 
@@ -27,9 +28,10 @@ def _states(gen: torch.Generator, tokens: int) -> tuple[torch.Tensor, torch.Tens
             torch.randn(2, 3, tokens, 8, generator=gen).bfloat16())
 
 
-def _offloaded(gen: torch.Generator) -> tuple[PredictiveOffloadedLayer, DynamicLayer]:
-    """A layer that holds a coded prompt (static tables, CPU coder), and a plain twin."""
-    codec = KVOffloadCodec(chunk_size=frame.MIN_CHUNK)
+def _offloaded(gen: torch.Generator, **kw) -> tuple[PredictiveOffloadedLayer, DynamicLayer]:
+    """A layer that holds a coded prompt (static tables, CPU coder; ``kw`` to the codec),
+    and a plain twin."""
+    codec = KVOffloadCodec(chunk_size=frame.MIN_CHUNK, **kw)
     codec.set_prompt(torch.zeros(2, PROMPT, dtype=torch.long))
     layer, ref = PredictiveOffloadedLayer(codec, 0), DynamicLayer()
     k, v = _states(gen, PROMPT)
@@ -93,12 +95,13 @@ def _with_checks(monkeypatch, layer: PredictiveOffloadedLayer, checks: list) -> 
     return calls
 
 
-def test_check_order_never_waits_inside_the_step(monkeypatch):
-    """A decode not yet finished is not waited for by the cache's update or offload; its
-    check runs at the next prefetch, before that prefetch's decode is queued. A finished
-    one is checked inside update. A read from outside the cache waits for it."""
+def test_deferred_check_order_never_waits_inside_the_step(monkeypatch):
+    """With ``check="deferred"``, a decode not yet finished is not waited for by the
+    cache's update or offload; its check runs at the next prefetch, before that
+    prefetch's decode is queued. A finished one is checked inside update. A read from
+    outside the cache waits for it."""
     gen = torch.Generator().manual_seed(2)
-    layer, _ = _offloaded(gen)
+    layer, _ = _offloaded(gen, check="deferred")
     calls = _with_checks(monkeypatch, layer, [
         lambda c: _Check(c, "first", ready=False), lambda c: _Check(c, "second", ready=True),
         lambda c: _Check(c, "third", ready=False)])
@@ -118,9 +121,9 @@ def test_check_order_never_waits_inside_the_step(monkeypatch):
     assert calls[-1] == ("check", "third") and layer._checks == []
 
 
-def test_bad_decode_raises_at_the_next_prefetch_and_every_read(monkeypatch):
+def test_deferred_bad_decode_raises_at_the_next_prefetch_and_every_read(monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    layer, _ = _offloaded(gen)
+    layer, _ = _offloaded(gen, check="deferred")
     calls = _with_checks(monkeypatch, layer, [lambda c: _Check(c, "bad", False, bad=True),
                                               lambda c: _Check(c, "never", True)])
     layer.prefetch()
@@ -130,6 +133,44 @@ def test_bad_decode_raises_at_the_next_prefetch_and_every_read(monkeypatch):
         with pytest.raises(CorruptDataError, match="bad: chunk 0"):
             run()
     assert calls.count(("decode",)) == 1  # no decode was queued on top of a bad one
+
+
+def test_default_check_runs_before_update_returns(monkeypatch):
+    """By default every decode is checked inside the update that returns its keys and
+    values for attention, waiting for it when it has not finished; offload and the next
+    prefetch find nothing left to check. The returned values are the plain layer's."""
+    gen = torch.Generator().manual_seed(5)
+    layer, ref = _offloaded(gen)
+    calls = _with_checks(monkeypatch, layer, [
+        lambda c: _Check(c, "first", ready=False), lambda c: _Check(c, "second", ready=False)])
+    for step, name in enumerate(("first", "second")):
+        layer.prefetch()
+        assert calls[-1] == ("decode",) and len(layer._checks) == 1
+        k, v = _states(gen, 1)
+        got, want = layer.update(k, v), ref.update(k, v)
+        assert calls[-1] == ("check", name) and layer._checks == []
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        layer.offload()
+        assert len(calls) == 2 * (step + 1)
+
+
+def test_default_bad_decode_raises_in_the_update_that_would_return_it(monkeypatch):
+    """A bad decode not yet finished raises ``CorruptDataError`` in the update that would
+    return its keys and values, not later, and again on every read."""
+    gen = torch.Generator().manual_seed(3)
+    layer, _ = _offloaded(gen)
+    _with_checks(monkeypatch, layer, [lambda c: _Check(c, "bad", False, bad=True)])
+    layer.prefetch()
+    with pytest.raises(CorruptDataError, match="bad: chunk 0"):
+        layer.update(*_states(gen, 1))
+    for run in (lambda: layer.keys, lambda: layer.values, layer.prefetch):
+        with pytest.raises(CorruptDataError, match="bad: chunk 0"):
+            run()
+
+
+def test_codec_refuses_an_unknown_check_mode():
+    with pytest.raises(ValueError, match="check must be one of"):
+        KVOffloadCodec(check="never")
 
 
 class _Guessless(P.Predictor):

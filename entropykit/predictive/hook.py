@@ -26,7 +26,7 @@ makes them. Supported transformers: 5.x
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -44,6 +44,8 @@ from .predictors import NoPredictor, Predictor
 
 LAYER_MODELS = ("gaussian", "mixture")
 METHODS = ("auto", "static", "distribution")
+CHECKS = ("before_use", "deferred")
+Check = Literal["before_use", "deferred"]
 
 
 class KVOffloadCodec:
@@ -74,6 +76,19 @@ class KVOffloadCodec:
     latency until the chunks fill the GPU, at ~137 bytes a chunk (its lanes' final states
     and its directory entry).
 
+    ``check``: when an offloaded layer's decode is checked (a bad chunk raises
+    ``CorruptDataError``). "before_use" (default): before the cache returns the layer's
+    keys and values for attention, in the layer's ``update``; that waits for the layer's
+    decode, one host synchronisation a layer and step, so no step ever attends to values
+    that were not checked. "deferred": a static-table layer's check never makes the
+    cache's own step wait: inside ``update`` and ``offload`` it runs only if the decode
+    has already finished, else at the next read of the layer's ``keys`` or ``values``
+    from outside the cache or at its next ``prefetch``. What that trades: a corrupt frame
+    may feed one step's attention (that step's output may be wrong) before
+    ``CorruptDataError`` is raised, and the last step's check runs only if the cache is
+    read afterwards, so its error may go unreported. The per-value coder's check runs in
+    ``update`` in either mode (its inputs stay on the GPU until it is checked).
+
     The predictor's guess is kept in host memory (bfloat16 where that holds it exactly,
     else float32), so prefetches need not re-run the predictor. The guess is as large as
     the prompt's cache: with a predictor, offloaded layers cost the guess plus the frames,
@@ -85,9 +100,11 @@ class KVOffloadCodec:
     def __init__(self, predictor: Predictor | None = None,
                  calibration: Calibration | None = None, model: str = "mixture",
                  threads: int | None = 1, coder: str = "auto", chunk_size: int | None = None,
-                 *, method: str = "auto") -> None:
+                 *, method: str = "auto", check: Check = "before_use") -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if check not in CHECKS:
+            raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
         self._auto = method == "auto"
         if method == "auto":
             method = ("static" if predictor is None or isinstance(predictor, NoPredictor)
@@ -110,7 +127,7 @@ class KVOffloadCodec:
                 dist.check_chunk_size(chunk_size)  # refused here, not at the first offload
         self.predictor, self.calibration, self.model = predictor, calibration, model
         self.threads, self.coder, self.chunk_size = threads, coder, chunk_size
-        self.method = method
+        self.method, self.check = method, check
         self.prompt_len = self._batch = 0
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._dcal: dict[torch.device, DeviceCalibration] = {}
@@ -342,13 +359,13 @@ class PredictiveOffloadedLayer(DynamicLayer):
 
     ``prefetch()`` only queues the decode on the current stream (transformers' prefetch
     stream, with the GPU coder), so it overlaps the compute queued after it. The decode's
-    check (a bad chunk raises ``CorruptDataError``, and then on every read) of a
-    static-table layer never makes the cache's own step wait: inside ``update`` and
-    ``offload`` it runs only if the decode has already finished, else at the next read of
-    ``keys`` or ``values`` from outside the cache, or at the layer's next ``prefetch``
-    (the decode long done by then), whichever comes first; either waits for the decode.
-    The per-value coder's check runs at the layer's ``update``, waiting for its decode
-    (its inputs stay on the GPU until then).
+    check (a bad chunk raises ``CorruptDataError``, and then on every read) runs where
+    the codec's ``check`` says: by default in ``update``, before the keys and values are
+    returned, waiting for the decode; with ``check="deferred"`` a static-table layer's
+    never makes the cache's own step wait: inside ``update`` and ``offload`` it runs only
+    if the decode has already finished, else at the next read of ``keys`` or ``values``
+    from outside the cache, or at the layer's next ``prefetch`` (the decode long done by
+    then), whichever comes first; either waits for the decode.
 
     The generated tokens' keys and values (the tail) go to host buffers of their own,
     pinned on a GPU and reused from step to step (grown by doubling), with asynchronous
@@ -367,11 +384,16 @@ class PredictiveOffloadedLayer(DynamicLayer):
         self._read: Any = None  # a CUDA event: the last upload of the buffers has run
         self._length = 0
 
-    def _settled(self, name: str) -> torch.Tensor | None:
-        if self._checks and (not self._hot or all(_ready(c) for c in self._checks)):
+    def _settle(self, wait: bool) -> None:
+        """Run the pending decode checks: all of them if ``wait``, else only if none
+        would wait."""
+        if self._checks and (wait or all(_ready(c) for c in self._checks)):
             for check in self._checks:
                 check()  # raises, and again on the next read: the tensors stay unchecked
             self._checks = []
+
+    def _settled(self, name: str) -> torch.Tensor | None:
+        self._settle(not self._hot)
         return self.__dict__.get(name)  # None before the first update, as DynamicLayer
 
     # transformers reads and assigns ``keys`` / ``values`` as plain attributes
@@ -394,8 +416,12 @@ class PredictiveOffloadedLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._quietly(lambda: super(PredictiveOffloadedLayer, self).update(
+        out = self._quietly(lambda: super(PredictiveOffloadedLayer, self).update(
             key_states, value_states, *args, **kwargs))
+        if self.codec.check == "before_use":
+            # after the concatenation is queued, so the device has it ready behind the decode
+            self._settle(wait=True)
+        return out
 
     def offload(self) -> None:
         """Code the prompt's keys and values (once) and keep only the bytes and the tail."""
@@ -433,7 +459,7 @@ class PredictiveOffloadedLayer(DynamicLayer):
 
     def prefetch(self) -> None:
         """Queue the prompt part's decode and the whole layer's return to its device."""
-        self._settled("_keys")  # the last decode's check, waiting if it must
+        self._settle(wait=True)  # the last decode's check, if it has not run
         if not self.offloaded:
             return
         if torch.device(self.device).type == "cuda":
