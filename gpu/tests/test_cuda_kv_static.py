@@ -8,9 +8,10 @@ values (classed and one-table exponents, keys and values of different shapes), a
 coded on the device straight into the decoder's buffers; a damaged
 payload raises ``CorruptDataError`` at the check; ``generate`` through
 ``transformers.Cache( offloading=True)`` of static-coded ``PredictiveOffloadedLayer``s
-gives the tokens and logits of a ``DynamicCache``, and its decode steps make no host
-synchronisation and keep a GPU-resident cache's keys and values; gpu/kv_offload_bench.py's
-smoke run finds identical tokens.
+gives the tokens and logits of a ``DynamicCache``; its decode steps keep a GPU-resident
+cache's keys and values, checked in every update by default (a damaged layer raises in
+the update that would return it) and with no host synchronisation with deferred checks;
+gpu/kv_offload_bench.py's smoke run finds identical tokens.
 What it is not: the benchmark's numbers (run gpu/kv_offload_bench.py with its defaults).
 """
 
@@ -146,29 +147,44 @@ def test_offload_bench_smoke_run_is_identical():
                                   "--new-tokens", "4", "--reps", "1"]) == 0
 
 
-def _step_through(layers: int, prompt: list, steps: list, offloaded: bool) -> list:
-    """Every layer's (keys, values) as ``update`` returns them at each decode step, after
-    a prefill of ``prompt``; the steps run under torch's sync debug mode (a host
-    synchronisation raises) where ``offloaded``."""
-    if offloaded:
-        codec = KVOffloadCodec(coder="gpu", method="static")
-        codec.set_prompt(torch.zeros(prompt[0][0].shape[0], prompt[0][0].shape[2],
-                                     dtype=torch.long))
-        cache = transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i)
-                                           for i in range(layers)], offloading=True)
-    else:
-        cache = transformers.Cache(layers=[transformers.cache_utils.DynamicLayer()
-                                           for _ in range(layers)])
+def _offloaded_cache(layers: int, prompt: list, check: str) -> transformers.Cache:
+    """``transformers.Cache(offloading=True)`` of static-coded layers after a prefill of
+    ``prompt`` (one (keys, values) a layer)."""
+    codec = KVOffloadCodec(coder="gpu", method="static", check=check)
+    codec.set_prompt(torch.zeros(prompt[0][0].shape[0], prompt[0][0].shape[2],
+                                 dtype=torch.long))
+    cache = transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i)
+                                       for i in range(layers)], offloading=True)
     for i, (k, v) in enumerate(prompt):
         cache.update(k, v, i)
     torch.cuda.synchronize()
-    outs = []
+    return cache
+
+
+def _step_through(layers: int, prompt: list, steps: list, check: str | None) -> list:
+    """Every layer's (keys, values) as ``update`` returns them at each decode step, after
+    a prefill of ``prompt``: a GPU-resident cache's (``check`` None), else offloaded with
+    that check mode; the deferred mode's steps run under torch's sync debug mode (a host
+    synchronisation raises), the default mode's returns checked tensors from every
+    update."""
+    offloaded = check is not None
     if offloaded:
+        cache = _offloaded_cache(layers, prompt, check)
+    else:
+        cache = transformers.Cache(layers=[transformers.cache_utils.DynamicLayer()
+                                           for _ in range(layers)])
+        for i, (k, v) in enumerate(prompt):
+            cache.update(k, v, i)
+        torch.cuda.synchronize()
+    outs = []
+    if check == "deferred":
         torch.cuda.set_sync_debug_mode("error")
     try:
         for step in steps:
             for i, (k, v) in enumerate(step):
                 outs.append(tuple(t.clone() for t in cache.update(k, v, i)))
+                if check == "before_use":
+                    assert cache.layers[i]._checks == []  # checked before it returned
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
@@ -181,25 +197,61 @@ def _step_through(layers: int, prompt: list, steps: list, offloaded: bool) -> li
     return outs
 
 
-def test_offloaded_steps_make_no_host_sync_and_are_exact_and_repeatable():
-    """After the prompt's encode, decode steps through ``transformers.Cache(
-    offloading=True)`` of static-coded layers queue everything without one host
-    synchronisation (no ``.item()``, ``.cpu()``, pageable copy or stream sync: torch's
-    sync debug mode raises on any), and each step's keys and values are those of a cache
-    kept on the GPU, the same on a repeat."""
+def _step_states(layers: int, steps: int) -> tuple[list, list]:
     gen = torch.Generator().manual_seed(6)
-    layers, scale = 3, torch.logspace(-2, 1, 64)
+    scale = torch.logspace(-2, 1, 64)
 
     def states(tokens):
         return ((torch.randn(2, 4, tokens, 64, generator=gen) * scale).bfloat16().to(kh.DEV),
                 torch.randn(2, 4, tokens, 64, generator=gen).bfloat16().to(kh.DEV))
 
-    prompt = [states(3000) for _ in range(layers)]
-    steps = [[states(1) for _ in range(layers)] for _ in range(20)]
-    ref = _step_through(layers, prompt, steps, offloaded=False)
+    return ([states(3000) for _ in range(layers)],
+            [[states(1) for _ in range(layers)] for _ in range(steps)])
+
+
+def _assert_same(got: list, ref: list) -> None:
+    assert len(got) == len(ref)
+    for (gk, gv), (rk, rv) in zip(got, ref, strict=True):
+        assert torch.equal(gk.view(torch.int16), rk.view(torch.int16))
+        assert torch.equal(gv.view(torch.int16), rv.view(torch.int16))
+
+
+def test_deferred_offloaded_steps_make_no_host_sync_and_are_exact_and_repeatable():
+    """With ``check="deferred"``, after the prompt's encode, decode steps through
+    ``transformers.Cache(offloading=True)`` of static-coded layers queue everything
+    without one host synchronisation (no ``.item()``, ``.cpu()``, pageable copy or stream
+    sync: torch's sync debug mode raises on any), and each step's keys and values are
+    those of a cache kept on the GPU, the same on a repeat."""
+    layers = 3
+    prompt, steps = _step_states(layers, 20)
+    ref = _step_through(layers, prompt, steps, None)
     for _ in range(2):
-        got = _step_through(layers, prompt, steps, offloaded=True)
-        assert len(got) == len(ref)
-        for (gk, gv), (rk, rv) in zip(got, ref, strict=True):
-            assert torch.equal(gk.view(torch.int16), rk.view(torch.int16))
-            assert torch.equal(gv.view(torch.int16), rv.view(torch.int16))
+        _assert_same(_step_through(layers, prompt, steps, "deferred"), ref)
+
+
+def test_default_offloaded_steps_are_checked_and_exact():
+    """In the default mode every update returns keys and values already checked, and
+    they are those of a cache kept on the GPU, the same on a repeat."""
+    layers = 3
+    prompt, steps = _step_states(layers, 20)
+    ref = _step_through(layers, prompt, steps, None)
+    for _ in range(2):
+        _assert_same(_step_through(layers, prompt, steps, "before_use"), ref)
+
+
+def test_default_mode_raises_in_the_update_that_would_use_a_damaged_layer():
+    """A layer whose coded bytes are damaged after the prefill raises
+    ``CorruptDataError`` in the update that would return its keys and values; the layer
+    before it steps normally."""
+    from entropykit.rans.cuda import _layout as lay
+
+    layers = 2
+    prompt, steps = _step_states(layers, 1)
+    cache = _offloaded_cache(layers, prompt, "before_use")
+    g = cache.layers[1]._frame
+    d = g.batch.desc
+    row = np.flatnonzero((d[:, lay.D_MODE] == 0) & (d[:, lay.D_N] > 0))[0]  # a coded chunk
+    g.payload[int(d[row, lay.D_OFF]) + 130] ^= 0x10  # its first word after the states
+    cache.update(*steps[0][0], 0)
+    with pytest.raises(CorruptDataError, match="chunk"):
+        cache.update(*steps[0][1], 1)
