@@ -373,7 +373,7 @@ class PredictiveOffloadedLayer(DynamicLayer):
 
     def __init__(self, codec: KVOffloadCodec, layer_idx: int, **kwargs: Any) -> None:
         self._checks: list[Callable[[], None]] = []
-        self._hot = False  # inside the cache's own update / offload: checks never wait
+        self._hot = False  # inside the cache's own update / offload: reads never wait
         super().__init__(**kwargs)
         self.codec, self.layer_idx = codec, layer_idx
         self._frame: bytes | torch.Tensor | None = None  # keys and values of the prompt
