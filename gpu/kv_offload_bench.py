@@ -76,10 +76,12 @@ Run = tuple[torch.Tensor, torch.Tensor]  # a run's new tokens [batch, n], logits
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int] | None:
-    """(batch row, new token) of the earliest position where two runs' tokens differ."""
-    diff = a != b
+    """(batch row, new token) of the earliest position where two runs' tokens differ (a
+    run that stopped early differs where it stopped)."""
+    n = min(a.shape[1], b.shape[1])
+    diff = a[:, :n] != b[:, :n]
     if not bool(diff.any()):
-        return None
+        return None if a.shape == b.shape else (0, n)
     at = int(diff.any(0).nonzero()[0])
     return int(diff[:, at].nonzero()[0]), at
 
@@ -88,16 +90,21 @@ def difference(run: Run, base: Run) -> str | None:
     """Where ``run`` first departs from ``base``, tokens and logits (None: bit for bit the
     same): the first step whose logits differ and by how much, and where the tokens
     part, the base's margin between its two best tokens there."""
-    steps = (run[1] != base[1]).flatten(1).any(1)
+    n = min(len(run[1]), len(base[1]))
+    steps = (run[1][:n] != base[1][:n]).flatten(1).any(1)
     tokens = first_difference(run[0], base[0])
     if tokens is None and not bool(steps.any()):
         return None
-    step = int(steps.nonzero()[0])
-    gap = float((run[1][step] - base[1][step]).abs().max())
-    text = f"logits first differ at new token {step} (by up to {gap:.3g})"
+    text = "logits identical"
+    if bool(steps.any()):
+        step = int(steps.nonzero()[0])
+        gap = float((run[1][step] - base[1][step]).abs().max())
+        text = f"logits first differ at new token {step} (by up to {gap:.3g})"
     if tokens is None:
         return f"tokens identical, {text}"
     row, at = tokens
+    if at >= n:
+        return f"one run stopped at new token {at}; {text}"
     best = base[1][at, row].topk(2).values
     return (f"tokens first differ at batch row {row}, new token {at} (the base's top-two "
             f"margin there {float(best[0] - best[1]):.3g}); {text}")
