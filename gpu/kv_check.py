@@ -46,6 +46,9 @@ SPECIALS = {  # NaN payloads, +-inf, +-0, subnormals, extremes
     "bf16": [0x7FC1, 0xFFFF, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8005, 0x007F,
              0x7F7F, 0xFF7F],
     "fp8_e4m3": [0x7F, 0xFF, 0x00, 0x80, 0x01, 0x87, 0x7E, 0xFE],
+    "fp16": [0x7E01, 0xFFFF, 0x7C01, 0x7C00, 0xFC00, 0x0000, 0x8000, 0x0001, 0x8005, 0x03FF,
+             0x7BFF, 0xFBFF],
+    "fp8_e5m2": [0x7F, 0xFF, 0x7D, 0x7C, 0xFC, 0x00, 0x80, 0x01, 0x83, 0x7B, 0xFB],
 }
 
 
@@ -67,11 +70,13 @@ def sample(torch, fmt: str, n: int, seed: int, dev, specials: float = 0.01):
     g = torch.Generator(device=dev).manual_seed(seed)
     r = lambda: torch.randn(n, generator=g, device=dev)  # noqa: E731
     u = lambda: torch.rand(n, generator=g, device=dev)  # noqa: E731
-    if fmt == "bf16":  # a bf16 KV residual: |mu| ~ 1, ~6-7 bits a value
-        mu, sigma, dtype, bits = r(), 0.15 * torch.exp(0.5 * r()), torch.bfloat16, torch.int16
-    else:  # an fp8 e4m3 cache in its scaled units, ~2-3 bits a value
+    if fmt in ("bf16", "fp16"):  # a 16-bit KV residual: |mu| ~ 1
+        mu, sigma, bits = r(), 0.15 * torch.exp(0.5 * r()), torch.int16
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float16
+    else:  # an fp8 cache in its scaled units, ~2-3 bits a value
         mu, sigma = 20 * r(), 2 * torch.exp(0.5 * r())
-        dtype, bits = torch.float8_e4m3fn, torch.uint8
+        dtype = torch.float8_e4m3fn if fmt == "fp8_e4m3" else torch.float8_e5m2
+        bits = torch.uint8
     t4 = r() / torch.sqrt((-0.5 * torch.log(u() * u())).clamp_min(1e-12))  # Student t, 4 dof
     x = (mu + sigma * t4).to(dtype).view(bits)
     sp = torch.tensor(SPECIALS[fmt], device=dev).to(bits)

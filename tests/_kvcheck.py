@@ -14,6 +14,7 @@ from entropykit.predictive import _torchdist as T
 from entropykit.predictive import codec as C
 from entropykit.rans import distribution as D
 from entropykit.rans.cuda import dist as gpu_dist
+from entropykit.rans.cuda import encode as gpu_encode
 
 
 def _bits(a) -> np.ndarray:
@@ -73,9 +74,14 @@ def _cpu_decode_async(frame, mu, sigma, model, *, model_index, device):
 @pytest.fixture
 def device_path(monkeypatch):
     """compress_kv / decompress_kv take their device path on the CPU, the CPU coder
-    standing in for the GPU's (same signature, same frames)."""
+    standing in for the GPU's per-value coder (same signature, same frames) and the
+    static GPU encoder running its host half with its kernels emulated."""
+    from test_gpu_encode_logic import _Emulator
+
+    encode = gpu_encode.encode
     monkeypatch.setattr(T, "on_gpu", lambda coder, device: coder != "cpu")
     monkeypatch.setattr(gpu_dist, "encode", _cpu_encode)
     monkeypatch.setattr(gpu_dist, "decode_async", _cpu_decode_async)
+    monkeypatch.setattr(gpu_encode, "encode", lambda *a, **k: encode(*a, **k, run=_Emulator()))
 
 

@@ -49,7 +49,8 @@ def _model() -> D.CoderModel:
 
 MODEL = _model()
 ARR = G.model_arrays(MODEL)
-DTYPES = {"bf16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn}
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+          "fp16": np.float16, "fp8_e5m2": ml_dtypes.float8_e5m2}
 
 
 # ---- the per-lane arithmetic, from dist_kernels (what each lane of the warp computes) ----
@@ -313,7 +314,7 @@ def _sample(fmt: str, n: int, seed: int):
 # ---- tests ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", sorted(D.FORMATS))
 @pytest.mark.parametrize("n", [1, 31, 33, 1024, 1025, 3000])
 @pytest.mark.parametrize("precision", [12, 16])
 def test_twin_frames_equal_cpu_frames(fmt, n, precision):
@@ -324,7 +325,7 @@ def test_twin_frames_equal_cpu_frames(fmt, n, precision):
     np.testing.assert_array_equal(_twin_decode(cpu, mu, sigma, midx), x)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", sorted(D.FORMATS))
 def test_twin_raw_chunks_and_whole_value_space(fmt):
     f = D.FORMATS[fmt]
     rng = np.random.default_rng(3)
@@ -702,7 +703,7 @@ def _top_bit(x):
 
 
 @pytest.mark.parametrize("search", ["lane", "warp"])
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", sorted(D.FORMATS))
 def test_search_finds_the_symbol_from_any_guess(fmt, search):
     # Any slot, any guess (near, far, at either end), each stage kind: the lane's own
     # search (fast_search), and the warp's (the neighbour probe, then two ballots), find the
@@ -1055,7 +1056,7 @@ def _emulator():
     return sys.modules["guess_emulator"]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", sorted(D.FORMATS))
 def test_key_value_is_the_formats_value(fmt):
     # The kernel's key_value (as the emulator ports it): every finite key's value, and the
     # value step to the next key within its binade (subnormals included).

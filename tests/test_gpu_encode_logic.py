@@ -11,6 +11,8 @@ tables, every precision. gpu/tests/test_cuda_kv_static.py runs the kernels thems
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -32,22 +34,24 @@ class _Emulator:
         pairs = context.numpy().astype(np.int64) * 256 + s
         return np.bincount(pairs, minlength=1 << 16).reshape(256, 256)
 
+    def host(self, arrays):
+        return [np.asarray(a).astype(np.int64) for a in arrays]
+
     def encode(self, symbols, context, cmap, tabs, chunk, precision):
         sym = symbols.numpy()
         ctx = None if context is None else context.numpy()
         n = sym.size
         n_chunks = -(-n // chunk)
-        self.sym, self.chunk = sym, chunk
-        self.slots = np.full(n, 0xA5, np.uint8)  # poison: only written bytes may be read
+        slots = np.full(n, 0xA5, np.uint8)  # poison: only written bytes may be read
         start = np.array([self._warp(sym, ctx, cmap, tabs.reshape(-1, 256, 2), c, chunk,
-                                     precision) for c in range(n_chunks)], np.int64)
-        return start, self._crc(sym, chunk, n_chunks)
+                                     precision, slots) for c in range(n_chunks)], np.int64)
+        return start, self._crc(sym, chunk, n_chunks), (sym, slots, chunk)
 
-    def _warp(self, sym, ctx, cmap, tab, c, chunk, precision):
+    def _warp(self, sym, ctx, cmap, tab, c, chunk, precision, slots):
         lane = np.arange(LANES)
         first = c * chunk
         m = min(chunk, sym.size - first)
-        out = self.slots[first : first + m]
+        out = slots[first : first + m]
         x = np.full(LANES, L, np.uint64)
         words = 0
         full = m - m % LANES
@@ -96,14 +100,22 @@ class _Emulator:
             crc[on] = table[(crc[on] ^ b) & 0xFF] ^ (crc[on] >> np.uint32(8))
         return ~crc
 
-    def gather(self, start, offset, size):
-        dst = np.full(size, 0x5A, np.uint8)
+    def zeros(self, size):
+        return np.zeros(size, np.uint8)
+
+    def gather(self, job, start, offset, dst):
+        sym, slots, chunk = job
         for c, (s, o) in enumerate(zip(start.tolist(), offset.tolist(), strict=True)):
-            first = c * self.chunk
-            m = min(self.chunk, self.sym.size - first)
-            src = self.sym[first : first + m] if s < 0 else self.slots[first + s : first + m]
+            first = c * chunk
+            m = min(chunk, sym.size - first)
+            src = sym[first : first + m] if s < 0 else slots[first + s : first + m]
             dst[o : o + src.size] = src
-        return dst
+
+    def to_host(self, src, dst=None):
+        if dst is None:
+            return src.copy()
+        dst.numpy()[:] = src[: dst.numel()]
+        return None
 
 
 def _skewed(rng, n, spread):
@@ -166,3 +178,28 @@ def test_misuse():
         gpu_encode.encode(sym, chunk_size=1000, run=_Emulator())
     empty = gpu_encode.encode(sym[:0], chunk_size=1024, run=_Emulator())
     assert empty == rans_static.encode(np.zeros(0, np.uint8), chunk_size=1024)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_a_layer_coded_into_the_decoders_buffers_is_the_hosts_gpu_layer(dtype):
+    """``static_kv.encode_gpu_layer`` (payloads gathered on the device straight into the
+    decode batch's payload buffer, the frames never made) packs exactly the buffers of
+    ``GpuLayer(encode_on_device(...))``: descriptors, payload (zeros between payloads),
+    tables and maps, byte for byte; its payload decodes (emulated kernel) to the layer."""
+    from test_gpu_logic import _emulate
+
+    gen = torch.Generator().manual_seed(7)
+    k = (torch.randn(2, 2, 700, 32, generator=gen) * torch.logspace(-2, 1, 32)).to(dtype)
+    v = torch.randn(2, 1, 700, 16, generator=gen).to(dtype)
+    v.view(-1)[:3000] = 0  # some chunks of one symbol, some raw (fp8's uniform bytes)
+    want = static_kv.GpuLayer(static_kv.encode_on_device(k, v, 1024, run=_Emulator()), 2)
+    got = static_kv.encode_gpu_layer(k, v, 1024, run=_Emulator(), warps=2)
+    assert torch.equal(got.packed, want.packed) and got._parts == want._parts
+    assert (got.shapes, got.dtype) == (want.shapes, want.dtype)
+    assert np.array_equal(got.batch.desc, want.batch.desc)
+    assert np.array_equal(got.origins.origin, want.origins.origin)
+    b = dataclasses.replace(got.batch, _cache={"payload": got.payload.numpy()})
+    outs, status = _emulate(b)
+    assert not status.any()
+    flat = torch.cat([k.reshape(-1), v.reshape(-1)])
+    assert np.array_equal(outs[0], flat.view(torch.uint8).numpy().view(outs[0].dtype))

@@ -78,14 +78,21 @@ def test_exponents_are_classed_where_channels_differ():
 
 
 def test_gpu_layer_keeps_only_the_kernels_buffers():
-    """``GpuLayer`` drops the frames: its batch (no streams) with its pinned-able payload
-    still decodes exactly, and its size counts every buffer it keeps."""
+    """``GpuLayer`` drops the frames: its batch (no streams) with the buffers it packs
+    for one upload (each at an aligned offset, read back as the plan's own) still decodes
+    exactly, and its size counts every buffer it keeps."""
     rng = np.random.default_rng(3)
     k = _kv_like(rng, (1, 2, 300, 32), np.geomspace(0.01, 4, 32))
     v = _kv_like(rng, (1, 2, 300, 16), 0.5)
     layer = static_kv.encode(k, v, CHUNK)
     g = static_kv.GpuLayer(layer, warps=2)
-    assert g.batch.streams == () and len(g) >= g.payload.numel() > 0
+    assert g.batch.streams == () and len(g) >= g.packed.numel() > g.payload.numel() > 0
+    plan = static_kv.plan(layer, warps=2)
+    want = (plan.desc, plan.payload, plan.sym_tables, plan.info_tables.view(np.int32),
+            plan.cmaps)
+    for got, a in zip(g.buffers(g.packed), want, strict=True):
+        assert got.data_ptr() % 256 == g.packed.data_ptr() % 256
+        assert np.array_equal(got.numpy(), a.reshape(-1))
     b = dataclasses.replace(g.batch, _cache={"payload": g.payload.numpy()})
     outs, status = _emulate(b)
     assert not status.any()

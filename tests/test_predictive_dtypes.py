@@ -2,8 +2,8 @@
 
 Exact round trips of a tiny random Llama's caches cast to each dtype and of adversarial
 values (NaN payloads, +-0, +-inf, subnormals, every 8-bit pattern and a shuffled sample
-of the 16-bit ones), the fp32 split's properties, and the GPU coder's refusal of formats
-it is not checked on.
+of the 16-bit ones), the fp32 split's properties (on the host and in torch), and the GPU
+coder's path of every dtype (run on the CPU with stand-ins for its kernels).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers  # noqa: F401 - the kv extra; .ci/run installs it
+from _kvcheck import device_path  # noqa: F401 - a fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -155,13 +156,33 @@ def test_format_needs_its_fit():
         P.compress_kv(_cast(CACHE, torch.float16), IDS, NONE, cal)
 
 
-def test_gpu_coder_refuses_formats_it_is_not_checked_on():
-    cuda = torch.device("cuda")
-    for fmt in ("fp16", "fp32", "fp8_e5m2"):
-        with pytest.raises(ValueError, match=f"not {fmt}"):
-            codec._on_gpu("gpu", cuda, fmt)
-        assert codec._on_gpu("auto", cuda, fmt) is False
-    assert codec._on_gpu("gpu", cuda, "bf16") is True
+@pytest.mark.parametrize("dtype", [*NEW, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kind", ["mixture", "conditional"])
+def test_device_path_of_every_dtype_writes_the_host_blob(device_path, dtype, kind):  # noqa: F811
+    """The GPU coder's path takes every dtype (fp32: high halves split on the device and
+    coded by the per-value coder, low halves by the static GPU encoder, its kernels
+    emulated here; the conditional model with the format's own fit): the host's blob
+    byte for byte, decoded back exactly on that path."""
+    cache = _cast(CACHE, dtype)
+    host = P.compress_kv(cache, IDS, FP8P, CALS[FP8P.describe()], model=kind, coder="cpu")
+    dev = P.compress_kv(cache, IDS, FP8P, CALS[FP8P.describe()], model=kind, coder="gpu")
+    assert dev == host
+    out = P.decompress_kv(host, FP8P, CALS[FP8P.describe()], coder="gpu")
+    assert out.equal(cache) and out.dtype == cache.dtype
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=300))
+def test_fp32_split_in_torch_is_the_hosts(words):
+    bits = np.array(words, np.uint32)
+    t = torch.from_numpy(bits.view(np.float32).copy())
+    high, low, ctx = codec._split32_torch(t)
+    want_high, want_low = codec._split32(t)
+    assert np.array_equal(high.numpy().view(np.uint16), want_high)
+    assert np.array_equal(low.numpy(), want_low)
+    assert np.array_equal(ctx.numpy(), codec._low_context(want_low.size))
+    back = codec._join32_torch(high, want_low)
+    assert np.array_equal(back.numpy().view(np.uint32), bits)
 
 
 def test_to_fp8_e5m2_scales_to_its_range():

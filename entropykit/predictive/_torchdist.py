@@ -107,13 +107,16 @@ def _conditional_mean(base: torch.Tensor, residuals: dict, guesses: Guesses, lay
 
 def group_distribution(layer: int, kv: int, guesses: Guesses, shape: tuple, exact: int,
                        kind: str, cal: DeviceCalibration, scale: torch.Tensor | None,
-                       residuals: dict, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                       residuals: dict, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       fmt: str | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """``codec.group_distribution`` on ``cal.device``: (mu, sigma) flat float32, the model
     index, and the base mean [batch, heads, seq, dim] (None where the model does not use
     it: not the conditional one); ``scale`` (fp8 caches) a 0-d float32 tensor on the
     device, ``residuals`` the real-unit residuals of the groups coded before (tensors on
-    the device). ``out``: flat float32 tensors (mu, sigma) to write them into."""
+    the device). ``out``: flat float32 tensors (mu, sigma) to write them into. ``fmt``:
+    the cache's format, whose conditional fit is used (None: bf16, or fp8_e4m3 where
+    there is a ``scale``)."""
     dev = cal.device
     if kind != "conditional" and layer >= exact and dev.type == "cuda":
         from .cuda.groupparams import group_params  # one kernel for ~6 launches
@@ -134,7 +137,7 @@ def group_distribution(layer: int, kv: int, guesses: Guesses, shape: tuple, exac
     else:
         base = p + cal.channels("bias", layer, kv)[None, :, None, :]
         if kind == "conditional":
-            fmt = "bf16" if scale is None else "fp8_e4m3"
+            fmt = fmt or ("bf16" if scale is None else "fp8_e4m3")
             mean = _conditional_mean(base, residuals, guesses, layer, kv,
                                      *cal.cond(layer, kv, fmt))
             sd = cal.channels("cstd", layer, kv, fmt)

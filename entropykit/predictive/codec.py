@@ -70,7 +70,6 @@ _FORMATS = {name: t for t, name in DTYPES.items()}  # value-format name -> cache
 _CODES = {name: dist.FORMATS[name].code for name in _FORMATS if name in dist.FORMATS}
 _CODES["fp32"] = 5
 _SCALED = {DTYPES[t] for t in FP8_MAXES}  # formats whose blobs carry per-layer scales
-_GPU_FORMATS = ("bf16", "fp8_e4m3")  # those the GPU coder is checked on
 MAX_TOKENS = 1 << 24  # far above any prompt's; a blob claiming more is refused first
 
 
@@ -148,15 +147,9 @@ def _storage(fmt: str) -> tuple[np.dtype, torch.dtype]:
 
 
 def _on_gpu(coder: str, device: torch.device, fmt: str) -> bool:
-    """``T.on_gpu``, for the formats the GPU coder is checked on; others code on the host
-    ("auto") or are refused ("gpu")."""
-    gpu = T.on_gpu(coder, device)
-    if gpu and fmt not in _GPU_FORMATS:
-        if coder == "gpu":
-            raise ValueError(f"the GPU coder codes {' and '.join(_GPU_FORMATS)} KV caches, "
-                             f"not {fmt}: use coder='cpu' or 'auto'")
-        return False
-    return gpu
+    """``T.on_gpu``: every format codes on the GPU (fp32's low halves with the static
+    GPU encoder, decoded on the host)."""
+    return T.on_gpu(coder, device)
 
 
 def _split32(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -165,6 +158,27 @@ def _split32(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     y = _host(t).contiguous().view(torch.int32).numpy().view(np.uint32).reshape(-1)
     y = y + np.uint32(0x8000)  # wraps mod 2**32: the split is a bijection
     return (y >> 16).astype(np.uint16), (y & 0xFFFF).astype("<u2").view(np.uint8)
+
+
+def _split32_torch(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_split32`` where ``t`` lies (torch ops): (high halves as int16 bf16 bits, low
+    halves as uint8 bytes, their ``_low_context``)."""
+    y = (t.contiguous().view(torch.int32).reshape(-1).to(torch.int64) & 0xFFFFFFFF) + 0x8000
+    h = (y >> 16) & 0xFFFF
+    high = torch.where(h >= 1 << 15, h - (1 << 16), h).to(torch.int16)  # the same 16 bits
+    low16 = (y & 0xFFFF).to(torch.int32)
+    low = torch.stack([low16 & 0xFF, low16 >> 8], dim=1).to(torch.uint8).reshape(-1)
+    ctx = torch.arange(2, dtype=torch.uint8, device=t.device).repeat(high.numel())
+    return high, low, ctx
+
+
+def _join32_torch(high: torch.Tensor, low: np.ndarray) -> torch.Tensor:
+    """``_join32`` of int16 high halves on a device and host low-half bytes: float32 there."""
+    lo = torch.from_numpy(np.ascontiguousarray(low).view("<u2").astype(np.int32)).to(
+        high.device, non_blocking=True)
+    y = ((high.to(torch.int32) & 0xFFFF).to(torch.int64) << 16 | lo) - 0x8000
+    y = torch.where(y < 0, y + (1 << 32), y)
+    return torch.where(y >= 1 << 31, y - (1 << 32), y).to(torch.int32).view(torch.float32)
 
 
 def _join32(high: np.ndarray, low: np.ndarray) -> np.ndarray:
@@ -191,9 +205,10 @@ def compress_kv(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
     ``predictor``'s guess. The calibration must have a fit of the cache's format.
 
     ``coder``: "gpu" codes a CUDA cache on its device (``entropykit.rans.cuda.dist``, needs
-    CuPy; (mu, sigma) computed there too; bf16 and fp8 e4m3 caches only), "cpu" on the
-    host with ``threads`` threads, "auto" (default) the GPU where the cache is on CUDA,
-    the GPU coder runs and codes the format. The blob is the same bytes either way."""
+    CuPy; (mu, sigma) computed there too; every format, fp32's low halves with the static
+    GPU encoder), "cpu" on the host with ``threads`` threads, "auto" (default) the GPU
+    where the cache is on CUDA and the GPU coder runs. The blob is the same bytes either
+    way."""
     return encode(cache, input_ids, predictor, calibration, model=model, threads=threads,
                   coder=coder)
 
@@ -244,7 +259,16 @@ def encode(cache: Any, input_ids: torch.Tensor, predictor: Predictor,
             continue
         mu, sigma, index = groups.distribution(layer, k)
         t = kv.tensor(layer, k)
-        if groups.device is not None:
+        if groups.device is not None and kv.format == "fp32":
+            from ..rans.cuda import dist as gpu_dist
+            from ..rans.cuda import encode as gpu_encode
+
+            high, low, ctx = _split32_torch(t.detach())
+            frame = gpu_dist.encode(high, mu, sigma, model_tables, fmt="bf16",
+                                    model_index=index, chunk_size=CHUNK)
+            frames.append(frame.cpu().numpy().tobytes())
+            frames.append(gpu_encode.encode(low, chunk_size=2 * CHUNK, context=ctx))
+        elif groups.device is not None:
             from ..rans.cuda import dist as gpu_dist
 
             frame = gpu_dist.encode(t.detach().contiguous(), mu, sigma, model_tables,
@@ -336,7 +360,7 @@ class _Groups:
             scale = None if self.scales is None else self.scales[layer, kv].to(self.device)
             mu, sigma, index, base = T.group_distribution(
                 layer, kv, self.guesses, self.shapes[2 * layer + kv], self.exact, self.kind,
-                self.dcal, scale, self.residuals)
+                self.dcal, scale, self.residuals, fmt=self.fmt)
         if self.conditional:
             self.bases[(layer, kv)] = base
         return mu, sigma, index
@@ -589,12 +613,20 @@ def decode(h: _Front, blob: bytes | memoryview, predictor: Predictor,
         start, length = h.frames[g * h.per_group]
         frame = buf[start : start + length]
         if h.fmt == "fp32":
-            high = dist.decode(frame, mu, sigma, model_tables, model_index=index,
-                               threads=threads)
+            n = int(np.prod(shape))
             lo_start, lo_length = h.frames[g * h.per_group + 1]
             low = static.decode(buf[lo_start : lo_start + lo_length], threads=threads,
-                                context=_low_context(2 * high.size), max_output=2 * high.size)
-            t = torch.from_numpy(_join32(high, low)).reshape(shape)
+                                context=_low_context(2 * n), max_output=2 * n)
+            if groups.device is not None:  # the high halves on the GPU, joined there
+                p = gpu_dist.decode_async(host[start : start + length], mu, sigma,
+                                          model_tables, model_index=index,
+                                          device=groups.device)
+                pending.append(p)
+                t = _join32_torch(p.out.view(torch.int16), low).reshape(shape)
+            else:
+                high = dist.decode(frame, mu, sigma, model_tables, model_index=index,
+                                   threads=threads)
+                t = torch.from_numpy(_join32(high, low)).reshape(shape)
         elif groups.device is not None:
             pending.append(gpu_dist.decode_async(host[start : start + length], mu, sigma,
                                                  model_tables, model_index=index,

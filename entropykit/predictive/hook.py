@@ -26,7 +26,7 @@ makes them. Supported transformers: 5.x
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -44,6 +44,8 @@ from .predictors import NoPredictor, Predictor
 
 LAYER_MODELS = ("gaussian", "mixture")
 METHODS = ("auto", "static", "distribution")
+CHECKS = ("before_use", "deferred")
+Check = Literal["before_use", "deferred"]
 
 
 class KVOffloadCodec:
@@ -56,11 +58,12 @@ class KVOffloadCodec:
     weight decoder's kernel, which decodes far faster than the per-value coder; with the
     CPU coder on the host, exponents in classes of rows and channels where that pays.
     "distribution": the per-value coder against the predictor's guess and the
-    calibration's residual model (fewer bits where a predictor guesses well). "auto"
-    (default): "static" without a predictor (None or ``NoPredictor``), else
-    "distribution". What follows is the per-value coder's; of it, the static method uses
-    ``coder`` (where it codes and decodes), ``threads`` and ``chunk_size`` (values a
-    chunk; default ``static_kv.CHUNK``).
+    calibration's residual model (fewer bits where a predictor guesses well; bf16 layers
+    only). "auto" (default): "static" without a predictor (None or ``NoPredictor``), else
+    "distribution" for bf16 layers and "static" for fp16 and fp8 ones. What follows is
+    the per-value coder's; of it, the static method uses ``coder`` (where it codes and
+    decodes), ``threads`` and ``chunk_size`` (values a chunk; default
+    ``static_kv.CHUNK``).
 
     ``coder``: where the frames are coded. "gpu" runs the coder on the layer's CUDA device
     (``entropykit.rans.cuda.dist``, needs CuPy): only the frame crosses PCIe, into pinned host
@@ -73,6 +76,19 @@ class KVOffloadCodec:
     latency until the chunks fill the GPU, at ~137 bytes a chunk (its lanes' final states
     and its directory entry).
 
+    ``check``: when an offloaded layer's decode is checked (a bad chunk raises
+    ``CorruptDataError``). "before_use" (default): before the cache returns the layer's
+    keys and values for attention, in the layer's ``update``; that waits for the layer's
+    decode, one host synchronisation a layer and step, so no step ever attends to values
+    that were not checked. "deferred": a static-table layer's check never makes the
+    cache's own step wait: inside ``update`` and ``offload`` it runs only if the decode
+    has already finished, else at the next read of the layer's ``keys`` or ``values``
+    from outside the cache or at its next ``prefetch``. What that trades: a corrupt frame
+    may feed one step's attention (that step's output may be wrong) before
+    ``CorruptDataError`` is raised, and the last step's check runs only if the cache is
+    read afterwards, so its error may go unreported. The per-value coder's check runs in
+    ``update`` in either mode (its inputs stay on the GPU until it is checked).
+
     The predictor's guess is kept in host memory (bfloat16 where that holds it exactly,
     else float32), so prefetches need not re-run the predictor. The guess is as large as
     the prompt's cache: with a predictor, offloaded layers cost the guess plus the frames,
@@ -84,9 +100,12 @@ class KVOffloadCodec:
     def __init__(self, predictor: Predictor | None = None,
                  calibration: Calibration | None = None, model: str = "mixture",
                  threads: int | None = 1, coder: str = "auto", chunk_size: int | None = None,
-                 *, method: str = "auto") -> None:
+                 *, method: str = "auto", check: Check = "before_use") -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if check not in CHECKS:
+            raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
+        self._auto = method == "auto"
         if method == "auto":
             method = ("static" if predictor is None or isinstance(predictor, NoPredictor)
                       else "distribution")
@@ -108,7 +127,7 @@ class KVOffloadCodec:
                 dist.check_chunk_size(chunk_size)  # refused here, not at the first offload
         self.predictor, self.calibration, self.model = predictor, calibration, model
         self.threads, self.coder, self.chunk_size = threads, coder, chunk_size
-        self.method = method
+        self.method, self.check = method, check
         self.prompt_len = self._batch = 0
         self._guesses: dict[tuple[int, int], torch.Tensor] = {}
         self._dcal: dict[torch.device, DeviceCalibration] = {}
@@ -187,7 +206,9 @@ class KVOffloadCodec:
         if not 1 <= seq <= self.prompt_len:
             raise ValueError(f"expected 1..{self.prompt_len} of the prompt's tokens, got "
                              f"keys of shape {tuple(keys.shape)}")
-        if self.method == "static":
+        routed = (self._auto and keys.dtype != torch.bfloat16
+                  and str(keys.dtype).removeprefix("torch.") in static_kv.DTYPES)
+        if self.method == "static" or routed:
             return self._encode_static(keys, values)
         for kv, t in enumerate((keys, values)):
             want = self.shape(layer, kv, seq)
@@ -226,10 +247,13 @@ class KVOffloadCodec:
         """``decode`` without waiting where the GPU coder runs: (keys, values, a check).
         The tensors are queued on the current CUDA stream, so work queued after them may
         use them, but their values are right only once ``check()`` has returned (it waits
-        for the decode and raises ``CorruptDataError`` for a bad chunk)."""
+        for the decode and raises ``CorruptDataError`` for a bad chunk); a check with a
+        ``ready()`` method says without waiting whether calling it would wait."""
         device = torch.device(device)
-        if self.method == "static":
+        if isinstance(frame, static_kv.StaticLayer | static_kv.GpuLayer):
             return _start_static(frame, device)
+        if self.method == "static":
+            raise TypeError(f"a static-table codec decodes its own layers, got {type(frame)}")
         seq = self.prompt_len if seq is None else seq
         model = self.calibration.coder_model(self.model, "bf16")
         if on_gpu(self.coder, device):
@@ -239,6 +263,8 @@ class KVOffloadCodec:
             pending = gpu_dist.decode_async(frame, mu, sigma, model, model_index=index,
                                             device=device)
             keys, values = self._split(layer, pending.out.view(torch.bfloat16), seq)
+            # no ``ready``: its inputs (mu and sigma, larger than the layer) stay on the
+            # GPU until it is checked, so a layer's update waits for it
             return keys, values, pending.result
         mu, sigma, index = self.layer_distribution(layer, seq=seq)
         if isinstance(frame, torch.Tensor):
@@ -269,7 +295,7 @@ class KVOffloadCodec:
             raise ValueError(f"keys on {keys.device}, values on {values.device}")
         chunk = self.chunk_size or static_kv.CHUNK
         if on_gpu(self.coder, keys.device):
-            return static_kv.GpuLayer(static_kv.encode_on_device(keys, values, chunk))
+            return static_kv.encode_gpu_layer(keys, values, chunk)
         host = [_bits(t.detach().to("cpu").contiguous()) for t in (keys, values)]
         return static_kv.encode(*host, chunk=chunk, threads=self.threads, dtype=dtype)
 
@@ -287,8 +313,6 @@ def _start_static(frame: Any, device: torch.device
     else decoded on the host and moved."""
     if isinstance(frame, static_kv.GpuLayer):
         return frame.start(device)
-    if not isinstance(frame, static_kv.StaticLayer):
-        raise TypeError(f"a static-table codec decodes its own layers, got {type(frame)}")
     dtype = getattr(torch, frame.dtype)
     keys, values = (torch.from_numpy(t.view(np.int16 if t.itemsize == 2 else np.uint8)
                                      ).view(dtype).to(device)
@@ -334,25 +358,42 @@ class PredictiveOffloadedLayer(DynamicLayer):
     """A dynamic cache layer whose offloaded prompt part lives as compressed bytes.
 
     ``prefetch()`` only queues the decode on the current stream (transformers' prefetch
-    stream, with the GPU coder), so it overlaps the compute queued after it; the first read
-    of ``keys`` or ``values`` then waits for it and checks it, and raises
-    ``CorruptDataError`` (on every read) if a chunk was bad."""
+    stream, with the GPU coder), so it overlaps the compute queued after it. The decode's
+    check (a bad chunk raises ``CorruptDataError``, and then on every read) runs where
+    the codec's ``check`` says: by default in ``update``, before the keys and values are
+    returned, waiting for the decode; with ``check="deferred"`` a static-table layer's
+    never makes the cache's own step wait: inside ``update`` and ``offload`` it runs only
+    if the decode has already finished, else at the next read of ``keys`` or ``values``
+    from outside the cache, or at the layer's next ``prefetch`` (the decode long done by
+    then), whichever comes first; either waits for the decode.
+
+    The generated tokens' keys and values (the tail) go to host buffers of their own,
+    pinned on a GPU and reused from step to step (grown by doubling), with asynchronous
+    copies both ways: no step waits for a copy."""
 
     def __init__(self, codec: KVOffloadCodec, layer_idx: int, **kwargs: Any) -> None:
         self._checks: list[Callable[[], None]] = []
+        self._hot = False  # inside the cache's own update / offload: reads never wait
         super().__init__(**kwargs)
         self.codec, self.layer_idx = codec, layer_idx
         self._frame: bytes | torch.Tensor | None = None  # keys and values of the prompt
         self._frame_seq = 0  # the prompt's tokens the frame holds (its last ones)
         self._drop = 0  # of those, the ones a sliding window has since let go
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._bufs: list[torch.Tensor | None] = [None, None]  # the tail's host buffers
+        self._read: Any = None  # a CUDA event: the last upload of the buffers has run
         self._length = 0
 
-    def _settled(self, name: str) -> torch.Tensor | None:
-        if self._checks:
+    def _settle(self, wait: bool) -> None:
+        """Run the pending decode checks: all of them if ``wait``, else only if none
+        would wait."""
+        if self._checks and (wait or all(_ready(c) for c in self._checks)):
             for check in self._checks:
                 check()  # raises, and again on the next read: the tensors stay unchecked
             self._checks = []
+
+    def _settled(self, name: str) -> torch.Tensor | None:
+        self._settle(not self._hot)
         return self.__dict__.get(name)  # None before the first update, as DynamicLayer
 
     # transformers reads and assigns ``keys`` / ``values`` as plain attributes
@@ -361,12 +402,32 @@ class PredictiveOffloadedLayer(DynamicLayer):
     values = property(lambda self: self._settled("_values"),
                       lambda self, v: self.__dict__.__setitem__("_values", v))
 
+    def _quietly(self, run: Callable[[], Any]) -> Any:
+        """``run()`` with reads that do not wait for an unfinished decode's check."""
+        hot, self._hot = self._hot, True
+        try:
+            return run()
+        finally:
+            self._hot = hot
+
     @property
     def offloaded(self) -> bool:
         return self._tail is not None
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._quietly(lambda: super(PredictiveOffloadedLayer, self).update(
+            key_states, value_states, *args, **kwargs))
+        if self.codec.check == "before_use":
+            # after the concatenation is queued, so the device has it ready behind the decode
+            self._settle(wait=True)
+        return out
+
     def offload(self) -> None:
         """Code the prompt's keys and values (once) and keep only the bytes and the tail."""
+        self._quietly(self._offload)
+
+    def _offload(self) -> None:
         if not self.is_initialized or self.offloaded or self.keys is None:
             return
         n, seen, held = self.codec.prompt_len, self.get_seq_length(), self.keys.shape[-2]
@@ -378,13 +439,27 @@ class PredictiveOffloadedLayer(DynamicLayer):
                                             self.values[..., :prompt_held, :])
             self._frame_seq = prompt_held
         self._drop = self._frame_seq - prompt_held
-        self._tail = (self.keys[..., prompt_held:, :].to("cpu"),
-                      self.values[..., prompt_held:, :].to("cpu"))
+        if self._read is not None:  # the buffers' last upload must be done before reuse
+            torch.cuda.current_stream(self.keys.device).wait_event(self._read)
+            self._read = None
+        self._tail = tuple(self._stash(kv, t[..., prompt_held:, :])
+                           for kv, t in enumerate((self.keys, self.values)))
         self._length = seen
         self.keys = self.values = None
 
+    def _stash(self, kv: int, t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied (queued, where it is on a GPU) into the start of host buffer
+        ``kv``, grown by doubling: a contiguous host tensor of its shape."""
+        n, buf = t.numel(), self._bufs[kv]
+        if buf is None or buf.numel() < n or buf.dtype != t.dtype:
+            least = 16 * t.shape[0] * t.shape[1] * t.shape[3]  # 16 tokens
+            size = max(n, least, 0 if buf is None else 2 * buf.numel())
+            buf = self._bufs[kv] = torch.empty(size, dtype=t.dtype, pin_memory=t.is_cuda)
+        return buf[:n].view(t.shape).copy_(t, non_blocking=t.is_cuda)
+
     def prefetch(self) -> None:
         """Queue the prompt part's decode and the whole layer's return to its device."""
+        self._settle(wait=True)  # the last decode's check, if it has not run
         if not self.offloaded:
             return
         if torch.device(self.device).type == "cuda":
@@ -395,9 +470,12 @@ class PredictiveOffloadedLayer(DynamicLayer):
                 torch.cuda.default_stream(self.device))
         keys, values, check = self.codec.start_decode(self.layer_idx, self._frame, self.device,
                                                       self._frame_seq)
-        self.keys, self.values = (torch.cat([p[..., self._drop :, :], t.to(self.device)],
-                                            dim=-2)
-                                  for p, t in zip((keys, values), self._tail, strict=True))
+        tail = [t.to(self.device, non_blocking=True) for t in self._tail]
+        if tail[0].is_cuda:
+            self._read = torch.cuda.Event()
+            self._read.record()
+        self.keys, self.values = (torch.cat([p[..., self._drop :, :], t], dim=-2)
+                                  for p, t in zip((keys, values), tail, strict=True))
         self._checks = [check]
         self._tail = None
 
@@ -405,7 +483,15 @@ class PredictiveOffloadedLayer(DynamicLayer):
         return 0 if self._frame is None else len(self._frame)
 
     def get_seq_length(self) -> int:
-        return self._length if self.offloaded else super().get_seq_length()
+        if self.offloaded:
+            return self._length
+        return self._quietly(super().get_seq_length)  # shapes need no check
+
+
+def _ready(check: Callable[[], None]) -> bool:
+    """Whether ``check()`` would run without waiting (checks without ``ready``: always)."""
+    ready = getattr(check, "ready", None)
+    return ready is None or bool(ready())
 
 
 class PredictiveOffloadedSlidingLayer(PredictiveOffloadedLayer, DynamicSlidingWindowLayer):

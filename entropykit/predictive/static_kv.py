@@ -143,35 +143,93 @@ def encode(keys: np.ndarray, values: np.ndarray, chunk: int = CHUNK,
                    for t in (keys, values)])
 
 
-def encode_on_device(keys, values, chunk: int = CHUNK, run=None) -> StaticLayer:
-    """``encode(..., classes=False)``'s layer, byte for byte, of torch tensors coded where
-    they are (a CUDA device: ``rans.cuda.encode``; ``run``: its kernels): only the
-    frames cross to the host."""
+def _device_fields(keys, values) -> tuple[str, list[tuple[object, object]]]:
+    """(dtype name, fields): the byte fields of a layer's torch tensors, split where they
+    lie, as (symbols, context or None), keys' then values', high field then low field
+    (``split``'s, by torch ops)."""
     import torch
-
-    from ..rans.cuda import encode as gpu_encode
 
     dtype = str(keys.dtype).removeprefix("torch.")
     kind = _check_dtype(dtype)
     if values.dtype != keys.dtype:
         raise TypeError(f"keys are {keys.dtype}, values {values.dtype}")
-    code = lambda f, ctx=None: gpu_encode.encode(f, precision=PRECISION, chunk_size=chunk,
-                                                 context=ctx, run=run)
-    coded = []
+    fields = []
     for t in (keys, values):
         flat = t.detach().contiguous().reshape(-1)
         if kind == "fp8":
-            coded.append((code(flat.view(torch.uint8)), False, None))
+            fields.append((flat.view(torch.uint8), None))
             continue
         w = flat.view(torch.int16).to(torch.int32) & 0xFFFF
         if kind == "fp16":
-            high, low = (w >> 8).to(torch.uint8), (w & 0xFF).to(torch.uint8)
-            coded.append((code(high), False, code(low)))
+            fields += [((w >> 8).to(torch.uint8), None), ((w & 0xFF).to(torch.uint8), None)]
             continue
         exp = ((w >> 7) & 0xFF).to(torch.uint8)
-        sm = (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8)
-        coded.append((code(exp), False, code(sm, exp)))
+        fields += [(exp, None), ((((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8), exp)]
+    return dtype, fields
+
+
+def _device_layer(keys, values, frames: list) -> StaticLayer:
+    """The ``StaticLayer`` of ``_device_fields``' fields coded as ``frames`` (bytes, or
+    arrays of a frame's size: their order)."""
+    dtype = str(keys.dtype).removeprefix("torch.")
+    per = 1 if DTYPES[dtype] == "fp8" else 2
+    coded = [(frames[per * kv], False, frames[per * kv + 1] if per == 2 else None)
+             for kv in (0, 1)]
     return _layer(dtype, [tuple(keys.shape), tuple(values.shape)], coded)
+
+
+def _coded(keys, values, chunk: int, run):
+    from ..rans.cuda import encode as gpu_encode
+
+    dtype, fields = _device_fields(keys, values)
+    run = run or gpu_encode._Cuda(keys.device)
+    return run, gpu_encode.code(fields, precision=PRECISION, chunk_size=chunk, run=run)
+
+
+def encode_on_device(keys, values, chunk: int = CHUNK, run=None) -> StaticLayer:
+    """``encode(..., classes=False)``'s layer, byte for byte, of torch tensors coded where
+    they are (a CUDA device: ``rans.cuda.encode``; ``run``: its kernels): only the
+    frames cross to the host."""
+    from ..rans.cuda import encode as gpu_encode
+
+    run, coded = _coded(keys, values, chunk, run)
+    return _device_layer(keys, values,
+                         [c.head + gpu_encode.gather(c, run).tobytes() for c in coded])
+
+
+def encode_gpu_layer(keys, values, chunk: int = CHUNK, run=None,
+                     warps: int = gpu_plan.WARPS) -> GpuLayer:
+    """``GpuLayer(encode_on_device(keys, values, chunk))``, byte for byte, without its
+    frames ever being made: the fields are coded on the device, the decode batch is
+    planned from their headers and directories alone, and the chunks' payloads are
+    gathered on the device straight into the batch's payload buffer, which is queued to
+    the layer's pinned host buffer (nothing waits for that copy: work queued after it on
+    the stream, such as a prefetch's upload, sees it done)."""
+    run, coded = _coded(keys, values, chunk, run)
+    # each frame's bytes before its payload, then room for the payload that is never read
+    skeletons = []
+    for c in coded:
+        sk = np.empty(len(c.head) + c.size, np.uint8)
+        sk[: len(c.head)] = np.frombuffer(c.head, np.uint8)
+        skeletons.append(sk)
+    layer = _device_layer(keys, values, skeletons)
+    b = plan(layer, warps)
+    g = GpuLayer._of(b, layer.shapes, layer.dtype)
+    dst = run.zeros(b.payload_size)
+    for f, c in enumerate(coded):
+        s = next(i for i, st in enumerate(b.streams)
+                 if st.data.ctypes.data == skeletons[f].ctypes.data)
+        rows = b.copies[b.copies[:, 0] == s]
+        chunk_of = np.searchsorted(c.offsets, rows[:, 1] - len(c.head))
+        if (len(rows) != len(c.offsets) or not np.array_equal(np.sort(chunk_of),
+                                                              np.arange(len(c.offsets)))
+                or not np.array_equal(c.lengths[chunk_of], rows[:, 3])):
+            raise AssertionError("the plan's payload copies are not the coded chunks")
+        at = np.empty(len(c.offsets), np.int64)
+        at[chunk_of] = rows[:, 2]
+        run.gather(c.job, c.start, at, dst)
+    run.to_host(dst, g.payload)
+    return g
 
 
 def _high(layer: StaticLayer, kv: int) -> np.ndarray:
@@ -248,65 +306,110 @@ def plan(layer: StaticLayer, warps: int = gpu_plan.WARPS) -> gpu_plan.Batch:
     return p.finish([2 * at if kind == "fp16" else at])
 
 
+class DecodeCheck:
+    """A queued decode's check: ``ready()`` says without waiting whether the decode has
+    run; calling it waits for the decode and raises ``CorruptDataError`` for a bad chunk."""
+
+    def __init__(self, ready: Callable[[], bool], wait: Callable[[], object]) -> None:
+        self.ready, self._wait = ready, wait
+
+    def __call__(self) -> None:
+        self._wait()
+
+
+_ALIGN = 256  # bytes: each buffer's offset in the packed upload (any dtype's alignment)
+
+
 class GpuLayer:
-    """A layer's decode batch without its frames: the buffers the kernel reads, in pinned
-    host memory where CUDA is. ``start(device)`` queues their upload and the decode on
-    the current CUDA stream."""
+    """A layer's decode batch without its frames: the buffers the kernel reads, packed
+    into one host buffer (pinned where CUDA is) so that a decode uploads them in one
+    copy. ``start(device)`` queues that copy and the decode on the current CUDA stream."""
 
     def __init__(self, layer: StaticLayer, warps: int = gpu_plan.WARPS) -> None:
+        b = plan(layer, warps)
+        self._pack(b, layer.shapes, layer.dtype)
+        self.payload.zero_()
+        b.fill(self.payload.numpy())
+
+    @classmethod
+    def _of(cls, b: gpu_plan.Batch, shapes, dtype: str) -> GpuLayer:
+        """A layer of batch ``b`` whose payload buffer (every byte of it, zeros between
+        payloads) the caller writes."""
+        g = cls.__new__(cls)
+        g._pack(b, shapes, dtype)
+        return g
+
+    def _pack(self, b: gpu_plan.Batch, shapes, dtype: str) -> None:
         import torch
 
-        b = plan(layer, warps)
-        pin = torch.cuda.is_available()
-        host = lambda a: (torch.from_numpy(a).pin_memory() if pin else torch.from_numpy(a))
-        # One output, keys then values: the descriptors' output offsets need no binding.
-        self.payload, self.desc, self.sym, self.info, self.cmaps = (
-            host(a) for a in (b.payload, b.desc, b.sym_tables, b.info_tables.view(np.int32),
-                              b.cmaps))
+        parts = [np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+                 for a in (b.desc, b.sym_tables, b.info_tables.view(np.int32), b.cmaps)]
+        parts.insert(1, None)  # the payload: filled by the caller
+        sizes = np.array([b.payload_size if p is None else p.size for p in parts], np.int64)
+        padded = -(-sizes // _ALIGN) * _ALIGN
+        starts = np.cumsum(padded) - padded
+        packed = torch.empty(int(padded.sum()), dtype=torch.uint8,
+                             pin_memory=torch.cuda.is_available())
+        view = packed.numpy()
+        for p, at, n, room in zip(parts, starts, sizes, padded, strict=True):
+            if p is not None:
+                view[at : at + n] = p
+            view[at + n : at + room] = 0  # deterministic bytes throughout
+        self.packed = packed
+        # (offset, bytes, dtype) of desc, payload, sym, info, cmaps in ``packed``
+        self._parts = [(int(at), int(n), d) for at, n, d in zip(
+            starts, sizes, (torch.int64, torch.uint8, torch.uint8, torch.int32, torch.uint8),
+            strict=True)]
+        self.payload = self.buffers(packed)[1]  # a view: where the coded bytes lie
         self.origins = b.origins
+        # One output, keys then values: the descriptors' output offsets need no binding.
         self.batch = dataclasses.replace(b, streams=(), copies=np.zeros((0, 4), np.int64),
                                          _cache={})
-        self.shapes, self.dtype = layer.shapes, layer.dtype
+        self.shapes, self.dtype = shapes, dtype
 
     def __len__(self) -> int:
-        """Host bytes kept: the buffers and what names the rows in errors."""
-        return (sum(t.numel() * t.element_size() for t in (self.payload, self.desc, self.sym,
-                                                            self.info, self.cmaps))
-                + self.origins.origin.nbytes)
+        """Host bytes kept: the packed buffers and what names the rows in errors."""
+        return self.packed.numel() + self.origins.origin.nbytes
 
-    def start(self, device) -> tuple[object, object, Callable[[], None]]:
-        """(keys, values, check): bf16 tensors on ``device`` queued on the current stream;
-        ``check()`` waits for the decode and raises ``CorruptDataError`` for a bad chunk."""
+    def buffers(self, packed):
+        """(desc, payload, sym, info, cmaps): views of ``packed`` (this layer's packed
+        buffer, wherever it lies) as the kernel's typed buffers."""
+        return [packed[at : at + n].view(d) for at, n, d in self._parts]
+
+    def start(self, device) -> tuple[object, object, DecodeCheck]:
+        """(keys, values, check): tensors of the layer's dtype on ``device`` queued on the
+        current stream behind one upload of the packed buffers; ``check()`` waits for the
+        decode and raises ``CorruptDataError`` for a bad chunk (``check.ready()`` asks
+        without waiting)."""
         import torch
 
         from ..rans.cuda import load_runtime
 
         rt = load_runtime(device)
         dev = cuda_device(device)
-        bufs = [t.to(dev, non_blocking=True) for t in (self.desc, self.payload, self.sym,
-                                                      self.info, self.cmaps)]
+        packed = self.packed.to(dev, non_blocking=True)
+        desc, payload, sym, info, cmaps = self.buffers(packed)
         out = torch.empty(self.batch.sizes[0], device=dev,
                           dtype=torch.bfloat16 if self.batch.bf16 else torch.uint8)
         status = torch.zeros(max(1, len(self.batch.desc)), dtype=torch.int32, device=dev)
-        desc, payload, sym, info, cmaps = bufs
         rt.Launch(self.batch, dev, [x.data_ptr() for x in (desc, status, payload, sym, info,
                                                            cmaps, out)])()
-        # The statuses come back behind the launch on its stream; the inputs stay alive
-        # (and out of the allocator's reach) until the check has seen it finish.
+        # The statuses come back behind the launch on its stream. The inputs are not kept:
+        # they were allocated on this stream, so memory they free is reused only by work
+        # queued after the launch on it (a check that waits long keeps nothing on the GPU).
         host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
         done = torch.cuda.Event()
         with torch.cuda.device(dev):
             host.copy_(status, non_blocking=True)
             done.record()
-        held = [bufs, status]
 
-        def check() -> None:
+        def wait() -> None:
             done.synchronize()
-            held.clear()
             err = self.origins.error(host[: len(self.batch.desc)].numpy())
             if err is not None:
                 raise err
 
         out = out.view(getattr(torch, self.dtype))
         nk = int(np.prod(self.shapes[0]))
-        return out[:nk].view(self.shapes[0]), out[nk:].view(self.shapes[1]), check
+        return (out[:nk].view(self.shapes[0]), out[nk:].view(self.shapes[1]),
+                DecodeCheck(done.query, wait))

@@ -1,6 +1,6 @@
 """The KV distribution coder on the device (``entropykit.rans.cuda.dist``) against the CPU coder.
 
-What it is: kv_check.py's checks, bf16 and fp8 e4m3: values drawn as mu + sigma * t(4)
+What it is: kv_check.py's checks, bf16, fp16, fp8 e4m3 and e5m2: values drawn as mu + sigma * t(4)
 noise with NaN / inf / -0 / subnormal values mixed in, extreme (mu, sigma), the whole value
 space, sizes around the 32-value step and 1024-value chunks, raw chunks, per-value models,
 precision 12; the GPU frame must equal the CPU frame byte for byte, and each must decode
@@ -26,7 +26,7 @@ def _checker(tmp_path) -> kc.Checker:
     return kc.Checker(torch, dist, torch.device("cuda", 0), tmp_path)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp16", "fp8_e5m2"])
 def test_gpu_frames_are_the_cpu_frames_and_decode_both_ways(fmt, tmp_path):
     ck = _checker(tmp_path)
     ck.run_exactness((fmt,), n=1_000_003)

@@ -47,3 +47,38 @@ def test_generate_through_offloaded_caches_is_unchanged(setup):
 def test_offload_codec_gpu_coder_matches_the_cpu_coder(setup):
     s = setup
     assert kh.offload_codec_checks(s.model, s.pred, s.cal, s.none, s.none_cal, s.gen) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e5m2])
+@pytest.mark.parametrize("kind", ["mixture", "conditional"])
+def test_compress_kv_new_dtypes_on_the_gpu_coder(setup, dtype, kind):
+    """fp16, fp32 and fp8 e5m2 caches on the GPU coder: the CPU coder's blob byte for
+    byte, each blob decoded exactly on either coder."""
+    from entropykit import predictive as P
+    from entropykit.predictive import calibration
+
+    s = setup
+    if not hasattr(s, "all_formats"):
+        s.all_formats = P.calibrate(s.model, s.none, [torch.randint(0, 512, (128,),
+                                                                    generator=s.gen)
+                                                      for _ in range(4)],
+                                    formats=calibration.FORMATS)
+    ids = torch.randint(0, 512, (2, 200), generator=s.gen).to(kh.DEV)
+    with torch.inference_mode():
+        cache = P.from_transformers(s.model(ids, use_cache=True).past_key_values)
+    if dtype == torch.float8_e5m2:
+        cache = P.to_fp8(cache, dtype)
+    else:
+        cache = P.KVCache([k.to(dtype) for k in cache.keys],
+                          [v.to(dtype) for v in cache.values])
+    host = P.KVCache([k.cpu() for k in cache.keys], [v.cpu() for v in cache.values],
+                     None if cache.scales is None else cache.scales.cpu())
+    want = P.compress_kv(host, ids.cpu(), s.none, s.all_formats, model=kind, coder="cpu")
+    got = P.compress_kv(cache, ids, s.none, s.all_formats, model=kind, coder="gpu")
+    assert got == want
+    on_gpu = P.decompress_kv(want, s.none, s.all_formats, device=kh.DEV, coder="gpu")
+    on_cpu = P.decompress_kv(got, s.none, s.all_formats, coder="cpu")
+    for out in (on_gpu, on_cpu):
+        assert out.dtype == cache.dtype
+        assert P.KVCache([k.cpu() for k in out.keys], [v.cpu() for v in out.values],
+                         None if out.scales is None else out.scales.cpu()).equal(host)

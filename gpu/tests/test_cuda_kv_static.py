@@ -4,11 +4,14 @@ What it is: the GPU encoder (``rans.cuda.encode``) writes the CPU encoder's fram
 for byte (contexts, raw chunks, short last chunks) and a layer coded on the device is the
 host's one-table layer; a layer coded with static tables (``predictive.static_kv``)
 decodes on the GPU in one launch of the weight decoder's kernel to exactly its keys and
-values (classed and one-table exponents, keys and values of different shapes); a damaged
+values (classed and one-table exponents, keys and values of different shapes), also when
+coded on the device straight into the decoder's buffers; a damaged
 payload raises ``CorruptDataError`` at the check; ``generate`` through
 ``transformers.Cache( offloading=True)`` of static-coded ``PredictiveOffloadedLayer``s
-gives the tokens and logits of a ``DynamicCache``; gpu/kv_offload_bench.py's smoke run
-finds identical tokens.
+gives the tokens and logits of a ``DynamicCache``; its decode steps keep a GPU-resident
+cache's keys and values, checked in every update by default (a damaged layer raises in
+the update that would return it) and with no host synchronisation with deferred checks;
+gpu/kv_offload_bench.py's smoke run finds identical tokens.
 What it is not: the benchmark's numbers (run gpu/kv_offload_bench.py with its defaults).
 """
 
@@ -87,6 +90,24 @@ def test_layer_coded_on_the_device_is_the_hosts():
     assert got == want
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
+def test_layer_coded_into_the_decoders_buffers_is_the_hosts_gpu_layer(dtype):
+    """``encode_gpu_layer`` (payloads gathered on the device into the batch's buffer,
+    queued to pinned memory) packs ``GpuLayer(encode_on_device(...))``'s bytes exactly,
+    and decodes to the layer."""
+    gen = torch.Generator().manual_seed(8)
+    k = (torch.randn(2, 4, 3000, 64, generator=gen) * torch.logspace(-2, 1, 64)).to(dtype)
+    v = torch.randn(2, 2, 3000, 32, generator=gen).to(dtype)
+    kd, vd = k.to(kh.DEV), v.to(kh.DEV)
+    want = static_kv.GpuLayer(static_kv.encode_on_device(kd, vd, 1 << 12))
+    got = static_kv.encode_gpu_layer(kd, vd, 1 << 12)
+    torch.cuda.synchronize()
+    assert got.packed.is_pinned() and torch.equal(got.packed, want.packed)
+    keys, values, check = got.start(kh.DEV)
+    check()
+    assert np.array_equal(_bits(keys), _bits(k)) and np.array_equal(_bits(values), _bits(v))
+
+
 def test_gpu_layer_damaged_payload_raises_at_check():
     k = torch.randn(1, 2, 4096, 64, generator=torch.Generator().manual_seed(3))
     g = static_kv.GpuLayer(static_kv.encode(_bits(k.bfloat16()), _bits(k.bfloat16()), 1 << 12))
@@ -124,3 +145,113 @@ def test_generate_through_static_offloading_is_unchanged():
 def test_offload_bench_smoke_run_is_identical():
     assert kv_offload_bench.main(["--layers", "2", "--prompt", "1024", "--batch", "1",
                                   "--new-tokens", "4", "--reps", "1"]) == 0
+
+
+def _offloaded_cache(layers: int, prompt: list, check: str) -> transformers.Cache:
+    """``transformers.Cache(offloading=True)`` of static-coded layers after a prefill of
+    ``prompt`` (one (keys, values) a layer)."""
+    codec = KVOffloadCodec(coder="gpu", method="static", check=check)
+    codec.set_prompt(torch.zeros(prompt[0][0].shape[0], prompt[0][0].shape[2],
+                                 dtype=torch.long))
+    cache = transformers.Cache(layers=[PredictiveOffloadedLayer(codec, i)
+                                       for i in range(layers)], offloading=True)
+    for i, (k, v) in enumerate(prompt):
+        cache.update(k, v, i)
+    torch.cuda.synchronize()
+    return cache
+
+
+def _step_through(layers: int, prompt: list, steps: list, check: str | None) -> list:
+    """Every layer's (keys, values) as ``update`` returns them at each decode step, after
+    a prefill of ``prompt``: a GPU-resident cache's (``check`` None), else offloaded with
+    that check mode; the deferred mode's steps run under torch's sync debug mode (a host
+    synchronisation raises), the default mode's returns checked tensors from every
+    update."""
+    offloaded = check is not None
+    if offloaded:
+        cache = _offloaded_cache(layers, prompt, check)
+    else:
+        cache = transformers.Cache(layers=[transformers.cache_utils.DynamicLayer()
+                                           for _ in range(layers)])
+        for i, (k, v) in enumerate(prompt):
+            cache.update(k, v, i)
+        torch.cuda.synchronize()
+    outs = []
+    if check == "deferred":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in steps:
+            for i, (k, v) in enumerate(step):
+                outs.append(tuple(t.clone() for t in cache.update(k, v, i)))
+                if check == "before_use":
+                    assert cache.layers[i]._checks == []  # checked before it returned
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    if offloaded:
+        for layer in cache.layers:
+            assert isinstance(layer._frame, static_kv.GpuLayer)
+            assert all(b.is_pinned() for b in layer._bufs) and layer._frame.packed.is_pinned()
+            layer.prefetch()
+            layer.keys  # noqa: B018 - every decode's check passes
+    return outs
+
+
+def _step_states(layers: int, steps: int) -> tuple[list, list]:
+    gen = torch.Generator().manual_seed(6)
+    scale = torch.logspace(-2, 1, 64)
+
+    def states(tokens):
+        return ((torch.randn(2, 4, tokens, 64, generator=gen) * scale).bfloat16().to(kh.DEV),
+                torch.randn(2, 4, tokens, 64, generator=gen).bfloat16().to(kh.DEV))
+
+    return ([states(3000) for _ in range(layers)],
+            [[states(1) for _ in range(layers)] for _ in range(steps)])
+
+
+def _assert_same(got: list, ref: list) -> None:
+    assert len(got) == len(ref)
+    for (gk, gv), (rk, rv) in zip(got, ref, strict=True):
+        assert torch.equal(gk.view(torch.int16), rk.view(torch.int16))
+        assert torch.equal(gv.view(torch.int16), rv.view(torch.int16))
+
+
+def test_deferred_offloaded_steps_make_no_host_sync_and_are_exact_and_repeatable():
+    """With ``check="deferred"``, after the prompt's encode, decode steps through
+    ``transformers.Cache(offloading=True)`` of static-coded layers queue everything
+    without one host synchronisation (no ``.item()``, ``.cpu()``, pageable copy or stream
+    sync: torch's sync debug mode raises on any), and each step's keys and values are
+    those of a cache kept on the GPU, the same on a repeat."""
+    layers = 3
+    prompt, steps = _step_states(layers, 20)
+    ref = _step_through(layers, prompt, steps, None)
+    for _ in range(2):
+        _assert_same(_step_through(layers, prompt, steps, "deferred"), ref)
+
+
+def test_default_offloaded_steps_are_checked_and_exact():
+    """In the default mode every update returns keys and values already checked, and
+    they are those of a cache kept on the GPU, the same on a repeat."""
+    layers = 3
+    prompt, steps = _step_states(layers, 20)
+    ref = _step_through(layers, prompt, steps, None)
+    for _ in range(2):
+        _assert_same(_step_through(layers, prompt, steps, "before_use"), ref)
+
+
+def test_default_mode_raises_in_the_update_that_would_use_a_damaged_layer():
+    """A layer whose coded bytes are damaged after the prefill raises
+    ``CorruptDataError`` in the update that would return its keys and values; the layer
+    before it steps normally."""
+    from entropykit.rans.cuda import _layout as lay
+
+    layers = 2
+    prompt, steps = _step_states(layers, 1)
+    cache = _offloaded_cache(layers, prompt, "before_use")
+    g = cache.layers[1]._frame
+    d = g.batch.desc
+    row = np.flatnonzero((d[:, lay.D_MODE] == 0) & (d[:, lay.D_N] > 0))[0]  # a coded chunk
+    g.payload[int(d[row, lay.D_OFF]) + 130] ^= 0x10  # its first word after the states
+    cache.update(*steps[0][0], 0)
+    with pytest.raises(CorruptDataError, match="chunk"):
+        cache.update(*steps[0][1], 1)

@@ -6,14 +6,18 @@ histogram is counted on the device (torch), the tables are built on the host fro
 the CPU encoder's own functions (``table_section.build``, ``kernels.encode_tables``),
 every chunk is coded by ``_encode_kernel.cu`` (one warp a chunk), its CRC-32 taken and
 the payloads gathered there; only the histogram, the per-chunk starts and CRCs and the
-coded frame cross to the host. The kernels sit behind ``Kernels`` so that the CPU suite
-runs this module with a numpy emulation of their arithmetic.
+coded frame cross to the host. ``code`` codes several fields with one transfer of their
+histograms and one of their chunks' starts and CRCs, and leaves their payloads on the
+device for the caller to gather where it wants them (a decoder's payload buffer). The
+kernels sit behind ``Kernels`` so that the CPU suite runs this module with a numpy
+emulation of their arithmetic.
 What it is not: the decoder (``plan.py`` and ``_kernel.cu``), or a rans2d encoder (its
 classes are chosen from the whole field on the host: ``container.classed``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,19 +36,48 @@ _CRC_TABLE = np.array([
 
 
 class Kernels(Protocol):
-    """The device half of ``encode`` (CUDA, or the CPU suite's emulation)."""
+    """The device half of ``encode`` (CUDA, or the CPU suite's emulation). Device arrays
+    are whatever the kernels keep (torch tensors on CUDA); only ``host`` and ``to_host``
+    wait for the device."""
 
-    def histogram(self, symbols: Any, context: Any) -> np.ndarray:
+    def histogram(self, symbols: Any, context: Any) -> Any:
         """int64[256] counts of the symbols, or with a context int64[256, 256] counts of
-        (context, symbol) pairs."""
+        (context, symbol) pairs (a device array)."""
+
+    def host(self, arrays: list) -> list[np.ndarray]:
+        """Device arrays of integers on the host (int64), in one transfer."""
 
     def encode(self, symbols: Any, context: Any, cmap: np.ndarray | None, tabs: np.ndarray,
-               chunk: int, precision: int) -> tuple[np.ndarray, np.ndarray]:
-        """(start, crc) per chunk: ``rans_encode``'s payload start in the chunk's slot
-        (-1: raw) and ``chunk_crc``'s CRC-32 of its symbols."""
+               chunk: int, precision: int) -> tuple[Any, Any, Any]:
+        """(start, crc, job), queued: per chunk ``rans_encode``'s payload start in the
+        chunk's slot (-1: raw) and ``chunk_crc``'s CRC-32 of its symbols (device
+        arrays), and what ``gather`` reads (the symbols and their slots)."""
 
-    def gather(self, start: np.ndarray, offset: np.ndarray, size: int) -> np.ndarray:
-        """The payload area (uint8[size], host): chunk c's payload at ``offset[c]``."""
+    def zeros(self, size: int) -> Any:
+        """A device buffer of ``size`` zero bytes."""
+
+    def gather(self, job: Any, start: np.ndarray, offset: np.ndarray, dst: Any) -> None:
+        """Queue chunk c's payload (coded from its slot, or its raw symbols) into device
+        buffer ``dst`` at ``offset[c]``."""
+
+    def to_host(self, src: Any, dst: Any = None) -> np.ndarray | None:
+        """Device bytes ``src`` on the host: a new array (waits), or queued into host
+        tensor ``dst`` (pinned on CUDA: nothing waits)."""
+
+
+@dataclass(frozen=True)
+class Coded:
+    """A frame coded on the device whose payload area is still there: ``head`` is the
+    frame's bytes before it (header, table section, directory), chunk c's payload lies
+    at ``offsets[c]`` of the area's ``size`` bytes once gathered (``Kernels.gather`` of
+    ``job`` and ``start``)."""
+
+    head: bytes
+    offsets: np.ndarray
+    lengths: np.ndarray
+    size: int
+    start: np.ndarray
+    job: Any
 
 
 def encode(symbols: Any, *, precision: int = DEFAULT_PRECISION,
@@ -61,25 +94,61 @@ def encode(symbols: Any, *, precision: int = DEFAULT_PRECISION,
         raise ValueError(f"context has {int(context.numel())} values, symbols have {n}")
     if n == 0:
         return frame.encode(CODER, np.zeros(0, np.uint8), precision, chunk_size)
-    if run is None:
-        run = _Cuda(symbols.device)
-    hist = run.histogram(symbols, context)
-    counts, joint = (None, hist) if context is not None else (hist, None)
-    freqs, cmap, section = table_section.build(counts, joint, precision, max_tables)
-    tabs = kernels.encode_tables(freqs, precision)
-    start, crcs = run.encode(symbols, None if cmap is None else context, cmap, tabs,
-                             chunk_size, precision)
-    n_chunks = start.size
-    m = np.minimum(chunk_size, n - np.arange(n_chunks, dtype=np.int64) * chunk_size)
-    raw = start < 0
-    lengths = np.where(raw, m, m - start)
-    offsets = np.cumsum(lengths) - lengths
-    payload = run.gather(start, offsets, int(lengths.sum()))
-    head = frame.HEADER.pack(CODER.magic, frame.VERSION, precision, CODER.lanes,
-                             int(cmap is not None), n, chunk_size, n_chunks, len(section))
-    modes = np.where(raw, frame.MODE_RAW, frame.MODE_CODED).astype(np.uint8)
-    return b"".join((head, section, lengths.astype("<u4").tobytes(),
-                     crcs.astype("<u4").tobytes(), modes.tobytes(), memoryview(payload)))
+    run = run or _Cuda(symbols.device)
+    (c,) = code([(symbols, context)], precision=precision, chunk_size=chunk_size,
+                max_tables=max_tables, run=run)
+    return c.head + gather(c, run).tobytes()
+
+
+def gather(c: Coded, run: Kernels) -> np.ndarray:
+    """A coded frame's payload area on the host (waits for it)."""
+    dst = run.zeros(max(1, c.size))
+    run.gather(c.job, c.start, c.offsets, dst)
+    return run.to_host(dst)[: c.size]
+
+
+def code(fields: list[tuple[Any, Any]], *, precision: int = DEFAULT_PRECISION,
+         chunk_size: int = frame.DEFAULT_CHUNK,
+         max_tables: int = contexts.DEFAULT_MAX_TABLES, run: Kernels) -> list[Coded]:
+    """Each (symbols, context or None) field (non-empty) coded on the device as
+    ``encode`` codes it, its payloads left there: the fields' histograms come back in one
+    transfer, their chunks' starts and CRCs in another."""
+    CODER.check_param(precision)
+    frame.check_chunk_size(chunk_size, CODER.lanes)
+    for symbols, context in fields:
+        n = int(symbols.numel())
+        if n == 0:
+            raise ValueError("a field to code has no symbols")
+        if context is not None and int(context.numel()) != n:
+            raise ValueError(f"context has {int(context.numel())} values, symbols have {n}")
+    hists = run.host([run.histogram(s, c) for s, c in fields])
+    built, jobs = [], []
+    for (symbols, context), hist in zip(fields, hists, strict=True):
+        counts, joint = ((None, hist.reshape(256, 256)) if context is not None
+                         else (hist.reshape(256), None))
+        freqs, cmap, section = table_section.build(counts, joint, precision, max_tables)
+        tabs = kernels.encode_tables(freqs, precision)
+        built.append((cmap, section))
+        jobs.append(run.encode(symbols, None if cmap is None else context, cmap, tabs,
+                               chunk_size, precision))
+    back = run.host([j[0] for j in jobs] + [j[1] for j in jobs])
+    out = []
+    for k, ((symbols, _), (cmap, section), job) in enumerate(zip(fields, built, jobs,
+                                                                strict=True)):
+        start, crcs = back[k], back[len(fields) + k].astype(np.uint32)
+        n = int(symbols.numel())
+        n_chunks = start.size
+        m = np.minimum(chunk_size, n - np.arange(n_chunks, dtype=np.int64) * chunk_size)
+        raw = start < 0
+        lengths = np.where(raw, m, m - start)
+        offsets = np.cumsum(lengths) - lengths
+        head = frame.HEADER.pack(CODER.magic, frame.VERSION, precision, CODER.lanes,
+                                 int(cmap is not None), n, chunk_size, n_chunks, len(section))
+        modes = np.where(raw, frame.MODE_RAW, frame.MODE_CODED).astype(np.uint8)
+        out.append(Coded(b"".join((head, section, lengths.astype("<u4").tobytes(),
+                                   crcs.astype("<u4").tobytes(), modes.tobytes())),
+                         offsets, lengths, int(lengths.sum()), start, job[2]))
+    return out
 
 
 class _Cuda:
@@ -93,7 +162,6 @@ class _Cuda:
 
         self.torch = torch
         self.device = device
-        self.slots = self.symbols = None
 
     def _kernel(self, name: str, ctx: bool) -> Any:
         from ..._cuda import nvrtc
@@ -106,26 +174,30 @@ class _Cuda:
 
         return nvrtc.cached(("rans_encode", name, ctx), build)
 
-    def histogram(self, symbols: Any, context: Any) -> np.ndarray:
+    def histogram(self, symbols: Any, context: Any) -> Any:
         torch = self.torch
         s = symbols.reshape(-1).to(torch.int32)
         if context is None:
-            return torch.bincount(s, minlength=256).cpu().numpy().astype(np.int64)
+            return torch.bincount(s, minlength=256)
         pairs = context.reshape(-1).to(torch.int32) * 256 + s
-        return torch.bincount(pairs, minlength=1 << 16).cpu().numpy().astype(
-            np.int64).reshape(256, 256)
+        return torch.bincount(pairs, minlength=1 << 16)
+
+    def host(self, arrays: list) -> list[np.ndarray]:
+        torch = self.torch
+        flat = torch.cat([a.reshape(-1).to(torch.int64) for a in arrays]).cpu().numpy()
+        ends = np.cumsum([a.numel() for a in arrays])
+        return np.split(flat, ends[:-1])
 
     def encode(self, symbols: Any, context: Any, cmap: np.ndarray | None, tabs: np.ndarray,
-               chunk: int, precision: int) -> tuple[np.ndarray, np.ndarray]:
+               chunk: int, precision: int) -> tuple[Any, Any, Any]:
         from ..._cuda import nvrtc
 
         torch, dev = self.torch, symbols.device
         n = symbols.numel()
         n_chunks = -(-n // chunk)
         up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-        self.symbols = symbols.reshape(-1)
-        self.slots = torch.empty(n, dtype=torch.uint8, device=dev)
-        self.chunk, self.n = chunk, n
+        sym = symbols.reshape(-1)
+        slots = torch.empty(n, dtype=torch.uint8, device=dev)
         start = torch.empty(n_chunks, dtype=torch.int64, device=dev)
         crcs = torch.empty(n_chunks, dtype=torch.int32, device=dev)
         ctx = cmap is not None
@@ -134,24 +206,31 @@ class _Cuda:
         c = context.reshape(-1) if ctx else None
         nvrtc.launch(dev, [
             (self._kernel("rans_encode", ctx), -(-n_chunks // WARPS), 32 * WARPS,
-             nvrtc.args(self.symbols, c, cm, t, n, np.int32(chunk), np.int32(n_chunks),
-                        np.int32(precision), self.slots, start), 0),
+             nvrtc.args(sym, c, cm, t, n, np.int32(chunk), np.int32(n_chunks),
+                        np.int32(precision), slots, start), 0),
             (self._kernel("chunk_crc", False), -(-n_chunks // 128), 128,
-             nvrtc.args(self.symbols, up(_CRC_TABLE), n, np.int32(chunk),
-                        np.int32(n_chunks), crcs), 0)])
-        return start.cpu().numpy(), crcs.cpu().numpy().view(np.uint32)
+             nvrtc.args(sym, up(_CRC_TABLE), n, np.int32(chunk), np.int32(n_chunks),
+                        crcs), 0)])
+        return start, crcs, (sym, slots, chunk)
 
-    def gather(self, start: np.ndarray, offset: np.ndarray, size: int) -> np.ndarray:
+    def zeros(self, size: int) -> Any:
+        return self.torch.zeros(size, dtype=self.torch.uint8, device=self.device)
+
+    def gather(self, job: Any, start: np.ndarray, offset: np.ndarray, dst: Any) -> None:
         from ..._cuda import nvrtc
 
-        torch, dev = self.torch, self.symbols.device
-        dst = torch.empty(max(1, size), dtype=torch.uint8, device=dev)
+        torch = self.torch
+        sym, slots, chunk = job
+        dev = sym.device
         nvrtc.launch(dev, [(self._kernel("gather", False), start.size, GATHER_THREADS,
-                            nvrtc.args(self.symbols, self.slots,
-                                       torch.from_numpy(start).to(dev),
-                                       torch.from_numpy(offset).to(dev), self.n,
-                                       np.int32(self.chunk), dst), 0)])
-        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        host.copy_(dst[:size])
-        self.slots = self.symbols = None
+                            nvrtc.args(sym, slots, torch.from_numpy(start).to(dev),
+                                       torch.from_numpy(offset).to(dev), sym.numel(),
+                                       np.int32(chunk), dst), 0)])
+
+    def to_host(self, src: Any, dst: Any = None) -> np.ndarray | None:
+        if dst is not None:
+            dst.copy_(src[: dst.numel()], non_blocking=True)
+            return None
+        host = self.torch.empty(src.numel(), dtype=self.torch.uint8, pin_memory=True)
+        host.copy_(src)
         return host.numpy()
