@@ -23,9 +23,9 @@ import numpy as np
 
 from .._errors import CorruptDataError
 from ..coding.crc32 import crc32_ranges
+from . import driver, payload, record, segment
 from . import header as hdr
-from . import payload, record, segment
-from .parallel import UNIT_BYTES, imap, imap_grouped
+from .parallel import UNIT_BYTES, imap, imap_grouped, run
 from .source import Arena, ArrayBytes, Bytes, Scratch, Window
 
 Progress = Callable[[int, int], None]
@@ -287,6 +287,13 @@ class Compressed:
     def _decode(self, job: _Job) -> np.ndarray:
         e, s, nbytes, fields, dest = job
         t = self.record.tensors[e.name]
+        plan = driver.plan(e.dtype, t.layout, t.fields, t.codecs[s])
+        if plan is not None:
+            out = self._drive(e.name, s, nbytes, fields.get(), plan, dest)
+            if out is not None:
+                return out
+        # Fields the driver does not code, or a segment it rejected: decoded field by
+        # field, which raises the error that says what is wrong.
         # The parts are dead once decoded (the output never shares their memory), so
         # they are read into a buffer this thread reuses.
         parts = self.segment_parts(e.name, fields.get(), s, self._scratch)
@@ -295,6 +302,35 @@ class Compressed:
                                   out=dest)
         except CorruptDataError as err:
             raise CorruptDataError(f"tensor {e.name!r} segment {s}: {err}") from None
+
+    def _drive(self, name: str, s: int, nbytes: int, fields: payload.Fields,
+               plan: driver.Plan, dest: np.ndarray | None) -> np.ndarray | None:
+        """Segment ``s`` of tensor ``name`` decoded by ``driver.decode`` (a large one in
+        parts on the pool's threads); None where it rejects a part."""
+        nf = len(plan.codecs)
+        lo, hi = s * nf, (s + 1) * nf
+        a, b = fields.span(lo, hi)
+        block = self._src.read(self.outer.data_start + self._outer[name].begin + a, b - a,
+                               self._scratch)
+        block = block.view()
+        block.flags.writeable = False  # the kernels' one type of frame
+        starts = np.array(fields.offsets[lo:hi], np.int64) - a
+        lengths = np.array(fields.lengths[lo:hi], np.int64)
+        seeds = crcs = None
+        if fields.crcs is not None:
+            seeds = np.array([payload.place_seed(name, s, f) for f in range(nf)], np.int64)
+            crcs = np.array(fields.crcs[lo:hi], np.int64)
+        m = nbytes // plan.word
+        out = np.empty(nbytes, np.uint8) if dest is None else dest
+        w = plan.word
+
+        def part(k: int) -> int:
+            x, y = k * driver.SPAN, min(m, (k + 1) * driver.SPAN)
+            return driver.decode(plan, block, starts, lengths, seeds, crcs, m,
+                                 out[x * w : y * w], x, y)[0]
+
+        codes = run(part, -(-m // driver.SPAN), 1)
+        return out if not any(codes) else None
 
     def tensor(self, name: str, threads: int = 1) -> np.ndarray:
         """The original bytes of tensor ``name`` (uint8, writable, freshly allocated)."""
