@@ -329,7 +329,8 @@ class Compressed:
             return driver.decode(plan, block, starts, lengths, seeds, crcs, m,
                                  out[x * w : y * w], x, y)[0]
 
-        codes = run(part, -(-m // driver.SPAN), 1)
+        count = -(-m // driver.SPAN)
+        codes = run(part, count, 1) if count > 1 else [part(0)]
         return out if not any(codes) else None
 
     def tensor(self, name: str, threads: int = 1) -> np.ndarray:
