@@ -288,7 +288,8 @@ class Compressed:
         e, s, nbytes, fields, dest = job
         t = self.record.tensors[e.name]
         plan = driver.plan(e.dtype, t.layout, t.fields, t.codecs[s])
-        if plan is not None:
+        if plan is not None and (dest is None or (dest.flags.c_contiguous
+                                                  and dest.flags.writeable)):
             out = self._drive(e.name, s, nbytes, fields.get(), plan, dest)
             if out is not None:
                 return out
