@@ -255,3 +255,36 @@ def test_an_undamaged_file_of_each_case_decodes(monkeypatch):
         spy = _Spy(monkeypatch)
         assert np.array_equal(_decode(blob), _layered(blob, monkeypatch))
         assert spy.calls == [(Status.OK, -1, -1)]
+
+
+# ---- fields of codecs the kernel cannot run: decoded first, checked and joined by it -----
+
+
+def _given_file(fast: bool) -> bytes:
+    """A BF16 tensor whose exponent is zstd-coded (or in fast mode tANS-coded) beside a
+    field the kernel decodes."""
+    rng = np.random.default_rng(4)
+    x = (rng.normal(0, 0.02, (48, 64)) if fast else _quantized((48, 64)).astype(np.float32))
+    return _blob(x.astype(ml_dtypes.bfloat16), fast=fast)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["zstd", "tans"])
+def test_a_field_the_kernel_cannot_run_is_decoded_beside_it(fast, monkeypatch):
+    blob = _given_file(fast)
+    codecs_ = Compressed(np.frombuffer(blob, np.uint8)).record.tensors["t"].codecs[0]
+    assert codecs_[0] == ("tans" if fast else "zstd") and codecs_[1] != codecs_[0]
+    spy = _Spy(monkeypatch)
+    assert np.array_equal(_decode(blob), _layered(blob, monkeypatch))
+    assert spy.calls == [(Status.OK, -1, -1)]
+
+
+@pytest.mark.parametrize("rebind", [True, False])
+def test_a_damaged_given_field_says_what_the_layered_path_says(rebind, monkeypatch):
+    blob = _given_file(False)
+    bad = _edit(blob, 0, _flip(lambda p: len(p) // 2), rebind)
+    old = _layered(bad, monkeypatch)
+    assert isinstance(old, str)
+    assert ("position CRC" in old) != rebind
+    with pytest.raises(CorruptDataError) as e:
+        _decode(bad)
+    assert str(e.value) == old

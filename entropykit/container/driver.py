@@ -4,7 +4,8 @@ What it is: ``decode``, which does in one nogil call what ``segment.decode`` and
 ``payload.check`` do through a few hundred Python calls: the position CRC of every field
 payload, each rANS frame's header, table section and chunk directory (the same checks and
 caps), every chunk decoded and checked against its CRC, a "rans2d" payload's class maps,
-a raw field's CRC, then the fields joined into the caller's output. It calls the frame,
+a raw field's CRC, then the fields joined into the caller's output (with the fields of
+codecs it cannot run, zstd and tANS, decoded by the caller beforehand). It calls the frame,
 table, CRC, context and plane kernels those layers call (``kernels.decode_chunks``,
 ``crc32._check_chunks``, ``lines._context``, ``_planes.join_planes`` ...), with the
 argument types they are compiled for, so no kernel gets another specialization. A
@@ -13,7 +14,8 @@ each, on the pool's threads.
 What it is not: the source of error messages. A part it rejects comes back as a
 ``Status`` and the field it was in; the caller then decodes the segment the layered way,
 which raises the one ``CorruptDataError`` each fault has always raised. Fields it cannot
-code (zstd, tANS, packed layouts) are left to that way too (``plan`` says None).
+code (packed layouts; a segment of zstd and tANS fields alone) are left to that way too
+(``plan`` says None).
 
 Arrays the kernels read as read-only (frames, contexts, a context map, decoded planes
 checked by CRC) cannot be made read-only inside Numba: the caller passes each scratch
@@ -43,8 +45,10 @@ from ..rans.lanes import LANES
 from . import header as hdr
 
 # Codecs the kernel codes: their numbers in ``decode``'s ``codec`` argument.
-RANS, RANS2D, RAW = 0, 1, 2
-_CODECS = {"rans": RANS, "rans2d": RANS2D, "raw": RAW}
+RANS, RANS2D, RAW, GIVEN = 0, 1, 2, 3
+# GIVEN: a field of a codec the kernel cannot run and that takes no context (zstd, tANS):
+# the caller decodes it (``given``) and the kernel checks its place and joins it.
+_CODECS = {"rans": RANS, "rans2d": RANS2D, "raw": RAW, "zstd": GIVEN, "tans": GIVEN}
 SPAN = 1 << 20  # symbols per field in one call: a multiple of every writer's chunk size
 UNALIGNED = -1  # a part's edge cuts a chunk (a frame of another chunk size): not driven
 
@@ -62,6 +66,7 @@ class Plan:
     conditioned on (-1: none), element bytes and the sign move of the join."""
 
     codecs: np.ndarray  # int64 per field
+    given: tuple[int, ...]  # the fields of GIVEN codecs
     context: np.ndarray  # int64 per field
     word: int
     sign_move: bool
@@ -82,7 +87,11 @@ def plan(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], .
     if tuple(names) != p.names or word != p.word or word not in (1, 2, 4, 8):
         return None
     ctx = np.array([-1 if c is None else names.index(c) for _, c in fields], np.int64)
-    return Plan(np.array([_CODECS[c] for c in codecs], np.int64), ctx, word, p.sign_move)
+    codes = np.array([_CODECS[c] for c in codecs], np.int64)
+    if (codes == GIVEN).all():
+        return None  # nothing for the kernel to decode
+    given = tuple(int(f) for f in np.flatnonzero(codes == GIVEN))
+    return Plan(codes, given, ctx, word, p.sign_move)
 
 
 class _Scratch:
@@ -109,15 +118,19 @@ _NO_CRCS = np.zeros(0, np.int64)
 
 def decode(p: Plan, block: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
            seeds: np.ndarray | None, crcs: np.ndarray | None, m: int, out: np.ndarray,
-           lo: int, hi: int) -> tuple[int, int, int]:
+           lo: int, hi: int, given: dict[int, np.ndarray] | None = None
+           ) -> tuple[int, int, int]:
     """Symbols ``[lo, hi)`` of every field of a segment of ``m`` symbols per field, joined
     into ``out`` (uint8, the segment's bytes ``[lo * word, hi * word)``): the field payloads
     are ``block[starts[f] : starts[f] + lengths[f]]`` (``block`` read-only); with
     ``crcs``, each is first checked against its position CRC (seeded ``seeds[f]``), and a
-    raw field against its own CRC, where ``lo == 0``. Returns (``Status`` or
+    raw field against its own CRC, where ``lo == 0``. ``given``: the ``m`` symbols of each
+    field of ``p.given``, decoded by the caller. Returns (``Status`` or
     ``UNALIGNED``, field, chunk), (OK, -1, -1) when the part is decoded and checked."""
     n = hi - lo
     pw, pr, cw, cr, mw, mr = _SCRATCH.get(p.word * n, n)
+    for f, sym in (given or {}).items():
+        pw[f * n : (f + 1) * n] = sym[lo:hi]
     return _drive(block, starts, lengths, p.codecs, p.context,
                   _NO_CRCS if crcs is None else seeds, _NO_CRCS if crcs is None else crcs,
                   m, lo, hi, pw, pr, cw, cr, mw, mr, p.sign_move, out, crc32._TABLE)
@@ -155,9 +168,11 @@ def _drive(block, starts, lengths, codecs, ctx_of, seeds, crcs, m, lo, hi, pw, p
                                    planes_r[max(ctx_of[f], 0)], ctx_of[f] >= 0, False, 0, 0,
                                    np.zeros(0, np.int64), np.zeros((0, 0), np.uint8),
                                    np.zeros(0, np.uint8), cw, cr, mw, mr, table)
-        else:
+        elif c == RANS2D:
             status, chunk = _classed(part, m, lo, hi, planes[f], planes_r[f], cw, cr, mw, mr,
                                      table)
+        else:  # GIVEN: already in its plane
+            status = OK
         if status != OK:
             return status, f, chunk
     _join(planes_r, sign_move, out[: n * nf])

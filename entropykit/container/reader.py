@@ -23,7 +23,7 @@ import numpy as np
 
 from .._errors import CorruptDataError
 from ..coding.crc32 import crc32_ranges
-from . import driver, payload, record, segment
+from . import codecs, driver, payload, record, segment
 from . import header as hdr
 from .parallel import UNIT_BYTES, imap, imap_grouped, run
 from .source import Arena, ArrayBytes, Bytes, Scratch, Window
@@ -322,13 +322,23 @@ class Compressed:
             seeds = np.array([payload.place_seed(name, s, f) for f in range(nf)], np.int64)
             crcs = np.array(fields.crcs[lo:hi], np.int64)
         m = nbytes // plan.word
+        given = {}
+        for f in plan.given:  # checked in place by the kernel, as every field
+            data = block[starts[f] : starts[f] + lengths[f]]
+            codec = self.record.tensors[name].codecs[s][f]
+            try:
+                if codecs.count(codec, data, limit=m) != m:
+                    return None
+                given[f] = codecs.decode(codec, data, m, None)
+            except CorruptDataError:
+                return None  # the layered path says what is wrong, in its order
         out = np.empty(nbytes, np.uint8) if dest is None else dest
         w = plan.word
 
         def part(k: int) -> int:
             x, y = k * driver.SPAN, min(m, (k + 1) * driver.SPAN)
             return driver.decode(plan, block, starts, lengths, seeds, crcs, m,
-                                 out[x * w : y * w], x, y)[0]
+                                 out[x * w : y * w], x, y, given)[0]
 
         count = -(-m // driver.SPAN)
         codes = run(part, count, 1) if count > 1 else [part(0)]
