@@ -315,12 +315,12 @@ class Compressed:
                                self._scratch)
         block = block.view()
         block.flags.writeable = False  # the kernels' one type of frame
-        starts = np.array(fields.offsets[lo:hi], np.int64) - a
-        lengths = np.array(fields.lengths[lo:hi], np.int64)
+        where = np.array((fields.offsets[lo:hi], fields.lengths[lo:hi]), np.int64)
+        starts, lengths = where[0] - a, where[1]
         seeds = crcs = None
         if fields.crcs is not None:
-            seeds = np.array([payload.place_seed(name, s, f) for f in range(nf)], np.int64)
-            crcs = np.array(fields.crcs[lo:hi], np.int64)
+            seeds, crcs = np.array((payload.place_seeds(name, s, nf), fields.crcs[lo:hi]),
+                                   np.int64)
         m = nbytes // plan.word
         given = {}
         for f in plan.given:  # checked in place by the kernel, as every field
