@@ -200,6 +200,13 @@ def _state_below_l(p: bytearray) -> None:
     p[d + 9 * n + 2 : d + 9 * n + 4] = b"\0\0"  # lane 0's start state < 2**16
 
 
+def _huge_rows(p: bytearray) -> None:
+    # One column class (no column map to bound the columns) and a phase and row length
+    # near 2**62: (phase + n + cols - 1) // cols would wrap an int64.
+    p[6] = 1
+    struct.pack_into("<QQ", p, 16, (1 << 62) - 1, (1 << 62) - 2)
+
+
 CASES = [
     # (file, field, edit, rebind, status)
     ("bf16", 0, _flip(lambda p: len(p) // 2), False, Status.PLACE),
@@ -208,6 +215,7 @@ CASES = [
     ("bf16", 0, _set(lambda p: 4, 2), True, Status.HEADER),  # rans2d version
     ("bf16", 0, _set(lambda p: 5, 0), True, Status.HEADER),  # rans2d row classes
     ("bf16", 0, _set(lambda p: 23, 1), True, Status.MODEL),  # columns past the class maps
+    ("bf16", 0, _huge_rows, True, Status.HEADER),
     ("bf16", 0, _set(_frame_edit("rans2d", "version"), 9), True, Status.HEADER),
     ("bf16", 0, _set(_frame_edit("rans2d", "table"), 0), True, Status.MODEL),
     ("bf16", 0, _set(_frame_edit("rans2d", "mode"), 5), True, Status.DIRECTORY),

@@ -223,7 +223,9 @@ def _classed(part, m, lo, hi, dst, dst_r, cw, cr, mw, mr, table):
             or kr * kc < 2):
         return _HEADER, -1
     cols_u, phase_u = _u(part, 16, 8), _u(part, 24, 8)
-    if not phase_u < cols_u < np.uint64(1) << np.uint64(62):
+    # Stricter than the format's 2**62 (the layered path reads those): below 2**61, row
+    # counts and map sizes stay far inside int64.
+    if not phase_u < cols_u < np.uint64(1) << np.uint64(61):
         return _HEADER, -1
     cols, phase = np.int64(cols_u), np.int64(phase_u)
     wr, wc = _width(kr), _width(kc)
