@@ -30,6 +30,10 @@ class Status(IntEnum):
     PARAM = 11  # an invalid (mu, sigma) among the chunk's values
     EMPTY = 12  # tANS: a payload is empty or outside the frame
     MARKER = 13  # tANS: a payload's first byte has no start marker bit
+    PLACE = 14  # a field payload fails its position CRC
+    HEADER = 15  # a frame's or payload's header is invalid or declares another count
+    MODEL = 16  # a frame's tables or a payload's class maps are invalid or truncated
+    DIRECTORY = 17  # a chunk directory does not fit, or its payloads do not end the frame
 
 
 # The codes as plain ints, the form Numba kernels take as compile-time constants.
@@ -64,6 +68,10 @@ MESSAGES: dict[Status, str] = {
     Status.PARAM: "invalid (mu, sigma) among the chunk's values",
     Status.EMPTY: "payload is empty or outside the frame",
     Status.MARKER: "payload's first byte is 0 (no start marker bit)",
+    Status.PLACE: "field payload fails its position CRC-32",
+    Status.HEADER: "frame or payload header is invalid",
+    Status.MODEL: "frame tables or class maps are invalid",
+    Status.DIRECTORY: "chunk directory does not match the frame",
 }
 
 

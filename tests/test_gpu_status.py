@@ -19,7 +19,7 @@ def test_numbers_are_stable_and_distinct():
     assert {s.name: s.value for s in Status} == {
         "OK": 0, "STATE": 1, "TRUNCATED": 2, "TRAILING": 3, "FINAL": 4, "ODD": 5,
         "CONTEXT": 6, "BOUNDS": 7, "TABLE": 8, "CRC": 9, "RAW": 10, "PARAM": 11,
-        "EMPTY": 12, "MARKER": 13}
+        "EMPTY": 12, "MARKER": 13, "PLACE": 14, "HEADER": 15, "MODEL": 16, "DIRECTORY": 17}
 
 
 def test_rans_numba_codes_are_the_status_numbers():

@@ -19,6 +19,7 @@ What it is not: the codecs of the field payloads (the record names them) or thei
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -61,8 +62,19 @@ def field_crc(part: np.ndarray | bytes | memoryview | _Pieces, name: str, seg: i
 
 def place_seed(name: str, seg: int, field: int) -> int:
     """The CRC-32 of the place prefix of ``field_crc`` (the seed of the payload's CRC)."""
+    return zlib.crc32(_PLACE.pack(seg, field), _name_crc(name))
+
+
+def place_seeds(name: str, seg: int, fields: int) -> list[int]:
+    """``place_seed`` of fields ``0 .. fields - 1`` of segment ``seg``."""
+    named = _name_crc(name)
+    return [zlib.crc32(_PLACE.pack(seg, f), named) for f in range(fields)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_crc(name: str) -> int:
     # surrogatepass: a name no writer can write still gets a value (a mismatch), no error.
-    return zlib.crc32(name.encode("utf-8", "surrogatepass") + b"\0" + _PLACE.pack(seg, field))
+    return zlib.crc32(name.encode("utf-8", "surrogatepass") + b"\0")
 
 
 def index(lengths: Sequence[int], crcs: Sequence[int]) -> bytes:
