@@ -2,9 +2,8 @@
 
 What it is: the script a GPU machine runs to choose the decoder's build. Every variant is
 one build of the one kernel (``_kernel.cu``'s compile-time options: table layout
-``TABLES``, staged output ``STORE``, ring windows ``RING_WINDOWS``) at some warps per block,
-selected the way a
-user's decode selects it (``rans.cuda._runtime.variant``: the private environment
+``TABLES``, ring windows ``RING_WINDOWS``) at some warps per block, selected the way a user's
+decode selects it (``rans.cuda._runtime.variant``: the private environment
 variables set here) and bound to the same uploaded batch. Data: MiniLM-L6's bf16 tensors
 (the carried compressed file) and their fp8 e4m3 cast (``bench_gpu.e4m3_of``), coded as
 ``bench_gpu.py`` codes them, decoded by the CPU decoder and tiled to ``--gib`` GiB of
@@ -49,29 +48,22 @@ from entropykit.rans.cuda import plan  # noqa: E402
 
 class Variant(NamedTuple):
     """A build and its warps per block; None: the default (``_runtime.TABLES``,
-    ``_runtime.STORE``, ``_runtime.RING_WINDOWS``, ``plan.WARPS``)."""
+    ``_runtime.RING_WINDOWS``, ``plan.WARPS``)."""
 
     name: str
     tables: int | None = None
-    store: int | None = None
     ring: int | None = None
     warps: int | None = None
 
 
 # The first is the default build, as a decode takes it; each other changes some of
-# today's choices (tables 0, store 0, ring 8, warps 16). Grouped by warps: a change of
-# warps plans and uploads the batch again.
+# today's choices (tables 1, ring 8, warps 16). Grouped by warps: a change of warps plans
+# and uploads the batch again.
 VARIANTS = (
     Variant("default"),
-    Variant("t1", tables=1, store=0, ring=8, warps=16),
-    Variant("s1", tables=0, store=1, ring=8, warps=16),
-    Variant("t1s1", tables=1, store=1, ring=8, warps=16),
-    Variant("t1s1-r4", tables=1, store=1, ring=4, warps=16),
-    Variant("t1s1-r16", tables=1, store=1, ring=16, warps=16),
-    Variant("t0s0", tables=0, store=0, ring=8, warps=16),
-    Variant("t1s1-w8", tables=1, store=1, ring=8, warps=8),
-    Variant("t0s0-w8", tables=0, store=0, ring=8, warps=8),
-    Variant("t1s1-w32", tables=1, store=1, ring=8, warps=32),
+    Variant("t0", tables=0, ring=8, warps=16),
+    Variant("t1-r4", tables=1, ring=4, warps=16),
+    Variant("t1-w8", tables=1, ring=8, warps=8),
 )
 
 
@@ -81,7 +73,6 @@ def env(v: Variant) -> dict[str, str | None]:
     from entropykit.rans.cuda import _runtime  # CuPy's: only where a decode runs
 
     return {_runtime._ENV_TABLES: None if v.tables is None else str(v.tables),
-            _runtime._ENV_STORE: None if v.store is None else str(v.store),
             _runtime._ENV_RING: None if v.ring is None else str(v.ring)}
 
 
@@ -176,12 +167,11 @@ def sweep(name: str, tensors: list[np.ndarray], reps_tile: int, variants, reps: 
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| set | variant | tables | store | ring | warps | GB/s | x copy | of bound "
+    head = ("| set | variant | tables | ring | warps | GB/s | x copy | of bound "
             "| regs | warps/SM | exact |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
-        cells = [r["set"], r["variant"], r.get("tables", ""), r.get("store", ""),
-                 r.get("ring", ""),
+        cells = [r["set"], r["variant"], r.get("tables", ""), r.get("ring", ""),
                  r.get("warps", ""), r.get("gbps", r.get("error", "")), r.get("of_copy", ""),
                  r.get("of_bound", r.get("bound_gbps", "")), r.get("regs", ""),
                  r.get("warps_sm", ""), r.get("exact", "")]

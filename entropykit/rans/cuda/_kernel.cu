@@ -61,20 +61,8 @@
 // chain one shared-memory load shorter. Tables read through L1 (CTX's b, classed
 // streams, p > 12) keep layout 0.
 //
-// Staged rounds' output (STORE, a build option; 0 unless the runtime asks): 0 drops each
-// coded symbol into the staging bytes (one narrow shared store a step) and reads a round
-// back 16 bytes a lane; 1 keeps a lane's symbols of steps 4g .. 4g + 3 as the bytes of one
-// register w[g] (one byte permute a step), and at the round's end each group of 4 lanes
-// transposes its 4 x 4 bytes with two shuffles, so a lane holds 4 consecutive symbols:
-// u8 writes them as a word, bf16 joins them with the 4 sign_mantissa bytes of the same
-// symbols (a raw stream's loaded as one word at the round's start) and writes 8 bytes.
-// No shared memory for the output.
-
 #ifndef TABLES
 #define TABLES 0
-#endif
-#ifndef STORE
-#define STORE 0
 #endif
 #define VEC (!CTX && !CLS)  // staged output: the builds without contexts or classes
 // blocks an SM for 32 resident warps, so at most 64 registers a thread (the staged u8 build
@@ -87,8 +75,8 @@
 #define PACKED_B (PACKED && !CTX)      // b's tables are in shared memory (CTX: L1, layout 0)
 // bytes of one table set in shared memory: 2^12 packed words, or symbol bytes + infos
 #define SMEM_STREAM (PACKED ? 4 * 4096 : 4096 + 1024)
-// staging bytes a warp: a round's exponents, then sm bytes (STORE 1 stages in registers)
-#define STAGE (VEC && STORE != 1 ? 1024 : 0)
+// staging bytes a warp: a round's exponents, then sm bytes
+#define STAGE (VEC ? 1024 : 0)
 #define WARP_SMEM (4 * RING + STAGE)  // bytes of shared memory a warp: word rings, staging
 
 #define RING (64 * RING_WINDOWS)  // words per stream ring: windows of 64 (128 bytes)
@@ -333,31 +321,6 @@ __device__ __forceinline__ unsigned tail_step(Stream& s, int i, int lane, unsign
 }
 #endif
 
-#if VEC
-// STORE 1: byte j of w (j = step & 3, known at compile time) becomes c's low byte; the
-// bytes above j are written by the steps after it, so step 0 may leave them dirty.
-__device__ __forceinline__ unsigned put_byte(unsigned w, unsigned c, int j) {
-    return j == 0 ? c : __byte_perm(w, c, j == 1 ? 0x3240u : j == 2 ? 0x3410u : 0x4210u);
-}
-
-// STORE 1: lanes 4 m + r (r < 4) hold in w a 4 x 4 byte block M[r][j] (byte j: the symbol
-// of step 4 g + j at lane 4 m + r); after two exchanges lane 4 m + r holds M[0..3][r],
-// the symbols of step 4 g + r at lanes 4 m .. 4 m + 3: symbols 32 (4 g + r) + 4 m + 0..3.
-__device__ __forceinline__ unsigned transpose4(unsigned w, int lane) {
-    const int r = lane & 3;
-    // exchange with lane ^ 1: even lanes keep column 0 and 2 of both rows, odd 1 and 3;
-    // then with lane ^ 2: lanes 0, 1 take the low halves (rows 0-1 of column r), 2, 3 the high
-    const unsigned sel1 = (r & 1) ? 0x3715u : 0x6240u, sel2 = (r & 2) ? 0x3276u : 0x5410u;
-    const unsigned t = __byte_perm(w, __shfl_xor_sync(FULL_MASK, w, 1), sel1);
-    return __byte_perm(t, __shfl_xor_sync(FULL_MASK, t, 2), sel2);
-}
-
-// Where transpose4's word of step group g lands in a round: symbol 32 (4 g + r) + 4 m.
-__device__ __forceinline__ int round_at(int g, int lane) {
-    return 32 * (4 * g + (lane & 3)) + 4 * (lane >> 2);
-}
-#endif
-
 #if VEC && BF16
 // Two bf16 values (low half: symbol j, high half: symbol j + 1) from two exponent bytes and
 // two sign_mantissa bytes, which sit at byte h and h + 1 of e and m (h = 0 or 2):
@@ -381,37 +344,6 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
     unsigned short* out = reinterpret_cast<unsigned short*>(q.out) + q.out_a;
     const int rounds = a.n >> 9;  // a.n == b.n (plan.py pairs equal lengths)
     int i = lane;
-#if STORE == 1
-    // Each lane's exponents (and coded sm bytes) of a round in registers, transposed at
-    // its end; a raw sm stream's 4 bytes of each word loaded at the round's start.
-    for (int r = 0; r < rounds; ++r) {
-        unsigned we[4] = {0u, 0u, 0u, 0u}, wm[4] = {0u, 0u, 0u, 0u};
-        if (RAW_B)
-#pragma unroll
-            for (int g = 0; g < 4; ++g)
-                wm[g] = __ldg(reinterpret_cast<const unsigned*>(b.bytes + 512 * r +
-                                                                round_at(g, lane)));
-#pragma unroll
-        for (int k = 0; k < 16; ++k, i += 32) {
-            we[k >> 2] = put_byte(we[k >> 2],
-                rans_step<true, PACKED, true>(a, i, lane, lt, q.sa, q.ia), k & 3);
-            if (!RAW_B)
-                wm[k >> 2] = put_byte(wm[k >> 2],
-                    rans_step<true, PACKED_B, true>(b, i, lane, lt, q.sb, q.ib), k & 3);
-            if (k & 1) {
-                slide(a, lane);
-                if (!RAW_B) slide(b, lane);
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            const unsigned e = transpose4(we[g], lane);
-            const unsigned sm = RAW_B ? wm[g] : transpose4(wm[g], lane);
-            *reinterpret_cast<uint2*>(out + 512 * r + round_at(g, lane)) =
-                make_uint2(bf16x2(e, sm, 0x4140u), bf16x2(e, sm, 0x4342u));
-        }
-    }
-#else
     const uint4* smv = reinterpret_cast<const uint4*>(b.bytes);  // raw: 16-byte aligned
     uint4 m = make_uint4(0u, 0u, 0u, 0u);
     if (RAW_B) m = __ldg(smv + lane);  // round 0's sm bytes (rounds >= 1 here)
@@ -439,7 +371,6 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
         dst[1] = bf16x8(e.z, e.w, m.z, m.w);
         m = next;
     }
-#endif
     // The last < 512 symbols one step at a time (b raw: its bytes straight from global).
     const int steps = (a.n + 31) >> 5;
     for (int s = rounds << 4; s < steps; ++s, i += 32) {
@@ -453,16 +384,8 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
 #endif
 
 #if VEC && !BF16
-// STORE 1: a round's 512 symbols to o (16-byte aligned) from each lane's w[g].
-__device__ __forceinline__ void put_round(unsigned char* o, const unsigned (&w)[4], int lane) {
-#pragma unroll
-    for (int g = 0; g < 4; ++g)
-        *reinterpret_cast<unsigned*>(o + round_at(g, lane)) = transpose4(w[g], lane);
-}
-
 // The staged pair loop of u8 mode (see the header): two chunks with their own outputs,
-// each coded (staged; STORE 1: in registers) or raw (copied 16 bytes a lane); stage = the
-// warp's 1 KiB.
+// each coded (staged) or raw (copied 16 bytes a lane); stage = the warp's 1 KiB.
 template <bool RAW_A, bool RAW_B>
 __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane, unsigned lt,
                                         unsigned char* stage) {
@@ -476,27 +399,6 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane,
         uint4 va = make_uint4(0u, 0u, 0u, 0u), vb = va;
         if (RAW_A) va = __ldg(rawa + 32 * r + lane);
         if (RAW_B) vb = __ldg(rawb + 32 * r + lane);
-        if (STORE == 1 && (!RAW_A || !RAW_B)) {
-            unsigned wa[4] = {0u, 0u, 0u, 0u}, wb[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-            for (int k = 0; k < 16; ++k, i += 32) {
-                if (!RAW_A)
-                    wa[k >> 2] = put_byte(wa[k >> 2],
-                        rans_step<true, PACKED, true>(a, i, lane, lt, q.sa, q.ia), k & 3);
-                if (!RAW_B)
-                    wb[k >> 2] = put_byte(wb[k >> 2],
-                        rans_step<true, PACKED_B, true>(b, i, lane, lt, q.sb, q.ib), k & 3);
-                if (k & 1) {
-                    if (!RAW_A) slide(a, lane);
-                    if (!RAW_B) slide(b, lane);
-                }
-            }
-            if (!RAW_A) put_round(oa + 512 * r, wa, lane);
-            if (!RAW_B) put_round(ob + 512 * r, wb, lane);
-            if (RAW_A) reinterpret_cast<uint4*>(oa + 512 * r)[lane] = va;
-            if (RAW_B) reinterpret_cast<uint4*>(ob + 512 * r)[lane] = vb;
-            continue;
-        }
         if (!RAW_A || !RAW_B) {
 #pragma unroll
             for (int k = 0; k < 16; ++k, i += 32) {

@@ -31,10 +31,8 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds witho
 # builds every decode takes; the private environment variables below override them for
 # gpu/kernel_sweep.py's comparisons (read at each launch's construction).
 TABLES = 1  # shared table layout: 0 symbol bytes + per-symbol infos, 1 one word per slot
-STORE = 0  # staged rounds' output: 0 through shared staging bytes, 1 registers + shuffles
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
 _ENV_TABLES = "ENTROPYKIT_RANS_TABLES"
-_ENV_STORE = "ENTROPYKIT_RANS_STORE"
 _ENV_RING = "ENTROPYKIT_RANS_RING_WINDOWS"
 
 
@@ -42,7 +40,6 @@ class Variant(NamedTuple):
     """The compile-time choices of a build that do not follow from its batch."""
 
     tables: int = TABLES
-    store: int = STORE
     ring: int = RING_WINDOWS
 
 
@@ -53,12 +50,9 @@ def variant() -> Variant:
     """The variant of the builds launched now: the module's defaults unless the private
     environment variables name others."""
     v = Variant(int(os.environ.get(_ENV_TABLES, TABLES)),
-                int(os.environ.get(_ENV_STORE, STORE)),
                 int(os.environ.get(_ENV_RING, RING_WINDOWS)))
     if v.tables not in (0, 1):
         raise ValueError(f"{_ENV_TABLES} must be 0 or 1, got {v.tables}")
-    if v.store not in (0, 1):
-        raise ValueError(f"{_ENV_STORE} must be 0 or 1, got {v.store}")
     if v.ring < 4 or v.ring & (v.ring - 1):
         raise ValueError(f"{_ENV_RING} must be a power of 2 >= 4, got {v.ring}")
     return v
@@ -71,9 +65,8 @@ def table_set_bytes(tables: int) -> int:
 
 def warp_smem(ctx: bool, cls: bool = False, v: Variant = DEFAULT) -> int:
     """Shared-memory bytes a warp of a build uses: two word rings of ``v.ring`` windows
-    (+ staging, in builds without contexts or classes, _kernel.cu's VEC, unless they stage
-    in registers: STORE 1)."""
-    return 256 * v.ring + (0 if ctx or cls or v.store else STAGE_BYTES)
+    (+ staging, in builds without contexts or classes, _kernel.cu's VEC)."""
+    return 256 * v.ring + (0 if ctx or cls else STAGE_BYTES)
 
 
 def build_options(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
@@ -82,7 +75,7 @@ def build_options(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = Fal
     cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
     return ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}", f"-DCLS={int(cls)}",
             f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={v.ring}",
-            f"-DTABLES={v.tables}", f"-DSTORE={v.store}", *cols)
+            f"-DTABLES={v.tables}", *cols)
 
 
 def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
