@@ -46,10 +46,36 @@ def _packed_table(b: plan.Batch, row: np.ndarray) -> np.ndarray:
     return word
 
 
-def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool = False
-            ) -> tuple[np.ndarray, int]:
+def _popc(v: int) -> int:
+    return bin(v).count("1")
+
+
+def _word_reads(need: np.ndarray, wp: int, lanes: int, half: int, junk: int
+                ) -> tuple[np.ndarray, int]:
+    """The kernel's renormalisation at LANES ``lanes`` (rans_step, group_ballot): the word
+    index each lane reads (needy or not) and the stream's next wp. Thread g of the pair's
+    group holds lanes g + GROUP j and sits at warp lane g (+ 16 for the second group of a
+    warp at LANES 2, ``half``); its state j's step votes with the group's mask, so the
+    other group's bits (``junk``) are in the ballot and must be masked off."""
+    group = 32 // lanes
+    pos = np.arange(group) + 16 * half * (lanes == 2)
+    gm = 0xFFFFFFFF if lanes == 1 else 0xFFFF << (16 * half)
+    idx = np.zeros(32, np.int64)
+    for j in range(lanes):
+        ballot = (junk & ~gm) | sum(1 << int(p) for p in pos[need[group * j + np.arange(group)]])
+        for g in range(group):
+            glt = ((1 << int(pos[g])) - 1) & gm
+            idx[g + group * j] = wp + _popc(ballot & glt)
+        wp += _popc(ballot if lanes == 1 else ballot & gm)
+    return idx, wp
+
+
+def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool = False,
+            lanes: int = 0, half: int = 0) -> tuple[np.ndarray, int]:
     """One descriptor row as the kernel decodes it: (symbols, status code); ``packed``:
-    its table set is the packed one (TABLES=1, shared memory)."""
+    its table set is the packed one (TABLES=1, shared memory); ``lanes`` > 0: each step's
+    word reads through the kernel's ballots at LANES ``lanes`` (``_word_reads``; 0: the
+    reads in lane order, the format's definition)."""
     n, off, length, p = (int(row[c]) for c in (lay.D_N, lay.D_OFF, lay.D_LEN, lay.D_PREC))
     if n == 0:
         return np.zeros(0, np.uint8), 0
@@ -60,14 +86,15 @@ def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool
     x, wp, mask = x0.copy(), 0, np.uint64((1 << p) - 1)
     table = _packed_table(b, row) if packed else None
     out = np.zeros(n, np.uint8)
-    lanes = np.arange(32)
+    junk = np.random.default_rng(n).integers(0, 1 << 32, -(-n // 32), dtype=np.uint64)
+    lane = np.arange(32)
     # A classed stream's lanes keep their symbol's column and row as the kernel does:
     # one division at the start, then 32 symbols on per step (dq rows, dr columns).
     width = int(row[lay.D_WIDTH])
-    col, rw = np.divmod(int(row[lay.D_COL]) + lanes, width)[::-1]
+    col, rw = np.divmod(int(row[lay.D_COL]) + lane, width)[::-1]
     dq, dr = divmod(32, width)
     for s in range(-(-n // 32)):
-        i = s * 32 + lanes
+        i = s * 32 + lane
         live = i < n
         cls = np.zeros(32, np.int64)
         if row[lay.D_CMAP] >= 0:
@@ -90,12 +117,15 @@ def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool
             y = ((inf & np.uint64(0xFFFF)) * (x >> np.uint64(p)) + slot.astype(np.uint64)
                  - (inf >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
         need = live & (y < L)
-        idx = wp + np.cumsum(need) - need
+        if lanes:
+            idx, wp_next = _word_reads(need, wp, lanes, half, int(junk[s]))
+        else:
+            idx, wp_next = wp + np.cumsum(need) - need, wp + int(need.sum())
         w = np.where(idx < words.size, words[np.minimum(idx, max(words.size - 1, 0))]
                      if words.size else 0, 0).astype(np.uint64)
         y = np.where(need, ((y << np.uint64(16)) | w) & np.uint64(0xFFFFFFFF), y)
         x = np.where(live, y, x)
-        wp += int(need.sum())
+        wp = wp_next
         out[i[live]] = c[live]
     code = (1 if (x0 < L).any() else 2 if wp > words.size else 3 if wp < words.size
             else 4 if (x != L).any() else 0)
@@ -116,18 +146,20 @@ def _grid_table(b: plan.Batch, row: np.ndarray, rw: np.ndarray, col: np.ndarray
     return b.cmaps[g + ctx].astype(np.int64)
 
 
-def _emulate(b: plan.Batch, tables: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+def _emulate(b: plan.Batch, tables: int = 0, lanes: int = 0
+             ) -> tuple[list[np.ndarray], np.ndarray]:
     """The kernel's outputs (poisoned where it writes nothing) and status, from ``b``."""
     outs = [np.full(n, 0xA5A5 if b.bf16 else 0xA5, np.uint16 if b.bf16 else np.uint8)
             for n in b.sizes]
-    return outs, emulate_into(b, outs, tables)[1]
+    return outs, emulate_into(b, outs, tables, lanes)[1]
 
 
-def emulate_into(b: plan.Batch, outs: list[np.ndarray], tables: int = 0
+def emulate_into(b: plan.Batch, outs: list[np.ndarray], tables: int = 0, lanes: int = 0
                  ) -> tuple[list[np.ndarray], np.ndarray]:
     """Run ``b`` as the kernel does into ``outs`` (uint8 / uint16 arrays), its build with
-    table layout ``tables`` (_runtime.TABLES); also checks the block rule the kernel's
-    shared tables rest on."""
+    table layout ``tables`` (_runtime.TABLES) and, ``lanes`` > 0, its word reads through
+    the ballots of LANES ``lanes`` (_runtime.LANES; ``_word_reads``); also checks the block
+    rule the kernel's shared tables rest on."""
     status = np.zeros(len(b.desc), np.int32)
     # TABLES=1 packs the shared-memory sets (SMEM builds): a's always, b's unless b reads
     # its class tables through L1 (a context batch).
@@ -137,8 +169,12 @@ def emulate_into(b: plan.Batch, outs: list[np.ndarray], tables: int = 0
     for blk in b.desc.reshape(-1, b.warps, 2, lay.N_COLS):
         assert (blk[:, :, [lay.D_SYM, lay.D_INFO]] == blk[0, :, [lay.D_SYM, lay.D_INFO]].T).all()
     for r in range(0, len(b.desc), 2):
-        sa, status[r] = _stream(b, b.desc[r], None, packed_a)
-        sb, status[r + 1] = _stream(b, b.desc[r + 1], sa if b.bf16 else None, packed_b)
+        # the pair's group: threads (pair % warps) * GROUP on of its block (a block: warps
+        # pairs), so at LANES 2 the pairs of a warp alternate halves
+        half = ((r // 2) % b.warps * (32 // max(lanes, 1)) & 31) >> 4
+        sa, status[r] = _stream(b, b.desc[r], None, packed_a, lanes, half)
+        sb, status[r + 1] = _stream(b, b.desc[r + 1], sa if b.bf16 else None, packed_b,
+                                    lanes, half)
         for row, k, sym in ((r, b.out_index[r], sa), (r + 1, b.out_index[r + 1], sb)):
             at, step = int(b.desc[row, lay.D_OUT]), int(b.desc[row, lay.D_STEP])
             if k < 0 or (b.bf16 and row % 2):
@@ -528,3 +564,106 @@ def test_packed_tables_give_the_same_status_on_corrupt_chunks(case):
     out1, status1 = _emulate(b, tables=1)
     assert status1.any() and np.array_equal(status0, status1)
     assert all(np.array_equal(x, y) for x, y in zip(out0, out1, strict=True))
+
+
+def test_lane_groups_are_the_kernels_expressions():
+    """The emulator's LANES arithmetic (``_word_reads``, the pair's half of a warp) is the
+    kernel's own."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    for line in ("const unsigned w = s.ring[(s.wp + __popc(b & me.glt)) & (RING - 1)];",
+                 "s.wp += __popc(LANES == 1 ? b : b & me.gm);",
+                 "vote.sync.ballot.b32 %0, q, %2;",
+                 "const int pair = blockIdx.x * WARPS + threadIdx.x / GROUP;",
+                 "me.gm = LANES == 1 ? FULL_MASK : 0xffffu << (lane & 16);",
+                 "me.glt = lt & me.gm;",
+                 "lane_step<FULL, RAW_A, RAW_B>(a, b, q, j, i0 + GROUP * j, me);",
+                 "reinterpret_cast<const unsigned*>(buf + off)[me.g + GROUP * j]"):
+        assert line in src
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, (1 << 32) - 1), st.integers(0, 1 << 20), st.integers(0, (1 << 32) - 1),
+       st.sampled_from([(1, 0), (2, 0), (2, 1)]))
+def test_group_ballots_give_each_needy_lane_its_word_in_lane_order(bits, wp, junk, layout):
+    """Whatever the other half of the warp votes, the words of a step go to the needy lanes
+    in lane order (the format's order: one stream layout for CPU and GPU) and wp moves on
+    by their number, at one lane a thread and at two."""
+    need = (bits >> np.arange(32) & 1).astype(bool)
+    idx, nxt = _word_reads(need, wp, *layout, junk)
+    assert np.array_equal(idx[need], wp + np.arange(need.sum()))
+    assert nxt == wp + need.sum()
+
+
+def test_lane_groups_copy_stage_and_write_every_byte_once():
+    """At LANES 1 and 2 (GROUP, HALF, COPY as _kernel.cu defines them): a stream's copying
+    threads fill each 128-byte ring window exactly once with aligned copies; a round's
+    staging places 32 k + g + GROUP j are symbol (i - 512 r)'s, each once; the lanes
+    g + GROUP j that read a round back and write it are 0..31, each once."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    for line in ("#define GROUP (32 / LANES)", "#define HALF (GROUP / 2)",
+                 "#define COPY (128 / HALF)",
+                 "const int at = 128 * j + COPY * (me.g & (HALF - 1));",
+                 "if ((me.g & HALF) == s.owner) {",
+                 "const int at = 32 * k + me.g + GROUP * j;"):
+        assert line in src
+    for lanes in (1, 2):
+        group = 32 // lanes
+        half, copy = group // 2, 128 // (group // 2)
+        for owner in (0, half):
+            got = np.zeros(128, int)
+            for g in range(group):
+                if g & half == owner:
+                    at = copy * (g & (half - 1))
+                    assert at % copy == 0
+                    got[at : at + copy] += 1
+            assert (got == 1).all()
+        seen = np.zeros(512, int)
+        for k in range(16):
+            for g in range(group):
+                for j in range(lanes):
+                    i = g + 32 * (16 * 3 + k) + group * j  # symbol i of round 3
+                    at = 32 * k + g + group * j
+                    assert at == i - 512 * 3
+                    seen[at] += 1
+        assert (seen == 1).all()
+        assert sorted(g + group * j for g in range(group) for j in range(lanes)) == list(range(32))
+
+
+@pytest.mark.parametrize("warps", [1, 2, 3])
+def test_two_lanes_a_thread_decode_as_the_cpu(warps):
+    """LANES 2 (a half-warp a pair, two lanes a thread), packed and plain tables: u8 frames
+    (skewed, all symbols, one symbol, short) and bf16 with raw and context fields decode
+    the CPU's bytes, with pairs in both halves of a warp (odd warps: the halves alternate
+    across blocks)."""
+    rng = np.random.default_rng(warps)
+    arrays = [_skewed(rng, 5 * CHUNK + 31, 60, 0.2), rng.integers(0, 256, 2 * CHUNK + 100
+                                                                  ).astype(np.uint8),
+              np.full(CHUNK + 9, 7, np.uint8), _skewed(rng, 70, 3)]
+    frames = [rans.encode(a, precision=11 + k % 2, chunk_size=CHUNK)
+              for k, a in enumerate(arrays)]
+    u8 = plan.prepare_u8(frames, warps)
+    tensors = [_special_bf16(rng, 2 * CHUNK + 5), _context_bits(rng, CHUNK + 40)]
+    efs, sfs = [], []
+    for t, bits in enumerate(tensors):
+        exp, sm = _bf16_fields(bits)
+        efs.append(rans.encode(exp, chunk_size=CHUNK))
+        sfs.append(rans.encode(sm, chunk_size=CHUNK, context=exp if t == 1 else None))
+    bf16 = plan.prepare_bf16(efs, sfs, warps)
+    assert bf16.context
+    for b, want in ((u8, arrays), (bf16, tensors)):
+        for tables in (0, 1):
+            outs, status = _emulate(b, tables, lanes=2)
+            assert not status.any()
+            for got, a in zip(outs, want, strict=True):
+                assert np.array_equal(got, a)
+
+
+@pytest.mark.parametrize("case", ["start state", "flipped word", "words left over",
+                                  "words missing"])
+def test_two_lanes_a_thread_give_the_same_status_on_corrupt_chunks(case):
+    f, bad = _corrupt(case)
+    b = plan.prepare_u8([f])
+    out0, status0 = _emulate(b, tables=1)
+    out2, status2 = _emulate(b, tables=1, lanes=2)
+    assert status2.any() and np.array_equal(status0, status2)
+    assert all(np.array_equal(x, y) for x, y in zip(out0, out2, strict=True))

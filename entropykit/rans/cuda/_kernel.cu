@@ -64,9 +64,22 @@
 #ifndef TABLES
 #define TABLES 0
 #endif
+#ifndef LANES
+#define LANES 1
+#endif
+#if LANES != 1 && LANES != 2
+#error "LANES must be 1 or 2"
+#endif
+#if LANES > 1 && CLS
+#error "classed builds keep one lane a thread (a lane's row and column are per thread)"
+#endif
+#define GROUP (32 / LANES)  // threads decoding one pair: a warp, or a half-warp at LANES 2
+#define HALF (GROUP / 2)    // threads of a group copying one stream's windows
+#define COPY (128 / HALF)   // bytes one of them copies a window: 8, or 16 at LANES 2
 #define VEC (!CTX && !CLS)  // staged output: the builds without contexts or classes
-// blocks an SM for 32 resident warps, so at most 64 registers a thread (the staged u8 build
-// would take more and halve the resident warps)
+// blocks an SM for 32 resident warps' worth of pairs (WARPS pairs a block), so at most 64
+// registers a thread at LANES 1 (the staged u8 build would take more and halve the
+// resident warps), 128 at LANES 2 (half the threads, each with twice the states)
 #define MIN_BLOCKS (32 / WARPS > 1 ? 32 / WARPS : 1)
 
 #define LB 65536u
@@ -77,7 +90,7 @@
 #define SMEM_STREAM (PACKED ? 4 * 4096 : 4096 + 1024)
 // staging bytes a warp: a round's exponents, then sm bytes
 #define STAGE (VEC ? 1024 : 0)
-#define WARP_SMEM (4 * RING + STAGE)  // bytes of shared memory a warp: word rings, staging
+#define WARP_SMEM (4 * RING + STAGE)  // shared-memory bytes a pair: word rings, staging
 
 #define RING (64 * RING_WINDOWS)  // words per stream ring: windows of 64 (128 bytes)
 #define AHEAD (RING_WINDOWS - 2)   // windows copied ahead of the one being read
@@ -89,8 +102,8 @@ struct Stream {
     const unsigned char* sym;     // table 0's slot -> symbol (global)
     const unsigned* info;         // table 0's f | start << 16 per symbol (global)
     int n, n_words, n_bytes, wp, base;  // wp: words consumed; base = 64 * (window of wp)
-    int owner;                    // 0 or 16: the half-warp that copies this stream
-    unsigned p, x, x0;
+    int owner;                    // 0 or HALF: the threads of the group that copy its windows
+    unsigned p, x[LANES], x0[LANES];  // state j: the state of lane g + GROUP j
     bool is_raw, coded;
 #if CLS
     const unsigned char* grid;    // the frame's context map -> table (cmaps)
@@ -102,29 +115,39 @@ struct Stream {
 #endif
 };
 
-// The owner half-warp copies window j (bytes 128 j .. + 127) into its ring slot, 8 bytes a
-// lane, as one cp.async group per lane; bytes past the payload are zero-filled, not read.
-__device__ __forceinline__ void fetch(const Stream& s, int j, int lane) {
-    if ((lane & 16) == s.owner) {
-        const int at = 128 * j + 8 * (lane & 15);
-        const int n = min(max(s.n_bytes - at, 0), 8);
+// A thread's place in the group that decodes its pair: g, its index there (it holds lanes
+// g + GROUP j of both streams), gm the group's threads in the warp, glt those below it.
+struct Me {
+    int g;
+    unsigned gm, glt;
+};
+
+// The owner threads copy window j (bytes 128 j .. + 127) into its ring slot, COPY bytes a
+// thread, as one cp.async group per thread; bytes past the payload are zero-filled, not
+// read (payloads start 16-byte aligned, so every copy's source is aligned to its size).
+__device__ __forceinline__ void fetch(const Stream& s, int j, const Me& me) {
+    if ((me.g & HALF) == s.owner) {
+        const int at = 128 * j + COPY * (me.g & (HALF - 1));
+        const int n = min(max(s.n_bytes - at, 0), COPY);
         const unsigned char* src = s.bytes + (n ? at : 0);
-        const unsigned dst = s.ring_addr + (j & (RING / 64 - 1)) * 128 + 8 * (lane & 15);
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n\t"
-                     "cp.async.commit_group;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+        const unsigned dst = s.ring_addr + (j & (RING / 64 - 1)) * 128 +
+                             COPY * (me.g & (HALF - 1));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n\t"
+                     "cp.async.commit_group;" ::"r"(dst), "l"(src), "n"(COPY), "r"(n)
+                     : "memory");
     }
 }
 
 // Windows up to (window of base) + 1 have landed in the ring, for every lane to read.
-__device__ __forceinline__ void landed(const Stream& s, int lane) {
-    if ((lane & 16) == s.owner) asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1)
-                                             : "memory");
-    __syncwarp();
+__device__ __forceinline__ void landed(const Stream& s, const Me& me) {
+    if ((me.g & HALF) == s.owner) asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1)
+                                               : "memory");
+    __syncwarp(me.gm);
 }
 
 __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
         const unsigned char* buf, const unsigned char* symt, const unsigned* infot,
-        const unsigned char* cmaps, unsigned short* ring, int owner, int lane,
+        const unsigned char* cmaps, unsigned short* ring, int owner, const Me& me,
         bool ringed = true) {
     long long off = d[D_OFF], len = d[D_LEN];
     s.n = (int)d[D_N];
@@ -132,8 +155,11 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
     s.is_raw = d[D_MODE] == 1;
     s.coded = !s.is_raw && s.n > 0;
     // Payloads start 16-byte aligned (plan.py); coded: 32 u32 start states, then u16 words.
-    s.x0 = s.coded ? reinterpret_cast<const unsigned*>(buf + off)[lane] : LB;
-    s.x = s.x0;
+#pragma unroll
+    for (int j = 0; j < LANES; ++j) {
+        s.x0[j] = s.coded ? reinterpret_cast<const unsigned*>(buf + off)[me.g + GROUP * j] : LB;
+        s.x[j] = s.x0[j];
+    }
     s.bytes = buf + off + (s.is_raw ? 0 : 128);
     s.n_bytes = s.is_raw ? (int)len : s.n > 0 ? (int)(len - 128) : 0;
     s.n_words = (s.n_bytes + 1) / 2;
@@ -143,7 +169,7 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
     s.ring_addr = (unsigned)__cvta_generic_to_shared(ring);
     s.owner = owner;
     if (ringed)  // a staged raw stream is read straight from global memory, not its ring
-        for (int j = 0; j <= AHEAD; ++j) fetch(s, j, lane);
+        for (int j = 0; j <= AHEAD; ++j) fetch(s, j, me);
     s.sym = symt + max(d[D_SYM], 0LL);  // plain streams (-1) have no tables, read none
     s.info = infot + max(d[D_INFO], 0LL);
 #if CLS
@@ -152,7 +178,7 @@ __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
     s.classed = d[D_GRID] >= 0;
     s.has_rows = d[D_RMAP] >= 0;
     s.has_cols = d[D_KMAP] >= 0;
-    const long long w = max(d[D_WIDTH], 1LL), at = d[D_COL] + lane;
+    const long long w = max(d[D_WIDTH], 1LL), at = d[D_COL] + me.g;
     s.width = (unsigned)w;
     s.col = (unsigned)(at % w);
     s.row = (unsigned)(at / w);
@@ -192,64 +218,77 @@ __device__ __forceinline__ void grid_tables(Stream& s, bool live, const unsigned
 // Staged rounds check only after every second step: from wp - base < 64
 // two steps read below base + 128 (windows base / 64 and the next, both landed) and leave
 // wp - base < 128, which one slide brings back under 64.
-__device__ __forceinline__ void slide(Stream& s, int lane) {
+__device__ __forceinline__ void slide(Stream& s, const Me& me) {
     if (s.wp - s.base >= 64) {
         s.base += 64;
-        fetch(s, (s.base >> 6) + AHEAD, lane);
-        landed(s, lane);
+        fetch(s, (s.base >> 6) + AHEAD, me);
+        landed(s, me);
     }
 }
 
-__device__ __forceinline__ unsigned warp_ballot(bool need) {
+// The group's ballot: bit k of the warp's lane k (only the group's bits are meaningful).
+__device__ __forceinline__ unsigned group_ballot(bool need, const Me& me) {
     unsigned b;
-    // vote.sync itself: every lane of the warp is here (the loops are warp-uniform).
+    // vote.sync itself: every thread of the group is here (the loops are group-uniform).
+#if LANES == 1
     asm("{ .reg .pred q; setp.ne.u32 q, %1, 0; vote.sync.ballot.b32 %0, q, 0xffffffff; }"
         : "=r"(b) : "r"((unsigned)need));
+#else
+    asm("{ .reg .pred q; setp.ne.u32 q, %1, 0; vote.sync.ballot.b32 %0, q, %2; }"
+        : "=r"(b) : "r"((unsigned)need), "r"(me.gm));
+#endif
     return b;
 }
 
-// One step of a coded stream with its tables at sym/info (PK: sym is the packed table,
-// info unused); returns the symbols of i (LOW: only its low byte is the symbol, for
-// callers that keep only that byte: a packed step then skips the mask).
+// One step of a coded stream's lane i % 32 (the thread's state j) with its tables at
+// sym/info (PK: sym is the packed table, info unused); returns the symbol of i (LOW: only
+// its low byte is the symbol, for callers that keep only that byte: a packed step then
+// skips the mask). At LANES 2 a step of the stream is two of these, j = 0 (lanes 0-15)
+// then j = 1 (lanes 16-31): the group's ballot bits are those lanes in order, so the
+// words go to the needy lanes in lane order as at LANES 1.
 template <bool FULL, bool PK = false, bool LOW = false>
-__device__ __forceinline__ unsigned rans_step(Stream& s, int i, int lane, unsigned lt,
+__device__ __forceinline__ unsigned rans_step(Stream& s, int j, int i, const Me& me,
         const unsigned char* sym, const unsigned* info) {
     const bool live = FULL || i < s.n;
-    const unsigned slot = s.x & ((1u << s.p) - 1u);
+    const unsigned x = s.x[j];
+    const unsigned slot = x & ((1u << s.p) - 1u);
     unsigned c, y;
     if (PK) {  // f * q + slot - start = (f - 1) * q + q + (slot - start)
         const unsigned e = live ? reinterpret_cast<const unsigned*>(sym)[slot] : 0u;
-        const unsigned q = s.x >> s.p;
+        const unsigned q = x >> s.p;
         c = LOW ? e : e & 0xffu;
         y = ((e >> 8) & 0xfffu) * q + q + (e >> 20);
     } else {
         c = live ? (unsigned)sym[slot] : 0u;
         const unsigned inf = live ? info[c] : 0u;
-        y = (inf & 0xffffu) * (s.x >> s.p) + slot - (inf >> 16);
+        y = (inf & 0xffffu) * (x >> s.p) + slot - (inf >> 16);
     }
     const bool need = live && y < LB;
-    const unsigned b = warp_ballot(need);
+    const unsigned b = group_ballot(need, me);
     // Past the payload the windows hold 0; the final wp > n_words check reports it.
-    const unsigned w = s.ring[(s.wp + __popc(b & lt)) & (RING - 1)];
+    const unsigned w = s.ring[(s.wp + __popc(b & me.glt)) & (RING - 1)];
     if (need) y = (y << 16) | w;
-    if (live) s.x = y;
-    s.wp += __popc(b);
+    if (live) s.x[j] = y;
+    s.wp += __popc(LANES == 1 ? b : b & me.gm);
     return c;
 }
 
-// One step of a raw stream: lane k's byte is byte 32 s + k of the payload (16 words).
-__device__ __forceinline__ unsigned raw_step(Stream& s, int lane) {
-    const unsigned c = reinterpret_cast<const unsigned char*>(s.ring)[(2 * s.wp + lane) &
-                                                                    (2 * RING - 1)];
-    s.wp += 16;
-    return c;
+// A raw stream's byte of lane k (k < 32) of the step at wp: byte 32 s + k of the payload;
+// after the step's lanes the caller moves wp on 16 words (raw_done).
+__device__ __forceinline__ unsigned raw_byte(const Stream& s, int k) {
+    return reinterpret_cast<const unsigned char*>(s.ring)[(2 * s.wp + k) & (2 * RING - 1)];
+}
+
+template <bool RAW>
+__device__ __forceinline__ void raw_done(Stream& s) {
+    if (RAW) s.wp += 16;
 }
 
 template <bool FULL, bool RAW, bool PK>
-__device__ __forceinline__ unsigned stream_step(Stream& s, int i, int lane, unsigned lt,
+__device__ __forceinline__ unsigned stream_step(Stream& s, int j, int i, const Me& me,
         const unsigned char* sym, const unsigned* info) {
-    if (RAW) return raw_step(s, lane);
-    return rans_step<FULL, PK>(s, i, lane, lt, sym, info);
+    if (RAW) return raw_byte(s, i & 31);
+    return rans_step<FULL, PK>(s, j, i, me, sym, info);
 }
 
 struct Pair {
@@ -260,16 +299,16 @@ struct Pair {
     void* out;
 };
 
+// Lane i % 32 of both streams (the thread's state j of each), its output written.
 template <bool FULL, bool RAW_A, bool RAW_B>
-__device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
-                                          unsigned lt) {
-    const int lane = i & 31;
+__device__ __forceinline__ void lane_step(Stream& a, Stream& b, Pair& q, int j, int i,
+                                          const Me& me) {
     const unsigned char* sa = q.sa;
     const unsigned* ia = q.ia;
 #if CLS
     if (!RAW_A) grid_tables(a, FULL || i < a.n, sa, ia);
 #endif
-    const unsigned ea = stream_step<FULL, RAW_A, PACKED>(a, i, lane, lt, sa, ia);
+    const unsigned ea = stream_step<FULL, RAW_A, PACKED>(a, j, i, me, sa, ia);
     const unsigned char* sb = q.sb;
     const unsigned* ib = q.ib;
 #if CTX
@@ -281,7 +320,7 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
 #if CLS && !BF16  // bf16 mode: b (sign_mantissa) is never classed (plan.py), no registers
     if (!RAW_B) grid_tables(b, FULL || i < b.n, sb, ib);
 #endif
-    const unsigned eb = stream_step<FULL, RAW_B, PACKED_B>(b, i, lane, lt, sb, ib);
+    const unsigned eb = stream_step<FULL, RAW_B, PACKED_B>(b, j, i, me, sb, ib);
 #if BF16
     if (FULL || i < a.n)
         reinterpret_cast<unsigned short*>(q.out)[q.out_a + i * q.step_a] =
@@ -291,33 +330,43 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i,
     if (FULL || i < a.n) o[q.out_a + i * q.step_a] = (unsigned char)ea;
     if (FULL || i < b.n) o[q.out_b + i * q.step_b] = (unsigned char)eb;
 #endif
+}
+
+// One step of both streams: symbols i0 + GROUP j of each (i0 = 32 s + g).
+template <bool FULL, bool RAW_A, bool RAW_B>
+__device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i0,
+                                          const Me& me) {
+#pragma unroll
+    for (int j = 0; j < LANES; ++j)
+        lane_step<FULL, RAW_A, RAW_B>(a, b, q, j, i0 + GROUP * j, me);
+    raw_done<RAW_A>(a);
+    raw_done<RAW_B>(b);
     // Both streams' steps are branch-free up to here, so their chains can interleave.
-    slide(a, lane);
-    slide(b, lane);
+    slide(a, me);
+    slide(b, me);
 }
 
 template <bool RAW_A, bool RAW_B>
-__device__ __forceinline__ void run_pair(Stream& a, Stream& b, Pair& q, int lane,
-                                      unsigned lt) {
+__device__ __forceinline__ void run_pair(Stream& a, Stream& b, Pair& q, const Me& me) {
     const int full = min(a.n, b.n) / 32, steps = (max(a.n, b.n) + 31) / 32;
-    int s = 0, i = lane;
+    int s = 0, i = me.g;
     for (; s + 4 <= full; s += 4, i += 128) {  // whole steps, 4 at a time
-        pair_step<true, RAW_A, RAW_B>(a, b, q, i, lt);
-        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 32, lt);
-        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 64, lt);
-        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 96, lt);
+        pair_step<true, RAW_A, RAW_B>(a, b, q, i, me);
+        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 32, me);
+        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 64, me);
+        pair_step<true, RAW_A, RAW_B>(a, b, q, i + 96, me);
     }
-    for (; s < steps; ++s, i += 32) pair_step<false, RAW_A, RAW_B>(a, b, q, i, lt);
+    for (; s < steps; ++s, i += 32) pair_step<false, RAW_A, RAW_B>(a, b, q, i, me);
 }
 
 #if VEC
 // A stream's symbol i outside the rounds: a raw stream's byte from global memory (its ring
 // is unused in VEC mode), a coded stream's next step.
 template <bool RAW, bool PK>
-__device__ __forceinline__ unsigned tail_step(Stream& s, int i, int lane, unsigned lt,
+__device__ __forceinline__ unsigned tail_step(Stream& s, int j, int i, const Me& me,
                                               const unsigned char* sym, const unsigned* info) {
     if (RAW) return i < s.n ? (unsigned)__ldg(s.bytes + i) : 0u;
-    return rans_step<false, PK>(s, i, lane, lt, sym, info);
+    return rans_step<false, PK>(s, j, i, me, sym, info);
 }
 #endif
 
@@ -337,107 +386,156 @@ __device__ __forceinline__ uint4 bf16x8(unsigned e0, unsigned e1, unsigned m0, u
 }
 
 // The staged pair loop (see the header): a coded exponent stream a, b coded or raw (RAW_B),
-// out = this pair's first output element, 16-byte aligned; stage = the warp's 1 KiB.
+// out = this pair's first output element, 16-byte aligned; stage = the pair's 1 KiB.
+// Lane k of a round (k = g + GROUP j: the thread's state j) stages symbols 32 s + k and
+// writes symbols 16 k .. 16 k + 15.
 template <bool RAW_B>
-__device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane, unsigned lt,
+__device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, const Me& me,
                                         unsigned char* stage) {
     unsigned short* out = reinterpret_cast<unsigned short*>(q.out) + q.out_a;
     const int rounds = a.n >> 9;  // a.n == b.n (plan.py pairs equal lengths)
-    int i = lane;
+    int i = me.g;
     const uint4* smv = reinterpret_cast<const uint4*>(b.bytes);  // raw: 16-byte aligned
-    uint4 m = make_uint4(0u, 0u, 0u, 0u);
-    if (RAW_B) m = __ldg(smv + lane);  // round 0's sm bytes (rounds >= 1 here)
+    uint4 m[LANES];
+#pragma unroll
+    for (int j = 0; j < LANES; ++j)  // round 0's sm bytes (rounds >= 1 here)
+        m[j] = RAW_B ? __ldg(smv + me.g + GROUP * j) : make_uint4(0u, 0u, 0u, 0u);
     for (int r = 0; r < rounds; ++r) {
-        uint4 next = m;
-        if (RAW_B && r + 1 < rounds) next = __ldg(smv + 32 * (r + 1) + lane);
+        uint4 next[LANES];
+#pragma unroll
+        for (int j = 0; j < LANES; ++j)
+            next[j] = RAW_B && r + 1 < rounds ? __ldg(smv + 32 * (r + 1) + me.g + GROUP * j)
+                                              : m[j];
 #pragma unroll
         for (int k = 0; k < 16; ++k, i += 32) {
-            stage[32 * k + lane] =
-                (unsigned char)rans_step<true, PACKED, true>(a, i, lane, lt, q.sa, q.ia);
-            if (!RAW_B)
-                stage[512 + 32 * k + lane] =
-                    (unsigned char)rans_step<true, PACKED_B, true>(b, i, lane, lt, q.sb, q.ib);
+#pragma unroll
+            for (int j = 0; j < LANES; ++j) {
+                const int at = 32 * k + me.g + GROUP * j;
+                stage[at] = (unsigned char)rans_step<true, PACKED, true>(
+                    a, j, i + GROUP * j, me, q.sa, q.ia);
+                if (!RAW_B)
+                    stage[512 + at] = (unsigned char)rans_step<true, PACKED_B, true>(
+                        b, j, i + GROUP * j, me, q.sb, q.ib);
+            }
             if (k & 1) {
-                slide(a, lane);
-                if (!RAW_B) slide(b, lane);
+                slide(a, me);
+                if (!RAW_B) slide(b, me);
             }
         }
-        __syncwarp();
-        const uint4 e = reinterpret_cast<const uint4*>(stage)[lane];
-        if (!RAW_B) m = reinterpret_cast<const uint4*>(stage + 512)[lane];
-        __syncwarp();  // every lane has its bytes before the next round overwrites them
-        uint4* dst = reinterpret_cast<uint4*>(out + 512 * r + 16 * lane);
-        dst[0] = bf16x8(e.x, e.y, m.x, m.y);
-        dst[1] = bf16x8(e.z, e.w, m.z, m.w);
-        m = next;
+        __syncwarp(me.gm);
+        uint4 e[LANES];
+#pragma unroll
+        for (int j = 0; j < LANES; ++j) {
+            e[j] = reinterpret_cast<const uint4*>(stage)[me.g + GROUP * j];
+            if (!RAW_B) m[j] = reinterpret_cast<const uint4*>(stage + 512)[me.g + GROUP * j];
+        }
+        __syncwarp(me.gm);  // every lane has its bytes before the next round overwrites them
+#pragma unroll
+        for (int j = 0; j < LANES; ++j) {
+            uint4* dst = reinterpret_cast<uint4*>(out + 512 * r + 16 * (me.g + GROUP * j));
+            dst[0] = bf16x8(e[j].x, e[j].y, m[j].x, m[j].y);
+            dst[1] = bf16x8(e[j].z, e[j].w, m[j].z, m[j].w);
+            m[j] = next[j];
+        }
     }
     // The last < 512 symbols one step at a time (b raw: its bytes straight from global).
     const int steps = (a.n + 31) >> 5;
     for (int s = rounds << 4; s < steps; ++s, i += 32) {
-        const unsigned ea = tail_step<false, PACKED>(a, i, lane, lt, q.sa, q.ia);
-        const unsigned eb = tail_step<RAW_B, PACKED_B>(b, i, lane, lt, q.sb, q.ib);
-        if (i < a.n) out[i] = (unsigned short)(((eb >> 7) << 15) | (ea << 7) | (eb & 0x7fu));
-        slide(a, lane);
-        if (!RAW_B) slide(b, lane);
+#pragma unroll
+        for (int j = 0; j < LANES; ++j) {
+            const int ij = i + GROUP * j;
+            const unsigned ea = tail_step<false, PACKED>(a, j, ij, me, q.sa, q.ia);
+            const unsigned eb = tail_step<RAW_B, PACKED_B>(b, j, ij, me, q.sb, q.ib);
+            if (ij < a.n)
+                out[ij] = (unsigned short)(((eb >> 7) << 15) | (ea << 7) | (eb & 0x7fu));
+        }
+        slide(a, me);
+        if (!RAW_B) slide(b, me);
     }
 }
 #endif
 
 #if VEC && !BF16
 // The staged pair loop of u8 mode (see the header): two chunks with their own outputs,
-// each coded (staged) or raw (copied 16 bytes a lane); stage = the warp's 1 KiB.
+// each coded (staged) or raw (copied 16 bytes a lane); stage = the pair's 1 KiB.
 template <bool RAW_A, bool RAW_B>
-__device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, int lane, unsigned lt,
+__device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, const Me& me,
                                         unsigned char* stage) {
     unsigned char* oa = reinterpret_cast<unsigned char*>(q.out) + q.out_a;
     unsigned char* ob = reinterpret_cast<unsigned char*>(q.out) + q.out_b;
     const uint4* rawa = reinterpret_cast<const uint4*>(a.bytes);  // raw: 16-byte aligned
     const uint4* rawb = reinterpret_cast<const uint4*>(b.bytes);
     const int rounds = min(a.n, b.n) >> 9;
-    int i = lane;
+    int i = me.g;
     for (int r = 0; r < rounds; ++r) {
-        uint4 va = make_uint4(0u, 0u, 0u, 0u), vb = va;
-        if (RAW_A) va = __ldg(rawa + 32 * r + lane);
-        if (RAW_B) vb = __ldg(rawb + 32 * r + lane);
+        uint4 va[LANES], vb[LANES];
+#pragma unroll
+        for (int j = 0; j < LANES; ++j) {
+            const int k = 32 * r + me.g + GROUP * j;
+            va[j] = RAW_A ? __ldg(rawa + k) : make_uint4(0u, 0u, 0u, 0u);
+            vb[j] = RAW_B ? __ldg(rawb + k) : make_uint4(0u, 0u, 0u, 0u);
+        }
         if (!RAW_A || !RAW_B) {
 #pragma unroll
             for (int k = 0; k < 16; ++k, i += 32) {
-                if (!RAW_A)
-                    stage[32 * k + lane] =
-                        (unsigned char)rans_step<true, PACKED, true>(a, i, lane, lt, q.sa, q.ia);
-                if (!RAW_B)
-                    stage[512 + 32 * k + lane] =
-                        (unsigned char)rans_step<true, PACKED_B, true>(b, i, lane, lt, q.sb, q.ib);
+#pragma unroll
+                for (int j = 0; j < LANES; ++j) {
+                    const int at = 32 * k + me.g + GROUP * j;
+                    if (!RAW_A)
+                        stage[at] = (unsigned char)rans_step<true, PACKED, true>(
+                            a, j, i + GROUP * j, me, q.sa, q.ia);
+                    if (!RAW_B)
+                        stage[512 + at] = (unsigned char)rans_step<true, PACKED_B, true>(
+                            b, j, i + GROUP * j, me, q.sb, q.ib);
+                }
                 if (k & 1) {
-                    if (!RAW_A) slide(a, lane);
-                    if (!RAW_B) slide(b, lane);
+                    if (!RAW_A) slide(a, me);
+                    if (!RAW_B) slide(b, me);
                 }
             }
-            __syncwarp();
-            if (!RAW_A) va = reinterpret_cast<const uint4*>(stage)[lane];
-            if (!RAW_B) vb = reinterpret_cast<const uint4*>(stage + 512)[lane];
-            __syncwarp();  // every lane has its bytes before the next round overwrites them
+            __syncwarp(me.gm);
+#pragma unroll
+            for (int j = 0; j < LANES; ++j) {
+                const int k = me.g + GROUP * j;
+                if (!RAW_A) va[j] = reinterpret_cast<const uint4*>(stage)[k];
+                if (!RAW_B) vb[j] = reinterpret_cast<const uint4*>(stage + 512)[k];
+            }
+            __syncwarp(me.gm);  // every lane has its bytes before the next round overwrites
         } else {
             i += 512;
         }
-        reinterpret_cast<uint4*>(oa + 512 * r)[lane] = va;
-        reinterpret_cast<uint4*>(ob + 512 * r)[lane] = vb;
+#pragma unroll
+        for (int j = 0; j < LANES; ++j) {
+            reinterpret_cast<uint4*>(oa + 512 * r)[me.g + GROUP * j] = va[j];
+            reinterpret_cast<uint4*>(ob + 512 * r)[me.g + GROUP * j] = vb[j];
+        }
     }
     const int steps = (max(a.n, b.n) + 31) >> 5;
     for (int s = rounds << 4; s < steps; ++s, i += 32) {
-        const unsigned ea = tail_step<RAW_A, PACKED>(a, i, lane, lt, q.sa, q.ia);
-        const unsigned eb = tail_step<RAW_B, PACKED_B>(b, i, lane, lt, q.sb, q.ib);
-        if (i < a.n) oa[i] = (unsigned char)ea;
-        if (i < b.n) ob[i] = (unsigned char)eb;
-        if (!RAW_A) slide(a, lane);
-        if (!RAW_B) slide(b, lane);
+#pragma unroll
+        for (int j = 0; j < LANES; ++j) {
+            const int ij = i + GROUP * j;
+            const unsigned ea = tail_step<RAW_A, PACKED>(a, j, ij, me, q.sa, q.ia);
+            const unsigned eb = tail_step<RAW_B, PACKED_B>(b, j, ij, me, q.sb, q.ib);
+            if (ij < a.n) oa[ij] = (unsigned char)ea;
+            if (ij < b.n) ob[ij] = (unsigned char)eb;
+        }
+        if (!RAW_A) slide(a, me);
+        if (!RAW_B) slide(b, me);
     }
 }
 #endif
 
-__device__ __forceinline__ int status_of(const Stream& s) {
-    const unsigned x0min = __reduce_min_sync(FULL_MASK, s.x0);
-    const bool final_bad = __any_sync(FULL_MASK, s.x != LB);
+__device__ __forceinline__ int status_of(const Stream& s, const Me& me) {
+    unsigned x0 = s.x0[0];
+    bool off = s.x[0] != LB;
+#pragma unroll
+    for (int j = 1; j < LANES; ++j) {
+        x0 = min(x0, s.x0[j]);
+        off = off || s.x[j] != LB;
+    }
+    const unsigned x0min = __reduce_min_sync(me.gm, x0);
+    const bool final_bad = __any_sync(me.gm, off);
     if (!s.coded) return 0;
     if (x0min < LB) return ERR_STATE;
     if (s.wp > s.n_words) return ERR_TRUNCATED;
@@ -465,13 +563,13 @@ __device__ __forceinline__ void stage(unsigned char* dst, const unsigned char* s
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(WARPS * GROUP, MIN_BLOCKS)
 rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
             const unsigned char* __restrict__ buf, const unsigned char* __restrict__ symt,
             const unsigned* __restrict__ infot, const unsigned char* __restrict__ cmaps,
             void* __restrict__ out, int n_pairs, int n_slots) {
     const int lane = threadIdx.x & 31;
-    const int pair = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int pair = blockIdx.x * WARPS + threadIdx.x / GROUP;  // a block: WARPS pairs
     extern __shared__ __align__(16) unsigned char smem[];
 #if SMEM
     // The block's table sets, from its first pair (plan.py: all its pairs share them).
@@ -487,8 +585,13 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     if (pair >= n_pairs) return;
     unsigned lt;
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lt));
+    Me me;
+    me.g = lane & (GROUP - 1);
+    me.gm = LANES == 1 ? FULL_MASK : 0xffffu << (lane & 16);
+    me.glt = lt & me.gm;
     const long long* d = desc + (long long)pair * 2 * N_COLS;
-    unsigned char* mine = smem + (SMEM ? n_slots * SMEM_STREAM : 0) + (threadIdx.x >> 5) * WARP_SMEM;
+    unsigned char* mine = smem + (SMEM ? n_slots * SMEM_STREAM : 0) +
+                          (threadIdx.x / GROUP) * WARP_SMEM;
     // Staged output (header): warp-uniform, from the rows and the outputs' addresses.
     const unsigned long long at = reinterpret_cast<unsigned long long>(out);
 #if VEC && BF16
@@ -503,9 +606,9 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
 #endif
     Stream a, b;
     load_stream(a, d, buf, symt, infot, cmaps, reinterpret_cast<unsigned short*>(mine), 0,
-                lane, !(vec && d[D_MODE] == 1));
+                me, !(vec && d[D_MODE] == 1));
     load_stream(b, d + N_COLS, buf, symt, infot, cmaps,
-                reinterpret_cast<unsigned short*>(mine + 2 * RING), 16, lane,
+                reinterpret_cast<unsigned short*>(mine + 2 * RING), HALF, me,
                 !(vec && d[N_COLS + D_MODE] == 1));
     Pair q;
     q.cmaps = cmaps;
@@ -527,35 +630,35 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     q.ib = b.info;
 #endif
     // Windows 0 and 1 of both rings in place before any lane reads them.
-    // (Each lane waits on its own stream's copies: lanes 0-15 issued only a's.)
+    // (Each thread waits on its own stream's copies: the first HALF issued only a's.)
     asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1) : "memory");
-    __syncwarp();
+    __syncwarp(me.gm);
 #if VEC && BF16
     if (vec) {
-        if (b.is_raw) run_vec<true>(a, b, q, lane, lt, mine + 4 * RING);
-        else run_vec<false>(a, b, q, lane, lt, mine + 4 * RING);
+        if (b.is_raw) run_vec<true>(a, b, q, me, mine + 4 * RING);
+        else run_vec<false>(a, b, q, me, mine + 4 * RING);
     } else
 #elif VEC
     if (vec) {
         unsigned char* stage = mine + 4 * RING;
         if (a.is_raw) {
-            if (b.is_raw) run_vec<true, true>(a, b, q, lane, lt, stage);
-            else run_vec<true, false>(a, b, q, lane, lt, stage);
+            if (b.is_raw) run_vec<true, true>(a, b, q, me, stage);
+            else run_vec<true, false>(a, b, q, me, stage);
         } else {
-            if (b.is_raw) run_vec<false, true>(a, b, q, lane, lt, stage);
-            else run_vec<false, false>(a, b, q, lane, lt, stage);
+            if (b.is_raw) run_vec<false, true>(a, b, q, me, stage);
+            else run_vec<false, false>(a, b, q, me, stage);
         }
     } else
 #endif
     if (a.is_raw) {
-        if (b.is_raw) run_pair<true, true>(a, b, q, lane, lt);
-        else run_pair<true, false>(a, b, q, lane, lt);
+        if (b.is_raw) run_pair<true, true>(a, b, q, me);
+        else run_pair<true, false>(a, b, q, me);
     } else {
-        if (b.is_raw) run_pair<false, true>(a, b, q, lane, lt);
-        else run_pair<false, false>(a, b, q, lane, lt);
+        if (b.is_raw) run_pair<false, true>(a, b, q, me);
+        else run_pair<false, false>(a, b, q, me);
     }
-    const int code_a = status_of(a), code_b = status_of(b);
-    if (lane == 0) {
+    const int code_a = status_of(a, me), code_b = status_of(b, me);
+    if (me.g == 0) {
         status[2 * pair] = code_a;
         status[2 * pair + 1] = code_b;
     }

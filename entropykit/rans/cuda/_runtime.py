@@ -32,8 +32,10 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds witho
 # gpu/kernel_sweep.py's comparisons (read at each launch's construction).
 TABLES = 1  # shared table layout: 0 symbol bytes + per-symbol infos, 1 one word per slot
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
+LANES = 1  # rANS lanes of each stream a thread holds: 1 (a warp a pair) or 2 (a half-warp)
 _ENV_TABLES = "ENTROPYKIT_RANS_TABLES"
 _ENV_RING = "ENTROPYKIT_RANS_RING_WINDOWS"
+_ENV_LANES = "ENTROPYKIT_RANS_LANES"
 
 
 class Variant(NamedTuple):
@@ -41,6 +43,7 @@ class Variant(NamedTuple):
 
     tables: int = TABLES
     ring: int = RING_WINDOWS
+    lanes: int = LANES
 
 
 DEFAULT = Variant()
@@ -50,12 +53,20 @@ def variant() -> Variant:
     """The variant of the builds launched now: the module's defaults unless the private
     environment variables name others."""
     v = Variant(int(os.environ.get(_ENV_TABLES, TABLES)),
-                int(os.environ.get(_ENV_RING, RING_WINDOWS)))
+                int(os.environ.get(_ENV_RING, RING_WINDOWS)),
+                int(os.environ.get(_ENV_LANES, LANES)))
     if v.tables not in (0, 1):
         raise ValueError(f"{_ENV_TABLES} must be 0 or 1, got {v.tables}")
     if v.ring < 4 or v.ring & (v.ring - 1):
         raise ValueError(f"{_ENV_RING} must be a power of 2 >= 4, got {v.ring}")
+    if v.lanes not in (1, 2):
+        raise ValueError(f"{_ENV_LANES} must be 1 or 2, got {v.lanes}")
     return v
+
+
+def lanes_of(cls: bool, v: Variant = DEFAULT) -> int:
+    """Lanes a thread of a build holds: classed builds keep one (_kernel.cu)."""
+    return 1 if cls else v.lanes
 
 
 def table_set_bytes(tables: int) -> int:
@@ -75,7 +86,7 @@ def build_options(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = Fal
     cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
     return ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}", f"-DCLS={int(cls)}",
             f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={v.ring}",
-            f"-DTABLES={v.tables}", *cols)
+            f"-DTABLES={v.tables}", f"-DLANES={lanes_of(cls, v)}", *cols)
 
 
 def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
@@ -122,7 +133,7 @@ class Launch:
         self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, b.classed, v)
                        if self.pairs else None)
         self.grid = (-(-self.pairs // b.warps),)
-        self.block = (32 * b.warps,)
+        self.block = (32 * b.warps // lanes_of(b.classed, v),)  # b.warps pairs a block
         self.shared = ((b.slots * table_set_bytes(v.tables) if smem else 0)
                        + b.warps * warp_smem(b.context, b.classed, v))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
