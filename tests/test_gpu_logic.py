@@ -568,16 +568,21 @@ def test_packed_tables_give_the_same_status_on_corrupt_chunks(case):
 
 def test_lane_groups_are_the_kernels_expressions():
     """The emulator's LANES arithmetic (``_word_reads``, the pair's half of a warp) is the
-    kernel's own."""
+    kernel's own, and at UNIFORM with two lanes a step with no live lane (a half past its
+    own end, a raw stream's coded step in a mixed warp) votes no bit: the other half's
+    words are unaffected (``_word_reads`` with any other-half bits)."""
     src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
-    for line in ("const unsigned w = s.ring[(s.wp + __popc(b & me.glt)) & (RING - 1)];",
-                 "s.wp += __popc(LANES == 1 ? b : b & me.gm);",
+    for line in ("const unsigned w = ring_word(s, __popc(b & me.glt));",
+                 "s.wp += WU * __popc(LANES == 1 ? b : b & me.gm);",
                  "vote.sync.ballot.b32 %0, q, %2;",
-                 "const int pair = blockIdx.x * WARPS + threadIdx.x / GROUP;",
+                 "? __shfl_sync(FULL_MASK, (int)(threadIdx.x >> 5), 0) : (int)(threadIdx.x / GROUP",
                  "me.gm = LANES == 1 ? FULL_MASK : 0xffffu << (lane & 16);",
                  "me.glt = lt & me.gm;",
                  "lane_step<FULL, RAW_A, RAW_B>(a, b, q, j, i0 + GROUP * j, me);",
-                 "reinterpret_cast<const unsigned*>(buf + off)[me.g + GROUP * j]"):
+                 "reinterpret_cast<const unsigned*>(buf + off)[me.g + GROUP * j]",
+                 "const bool live = (FULL || i < s.n) && coded;",
+                 "const bool need = live && y < LB;",
+                 "const unsigned c = rans_step<FULL, PK>(s, j, i, me, sym, info, !s.is_raw);"):
         assert line in src
 
 
@@ -667,3 +672,32 @@ def test_two_lanes_a_thread_give_the_same_status_on_corrupt_chunks(case):
     out2, status2 = _emulate(b, tables=1, lanes=2)
     assert status2.any() and np.array_equal(status0, status2)
     assert all(np.array_equal(x, y) for x, y in zip(out0, out2, strict=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 1 << 24), st.integers(0, 32), st.sampled_from([4, 8, 16]),
+       st.integers(0, (227 << 10) // 16), st.integers(0, 15), st.booleans())
+def test_byte_cursor_reads_the_word_cursors_ring_word(wp, k, windows, at, slot, staged):
+    """RENORM: wp counts bytes and each ring starts at a multiple of its size (the pairs'
+    area padded up to one, every pair's share a multiple of one), so the word address
+    (wp + 2 k) & (size - 2) | ring is the word cursor's ring + 2 ((wp / 2 + k) % RING),
+    and the padding and shares stay inside what the runtime reserves."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    for line in (': "r"(((s.wp + 2 * k) & (2 * RING - 2)) | s.ring_addr));',
+                 "return s.ring[(s.wp + k) & (RING - 1)];",
+                 "pairs += (0u - (unsigned)__cvta_generic_to_shared(pairs)) & (2 * RING - 1);",
+                 "#define WARP_SMEM ((4 * RING + STAGE + (RENORM ? 2 * RING - 1 : 0)) / "
+                 "(RENORM ? 2 * RING : 1) \\",
+                 "if (s.wp / WU > s.n_words) return ERR_TRUNCATED;"):
+        assert line in src
+    ring = 64 * windows  # words
+    size = 2 * ring
+    pairs = 16 * at  # the pairs' area in shared memory: 16-byte aligned, anywhere
+    pad = (-pairs) & (size - 1)
+    assert (pairs + pad) % size == 0 and pad < size  # within the runtime's slack of a ring
+    share = -(-(4 * ring + 1024 * staged) // size) * size  # WARP_SMEM
+    base = pairs + pad + slot * share
+    for ring_addr in (base, base + size):  # stream a's ring, stream b's
+        assert ring_addr % size == 0 and ring_addr + size <= base + share
+        got = ((2 * wp + 2 * k) & (size - 2)) | ring_addr
+        assert got == ring_addr + 2 * ((wp + k) % ring)

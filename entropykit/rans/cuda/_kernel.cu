@@ -37,10 +37,10 @@
 // builds b reads its class tables through L1), and a warp's own shared memory is only its
 // two word rings. Each step's word reads wait on the step before, so they must not wait
 // on global memory: each stream streams its payload through a ring of RING_WINDOWS
-// 64-word windows in shared memory, copied asynchronously (cp.async; lanes 0-15 copy for
-// stream a, 16-31 for b, so each lane's copy groups belong to one stream) AHEAD windows
-// ahead of the window being read. Raw chunks go through the same ring (16 words a step).
-// Raw/coded is fixed per stream, so each combination gets its own loop.
+// 64-word windows in shared memory, copied asynchronously (cp.async; at LANES 1 lanes
+// 0-15 copy for stream a, 16-31 for b, so each lane's copy groups belong to one stream)
+// AHEAD windows ahead of the window being read. Raw chunks go through the same ring (16
+// words a step). Raw/coded is fixed per stream, so each combination gets its own loop.
 //
 // Staged output (VEC builds, no contexts): a pair whose outputs are contiguous (step 1) and
 // 16-byte aligned (and, in bf16 mode, whose exponent stream is coded) decodes in rounds of
@@ -61,17 +61,53 @@
 // chain one shared-memory load shorter. Tables read through L1 (CTX's b, classed
 // streams, p > 12) keep layout 0.
 //
+// Lanes a thread (LANES, a build option; 1 unless the runtime asks; classed builds keep
+// 1): at 2 a pair is decoded by a half-warp (a group of GROUP = 16 threads; a block still
+// holds WARPS pairs, in WARPS / 2 warps) and thread g holds lanes g and g + 16 of both
+// streams, as states j = 0 and 1. A step of a stream is j = 0 (lanes 0-15) then j = 1
+// (16-31), each with its own ballot, so the words still go to the needy lanes in lane
+// order: the stream layout is the one the CPU writes. The two states' table reads and
+// multiplies do not depend on each other, so one thread has twice the independent chains
+// in flight (and the registers for them: 128 a thread at half the threads). The group's
+// votes, syncs and reductions take its mask; 8 threads copy each stream's windows, 16
+// bytes each.
+//
+// Warp-uniform control (UNIFORM, a build option; 0 unless the runtime asks): the compiler
+// cannot tell that a warp's descriptor values are the same in every lane (the row index
+// comes from threadIdx), so it takes the loops and branches they steer as possibly
+// divergent and compiles each vote.sync with its fallback for diverged warps (a
+// WARPSYNC.COLLECTIVE ... ENDCOLLECTIVE sequence and a reconvergence barrier: about six
+// more instructions a step). At LANES 1 UNIFORM takes the warp's index from lane 0 with a
+// shuffle, which the compiler knows to be warp-uniform, so everything loaded from its row
+// is too. At LANES 2 (U2; whole warps: WARPS even) the two halves' loops are made to run
+// in step: round and step counts are the warp's least / greatest (a half past its own end
+// steps with no live symbol: no reads, votes bits or writes), the path is the two pairs'
+// common one (else the per-step loop that lets each lane take a raw or coded step:
+// KIND_EITHER), a ring slide is entered when either half needs it, and votes and syncs
+// take the whole warp (the popcounts still mask to the group).
+//
 #ifndef TABLES
 #define TABLES 0
 #endif
 #ifndef LANES
 #define LANES 1
 #endif
+#ifndef UNIFORM
+#define UNIFORM 0
+#endif
+#ifndef RENORM
+#define RENORM 0
+#endif
+#define WU (RENORM ? 2 : 1)  // units of wp and base a word: RENORM counts bytes
 #if LANES != 1 && LANES != 2
 #error "LANES must be 1 or 2"
 #endif
 #if LANES > 1 && CLS
 #error "classed builds keep one lane a thread (a lane's row and column are per thread)"
+#endif
+#define U2 (UNIFORM && LANES > 1)  // both halves of a warp in step (header)
+#if U2 && WARPS % 2
+#error "UNIFORM at LANES 2 needs whole warps: an even number of pairs a block"
 #endif
 #define GROUP (32 / LANES)  // threads decoding one pair: a warp, or a half-warp at LANES 2
 #define HALF (GROUP / 2)    // threads of a group copying one stream's windows
@@ -90,7 +126,10 @@
 #define SMEM_STREAM (PACKED ? 4 * 4096 : 4096 + 1024)
 // staging bytes a warp: a round's exponents, then sm bytes
 #define STAGE (VEC ? 1024 : 0)
-#define WARP_SMEM (4 * RING + STAGE)  // shared-memory bytes a pair: word rings, staging
+// shared-memory bytes a pair: word rings, staging (RENORM: a multiple of a ring's 2 RING
+// bytes, so every ring starts at a multiple of its size)
+#define WARP_SMEM ((4 * RING + STAGE + (RENORM ? 2 * RING - 1 : 0)) / (RENORM ? 2 * RING : 1) \
+                   * (RENORM ? 2 * RING : 1))
 
 #define RING (64 * RING_WINDOWS)  // words per stream ring: windows of 64 (128 bytes)
 #define AHEAD (RING_WINDOWS - 2)   // windows copied ahead of the one being read
@@ -102,6 +141,7 @@ struct Stream {
     const unsigned char* sym;     // table 0's slot -> symbol (global)
     const unsigned* info;         // table 0's f | start << 16 per symbol (global)
     int n, n_words, n_bytes, wp, base;  // wp: words consumed; base = 64 * (window of wp)
+                                        // (both in bytes at RENORM: WU a word)
     int owner;                    // 0 or HALF: the threads of the group that copy its windows
     unsigned p, x[LANES], x0[LANES];  // state j: the state of lane g + GROUP j
     bool is_raw, coded;
@@ -138,11 +178,22 @@ __device__ __forceinline__ void fetch(const Stream& s, int j, const Me& me) {
     }
 }
 
+// The group's threads meet (and see each other's shared-memory writes). U2: the whole
+// warp, with a constant mask: a computed one makes the compiler assume divergence and wrap
+// every later vote in its fallback for diverged warps.
+__device__ __forceinline__ void group_sync(const Me& me) {
+#if LANES == 1 || U2
+    __syncwarp();
+#else
+    __syncwarp(me.gm);
+#endif
+}
+
 // Windows up to (window of base) + 1 have landed in the ring, for every lane to read.
 __device__ __forceinline__ void landed(const Stream& s, const Me& me) {
     if ((me.g & HALF) == s.owner) asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1)
                                                : "memory");
-    __syncwarp(me.gm);
+    group_sync(me);
 }
 
 __device__ __forceinline__ void load_stream(Stream& s, const long long* d,
@@ -218,19 +269,33 @@ __device__ __forceinline__ void grid_tables(Stream& s, bool live, const unsigned
 // Staged rounds check only after every second step: from wp - base < 64
 // two steps read below base + 128 (windows base / 64 and the next, both landed) and leave
 // wp - base < 128, which one slide brings back under 64.
+// U2: the halves' wp differ, so the warp enters when either half moves on (a branch the
+// compiler sees as uniform) and the other half only waits on copies it has (at most
+// AHEAD - 1 in flight already: no wait).
 __device__ __forceinline__ void slide(Stream& s, const Me& me) {
-    if (s.wp - s.base >= 64) {
-        s.base += 64;
-        fetch(s, (s.base >> 6) + AHEAD, me);
+#if U2
+    const bool move = s.wp - s.base >= 64 * WU;
+    if (__any_sync(FULL_MASK, move)) {
+        if (move) {
+            s.base += 64 * WU;
+            fetch(s, s.base / (64 * WU) + AHEAD, me);
+        }
         landed(s, me);
     }
+#else
+    if (s.wp - s.base >= 64 * WU) {
+        s.base += 64 * WU;
+        fetch(s, s.base / (64 * WU) + AHEAD, me);
+        landed(s, me);
+    }
+#endif
 }
 
 // The group's ballot: bit k of the warp's lane k (only the group's bits are meaningful).
 __device__ __forceinline__ unsigned group_ballot(bool need, const Me& me) {
     unsigned b;
     // vote.sync itself: every thread of the group is here (the loops are group-uniform).
-#if LANES == 1
+#if LANES == 1 || UNIFORM  // U2: the whole warp runs every step (both groups' bits)
     asm("{ .reg .pred q; setp.ne.u32 q, %1, 0; vote.sync.ballot.b32 %0, q, 0xffffffff; }"
         : "=r"(b) : "r"((unsigned)need));
 #else
@@ -238,6 +303,21 @@ __device__ __forceinline__ unsigned group_ballot(bool need, const Me& me) {
         : "=r"(b) : "r"((unsigned)need), "r"(me.gm));
 #endif
     return b;
+}
+
+// The ring's word at wp + k words. RENORM: the ring starts at a multiple of its size, so
+// the address is (wp + 2 k) & (size - 2) | ring_addr: one LEA and one LOP3, where a word
+// cursor takes an add, a shift, a mask and an add.
+__device__ __forceinline__ unsigned ring_word(const Stream& s, unsigned k) {
+#if RENORM
+    unsigned short w;
+    // volatile: the ring is written by cp.async, ordered by the wait and sync asm only
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(w)
+                 : "r"(((s.wp + 2 * k) & (2 * RING - 2)) | s.ring_addr));
+    return w;
+#else
+    return s.ring[(s.wp + k) & (RING - 1)];
+#endif
 }
 
 // One step of a coded stream's lane i % 32 (the thread's state j) with its tables at
@@ -248,8 +328,8 @@ __device__ __forceinline__ unsigned group_ballot(bool need, const Me& me) {
 // words go to the needy lanes in lane order as at LANES 1.
 template <bool FULL, bool PK = false, bool LOW = false>
 __device__ __forceinline__ unsigned rans_step(Stream& s, int j, int i, const Me& me,
-        const unsigned char* sym, const unsigned* info) {
-    const bool live = FULL || i < s.n;
+        const unsigned char* sym, const unsigned* info, bool coded = true) {
+    const bool live = (FULL || i < s.n) && coded;
     const unsigned x = s.x[j];
     const unsigned slot = x & ((1u << s.p) - 1u);
     unsigned c, y;
@@ -266,28 +346,39 @@ __device__ __forceinline__ unsigned rans_step(Stream& s, int j, int i, const Me&
     const bool need = live && y < LB;
     const unsigned b = group_ballot(need, me);
     // Past the payload the windows hold 0; the final wp > n_words check reports it.
-    const unsigned w = s.ring[(s.wp + __popc(b & me.glt)) & (RING - 1)];
+    const unsigned w = ring_word(s, __popc(b & me.glt));
     if (need) y = (y << 16) | w;
     if (live) s.x[j] = y;
-    s.wp += __popc(LANES == 1 ? b : b & me.gm);
+    s.wp += WU * __popc(LANES == 1 ? b : b & me.gm);
     return c;
 }
 
 // A raw stream's byte of lane k (k < 32) of the step at wp: byte 32 s + k of the payload;
 // after the step's lanes the caller moves wp on 16 words (raw_done).
 __device__ __forceinline__ unsigned raw_byte(const Stream& s, int k) {
-    return reinterpret_cast<const unsigned char*>(s.ring)[(2 * s.wp + k) & (2 * RING - 1)];
+    return reinterpret_cast<const unsigned char*>(s.ring)[(2 / WU * s.wp + k) & (2 * RING - 1)];
 }
 
-template <bool RAW>
+// A stream's kind in the step loops' templates: coded, raw, or either (U2 only: the
+// pairs of a warp's two halves differ, so each lane decides, and a raw lane's coded step
+// is a step with no live symbol: no table read, no vote, wp unchanged).
+#define KIND_CODED 0
+#define KIND_RAW 1
+#define KIND_EITHER 2
+
+template <int KIND>
 __device__ __forceinline__ void raw_done(Stream& s) {
-    if (RAW) s.wp += 16;
+    if (KIND == KIND_RAW || (KIND == KIND_EITHER && s.is_raw)) s.wp += 16 * WU;
 }
 
-template <bool FULL, bool RAW, bool PK>
+template <bool FULL, int KIND, bool PK>
 __device__ __forceinline__ unsigned stream_step(Stream& s, int j, int i, const Me& me,
         const unsigned char* sym, const unsigned* info) {
-    if (RAW) return raw_byte(s, i & 31);
+    if (KIND == KIND_RAW) return raw_byte(s, i & 31);
+    if (KIND == KIND_EITHER) {
+        const unsigned c = rans_step<FULL, PK>(s, j, i, me, sym, info, !s.is_raw);
+        return s.is_raw ? raw_byte(s, i & 31) : c;
+    }
     return rans_step<FULL, PK>(s, j, i, me, sym, info);
 }
 
@@ -300,13 +391,13 @@ struct Pair {
 };
 
 // Lane i % 32 of both streams (the thread's state j of each), its output written.
-template <bool FULL, bool RAW_A, bool RAW_B>
+template <bool FULL, int RAW_A, int RAW_B>
 __device__ __forceinline__ void lane_step(Stream& a, Stream& b, Pair& q, int j, int i,
                                           const Me& me) {
     const unsigned char* sa = q.sa;
     const unsigned* ia = q.ia;
 #if CLS
-    if (!RAW_A) grid_tables(a, FULL || i < a.n, sa, ia);
+    if (RAW_A == KIND_CODED) grid_tables(a, FULL || i < a.n, sa, ia);
 #endif
     const unsigned ea = stream_step<FULL, RAW_A, PACKED>(a, j, i, me, sa, ia);
     const unsigned char* sb = q.sb;
@@ -318,7 +409,7 @@ __device__ __forceinline__ void lane_step(Stream& a, Stream& b, Pair& q, int j, 
     ib = b.info + cls * 256;
 #endif
 #if CLS && !BF16  // bf16 mode: b (sign_mantissa) is never classed (plan.py), no registers
-    if (!RAW_B) grid_tables(b, FULL || i < b.n, sb, ib);
+    if (RAW_B == KIND_CODED) grid_tables(b, FULL || i < b.n, sb, ib);
 #endif
     const unsigned eb = stream_step<FULL, RAW_B, PACKED_B>(b, j, i, me, sb, ib);
 #if BF16
@@ -333,7 +424,7 @@ __device__ __forceinline__ void lane_step(Stream& a, Stream& b, Pair& q, int j, 
 }
 
 // One step of both streams: symbols i0 + GROUP j of each (i0 = 32 s + g).
-template <bool FULL, bool RAW_A, bool RAW_B>
+template <bool FULL, int RAW_A, int RAW_B>
 __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i0,
                                           const Me& me) {
 #pragma unroll
@@ -346,9 +437,27 @@ __device__ __forceinline__ void pair_step(Stream& a, Stream& b, Pair& q, int i0,
     slide(b, me);
 }
 
-template <bool RAW_A, bool RAW_B>
+// U2: a bound both halves of a warp share (the least or the greatest of their pairs'), so
+// they loop in step; a half past its own end steps with no live symbol.
+__device__ __forceinline__ int warp_min(int v) {
+#if U2
+    return __reduce_min_sync(FULL_MASK, v);
+#else
+    return v;
+#endif
+}
+
+__device__ __forceinline__ int warp_max(int v) {
+#if U2
+    return __reduce_max_sync(FULL_MASK, v);
+#else
+    return v;
+#endif
+}
+
+template <int RAW_A, int RAW_B>
 __device__ __forceinline__ void run_pair(Stream& a, Stream& b, Pair& q, const Me& me) {
-    const int full = min(a.n, b.n) / 32, steps = (max(a.n, b.n) + 31) / 32;
+    const int full = warp_min(min(a.n, b.n) / 32), steps = warp_max((max(a.n, b.n) + 31) / 32);
     int s = 0, i = me.g;
     for (; s + 4 <= full; s += 4, i += 128) {  // whole steps, 4 at a time
         pair_step<true, RAW_A, RAW_B>(a, b, q, i, me);
@@ -393,7 +502,7 @@ template <bool RAW_B>
 __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, const Me& me,
                                         unsigned char* stage) {
     unsigned short* out = reinterpret_cast<unsigned short*>(q.out) + q.out_a;
-    const int rounds = a.n >> 9;  // a.n == b.n (plan.py pairs equal lengths)
+    const int rounds = warp_min(a.n >> 9);  // a.n == b.n (plan.py pairs equal lengths)
     int i = me.g;
     const uint4* smv = reinterpret_cast<const uint4*>(b.bytes);  // raw: 16-byte aligned
     uint4 m[LANES];
@@ -422,14 +531,14 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, const Me&
                 if (!RAW_B) slide(b, me);
             }
         }
-        __syncwarp(me.gm);
+        group_sync(me);
         uint4 e[LANES];
 #pragma unroll
         for (int j = 0; j < LANES; ++j) {
             e[j] = reinterpret_cast<const uint4*>(stage)[me.g + GROUP * j];
             if (!RAW_B) m[j] = reinterpret_cast<const uint4*>(stage + 512)[me.g + GROUP * j];
         }
-        __syncwarp(me.gm);  // every lane has its bytes before the next round overwrites them
+        group_sync(me);  // every lane has its bytes before the next round overwrites them
 #pragma unroll
         for (int j = 0; j < LANES; ++j) {
             uint4* dst = reinterpret_cast<uint4*>(out + 512 * r + 16 * (me.g + GROUP * j));
@@ -439,7 +548,7 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, const Me&
         }
     }
     // The last < 512 symbols one step at a time (b raw: its bytes straight from global).
-    const int steps = (a.n + 31) >> 5;
+    const int steps = warp_max((a.n + 31) >> 5);
     for (int s = rounds << 4; s < steps; ++s, i += 32) {
 #pragma unroll
         for (int j = 0; j < LANES; ++j) {
@@ -465,7 +574,7 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, const Me&
     unsigned char* ob = reinterpret_cast<unsigned char*>(q.out) + q.out_b;
     const uint4* rawa = reinterpret_cast<const uint4*>(a.bytes);  // raw: 16-byte aligned
     const uint4* rawb = reinterpret_cast<const uint4*>(b.bytes);
-    const int rounds = min(a.n, b.n) >> 9;
+    const int rounds = warp_min(min(a.n, b.n) >> 9);
     int i = me.g;
     for (int r = 0; r < rounds; ++r) {
         uint4 va[LANES], vb[LANES];
@@ -493,14 +602,14 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, const Me&
                     if (!RAW_B) slide(b, me);
                 }
             }
-            __syncwarp(me.gm);
+            group_sync(me);
 #pragma unroll
             for (int j = 0; j < LANES; ++j) {
                 const int k = me.g + GROUP * j;
                 if (!RAW_A) va[j] = reinterpret_cast<const uint4*>(stage)[k];
                 if (!RAW_B) vb[j] = reinterpret_cast<const uint4*>(stage + 512)[k];
             }
-            __syncwarp(me.gm);  // every lane has its bytes before the next round overwrites
+            group_sync(me);  // every lane has its bytes before the next round overwrites
         } else {
             i += 512;
         }
@@ -510,7 +619,7 @@ __device__ __forceinline__ void run_vec(Stream& a, Stream& b, Pair& q, const Me&
             reinterpret_cast<uint4*>(ob + 512 * r)[me.g + GROUP * j] = vb[j];
         }
     }
-    const int steps = (max(a.n, b.n) + 31) >> 5;
+    const int steps = warp_max((max(a.n, b.n) + 31) >> 5);
     for (int s = rounds << 4; s < steps; ++s, i += 32) {
 #pragma unroll
         for (int j = 0; j < LANES; ++j) {
@@ -538,8 +647,8 @@ __device__ __forceinline__ int status_of(const Stream& s, const Me& me) {
     const bool final_bad = __any_sync(me.gm, off);
     if (!s.coded) return 0;
     if (x0min < LB) return ERR_STATE;
-    if (s.wp > s.n_words) return ERR_TRUNCATED;
-    if (s.wp < s.n_words) return ERR_TRAILING;
+    if (s.wp / WU > s.n_words) return ERR_TRUNCATED;
+    if (s.wp / WU < s.n_words) return ERR_TRAILING;
     return final_bad ? ERR_FINAL : 0;
 }
 
@@ -569,7 +678,10 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
             const unsigned* __restrict__ infot, const unsigned char* __restrict__ cmaps,
             void* __restrict__ out, int n_pairs, int n_slots) {
     const int lane = threadIdx.x & 31;
-    const int pair = blockIdx.x * WARPS + threadIdx.x / GROUP;  // a block: WARPS pairs
+    // a block: WARPS pairs; UNIFORM at LANES 1: the warp's index taken from its lane 0 (a
+    // shuffle), which the compiler then knows to be warp-uniform (header)
+    const int pair = blockIdx.x * WARPS + (UNIFORM && LANES == 1
+        ? __shfl_sync(FULL_MASK, (int)(threadIdx.x >> 5), 0) : (int)(threadIdx.x / GROUP));
     extern __shared__ __align__(16) unsigned char smem[];
 #if SMEM
     // The block's table sets, from its first pair (plan.py: all its pairs share them).
@@ -590,19 +702,33 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     me.gm = LANES == 1 ? FULL_MASK : 0xffffu << (lane & 16);
     me.glt = lt & me.gm;
     const long long* d = desc + (long long)pair * 2 * N_COLS;
-    unsigned char* mine = smem + (SMEM ? n_slots * SMEM_STREAM : 0) +
-                          (threadIdx.x / GROUP) * WARP_SMEM;
+    unsigned char* pairs = smem + (SMEM ? n_slots * SMEM_STREAM : 0);
+#if RENORM  // the pairs' area from a multiple of a ring's size (the runtime leaves room)
+    pairs += (0u - (unsigned)__cvta_generic_to_shared(pairs)) & (2 * RING - 1);
+#endif
+    unsigned char* mine = pairs + (threadIdx.x / GROUP) * WARP_SMEM;
     // Staged output (header): warp-uniform, from the rows and the outputs' addresses.
     const unsigned long long at = reinterpret_cast<unsigned long long>(out);
 #if VEC && BF16
-    const bool vec = d[D_MODE] == 0 && d[D_N] >= 512 && d[D_STEP] == 1 &&
+    bool vec = d[D_MODE] == 0 && d[D_N] >= 512 && d[D_STEP] == 1 &&
         ((at + 2ull * d[D_OUT]) & 15) == 0;
 #elif VEC
-    const bool vec = min(d[D_N], d[N_COLS + D_N]) >= 512 && d[D_STEP] == 1 &&
+    bool vec = min(d[D_N], d[N_COLS + D_N]) >= 512 && d[D_STEP] == 1 &&
         d[N_COLS + D_STEP] == 1 && ((at + d[D_OUT]) & 15) == 0 &&
         ((at + d[N_COLS + D_OUT]) & 15) == 0;
 #else
-    const bool vec = at != at;  // false (at is used)
+    bool vec = at != at;  // false (at is used)
+#endif
+    bool raw_a = d[D_MODE] == 1, raw_b = d[N_COLS + D_MODE] == 1, either = false;
+#if U2
+    {  // one path for the warp: its two pairs' common one, else the per-step loop for either
+        const int kind = (int)vec | (int)raw_a << 1 | (int)raw_b << 2;
+        const int lo = __reduce_min_sync(FULL_MASK, kind);
+        either = lo != __reduce_max_sync(FULL_MASK, kind);
+        vec = !either && (lo & 1);
+        raw_a = lo & 2;
+        raw_b = lo & 4;
+    }
 #endif
     Stream a, b;
     load_stream(a, d, buf, symt, infot, cmaps, reinterpret_cast<unsigned short*>(mine), 0,
@@ -632,30 +758,33 @@ rans_decode(const long long* __restrict__ desc, int* __restrict__ status,
     // Windows 0 and 1 of both rings in place before any lane reads them.
     // (Each thread waits on its own stream's copies: the first HALF issued only a's.)
     asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1) : "memory");
-    __syncwarp(me.gm);
+    group_sync(me);
 #if VEC && BF16
     if (vec) {
-        if (b.is_raw) run_vec<true>(a, b, q, me, mine + 4 * RING);
+        if (raw_b) run_vec<true>(a, b, q, me, mine + 4 * RING);
         else run_vec<false>(a, b, q, me, mine + 4 * RING);
     } else
 #elif VEC
     if (vec) {
         unsigned char* stage = mine + 4 * RING;
-        if (a.is_raw) {
-            if (b.is_raw) run_vec<true, true>(a, b, q, me, stage);
+        if (raw_a) {
+            if (raw_b) run_vec<true, true>(a, b, q, me, stage);
             else run_vec<true, false>(a, b, q, me, stage);
         } else {
-            if (b.is_raw) run_vec<false, true>(a, b, q, me, stage);
+            if (raw_b) run_vec<false, true>(a, b, q, me, stage);
             else run_vec<false, false>(a, b, q, me, stage);
         }
     } else
 #endif
-    if (a.is_raw) {
-        if (b.is_raw) run_pair<true, true>(a, b, q, me);
-        else run_pair<true, false>(a, b, q, me);
+#if U2
+    if (either) run_pair<KIND_EITHER, KIND_EITHER>(a, b, q, me); else
+#endif
+    if (raw_a) {
+        if (raw_b) run_pair<KIND_RAW, KIND_RAW>(a, b, q, me);
+        else run_pair<KIND_RAW, KIND_CODED>(a, b, q, me);
     } else {
-        if (b.is_raw) run_pair<false, true>(a, b, q, me);
-        else run_pair<false, false>(a, b, q, me);
+        if (raw_b) run_pair<KIND_CODED, KIND_RAW>(a, b, q, me);
+        else run_pair<KIND_CODED, KIND_CODED>(a, b, q, me);
     }
     const int code_a = status_of(a, me), code_b = status_of(b, me);
     if (me.g == 0) {
