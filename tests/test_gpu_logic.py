@@ -701,3 +701,57 @@ def test_byte_cursor_reads_the_word_cursors_ring_word(wp, k, windows, at, slot, 
         assert ring_addr % size == 0 and ring_addr + size <= base + share
         got = ((2 * wp + 2 * k) & (size - 2)) | ring_addr
         assert got == ring_addr + 2 * ((wp + k) % ring)
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    """``rans.cuda._runtime`` imported against a stand-in CuPy (only its pure helpers are
+    used), removed again afterwards."""
+    import importlib
+    import types
+
+    from entropykit.rans import cuda as pkg
+
+    name = "entropykit.rans.cuda._runtime"
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    monkeypatch.setitem(sys.modules, name, None)
+    del sys.modules[name]
+    monkeypatch.setattr(pkg, "_runtime", None, raising=False)
+    return importlib.import_module(name)
+
+
+def test_runtime_variant_options_and_shared_memory(runtime, monkeypatch):
+    """The private variables select LANES, UNIFORM and RENORM (bad values name the
+    variable); classed builds get one lane, UNIFORM at two lanes needs an even number of
+    pairs a block; each pair's shared memory is the kernel's WARP_SMEM and a block's
+    leaves room to align its pairs to a ring (RENORM)."""
+    r = runtime
+    assert r.variant() == r.DEFAULT == r.Variant(1, 8, 1, 0, 0)
+    for env, val in ((r._ENV_LANES, "2"), (r._ENV_UNIFORM, "1"), (r._ENV_RENORM, "1")):
+        monkeypatch.setenv(env, val)
+    assert r.variant() == r.Variant(1, 8, 2, 1, 1)
+    for env, bad in ((r._ENV_LANES, "4"), (r._ENV_UNIFORM, "2"), (r._ENV_RENORM, "-1")):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            r.variant()
+        monkeypatch.setenv(env, "1")
+
+    def opts(warps, cls, v):
+        return dict(o[2:].split("=") for o in r.build_options(False, False, True, warps, cls, v)
+                    if o.startswith("-D"))
+
+    v = r.Variant(1, 8, 2, 1, 1)
+    assert opts(16, False, v)["LANES"] == "2" and opts(16, False, v)["UNIFORM"] == "1"
+    assert opts(3, False, v)["UNIFORM"] == "0" and opts(16, True, v)["LANES"] == "1"
+    assert opts(3, False, v._replace(lanes=1))["UNIFORM"] == "1"
+    for ring in (4, 8, 16):
+        for renorm in (0, 1):
+            for ctx in (False, True):
+                v = r.Variant(1, ring, 1, 0, renorm)
+                size, stage = 128 * ring, 0 if ctx else 1024
+                share = 4 * 64 * ring + stage  # two rings of RING = 64 * ring words
+                if renorm:
+                    share = -(-share // size) * size
+                assert r.warp_smem(ctx, False, v) == share
+                # RENORM: room for the alignment padding, under one ring
+                assert r.pairs_smem(16, ctx, False, v) == 16 * share + size * renorm
