@@ -86,6 +86,12 @@
 // KIND_EITHER), a ring slide is entered when either half needs it, and votes and syncs
 // take the whole warp (the popcounts still mask to the group).
 //
+// Byte ring cursor (RENORM, a build option; 0 unless the runtime asks): wp and base count
+// bytes (WU = 2 a word) and every ring starts at a multiple of its size (the pairs' area
+// is padded up to one and each pair's share rounded up to one; the runtime reserves a
+// ring more), so a step's word address is (wp + 2 k) & (size - 2) | ring: two
+// instructions instead of four (ring_word).
+//
 #ifndef TABLES
 #define TABLES 0
 #endif
@@ -124,7 +130,7 @@
 #define PACKED_B (PACKED && !CTX)      // b's tables are in shared memory (CTX: L1, layout 0)
 // bytes of one table set in shared memory: 2^12 packed words, or symbol bytes + infos
 #define SMEM_STREAM (PACKED ? 4 * 4096 : 4096 + 1024)
-// staging bytes a warp: a round's exponents, then sm bytes
+// staging bytes a pair: a round's exponents, then sm bytes
 #define STAGE (VEC ? 1024 : 0)
 // shared-memory bytes a pair: word rings, staging (RENORM: a multiple of a ring's 2 RING
 // bytes, so every ring starts at a multiple of its size)
