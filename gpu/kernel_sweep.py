@@ -2,18 +2,18 @@
 
 What it is: the script a GPU machine runs to choose the decoder's build. Every variant is
 one build of the one kernel (``_kernel.cu``'s compile-time options: table layout
-``TABLES``, staged output ``STORE``, ring windows ``RING_WINDOWS``) at some warps per block,
-selected the way a
-user's decode selects it (``rans.cuda._runtime.variant``: the private environment
-variables set here) and bound to the same uploaded batch. Data: MiniLM-L6's bf16 tensors
-(the carried compressed file) and their fp8 e4m3 cast (``bench_gpu.e4m3_of``), coded as
-``bench_gpu.py`` codes them, decoded by the CPU decoder and tiled to ``--gib`` GiB of
-output. Each variant decodes into a poisoned arena, is checked byte for byte against the
-CPU decoder's output (and its status), and is timed with CUDA events (median of
-``--reps``); the first variant is timed again last, to show the run's drift. Prints one
-table: GB/s of output per variant and data set, beside a device-to-device copy of the
-output and the read+write bound (the copy's rate scaled to the bytes a decode moves:
-compressed in, output out).
+``TABLES``, ring windows ``RING_WINDOWS``, lanes a thread ``LANES``, warp-uniform control
+``UNIFORM``, byte ring cursor ``RENORM``) at some pairs per block (warps at one lane a
+thread), selected the way a user's decode selects it (``rans.cuda._runtime.variant``: the
+private environment variables set here) and bound to the same uploaded batch. Data:
+MiniLM-L6's bf16 tensors (the carried compressed file) and their fp8 e4m3 cast
+(``bench_gpu.e4m3_of``), coded as ``bench_gpu.py`` codes them, decoded by the CPU decoder
+and tiled to ``--gib`` GiB of output. Each variant decodes into a poisoned arena, is
+checked byte for byte against the CPU decoder's output (and its status), and is timed
+with CUDA events (median of ``--reps``); the first variant is timed again last, to show
+the run's drift. Prints one table: GB/s of output per variant and data set, beside a
+device-to-device copy of the output and the read+write bound (the copy's rate scaled to
+the bytes a decode moves: compressed in, output out).
 What it is not: the peer benchmark (``bench_gpu.py``) or the correctness suite
 (``gpu/tests``, which also runs every variant here).
 
@@ -48,30 +48,32 @@ from entropykit.rans.cuda import plan  # noqa: E402
 
 
 class Variant(NamedTuple):
-    """A build and its warps per block; None: the default (``_runtime.TABLES``,
-    ``_runtime.STORE``, ``_runtime.RING_WINDOWS``, ``plan.WARPS``)."""
+    """A build and its pairs per block; None: the default (``_runtime.TABLES``,
+    ``_runtime.RING_WINDOWS``, ``_runtime.LANES``, ``_runtime.UNIFORM``, ``_runtime.RENORM``,
+    ``plan.WARPS``)."""
 
     name: str
     tables: int | None = None
-    store: int | None = None
     ring: int | None = None
     warps: int | None = None
+    lanes: int | None = None
+    uniform: int | None = None
+    renorm: int | None = None
 
 
 # The first is the default build, as a decode takes it; each other changes some of
-# today's choices (tables 0, store 0, ring 8, warps 16). Grouped by warps: a change of
-# warps plans and uploads the batch again.
+# today's choices (tables 1, ring 8, warps 16, lanes 1, uniform 0, renorm 0). Grouped by
+# warps: a change of warps plans and uploads the batch again.
+_NEW = {"tables": 1, "ring": 8, "warps": 16}
 VARIANTS = (
     Variant("default"),
-    Variant("t1", tables=1, store=0, ring=8, warps=16),
-    Variant("s1", tables=0, store=1, ring=8, warps=16),
-    Variant("t1s1", tables=1, store=1, ring=8, warps=16),
-    Variant("t1s1-r4", tables=1, store=1, ring=4, warps=16),
-    Variant("t1s1-r16", tables=1, store=1, ring=16, warps=16),
-    Variant("t0s0", tables=0, store=0, ring=8, warps=16),
-    Variant("t1s1-w8", tables=1, store=1, ring=8, warps=8),
-    Variant("t0s0-w8", tables=0, store=0, ring=8, warps=8),
-    Variant("t1s1-w32", tables=1, store=1, ring=8, warps=32),
+    Variant("u1", **_NEW, lanes=1, uniform=1, renorm=0),
+    Variant("r1", **_NEW, lanes=1, uniform=0, renorm=1),
+    Variant("u1r1", **_NEW, lanes=1, uniform=1, renorm=1),
+    Variant("l2", **_NEW, lanes=2, uniform=0, renorm=0),
+    Variant("l2u1", **_NEW, lanes=2, uniform=1, renorm=0),
+    Variant("l2u1r1", **_NEW, lanes=2, uniform=1, renorm=1),
+    Variant("u1r1-w8", tables=1, ring=8, warps=8, lanes=1, uniform=1, renorm=1),
 )
 
 
@@ -81,7 +83,9 @@ def env(v: Variant) -> dict[str, str | None]:
     from entropykit.rans.cuda import _runtime  # CuPy's: only where a decode runs
 
     return {_runtime._ENV_TABLES: None if v.tables is None else str(v.tables),
-            _runtime._ENV_STORE: None if v.store is None else str(v.store),
+            _runtime._ENV_LANES: None if v.lanes is None else str(v.lanes),
+            _runtime._ENV_UNIFORM: None if v.uniform is None else str(v.uniform),
+            _runtime._ENV_RENORM: None if v.renorm is None else str(v.renorm),
             _runtime._ENV_RING: None if v.ring is None else str(v.ring)}
 
 
@@ -176,13 +180,13 @@ def sweep(name: str, tensors: list[np.ndarray], reps_tile: int, variants, reps: 
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| set | variant | tables | store | ring | warps | GB/s | x copy | of bound "
-            "| regs | warps/SM | exact |")
+    head = ("| set | variant | tables | ring | lanes | uniform | renorm | pairs a block | GB/s "
+            "| x copy | of bound | regs | warps/SM | exact |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
-        cells = [r["set"], r["variant"], r.get("tables", ""), r.get("store", ""),
-                 r.get("ring", ""),
-                 r.get("warps", ""), r.get("gbps", r.get("error", "")), r.get("of_copy", ""),
+        cells = [r["set"], r["variant"], *(r.get(k, "") for k in (
+                     "tables", "ring", "lanes", "uniform", "renorm", "warps")),
+                 r.get("gbps", r.get("error", "")), r.get("of_copy", ""),
                  r.get("of_bound", r.get("bound_gbps", "")), r.get("regs", ""),
                  r.get("warps_sm", ""), r.get("exact", "")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")

@@ -46,10 +46,36 @@ def _packed_table(b: plan.Batch, row: np.ndarray) -> np.ndarray:
     return word
 
 
-def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool = False
-            ) -> tuple[np.ndarray, int]:
+def _popc(v: int) -> int:
+    return bin(v).count("1")
+
+
+def _word_reads(need: np.ndarray, wp: int, lanes: int, half: int, junk: int
+                ) -> tuple[np.ndarray, int]:
+    """The kernel's renormalisation at LANES ``lanes`` (rans_step, group_ballot): the word
+    index each lane reads (needy or not) and the stream's next wp. Thread g of the pair's
+    group holds lanes g + GROUP j and sits at warp lane g (+ 16 for the second group of a
+    warp at LANES 2, ``half``); its state j's step votes with the group's mask, so the
+    other group's bits (``junk``) are in the ballot and must be masked off."""
+    group = 32 // lanes
+    pos = np.arange(group) + 16 * half * (lanes == 2)
+    gm = 0xFFFFFFFF if lanes == 1 else 0xFFFF << (16 * half)
+    idx = np.zeros(32, np.int64)
+    for j in range(lanes):
+        ballot = (junk & ~gm) | sum(1 << int(p) for p in pos[need[group * j + np.arange(group)]])
+        for g in range(group):
+            glt = ((1 << int(pos[g])) - 1) & gm
+            idx[g + group * j] = wp + _popc(ballot & glt)
+        wp += _popc(ballot if lanes == 1 else ballot & gm)
+    return idx, wp
+
+
+def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool = False,
+            lanes: int = 0, half: int = 0) -> tuple[np.ndarray, int]:
     """One descriptor row as the kernel decodes it: (symbols, status code); ``packed``:
-    its table set is the packed one (TABLES=1, shared memory)."""
+    its table set is the packed one (TABLES=1, shared memory); ``lanes`` > 0: each step's
+    word reads through the kernel's ballots at LANES ``lanes`` (``_word_reads``; 0: the
+    reads in lane order, the format's definition)."""
     n, off, length, p = (int(row[c]) for c in (lay.D_N, lay.D_OFF, lay.D_LEN, lay.D_PREC))
     if n == 0:
         return np.zeros(0, np.uint8), 0
@@ -60,14 +86,15 @@ def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool
     x, wp, mask = x0.copy(), 0, np.uint64((1 << p) - 1)
     table = _packed_table(b, row) if packed else None
     out = np.zeros(n, np.uint8)
-    lanes = np.arange(32)
+    junk = np.random.default_rng(n).integers(0, 1 << 32, -(-n // 32), dtype=np.uint64)
+    lane = np.arange(32)
     # A classed stream's lanes keep their symbol's column and row as the kernel does:
     # one division at the start, then 32 symbols on per step (dq rows, dr columns).
     width = int(row[lay.D_WIDTH])
-    col, rw = np.divmod(int(row[lay.D_COL]) + lanes, width)[::-1]
+    col, rw = np.divmod(int(row[lay.D_COL]) + lane, width)[::-1]
     dq, dr = divmod(32, width)
     for s in range(-(-n // 32)):
-        i = s * 32 + lanes
+        i = s * 32 + lane
         live = i < n
         cls = np.zeros(32, np.int64)
         if row[lay.D_CMAP] >= 0:
@@ -90,12 +117,15 @@ def _stream(b: plan.Batch, row: np.ndarray, ctx: np.ndarray | None, packed: bool
             y = ((inf & np.uint64(0xFFFF)) * (x >> np.uint64(p)) + slot.astype(np.uint64)
                  - (inf >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
         need = live & (y < L)
-        idx = wp + np.cumsum(need) - need
+        if lanes:
+            idx, wp_next = _word_reads(need, wp, lanes, half, int(junk[s]))
+        else:
+            idx, wp_next = wp + np.cumsum(need) - need, wp + int(need.sum())
         w = np.where(idx < words.size, words[np.minimum(idx, max(words.size - 1, 0))]
                      if words.size else 0, 0).astype(np.uint64)
         y = np.where(need, ((y << np.uint64(16)) | w) & np.uint64(0xFFFFFFFF), y)
         x = np.where(live, y, x)
-        wp += int(need.sum())
+        wp = wp_next
         out[i[live]] = c[live]
     code = (1 if (x0 < L).any() else 2 if wp > words.size else 3 if wp < words.size
             else 4 if (x != L).any() else 0)
@@ -116,18 +146,20 @@ def _grid_table(b: plan.Batch, row: np.ndarray, rw: np.ndarray, col: np.ndarray
     return b.cmaps[g + ctx].astype(np.int64)
 
 
-def _emulate(b: plan.Batch, tables: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+def _emulate(b: plan.Batch, tables: int = 0, lanes: int = 0
+             ) -> tuple[list[np.ndarray], np.ndarray]:
     """The kernel's outputs (poisoned where it writes nothing) and status, from ``b``."""
     outs = [np.full(n, 0xA5A5 if b.bf16 else 0xA5, np.uint16 if b.bf16 else np.uint8)
             for n in b.sizes]
-    return outs, emulate_into(b, outs, tables)[1]
+    return outs, emulate_into(b, outs, tables, lanes)[1]
 
 
-def emulate_into(b: plan.Batch, outs: list[np.ndarray], tables: int = 0
+def emulate_into(b: plan.Batch, outs: list[np.ndarray], tables: int = 0, lanes: int = 0
                  ) -> tuple[list[np.ndarray], np.ndarray]:
     """Run ``b`` as the kernel does into ``outs`` (uint8 / uint16 arrays), its build with
-    table layout ``tables`` (_runtime.TABLES); also checks the block rule the kernel's
-    shared tables rest on."""
+    table layout ``tables`` (_runtime.TABLES) and, ``lanes`` > 0, its word reads through
+    the ballots of LANES ``lanes`` (_runtime.LANES; ``_word_reads``); also checks the block
+    rule the kernel's shared tables rest on."""
     status = np.zeros(len(b.desc), np.int32)
     # TABLES=1 packs the shared-memory sets (SMEM builds): a's always, b's unless b reads
     # its class tables through L1 (a context batch).
@@ -137,8 +169,12 @@ def emulate_into(b: plan.Batch, outs: list[np.ndarray], tables: int = 0
     for blk in b.desc.reshape(-1, b.warps, 2, lay.N_COLS):
         assert (blk[:, :, [lay.D_SYM, lay.D_INFO]] == blk[0, :, [lay.D_SYM, lay.D_INFO]].T).all()
     for r in range(0, len(b.desc), 2):
-        sa, status[r] = _stream(b, b.desc[r], None, packed_a)
-        sb, status[r + 1] = _stream(b, b.desc[r + 1], sa if b.bf16 else None, packed_b)
+        # the pair's group: threads (pair % warps) * GROUP on of its block (a block: warps
+        # pairs), so at LANES 2 the pairs of a warp alternate halves
+        half = ((r // 2) % b.warps * (32 // max(lanes, 1)) & 31) >> 4
+        sa, status[r] = _stream(b, b.desc[r], None, packed_a, lanes, half)
+        sb, status[r + 1] = _stream(b, b.desc[r + 1], sa if b.bf16 else None, packed_b,
+                                    lanes, half)
         for row, k, sym in ((r, b.out_index[r], sa), (r + 1, b.out_index[r + 1], sb)):
             at, step = int(b.desc[row, lay.D_OUT]), int(b.desc[row, lay.D_STEP])
             if k < 0 or (b.bf16 and row % 2):
@@ -530,63 +566,192 @@ def test_packed_tables_give_the_same_status_on_corrupt_chunks(case):
     assert all(np.array_equal(x, y) for x, y in zip(out0, out1, strict=True))
 
 
-def _register_round(sym: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
-    """STORE=1's round in numpy: put_byte over 16 steps of symbols ``sym`` [step, lane]
-    (with dirty high bytes, which put_byte must ignore), then transpose4 per step group;
-    returns the words [group, lane] and the symbol index each word's byte 0 is
-    (round_at)."""
-    dirty = sym | rng.integers(0, 1 << 24, sym.shape).astype(np.uint32) << np.uint32(8)
-    lane = np.arange(32)
-    w = np.zeros((4, 32), np.uint32)
-    for k in range(16):
-        j, g = k & 3, k >> 2
-        sel = {1: 0x3240, 2: 0x3410, 3: 0x4210}.get(j)
-        w[g] = dirty[k] if j == 0 else np.array(
-            [_byte_perm(w[g][x : x + 1], int(dirty[k][x]), sel)[0] for x in lane])
-    words = np.zeros((4, 32), np.uint32)
-    for g in range(4):
-        t = np.array([_byte_perm(w[g][x : x + 1], int(w[g][x ^ 1]),
-                                 0x3715 if x & 1 else 0x6240)[0] for x in lane])
-        words[g] = [_byte_perm(t[x : x + 1], int(t[x ^ 2]), 0x3276 if x & 2 else 0x5410)[0]
-                    for x in lane]
-    at = np.array([[32 * (4 * g + (x & 3)) + 4 * (x >> 2) for x in lane] for g in range(4)])
-    return words, at
-
-
-def test_register_store_rounds_write_the_symbols_in_order():
-    """STORE=1 (staged rounds in registers): after put_byte and transpose4, the word a lane
-    holds for step group g is the 4 symbols from round_at(g, lane) on. u8 writes it as is;
-    bf16 joins it with the sign_mantissa word of the same symbols (transposed too, or a
-    raw stream's 4 bytes loaded there) through bf16x2 into 4 values: each must be the
-    scalar formula's value of its symbol."""
+def test_lane_groups_are_the_kernels_expressions():
+    """The emulator's LANES arithmetic (``_word_reads``, the pair's half of a warp) is the
+    kernel's own, and at UNIFORM with two lanes a step with no live lane (a half past its
+    own end, a raw stream's coded step in a mixed warp) votes no bit: the other half's
+    words are unaffected (``_word_reads`` with any other-half bits)."""
     src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
-    for line in ("j == 1 ? 0x3240u : j == 2 ? 0x3410u : 0x4210u",
-                 "const unsigned sel1 = (r & 1) ? 0x3715u : 0x6240u, sel2 = (r & 2) ? 0x3276u",
-                 "return 32 * (4 * g + (lane & 3)) + 4 * (lane >> 2);",
-                 "*reinterpret_cast<unsigned*>(o + round_at(g, lane)) = transpose4(w[g], lane);",
-                 "make_uint2(bf16x2(e, sm, 0x4140u), bf16x2(e, sm, 0x4342u));"):
+    for line in ("const unsigned w = ring_word(s, __popc(b & me.glt));",
+                 "s.wp += WU * __popc(LANES == 1 ? b : b & me.gm);",
+                 "vote.sync.ballot.b32 %0, q, %2;",
+                 "? __shfl_sync(FULL_MASK, (int)(threadIdx.x >> 5), 0) : (int)(threadIdx.x / GROUP",
+                 "me.gm = LANES == 1 ? FULL_MASK : 0xffffu << (lane & 16);",
+                 "me.glt = lt & me.gm;",
+                 "lane_step<FULL, RAW_A, RAW_B>(a, b, q, j, i0 + GROUP * j, me);",
+                 "reinterpret_cast<const unsigned*>(buf + off)[me.g + GROUP * j]",
+                 "const bool live = (FULL || i < s.n) && coded;",
+                 "const bool need = live && y < LB;",
+                 "const unsigned c = rans_step<FULL, PK>(s, j, i, me, sym, info, !s.is_raw);"):
         assert line in src
-    rng = np.random.default_rng(9)
-    for _ in range(12):
-        e = rng.integers(0, 256, (16, 32)).astype(np.uint32)  # [step, lane]: symbol 32 s + l
-        m = rng.integers(0, 256, (16, 32)).astype(np.uint32)
-        we, at = _register_round(e, rng)
-        u8 = np.full(512, 0xA5, np.uint8)
-        for b in range(4):
-            u8[at + b] = (we >> np.uint32(8 * b)) & np.uint32(0xFF)
-        assert np.array_equal(u8, e.reshape(-1).astype(np.uint8))
-        wm, at_m = _register_round(m, rng)
-        assert np.array_equal(at, at_m)
-        flat_m = m.reshape(-1)
-        raw = np.array([[int.from_bytes(flat_m[a : a + 4].astype(np.uint8).tobytes(), "little")
-                         for a in row] for row in at], np.uint32)
-        for sm in (wm, raw):  # coded (transposed) or raw (loaded) sign_mantissa words
-            out = np.full(512, 0x7FA5, np.uint16)
-            for g in range(4):
-                for h, sel in ((0, 0x4140), (2, 0x4342)):
-                    e2, m2 = _byte_perm(we[g], 0, sel), _byte_perm(sm[g], 0, sel)
-                    word = (e2 << 7) | ((m2 << 8) & 0x80008000) | (m2 & 0x007F007F)
-                    out[at[g] + h] = word & 0xFFFF
-                    out[at[g] + h + 1] = word >> 16
-            ev, mv = e.reshape(-1), flat_m
-            assert np.array_equal(out, ((mv >> 7) << 15 | ev << 7 | (mv & 0x7F)).astype(np.uint16))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, (1 << 32) - 1), st.integers(0, 1 << 20), st.integers(0, (1 << 32) - 1),
+       st.sampled_from([(1, 0), (2, 0), (2, 1)]))
+def test_group_ballots_give_each_needy_lane_its_word_in_lane_order(bits, wp, junk, layout):
+    """Whatever the other half of the warp votes, the words of a step go to the needy lanes
+    in lane order (the format's order: one stream layout for CPU and GPU) and wp moves on
+    by their number, at one lane a thread and at two."""
+    need = (bits >> np.arange(32) & 1).astype(bool)
+    idx, nxt = _word_reads(need, wp, *layout, junk)
+    assert np.array_equal(idx[need], wp + np.arange(need.sum()))
+    assert nxt == wp + need.sum()
+
+
+def test_lane_groups_copy_stage_and_write_every_byte_once():
+    """At LANES 1 and 2 (GROUP, HALF, COPY as _kernel.cu defines them): a stream's copying
+    threads fill each 128-byte ring window exactly once with aligned copies; a round's
+    staging places 32 k + g + GROUP j are symbol (i - 512 r)'s, each once; the lanes
+    g + GROUP j that read a round back and write it are 0..31, each once."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    for line in ("#define GROUP (32 / LANES)", "#define HALF (GROUP / 2)",
+                 "#define COPY (128 / HALF)",
+                 "const int at = 128 * j + COPY * (me.g & (HALF - 1));",
+                 "if ((me.g & HALF) == s.owner) {",
+                 "const int at = 32 * k + me.g + GROUP * j;"):
+        assert line in src
+    for lanes in (1, 2):
+        group = 32 // lanes
+        half, copy = group // 2, 128 // (group // 2)
+        for owner in (0, half):
+            got = np.zeros(128, int)
+            for g in range(group):
+                if g & half == owner:
+                    at = copy * (g & (half - 1))
+                    assert at % copy == 0
+                    got[at : at + copy] += 1
+            assert (got == 1).all()
+        seen = np.zeros(512, int)
+        for k in range(16):
+            for g in range(group):
+                for j in range(lanes):
+                    i = g + 32 * (16 * 3 + k) + group * j  # symbol i of round 3
+                    at = 32 * k + g + group * j
+                    assert at == i - 512 * 3
+                    seen[at] += 1
+        assert (seen == 1).all()
+        assert sorted(g + group * j for g in range(group) for j in range(lanes)) == list(range(32))
+
+
+@pytest.mark.parametrize("warps", [1, 2, 3])
+def test_two_lanes_a_thread_decode_as_the_cpu(warps):
+    """LANES 2 (a half-warp a pair, two lanes a thread), packed and plain tables: u8 frames
+    (skewed, all symbols, one symbol, short) and bf16 with raw and context fields decode
+    the CPU's bytes, with pairs in both halves of a warp (odd warps: the halves alternate
+    across blocks)."""
+    rng = np.random.default_rng(warps)
+    arrays = [_skewed(rng, 5 * CHUNK + 31, 60, 0.2), rng.integers(0, 256, 2 * CHUNK + 100
+                                                                  ).astype(np.uint8),
+              np.full(CHUNK + 9, 7, np.uint8), _skewed(rng, 70, 3)]
+    frames = [rans.encode(a, precision=11 + k % 2, chunk_size=CHUNK)
+              for k, a in enumerate(arrays)]
+    u8 = plan.prepare_u8(frames, warps)
+    tensors = [_special_bf16(rng, 2 * CHUNK + 5), _context_bits(rng, CHUNK + 40)]
+    efs, sfs = [], []
+    for t, bits in enumerate(tensors):
+        exp, sm = _bf16_fields(bits)
+        efs.append(rans.encode(exp, chunk_size=CHUNK))
+        sfs.append(rans.encode(sm, chunk_size=CHUNK, context=exp if t == 1 else None))
+    bf16 = plan.prepare_bf16(efs, sfs, warps)
+    assert bf16.context
+    for b, want in ((u8, arrays), (bf16, tensors)):
+        for tables in (0, 1):
+            outs, status = _emulate(b, tables, lanes=2)
+            assert not status.any()
+            for got, a in zip(outs, want, strict=True):
+                assert np.array_equal(got, a)
+
+
+@pytest.mark.parametrize("case", ["start state", "flipped word", "words left over",
+                                  "words missing"])
+def test_two_lanes_a_thread_give_the_same_status_on_corrupt_chunks(case):
+    f, bad = _corrupt(case)
+    b = plan.prepare_u8([f])
+    out0, status0 = _emulate(b, tables=1)
+    out2, status2 = _emulate(b, tables=1, lanes=2)
+    assert status2.any() and np.array_equal(status0, status2)
+    assert all(np.array_equal(x, y) for x, y in zip(out0, out2, strict=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 1 << 24), st.integers(0, 32), st.sampled_from([4, 8, 16]),
+       st.integers(0, (227 << 10) // 16), st.integers(0, 15), st.booleans())
+def test_byte_cursor_reads_the_word_cursors_ring_word(wp, k, windows, at, slot, staged):
+    """RENORM: wp counts bytes and each ring starts at a multiple of its size (the pairs'
+    area padded up to one, every pair's share a multiple of one), so the word address
+    (wp + 2 k) & (size - 2) | ring is the word cursor's ring + 2 ((wp / 2 + k) % RING),
+    and the padding and shares stay inside what the runtime reserves."""
+    src = resources.files("entropykit.rans.cuda").joinpath("_kernel.cu").read_text()
+    for line in (': "r"(((s.wp + 2 * k) & (2 * RING - 2)) | s.ring_addr));',
+                 "return s.ring[(s.wp + k) & (RING - 1)];",
+                 "pairs += (0u - (unsigned)__cvta_generic_to_shared(pairs)) & (2 * RING - 1);",
+                 "#define WARP_SMEM ((4 * RING + STAGE + (RENORM ? 2 * RING - 1 : 0)) / "
+                 "(RENORM ? 2 * RING : 1) \\",
+                 "if (s.wp / WU > s.n_words) return ERR_TRUNCATED;"):
+        assert line in src
+    ring = 64 * windows  # words
+    size = 2 * ring
+    pairs = 16 * at  # the pairs' area in shared memory: 16-byte aligned, anywhere
+    pad = (-pairs) & (size - 1)
+    assert (pairs + pad) % size == 0 and pad < size  # within the runtime's slack of a ring
+    share = -(-(4 * ring + 1024 * staged) // size) * size  # WARP_SMEM
+    base = pairs + pad + slot * share
+    for ring_addr in (base, base + size):  # stream a's ring, stream b's
+        assert ring_addr % size == 0 and ring_addr + size <= base + share
+        got = ((2 * wp + 2 * k) & (size - 2)) | ring_addr
+        assert got == ring_addr + 2 * ((wp + k) % ring)
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    """``rans.cuda._runtime`` imported against a stand-in CuPy (only its pure helpers are
+    used), removed again afterwards."""
+    import importlib
+    import types
+
+    from entropykit.rans import cuda as pkg
+
+    name = "entropykit.rans.cuda._runtime"
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    monkeypatch.setitem(sys.modules, name, None)
+    del sys.modules[name]
+    monkeypatch.setattr(pkg, "_runtime", None, raising=False)
+    return importlib.import_module(name)
+
+
+def test_runtime_variant_options_and_shared_memory(runtime, monkeypatch):
+    """The private variables select LANES, UNIFORM and RENORM (bad values name the
+    variable); classed builds get one lane, UNIFORM at two lanes needs an even number of
+    pairs a block; each pair's shared memory is the kernel's WARP_SMEM and a block's
+    leaves room to align its pairs to a ring (RENORM)."""
+    r = runtime
+    assert r.variant() == r.DEFAULT == r.Variant(1, 8, 1, 0, 0)
+    for env, val in ((r._ENV_LANES, "2"), (r._ENV_UNIFORM, "1"), (r._ENV_RENORM, "1")):
+        monkeypatch.setenv(env, val)
+    assert r.variant() == r.Variant(1, 8, 2, 1, 1)
+    for env, bad in ((r._ENV_LANES, "4"), (r._ENV_UNIFORM, "2"), (r._ENV_RENORM, "-1")):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            r.variant()
+        monkeypatch.setenv(env, "1")
+
+    def opts(warps, cls, v):
+        return dict(o[2:].split("=") for o in r.build_options(False, False, True, warps, cls, v)
+                    if o.startswith("-D"))
+
+    v = r.Variant(1, 8, 2, 1, 1)
+    assert opts(16, False, v)["LANES"] == "2" and opts(16, False, v)["UNIFORM"] == "1"
+    assert opts(3, False, v)["UNIFORM"] == "0" and opts(16, True, v)["LANES"] == "1"
+    assert opts(3, False, v._replace(lanes=1))["UNIFORM"] == "1"
+    for ring in (4, 8, 16):
+        for renorm in (0, 1):
+            for ctx in (False, True):
+                v = r.Variant(1, ring, 1, 0, renorm)
+                size, stage = 128 * ring, 0 if ctx else 1024
+                share = 4 * 64 * ring + stage  # two rings of RING = 64 * ring words
+                if renorm:
+                    share = -(-share // size) * size
+                assert r.warp_smem(ctx, False, v) == share
+                # RENORM: room for the alignment padding, under one ring
+                assert r.pairs_smem(16, ctx, False, v) == 16 * share + size * renorm

@@ -1,11 +1,14 @@
 """Every decoder build gpu/kernel_sweep.py compares is exact and fails as the CPU does.
 
-What it is: each variant of ``kernel_sweep.VARIANTS`` (table layout, ring windows, warps
-per block; selected through the private environment variables a decode reads) runs
+What it is: each variant of ``kernel_sweep.VARIANTS`` (table layout, ring windows, lanes
+a thread, warp-uniform control, pairs per block; selected through the private environment
+variables a decode reads) runs
 stress_check.py's adversarial bf16 batches (sign_mantissa coded, plain, raw frames,
 context-conditioned), its u8 batch (skewed, one symbol, uniform, plain, byte planes at a
 stride), weight-like tensors with specials in bf16 and u8 mode at the variant's warps,
-and damaged exponent chunks, each into poisoned arenas against the data. What it is not:
+and damaged exponent chunks, each into poisoned arenas against the data; two lanes a
+thread also at odd pairs a block (a block's last warp half full; UNIFORM falls back). What
+it is not:
 the default build's full suite (test_cuda_static.py) or a benchmark (kernel_sweep.py).
 """
 
@@ -74,3 +77,18 @@ def test_weights_decode_exactly_at_the_variants_warps(variant, sm_kind):
 
 def test_damaged_exponent_chunks_raise_the_cpu_decoders_errors(variant):
     assert sc.corruption() == []
+
+
+@pytest.mark.parametrize("uniform", ["0", "1"])
+@pytest.mark.parametrize("warps", [1, 3])
+def test_two_lanes_at_odd_pairs_a_block_are_exact(monkeypatch, warps, uniform):
+    from entropykit.rans.cuda import _runtime
+
+    monkeypatch.setenv(_runtime._ENV_LANES, "2")
+    monkeypatch.setenv(_runtime._ENV_UNIFORM, uniform)
+    efs, sfs = _frames("raw")
+    bf16 = plan.prepare_bf16(efs, sfs, warps)
+    assert sc.run_batch(f"lanes 2 w{warps} bf16", bf16, list(_weights()), 2) == []
+    expect = [dc.fields(w)[0] for w in _weights()]
+    u8 = plan.prepare_u8(efs, warps)
+    assert sc.run_batch(f"lanes 2 w{warps} u8", u8, expect, 1) == []

@@ -31,19 +31,25 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds witho
 # builds every decode takes; the private environment variables below override them for
 # gpu/kernel_sweep.py's comparisons (read at each launch's construction).
 TABLES = 1  # shared table layout: 0 symbol bytes + per-symbol infos, 1 one word per slot
-STORE = 0  # staged rounds' output: 0 through shared staging bytes, 1 registers + shuffles
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
+LANES = 1  # rANS lanes of each stream a thread holds: 1 (a warp a pair) or 2 (a half-warp)
+UNIFORM = 0  # 1: the warp's pair index from its lane 0, so its votes compile without fallback
+RENORM = 0  # 1: a byte cursor into rings aligned to their size (a word address in 2 ops)
 _ENV_TABLES = "ENTROPYKIT_RANS_TABLES"
-_ENV_STORE = "ENTROPYKIT_RANS_STORE"
 _ENV_RING = "ENTROPYKIT_RANS_RING_WINDOWS"
+_ENV_LANES = "ENTROPYKIT_RANS_LANES"
+_ENV_UNIFORM = "ENTROPYKIT_RANS_UNIFORM"
+_ENV_RENORM = "ENTROPYKIT_RANS_RENORM"
 
 
 class Variant(NamedTuple):
     """The compile-time choices of a build that do not follow from its batch."""
 
     tables: int = TABLES
-    store: int = STORE
     ring: int = RING_WINDOWS
+    lanes: int = LANES
+    uniform: int = UNIFORM
+    renorm: int = RENORM
 
 
 DEFAULT = Variant()
@@ -53,15 +59,30 @@ def variant() -> Variant:
     """The variant of the builds launched now: the module's defaults unless the private
     environment variables name others."""
     v = Variant(int(os.environ.get(_ENV_TABLES, TABLES)),
-                int(os.environ.get(_ENV_STORE, STORE)),
-                int(os.environ.get(_ENV_RING, RING_WINDOWS)))
+                int(os.environ.get(_ENV_RING, RING_WINDOWS)),
+                int(os.environ.get(_ENV_LANES, LANES)),
+                int(os.environ.get(_ENV_UNIFORM, UNIFORM)),
+                int(os.environ.get(_ENV_RENORM, RENORM)))
     if v.tables not in (0, 1):
         raise ValueError(f"{_ENV_TABLES} must be 0 or 1, got {v.tables}")
-    if v.store not in (0, 1):
-        raise ValueError(f"{_ENV_STORE} must be 0 or 1, got {v.store}")
     if v.ring < 4 or v.ring & (v.ring - 1):
         raise ValueError(f"{_ENV_RING} must be a power of 2 >= 4, got {v.ring}")
+    if v.lanes not in (1, 2):
+        raise ValueError(f"{_ENV_LANES} must be 1 or 2, got {v.lanes}")
+    for name, x in ((_ENV_UNIFORM, v.uniform), (_ENV_RENORM, v.renorm)):
+        if x not in (0, 1):
+            raise ValueError(f"{name} must be 0 or 1, got {x}")
     return v
+
+
+def lanes_of(cls: bool, v: Variant = DEFAULT) -> int:
+    """Lanes a thread of a build holds: classed builds keep one (_kernel.cu)."""
+    return 1 if cls else v.lanes
+
+
+def uniform_of(warps: int, cls: bool, v: Variant = DEFAULT) -> int:
+    """UNIFORM of a build: at two lanes a thread it needs whole warps (even ``warps``)."""
+    return v.uniform if lanes_of(cls, v) == 1 or warps % 2 == 0 else 0
 
 
 def table_set_bytes(tables: int) -> int:
@@ -70,10 +91,23 @@ def table_set_bytes(tables: int) -> int:
 
 
 def warp_smem(ctx: bool, cls: bool = False, v: Variant = DEFAULT) -> int:
-    """Shared-memory bytes a warp of a build uses: two word rings of ``v.ring`` windows
-    (+ staging, in builds without contexts or classes, _kernel.cu's VEC, unless they stage
-    in registers: STORE 1)."""
-    return 256 * v.ring + (0 if ctx or cls or v.store else STAGE_BYTES)
+    """Shared-memory bytes a pair of a build uses (a warp's at LANES 1, a half-warp's at 2):
+    two word rings of ``v.ring`` windows (+ staging, in builds without contexts or classes,
+    _kernel.cu's VEC); RENORM rounds it up to a multiple of a ring (_kernel.cu's
+    WARP_SMEM)."""
+    n = 256 * v.ring + (0 if ctx or cls else STAGE_BYTES)
+    return -(-n // ring_bytes(v)) * ring_bytes(v) if v.renorm else n
+
+
+def ring_bytes(v: Variant = DEFAULT) -> int:
+    """Bytes of one stream's word ring."""
+    return 128 * v.ring
+
+
+def pairs_smem(warps: int, ctx: bool, cls: bool = False, v: Variant = DEFAULT) -> int:
+    """Shared-memory bytes of a block's pairs (RENORM: with room to align their area to a
+    ring's size)."""
+    return warps * warp_smem(ctx, cls, v) + (ring_bytes(v) if v.renorm else 0)
 
 
 def build_options(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
@@ -82,7 +116,8 @@ def build_options(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = Fal
     cols = [f"-D{k}={getattr(_layout, k)}" for k in dir(_layout) if k.isupper()]
     return ("--std=c++17", f"-DBF16={int(bf16)}", f"-DCTX={int(ctx)}", f"-DCLS={int(cls)}",
             f"-DSMEM={int(smem)}", f"-DWARPS={warps}", f"-DRING_WINDOWS={v.ring}",
-            f"-DTABLES={v.tables}", f"-DSTORE={v.store}", *cols)
+            f"-DTABLES={v.tables}", f"-DLANES={lanes_of(cls, v)}",
+            f"-DUNIFORM={uniform_of(warps, cls, v)}", f"-DRENORM={v.renorm}", *cols)
 
 
 def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
@@ -94,7 +129,7 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
         k = cp.RawKernel(nvrtc.source(__package__, "_kernel.cu"), "rans_decode", options=opts)
         # The most a block of this build may ask for: two table sets and the warps'.
         k.max_dynamic_shared_size_bytes = (2 * table_set_bytes(v.tables)
-                                           + warps * warp_smem(ctx, cls, v))
+                                           + pairs_smem(warps, ctx, cls, v))
         return k
 
     return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps, *v), build)
@@ -129,9 +164,9 @@ class Launch:
         self.kernel = (_kernel(b.bf16, b.context, smem, b.warps, b.classed, v)
                        if self.pairs else None)
         self.grid = (-(-self.pairs // b.warps),)
-        self.block = (32 * b.warps,)
+        self.block = (32 * b.warps // lanes_of(b.classed, v),)  # b.warps pairs a block
         self.shared = ((b.slots * table_set_bytes(v.tables) if smem else 0)
-                       + b.warps * warp_smem(b.context, b.classed, v))
+                       + pairs_smem(b.warps, b.context, b.classed, v))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
 
     def __call__(self) -> None:
