@@ -62,18 +62,17 @@ class Variant(NamedTuple):
 
 
 # The first is the default build, as a decode takes it; each other changes some of
-# today's choices (tables 1, ring 8, warps 16, lanes 1, uniform 0, renorm 0). Grouped by
+# today's choices (tables 1, ring 8, warps 16, lanes 1, uniform 1, renorm 1). Grouped by
 # warps: a change of warps plans and uploads the batch again.
 _NEW = {"tables": 1, "ring": 8, "warps": 16}
 VARIANTS = (
     Variant("default"),
-    Variant("u1", **_NEW, lanes=1, uniform=1, renorm=0),
-    Variant("r1", **_NEW, lanes=1, uniform=0, renorm=1),
-    Variant("u1r1", **_NEW, lanes=1, uniform=1, renorm=1),
+    Variant("u0r0", **_NEW, lanes=1, uniform=0, renorm=0),
+    Variant("u0", **_NEW, lanes=1, uniform=0, renorm=1),
+    Variant("r0", **_NEW, lanes=1, uniform=1, renorm=0),
     Variant("l2", **_NEW, lanes=2, uniform=0, renorm=0),
-    Variant("l2u1", **_NEW, lanes=2, uniform=1, renorm=0),
     Variant("l2u1r1", **_NEW, lanes=2, uniform=1, renorm=1),
-    Variant("u1r1-w8", tables=1, ring=8, warps=8, lanes=1, uniform=1, renorm=1),
+    Variant("w8", tables=1, ring=8, warps=8, lanes=1, uniform=1, renorm=1),
 )
 
 

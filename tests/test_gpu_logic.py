@@ -726,10 +726,10 @@ def test_runtime_variant_options_and_shared_memory(runtime, monkeypatch):
     pairs a block; each pair's shared memory is the kernel's WARP_SMEM and a block's
     leaves room to align its pairs to a ring (RENORM)."""
     r = runtime
-    assert r.variant() == r.DEFAULT == r.Variant(1, 8, 1, 0, 0)
-    for env, val in ((r._ENV_LANES, "2"), (r._ENV_UNIFORM, "1"), (r._ENV_RENORM, "1")):
+    assert r.variant() == r.DEFAULT == r.Variant(1, 8, 1, 1, 1)
+    for env, val in ((r._ENV_LANES, "2"), (r._ENV_UNIFORM, "0"), (r._ENV_RENORM, "0")):
         monkeypatch.setenv(env, val)
-    assert r.variant() == r.Variant(1, 8, 2, 1, 1)
+    assert r.variant() == r.Variant(1, 8, 2, 0, 0)
     for env, bad in ((r._ENV_LANES, "4"), (r._ENV_UNIFORM, "2"), (r._ENV_RENORM, "-1")):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):

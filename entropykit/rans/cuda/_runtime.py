@@ -33,8 +33,8 @@ STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds witho
 TABLES = 1  # shared table layout: 0 symbol bytes + per-symbol infos, 1 one word per slot
 RING_WINDOWS = 8  # 128-byte windows per stream's word ring (a power of 2, >= 4)
 LANES = 1  # rANS lanes of each stream a thread holds: 1 (a warp a pair) or 2 (a half-warp)
-UNIFORM = 0  # 1: the warp's pair index from its lane 0, so its votes compile without fallback
-RENORM = 0  # 1: a byte cursor into rings aligned to their size (a word address in 2 ops)
+UNIFORM = 1  # 1: the warp's pair index from its lane 0, so its votes compile without fallback
+RENORM = 1  # 1: a byte cursor into rings aligned to their size (a word address in 2 ops)
 _ENV_TABLES = "ENTROPYKIT_RANS_TABLES"
 _ENV_RING = "ENTROPYKIT_RANS_RING_WINDOWS"
 _ENV_LANES = "ENTROPYKIT_RANS_LANES"
