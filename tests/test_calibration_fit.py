@@ -141,7 +141,8 @@ def test_fit_solves_the_ridge_problem_of_a_plain_float64_solve(monkeypatch, feat
               2 * rng.standard_normal((640, outputs))).astype(np.float32)
     solves = []
     real = residual._ridge_solve
-    monkeypatch.setattr(residual, "_ridge_solve", lambda *a: solves.append(a[2]) or real(*a))
+    monkeypatch.setattr(residual, "_ridge_solve",
+                        lambda *a, **k: solves.append(a[2]) or real(*a, **k))
     w, oof = residual.fit_conditional(feats, target)
     w_ref, oof_ref = _sweep_fit(feats, target)
     assert w.any() and not w[5].any()
