@@ -158,6 +158,17 @@ def _code_length(target: np.ndarray, oof: np.ndarray) -> float:
     return float(0.5 * np.log2((err**2).mean(axis=0)).mean())
 
 
+def test_fit_refuses_values_that_are_not_finite():
+    rng = np.random.default_rng(3)
+    feats = rng.standard_normal((640, 20)).astype(np.float32)
+    target = feats[:, :3].copy()
+    for a in (feats, target):
+        a[5, 1] = np.inf
+        with pytest.raises(ValueError, match="not all finite"):
+            residual.fit_conditional(feats, target)
+        a[5, 1] = 0
+
+
 @pytest.mark.parametrize(("noise", "most"), [(0.3, 12), (10.0, 10), (30.0, 9), (3000.0, 2)])
 def test_fit_matches_a_full_sweep_with_fewer_factorizations(monkeypatch, noise, most):
     # Noise levels whose best penalty is the smallest, a middling one, a larger one and

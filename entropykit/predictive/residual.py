@@ -201,6 +201,8 @@ class _Ridge:
         f32 = np.asarray(feats, np.float32)
         t32 = np.asarray(target, np.float32)
         self.shapes = f32.shape, t32.shape
+        if not (np.isfinite(f32).all() and np.isfinite(t32).all()):
+            raise ValueError("calibration values or guesses are not all finite")
         tokens = f32.shape[0]
         fold = folds(tokens)
         self.live = np.flatnonzero(np.any(f32 != 0, axis=0))
