@@ -170,10 +170,11 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     the out-of-fold prediction of every token [T, C], float32).
 
     Features are standardized first (residuals and guesses differ in scale by ~20x). The
-    penalty, RIDGES[i] times the mean energy of the standardized features, or no map at
-    all, is the one that codes the last fold best when fitted on the others: the smallest
-    sum over channels of log(mean squared error), i.e. of the Gaussian code length. So few
-    calibration tokens give a weak map or none, never one fitted to noise. The weights are
+    penalty, RIDGES[i] times the mean energy of the standardized features (those not zero
+    throughout), or no map at all, is the one that codes the last fold best when fitted on
+    the others: the smallest sum over channels of log(mean squared error), i.e. of the
+    Gaussian code length. So few calibration tokens give a weak map or none, never one
+    fitted to noise. The weights are
     then fitted on every token with that penalty; the out-of-fold predictions (each fold
     predicted by the map fitted without it, with the same penalty) give honest residuals
     for the std and shape: in-sample ones would be too narrow.
