@@ -174,10 +174,10 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     throughout), or no map at all, is the one that codes the last fold best when fitted on
     the others: the smallest sum over channels of log(mean squared error), i.e. of the
     Gaussian code length. So few calibration tokens give a weak map or none, never one
-    fitted to noise. The weights are
-    then fitted on every token with that penalty; the out-of-fold predictions (each fold
-    predicted by the map fitted without it, with the same penalty) give honest residuals
-    for the std and shape: in-sample ones would be too narrow.
+    fitted to noise. The weights are then fitted on every token with that penalty; the
+    out-of-fold predictions (each fold predicted by the map fitted without it, with the
+    same penalty) give honest residuals for the std and shape: in-sample ones would be
+    too narrow.
     """
     problem = _Ridge(feats, target)
     return problem.fit(problem.search())
