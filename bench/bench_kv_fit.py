@@ -55,12 +55,23 @@ def _smollm2(split: str, seqs: int, tokens: int):
     return model, [ids[i * tokens : (i + 1) * tokens][None] for i in range(seqs)]
 
 
-def _calibrate_child(out: str, seqs: int, tokens: int) -> None:
+def _predictor(model, name: str):
+    """The predictor of a ``--predictor`` name: fp8-of-target, none or early-exit-K."""
+    from entropykit import predictive as P
+
+    if name == "none":
+        return P.NoPredictor()
+    if name.startswith("early-exit-"):
+        return P.EarlyExitPredictor(model, int(name.rsplit("-", 1)[1]))
+    return P.FP8Predictor(model)
+
+
+def _calibrate_child(out: str, seqs: int, tokens: int, predictor: str) -> None:
     """Calibrate with the entropykit on the path; print its CPU seconds as JSON."""
     from entropykit import predictive as P
 
     model, prompts = _smollm2("calib", seqs, tokens)
-    pred = P.FP8Predictor(model)
+    pred = _predictor(model, predictor)
     kw = {"progress": False} if "progress" in P.calibrate.__code__.co_varnames else {}
     t, wall = time.process_time(), time.perf_counter()
     cal = P.calibrate(model, pred, prompts, **kw)
@@ -82,15 +93,22 @@ def _whole(args: argparse.Namespace) -> None:
             env = dict(os.environ, PYTHONPATH=str(trees[name]), OPENBLAS_NUM_THREADS="1",
                        OMP_NUM_THREADS="1")
             out = subprocess.run([sys.executable, __file__, "--child", files[name],
-                                  "--seqs", str(args.seqs), "--tokens", str(args.tokens)],
+                                  "--seqs", str(args.seqs), "--tokens", str(args.tokens),
+                                  "--predictor", args.predictor],
                                  env=env, capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.setdefault(name, []).append(row)
             print(name, json.dumps(row), flush=True)
-        model, prompts = _smollm2("eval", 2, 512)
-        pred = P.FP8Predictor(model)
+        model, prompts = _smollm2("eval", args.eval, 512)
+        pred = _predictor(model, args.predictor)
+        cals = {name: P.Calibration.load(files[name]) for name in ("old", "new")}
+        # What the fit does not touch (bias, std, empirical tables, layout) must be equal:
+        # then the gaussian and mixture models code every cache to the same bytes.
+        same = sorted(n for n in cals["old"].arrays if not n.startswith(("cstd", "cond",
+                                                                          "cscale", "shapes")))
+        print("fit-independent arrays equal:", all(np.array_equal(
+            cals["old"].arrays[n], cals["new"].arrays[n]) for n in same), same, flush=True)
         for name in ("old", "new"):
-            cal = P.Calibration.load(files[name])
             size = {"bf16": 0, "fp8_e4m3": 0}
             values = 0
             for ids in prompts:
@@ -98,8 +116,8 @@ def _whole(args: argparse.Namespace) -> None:
                     cache = P.from_transformers(model(ids, use_cache=True).past_key_values)
                 values += sum(t.numel() for t in cache.keys + cache.values)
                 for fmt, c in (("bf16", cache), ("fp8_e4m3", P.to_fp8(cache))):
-                    blob = P.compress_kv(c, ids, pred, cal)
-                    assert P.decompress_kv(blob, pred, cal).equal(c)
+                    blob = P.compress_kv(c, ids, pred, cals[name])
+                    assert P.decompress_kv(blob, pred, cals[name]).equal(c)
                     size[fmt] += len(blob)
             print(name, "bits per value", json.dumps(
                 {f: round(8 * n / values, 4) for f, n in size.items()}), "bytes",
@@ -131,12 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--whole", action="store_true", help="whole calibrate runs, and bits")
     ap.add_argument("--runs", type=int, default=1, help="whole runs per tree (--whole)")
+    ap.add_argument("--predictor", default="fp8-of-target",
+                    help="--whole: fp8-of-target, none or early-exit-K")
+    ap.add_argument("--eval", type=int, default=2, help="--whole: 512-token eval sequences")
     ap.add_argument("--scaling", help="FxT,... fit times on random features")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.child:
-        return _calibrate_child(args.child, args.seqs, args.tokens)
+        return _calibrate_child(args.child, args.seqs, args.tokens, args.predictor)
     if args.scaling:
         return _scaling(args)
     if args.old is None:

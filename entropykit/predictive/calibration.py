@@ -16,6 +16,7 @@ What it is not: the codec (``codec``) or the residual models' definitions (``res
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -413,6 +414,14 @@ def _key_counts(x: torch.Tensor, fmt: str) -> np.ndarray:
     return np.bincount(dist.value_keys(bits).reshape(-1), minlength=1 << (8 * bits.itemsize))
 
 
+def _cache_only(model: torch.nn.Module) -> dict[str, int]:
+    """Keyword arguments that spare ``model``'s forward pass the logits of every token
+    (``logits_to_keep=1`` where its forward takes it): calibration needs only the cache,
+    and the head's product over the vocabulary is a large part of a small model's pass."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
+        model.forward).parameters else {}
+
+
 Groups = dict[int, list[np.ndarray]]  # group 2 * layer + kv -> per prompt [1, h, s, d]
 
 
@@ -541,7 +550,7 @@ def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any]
         ids = torch.as_tensor(prompt).reshape(1, -1)
         tokens += ids.shape[1]
         with torch.inference_mode():
-            out = target(ids.to(model_device(target)), use_cache=True)
+            out = target(ids.to(model_device(target)), use_cache=True, **_cache_only(target))
             cache = from_transformers(output_cache(out))
         guess = predictor.predict(ids)
         shapes = cache.shapes

@@ -170,110 +170,149 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     the out-of-fold prediction of every token [T, C], float32).
 
     Features are standardized first (residuals and guesses differ in scale by ~20x). The
-    penalty, RIDGES[i] times the mean energy of the standardized features, or no map at
-    all, is the one that codes the last fold best when fitted on the others: the smallest
-    sum over channels of log(mean squared error), i.e. of the Gaussian code length. So few
-    calibration tokens give a weak map or none, never one fitted to noise. The weights are
-    then refitted on every token; the out-of-fold predictions (each fold predicted by a
-    map fitted without it) give honest residuals for the std and shape: in-sample ones
-    would be too narrow.
-
-    Cost: the products over tokens run once, in float32 (one Gram matrix and one cross
-    product per fold); each system is solved by one Cholesky factorization
-    (``_ridge_solve``): in float32 for the penalty search and the out-of-fold maps (they
-    choose a penalty and size the std), in float64 for the stored map. The penalties are
-    tried from the largest down while the score improves: the score falls and then rises
-    as the penalty falls (too much bias, then too much variance), so the first rise ends
-    the search with a full sweep's choice wherever the scores have that one minimum, and
-    the small, ill-conditioned penalties are tried only where they may win. Features
-    that are zero throughout (a predictor that guesses nothing) get weight 0 without
-    entering a system.
+    penalty, RIDGES[i] times the mean energy of the standardized features (those not zero
+    throughout), or no map at all, is the one that codes the last fold best when fitted on
+    the others: the smallest sum over channels of log(mean squared error), i.e. of the
+    Gaussian code length. So few calibration tokens give a weak map or none, never one
+    fitted to noise. The weights are then fitted on every token with that penalty; the
+    out-of-fold predictions (each fold predicted by the map fitted without it, with the
+    same penalty) give honest residuals for the std and shape: in-sample ones would be
+    too narrow.
     """
-    f32 = np.asarray(feats, np.float32)
-    t32 = np.asarray(target, np.float32)
-    tokens, n_feat = f32.shape
-    zero = np.zeros((n_feat, t32.shape[1]))
-    none = np.zeros(t32.shape, np.float32)
-    fold = folds(tokens)
-    if np.bincount(fold, minlength=FOLDS).min() < MIN_FOLD:
-        return zero, none  # too little data to tell a map from noise
-    live = np.flatnonzero(np.any(f32 != 0, axis=0))
-    if live.size == 0:
-        return zero, none
-    order = np.argsort(fold, kind="stable")  # each fold's tokens contiguous
-    cuts = np.concatenate(([0], np.cumsum(np.bincount(fold, minlength=FOLDS))))
-    f = f32[order][:, live]
-    t = t32[order]
-    mean = f.mean(axis=0, dtype=np.float64)
-    dev = f - mean.astype(np.float32)
-    sd = np.sqrt(np.einsum("ij,ij->j", dev, dev) / tokens).astype(np.float64)
-    del dev
-    sd = np.where(sd > 0, sd, 1.0)
-    f *= (1.0 / sd).astype(np.float32)
-    rows = [slice(cuts[k], cuts[k + 1]) for k in range(FOLDS)]
-    parts = []
-    for r in rows:
-        fk, tk = f[r], t[r]
-        parts.append(((fk.T @ fk).astype(np.float64), (fk.T @ tk).astype(np.float64)))
-    gram = sum(g for g, _ in parts)
-    cross = sum(c for _, c in parts)
-
-    systems: dict[int | None, tuple[np.ndarray, np.ndarray, float]] = {}
-
-    def solve(ridge: float, k: int | None) -> np.ndarray:
-        if k not in systems:  # the search solves one fold's system for every penalty
-            g = gram - parts[k][0] if k is not None else gram
-            c = cross - parts[k][1] if k is not None else cross
-            systems[k] = g, c, float(np.trace(g))
-        g, c, trace = systems[k]
-        return _ridge_solve(g, c, ridge * trace / n_feat, exact=k is None)
-
-    last = FOLDS - 1
-    f_last, t_last = f[rows[last]], t[rows[last]]
-
-    def score(w: np.ndarray | None) -> float:
-        # Gaussian code length of fold ``last``: sum over channels of log(mean sq. error)
-        err = t_last if w is None else t_last - f_last @ w.astype(np.float32)
-        sq = np.einsum("ij,ij->j", err, err, dtype=np.float64)
-        return float(np.log(sq / len(err) + 1e-30).sum())
-
-    best, best_score, held = None, score(None), None
-    if np.trace(gram) > 0:
-        previous = np.inf
-        for ridge in sorted(RIDGES, reverse=True):
-            w = solve(ridge, last)
-            s = score(w)
-            if s < best_score:
-                best, best_score, held = ridge, s, w
-            if s >= previous:
-                break
-            previous = s
-    if best is None:
-        return zero, none
-    oof = np.empty(t32.shape, np.float32)
-    for k in range(FOLDS):
-        w = held if k == last else solve(best, k)
-        oof[order[rows[k]]] = f[rows[k]] @ w.astype(np.float32)
-    weights = zero.copy()
-    weights[live] = solve(best, None) / sd[:, None]
-    return weights, oof
+    problem = _Ridge(feats, target)
+    return problem.fit(problem.search())
 
 
-def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float, exact: bool) -> np.ndarray:
-    """(g + penalty I)^-1 c by one Cholesky factorization (g is a Gram matrix, so the
-    system is positive definite for penalty > 0): in float64 where ``exact`` (the stored
-    map: float32's rounding moves some of its int8 weights), else in float32 (half the
-    time), then float64 where rounding made the system not positive definite; by LU where
-    even that did."""
+class _Ridge:
+    """One group's ridge problem (``fit_conditional``), prepared once.
+
+    Cost: the products over the tokens run once, in float32 (one Gram matrix and cross
+    product per fold, summed in float64); every system is solved by one Cholesky
+    factorization in float32 (float64 where rounding made it not positive definite): the
+    weights are rounded to int8 anyway. The search factorizes the last fold's system once
+    per penalty tried. The final fit factorizes the whole system once: that gives the
+    weights and, through each fold's block of the hat matrix (``I - X_k A^-1 X_k^T``
+    turns the fold's in-sample errors into its out-of-fold ones, exactly), every fold's
+    out-of-fold errors without a system of the fold's own; where a fold has so many
+    tokens that its own system is cheaper, that is solved instead. Features that are zero
+    throughout (a predictor that guesses nothing) get weight 0 without entering a system.
+    """
+
+    def __init__(self, feats: np.ndarray, target: np.ndarray) -> None:
+        f32 = np.asarray(feats, np.float32)
+        t32 = np.asarray(target, np.float32)
+        self.shapes = f32.shape, t32.shape
+        if not (np.isfinite(f32).all() and np.isfinite(t32).all()):
+            raise ValueError("calibration values or guesses are not all finite")
+        tokens = f32.shape[0]
+        fold = folds(tokens)
+        self.live = np.flatnonzero(np.any(f32 != 0, axis=0))
+        self.ok = np.bincount(fold, minlength=FOLDS).min() >= MIN_FOLD and self.live.size > 0
+        if not self.ok:  # too little data to tell a map from noise, or nothing to map
+            return
+        self.order = np.argsort(fold, kind="stable")  # each fold's tokens contiguous
+        cuts = np.concatenate(([0], np.cumsum(np.bincount(fold, minlength=FOLDS))))
+        f = f32[self.order][:, self.live]
+        self.t = t32[self.order]
+        mean = f.mean(axis=0, dtype=np.float64)
+        dev = f - mean.astype(np.float32)
+        sd = np.sqrt(np.einsum("ij,ij->j", dev, dev) / tokens).astype(np.float64)
+        del dev
+        self.sd = np.where(sd > 0, sd, 1.0)
+        f *= (1.0 / self.sd).astype(np.float32)
+        self.f = f
+        self.rows = [slice(cuts[k], cuts[k + 1]) for k in range(FOLDS)]
+        self.parts = [((f[r].T @ f[r]).astype(np.float64), (f[r].T @ self.t[r]).astype(np.float64))
+                      for r in self.rows]
+        self.gram = sum(g for g, _ in self.parts)
+        self.cross = sum(c for _, c in self.parts)
+        trace = float(np.trace(self.gram))
+        self.ok = trace > 0
+        self.unit = trace / f.shape[1]
+
+    def search(self) -> float | None:
+        """The best of RIDGES for coding the last fold with the map fitted on the others,
+        or None where no map beats none. Tried from the largest down while the score
+        falls: it falls and then rises as the penalty falls (too much bias, then too much
+        variance), so the first rise ends the search with a full sweep's choice wherever
+        the scores have that one minimum, and the small, ill-conditioned penalties are
+        tried only where they may win."""
+        if not self.ok:
+            return None
+        g, c = self.parts[-1]
+        g, c = self.gram - g, self.cross - c
+        f, t = self.f[self.rows[-1]], self.t[self.rows[-1]]
+        best, best_score, previous = None, _code(t), np.inf
+        with one_torch_thread():
+            for ridge in sorted(RIDGES, reverse=True):
+                s = _code(t - f @ _ridge_solve(g, c, ridge * np.trace(g) / len(g)))
+                if s < best_score:
+                    best, best_score = ridge, s
+                if s >= previous:
+                    break
+                previous = s
+        return best
+
+    def fit(self, ridge: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """(weights [F, C] float64, out-of-fold predictions [T, C] float32) of the map with
+        penalty ``ridge`` (zeros for None)."""
+        (tokens, n_feat), (_, outputs) = self.shapes
+        weights = np.zeros((n_feat, outputs))
+        oof = np.zeros((tokens, outputs), np.float32)
+        if ridge is None or not self.ok:
+            return weights, oof
+        f, t, n = self.f, self.t, len(self.gram)
+        penalty = ridge * np.trace(self.gram) / n
+        with one_torch_thread():
+            chol = _cholesky(self.gram, penalty)
+            w = torch.cholesky_solve(torch.from_numpy(self.cross).to(chol.dtype), chol)
+            w = w.float().numpy()
+            err = t - f @ w
+            for (g, c), r in zip(self.parts, self.rows, strict=True):
+                fk, tk = f[r], r.stop - r.start
+                # multiply-adds of the hat block's route against the fold's own system's
+                if n * tk * (n + tk) + tk**3 / 3 + 2 * tk * tk * outputs > (
+                        n**3 / 3 + 2 * n * n * outputs + tk * n * outputs):
+                    err[r] = t[r] - fk @ _ridge_solve(self.gram - g, self.cross - c, penalty)
+                    continue
+                z = torch.linalg.solve_triangular(chol, torch.from_numpy(fk.T).to(chol.dtype),
+                                                  upper=False)
+                keep = -(z.T @ z)  # I - X_k A^-1 X_k^T: positive definite
+                keep.diagonal().add_(1.0)
+                err[r] = _spd_solve(keep, torch.from_numpy(err[r]).to(keep.dtype)).numpy()
+        weights[self.live] = w / self.sd[:, None]
+        oof[self.order] = t - err
+        return weights, oof
+
+
+def _code(err: np.ndarray) -> float:
+    """Gaussian code length of errors [T, C]: sum over channels of log(mean squared error)."""
+    sq = np.einsum("ij,ij->j", err, err, dtype=np.float64)
+    return float(np.log(sq / len(err) + 1e-30).sum())
+
+
+def _cholesky(g: np.ndarray, penalty: float) -> torch.Tensor:
+    """Lower Cholesky factor of g + penalty I (g a Gram matrix: positive definite for
+    penalty > 0) in float32, or float64 where rounding made float32's not positive
+    definite."""
     a = g.copy()
     a[np.diag_indices_from(a)] += penalty  # g + penalty I, without an identity matrix
-    with one_torch_thread():
-        for dtype in (torch.float64,) if exact else (torch.float32, torch.float64):
-            ta = torch.from_numpy(a).to(dtype)
-            chol, info = torch.linalg.cholesky_ex(ta)
-            if int(info) == 0:
-                return torch.cholesky_solve(torch.from_numpy(c).to(dtype), chol).numpy()
-        return torch.linalg.solve(torch.from_numpy(a), torch.from_numpy(c)).numpy()
+    chol, info = torch.linalg.cholesky_ex(torch.from_numpy(a).float())
+    return chol if int(info) == 0 else torch.linalg.cholesky(torch.from_numpy(a))
+
+
+def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float) -> np.ndarray:
+    """(g + penalty I)^-1 c, float32."""
+    chol = _cholesky(g, penalty)
+    return torch.cholesky_solve(torch.from_numpy(c).to(chol.dtype), chol).float().numpy()
+
+
+def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a^-1 b for a positive definite a (float32; by LU where rounding made it not so)."""
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) == 0:
+        return torch.cholesky_solve(b, chol).float()
+    return torch.linalg.solve(a.double(), b.double()).float()
 
 
 _PIN = threading.Lock()
