@@ -121,6 +121,10 @@ def real_model(name: str, device: str, fp8: bool = False) -> nn.Module:
     where = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
         p.parent if where else p, dtype=torch.bfloat16, **where).to(device).eval()
+    if where:  # dequantized: a plain bf16 model now, saved as one by --save-plain
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     return _fp8_blocks(model) if fp8 else model
 
 
