@@ -8,21 +8,29 @@ gives every weight back; (2) a decode step captured in a CUDA graph (``torch.cud
 and replayed on new inputs, with the scratch buffer poisoned between replays, gives the
 plain model's logits bit for bit (the whole ``model(...)`` forward where transformers'
 forward can be captured, else embedding, layers, norm and head called in turn); then, for
-each model size asked for (bf16 and fp8), it checks the decode step's logits at batch 1
+each model asked for (random Llamas of a size, ``--layers`` deep if given, or the real
+SmolLM2-135M; bf16 and fp8), it checks the decode step's logits at batch 1
 and 64 bit for bit (the embedding and head decode in row tiles at these shapes) and
 prints (3) memory: coded weights, scratch buffer, what they replace, their ratio against
 the target, and the device memory the model takes before and after; (4) decode-step times
 (one new token per sequence, batch 1 and 64) of the plain and the resident model, eager
 and graph-replayed, and ``generate`` tokens/s; with ``--df11 DIR`` (a DFloat11 checkpoint
-of the bf16 model that ``--save-plain DIR`` writes, made by ``df11_model.py``) the
-same for DFloat11's ``DFloat11Model``. It prints ALL OK at the end, or the failures, and
-exits non-zero on any. With ``--device cpu`` it runs (1) and (3) on the CPU backend (a
-dry run of its logic).
+of the bf16 model that ``--save-plain DIR`` writes, made by ``df11_model.py``) whether
+DFloat11's ``DFloat11Model`` holds every weight and buffer of the plain model bit for bit
+(a failure if not: the checkpoint is of another model), whether its logits are the plain
+model's, and its step times. It prints ALL OK at the end, or the failures, and exits
+non-zero on any. With ``--device cpu`` it runs (1), (3) and short timings on the CPU
+backend, DFloat11's kernel replaced by a CPU reference decode (a dry run of its logic).
 What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of record.
 
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py [--size small 8b-blocks]
         [--granularity block weight] [--tile-bytes block 16777216] [--launches-ahead 2]
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --short
+    PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --size 8b-blocks --layers 32
+        --weights bf16 --no-tiny
+    python3 gpu/resident_check.py --device cpu --size smollm2 --save-plain DIR   (host)
+    PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --short --size smollm2
+        --smollm2 DIR --no-tiny
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --size small 8b-blocks
         --granularity block weight --tile-bytes block 16777216 4194304
         [--chunks 65536 16384 4096] [--ahead 1 4 16] [--launches-ahead 1 2 3]
