@@ -94,7 +94,7 @@ def llama(size: str, device: str, fp8: bool = False, layers: int | None = None
     fields = SIZES[size] if layers is None else {**SIZES[size], "num_hidden_layers": layers}
     cfg = transformers.LlamaConfig(max_position_embeddings=256, **fields)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     return _fp8_blocks(model) if fp8 else model
 
 
