@@ -486,7 +486,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
           f"{'ratio':>6} {'whole':>6} "
           f"{'coded+scratch MiB':>18} {'units':>5} {'launch':>6} | {'b1 eager':>14} "
           f"{'b1 graph':>14} | {'b64 eager':>14} {'b64 graph':>14} | exact | targets met")
-    fails, coded_key = [], None
+    fails, coded_key, defaults = [], None, {}
     with _coding_memo() as memo:
         for opts in grid:
             key = (opts["chunk_size"], opts["tile_bytes"])
@@ -497,7 +497,8 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
             ekt.compress_model(model, **opts)
             mem = ekt.resident_memory(model)
             state = model._entropykit_resident
-            row, exact, met = [], True, ["mem"] if mem.ratio <= TARGET[fp8] else []
+            row, steps, exact = [], [], True
+            met = ["mem"] if mem.ratio <= TARGET[fp8] else []
             for batch in (1, 64):
                 ids, want, want_graph, eager0, graph0 = base[batch]
                 exact &= torch.equal(_bits(_full_step(model, ids)), want)
@@ -506,6 +507,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
                 exact &= torch.equal(_bits(out), want_graph)
                 row.append(f"{eager:7.2f} ({eager / eager0:4.1f}x) "
                            f"{graph:7.2f} ({graph / graph0:4.1f}x)")
+                steps.append(graph / graph0)
                 if graph <= STEP_TARGET[batch] * graph0:
                     met.append(f"b{batch}")
             tile = opts["tile_bytes"]
@@ -519,9 +521,41 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
                   f"{'yes' if exact else 'NO':<5} | {'+'.join(met) or '-'}", flush=True)
             if not exact:
                 fails.append(f"{name} {opts}: logits differ from the plain model's")
+            kind = _default_kind(opts)
+            if kind:
+                defaults[kind] = (mem.ratio, *steps, exact)
             del model, state
             gc.collect()  # the hooks hold the model in cycles: free its device buffers now
+    if len(defaults) == 2:
+        print(_granularity_verdict(name, defaults["block"], defaults["weight"]))
     return fails
+
+
+DEFAULTS = {"block": dict(granularity="block", chunk_size=GPU_CHUNK, ahead=1,
+                          tile_bytes=None, tiles_ahead=1),
+            "weight": dict(granularity="weight", chunk_size=WEIGHT_CHUNK, ahead=2,
+                           tile_bytes=None, tiles_ahead=1)}
+
+
+def _default_kind(opts: dict) -> str | None:
+    """Which granularity's defaults ``opts`` are, if either's."""
+    return next((k for k, d in DEFAULTS.items() if opts == d), None)
+
+
+def _granularity_verdict(name: str, block: tuple, weight: tuple) -> str:
+    """One line comparing the two granularities at their defaults: memory and the
+    graph-replayed steps at batch 1 and 64 (x the plain model's), each (ratio, b1, b64,
+    exact); which is no worse in every column, if either (steps within 5%)."""
+    cols = ("memory", "b1", "b64")
+    cells = ", ".join(f"{c} {b:.3f} / {w:.3f}" for c, b, w in zip(cols, block, weight[:3],
+                                                                       strict=False))
+    exact = block[3] and weight[3]
+    slack = (1.0, 1.05, 1.05)  # steps within 5% count as equal: timing noise
+    wins = [k for k, (a, b) in (("weight", (weight, block)), ("block", (block, weight)))
+            if exact and all(x <= y * t for x, y, t in zip(a[:3], b[:3], slack, strict=True))]
+    return (f"{name} defaults, block / weight: {cells}; "
+            + (f"{wins[0]} is no worse in every column (steps within 5%)" if wins
+               else "neither is no worse in every column" if exact else "not both exact"))
 
 
 def sweep_grid(chunks: list[int], tiles: list[int | None], ahead: list[int],

@@ -950,6 +950,30 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     assert len(calls) == 53 + 21 + 2 * 4
 
 
+def test_device_sweep_compares_the_granularities_defaults() -> None:
+    """The short sweep's grid holds each granularity's defaults once (block: 64 Ki
+    chunks, a ring of two; weight: 16 Ki, a ring of three), and its closing line names the
+    one no worse in memory and in both steps (within 5%), only where both rows are
+    exact."""
+    rc = _resident_check()
+    grid = (rc.sweep_grid([1 << 16], [None], [1], 0, ("block", "weight"), (1,))
+            + rc.sweep_grid([rc.WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2)))
+    assert [rc._default_kind(o) for o in grid] == ["block", None, None, "weight"]
+    for opts in (grid[0], grid[-1]):
+        m = _llama_vocab(256)
+        ekt.compress_model(m, **opts)
+        ref = _llama_vocab(256)
+        ekt.compress_model(ref, granularity=opts["granularity"])
+        a, b = m._entropykit_resident, ref._entropykit_resident
+        assert (a.chunk_size, a.ahead) == (b.chunk_size, b.ahead)  # the defaults indeed
+    line = rc._granularity_verdict("m", (0.889, 3.9, 3.4, True), (0.762, 3.8, 3.45, True))
+    assert line.endswith("weight is no worse in every column (steps within 5%)")
+    line = rc._granularity_verdict("m", (0.889, 1.9, 3.4, True), (0.762, 3.8, 3.4, True))
+    assert line.endswith("neither is no worse in every column")
+    line = rc._granularity_verdict("m", (0.762, 3.8, 3.4, True), (0.889, 3.9, 3.4, False))
+    assert line.endswith("not both exact")
+
+
 def _family(name: str, vocab: int = 256) -> nn.Module:
     """Tiny models of the families resident mode meets (random weights, bf16)."""
     if name == "gpt2":
