@@ -26,8 +26,8 @@ What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of r
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py [--size small 8b-blocks]
         [--granularity block weight] [--tile-bytes block 16777216] [--launches-ahead 2]
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --short
-    PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --size 8b-blocks --layers 32
-        --weights bf16 --no-tiny
+    PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --defaults block weight
+        --size 8b-blocks --layers 32 --weights bf16 --no-tiny
     python3 gpu/resident_check.py --device cpu --size smollm2 --save-plain DIR   (host)
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --short --size smollm2
         --smollm2 DIR --no-tiny
@@ -647,6 +647,10 @@ def main(argv: list[str] | None = None) -> int:
                          "then 8b-blocks at chunk size 65536 with blocks and with weights "
                          "one launch ahead, and with weights one and two launches ahead "
                          "at 16384 (their default)")
+    ap.add_argument("--defaults", nargs="+", choices=sorted(DEFAULTS),
+                    help="with --sweep: only these granularities' default option sets "
+                         "(block: 65536-symbol chunks, a ring of two blocks; weight: 16384, "
+                         "a ring of three Linears)")
     ap.add_argument("--max-launch", type=int, default=1 << 26,
                     help="the sweep skips tiles x ahead above these bytes (a launch's)")
     ap.add_argument("--ratios", metavar="FILE",
@@ -685,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
                           tuple(args.granularity), tuple(args.launches_ahead))
         if args.short:  # and weights at their default chunk size, one and two ahead
             grid += sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2))
+        if args.defaults:
+            grid = [DEFAULTS[k] for k in args.defaults]
         for size in args.size:
             for fp8 in kinds:
                 failures += sweep(size, fp8, args.device, grid, args.layers)
