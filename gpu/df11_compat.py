@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _no_init_weights() -> Callable[[], AbstractContextManager]:
+def find_no_init_weights() -> Callable[[], AbstractContextManager]:
     """transformers' ``no_init_weights`` wherever this version keeps it."""
     import transformers.modeling_utils as mu
 
@@ -57,7 +57,7 @@ def install() -> None:
     import transformers.modeling_utils as mu
 
     if not hasattr(mu, "no_init_weights"):
-        mu.no_init_weights = _no_init_weights()
+        mu.no_init_weights = find_no_init_weights()
     try:
         import pkg_resources  # noqa: F401
     except ImportError:
@@ -137,34 +137,53 @@ def coded_modules(model: Any) -> list[tuple[str, Any]]:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "encoded_exponent")]
 
 
-def weight_mismatches(model: Any, plain: Any) -> list[str]:
-    """What of the DFloat11 ``model`` is not ``plain``'s, bit for bit, by name: each coded
-    unit decoded by its own hook (the weights it injects, under their modules' names),
-    every other state-dict entry, and every buffer (the rotary frequencies too, which no
-    checkpoint holds); empty where it is the same model."""
+def computed_buffers(model: Any) -> dict[str, Any]:
+    """The non-persistent buffers of ``model`` by name: what its code computes when it is
+    built (the rotary frequencies), which no checkpoint stores."""
+    return {f"{prefix}.{name}".removeprefix("."): buf
+            for prefix, module in model.named_modules()
+            for name, buf in module._buffers.items()
+            if buf is not None and name in module._non_persistent_buffers_set}
+
+
+def _raw(t: Any) -> Any:
     import torch
 
-    def entries(m: Any) -> dict[str, torch.Tensor]:
-        both = {**dict(m.named_buffers()), **m.state_dict()}
-        return {k: v for k, v in both.items() if k.rsplit(".", 1)[-1] not in _CODED_BUFFERS}
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
-    def raw(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
-    want = entries(plain)
+def _differs(name: str, got: Any, ref: Any | None) -> str | None:
+    """Why ``got`` is not ``ref`` bit for bit (None where it is)."""
+    import torch
+
+    if ref is None:
+        return f"{name}: not in the plain model"
+    if got.dtype != ref.dtype or got.shape != ref.shape:
+        return (f"{name}: {got.dtype} {tuple(got.shape)}, the plain model's {ref.dtype} "
+                f"{tuple(ref.shape)}")
+    if not torch.equal(_raw(got), _raw(ref).to(got.device)):
+        return f"{name}: other values"
+    return None
+
+
+def weight_mismatches(model: Any, plain: Any) -> list[str]:
+    """What a checkpoint stores of the DFloat11 ``model`` that is not ``plain``'s, bit for
+    bit, by name: each coded unit decoded by its own hook (the weights it injects, under
+    their modules' names) and every other state-dict entry (persistent parameters and
+    buffers); empty where the checkpoint is of the same model. Computed buffers are
+    ``computed_mismatches``' concern."""
+    import torch
+
+    want = {k: v for k, v in plain.state_dict().items()
+            if k.rsplit(".", 1)[-1] not in _CODED_BUFFERS}
     found: list[str] = []
     seen: set[str] = set()
 
     def check(name: str, got: torch.Tensor) -> None:
         seen.add(name)
-        ref = want.get(name)
-        if ref is None:
-            found.append(f"{name}: not in the plain model")
-        elif got.dtype != ref.dtype or got.shape != ref.shape:
-            found.append(f"{name}: {got.dtype} {tuple(got.shape)}, the plain model's "
-                         f"{ref.dtype} {tuple(ref.shape)}")
-        elif not torch.equal(raw(got), raw(ref).to(got.device)):
-            found.append(f"{name}: other values")
+        why = _differs(name, got, want.get(name))
+        if why:
+            found.append(why)
 
     names = {id(m): n for n, m in model.named_modules()}
     with torch.no_grad():
@@ -174,9 +193,37 @@ def weight_mismatches(model: Any, plain: Any) -> list[str]:
             # checked now: the next unit decodes over the same buffer
             for sub in getattr(module, "weight_injection_modules", [module]):
                 check(f"{names[id(sub)]}.weight".removeprefix("."), sub.weight)
-        for name, value in entries(model).items():
-            check(name, value)
+        for name, value in model.state_dict().items():
+            if name.rsplit(".", 1)[-1] not in _CODED_BUFFERS:
+                check(name, value)
     return found + [f"{name}: missing" for name in want if name not in seen]
+
+
+def computed_mismatches(model: Any, plain: Any) -> list[str]:
+    """The computed buffers (``computed_buffers``) of ``model`` that are not ``plain``'s
+    bit for bit, by name: where the two models' code ran on other devices (float32 on a CPU
+    and a GPU rounds differently), not a difference of checkpoints."""
+    got, want = computed_buffers(model), computed_buffers(plain)
+    found = [_differs(name, value, want.get(name)) for name, value in got.items()]
+    return [f for f in found if f] + [f"{name}: missing" for name in want if name not in got]
+
+
+def copy_computed(model: Any, plain: Any) -> list[str]:
+    """``plain``'s computed buffers copied into ``model`` where their values differ (each
+    stays on its device; other names, dtypes or shapes raise ValueError); the names
+    copied."""
+    import torch
+
+    got, want = computed_buffers(model), computed_buffers(plain)
+    names = [m.split(":")[0] for m in computed_mismatches(model, plain)]
+    with torch.no_grad():
+        for name in names:
+            ref = want.get(name)
+            if ref is None or name not in got or (got[name].dtype, got[name].shape) != (
+                    ref.dtype, ref.shape):
+                raise ValueError(f"{name}: the two models' computed buffers do not match")
+            got[name].copy_(ref)
+    return names
 
 
 # DFloat11's buffers of a coded unit: its code, not weights of the model

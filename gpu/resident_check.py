@@ -16,11 +16,13 @@ the target, and the device memory the model takes before and after; (4) decode-s
 (one new token per sequence, batch 1 and 64) of the plain and the resident model, eager
 and graph-replayed, and ``generate`` tokens/s; with ``--df11 DIR`` (a DFloat11 checkpoint
 of the bf16 model that ``--save-plain DIR`` writes, made by ``df11_model.py``) whether
-DFloat11's ``DFloat11Model`` holds every weight and buffer of the plain model bit for bit
-(a failure if not: the checkpoint is of another model), whether its logits are the plain
-model's, and its step times. It prints ALL OK at the end, or the failures, and exits
-non-zero on any. With ``--device cpu`` it runs (1), (3) and short timings on the CPU
-backend, DFloat11's kernel replaced by a CPU reference decode (a dry run of its logic).
+DFloat11's ``DFloat11Model`` holds every weight and buffer a checkpoint stores of the plain
+model bit for bit (a failure if not: the checkpoint is of another model; the buffers the
+model's code computes, the rotary frequencies, are compared apart and shared), whether
+its logits are the plain model's, and its step times. It prints ALL OK at the end, or
+the failures, and exits non-zero on any. With ``--device cpu`` it runs (1), (3) and short
+timings on the CPU backend, DFloat11's kernel replaced by a CPU reference decode (a dry
+run of its logic).
 What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of record.
 
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py [--size small 8b-blocks]
@@ -88,14 +90,42 @@ def llama(size: str, device: str, fp8: bool = False, layers: int | None = None
     """A random Llama of ``size`` (``layers`` blocks if given) in bf16, seeded: every call
     on the same device builds the same one (the CPU's and a GPU's generators differ). It
     is built as ``from_pretrained`` builds a bf16 model, so its buffers (the rotary
-    frequencies) stay float32, as in any model loaded from its checkpoint; with ``fp8``
-    its blocks' Linear weights are fp8 e4m3 with scales."""
+    frequencies) stay float32, as in any model loaded from its checkpoint, and are computed
+    on the CPU (``_cpu_computed``); with ``fp8`` its blocks' Linear weights are fp8 e4m3
+    with scales."""
     torch.manual_seed(0)
     fields = SIZES[size] if layers is None else {**SIZES[size], "num_hidden_layers": layers}
     cfg = transformers.LlamaConfig(max_position_embeddings=256, **fields)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    if torch.device(device).type != "cpu":
+        _cpu_computed(model, cfg)
     return _fp8_blocks(model) if fp8 else model
+
+
+def _df11_compat():
+    """gpu/df11_compat.py (DFloat11's loader glue, and what a checkpoint holds)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import df11_compat
+
+    return df11_compat
+
+
+def _cpu_computed(model: nn.Module, cfg: transformers.PretrainedConfig) -> None:
+    """Set ``model``'s computed buffers (the rotary frequencies, which no checkpoint
+    holds) to those of the same model built on the CPU without initializing its weights,
+    as DFloat11's loader and ``from_pretrained`` build a model before it is moved: their
+    float32 arithmetic on a GPU rounds otherwise, and the models compared must share them."""
+    compat = _df11_compat()
+    # its weights are never written: the pages of their empty storage stay unmapped
+    with compat.find_no_init_weights()(), torch.device("cpu"):
+        ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    want = compat.computed_buffers(ref)
+    with torch.no_grad():
+        for name, buf in compat.computed_buffers(model).items():
+            buf.copy_(want[name])
 
 
 def _fp8_blocks(model: nn.Module) -> nn.Module:
@@ -371,14 +401,10 @@ def _whole_ratio(mem: ekt.ResidentMemory) -> float:
 def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[str]:
     """DFloat11's ``DFloat11Model`` of the same bf16 model: whether it holds the plain
     model's weights and gives its logits bit for bit, and its step times; the failures
-    found (a weight or buffer that is not the plain model's: the checkpoint is of another
-    model). Logits that differ from equal weights are reported, not failed: they are
-    DFloat11's forward."""
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import df11_compat  # what DFloat11 0.5.0 imports, on transformers 5
-
+    found (a stored weight or buffer that is not the plain model's: the checkpoint is of
+    another model). Logits that differ from equal weights are reported, not failed: they
+    are DFloat11's forward."""
+    df11_compat = _df11_compat()  # what DFloat11 0.5.0 imports, on transformers 5
     if importlib.util.find_spec("dfloat11") is None:
         print("  DFloat11: not measured (dfloat11 is not installed)")
         return []
@@ -389,15 +415,9 @@ def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[st
     except Exception as e:  # its API or the checkpoint: say so, the rest stands
         print(f"  DFloat11: not measured (DFloat11Model.from_pretrained: {e!r:.200})")
         return []
-    wrong = df11_compat.weight_mismatches(model, plain)
-    units = len(df11_compat.coded_modules(model))
-    if wrong:
-        print(f"  DFloat11's model from {path} is not this one: {len(wrong)} entries differ "
-              f"({'; '.join(wrong[:4])})")
-        return [f"{name}: DFloat11's model from {path} is not the plain model "
-                f"({len(wrong)} entries differ, e.g. {wrong[0]})"]
-    print(f"  DFloat11: {units} coded units and every other weight and buffer the plain "
-          "model's bit for bit")
+    fails = df11_compare(name, model, plain, path)
+    if fails:
+        return fails
     prompt = _ids(plain.config.vocab_size, 2, 17, device, 3)
     for label, ids in [("17-token prompt", prompt)] + [
             (f"decode step, batch {b}", _ids(plain.config.vocab_size, b, 1, device, 1))
@@ -414,6 +434,32 @@ def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[st
         row = [f"eager {_time(lambda ids=ids: _full_step(model, ids), device):.3f} ms",
                f"generate {_generate_rate(model, ids, device):.0f} tok/s"]
         print(f"  DFloat11 decode step, batch {batch}: " + " ".join(row))
+    return []
+
+
+def df11_compare(name: str, model: nn.Module, plain: nn.Module, path: str) -> list[str]:
+    """Whether DFloat11's ``model`` (loaded from ``path``) is ``plain``, printed; the
+    failures (an entry a checkpoint stores, decoded or not, that is not the plain model's
+    bit for bit). The buffers the models' code computes (no checkpoint stores them) are
+    compared apart: where they differ, the plain model's are copied into ``model`` so that
+    the logits compare the checkpoints, and the line says so."""
+    compat = _df11_compat()
+    wrong = compat.weight_mismatches(model, plain)
+    if wrong:
+        print(f"  DFloat11's model from {path} is not this one: {len(wrong)} stored entries "
+              f"differ ({'; '.join(wrong[:4])})")
+        return [f"{name}: DFloat11's model from {path} is not the plain model "
+                f"({len(wrong)} stored entries differ, e.g. {wrong[0]})"]
+    computed = ", ".join(compat.computed_buffers(plain)) or "none"
+    try:
+        copied = compat.copy_computed(model, plain)
+    except ValueError as e:  # other computed buffers: other code built the models
+        print(f"  DFloat11's model from {path} is not this one: {e}")
+        return [f"{name}: DFloat11's model from {path} is not the plain model ({e})"]
+    print(f"  DFloat11: {len(compat.coded_modules(model))} coded units and every other "
+          "stored weight and buffer the plain model's bit for bit; computed buffers "
+          f"({computed}): " + (f"{', '.join(copied)} differ, the plain model's copied in"
+                               if copied else "the plain model's bit for bit"))
     return []
 
 

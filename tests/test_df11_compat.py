@@ -129,6 +129,61 @@ def test_saved_plain_model_is_the_compared_one(tmp_path, monkeypatch) -> None:
         assert torch.equal(rc._bits(loaded.eval()(ids).logits), rc._bits(plain(ids).logits))
 
 
+def _last_bit(t) -> None:
+    """``t`` (float32) with its first value one unit in the last place larger."""
+    t.view(torch.int32)[0] += 1
+
+
+def test_comparison_is_of_what_a_checkpoint_stores(capsys) -> None:
+    """Two models whose rotary frequencies (computed, stored by no checkpoint) differ in
+    the last bit, as when one was built on a GPU: every stored entry equal, so the
+    comparison passes, names the computed buffers and copies the plain model's in (the
+    logits are then the plain model's); a stored weight one apart fails, naming it,
+    however equal the computed buffers."""
+    rc = _rc()
+    compat = _module("df11_compat")
+    plain, model = rc.llama("tiny", "cpu", layers=2), rc.llama("tiny", "cpu", layers=2)
+    assert sorted(compat.computed_buffers(plain)) == [
+        "model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    _last_bit(model.model.rotary_emb.inv_freq)
+    assert compat.weight_mismatches(model, plain) == []
+    assert compat.computed_mismatches(model, plain) == ["model.rotary_emb.inv_freq: other values"]
+    ids = rc._ids(plain.config.vocab_size, 2, 17, "cpu", 3)
+    with torch.no_grad():
+        assert rc.df11_compare("tiny", model, plain, "DIR") == []
+        assert torch.equal(rc._bits(model(ids).logits), rc._bits(plain(ids).logits))
+    line = capsys.readouterr().out
+    assert "every other stored weight and buffer the plain model's bit for bit" in line
+    assert ("computed buffers (model.rotary_emb.inv_freq, model.rotary_emb.original_inv_freq)"
+            ": model.rotary_emb.inv_freq differ, the plain model's copied in") in line
+    assert compat.computed_mismatches(model, plain) == []
+    assert rc.df11_compare("tiny", model, plain, "DIR") == []
+    assert capsys.readouterr().out.endswith(
+        "model.rotary_emb.original_inv_freq): the plain model's bit for bit\n")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] += 1
+    _last_bit(model.model.rotary_emb.original_inv_freq)
+    assert rc.df11_compare("tiny", model, plain, "DIR") == [
+        "tiny: DFloat11's model from DIR is not the plain model (1 stored entries differ, "
+        "e.g. model.layers.1.mlp.up_proj.weight: other values)"]
+
+
+def test_plain_model_computes_its_buffers_on_the_cpu() -> None:
+    """``_cpu_computed`` gives a model the computed buffers of the same model built on
+    the CPU (where DFloat11's loader builds its own): one built elsewhere, whose float32
+    rounded otherwise, gets them back bit for bit; stored weights are left as they are."""
+    rc = _rc()
+    compat = _module("df11_compat")
+    want = rc.llama("tiny", "cpu", layers=2)
+    model = rc.llama("tiny", "cpu", layers=2)
+    _last_bit(model.model.rotary_emb.inv_freq)
+    _last_bit(model.model.rotary_emb.original_inv_freq)
+    assert len(compat.computed_mismatches(model, want)) == 2
+    rc._cpu_computed(model, model.config)
+    assert compat.computed_mismatches(model, want) == []
+    assert compat.weight_mismatches(model, want) == []
+
+
 def _dfloat11_or_skip(monkeypatch):
     """DFloat11's module (skipping without its wheels), its kernel launch and CuPy
     restored after the test; gpu/ on the path."""
@@ -175,7 +230,8 @@ def test_dfloat11_model_is_the_plain_one(tmp_path, monkeypatch) -> None:
     ``DFloat11Model.from_pretrained`` through the shim with the reference decode in its
     kernel's place: each block's seven Linears, the embedding and the head coded and
     hooked, every decoded weight, norm and buffer the plain model's bit for bit, and its
-    logits over a prompt and a decode step too; a model with one other weight is told."""
+    logits over a prompt and a decode step too; a model with one other weight is told, and
+    one with other computed buffers apart from it."""
     compat, _D = _dfloat11_or_skip(monkeypatch)
     rc = _rc()
     plain, out = _df11_of(tmp_path, "cpu")
@@ -198,19 +254,22 @@ def test_dfloat11_model_is_the_plain_one(tmp_path, monkeypatch) -> None:
         assert compat.weight_mismatches(model, other) == [
             "model.layers.1.mlp.up_proj.weight: other values"]
         other.to(torch.bfloat16)  # what resident_check's plain model was: buffers cast
-        assert [m.split(":")[0] for m in compat.weight_mismatches(model, other)] == [
-            "model.layers.1.mlp.up_proj.weight", "model.rotary_emb.inv_freq",
-            "model.rotary_emb.original_inv_freq"]
+        assert compat.weight_mismatches(model, other) == [
+            "model.layers.1.mlp.up_proj.weight: other values"]
+        assert [m.split(":")[0] for m in compat.computed_mismatches(model, other)] == [
+            "model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
 
 
 @pytest.mark.cuda
 def test_dfloat11_model_on_the_gpu_is_the_plain_one(tmp_path, monkeypatch) -> None:
     """On the GPU: the checkpoint of the model resident_check builds there (checked by
     DFloat11's kernel as it is written), loaded by DFloat11 onto the GPU, holds every
-    weight of that model bit for bit as its kernel decodes them."""
+    weight of that model bit for bit as its kernel decodes them, and the same computed
+    buffers (DFloat11 builds its model on the CPU, resident_check computes them there)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     compat, _D = _dfloat11_or_skip(monkeypatch)
     plain, out = _df11_of(tmp_path, "cuda:0")
     model = compat.load(str(out), "cuda:0")
     assert compat.weight_mismatches(model, plain) == []
+    assert compat.computed_mismatches(model, plain) == []  # both computed on the CPU
