@@ -294,8 +294,31 @@ def _time(fn: Callable[[], object], device: str, n: int = 20) -> float:
     return sorted(times)[n // 2]
 
 
-def _weights_bytes(device: str) -> int:
-    return torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
+def _allocated(device: str) -> int:
+    """Bytes of the tensors alive on ``device`` (0 off CUDA), read after garbage in
+    reference cycles is collected: a resident model and its hooks form one, which Python
+    frees only when its collector runs, at some later allocation."""
+    gc.collect()
+    if not device.startswith("cuda"):
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _built(make: Callable[[], nn.Module], opts: dict, device: str
+           ) -> tuple[nn.Module, nn.Module, float, int, int]:
+    """``make()``'s model compressed with ``opts``, a plain copy of it, compress_model's
+    seconds, and the device bytes the model takes plain and resident: the allocator's live
+    bytes across building it and across compressing it (the copy made in between)."""
+    base = _allocated(device)
+    model = make()
+    plain_bytes = _allocated(device) - base
+    plain = copy.deepcopy(model)
+    mark = _allocated(device)
+    t = time.perf_counter()
+    ekt.compress_model(model, **opts)
+    took = time.perf_counter() - t
+    return model, plain, took, plain_bytes, plain_bytes + _allocated(device) - mark
 
 
 WEIGHT_CHUNK = 1 << 14  # compress_model's default chunk size by weight
@@ -346,16 +369,8 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     opts = _opts(tile_bytes)
     name = f"{_model_name(size, layers)} {'fp8 e4m3' if fp8 else 'bf16'}" + (
         f" {_label(opts)}" if _label(opts) else "")
-    if cuda:
-        torch.cuda.empty_cache()
-    base = _weights_bytes(device)
-    model = build(size, device, fp8, layers)
-    before = _weights_bytes(device) - base
-    plain = copy.deepcopy(model)
-    t = time.perf_counter()
-    ekt.compress_model(model, **opts)
-    took = time.perf_counter() - t
-    after = _weights_bytes(device) - base - before  # the plain copy's share taken off
+    model, plain, took, before, after = _built(
+        lambda: build(size, device, fp8, layers), opts, device)
     mem = ekt.resident_memory(model)
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     units = model._entropykit_resident.units
@@ -382,6 +397,7 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
             _steps(label, m, device, batch) for label, m in
             (("plain", plain), ("resident", model))))
     del model
+    gc.collect()  # its hooks hold it in a cycle: its device memory goes now
     if df11 and not fp8:
         fails += _df11_report(name, plain, df11, device)
     return fails

@@ -974,6 +974,51 @@ def test_device_sweep_compares_the_granularities_defaults() -> None:
     assert line.endswith("not both exact")
 
 
+def test_device_memory_of_a_row_ignores_an_earlier_rows_garbage(monkeypatch) -> None:
+    """The device bytes a row prints for the model, plain and resident, are the model's
+    own, though an earlier row's resident model is still held by the cycle its hooks form
+    and Python's collector frees it while this row compresses (the allocator's live bytes
+    on a stand-in device: blocks that count themselves while alive)."""
+    import gc
+    import weakref
+
+    rc = _resident_check()
+    live = [0]
+
+    class Block:  # device bytes, counted while alive
+        def __init__(self, n: int) -> None:
+            self.n = n
+            live[0] += n
+            weakref.finalize(self, lambda: live.__setitem__(0, live[0] - n))
+
+        def __deepcopy__(self, memo: dict) -> Block:
+            return Block(self.n)
+
+    def make() -> nn.Module:
+        model = nn.Linear(2, 2)
+        model.held = Block(3000)
+        return model
+
+    def compress(model: nn.Module, **opts) -> None:
+        model.held = Block(1000)  # the plain weights go, coded ones come
+        model.hooks = [model]  # a cycle, as resident mode's hooks form
+        gc.collect()  # the collector runs meanwhile: the earlier row's model goes
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: live[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+    monkeypatch.setattr(rc.ekt, "compress_model", compress)
+    gc.disable()  # the collector runs only where the row, or the stand-in, runs it
+    try:
+        earlier = make()
+        earlier.hooks = [earlier]
+        del earlier  # 3000 bytes of garbage, held by its cycle
+        model, plain, _took, before, after = rc._built(make, {}, "cuda:0")
+        assert (before, after) == (3000, 1000)
+        assert (model.held.n, plain.held.n, live[0]) == (1000, 3000, 4000)
+    finally:
+        gc.enable()
+
+
 def _family(name: str, vocab: int = 256) -> nn.Module:
     """Tiny models of the families resident mode meets (random weights, bf16)."""
     if name == "gpt2":
