@@ -431,26 +431,41 @@ def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[st
     except Exception as e:  # its API or the checkpoint: say so, the rest stands
         print(f"  DFloat11: not measured (DFloat11Model.from_pretrained: {e!r:.200})")
         return []
+    return df11_side_by_side(name, model, plain, path, device)
+
+
+def df11_side_by_side(name: str, model: nn.Module, plain: nn.Module, path: str,
+                      device: str) -> list[str]:
+    """DFloat11's ``model`` (loaded from ``path``) against ``plain``: the comparison
+    (``df11_compare``), its logits over a prompt and decode steps (from the same model
+    only), and its decode-step times beside the plain model's with that verdict, printed
+    whatever the verdict; the failures."""
     fails = df11_compare(name, model, plain, path)
-    if fails:
-        return fails
-    prompt = _ids(plain.config.vocab_size, 2, 17, device, 3)
-    for label, ids in [("17-token prompt", prompt)] + [
-            (f"decode step, batch {b}", _ids(plain.config.vocab_size, b, 1, device, 1))
-            for b in (1, 64)]:
-        got, want = _full_step(model, ids), _full_step(plain, ids)
-        if torch.equal(_bits(got), _bits(want)):
-            print(f"  DFloat11 logits, {label}: exact")
-        else:
-            d = (got.float() - want.float()).abs()
-            print(f"  DFloat11 logits, {label}: NOT exact ({(d > 0).float().mean().item():.1%}"
-                  f" differ, by up to {d.max().item():.3g})")
+    verdict = "NOT the plain model's weights" if fails else "the plain model's weights"
+    if not fails:
+        prompt = _ids(plain.config.vocab_size, 2, 17, device, 3)
+        exact = True
+        for label, ids in [("17-token prompt", prompt)] + [
+                (f"decode step, batch {b}", _ids(plain.config.vocab_size, b, 1, device, 1))
+                for b in (1, 64)]:
+            got, want = _full_step(model, ids), _full_step(plain, ids)
+            if torch.equal(_bits(got), _bits(want)):
+                print(f"  DFloat11 logits, {label}: exact")
+            else:
+                exact = False
+                d = (got.float() - want.float()).abs()
+                print(f"  DFloat11 logits, {label}: NOT exact ("
+                      f"{(d > 0).float().mean().item():.1%} differ, by up to "
+                      f"{d.max().item():.3g})")
+        verdict += ", logits exact" if exact else ", logits NOT exact"
     for batch in (1, 64):
         ids = _ids(plain.config.vocab_size, batch, 1, device, 0)
-        row = [f"eager {_time(lambda ids=ids: _full_step(model, ids), device):.3f} ms",
-               f"generate {_generate_rate(model, ids, device):.0f} tok/s"]
-        print(f"  DFloat11 decode step, batch {batch}: " + " ".join(row))
-    return []
+        ms = _time(lambda ids=ids: _full_step(model, ids), device)
+        base = _time(lambda ids=ids: _full_step(plain, ids), device)
+        print(f"  DFloat11 decode step, batch {batch}: eager {ms:.3f} ms ({ms / base:.2f}x "
+              f"the plain model's {base:.3f} ms), generate "
+              f"{_generate_rate(model, ids, device):.0f} tok/s [{verdict}]")
+    return fails
 
 
 def df11_compare(name: str, model: nn.Module, plain: nn.Module, path: str) -> list[str]:

@@ -168,6 +168,36 @@ def test_comparison_is_of_what_a_checkpoint_stores(capsys) -> None:
         "e.g. model.layers.1.mlp.up_proj.weight: other values)"]
 
 
+def test_side_by_side_prints_the_times_whatever_the_verdict(capsys, monkeypatch) -> None:
+    """The DFloat11 rows (decode-step times at batch 1 and 64 beside the plain model's)
+    are printed after the comparison with its verdict beside them: also where the model
+    is another one (a failure, returned), where no logits are compared. (Timing stubbed:
+    what is printed is the point here.)"""
+    rc = _rc()
+    monkeypatch.setattr(rc, "_time", lambda fn, device, n=20: 2.0)
+    monkeypatch.setattr(rc, "_generate_rate", lambda model, ids, device, new=32: 50.0)
+    plain, model = rc.llama("tiny", "cpu", layers=2), rc.llama("tiny", "cpu", layers=2)
+    with torch.no_grad():
+        assert rc.df11_side_by_side("tiny", model, plain, "DIR", "cpu") == []
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == [
+        "  DFloat11", "  DFloat11 logits, 17-token prompt",
+        "  DFloat11 logits, decode step, batch 1", "  DFloat11 logits, decode step, batch 64",
+        "  DFloat11 decode step, batch 1", "  DFloat11 decode step, batch 64"]
+    assert all(line.endswith("[the plain model's weights, logits exact]") for line in out[-2:])
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7, 1] += 1
+        fails = rc.df11_side_by_side("tiny", model, plain, "DIR", "cpu")
+    assert fails == ["tiny: DFloat11's model from DIR is not the plain model (1 stored "
+                     "entries differ, e.g. model.embed_tokens.weight: other values)"]
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and out[0].startswith("  DFloat11's model from DIR is not this one")
+    for batch, line in zip((1, 64), out[1:], strict=True):
+        assert line.startswith(f"  DFloat11 decode step, batch {batch}: eager ")
+        assert "eager 2.000 ms (1.00x the plain model's 2.000 ms), generate 50 tok/s" in line
+        assert line.endswith("[NOT the plain model's weights]")
+
+
 def test_plain_model_computes_its_buffers_on_the_cpu() -> None:
     """``_cpu_computed`` gives a model the computed buffers of the same model built on
     the CPU (where DFloat11's loader builds its own): one built elsewhere, whose float32
