@@ -107,7 +107,9 @@ def _df11_compat():
     """gpu/df11_compat.py (DFloat11's loader glue, and what a checkpoint holds)."""
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     import df11_compat
 
     return df11_compat
