@@ -5,7 +5,10 @@ bytes, gaps and output positions, for the same Huffman code table - so that DFlo
 decode kernel (``decode.ptx`` from the wheel, launched as ``dfloat11.py`` launches it) can be
 timed on gigabytes: the package's encoder is a Python loop over every symbol (~1 us each).
 ``gpu/bench_gpu.py --df11-selftest`` checks the twin against the package's encoder.
-What it is not: part of entropykit, or a reimplementation of the decoder.
+``decode_reference`` reads the same buffers back on the CPU, one code after another
+through the package's lookup tables, so that a DFloat11 model can be checked without a GPU.
+What it is not: part of entropykit, or a fast or parallel decoder (the kernel's thread
+gaps and block positions are not used).
 
 The package is loaded from its files, without ``dfloat11/__init__.py`` (which imports
 transformers, accelerate and pkg_resources for the model wrapper this benchmark does not use).
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
 BYTES_PER_THREAD = 8  # dfloat11.py's constants, which its kernel assumes
 THREADS_PER_BLOCK = 512
@@ -150,6 +154,55 @@ def other_bits(bf16_bits: torch.Tensor) -> torch.Tensor:
     """DFloat11's uncoded byte: sign bit | 7 mantissa bits, per value (uint8)."""
     w = bf16_bits.to(torch.int32)
     return (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8)
+
+
+@njit(cache=True)
+def _walk(luts: np.ndarray, encoded: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` exponents of ``encoded``: each code's bytes looked up in ``luts``
+    (a value of 256 - k points to table k for the next byte; any other is the exponent),
+    then the code's length (the last row) skipped. -1 where the stream runs out."""
+    tables = luts.shape[0] - 1
+    out = np.empty(n, np.int16)
+    nbits = encoded.size * 8
+    pos = 0
+    for i in range(n):
+        t = 0
+        level = 0
+        while True:
+            at = pos + 8 * level
+            byte = 0
+            for k in range(8):  # the 8 bits from ``at``, most significant first; 0 past the end
+                b = at + k
+                bit = (encoded[b >> 3] >> (7 - (b & 7))) & 1 if b < nbits else 0
+                byte = (byte << 1) | bit
+            v = int(luts[t, byte])
+            if tables > 1 and v > 256 - tables:
+                t = 256 - v
+                level += 1
+                continue
+            break
+        length = int(luts[tables, v])
+        if length == 0 or pos + length > nbits:
+            out[i:] = -1
+            return out
+        out[i] = v
+        pos += length
+    return out
+
+
+def decode_reference(luts: torch.Tensor, encoded: torch.Tensor, sign_mantissa: torch.Tensor
+                     ) -> torch.Tensor:
+    """bf16 values (as int16 bits) of DFloat11's buffers, decoded on the CPU: what its kernel
+    writes. ``luts`` as ``get_luts`` returns them, ``encoded`` the code bytes, one
+    ``sign_mantissa`` byte a value. Raises ValueError where the codes do not cover every
+    value."""
+    n = sign_mantissa.numel()
+    exp = _walk(luts.cpu().numpy().astype(np.uint8), encoded.cpu().numpy().view(np.uint8), n)
+    if n and exp[-1] < 0:
+        raise ValueError("DFloat11 codes end before every value is decoded")
+    sm = sign_mantissa.cpu().numpy().view(np.uint8).astype(np.int32)
+    bits = ((sm & 0x80) << 8) | (exp.astype(np.int32) << 7) | (sm & 0x7F)
+    return torch.from_numpy(bits.astype(np.uint16).view(np.int16))
 
 
 class Kernel:

@@ -61,32 +61,48 @@ def _encode_weights(weights, codec, bytes_per_thread, threads_per_block):
     return (encoded.cpu(), df11_codec.other_bits(bits), positions.cpu(), gaps.cpu(), split)
 
 
+def build(model: torch.nn.Module, out: Path) -> int:
+    """Write ``model`` (bf16, Llama-style; its coded weights are taken off it) as a
+    DFloat11 checkpoint in ``out``; the number of blocks DFloat11's kernel checked (none
+    without a GPU: ``df11_compat.weight_mismatches`` checks the loaded model instead)."""
+    import df11_compat
+
+    df11_compat.install()  # dfloat11 imports pkg_resources, which setuptools may lack
+    check = torch.cuda.is_available()
+    if not check:
+        df11_compat.use_cpu_kernel()  # its import needs CuPy
+    from dfloat11 import dfloat11 as D
+
+    real = D.encode_weights
+    D.encode_weights = _encode_weights
+    out.mkdir(parents=True, exist_ok=True)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):  # a code table and a line per block
+            D.compress_model(model, LLAMA_PATTERNS, str(out), save_single_file=True,
+                             check_correctness=check)
+    finally:
+        D.encode_weights = real
+    # compress_model leaves a config.json holding only dfloat11_config; from_pretrained
+    # reads the model's config from there too.
+    model.config.save_pretrained(out)
+    return log.getvalue().count("Correctness check passed")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("plain", type=Path, help="a bf16 model directory (save_pretrained)")
     ap.add_argument("out", type=Path, help="the DFloat11 checkpoint directory to write")
     args = ap.parse_args(argv)
-    import df11_compat
     import transformers
-
-    df11_compat.install()  # dfloat11 imports pkg_resources, which setuptools may lack
-    from dfloat11 import dfloat11 as D
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.plain,
                                                               dtype=torch.bfloat16)
-    D.encode_weights = _encode_weights
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):  # a code table and a line per block
-        D.compress_model(model, LLAMA_PATTERNS, str(args.out), save_single_file=True,
-                         check_correctness=True)
-    checks = log.getvalue().count("Correctness check passed")
-    # compress_model leaves a config.json holding only dfloat11_config; from_pretrained
-    # reads the model's config from there too.
-    model.config.save_pretrained(args.out)
+    checks = build(model, args.out)
     size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
-    print(f"DFloat11 checkpoint {args.out}: {size / 2**20:,.0f} MiB, {checks} blocks "
-          "checked by DFloat11's kernel")
+    checked = (f"{checks} blocks checked by DFloat11's kernel" if torch.cuda.is_available()
+               else "not checked here (no GPU): resident_check --df11 checks the model it loads")
+    print(f"DFloat11 checkpoint {args.out}: {size / 2**20:,.0f} MiB, {checked}")
     return 0
 
 

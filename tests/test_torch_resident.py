@@ -950,6 +950,75 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
     assert len(calls) == 53 + 21 + 2 * 4
 
 
+def test_device_sweep_compares_the_granularities_defaults() -> None:
+    """The short sweep's grid holds each granularity's defaults once (block: 64 Ki
+    chunks, a ring of two; weight: 16 Ki, a ring of three), and its closing line names the
+    one no worse in memory and in both steps (within 5%), only where both rows are
+    exact."""
+    rc = _resident_check()
+    grid = (rc.sweep_grid([1 << 16], [None], [1], 0, ("block", "weight"), (1,))
+            + rc.sweep_grid([rc.WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2)))
+    assert [rc._default_kind(o) for o in grid] == ["block", None, None, "weight"]
+    for opts in (grid[0], grid[-1]):
+        m = _llama_vocab(256)
+        ekt.compress_model(m, **opts)
+        ref = _llama_vocab(256)
+        ekt.compress_model(ref, granularity=opts["granularity"])
+        a, b = m._entropykit_resident, ref._entropykit_resident
+        assert (a.chunk_size, a.ahead) == (b.chunk_size, b.ahead)  # the defaults indeed
+    line = rc._granularity_verdict("m", (0.889, 3.9, 3.4, True), (0.762, 3.8, 3.45, True))
+    assert line.endswith("weight is no worse in every column (steps within 5%)")
+    line = rc._granularity_verdict("m", (0.889, 1.9, 3.4, True), (0.762, 3.8, 3.4, True))
+    assert line.endswith("neither is no worse in every column")
+    line = rc._granularity_verdict("m", (0.762, 3.8, 3.4, True), (0.889, 3.9, 3.4, False))
+    assert line.endswith("not both exact")
+
+
+def test_device_memory_of_a_row_ignores_an_earlier_rows_garbage(monkeypatch) -> None:
+    """The device bytes a row prints for the model, plain and resident, are the model's
+    own, though an earlier row's resident model is still held by the cycle its hooks form
+    and Python's collector frees it while this row compresses (the allocator's live bytes
+    on a stand-in device: blocks that count themselves while alive)."""
+    import gc
+    import weakref
+
+    rc = _resident_check()
+    live = [0]
+
+    class Block:  # device bytes, counted while alive
+        def __init__(self, n: int) -> None:
+            self.n = n
+            live[0] += n
+            weakref.finalize(self, lambda: live.__setitem__(0, live[0] - n))
+
+        def __deepcopy__(self, memo: dict) -> Block:
+            return Block(self.n)
+
+    def make() -> nn.Module:
+        model = nn.Linear(2, 2)
+        model.held = Block(3000)
+        return model
+
+    def compress(model: nn.Module, **opts) -> None:
+        model.held = Block(1000)  # the plain weights go, coded ones come
+        model.hooks = [model]  # a cycle, as resident mode's hooks form
+        gc.collect()  # the collector runs meanwhile: the earlier row's model goes
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: live[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+    monkeypatch.setattr(rc.ekt, "compress_model", compress)
+    gc.disable()  # the collector runs only where the row, or the stand-in, runs it
+    try:
+        earlier = make()
+        earlier.hooks = [earlier]
+        del earlier  # 3000 bytes of garbage, held by its cycle
+        model, plain, _took, before, after = rc._built(make, {}, "cuda:0")
+        assert (before, after) == (3000, 1000)
+        assert (model.held.n, plain.held.n, live[0]) == (1000, 3000, 4000)
+    finally:
+        gc.enable()
+
+
 def _family(name: str, vocab: int = 256) -> nn.Module:
     """Tiny models of the families resident mode meets (random weights, bf16)."""
     if name == "gpt2":

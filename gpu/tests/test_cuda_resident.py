@@ -8,7 +8,8 @@ also after the scratch buffer is poisoned with NaN, and ``decompress_model`` giv
 weight back; a step captured in a CUDA graph and replayed on new inputs, the buffer
 poisoned between replays, gives the plain model's logits; the same with tiles decoded
 several to a launch in small chunks, and for each option set of a small sweep; the
-memory accounting adds up to the device memory the weights take.
+memory accounting adds up to the device memory the weights take; a model built on the
+GPU computes its rotary frequencies as one built on the CPU does.
 What it is not: the timings (resident_check.py prints them).
 """
 
@@ -143,3 +144,21 @@ def test_weight_ring_is_three_of_the_largest_linears(fp8):
             _, out = rc._graph_ms(model, ids, DEV, poison=True)
             _, want_graph = rc._graph_ms(plain, ids, DEV, poison=False)
             assert torch.equal(rc._bits(out), rc._bits(want_graph))
+
+
+def test_computed_buffers_are_the_cpu_ones():
+    """A model built on the GPU holds the rotary frequencies of the same model built on
+    the CPU (where DFloat11's loader and ``from_pretrained`` build one) bit for bit, with
+    Llama-8B's head size, whose float32 frequencies the GPU rounds otherwise."""
+    import transformers
+
+    compat = rc._df11_compat()
+    model = rc.llama("8b-blocks", DEV, layers=1)
+    with compat.find_no_init_weights()(), torch.device("cpu"):
+        ref = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+    assert compat.computed_mismatches(model, ref) == []
+    assert sorted(compat.computed_buffers(model)) == [
+        "model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
