@@ -127,6 +127,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=args.work))
     rows = []
     try:
