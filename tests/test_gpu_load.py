@@ -458,3 +458,17 @@ def test_damage_in_each_kind_of_staged_range(tmp_path, kind):
         emulated_tensors(damaged)
     assert str(got.value) == msg and str(got.value).startswith("tensor '")
     assert " segment 0: field " in msg
+
+
+@pytest.mark.parametrize("head", [8, 40, 1000])
+def test_heads_longer_than_the_first_read(tmp_path, monkeypatch, head):
+    """Frame headers, class maps and directories longer than the head first read: read
+    again longer (what is parsed comes from one read), and the load is exact."""
+    ek, _ = _staged_file(tmp_path)
+    monkeypatch.setattr(fileplan, "HEAD", head)
+    c = Compressed(source.FileBytes(ek))
+    assert sum(len(p.files) for g in fileplan.groups(c, 2) for p in g.parts) == 4
+    got, want = emulated_tensors(c, 2), _cpu_bytes(ek)
+    assert list(got) == list(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name

@@ -58,6 +58,10 @@ from ..source import Arena
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
 RUN_BYTES = 1 << 20  # output bytes of the small segments one thread plans in a row
+# Threads the plan runs on at most: with large payloads staged from the file, what is
+# left is mostly Python holding the GIL, which more threads only contend for (with the
+# loader's thread, and transformers' in from_pretrained); the file reads use every thread.
+PLAN_THREADS = 4
 # A field payload larger than this (rANS, rans2d or raw, placed by the kernel) is staged
 # straight from the file: the host reads its first ``HEAD`` bytes (header, class maps,
 # directory; more if they are longer) and the device checks the rest's CRCs.
@@ -222,7 +226,9 @@ def _frame_end(head: np.ndarray, at: int) -> int:
 def _staged_frame(piece: Piece, part: _Head, skip: int, label: str) -> Stream:
     """The rANS frame at byte ``skip`` of a staged payload: parsed from its head, its raw
     chunks' CRCs left to the device."""
-    head = part.need(_frame_end(part.need(skip + _frame.HEADER_SIZE), skip))
+    head = part.need(skip + _frame.HEADER_SIZE)
+    while (grown := part.need(_frame_end(head, skip))) is not head:
+        head = grown  # read again longer: parse what one read gave, header to directory
     try:
         info = _frame.parse(CODER, head[skip:], size=part.size - skip)
     except CorruptDataError as e:
@@ -260,14 +266,17 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
                                    "no context")
         part.stage(piece, s, 0)
         return s
-    while True:  # rans2d: its class maps, however long, then its frame
+    while True:  # rans2d: its class maps, however long, and its frame's head, in one read
+        data = part.data
         try:
-            p = classed.parse(part.data, n)
-            break
+            p = classed.parse(data, n)
         except CorruptDataError as e:
-            if part.data.size >= part.size:
+            if data.size >= part.size:
                 raise CorruptDataError(f"{label}: {e}") from None
-            part.need(2 * part.data.size)
+            part.need(2 * data.size)
+            continue
+        if part.need(_frame_end(part.need(p.body + _frame.HEADER_SIZE), p.body)) is data:
+            break
     if p.cols > GRID_MAX_WIDTH:
         return Stream.plain(classed.decode(part.whole(), n), label)
     s = _staged_frame(piece, part, p.body, f"{label} frame")
@@ -541,13 +550,15 @@ def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | No
            warps: int = WARPS, group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
     """The groups decoding every tensor of ``c`` (or only ``entries``, some of its
     ``original`` entries), tensors numbered in data order (``c.keys()``, or as
-    ``entries`` lists them); segments are planned ``threads`` at a time, ahead of use,
+    ``entries`` lists them); segments are planned ``threads`` (at most
+    ``PLAN_THREADS``) at a time, ahead of use,
     each run of them reading its own field payloads (``Compressed.parts_of``)."""
     entries = c.original.by_offset if entries is None else entries
     pending: list[Piece] = []
     size = 0
     arena = Arena()  # the reads of runs held together until their group is staged
-    results = imap(lambda run: _plan_run(c, run, arena), _jobs(c, entries), threads)
+    results = imap(lambda run: _plan_run(c, run, arena), _jobs(c, entries),
+                   min(threads, PLAN_THREADS))
     try:
         for pieces in results:
             for piece in pieces:
