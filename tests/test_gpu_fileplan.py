@@ -7,7 +7,8 @@ descriptor, table, payload copy, stream byte and label the kernel and the stager
 compared with the plan made segment by segment as before (each segment read alone by
 ``segment_parts``, zlib CRCs, tables split row by row) on files of every dtype and codec
 the GPU path takes, many tiny tensors, multi-segment tensors, old EKT1 files, and damaged
-files, which must fail with the same error.
+files, which must fail with the same error. A stream the plan stages from the file (a
+large payload: only its head is read here) must hold there the bytes the reference read.
 """
 
 import dataclasses
