@@ -17,7 +17,7 @@ import numpy as np
 
 from ..._cuda import nvrtc
 
-PIECE = 4096  # bytes a thread checks: a multiple of the kernel's 16-byte loads
+PIECE = 1024  # bytes a thread checks: a multiple of the kernel's 16-byte loads
 BLOCK = 256
 MAX_BLOCKS = 8192
 
