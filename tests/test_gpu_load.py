@@ -472,3 +472,111 @@ def test_heads_longer_than_the_first_read(tmp_path, monkeypatch, head):
     assert list(got) == list(want)
     for name in want:
         assert np.array_equal(got[name], want[name]), name
+
+
+def _staged_bytes(c, threads, monkeypatch=None) -> list[np.ndarray]:
+    """Every group's staging buffer as ``Staging.fill`` writes it on ``threads``."""
+    out = []
+    for group in fileplan.groups(c, 1):
+        st = _staging.Staging.of(group)
+        host = np.full(st.size, 0xEE, np.uint8)
+        st.fill(group, host, [p.batch.desc for p in group.parts], threads, c.source)
+        out.append(host)
+    return out
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_parallel_fill_is_the_serial_fill(tmp_path, monkeypatch, model_file, staged):
+    """The fill cut into a share per thread (file reads and copies, down to tiny slabs)
+    writes the staging buffer byte for byte as one thread does; at 4 threads a payload
+    staged from the file is read in a share per thread."""
+    if staged:
+        ek, c = _staged_file(tmp_path)
+    else:
+        ek = tmp_path / "m.ek.safetensors"
+        files.compress_file(model_file, ek, threads=2)
+        c = Compressed(source.FileBytes(ek))
+    serial = _staged_bytes(c, 1)
+    reads = []
+
+    class Counted(source.FileBytes):
+        def readinto(self, offset, outs):
+            reads.append(offset)
+            super().readinto(offset, outs)
+
+    with Counted(ek) as f:
+        assert all(np.array_equal(a, b) for a, b in
+                   zip(_staged_bytes(Compressed(f), 4), serial, strict=True))
+    if staged:
+        assert len(reads) >= 4
+    # One payload of 2 MiB staged at 4 threads: four reads of 512 KiB.
+    one = [(0, np.empty(2 << 20, np.uint8))]
+    assert [sum(b.size for b in bufs) for _, bufs in
+            _staging._reads(one, _staging._slab([], one, 4))] == [512 << 10] * 4
+    monkeypatch.setattr(_staging, "MIN_SLAB", 4096)
+    for threads in (1, 4):
+        got = _staged_bytes(c, threads)
+        assert all(np.array_equal(a, b) for a, b in zip(got, serial, strict=True))
+
+
+def test_parallel_fill_of_a_truncated_file_raises_the_serial_error(tmp_path, monkeypatch):
+    """A file cut short after it was opened: the fill's short read raises the same
+    CorruptDataError at 1 and 4 threads (the first failing read's), named by the file."""
+    ek, _ = _staged_file(tmp_path)
+    whole = ek.read_bytes()
+    monkeypatch.setattr(_staging, "MIN_SLAB", 4096)
+    errors = []
+    for threads in (1, 4):
+        with source.FileBytes(ek) as f:
+            c = Compressed(f)
+            planned = list(fileplan.groups(c, 1))
+            with open(ek, "r+b") as w:
+                w.truncate(f.size // 2)
+            with pytest.raises(CorruptDataError) as got, files.named(ek):
+                for group in planned:
+                    st = _staging.Staging.of(group)
+                    st.fill(group, np.zeros(st.size, np.uint8),
+                            [p.batch.desc for p in group.parts], threads, c.source)
+            errors.append(str(got.value))
+        ek.write_bytes(whole)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"{ek}: file changed or truncated while being read")
+
+
+def test_groups_planned_ahead_are_the_groups_in_order():
+    """``fileplan.ahead``: the same items in the same order, made on another thread
+    while the consumer holds the one before; an error where the items raised it; closed
+    early, its thread stops and the items are closed."""
+    import threading
+
+    made, closed = [], threading.Event()
+    second = threading.Event()
+
+    def items(n, fail_at=None):
+        try:
+            for k in range(n):
+                if k == fail_at:
+                    raise CorruptDataError(f"item {k}")
+                if k == 1:
+                    second.set()
+                made.append((k, threading.current_thread().name))
+                yield k
+        finally:
+            closed.set()
+
+    it = fileplan.ahead(items(5))
+    assert next(it) == 0
+    assert second.wait(5)  # the next one is being made while item 0 is in use
+    assert list(it) == [1, 2, 3, 4]
+    assert {name for _, name in made} == {"entropykit-plan"} and closed.is_set()
+    got = []
+    with pytest.raises(CorruptDataError, match="^item 3$"):
+        for x in fileplan.ahead(items(6, fail_at=3)):
+            got.append(x)
+    assert got == [0, 1, 2]
+    closed.clear()
+    made.clear()
+    it = fileplan.ahead(items(1000))
+    assert next(it) == 0
+    it.close()
+    assert closed.is_set() and len(made) < 10

@@ -23,7 +23,8 @@ from ..source import Bytes
 from . import _crc, fileplan
 
 ALIGN = 256  # section alignment (the kernels read tables as u32, descriptors as i64)
-SLAB = 4 << 20  # bytes a thread copies at a time
+SLAB = 4 << 20  # bytes a thread copies or reads at a time, at most
+MIN_SLAB = 256 << 10  # ... and at least, where a group is cut finer to give every thread work
 SPARE = 8  # bytes after the streams: the relayout kernel may read one word past a row
 GAP = 64 << 10  # file bytes between staged streams read (and dropped) to join two reads
 
@@ -32,17 +33,18 @@ def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _reads(jobs: list[tuple[int, np.ndarray]]) -> list[tuple[int, list[np.ndarray]]]:
+def _reads(jobs: list[tuple[int, np.ndarray]], slab: int = SLAB
+           ) -> list[tuple[int, list[np.ndarray]]]:
     """File reads (offset, buffers filled one after another) of ``jobs`` (file offset,
     buffer): adjacent ones joined (bytes up to ``GAP`` between them read into a buffer
-    that is dropped), each read at most about ``SLAB`` bytes."""
+    that is dropped), each read at most about ``slab`` bytes."""
     reads: list[tuple[int, list[np.ndarray]]] = []
     end = size = -1
     junk = np.empty(GAP, np.uint8)
     for at, dst in sorted(jobs, key=lambda j: j[0]):
-        for a in range(0, dst.size, SLAB):
-            piece = dst[a : a + SLAB]
-            if reads and 0 <= at + a - end <= GAP and size + piece.size <= SLAB:
+        for a in range(0, dst.size, slab):
+            piece = dst[a : a + slab]
+            if reads and 0 <= at + a - end <= GAP and size + piece.size <= slab:
                 bufs = reads[-1][1]
                 if at + a > end:
                     bufs.append(junk[: at + a - end])
@@ -55,19 +57,29 @@ def _reads(jobs: list[tuple[int, np.ndarray]]) -> list[tuple[int, list[np.ndarra
     return reads
 
 
+def _slab(jobs: list[tuple[np.ndarray, np.ndarray]], files: list[tuple[int, np.ndarray]],
+          threads: int) -> int:
+    """The bytes a task copies or reads: about an equal share of the group for each
+    thread (a group of a few slabs would leave most threads idle), between ``MIN_SLAB``
+    (a task's hand-off costs more than reading less) and ``SLAB``."""
+    total = sum(s.size for s, _ in jobs) + sum(d.size for _, d in files)
+    return max(MIN_SLAB, min(SLAB, -(-total // max(threads, 1))))
+
+
 def _copy_all(jobs: list[tuple[np.ndarray, np.ndarray]], files: list[tuple[int, np.ndarray]],
               src: Bytes | None, threads: int) -> None:
     """``dst[:] = src`` for every job, large ones cut into slabs, and the file reads of
     ``files`` (file offset, buffer) from ``src``, on ``threads`` threads (numpy and
     ``preadv`` release the GIL)."""
+    slab = _slab(jobs, files, threads)
     tasks: list[tuple[np.ndarray, np.ndarray] | tuple[int, list[np.ndarray]]] = []
     for s, dst in jobs:
-        for a in range(0, s.size, SLAB):
-            tasks.append((s[a : a + SLAB], dst[a : a + SLAB]))
+        for a in range(0, s.size, slab):
+            tasks.append((s[a : a + slab], dst[a : a + slab]))
     if files:
         if src is None:
             raise ValueError("streams staged from the file need its bytes")
-        tasks += _reads(files)
+        tasks += _reads(files, slab)
 
     def one(task: tuple) -> None:
         a, b = task
@@ -76,16 +88,25 @@ def _copy_all(jobs: list[tuple[np.ndarray, np.ndarray]], files: list[tuple[int, 
         else:
             src.readinto(a, b)
 
-    if threads <= 1 or len(tasks) <= 1:
+    n = min(threads, len(tasks))
+    if n <= 1:
         for task in tasks:
             one(task)
         return
 
-    def run(k: int) -> None:
-        for task in tasks[k::threads]:  # round robin: sizes mix evenly
-            one(task)
+    def run(k: int) -> tuple[int, Exception] | None:
+        for i in range(k, len(tasks), n):  # round robin: sizes mix evenly
+            try:
+                one(tasks[i])
+            except Exception as e:  # noqa: BLE001 -- raised below, in task order
+                return i, e
+        return None
 
-    parallel.run(run, threads, threads)
+    # The first failing task's error, as one thread would raise it: each thread stops
+    # at its first failure, and the lowest of those is the first of all.
+    failed = [f for f in parallel.run(run, n, n) if f is not None]
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,12 @@ What it is not: the device side (``load.py``) or the decoder's layout (``rans.cu
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -67,6 +70,7 @@ PLAN_THREADS = 4
 # directory; more if they are longer) and the device checks the rest's CRCs.
 STAGED_BYTES = 64 << 10
 HEAD = 16 << 10
+T = TypeVar("T")
 _STAGED_CODECS = frozenset({"rans", "rans2d", "raw"})
 POSITION, OWN = 0, 1  # ranks of device checks: a position CRC's failure is reported first
 _BYTE = re.compile(r"byte(\d+)")
@@ -571,3 +575,49 @@ def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | No
             yield _group(pending, entries, warps)
     finally:
         results.close()
+
+
+def ahead(items: Iterator[T], depth: int = 1) -> Iterator[T]:
+    """``items`` made on a thread of their own, at most ``depth`` ahead of their use (the
+    loader fills and launches one group while the next is planned and grouped): the same
+    items in the same order, an exception raised where ``items`` raised it. Closing the
+    iterator stops the thread (after the item it is making) and closes ``items``."""
+    made: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(x: object) -> bool:
+        while not stop.is_set():
+            try:
+                made.put(x, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def make() -> None:
+        try:
+            for x in items:
+                if not put((x, None)):
+                    return
+            put((end, None))
+        except BaseException as e:  # noqa: BLE001 -- handed to the consumer
+            put((end, e))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=make, name="entropykit-plan", daemon=True)
+    thread.start()
+    try:
+        while True:
+            x, err = made.get()
+            if x is end:
+                if err is not None:
+                    raise err
+                return
+            yield x
+    finally:
+        stop.set()
+        thread.join()

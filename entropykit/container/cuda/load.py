@@ -8,10 +8,11 @@ one pinned host buffer (``_staging.Staging``), copied to the device on a side st
 one transfer, moved into the decoder's aligned payload layout by ``_relayout.cu``, CRC-
 checked where the host did not check them (``_crc.cu``) and decoded on the current stream
 by one launch per batch. ``SLOTS`` pinned buffers, each with its device twins, rotate:
-while the GPU copies and decodes one group, the host fills the next (the planner's
-threads read small field payloads and the heads of large ones, check what they read and
-decode tANS/zstd fields ahead; the fill reads the large payloads from the file straight
-into the pinned buffer and copies the rest). The kernels' statuses are read once at the
+while the GPU copies and decodes one group, the host fills the next, and a thread of its
+own plans the one after (``fileplan.ahead``: the planner's threads read small field
+payloads and the heads of large ones, check what they read and decode tANS/zstd fields
+ahead; the fill reads the large payloads from the file straight into the pinned buffer
+and copies the rest, on every thread). The kernels' statuses are read once at the
 end: ``CorruptDataError`` names the tensor, segment, field (and chunk), a failed CRC
 before a failed decode.
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
@@ -197,16 +198,19 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
             return flat[k].view(torch.int16 if bf16 else torch.uint8)
 
         stager = Stager(dev, threads, c.source)
-        planned = fileplan.groups(c, threads, entries=entries, warps=warps,
-                                  group_bytes=group_bytes)
+        planned = fileplan.ahead(fileplan.groups(c, threads, entries=entries, warps=warps,
+                                                 group_bytes=group_bytes))
         wait = 0.0
-        while True:
-            t = time.perf_counter()
-            group = next(planned, None)
-            wait += time.perf_counter() - t
-            if group is None:
-                break
-            stager.run(group, views)
+        try:
+            while True:
+                t = time.perf_counter()
+                group = next(planned, None)
+                wait += time.perf_counter() - t
+                if group is None:
+                    break
+                stager.run(group, views)
+        finally:
+            planned.close()  # the planning thread stops
         stager.check()
     if seconds is not None:
         seconds.update(stager.seconds, plan_wait=wait)
