@@ -27,18 +27,31 @@ from .container import header as hdr
 from .container.checkpoint import INDEX_SUFFIX, check_shards
 from .container.parallel import resolve
 from .container.reader import Compressed, is_compressed
+from .container.source import FileBytes
 
 _FRAMEWORKS = ("pt", "np", "numpy")
 
 
-def _plain(path: Path) -> bool:
-    with files.named(path), files.opened(path) as f:
+def _compressed(path: Path) -> tuple[FileBytes, Compressed] | None:
+    """``path`` opened and its header parsed once: the open file and its ``Compressed``
+    if it is compressed, else None (closed; safetensors says what is wrong with a file
+    that is not ours)."""
+    with files.named(path):
+        f = files.opened(path)
         try:
-            return not is_compressed(hdr.parse_read(f.read, f.size))
-        except CorruptDataError:
-            raise  # the file changed while its header was read
-        except ValueError:
-            return True  # not ours: safetensors says what is wrong with it
+            try:
+                h = hdr.parse_read(f.read, f.size)
+            except CorruptDataError:
+                raise  # the file changed while its header was read
+            except ValueError:
+                h = None
+            if h is None or not is_compressed(h):
+                f.close()
+                return None
+            return f, Compressed(f, outer=h)
+        except BaseException:
+            f.close()
+            raise
 
 
 def safe_open(path: str | Any, framework: str = "pt", device: str | int = "cpu", *,
@@ -52,27 +65,25 @@ def safe_open(path: str | Any, framework: str = "pt", device: str | int = "cpu",
     if framework not in _FRAMEWORKS:
         raise ValueError(f"framework must be one of {list(_FRAMEWORKS)}, got {framework!r}")
     path = Path(path)
-    if _plain(path):
+    opened = _compressed(path)
+    if opened is None:
         import safetensors
 
         return safetensors.safe_open(path, framework=framework, device=device)
-    return CompressedFile(path, framework, device, resolve(threads))
+    return CompressedFile(path, framework, device, resolve(threads), opened)
 
 
 class CompressedFile:
     """An open compressed safetensors file (see ``safe_open``), read as tensors are asked
     for (never mapped); closes it on exit."""
 
-    def __init__(self, path: Path, framework: str, device: str | int, threads: int) -> None:
+    def __init__(self, path: Path, framework: str, device: str | int, threads: int,
+                 opened: tuple[FileBytes, Compressed]) -> None:
+        """``opened``: the file and its parse (``_compressed``), closed by ``close``."""
         self._path, self._framework, self._device, self._threads = path, framework, device, threads
         self._stack = contextlib.ExitStack()
-        with files.named(path):
-            f = self._stack.enter_context(files.opened(path))
-            try:
-                self._c = Compressed(f)
-            except BaseException:
-                self._stack.close()
-                raise
+        self._stack.enter_context(opened[0])
+        self._c: Compressed | None = opened[1]
 
     def __enter__(self) -> CompressedFile:
         return self

@@ -7,7 +7,8 @@ descriptor, table, payload copy, stream byte and label the kernel and the stager
 compared with the plan made segment by segment as before (each segment read alone by
 ``segment_parts``, zlib CRCs, tables split row by row) on files of every dtype and codec
 the GPU path takes, many tiny tensors, multi-segment tensors, old EKT1 files, and damaged
-files, which must fail with the same error.
+files, which must fail with the same error. A stream the plan stages from the file (a
+large payload: only its head is read here) must hold there the bytes the reference read.
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ import zlib
 import numpy as np
 import pytest
 import safetensors.torch
-from test_gpu_load import _codecs_used, _field_at, _many_small, _model
+from test_gpu_load import _codecs_used, _field_at, _many_small, _model, emulated_tensors
 
 from entropykit import CorruptDataError
 from entropykit.coding import crc32 as crc_mod
@@ -54,6 +55,7 @@ def reference_groups(c, monkeypatch, *args, **kw) -> list[fileplan.Group]:
     """``fileplan.groups`` planned segment by segment, as before the runs were read
     together."""
     with monkeypatch.context() as m:
+        m.setattr(fileplan, "STAGED_BYTES", 1 << 62)  # every payload read whole, as before
         m.setattr(fileplan, "_plan_run", _by_segment)
         m.setattr(fileplan, "crc32_ranges", _zlib_ranges)
         m.setattr(fileplan, "crc32", zlib.crc32)
@@ -61,7 +63,10 @@ def reference_groups(c, monkeypatch, *args, **kw) -> list[fileplan.Group]:
         return list(fileplan.groups(c, *args, **kw))
 
 
-def assert_same_plan(got: list[fileplan.Group], want: list[fileplan.Group]) -> None:
+def assert_same_plan(got: list[fileplan.Group], want: list[fileplan.Group],
+                     src: source.Bytes | None = None) -> None:
+    """The same batches; a stream ``got`` stages from the file (``Part.files``) holds
+    there the bytes of ``want``'s stream (``src``: the file)."""
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert len(g.parts) == len(w.parts)
@@ -76,12 +81,18 @@ def assert_same_plan(got: list[fileplan.Group], want: list[fileplan.Group]) -> N
                 assert x.dtype == y.dtype and x.shape == y.shape, name
                 assert np.array_equal(x, y), name
             assert [s.label for s in a.streams] == [s.label for s in b.streams]
-            for s, t in zip(a.streams, b.streams, strict=True):
-                assert np.array_equal(s.data, t.data), s.label
+            staged = dict(p.files.tolist())
+            datas = []
+            for k, (s, t) in enumerate(zip(a.streams, b.streams, strict=True)):
+                data = src.read(staged[k], s.data.size) if k in staged else s.data
+                assert np.array_equal(data, t.data), s.label
                 assert (s.info is None) == (t.info is None) and s.classed == t.classed
-            assert np.array_equal(a.payload, b.payload)
+                datas.append(data)
+            real = dataclasses.replace(a, streams=tuple(
+                dataclasses.replace(s, data=d) for s, d in zip(a.streams, datas, strict=True)))
+            assert np.array_equal(real.payload, b.payload)
         sg, sw = _staging.Staging.of(g), _staging.Staging.of(w)
-        assert (sg.size, sg.payload, sg.sections) == (sw.size, sw.payload, sw.sections)
+        assert (sg.payload, sg.sections, sg.moves_at) == (sw.payload, sw.sections, sw.moves_at)
         assert np.array_equal(sg.moves, sw.moves)
 
 
@@ -142,11 +153,12 @@ def test_plan_is_the_segment_by_segment_plan(model_file, small_file, grid_file, 
         c = Compressed(source.FileBytes(ek))
         kw = {"warps": warps, "group_bytes": group_bytes}
         assert_same_plan(list(fileplan.groups(c, threads, **kw)),
-                         reference_groups(c, monkeypatch, threads, **kw))
+                         reference_groups(c, monkeypatch, threads, **kw), c.source)
         names = c.keys()[1::3]  # a subset, as from_pretrained asks for one device
         entries = [c.entry(k) for k in names]
         assert_same_plan(list(fileplan.groups(c, threads, entries=entries, **kw)),
-                         reference_groups(c, monkeypatch, threads, entries=entries, **kw))
+                         reference_groups(c, monkeypatch, threads, entries=entries, **kw),
+                         c.source)
     want = {"cpu": {"rans", "rans2d", "zstd", "raw"}, "gpu": {"rans", "raw", "zstd"},
             "tans": {"tans", "rans", "zstd", "raw"}}[codec_set]
     assert want <= used
@@ -155,7 +167,8 @@ def test_plan_is_the_segment_by_segment_plan(model_file, small_file, grid_file, 
 @pytest.mark.parametrize("name", ["legacy_v1.ek.safetensors", "legacy_v2.ek.safetensors"])
 def test_plan_of_files_without_position_crcs(monkeypatch, name):
     c = Compressed(np.fromfile(DATA / name, np.uint8))
-    assert_same_plan(list(fileplan.groups(c, 1)), reference_groups(c, monkeypatch, 1))
+    assert_same_plan(list(fileplan.groups(c, 1)), reference_groups(c, monkeypatch, 1),
+                     c.source)
 
 
 class _Counted(source.FileBytes):
@@ -171,6 +184,7 @@ def test_many_small_tensors_are_read_in_runs(small_file, tmp_path, monkeypatch):
     segment: the index with the field payloads), not two for each tensor's index and one
     per segment."""
     ek = _compress(small_file, tmp_path / "s.ek.safetensors", monkeypatch, "cpu", 1 << 24)
+    monkeypatch.setattr(fileplan, "STAGED_BYTES", 1 << 62)  # no payload staged from the file
     with _Counted(ek) as f:
         c = Compressed(f)
         runs = len(list(fileplan._jobs(c, c.original.by_offset)))
@@ -222,7 +236,7 @@ def test_raw_field_damage_with_a_recomputed_position_crc(model_file, tmp_path, m
     c = Compressed(buf)
     with pytest.raises(CorruptDataError, match=r"^tensor 'big\.bf16' segment 0: field "
                                                r"'sign_mantissa' \(raw\): raw field fails"):
-        list(fileplan.groups(c, 2))
+        emulated_tensors(c, 2)  # staged from the file: checked by the device
 
 
 def test_parts_of_is_segment_parts_in_any_order(model_file, tmp_path, monkeypatch):

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from test_gpu_crc import emulate_crc
 from test_gpu_logic import emulate_into
 
 import entropykit
 from entropykit import CorruptDataError, formats, gpu
-from entropykit.container import codecs, files, payload, segment
+from entropykit.container import codecs, files, payload, segment, source
 from entropykit.container import header as hdr
 from entropykit.container.cuda import _staging, fileplan
 from entropykit.container.reader import Compressed
@@ -37,19 +38,37 @@ def _emulated_load(path, threads=1, names=None, **kw) -> dict[str, np.ndarray]:
 
 def emulated_tensors(c, threads=1, names=None, **kw) -> dict[str, np.ndarray]:
     """``_emulated_load`` of an open file: ``container.cuda.load.load``'s plan and subset,
-    run through the kernel emulator."""
+    staged as it stages them (streams read from the file into the staging buffer),
+    moved as ``_relayout.cu`` moves them, CRC-checked by the emulated ``_crc.cu`` and
+    decoded by the kernel emulator; errors in the order ``load.Stager.check`` raises
+    them (a failed CRC first, position CRCs before the others)."""
     entries = c.original.by_offset
     if names is not None:
         entries = [e for e in entries if e.name in set(names)]
     outs = [np.full(e.nbytes, 0xA5, np.uint8) for e in entries]
+    crc_errors, decode_errors = [], []
     for group in fileplan.groups(c, threads, entries=entries, **kw):
-        for part in group.parts:
+        st = _staging.Staging.of(group)
+        host = np.full(st.size, 0xEE, np.uint8)
+        st.fill(group, host, [p.batch.desc for p in group.parts], threads, c.source)
+        payload = np.zeros(st.payload, np.uint8)
+        for s, d, k in st.moves.tolist():
+            payload[d : d + k] = host[s : s + k]
+        err = st.crc_error(emulate_crc(st.crcs, host, fast=True))
+        if err is not None:
+            crc_errors.append(err)
+        for part, sec in zip(group.parts, st.sections, strict=True):
             b = part.batch
+            b._cache["payload"] = payload[sec["payload"] : sec["payload"] + b.payload_size]
             views = [outs[t].view(np.uint16) if b.bf16 else outs[t] for t in part.tensors]
             _, status = emulate_into(b, views)
             err = b.error(status)
             if err is not None:
-                raise err
+                decode_errors.append(err)
+    if crc_errors:
+        raise min(crc_errors, key=lambda e: e[0])[1]
+    if decode_errors:
+        raise decode_errors[0]
     return {e.name: o for e, o in zip(entries, outs, strict=True)}
 
 
@@ -207,16 +226,29 @@ def test_emulated_gpu_load_of_many_small_tensors_and_of_subsets(tmp_path, target
 
 
 @pytest.mark.parametrize("target", ["cpu", "gpu"])
-def test_staging_moves_every_payload_to_the_decoders_layout(model_file, tmp_path, target):
-    """What the loader stages and ``_relayout.cu`` moves is exactly each batch's payload
-    buffer (plan.py's aligned layout), tables and descriptors, within bounds."""
+@pytest.mark.parametrize("segment_bytes", [1 << 16, 1 << 24])
+def test_staging_moves_every_payload_to_the_decoders_layout(model_file, tmp_path, target,
+                                                            segment_bytes, monkeypatch):
+    """What the loader stages (large payloads read from the file into the buffer) and
+    ``_relayout.cu`` moves is exactly each batch's payload buffer (plan.py's aligned
+    layout, as a plan that reads every payload whole makes it), tables and descriptors,
+    within bounds; the CRC rows cover what the host did not check."""
     ek = tmp_path / "m.ek.safetensors"
-    files.compress_file(model_file, ek, threads=2, segment_bytes=1 << 16, target=target)
-    buf = np.fromfile(ek, np.uint8)
-    for group in fileplan.groups(Compressed(buf), 2, group_bytes=1 << 18):
+    files.compress_file(model_file, ek, threads=2, segment_bytes=segment_bytes, target=target)
+    c = Compressed(source.FileBytes(ek))
+    planned = list(fileplan.groups(c, 2, group_bytes=1 << 18))
+    staged = sum(len(p.files) for g in planned for p in g.parts)
+    assert (staged > 0) == (segment_bytes > fileplan.STAGED_BYTES * 4)
+    monkeypatch.setattr(fileplan, "STAGED_BYTES", 1 << 62)
+    whole = list(fileplan.groups(c, 2, group_bytes=1 << 18))
+    for group, ref in zip(planned, whole, strict=True):
         st = _staging.Staging.of(group)
         host = np.full(st.size, 0xEE, np.uint8)
-        st.fill(group, host, [p.batch.desc for p in group.parts], threads=3)
+        st.fill(group, host, [p.batch.desc for p in group.parts], 3, c.source)
+        assert st.crcs_at + st.crcs.nbytes + st.first.nbytes <= st.size
+        assert emulate_crc(st.crcs, host, fast=True).tolist() == [0] * len(st.crcs)
+        assert (st.ranks == fileplan.POSITION).sum() == sum(
+            len(p.files) for p in group.parts)
         src, dst, n = st.moves.T
         assert st.moves_at + st.moves.nbytes <= st.size
         assert (src + n + _staging.SPARE <= st.moves_at).all()  # the kernel's read-ahead
@@ -224,10 +256,10 @@ def test_staging_moves_every_payload_to_the_decoders_layout(model_file, tmp_path
         payload = np.zeros(st.payload, np.uint8)
         for s, d, k in st.moves.tolist():  # what _relayout.cu does
             payload[d : d + k] = host[s : s + k]
-        for part, sec in zip(group.parts, st.sections, strict=True):
+        for part, want, sec in zip(group.parts, ref.parts, st.sections, strict=True):
             b = part.batch
             at = sec["payload"]
-            assert np.array_equal(payload[at : at + b.payload_size], b.payload)
+            assert np.array_equal(payload[at : at + b.payload_size], want.batch.payload)
             for name, arr in (("sym", b.sym_tables), ("info", b.info_tables),
                               ("cmaps", b.cmaps), ("desc", b.desc)):
                 got = host[sec[name] : sec[name] + arr.nbytes]
@@ -292,11 +324,13 @@ def test_damaged_files_are_caught_where_the_gpu_loader_checks(model_file, tmp_pa
         _emulated_load(bad)
     with pytest.raises(CorruptDataError, match="big.bf16"):
         entropykit.load_file(bad)
-    # Verbatim bytes: their CRC-32 is checked on the host before anything is launched.
+    # Verbatim bytes of a large field: staged from the file, their CRC-32 checked by the
+    # device (the host plan reads only their head), reported before any decode error.
     bad = _damaged(ek, tmp_path / "b.safetensors", "big.bf16", "sign_mantissa", 0.5, "raw")
+    list(fileplan.groups(Compressed(np.fromfile(bad, np.uint8))))
     with pytest.raises(CorruptDataError, match=r"'big\.bf16' segment 0: field "
                                                r"'sign_mantissa' \(raw\): raw field fails"):
-        list(fileplan.groups(Compressed(np.fromfile(bad, np.uint8))))
+        _emulated_load(bad)
 
 
 def test_host_decoded_and_raw_chunk_damage(model_file, tmp_path, monkeypatch):
@@ -336,3 +370,232 @@ def test_load_file_cuda_without_a_gpu_is_a_clear_error(model_file, tmp_path, mon
         entropykit.load_file(ek, device="cuda")
     # The CPU path is untouched by the device argument's other spellings.
     assert all(v.device.type == "cpu" for v in entropykit.load_file(ek, device="cpu").values())
+
+
+def _staged_file(tmp_path) -> tuple:
+    """A file whose large fields are staged from the file: a BF16 weight (rans2d
+    exponents, rANS sign_mantissa), an fp8 one, and bytes half skewed, half noise (an
+    rANS frame with raw chunks); and its plan."""
+    rng = np.random.default_rng(12)
+    half = np.concatenate([np.minimum(rng.geometric(0.3, 200_000), 255),
+                           rng.integers(0, 256, 200_000)]).astype(np.uint8)
+    w = torch.from_numpy(rng.standard_normal((256, 1200)).astype(np.float32) * 0.02)
+    src, ek = tmp_path / "s.safetensors", tmp_path / "s.ek.safetensors"
+    safetensors.torch.save_file({"w": w.to(torch.bfloat16), "half": torch.from_numpy(half),
+                                 "e4m3": (w * 100).to(torch.float8_e4m3fn)}, src)
+    files.compress_file(src, ek, threads=2)
+    return ek, Compressed(source.FileBytes(ek))
+
+
+def _staged_checks(c) -> list[tuple[str, int, int, int]]:
+    """(message, file offset, length, rank) of every range the device checks."""
+    out = []
+    for group in fileplan.groups(c, 1):
+        for part in group.parts:
+            at = dict(part.files.tolist())
+            for (k, off, n, _, _, rank), msg in zip(part.checks.tolist(), part.messages,
+                                                    strict=True):
+                out.append((msg, at[k] + off, n, rank))
+    return out
+
+
+def test_the_host_plan_reads_only_the_heads_of_large_payloads(tmp_path):
+    """The planner reads each large payload's header and directory, not its bytes: they
+    go from the file to the staging buffer once (``Staging.fill``)."""
+    ek, c = _staged_file(tmp_path)
+    read = []
+
+    class Counted(source.FileBytes):
+        def read(self, offset, n, scratch=None):
+            read.append(n)
+            return super().read(offset, n, scratch)
+
+    with Counted(ek) as f:
+        planned = list(fileplan.groups(Compressed(f), 1))
+    payloads = sum(c.payload_size(k) for k in c.keys())
+    staged = sum(int(p.batch.streams[k].data.size) for g in planned for p in g.parts
+                 for k in p.files[:, 0].tolist())
+    assert staged > 0.9 * payloads and sum(read) < 0.1 * payloads
+    checked = {(m.split("'")[1], m.split("'")[3]) for m, *_ in _staged_checks(c)}
+    assert checked == {("w", "exponent"), ("w", "sign_mantissa"), ("half", "byte0"),
+                       ("e4m3", "byte0")}
+
+
+@pytest.mark.parametrize("kind", ["position", "head", "raw chunk", "raw field"])
+def test_damage_in_each_kind_of_staged_range(tmp_path, kind):
+    """A changed byte in each kind of range the device checks: the body of a staged
+    payload (its position CRC), a byte of the head the host read (the seed it hands the
+    device differs), a raw chunk of a staged frame and a raw field (both with the
+    position CRC recomputed: their own CRC catches it) — CorruptDataError naming tensor,
+    segment and field, while the host plan passes."""
+    if kind == "raw field":
+        rng = np.random.default_rng(3)
+        src, ek = tmp_path / "r.safetensors", tmp_path / "r.ek.safetensors"
+        safetensors.torch.save_file({"noise": torch.from_numpy(
+            rng.integers(0, 256, 300_000).astype(np.uint8))}, src)
+        files.compress_file(src, ek, threads=2)
+        c = Compressed(source.FileBytes(ek))
+    else:
+        ek, c = _staged_file(tmp_path)
+    checks = _staged_checks(c)
+    buf = np.fromfile(ek, np.uint8)
+    want = {"position": "position CRC-32", "head": "position CRC-32",
+            "raw chunk": "(raw) fails its CRC-32", "raw field": "raw field fails its CRC-32"}
+    msg, at, n, rank = next(x for x in checks if want[kind] in x[0])
+    where = at - 100 if kind == "head" else at + n // 2
+    buf[where] ^= 0x08
+    if kind in ("raw chunk", "raw field"):  # the position CRC recomputed
+        name = msg.split("'")[1]
+        f_at, f_n, crc_at, f = _field_at(ek, name, msg.split("field '")[1].split("'")[0])
+        assert f_at <= where < f_at + f_n
+        crc = payload.field_crc(buf[f_at : f_at + f_n], name, 0, f)
+        buf[crc_at : crc_at + 4] = np.frombuffer(struct.pack("<I", crc), np.uint8)
+    bad = tmp_path / "bad.safetensors"
+    buf.tofile(bad)
+    damaged = Compressed(source.FileBytes(bad))
+    list(fileplan.groups(damaged, 1))  # the host sees nothing wrong
+    with pytest.raises(CorruptDataError) as got:
+        emulated_tensors(damaged)
+    assert str(got.value) == msg and str(got.value).startswith("tensor '")
+    assert " segment 0: field " in msg
+
+
+@pytest.mark.parametrize("head", [8, 40, 1000])
+def test_heads_longer_than_the_first_read(tmp_path, monkeypatch, head):
+    """Frame headers, class maps and directories longer than the head first read: read
+    again longer (what is parsed comes from one read), and the load is exact."""
+    ek, _ = _staged_file(tmp_path)
+    monkeypatch.setattr(fileplan, "HEAD", head)
+    c = Compressed(source.FileBytes(ek))
+    assert sum(len(p.files) for g in fileplan.groups(c, 2) for p in g.parts) == 4
+    got, want = emulated_tensors(c, 2), _cpu_bytes(ek)
+    assert list(got) == list(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
+def _staged_bytes(c, threads, monkeypatch=None) -> list[np.ndarray]:
+    """Every group's staging buffer as ``Staging.fill`` writes it on ``threads``."""
+    out = []
+    for group in fileplan.groups(c, 1):
+        st = _staging.Staging.of(group)
+        host = np.full(st.size, 0xEE, np.uint8)
+        st.fill(group, host, [p.batch.desc for p in group.parts], threads, c.source)
+        out.append(host)
+    return out
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_parallel_fill_is_the_serial_fill(tmp_path, monkeypatch, model_file, staged):
+    """The fill cut into a share per thread (file reads and copies, down to tiny slabs)
+    writes the staging buffer byte for byte as one thread does; at 4 threads a payload
+    staged from the file is read in a share per thread."""
+    if staged:
+        ek, c = _staged_file(tmp_path)
+    else:
+        ek = tmp_path / "m.ek.safetensors"
+        files.compress_file(model_file, ek, threads=2)
+        c = Compressed(source.FileBytes(ek))
+    serial = _staged_bytes(c, 1)
+    reads = []
+
+    class Counted(source.FileBytes):
+        def readinto(self, offset, outs):
+            reads.append(offset)
+            super().readinto(offset, outs)
+
+    with Counted(ek) as f:
+        assert all(np.array_equal(a, b) for a, b in
+                   zip(_staged_bytes(Compressed(f), 4), serial, strict=True))
+    if staged:
+        assert len(reads) >= 4
+    # One payload of 2 MiB staged at 4 threads: four reads of 512 KiB.
+    one = [(0, np.empty(2 << 20, np.uint8))]
+    assert [sum(b.size for b in bufs) for _, bufs in
+            _staging._reads(one, _staging._slab([], one, 4))] == [512 << 10] * 4
+    monkeypatch.setattr(_staging, "MIN_SLAB", 4096)
+    for threads in (1, 4):
+        got = _staged_bytes(c, threads)
+        assert all(np.array_equal(a, b) for a, b in zip(got, serial, strict=True))
+
+
+def test_parallel_fill_of_a_truncated_file_raises_the_serial_error(tmp_path, monkeypatch):
+    """A file cut short after it was opened: the fill's short read raises the same
+    CorruptDataError at 1 and 4 threads (the first failing read's), named by the file."""
+    ek, _ = _staged_file(tmp_path)
+    whole = ek.read_bytes()
+    monkeypatch.setattr(_staging, "MIN_SLAB", 4096)
+    errors = []
+    for threads in (1, 4):
+        with source.FileBytes(ek) as f:
+            c = Compressed(f)
+            planned = list(fileplan.groups(c, 1))
+            with open(ek, "r+b") as w:
+                w.truncate(f.size // 2)
+            with pytest.raises(CorruptDataError) as got, files.named(ek):
+                for group in planned:
+                    st = _staging.Staging.of(group)
+                    st.fill(group, np.zeros(st.size, np.uint8),
+                            [p.batch.desc for p in group.parts], threads, c.source)
+            errors.append(str(got.value))
+        ek.write_bytes(whole)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"{ek}: file changed or truncated while being read")
+
+
+def test_groups_planned_ahead_are_the_groups_in_order():
+    """``fileplan.ahead``: the same items in the same order, made on another thread
+    while the consumer holds the one before; an error where the items raised it; closed
+    early, its thread stops and the items are closed."""
+    import threading
+
+    made, closed = [], threading.Event()
+    second = threading.Event()
+
+    def items(n, fail_at=None):
+        try:
+            for k in range(n):
+                if k == fail_at:
+                    raise CorruptDataError(f"item {k}")
+                if k == 1:
+                    second.set()
+                made.append((k, threading.current_thread().name))
+                yield k
+        finally:
+            closed.set()
+
+    it = fileplan.ahead(items(5))
+    assert next(it) == 0
+    assert second.wait(5)  # the next one is being made while item 0 is in use
+    assert list(it) == [1, 2, 3, 4]
+    assert {name for _, name in made} == {"entropykit-plan"} and closed.is_set()
+    got = []
+    with pytest.raises(CorruptDataError, match="^item 3$"):
+        for x in fileplan.ahead(items(6, fail_at=3)):
+            got.append(x)
+    assert got == [0, 1, 2]
+    closed.clear()
+    made.clear()
+    it = fileplan.ahead(items(1000))
+    assert next(it) == 0
+    it.close()
+    assert closed.is_set() and len(made) < 10
+
+
+def test_groups_grow_from_a_small_first_one(model_file, tmp_path, monkeypatch):
+    """The first group holds about ``FIRST_GROUP_BYTES`` of payload, each next one about
+    twice the one before up to ``group_bytes`` (the device starts on the first while the
+    rest is planned); the load is exact."""
+    ek = tmp_path / "m.ek.safetensors"
+    files.compress_file(model_file, ek, threads=2, segment_bytes=1 << 14)
+    c = Compressed(np.fromfile(ek, np.uint8))
+    monkeypatch.setattr(fileplan, "FIRST_GROUP_BYTES", 1 << 15)
+    sizes = [sum(int(s.data.size) for p in g.parts for s in p.batch.streams)
+             for g in fileplan.groups(c, 2, group_bytes=1 << 17)]
+    limits = [min(1 << 17, (1 << 15) << k) for k in range(len(sizes))]
+    assert len(sizes) >= 4 and sizes[0] < sizes[1] < sizes[2]
+    assert all(lim <= n < lim + (1 << 15) for n, lim in zip(sizes[:-1], limits, strict=False))
+    got, want = _emulated_load(ek, 2, group_bytes=1 << 17), _cpu_bytes(ek)
+    assert list(got) == list(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name

@@ -182,3 +182,23 @@ def test_outer_format_refuses_plain_loaders(tmp_path: Path, monkeypatch: pytest.
         assert f.get_slice("bf16")[3:5].tobytes() == _tensors()["bf16"][3:5].tobytes()
     entropykit.decompress_file(old, tmp_path / "back2.safetensors")
     assert (tmp_path / "back2.safetensors").read_bytes() == plain.read_bytes()
+
+
+def test_a_compressed_file_is_opened_and_its_header_parsed_once(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """``safe_open`` of a compressed file (as the Hugging Face quantizer opens each shard)
+    opens it once and parses its header once; a plain one is handed to safetensors."""
+    from entropykit.container import header as hdr
+
+    src, ek = _write(tmp_path, _tensors())
+    parsed, opened = [], []
+    real_parse, real_open = hdr.parse_read, files.opened
+    monkeypatch.setattr(hdr, "parse_read", lambda *a: parsed.append(1) or real_parse(*a))
+    monkeypatch.setattr(files, "opened", lambda p: opened.append(p) or real_open(p))
+    with entropykit.safe_open(ek, framework="np") as f:
+        assert f.keys() and (len(parsed), opened) == (1, [ek])
+        got = {k: f.get_tensor(k).tobytes() for k in f.keys()}
+    assert got == {k: v.reshape(-1).view(torch.uint8).numpy().tobytes()
+                   for k, v in safetensors.torch.load_file(src).items()}
+    with entropykit.safe_open(src, framework="np") as f:
+        assert type(f) is type(safetensors.safe_open(src, framework="np"))

@@ -198,16 +198,22 @@ def directory_error(name: str, end: int, size: int, bad_mode: int, mode: int) ->
     return None
 
 
-def read_directory(kind: Kind, buf: np.ndarray, off: int, n_chunks: int) -> Directory:
+def read_directory(kind: Kind, buf: np.ndarray, off: int, n_chunks: int,
+                   size: int | None = None) -> Directory:
     """The chunk directory at ``buf[off:]``, checked to fit and to end the frame exactly
-    with its payloads; ``CorruptDataError`` otherwise."""
-    check_directory_fits(kind, off, n_chunks, buf.size)
+    with its payloads; ``CorruptDataError`` otherwise. ``size``: the frame's bytes where
+    ``buf`` holds only its first ones (through the directory)."""
+    size = buf.size if size is None else size
+    check_directory_fits(kind, off, n_chunks, size)
+    if off + 9 * n_chunks > buf.size:
+        raise ValueError(f"the directory ends at byte {off + 9 * n_chunks}, past the "
+                         f"{buf.size} bytes given")
     lengths = np.empty(n_chunks, np.int64)
     offsets = np.empty(n_chunks, np.int64)
     end, bad = _directory(buf, off, lengths, offsets)
     crcs = buf[off + 4 * n_chunks : off + 8 * n_chunks].view("<u4")
     modes = buf[off + 8 * n_chunks : off + 9 * n_chunks]
-    err = directory_error(kind.name, end, buf.size, bad, int(modes[bad]) if bad >= 0 else 0)
+    err = directory_error(kind.name, end, size, bad, int(modes[bad]) if bad >= 0 else 0)
     if err is not None:
         raise CorruptDataError(err)
     return Directory(lengths, crcs, modes, offsets)
@@ -461,12 +467,14 @@ def encode(
 
 
 def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray, *,
-          max_output: int | None = None) -> FrameInfo:
+          max_output: int | None = None, size: int | None = None) -> FrameInfo:
     """Validate a frame's header and directory; raise ``CorruptDataError`` on any mismatch,
     and where it declares more than ``max_output`` symbols (None: no bound; parsing
-    itself allocates in proportion to the frame)."""
+    itself allocates in proportion to the frame). ``size``: the frame's bytes where
+    ``frame`` holds only its first ones, through its directory (``ValueError`` if fewer)."""
     buf = as_bytes(frame)
-    size, kind, name = buf.size, _kind(coder), coder.name
+    size = buf.size if size is None else size
+    kind, name = _kind(coder), coder.name
     h = read_header(kind, buf, size, max_output=max_output)
     if h.flag > 1 or (h.flag and not coder.supports_context):
         raise CorruptDataError(f"{name} frame context flag {h.flag} at byte 7 invalid")
@@ -482,8 +490,11 @@ def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray, *,
             f"{name} frame truncated in tables: {h.model} bytes from byte {off}, "
             f"frame has {size}"
         )
+    if off + h.model > buf.size:
+        raise ValueError(f"the tables end at byte {off + h.model}, past the {buf.size} "
+                         "bytes given")
     freqs, cmap = table_section.parse(name, buf, off, off + h.model, h.param, h.flag)
-    d = read_directory(kind, buf, off + h.model, h.n_chunks)
+    d = read_directory(kind, buf, off + h.model, h.n_chunks, size)
     return FrameInfo(h.param, h.n, h.chunk_size, freqs, cmap, d.lengths, d.crcs, d.modes,
                      d.offsets, size)
 

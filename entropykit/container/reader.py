@@ -154,6 +154,15 @@ class Compressed:
                     f"{n} segments of {len(t.fields)} fields"
                 )
 
+    @property
+    def source(self) -> Bytes:
+        """The file's bytes (read on demand, or in memory)."""
+        return self._src
+
+    def payload_at(self, name: str) -> int:
+        """Where tensor ``name``'s payload starts in the file."""
+        return self.outer.data_start + self._outer[name].begin
+
     def bounds(self, e: hdr.Entry) -> list[tuple[int, int]]:
         return segment.bounds(e.nbytes, hdr.DTYPE_BITS[e.dtype], self.record.segment_bytes)
 

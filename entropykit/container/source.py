@@ -25,6 +25,8 @@ import numpy as np
 
 from .._errors import CorruptDataError
 
+_IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
+
 
 class Bytes(Protocol):
     """What readers read: ``size`` bytes, ``read(offset, n)`` of them at a time."""
@@ -33,6 +35,8 @@ class Bytes(Protocol):
 
     def read(self, offset: int, n: int, scratch: Scratch | Arena | None = None
              ) -> np.ndarray: ...
+
+    def readinto(self, offset: int, outs: list[np.ndarray]) -> None: ...
 
 
 def _past_end(offset: int, n: int, size: int) -> CorruptDataError | None:
@@ -57,6 +61,12 @@ class ArrayBytes:
         if err is not None:
             raise err
         return self._buf[offset : offset + n]
+
+    def readinto(self, offset: int, outs: list[np.ndarray]) -> None:
+        """Bytes from ``offset`` on into the uint8 arrays ``outs``, one after another."""
+        for out in outs:
+            out[:] = self.read(offset, out.size)
+            offset += out.size
 
 
 class FileBytes:
@@ -99,20 +109,32 @@ class FileBytes:
         """``n`` bytes at ``offset``: a new array, or with ``scratch`` its buffer (a
         ``Scratch``: this thread's, valid until its next use; an ``Arena``: a fresh one);
         CorruptDataError if the file is shorter now than when opened."""
+        out = np.empty(n, np.uint8) if scratch is None else scratch.get(n)[:n]
+        self.readinto(offset, [out])
+        return out
+
+    def readinto(self, offset: int, outs: list[np.ndarray]) -> None:
+        """Bytes from ``offset`` on into the uint8 arrays ``outs``, one after another
+        (one ``preadv``: adjacent ranges of the file cost one call, and the bytes go
+        straight where they are wanted); CorruptDataError as ``read``."""
+        n = sum(out.size for out in outs)
         err = _past_end(offset, n, self.size)
         if err is not None:
             raise err
-        out = np.empty(n, np.uint8) if scratch is None else scratch.get(n)[:n]
-        view = memoryview(out)
-        got = 0
-        while got < n:
-            k = os.preadv(self.fd, [view[got:]], offset + got)
+        views = [memoryview(out) for out in outs if out.size]
+        got = i = 0
+        while i < len(views):
+            k = os.preadv(self.fd, views[i : i + _IOV_MAX], offset + got)
             if k == 0:
                 raise CorruptDataError(f"file changed or truncated while being read: it "
                                        f"ends at byte {offset + got}, it had {self.size} "
                                        "bytes when opened")
             got += k
-        return out
+            while i < len(views) and k >= views[i].nbytes:
+                k -= views[i].nbytes
+                i += 1
+            if k:
+                views[i] = views[i][k:]
 
 
 class Window:

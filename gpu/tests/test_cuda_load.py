@@ -240,3 +240,138 @@ def test_moved_payload_in_a_run_of_small_tensors_fails_as_on_the_cpu(tmp_path):
         entropykit.load_file(bad, "cuda")
     assert str(gpu.value) == str(cpu.value)
     assert f": tensor {name!r} segment 0: field " in str(gpu.value)  # after the file's path
+
+
+def test_crc_kernels_are_zlib_per_row():
+    """``_crc.cu`` on the device: rows at every alignment, shorter than, equal to and
+    longer than a piece, empty, with seeds; a wrong wanted CRC fails exactly its row."""
+    import zlib
+
+    from entropykit.container.cuda import _crc
+
+    rng = np.random.default_rng(8)
+    host = rng.integers(0, 256, 3 * _crc.PIECE + 999, dtype=np.uint8)
+    rows = []
+    for a, n in [(0, 0), (1, 1), (3, 15), (5, 16), (7, 17), (16, _crc.PIECE),
+                 (9, _crc.PIECE + 1), (0, host.size), (host.size - 1, 1), (100, 2 * _crc.PIECE)]:
+        seed = int(rng.integers(0, 1 << 32))
+        want = zlib.crc32(host[a : a + n].tobytes(), seed)
+        rows += [(a, n, seed, want), (a, n, seed, want ^ 1 << int(rng.integers(32)))]
+    rows = np.array(rows, np.int64)
+    first = _crc.first_pieces(rows[:, 1])
+    dev = torch.device("cuda", torch.cuda.current_device())
+    staged = torch.from_numpy(host).to(dev)
+    r, f = torch.from_numpy(rows).to(dev), torch.from_numpy(first).to(dev)
+    out = torch.zeros(2 * len(rows), dtype=torch.int32, device=dev)
+    _crc.launch(dev, r.data_ptr(), f.data_ptr(), len(rows), int(first[-1]), staged.data_ptr(),
+                out.data_ptr() + 4 * len(rows), out.data_ptr())
+    assert out[: len(rows)].cpu().tolist() == [0, 1] * (len(rows) // 2)
+
+
+def _staged_model(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors whose field payloads are large enough to be staged from the file, of
+    bf16, fp8, fp32 and integer dtypes, and bytes half skewed, half noise (raw chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    w = _row_scaled((512, 1100), torch.float32, seed)
+    rng = np.random.default_rng(seed)
+    half = torch.from_numpy(np.concatenate([np.minimum(rng.geometric(0.3, 200_000), 255),
+                                            rng.integers(0, 256, 200_000)]).astype(np.uint8))
+    return {"w.bf16": w.to(torch.bfloat16), "w.e4m3": (w * 300).to(torch.float8_e4m3fn),
+            "w.f32": w[:200].contiguous(), "ids": torch.randint(0, 30_000, (70_000,),
+                                                                 generator=g),
+            "half": half, "noise": torch.randint(0, 256, (200_000,), generator=g,
+                                                 dtype=torch.uint8)}
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+@pytest.mark.parametrize("segment_bytes", [1 << 24, 1 << 18])
+def test_exact_loads_of_files_staged_from_the_file(tmp_path, target, segment_bytes):
+    """bf16, fp8, fp32 and int64 tensors whose large payloads go from the file straight
+    into the staging buffer and are CRC-checked on the device: the CPU load bit for bit
+    (one and several segments a tensor)."""
+    from entropykit.container import files, source
+    from entropykit.container.cuda import fileplan
+    from entropykit.container.reader import Compressed
+
+    orig, ek = tmp_path / "m.safetensors", tmp_path / "m.ek.safetensors"
+    safetensors.torch.save_file(_staged_model(2), orig)
+    files.compress_file(orig, ek, target=target, segment_bytes=segment_bytes)
+    with source.FileBytes(ek) as f:
+        staged = sum(len(p.files) for g in fileplan.groups(Compressed(f)) for p in g.parts)
+    assert staged >= 6
+    want = entropykit.load_file(ek)
+    got = entropykit.load_file(ek, "cuda")
+    plain = safetensors.torch.load_file(orig)
+    assert list(got) == list(want)
+    for k in want:
+        for ref in (want[k], plain[k]):
+            assert got[k].dtype == ref.dtype and got[k].shape == ref.shape, k
+            assert torch.equal(got[k].cpu().reshape(-1).view(torch.uint8),
+                               ref.reshape(-1).view(torch.uint8)), k
+
+
+def test_old_files_load_on_the_device():
+    """Files of earlier record versions (EKT1 payloads, no position CRCs) still load."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[2] / "tests" / "data"
+    for name in ("legacy_v1.ek.safetensors", "legacy_v2.ek.safetensors"):
+        want = entropykit.load_file(data / name)
+        got = entropykit.load_file(data / name, "cuda")
+        assert list(got) == list(want)
+        for k in want:
+            assert torch.equal(got[k].cpu().reshape(-1).view(torch.uint8),
+                               want[k].reshape(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("kind", ["position", "head", "raw chunk", "raw field"])
+def test_damage_in_each_kind_of_staged_range_is_caught_by_the_crc_kernel(tmp_path, kind):
+    """A changed byte in each kind of range ``_crc.cu`` checks: a staged payload's body
+    (its position CRC), a byte of the head the host read (the seed differs), a raw chunk
+    of a staged frame and a raw field (their position CRCs recomputed: their own CRCs
+    catch it): CorruptDataError naming the file, tensor, segment and field, as the plan
+    names the check."""
+    import struct
+
+    from entropykit import CorruptDataError
+    from entropykit.container import payload, source
+    from entropykit.container.cuda import fileplan
+    from entropykit.container.reader import Compressed
+
+    orig, ek = tmp_path / "m.safetensors", tmp_path / "m.ek.safetensors"
+    safetensors.torch.save_file(_staged_model(3), orig)
+    entropykit.compress_file(orig, ek)
+    checks = []
+    c = Compressed(source.FileBytes(ek))
+    for group in fileplan.groups(c):
+        for part in group.parts:
+            at = dict(part.files.tolist())
+            for (k, off, n, *_), msg in zip(part.checks.tolist(), part.messages, strict=True):
+                checks.append((msg, at[k] + off, n))
+    want = {"position": "position CRC-32", "head": "position CRC-32",
+            "raw chunk": "(raw) fails its CRC-32", "raw field": "raw field fails its CRC-32"}
+    msg, at, n = next(x for x in checks if want[kind] in x[0])
+    buf = np.fromfile(ek, np.uint8)
+    where = at - 100 if kind == "head" else at + n // 2
+    buf[where] ^= 0x08
+    if kind in ("raw chunk", "raw field"):  # recompute the field's position CRC
+        name = msg.split("'")[1]
+        t = c.record.tensors[name]
+        o = next(e for e in c.outer.entries if e.name == name)
+        head = c.outer.data_start + o.begin
+        fields = c.fields(name)
+        f = next(i for i, off in enumerate(fields.offsets)
+                 if head + off <= where < head + off + fields.lengths[i])
+        a = head + fields.offsets[f]
+        crc = payload.field_crc(buf[a : a + fields.lengths[f]], name, f // len(t.fields),
+                                f % len(t.fields))
+        k = len(fields.lengths)
+        buf[head + 8 + 8 * k + 4 * f : head + 12 + 8 * k + 4 * f] = np.frombuffer(
+            struct.pack("<I", crc), np.uint8)
+    bad = tmp_path / "bad.safetensors"
+    buf.tofile(bad)
+    with pytest.raises(CorruptDataError) as got:
+        entropykit.load_file(bad, "cuda")
+    assert str(got.value).endswith(msg) and str(bad) in str(got.value)
+    with pytest.raises(CorruptDataError):
+        entropykit.load_file(bad)  # the CPU load fails too

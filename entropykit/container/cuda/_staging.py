@@ -5,8 +5,9 @@ tests check it): the pinned host buffer (mirrored byte for byte on the device) h
 stream's bytes as the file or the host decoder holds them, back to back, then per batch
 its tables and descriptors, then the relayout rows that ``_relayout.cu`` follows to move
 each chunk payload into the batch's 16-byte aligned payload layout (``rans.cuda.plan``'s) in a
-second device buffer. Copying whole streams, not chunks, keeps the host's part to a few
-large memory copies, run on threads.
+second device buffer, then the rows of the CRCs the device checks (``_crc``). Streams
+staged from the file are read straight into the buffer (adjacent ones in one ``preadv``),
+the others copied whole from host memory: the host touches each byte once, on threads.
 What it is not: the device side (``load.py``).
 """
 
@@ -16,35 +17,96 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..._errors import CorruptDataError
 from ...coding import parallel
-from . import fileplan
+from ..source import Bytes
+from . import _crc, fileplan
 
 ALIGN = 256  # section alignment (the kernels read tables as u32, descriptors as i64)
-SLAB = 4 << 20  # bytes a thread copies at a time
+SLAB = 4 << 20  # bytes a thread copies or reads at a time, at most
+MIN_SLAB = 256 << 10  # ... and at least, where a group is cut finer to give every thread work
 SPARE = 8  # bytes after the streams: the relayout kernel may read one word past a row
+GAP = 64 << 10  # file bytes between staged streams read (and dropped) to join two reads
 
 
 def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _copy_all(jobs: list[tuple[np.ndarray, np.ndarray]], threads: int) -> None:
-    """``dst[:] = src`` for every job, large ones cut into slabs, on ``threads`` threads
-    (numpy releases the GIL for large copies)."""
-    slabs = []
-    for src, dst in jobs:
-        for a in range(0, src.size, SLAB):
-            slabs.append((src[a : a + SLAB], dst[a : a + SLAB]))
-    if threads <= 1 or len(slabs) <= 1:
-        for src, dst in slabs:
-            dst[:] = src
+def _reads(jobs: list[tuple[int, np.ndarray]], slab: int = SLAB
+           ) -> list[tuple[int, list[np.ndarray]]]:
+    """File reads (offset, buffers filled one after another) of ``jobs`` (file offset,
+    buffer): adjacent ones joined (bytes up to ``GAP`` between them read into a buffer
+    that is dropped), each read at most about ``slab`` bytes."""
+    reads: list[tuple[int, list[np.ndarray]]] = []
+    end = size = -1
+    junk = np.empty(GAP, np.uint8)
+    for at, dst in sorted(jobs, key=lambda j: j[0]):
+        for a in range(0, dst.size, slab):
+            piece = dst[a : a + slab]
+            if reads and 0 <= at + a - end <= GAP and size + piece.size <= slab:
+                bufs = reads[-1][1]
+                if at + a > end:
+                    bufs.append(junk[: at + a - end])
+                bufs.append(piece)
+                size += at + a - end + piece.size
+            else:
+                reads.append((at + a, [piece]))
+                size = piece.size
+            end = at + a + piece.size
+    return reads
+
+
+def _slab(jobs: list[tuple[np.ndarray, np.ndarray]], files: list[tuple[int, np.ndarray]],
+          threads: int) -> int:
+    """The bytes a task copies or reads: about an equal share of the group for each
+    thread (a group of a few slabs would leave most threads idle), between ``MIN_SLAB``
+    (a task's hand-off costs more than reading less) and ``SLAB``."""
+    total = sum(s.size for s, _ in jobs) + sum(d.size for _, d in files)
+    return max(MIN_SLAB, min(SLAB, -(-total // max(threads, 1))))
+
+
+def _copy_all(jobs: list[tuple[np.ndarray, np.ndarray]], files: list[tuple[int, np.ndarray]],
+              src: Bytes | None, threads: int) -> None:
+    """``dst[:] = src`` for every job, large ones cut into slabs, and the file reads of
+    ``files`` (file offset, buffer) from ``src``, on ``threads`` threads (numpy and
+    ``preadv`` release the GIL)."""
+    slab = _slab(jobs, files, threads)
+    tasks: list[tuple[np.ndarray, np.ndarray] | tuple[int, list[np.ndarray]]] = []
+    for s, dst in jobs:
+        for a in range(0, s.size, slab):
+            tasks.append((s[a : a + slab], dst[a : a + slab]))
+    if files:
+        if src is None:
+            raise ValueError("streams staged from the file need its bytes")
+        tasks += _reads(files, slab)
+
+    def one(task: tuple) -> None:
+        a, b = task
+        if isinstance(a, np.ndarray):
+            b[:] = a
+        else:
+            src.readinto(a, b)
+
+    n = min(threads, len(tasks))
+    if n <= 1:
+        for task in tasks:
+            one(task)
         return
 
-    def run(k: int) -> None:
-        for src, dst in slabs[k::threads]:  # round robin: sizes mix evenly
-            dst[:] = src
+    def run(k: int) -> tuple[int, Exception] | None:
+        for i in range(k, len(tasks), n):  # round robin: sizes mix evenly
+            try:
+                one(tasks[i])
+            except Exception as e:  # noqa: BLE001 -- raised below, in task order
+                return i, e
+        return None
 
-    parallel.run(run, threads, threads)
+    # The first failing task's error, as one thread would raise it: each thread stops
+    # at its first failure, and the lowest of those is the first of all.
+    failed = [f for f in parallel.run(run, n, n) if f is not None]
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
 
 
 @dataclass(frozen=True)
@@ -59,10 +121,15 @@ class Staging:
     sections: tuple[dict[str, int], ...]  # per batch: payload, sym, info, cmaps, desc
     moves: np.ndarray  # int64[k, 3]: staged offset, payload offset, length
     moves_at: int  # staged offset of ``moves``
+    crcs: np.ndarray  # int64[k, 4]: staged offset, length, seed, wanted CRC (``_crc``)
+    crcs_at: int  # staged offset of ``crcs``, then of their first pieces (``first``)
+    first: np.ndarray  # int64[k + 1]: ``_crc.first_pieces`` of ``crcs``
+    ranks: np.ndarray  # int64[k]: each check's rank (``fileplan.POSITION`` first)
+    messages: tuple[str, ...]  # each check's error
 
     @staticmethod
     def of(group: fileplan.Group) -> Staging:
-        pos, pay, streams, sections, moves = 0, 0, [], [], []
+        pos, pay, streams, sections, moves, checks = 0, 0, [], [], [], []
         for part in group.parts:
             sizes = np.array([st.data.size for st in part.batch.streams], np.int64)
             padded = -(-sizes // 8) * 8
@@ -81,26 +148,50 @@ class Staging:
             cp = b.copies
             moves.append(np.stack([at[cp[:, 0]] + cp[:, 1], sec["payload"] + cp[:, 2],
                                    cp[:, 3]], axis=1))
+            ch = part.checks
+            checks.append(np.stack([at[ch[:, 0]] + ch[:, 1], ch[:, 2], ch[:, 3], ch[:, 4]],
+                                   axis=1))
             sections.append(sec)
         rows = np.concatenate(moves) if moves else np.zeros((0, 3), np.int64)
+        crcs = np.concatenate(checks) if checks else np.zeros((0, 4), np.int64)
+        first = _crc.first_pieces(crcs[:, 1])
         moves_at = _up(pos)
-        size = max(moves_at + rows.nbytes, ALIGN)
+        crcs_at = _up(moves_at + rows.nbytes)
+        size = max(crcs_at + crcs.nbytes + first.nbytes, ALIGN)
+        ranks = np.concatenate([p.checks[:, 5] for p in group.parts]) if group.parts \
+            else np.zeros(0, np.int64)
         return Staging(size, max(pay, ALIGN), tuple(streams), tuple(sections), rows,
-                       moves_at)
+                       moves_at, crcs, crcs_at, first, ranks,
+                       tuple(m for p in group.parts for m in p.messages))
+
+    def crc_error(self, status: np.ndarray) -> tuple[int, CorruptDataError] | None:
+        """(rank, error) of the first failing check of the lowest rank in the device's
+        ``status`` of ``crcs`` (nonzero: failed), or None."""
+        bad = np.flatnonzero(status)
+        if bad.size == 0:
+            return None
+        k = int(bad[np.argmin(self.ranks[bad])])  # argmin: the first of the lowest rank
+        return int(self.ranks[k]), CorruptDataError(self.messages[k])
 
     def fill(self, group: fileplan.Group, host: np.ndarray, descs: list[np.ndarray],
-             threads: int) -> None:
+             threads: int, src: Bytes | None = None) -> None:
         """Write the group into ``host`` (>= ``size`` bytes); ``descs[k]``: batch k's
-        descriptors with its outputs bound (``rans.cuda._runtime.bound_desc``)."""
-        jobs = []
+        descriptors with its outputs bound (``rans.cuda._runtime.bound_desc``); ``src``:
+        the file, for the streams staged from it."""
+        jobs, files = [], []
         for part, at, sec, desc in zip(group.parts, self.streams, self.sections, descs,
                                        strict=True):
             b = part.batch
-            for st, a in zip(b.streams, at.tolist(), strict=True):
-                jobs.append((st.data, host[a : a + st.data.size]))
+            from_file = dict(part.files.tolist())
+            for k, (st, a) in enumerate(zip(b.streams, at.tolist(), strict=True)):
+                if k in from_file:
+                    files.append((from_file[k], host[a : a + st.data.size]))
+                else:
+                    jobs.append((st.data, host[a : a + st.data.size]))
             for name, arr in (("sym", b.sym_tables), ("info", b.info_tables),
                               ("cmaps", b.cmaps), ("desc", desc)):
                 host[sec[name] : sec[name] + arr.nbytes] = arr.reshape(-1).view(np.uint8)
-        host[self.moves_at : self.moves_at + self.moves.nbytes] = (
-            self.moves.reshape(-1).view(np.uint8))
-        _copy_all(jobs, threads)
+        for at, arr in ((self.moves_at, self.moves), (self.crcs_at, self.crcs),
+                        (self.crcs_at + self.crcs.nbytes, self.first)):
+            host[at : at + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        _copy_all(jobs, files, src, threads)

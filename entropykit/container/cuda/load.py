@@ -5,13 +5,16 @@ tensors are allocated on the device first; then for each ``fileplan.Group`` (in 
 order) its streams' bytes (as the file holds them: the host copies whole fields, not
 chunks), tables, context maps and descriptors (output positions bound) are written into
 one pinned host buffer (``_staging.Staging``), copied to the device on a side stream in
-one transfer, moved into the decoder's aligned payload layout by ``_relayout.cu``, and
-decoded on the current stream by one launch per batch. ``SLOTS`` pinned buffers, each
-with its device twins, rotate: while the GPU copies and decodes one group, the host
-fills the next (the planner's threads read each segment's field payloads from the file,
-check them and decode tANS/zstd fields ahead; the fill copies what they read).
-The kernels' status is read once at the end: ``CorruptDataError`` names the tensor,
-segment, field and chunk.
+one transfer, moved into the decoder's aligned payload layout by ``_relayout.cu``, CRC-
+checked where the host did not check them (``_crc.cu``) and decoded on the current stream
+by one launch per batch. ``SLOTS`` pinned buffers, each with its device twins, rotate:
+while the GPU copies and decodes one group, the host fills the next, and a thread of its
+own plans the one after (``fileplan.ahead``: the planner's threads read small field
+payloads and the heads of large ones, check what they read and decode tANS/zstd fields
+ahead; the fill reads the large payloads from the file straight into the pinned buffer
+and copies the rest, on every thread). The kernels' statuses are read once at the
+end: ``CorruptDataError`` names the tensor, segment, field (and chunk), a failed CRC
+before a failed decode.
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
 (``_staging.py``) or the decoder (``rans.cuda``).
 """
@@ -29,7 +32,8 @@ from ..._cuda import cuda_device, nvrtc
 from ...rans.cuda import _runtime as rt
 from ...rans.cuda.plan import WARPS, Origins
 from ..reader import Compressed
-from . import fileplan
+from ..source import Bytes
+from . import _crc, fileplan
 from ._staging import Staging
 
 SLOTS = 3  # staging buffers in rotation: fill one, copy one, decode one
@@ -70,13 +74,15 @@ class Stager:
     payload layout on the device (``_relayout.cu``), and decoded, one launch per batch.
     """
 
-    def __init__(self, device: torch.device, threads: int) -> None:
+    def __init__(self, device: torch.device, threads: int, src: Bytes | None = None) -> None:
         self.device = device
         self.threads = threads
+        self.src = src  # the file, for the streams staged from it
         self.slots: list[_Slot] = []
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
         self.checks: list[tuple[torch.Tensor, list[tuple[Origins, int, int]]]] = []
+        self.crcs: list[tuple[torch.Tensor, Staging]] = []  # status (and accumulators)
         self.seconds = {"slot_wait": 0.0, "fill": 0.0, "launch": 0.0, "check": 0.0}
 
     def _slot(self, staged: int, payload: int) -> _Slot:
@@ -108,7 +114,7 @@ class Stager:
                                                     for t in part.tensors])
             descs.append(desc)
             binds.append(base)
-        st.fill(group, slot.host.numpy(), descs, self.threads)
+        st.fill(group, slot.host.numpy(), descs, self.threads, self.src)
         t2 = time.perf_counter()
         self.copy_stream.wait_event(slot.done)
         with torch.cuda.stream(self.copy_stream):
@@ -118,6 +124,12 @@ class Stager:
         cur.wait_event(slot.copied)
         dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
         relayout(self.device, dev0 + st.moves_at, len(st.moves), dev0, pay0)
+        k = len(st.crcs)
+        if k:
+            crc = torch.zeros(2 * k, dtype=torch.int32, device=self.device)
+            _crc.launch(self.device, dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
+                        int(st.first[-1]), dev0, crc.data_ptr() + 4 * k, crc.data_ptr())
+            self.crcs.append((crc[:k], st))
         rows = sum(len(part.batch.desc) for part in group.parts)
         status = torch.zeros(max(rows, 1), dtype=torch.int32, device=self.device)
         row = 0
@@ -137,13 +149,22 @@ class Stager:
             self.seconds[k] += dt
 
     def check(self) -> None:
-        """Wait for every launch; raise ``CorruptDataError`` for the first failing row."""
-        if not self.checks:
+        """Wait for every launch; raise ``CorruptDataError`` for the first failing CRC
+        (position CRCs first), else the first failing decode row."""
+        if not self.checks and not self.crcs:
             return
         t = time.perf_counter()
-        everything = torch.cat([s for s, _ in self.checks]).cpu().numpy()
+        everything = torch.cat([s for s, _ in self.crcs]
+                               + [s for s, _ in self.checks]).cpu().numpy()
         self.seconds["check"] += time.perf_counter() - t
-        at = 0
+        at, failed = 0, []
+        for status, st in self.crcs:
+            err = st.crc_error(everything[at : at + status.numel()])
+            if err is not None:
+                failed.append(err)
+            at += status.numel()
+        if failed:
+            raise min(failed, key=lambda e: e[0])[1]  # the first of the lowest rank
         for status, named in self.checks:
             for origins, row, n in named:
                 err = origins.error(everything[at + row : at + row + n])
@@ -176,17 +197,20 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
         def views(k: int, bf16: bool) -> torch.Tensor:
             return flat[k].view(torch.int16 if bf16 else torch.uint8)
 
-        stager = Stager(dev, threads)
-        planned = fileplan.groups(c, threads, entries=entries, warps=warps,
-                                  group_bytes=group_bytes)
+        stager = Stager(dev, threads, c.source)
+        planned = fileplan.ahead(fileplan.groups(c, threads, entries=entries, warps=warps,
+                                                 group_bytes=group_bytes))
         wait = 0.0
-        while True:
-            t = time.perf_counter()
-            group = next(planned, None)
-            wait += time.perf_counter() - t
-            if group is None:
-                break
-            stager.run(group, views)
+        try:
+            while True:
+                t = time.perf_counter()
+                group = next(planned, None)
+                wait += time.perf_counter() - t
+                if group is None:
+                    break
+                stager.run(group, views)
+        finally:
+            planned.close()  # the planning thread stops
         stager.check()
     if seconds is not None:
         seconds.update(stager.seconds, plan_wait=wait)

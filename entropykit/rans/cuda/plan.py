@@ -153,7 +153,11 @@ class Stream:
         """An rANS frame whose context is each symbol's class on ``grid`` (maps checked
         by the caller: classes below their counts, one per row and column);
         CorruptDataError if the frame is damaged or its contexts leave the grid's."""
-        s = Stream.frame(data, label)
+        return Stream.frame(data, label).with_grid(grid)
+
+    def with_grid(self, grid: Grid) -> Stream:
+        """This frame (``on_grid``'s checks) with its context taken from ``grid``."""
+        s, label = self, self.label
         if s.info.cmap is None:  # one table: the classes choose nothing
             return s
         if not 1 <= grid.width <= GRID_MAX_WIDTH or not 0 <= grid.phase < grid.width:
