@@ -580,22 +580,3 @@ def test_groups_planned_ahead_are_the_groups_in_order():
     assert next(it) == 0
     it.close()
     assert closed.is_set() and len(made) < 10
-
-
-def test_groups_grow_from_a_small_first_one(model_file, tmp_path, monkeypatch):
-    """The first group holds about ``FIRST_GROUP_BYTES`` of payload, each next one about
-    twice the one before up to ``group_bytes`` (the device starts on the first while the
-    rest is planned); the load is exact."""
-    ek = tmp_path / "m.ek.safetensors"
-    files.compress_file(model_file, ek, threads=2, segment_bytes=1 << 14)
-    c = Compressed(np.fromfile(ek, np.uint8))
-    monkeypatch.setattr(fileplan, "FIRST_GROUP_BYTES", 1 << 15)
-    sizes = [sum(int(s.data.size) for p in g.parts for s in p.batch.streams)
-             for g in fileplan.groups(c, 2, group_bytes=1 << 17)]
-    limits = [min(1 << 17, (1 << 15) << k) for k in range(len(sizes))]
-    assert len(sizes) >= 4 and sizes[0] < sizes[1] < sizes[2]
-    assert all(lim <= n < lim + (1 << 15) for n, lim in zip(sizes[:-1], limits, strict=False))
-    got, want = _emulated_load(ek, 2, group_bytes=1 << 17), _cpu_bytes(ek)
-    assert list(got) == list(want)
-    for name in want:
-        assert np.array_equal(got[name], want[name]), name

@@ -29,10 +29,9 @@ one thread of a pool: the field payloads of its small segments are read in as fe
 as lie together (a tensor of one segment with its payload index) and all their position
 CRCs computed in one call (``Compressed.parts_of``), its host decodes run on that thread.
 The pieces are gathered in data order into ``Group``s of at most ``group_bytes`` of
-payload (the first ``FIRST_GROUP_BYTES``, each next one twice the one before): a group
-is what the loader stages, copies and launches at once (one launch per kernel flavour in
-it: u8 / bf16 mode, context tables, tables wider than shared memory holds), so host
-work, copies and decoding overlap.
+payload: a group is what the loader stages, copies and launches at once (one launch per
+kernel flavour in it: u8 / bf16 mode, context tables, tables wider than shared memory
+holds), so host work, copies and decoding overlap.
 What it is not: the device side (``load.py``) or the decoder's layout (``rans.cuda.plan``).
 """
 
@@ -61,10 +60,6 @@ from ..reader import Compressed
 from ..source import Arena
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
-# The first group is smaller, the next ones twice the one before up to ``group_bytes``:
-# the device copies and decodes the first while the rest is planned, where one group
-# of a small file would wait for its whole plan.
-FIRST_GROUP_BYTES = 8 << 20
 RUN_BYTES = 1 << 20  # output bytes of the small segments one thread plans in a row
 # Threads the plan runs on at most: with large payloads staged from the file, what is
 # left is mostly Python holding the GIL, which more threads only contend for (with the
@@ -565,7 +560,6 @@ def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | No
     entries = c.original.by_offset if entries is None else entries
     pending: list[Piece] = []
     size = 0
-    limit = min(group_bytes, FIRST_GROUP_BYTES)
     arena = Arena()  # the reads of runs held together until their group is staged
     results = imap(lambda run: _plan_run(c, run, arena), _jobs(c, entries),
                    min(threads, PLAN_THREADS))
@@ -574,10 +568,9 @@ def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | No
             for piece in pieces:
                 pending.append(piece)
                 size += piece.nbytes
-                if size >= limit:
+                if size >= group_bytes:
                     yield _group(pending, entries, warps)
                     pending, size = [], 0
-                    limit = min(group_bytes, 2 * limit)
         if pending:
             yield _group(pending, entries, warps)
     finally:
