@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from entropykit.container import files
+from entropykit.container import _atomic, files
 
 
 def _peak(fn) -> int:
@@ -25,13 +25,17 @@ def _peak(fn) -> int:
         tracemalloc.stop()
 
 
-def test_memory_is_bounded_by_segments_not_file_size(tmp_path: Path) -> None:
+def test_memory_is_bounded_by_segments_not_file_size(tmp_path: Path, monkeypatch) -> None:
     g = torch.Generator().manual_seed(0)
     src = tmp_path / "big.safetensors"
     save_file({"w": (torch.randn(8192, 2048, generator=g) * 0.02).to(torch.bfloat16),
                "f": torch.randn(1024, 2048, generator=g)}, src)
     size = src.stat().st_size  # 40 MiB
     seg = 1 << 20
+    # Written data may wait for the writer thread up to the queue's cap (a constant, not a
+    # share of the file): small here, so that the bound below holds however far a busy
+    # machine's writer thread lags.
+    monkeypatch.setattr(_atomic, "QUEUE_BYTES", seg)
     packed, back = tmp_path / "p", tmp_path / "b"
     # Warm up first: loading compiled kernels allocates, once per process.
     files.compress_file(src, packed, threads=2, segment_bytes=seg)
@@ -43,9 +47,13 @@ def test_memory_is_bounded_by_segments_not_file_size(tmp_path: Path) -> None:
     assert back.read_bytes() == src.read_bytes()
     # At most 2 x threads segments in flight, each holding at most its input bytes (read,
     # not mapped), its fields and its frames: 12 segments at 2 threads, whatever the file
-    # size (how many peak together depends on the threads' timing).
-    assert peak_c < 12 * seg < size / 3
-    assert peak_d < 12 * seg
+    # size (how many peak together depends on the threads' timing); the writer's queue:
+    # its cap and the one write that may pass it; and each decoding thread's scratch of
+    # the driver (a segment's symbols, once per byte of a value and once more: bf16's 1.5
+    # segments), the 2 workers' and the caller's.
+    bound = 12 * seg + 2 * seg + 3 * 3 * seg // 2
+    assert peak_c < bound < size / 2
+    assert peak_d < bound
 
 
 def test_thousands_of_tensors(tmp_path: Path) -> None:
