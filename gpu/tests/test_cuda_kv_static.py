@@ -216,27 +216,19 @@ def _assert_same(got: list, ref: list) -> None:
         assert torch.equal(gv.view(torch.int16), rv.view(torch.int16))
 
 
-def test_deferred_offloaded_steps_make_no_host_sync_and_are_exact_and_repeatable():
-    """With ``check="deferred"``, after the prompt's encode, decode steps through
-    ``transformers.Cache(offloading=True)`` of static-coded layers queue everything
-    without one host synchronisation (no ``.item()``, ``.cpu()``, pageable copy or stream
-    sync: torch's sync debug mode raises on any), and each step's keys and values are
-    those of a cache kept on the GPU, the same on a repeat."""
+@pytest.mark.parametrize("check", ["deferred", "before_use"])
+def test_offloaded_steps_are_exact_and_repeatable(check):
+    """Decode steps through ``transformers.Cache(offloading=True)`` of static-coded
+    layers, after the prompt's encode, give the keys and values of a cache kept on the
+    GPU, the same on a repeat. With ``check="deferred"`` they queue everything without
+    one host synchronisation (no ``.item()``, ``.cpu()``, pageable copy or stream sync:
+    torch's sync debug mode raises on any); in the default mode every update returns
+    keys and values already checked."""
     layers = 3
     prompt, steps = _step_states(layers, 20)
     ref = _step_through(layers, prompt, steps, None)
     for _ in range(2):
-        _assert_same(_step_through(layers, prompt, steps, "deferred"), ref)
-
-
-def test_default_offloaded_steps_are_checked_and_exact():
-    """In the default mode every update returns keys and values already checked, and
-    they are those of a cache kept on the GPU, the same on a repeat."""
-    layers = 3
-    prompt, steps = _step_states(layers, 20)
-    ref = _step_through(layers, prompt, steps, None)
-    for _ in range(2):
-        _assert_same(_step_through(layers, prompt, steps, "before_use"), ref)
+        _assert_same(_step_through(layers, prompt, steps, check), ref)
 
 
 def test_default_mode_raises_in_the_update_that_would_use_a_damaged_layer():
