@@ -73,6 +73,12 @@ def safe_open(path: str | Any, framework: str = "pt", device: str | int = "cpu",
     return CompressedFile(path, framework, device, resolve(threads), opened)
 
 
+def parsed(f: CompressedFile) -> Compressed:
+    """The container parse of an open compressed file (``ValueError`` once it is closed):
+    for entropykit's own loaders, which decode many of its tensors at once."""
+    return f._open()
+
+
 class CompressedFile:
     """An open compressed safetensors file (see ``safe_open``), read as tensors are asked
     for (never mapped); closes it on exit."""

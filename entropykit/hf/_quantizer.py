@@ -61,7 +61,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..container import files
 from ..container.parallel import resolve
-from ..lazy import CompressedFile, safe_open
+from ..lazy import CompressedFile, parsed, safe_open
 from . import MARK_VERSION, QUANT_METHOD
 
 
@@ -288,7 +288,7 @@ class EntropyKitQuantizer(HfQuantizer):
         """The tensors of compressed shard ``path`` that a batch for ``device`` holds
         (``given``: where a tensor was read, for loads without a device map)."""
         small = device.type != "cuda"
-        c = self._files[self._shards[path][0]][1]._open()
+        c = parsed(self._files[self._shards[path][0]][1])
         return [k for k in self._shards[path] if self._bound(k, given) == device
                 and (not small or c.entry(k).nbytes <= SMALL)]
 
@@ -312,7 +312,7 @@ class EntropyKitQuantizer(HfQuantizer):
         from .._cuda import GpuUnavailableError
         from ..api import _load_compressed
 
-        c = f._open()  # the shard as opened by preprocess_model: parsed once
+        c = parsed(f)  # the shard as opened by preprocess_model: parsed once
         threads = resolve(None)
         on = device if device.type == "cuda" else torch.device("cpu")
         with files.named(path):
