@@ -155,9 +155,9 @@ class Piece:
 def _check_raw_chunks(s: Stream) -> None:
     """CRC-32 of the raw chunks of an rANS frame (the kernel copies them unchecked)."""
     info = s.info
-    raw = np.flatnonzero(info.modes == _frame.MODE_RAW)
-    if raw.size == 0:
+    if not info.modes.any():  # no raw chunk (modes are 0 coded, 1 raw: checked)
         return
+    raw = np.flatnonzero(info.modes == _frame.MODE_RAW)
     got = crc32_ranges(s.data, info.offsets[raw], info.lengths[raw], np.zeros(raw.size))
     bad = np.flatnonzero(got != info.crcs[raw].astype(np.uint32))
     if bad.size:
@@ -214,8 +214,9 @@ def _whole(part: np.ndarray | _Head) -> np.ndarray:
 
 
 def _stand_in(n: int) -> np.ndarray:
-    """``n`` bytes that are not there (a staged stream's ``data``: only its size is used)."""
-    return np.broadcast_to(np.zeros(1, np.uint8), (n,))
+    """``n`` bytes that are not there (a staged stream's ``data``: only its size is used;
+    read-only, every element the one byte of an immutable buffer)."""
+    return np.ndarray((n,), np.uint8, b"\0", 0, (0,))
 
 
 def _frame_end(head: np.ndarray, at: int) -> int:
@@ -238,7 +239,7 @@ def _staged_frame(piece: Piece, part: _Head, skip: int, label: str) -> Stream:
     except CorruptDataError as e:
         raise CorruptDataError(f"{label}: {e}") from None
     s = Stream(_stand_in(part.size - skip), info, label)
-    for k in np.flatnonzero(info.modes == _frame.MODE_RAW).tolist():
+    for k in np.flatnonzero(info.modes).tolist() if info.modes.any() else ():  # raw chunks
         piece.checks.append(Check(s, int(info.offsets[k]), int(info.lengths[k]), 0,
                                   int(info.crcs[k]), OWN,
                                   f"{label}: chunk {k} (raw) fails its CRC-32"))
