@@ -10,6 +10,9 @@ shows the best time of each and the ratio (plain / compressed: above
 bit against the plain load. On the CPU the table also gives the time ``load_file`` takes to
 decode the compressed shards, the part of the load that compression adds; on a GPU, where
 ``load_file`` of the shards onto it spends its host time (the loader's own accounting).
+For the best compressed load it prints the wall time of the quantizer's steps (``_Steps``:
+opening the shards, decoding batches, transformers waiting for them): the rest of the load
+is transformers' own work (building the model, reading payload bytes, placing tensors).
 Models: ``llm`` — a Llama-shaped bf16 model (hidden 4096, 14336 MLP, 32000 vocabulary,
 ``--layers`` blocks; random weights at the model's own initialization, so synthetic);
 ``minilm`` — real MiniLM-L6 weights cast to bf16 (``--minilm DIR`` holding its
@@ -69,13 +72,56 @@ def _size(d: Path) -> int:
     return sum(p.stat().st_size for p in d.iterdir() if p.suffix == ".safetensors")
 
 
+class _Steps:
+    """Wall seconds of the entropykit quantizer's steps during compressed loads (its
+    methods wrapped while the benchmark runs): ``open`` the shards (safe_open, before
+    transformers reads weights), ``decode`` the batches (``load_file`` of a shard's
+    tensors; on a side thread when started ahead), ``wait`` transformers' thread blocked
+    for a batch (decoding it itself, or waiting for the one ahead), ``tensors`` every
+    tensor handed to transformers (the waits, tensors decoded alone, casts)."""
+
+    _WRAPPED = {"_process_model_before_weight_loading": "open", "_decode_batch": "decode",
+                "_batch": "wait", "decode": "tensors"}
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __enter__(self) -> _Steps:
+        from entropykit.hf import _quantizer
+
+        cls = _quantizer.EntropyKitQuantizer
+        self._saved = {name: cls.__dict__[name] for name in self._WRAPPED}
+        for name, key in self._WRAPPED.items():
+            setattr(cls, name, self._timed(self._saved[name], key))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from entropykit.hf import _quantizer
+
+        for name, fn in self._saved.items():
+            setattr(_quantizer.EntropyKitQuantizer, name, fn)
+
+    def _timed(self, fn, key: str):  # noqa: ANN001, ANN202
+        def timed(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+        return timed
+
+
 def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int,
            target: str) -> dict:
     best = {"plain": float("inf"), "ek": float("inf")}
+    steps: dict[str, float] = {}
     ref = None
     for _ in range(repeat):
         for kind, path in (("plain", plain), ("ek", ek)):
-            t, model = _load(cls, path, device)
+            with _Steps() as timed:
+                t, model = _load(cls, path, device)
+            if kind == "ek" and t < best[kind]:
+                steps = dict(timed.seconds, total=t)
             best[kind] = min(best[kind], t)
             if kind == "plain":
                 ref = model
@@ -89,7 +135,8 @@ def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int
         gc.collect()
     row = dict(model=name, target=target, device=device, plain_mb=_size(plain) / 1e6,
                ek_mb=_size(ek) / 1e6,
-               plain_s=best["plain"], ek_s=best["ek"], speedup=best["plain"] / best["ek"])
+               plain_s=best["plain"], ek_s=best["ek"], speedup=best["plain"] / best["ek"],
+               steps=steps)
     if device.startswith("cuda"):
         row["host"] = _host_seconds(ek, device)
     if device == "cpu":  # the decode the compressed load adds, at the CPU's decode speed
@@ -191,6 +238,9 @@ def main() -> int:
         print(f"| {r['model']} | {r['target']} | {r['device']} | {r['plain_mb']:.0f} | "
               f"{r['ek_mb']:.0f} | "
               f"{r['plain_s']:.3f} | {r['ek_s']:.3f} | {r['speedup']:.2f}x | {extra} |")
+    for r in rows:
+        print(f"{r['model']} ({r['target']}): the best compressed from_pretrained, quantizer "
+              "steps ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["steps"].items()))
     for r in rows:
         if r.get("host"):
             print(f"{r['model']} ({r['target']}): load_file of the shards onto {r['device']}, "
