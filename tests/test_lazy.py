@@ -96,11 +96,17 @@ def test_plain_file_is_delegated(tmp_path: Path) -> None:
 
 
 def test_closed_file_refuses(tmp_path: Path) -> None:
+    from entropykit.lazy import parsed
+
     _, ek = _write(tmp_path, _tensors())
     with entropykit.safe_open(ek, framework="np") as f:
-        pass
+        c = parsed(f)  # the parse the Hugging Face quantizer decodes batches from
+        assert c.keys() == f.keys() and c.tensor("f32").tobytes() == \
+            _tensors()["f32"].tobytes()
     with pytest.raises(ValueError, match="closed"):
         f.get_tensor("f32")
+    with pytest.raises(ValueError, match="closed"):
+        parsed(f)
 
 
 def test_bad_framework(tmp_path: Path) -> None:
