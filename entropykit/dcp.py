@@ -42,6 +42,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
@@ -322,35 +323,70 @@ def _part_bytes(total: int) -> int:
 def _write_files(jobs: list[tuple[Path, dict[str, Any], dict[str, str]]], threads: int,
                  fast: bool, output: Callable[[Path], AbstractContextManager[BinaryIO]]
                  ) -> None:
-    """Write each (path, tensors, metadata) as a compressed file, up to ``threads`` at
-    once, the largest first; a file gets coding threads in proportion to its share of
+    """Write each (path, tensors, metadata) as a compressed file, up to ``threads`` coded
+    at once, the largest first; a file gets coding threads in proportion to its share of
     the bytes (one, unless one item outweighs the rest). One file's writes run one at a
     time in the kernel (a file's write lock), so one file per rank would cap a rank's
-    write bandwidth at one thread's."""
+    write bandwidth at one thread's.
+
+    A coded file is closed (the tail of its writes, fsync, rename) by a closing thread
+    while its coding thread goes on to the next file: otherwise each file's last writes
+    and fsync would leave a coding thread idle, and where storage is slow a rank's coding
+    would stop for as long as its writes take. At most ``threads`` coded files wait to be
+    closed, so what is held for the storage stays a few files' queues."""
     sizes = [sum(_nbytes(t) for t in tensors.values()) for _, tensors, _ in jobs]
     total = max(1, sum(sizes))
     at_once = min(len(jobs), threads)
+    room = threading.BoundedSemaphore(2 * at_once)  # files coding or waiting to close
 
-    def one(i: int) -> None:
+    def close(path: Path, cm: AbstractContextManager[BinaryIO],
+              error: BaseException | None = None) -> None:
+        try:
+            with files.named(path):
+                if error is None:
+                    cm.__exit__(None, None, None)
+                else:  # the temporary is removed; the error is the caller's to raise
+                    cm.__exit__(type(error), error, error.__traceback__)
+        finally:
+            room.release()
+
+    def one(i: int, closing: ThreadPoolExecutor) -> Future[None]:
         path, tensors, meta = jobs[i]
         share = max(1, min(threads, threads * sizes[i] // total))
-        with files.named(path), output(path) as out:
-            write(tensor_source(tensors, meta), out, threads=share, fast=fast,
-                  segment_bytes=SEGMENT_BYTES)
+        room.acquire()
+        try:
+            cm = output(path)
+            with files.named(path):
+                out = cm.__enter__()
+        except BaseException:
+            room.release()
+            raise
+        try:
+            with files.named(path):
+                write(tensor_source(tensors, meta), out, threads=share, fast=fast,
+                      segment_bytes=SEGMENT_BYTES)
+        except BaseException as e:
+            close(path, cm, e)
+            raise
+        return closing.submit(close, path, cm)
 
     order = sorted(range(len(jobs)), key=lambda i: -sizes[i])
-    if at_once == 1:
-        for i in order:
-            one(i)
-        return
-    with ThreadPoolExecutor(at_once, thread_name_prefix="entropykit-shard") as ex:
-        futures = [ex.submit(one, i) for i in order]
-        try:
-            for f in futures:
-                f.result()
-        finally:
-            for f in futures:  # after an error: start no more files (running ones end)
-                f.cancel()
+    with ExitStack() as stack:
+        closing = stack.enter_context(ThreadPoolExecutor(
+            at_once, thread_name_prefix="entropykit-close"))
+        if at_once == 1:
+            closes = [one(i, closing) for i in order]
+        else:
+            coding = stack.enter_context(ThreadPoolExecutor(
+                at_once, thread_name_prefix="entropykit-shard"))
+            futures = [coding.submit(one, i, closing) for i in order]
+            try:
+                closes = [f.result() for f in futures]
+            finally:
+                for f in futures:  # after an error: start no more files (running ones end)
+                    f.cancel()
+        for f in closes:
+            f.result()
 
 
 def _key(fqn: str, offset: Any, taken: dict[str, Any]) -> str:
