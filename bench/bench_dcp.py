@@ -472,35 +472,39 @@ def _plan(args: argparse.Namespace) -> float:
                for rate in args.rates)
 
 
-def _print_table(args: argparse.Namespace, results: dict) -> None:
+def _print_head(args: argparse.Namespace) -> None:
     print("| state | ranks | writer | MB per rank | size / hf | save s | save / fs | "
           "save CPU s | busy | in write_data | load s | load / fs | in read_data |"
           + "".join(f" save s at {r / 1e9:g} GB/s | / fs |" for r in args.rates))
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-          + "---:|---:|" * len(args.rates))
+          + "---:|---:|" * len(args.rates), flush=True)
+
+
+def _print_rows(args: argparse.Namespace, results: dict, n: int) -> None:
+    """The table's rows for ``n`` ranks, printed as soon as they are measured (a run cut
+    short keeps what it did)."""
     for kind in args.states:
-        for n in args.ranks:
-            fs = results[(kind, "fs", n, None)][3]
-            fs_save = statistics.median(x["save"] for x in fs)
-            fs_load = statistics.median(x["load"] for x in fs)
-            for name in args.writers:
-                size, hf, per_rank, rows = results[(kind, name, n, None)]
-                save = [x["save"] for x in rows]
-                cpu = statistics.median(x["cpu"] for x in rows)
-                load = [x["load"] for x in rows]
-                writes = statistics.median(x["write_data"] for x in rows)
-                reads = statistics.median(x["read_data"] for x in rows)
-                line = (f"| {kind} | {n} | {name} | {per_rank / 1e6:.0f} | {size / hf:.3f} | "
-                        f"{_spread(save)} | {statistics.median(save) / fs_save:.2f}x | "
-                        f"{cpu:.2f} | {cpu / statistics.median(save):.1f} | {writes:.3f} | "
-                        f"{_spread(load)} | {statistics.median(load) / fs_load:.2f}x | "
-                        f"{reads:.3f} |")
-                for rate in args.rates:
-                    slow = [x["save"] for x in results[(kind, name, n, rate)][3]]
-                    slow_fs = statistics.median(
-                        x["save"] for x in results[(kind, "fs", n, rate)][3])
-                    line += f" {_spread(slow)} | {statistics.median(slow) / slow_fs:.2f}x |"
-                print(line)
+        fs = results[(kind, "fs", n, None)][3]
+        fs_save = statistics.median(x["save"] for x in fs)
+        fs_load = statistics.median(x["load"] for x in fs)
+        for name in args.writers:
+            size, hf, per_rank, rows = results[(kind, name, n, None)]
+            save = [x["save"] for x in rows]
+            cpu = statistics.median(x["cpu"] for x in rows)
+            load = [x["load"] for x in rows]
+            writes = statistics.median(x["write_data"] for x in rows)
+            reads = statistics.median(x["read_data"] for x in rows)
+            line = (f"| {kind} | {n} | {name} | {per_rank / 1e6:.0f} | {size / hf:.3f} | "
+                    f"{_spread(save)} | {statistics.median(save) / fs_save:.2f}x | "
+                    f"{cpu:.2f} | {cpu / statistics.median(save):.1f} | {writes:.3f} | "
+                    f"{_spread(load)} | {statistics.median(load) / fs_load:.2f}x | "
+                    f"{reads:.3f} |")
+            for rate in args.rates:
+                slow = [x["save"] for x in results[(kind, name, n, rate)][3]]
+                slow_fs = statistics.median(
+                    x["save"] for x in results[(kind, "fs", n, rate)][3])
+                line += f" {_spread(slow)} | {statistics.median(slow) / slow_fs:.2f}x |"
+            print(line, flush=True)
 
 
 def _print_phases(args: argparse.Namespace, results: dict) -> None:
@@ -546,26 +550,27 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# rate-limited saves: at least {_plan(args):.0f} s of storage time in all "
               f"(the rounds' bytes at {', '.join(f'{r / 1e9:g}' for r in args.rates)} GB/s "
               f"per rank), on top of the page-cache saves and loads", flush=True)
-    args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
-    results: dict = mp.Manager().dict()
-    try:
-        for n in args.ranks:
-            with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(_worker, args=(n, args, str(Path(tmp) / "store"), results),
-                         nprocs=n, join=True)
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
-    results = dict(results)
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}, "
           f"{os.cpu_count()} cores, torch {torch.__version__}, "
           f"{'synthetic' if args.synthetic else 'MiniLM-L6'} state, writers taking turns "
           f"in each of {args.repeat} rounds: median [least-most] seconds"
           + (f"; rate-limited: {', '.join(f'{r / 1e9:g}' for r in args.rates)} GB/s per rank "
-             f"(one bucket per rank in the storage writes of every writer)"
-             if args.rates else ""))
-    _print_table(args, results)
+             f"(one device model per rank in the storage writes of every writer)"
+             if args.rates else ""), flush=True)
+    args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
+    shared: dict = mp.Manager().dict()
+    try:
+        for n in args.ranks:
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.spawn(_worker, args=(n, args, str(Path(tmp) / "store"), shared),
+                         nprocs=n, join=True)
+            if n == args.ranks[0]:
+                _print_head(args)
+            _print_rows(args, dict(shared), n)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
     if args.phases:
-        _print_phases(args, results)
+        _print_phases(args, dict(shared))
 
 
 if __name__ == "__main__":
