@@ -9,7 +9,10 @@ async staging), and ``consolidate``:
   shards or whole tensors; non-tensor items as the bytes DCP serializes them to) as
   compressed safetensors files (one; or, where they pass a segment, about
   ``FILES_PER_RANK`` written at once, a coding thread each), each tensor coded by the
-  container's dtype-aware codecs; ranks write in parallel;
+  container's dtype-aware codecs; a file's coded segments are written by its own
+  write-behind thread while the next ones code, and a coded file is closed (its last
+  writes, fsync, rename) while its coding thread goes on to the next file; ranks write
+  in parallel;
 - loading decodes a rank's pieces on the thread pool, across its files, straight into
   the planner's tensors where a piece is one run of the saved chunk's bytes and the
   tensor a contiguous CPU tensor of its dtype;
