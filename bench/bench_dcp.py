@@ -46,7 +46,8 @@ Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-s
 with ``fast=False`` (every codec tried, smallest shards); ``hf``:
 ``HuggingFaceStorageWriter(save_distributed=True)``; ``fs``: ``FileSystemWriter`` (always
 run: the ratios are to it). Threads per rank: cores / ranks, for ek's coding and fs's
-``thread_count``.
+``thread_count`` (``--ek-threads N``: ek's coding threads instead, e.g. to find where a
+rank's coding stops scaling: its threads share one GIL).
 
 States: ``model``: bf16 weights; ``optim``: fp32 AdamW state of those weights: the fp32
 master weights plus ``exp_avg`` and ``exp_avg_sq`` after three AdamW steps on synthetic
@@ -329,11 +330,13 @@ def _dtensors(local: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
     return out
 
 
-def _writer(name: str, path: Path, rate: float | None, threads: int):
+def _writer(name: str, path: Path, rate: float | None, threads: int,
+            ek_threads: int | None = None):
     """Writer ``name``; its storage writes always go through a ``_Bucket`` (of ``rate``,
-    or unlimited), so that both kinds of writer run the same write path in both modes."""
+    or unlimited), so that both kinds of writer run the same write path in both modes.
+    ``ek_threads``: entropykit's coding threads, where not ``threads``."""
     if name in ("ek", "ek-small"):
-        return _ThrottledEK(path, rate, threads=threads, fast=name == "ek")
+        return _ThrottledEK(path, rate, threads=ek_threads or threads, fast=name == "ek")
     if name == "hf":
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -412,7 +415,8 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                     _PHASES.take()
                     inner: list[float] = []
                     save = _timed(dcp.save, sd, storage_writer=_clocked(
-                        _writer(name, path, rate, threads), "write_data", inner))
+                        _writer(name, path, rate, threads, args.ek_threads), "write_data",
+                        inner))
                     phases = _PHASES.take()
                     load = None if rate else _timed(dcp.load, target, storage_reader=_clocked(
                         _reader(name, path, threads), "read_data", inner))[0]
@@ -470,6 +474,25 @@ def _plan(args: argparse.Namespace) -> float:
     return sum((args.repeat + 1) * _state_bytes(args, kind, n) * _RATIO.get(w, {}).get(kind, 1)
                / rate for n in args.ranks for kind in args.states for w in args.writers
                for rate in args.rates)
+
+
+def _warm_kernels(args: argparse.Namespace) -> float:
+    """Save and load a small state of each kind once in this process, so that the
+    kernels the ranks need are compiled into Numba's cache before they start (on a cold
+    cache every spawned rank would otherwise compile them at once, in its untimed round).
+    Returns the seconds it took."""
+    t = time.perf_counter()
+    weights, _ = _weights(True, 1, 0, 64)
+    for kind in args.states:
+        sd = _state(kind, weights, 0)
+        for name in ("ek", "ek-small"):
+            if name in args.writers:
+                with tempfile.TemporaryDirectory(dir=args.dir) as d, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dcp.save(sd, storage_writer=_writer(name, Path(d), None, 1), no_dist=True)
+                    dcp.load({k: torch.zeros_like(v) for k, v in sd.items()},
+                             storage_reader=_reader(name, Path(d), 1), no_dist=True)
+    return time.perf_counter() - t
 
 
 def _print_head(args: argparse.Namespace) -> None:
@@ -539,6 +562,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--mb-per-rank", type=float, default=None,
                     help="with --synthetic: about this many MB of each state per rank")
+    ap.add_argument("--ek-threads", type=int, default=None,
+                    help="entropykit's coding threads per rank (default: as fs's, cores / "
+                         "ranks)")
     ap.add_argument("--phases", action="store_true",
                     help="also print rank 0's save time by phase")
     args = ap.parse_args(argv)
@@ -558,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
              f"(one device model per rank in the storage writes of every writer)"
              if args.rates else ""), flush=True)
     args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
+    print(f"# kernels compiled or loaded from the cache in {_warm_kernels(args):.1f} s",
+          flush=True)
     shared: dict = mp.Manager().dict()
     try:
         for n in args.ranks:
