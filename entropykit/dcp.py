@@ -235,6 +235,7 @@ class CompressedStorageWriter(FileSystemWriter):
         with _atomic.output_file(root / METADATA, force=True) as out:
             out.write(_dumps(layout))
         _remove_unlisted(root, layout.files(), _SHARD)
+        _remove_stale_temporaries(root)
 
     @property
     def metadata_path(self) -> str:
@@ -846,6 +847,21 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str] | N
         with _atomic.output_file(out / config_mark.CONFIG, force=True) as f:
             f.write(config_mark.marked(raw) or raw)
     return out
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Remove the temporaries of shard files that a killed save left in ``root``, those
+    that ``_atomic`` proves stale (a save still writing keeps its own). Every save's
+    shards have names of their own, so no later save writes one of those names again
+    and clears its temporary on the way, as a file written to a fixed name does."""
+    names = set()
+    for e in os.scandir(root):
+        if _atomic.is_temp(e.name):
+            name = e.name[1:-len(_atomic.TEMP_SUFFIX)].rpartition(".")[0]
+            if _SHARD.fullmatch(name):
+                names.add(name)
+    for name in sorted(names):
+        _atomic.remove_stale(root / name)
 
 
 def _remove_unlisted(root: Path, keep: set[str], pattern: re.Pattern[str]) -> None:

@@ -359,3 +359,29 @@ def test_queued_writes_go_out_in_few_writev_calls_even_when_short(tmp_path, monk
     assert (tmp_path / "o.bin").read_bytes() == want
     # 300 writes of 74 850 bytes: calls of many buffers (short writes taken up again).
     assert 15 <= len(calls) < 40 and max(calls) > 100
+
+
+def test_a_killed_saves_shard_temporaries_go_with_the_next_save(tmp_path):
+    # A killed save leaves its shards' temporaries under names no later save writes
+    # (each save's shards have their own), so the next save removes those proven stale
+    # (old, unlocked) and keeps what is not stale or not a shard's (old: all kept).
+    import os
+    import time
+
+    sd = _state()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    old = time.time() - 3600
+    stale = tmp_path / ".shard-0123456789ab-00000-0001.safetensors.abcd1234.ek-tmp"
+    running = tmp_path / ".shard-0123456789ab-00001.safetensors.abcd1234.ek-tmp"
+    other = tmp_path / ".notes.txt.abcd1234.ek-tmp"
+    for p in (stale, running, other):
+        p.write_bytes(b"partial")
+    for p in (stale, other):
+        os.utime(p, (old, old))
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    assert not stale.exists() and running.exists() and other.exists()
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
