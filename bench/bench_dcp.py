@@ -18,24 +18,36 @@ collective moves the data):
   rank 0's seconds in the storage's own ``write_data`` / ``read_data`` (the rest of a
   save or load is DCP's planning, collectives and the coordinator's ``finish``);
 - into a page-cache directory (``--dir``, tmpfs by default; it holds one checkpoint at a
-  time), and with every rank's writes
-  rate-limited (``--rate`` bytes/s per rank, ``0``: not run). The limit is a token bucket
-  per rank (``_Bucket``), shared by every stream the rank writes, applied to the write
-  calls that hand bytes to the file system, the same way for both kinds of writer: a
-  write first sleeps until the rank's bytes written so far, its own included, are within
-  ``rate x`` the time since the rank's first write, then writes to the page cache. DCP's
-  writers get it through their ``fs`` extension point (``FileSystem.create_stream``: each
-  of the writer's files), entropykit's through the writes of each shard file's
-  write-behind thread (the storage's writes, not the hand-off of coded data to that
-  thread). The sleep holds up the thread that writes, as a full device queue would:
-  DCP's writer threads, or entropykit's write-behind threads (its coding threads go on
-  until the write queue fills).
+  time), and with every rank's writes rate-limited (``--rate``: one or more rates in
+  bytes/s per rank; ``0``: not run). The limit (``_Bucket``) models one storage device
+  per rank that moves ``rate`` bytes/s, shared by every stream the rank writes, charged
+  in the calls that hand bytes to the file system, the same way for both kinds of
+  writer: a write of n bytes queues behind the bytes already handed to the device and
+  sleeps until the device would be done with it (n / rate after the device is free),
+  then writes to the page cache. Idle time is not banked (a device with nothing to do
+  while the writer codes cannot catch up later). DCP's writers get it through their
+  ``fs`` extension point (``FileSystem.create_stream``: each of the writer's files),
+  entropykit's through the ``writev`` calls of each shard file's write-behind thread
+  (the storage's writes, not the hand-off of coded data to that thread). The sleep holds
+  up the thread that writes, as a full device queue would: DCP's writer threads, or
+  entropykit's write-behind threads (its coding threads go on until the write queue
+  fills). Both writers always write through the bucket (unlimited in the page-cache
+  runs), so the two modes run the same code. Before the runs the script prints the
+  least time the rate-limited saves can take (their bytes at the rates), and after each
+  state's untimed round what that round took, so a run's length is known early;
+- ``--phases``: rank 0's save time by phase (seconds summed over the threads that spend
+  them): planning and collectives (the save less ``write_data`` and ``finish``), the
+  planner's data resolution, entropykit's coding (wall with a file open, and the coding
+  threads' CPU), the coding threads' waits for a full write queue, the writes themselves,
+  the bucket's sleeps, a file's close (entropykit: the writer thread's tail, fsync,
+  rename), fsync, ``finish`` (metadata).
 
 Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-small``:
 with ``fast=False`` (every codec tried, smallest shards); ``hf``:
 ``HuggingFaceStorageWriter(save_distributed=True)``; ``fs``: ``FileSystemWriter`` (always
 run: the ratios are to it). Threads per rank: cores / ranks, for ek's coding and fs's
-``thread_count``.
+``thread_count`` (``--ek-threads N``: ek's coding threads instead, e.g. to find where a
+rank's coding stops scaling: its threads share one GIL).
 
 States: ``model``: bf16 weights; ``optim``: fp32 AdamW state of those weights: the fp32
 master weights plus ``exp_avg`` and ``exp_avg_sq`` after three AdamW steps on synthetic
@@ -55,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import shutil
 import statistics
@@ -83,40 +96,85 @@ WRITERS = ("ek", "ek-small", "hf", "fs")
 
 
 class _Bucket:
-    """One rank's write budget: ``rate`` bytes/s from its first write on, shared by every
-    stream the rank writes (DCP's writer may write several files at once)."""
+    """One rank's storage: a device that moves ``rate`` bytes/s, shared by every stream
+    the rank writes (DCP's writer writes several files at once, entropykit a write-behind
+    thread per file). A write of n bytes queues behind the bytes already handed to the
+    device and takes n / rate: the caller sleeps until ``free``, the time the device is
+    done with everything handed to it so far, its own bytes included. Idle time is not
+    banked: a device that had nothing to do while the writer was busy (coding, or
+    serializing) cannot make up for it later, so a writer that writes in bursts gets no
+    credit a steady one does not. ``rate`` None: no limit (the counts are kept)."""
 
-    def __init__(self, rate: float) -> None:
-        self.rate, self.sent, self.start = rate, 0, None
+    def __init__(self, rate: float | None) -> None:
+        self.rate, self.sent, self.free, self.slept = rate, 0, 0.0, 0.0
         self.lock = threading.Lock()
 
     def take(self, n: int) -> None:
         with self.lock:
-            now = time.perf_counter()
-            if self.start is None:
-                self.start = now
             self.sent += n
-            ahead = self.sent / self.rate - (now - self.start)
-        if ahead > 0:
-            time.sleep(ahead)
+            if not self.rate:
+                return
+            now = time.perf_counter()
+            self.free = max(self.free, now) + n / self.rate
+            ahead = self.free - now
+            self.slept += ahead
+        _PHASES.add("rate-limit sleep", ahead)
+        time.sleep(ahead)
+
+
+class _Phases:
+    """Seconds per phase of this process's saves (``--phases``): summed over the threads
+    that spend them, so phases that overlap can add up to more than the wall time."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.lock = threading.Lock()
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        if self.on:
+            with self.lock:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        with self.lock:
+            out, self.seconds = self.seconds, {}
+        return out
+
+    def timing(self, phase: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(phase, time.perf_counter() - t)
+        return timed
+
+
+_PHASES = _Phases()
 
 
 class _Throttled:
-    """A write stream that sleeps before each write until ``bucket`` allows it."""
+    """A write stream whose writes go through ``bucket`` first."""
 
     def __init__(self, raw, bucket: _Bucket) -> None:
         self._raw, self._bucket = raw, bucket
 
     def write(self, b) -> int:
         self._bucket.take(memoryview(b).nbytes)
-        return self._raw.write(b)
+        t = time.perf_counter()
+        n = self._raw.write(b)
+        _PHASES.add("writes", time.perf_counter() - t)
+        return n
 
     def __getattr__(self, name: str):
         return getattr(self._raw, name)
 
 
 class _ThrottledFS(FileSystem):
-    def __init__(self, rate: float) -> None:
+    """DCP's file system with every written stream through a ``_Bucket``."""
+
+    def __init__(self, rate: float | None) -> None:
         super().__init__()
         self.bucket = _Bucket(rate)
 
@@ -127,7 +185,9 @@ class _ThrottledFS(FileSystem):
 
 
 class _ThrottledEK(CompressedStorageWriter):
-    def __init__(self, path, rate: float, **kw) -> None:
+    """entropykit's writer with every shard file's storage writes through a ``_Bucket``."""
+
+    def __init__(self, path, rate: float | None, **kw) -> None:
         super().__init__(path, **kw)
         self.bucket = _Bucket(rate)
 
@@ -144,10 +204,47 @@ class _ThrottledEK(CompressedStorageWriter):
 
             def throttled(bufs):
                 self.bucket.take(sum(memoryview(b).nbytes for b in bufs))
+                t = time.perf_counter()
                 real(bufs)
+                _PHASES.add("writes", time.perf_counter() - t)
 
             out._write_all = throttled
+            t = time.perf_counter()
             yield out
+            _PHASES.add("coding (file open)", time.perf_counter() - t)
+            t = time.perf_counter()
+        # The block's exit: the writer thread's tail, fsync, rename.
+        _PHASES.add("close: drain + fsync + rename", time.perf_counter() - t)
+
+
+def _instrument() -> None:
+    """Clock the phases of a save that both writers share or that entropykit's own
+    functions mark (``--phases``): the planner's data resolution, fsync, the storage's
+    ``finish`` (metadata), the coding threads' CPU and their waits for the writer thread."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import entropykit.dcp as ekdcp
+    from entropykit.container import _atomic
+
+    _PHASES.on = True
+    DefaultSavePlanner.resolve_data = _PHASES.timing("resolve data",
+                                                     DefaultSavePlanner.resolve_data)
+    os.fsync = _PHASES.timing("fsync", os.fsync)
+    os.fdatasync = _PHASES.timing("writeback fdatasync (background)", os.fdatasync)
+    _atomic._OutputFile._wait = _PHASES.timing("coding waits for writer",
+                                               _atomic._OutputFile._wait)
+    real = ekdcp.write
+
+    def write(*args, **kwargs):
+        c = time.thread_time()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            _PHASES.add("coding CPU (coding threads)", time.thread_time() - c)
+
+    ekdcp.write = write
+    for cls in (CompressedStorageWriter, dcp.FileSystemWriter):
+        cls.finish = _PHASES.timing("finish (metadata)", cls.finish)
 
 
 # The synthetic state's shape: an LLM's embedding, then layers of attention and MLP.
@@ -233,18 +330,20 @@ def _dtensors(local: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
     return out
 
 
-def _writer(name: str, path: Path, rate: float | None, threads: int):
+def _writer(name: str, path: Path, rate: float | None, threads: int,
+            ek_threads: int | None = None):
+    """Writer ``name``; its storage writes always go through a ``_Bucket`` (of ``rate``,
+    or unlimited), so that both kinds of writer run the same write path in both modes.
+    ``ek_threads``: entropykit's coding threads, where not ``threads``."""
     if name in ("ek", "ek-small"):
-        kw = {"threads": threads, "fast": name == "ek"}
-        return _ThrottledEK(path, rate, **kw) if rate else CompressedStorageWriter(path, **kw)
+        return _ThrottledEK(path, rate, threads=ek_threads or threads, fast=name == "ek")
     if name == "hf":
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
         w = HuggingFaceStorageWriter(str(path), save_distributed=True)
     else:
         w = dcp.FileSystemWriter(path, thread_count=threads)
-    if rate:
-        w.fs = _ThrottledFS(rate)
+    w.fs = _ThrottledFS(rate)
     return w
 
 
@@ -291,9 +390,11 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(minutes=30))
     torch.set_num_threads(1)
+    if args.phases:
+        _instrument()
     threads = max(1, (os.cpu_count() or 1) // n)
     mesh = DeviceMesh("cpu", list(range(n)))
-    rates = (None, *([args.rate] if args.rate else []))
+    rates = (None, *args.rates)
     for kind in args.states:
         weights, shapes = _weights(args.synthetic, _layers(kind, args.mb_per_rank, n), rank, n)
         local = _state(kind, weights, rank)
@@ -304,15 +405,19 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
         times: dict = {}
         sizes: dict = {}
         for r in range(args.repeat + 1):  # round 0: untimed (compiles, caches)
+            began = time.perf_counter()
             for rate in rates:
                 for name in args.writers:
                     path = Path(args.dir) / f"{kind}-{name}-{n}"
                     if rank == 0:
                         shutil.rmtree(path, ignore_errors=True)
                     dist.barrier()
+                    _PHASES.take()
                     inner: list[float] = []
                     save = _timed(dcp.save, sd, storage_writer=_clocked(
-                        _writer(name, path, rate, threads), "write_data", inner))
+                        _writer(name, path, rate, threads, args.ek_threads), "write_data",
+                        inner))
+                    phases = _PHASES.take()
                     load = None if rate else _timed(dcp.load, target, storage_reader=_clocked(
                         _reader(name, path, threads), "read_data", inner))[0]
                     if rank == 0:  # every rank is past the barrier after its load
@@ -321,7 +426,14 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                                               if p.is_file())
                         shutil.rmtree(path)  # one checkpoint in --dir at a time
                     if r:
-                        times.setdefault((name, rate), []).append((*save, load, *inner))
+                        times.setdefault((name, rate), []).append(
+                            {"save": save[0], "cpu": save[1], "load": load,
+                             "write_data": inner[0], "read_data": inner[-1],
+                             "phases": phases})
+            if r == 0 and rank == 0:
+                took = time.perf_counter() - began
+                print(f"# {kind}, {n} ranks: the untimed round took {took:.1f} s; "
+                      f"{args.repeat} more: about {args.repeat * took:.0f} s", flush=True)
         if "hf" not in args.writers:  # the size reference, untimed
             path = Path(args.dir) / f"{kind}-hf-{n}"
             dcp.save(sd, storage_writer=_writer("hf", path, None, threads))
@@ -343,65 +455,150 @@ def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
 
+def _state_bytes(args: argparse.Namespace, kind: str, n: int) -> float:
+    """Bytes of ``kind`` a rank holds (about: rows split evenly)."""
+    if not args.synthetic:
+        return (45.4e6 if kind == "model" else 272.6e6) / n
+    params = sum(math.prod(s) for s in _shapes(_layers(kind, args.mb_per_rank, n)).values())
+    return params * (2 if kind == "model" else 12) / n
+
+
+# Output over input, about, for the floor of a rate-limited save's time (``_plan``).
+_RATIO = {"ek": {"model": 0.66, "optim": 0.82}, "ek-small": {"model": 0.66, "optim": 0.82}}
+
+
+def _plan(args: argparse.Namespace) -> float:
+    """The least time the rate-limited saves can take: every round's bytes through the
+    bucket (everything else a run does comes on top: startup, states, page-cache saves
+    and loads; each state's untimed round prints what it took)."""
+    return sum((args.repeat + 1) * _state_bytes(args, kind, n) * _RATIO.get(w, {}).get(kind, 1)
+               / rate for n in args.ranks for kind in args.states for w in args.writers
+               for rate in args.rates)
+
+
+def _warm_kernels(args: argparse.Namespace) -> float:
+    """Save and load a small state of each kind once in this process, so that the
+    kernels the ranks need are compiled into Numba's cache before they start (on a cold
+    cache every spawned rank would otherwise compile them at once, in its untimed round).
+    Returns the seconds it took."""
+    t = time.perf_counter()
+    weights, _ = _weights(True, 1, 0, 64)
+    for kind in args.states:
+        sd = _state(kind, weights, 0)
+        for name in ("ek", "ek-small"):
+            if name in args.writers:
+                with tempfile.TemporaryDirectory(dir=args.dir) as d, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dcp.save(sd, storage_writer=_writer(name, Path(d), None, 1), no_dist=True)
+                    dcp.load({k: torch.zeros_like(v) for k, v in sd.items()},
+                             storage_reader=_reader(name, Path(d), 1), no_dist=True)
+    return time.perf_counter() - t
+
+
+def _print_head(args: argparse.Namespace) -> None:
+    print("| state | ranks | writer | MB per rank | size / hf | save s | save / fs | "
+          "save CPU s | busy | in write_data | load s | load / fs | in read_data |"
+          + "".join(f" save s at {r / 1e9:g} GB/s | / fs |" for r in args.rates))
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+          + "---:|---:|" * len(args.rates), flush=True)
+
+
+def _print_rows(args: argparse.Namespace, results: dict, n: int) -> None:
+    """The table's rows for ``n`` ranks, printed as soon as they are measured (a run cut
+    short keeps what it did)."""
+    for kind in args.states:
+        fs = results[(kind, "fs", n, None)][3]
+        fs_save = statistics.median(x["save"] for x in fs)
+        fs_load = statistics.median(x["load"] for x in fs)
+        for name in args.writers:
+            size, hf, per_rank, rows = results[(kind, name, n, None)]
+            save = [x["save"] for x in rows]
+            cpu = statistics.median(x["cpu"] for x in rows)
+            load = [x["load"] for x in rows]
+            writes = statistics.median(x["write_data"] for x in rows)
+            reads = statistics.median(x["read_data"] for x in rows)
+            line = (f"| {kind} | {n} | {name} | {per_rank / 1e6:.0f} | {size / hf:.3f} | "
+                    f"{_spread(save)} | {statistics.median(save) / fs_save:.2f}x | "
+                    f"{cpu:.2f} | {cpu / statistics.median(save):.1f} | {writes:.3f} | "
+                    f"{_spread(load)} | {statistics.median(load) / fs_load:.2f}x | "
+                    f"{reads:.3f} |")
+            for rate in args.rates:
+                slow = [x["save"] for x in results[(kind, name, n, rate)][3]]
+                slow_fs = statistics.median(
+                    x["save"] for x in results[(kind, "fs", n, rate)][3])
+                line += f" {_spread(slow)} | {statistics.median(slow) / slow_fs:.2f}x |"
+            print(line, flush=True)
+
+
+def _print_phases(args: argparse.Namespace, results: dict) -> None:
+    """Rank 0's median seconds per phase of a save (``--phases``)."""
+    names = sorted({p for v in results.values() for x in v[3] for p in x["phases"]})
+    print("\nRank 0's save by phase, median seconds (thread-seconds where threads overlap); "
+          "planning and collectives = save - in write_data - finish:")
+    print("| state | ranks | writer | rate | save | in write_data | planning and "
+          "collectives | " + " | ".join(names) + " |")
+    print("|---|---:|---|---|" + "---:|" * (3 + len(names)))
+    for (kind, name, n, rate), (_, _, _, rows) in sorted(
+            results.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3] or 0, kv[0][1])):
+        med = {p: statistics.median(x["phases"].get(p, 0.0) for x in rows) for p in names}
+        save = statistics.median(x["save"] for x in rows)
+        inside = statistics.median(x["write_data"] for x in rows)
+        rest = save - inside - med.get("finish (metadata)", 0.0)
+        print(f"| {kind} | {n} | {name} | {f'{rate / 1e9:g} GB/s' if rate else 'none'} | "
+              f"{save:.3f} | {inside:.3f} | {rest:.3f} | "
+              + " | ".join(f"{med[p]:.3f}" for p in names) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--states", nargs="+", default=["model", "optim"],
                     choices=["model", "optim"])
-    ap.add_argument("--rate", type=float, default=1e9, help="bytes/s per rank; 0: none")
+    ap.add_argument("--rate", type=float, nargs="+", default=[1e9],
+                    help="bytes/s per rank, one or more; 0: no rate-limited saves")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--writers", nargs="+", default=list(WRITERS), choices=WRITERS)
     ap.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--mb-per-rank", type=float, default=None,
                     help="with --synthetic: about this many MB of each state per rank")
+    ap.add_argument("--ek-threads", type=int, default=None,
+                    help="entropykit's coding threads per rank (default: as fs's, cores / "
+                         "ranks)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print rank 0's save time by phase")
     args = ap.parse_args(argv)
     if args.mb_per_rank is not None and not args.synthetic:
         ap.error("--mb-per-rank needs --synthetic")
+    args.rates = sorted({r for r in args.rate if r > 0}, reverse=True)
     args.writers = [w for w in WRITERS if w in {*args.writers, "fs"}]
-    args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
-    results: dict = mp.Manager().dict()
-    try:
-        for n in args.ranks:
-            with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(_worker, args=(n, args, str(Path(tmp) / "store"), results),
-                         nprocs=n, join=True)
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
-    rate = args.rate or None
+    if args.rates:
+        print(f"# rate-limited saves: at least {_plan(args):.0f} s of storage time in all "
+              f"(the rounds' bytes at {', '.join(f'{r / 1e9:g}' for r in args.rates)} GB/s "
+              f"per rank), on top of the page-cache saves and loads", flush=True)
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}, "
           f"{os.cpu_count()} cores, torch {torch.__version__}, "
           f"{'synthetic' if args.synthetic else 'MiniLM-L6'} state, writers taking turns "
           f"in each of {args.repeat} rounds: median [least-most] seconds"
-          + (f"; rate-limited: {args.rate / 1e9:g} GB/s per rank (token bucket in the "
-             f"write path of every writer)" if rate else ""))
-    print("| state | ranks | writer | MB per rank | size / hf | save s | save / fs | "
-          "save CPU s | busy | in write_data | load s | load / fs | in read_data |"
-          + (f" save s at {args.rate / 1e9:g} GB/s | / fs |" if rate else ""))
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-          + ("---:|---:|" if rate else ""))
-    for kind in args.states:
+          + (f"; rate-limited: {', '.join(f'{r / 1e9:g}' for r in args.rates)} GB/s per rank "
+             f"(one device model per rank in the storage writes of every writer)"
+             if args.rates else ""), flush=True)
+    args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
+    print(f"# kernels compiled or loaded from the cache in {_warm_kernels(args):.1f} s",
+          flush=True)
+    shared: dict = mp.Manager().dict()
+    try:
         for n in args.ranks:
-            fs = results[(kind, "fs", n, None)][3]
-            fs_save = statistics.median(x[0] for x in fs)
-            fs_load = statistics.median(x[2] for x in fs)
-            for name in args.writers:
-                size, hf, per_rank, rows = results[(kind, name, n, None)]
-                save = [x[0] for x in rows]
-                cpu = statistics.median(x[1] for x in rows)
-                load = [x[2] for x in rows]
-                writes = statistics.median(x[3] for x in rows)
-                reads = statistics.median(x[4] for x in rows)
-                line = (f"| {kind} | {n} | {name} | {per_rank / 1e6:.0f} | {size / hf:.3f} | "
-                        f"{_spread(save)} | {statistics.median(save) / fs_save:.2f}x | "
-                        f"{cpu:.2f} | {cpu / statistics.median(save):.1f} | {writes:.3f} | "
-                        f"{_spread(load)} | {statistics.median(load) / fs_load:.2f}x | "
-                        f"{reads:.3f} |")
-                if rate:
-                    slow = [x[0] for x in results[(kind, name, n, rate)][3]]
-                    slow_fs = statistics.median(x[0] for x in results[(kind, "fs", n, rate)][3])
-                    line += f" {_spread(slow)} | {statistics.median(slow) / slow_fs:.2f}x |"
-                print(line)
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.spawn(_worker, args=(n, args, str(Path(tmp) / "store"), shared),
+                         nprocs=n, join=True)
+            if n == args.ranks[0]:
+                _print_head(args)
+            _print_rows(args, dict(shared), n)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    if args.phases:
+        _print_phases(args, dict(shared))
 
 
 if __name__ == "__main__":

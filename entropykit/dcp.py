@@ -9,7 +9,10 @@ async staging), and ``consolidate``:
   shards or whole tensors; non-tensor items as the bytes DCP serializes them to) as
   compressed safetensors files (one; or, where they pass a segment, about
   ``FILES_PER_RANK`` written at once, a coding thread each), each tensor coded by the
-  container's dtype-aware codecs; ranks write in parallel;
+  container's dtype-aware codecs; a file's coded segments are written by its own
+  write-behind thread while the next ones code, and a coded file is closed (its last
+  writes, fsync, rename) while its coding thread goes on to the next file; ranks write
+  in parallel;
 - loading decodes a rank's pieces on the thread pool, across its files, straight into
   the planner's tensors where a piece is one run of the saved chunk's bytes and the
   tensor a contiguous CPU tensor of its dtype;
@@ -42,6 +45,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
@@ -231,6 +235,7 @@ class CompressedStorageWriter(FileSystemWriter):
         with _atomic.output_file(root / METADATA, force=True) as out:
             out.write(_dumps(layout))
         _remove_unlisted(root, layout.files(), _SHARD)
+        _remove_stale_temporaries(root)
 
     @property
     def metadata_path(self) -> str:
@@ -322,35 +327,70 @@ def _part_bytes(total: int) -> int:
 def _write_files(jobs: list[tuple[Path, dict[str, Any], dict[str, str]]], threads: int,
                  fast: bool, output: Callable[[Path], AbstractContextManager[BinaryIO]]
                  ) -> None:
-    """Write each (path, tensors, metadata) as a compressed file, up to ``threads`` at
-    once, the largest first; a file gets coding threads in proportion to its share of
+    """Write each (path, tensors, metadata) as a compressed file, up to ``threads`` coded
+    at once, the largest first; a file gets coding threads in proportion to its share of
     the bytes (one, unless one item outweighs the rest). One file's writes run one at a
     time in the kernel (a file's write lock), so one file per rank would cap a rank's
-    write bandwidth at one thread's."""
+    write bandwidth at one thread's.
+
+    A coded file is closed (the tail of its writes, fsync, rename) by a closing thread
+    while its coding thread goes on to the next file: otherwise each file's last writes
+    and fsync would leave a coding thread idle, and where storage is slow a rank's coding
+    would stop for as long as its writes take. At most ``threads`` coded files wait to be
+    closed, so what is held for the storage stays a few files' queues."""
     sizes = [sum(_nbytes(t) for t in tensors.values()) for _, tensors, _ in jobs]
     total = max(1, sum(sizes))
     at_once = min(len(jobs), threads)
+    room = threading.BoundedSemaphore(2 * at_once)  # files coding or waiting to close
 
-    def one(i: int) -> None:
+    def close(path: Path, cm: AbstractContextManager[BinaryIO],
+              error: BaseException | None = None) -> None:
+        try:
+            with files.named(path):
+                if error is None:
+                    cm.__exit__(None, None, None)
+                else:  # the temporary is removed; the error is the caller's to raise
+                    cm.__exit__(type(error), error, error.__traceback__)
+        finally:
+            room.release()
+
+    def one(i: int, closing: ThreadPoolExecutor) -> Future[None]:
         path, tensors, meta = jobs[i]
         share = max(1, min(threads, threads * sizes[i] // total))
-        with files.named(path), output(path) as out:
-            write(tensor_source(tensors, meta), out, threads=share, fast=fast,
-                  segment_bytes=SEGMENT_BYTES)
+        room.acquire()
+        try:
+            cm = output(path)
+            with files.named(path):
+                out = cm.__enter__()
+        except BaseException:
+            room.release()
+            raise
+        try:
+            with files.named(path):
+                write(tensor_source(tensors, meta), out, threads=share, fast=fast,
+                      segment_bytes=SEGMENT_BYTES)
+        except BaseException as e:
+            close(path, cm, e)
+            raise
+        return closing.submit(close, path, cm)
 
     order = sorted(range(len(jobs)), key=lambda i: -sizes[i])
-    if at_once == 1:
-        for i in order:
-            one(i)
-        return
-    with ThreadPoolExecutor(at_once, thread_name_prefix="entropykit-shard") as ex:
-        futures = [ex.submit(one, i) for i in order]
-        try:
-            for f in futures:
-                f.result()
-        finally:
-            for f in futures:  # after an error: start no more files (running ones end)
-                f.cancel()
+    with ExitStack() as stack:
+        closing = stack.enter_context(ThreadPoolExecutor(
+            at_once, thread_name_prefix="entropykit-close"))
+        if at_once == 1:
+            closes = [one(i, closing) for i in order]
+        else:
+            coding = stack.enter_context(ThreadPoolExecutor(
+                at_once, thread_name_prefix="entropykit-shard"))
+            futures = [coding.submit(one, i, closing) for i in order]
+            try:
+                closes = [f.result() for f in futures]
+            finally:
+                for f in futures:  # after an error: start no more files (running ones end)
+                    f.cancel()
+        for f in closes:
+            f.result()
 
 
 def _key(fqn: str, offset: Any, taken: dict[str, Any]) -> str:
@@ -807,6 +847,21 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str] | N
         with _atomic.output_file(out / config_mark.CONFIG, force=True) as f:
             f.write(config_mark.marked(raw) or raw)
     return out
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Remove the temporaries of shard files that a killed save left in ``root``, those
+    that ``_atomic`` proves stale (a save still writing keeps its own). Every save's
+    shards have names of their own, so no later save writes one of those names again
+    and clears its temporary on the way, as a file written to a fixed name does."""
+    names = set()
+    for e in os.scandir(root):
+        if _atomic.is_temp(e.name):
+            name = e.name[1:-len(_atomic.TEMP_SUFFIX)].rpartition(".")[0]
+            if _SHARD.fullmatch(name):
+                names.add(name)
+    for name in sorted(names):
+        _atomic.remove_stale(root / name)
 
 
 def _remove_unlisted(root: Path, keep: set[str], pattern: re.Pattern[str]) -> None:

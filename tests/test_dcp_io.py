@@ -97,17 +97,21 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 class _Counting(ekdcp.CompressedStorageWriter):
-    """Counts the shard files written at once; ``fail`` names one that fails."""
+    """Counts the shard files open at once (coding, or coded and waiting to be closed);
+    ``fail`` names one that fails, ``at`` says where: on opening, or on closing once
+    its data is all written."""
 
-    def __init__(self, *a, fail: str | None = None, **kw) -> None:
+    def __init__(self, *a, fail: str | None = None, at: str = "open", **kw) -> None:
         super().__init__(*a, **kw)
         import threading
 
-        self.lock, self.now, self.most, self.fail = threading.Lock(), 0, 0, fail
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+        self.fail, self.at = fail, at
 
     def _shard_output(self, path):
         import contextlib
-        import time
+
+        failing = bool(self.fail) and path.name.endswith(self.fail)
 
         @contextlib.contextmanager
         def counted():
@@ -115,33 +119,49 @@ class _Counting(ekdcp.CompressedStorageWriter):
                 self.now += 1
                 self.most = max(self.most, self.now)
             try:
-                time.sleep(0.2)  # so that files meant to overlap do, on a busy machine too
-                if self.fail and path.name.endswith(self.fail):
+                if failing and self.at == "open":
                     raise OSError("disk full")
                 with super(_Counting, self)._shard_output(path) as out:
                     yield out
+                    if failing:
+                        raise OSError("disk full")
             finally:
                 with self.lock:
                     self.now -= 1
         return counted()
 
 
-def _coding_threads(monkeypatch) -> list[tuple[str, int]]:
-    """(file name, coding threads) of every shard file written, in the order begun."""
-    calls: list[tuple[str, int]] = []
-    real = ekdcp.write
+class _Coding:
+    """Every shard file's coding (``write``), recorded: (file's sharding record, coding
+    threads) in the order begun, and the most files coded at once (each held a while,
+    so that files meant to overlap do, on a busy machine too)."""
 
-    def recording(source, out, *, threads, **kw):
-        calls.append((source.header.metadata[ekdcp.SHARDING_KEY], threads))
-        return real(source, out, threads=threads, **kw)
+    def __init__(self, monkeypatch) -> None:
+        import threading
+        import time
 
-    monkeypatch.setattr(ekdcp, "write", recording)
-    return calls
+        self.calls: list[tuple[str, int]] = []
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+        real = ekdcp.write
+
+        def recording(source, out, *, threads, **kw):
+            with self.lock:
+                self.calls.append((source.header.metadata[ekdcp.SHARDING_KEY], threads))
+                self.now += 1
+                self.most = max(self.most, self.now)
+            try:
+                time.sleep(0.2)
+                return real(source, out, threads=threads, **kw)
+            finally:
+                with self.lock:
+                    self.now -= 1
+
+        monkeypatch.setattr(ekdcp, "write", recording)
 
 
 def test_a_rank_writes_its_files_at_once_one_coding_thread_each(tmp_path, monkeypatch):
     monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
-    calls = _coding_threads(monkeypatch)
+    coding = _Coding(monkeypatch)
     sd = _state()
     w = _Counting(tmp_path, threads=8)
     dcp.save(sd, storage_writer=w, no_dist=True)
@@ -149,23 +169,60 @@ def test_a_rank_writes_its_files_at_once_one_coding_thread_each(tmp_path, monkey
     # Items in order, a file begun before one would pass 40 000 bytes: 6 tensors of
     # 32-66 KB each alone, fp8 + scalar + step together.
     assert len(shards) == 7 and all(ekdcp._SHARD.fullmatch(n) for n in shards)
-    assert w.most == 7  # 8 threads: every file at once (old: two, four threads each)
-    assert [t for _, t in calls] == [1] * 7
+    assert coding.most == w.most == 7  # 8 threads: every file at once
+    assert [t for _, t in coding.calls] == [1] * 7
     got = _zeros(sd)
     dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
     assert _equal(sd, got)
-    # Same state, other thread counts: the same files, byte for byte; 3 at once, or one
-    # after another, the largest (w4: fp32, 64 x 288) first.
+    # Same state, other thread counts: the same files, byte for byte; 3 coded at once,
+    # or one after another, the largest (w4: fp32, 64 x 288) first; open at once: those
+    # and at most as many coded ones waiting to be closed.
     before = {n: (tmp_path / n).read_bytes() for n in shards}
-    for threads, most in ((3, 3), (1, 1)):
-        calls.clear()
+    for threads in (3, 1):
+        coding.calls.clear()
+        coding.most = 0
         w = _Counting(tmp_path, threads=threads)
         dcp.save(sd, storage_writer=w, no_dist=True)
         after = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("shard-"))
         assert len(after) == 7 and [(tmp_path / n).read_bytes() for n in after] == list(
             before.values())
-        assert w.most == most
-    assert '"w4"' in calls[0][0] and '"w2"' in calls[1][0]
+        assert coding.most == threads and threads <= w.most <= 2 * threads
+    assert '"w4"' in coding.calls[0][0] and '"w2"' in coding.calls[1][0]
+
+
+def test_a_coded_file_is_closed_while_the_next_one_codes(tmp_path, monkeypatch):
+    # One coding thread, a slow close (the tail of the writes, fsync, rename): the next
+    # file's coding begins before the previous file is closed (old: after).
+    import contextlib
+    import time
+
+    monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
+    events: list[str] = []
+    real = ekdcp.write
+
+    def coding(source, out, **kw):
+        events.append("code")
+        return real(source, out, **kw)
+
+    monkeypatch.setattr(ekdcp, "write", coding)
+
+    class SlowClose(ekdcp.CompressedStorageWriter):
+        def _shard_output(self, path):
+            @contextlib.contextmanager
+            def slow():
+                with super(SlowClose, self)._shard_output(path) as out:
+                    yield out
+                    time.sleep(0.3)
+                events.append("closed")
+            return slow()
+
+    sd = _state()
+    dcp.save(sd, storage_writer=SlowClose(tmp_path, threads=1), no_dist=True)
+    assert events.count("code") == events.count("closed") == 7
+    assert events[:2] == ["code", "code"]
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
 
 
 def test_a_rank_spreads_its_items_over_files_per_rank(tmp_path, monkeypatch):
@@ -175,7 +232,7 @@ def test_a_rank_spreads_its_items_over_files_per_rank(tmp_path, monkeypatch):
     sd = {f"t{i:02d}": torch.randn(256, 128, generator=g).to(torch.bfloat16)
           for i in range(32)}  # 64 KiB each
     sd["big"] = torch.randn(1024, 256, generator=g)  # 1 MiB of fp32: a file of its own
-    calls = _coding_threads(monkeypatch)
+    calls = _Coding(monkeypatch).calls
     dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=4),
              no_dist=True)
     shards = [p.name for p in tmp_path.iterdir() if p.name.startswith("shard-")]
@@ -193,8 +250,12 @@ def test_a_rank_spreads_its_items_over_files_per_rank(tmp_path, monkeypatch):
     assert _equal(sd, got)
 
 
+@pytest.mark.parametrize("at, threads", [("open", 8), ("close", 8), ("close", 1)])
 def test_a_failing_file_of_a_rank_leaves_no_checkpoint_and_the_old_one_whole(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, at, threads):
+    # A file that fails on opening, or on closing (in the closing thread, after its
+    # coding thread went on): the save fails, no temporary is left, the old checkpoint
+    # loads whole.
     monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
     old = _state()
     dcp.save(old, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=8),
@@ -204,7 +265,8 @@ def test_a_failing_file_of_a_rank_leaves_no_checkpoint_and_the_old_one_whole(
     from torch.distributed.checkpoint.api import CheckpointException
 
     with pytest.raises(CheckpointException):
-        dcp.save(new, storage_writer=_Counting(tmp_path, threads=8, fail="-0003.safetensors"),
+        dcp.save(new, storage_writer=_Counting(tmp_path, threads=threads, at=at,
+                                                  fail="-0003.safetensors"),
                  no_dist=True)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ek-tmp")]
     got = _zeros(old)
@@ -297,3 +359,29 @@ def test_queued_writes_go_out_in_few_writev_calls_even_when_short(tmp_path, monk
     assert (tmp_path / "o.bin").read_bytes() == want
     # 300 writes of 74 850 bytes: calls of many buffers (short writes taken up again).
     assert 15 <= len(calls) < 40 and max(calls) > 100
+
+
+def test_a_killed_saves_shard_temporaries_go_with_the_next_save(tmp_path):
+    # A killed save leaves its shards' temporaries under names no later save writes
+    # (each save's shards have their own), so the next save removes those proven stale
+    # (old, unlocked) and keeps what is not stale or not a shard's (old: all kept).
+    import os
+    import time
+
+    sd = _state()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    old = time.time() - 3600
+    stale = tmp_path / ".shard-0123456789ab-00000-0001.safetensors.abcd1234.ek-tmp"
+    running = tmp_path / ".shard-0123456789ab-00001.safetensors.abcd1234.ek-tmp"
+    other = tmp_path / ".notes.txt.abcd1234.ek-tmp"
+    for p in (stale, running, other):
+        p.write_bytes(b"partial")
+    for p in (stale, other):
+        os.utime(p, (old, old))
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    assert not stale.exists() and running.exists() and other.exists()
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
