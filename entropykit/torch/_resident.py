@@ -8,9 +8,10 @@ tied to another module: embeddings shared with the output head), which the modul
 forward decodes one tile at a time (the lookup picks each tile's rows, the head writes
 each tile's slice of the output). Units decode in launches: a unit alone, or up to
 ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per launch). The
-scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch (by
-weight: of a block's modules, the larger tiles sharing its bytes), and launches take the
-slots in turn. Block weights are fixed views into their region. A
+scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch,
+taken in turn (by weight: a ring of bytes as large as the two largest consecutive
+launches, each launch placed apart from the one before it). Block weights are fixed
+views into their region. A
 unit's forward pre-hook (a tile's: its module's forward) makes the compute stream wait for
 its launch (issued then if it was not prefetched; nothing to do for a tile entered right
 after the one before it in the same launch) and prefetches up to ``ahead`` launches after
@@ -37,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..coding import parallel
+from ..container.codecs import GPU_CHUNK
 from ._coded import ALIGN, FORMATS, CodedTensor, code_tensor, decode_into, raw_bytes
 
 
@@ -232,10 +234,12 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
     def by_module(ws: list[Weight]) -> list[list[Weight]]:
         return [[w for w in ws if w.owner is o] for o in dict.fromkeys(w.owner for w in ws)]
 
-    # Tiles are the largest whole block's size in both granularities, so that a tiled
-    # product has the shapes it has in block mode (a GPU's matrix library picks its
-    # algorithm per shape, so other shapes may round differently).
-    block_size = max([size(whole(m, True)) for m in model.modules() if id(m) in blocks]
+    # Tiles are the largest launch of a block's weights: a whole block, or by weight a
+    # module's weights (a block whose weights sit in nested modules stays whole), so that
+    # the scratch buffer holds two tiles, or a tile and a block's launch, and no more.
+    block_size = max([max([size(mine) for mine in by_module(ws)] if by_weight and split(ws)
+                          else [size(ws)])
+                      for ws in (whole(m, True) for m in model.modules() if id(m) in blocks)]
                      + [0])
     cap = tile_bytes if tile_bytes is not None else block_size or _DEFAULT_TILE
     tiled: dict[int, Tiled] = {}
@@ -290,6 +294,21 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
 
 
 _DEFAULT_TILE = 1 << 25  # tile bytes of a model without repeated blocks
+# By weight, a tensor decodes in a launch of its own: it is cut into at least this many
+# chunks (one GPU warp each) where chunks of SMALLEST_CHUNK symbols or more allow.
+FILL_CHUNKS = 512
+SMALLEST_CHUNK = 1 << 12
+
+
+def chunk_for(n: int) -> int:
+    """Symbols per chunk of a tensor of ``n`` elements decoded on its own: the largest
+    power of two up to ``GPU_CHUNK`` that cuts it into ``FILL_CHUNKS`` chunks, at least
+    ``SMALLEST_CHUNK``. Large weights keep the default chunks (each chunk's states and
+    descriptor cost coded bytes); small ones get enough chunks to fill a GPU."""
+    c = GPU_CHUNK
+    while c > SMALLEST_CHUNK and n < FILL_CHUNKS * c:
+        c //= 2
+    return c
 
 
 def _launches(units: list[Unit], ahead: int) -> None:
@@ -343,7 +362,7 @@ class Resident:
     """A model's resident state: units, scratch buffer, hooks (``model._entropykit_resident``)."""
 
     def __init__(self, model: nn.Module, units: list[Unit], device: torch.device,
-                 chunk_size: int, tiles_ahead: int = 1, ahead: int = 1,
+                 chunk_size: int | None, tiles_ahead: int = 1, ahead: int = 1,
                  by_weight: bool = False) -> None:
         self.model = model
         self.by_weight = by_weight
@@ -384,43 +403,15 @@ class Resident:
                 at += _aligned(p.numel() * p.element_size())
             places.append(offsets)
             u.size = at
-        # The buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch
-        # of blocks or tiles; launches take the slots in turn (a tile of a tied weight met
-        # again: its first owner's place), so up to ``ahead`` launches decode while the one
-        # before them computes. A launch's units lie back to back in its place. By
-        # weight, the slots are the size of the largest block launch (a module's weights),
-        # and a launch larger than that (the tiles of the embedding and head, which keep
-        # block mode's shapes) takes, in turn, one of as many slots of the largest such
-        # launch as the buffer holds, at least one: the buffer stays the ring's size or
-        # one such launch, whichever is larger. Otherwise a launch larger than a slot
-        # takes the buffer's start.
         sizes = {g: sum(u.size for u in self._members(g)) for g in self.leads}
-        kinds = ([g for g in self.leads if self.units[g].block] if self.by_weight else [])
-        kinds = kinds or [g for g in self.leads
-                          if self.units[g].block or self.units[g].tiled is not None]
-        slot = max([sizes[g] for g in kinds] + [0])
-        slots = self.ahead + 1
-        wide = max([s for s in sizes.values() if s > slot] + [0]) if self.by_weight else 0
-        size = max([slots * slot] + list(sizes.values()) + [0])
-        rings = [(slot, slots), (wide, size // wide if wide else 0)]
-        self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
-        base, turns = self.scratch.data_ptr(), [-1, -1]  # the slot the launch before took
+        if self.by_weight:
+            self._ring(sizes)
+        else:
+            self._slots(sizes)
         for g in self.leads:
-            lead = self.units[g]
-            ring = 0 if sizes[g] <= slot else 1
-            width, count = rings[ring]
-            if lead.shared:
-                lead.place = self.units[lead.tiled.units[0] + lead.tile].place
-                turns[ring] = (lead.place.data_ptr() - base) // width
-            elif 0 < sizes[g] and count:
-                turns[ring] = (turns[ring] + 1) % count
-                lead.place = self.scratch[turns[ring] * width : turns[ring] * width + sizes[g]]
-            else:
-                lead.place = self.scratch[: sizes[g]]
-                turns[0] = (sizes[g] - 1) // slot if slot else -1
             at = 0
             for u in self._members(g):
-                u.region = lead.place[at : at + u.size]
+                u.region = self.units[g].place[at : at + u.size]
                 at += u.size
         # Entering a launch prefetches the next ``ahead`` launches while their places are
         # apart from every launch from this one up to them (those decoded or computing
@@ -438,7 +429,7 @@ class Resident:
         done: list[Unit] = []
         # Tensors are coded on the package's threads, a bounded window ahead of the launch
         # being built, in the order the launches take them.
-        coded = parallel.imap(lambda job: code_tensor(*job, self.chunk_size),
+        coded = parallel.imap(lambda job: code_tensor(*job, self._chunk(job[0].numel())),
                               self._jobs(places), parallel.resolve(None))
         try:
             for g in self.leads:
@@ -474,6 +465,55 @@ class Resident:
                 self.hooks.append(u.hook)
         self.hooks.append(self.model.register_forward_hook(lambda m, a, out: self.end()))
 
+    def _slots(self, sizes: dict[int, int]) -> None:
+        """Block mode's buffer: a ring of ``ahead + 1`` slots, each the size of the largest
+        launch of blocks or tiles; launches take the slots in turn (a tile of a tied weight
+        met again: its first owner's place), so up to ``ahead`` launches decode while the
+        one before them computes. A launch larger than a slot takes the buffer's start."""
+        kinds = [g for g in self.leads
+                 if self.units[g].block or self.units[g].tiled is not None]
+        slot = max([sizes[g] for g in kinds] + [0])
+        slots = self.ahead + 1
+        size = max([slots * slot] + list(sizes.values()) + [0])
+        self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+        base, turn = self.scratch.data_ptr(), -1  # the slot the launch before took
+        for g in self.leads:
+            lead = self.units[g]
+            if lead.shared:
+                lead.place = self.units[lead.tiled.units[0] + lead.tile].place
+                turn = (lead.place.data_ptr() - base) // slot
+            elif 0 < sizes[g] <= slot:
+                turn = (turn + 1) % slots
+                lead.place = self.scratch[turn * slot : turn * slot + sizes[g]]
+            else:
+                lead.place = self.scratch[: sizes[g]]
+                turn = (sizes[g] - 1) // slot if slot else -1
+
+    def _ring(self, sizes: dict[int, int]) -> None:
+        """By weight, the buffer is a ring of bytes as large as the largest two consecutive
+        launches (or the largest launch): each launch takes the bytes right after the one
+        before it, or the ring's start where they run out, or its end where the launch
+        after it would otherwise find no room apart from it (a tile of a tied weight met
+        again: its first owner's place). So every launch decodes while the one before it
+        computes, and several small ones ahead where the ring has room."""
+        order = list(self.leads)
+        need = max([sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False)]
+                   + list(sizes.values()) + [0])
+        self.scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
+        base, at = self.scratch.data_ptr(), 0  # where the launch before ended
+        for j, g in enumerate(order):
+            lead, n = self.units[g], sizes[g]
+            if lead.shared:
+                lead.place = self.units[lead.tiled.units[0] + lead.tile].place
+                at = lead.place.data_ptr() - base + n
+                continue
+            start = at if at + n <= need else 0
+            nxt = sizes[order[j + 1]] if j + 1 < len(order) else 0
+            if start and start + n + nxt > need and nxt > start:
+                start = need - n  # the next launch then fits at the ring's start
+            lead.place = self.scratch[start : start + n]
+            at = start + n
+
     def _jobs(self, places: list[list[int]]) -> Iterator[tuple[torch.Tensor, int]]:
         """(tensor, offset in its region) of everything to code, in building order: each
         launch's weights or its tiles' rows (a tied owner's tiles are its first owner's)."""
@@ -486,6 +526,12 @@ class Resident:
                 for t in self._members(g):
                     a, b = t.rows
                     yield t.tiled.owners[0].weight[a:b], 0
+
+    def _chunk(self, n: int) -> int:
+        """Symbols per chunk of a tensor of ``n`` elements (``chunk_size`` if given)."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return chunk_for(n) if self.by_weight else GPU_CHUNK
 
     def _members(self, g: int) -> list[Unit]:
         """The units of the launch led by unit ``g``."""
