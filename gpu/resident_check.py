@@ -323,7 +323,7 @@ def _built(make: Callable[[], nn.Module], opts: dict, device: str
     return model, plain, took, plain_bytes, plain_bytes + _allocated(device) - mark
 
 
-WEIGHT_CHUNK = 1 << 14  # compress_model's default chunk size by weight
+WEIGHT_CHUNK = None  # compress_model's default by weight: chunks chosen per tensor
 SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in tiles
 # and launches of three tiles coded in the smallest chunks
 AHEAD = dict(tile_bytes=SMALL_TILES, tiles_ahead=3, chunk_size=1 << 10)
@@ -592,7 +592,9 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
             tile = opts["tile_bytes"]
             tile_s = ("auto" if tile is None else f"{tile >> 20}M" if tile >= 1 << 20
                       else f"{tile >> 10}K")
-            print(f"{name:<15} {opts['chunk_size'] >> 10:>5}K {opts['granularity']:>6} "
+            chunk = opts["chunk_size"]
+            chunk_s = "auto" if chunk is None else f"{chunk >> 10}K"
+            print(f"{name:<15} {chunk_s:>6} {opts['granularity']:>6} "
                   f"{tile_s:>6} {opts['tiles_ahead']:>3} {state.ahead + 1:>4} "
                   f"{mem.ratio:6.3f} {_whole_ratio(mem):6.3f} "
                   f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
@@ -637,7 +639,7 @@ def _granularity_verdict(name: str, block: tuple, weight: tuple) -> str:
                else "neither is no worse in every column" if exact else "not both exact"))
 
 
-def sweep_grid(chunks: list[int], tiles: list[int | None], ahead: list[int],
+def sweep_grid(chunks: list[int | None], tiles: list[int | None], ahead: list[int],
                max_launch: int, granularities: tuple[str, ...] = ("block",),
                rings: tuple[int, ...] = (2,)) -> list[dict]:
     """compress_model's option sets, for every chunk size: blocks with every tile size

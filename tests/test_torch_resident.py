@@ -30,6 +30,7 @@ from torch.nn import functional as F  # noqa: E402
 import entropykit.torch as ekt  # noqa: E402
 from entropykit import gpu  # noqa: E402
 from entropykit.rans import cuda as rans_cuda  # noqa: E402
+from entropykit.rans.cuda import _layout as lay  # noqa: E402
 from entropykit.torch import _coded, _cuda, _resident  # noqa: E402
 
 _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -605,6 +606,30 @@ class _FakeRuntime:
 
             return Bound()
 
+        def bind_rows(self, desc, status, out, pairs):
+            """The kernel over the first ``pairs`` descriptor pairs of ``desc`` as they are
+            when it runs, padded to whole blocks as the grid's last block is."""
+            import dataclasses
+
+            from test_gpu_logic import emulate_into
+
+            batch = self.batch
+
+            def run() -> None:
+                rows = desc.reshape(-1, lay.N_COLS)[: 2 * pairs].numpy().copy()
+                pad = (-pairs) % batch.warps
+                if pad:
+                    tail = np.tile(rows[:2], (pad, 1))
+                    tail[:, lay.D_N] = 0
+                    rows = np.concatenate([rows, tail])
+                index = np.where(rows[:, lay.D_N] > 0, 0, -1)
+                b = dataclasses.replace(batch, desc=rows, out_index=index,
+                                        sizes=(out.numel(),))
+                view = out.view(torch.uint8).numpy().view(np.uint16)
+                status[: 2 * pairs] = torch.from_numpy(emulate_into(b, [view])[1][: 2 * pairs])
+
+            return run
+
 
 @pytest.mark.parametrize("opts", [{}, dict(tile_bytes=8192, tiles_ahead=3, chunk_size=1024),
                                   dict(granularity="weight")],
@@ -954,7 +979,7 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
 
 def test_device_sweep_compares_the_granularities_defaults() -> None:
     """The short sweep's grid holds each granularity's defaults once (block: 64 Ki
-    chunks, a ring of two; weight: 16 Ki, a ring of three), and its closing line names the
+    chunks, one launch ahead; weight: chunks per tensor, two ahead), and its closing line names the
     one no worse in memory and in both steps (within 5%), only where both rows are
     exact."""
     rc = _resident_check()
@@ -967,7 +992,9 @@ def test_device_sweep_compares_the_granularities_defaults() -> None:
         ref = _llama_vocab(256)
         ekt.compress_model(ref, granularity=opts["granularity"])
         a, b = m._entropykit_resident, ref._entropykit_resident
-        assert (a.chunk_size, a.ahead) == (b.chunk_size, b.ahead)  # the defaults indeed
+        sizes = (1 << 12, 1 << 20, 1 << 26)
+        assert ([a._chunk(n) for n in sizes], a.ahead) == ([b._chunk(n) for n in sizes],
+                                                           b.ahead)  # the defaults indeed
     line = rc._granularity_verdict("m", (0.889, 3.9, 3.4, True), (0.762, 3.8, 3.45, True))
     assert line.endswith("weight is no worse in every column (steps within 5%)")
     line = rc._granularity_verdict("m", (0.889, 1.9, 3.4, True), (0.762, 3.8, 3.4, True))

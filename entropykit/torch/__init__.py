@@ -7,10 +7,14 @@ the coded bytes on the model's device. Each block of the model (each module of a
 block of its own) decodes just before its forward into a slot of a small ring of scratch
 slots, the next ones' decodes overlapping its compute on a side stream; with
 ``granularity="weight"`` each module of a block (each Linear) decodes on its own, whole,
-before its own forward, into a ring of two of the largest Linears' bytes. Embeddings and
-Linear heads larger than a slot (such as the vocabulary's) decode in row tiles no larger
-than a slot: the lookup takes each tile's rows, the head computes each
-tile's slice of the logits, so the buffer never holds a whole embedding. With
+before its own forward, into a ring of two of the largest Linears' bytes. On a GPU, an
+embedding used by itself alone (bf16, rows of a power-of-two width) is coded in chunks
+of whole rows and its lookup decodes only the chunks holding the rows it reads (the
+chunk list made on the device from the ids, its length fixed by their shape). Other
+embeddings and Linear heads larger than a slot (such as the vocabulary's, or an
+embedding tied to the head) decode in row tiles no larger than a slot: the lookup takes
+each tile's rows, the head computes each tile's slice of the logits, so the buffer
+never holds a whole embedding. With
 ``tile_bytes`` and block granularity the blocks' Linears decode in row tiles too,
 ``tiles_ahead`` of them in one launch, for a buffer of a few tiles. The forward only
 enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
@@ -38,6 +42,7 @@ import torch
 from torch import nn
 
 from ..coding.frame import MAX_CHUNK, MIN_CHUNK
+from . import _resident
 from ._resident import Resident, ResidentMemory, _units
 
 __all__ = ["ResidentMemory", "compress_model", "decompress_model", "resident_memory"]
@@ -131,6 +136,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     if here != target and here.type != "cpu":
         raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
                          f"{target} (only weights on the CPU move)")
+    if _resident._gatherer(target) is not None:  # embeddings that decode the rows they read
+        units = _units(model, min_elements, tile_bytes, granularity == "weight", True)
     state = Resident(model, units, target, chunk_size, tiles_ahead, ahead,
                      granularity == "weight")
     with torch.no_grad():

@@ -7,6 +7,11 @@ kernels on torch's current stream: no allocation, no copy, no host synchronisati
 it can be captured in a CUDA graph. ``CudaStreams`` orders decodes with the forward: a
 prefetch runs on a side stream (one of ``ahead``, in turn) after an event recorded on
 the compute stream, and the compute stream waits for its own event before the block runs.
+``GatherDecoder`` is an embedding whose lookup decodes only the chunks holding the rows
+it reads: its chunks' descriptor pairs are kept in chunk order on the device, torch ops
+copy the pairs of the chunks asked for into a descriptor buffer of its own (each
+writing its slot of the region), and the decoder runs over that buffer's first pairs,
+their count fixed by the input's shape: no host synchronisation, capturable.
 What it is not: the coding (``_coded.py``) or the hooks (``_resident.py``). Imported only
 for a model on a CUDA device.
 """
@@ -15,9 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..rans import cuda as rans_cuda
+from ..rans.cuda._layout import D_N, D_OUT, N_COLS
 from ..rans.cuda.plan import Batch, Place, Planner, Stream
 from ._coded import CodedTensor
 
@@ -88,6 +95,79 @@ class CudaDecoder:
         """Raise ``CorruptDataError`` if a decode met corrupt data (synchronizes)."""
         for origins, status in self._checks:
             err = origins.error(status.cpu().numpy())
+            if err is not None:
+                raise err
+
+
+def chunk_pairs(batch: Batch, chunk: int) -> np.ndarray:
+    """A one-tensor bf16 batch's descriptor pairs in chunk order (int64[chunks, 2,
+    N_COLS]): the pair decoding symbols [k * chunk, (k + 1) * chunk) is row k."""
+    pairs = batch.desc.reshape(-1, 2, N_COLS)
+    live = pairs[pairs[:, 0, D_N] > 0]
+    table = np.zeros((-(-batch.sizes[0] // chunk), 2, N_COLS), np.int64)
+    k = live[:, 0, D_OUT] // chunk
+    if len(k) != len(table) or not np.array_equal(np.sort(k), np.arange(len(table))):
+        raise AssertionError("entropykit: a gathered tensor's chunks do not tile it")
+    table[k] = live
+    return table
+
+
+class GatherDecoder:
+    """A bf16 tensor coded in chunks of ``chunk`` symbols on one CUDA device, decoding
+    any ``slots`` of its chunks, chunk list by chunk list, into ``region`` (slot i at
+    symbol ``i * chunk``): ``want(chunks)`` (a device tensor of chunk indices) then
+    ``run()``."""
+
+    reads_fields = False
+
+    def __init__(self, coded: CodedTensor, chunk: int, slots: int, region: torch.Tensor,
+                 device: torch.device) -> None:
+        rt = rans_cuda.load_runtime(device)
+        ((group, batch),) = plan([coded])
+        db = rt.DeviceBatch(batch, device)
+        self.device = device
+        self.chunk = chunk
+        self.table = torch.from_numpy(chunk_pairs(batch, chunk)).to(device)
+        self.desc = torch.zeros((slots, 2, N_COLS), dtype=torch.int64, device=device)
+        self.status = torch.zeros(2 * slots, dtype=torch.int32, device=device)
+        self.starts = torch.arange(slots, dtype=torch.int64, device=device) * chunk
+        self.out = region[: slots * chunk * 2].view(torch.bfloat16)
+        self.held = [db.payload, db.sym_tables, db.info_tables, db.cmaps, self.table,
+                     self.desc, self.status, self.starts]
+        self._db, self._batch = db, batch
+        self._launches: dict[int, object] = {}
+        self.count = 0  # chunks the next run decodes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.held)
+
+    def want(self, chunks: torch.Tensor) -> None:
+        """Make the next run decode ``chunks`` (int64, on the device; at most ``slots``),
+        chunk ``chunks[i]`` into slot i: descriptor pairs gathered on the device."""
+        n = chunks.numel()
+        torch.index_select(self.table, 0, chunks, out=self.desc[:n])
+        self.desc[:n, :, D_OUT] = self.starts[:n, None]
+        self.count = n
+
+    def run(self) -> None:
+        """Enqueue the decode of the chunks last wanted on the current stream."""
+        n = self.count
+        if n not in self._launches:
+            self._launches[n] = self._db.bind_rows(self.desc, self.status, self.out, n)
+        self._launches[n]()
+
+    def check(self) -> None:
+        """Raise ``CorruptDataError`` if the last run met corrupt data (synchronizes)."""
+        status = self.status[: 2 * self.count].cpu().numpy()
+        bad = np.flatnonzero(status)
+        if bad.size:
+            row = self.desc[: self.count].reshape(-1, N_COLS)[int(bad[0])].cpu().numpy()
+            same = np.arange(N_COLS) != D_OUT  # the batch's row, but for its output
+            at = np.flatnonzero((self._batch.desc[:, same] == row[same]).all(axis=1))
+            full = np.zeros(len(self._batch.desc), np.int32)
+            full[at[:1]] = status[bad[0]]
+            err = self._batch.error(full)
             if err is not None:
                 raise err
 

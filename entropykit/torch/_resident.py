@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..coding import parallel
+from ..coding.frame import MAX_CHUNK
 from ..container.codecs import GPU_CHUNK
 from ._coded import ALIGN, FORMATS, CodedTensor, code_tensor, decode_into, raw_bytes
 
@@ -91,6 +92,17 @@ def _backend(device: torch.device, units: int, sides: int
     return CpuStreams(), CpuDecoder
 
 
+def _gatherer(device: torch.device) -> Callable[..., Any] | None:
+    """The factory of gathered decoders (coded, chunk, slots, region) of ``device``, or
+    None where embeddings decode in tiles (the CPU decoders decode whole frames)."""
+    if device.type == "cuda":
+        from ._cuda import GatherDecoder
+
+        return lambda coded, chunk, slots, region: GatherDecoder(coded, chunk, slots,
+                                                                 region, device)
+    return None
+
+
 @dataclass(frozen=True)
 class Weight:
     """A parameter made resident whole: where it was and how it is coded."""
@@ -123,11 +135,54 @@ class Tiled:
 
 
 @dataclass
+class Gathered:
+    """An embedding weight whose lookup decodes only the chunks holding the rows it reads:
+    coded in chunks of whole rows, decoded ``slots`` chunks at a time."""
+
+    owner: nn.Embedding
+    requires_grad: bool
+    dtype: torch.dtype
+    shape: tuple[int, int]
+    chunk: int  # symbols per chunk, a multiple of a row
+    slots: int  # chunks one decode holds
+    coded: CodedTensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def rows_per_chunk(self) -> int:
+        return self.chunk // self.shape[1]
+
+    @property
+    def chunks(self) -> int:
+        return -(-math.prod(self.shape) // self.chunk)
+
+
+# Chunks of a gathered embedding: at least this many symbols (a chunk's states and
+# descriptor cost coded bytes), in whole rows.
+GATHER_CHUNK = 1 << 14
+
+
+def _gather_chunk(m: nn.Module, name: str, p: torch.Tensor) -> int | None:
+    """Symbols per chunk of ``m.weight`` if its lookup can decode just the rows it reads: a
+    stock embedding's bf16 rows of a power-of-two width (chunks of whole rows)."""
+    width = p.shape[-1]
+    if not (isinstance(m, nn.Embedding) and _tileable(m, name) and p.dim() == 2
+            and p.dtype == torch.bfloat16 and width & (width - 1) == 0):
+        return None
+    chunk = max(width, GATHER_CHUNK)
+    return chunk if chunk <= MAX_CHUNK else None
+
+
+@dataclass
 class Unit:
     module: nn.Module
     weights: list[Weight]  # weights decoded whole (none for a tile)
     block: bool = False  # a repeated ModuleList's module, or a module of one (tile_bytes)
     tiled: Tiled | None = None  # a tile of this weight ...
+    gathered: Gathered | None = None  # an embedding decoding the rows it reads
     tile: int = 0  # ... this one
     size: int = 0  # bytes of its place in the scratch buffer
     region: torch.Tensor | None = None  # that place
@@ -194,7 +249,7 @@ def _tile_rows(n_rows: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
 
 
 def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
-           by_weight: bool = False) -> list[Unit]:
+           by_weight: bool = False, gather: bool = False) -> list[Unit]:
     """The model's units in running order. Resident weights: parameters of two or more
     dimensions, a dtype of ``FORMATS``, at least ``min_elements`` elements, and used by one
     module only, or by several stock embeddings or Linears (tied). With ``by_weight``, a
@@ -203,7 +258,9 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
     tied, decodes in row tiles; with ``tile_bytes`` given and not ``by_weight``, a block
     larger than that decodes module by module (stock Linears in tiles). Blocks whose
     weights sit in modules with children of their own stay whole. ``tile_bytes`` is
-    checked by the caller."""
+    checked by the caller. With ``gather``, an embedding's weight used by it alone
+    (bf16, rows of a power-of-two width) decodes only the chunks of the rows each lookup
+    reads, up to a tile's bytes of chunks at a time."""
     owners: dict[int, list[nn.Module]] = {}
     names: dict[int, set[str]] = {}
     for m in model.modules():
@@ -282,6 +339,13 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
                 if len(users) == 1:
                     ws.append(Weight(m, name, p.requires_grad, None))
                 continue  # tied to a module that reads it its own way: stays plain
+            chunk = _gather_chunk(m, name, p) if gather and len(users) == 1 else None
+            if chunk is not None:
+                n = -(-p.numel() // chunk)
+                slots = max(1, min(n, cap // (chunk * p.element_size())))
+                units.append(Unit(m, [], gathered=Gathered(m, p.requires_grad, p.dtype,
+                                                           tuple(p.shape), chunk, slots)))
+                continue
             if len(users) == 1 and _aligned(p.numel() * p.element_size()) <= cap:
                 ws.append(Weight(m, name, p.requires_grad, None))
                 continue
@@ -391,6 +455,11 @@ class Resident:
         it was."""
         places = []
         for u in self.units:  # each weight's offset in its unit's region, ALIGNed
+            if u.gathered is not None:
+                g = u.gathered
+                u.size = _aligned(g.slots * g.chunk * g.dtype.itemsize)
+                places.append([0])
+                continue
             if u.tiled is not None:
                 a, b = u.rows
                 u.size = _aligned((b - a) * u.tiled.row_bytes)
@@ -421,21 +490,27 @@ class Resident:
             self.window[g] = []
             for i in range(j + 1, min(j + 1 + self.ahead, len(self.leads))):
                 m = self.units[self.leads[i]]
-                if not all(_apart(m, self.units[x]) for x in self.leads[j:i]):
-                    break
+                if m.gathered is not None or not all(_apart(m, self.units[x])
+                                                     for x in self.leads[j:i]):
+                    break  # (a gathered lookup's chunks are known when it runs)
                 self.window[g].append(self.leads[i])
                 m.prefetch = True
         self.streams, make = _backend(self.device, len(self.units), self.ahead)
+        self.gatherer = _gatherer(self.device)
         done: list[Unit] = []
         # Tensors are coded on the package's threads, a bounded window ahead of the launch
         # being built, in the order the launches take them.
-        coded = parallel.imap(lambda job: code_tensor(*job, self._chunk(job[0].numel())),
-                              self._jobs(places), parallel.resolve(None))
+        coded = parallel.imap(lambda job: code_tensor(*job), self._jobs(places),
+                              parallel.resolve(None))
         try:
             for g in self.leads:
                 u = self.units[g]
                 if u.tiled is not None:
                     self._build_tiles(self._members(g), make, verify, coded)
+                    continue
+                if u.gathered is not None:
+                    self._build_gathered(u, verify, next(coded))
+                    done.append(u)
                     continue
                 u.weights = [Weight(w.owner, w.name, w.requires_grad, next(coded))
                              for w in u.weights]
@@ -458,7 +533,7 @@ class Resident:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the weights just freed
         for k, u in enumerate(self.units):
-            if u.tiled is None:
+            if u.tiled is None and u.gathered is None:
                 u.hook = u.module.register_forward_pre_hook(
                     lambda m, args, kwargs, k=k: self.before(k, args, kwargs),
                     with_kwargs=True)
@@ -470,8 +545,8 @@ class Resident:
         launch of blocks or tiles; launches take the slots in turn (a tile of a tied weight
         met again: its first owner's place), so up to ``ahead`` launches decode while the
         one before them computes. A launch larger than a slot takes the buffer's start."""
-        kinds = [g for g in self.leads
-                 if self.units[g].block or self.units[g].tiled is not None]
+        kinds = [g for g in self.leads if self.units[g].block or self.units[g].tiled
+                 is not None or self.units[g].gathered is not None]
         slot = max([sizes[g] for g in kinds] + [0])
         slots = self.ahead + 1
         size = max([slots * slot] + list(sizes.values()) + [0])
@@ -514,18 +589,23 @@ class Resident:
             lead.place = self.scratch[start : start + n]
             at = start + n
 
-    def _jobs(self, places: list[list[int]]) -> Iterator[tuple[torch.Tensor, int]]:
-        """(tensor, offset in its region) of everything to code, in building order: each
-        launch's weights or its tiles' rows (a tied owner's tiles are its first owner's)."""
+    def _jobs(self, places: list[list[int]]) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """(tensor, offset in its region, chunk size) of everything to code, in building
+        order: each launch's weights or its tiles' rows (a tied owner's tiles are its first
+        owner's), or a gathered embedding's weight."""
         for g in self.leads:
             u = self.units[g]
-            if u.tiled is None:
+            if u.gathered is not None:
+                yield u.module.weight, 0, u.gathered.chunk
+            elif u.tiled is None:
                 for w, at in zip(u.weights, places[g], strict=True):
-                    yield getattr(w.owner, w.name), at
+                    t = getattr(w.owner, w.name)
+                    yield t, at, self._chunk(t.numel())
             elif not u.shared:
                 for t in self._members(g):
                     a, b = t.rows
-                    yield t.tiled.owners[0].weight[a:b], 0
+                    w = t.tiled.owners[0].weight[a:b]
+                    yield w, 0, self._chunk(w.numel())
 
     def _chunk(self, n: int) -> int:
         """Symbols per chunk of a tensor of ``n`` elements (``chunk_size`` if given)."""
@@ -569,6 +649,39 @@ class Resident:
             t = u.tiled
             if u.tile == len(t.rows) - 1 and u.module is t.owners[-1]:
                 self._swap_forwards(t)
+
+    def _build_gathered(self, u: Unit, verify: bool, coded: CodedTensor) -> None:
+        """A gathered embedding's decoder; with ``verify``, every chunk decoded once and
+        compared with the weight. Its forward decodes the rows it reads from now on."""
+        g, m = u.gathered, u.module
+        g.coded = coded
+        u.decoder = self.gatherer(coded, g.chunk, g.slots, u.region)
+        if verify:
+            self.streams.synchronize()
+            whole = self._gathered_whole(u, check=True)
+            if not torch.equal(raw_bytes(whole), raw_bytes(m.weight).to(whole.device)):
+                raise RuntimeError(f"entropykit: {type(m).__name__} weight did not decode "
+                                   "to its weight")
+        g.coded = dataclasses.replace(coded, fields=())
+        del m._parameters["weight"]
+        m.weight = torch.empty(g.shape, dtype=g.dtype, device="meta")
+        k = self.units.index(u)
+        m.forward = types.MethodType(lambda m, x, k=k: _gathered_embedding(self, m, k, x), m)
+
+    def _gathered_whole(self, u: Unit, check: bool = False) -> torch.Tensor:
+        """A gathered embedding's weight, decoded ``slots`` chunks at a time."""
+        g = u.gathered
+        flat = torch.empty(math.prod(g.shape), dtype=g.dtype, device=self.device)
+        for a in range(0, g.chunks, g.slots):
+            b = min(a + g.slots, g.chunks)
+            u.decoder.want(torch.arange(a, b, device=self.device))
+            self.streams.now(u.decoder)
+            n = min(flat.numel(), b * g.chunk) - a * g.chunk
+            flat[a * g.chunk : a * g.chunk + n] = u.decoder.out[:n]
+            if check:
+                self.streams.synchronize()
+                u.decoder.check()
+        return flat.view(g.shape)
 
     def _swap_forwards(self, t: Tiled) -> None:
         """Every owner's forward decodes ``t``'s tiles from now on; what the modules show
@@ -640,9 +753,11 @@ class Resident:
             coded_bytes=sum(d.nbytes for d in decoders.values()),
             scratch_bytes=self.scratch.numel(),
             uncompressed_bytes=sum(w.coded.nbytes for u in self.units for w in u.weights)
-            + sum(t.nbytes for t in self.tiled),
+            + sum(t.nbytes for t in self.tiled)
+            + sum(u.gathered.nbytes for u in self.units if u.gathered is not None),
             plain_bytes=plain,
-            tensors=sum(len(u.weights) for u in self.units) + len(self.tiled),
+            tensors=sum(len(u.weights) + (u.gathered is not None) for u in self.units)
+            + len(self.tiled),
         )
 
     def restore(self) -> None:
@@ -657,6 +772,12 @@ class Resident:
 
     def _decode_back(self, units: list[Unit], tiled: list[Tiled] | None = None) -> None:
         for u in units:
+            if u.gathered is not None:
+                whole = self._gathered_whole(u)
+                m = u.module
+                del m.forward, m.weight
+                m.register_parameter("weight", nn.Parameter(whole, u.gathered.requires_grad))
+                continue
             self.streams.now(u.decoder)
             for w in u.weights:
                 t = w.coded.view(u.region).clone()
@@ -715,3 +836,33 @@ def _tiled_embedding(state: Resident, m: nn.Embedding, ks: list[int], ids: torch
         else:
             out = torch.where(((local >= 0) & (local < b - a)).unsqueeze(-1), rows, out)
     return out
+
+
+def _gathered_embedding(state: Resident, m: nn.Embedding, k: int, ids: torch.Tensor
+                        ) -> torch.Tensor:
+    """``m(ids)`` decoding only the chunks holding the rows of ``ids``: id i's chunk into
+    slot i of the unit's region, ``slots`` ids at a time (as many launches as the input's
+    shape needs), each row then read from its slot."""
+    u = state.units[k]
+    g = u.gathered
+    n = m.num_embeddings
+    if ids.device.type == "cpu":
+        if ids.numel() and not bool(((ids >= 0) & (ids < n)).all()):
+            raise IndexError("index out of range in self")
+    else:  # on the device, as the plain lookup: an assertion, no host synchronisation
+        torch._assert_async(((ids >= 0) & (ids < n)).all())
+    flat = ids.reshape(-1).clamp(0, n - 1)
+    per = g.rows_per_chunk
+    rows = u.decoder.out.view(-1, g.shape[1])
+    parts = []
+    for a in range(0, max(1, flat.numel()), g.slots):
+        part = flat[a : a + g.slots]
+        u.decoder.want(torch.div(part, per, rounding_mode="floor"))
+        if a == 0:
+            state.before(k, (ids,), {})
+        else:  # the same place again, after the rows before were read
+            state.streams.now(u.decoder)
+        slot = torch.arange(part.numel(), device=part.device) * per + part % per
+        parts.append(F.embedding(slot, rows))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.view(*ids.shape, g.shape[1])

@@ -14,6 +14,7 @@ loader's staging (``container.cuda``).
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -198,6 +199,23 @@ class DeviceBatch:
         desc, base = bound_desc(self.batch, outs)
         return BoundDecode(self, torch.from_numpy(desc).to(self.device),
                            self.status if base is None else base)
+
+    def bind_rows(self, desc: torch.Tensor, status: torch.Tensor, out: torch.Tensor,
+                  pairs: int) -> Launch:
+        """A launch over the first ``pairs`` descriptor pairs of ``desc`` (int64 on the
+        device, rows of this batch's with D_OUT relative to ``out``, written there by the
+        caller between launches; every block's first pair a live one with the batch's
+        tables), ``status`` (int32, ``2 * pairs`` or more) taking their statuses."""
+        if not 0 <= pairs <= len(desc.reshape(-1, _layout.N_COLS)) // 2 <= len(status) // 2:
+            raise ValueError(f"{pairs} pairs do not fit the descriptor or status buffer")
+        rows = types.SimpleNamespace(
+            desc=np.zeros((2 * pairs, 0)), bf16=self.batch.bf16, warps=self.batch.warps,
+            slots=self.batch.slots, narrow=self.batch.narrow, classed=self.batch.classed,
+            context=self.batch.context)
+        launch = Launch(rows, self.device, [x.data_ptr() for x in (
+            desc, status, self.payload, self.sym_tables, self.info_tables, self.cmaps, out)])
+        launch.held = (desc, status, out)  # alive while the launch may run
+        return launch
 
     def decode(self, outs: Sequence[torch.Tensor], *, check: bool = True) -> None:
         """Decode into ``outs`` (one launch); with ``check``, wait and raise on corrupt data."""
