@@ -51,6 +51,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import transformers
@@ -105,7 +106,6 @@ def llama(size: str, device: str, fp8: bool = False, layers: int | None = None
 
 def _df11_compat():
     """gpu/df11_compat.py (DFloat11's loader glue, and what a checkpoint holds)."""
-    from pathlib import Path
 
     here = str(Path(__file__).resolve().parent)
     if here not in sys.path:
@@ -149,7 +149,6 @@ def real_model(name: str, device: str, fp8: bool = False) -> nn.Module:
     """The real model ``name`` in bf16 on ``device`` (SmolLM2-135M-Instruct: the Q4_1
     GGUF of bench/data.py, dequantized, unless ``REAL`` names a directory); with ``fp8``
     its blocks' Linear weights cast to fp8 e4m3 with scales."""
-    from pathlib import Path
 
     path = REAL[name]
     if path is None:
@@ -159,13 +158,32 @@ def real_model(name: str, device: str, fp8: bool = False) -> nn.Module:
         path = str(data.smollm2_gguf_path())
     p = Path(path)
     where = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
+    if compressed_dir(p):  # decoded by entropykit's quantizer as it loads, on the device
+        where = dict(device_map={"": device})
+        print(f"{name}: loading {p}, an entropykit-compressed directory, through "
+              "from_pretrained")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        p.parent if where else p, dtype=torch.bfloat16, **where).to(device).eval()
-    if where:  # dequantized: a plain bf16 model now, saved as one by --save-plain
+        p if "gguf_file" not in where else p.parent, dtype=torch.bfloat16,
+        **where).to(device).eval()
+    if "gguf_file" in where:  # dequantized: a plain bf16 model, saved as one by --save-plain
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     return _fp8_blocks(model) if fp8 else model
+
+
+def compressed_dir(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint directory ``entropykit compress`` wrote (its
+    config.json carries the quantizer mark ``from_pretrained`` routes to entropykit)."""
+    import json
+
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    quant = json.loads(cfg.read_text()).get("quantization_config") or {}
+    from entropykit.hf import QUANT_METHOD
+
+    return quant.get("quant_method") == QUANT_METHOD
 
 
 def build(size: str, device: str, fp8: bool = False, layers: int | None = None
@@ -375,12 +393,16 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
         lambda: build(size, device, fp8, layers), opts, device)
     mem = ekt.resident_memory(model)
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-    units = model._entropykit_resident.units
+    state = model._entropykit_resident
+    units = state.units
     tiles = sum(u.tiled is not None for u in units)
+    gathered = sum(u.gathered is not None for u in units)
+    ring = ("a ring of two launches' bytes" if state.by_weight
+            else f"a ring of {state.ahead + 1} slots")
     print(f"{name}: {mem.tensors} weights resident in {len(units)} units ({tiles} row "
-          f"tiles; {sum(u.prefetch for u in units)} launches decoded while earlier ones "
-          f"compute; a ring of {model._entropykit_resident.ahead + 1} slots), "
-          f"compress_model {took:.1f} s")
+          f"tiles; {gathered} embeddings decoding the rows they read; "
+          f"{sum(u.prefetch for u in units)} launches decoded while earlier ones "
+          f"compute; {ring}), compress_model {took:.1f} s")
     verdict = "meets" if mem.ratio <= TARGET[fp8] else "misses"
     print(f"  coded {mib(mem.coded_bytes)} + scratch {mib(mem.scratch_bytes)} "
           f"vs uncompressed {mib(mem.uncompressed_bytes)}: {mem.ratio:.3f}x ({verdict} "
@@ -393,8 +415,14 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     fails = []
     for batch in (1, 64):
         ids = _ids(model.config.vocab_size, batch, 1, device, 1)
-        if not torch.equal(_bits(_full_step(model, ids)), _bits(_full_step(plain, ids))):
+        exact = torch.equal(_bits(_full_step(model, ids)), _bits(_full_step(plain, ids)))
+        _, out = _graph_ms(model, ids, device, poison=True)
+        _, want = _graph_ms(plain, ids, device, poison=False)
+        exact &= torch.equal(_bits(out), _bits(want))
+        if not exact:
             fails.append(f"{name}: decode-step logits differ at batch {batch}")
+        print(f"  decode step, batch {batch}: logits {'exact' if exact else 'DIFFER'} "
+              "(eager" + (", graph-replayed with the scratch poisoned)" if cuda else ")"))
         print(f"  decode step, batch {batch}: " + "; ".join(
             _steps(label, m, device, batch) for label, m in
             (("plain", plain), ("resident", model))))
