@@ -107,7 +107,8 @@ def chunk_pairs(batch: Batch, chunk: int) -> np.ndarray:
     table = np.zeros((-(-batch.sizes[0] // chunk), 2, N_COLS), np.int64)
     k = live[:, 0, D_OUT] // chunk
     if len(k) != len(table) or not np.array_equal(np.sort(k), np.arange(len(table))):
-        raise AssertionError("entropykit: a gathered tensor's chunks do not tile it")
+        # both fields kept plain: the planner cuts them in its own chunks
+        raise ValueError(f"entropykit: the tensor's chunks are not of {chunk} symbols")
     table[k] = live
     return table
 
@@ -132,8 +133,8 @@ class GatherDecoder:
         self.status = torch.zeros(2 * slots, dtype=torch.int32, device=device)
         self.starts = torch.arange(slots, dtype=torch.int64, device=device) * chunk
         self.out = region[: slots * chunk * 2].view(torch.bfloat16)
-        self.held = [db.payload, db.sym_tables, db.info_tables, db.cmaps, self.table,
-                     self.desc, self.status, self.starts]
+        self.held = [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status,
+                     self.table, self.desc, self.status, self.starts]
         self._db, self._batch = db, batch
         self._launches: dict[int, object] = {}
         self.count = 0  # chunks the next run decodes
