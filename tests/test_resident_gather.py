@@ -17,7 +17,7 @@ from torch import nn  # noqa: E402
 import entropykit.torch as ekt  # noqa: E402
 from entropykit.rans import cuda as rans_cuda  # noqa: E402
 from entropykit.rans.cuda import _layout as lay  # noqa: E402
-from entropykit.torch import _cuda, _resident  # noqa: E402
+from entropykit.torch import _coded, _cuda, _resident  # noqa: E402
 
 VOCAB = 1000  # 62 chunks of 16 rows and a last one of 8
 
@@ -156,3 +156,53 @@ def test_gathered_chunk_sizes(emulated, monkeypatch) -> None:
     assert _resident._gather_chunk(emb, "weight", emb.weight) is None
     emb = nn.Embedding(8, 64, dtype=torch.bfloat16, max_norm=1.0)
     assert _resident._gather_chunk(emb, "weight", emb.weight) is None
+
+
+def test_compact_descriptors_expand_to_the_bound_rows(emulated) -> None:
+    """A decoder's descriptors kept compact (distinct shared columns, an index a pair,
+    the four varying columns) expand to the bound rows bit for bit, into any buffer of
+    enough pairs; values beyond int32 keep int64."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 128).to(torch.bfloat16) for _ in range(2)]
+    ((group, batch),) = _cuda.plan([_coded.code_tensor(w, 0, 1024) for w in weights])
+    for desc in (batch.desc, batch.desc + np.int64(1 << 40) * (
+            np.arange(lay.N_COLS) == lay.D_OFF)):
+        kinds, index, vary = _cuda.compact(desc)
+        assert vary.dtype == (np.int32 if desc is batch.desc else np.int64)
+        assert len(kinds) < len(index) == len(desc) // 2
+        rows = kinds[index].copy()
+        rows[:, :, :4] = vary
+        assert np.array_equal(rows.reshape(-1, lay.N_COLS), desc)
+    model = _llama_vocab(VOCAB)
+    ekt.compress_model(model, granularity="weight")
+    d = next(u.decoder for u in model._entropykit_resident.units
+             if isinstance(u.decoder, _cuda.CudaDecoder))
+    rows = torch.full((d.pairs + 3, 2, lay.N_COLS), -7, dtype=torch.int64)
+    d.run(rows)
+    kinds, index, vary = d._batches[0][1:4]
+    want = kinds[index.long()].clone()
+    want[:, :, :4] = vary
+    assert torch.equal(rows[: d.pairs], want) and (rows[d.pairs :] == -7).all()
+
+
+def test_streams_share_descriptor_buffers(emulated) -> None:
+    """The CUDA streams' descriptor buffers: one a stream (compute and each side), sized
+    once for the largest launch before any forward, counted among the coded bytes; a
+    decoder's own buffer (its check run at build) freed after."""
+    streams = object.__new__(_cuda.CudaStreams)
+    streams.device, streams.sides, streams._rows = torch.device("cpu"), [0, 1], []
+    streams.reserve(10)
+    assert [r.shape for r in streams._rows] == [(10, 2, lay.N_COLS)] * 3
+    first = streams._rows[0]
+    streams.reserve(4)
+    assert streams._rows[0] is first
+    assert streams.nbytes == 3 * 10 * 2 * lay.N_COLS * 8
+    model = _llama_vocab(VOCAB)
+    ekt.compress_model(model)
+    d = next(u.decoder for u in model._entropykit_resident.units
+             if isinstance(u.decoder, _cuda.CudaDecoder))
+    assert d._own is None and "own" not in d._bound  # released after its check
+    before = streams._rows[2].clone()
+    streams._run(d, 2)
+    assert not torch.equal(streams._rows[2], before)
+    assert id(streams._rows[2]) in d._bound

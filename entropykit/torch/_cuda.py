@@ -53,16 +53,59 @@ def plan(coded: Sequence[CodedTensor]) -> list[tuple[list[CodedTensor], Batch]]:
     return out
 
 
+# Descriptor columns that vary from chunk to chunk (the first four: payload offset and
+# length, output place, symbols); the others are shared by the chunks of a stream.
+_VARY = 4
+
+
+def compact(desc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A bound descriptor array (int64[2 n, N_COLS]) kept small: the distinct pairs of
+    shared columns (int64[k, 2, N_COLS], varying columns zero), each pair's index into
+    them (int32[n]) and its varying columns (int32[n, 2, 4], int64 where a value does not
+    fit)."""
+    pairs = desc.reshape(-1, 2, N_COLS)
+    shared = pairs.copy()
+    shared[:, :, :_VARY] = 0
+    kinds, index = np.unique(shared.reshape(len(pairs), -1), axis=0, return_inverse=True)
+    vary = np.ascontiguousarray(pairs[:, :, :_VARY])
+    small = vary.size == 0 or (vary.min() >= -(1 << 31) and vary.max() < 1 << 31)
+    return (kinds.reshape(-1, 2, N_COLS), index.reshape(-1).astype(np.int32),
+            vary.astype(np.int32) if small else vary)
+
+
+def _bound_desc(b: Batch, outs: Sequence[torch.Tensor]
+                ) -> tuple[np.ndarray, torch.Tensor | None]:
+    """``b``'s descriptors with every output's place added to D_OUT, as an element
+    offset from the lowest-addressed output, which is returned with them (None if every
+    output is empty)."""
+    used = [t for t in outs if t.numel()]
+    if not used:
+        return b.desc.copy(), None
+    base = min(used, key=lambda t: t.data_ptr())
+    size = 2 if b.bf16 else 1
+    delta = np.array([(t.data_ptr() - base.data_ptr()) // size for t in outs] + [0])
+    desc = b.desc.copy()
+    desc[:, D_OUT] += delta[b.out_index]  # padding rows (-1) write nothing
+    return desc, base
+
+
+def _compact_bytes(desc: np.ndarray) -> int:
+    return sum(a.nbytes for a in compact(desc))
+
+
 def planned_bytes(coded: Sequence[CodedTensor]) -> int:
     """Device bytes ``CudaDecoder(coded, ...)`` holds, computed on the host: payload,
-    decode tables, context maps, statuses and descriptors of each launch."""
+    decode tables, context maps, statuses and compact descriptors of each launch (the
+    descriptor rows a launch reads are expanded into a buffer of its stream's)."""
     return sum(b.payload_size + b.sym_tables.nbytes + b.info_tables.nbytes + b.cmaps.nbytes
-               + 4 * max(1, len(b.desc)) + b.desc.nbytes for _, b in plan(coded))
+               + 4 * max(1, len(b.desc)) + _compact_bytes(b.desc) for _, b in plan(coded))
 
 
 class CudaDecoder:
     """Coded tensors on one CUDA device, decoding into ``region`` (uint8) in one launch
-    per kernel mode."""
+    per kernel mode. Each launch's descriptors stay compact on the device (``compact``):
+    a run expands them into ``rows`` (a stream's buffer, ``CudaStreams.rows``; its own
+    when not given) with two torch ops, then launches the decoder over them."""
 
     reads_fields = False  # uploaded at construction; the host copies may go
 
@@ -70,26 +113,61 @@ class CudaDecoder:
                  device: torch.device) -> None:
         rt = rans_cuda.load_runtime(device)
         self.device = device
-        self.launches: list = []
         self.held: list[torch.Tensor] = []  # every device buffer the launches read
         self._checks = []  # (origins, status) of each batch, for check()
+        self._batches = []  # (DeviceBatch, kinds, index, vary, output base) of each launch
+        self._bound: dict[int, tuple[int, list]] = {}  # per rows buffer: its launches
+        self._own: torch.Tensor | None = None
+        up = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         for group, batch in plan(coded):
             db = rt.DeviceBatch(batch, device)
-            self.held += [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status]
+            outs = [self._out(c, region, batch.bf16) for c in group]
+            rans_cuda.check_outputs(batch, outs)
+            desc, base = _bound_desc(batch, outs)
+            kinds, index, vary = (up(a) for a in compact(desc))
+            self.held += [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status,
+                          kinds, index, vary]
             self._checks.append((batch.origins, db.status[: len(batch.desc)]))
-            bound = db.bind([c.view(region).reshape(-1) if batch.bf16 else c.bytes_in(region)
-                             for c in group])
-            self.held.append(bound.desc)
-            self.launches.append(bound)
+            self._batches.append((db, kinds, index, vary,
+                                  db.status if base is None else base))
+        self.pairs = max([len(i) for _, _, i, _, _ in self._batches] + [0])
+
+    @staticmethod
+    def _out(c: CodedTensor, region: torch.Tensor, bf16: bool) -> torch.Tensor:
+        return c.view(region).reshape(-1) if bf16 else c.bytes_in(region)
+
+    @property
+    def launches(self) -> list:
+        """One launch per kernel mode (bf16, bytes)."""
+        return self._batches
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.held)
 
-    def run(self) -> None:
-        """Enqueue the decode on the current stream."""
-        for launch in self.launches:
+    def run(self, rows: torch.Tensor | None = None) -> None:
+        """Enqueue the decode on the current stream, its descriptors expanded into
+        ``rows`` (int64, at least ``self.pairs`` x 2 x N_COLS) first."""
+        if rows is None:
+            if self._own is None:
+                self._own = torch.empty((max(1, self.pairs), 2, N_COLS), dtype=torch.int64,
+                                        device=self.device)
+            rows = self._own
+        key = "own" if rows is self._own else id(rows)
+        if self._bound.get(key, (None,))[0] is not rows:
+            self._bound[key] = (rows, [db.bind_rows(rows, db.status, out, len(index))
+                                       for db, _, index, _, out in self._batches])
+        for (_, kinds, index, vary, _), launch in zip(self._batches, self._bound[key][1],
+                                                      strict=True):
+            n = len(index)
+            torch.index_select(kinds, 0, index, out=rows[:n])
+            rows[:n, :, :_VARY].copy_(vary)
             launch()
+
+    def release(self) -> None:
+        """Free the descriptor buffer of runs without one given (after a check run)."""
+        self._bound.pop("own", None)
+        self._own = None
 
     def check(self) -> None:
         """Raise ``CorruptDataError`` if a decode met corrupt data (synchronizes)."""
@@ -183,22 +261,47 @@ class CudaStreams:
         self.sides = [torch.cuda.Stream(device) for _ in range(sides)]
         self.turn = 0
         self.free = [torch.cuda.Event() for _ in range(units)]
+        self._rows: list[torch.Tensor] = []
         self.ready = [torch.cuda.Event() for _ in range(units)]
+
+    def rows(self, role: int) -> torch.Tensor | None:
+        """The descriptor buffer of the compute stream (role 0) or side stream ``role - 1``:
+        decodes on one stream run one after another, so they share it."""
+        return self._rows[role] if self._rows else None
+
+    def reserve(self, pairs: int) -> None:
+        """Descriptor buffers for launches of up to ``pairs`` pairs, one a stream."""
+        if self._rows and len(self._rows[0]) >= pairs:
+            return
+        self._rows = [torch.empty((max(1, pairs), 2, N_COLS), dtype=torch.int64,
+                                  device=self.device) for _ in range(len(self.sides) + 1)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._rows)
+
+    def _run(self, decoder: object, role: int) -> None:
+        if isinstance(decoder, CudaDecoder):
+            self.reserve(decoder.pairs)
+            decoder.run(self.rows(role))
+        else:
+            decoder.run()
 
     def now(self, decoder: CudaDecoder) -> None:
         with torch.cuda.device(self.device):
-            decoder.run()
+            self._run(decoder, 0)
 
     def prefetch(self, u: int, decoder: CudaDecoder) -> None:
         # The side stream starts once the compute stream has done everything enqueued so
         # far: every block before the one about to run, which may share unit u's place.
+        role = self.turn + 1
         side = self.sides[self.turn]
         self.turn = (self.turn + 1) % len(self.sides)
         with torch.cuda.device(self.device):
             self.free[u].record(torch.cuda.current_stream(self.device))
             side.wait_event(self.free[u])
             with torch.cuda.stream(side):
-                decoder.run()
+                self._run(decoder, role)
             self.ready[u].record(side)
 
     def join(self, u: int) -> None:

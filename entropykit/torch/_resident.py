@@ -530,6 +530,9 @@ class Resident:
             coded.close()
             self._decode_back(done)
             raise
+        if hasattr(self.streams, "reserve"):  # descriptor buffers, before any forward
+            self.streams.reserve(max([getattr(u.decoder, "pairs", 0) for u in self.units]
+                                     + [0]))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the weights just freed
         for k, u in enumerate(self.units):
@@ -703,6 +706,7 @@ class Resident:
         lead.decoder.run()
         self.streams.synchronize()
         lead.decoder.check()
+        getattr(lead.decoder, "release", lambda: None)()  # runs take a stream's buffer
         for coded, u, want in checks:
             if not torch.equal(coded.bytes_in(u.region), raw_bytes(want).to(u.region.device)):
                 raise RuntimeError(f"entropykit: {type(u.module).__name__} weight did not "
@@ -750,7 +754,8 @@ class Resident:
                     for t in (*self.model.parameters(), *self.model.buffers()))
         decoders = {id(u.decoder): u.decoder for u in self.units}
         return ResidentMemory(
-            coded_bytes=sum(d.nbytes for d in decoders.values()),
+            coded_bytes=sum(d.nbytes for d in decoders.values())
+            + getattr(self.streams, "nbytes", 0),
             scratch_bytes=self.scratch.numel(),
             uncompressed_bytes=sum(w.coded.nbytes for u in self.units for w in u.weights)
             + sum(t.nbytes for t in self.tiled)
