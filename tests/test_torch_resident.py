@@ -1174,12 +1174,12 @@ def test_weight_granularity_head_tiles_of_the_device_check(fp8) -> None:
 
 def test_weight_chunk_sizes() -> None:
     """By weight (and no ``chunk_size``), each tensor's chunks are the largest power of
-    two up to 65536 cutting it into 512 chunks, at least 4096 symbols: the Llama-8B
-    shapes' q/o 32768, k/v 8192, MLP 65536; block mode keeps 65536."""
+    two up to 16384 cutting it into 512 chunks, at least 4096 symbols: the Llama-8B
+    shapes' q/o and MLP 16384, k/v 8192; block mode keeps 65536."""
     choose = _resident.chunk_for
-    assert [choose(n) for n in (4096 * 4096, 1024 * 4096, 14336 * 4096, 512 << 16,
-                                (512 << 16) - 1, 512 << 12, 1, 100_000)] == [
-        1 << 15, 1 << 13, 1 << 16, 1 << 16, 1 << 15, 1 << 12, 1 << 12, 1 << 12]
+    assert [choose(n) for n in (4096 * 4096, 1024 * 4096, 14336 * 4096, 512 << 14,
+                                (512 << 14) - 1, 512 << 12, 1, 100_000)] == [
+        1 << 14, 1 << 13, 1 << 14, 1 << 14, 1 << 13, 1 << 12, 1 << 12, 1 << 12]
     from entropykit.coding import frame
     from entropykit.rans.static import CODER
 

@@ -8,8 +8,8 @@ it can be captured in a CUDA graph. ``CudaStreams`` orders decodes with the forw
 prefetch runs on a side stream (one of ``ahead``, in turn) after an event recorded on
 the compute stream, and the compute stream waits for its own event before the block runs.
 ``GatherDecoder`` is an embedding whose lookup decodes only the chunks holding the rows
-it reads: its chunks' descriptor pairs are kept in chunk order on the device, torch ops
-copy the pairs of the chunks asked for into a descriptor buffer of its own (each
+it reads: its chunks' descriptor pairs are kept compact in chunk order on the device,
+torch ops expand the pairs of the chunks asked for into a descriptor buffer of its own (each
 writing its slot of the region), and the decoder runs over that buffer's first pairs,
 their count fixed by the input's shape: no host synchronisation, capturable.
 What it is not: the coding (``_coded.py``) or the hooks (``_resident.py``). Imported only
@@ -206,13 +206,18 @@ class GatherDecoder:
         db = rt.DeviceBatch(batch, device)
         self.device = device
         self.chunk = chunk
-        self.table = torch.from_numpy(chunk_pairs(batch, chunk)).to(device)
+        up = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        # chunk k's pair: kinds[index[k]], its varying columns vary[k] (``compact``)
+        self.kinds, self.index, self.vary = (up(a) for a in compact(
+            chunk_pairs(batch, chunk).reshape(-1, N_COLS)))
+        self.kind = torch.zeros(slots, dtype=torch.int32, device=device)
         self.desc = torch.zeros((slots, 2, N_COLS), dtype=torch.int64, device=device)
         self.status = torch.zeros(2 * slots, dtype=torch.int32, device=device)
         self.starts = torch.arange(slots, dtype=torch.int64, device=device) * chunk
         self.out = region[: slots * chunk * 2].view(torch.bfloat16)
         self.held = [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status,
-                     self.table, self.desc, self.status, self.starts]
+                     self.kinds, self.index, self.vary, self.kind, self.desc, self.status,
+                     self.starts]
         self._db, self._batch = db, batch
         self._launches: dict[int, object] = {}
         self.count = 0  # chunks the next run decodes
@@ -225,7 +230,9 @@ class GatherDecoder:
         """Make the next run decode ``chunks`` (int64, on the device; at most ``slots``),
         chunk ``chunks[i]`` into slot i: descriptor pairs gathered on the device."""
         n = chunks.numel()
-        torch.index_select(self.table, 0, chunks, out=self.desc[:n])
+        torch.index_select(self.index, 0, chunks, out=self.kind[:n])
+        torch.index_select(self.kinds, 0, self.kind[:n], out=self.desc[:n])
+        self.desc[:n, :, :_VARY] = self.vary.index_select(0, chunks)
         self.desc[:n, :, D_OUT] = self.starts[:n, None]
         self.count = n
 

@@ -358,18 +358,21 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
 
 
 _DEFAULT_TILE = 1 << 25  # tile bytes of a model without repeated blocks
-# By weight, a tensor decodes in a launch of its own: it is cut into at least this many
-# chunks (one GPU warp each) where chunks of SMALLEST_CHUNK symbols or more allow.
+# By weight, a tensor decodes in a launch of its own, which takes at least one chunk's
+# time (a warp decodes a chunk alone): chunks of at most WEIGHT_CHUNK symbols, and at
+# least FILL_CHUNKS of them (one GPU warp each) where SMALLEST_CHUNK symbols or more allow.
+WEIGHT_CHUNK = 1 << 14
 FILL_CHUNKS = 512
 SMALLEST_CHUNK = 1 << 12
 
 
 def chunk_for(n: int) -> int:
     """Symbols per chunk of a tensor of ``n`` elements decoded on its own: the largest
-    power of two up to ``GPU_CHUNK`` that cuts it into ``FILL_CHUNKS`` chunks, at least
-    ``SMALLEST_CHUNK``. Large weights keep the default chunks (each chunk's states and
-    descriptor cost coded bytes); small ones get enough chunks to fill a GPU."""
-    c = GPU_CHUNK
+    power of two up to ``WEIGHT_CHUNK`` that cuts it into ``FILL_CHUNKS`` chunks, at least
+    ``SMALLEST_CHUNK``. Large weights take ``WEIGHT_CHUNK`` (each chunk's states and
+    descriptor cost coded bytes, a chunk's length the launch's time); small ones get
+    enough chunks to fill a GPU."""
+    c = WEIGHT_CHUNK
     while c > SMALLEST_CHUNK and n < FILL_CHUNKS * c:
         c //= 2
     return c

@@ -61,8 +61,10 @@ def test_memory_is_what_the_device_holds(opts):
     ekt.compress_model(model, **opts)
     mem = ekt.resident_memory(model)
     now = torch.cuda.memory_allocated(DEV) - start
-    decoders = {id(u.decoder): u.decoder for u in model._entropykit_resident.units}
-    held = sum(len(d.held) for d in decoders.values()) + 1  # and the scratch buffer
+    state = model._entropykit_resident
+    decoders = {id(u.decoder): u.decoder for u in state.units}
+    # and the scratch buffer, and a descriptor buffer a stream
+    held = sum(len(d.held) for d in decoders.values()) + 1 + len(state.streams._rows)
     # the caching allocator rounds each tensor up to a multiple of 512 bytes
     assert 0 <= plain - (mem.plain_bytes + mem.uncompressed_bytes) < 512 * tensors
     want = mem.plain_bytes + mem.coded_bytes + mem.scratch_bytes
@@ -111,7 +113,8 @@ def test_launches_of_tiles_hold_what_they_plan():
     decoders = {id(u.decoder): u.decoder for u in state.units}.values()
     assert len(decoders) == len(state.leads) < len(state.units)
     mem = ekt.resident_memory(model)
-    assert mem.coded_bytes == sum(d.nbytes for d in decoders)
+    assert mem.coded_bytes == sum(d.nbytes for d in decoders) + state.streams.nbytes
+    assert len(state.streams._rows) == 2  # the compute stream's and the side stream's
     assert mem.scratch_bytes == 2 * max(state.units[g].place.numel() for g in state.leads)
     assert all(len(d.launches) == 1 for d in decoders)  # bf16 only: one kernel mode
 
