@@ -199,7 +199,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _poison(model: nn.Module) -> None:
-    model._entropykit_resident.scratch.view(torch.bfloat16).fill_(float("nan"))
+    """NaN in the scratch buffer, and -1 in the streams' descriptor buffers (each launch
+    expands its rows there first)."""
+    state = model._entropykit_resident
+    state.scratch.view(torch.bfloat16).fill_(float("nan"))
+    for rows in getattr(state.streams, "_rows", ()):
+        rows.fill_(-1)
 
 
 def _ids(vocab: int, batch: int, n: int, device: str, seed: int) -> torch.Tensor:
