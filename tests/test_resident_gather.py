@@ -206,3 +206,47 @@ def test_streams_share_descriptor_buffers(emulated) -> None:
     streams._run(d, 2)
     assert not torch.equal(streams._rows[2], before)
     assert id(streams._rows[2]) in d._bound
+
+
+def test_bind_rows_launches_over_a_buffers_first_pairs(monkeypatch) -> None:
+    """``DeviceBatch.bind_rows`` (the runtime, CuPy stood in for): a launch over the first
+    ``pairs`` pairs of any descriptor buffer holding at least that many, with the batch's
+    kernel build, a block of ``warps`` pairs per ``warps`` pairs and the buffers' addresses
+    in the kernel's order; more pairs than the buffer or the status hold refused."""
+    import importlib
+    import sys
+    import types as _types
+
+    name = "entropykit.rans.cuda._runtime"
+    monkeypatch.setitem(sys.modules, "cupy", _types.ModuleType("cupy"))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    # the module imported against the stand-in goes with the test
+    monkeypatch.delattr(rans_cuda, "_runtime", raising=False)
+    _runtime = importlib.import_module(name)
+    monkeypatch.setitem(sys.modules, name, _runtime)
+    monkeypatch.setattr(rans_cuda, "_runtime", _runtime, raising=False)
+
+    built = []
+    monkeypatch.setattr(_runtime, "_kernel", lambda *a: built.append(a) or "kernel")
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256).to(torch.bfloat16)
+    ((group, batch),) = _cuda.plan([_coded.code_tensor(weight, 0, 1024)])
+    db = object.__new__(_runtime.DeviceBatch)
+    db.batch, db.device = batch, torch.device("cpu")
+    db.payload, db.sym_tables, db.info_tables, db.cmaps = (
+        torch.zeros(8, dtype=torch.uint8) for _ in range(4))
+    rows = torch.zeros((40, 2, lay.N_COLS), dtype=torch.int64)
+    status = torch.zeros(60, dtype=torch.int32)
+    out = torch.zeros(64 * 256, dtype=torch.bfloat16)
+    launch = db.bind_rows(rows, status, out, 17)
+    assert launch.pairs == 17 and launch.grid == (-(-17 // batch.warps),)
+    assert launch.kernel == "kernel" and built[0][:2] == (True, batch.context)
+    assert [int(a) for a in launch.args[:7]] == [
+        t.data_ptr() for t in (rows, status, db.payload, db.sym_tables, db.info_tables,
+                               db.cmaps, out)]
+    assert int(launch.args[7]) == 17
+    assert db.bind_rows(rows, status, out, 0).kernel is None  # nothing to launch
+    for pairs in (31, 41, -1):
+        with pytest.raises(ValueError, match="do not fit"):
+            db.bind_rows(rows, status, out, pairs)
+    assert db.bind_rows(rows, status, out, 30).pairs == 30

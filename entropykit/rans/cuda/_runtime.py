@@ -206,7 +206,8 @@ class DeviceBatch:
         device, rows of this batch's with D_OUT relative to ``out``, written there by the
         caller between launches; every block's first pair a live one with the batch's
         tables), ``status`` (int32, ``2 * pairs`` or more) taking their statuses."""
-        if not 0 <= pairs <= len(desc.reshape(-1, _layout.N_COLS)) // 2 <= len(status) // 2:
+        room = min(desc.numel() // (2 * _layout.N_COLS), status.numel() // 2)
+        if not 0 <= pairs <= room:
             raise ValueError(f"{pairs} pairs do not fit the descriptor or status buffer")
         rows = types.SimpleNamespace(
             desc=np.zeros((2 * pairs, 0)), bf16=self.batch.bf16, warps=self.batch.warps,
