@@ -73,22 +73,6 @@ def compact(desc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             vary.astype(np.int32) if small else vary)
 
 
-def _bound_desc(b: Batch, outs: Sequence[torch.Tensor]
-                ) -> tuple[np.ndarray, torch.Tensor | None]:
-    """``b``'s descriptors with every output's place added to D_OUT, as an element
-    offset from the lowest-addressed output, which is returned with them (None if every
-    output is empty)."""
-    used = [t for t in outs if t.numel()]
-    if not used:
-        return b.desc.copy(), None
-    base = min(used, key=lambda t: t.data_ptr())
-    size = 2 if b.bf16 else 1
-    delta = np.array([(t.data_ptr() - base.data_ptr()) // size for t in outs] + [0])
-    desc = b.desc.copy()
-    desc[:, D_OUT] += delta[b.out_index]  # padding rows (-1) write nothing
-    return desc, base
-
-
 def _compact_bytes(desc: np.ndarray) -> int:
     return sum(a.nbytes for a in compact(desc))
 
@@ -123,7 +107,7 @@ class CudaDecoder:
             db = rt.DeviceBatch(batch, device)
             outs = [self._out(c, region, batch.bf16) for c in group]
             rans_cuda.check_outputs(batch, outs)
-            desc, base = _bound_desc(batch, outs)
+            desc, base = rans_cuda.bound_desc(batch, outs)
             kinds, index, vary = (up(a) for a in compact(desc))
             self.held += [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status,
                           kinds, index, vary]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..._cuda import cuda_device, nvrtc
-from . import _layout, check_outputs
+from . import _layout, bound_desc, check_outputs
 from .plan import Batch
 
 STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds without contexts
@@ -136,19 +136,6 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
     return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps, *v), build)
 
 
-def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor | None]:
-    """``b``'s descriptors with every output's position added to D_OUT, as an element
-    offset from the lowest-addressed output, which is returned with them (None if every
-    output is empty)."""
-    used = [t for t in outs if t.numel()]
-    if not used:
-        return b.desc.copy(), None
-    base = min(used, key=lambda t: t.data_ptr())
-    size = 2 if b.bf16 else 1
-    delta = np.array([(t.data_ptr() - base.data_ptr()) // size for t in outs] + [0])
-    desc = b.desc.copy()
-    desc[:, _layout.D_OUT] += delta[b.out_index]  # padding rows (-1) write nothing
-    return desc, base
 
 
 class Launch:
