@@ -250,3 +250,18 @@ def test_bind_rows_launches_over_a_buffers_first_pairs(monkeypatch) -> None:
         with pytest.raises(ValueError, match="do not fit"):
             db.bind_rows(rows, status, out, pairs)
     assert db.bind_rows(rows, status, out, 30).pairs == 30
+
+
+def test_gathered_embedding_of_fields_not_worth_coding(emulated, monkeypatch) -> None:
+    """Where no field of the embedding is worth coding, its first field is framed all the
+    same, so its chunks are still whole rows: the lookup stays exact."""
+    monkeypatch.setattr(_coded, "_entropy_bytes", lambda symbols: float(symbols.size))
+    model, ref = _llama_vocab(VOCAB), _llama_vocab(VOCAB)
+    ekt.compress_model(model)
+    _, u = _gathered(model)
+    ids = torch.tensor([[0, 15, 16, 999, 640]])
+    with torch.no_grad():
+        assert torch.equal(_bits(model.model.embed_tokens(ids)),
+                           _bits(ref.model.embed_tokens(ids)))
+    coded = [w.coded for v in model._entropykit_resident.units for w in v.weights]
+    assert all(not f.coded for c in coded for f in c.fields)  # the others stay plain

@@ -595,14 +595,14 @@ class Resident:
             lead.place = self.scratch[start : start + n]
             at = start + n
 
-    def _jobs(self, places: list[list[int]]) -> Iterator[tuple[torch.Tensor, int, int]]:
-        """(tensor, offset in its region, chunk size) of everything to code, in building
-        order: each launch's weights or its tiles' rows (a tied owner's tiles are its first
-        owner's), or a gathered embedding's weight."""
+    def _jobs(self, places: list[list[int]]) -> Iterator[tuple]:
+        """``code_tensor``'s arguments for everything to code, in building order: each
+        launch's weights or its tiles' rows (a tied owner's tiles are its first owner's),
+        or a gathered embedding's weight (in chunks whatever its fields)."""
         for g in self.leads:
             u = self.units[g]
             if u.gathered is not None:
-                yield u.module.weight, 0, u.gathered.chunk
+                yield u.module.weight, 0, u.gathered.chunk, True
             elif u.tiled is None:
                 for w, at in zip(u.weights, places[g], strict=True):
                     t = getattr(w.owner, w.name)
