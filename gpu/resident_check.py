@@ -51,6 +51,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import transformers
@@ -105,7 +106,6 @@ def llama(size: str, device: str, fp8: bool = False, layers: int | None = None
 
 def _df11_compat():
     """gpu/df11_compat.py (DFloat11's loader glue, and what a checkpoint holds)."""
-    from pathlib import Path
 
     here = str(Path(__file__).resolve().parent)
     if here not in sys.path:
@@ -149,7 +149,6 @@ def real_model(name: str, device: str, fp8: bool = False) -> nn.Module:
     """The real model ``name`` in bf16 on ``device`` (SmolLM2-135M-Instruct: the Q4_1
     GGUF of bench/data.py, dequantized, unless ``REAL`` names a directory); with ``fp8``
     its blocks' Linear weights cast to fp8 e4m3 with scales."""
-    from pathlib import Path
 
     path = REAL[name]
     if path is None:
@@ -159,13 +158,32 @@ def real_model(name: str, device: str, fp8: bool = False) -> nn.Module:
         path = str(data.smollm2_gguf_path())
     p = Path(path)
     where = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
+    if compressed_dir(p):  # decoded by entropykit's quantizer as it loads, on the device
+        where = dict(device_map={"": device})
+        print(f"{name}: loading {p}, an entropykit-compressed directory, through "
+              "from_pretrained")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        p.parent if where else p, dtype=torch.bfloat16, **where).to(device).eval()
-    if where:  # dequantized: a plain bf16 model now, saved as one by --save-plain
+        p if "gguf_file" not in where else p.parent, dtype=torch.bfloat16,
+        **where).to(device).eval()
+    if "gguf_file" in where:  # dequantized: a plain bf16 model, saved as one by --save-plain
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     return _fp8_blocks(model) if fp8 else model
+
+
+def compressed_dir(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint directory ``entropykit compress`` wrote (its
+    config.json carries the quantizer mark ``from_pretrained`` routes to entropykit)."""
+    import json
+
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    quant = json.loads(cfg.read_text()).get("quantization_config") or {}
+    from entropykit.hf import QUANT_METHOD
+
+    return quant.get("quant_method") == QUANT_METHOD
 
 
 def build(size: str, device: str, fp8: bool = False, layers: int | None = None
@@ -181,7 +199,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _poison(model: nn.Module) -> None:
-    model._entropykit_resident.scratch.view(torch.bfloat16).fill_(float("nan"))
+    """NaN in the scratch buffer, and -1 in the streams' descriptor buffers (each launch
+    expands its rows there first)."""
+    state = model._entropykit_resident
+    state.scratch.view(torch.bfloat16).fill_(float("nan"))
+    for rows in getattr(state.streams, "_rows", ()):
+        rows.fill_(-1)
 
 
 def _ids(vocab: int, batch: int, n: int, device: str, seed: int) -> torch.Tensor:
@@ -323,7 +346,7 @@ def _built(make: Callable[[], nn.Module], opts: dict, device: str
     return model, plain, took, plain_bytes, plain_bytes + _allocated(device) - mark
 
 
-WEIGHT_CHUNK = 1 << 14  # compress_model's default chunk size by weight
+WEIGHT_CHUNK = None  # compress_model's default by weight: chunks chosen per tensor
 SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in tiles
 # and launches of three tiles coded in the smallest chunks
 AHEAD = dict(tile_bytes=SMALL_TILES, tiles_ahead=3, chunk_size=1 << 10)
@@ -375,12 +398,16 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
         lambda: build(size, device, fp8, layers), opts, device)
     mem = ekt.resident_memory(model)
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-    units = model._entropykit_resident.units
+    state = model._entropykit_resident
+    units = state.units
     tiles = sum(u.tiled is not None for u in units)
+    gathered = sum(u.gathered is not None for u in units)
+    ring = ("a ring of two launches' bytes" if state.by_weight
+            else f"a ring of {state.ahead + 1} slots")
     print(f"{name}: {mem.tensors} weights resident in {len(units)} units ({tiles} row "
-          f"tiles; {sum(u.prefetch for u in units)} launches decoded while earlier ones "
-          f"compute; a ring of {model._entropykit_resident.ahead + 1} slots), "
-          f"compress_model {took:.1f} s")
+          f"tiles; {gathered} embeddings decoding the rows they read; "
+          f"{sum(u.prefetch for u in units)} launches decoded while earlier ones "
+          f"compute; {ring}), compress_model {took:.1f} s")
     verdict = "meets" if mem.ratio <= TARGET[fp8] else "misses"
     print(f"  coded {mib(mem.coded_bytes)} + scratch {mib(mem.scratch_bytes)} "
           f"vs uncompressed {mib(mem.uncompressed_bytes)}: {mem.ratio:.3f}x ({verdict} "
@@ -393,8 +420,14 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     fails = []
     for batch in (1, 64):
         ids = _ids(model.config.vocab_size, batch, 1, device, 1)
-        if not torch.equal(_bits(_full_step(model, ids)), _bits(_full_step(plain, ids))):
+        exact = torch.equal(_bits(_full_step(model, ids)), _bits(_full_step(plain, ids)))
+        _, out = _graph_ms(model, ids, device, poison=True)
+        _, want = _graph_ms(plain, ids, device, poison=False)
+        exact &= torch.equal(_bits(out), _bits(want))
+        if not exact:
             fails.append(f"{name}: decode-step logits differ at batch {batch}")
+        print(f"  decode step, batch {batch}: logits {'exact' if exact else 'DIFFER'} "
+              "(eager" + (", graph-replayed with the scratch poisoned)" if cuda else ")"))
         print(f"  decode step, batch {batch}: " + "; ".join(
             _steps(label, m, device, batch) for label, m in
             (("plain", plain), ("resident", model))))
@@ -592,7 +625,9 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
             tile = opts["tile_bytes"]
             tile_s = ("auto" if tile is None else f"{tile >> 20}M" if tile >= 1 << 20
                       else f"{tile >> 10}K")
-            print(f"{name:<15} {opts['chunk_size'] >> 10:>5}K {opts['granularity']:>6} "
+            chunk = opts["chunk_size"]
+            chunk_s = "auto" if chunk is None else f"{chunk >> 10}K"
+            print(f"{name:<15} {chunk_s:>6} {opts['granularity']:>6} "
                   f"{tile_s:>6} {opts['tiles_ahead']:>3} {state.ahead + 1:>4} "
                   f"{mem.ratio:6.3f} {_whole_ratio(mem):6.3f} "
                   f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
@@ -637,7 +672,7 @@ def _granularity_verdict(name: str, block: tuple, weight: tuple) -> str:
                else "neither is no worse in every column" if exact else "not both exact"))
 
 
-def sweep_grid(chunks: list[int], tiles: list[int | None], ahead: list[int],
+def sweep_grid(chunks: list[int | None], tiles: list[int | None], ahead: list[int],
                max_launch: int, granularities: tuple[str, ...] = ("block",),
                rings: tuple[int, ...] = (2,)) -> list[dict]:
     """compress_model's option sets, for every chunk size: blocks with every tile size

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import itertools
+import math
 import types
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from torch.nn import functional as F  # noqa: E402
 import entropykit.torch as ekt  # noqa: E402
 from entropykit import gpu  # noqa: E402
 from entropykit.rans import cuda as rans_cuda  # noqa: E402
+from entropykit.rans.cuda import _layout as lay  # noqa: E402
 from entropykit.torch import _coded, _cuda, _resident  # noqa: E402
 
 _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -604,6 +606,37 @@ class _FakeRuntime:
 
             return Bound()
 
+        def bind_rows(self, desc, status, out, pairs):
+            """The kernel over the first ``pairs`` descriptor pairs of ``desc`` as they are
+            when it runs, padded to whole blocks as the grid's last block is."""
+            import ctypes
+            import dataclasses
+
+            from test_gpu_logic import emulate_into
+
+            batch = self.batch
+
+            def run() -> None:
+                rows = desc.reshape(-1, lay.N_COLS)[: 2 * pairs].numpy().copy()
+                pad = (-pairs) % batch.warps
+                if pad:
+                    tail = np.tile(rows[:2], (pad, 1))
+                    tail[:, lay.D_N] = 0
+                    rows = np.concatenate([rows, tail])
+                live = rows[:, lay.D_N] > 0
+                index = np.where(live, 0, -1)
+                # the memory from ``out`` on, as far as the rows write (the kernel's raw
+                # pointer: the outputs of one launch lie in one region)
+                ends = rows[live, lay.D_OUT] + (rows[live, lay.D_N] - 1) * rows[live, lay.D_STEP]
+                span = int(ends.max(initial=-1)) + 1
+                ctype = ctypes.c_uint16 if batch.bf16 else ctypes.c_uint8
+                view = (np.ctypeslib.as_array((ctype * span).from_address(out.data_ptr()))
+                        if span else np.zeros(0, np.uint16 if batch.bf16 else np.uint8))
+                b = dataclasses.replace(batch, desc=rows, out_index=index, sizes=(span,))
+                status[: 2 * pairs] = torch.from_numpy(emulate_into(b, [view])[1][: 2 * pairs])
+
+            return run
+
 
 @pytest.mark.parametrize("opts", [{}, dict(tile_bytes=8192, tiles_ahead=3, chunk_size=1024),
                                   dict(granularity="weight")],
@@ -637,14 +670,15 @@ def test_cuda_decoder_plans_on_the_emulator(make, opts, monkeypatch) -> None:
     assert all(isinstance(u.decoder, _cuda.CudaDecoder) for u in state.units)
     assert all(len(u.decoder.launches) == len({c.pair for c in _unit_coded(u)})
                for u in state.units)
-    assert any(u.tiled is not None for u in state.units) == (make is _Fp8Net
-                                                             or "tile_bytes" in opts)
+    # by weight, tiles are a Linear's size: the embedding is larger
+    assert any(u.tiled is not None for u in state.units) == (
+        make is _Fp8Net or "tile_bytes" in opts or "granularity" in opts)
     assert all(d.planned == d.nbytes for d in {id(u.decoder): u.decoder
                                                 for u in state.units}.values())
     if "tiles_ahead" in opts:
         assert max(len(g) for g in _launches(state)) == 3
-        rows = sum(len(b) for d in {id(u.decoder): u.decoder for u in state.units
-                                         }.values() for b in d.held[5::6])
+        rows = sum(2 * len(index) for d in {id(u.decoder): u.decoder for u in state.units
+                                                 }.values() for index in d.held[6::8])
         coded = sum(c.nbytes for u in state.units for c in _unit_coded(u))
         assert rows >= coded // (2 * 1024)  # chunks of 1024 symbols, pairs in rows
     assert all(c.fields == () for u in state.units for c in _unit_coded(u))  # on the device
@@ -952,7 +986,7 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
 
 def test_device_sweep_compares_the_granularities_defaults() -> None:
     """The short sweep's grid holds each granularity's defaults once (block: 64 Ki
-    chunks, a ring of two; weight: 16 Ki, a ring of three), and its closing line names the
+    chunks, one launch ahead; weight: chunks per tensor, two ahead), and its closing line names the
     one no worse in memory and in both steps (within 5%), only where both rows are
     exact."""
     rc = _resident_check()
@@ -965,7 +999,9 @@ def test_device_sweep_compares_the_granularities_defaults() -> None:
         ref = _llama_vocab(256)
         ekt.compress_model(ref, granularity=opts["granularity"])
         a, b = m._entropykit_resident, ref._entropykit_resident
-        assert (a.chunk_size, a.ahead) == (b.chunk_size, b.ahead)  # the defaults indeed
+        sizes = (1 << 12, 1 << 20, 1 << 26)
+        assert ([a._chunk(n) for n in sizes], a.ahead) == ([b._chunk(n) for n in sizes],
+                                                           b.ahead)  # the defaults indeed
     line = rc._granularity_verdict("m", (0.889, 3.9, 3.4, True), (0.762, 3.8, 3.45, True))
     assert line.endswith("weight is no worse in every column (steps within 5%)")
     line = rc._granularity_verdict("m", (0.889, 1.9, 3.4, True), (0.762, 3.8, 3.4, True))
@@ -1077,75 +1113,84 @@ def test_weight_granularity_exact(make) -> None:
 
 @pytest.mark.parametrize("ahead", [1, 2, 3])
 @pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
-def test_weight_ring_is_ahead_plus_one_largest_modules(vocab, ahead) -> None:
-    """The blocks decode in a ring of ``ahead + 1`` slots of the largest module's weights
-    (a Llama's MLP Linears: 128 x 64 bf16), taken in turn and each prefetched; the
-    embedding and head keep block mode's row tiles (so the head's products have block
-    mode's shapes) and share the ring's bytes: the buffer is the ring or one block-sized
-    launch, whichever is larger, never two blocks."""
+def test_weight_ring_is_two_consecutive_launches(vocab, ahead) -> None:
+    """By weight, the buffer is a ring of bytes as large as the largest two consecutive
+    launches (a Llama's gate and up Linears, 128 x 64 bf16 each), whatever ``ahead``:
+    the embedding and head decode in row tiles of one Linear's size, every launch's
+    place is apart from the one before it, so every launch after the first is decoded
+    while the one before it computes, and the logits are block mode's."""
     model, block = _llama_vocab(vocab), _llama_vocab(vocab)
     ekt.compress_model(model, granularity="weight", ahead=ahead)
     ekt.compress_model(block)
-    state, ref = model._entropykit_resident, block._entropykit_resident
+    state = model._entropykit_resident
     slot = _aligned(128 * 64 * 2)
-    whole = 2 * _aligned(64 * 64 * 2) + 3 * slot
-    # the embedding whole (vocab 256) or in tiles of a block (4096): the widest launch
-    wide = vocab * 64 * 2 if vocab == 256 else whole
     mem = ekt.resident_memory(model)
-    assert mem.scratch_bytes == max((ahead + 1) * slot, wide)
-    assert ekt.resident_memory(block).scratch_bytes == 2 * whole
+    assert mem.scratch_bytes == 2 * slot
     assert mem.uncompressed_bytes == ekt.resident_memory(block).uncompressed_bytes
     assert mem.ratio == (mem.coded_bytes + mem.scratch_bytes) / mem.uncompressed_bytes
-    assert [t.rows for t in state.tiled] == [t.rows for t in ref.tiled]
-    assert len(state.tiled) == (2 if vocab == 4096 else 0)
+    # the embedding and head in tiles of 128 rows (a slot)
+    assert [t.rows[0] for t in state.tiled] == [(0, 128)] * 2
     # q, o, gate, up, down of each layer (k and v are too small to code)
     blocks = [g for g in state.leads if state.units[g].block]
     assert [type(state.units[g].module).__name__ for g in blocks] == ["Linear"] * 5 * 3
-    base = state.scratch.data_ptr()
-    assert [(state.units[g].place.data_ptr() - base) // slot for g in blocks] == [
-        k % (ahead + 1) for k in range(len(blocks))]
-    rest = [state.units[g].place for g in state.leads if not state.units[g].block]
-    assert all((p.data_ptr() - base) % wide == 0 and p.numel() <= wide for p in rest)
-    # every Linear but the first (whose slot the embedding's last launch holds) is decoded
-    # while the ones before it compute
-    assert [state.units[g].prefetch for g in blocks] == [False] + [True] * (len(blocks) - 1)
-    for j, g in enumerate(state.leads):
-        assert state.window[g] == [n for n in state.leads[j + 1 : j + 1 + ahead]
-                                   if state.units[n].prefetch][: len(state.window[g])]
-    ids = _ids().clamp(max=255)
+    leads = [state.units[g] for g in state.leads]
+    assert all(_resident._apart(a, b) for a, b in zip(leads, leads[1:], strict=False))
+    assert [u.prefetch for u in leads] == [False] + [True] * (len(leads) - 1)
+    assert all(u.place.numel() and state.scratch.data_ptr() <= u.place.data_ptr()
+               and u.place.data_ptr() + u.place.numel()
+               <= state.scratch.data_ptr() + mem.scratch_bytes for u in leads)
+    ids = _ids().clamp(max=vocab - 1)
     assert torch.equal(_logits(model, ids), _logits(block, ids))
+
+
+def test_weight_ring_places_a_launch_at_its_end_for_the_next() -> None:
+    """A launch that would leave the next one no room apart from it (neither after it nor
+    before it at the ring's start) takes the ring's end instead."""
+    state = types.SimpleNamespace(units=[types.SimpleNamespace(shared=False)
+                                         for _ in range(3)],
+                                  leads=[0, 1, 2], device=torch.device("cpu"))
+    _resident.Resident._ring(state, {0: 10, 1: 100, 2: 100})
+    assert state.scratch.numel() == 200
+    base = state.scratch.data_ptr()
+    assert [(u.place.data_ptr() - base, u.place.numel()) for u in state.units] == [
+        (0, 10), (100, 100), (0, 100)]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_weight_granularity_head_tiles_of_the_device_check(fp8) -> None:
     """The device check's Llama-8B-shaped blocks (on the meta device: shapes only): by
-    weight, the embedding and head decode in block mode's row tiles, so the head's
-    products have the shapes whose logits the GPU gave bit for bit in block mode, not
-    tiles of one Linear's size."""
+    weight, the embedding and head decode in row tiles of at most the largest Linear's
+    bytes (an MLP weight), multiples of 256 rows; in block mode, of a block's."""
     model = _resident_check().llama("8b-blocks", "meta", fp8)
     rows = {}
     for by_weight in (False, True):
         units = _resident._units(model, ekt.MIN_ELEMENTS, None, by_weight)
         rows[by_weight] = [t.rows for t in {id(u.tiled): u.tiled for u in units
                                             if u.tiled is not None}.values()]
-    assert rows[True] == rows[False]
-    assert [r[0] for r in rows[True]] == [(0, 25856 if fp8 else 42752)] * 2
+    assert [r[0] for r in rows[False]] == [(0, 25856 if fp8 else 42752)] * 2
+    assert [r[0] for r in rows[True]] == [(0, 7168 if fp8 else 14336)] * 2
+    assert [len(r) for r in rows[True]] == [18 if fp8 else 9] * 2
 
 
-@pytest.mark.parametrize("make", [lambda: _llama_vocab(4096), _Fp8Net, lambda: _gpt2_vocab(4096)],
-                         ids=["llama", "fp8", "gpt2-tied"])
-def test_weight_granularity_tiles_as_blocks_do(make) -> None:
-    """By weight, the embedding's and head's row tiles are block mode's (the head's
-    products keep block mode's shapes, which a GPU's matrix library rounds as the plain
-    model's); chunks are smaller by default than block mode's."""
-    model, block = make(), make()
-    ekt.compress_model(model, granularity="weight")
-    ekt.compress_model(block)
-    state, ref = model._entropykit_resident, block._entropykit_resident
-    assert state.tiled and [t.rows for t in state.tiled] == [t.rows for t in ref.tiled]
-    slot = max(u.size for u in state.units if u.block)
-    assert max(b - a for t in state.tiled for a, b in t.rows) * state.tiled[0].row_bytes > slot
-    assert (state.chunk_size, ref.chunk_size) == (1 << 14, 1 << 16)
+def test_weight_chunk_sizes() -> None:
+    """By weight (and no ``chunk_size``), each tensor's chunks are the largest power of
+    two up to 16384 cutting it into 512 chunks, at least 4096 symbols: the Llama-8B
+    shapes' q/o and MLP 16384, k/v 8192; block mode keeps 65536."""
+    choose = _resident.chunk_for
+    assert [choose(n) for n in (4096 * 4096, 1024 * 4096, 14336 * 4096, 512 << 14,
+                                (512 << 14) - 1, 512 << 12, 1, 100_000)] == [
+        1 << 14, 1 << 13, 1 << 14, 1 << 14, 1 << 13, 1 << 12, 1 << 12, 1 << 12]
+    from entropykit.coding import frame
+    from entropykit.rans.static import CODER
+
+    for opts, want in (({"granularity": "weight"}, choose), ({}, lambda n: 1 << 16),
+                       ({"granularity": "weight", "chunk_size": 2048}, lambda n: 2048)):
+        model = _llama_vocab(4096)
+        ekt.compress_model(model, **opts)
+        coded = [c for u in model._entropykit_resident.units for c in _unit_coded(u)]
+        got = {(math.prod(c.shape), frame.parse(CODER, f.data).chunk_size)
+               for c in coded for f in c.fields if f.coded}
+        assert got and got == {(n, want(n)) for n, _ in got}
 
 
 def _alone(model: nn.Module, opts: dict) -> list[nn.Module]:

@@ -7,10 +7,14 @@ the coded bytes on the model's device. Each block of the model (each module of a
 block of its own) decodes just before its forward into a slot of a small ring of scratch
 slots, the next ones' decodes overlapping its compute on a side stream; with
 ``granularity="weight"`` each module of a block (each Linear) decodes on its own, whole,
-before its own forward, so a slot holds the largest Linear rather than a block.
-Embeddings and Linear heads larger than a slot (such as the vocabulary's) decode in row
-tiles no larger than a slot: the lookup takes each tile's rows, the head computes each
-tile's slice of the logits, so the buffer never holds a whole embedding. With
+before its own forward, into a ring of two of the largest Linears' bytes. On a GPU, an
+embedding used by itself alone (bf16, rows of a power-of-two width) is coded in chunks
+of whole rows and its lookup decodes only the chunks holding the rows it reads (the
+chunk list made on the device from the ids, its length fixed by their shape). Other
+embeddings and Linear heads larger than a slot (such as the vocabulary's, or an
+embedding tied to the head) decode in row tiles no larger than a slot: the lookup takes
+each tile's rows, the head computes each tile's slice of the logits, so the buffer
+never holds a whole embedding. With
 ``tile_bytes`` and block granularity the blocks' Linears decode in row tiles too,
 ``tiles_ahead`` of them in one launch, for a buffer of a few tiles. The forward only
 enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
@@ -38,7 +42,7 @@ import torch
 from torch import nn
 
 from ..coding.frame import MAX_CHUNK, MIN_CHUNK
-from ..container.codecs import GPU_CHUNK
+from . import _resident
 from ._resident import Resident, ResidentMemory, _units
 
 __all__ = ["ResidentMemory", "compress_model", "decompress_model", "resident_memory"]
@@ -48,9 +52,6 @@ MIN_ELEMENTS = 1 << 12
 
 
 _GRANULARITIES = ("block", "weight")
-# A module's weights are a few chunks of the default size, too few warps to fill a GPU
-# per launch: by weight, chunks are smaller by default.
-_WEIGHT_CHUNK = 1 << 14
 _Granularity = Literal["block", "weight"]
 
 
@@ -68,22 +69,22 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     there and moves the rest of the model after them, so the device never holds the
     plain weights.
 
-    ``granularity`` is what decodes at once into a slot of the scratch buffer, a ring of
-    ``ahead + 1`` slots (``ahead``, launches decoded in advance: default 1 for blocks, 2
-    for weights), each the size of the largest unit: ``"block"``, each block of the model
-    whole (the buffer holds ``ahead + 1`` blocks); ``"weight"``, each module of a block
-    holding weights (a Linear, an expert, ...) its weights whole, just before its own
-    forward, so the buffer holds ``ahead + 1`` of the largest modules' weights, at the
-    cost of more, smaller decodes; each module's weights must then be read only by its
-    own forward (a block whose weights sit in modules with children stays whole). Both
-    keep every product in its plain shape, so outputs stay bit-identical.
+    ``granularity`` is what decodes at once into the scratch buffer: ``"block"``, each
+    block of the model whole, into a ring of ``ahead + 1`` slots each the size of the
+    largest block (``ahead``, launches decoded in advance: default 1); ``"weight"``, each
+    module of a block holding weights (a Linear, an expert, ...) its weights whole, just
+    before its own forward, into a ring of bytes as large as the two largest consecutive
+    launches (``ahead``, default 2, launches decoded in advance where the ring has room
+    for them), at the cost of more, smaller decodes; each module's weights must then be
+    read only by its own forward (a block whose weights sit in modules with children
+    stays whole). Both keep every product of a block in its plain shape.
 
     An embedding or Linear weight outside the blocks larger than ``tile_bytes`` (default:
-    the largest block, in both granularities, so that the head's products have the same
-    shapes) decodes in row tiles of at most that size: the lookup takes each tile's rows,
-    the head each tile's slice of the logits, exactly; by weight, such tiles share the
-    ring's bytes, as many at a time as it holds (at least one: the buffer is then one
-    tile). Given with
+    the largest launch of a block: a block, or by weight the largest module's weights)
+    decodes in row tiles of at most that size: the lookup takes each tile's rows, the
+    head each tile's slice of the logits, exactly (the tiles' products split the output
+    features; a GPU's matrix library picks its algorithm per shape, and the device check
+    compares the logits with the plain model's bit for bit). Given with
     ``"block"``, a block larger than ``tile_bytes`` decodes module by module with
     ``nn.Linear`` weights in row tiles too, so that a slot holds a tile: a Linear in row
     tiles computes its product per tile, and on a GPU the matrix library chooses its
@@ -92,11 +93,13 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
 
     Memory against speed: ``tiles_ahead`` consecutive tiles (of one Linear or of the
     next ones) decode in one launch, so a slot holds ``tiles_ahead`` tiles; ``chunk_size``
-    (symbols per rANS chunk, a power of two in [1024, 2**26]; default 65536 for blocks,
-    16384 by weight) sets how many GPU warps share a decode:
-    smaller chunks decode a tile sooner and cost a little more coded size (a chunk's
-    states and descriptor). ``verify`` decodes every launch once and compares it with
-    the weights, bit for bit, before they are freed. Undo with ``decompress_model``.
+    (symbols per rANS chunk, a power of two in [1024, 2**26]) sets how many GPU warps share
+    a decode: smaller chunks decode a tile sooner and cost a little more coded size (a
+    chunk's states and descriptor). By default blocks take 65536; by weight, each tensor
+    the largest power of two up to 16384 that still cuts it into 512 chunks (at least
+    4096): a launch takes at least one chunk's decode, and small weights still fill a GPU.
+    ``verify`` decodes every launch once and compares it with the weights, bit for bit,
+    before they are freed. Undo with ``decompress_model``.
     """
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("entropykit: this model is resident already")
@@ -112,9 +115,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
         raise ValueError(f"ahead must be >= 1, got {ahead}")
     if tiles_ahead < 1:
         raise ValueError(f"tiles_ahead must be >= 1, got {tiles_ahead}")
-    if chunk_size is None:
-        chunk_size = _WEIGHT_CHUNK if granularity == "weight" else GPU_CHUNK
-    if not (MIN_CHUNK <= chunk_size <= MAX_CHUNK and chunk_size & (chunk_size - 1) == 0):
+    if chunk_size is not None and not (MIN_CHUNK <= chunk_size <= MAX_CHUNK
+                                       and chunk_size & (chunk_size - 1) == 0):
         raise ValueError(f"chunk_size must be a power of two in [{MIN_CHUNK}, {MAX_CHUNK}], "
                          f"got {chunk_size}")
     units = _units(model, min_elements, tile_bytes, granularity == "weight")
@@ -134,6 +136,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     if here != target and here.type != "cpu":
         raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
                          f"{target} (only weights on the CPU move)")
+    if _resident._gatherer(target) is not None:  # embeddings that decode the rows they read
+        units = _units(model, min_elements, tile_bytes, granularity == "weight", True)
     state = Resident(model, units, target, chunk_size, tiles_ahead, ahead,
                      granularity == "weight")
     with torch.no_grad():

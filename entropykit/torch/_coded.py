@@ -89,17 +89,22 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def code_tensor(t: torch.Tensor, offset: int, chunk_size: int = GPU_CHUNK) -> CodedTensor:
+def code_tensor(t: torch.Tensor, offset: int, chunk_size: int = GPU_CHUNK,
+                chunked: bool = False) -> CodedTensor:
     """``t`` (a dtype of ``FORMATS``) coded in chunks of ``chunk_size`` symbols, to decode
-    at ``offset`` of a scratch region."""
+    at ``offset`` of a scratch region. ``chunked``: the first field is a frame even where
+    coding saves nothing, so that the GPU decoder cuts every field in ``chunk_size``
+    chunks (it cuts plain fields like their frame's partner)."""
     raw = raw_bytes(t).cpu().numpy()
     fields = []
-    for f in formats.split(FORMATS[t.dtype], raw):
+    for k, f in enumerate(formats.split(FORMATS[t.dtype], raw)):
         frame = None
-        if _entropy_bytes(f.symbols) <= (1 - GPU_MIN_SAVING) * f.symbols.size:
+        must = chunked and k == 0
+        if must or _entropy_bytes(f.symbols) <= (1 - GPU_MIN_SAVING) * f.symbols.size:
             frame = np.frombuffer(rans.encode(f.symbols, precision=RANS_PRECISION,
                                               chunk_size=chunk_size), np.uint8)
-        if frame is not None and frame.size <= (1 - GPU_MIN_SAVING) * f.symbols.size:
+        if frame is not None and (must or frame.size
+                                  <= (1 - GPU_MIN_SAVING) * f.symbols.size):
             fields.append(Field(f.name, frame, True))
         else:  # a copy: one-byte planes share memory with the tensor
             fields.append(Field(f.name, np.array(f.symbols, np.uint8), False))

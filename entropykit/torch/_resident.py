@@ -8,9 +8,10 @@ tied to another module: embeddings shared with the output head), which the modul
 forward decodes one tile at a time (the lookup picks each tile's rows, the head writes
 each tile's slice of the output). Units decode in launches: a unit alone, or up to
 ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per launch). The
-scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch (by
-weight: of a block's modules, the larger tiles sharing its bytes), and launches take the
-slots in turn. Block weights are fixed views into their region. A
+scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch,
+taken in turn (by weight: a ring of bytes as large as the two largest consecutive
+launches, each launch placed apart from the one before it). Block weights are fixed
+views into their region. A
 unit's forward pre-hook (a tile's: its module's forward) makes the compute stream wait for
 its launch (issued then if it was not prefetched; nothing to do for a tile entered right
 after the one before it in the same launch) and prefetches up to ``ahead`` launches after
@@ -37,6 +38,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..coding import parallel
+from ..coding.frame import MAX_CHUNK
+from ..container.codecs import GPU_CHUNK
 from ._coded import ALIGN, FORMATS, CodedTensor, code_tensor, decode_into, raw_bytes
 
 
@@ -89,6 +92,17 @@ def _backend(device: torch.device, units: int, sides: int
     return CpuStreams(), CpuDecoder
 
 
+def _gatherer(device: torch.device) -> Callable[..., Any] | None:
+    """The factory of gathered decoders (coded, chunk, slots, region) of ``device``, or
+    None where embeddings decode in tiles (the CPU decoders decode whole frames)."""
+    if device.type == "cuda":
+        from ._cuda import GatherDecoder
+
+        return lambda coded, chunk, slots, region: GatherDecoder(coded, chunk, slots,
+                                                                 region, device)
+    return None
+
+
 @dataclass(frozen=True)
 class Weight:
     """A parameter made resident whole: where it was and how it is coded."""
@@ -121,11 +135,54 @@ class Tiled:
 
 
 @dataclass
+class Gathered:
+    """An embedding weight whose lookup decodes only the chunks holding the rows it reads:
+    coded in chunks of whole rows, decoded ``slots`` chunks at a time."""
+
+    owner: nn.Embedding
+    requires_grad: bool
+    dtype: torch.dtype
+    shape: tuple[int, int]
+    chunk: int  # symbols per chunk, a multiple of a row
+    slots: int  # chunks one decode holds
+    coded: CodedTensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def rows_per_chunk(self) -> int:
+        return self.chunk // self.shape[1]
+
+    @property
+    def chunks(self) -> int:
+        return -(-math.prod(self.shape) // self.chunk)
+
+
+# Chunks of a gathered embedding: at least this many symbols (a chunk's states and
+# descriptor cost coded bytes), in whole rows.
+GATHER_CHUNK = 1 << 14
+
+
+def _gather_chunk(m: nn.Module, name: str, p: torch.Tensor) -> int | None:
+    """Symbols per chunk of ``m.weight`` if its lookup can decode just the rows it reads: a
+    stock embedding's bf16 rows of a power-of-two width (chunks of whole rows)."""
+    width = p.shape[-1]
+    if not (isinstance(m, nn.Embedding) and _tileable(m, name) and p.dim() == 2
+            and p.dtype == torch.bfloat16 and width & (width - 1) == 0):
+        return None
+    chunk = max(width, GATHER_CHUNK)
+    return chunk if chunk <= MAX_CHUNK else None
+
+
+@dataclass
 class Unit:
     module: nn.Module
     weights: list[Weight]  # weights decoded whole (none for a tile)
     block: bool = False  # a repeated ModuleList's module, or a module of one (tile_bytes)
     tiled: Tiled | None = None  # a tile of this weight ...
+    gathered: Gathered | None = None  # an embedding decoding the rows it reads
     tile: int = 0  # ... this one
     size: int = 0  # bytes of its place in the scratch buffer
     region: torch.Tensor | None = None  # that place
@@ -192,7 +249,7 @@ def _tile_rows(n_rows: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
 
 
 def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
-           by_weight: bool = False) -> list[Unit]:
+           by_weight: bool = False, gather: bool = False) -> list[Unit]:
     """The model's units in running order. Resident weights: parameters of two or more
     dimensions, a dtype of ``FORMATS``, at least ``min_elements`` elements, and used by one
     module only, or by several stock embeddings or Linears (tied). With ``by_weight``, a
@@ -201,7 +258,9 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
     tied, decodes in row tiles; with ``tile_bytes`` given and not ``by_weight``, a block
     larger than that decodes module by module (stock Linears in tiles). Blocks whose
     weights sit in modules with children of their own stay whole. ``tile_bytes`` is
-    checked by the caller."""
+    checked by the caller. With ``gather``, an embedding's weight used by it alone
+    (bf16, rows of a power-of-two width) decodes only the chunks of the rows each lookup
+    reads, up to a tile's bytes of chunks at a time."""
     owners: dict[int, list[nn.Module]] = {}
     names: dict[int, set[str]] = {}
     for m in model.modules():
@@ -232,10 +291,12 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
     def by_module(ws: list[Weight]) -> list[list[Weight]]:
         return [[w for w in ws if w.owner is o] for o in dict.fromkeys(w.owner for w in ws)]
 
-    # Tiles are the largest whole block's size in both granularities, so that a tiled
-    # product has the shapes it has in block mode (a GPU's matrix library picks its
-    # algorithm per shape, so other shapes may round differently).
-    block_size = max([size(whole(m, True)) for m in model.modules() if id(m) in blocks]
+    # Tiles are the largest launch of a block's weights: a whole block, or by weight a
+    # module's weights (a block whose weights sit in nested modules stays whole), so that
+    # the scratch buffer holds two tiles, or a tile and a block's launch, and no more.
+    block_size = max([max([size(mine) for mine in by_module(ws)] if by_weight and split(ws)
+                          else [size(ws)])
+                      for ws in (whole(m, True) for m in model.modules() if id(m) in blocks)]
                      + [0])
     cap = tile_bytes if tile_bytes is not None else block_size or _DEFAULT_TILE
     tiled: dict[int, Tiled] = {}
@@ -278,6 +339,13 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
                 if len(users) == 1:
                     ws.append(Weight(m, name, p.requires_grad, None))
                 continue  # tied to a module that reads it its own way: stays plain
+            chunk = _gather_chunk(m, name, p) if gather and len(users) == 1 else None
+            if chunk is not None:
+                n = -(-p.numel() // chunk)
+                slots = max(1, min(n, cap // (chunk * p.element_size())))
+                units.append(Unit(m, [], gathered=Gathered(m, p.requires_grad, p.dtype,
+                                                           tuple(p.shape), chunk, slots)))
+                continue
             if len(users) == 1 and _aligned(p.numel() * p.element_size()) <= cap:
                 ws.append(Weight(m, name, p.requires_grad, None))
                 continue
@@ -290,6 +358,24 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
 
 
 _DEFAULT_TILE = 1 << 25  # tile bytes of a model without repeated blocks
+# By weight, a tensor decodes in a launch of its own, which takes at least one chunk's
+# time (a warp decodes a chunk alone): chunks of at most WEIGHT_CHUNK symbols, and at
+# least FILL_CHUNKS of them (one GPU warp each) where SMALLEST_CHUNK symbols or more allow.
+WEIGHT_CHUNK = 1 << 14
+FILL_CHUNKS = 512
+SMALLEST_CHUNK = 1 << 12
+
+
+def chunk_for(n: int) -> int:
+    """Symbols per chunk of a tensor of ``n`` elements decoded on its own: the largest
+    power of two up to ``WEIGHT_CHUNK`` that cuts it into ``FILL_CHUNKS`` chunks, at least
+    ``SMALLEST_CHUNK``. Large weights take ``WEIGHT_CHUNK`` (each chunk's states and
+    descriptor cost coded bytes, a chunk's length the launch's time); small ones get
+    enough chunks to fill a GPU."""
+    c = WEIGHT_CHUNK
+    while c > SMALLEST_CHUNK and n < FILL_CHUNKS * c:
+        c //= 2
+    return c
 
 
 def _launches(units: list[Unit], ahead: int) -> None:
@@ -343,7 +429,7 @@ class Resident:
     """A model's resident state: units, scratch buffer, hooks (``model._entropykit_resident``)."""
 
     def __init__(self, model: nn.Module, units: list[Unit], device: torch.device,
-                 chunk_size: int, tiles_ahead: int = 1, ahead: int = 1,
+                 chunk_size: int | None, tiles_ahead: int = 1, ahead: int = 1,
                  by_weight: bool = False) -> None:
         self.model = model
         self.by_weight = by_weight
@@ -372,6 +458,11 @@ class Resident:
         it was."""
         places = []
         for u in self.units:  # each weight's offset in its unit's region, ALIGNed
+            if u.gathered is not None:
+                g = u.gathered
+                u.size = _aligned(g.slots * g.chunk * g.dtype.itemsize)
+                places.append([0])
+                continue
             if u.tiled is not None:
                 a, b = u.rows
                 u.size = _aligned((b - a) * u.tiled.row_bytes)
@@ -384,43 +475,15 @@ class Resident:
                 at += _aligned(p.numel() * p.element_size())
             places.append(offsets)
             u.size = at
-        # The buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch
-        # of blocks or tiles; launches take the slots in turn (a tile of a tied weight met
-        # again: its first owner's place), so up to ``ahead`` launches decode while the one
-        # before them computes. A launch's units lie back to back in its place. By
-        # weight, the slots are the size of the largest block launch (a module's weights),
-        # and a launch larger than that (the tiles of the embedding and head, which keep
-        # block mode's shapes) takes, in turn, one of as many slots of the largest such
-        # launch as the buffer holds, at least one: the buffer stays the ring's size or
-        # one such launch, whichever is larger. Otherwise a launch larger than a slot
-        # takes the buffer's start.
         sizes = {g: sum(u.size for u in self._members(g)) for g in self.leads}
-        kinds = ([g for g in self.leads if self.units[g].block] if self.by_weight else [])
-        kinds = kinds or [g for g in self.leads
-                          if self.units[g].block or self.units[g].tiled is not None]
-        slot = max([sizes[g] for g in kinds] + [0])
-        slots = self.ahead + 1
-        wide = max([s for s in sizes.values() if s > slot] + [0]) if self.by_weight else 0
-        size = max([slots * slot] + list(sizes.values()) + [0])
-        rings = [(slot, slots), (wide, size // wide if wide else 0)]
-        self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
-        base, turns = self.scratch.data_ptr(), [-1, -1]  # the slot the launch before took
+        if self.by_weight:
+            self._ring(sizes)
+        else:
+            self._slots(sizes)
         for g in self.leads:
-            lead = self.units[g]
-            ring = 0 if sizes[g] <= slot else 1
-            width, count = rings[ring]
-            if lead.shared:
-                lead.place = self.units[lead.tiled.units[0] + lead.tile].place
-                turns[ring] = (lead.place.data_ptr() - base) // width
-            elif 0 < sizes[g] and count:
-                turns[ring] = (turns[ring] + 1) % count
-                lead.place = self.scratch[turns[ring] * width : turns[ring] * width + sizes[g]]
-            else:
-                lead.place = self.scratch[: sizes[g]]
-                turns[0] = (sizes[g] - 1) // slot if slot else -1
             at = 0
             for u in self._members(g):
-                u.region = lead.place[at : at + u.size]
+                u.region = self.units[g].place[at : at + u.size]
                 at += u.size
         # Entering a launch prefetches the next ``ahead`` launches while their places are
         # apart from every launch from this one up to them (those decoded or computing
@@ -430,21 +493,27 @@ class Resident:
             self.window[g] = []
             for i in range(j + 1, min(j + 1 + self.ahead, len(self.leads))):
                 m = self.units[self.leads[i]]
-                if not all(_apart(m, self.units[x]) for x in self.leads[j:i]):
-                    break
+                if m.gathered is not None or not all(_apart(m, self.units[x])
+                                                     for x in self.leads[j:i]):
+                    break  # (a gathered lookup's chunks are known when it runs)
                 self.window[g].append(self.leads[i])
                 m.prefetch = True
         self.streams, make = _backend(self.device, len(self.units), self.ahead)
+        self.gatherer = _gatherer(self.device)
         done: list[Unit] = []
         # Tensors are coded on the package's threads, a bounded window ahead of the launch
         # being built, in the order the launches take them.
-        coded = parallel.imap(lambda job: code_tensor(*job, self.chunk_size),
-                              self._jobs(places), parallel.resolve(None))
+        coded = parallel.imap(lambda job: code_tensor(*job), self._jobs(places),
+                              parallel.resolve(None))
         try:
             for g in self.leads:
                 u = self.units[g]
                 if u.tiled is not None:
                     self._build_tiles(self._members(g), make, verify, coded)
+                    continue
+                if u.gathered is not None:
+                    self._build_gathered(u, verify, next(coded))
+                    done.append(u)
                     continue
                 u.weights = [Weight(w.owner, w.name, w.requires_grad, next(coded))
                              for w in u.weights]
@@ -464,28 +533,91 @@ class Resident:
             coded.close()
             self._decode_back(done)
             raise
+        if hasattr(self.streams, "reserve"):  # descriptor buffers, before any forward
+            self.streams.reserve(max([getattr(u.decoder, "pairs", 0) for u in self.units]
+                                     + [0]))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the weights just freed
         for k, u in enumerate(self.units):
-            if u.tiled is None:
+            if u.tiled is None and u.gathered is None:
                 u.hook = u.module.register_forward_pre_hook(
                     lambda m, args, kwargs, k=k: self.before(k, args, kwargs),
                     with_kwargs=True)
                 self.hooks.append(u.hook)
         self.hooks.append(self.model.register_forward_hook(lambda m, a, out: self.end()))
 
-    def _jobs(self, places: list[list[int]]) -> Iterator[tuple[torch.Tensor, int]]:
-        """(tensor, offset in its region) of everything to code, in building order: each
-        launch's weights or its tiles' rows (a tied owner's tiles are its first owner's)."""
+    def _slots(self, sizes: dict[int, int]) -> None:
+        """Block mode's buffer: a ring of ``ahead + 1`` slots, each the size of the largest
+        launch of blocks or tiles; launches take the slots in turn (a tile of a tied weight
+        met again: its first owner's place), so up to ``ahead`` launches decode while the
+        one before them computes. A launch larger than a slot takes the buffer's start."""
+        kinds = [g for g in self.leads if self.units[g].block or self.units[g].tiled
+                 is not None or self.units[g].gathered is not None]
+        slot = max([sizes[g] for g in kinds] + [0])
+        slots = self.ahead + 1
+        size = max([slots * slot] + list(sizes.values()) + [0])
+        self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+        base, turn = self.scratch.data_ptr(), -1  # the slot the launch before took
+        for g in self.leads:
+            lead = self.units[g]
+            if lead.shared:
+                lead.place = self.units[lead.tiled.units[0] + lead.tile].place
+                turn = (lead.place.data_ptr() - base) // slot
+            elif 0 < sizes[g] <= slot:
+                turn = (turn + 1) % slots
+                lead.place = self.scratch[turn * slot : turn * slot + sizes[g]]
+            else:
+                lead.place = self.scratch[: sizes[g]]
+                turn = (sizes[g] - 1) // slot if slot else -1
+
+    def _ring(self, sizes: dict[int, int]) -> None:
+        """By weight, the buffer is a ring of bytes as large as the largest two consecutive
+        launches (or the largest launch): each launch takes the bytes right after the one
+        before it, or the ring's start where they run out, or its end where the launch
+        after it would otherwise find no room apart from it (a tile of a tied weight met
+        again: its first owner's place). So every launch decodes while the one before it
+        computes, and several small ones ahead where the ring has room."""
+        order = list(self.leads)
+        need = max([sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False)]
+                   + list(sizes.values()) + [0])
+        self.scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
+        base, at = self.scratch.data_ptr(), 0  # where the launch before ended
+        for j, g in enumerate(order):
+            lead, n = self.units[g], sizes[g]
+            if lead.shared:
+                lead.place = self.units[lead.tiled.units[0] + lead.tile].place
+                at = lead.place.data_ptr() - base + n
+                continue
+            start = at if at + n <= need else 0
+            nxt = sizes[order[j + 1]] if j + 1 < len(order) else 0
+            if start and start + n + nxt > need and nxt > start:
+                start = need - n  # the next launch then fits at the ring's start
+            lead.place = self.scratch[start : start + n]
+            at = start + n
+
+    def _jobs(self, places: list[list[int]]) -> Iterator[tuple]:
+        """``code_tensor``'s arguments for everything to code, in building order: each
+        launch's weights or its tiles' rows (a tied owner's tiles are its first owner's),
+        or a gathered embedding's weight (in chunks whatever its fields)."""
         for g in self.leads:
             u = self.units[g]
-            if u.tiled is None:
+            if u.gathered is not None:
+                yield u.module.weight, 0, u.gathered.chunk, True
+            elif u.tiled is None:
                 for w, at in zip(u.weights, places[g], strict=True):
-                    yield getattr(w.owner, w.name), at
+                    t = getattr(w.owner, w.name)
+                    yield t, at, self._chunk(t.numel())
             elif not u.shared:
                 for t in self._members(g):
                     a, b = t.rows
-                    yield t.tiled.owners[0].weight[a:b], 0
+                    w = t.tiled.owners[0].weight[a:b]
+                    yield w, 0, self._chunk(w.numel())
+
+    def _chunk(self, n: int) -> int:
+        """Symbols per chunk of a tensor of ``n`` elements (``chunk_size`` if given)."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return chunk_for(n) if self.by_weight else GPU_CHUNK
 
     def _members(self, g: int) -> list[Unit]:
         """The units of the launch led by unit ``g``."""
@@ -524,6 +656,39 @@ class Resident:
             if u.tile == len(t.rows) - 1 and u.module is t.owners[-1]:
                 self._swap_forwards(t)
 
+    def _build_gathered(self, u: Unit, verify: bool, coded: CodedTensor) -> None:
+        """A gathered embedding's decoder; with ``verify``, every chunk decoded once and
+        compared with the weight. Its forward decodes the rows it reads from now on."""
+        g, m = u.gathered, u.module
+        g.coded = coded
+        u.decoder = self.gatherer(coded, g.chunk, g.slots, u.region)
+        if verify:
+            self.streams.synchronize()
+            whole = self._gathered_whole(u, check=True)
+            if not torch.equal(raw_bytes(whole), raw_bytes(m.weight).to(whole.device)):
+                raise RuntimeError(f"entropykit: {type(m).__name__} weight did not decode "
+                                   "to its weight")
+        g.coded = dataclasses.replace(coded, fields=())
+        del m._parameters["weight"]
+        m.weight = torch.empty(g.shape, dtype=g.dtype, device="meta")
+        k = self.units.index(u)
+        m.forward = types.MethodType(lambda m, x, k=k: _gathered_embedding(self, m, k, x), m)
+
+    def _gathered_whole(self, u: Unit, check: bool = False) -> torch.Tensor:
+        """A gathered embedding's weight, decoded ``slots`` chunks at a time."""
+        g = u.gathered
+        flat = torch.empty(math.prod(g.shape), dtype=g.dtype, device=self.device)
+        for a in range(0, g.chunks, g.slots):
+            b = min(a + g.slots, g.chunks)
+            u.decoder.want(torch.arange(a, b, device=self.device))
+            self.streams.now(u.decoder)
+            n = min(flat.numel(), b * g.chunk) - a * g.chunk
+            flat[a * g.chunk : a * g.chunk + n] = u.decoder.out[:n]
+            if check:
+                self.streams.synchronize()
+                u.decoder.check()
+        return flat.view(g.shape)
+
     def _swap_forwards(self, t: Tiled) -> None:
         """Every owner's forward decodes ``t``'s tiles from now on; what the modules show
         as their weight: its shape and dtype, and no data, so that reading it outside
@@ -544,6 +709,7 @@ class Resident:
         lead.decoder.run()
         self.streams.synchronize()
         lead.decoder.check()
+        getattr(lead.decoder, "release", lambda: None)()  # runs take a stream's buffer
         for coded, u, want in checks:
             if not torch.equal(coded.bytes_in(u.region), raw_bytes(want).to(u.region.device)):
                 raise RuntimeError(f"entropykit: {type(u.module).__name__} weight did not "
@@ -591,12 +757,15 @@ class Resident:
                     for t in (*self.model.parameters(), *self.model.buffers()))
         decoders = {id(u.decoder): u.decoder for u in self.units}
         return ResidentMemory(
-            coded_bytes=sum(d.nbytes for d in decoders.values()),
+            coded_bytes=sum(d.nbytes for d in decoders.values())
+            + getattr(self.streams, "nbytes", 0),
             scratch_bytes=self.scratch.numel(),
             uncompressed_bytes=sum(w.coded.nbytes for u in self.units for w in u.weights)
-            + sum(t.nbytes for t in self.tiled),
+            + sum(t.nbytes for t in self.tiled)
+            + sum(u.gathered.nbytes for u in self.units if u.gathered is not None),
             plain_bytes=plain,
-            tensors=sum(len(u.weights) for u in self.units) + len(self.tiled),
+            tensors=sum(len(u.weights) + (u.gathered is not None) for u in self.units)
+            + len(self.tiled),
         )
 
     def restore(self) -> None:
@@ -611,6 +780,12 @@ class Resident:
 
     def _decode_back(self, units: list[Unit], tiled: list[Tiled] | None = None) -> None:
         for u in units:
+            if u.gathered is not None:
+                whole = self._gathered_whole(u)
+                m = u.module
+                del m.forward, m.weight
+                m.register_parameter("weight", nn.Parameter(whole, u.gathered.requires_grad))
+                continue
             self.streams.now(u.decoder)
             for w in u.weights:
                 t = w.coded.view(u.region).clone()
@@ -669,3 +844,33 @@ def _tiled_embedding(state: Resident, m: nn.Embedding, ks: list[int], ids: torch
         else:
             out = torch.where(((local >= 0) & (local < b - a)).unsqueeze(-1), rows, out)
     return out
+
+
+def _gathered_embedding(state: Resident, m: nn.Embedding, k: int, ids: torch.Tensor
+                        ) -> torch.Tensor:
+    """``m(ids)`` decoding only the chunks holding the rows of ``ids``: id i's chunk into
+    slot i of the unit's region, ``slots`` ids at a time (as many launches as the input's
+    shape needs), each row then read from its slot."""
+    u = state.units[k]
+    g = u.gathered
+    n = m.num_embeddings
+    if ids.device.type == "cpu":
+        if ids.numel() and not bool(((ids >= 0) & (ids < n)).all()):
+            raise IndexError("index out of range in self")
+    else:  # on the device, as the plain lookup: an assertion, no host synchronisation
+        torch._assert_async(((ids >= 0) & (ids < n)).all())
+    flat = ids.reshape(-1).clamp(0, n - 1)
+    per = g.rows_per_chunk
+    rows = u.decoder.out.view(-1, g.shape[1])
+    parts = []
+    for a in range(0, max(1, flat.numel()), g.slots):
+        part = flat[a : a + g.slots]
+        u.decoder.want(torch.div(part, per, rounding_mode="floor"))
+        if a == 0:
+            state.before(k, (ids,), {})
+        else:  # the same place again, after the rows before were read
+            state.streams.now(u.decoder)
+        slot = torch.arange(part.numel(), device=part.device) * per + part % per
+        parts.append(F.embedding(slot, rows))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.view(*ids.shape, g.shape[1])

@@ -6,7 +6,8 @@ model's logits and greedy tokens bit for bit (whole blocks, in a ring of two or 
 slots, each Linear whole before its own forward, and blocks in row tiles),
 also after the scratch buffer is poisoned with NaN, and ``decompress_model`` gives every
 weight back; a step captured in a CUDA graph and replayed on new inputs, the buffer
-poisoned between replays, gives the plain model's logits; the same with tiles decoded
+poisoned between replays, gives the plain model's logits; an embedding decoding only
+the rows its ids read does so inside a captured graph, on new ids; the same with tiles decoded
 several to a launch in small chunks, and for each option set of a small sweep; the
 memory accounting adds up to the device memory the weights take; a model built on the
 GPU computes its rotary frequencies as one built on the CPU does.
@@ -60,8 +61,10 @@ def test_memory_is_what_the_device_holds(opts):
     ekt.compress_model(model, **opts)
     mem = ekt.resident_memory(model)
     now = torch.cuda.memory_allocated(DEV) - start
-    decoders = {id(u.decoder): u.decoder for u in model._entropykit_resident.units}
-    held = sum(len(d.held) for d in decoders.values()) + 1  # and the scratch buffer
+    state = model._entropykit_resident
+    decoders = {id(u.decoder): u.decoder for u in state.units}
+    # and the scratch buffer, and a descriptor buffer a stream
+    held = sum(len(d.held) for d in decoders.values()) + 1 + len(state.streams._rows)
     # the caching allocator rounds each tensor up to a multiple of 512 bytes
     assert 0 <= plain - (mem.plain_bytes + mem.uncompressed_bytes) < 512 * tensors
     want = mem.plain_bytes + mem.coded_bytes + mem.scratch_bytes
@@ -110,32 +113,31 @@ def test_launches_of_tiles_hold_what_they_plan():
     decoders = {id(u.decoder): u.decoder for u in state.units}.values()
     assert len(decoders) == len(state.leads) < len(state.units)
     mem = ekt.resident_memory(model)
-    assert mem.coded_bytes == sum(d.nbytes for d in decoders)
+    assert mem.coded_bytes == sum(d.nbytes for d in decoders) + state.streams.nbytes
+    assert len(state.streams._rows) == 2  # the compute stream's and the side stream's
     assert mem.scratch_bytes == 2 * max(state.units[g].place.numel() for g in state.leads)
     assert all(len(d.launches) == 1 for d in decoders)  # bf16 only: one kernel mode
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_weight_ring_is_three_of_the_largest_linears(fp8):
-    """Weight granularity on the device: the blocks' Linears decode in a ring of
-    ``ahead + 1`` slots of the largest, each but the first prefetched on one of two
-    side streams, in chunks of 16 Ki symbols; the embedding and head in block mode's row
-    tiles (the head's products in block
-    mode's shapes), sharing the buffer; the decode step's logits the plain model's at
-    batch 1 and 64, also graph-replayed with the ring poisoned."""
+def test_weight_ring_is_two_consecutive_launches(fp8):
+    """Weight granularity on the device: the launches take a ring of bytes as large as
+    the two largest consecutive ones, each placed apart from the one before it and each
+    but the first prefetched on one of two side streams; the head in row tiles of the
+    largest Linear's bytes; the decode step's logits the plain model's at batch 1 and
+    64, also graph-replayed with the ring poisoned."""
     plain, model = rc.llama("tiny", DEV, fp8), rc.llama("tiny", DEV, fp8)
-    block = rc.llama("tiny", DEV, fp8)
     ekt.compress_model(model, **rc.WEIGHT)
-    ekt.compress_model(block)
     state = model._entropykit_resident
-    largest = max(u.size for u in state.units if u.block)
-    wide = max(state.units[g].place.numel() for g in state.leads)
-    assert ekt.resident_memory(model).scratch_bytes == max(3 * largest, wide)
-    assert [t.rows for t in state.tiled] == [t.rows for t in block._entropykit_resident.tiled]
-    blocks = [g for g in state.leads if state.units[g].block]
-    assert all(state.units[g].prefetch for g in blocks[1:])
-    assert len(state.streams.sides) == 2 and state.chunk_size == 1 << 14
-    del block
+    sizes = [state.units[g].place.numel() for g in state.leads]
+    assert ekt.resident_memory(model).scratch_bytes == max(
+        [a + b for a, b in zip(sizes, sizes[1:], strict=False)] + sizes)
+    leads = [state.units[g] for g in state.leads]
+    assert all(a.place.data_ptr() + a.place.numel() <= b.place.data_ptr()
+               or b.place.data_ptr() + b.place.numel() <= a.place.data_ptr()
+               for a, b in zip(leads, leads[1:], strict=False))
+    assert all(u.prefetch for u in leads[1:] if u.gathered is None)
+    assert len(state.streams.sides) == 2
     with torch.no_grad():
         for batch in (1, 64):
             ids = rc._ids(plain.config.vocab_size, batch, 1, DEV, batch)
@@ -144,6 +146,76 @@ def test_weight_ring_is_three_of_the_largest_linears(fp8):
             _, out = rc._graph_ms(model, ids, DEV, poison=True)
             _, want_graph = rc._graph_ms(plain, ids, DEV, poison=False)
             assert torch.equal(rc._bits(out), rc._bits(want_graph))
+
+
+EDGES = [0, 127, 128, 129, 4095, 3968, 3967, 128, 128, 0, 2047, 2048]
+
+
+@pytest.mark.parametrize("opts", [{}, rc.WEIGHT,
+                                  dict(granularity="weight", tile_bytes=1 << 15)],
+                         ids=["blocks", "weights", "one-chunk-a-launch"])
+def test_gathered_embedding_in_a_cuda_graph(opts):
+    """The tiny Llama's embedding (4096 rows of 128) decodes only the chunks (128 rows
+    each) of the rows its ids read: a lookup captured in a CUDA graph and replayed on
+    new ids (chunk edges, repeats, first and last rows, random), the scratch poisoned
+    with NaN before each replay, gives the plain lookup bit for bit, as does the whole
+    decode step; with one chunk a launch, twelve launches in the graph."""
+    plain, model = rc.llama("tiny", DEV), rc.llama("tiny", DEV)
+    ekt.compress_model(model, **opts)
+    state = model._entropykit_resident
+    (u,) = [u for u in state.units if u.gathered is not None]
+    g = u.gathered
+    assert (g.rows_per_chunk, g.chunks) == (128, 32)
+    # a tile's bytes of chunks: a block's (288 KiB), an MLP Linear's (64 KiB), 32 KiB
+    assert g.slots == (1 if "tile_bytes" in opts else 2 if opts else 9)
+    emb, ref = model.model.embed_tokens, plain.model.embed_tokens
+    static = torch.tensor(EDGES, device=DEV).view(3, 4)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capture (the launch per count)
+            emb(static)
+            state.end()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = emb(static)
+            state.end()
+        for k in range(4):
+            ids = (torch.tensor(EDGES) if k == 0
+                   else torch.randint(0, 4096, (12,), generator=gen))
+            static.copy_(ids.view(3, 4).to(DEV))
+            state.scratch.view(torch.bfloat16).fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(rc._bits(out), rc._bits(ref(static)))
+        for batch in (1, 64):
+            ids = rc._ids(plain.config.vocab_size, batch, 1, DEV, batch)
+            _, got = rc._graph_ms(model, ids, DEV, poison=True)
+            _, want = rc._graph_ms(plain, ids, DEV, poison=False)
+            assert torch.equal(rc._bits(got), rc._bits(want))
+
+
+def test_gathered_embedding_decodes_only_its_chunks():
+    """A lookup of 5 ids decodes 5 chunks: the decoder's status and descriptors name
+    those, and the rest of its place keeps what was there (poison)."""
+    model = rc.llama("tiny", DEV)
+    ekt.compress_model(model)
+    state = model._entropykit_resident
+    (u,) = [u for u in state.units if u.gathered is not None]
+    ids = torch.tensor([[5, 4095, 5, 130, 0]], device=DEV)
+    with torch.no_grad():
+        state.scratch.view(torch.bfloat16).fill_(float("nan"))
+        model.model.embed_tokens(ids)
+        state.end()
+        torch.cuda.synchronize()
+    u.decoder.check()
+    assert u.decoder.count == 5
+    chunk = u.gathered.chunk
+    decoded = u.decoder.out[: 5 * chunk]
+    assert not decoded.isnan().any()
+    assert u.decoder.out[5 * chunk :].isnan().all()
 
 
 def test_computed_buffers_are_the_cpu_ones():

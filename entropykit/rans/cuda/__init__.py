@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._cuda import GpuUnavailableError, require
+from ._layout import D_OUT
 from .plan import Batch, prepare_bf16, prepare_u8
 
 if TYPE_CHECKING:
@@ -84,6 +85,22 @@ def check_outputs(batch: Batch, outs: Sequence[torch.Tensor]) -> None:
             )
         if t.device != outs[0].device:
             raise ValueError(f"output {k} is on {t.device}, output 0 on {outs[0].device}")
+
+
+def bound_desc(b: Batch, outs: Sequence[torch.Tensor]
+               ) -> tuple[np.ndarray, torch.Tensor | None]:
+    """``b``'s descriptors with every output's position added to D_OUT, as an element
+    offset from the lowest-addressed output, which is returned with them (None if every
+    output is empty). Runs without a GPU."""
+    used = [t for t in outs if t.numel()]
+    if not used:
+        return b.desc.copy(), None
+    base = min(used, key=lambda t: t.data_ptr())
+    size = 2 if b.bf16 else 1
+    delta = np.array([(t.data_ptr() - base.data_ptr()) // size for t in outs] + [0])
+    desc = b.desc.copy()
+    desc[:, D_OUT] += delta[b.out_index]  # padding rows (-1) write nothing
+    return desc, base
 
 
 def _run(batch: Batch, outs: Sequence[torch.Tensor], device: Any) -> None:

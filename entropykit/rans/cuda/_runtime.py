@@ -14,6 +14,7 @@ loader's staging (``container.cuda``).
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from ..._cuda import cuda_device, nvrtc
-from . import _layout, check_outputs
+from . import _layout, bound_desc, check_outputs
 from .plan import Batch
 
 STAGE_BYTES = 1024  # _kernel.cu's STAGE: a warp's staging bytes in builds without contexts
@@ -135,19 +136,6 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
     return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps, *v), build)
 
 
-def bound_desc(b: Batch, outs: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor | None]:
-    """``b``'s descriptors with every output's position added to D_OUT, as an element
-    offset from the lowest-addressed output, which is returned with them (None if every
-    output is empty)."""
-    used = [t for t in outs if t.numel()]
-    if not used:
-        return b.desc.copy(), None
-    base = min(used, key=lambda t: t.data_ptr())
-    size = 2 if b.bf16 else 1
-    delta = np.array([(t.data_ptr() - base.data_ptr()) // size for t in outs] + [0])
-    desc = b.desc.copy()
-    desc[:, _layout.D_OUT] += delta[b.out_index]  # padding rows (-1) write nothing
-    return desc, base
 
 
 class Launch:
@@ -198,6 +186,24 @@ class DeviceBatch:
         desc, base = bound_desc(self.batch, outs)
         return BoundDecode(self, torch.from_numpy(desc).to(self.device),
                            self.status if base is None else base)
+
+    def bind_rows(self, desc: torch.Tensor, status: torch.Tensor, out: torch.Tensor,
+                  pairs: int) -> Launch:
+        """A launch over the first ``pairs`` descriptor pairs of ``desc`` (int64 on the
+        device, rows of this batch's with D_OUT relative to ``out``, written there by the
+        caller between launches; every block's first pair a live one with the batch's
+        tables), ``status`` (int32, ``2 * pairs`` or more) taking their statuses."""
+        room = min(desc.numel() // (2 * _layout.N_COLS), status.numel() // 2)
+        if not 0 <= pairs <= room:
+            raise ValueError(f"{pairs} pairs do not fit the descriptor or status buffer")
+        rows = types.SimpleNamespace(
+            desc=np.zeros((2 * pairs, 0)), bf16=self.batch.bf16, warps=self.batch.warps,
+            slots=self.batch.slots, narrow=self.batch.narrow, classed=self.batch.classed,
+            context=self.batch.context)
+        launch = Launch(rows, self.device, [x.data_ptr() for x in (
+            desc, status, self.payload, self.sym_tables, self.info_tables, self.cmaps, out)])
+        launch.held = (desc, status, out)  # alive while the launch may run
+        return launch
 
     def decode(self, outs: Sequence[torch.Tensor], *, check: bool = True) -> None:
         """Decode into ``outs`` (one launch); with ``check``, wait and raise on corrupt data."""
