@@ -538,10 +538,10 @@ def _coding_memo() -> Iterator[dict]:
     memo: dict = {}
     real = _resident.code_tensor
 
-    def code(t: torch.Tensor, offset: int, chunk_size: int) -> object:
-        key = (t.data_ptr(), tuple(t.shape), t.dtype, chunk_size)
+    def code(t: torch.Tensor, offset: int, chunk_size: int, chunked: bool = False) -> object:
+        key = (t.data_ptr(), tuple(t.shape), t.dtype, chunk_size, chunked)
         if key not in memo:
-            memo[key] = real(t, 0, chunk_size)
+            memo[key] = real(t, 0, chunk_size, chunked)
         return dataclasses.replace(memo[key], offset=offset)
 
     _resident.code_tensor = code

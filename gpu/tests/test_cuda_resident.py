@@ -27,6 +27,7 @@ pytest.importorskip("transformers")
 import resident_check as rc  # noqa: E402 - needs transformers
 
 import entropykit.torch as ekt  # noqa: E402
+from entropykit.torch._cuda import GatherDecoder  # noqa: E402
 
 DEV = "cuda:0"
 
@@ -116,7 +117,8 @@ def test_launches_of_tiles_hold_what_they_plan():
     assert mem.coded_bytes == sum(d.nbytes for d in decoders) + state.streams.nbytes
     assert len(state.streams._rows) == 2  # the compute stream's and the side stream's
     assert mem.scratch_bytes == 2 * max(state.units[g].place.numel() for g in state.leads)
-    assert all(len(d.launches) == 1 for d in decoders)  # bf16 only: one kernel mode
+    # bf16 only: one kernel mode (an embedding's row lookup binds a launch per input size)
+    assert all(len(d.launches) == 1 for d in decoders if not isinstance(d, GatherDecoder))
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
