@@ -822,16 +822,22 @@ def _tiled_linear(state: Resident, m: nn.Linear, ks: list[int], x: torch.Tensor
     return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
 
 
+def _check_ids(ids: torch.Tensor, n: int) -> None:
+    """Refuse ids outside ``[0, n)`` as the plain lookup does: an IndexError on the CPU, an
+    assertion on the device (no host synchronisation)."""
+    if ids.device.type == "cpu":
+        if ids.numel() and not bool(((ids >= 0) & (ids < n)).all()):
+            raise IndexError("index out of range in self")
+    else:
+        torch._assert_async(((ids >= 0) & (ids < n)).all())
+
+
 def _tiled_embedding(state: Resident, m: nn.Embedding, ks: list[int], ids: torch.Tensor
                      ) -> torch.Tensor:
     """``m(ids)`` with its weight decoded tile by tile, each tile giving the rows of the
     ids that fall in it."""
     n = m.num_embeddings
-    if ids.device.type == "cpu":
-        if ids.numel() and not bool(((ids >= 0) & (ids < n)).all()):
-            raise IndexError("index out of range in self")
-    else:  # on the device, as the plain lookup: an assertion, no host synchronisation
-        torch._assert_async(((ids >= 0) & (ids < n)).all())
+    _check_ids(ids, n)
     out = None
     for k in ks:
         state.before(k, (ids,), {})
@@ -854,11 +860,7 @@ def _gathered_embedding(state: Resident, m: nn.Embedding, k: int, ids: torch.Ten
     u = state.units[k]
     g = u.gathered
     n = m.num_embeddings
-    if ids.device.type == "cpu":
-        if ids.numel() and not bool(((ids >= 0) & (ids < n)).all()):
-            raise IndexError("index out of range in self")
-    else:  # on the device, as the plain lookup: an assertion, no host synchronisation
-        torch._assert_async(((ids >= 0) & (ids < n)).all())
+    _check_ids(ids, n)
     flat = ids.reshape(-1).clamp(0, n - 1)
     per = g.rows_per_chunk
     rows = u.decoder.out.view(-1, g.shape[1])
