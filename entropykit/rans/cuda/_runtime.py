@@ -136,8 +136,6 @@ def _kernel(bf16: bool, ctx: bool, smem: bool, warps: int, cls: bool = False,
     return nvrtc.cached(("rans", bf16, ctx, cls, smem, warps, *v), build)
 
 
-
-
 class Launch:
     """One launch of a batch's kernel with its buffers' device addresses fixed."""
 
