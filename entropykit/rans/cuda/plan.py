@@ -352,6 +352,19 @@ def _chunk_rows(streams: Sequence[Stream], specs: np.ndarray) -> np.ndarray:
     return rows
 
 
+def _row_ids(keys: np.ndarray) -> np.ndarray:
+    """Each row's index among the distinct rows of int64[n, k] in sorted order (what
+    ``np.unique(keys, axis=0, return_inverse=True)`` gives, without the structured sort
+    that costs more than a small batch's whole layout)."""
+    order = np.lexsort(keys.T[::-1])
+    ordered = keys[order]
+    new = np.ones(len(keys), np.int64)
+    new[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    ids = np.empty(len(keys), np.int64)
+    ids[order] = np.cumsum(new) - 1
+    return ids
+
+
 def _padding_like(rows: np.ndarray) -> np.ndarray:
     """Rows of 0 symbols with the same tables (so they join their block); "raw" so that
     the kernel reads nothing for them."""
@@ -494,9 +507,7 @@ class Planner:
         docstring), blocks longest first; padding pairs fill each table set's last block."""
         w = self.warps
         steps = np.maximum(pairs[:, 0, D_N], pairs[:, 1, D_N])
-        keys = pairs[:, :, [D_SYM, D_INFO]].reshape(len(pairs), 4)
-        _, group = np.unique(keys, axis=0, return_inverse=True)
-        group = group.reshape(-1)
+        group = _row_ids(pairs[:, :, [D_SYM, D_INFO]].reshape(len(pairs), 4))
         order = np.lexsort((-steps, group))  # by table set, longest first within one
         size = np.bincount(group)  # pairs of each table set (sets appear in id order)
         padded = -(-size // w) * w
