@@ -519,14 +519,19 @@ class Planner:
         g = np.repeat(np.arange(len(size)), padded)
         j = np.arange(int(padded.sum())) - (np.cumsum(padded) - padded)[g]
         # A set's last block is filled up with padding rows made from its last pair.
-        blocks_arr = pairs[order[start[g] + np.minimum(j, size[g] - 1)]]
+        src = order[start[g] + np.minimum(j, size[g] - 1)]
         pad = j >= size[g]
+        # Blocks ordered on the pair indices (a block's first pair is its longest, never
+        # padding), so the rows, padding and all, are gathered once.
+        first = src[::w]
+        longest = np.maximum(pairs[first, 0, D_N], pairs[first, 1, D_N])
+        by = np.argsort(-longest, kind="stable")
+        src, pad = src.reshape(-1, w)[by].reshape(-1), pad.reshape(-1, w)[by].reshape(-1)
+        blocks_arr = pairs[src]
         if pad.any():
             blocks_arr[pad] = np.stack([_padding_like(blocks_arr[pad, 0]),
                                         _padding_like(blocks_arr[pad, 1])], axis=1)
-        blocks_arr = blocks_arr.reshape(-1, w, 2, _WIDTH)
-        longest = np.maximum(blocks_arr[:, 0, 0, D_N], blocks_arr[:, 0, 1, D_N])
-        return blocks_arr[np.argsort(-longest, kind="stable")].reshape(-1, 2, _WIDTH)
+        return blocks_arr
 
     def _slots(self, desc: np.ndarray, ctx: bool) -> int:
         """Table sets a block stages (the kernel's rule): a's tables if it has any; b's in
