@@ -92,6 +92,29 @@ def test_geometries_roundtrip(n: int, cols: int, phase: int, kr: int, kc: int) -
     _roundtrip(sym, cols, phase, _random_plan(rng, sym, cols, phase, kr, kc))
 
 
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 256), n=st.integers(0, 200), seed=st.integers(0, 2**32 - 1),
+       flip=st.one_of(st.none(), st.integers(0, 10**6)))
+def test_class_maps_unpack_as_packed_and_reject_damage(k: int, n: int, seed: int,
+                                                       flip: int | None) -> None:
+    """``lines.unpack`` inverts ``pack`` for every width; a flipped bit is caught exactly
+    where it makes a class ``>= k`` or sets a padding bit (the reference: bit by bit)."""
+    classes = np.random.default_rng(seed).integers(0, k, n).astype(np.uint8)
+    buf = np.frombuffer(lines.pack(classes, k), np.uint8).copy()
+    if flip is not None and buf.size:
+        buf[flip % buf.size] ^= np.uint8(1 << (flip // buf.size) % 8)
+    w = lines.width(k)
+    bits = np.unpackbits(buf, bitorder="little")
+    want = np.array([sum(int(bits[i * w + b]) << b for b in range(w)) for i in range(n)],
+                    np.uint8)
+    ok = not bits[n * w:].any() and (n == 0 or int(want.max()) < k)
+    got = lines.unpack(buf, n, k)
+    assert (got is not None) == ok
+    if ok:
+        assert got.dtype == np.uint8 and got.tolist() == want.tolist()
+        assert flip is not None or got.tolist() == classes.tolist()
+
+
 def test_all_rows_in_one_class_and_one_symbol() -> None:
     sym = np.full(50_000, 121, np.uint8)
     p = _plan(sym, 500, 0, np.zeros(100, np.uint8), 4, np.zeros(500, np.uint8), 4)

@@ -277,6 +277,17 @@ def test_equal_tables_are_stored_once():
     assert not status.any() and all(np.array_equal(o, a) for o in outs)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([-1, 0, 3, 1 << 40]), st.integers(-1, 2)),
+                min_size=1, max_size=40))
+def test_table_set_ids_are_np_unique_rows(rows):
+    """Blocks group pairs by table set, numbered as ``np.unique(axis=0)`` numbers them
+    (their order decides the launch's layout): signed keys, ties, one row."""
+    keys = np.array(rows, np.int64)
+    _, want = np.unique(keys, axis=0, return_inverse=True)
+    assert plan._row_ids(keys).tolist() == want.reshape(-1).tolist()
+
+
 def test_u8_batch_adversarial_sizes():
     rng = np.random.default_rng(0)
     arrays = [

@@ -437,9 +437,12 @@ def unpack(buf: np.ndarray, count: int, k: int) -> np.ndarray | None:
     bits = np.unpackbits(buf, bitorder="little")
     if bits[count * w:].any():
         return None
-    # A byte per class (w <= 8 bits each), never a wider integer per bit.
-    classes = np.packbits(bits[: count * w].reshape(count, w), axis=1,
-                          bitorder="little").reshape(count)
+    # A byte per class (w <= 8 bits each), assembled a bit position at a time over all
+    # classes (packbits along rows of w bits pays its overhead per class).
+    per = bits[: count * w].reshape(count, w)
+    classes = per[:, 0].copy()
+    for i in range(1, w):
+        classes |= per[:, i] << np.uint8(i)
     if classes.size and int(classes.max()) >= k:
         return None
     return classes

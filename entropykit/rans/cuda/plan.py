@@ -106,8 +106,12 @@ def split_tables(freqs: np.ndarray, precision: int | None = None
     uint32[n_tables, 256]."""
     f = np.asarray(freqs, np.int64)
     sym = np.repeat(np.tile(np.arange(f.shape[1], dtype=np.uint8), len(f)), f.reshape(-1))
-    start = np.cumsum(f, axis=1) - f
-    info = (f | start << 16).astype(np.uint32)
+    # Into the u32 result, in place: a launch's int64 temporaries are large enough that
+    # each new one costs a fresh mapping of zeroed pages, several times the arithmetic.
+    info = np.cumsum(f, axis=1, dtype=np.uint32)
+    np.subtract(info, f, out=info, casting="unsafe")  # start: below 2**15, as f
+    info <<= 16
+    np.bitwise_or(info, f, out=info, casting="unsafe")
     assert precision is None or sym.size == len(f) << precision
     return sym, info
 
@@ -352,6 +356,19 @@ def _chunk_rows(streams: Sequence[Stream], specs: np.ndarray) -> np.ndarray:
     return rows
 
 
+def _row_ids(keys: np.ndarray) -> np.ndarray:
+    """Each row's index among the distinct rows of int64[n, k] in sorted order (what
+    ``np.unique(keys, axis=0, return_inverse=True)`` gives, without the structured sort
+    that costs more than a small batch's whole layout)."""
+    order = np.lexsort(keys.T[::-1])
+    ordered = keys[order]
+    new = np.ones(len(keys), np.int64)
+    new[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    ids = np.empty(len(keys), np.int64)
+    ids[order] = np.cumsum(new) - 1
+    return ids
+
+
 def _padding_like(rows: np.ndarray) -> np.ndarray:
     """Rows of 0 symbols with the same tables (so they join their block); "raw" so that
     the kernel reads nothing for them."""
@@ -494,9 +511,7 @@ class Planner:
         docstring), blocks longest first; padding pairs fill each table set's last block."""
         w = self.warps
         steps = np.maximum(pairs[:, 0, D_N], pairs[:, 1, D_N])
-        keys = pairs[:, :, [D_SYM, D_INFO]].reshape(len(pairs), 4)
-        _, group = np.unique(keys, axis=0, return_inverse=True)
-        group = group.reshape(-1)
+        group = _row_ids(pairs[:, :, [D_SYM, D_INFO]].reshape(len(pairs), 4))
         order = np.lexsort((-steps, group))  # by table set, longest first within one
         size = np.bincount(group)  # pairs of each table set (sets appear in id order)
         padded = -(-size // w) * w
@@ -504,14 +519,19 @@ class Planner:
         g = np.repeat(np.arange(len(size)), padded)
         j = np.arange(int(padded.sum())) - (np.cumsum(padded) - padded)[g]
         # A set's last block is filled up with padding rows made from its last pair.
-        blocks_arr = pairs[order[start[g] + np.minimum(j, size[g] - 1)]]
+        src = order[start[g] + np.minimum(j, size[g] - 1)]
         pad = j >= size[g]
+        # Blocks ordered on the pair indices (a block's first pair is its longest, never
+        # padding), so the rows, padding and all, are gathered once.
+        first = src[::w]
+        longest = np.maximum(pairs[first, 0, D_N], pairs[first, 1, D_N])
+        by = np.argsort(-longest, kind="stable")
+        src, pad = src.reshape(-1, w)[by].reshape(-1), pad.reshape(-1, w)[by].reshape(-1)
+        blocks_arr = pairs[src]
         if pad.any():
             blocks_arr[pad] = np.stack([_padding_like(blocks_arr[pad, 0]),
                                         _padding_like(blocks_arr[pad, 1])], axis=1)
-        blocks_arr = blocks_arr.reshape(-1, w, 2, _WIDTH)
-        longest = np.maximum(blocks_arr[:, 0, 0, D_N], blocks_arr[:, 0, 1, D_N])
-        return blocks_arr[np.argsort(-longest, kind="stable")].reshape(-1, 2, _WIDTH)
+        return blocks_arr
 
     def _slots(self, desc: np.ndarray, ctx: bool) -> int:
         """Table sets a block stages (the kernel's rule): a's tables if it has any; b's in
