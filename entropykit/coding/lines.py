@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit
 
-from . import contexts, tables
+from . import contexts
 from .parallel import run, spread
 from .tables import _log2
 
@@ -450,9 +450,6 @@ def estimate_bits(joint: np.ndarray, max_tables: int = contexts.DEFAULT_MAX_TABL
     of each table class ``contexts.choose`` would make, plus its serialized table."""
     cmap = contexts.choose(joint, max_tables)
     if cmap is None:
-        counts = joint.sum(axis=0)
-        return tables.entropy_bits(counts) + contexts.table_bits(counts)
-    bits = 8.0 * 257  # the frame's class count and context map
-    for counts in contexts.class_counts(joint, cmap):
-        bits += tables.entropy_bits(counts) + contexts.table_bits(counts)
-    return bits
+        return contexts.rows_bits(joint.sum(axis=0)[None, :], 0.0)
+    # 8 * 257: the frame's class count and context map.
+    return contexts.rows_bits(contexts.class_counts(joint, cmap), 8.0 * 257)

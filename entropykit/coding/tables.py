@@ -242,6 +242,40 @@ def serialize(freqs: np.ndarray) -> bytes:
     return out[: _serialize(f, out)].tobytes()
 
 
+@njit(nogil=True, cache=True)
+def _quantize_rows(counts, precision, log2f, out):
+    # Each row quantized (_quantize) and serialized (_serialize) back to back into out:
+    # (tables, bytes written), or (tables, -1 - r) where row r is not a table quantize
+    # takes (a negative count, no symbol present, more present than slots).
+    freqs = np.zeros((counts.shape[0], ALPHABET), np.int64)
+    pos = 0
+    for r in range(counts.shape[0]):
+        present = 0
+        for s in range(ALPHABET):
+            if counts[r, s] < 0:
+                return freqs, -1 - r
+            present += counts[r, s] > 0
+        if present == 0 or present > (1 << precision):
+            return freqs, -1 - r
+        freqs[r] = _quantize(counts[r], precision, log2f)
+        pos += _serialize(freqs[r], out[pos:])
+    return freqs, pos
+
+
+def quantize_rows(counts: np.ndarray, precision: int) -> tuple[np.ndarray, bytes]:
+    """``quantize`` of each row of ``counts`` (int[k, 256]) and the ``serialize``d tables
+    back to back, in one call (a frame's table section codes several); ``ValueError`` as
+    ``quantize`` for the first row it refuses."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    if counts.ndim != 2 or counts.shape[1] != ALPHABET:
+        raise ValueError("counts must be rows of 256 non-negative integers")
+    out = np.empty(counts.shape[0] * _SERIAL_MAX, np.uint8)
+    freqs, end = _quantize_rows(counts, precision, _log2f(), out)
+    if end < 0:
+        quantize(counts[-1 - end], precision)  # raises the row's error
+    return freqs, out[:end].tobytes()
+
+
 # Parse outcomes: OK, or what is wrong (messages in ``_PARSE_ERRORS``).
 _OK = 0
 _TRUNC_COUNT, _TRUNC_LIST, _TRUNC_BITMAP, _TRUNC_FREQS = 1, 2, 3, 4
@@ -373,4 +407,7 @@ def entropy_bits(counts: np.ndarray) -> float:
     Computed with the machine-independent logarithm, so choices made on it (codec, context
     classes) are the same everywhere.
     """
-    return entropy_bits_exact(np.ascontiguousarray(counts, dtype=np.int64).reshape(-1))
+    if not (isinstance(counts, np.ndarray) and counts.dtype == np.int64 and counts.ndim == 1
+            and counts.flags.c_contiguous):  # what every caller of the codec policy passes
+        counts = np.ascontiguousarray(counts, dtype=np.int64).reshape(-1)
+    return entropy_bits_exact(counts)
