@@ -55,7 +55,7 @@ def _histogram(symbols: np.ndarray) -> np.ndarray:
 def _flat(a: np.ndarray, dtype: type) -> np.ndarray:
     """``a`` as a contiguous 1-D array of ``dtype``; itself, with no numpy call, where it
     is one already (the codec policy's case: its calls are a segment's held time)."""
-    if isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 1 and a.flags.c_contiguous:
+    if type(a) is np.ndarray and a.dtype == dtype and a.ndim == 1 and a.flags.c_contiguous:
         return a
     return np.ascontiguousarray(a, dtype=dtype).reshape(-1)
 
