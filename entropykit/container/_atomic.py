@@ -233,9 +233,11 @@ class _OutputFile:
     def writelines(self, lines: Iterable[bytes | memoryview]) -> None:
         """``write`` of each buffer in order, queued at once: a coded segment's payloads
         take one round trip of the lock, not one each."""
-        ops = [("write", b, memoryview(b).nbytes) for b in lines]
-        n = sum(op[2] for op in ops)
-        self._submit(ops, n)  # type: ignore[arg-type]
+        ops: list[tuple[str, object, int]] = [("write", b, memoryview(b).nbytes) for b in lines]
+        n = 0
+        for op in ops:
+            n += op[2]
+        self._submit(ops, n)
         self._pos += n
 
     def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
