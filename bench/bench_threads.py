@@ -297,6 +297,8 @@ def gil(path: Path, tmp: Path, reps: int) -> str:
     segments = _segments(ref)
     ops = [("compress", lambda n=1: entropykit.compress_file(path, tmp / "g2.ek", threads=n,
                                                            force=True)),
+           ("compress --fast", lambda n=1: entropykit.compress_file(
+               path, tmp / "g2.ek", threads=n, force=True, fast=True)),
            ("decompress", lambda n=1: entropykit.decompress_file(ref, tmp / "g.st", threads=n,
                                                                  force=True))]
     try:

@@ -159,3 +159,17 @@ def test_output_dir_refuses_before_the_block_runs(tmp_path: Path) -> None:
             with _atomic.output_dir(out, force=True, names=[Path(name)]):
                 raise AssertionError("the block must not run")
     assert sorted(os.listdir(out)) == ["dev", "sub"]
+
+
+def test_writelines_queues_buffers_in_order_between_seeks(tmp_path: Path) -> None:
+    dst = tmp_path / "lines.bin"
+    with _atomic.output_file(dst) as out:
+        out.write(b"\0" * 4)
+        out.writelines([b"ab", memoryview(np.arange(3, dtype=np.uint8)), b""])
+        assert out.tell() == 9
+        out.seek(0)
+        out.writelines([b"HEAD"])
+        out.seek(9)
+        out.writelines([])
+        assert out.tell() == 9
+    assert dst.read_bytes() == b"HEADab\x00\x01\x02"

@@ -123,3 +123,38 @@ def test_rans_tables_whose_counts_wrap_int64_are_refused() -> None:
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["refused", "refused"]
+
+
+@pytest.mark.parametrize("precision", [8, 12, 14])
+def test_quantize_rows_is_quantize_and_serialize_of_each_row(precision):
+    rng = np.random.default_rng(precision)
+    rows = np.zeros((5, 256), np.int64)
+    for r, k in enumerate([1, 2, 31, 33, 256]):  # symbol list and bitmap tables
+        sym = rng.choice(256, k, replace=False)
+        rows[r, sym] = rng.integers(1, 10_000, k)
+    freqs, section = tables.quantize_rows(rows, precision)
+    want = [tables.quantize(row, precision) for row in rows]
+    assert np.array_equal(freqs, np.stack(want))
+    assert section == b"".join(tables.serialize(f) for f in want)
+
+
+@pytest.mark.parametrize("bad, match", [(np.zeros(256, np.int64), "empty input"),
+                                        (-np.ones(256, np.int64), "non-negative")])
+def test_quantize_rows_refuses_a_row_as_quantize_does(bad, match):
+    rows = np.ones((3, 256), np.int64)
+    rows[1] = bad
+    with pytest.raises(ValueError, match=match):
+        tables.quantize_rows(rows, 12)
+    with pytest.raises(ValueError, match=match):
+        tables.quantize(bad, 12)
+
+
+def test_rows_bits_is_the_sum_of_each_rows_entropy_and_table():
+    from entropykit.coding import contexts
+
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, 50, (4, 256)) * (rng.random((4, 256)) < 0.3)
+    want = 8.0 * 257
+    for row in rows:
+        want += tables.entropy_bits(row) + contexts.table_bits(row)
+    assert contexts.rows_bits(rows.astype(np.int64), 8.0 * 257) == want

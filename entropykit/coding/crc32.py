@@ -280,8 +280,10 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     (zlib's ``crc32_combine``): no byte read again."""
     images = _shift(len2)
     out, a = crc2 & 0xFFFFFFFF, crc1 & 0xFFFFFFFF
+    j = 31  # bit i of a selects images[31 - i]; no call per bit (a writer does this per field)
     while a:
-        low = a & -a
-        out ^= images[31 - low.bit_length() + 1]
-        a ^= low
+        if a & 1:
+            out ^= images[j]
+        a >>= 1
+        j -= 1
     return out

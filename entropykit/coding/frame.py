@@ -241,10 +241,11 @@ def _directory(buf, off, lengths, offsets):
 
 def write(kind: Kind, head: Header, section: bytes,
           chunk: Callable[[int], tuple[np.ndarray, np.ndarray | None]],
-          threads: int | None) -> bytes:
+          threads: int | None, prefix: bytes = b"") -> bytes:
     """The frame of header ``head`` (its ``n_chunks`` are coded here), model section
     ``section`` and chunks ``chunk(i)`` = (the chunk's symbols, its coded payload as uint8
-    or None to store it raw), run on ``threads`` threads."""
+    or None to store it raw), run on ``threads`` threads; after ``prefix`` (a caller's
+    own header, joined in the same copy)."""
     def one(i: int) -> tuple[int, int, np.ndarray]:
         raw, coded = chunk(i)
         crc = crc32(raw)
@@ -254,7 +255,7 @@ def write(kind: Kind, head: Header, section: bytes,
     modes = np.array([r[0] for r in results], np.uint8)
     crcs = np.array([r[1] for r in results], "<u4")
     lengths = np.array([r[2].size for r in results], "<u4")
-    parts = [HEADER.pack(kind.magic, VERSION, head.param, kind.lanes, head.flag, head.n,
+    parts = [prefix, HEADER.pack(kind.magic, VERSION, head.param, kind.lanes, head.flag, head.n,
                          head.chunk_size, head.n_chunks, head.model),
              section, lengths.tobytes(), crcs.tobytes(), modes.tobytes()]
     return b"".join(parts + [memoryview(r[2]) for r in results])
@@ -417,6 +418,7 @@ def encode(
     context: Any = None,
     max_tables: int = contexts.DEFAULT_MAX_TABLES,
     counts: np.ndarray | None = None,
+    prefix: bytes = b"",
 ) -> bytes:
     """Encode uint8 ``symbols`` into a frame with ``coder``.
 
@@ -428,6 +430,7 @@ def encode(
     (``tables.histogram``, int64[256]), or with a context their joint histogram
     (``contexts.joint_histogram(context, symbols)``, int64[256, 256]). It must be exact:
     a symbol counted 0 cannot be coded (the frame's CRCs would reject the result).
+    ``prefix``: bytes returned before the frame (``write``).
     """
     coder.check_param(param)
     check_chunk_size(chunk_size, coder.lanes)
@@ -435,7 +438,7 @@ def encode(
     n = sym.size
     kind = _kind(coder)
     if n == 0:
-        return write(kind, Header(param, 0, 0, chunk_size, 0, 0), b"", None, threads)
+        return write(kind, Header(param, 0, 0, chunk_size, 0, 0), b"", None, threads, prefix)
     joint = None
     if context is not None:
         if not coder.supports_context:
@@ -463,7 +466,7 @@ def encode(
         return sym[lo:hi], coder.encode_chunk(sym[lo:hi], tabs, param, part_ctx, cmap)
 
     head = Header(param, int(cmap is not None), n, chunk_size, -(-n // chunk_size), len(section))
-    return write(kind, head, section, chunk, threads)
+    return write(kind, head, section, chunk, threads, prefix)
 
 
 def parse(coder: ChunkCoder, frame: bytes | memoryview | np.ndarray, *,

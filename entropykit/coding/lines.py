@@ -24,12 +24,13 @@ takes its cheapest class.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
 from numba import njit
 
-from . import contexts, tables
+from . import contexts
 from .parallel import run, spread
 from .tables import _log2
 
@@ -255,8 +256,14 @@ def assign(h: np.ndarray, magnitude: np.ndarray, k: int, iters: int | None = Non
     total = max(1, int(counts.sum()))
     cls = np.empty(n_lines, np.int64)
     cls[order] = np.minimum(k - 1, before * k // total)
-    fit = np.unique(np.linspace(0, n_lines - 1, min(n_lines, _FIT_LINES)).astype(np.int64))
-    return _lloyd(h, cls, k, _ITERS if iters is None else iters, fit).astype(np.uint8)
+    return _lloyd(h, cls, k, _ITERS if iters is None else iters, _fit(n_lines)).astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def _fit(n_lines: int) -> np.ndarray:
+    """The lines the classes are fitted on: at most _FIT_LINES, spread evenly. Cached: a
+    tensor's segments have the same few line counts (``_lloyd`` only reads it)."""
+    return np.unique(np.linspace(0, n_lines - 1, min(n_lines, _FIT_LINES)).astype(np.int64))
 
 
 @njit(nogil=True, cache=True)
@@ -453,9 +460,6 @@ def estimate_bits(joint: np.ndarray, max_tables: int = contexts.DEFAULT_MAX_TABL
     of each table class ``contexts.choose`` would make, plus its serialized table."""
     cmap = contexts.choose(joint, max_tables)
     if cmap is None:
-        counts = joint.sum(axis=0)
-        return tables.entropy_bits(counts) + contexts.table_bits(counts)
-    bits = 8.0 * 257  # the frame's class count and context map
-    for counts in contexts.class_counts(joint, cmap):
-        bits += tables.entropy_bits(counts) + contexts.table_bits(counts)
-    return bits
+        return contexts.rows_bits(joint.sum(axis=0)[None, :], 0.0)
+    # 8 * 257: the frame's class count and context map.
+    return contexts.rows_bits(contexts.class_counts(joint, cmap), 8.0 * 257)

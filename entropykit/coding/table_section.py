@@ -26,13 +26,10 @@ def build(counts: np.ndarray | None, joint: np.ndarray | None, param: int, max_t
         if cmap is None:
             counts = joint.sum(axis=0)
     if cmap is None:
-        freqs = tables.quantize(counts, param)[None, :]
-        return freqs, None, tables.serialize(freqs[0])
-    n_tables = int(cmap.max()) + 1
-    freqs = np.stack([tables.quantize(c, param) for c in contexts.class_counts(joint, cmap)])
-    section = b"".join([bytes([n_tables - 1]), cmap.tobytes()]
-                       + [tables.serialize(f) for f in freqs])
-    return freqs, cmap, section
+        freqs, section = tables.quantize_rows(counts[None, :], param)
+        return freqs, None, section
+    freqs, rows = tables.quantize_rows(contexts.class_counts(joint, cmap), param)
+    return freqs, cmap, b"".join([bytes([freqs.shape[0] - 1]), cmap.tobytes(), rows])
 
 
 def parse(name: str, buf: np.ndarray, off: int, end: int, param: int, flag: int

@@ -52,9 +52,17 @@ def _histogram(symbols: np.ndarray) -> np.ndarray:
     return out
 
 
+def _flat(a: np.ndarray, dtype: type) -> np.ndarray:
+    """``a`` as a contiguous 1-D array of ``dtype``; itself, with no numpy call, where it
+    is one already (the codec policy's case: its calls are a segment's held time)."""
+    if type(a) is np.ndarray and a.dtype == dtype and a.ndim == 1 and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, dtype=dtype).reshape(-1)
+
+
 def histogram(symbols: np.ndarray) -> np.ndarray:
     """Counts of each byte value in ``symbols`` (uint8), as int64[256]."""
-    return _histogram(np.ascontiguousarray(symbols, dtype=np.uint8).reshape(-1))
+    return _histogram(_flat(symbols, np.uint8))
 
 
 @njit(nogil=True, cache=True)
@@ -242,6 +250,40 @@ def serialize(freqs: np.ndarray) -> bytes:
     return out[: _serialize(f, out)].tobytes()
 
 
+@njit(nogil=True, cache=True)
+def _quantize_rows(counts, precision, log2f, out):
+    # Each row quantized (_quantize) and serialized (_serialize) back to back into out:
+    # (tables, bytes written), or (tables, -1 - r) where row r is not a table quantize
+    # takes (a negative count, no symbol present, more present than slots).
+    freqs = np.zeros((counts.shape[0], ALPHABET), np.int64)
+    pos = 0
+    for r in range(counts.shape[0]):
+        present = 0
+        for s in range(ALPHABET):
+            if counts[r, s] < 0:
+                return freqs, -1 - r
+            present += counts[r, s] > 0
+        if present == 0 or present > (1 << precision):
+            return freqs, -1 - r
+        freqs[r] = _quantize(counts[r], precision, log2f)
+        pos += _serialize(freqs[r], out[pos:])
+    return freqs, pos
+
+
+def quantize_rows(counts: np.ndarray, precision: int) -> tuple[np.ndarray, bytes]:
+    """``quantize`` of each row of ``counts`` (int[k, 256]) and the ``serialize``d tables
+    back to back, in one call (a frame's table section codes several); ``ValueError`` as
+    ``quantize`` for the first row it refuses."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    if counts.ndim != 2 or counts.shape[1] != ALPHABET:
+        raise ValueError("counts must be rows of 256 non-negative integers")
+    out = np.empty(counts.shape[0] * _SERIAL_MAX, np.uint8)
+    freqs, end = _quantize_rows(counts, precision, _log2f(), out)
+    if end < 0:
+        quantize(counts[-1 - end], precision)  # raises the row's error
+    return freqs, out[:end].tobytes()
+
+
 # Parse outcomes: OK, or what is wrong (messages in ``_PARSE_ERRORS``).
 _OK = 0
 _TRUNC_COUNT, _TRUNC_LIST, _TRUNC_BITMAP, _TRUNC_FREQS = 1, 2, 3, 4
@@ -373,4 +415,4 @@ def entropy_bits(counts: np.ndarray) -> float:
     Computed with the machine-independent logarithm, so choices made on it (codec, context
     classes) are the same everywhere.
     """
-    return entropy_bits_exact(np.ascontiguousarray(counts, dtype=np.int64).reshape(-1))
+    return entropy_bits_exact(_flat(counts, np.int64))

@@ -555,17 +555,17 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     if f.context is not None and f.joint is None:
         f.joint = contexts.joint_histogram(f.context, symbols)
     f.coder = _coder(f)
-    bids: dict[str, Bid] = {}
+    best: Bid | None = None
+    codec = ""
     rival = raw  # the smallest bid so far
     for name in p.candidates:
         bid = CODECS[name].estimate(f, rival)
-        if bid is not None:
-            bids[name] = bid
-            rival = min(rival, bid.size)
-    codec = min(bids, key=lambda c: bids[c].size)  # the first of equal bids
-    if codec == "raw":
+        if bid is not None and (best is None or bid.size < best.size):  # ties: the first
+            best, codec = bid, name
+            rival = bid.size if bid.size < rival else rival
+    if best is None or codec == "raw":
         return _raw(symbols, f.bits)
-    blob = bids[codec].make()
+    blob = best.make()
     if len(blob) >= raw:
         return _raw(symbols, f.bits)
     return Choice(codec, blob, f.bits)

@@ -168,9 +168,8 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
                 coded, part_crcs = next(results)
                 crcs += part_crcs
                 chosen[p.entry.name].append(coded.codecs)
-                for part in coded.parts:
-                    _put(out, part)
-                    lengths.append(len(part))
+                out.writelines(_pieces(coded.parts))
+                lengths += [len(part) for part in coded.parts]
                 bits += coded.entropy_bits
                 done += hi - lo
                 if progress is not None:
@@ -213,20 +212,23 @@ def _store(p: _Plan, source: Source, out: BinaryIO, at: int) -> tuple[list[int],
     for s, (lo, hi) in enumerate(p.bounds):
         coded = segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split,
                                stored=True)
+        out.writelines(_pieces(coded.parts))
         for f, part in enumerate(coded.parts):
-            _put(out, part)
             lengths.append(len(part))
             crcs.append(payload.field_crc(part, p.entry.name, s, f))
     return lengths, crcs
 
 
-def _put(out: BinaryIO, part: bytes | codecs.Stored) -> None:
-    """Write a field payload; a raw one as its pieces (no join)."""
-    if isinstance(part, bytes):
-        out.write(part)
-    else:
-        for piece in part.pieces():
-            out.write(piece)
+def _pieces(parts: tuple[bytes | codecs.Stored, ...]) -> list[bytes | memoryview]:
+    """A segment's field payloads as the buffers to write, a raw one as its pieces (no
+    join): one ``writelines`` for the segment."""
+    out: list[bytes | memoryview] = []
+    for part in parts:
+        if isinstance(part, bytes):
+            out.append(part)
+        else:
+            out += part.pieces()
+    return out
 
 
 def _count(summary: Summary, e: hdr.Entry, size: int, bits: float) -> None:
