@@ -568,11 +568,15 @@ def test_packed_tables_decode_bf16_with_raw_and_context_fields():
 
 @pytest.mark.parametrize("case", ["start state", "flipped word", "words left over",
                                   "words missing"])
-def test_packed_tables_give_the_same_status_on_corrupt_chunks(case):
+@pytest.mark.parametrize("build, other", [
+    (dict(tables=0), dict(tables=1)),  # packed tables
+    (dict(tables=1), dict(tables=1, lanes=2)),  # two lanes a thread
+], ids=["packed tables", "two lanes"])
+def test_build_options_give_the_same_status_on_corrupt_chunks(case, build, other):
     f, bad = _corrupt(case)
     b = plan.prepare_u8([f])
-    out0, status0 = _emulate(b, tables=0)
-    out1, status1 = _emulate(b, tables=1)
+    out0, status0 = _emulate(b, **build)
+    out1, status1 = _emulate(b, **other)
     assert status1.any() and np.array_equal(status0, status1)
     assert all(np.array_equal(x, y) for x, y in zip(out0, out1, strict=True))
 
@@ -672,17 +676,6 @@ def test_two_lanes_a_thread_decode_as_the_cpu(warps):
             assert not status.any()
             for got, a in zip(outs, want, strict=True):
                 assert np.array_equal(got, a)
-
-
-@pytest.mark.parametrize("case", ["start state", "flipped word", "words left over",
-                                  "words missing"])
-def test_two_lanes_a_thread_give_the_same_status_on_corrupt_chunks(case):
-    f, bad = _corrupt(case)
-    b = plan.prepare_u8([f])
-    out0, status0 = _emulate(b, tables=1)
-    out2, status2 = _emulate(b, tables=1, lanes=2)
-    assert status2.any() and np.array_equal(status0, status2)
-    assert all(np.array_equal(x, y) for x, y in zip(out0, out2, strict=True))
 
 
 @settings(max_examples=300, deadline=None)
