@@ -77,6 +77,16 @@ def _compact_bytes(desc: np.ndarray) -> int:
     return sum(a.nbytes for a in compact(desc))
 
 
+def _bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _tables(db: object) -> list[torch.Tensor]:
+    """A device batch's buffers its launches read besides descriptors: payload, decode
+    tables, context maps, statuses."""
+    return [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status]
+
+
 def planned_bytes(coded: Sequence[CodedTensor]) -> int:
     """Device bytes ``CudaDecoder(coded, ...)`` holds, computed on the host: payload,
     decode tables, context maps, statuses and compact descriptors of each launch (the
@@ -109,8 +119,7 @@ class CudaDecoder:
             rans_cuda.check_outputs(batch, outs)
             desc, base = rans_cuda.bound_desc(batch, outs)
             kinds, index, vary = (up(a) for a in compact(desc))
-            self.held += [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status,
-                          kinds, index, vary]
+            self.held += [*_tables(db), kinds, index, vary]
             self._checks.append((batch.origins, db.status[: len(batch.desc)]))
             self._batches.append((db, kinds, index, vary,
                                   db.status if base is None else base))
@@ -127,7 +136,7 @@ class CudaDecoder:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.held)
+        return _bytes(self.held)
 
     def run(self, rows: torch.Tensor | None = None) -> None:
         """Enqueue the decode on the current stream, its descriptors expanded into
@@ -199,16 +208,15 @@ class GatherDecoder:
         self.status = torch.zeros(2 * slots, dtype=torch.int32, device=device)
         self.starts = torch.arange(slots, dtype=torch.int64, device=device) * chunk
         self.out = region[: slots * chunk * 2].view(torch.bfloat16)
-        self.held = [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status,
-                     self.kinds, self.index, self.vary, self.kind, self.desc, self.status,
-                     self.starts]
+        self.held = [*_tables(db), self.kinds, self.index, self.vary, self.kind, self.desc,
+                     self.status, self.starts]
         self._db, self._batch = db, batch
         self._launches: dict[int, object] = {}
         self.count = 0  # chunks the next run decodes
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.held)
+        return _bytes(self.held)
 
     def want(self, chunks: torch.Tensor) -> None:
         """Make the next run decode ``chunks`` (int64, on the device; at most ``slots``),
@@ -269,7 +277,7 @@ class CudaStreams:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._rows)
+        return _bytes(self._rows)
 
     def _run(self, decoder: object, role: int) -> None:
         if isinstance(decoder, CudaDecoder):
