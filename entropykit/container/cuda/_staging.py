@@ -7,18 +7,20 @@ its tables and descriptors, then the relayout rows that ``_relayout.cu`` follows
 each chunk payload into the batch's 16-byte aligned payload layout (``rans.cuda.plan``'s) in a
 second device buffer, then the rows of the CRCs the device checks (``_crc``). Streams
 staged from the file are read straight into the buffer (adjacent ones in one ``preadv``),
-the others copied whole from host memory: the host touches each byte once, on threads.
+the others copied whole from host memory: the host touches each byte once, on threads
+(a ``Filler``'s, kept for every group of a load).
 What it is not: the device side (``load.py``).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..._errors import CorruptDataError
-from ...coding import parallel
 from ..source import Bytes
 from . import _crc, fileplan
 
@@ -66,47 +68,105 @@ def _slab(jobs: list[tuple[np.ndarray, np.ndarray]], files: list[tuple[int, np.n
     return max(MIN_SLAB, min(SLAB, -(-total // max(threads, 1))))
 
 
+class Filler:
+    """Threads that fill staging buffers, started once and kept for every group of a
+    load (a context manager that stops them): a group's fill hands each thread its
+    share of reads and copies and waits for them, where threads started per group would
+    cost a start and a join each, every one a hand-off of the GIL, which the planning
+    thread and the caller's other threads hold much of the time. The calling thread
+    does the first share itself."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._inbox: list[queue.SimpleQueue] = []  # per started thread: its shares
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # (share, failure or None)
+        self._workers: list[threading.Thread] = []
+
+    def __enter__(self) -> Filler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the threads (after the share each is running)."""
+        for inbox in self._inbox:
+            inbox.put(None)
+        for t in self._workers:
+            t.join()
+        self._inbox.clear()
+        self._workers.clear()
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while (share := inbox.get()) is not None:
+            tasks, k, n = share
+            self._done.put((k, _do_share(tasks, k, n)))
+
+    def run(self, tasks: list) -> None:
+        """Every task (``_do``'s) on up to ``threads`` threads: task i on share i mod n,
+        each share in order; the first failing task's error raised, as one thread would
+        raise it (each share stops at its first failure, and the lowest of those is the
+        first of all)."""
+        n = min(self.threads, len(tasks))
+        while len(self._workers) < n - 1:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            t = threading.Thread(target=self._serve, args=(inbox,), daemon=True,
+                                 name=f"entropykit-fill-{len(self._workers)}")
+            self._inbox.append(inbox)
+            self._workers.append(t)
+            t.start()
+        for k in range(1, n):
+            self._inbox[k - 1].put((tasks, k, n))
+        failed = [_do_share(tasks, 0, max(n, 1))]
+        failed += [self._done.get()[1] for _ in range(n - 1)]
+        failures = [f for f in failed if f is not None]
+        if failures:
+            raise min(failures, key=lambda f: f[0])[1]
+
+
+Task = tuple[np.ndarray, np.ndarray] | tuple[int, list[np.ndarray], Bytes]
+
+
+def _do(task: Task) -> None:
+    """A copy (source array, destination) or a file read (offset, buffers, file)."""
+    if len(task) == 2:
+        a, b = task
+        b[:] = a
+    else:
+        at, bufs, src = task
+        src.readinto(at, bufs)
+
+
+def _do_share(tasks: list[Task], k: int, n: int) -> tuple[int, BaseException] | None:
+    """Tasks k, k + n, ... in order, up to the first that fails: (its index, its error)."""
+    for i in range(k, len(tasks), n):
+        try:
+            _do(tasks[i])
+        except BaseException as e:  # noqa: BLE001 -- raised by ``Filler.run``, in task order
+            return i, e
+    return None
+
+
 def _copy_all(jobs: list[tuple[np.ndarray, np.ndarray]], files: list[tuple[int, np.ndarray]],
-              src: Bytes | None, threads: int) -> None:
+              src: Bytes | None, threads: int | Filler) -> None:
     """``dst[:] = src`` for every job, large ones cut into slabs, and the file reads of
-    ``files`` (file offset, buffer) from ``src``, on ``threads`` threads (numpy and
-    ``preadv`` release the GIL)."""
-    slab = _slab(jobs, files, threads)
-    tasks: list[tuple[np.ndarray, np.ndarray] | tuple[int, list[np.ndarray]]] = []
+    ``files`` (file offset, buffer) from ``src``, on ``threads`` threads (a count: started
+    for this call; or a ``Filler``'s; numpy and ``preadv`` release the GIL)."""
+    filler = threads if isinstance(threads, Filler) else None
+    slab = _slab(jobs, files, filler.threads if filler is not None else threads)
+    tasks: list[Task] = []
     for s, dst in jobs:
         for a in range(0, s.size, slab):
             tasks.append((s[a : a + slab], dst[a : a + slab]))
     if files:
         if src is None:
             raise ValueError("streams staged from the file need its bytes")
-        tasks += _reads(files, slab)
-
-    def one(task: tuple) -> None:
-        a, b = task
-        if isinstance(a, np.ndarray):
-            b[:] = a
-        else:
-            src.readinto(a, b)
-
-    n = min(threads, len(tasks))
-    if n <= 1:
-        for task in tasks:
-            one(task)
+        tasks += [(at, bufs, src) for at, bufs in _reads(files, slab)]
+    if filler is not None:
+        filler.run(tasks)
         return
-
-    def run(k: int) -> tuple[int, Exception] | None:
-        for i in range(k, len(tasks), n):  # round robin: sizes mix evenly
-            try:
-                one(tasks[i])
-            except Exception as e:  # noqa: BLE001 -- raised below, in task order
-                return i, e
-        return None
-
-    # The first failing task's error, as one thread would raise it: each thread stops
-    # at its first failure, and the lowest of those is the first of all.
-    failed = [f for f in parallel.run(run, n, n) if f is not None]
-    if failed:
-        raise min(failed, key=lambda f: f[0])[1]
+    with Filler(threads) as own:
+        own.run(tasks)
 
 
 @dataclass(frozen=True)
@@ -174,10 +234,11 @@ class Staging:
         return int(self.ranks[k]), CorruptDataError(self.messages[k])
 
     def fill(self, group: fileplan.Group, host: np.ndarray, descs: list[np.ndarray],
-             threads: int, src: Bytes | None = None) -> None:
+             threads: int | Filler, src: Bytes | None = None) -> None:
         """Write the group into ``host`` (>= ``size`` bytes); ``descs[k]``: batch k's
-        descriptors with its outputs bound (``rans.cuda._runtime.bound_desc``); ``src``:
-        the file, for the streams staged from it."""
+        descriptors with its outputs bound (``rans.cuda._runtime.bound_desc``); ``threads``:
+        a count, or the ``Filler`` of a load; ``src``: the file, for the streams staged
+        from it."""
         jobs, files = [], []
         for part, at, sec, desc in zip(group.parts, self.streams, self.sections, descs,
                                        strict=True):

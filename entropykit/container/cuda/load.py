@@ -34,7 +34,7 @@ from ...rans.cuda.plan import WARPS, Origins
 from ..reader import Compressed
 from ..source import Bytes
 from . import _crc, fileplan
-from ._staging import Staging
+from ._staging import Filler, Staging
 
 SLOTS = 3  # staging buffers in rotation: fill one, copy one, decode one
 
@@ -76,7 +76,7 @@ class Stager:
 
     def __init__(self, device: torch.device, threads: int, src: Bytes | None = None) -> None:
         self.device = device
-        self.threads = threads
+        self.filler = Filler(threads)  # its threads fill every group; ``close`` stops them
         self.src = src  # the file, for the streams staged from it
         self.slots: list[_Slot] = []
         self.turn = 0
@@ -114,7 +114,7 @@ class Stager:
                                                     for t in part.tensors])
             descs.append(desc)
             binds.append(base)
-        st.fill(group, slot.host.numpy(), descs, self.threads, self.src)
+        st.fill(group, slot.host.numpy(), descs, self.filler, self.src)
         t2 = time.perf_counter()
         self.copy_stream.wait_event(slot.done)
         with torch.cuda.stream(self.copy_stream):
@@ -211,6 +211,7 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
                 stager.run(group, views)
         finally:
             planned.close()  # the planning thread stops
+            stager.filler.close()
         stager.check()
     if seconds is not None:
         seconds.update(stager.seconds, plan_wait=wait)
