@@ -1,0 +1,182 @@
+"""The GPU loader's fill, timed alone: a compressed file's groups into staging buffers.
+
+What it is: for one compressed file, planned once (``container.cuda.fileplan.groups``),
+the wall time of writing every group into ``SLOTS`` rotating host buffers as
+``load_file(device="cuda")`` does (``_staging.Staging.of`` and ``fill``: large payloads
+read from the file, the rest copied), at each ``--threads`` count, in three ways:
+
+- ``read``: only the file reads the fill makes, all groups' together, one contiguous
+  share per thread, threads started once: what reading the page cache costs (the bound);
+- ``fill, threads kept``: the loader's fill, its threads kept for every group
+  (``_staging.Filler``), each group waited for before the next is submitted;
+- ``fill, next one submitted first``: as the loader fills, each group's fill submitted
+  before the one before is waited for;
+- ``fill, threads per group``: threads started and joined for each group (with ``--root``
+  of an older tree: its fill).
+
+With ``--busy`` each is timed again while another thread runs Python (the planning
+thread and transformers' threads hold the GIL during a real load): a fill that is
+GIL-bound slows down there, a read-bound one does not. ``--pinned`` fills page-locked
+buffers (``torch``, on a CUDA host) as the loader does; otherwise ordinary memory,
+written once first so that page faults are not timed. Prints a short table: best of
+``--repeat`` after a warm-up, ms and GB/s of staged bytes.
+What it is not: the copy to the GPU or the decode (``gpu/hf_load_bench.py``).
+
+    python bench/bench_fill.py --llm-layers 1 --threads 1,4,16 --busy
+    python bench/bench_fill.py --file M.ek.safetensors --pinned --threads 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", help="import entropykit from this checkout")
+    ap.add_argument("--file", help="a compressed file (default: the LLM-shaped one)")
+    ap.add_argument("--llm-layers", type=int, default=1, help="blocks of the LLM file")
+    ap.add_argument("--threads", default="1,4,16", help="comma-separated thread counts")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--busy", action="store_true", help="also with a Python thread busy")
+    ap.add_argument("--pinned", action="store_true", help="page-locked buffers (CUDA host)")
+    return ap.parse_args()
+
+
+class _Busy:
+    """A thread running Python (holding the GIL but for the interpreter's switches)
+    while the block runs; a no-op when not ``on``."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self._stop = on, threading.Event()
+
+    def __enter__(self) -> _Busy:
+        if self.on:
+            self._t = threading.Thread(target=self._spin, daemon=True)
+            self._t.start()
+        return self
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            sum(range(1000))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            self._stop.set()
+            self._t.join()
+
+
+def _buffer(n: int, pinned: bool):  # noqa: ANN202
+    """``n`` bytes of host memory, page-locked or written once (faulted in)."""
+    import numpy as np
+
+    if pinned:
+        import torch
+
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.ones(n, np.uint8)
+
+
+def main() -> int:
+    args = _args()
+    sys.path[:0] = [str(Path(args.root).resolve() if args.root else _HERE.parent), str(_HERE)]
+    import numpy as np
+
+    import entropykit
+    from entropykit.coding import parallel
+    from entropykit.container import source
+    from entropykit.container.cuda import _staging, fileplan
+    from entropykit.container.reader import Compressed
+
+    if args.file:
+        path = Path(args.file)
+    else:
+        import bench_plan
+        import bench_threads
+
+        path = bench_plan._compressed(bench_threads.llm_path(args.llm_layers))
+    slots = 3  # as the loader rotates them
+    filler = getattr(_staging, "Filler", None)
+    print(f"entropykit from {Path(entropykit.__file__).parent}; {platform.processor() or ''}"
+          f" python {platform.python_version()}; {path.name}")
+    print("| threads | busy | way | ms | GB/s |")
+    print("| ---: | --- | --- | ---: | ---: |")
+    with source.FileBytes(path) as f:
+        c = Compressed(f)
+        groups = list(fileplan.groups(c, 4))
+        stagings = [_staging.Staging.of(g) for g in groups]
+        size = max(st.size for st in stagings)
+        hosts = [_buffer(size, args.pinned) for _ in range(slots)]
+        staged = sum(st.size for st in stagings)
+        ranges = [(int(at), int(g_part.batch.streams[k].data.size))
+                  for g in groups for g_part in g.parts for k, at in g_part.files.tolist()]
+        ranges.sort()
+        read_total = sum(n for _, n in ranges)
+        starts = np.cumsum([0] + [n for _, n in ranges])
+        dest = _buffer(int(starts[-1]), args.pinned)
+        piece = _staging.SLAB
+
+        def read(threads: int) -> None:
+            # One contiguous share of the ranges per thread, into one buffer.
+            cuts = np.searchsorted(starts[1:-1], np.arange(1, threads) * read_total / threads)
+            shares = np.split(np.arange(len(ranges)), cuts)
+
+            def one(k: int) -> None:
+                for i in shares[k].tolist():
+                    at, n = ranges[i]
+                    for a in range(0, n, piece):
+                        m = min(piece, n - a)
+                        f.readinto(at + a, [dest[starts[i] + a : starts[i] + a + m]])
+            parallel.run(one, len(shares), threads)
+
+        def fill(threads: int, way: str) -> None:
+            own = filler(threads) if way != "per group" else None
+            pending = None
+            try:
+                for k, (g, st) in enumerate(zip(groups, stagings, strict=True)):
+                    got = st.fill(g, hosts[k % slots], [p.batch.desc for p in g.parts],
+                                  own if own is not None else threads, c.source)
+                    if own is None:
+                        continue
+                    if way == "ahead" and pending is not None:
+                        pending.wait()  # as the loader: the next fill submitted first
+                    if way != "ahead":
+                        got.wait()
+                    pending = got
+                if way == "ahead" and pending is not None:
+                    pending.wait()
+            finally:
+                if own is not None:
+                    own.close()
+
+        ways = [("read", read, read_total)]
+        if filler is not None:
+            ways += [("fill, threads kept", lambda t: fill(t, "kept"), staged),
+                     ("fill, next one submitted first", lambda t: fill(t, "ahead"), staged)]
+        ways.append(("fill, threads per group", lambda t: fill(t, "per group"), staged))
+        for threads in [int(t) for t in args.threads.split(",")]:
+            for busy in (False, True) if args.busy else (False,):
+                for name, fn, nbytes in ways:
+                    fn(threads)  # warm-up: the file in the page cache
+                    best = float("inf")
+                    with _Busy(busy):
+                        for _ in range(args.repeat):
+                            t = time.perf_counter()
+                            fn(threads)
+                            best = min(best, time.perf_counter() - t)
+                    print(f"| {threads} | {'yes' if busy else 'no'} | {name} | "
+                          f"{best * 1e3:.1f} | {nbytes / best / 1e9:.2f} |", flush=True)
+    print(f"{len(groups)} groups, {staged / 1e6:.0f} MB staged, {read_total / 1e6:.0f} MB "
+          "of it read from the file")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
