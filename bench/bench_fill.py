@@ -33,6 +33,7 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -84,16 +85,89 @@ def _buffer(n: int, pinned: bool):  # noqa: ANN202
     return np.ones(n, np.uint8)
 
 
-def main() -> int:
-    args = _args()
-    sys.path[:0] = [str(Path(args.root).resolve() if args.root else _HERE.parent), str(_HERE)]
+def rows(path: Path, threads: list[int], busy: bool, pinned: bool, repeat: int
+         ) -> Iterator[str]:
+    """The table's lines for compressed file ``path`` (header first, a summary last)."""
     import numpy as np
 
-    import entropykit
     from entropykit.coding import parallel
     from entropykit.container import source
     from entropykit.container.cuda import _staging, fileplan
     from entropykit.container.reader import Compressed
+
+    slots = 3  # as the loader rotates them
+    filler = getattr(_staging, "Filler", None)  # None: a tree before it
+    yield "| threads | busy | way | ms | GB/s |"
+    yield "| ---: | --- | --- | ---: | ---: |"
+    with source.FileBytes(path) as f:
+        c = Compressed(f)
+        groups = list(fileplan.groups(c, 4))
+        stagings = [_staging.Staging.of(g) for g in groups]
+        hosts = [_buffer(max(st.size for st in stagings), pinned) for _ in range(slots)]
+        staged = sum(st.size for st in stagings)
+        ranges = sorted((int(at), int(part.batch.streams[k].data.size))
+                        for g in groups for part in g.parts for k, at in part.files.tolist())
+        starts = np.cumsum([0] + [n for _, n in ranges])
+        read_total = int(starts[-1])
+        dest = _buffer(read_total, pinned)
+
+        def read(n: int) -> None:
+            # One contiguous share of the ranges per thread, into one buffer, no groups.
+            cuts = np.searchsorted(starts[1:-1], np.arange(1, n) * read_total / n)
+            shares = np.split(np.arange(len(ranges)), cuts)
+
+            def one(k: int) -> None:
+                for i in shares[k].tolist():
+                    at, size = ranges[i]
+                    for a in range(0, size, 64 << 20):
+                        m = min(64 << 20, size - a)
+                        f.readinto(at + a, [dest[starts[i] + a : starts[i] + a + m]])
+            parallel.run(one, len(shares), n)
+
+        def fill(n: int, way: str) -> None:
+            own = filler(n) if way != "per group" else None
+            pending = None
+            try:
+                for k, (g, st) in enumerate(zip(groups, stagings, strict=True)):
+                    got = st.fill(g, hosts[k % slots], [p.batch.desc for p in g.parts],
+                                  own if own is not None else n, c.source)
+                    if own is not None and way == "kept":
+                        got.wait()
+                    elif own is not None:  # as the loader: the next fill submitted first
+                        if pending is not None:
+                            pending.wait()
+                        pending = got
+                if pending is not None:
+                    pending.wait()
+            finally:
+                if own is not None:
+                    own.close()
+
+        ways = [("read", read, read_total)]
+        if filler is not None:
+            ways += [("fill, threads kept", lambda n: fill(n, "kept"), staged),
+                     ("fill, next one submitted first", lambda n: fill(n, "ahead"), staged)]
+        ways.append(("fill, threads per group", lambda n: fill(n, "per group"), staged))
+        for n in threads:
+            for hog in (False, True) if busy else (False,):
+                for name, fn, nbytes in ways:
+                    fn(n)  # warm-up: the file in the page cache
+                    best = float("inf")
+                    with _Busy(hog):
+                        for _ in range(repeat):
+                            t = time.perf_counter()
+                            fn(n)
+                            best = min(best, time.perf_counter() - t)
+                    yield (f"| {n} | {'yes' if hog else 'no'} | {name} | {best * 1e3:.1f} | "
+                           f"{nbytes / best / 1e9:.2f} |")
+    yield (f"{len(groups)} groups, {staged / 1e6:.0f} MB staged, {read_total / 1e6:.0f} MB "
+           "of it read from the file")
+
+
+def main() -> int:
+    args = _args()
+    sys.path[:0] = [str(Path(args.root).resolve() if args.root else _HERE.parent), str(_HERE)]
+    import entropykit
 
     if args.file:
         path = Path(args.file)
@@ -102,79 +176,11 @@ def main() -> int:
         import bench_threads
 
         path = bench_plan._compressed(bench_threads.llm_path(args.llm_layers))
-    slots = 3  # as the loader rotates them
-    filler = getattr(_staging, "Filler", None)
     print(f"entropykit from {Path(entropykit.__file__).parent}; {platform.processor() or ''}"
           f" python {platform.python_version()}; {path.name}")
-    print("| threads | busy | way | ms | GB/s |")
-    print("| ---: | --- | --- | ---: | ---: |")
-    with source.FileBytes(path) as f:
-        c = Compressed(f)
-        groups = list(fileplan.groups(c, 4))
-        stagings = [_staging.Staging.of(g) for g in groups]
-        size = max(st.size for st in stagings)
-        hosts = [_buffer(size, args.pinned) for _ in range(slots)]
-        staged = sum(st.size for st in stagings)
-        ranges = [(int(at), int(g_part.batch.streams[k].data.size))
-                  for g in groups for g_part in g.parts for k, at in g_part.files.tolist()]
-        ranges.sort()
-        read_total = sum(n for _, n in ranges)
-        starts = np.cumsum([0] + [n for _, n in ranges])
-        dest = _buffer(int(starts[-1]), args.pinned)
-        piece = _staging.SLAB
-
-        def read(threads: int) -> None:
-            # One contiguous share of the ranges per thread, into one buffer.
-            cuts = np.searchsorted(starts[1:-1], np.arange(1, threads) * read_total / threads)
-            shares = np.split(np.arange(len(ranges)), cuts)
-
-            def one(k: int) -> None:
-                for i in shares[k].tolist():
-                    at, n = ranges[i]
-                    for a in range(0, n, piece):
-                        m = min(piece, n - a)
-                        f.readinto(at + a, [dest[starts[i] + a : starts[i] + a + m]])
-            parallel.run(one, len(shares), threads)
-
-        def fill(threads: int, way: str) -> None:
-            own = filler(threads) if way != "per group" else None
-            pending = None
-            try:
-                for k, (g, st) in enumerate(zip(groups, stagings, strict=True)):
-                    got = st.fill(g, hosts[k % slots], [p.batch.desc for p in g.parts],
-                                  own if own is not None else threads, c.source)
-                    if own is None:
-                        continue
-                    if way == "ahead" and pending is not None:
-                        pending.wait()  # as the loader: the next fill submitted first
-                    if way != "ahead":
-                        got.wait()
-                    pending = got
-                if way == "ahead" and pending is not None:
-                    pending.wait()
-            finally:
-                if own is not None:
-                    own.close()
-
-        ways = [("read", read, read_total)]
-        if filler is not None:
-            ways += [("fill, threads kept", lambda t: fill(t, "kept"), staged),
-                     ("fill, next one submitted first", lambda t: fill(t, "ahead"), staged)]
-        ways.append(("fill, threads per group", lambda t: fill(t, "per group"), staged))
-        for threads in [int(t) for t in args.threads.split(",")]:
-            for busy in (False, True) if args.busy else (False,):
-                for name, fn, nbytes in ways:
-                    fn(threads)  # warm-up: the file in the page cache
-                    best = float("inf")
-                    with _Busy(busy):
-                        for _ in range(args.repeat):
-                            t = time.perf_counter()
-                            fn(threads)
-                            best = min(best, time.perf_counter() - t)
-                    print(f"| {threads} | {'yes' if busy else 'no'} | {name} | "
-                          f"{best * 1e3:.1f} | {nbytes / best / 1e9:.2f} |", flush=True)
-    print(f"{len(groups)} groups, {staged / 1e6:.0f} MB staged, {read_total / 1e6:.0f} MB "
-          "of it read from the file")
+    for line in rows(path, [int(t) for t in args.threads.split(",")], args.busy, args.pinned,
+                     args.repeat):
+        print(line, flush=True)
     return 0
 
 
