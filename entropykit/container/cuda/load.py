@@ -72,11 +72,18 @@ class _Slot:
     payloads from, and the events that guard their reuse."""
 
     def __init__(self, staged: int, payload: int, device: torch.device) -> None:
-        self.host = torch.empty(staged, dtype=torch.uint8, pin_memory=True)
+        self.host = _pinned(staged)
         self.dev = torch.empty(staged, dtype=torch.uint8, device=device)
         self.payload = torch.empty(payload, dtype=torch.uint8, device=device)
         self.copied = torch.cuda.Event()  # the host buffer has been read
         self.done = torch.cuda.Event()  # the device buffers' last decode has finished
+
+
+def _pinned(n: int) -> torch.Tensor:
+    """A pinned buffer of ``n`` bytes and a quarter more: groups differ in size by up to a
+    segment, and a larger one would need a new buffer (page-locking a fresh one costs
+    more than filling it)."""
+    return torch.empty(n + n // 4, dtype=torch.uint8, pin_memory=True)
 
 
 class Stager:
@@ -107,13 +114,15 @@ class Stager:
         slot = self.slots[self.turn % SLOTS]
         self.turn += 1
         slot.copied.synchronize()  # its last copy has read the host buffer
-        if slot.host.numel() < staged or slot.payload.numel() < payload:
+        if slot.host.numel() < staged:
+            slot.host = _pinned(staged)
+        if slot.dev.numel() < staged:
             # The old device buffers were allocated on the current stream, which orders
             # their reuse after the decodes; the copy stream's use must be recorded.
             slot.dev.record_stream(self.copy_stream)
-            grown = _Slot(max(staged, slot.host.numel()), max(payload, slot.payload.numel()),
-                          self.device)
-            slot.host, slot.dev, slot.payload = grown.host, grown.dev, grown.payload
+            slot.dev = torch.empty(staged, dtype=torch.uint8, device=self.device)
+        if slot.payload.numel() < payload:
+            slot.payload = torch.empty(payload, dtype=torch.uint8, device=self.device)
         return slot
 
     def stage(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor]
