@@ -6,7 +6,8 @@ the wall time of writing every group into ``SLOTS`` rotating host buffers as
 read from the file, the rest copied), at each ``--threads`` count, in three ways:
 
 - ``read``: only the file reads the fill makes, all groups' together, one contiguous
-  share per thread, threads started once: what reading the page cache costs (the bound);
+  share per thread, threads started before the timing: what reading the page cache
+  costs (the bound);
 - ``fill, threads kept``: the loader's fill, its threads kept for every group
   (``_staging.Filler``), each group waited for before the next is submitted;
 - ``fill, next one submitted first``: as the loader fills, each group's fill submitted
@@ -19,7 +20,7 @@ thread and transformers' threads hold the GIL during a real load): a fill that i
 GIL-bound slows down there, a read-bound one does not. ``--pinned`` fills page-locked
 buffers (``torch``, on a CUDA host) as the loader does; otherwise ordinary memory,
 written once first so that page faults are not timed. Prints a short table: best of
-``--repeat`` after a warm-up, ms and GB/s of staged bytes.
+``--repeat`` (the ways taking turns) after a warm-up, ms and GB/s of staged bytes.
 What it is not: the copy to the GPU or the decode (``gpu/hf_load_bench.py``).
 
     python bench/bench_fill.py --llm-layers 1 --threads 1,4,16 --busy
@@ -74,6 +75,36 @@ class _Busy:
             self._t.join()
 
 
+class _Readers:
+    """``n`` threads, started once, that run ``fn(n, k)`` (thread k) at each call."""
+
+    def __init__(self, n: int, fn) -> None:  # noqa: ANN001
+        self._go, self._done = threading.Barrier(n + 1), threading.Barrier(n + 1)
+        self._stop = False
+        self._threads = [threading.Thread(target=self._serve, args=(n, k, fn), daemon=True)
+                         for k in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _serve(self, n: int, k: int, fn) -> None:  # noqa: ANN001
+        while True:
+            self._go.wait()
+            if self._stop:
+                return
+            fn(n, k)
+            self._done.wait()
+
+    def __call__(self) -> None:
+        self._go.wait()
+        self._done.wait()
+
+    def close(self) -> None:
+        self._stop = True
+        self._go.wait()
+        for t in self._threads:
+            t.join()
+
+
 def _buffer(n: int, pinned: bool):  # noqa: ANN202
     """``n`` bytes of host memory, page-locked or written once (faulted in)."""
     import numpy as np
@@ -90,7 +121,6 @@ def rows(path: Path, threads: list[int], busy: bool, pinned: bool, repeat: int
     """The table's lines for compressed file ``path`` (header first, a summary last)."""
     import numpy as np
 
-    from entropykit.coding import parallel
     from entropykit.container import source
     from entropykit.container.cuda import _staging, fileplan
     from entropykit.container.reader import Compressed
@@ -111,18 +141,14 @@ def rows(path: Path, threads: list[int], busy: bool, pinned: bool, repeat: int
         read_total = int(starts[-1])
         dest = _buffer(read_total, pinned)
 
-        def read(n: int) -> None:
-            # One contiguous share of the ranges per thread, into one buffer, no groups.
+        def read_share(n: int, k: int) -> None:
+            # Share k of n: contiguous ranges, into one buffer, no groups.
             cuts = np.searchsorted(starts[1:-1], np.arange(1, n) * read_total / n)
-            shares = np.split(np.arange(len(ranges)), cuts)
-
-            def one(k: int) -> None:
-                for i in shares[k].tolist():
-                    at, size = ranges[i]
-                    for a in range(0, size, 64 << 20):
-                        m = min(64 << 20, size - a)
-                        f.readinto(at + a, [dest[starts[i] + a : starts[i] + a + m]])
-            parallel.run(one, len(shares), n)
+            for i in np.split(np.arange(len(ranges)), cuts)[k].tolist():
+                at, size = ranges[i]
+                for a in range(0, size, 64 << 20):
+                    m = min(64 << 20, size - a)
+                    f.readinto(at + a, [dest[starts[i] + a : starts[i] + a + m]])
 
         def fill(n: int, way: str) -> None:
             own = filler(n) if way != "per group" else None
@@ -143,6 +169,13 @@ def rows(path: Path, threads: list[int], busy: bool, pinned: bool, repeat: int
                 if own is not None:
                     own.close()
 
+        readers: dict[int, _Readers] = {}
+
+        def read(n: int) -> None:
+            if n not in readers:
+                readers[n] = _Readers(n, read_share)
+            readers[n]()
+
         ways = [("read", read, read_total)]
         if filler is not None:
             ways += [("fill, threads kept", lambda n: fill(n, "kept"), staged),
@@ -150,16 +183,20 @@ def rows(path: Path, threads: list[int], busy: bool, pinned: bool, repeat: int
         ways.append(("fill, threads per group", lambda n: fill(n, "per group"), staged))
         for n in threads:
             for hog in (False, True) if busy else (False,):
-                for name, fn, nbytes in ways:
+                best = [float("inf")] * len(ways)
+                for _, fn, _ in ways:
                     fn(n)  # warm-up: the file in the page cache
-                    best = float("inf")
-                    with _Busy(hog):
-                        for _ in range(repeat):
+                with _Busy(hog):
+                    for _ in range(repeat):  # the ways in turn: the machine's drift shared
+                        for k, (_, fn, _) in enumerate(ways):
                             t = time.perf_counter()
                             fn(n)
-                            best = min(best, time.perf_counter() - t)
-                    yield (f"| {n} | {'yes' if hog else 'no'} | {name} | {best * 1e3:.1f} | "
-                           f"{nbytes / best / 1e9:.2f} |")
+                            best[k] = min(best[k], time.perf_counter() - t)
+                for (name, _, nbytes), b in zip(ways, best, strict=True):
+                    yield (f"| {n} | {'yes' if hog else 'no'} | {name} | {b * 1e3:.1f} | "
+                           f"{nbytes / b / 1e9:.2f} |")
+        for r in readers.values():
+            r.close()
     yield (f"{len(groups)} groups, {staged / 1e6:.0f} MB staged, {read_total / 1e6:.0f} MB "
            "of it read from the file")
 
