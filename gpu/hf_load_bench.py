@@ -11,8 +11,10 @@ bit against the plain load. On the CPU the table also gives the time ``load_file
 decode the compressed shards, the part of the load that compression adds; on a GPU, where
 ``load_file`` of the shards onto it spends its host time (the loader's own accounting).
 For the best compressed load it prints the wall time of the quantizer's steps (``_Steps``:
-opening the shards, decoding batches, transformers waiting for them): the rest of the load
-is transformers' own work (building the model, reading payload bytes, placing tensors).
+opening the shards, decoding batches, transformers waiting for them) and, on a GPU, the
+loader's host accounting during that load (its ``load_file`` of each shard's tensors: plan
+wait, fill, launches): the rest of the load is transformers' own work (building the
+model, reading payload bytes, placing tensors).
 Models: ``llm`` — a Llama-shaped bf16 model (hidden 4096, 14336 MLP, 32000 vocabulary,
 ``--layers`` blocks; random weights at the model's own initialization, so synthetic);
 ``minilm`` — real MiniLM-L6 weights cast to bf16 (``--minilm DIR`` holding its
@@ -85,6 +87,7 @@ class _Steps:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.loader: dict[str, float] = {}  # the GPU loader's own accounting, summed
 
     def __enter__(self) -> _Steps:
         from entropykit.hf import _quantizer
@@ -93,6 +96,9 @@ class _Steps:
         self._saved = {name: cls.__dict__[name] for name in self._WRAPPED}
         for name, key in self._WRAPPED.items():
             setattr(cls, name, self._timed(self._saved[name], key))
+        self._load = self._loader()
+        if self._load is not None:
+            self._load.load = self._accounted(self._load.load)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -100,6 +106,28 @@ class _Steps:
 
         for name, fn in self._saved.items():
             setattr(_quantizer.EntropyKitQuantizer, name, fn)
+        if self._load is not None:
+            self._load.load = self._load.load.__wrapped__
+
+    @staticmethod
+    def _loader():  # noqa: ANN205
+        """The GPU loader's module, or None where it cannot be imported (no CuPy)."""
+        try:
+            from entropykit.container.cuda import load
+        except ImportError:
+            return None
+        return load
+
+    def _accounted(self, fn):  # noqa: ANN001, ANN202
+        def accounted(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            seconds: dict[str, float] = {}
+            try:
+                return fn(*args, **kw, seconds=seconds)
+            finally:
+                for k, v in seconds.items():
+                    self.loader[k] = self.loader.get(k, 0.0) + v
+        accounted.__wrapped__ = fn
+        return accounted
 
     def _timed(self, fn, key: str):  # noqa: ANN001, ANN202
         def timed(*args, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -115,6 +143,7 @@ def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int
            target: str) -> dict:
     best = {"plain": float("inf"), "ek": float("inf")}
     steps: dict[str, float] = {}
+    inside: dict[str, float] = {}  # the loader's accounting during the best compressed load
     ref = None
     for _ in range(repeat):
         for kind, path in (("plain", plain), ("ek", ek)):
@@ -122,6 +151,7 @@ def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int
                 t, model = _load(cls, path, device)
             if kind == "ek" and t < best[kind]:
                 steps = dict(timed.seconds, total=t)
+                inside = dict(timed.loader)
             best[kind] = min(best[kind], t)
             if kind == "plain":
                 ref = model
@@ -136,7 +166,7 @@ def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int
     row = dict(model=name, target=target, device=device, plain_mb=_size(plain) / 1e6,
                ek_mb=_size(ek) / 1e6,
                plain_s=best["plain"], ek_s=best["ek"], speedup=best["plain"] / best["ek"],
-               steps=steps)
+               steps=steps, inside=inside)
     if device.startswith("cuda"):
         row["host"] = _host_seconds(ek, device)
     if device == "cpu":  # the decode the compressed load adds, at the CPU's decode speed
@@ -241,6 +271,10 @@ def main() -> int:
     for r in rows:
         print(f"{r['model']} ({r['target']}): the best compressed from_pretrained, quantizer "
               "steps ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["steps"].items()))
+    for r in rows:
+        if r.get("inside"):
+            print(f"{r['model']} ({r['target']}): the GPU loader inside that from_pretrained, "
+                  "host ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["inside"].items()))
     for r in rows:
         if r.get("host"):
             print(f"{r['model']} ({r['target']}): load_file of the shards onto {r['device']}, "

@@ -474,14 +474,23 @@ def test_heads_longer_than_the_first_read(tmp_path, monkeypatch, head):
         assert np.array_equal(got[name], want[name]), name
 
 
-def _staged_bytes(c, threads, monkeypatch=None) -> list[np.ndarray]:
-    """Every group's staging buffer as ``Staging.fill`` writes it on ``threads``."""
-    out = []
-    for group in fileplan.groups(c, 1):
-        st = _staging.Staging.of(group)
-        host = np.full(st.size, 0xEE, np.uint8)
-        st.fill(group, host, [p.batch.desc for p in group.parts], threads, c.source)
-        out.append(host)
+def _staged_bytes(c, threads, ahead=False) -> list[np.ndarray]:
+    """Every group's staging buffer as ``Staging.fill`` writes it on ``threads``; with
+    ``ahead``, on a ``Filler`` of that many threads, in the loader's order (a group's
+    fill submitted before the one before is waited for)."""
+    out, pending = [], None
+    with _staging.Filler(threads) as filler:
+        for group in fileplan.groups(c, 1):
+            st = _staging.Staging.of(group)
+            host = np.full(st.size, 0xEE, np.uint8)
+            fill = st.fill(group, host, [p.batch.desc for p in group.parts],
+                           filler if ahead else threads, c.source)
+            if pending is not None:
+                pending.wait()
+            pending = fill if ahead else None
+            out.append(host)
+        if pending is not None:
+            pending.wait()
     return out
 
 
@@ -509,14 +518,80 @@ def test_parallel_fill_is_the_serial_fill(tmp_path, monkeypatch, model_file, sta
                    zip(_staged_bytes(Compressed(f), 4), serial, strict=True))
     if staged:
         assert len(reads) >= 4
+    with source.FileBytes(ek) as f:
+        assert all(np.array_equal(a, b) for a, b in
+                   zip(_staged_bytes(Compressed(f), 4, ahead=True), serial, strict=True))
     # One payload of 2 MiB staged at 4 threads: four reads of 512 KiB.
     one = [(0, np.empty(2 << 20, np.uint8))]
     assert [sum(b.size for b in bufs) for _, bufs in
             _staging._reads(one, _staging._slab([], one, 4))] == [512 << 10] * 4
     monkeypatch.setattr(_staging, "MIN_SLAB", 4096)
-    for threads in (1, 4):
-        got = _staged_bytes(c, threads)
+    for threads, ahead in ((1, False), (4, False), (4, True)):
+        got = _staged_bytes(c, threads, ahead)
         assert all(np.array_equal(a, b) for a, b in zip(got, serial, strict=True))
+
+
+def test_a_groups_reads_are_one_share_per_thread():
+    """The file reads of a group: its bytes cut into one read per thread, adjacent
+    payloads joined into a read and a payload split between two (each read a hand-off
+    of the GIL), bytes between payloads read and dropped; the buffers get the file's
+    bytes."""
+    mib = 1 << 20
+    data = np.random.default_rng(0).integers(0, 256, 8 * mib, dtype=np.uint8)
+    bufs = [np.zeros(mib, np.uint8) for _ in range(3)]
+    jobs = [(0, bufs[0]), (mib, bufs[1]), (2 * mib + 100, bufs[2])]  # 100 bytes apart
+    reads = _staging._reads(jobs, _staging._slab([], jobs, 2))
+    assert [at for at, _ in reads] == [0, 3 * mib // 2, 3 * mib]
+    assert [sum(b.size for b in r) for _, r in reads] == [3 * mib // 2] * 2 + [100]
+    src = source.ArrayBytes(data)
+    for at, r in reads:
+        src.readinto(at, r)
+    assert all(np.array_equal(b, data[at : at + mib]) for (at, _), b in zip(jobs, bufs,
+                                                                             strict=True))
+    # A group's 64 MiB at one thread is one read; at 16 threads, 16 reads of 4 MiB.
+    one = [(0, np.empty(64 * mib, np.uint8))]
+    for threads, want in ((1, [64 * mib]), (16, [4 * mib] * 16)):
+        reads = _staging._reads(one, _staging._slab([], one, threads))
+        assert [sum(b.size for b in r) for _, r in reads] == want
+
+
+def test_a_filler_keeps_its_threads_and_raises_the_first_failure():
+    """``Filler``: every group's shares on the same threads (started once, stopped by
+    ``close``); fills submitted one after another run in order and each is waited for
+    on its own; a failure raises the first failing task's error, as one thread would
+    (later tasks of its share not run), at any thread count."""
+    import threading
+
+    seen = set()
+
+    class Src:
+        def readinto(self, at, outs):
+            seen.add(threading.current_thread().name)
+            if at in (9, 10):
+                raise CorruptDataError(f"bad read at {at}")
+            for out in outs:
+                out[:] = at
+
+    outs = [np.zeros(8, np.uint8) for _ in range(12)]
+    with _staging.Filler(4) as filler:
+        first = filler.submit([(k, [outs[k]], Src()) for k in range(4)])
+        second = filler.submit([(k, [outs[k]], Src()) for k in range(4, 8)] +
+                               [(np.full(8, 7, np.uint8), outs[8])])
+        second.wait()
+        first.wait()
+        assert [int(o[0]) for o in outs[:9]] == [0, 1, 2, 3, 4, 5, 6, 7, 7]
+        for _ in range(3):
+            filler.run([(k, [outs[k]], Src()) for k in range(4)])
+        workers = [t for t in threading.enumerate() if t.name.startswith("entropykit-fill")]
+        assert seen == {f"entropykit-fill-{k}" for k in range(4)} and len(workers) == 4
+    assert not any(t.is_alive() for t in workers)
+    errors = []
+    for threads in (1, 3, 8):
+        outs[10][:] = 0
+        with _staging.Filler(threads) as filler, pytest.raises(CorruptDataError) as got:
+            filler.run([(k, [outs[k]], Src()) for k in range(4, 12)])
+        errors.append(str(got.value))
+    assert errors == ["bad read at 9"] * 3
 
 
 def test_parallel_fill_of_a_truncated_file_raises_the_serial_error(tmp_path, monkeypatch):

@@ -375,3 +375,50 @@ def test_damage_in_each_kind_of_staged_range_is_caught_by_the_crc_kernel(tmp_pat
     assert str(got.value).endswith(msg) and str(bad) in str(got.value)
     with pytest.raises(CorruptDataError):
         entropykit.load_file(bad)  # the CPU load fails too
+
+
+@pytest.mark.parametrize("threads", [1, 4, 16])
+def test_fills_submitted_ahead_in_small_groups_are_exact_and_stop(tmp_path, threads):
+    """Payloads staged from the file in many small groups (each group's fill submitted
+    before the one before is sent, the staging buffers rotated and grown): the CPU load
+    bit for bit, with the loader's accounting of the fill; a file cut short after it was
+    opened raises the fill's CorruptDataError on the device too; the fill threads are
+    stopped after either."""
+    import threading
+
+    from entropykit import CorruptDataError, dtypes
+    from entropykit.container import files as cfiles
+    from entropykit.container import source
+    from entropykit.container.cuda.load import load
+    from entropykit.container.reader import Compressed
+
+    orig, ek = tmp_path / "m.safetensors", tmp_path / "m.ek.safetensors"
+    safetensors.torch.save_file(_staged_model(4), orig)
+    cfiles.compress_file(orig, ek, segment_bytes=1 << 18)
+    want = entropykit.load_file(ek)
+    types = dtypes.torch_types()
+
+    def fill_threads() -> list:
+        return [t for t in threading.enumerate() if t.name.startswith("entropykit-fill")]
+
+    for group_bytes in (1 << 17, 1 << 20):
+        seconds: dict[str, float] = {}
+        with source.FileBytes(ek) as f:
+            got = load(Compressed(f), "cuda", types, threads, group_bytes=group_bytes,
+                       seconds=seconds)
+        assert list(got) == list(want) and not fill_threads()
+        assert {"fill", "fill_wait", "plan_wait", "slot_wait"} <= set(seconds)
+        for k in want:
+            assert torch.equal(got[k].cpu().reshape(-1).view(torch.uint8),
+                               want[k].reshape(-1).view(torch.uint8)), k
+    whole = ek.read_bytes()
+    try:
+        with source.FileBytes(ek) as f:
+            c = Compressed(f)
+            with open(ek, "r+b") as w:
+                w.truncate(f.size // 2)
+            with pytest.raises(CorruptDataError, match="file changed or truncated"):
+                load(c, "cuda", types, threads, group_bytes=1 << 17)
+        assert not fill_threads()
+    finally:
+        ek.write_bytes(whole)

@@ -8,11 +8,13 @@ one pinned host buffer (``_staging.Staging``), copied to the device on a side st
 one transfer, moved into the decoder's aligned payload layout by ``_relayout.cu``, CRC-
 checked where the host did not check them (``_crc.cu``) and decoded on the current stream
 by one launch per batch. ``SLOTS`` pinned buffers, each with its device twins, rotate:
-while the GPU copies and decodes one group, the host fills the next, and a thread of its
-own plans the one after (``fileplan.ahead``: the planner's threads read small field
-payloads and the heads of large ones, check what they read and decode tANS/zstd fields
-ahead; the fill reads the large payloads from the file straight into the pinned buffer
-and copies the rest, on every thread). The kernels' statuses are read once at the
+while the GPU copies and decodes one group, the fill threads (``_staging.Filler``, kept
+for the whole load) read the large payloads of the next two from the file straight into
+their pinned buffers and copy the rest (a group's fill is started before the one before
+it is waited for, so the threads never wait for the loader's own work), and a thread of
+its own plans the group after (``fileplan.ahead``: the planner's threads read small
+field payloads and the heads of large ones, check what they read and decode tANS/zstd
+fields ahead). The kernels' statuses are read once at the
 end: ``CorruptDataError`` names the tensor, segment, field (and chunk), a failed CRC
 before a failed decode.
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,9 +37,9 @@ from ...rans.cuda.plan import WARPS, Origins
 from ..reader import Compressed
 from ..source import Bytes
 from . import _crc, fileplan
-from ._staging import Staging
+from ._staging import Fill, Filler, Staging
 
-SLOTS = 3  # staging buffers in rotation: fill one, copy one, decode one
+SLOTS = 3  # staging buffers in rotation: two filled, one copied and decoded
 
 
 def _relayout_kernel() -> Any:
@@ -53,16 +56,34 @@ def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> Non
                                0)])
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """A group whose staging buffer is being filled (``Stager.stage``), to be sent."""
+
+    group: fileplan.Group
+    st: Staging
+    slot: _Slot
+    binds: list  # per batch: the tensor its outputs' base addresses are read from, or None
+    fill: Fill
+
+
 class _Slot:
     """A pinned host buffer, its device twin, the device buffer the decoder reads
     payloads from, and the events that guard their reuse."""
 
     def __init__(self, staged: int, payload: int, device: torch.device) -> None:
-        self.host = torch.empty(staged, dtype=torch.uint8, pin_memory=True)
+        self.host = _pinned(staged)
         self.dev = torch.empty(staged, dtype=torch.uint8, device=device)
         self.payload = torch.empty(payload, dtype=torch.uint8, device=device)
         self.copied = torch.cuda.Event()  # the host buffer has been read
         self.done = torch.cuda.Event()  # the device buffers' last decode has finished
+
+
+def _pinned(n: int) -> torch.Tensor:
+    """A pinned buffer of ``n`` bytes and a quarter more: groups differ in size by up to a
+    segment, and a larger one would need a new buffer (page-locking a fresh one costs
+    more than filling it)."""
+    return torch.empty(n + n // 4, dtype=torch.uint8, pin_memory=True)
 
 
 class Stager:
@@ -76,14 +97,15 @@ class Stager:
 
     def __init__(self, device: torch.device, threads: int, src: Bytes | None = None) -> None:
         self.device = device
-        self.threads = threads
+        self.filler = Filler(threads)  # its threads fill every group; ``close`` stops them
         self.src = src  # the file, for the streams staged from it
         self.slots: list[_Slot] = []
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
         self.checks: list[tuple[torch.Tensor, list[tuple[Origins, int, int]]]] = []
         self.crcs: list[tuple[torch.Tensor, Staging]] = []  # status (and accumulators)
-        self.seconds = {"slot_wait": 0.0, "fill": 0.0, "launch": 0.0, "check": 0.0}
+        self.seconds = {"slot_wait": 0.0, "fill": 0.0, "fill_wait": 0.0, "launch": 0.0,
+                        "check": 0.0}
 
     def _slot(self, staged: int, payload: int) -> _Slot:
         if len(self.slots) < SLOTS:
@@ -92,18 +114,22 @@ class Stager:
         slot = self.slots[self.turn % SLOTS]
         self.turn += 1
         slot.copied.synchronize()  # its last copy has read the host buffer
-        if slot.host.numel() < staged or slot.payload.numel() < payload:
+        if slot.host.numel() < staged:
+            slot.host = _pinned(staged)
+        if slot.dev.numel() < staged:
             # The old device buffers were allocated on the current stream, which orders
             # their reuse after the decodes; the copy stream's use must be recorded.
             slot.dev.record_stream(self.copy_stream)
-            grown = _Slot(max(staged, slot.host.numel()), max(payload, slot.payload.numel()),
-                          self.device)
-            slot.host, slot.dev, slot.payload = grown.host, grown.dev, grown.payload
+            slot.dev = torch.empty(staged, dtype=torch.uint8, device=self.device)
+        if slot.payload.numel() < payload:
+            slot.payload = torch.empty(payload, dtype=torch.uint8, device=self.device)
         return slot
 
-    def run(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor]) -> None:
-        """Stage, copy, relayout and launch one group; ``views(tensor, bf16)`` is that
-        tensor's flat uint8 (or int16 for bf16 mode) view."""
+    def stage(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor]
+              ) -> _Staged:
+        """Start filling a staging buffer with one group: its tables and descriptors
+        written here, its streams by the ``Filler``'s threads (``views(tensor, bf16)`` is
+        that tensor's flat uint8, or int16 for bf16 mode, view)."""
         t0 = time.perf_counter()
         st = Staging.of(group)
         slot = self._slot(st.size, st.payload)
@@ -114,7 +140,16 @@ class Stager:
                                                     for t in part.tensors])
             descs.append(desc)
             binds.append(base)
-        st.fill(group, slot.host.numpy(), descs, self.threads, self.src)
+        fill = st.fill(group, slot.host.numpy(), descs, self.filler, self.src)
+        self.seconds["slot_wait"] += t1 - t0
+        self.seconds["fill"] += time.perf_counter() - t1
+        return _Staged(group, st, slot, binds, fill)
+
+    def send(self, staged: _Staged) -> None:
+        """Wait for a staged group's fill; copy, relayout and launch it."""
+        group, st, slot = staged.group, staged.st, staged.slot
+        t1 = time.perf_counter()
+        staged.fill.wait()
         t2 = time.perf_counter()
         self.copy_stream.wait_event(slot.done)
         with torch.cuda.stream(self.copy_stream):
@@ -134,7 +169,7 @@ class Stager:
         status = torch.zeros(max(rows, 1), dtype=torch.int32, device=self.device)
         row = 0
         named = []
-        for part, sec, base in zip(group.parts, st.sections, binds, strict=True):
+        for part, sec, base in zip(group.parts, st.sections, staged.binds, strict=True):
             b = part.batch
             ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
                     dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
@@ -144,9 +179,9 @@ class Stager:
             row += len(b.desc)
         slot.done.record(cur)
         self.checks.append((status, named))
-        for k, dt in (("slot_wait", t1 - t0), ("fill", t2 - t1),
-                      ("launch", time.perf_counter() - t2)):
-            self.seconds[k] += dt
+        self.seconds["fill"] += t2 - t1
+        self.seconds["fill_wait"] += t2 - t1
+        self.seconds["launch"] += time.perf_counter() - t2
 
     def check(self) -> None:
         """Wait for every launch; raise ``CorruptDataError`` for the first failing CRC
@@ -201,16 +236,21 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
         planned = fileplan.ahead(fileplan.groups(c, threads, entries=entries, warps=warps,
                                                  group_bytes=group_bytes))
         wait = 0.0
+        pending: _Staged | None = None
         try:
             while True:
                 t = time.perf_counter()
-                group = next(planned, None)
+                group = next(planned, None)  # planned while the last group is filled
                 wait += time.perf_counter() - t
-                if group is None:
+                staged = None if group is None else stager.stage(group, views)
+                if pending is not None:
+                    stager.send(pending)  # its fill done while this one's starts
+                if staged is None:
                     break
-                stager.run(group, views)
+                pending = staged
         finally:
             planned.close()  # the planning thread stops
+            stager.filler.close()  # after the fills submitted (their buffers are alive)
         stager.check()
     if seconds is not None:
         seconds.update(stager.seconds, plan_wait=wait)
