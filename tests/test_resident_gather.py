@@ -201,9 +201,10 @@ def test_streams_share_descriptor_buffers(emulated) -> None:
     ekt.compress_model(model)
     d = next(u.decoder for u in model._entropykit_resident.units
              if isinstance(u.decoder, _cuda.CudaDecoder))
-    assert d._own is None and "own" not in d._bound  # released after its check
+    assert d._own is None and not d._bound  # released after its check
+    streams.reserve(d.pairs)  # as the build does, for its largest launch
     before = streams._rows[2].clone()
-    streams._run(d, 2)
+    d.run(streams.rows(2))
     assert not torch.equal(streams._rows[2], before)
     assert id(streams._rows[2]) in d._bound
 
@@ -265,3 +266,61 @@ def test_gathered_embedding_of_fields_not_worth_coding(emulated, monkeypatch) ->
                            _bits(ref.model.embed_tokens(ids)))
     coded = [w.coded for v in model._entropykit_resident.units for w in v.weights]
     assert all(not f.coded for c in coded for f in c.fields)  # the others stay plain
+
+
+def _emulate_expand(rows, kinds, index, vary, chunks, first, chunk, n) -> None:
+    """``expand_pairs`` (torch/_cuda.py's kernel) thread by thread in numpy, on the
+    kernel's own flat buffers."""
+    flat, kinds_f, vary_f = rows.reshape(-1), kinds.reshape(-1), vary.reshape(-1)
+    for t in range(n * 2 * lay.N_COLS):
+        col, row = t % lay.N_COLS, t // lay.N_COLS
+        i = row >> 1
+        c = int(chunks[i]) if chunks is not None else first + i
+        cell = c * 2 + (row & 1)
+        if chunk > 0 and col == lay.D_OUT:
+            flat[t] = i * chunk
+        elif col < _cuda._VARY:
+            flat[t] = vary_f[cell * _cuda._VARY + col]
+        else:
+            flat[t] = kinds_f[(int(index[c]) * 2 + (row & 1)) * lay.N_COLS + col]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("how", ["all", "chunks", "range"])
+def test_expansion_kernel_arithmetic(how, wide) -> None:
+    """The expansion kernel's arithmetic (emulated in numpy) writes what ``Expand`` writes
+    on the CPU and what the two torch ops it replaces wrote: every pair of a launch
+    (``CudaDecoder``), the pairs of the chunks asked for with slot outputs (a lookup), or
+    a range of chunks with slot outputs (a tied head's tiles); int32 and int64 varying
+    columns; pairs past ``n`` untouched."""
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 128).to(torch.bfloat16) for _ in range(2)]
+    ((group, batch),) = _cuda.plan([_coded.code_tensor(w, 0, 1024, True) for w in weights])
+    desc = batch.desc + (np.int64(1 << 40) * (np.arange(lay.N_COLS) == lay.D_OFF)
+                         if wide else 0)
+    kinds, index, vary = (torch.from_numpy(a) for a in _cuda.compact(desc))
+    assert (vary.dtype == torch.int64) == wide
+    total = len(index)
+    chunks, first, chunk = None, 0, 0
+    if how == "chunks":
+        chunks = torch.tensor([3, 0, total - 1, 3, 5], dtype=torch.int64)
+        n, chunk = len(chunks), 1024
+    elif how == "range":
+        n, first, chunk = 4, 2, 1024
+    else:
+        n = total
+    sel = chunks if chunks is not None else torch.arange(first, first + n)
+    want = torch.full((n + 2, 2, lay.N_COLS), -7, dtype=torch.int64)
+    torch.index_select(kinds, 0, index[sel], out=want[:n])  # the torch ops of before
+    want[:n, :, :4] = vary[sel]
+    if chunk:
+        want[:n, :, lay.D_OUT] = torch.arange(n)[:, None] * chunk
+    if how == "all":
+        assert np.array_equal(want[:n].reshape(-1, lay.N_COLS).numpy(), desc)
+    got = torch.full_like(want, -7)
+    _cuda.Expand(got, kinds, index, vary, n, chunks, first, chunk)()
+    assert torch.equal(got, want)
+    emulated = np.full(want.shape, -7, np.int64)
+    _emulate_expand(emulated, kinds.numpy(), index.numpy(), vary.numpy(),
+                    None if chunks is None else chunks.numpy(), first, chunk, n)
+    assert np.array_equal(emulated, want.numpy())

@@ -73,6 +73,111 @@ def compact(desc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             vary.astype(np.int32) if small else vary)
 
 
+# One thread a descriptor cell: pair i of the launch is chunk c = chunks[i] (or first + i)
+# of a compact table, its shared columns kinds[index[c]], its varying ones vary[c], and
+# with chunk > 0 its output at symbol i * chunk (slot i). The emulation in
+# tests/test_resident_gather.py follows this arithmetic.
+_EXPAND_SOURCE = r"""
+extern "C" __global__ void expand_pairs(
+    long long* __restrict__ rows, const long long* __restrict__ kinds,
+    const int* __restrict__ index, const void* __restrict__ vary, int wide,
+    const long long* __restrict__ chunks, long long first, long long chunk, int n)
+{
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)n * 2 * N_COLS) return;
+    int col = (int)(t % N_COLS);
+    long long row = t / N_COLS;  /* pair * 2 + half */
+    long long i = row >> 1;
+    long long c = chunks ? chunks[i] : first + i;
+    long long cell = c * 2 + (row & 1);
+    long long v;
+    if (chunk > 0 && col == D_OUT) {
+        v = i * chunk;
+    } else if (col < VARY) {
+        v = wide ? ((const long long*)vary)[cell * VARY + col]
+                 : (long long)((const int*)vary)[cell * VARY + col];
+    } else {
+        v = kinds[((long long)index[c] * 2 + (row & 1)) * N_COLS + col];
+    }
+    rows[t] = v;
+}
+"""
+_EXPAND_THREADS = 256
+
+
+def _expand_kernel() -> object:
+    from .._cuda import nvrtc
+
+    return nvrtc.kernel("expand_pairs", lambda: _EXPAND_SOURCE,
+                        (f"-DN_COLS={N_COLS}", f"-DD_OUT={D_OUT}", f"-DVARY={_VARY}"))
+
+
+class Expand:
+    """Writes the first ``n`` descriptor pairs of ``rows`` from a compact table (``compact``:
+    ``kinds``, ``index``, ``vary``): pair i is chunk ``chunks[i]`` (a device tensor read
+    when the expansion runs) or ``first + i``, with its output at symbol ``i * chunk``
+    where ``chunk`` is given (slot i), else its own. On a CUDA device one small kernel
+    with its arguments bound; on the CPU (the kernel's emulation) torch ops."""
+
+    def __init__(self, rows: torch.Tensor, kinds: torch.Tensor, index: torch.Tensor,
+                 vary: torch.Tensor, n: int, chunks: torch.Tensor | None = None,
+                 first: int = 0, chunk: int = 0) -> None:
+        self.rows, self.kinds, self.index, self.vary = rows, kinds, index, vary
+        self.n, self.chunks, self.first, self.chunk = n, chunks, first, chunk
+        self.cuda = rows.device.type == "cuda"
+        self._fn = None
+        if self.cuda and n:
+            from .._cuda import nvrtc
+
+            self.device = rows.device
+            self.grid = (-(-n * 2 * N_COLS // _EXPAND_THREADS),)
+            self.block = (_EXPAND_THREADS,)
+            self.args = nvrtc.args(rows, kinds, index, vary,
+                                   np.int32(vary.dtype == torch.int64), chunks, first,
+                                   chunk, np.int32(n))
+
+    def __call__(self) -> None:
+        """Expand on torch's current stream."""
+        if not self.cuda:
+            self.on(None)
+            return
+        import cupy as cp
+
+        from .._cuda import nvrtc
+
+        with cp.cuda.Device(self.device.index):
+            self.on(nvrtc.stream())
+
+    def on(self, stream: object) -> None:
+        """Expand on ``stream`` (CuPy's view of a stream of the current device; the CPU's
+        ignore it)."""
+        n = self.n
+        if not n:
+            return
+        if self.cuda:
+            fn = self._fn
+            if fn is None:
+                fn = self._fn = _expand_kernel().kernel
+            fn(self.grid, self.block, self.args, stream=stream)
+            return
+        sel = (self.chunks[:n] if self.chunks is not None
+               else torch.arange(self.first, self.first + n))
+        rows = self.rows[:n]
+        torch.index_select(self.kinds, 0, self.index[sel], out=rows)
+        rows[:, :, :_VARY] = self.vary[sel]
+        if self.chunk:
+            rows[:, :, D_OUT] = (torch.arange(n) * self.chunk)[:, None]
+
+
+def _on(step: object, stream: object) -> None:
+    """Run a bound launch or expansion on ``stream`` (None: torch's current stream, or the
+    emulation's launches, which take none)."""
+    if stream is None:
+        step()
+    else:
+        step.on(stream)
+
+
 def _compact_bytes(desc: np.ndarray) -> int:
     return sum(a.nbytes for a in compact(desc))
 
@@ -110,7 +215,7 @@ class CudaDecoder:
         self.held: list[torch.Tensor] = []  # every device buffer the launches read
         self._checks = []  # (origins, status) of each batch, for check()
         self._batches = []  # (DeviceBatch, kinds, index, vary, output base) of each launch
-        self._bound: dict[int, tuple[int, list]] = {}  # per rows buffer: its launches
+        self._bound: dict[int, tuple[torch.Tensor, list]] = {}  # per rows buffer: its steps
         self._own: torch.Tensor | None = None
         up = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         for group, batch in plan(coded):
@@ -138,28 +243,33 @@ class CudaDecoder:
     def nbytes(self) -> int:
         return _bytes(self.held)
 
-    def run(self, rows: torch.Tensor | None = None) -> None:
-        """Enqueue the decode on the current stream, its descriptors expanded into
-        ``rows`` (int64, at least ``self.pairs`` x 2 x N_COLS) first."""
+    def run(self, rows: torch.Tensor | None = None, stream: object = None) -> None:
+        """Enqueue the decode on ``stream`` (CuPy's view of a stream of the current
+        device; None: torch's current stream), its descriptors expanded into ``rows``
+        (int64, at least ``self.pairs`` x 2 x N_COLS) first."""
         if rows is None:
             if self._own is None:
                 self._own = torch.empty((max(1, self.pairs), 2, N_COLS), dtype=torch.int64,
                                         device=self.device)
             rows = self._own
-        key = "own" if rows is self._own else id(rows)
-        if self._bound.get(key, (None,))[0] is not rows:
-            self._bound[key] = (rows, [db.bind_rows(rows, db.status, out, len(index))
-                                       for db, _, index, _, out in self._batches])
-        for (_, kinds, index, vary, _), launch in zip(self._batches, self._bound[key][1],
-                                                      strict=True):
-            n = len(index)
-            torch.index_select(kinds, 0, index, out=rows[:n])
-            rows[:n, :, :_VARY].copy_(vary)
-            launch()
+        steps = self._bound.get(id(rows))
+        if steps is None or steps[0] is not rows:
+            steps = self._bound[id(rows)] = (rows, self._bind(rows))
+        for step in steps[1]:
+            _on(step, stream)
+
+    def _bind(self, rows: torch.Tensor) -> list:
+        """Each launch's expansion into ``rows`` and its decode over them, in order."""
+        steps = []
+        for db, kinds, index, vary, out in self._batches:
+            steps.append(Expand(rows, kinds, index, vary, len(index)))
+            steps.append(db.bind_rows(rows, db.status, out, len(index)))
+        return steps
 
     def release(self) -> None:
         """Free the descriptor buffer of runs without one given (after a check run)."""
-        self._bound.pop("own", None)
+        if self._own is not None:
+            self._bound.pop(id(self._own), None)
         self._own = None
 
     def check(self) -> None:
@@ -203,15 +313,14 @@ class GatherDecoder:
         # chunk k's pair: kinds[index[k]], its varying columns vary[k] (``compact``)
         self.kinds, self.index, self.vary = (up(a) for a in compact(
             chunk_pairs(batch, chunk).reshape(-1, N_COLS)))
-        self.kind = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.chunks = torch.zeros(slots, dtype=torch.int64, device=device)  # wanted
         self.desc = torch.zeros((slots, 2, N_COLS), dtype=torch.int64, device=device)
         self.status = torch.zeros(2 * slots, dtype=torch.int32, device=device)
-        self.starts = torch.arange(slots, dtype=torch.int64, device=device) * chunk
         self.out = region[: slots * chunk * 2].view(torch.bfloat16)
-        self.held = [*_tables(db), self.kinds, self.index, self.vary, self.kind, self.desc,
-                     self.status, self.starts]
+        self.held = [*_tables(db), self.kinds, self.index, self.vary, self.chunks,
+                     self.desc, self.status]
         self._db, self._batch = db, batch
-        self._launches: dict[int, object] = {}
+        self._steps: dict[int, tuple] = {}  # per count of chunks: expansion and launch
         self.count = 0  # chunks the next run decodes
 
     @property
@@ -220,20 +329,24 @@ class GatherDecoder:
 
     def want(self, chunks: torch.Tensor) -> None:
         """Make the next run decode ``chunks`` (int64, on the device; at most ``slots``),
-        chunk ``chunks[i]`` into slot i: descriptor pairs gathered on the device."""
+        chunk ``chunks[i]`` into slot i: their descriptor pairs are gathered on the device
+        when it runs."""
         n = chunks.numel()
-        torch.index_select(self.index, 0, chunks, out=self.kind[:n])
-        torch.index_select(self.kinds, 0, self.kind[:n], out=self.desc[:n])
-        self.desc[:n, :, :_VARY] = self.vary.index_select(0, chunks)
-        self.desc[:n, :, D_OUT] = self.starts[:n, None]
+        self.chunks[:n].copy_(chunks)
         self.count = n
 
-    def run(self) -> None:
-        """Enqueue the decode of the chunks last wanted on the current stream."""
+    def run(self, rows: torch.Tensor | None = None, stream: object = None) -> None:
+        """Enqueue the decode of the chunks last wanted on ``stream`` (None: torch's
+        current stream); ``rows`` unused (its descriptors are its own)."""
         n = self.count
-        if n not in self._launches:
-            self._launches[n] = self._db.bind_rows(self.desc, self.status, self.out, n)
-        self._launches[n]()
+        steps = self._steps.get(n)
+        if steps is None:
+            steps = self._steps[n] = (
+                Expand(self.desc, self.kinds, self.index, self.vary, n, self.chunks,
+                       chunk=self.chunk),
+                self._db.bind_rows(self.desc, self.status, self.out, n))
+        for step in steps:
+            _on(step, stream)
 
     def check(self) -> None:
         """Raise ``CorruptDataError`` if the last run met corrupt data (synchronizes)."""
@@ -250,18 +363,36 @@ class GatherDecoder:
                 raise err
 
 
+def _raw_stream() -> object:
+    """The raw handle of torch's current stream of a device index: one call into torch."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+
+
 class CudaStreams:
     """Decodes ordered with the compute stream: now, or prefetched on one of ``sides``
     side streams, taken in turn, so that up to ``sides`` prefetched decodes (each into a
-    place apart from the others') run at once, more warps than one small decode fills."""
+    place apart from the others') run at once, more warps than one small decode fills.
+    The compute stream is torch's current one, looked up by its raw handle at each call
+    (one call into torch) and its torch and CuPy objects kept while it stays the same;
+    launches go to streams by handle, with no stream or device context entered where
+    the device is current."""
 
     def __init__(self, device: torch.device, units: int, sides: int = 1) -> None:
+        from .._cuda import nvrtc
+
         self.device = device
+        self.index = device.index
         self.sides = [torch.cuda.Stream(device) for _ in range(sides)]
+        with torch.cuda.device(device):
+            self._views = [nvrtc.view(s.cuda_stream) for s in self.sides]
         self.turn = 0
         self.free = [torch.cuda.Event() for _ in range(units)]
         self._rows: list[torch.Tensor] = []
         self.ready = [torch.cuda.Event() for _ in range(units)]
+        self._raw = _raw_stream()
+        self._handle: object = None  # the compute stream's raw handle last seen
+        self._compute: tuple = ()  # its torch stream and CuPy view
 
     def rows(self, role: int) -> torch.Tensor | None:
         """The descriptor buffer of the compute stream (role 0) or side stream ``role - 1``:
@@ -279,32 +410,45 @@ class CudaStreams:
     def nbytes(self) -> int:
         return _bytes(self._rows)
 
-    def _run(self, decoder: object, role: int) -> None:
-        if isinstance(decoder, CudaDecoder):
-            self.reserve(decoder.pairs)
-            decoder.run(self.rows(role))
-        else:
-            decoder.run()
+    def compute(self) -> tuple:
+        """Torch's current stream of the device and CuPy's view of it."""
+        handle = self._raw(self.index)
+        if handle != self._handle:
+            from .._cuda import nvrtc
+
+            with torch.cuda.device(self.device):
+                self._compute = (torch.cuda.current_stream(self.device), nvrtc.view(handle))
+            self._handle = handle
+        return self._compute
+
+    def _current(self) -> bool:
+        return torch._C._cuda_getDevice() == self.index
 
     def now(self, decoder: CudaDecoder) -> None:
-        with torch.cuda.device(self.device):
-            self._run(decoder, 0)
+        if not self._current():
+            with torch.cuda.device(self.device):
+                return self.now(decoder)
+        decoder.run(self.rows(0), self.compute()[1])
+        return None
 
     def prefetch(self, u: int, decoder: CudaDecoder) -> None:
         # The side stream starts once the compute stream has done everything enqueued so
         # far: every block before the one about to run, which may share unit u's place.
-        role = self.turn + 1
-        side = self.sides[self.turn]
-        self.turn = (self.turn + 1) % len(self.sides)
-        with torch.cuda.device(self.device):
-            self.free[u].record(torch.cuda.current_stream(self.device))
-            side.wait_event(self.free[u])
-            with torch.cuda.stream(side):
-                self._run(decoder, role)
-            self.ready[u].record(side)
+        if not self._current():
+            with torch.cuda.device(self.device):
+                return self.prefetch(u, decoder)
+        turn = self.turn
+        self.turn = (turn + 1) % len(self.sides)
+        side = self.sides[turn]
+        free = self.free[u]
+        free.record(self.compute()[0])
+        side.wait_event(free)
+        decoder.run(self.rows(turn + 1), self._views[turn])
+        self.ready[u].record(side)
+        return None
 
     def join(self, u: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.ready[u])
+        self.compute()[0].wait_event(self.ready[u])
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -728,18 +728,20 @@ class Resident:
         self.last = k
         if entered:  # decoded with the unit before it, in one launch
             return
-        if self.pending[:1] == [g]:  # the launch prefetched first: wait for it alone
-            self.streams.join(self.pending.pop(0))
+        pending, streams = self.pending, self.streams
+        if pending and pending[0] == g:  # the launch prefetched first: wait for it alone
+            streams.join(pending.pop(0))
         else:  # out of the expected order: nothing pending stays in flight
-            hit = g in self.pending
+            hit = g in pending
             self.join()
+            pending = self.pending
             if not hit:
-                self.streams.now(self.units[g].decoder)
+                streams.now(self.units[g].decoder)
         self.current = g
         for n in self.window[g]:
-            if n not in self.pending:
-                self.streams.prefetch(n, self.units[n].decoder)
-                self.pending.append(n)
+            if n not in pending:
+                streams.prefetch(n, self.units[n].decoder)
+                pending.append(n)
 
     def end(self) -> None:
         """The model's forward returned: nothing left pending, nothing taken as decoded."""
