@@ -213,8 +213,10 @@ class CudaDecoder:
         rt = rans_cuda.load_runtime(device)
         self.device = device
         self.held: list[torch.Tensor] = []  # every device buffer the launches read
-        self._checks = []  # (origins, status) of each batch, for check()
+        self._checks = []  # per launch: what check() calls, the error or None
         self._batches = []  # (DeviceBatch, kinds, index, vary, output base) of each launch
+        self._spans = []  # per launch: (first chunk, slot symbols, pairs) it expands
+        self._statuses = []  # per launch: the status rows it writes
         self._bound: dict[int, tuple[torch.Tensor, list]] = {}  # per rows buffer: its steps
         self._own: torch.Tensor | None = None
         up = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
@@ -225,10 +227,35 @@ class CudaDecoder:
             desc, base = rans_cuda.bound_desc(batch, outs)
             kinds, index, vary = (up(a) for a in compact(desc))
             self.held += [*_tables(db), kinds, index, vary]
-            self._checks.append((batch.origins, db.status[: len(batch.desc)]))
+            status = db.status[: len(batch.desc)]
+            self._checks.append(lambda o=batch.origins, s=status: o.error(s.cpu().numpy()))
             self._batches.append((db, kinds, index, vary,
                                   db.status if base is None else base))
-        self.pairs = max([len(i) for _, _, i, _, _ in self._batches] + [0])
+            self._spans.append((0, 0, len(index)))
+            self._statuses.append(db.status)
+        self.pairs = max([n for _, _, n in self._spans] + [0])
+
+    @classmethod
+    def chunk_range(cls, source: GatherDecoder, first: int, n: int, region: torch.Tensor
+                    ) -> CudaDecoder:
+        """Chunks ``[first, first + n)`` of ``source``'s tensor decoding into ``region``
+        (chunk ``first + i`` at symbol ``i * chunk``), in one launch: ``source``'s coded
+        bytes, tables and compact descriptors, so it holds no device buffer of its own
+        (its statuses are the batch's rows of those chunks)."""
+        self = cls.__new__(cls)
+        self.device = source.device
+        self.held = []
+        self._bound, self._own = {}, None
+        db = source._db
+        status = db.status[2 * first : 2 * (first + n)]
+        self._batches = [(db, source.kinds, source.index, source.vary,
+                          region.view(torch.bfloat16))]
+        self._spans = [(first, source.chunk, n)]
+        self._statuses = [status]
+        chunks = np.arange(first, first + n)
+        self._checks = [lambda: source.error(chunks, status.cpu().numpy())]
+        self.pairs = n
+        return self
 
     @staticmethod
     def _out(c: CodedTensor, region: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -261,9 +288,10 @@ class CudaDecoder:
     def _bind(self, rows: torch.Tensor) -> list:
         """Each launch's expansion into ``rows`` and its decode over them, in order."""
         steps = []
-        for db, kinds, index, vary, out in self._batches:
-            steps.append(Expand(rows, kinds, index, vary, len(index)))
-            steps.append(db.bind_rows(rows, db.status, out, len(index)))
+        for (db, kinds, index, vary, out), (first, chunk, n), status in zip(
+                self._batches, self._spans, self._statuses, strict=True):
+            steps.append(Expand(rows, kinds, index, vary, n, None, first, chunk))
+            steps.append(db.bind_rows(rows, status, out, n))
         return steps
 
     def release(self) -> None:
@@ -274,24 +302,31 @@ class CudaDecoder:
 
     def check(self) -> None:
         """Raise ``CorruptDataError`` if a decode met corrupt data (synchronizes)."""
-        for origins, status in self._checks:
-            err = origins.error(status.cpu().numpy())
+        for error in self._checks:
+            err = error()
             if err is not None:
                 raise err
+
+
+def chunk_order(batch: Batch, chunk: int) -> np.ndarray:
+    """A one-tensor bf16 batch's pairs in chunk order: entry k is the index of the pair
+    decoding symbols [k * chunk, (k + 1) * chunk)."""
+    pairs = batch.desc.reshape(-1, 2, N_COLS)
+    live = np.flatnonzero(pairs[:, 0, D_N] > 0)
+    chunks = -(-batch.sizes[0] // chunk)
+    k = pairs[live, 0, D_OUT] // chunk
+    if len(k) != chunks or not np.array_equal(np.sort(k), np.arange(chunks)):
+        # both fields kept plain: the planner cuts them in its own chunks
+        raise ValueError(f"entropykit: the tensor's chunks are not of {chunk} symbols")
+    order = np.empty(chunks, np.int64)
+    order[k] = live
+    return order
 
 
 def chunk_pairs(batch: Batch, chunk: int) -> np.ndarray:
     """A one-tensor bf16 batch's descriptor pairs in chunk order (int64[chunks, 2,
     N_COLS]): the pair decoding symbols [k * chunk, (k + 1) * chunk) is row k."""
-    pairs = batch.desc.reshape(-1, 2, N_COLS)
-    live = pairs[pairs[:, 0, D_N] > 0]
-    table = np.zeros((-(-batch.sizes[0] // chunk), 2, N_COLS), np.int64)
-    k = live[:, 0, D_OUT] // chunk
-    if len(k) != len(table) or not np.array_equal(np.sort(k), np.arange(len(table))):
-        # both fields kept plain: the planner cuts them in its own chunks
-        raise ValueError(f"entropykit: the tensor's chunks are not of {chunk} symbols")
-    table[k] = live
-    return table
+    return batch.desc.reshape(-1, 2, N_COLS)[chunk_order(batch, chunk)]
 
 
 class GatherDecoder:
@@ -311,8 +346,9 @@ class GatherDecoder:
         self.chunk = chunk
         up = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         # chunk k's pair: kinds[index[k]], its varying columns vary[k] (``compact``)
+        self._order = chunk_order(batch, chunk)
         self.kinds, self.index, self.vary = (up(a) for a in compact(
-            chunk_pairs(batch, chunk).reshape(-1, N_COLS)))
+            batch.desc.reshape(-1, 2, N_COLS)[self._order].reshape(-1, N_COLS)))
         self.chunks = torch.zeros(slots, dtype=torch.int64, device=device)  # wanted
         self.desc = torch.zeros((slots, 2, N_COLS), dtype=torch.int64, device=device)
         self.status = torch.zeros(2 * slots, dtype=torch.int32, device=device)
@@ -350,17 +386,26 @@ class GatherDecoder:
 
     def check(self) -> None:
         """Raise ``CorruptDataError`` if the last run met corrupt data (synchronizes)."""
-        status = self.status[: 2 * self.count].cpu().numpy()
+        n = self.count
+        err = self.error(self.chunks[:n].cpu().numpy(), self.status[: 2 * n].cpu().numpy())
+        if err is not None:
+            raise err
+
+    def error(self, chunks: np.ndarray, status: np.ndarray) -> Exception | None:
+        """The error of a run over ``chunks`` (pair i: chunk ``chunks[i]``) that wrote
+        ``status`` (two rows a pair), as the batch names it, or None."""
         bad = np.flatnonzero(status)
-        if bad.size:
-            row = self.desc[: self.count].reshape(-1, N_COLS)[int(bad[0])].cpu().numpy()
-            same = np.arange(N_COLS) != D_OUT  # the batch's row, but for its output
-            at = np.flatnonzero((self._batch.desc[:, same] == row[same]).all(axis=1))
-            full = np.zeros(len(self._batch.desc), np.int32)
-            full[at[:1]] = status[bad[0]]
-            err = self._batch.error(full)
-            if err is not None:
-                raise err
+        if not bad.size:
+            return None
+        i = int(bad[0])
+        full = np.zeros(len(self._batch.desc), np.int32)
+        full[2 * int(self._order[int(chunks[i // 2])]) + i % 2] = status[i]
+        return self._batch.error(full)
+
+    def range(self, first: int, n: int, region: torch.Tensor) -> CudaDecoder:
+        """A decoder of chunks ``[first, first + n)`` into ``region`` from this tensor's
+        coded bytes (``CudaDecoder.chunk_range``)."""
+        return CudaDecoder.chunk_range(self, first, n, region)
 
 
 def _raw_stream() -> object:
