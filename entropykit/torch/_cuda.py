@@ -3,15 +3,18 @@
 What it is: ``CudaDecoder``, a block's coded tensors uploaded once (``rans.cuda``'s
 planner and ``DeviceBatch``: payload, decode tables, descriptors) with one bound launch
 per kernel mode and scratch buffer, fixed at compress time, so a decode only enqueues
-kernels on torch's current stream: no allocation, no copy, no host synchronisation, and
-it can be captured in a CUDA graph. ``CudaStreams`` orders decodes with the forward: a
-prefetch runs on a side stream (one of ``ahead``, in turn) after an event recorded on
-the compute stream, and the compute stream waits for its own event before the block runs.
-``GatherDecoder`` is an embedding whose lookup decodes only the chunks holding the rows
-it reads: its chunks' descriptor pairs are kept compact in chunk order on the device,
-torch ops expand the pairs of the chunks asked for into a descriptor buffer of its own (each
-writing its slot of the region), and the decoder runs over that buffer's first pairs,
-their count fixed by the input's shape: no host synchronisation, capturable.
+kernels (its compact descriptors' expansion, ``Expand``, then the decoder, each one
+driver call with bound arguments) on a stream given by its handle: no allocation, no
+copy, no host synchronisation, and it can be captured in a CUDA graph. ``CudaStreams``
+orders decodes with the forward: a prefetch runs on a side stream (one of ``ahead``, in
+turn) after an event recorded on the compute stream, and the compute stream waits for
+its own event before the block runs. ``GatherDecoder`` is an embedding whose lookup
+decodes only the chunks holding the rows it reads: its chunks' descriptor pairs are kept
+compact in chunk order on the device, expanded for the chunks asked for into a
+descriptor buffer of its own (each writing its slot of the region), and the decoder runs
+over that buffer's first pairs, their count fixed by the input's shape: no host
+synchronisation, capturable. A tied embedding's head decodes ranges of the same chunks
+(``CudaDecoder.chunk_range``).
 What it is not: the coding (``_coded.py``) or the hooks (``_resident.py``). Imported only
 for a model on a CUDA device.
 """
@@ -204,7 +207,7 @@ class CudaDecoder:
     """Coded tensors on one CUDA device, decoding into ``region`` (uint8) in one launch
     per kernel mode. Each launch's descriptors stay compact on the device (``compact``):
     a run expands them into ``rows`` (a stream's buffer, ``CudaStreams.rows``; its own
-    when not given) with two torch ops, then launches the decoder over them."""
+    when not given) with one small kernel, then launches the decoder over them."""
 
     reads_fields = False  # uploaded at construction; the host copies may go
 

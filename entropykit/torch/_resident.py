@@ -6,7 +6,9 @@ each module of a block holding weights), every other module holding weights of i
 and the row tiles of an embedding or Linear weight larger than the largest block (or
 tied to another module: embeddings shared with the output head), which the module's
 forward decodes one tile at a time (the lookup picks each tile's rows, the head writes
-each tile's slice of the output). Units decode in launches: a unit alone, or up to
+each tile's slice of the output; on a GPU, an embedding's lookup decodes only the chunks
+holding the rows its ids read, also where the weight is tied to the head, whose tiles
+then decode ranges of the same coded chunks). Units decode in launches: a unit alone, or up to
 ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per launch). The
 scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch,
 taken in turn (by weight: a ring of bytes as large as the two largest consecutive
