@@ -21,6 +21,7 @@ for a model on a CUDA device.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -469,31 +470,29 @@ class CudaStreams:
             self._handle = handle
         return self._compute
 
-    def _current(self) -> bool:
-        return torch._C._cuda_getDevice() == self.index
+    def _here(self) -> contextlib.AbstractContextManager:
+        """Nothing where the device is current (CuPy's launches need it), else its
+        context."""
+        if torch._C._cuda_getDevice() == self.index:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
 
     def now(self, decoder: CudaDecoder) -> None:
-        if not self._current():
-            with torch.cuda.device(self.device):
-                return self.now(decoder)
-        decoder.run(self.rows(0), self.compute()[1])
-        return None
+        with self._here():
+            decoder.run(self.rows(0), self.compute()[1])
 
     def prefetch(self, u: int, decoder: CudaDecoder) -> None:
         # The side stream starts once the compute stream has done everything enqueued so
         # far: every block before the one about to run, which may share unit u's place.
-        if not self._current():
-            with torch.cuda.device(self.device):
-                return self.prefetch(u, decoder)
         turn = self.turn
         self.turn = (turn + 1) % len(self.sides)
         side = self.sides[turn]
         free = self.free[u]
-        free.record(self.compute()[0])
-        side.wait_event(free)
-        decoder.run(self.rows(turn + 1), self._views[turn])
-        self.ready[u].record(side)
-        return None
+        with self._here():
+            free.record(self.compute()[0])
+            side.wait_event(free)
+            decoder.run(self.rows(turn + 1), self._views[turn])
+            self.ready[u].record(side)
 
     def join(self, u: int) -> None:
         self.compute()[0].wait_event(self.ready[u])
