@@ -69,6 +69,14 @@ SIZES = {  # LlamaConfig fields; tiny's embeddings are larger than two layers, s
                   num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4),
     "8b-blocks": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8),
+    # a tied embedding of rows that cross chunks (96 symbols; chunks of 8192 or 16384)
+    "tiny-tied": dict(vocab_size=4096, hidden_size=96, intermediate_size=256,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=True),
+    # SmolLM2-135M's shape, random weights: many small blocks and a tied embedding
+    "smollm2-random": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, tie_word_embeddings=True),
 }
 
 

@@ -125,18 +125,19 @@ def test_gathered_descriptors_and_bytes(emulated) -> None:
     assert isinstance(model.model.embed_tokens.weight, nn.Parameter)
 
 
-def test_tied_and_other_embeddings_keep_tiles(emulated) -> None:
-    """A tied embedding (GPT-2's, read by the head too) and one of rows whose width is
-    not a power of two decode in tiles; an fp16 embedding whole or in tiles."""
+def test_tied_lookup_gathers_and_other_embeddings_keep_tiles(emulated) -> None:
+    """A tied embedding (GPT-2's, read by the head too) gathers its lookup's rows, the
+    head decoding tiles of the same chunks; an untied one of rows whose width is not a
+    power of two decodes in tiles; an fp16 embedding whole or in tiles."""
     cfg = transformers.GPT2Config(vocab_size=4096, n_embd=64, n_layer=2, n_head=4,
                                   n_positions=64)
     torch.manual_seed(0)
     tied = transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16).eval()
     ekt.compress_model(tied)
     units = tied._entropykit_resident.units
-    assert [type(u.module).__name__ for u in units if u.gathered is not None] == [
-        "Embedding"]  # the positions' embedding, untied
-    assert any(u.tiled is not None for u in units)
+    assert [(type(u.module).__name__, u.gathered.tied is not None) for u in units
+            if u.gathered is not None] == [("Embedding", True), ("Embedding", False)]
+    assert {type(u.module).__name__ for u in units if u.tiled is not None} == {"Linear"}
     odd = _llama_vocab(VOCAB, hidden_size=48, intermediate_size=96)
     ekt.compress_model(odd)
     assert not any(u.gathered is not None for u in odd._entropykit_resident.units)
@@ -201,9 +202,10 @@ def test_streams_share_descriptor_buffers(emulated) -> None:
     ekt.compress_model(model)
     d = next(u.decoder for u in model._entropykit_resident.units
              if isinstance(u.decoder, _cuda.CudaDecoder))
-    assert d._own is None and "own" not in d._bound  # released after its check
+    assert d._own is None and not d._bound  # released after its check
+    streams.reserve(d.pairs)  # as the build does, for its largest launch
     before = streams._rows[2].clone()
-    streams._run(d, 2)
+    d.run(streams.rows(2))
     assert not torch.equal(streams._rows[2], before)
     assert id(streams._rows[2]) in d._bound
 
@@ -265,3 +267,132 @@ def test_gathered_embedding_of_fields_not_worth_coding(emulated, monkeypatch) ->
                            _bits(ref.model.embed_tokens(ids)))
     coded = [w.coded for v in model._entropykit_resident.units for w in v.weights]
     assert all(not f.coded for c in coded for f in c.fields)  # the others stay plain
+
+
+def _emulate_expand(rows, kinds, index, vary, chunks, first, chunk, n) -> None:
+    """``expand_pairs`` (torch/_cuda.py's kernel) thread by thread in numpy, on the
+    kernel's own flat buffers."""
+    flat, kinds_f, vary_f = rows.reshape(-1), kinds.reshape(-1), vary.reshape(-1)
+    for t in range(n * 2 * lay.N_COLS):
+        col, row = t % lay.N_COLS, t // lay.N_COLS
+        i = row >> 1
+        c = int(chunks[i]) if chunks is not None else first + i
+        cell = c * 2 + (row & 1)
+        if chunk > 0 and col == lay.D_OUT:
+            flat[t] = i * chunk
+        elif col < _cuda._VARY:
+            flat[t] = vary_f[cell * _cuda._VARY + col]
+        else:
+            flat[t] = kinds_f[(int(index[c]) * 2 + (row & 1)) * lay.N_COLS + col]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("how", ["all", "chunks", "range"])
+def test_expansion_kernel_arithmetic(how, wide) -> None:
+    """The expansion kernel's arithmetic (emulated in numpy) writes what ``Expand`` writes
+    on the CPU and what the two torch ops it replaces wrote: every pair of a launch
+    (``CudaDecoder``), the pairs of the chunks asked for with slot outputs (a lookup), or
+    a range of chunks with slot outputs (a tied head's tiles); int32 and int64 varying
+    columns; pairs past ``n`` untouched."""
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 128).to(torch.bfloat16) for _ in range(2)]
+    ((group, batch),) = _cuda.plan([_coded.code_tensor(w, 0, 1024, True) for w in weights])
+    desc = batch.desc + (np.int64(1 << 40) * (np.arange(lay.N_COLS) == lay.D_OFF)
+                         if wide else 0)
+    kinds, index, vary = (torch.from_numpy(a) for a in _cuda.compact(desc))
+    assert (vary.dtype == torch.int64) == wide
+    total = len(index)
+    chunks, first, chunk = None, 0, 0
+    if how == "chunks":
+        chunks = torch.tensor([3, 0, total - 1, 3, 5], dtype=torch.int64)
+        n, chunk = len(chunks), 1024
+    elif how == "range":
+        n, first, chunk = 4, 2, 1024
+    else:
+        n = total
+    sel = chunks if chunks is not None else torch.arange(first, first + n)
+    want = torch.full((n + 2, 2, lay.N_COLS), -7, dtype=torch.int64)
+    torch.index_select(kinds, 0, index[sel], out=want[:n])  # the torch ops of before
+    want[:n, :, :4] = vary[sel]
+    if chunk:
+        want[:n, :, lay.D_OUT] = torch.arange(n)[:, None] * chunk
+    if how == "all":
+        assert np.array_equal(want[:n].reshape(-1, lay.N_COLS).numpy(), desc)
+    got = torch.full_like(want, -7)
+    _cuda.Expand(got, kinds, index, vary, n, chunks, first, chunk)()
+    assert torch.equal(got, want)
+    emulated = np.full(want.shape, -7, np.int64)
+    _emulate_expand(emulated, kinds.numpy(), index.numpy(), vary.numpy(),
+                    None if chunks is None else chunks.numpy(), first, chunk, n)
+    assert np.array_equal(emulated, want.numpy())
+
+
+def _tied(hidden: int, vocab: int = VOCAB) -> nn.Module:
+    return _llama_vocab(vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                        tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("hidden", [64, 48], ids=["whole-rows", "rows-across-chunks"])
+@pytest.mark.parametrize("opts", [{}, {"granularity": "weight"},
+                                  {"tile_bytes": 1 << 14, "tiles_ahead": 2}],
+                         ids=["block", "weight", "small-tiles-ahead"])
+def test_tied_lookup_decodes_its_rows_from_the_heads_chunks(emulated, opts, hidden) -> None:
+    """A tied embedding (Llama's with ``tie_word_embeddings``) is coded once, in chunks
+    that start every head tile: the lookup decodes only the chunks of its ids' rows (two
+    a row where rows cross chunks), the head's tile launches ranges of the same chunks
+    (no device bytes of their own); lookup, logits and greedy tokens are the plain
+    model's bit for bit, memory counts the weight once, and decompress_model gives one
+    weight back to both modules."""
+    model, ref = _tied(hidden), _tied(hidden)
+    ekt.compress_model(model, **opts)
+    state, u = _gathered(model)
+    g = u.gathered
+    span = 1 if hidden == 64 else 2
+    assert g.tied is not None and g.span == span and g.chunk == 1024
+    heads = [v for v in state.units if v.tiled is g.tied]
+    assert {v.module for v in heads} == {model.lm_head} and len(heads) == len(g.tied.rows)
+    assert all(a * hidden % g.chunk == 0 for a, _ in g.tied.rows)
+    ranges = {id(v.decoder): v.decoder for v in heads}
+    assert all(d.nbytes == 0 for d in ranges.values())
+    covered = sorted(c for d in ranges.values() for first, _, n in d._spans
+                     for c in range(first, first + n))
+    assert covered == list(range(-(-VOCAB * hidden // g.chunk)))  # each chunk once
+    ids = torch.tensor([EDGES[:7], EDGES[7:]])
+    with torch.no_grad():
+        state.scratch.fill_(0xFF)
+        got = model.model.embed_tokens(ids)
+        step = g.slots // span  # ids a launch; the last launch's chunks:
+        assert u.decoder.count == span * (ids.numel() - (ids.numel() - 1) // step * step)
+        assert torch.equal(_bits(got), _bits(ref.model.embed_tokens(ids)))
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    mem = ekt.resident_memory(model)
+    untied = _llama_vocab(VOCAB, hidden_size=hidden, intermediate_size=2 * hidden)
+    ekt.compress_model(untied, **opts)
+    head = VOCAB * hidden * 2
+    assert mem.uncompressed_bytes == ekt.resident_memory(untied).uncompressed_bytes - head
+    assert mem.tensors == ekt.resident_memory(untied).tensors - 1
+    ekt.decompress_model(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert isinstance(model.lm_head.weight, nn.Parameter)
+    assert torch.equal(_bits(model.lm_head.weight), _bits(ref.lm_head.weight))
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+
+
+def test_tied_lookup_needs_chunks_at_tile_starts(emulated, monkeypatch) -> None:
+    """Where no chunk of at least the smallest size starts every head tile, the tied
+    weight keeps tiles for the lookup too (decoded whole, as before)."""
+    monkeypatch.setattr(_resident, "SMALLEST_CHUNK", 1024)
+    monkeypatch.setattr(_resident, "GATHER_CHUNK", 1 << 14)
+    model, ref = _tied(40), _tied(40)  # tiles of 8 rows: 320 symbols, chunks of 64
+    ekt.compress_model(model, tile_bytes=8 * 40 * 2)
+    state = model._entropykit_resident
+    assert not any(u.gathered is not None for u in state.units)
+    assert {u.module for u in state.units if u.tiled is not None} == {
+        model.lm_head, model.model.embed_tokens}
+    ids = torch.tensor([[0, 999, 17]])
+    with torch.no_grad():  # (narrow tiles' products round differently on the CPU)
+        assert torch.equal(_bits(model.model.embed_tokens(ids)),
+                           _bits(ref.model.embed_tokens(ids)))

@@ -52,13 +52,19 @@ def function(module: Any, name: str) -> Any:
 
 
 def stream() -> Any:
-    """Torch's current stream, as CuPy sees it, so launches order with torch's work. The
-    view of a (handle, device) is kept (a stream's handle names it until it is destroyed,
-    and the view holds nothing else), so a decode call does not build one each time."""
-    import cupy as cp
+    """Torch's current stream, as CuPy sees it, so launches order with torch's work."""
     import torch
 
-    handle = torch.cuda.current_stream().cuda_stream
+    return view(torch.cuda.current_stream().cuda_stream)
+
+
+def view(handle: int) -> Any:
+    """CuPy's view of the stream ``handle`` (a raw ``cudaStream_t`` of the current device;
+    0: the legacy default stream). The view of a (handle, device) is kept (a stream's
+    handle names it until it is destroyed, and the view holds nothing else), so a launch
+    does not build one each time."""
+    import cupy as cp
+
     if not handle:
         return cp.cuda.Stream.null
     key = (handle, cp.cuda.runtime.getDevice())

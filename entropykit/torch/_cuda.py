@@ -3,21 +3,25 @@
 What it is: ``CudaDecoder``, a block's coded tensors uploaded once (``rans.cuda``'s
 planner and ``DeviceBatch``: payload, decode tables, descriptors) with one bound launch
 per kernel mode and scratch buffer, fixed at compress time, so a decode only enqueues
-kernels on torch's current stream: no allocation, no copy, no host synchronisation, and
-it can be captured in a CUDA graph. ``CudaStreams`` orders decodes with the forward: a
-prefetch runs on a side stream (one of ``ahead``, in turn) after an event recorded on
-the compute stream, and the compute stream waits for its own event before the block runs.
-``GatherDecoder`` is an embedding whose lookup decodes only the chunks holding the rows
-it reads: its chunks' descriptor pairs are kept compact in chunk order on the device,
-torch ops expand the pairs of the chunks asked for into a descriptor buffer of its own (each
-writing its slot of the region), and the decoder runs over that buffer's first pairs,
-their count fixed by the input's shape: no host synchronisation, capturable.
+kernels (its compact descriptors' expansion, ``Expand``, then the decoder, each one
+driver call with bound arguments) on a stream given by its handle: no allocation, no
+copy, no host synchronisation, and it can be captured in a CUDA graph. ``CudaStreams``
+orders decodes with the forward: a prefetch runs on a side stream (one of ``ahead``, in
+turn) after an event recorded on the compute stream, and the compute stream waits for
+its own event before the block runs. ``GatherDecoder`` is an embedding whose lookup
+decodes only the chunks holding the rows it reads: its chunks' descriptor pairs are kept
+compact in chunk order on the device, expanded for the chunks asked for into a
+descriptor buffer of its own (each writing its slot of the region), and the decoder runs
+over that buffer's first pairs, their count fixed by the input's shape: no host
+synchronisation, capturable. A tied embedding's head decodes ranges of the same chunks
+(``CudaDecoder.chunk_range``).
 What it is not: the coding (``_coded.py``) or the hooks (``_resident.py``). Imported only
 for a model on a CUDA device.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -73,6 +77,111 @@ def compact(desc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             vary.astype(np.int32) if small else vary)
 
 
+# One thread a descriptor cell: pair i of the launch is chunk c = chunks[i] (or first + i)
+# of a compact table, its shared columns kinds[index[c]], its varying ones vary[c], and
+# with chunk > 0 its output at symbol i * chunk (slot i). The emulation in
+# tests/test_resident_gather.py follows this arithmetic.
+_EXPAND_SOURCE = r"""
+extern "C" __global__ void expand_pairs(
+    long long* __restrict__ rows, const long long* __restrict__ kinds,
+    const int* __restrict__ index, const void* __restrict__ vary, int wide,
+    const long long* __restrict__ chunks, long long first, long long chunk, int n)
+{
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)n * 2 * N_COLS) return;
+    int col = (int)(t % N_COLS);
+    long long row = t / N_COLS;  /* pair * 2 + half */
+    long long i = row >> 1;
+    long long c = chunks ? chunks[i] : first + i;
+    long long cell = c * 2 + (row & 1);
+    long long v;
+    if (chunk > 0 && col == D_OUT) {
+        v = i * chunk;
+    } else if (col < VARY) {
+        v = wide ? ((const long long*)vary)[cell * VARY + col]
+                 : (long long)((const int*)vary)[cell * VARY + col];
+    } else {
+        v = kinds[((long long)index[c] * 2 + (row & 1)) * N_COLS + col];
+    }
+    rows[t] = v;
+}
+"""
+_EXPAND_THREADS = 256
+
+
+def _expand_kernel() -> object:
+    from .._cuda import nvrtc
+
+    return nvrtc.kernel("expand_pairs", lambda: _EXPAND_SOURCE,
+                        (f"-DN_COLS={N_COLS}", f"-DD_OUT={D_OUT}", f"-DVARY={_VARY}"))
+
+
+class Expand:
+    """Writes the first ``n`` descriptor pairs of ``rows`` from a compact table (``compact``:
+    ``kinds``, ``index``, ``vary``): pair i is chunk ``chunks[i]`` (a device tensor read
+    when the expansion runs) or ``first + i``, with its output at symbol ``i * chunk``
+    where ``chunk`` is given (slot i), else its own. On a CUDA device one small kernel
+    with its arguments bound; on the CPU (the kernel's emulation) torch ops."""
+
+    def __init__(self, rows: torch.Tensor, kinds: torch.Tensor, index: torch.Tensor,
+                 vary: torch.Tensor, n: int, chunks: torch.Tensor | None = None,
+                 first: int = 0, chunk: int = 0) -> None:
+        self.rows, self.kinds, self.index, self.vary = rows, kinds, index, vary
+        self.n, self.chunks, self.first, self.chunk = n, chunks, first, chunk
+        self.cuda = rows.device.type == "cuda"
+        self._fn = None
+        if self.cuda and n:
+            from .._cuda import nvrtc
+
+            self.device = rows.device
+            self.grid = (-(-n * 2 * N_COLS // _EXPAND_THREADS),)
+            self.block = (_EXPAND_THREADS,)
+            self.args = nvrtc.args(rows, kinds, index, vary,
+                                   np.int32(vary.dtype == torch.int64), chunks, first,
+                                   chunk, np.int32(n))
+
+    def __call__(self) -> None:
+        """Expand on torch's current stream."""
+        if not self.cuda:
+            self.on(None)
+            return
+        import cupy as cp
+
+        from .._cuda import nvrtc
+
+        with cp.cuda.Device(self.device.index):
+            self.on(nvrtc.stream())
+
+    def on(self, stream: object) -> None:
+        """Expand on ``stream`` (CuPy's view of a stream of the current device; the CPU's
+        ignore it)."""
+        n = self.n
+        if not n:
+            return
+        if self.cuda:
+            fn = self._fn
+            if fn is None:
+                fn = self._fn = _expand_kernel().kernel
+            fn(self.grid, self.block, self.args, stream=stream)
+            return
+        sel = (self.chunks[:n] if self.chunks is not None
+               else torch.arange(self.first, self.first + n))
+        rows = self.rows[:n]
+        torch.index_select(self.kinds, 0, self.index[sel], out=rows)
+        rows[:, :, :_VARY] = self.vary[sel]
+        if self.chunk:
+            rows[:, :, D_OUT] = (torch.arange(n) * self.chunk)[:, None]
+
+
+def _on(step: object, stream: object) -> None:
+    """Run a bound launch or expansion on ``stream`` (None: torch's current stream, or the
+    emulation's launches, which take none)."""
+    if stream is None:
+        step()
+    else:
+        step.on(stream)
+
+
 def _compact_bytes(desc: np.ndarray) -> int:
     return sum(a.nbytes for a in compact(desc))
 
@@ -99,7 +208,7 @@ class CudaDecoder:
     """Coded tensors on one CUDA device, decoding into ``region`` (uint8) in one launch
     per kernel mode. Each launch's descriptors stay compact on the device (``compact``):
     a run expands them into ``rows`` (a stream's buffer, ``CudaStreams.rows``; its own
-    when not given) with two torch ops, then launches the decoder over them."""
+    when not given) with one small kernel, then launches the decoder over them."""
 
     reads_fields = False  # uploaded at construction; the host copies may go
 
@@ -108,9 +217,11 @@ class CudaDecoder:
         rt = rans_cuda.load_runtime(device)
         self.device = device
         self.held: list[torch.Tensor] = []  # every device buffer the launches read
-        self._checks = []  # (origins, status) of each batch, for check()
+        self._checks = []  # per launch: what check() calls, the error or None
         self._batches = []  # (DeviceBatch, kinds, index, vary, output base) of each launch
-        self._bound: dict[int, tuple[int, list]] = {}  # per rows buffer: its launches
+        self._spans = []  # per launch: (first chunk, slot symbols, pairs) it expands
+        self._statuses = []  # per launch: the status rows it writes
+        self._bound: dict[int, tuple[torch.Tensor, list]] = {}  # per rows buffer: its steps
         self._own: torch.Tensor | None = None
         up = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         for group, batch in plan(coded):
@@ -120,10 +231,35 @@ class CudaDecoder:
             desc, base = rans_cuda.bound_desc(batch, outs)
             kinds, index, vary = (up(a) for a in compact(desc))
             self.held += [*_tables(db), kinds, index, vary]
-            self._checks.append((batch.origins, db.status[: len(batch.desc)]))
+            status = db.status[: len(batch.desc)]
+            self._checks.append(lambda o=batch.origins, s=status: o.error(s.cpu().numpy()))
             self._batches.append((db, kinds, index, vary,
                                   db.status if base is None else base))
-        self.pairs = max([len(i) for _, _, i, _, _ in self._batches] + [0])
+            self._spans.append((0, 0, len(index)))
+            self._statuses.append(db.status)
+        self.pairs = max([n for _, _, n in self._spans] + [0])
+
+    @classmethod
+    def chunk_range(cls, source: GatherDecoder, first: int, n: int, region: torch.Tensor
+                    ) -> CudaDecoder:
+        """Chunks ``[first, first + n)`` of ``source``'s tensor decoding into ``region``
+        (chunk ``first + i`` at symbol ``i * chunk``), in one launch: ``source``'s coded
+        bytes, tables and compact descriptors, so it holds no device buffer of its own
+        (its statuses are the batch's rows of those chunks)."""
+        self = cls.__new__(cls)
+        self.device = source.device
+        self.held = []
+        self._bound, self._own = {}, None
+        db = source._db
+        status = db.status[2 * first : 2 * (first + n)]
+        self._batches = [(db, source.kinds, source.index, source.vary,
+                          region.view(torch.bfloat16))]
+        self._spans = [(first, source.chunk, n)]
+        self._statuses = [status]
+        chunks = np.arange(first, first + n)
+        self._checks = [lambda: source.error(chunks, status.cpu().numpy())]
+        self.pairs = n
+        return self
 
     @staticmethod
     def _out(c: CodedTensor, region: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -138,50 +274,63 @@ class CudaDecoder:
     def nbytes(self) -> int:
         return _bytes(self.held)
 
-    def run(self, rows: torch.Tensor | None = None) -> None:
-        """Enqueue the decode on the current stream, its descriptors expanded into
-        ``rows`` (int64, at least ``self.pairs`` x 2 x N_COLS) first."""
+    def run(self, rows: torch.Tensor | None = None, stream: object = None) -> None:
+        """Enqueue the decode on ``stream`` (CuPy's view of a stream of the current
+        device; None: torch's current stream), its descriptors expanded into ``rows``
+        (int64, at least ``self.pairs`` x 2 x N_COLS) first."""
         if rows is None:
             if self._own is None:
                 self._own = torch.empty((max(1, self.pairs), 2, N_COLS), dtype=torch.int64,
                                         device=self.device)
             rows = self._own
-        key = "own" if rows is self._own else id(rows)
-        if self._bound.get(key, (None,))[0] is not rows:
-            self._bound[key] = (rows, [db.bind_rows(rows, db.status, out, len(index))
-                                       for db, _, index, _, out in self._batches])
-        for (_, kinds, index, vary, _), launch in zip(self._batches, self._bound[key][1],
-                                                      strict=True):
-            n = len(index)
-            torch.index_select(kinds, 0, index, out=rows[:n])
-            rows[:n, :, :_VARY].copy_(vary)
-            launch()
+        steps = self._bound.get(id(rows))
+        if steps is None or steps[0] is not rows:
+            steps = self._bound[id(rows)] = (rows, self._bind(rows))
+        for step in steps[1]:
+            _on(step, stream)
+
+    def _bind(self, rows: torch.Tensor) -> list:
+        """Each launch's expansion into ``rows`` and its decode over them, in order."""
+        steps = []
+        for (db, kinds, index, vary, out), (first, chunk, n), status in zip(
+                self._batches, self._spans, self._statuses, strict=True):
+            steps.append(Expand(rows, kinds, index, vary, n, None, first, chunk))
+            steps.append(db.bind_rows(rows, status, out, n))
+        return steps
 
     def release(self) -> None:
         """Free the descriptor buffer of runs without one given (after a check run)."""
-        self._bound.pop("own", None)
+        if self._own is not None:
+            self._bound.pop(id(self._own), None)
         self._own = None
 
     def check(self) -> None:
         """Raise ``CorruptDataError`` if a decode met corrupt data (synchronizes)."""
-        for origins, status in self._checks:
-            err = origins.error(status.cpu().numpy())
+        for error in self._checks:
+            err = error()
             if err is not None:
                 raise err
+
+
+def chunk_order(batch: Batch, chunk: int) -> np.ndarray:
+    """A one-tensor bf16 batch's pairs in chunk order: entry k is the index of the pair
+    decoding symbols [k * chunk, (k + 1) * chunk)."""
+    pairs = batch.desc.reshape(-1, 2, N_COLS)
+    live = np.flatnonzero(pairs[:, 0, D_N] > 0)
+    chunks = -(-batch.sizes[0] // chunk)
+    k = pairs[live, 0, D_OUT] // chunk
+    if len(k) != chunks or not np.array_equal(np.sort(k), np.arange(chunks)):
+        # both fields kept plain: the planner cuts them in its own chunks
+        raise ValueError(f"entropykit: the tensor's chunks are not of {chunk} symbols")
+    order = np.empty(chunks, np.int64)
+    order[k] = live
+    return order
 
 
 def chunk_pairs(batch: Batch, chunk: int) -> np.ndarray:
     """A one-tensor bf16 batch's descriptor pairs in chunk order (int64[chunks, 2,
     N_COLS]): the pair decoding symbols [k * chunk, (k + 1) * chunk) is row k."""
-    pairs = batch.desc.reshape(-1, 2, N_COLS)
-    live = pairs[pairs[:, 0, D_N] > 0]
-    table = np.zeros((-(-batch.sizes[0] // chunk), 2, N_COLS), np.int64)
-    k = live[:, 0, D_OUT] // chunk
-    if len(k) != len(table) or not np.array_equal(np.sort(k), np.arange(len(table))):
-        # both fields kept plain: the planner cuts them in its own chunks
-        raise ValueError(f"entropykit: the tensor's chunks are not of {chunk} symbols")
-    table[k] = live
-    return table
+    return batch.desc.reshape(-1, 2, N_COLS)[chunk_order(batch, chunk)]
 
 
 class GatherDecoder:
@@ -201,17 +350,17 @@ class GatherDecoder:
         self.chunk = chunk
         up = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         # chunk k's pair: kinds[index[k]], its varying columns vary[k] (``compact``)
+        self._order = chunk_order(batch, chunk)
         self.kinds, self.index, self.vary = (up(a) for a in compact(
-            chunk_pairs(batch, chunk).reshape(-1, N_COLS)))
-        self.kind = torch.zeros(slots, dtype=torch.int32, device=device)
+            batch.desc.reshape(-1, 2, N_COLS)[self._order].reshape(-1, N_COLS)))
+        self.chunks = torch.zeros(slots, dtype=torch.int64, device=device)  # wanted
         self.desc = torch.zeros((slots, 2, N_COLS), dtype=torch.int64, device=device)
         self.status = torch.zeros(2 * slots, dtype=torch.int32, device=device)
-        self.starts = torch.arange(slots, dtype=torch.int64, device=device) * chunk
         self.out = region[: slots * chunk * 2].view(torch.bfloat16)
-        self.held = [*_tables(db), self.kinds, self.index, self.vary, self.kind, self.desc,
-                     self.status, self.starts]
+        self.held = [*_tables(db), self.kinds, self.index, self.vary, self.chunks,
+                     self.desc, self.status]
         self._db, self._batch = db, batch
-        self._launches: dict[int, object] = {}
+        self._steps: dict[int, tuple] = {}  # per count of chunks: expansion and launch
         self.count = 0  # chunks the next run decodes
 
     @property
@@ -220,48 +369,79 @@ class GatherDecoder:
 
     def want(self, chunks: torch.Tensor) -> None:
         """Make the next run decode ``chunks`` (int64, on the device; at most ``slots``),
-        chunk ``chunks[i]`` into slot i: descriptor pairs gathered on the device."""
+        chunk ``chunks[i]`` into slot i: their descriptor pairs are gathered on the device
+        when it runs."""
         n = chunks.numel()
-        torch.index_select(self.index, 0, chunks, out=self.kind[:n])
-        torch.index_select(self.kinds, 0, self.kind[:n], out=self.desc[:n])
-        self.desc[:n, :, :_VARY] = self.vary.index_select(0, chunks)
-        self.desc[:n, :, D_OUT] = self.starts[:n, None]
+        self.chunks[:n].copy_(chunks)
         self.count = n
 
-    def run(self) -> None:
-        """Enqueue the decode of the chunks last wanted on the current stream."""
+    def run(self, rows: torch.Tensor | None = None, stream: object = None) -> None:
+        """Enqueue the decode of the chunks last wanted on ``stream`` (None: torch's
+        current stream); ``rows`` unused (its descriptors are its own)."""
         n = self.count
-        if n not in self._launches:
-            self._launches[n] = self._db.bind_rows(self.desc, self.status, self.out, n)
-        self._launches[n]()
+        steps = self._steps.get(n)
+        if steps is None:
+            steps = self._steps[n] = (
+                Expand(self.desc, self.kinds, self.index, self.vary, n, self.chunks,
+                       chunk=self.chunk),
+                self._db.bind_rows(self.desc, self.status, self.out, n))
+        for step in steps:
+            _on(step, stream)
 
     def check(self) -> None:
         """Raise ``CorruptDataError`` if the last run met corrupt data (synchronizes)."""
-        status = self.status[: 2 * self.count].cpu().numpy()
+        n = self.count
+        err = self.error(self.chunks[:n].cpu().numpy(), self.status[: 2 * n].cpu().numpy())
+        if err is not None:
+            raise err
+
+    def error(self, chunks: np.ndarray, status: np.ndarray) -> Exception | None:
+        """The error of a run over ``chunks`` (pair i: chunk ``chunks[i]``) that wrote
+        ``status`` (two rows a pair), as the batch names it, or None."""
         bad = np.flatnonzero(status)
-        if bad.size:
-            row = self.desc[: self.count].reshape(-1, N_COLS)[int(bad[0])].cpu().numpy()
-            same = np.arange(N_COLS) != D_OUT  # the batch's row, but for its output
-            at = np.flatnonzero((self._batch.desc[:, same] == row[same]).all(axis=1))
-            full = np.zeros(len(self._batch.desc), np.int32)
-            full[at[:1]] = status[bad[0]]
-            err = self._batch.error(full)
-            if err is not None:
-                raise err
+        if not bad.size:
+            return None
+        i = int(bad[0])
+        full = np.zeros(len(self._batch.desc), np.int32)
+        full[2 * int(self._order[int(chunks[i // 2])]) + i % 2] = status[i]
+        return self._batch.error(full)
+
+    def range(self, first: int, n: int, region: torch.Tensor) -> CudaDecoder:
+        """A decoder of chunks ``[first, first + n)`` into ``region`` from this tensor's
+        coded bytes (``CudaDecoder.chunk_range``)."""
+        return CudaDecoder.chunk_range(self, first, n, region)
+
+
+def _raw_stream() -> object:
+    """The raw handle of torch's current stream of a device index: one call into torch."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 class CudaStreams:
     """Decodes ordered with the compute stream: now, or prefetched on one of ``sides``
     side streams, taken in turn, so that up to ``sides`` prefetched decodes (each into a
-    place apart from the others') run at once, more warps than one small decode fills."""
+    place apart from the others') run at once, more warps than one small decode fills.
+    The compute stream is torch's current one, looked up by its raw handle at each call
+    (one call into torch) and its torch and CuPy objects kept while it stays the same;
+    launches go to streams by handle, with no stream or device context entered where
+    the device is current."""
 
     def __init__(self, device: torch.device, units: int, sides: int = 1) -> None:
+        from .._cuda import nvrtc
+
         self.device = device
+        self.index = device.index
         self.sides = [torch.cuda.Stream(device) for _ in range(sides)]
+        with torch.cuda.device(device):
+            self._views = [nvrtc.view(s.cuda_stream) for s in self.sides]
         self.turn = 0
         self.free = [torch.cuda.Event() for _ in range(units)]
         self._rows: list[torch.Tensor] = []
         self.ready = [torch.cuda.Event() for _ in range(units)]
+        self._raw = _raw_stream()
+        self._handle: object = None  # the compute stream's raw handle last seen
+        self._compute: tuple = ()  # its torch stream and CuPy view
 
     def rows(self, role: int) -> torch.Tensor | None:
         """The descriptor buffer of the compute stream (role 0) or side stream ``role - 1``:
@@ -279,32 +459,43 @@ class CudaStreams:
     def nbytes(self) -> int:
         return _bytes(self._rows)
 
-    def _run(self, decoder: object, role: int) -> None:
-        if isinstance(decoder, CudaDecoder):
-            self.reserve(decoder.pairs)
-            decoder.run(self.rows(role))
-        else:
-            decoder.run()
+    def compute(self) -> tuple:
+        """Torch's current stream of the device and CuPy's view of it."""
+        handle = self._raw(self.index)
+        if handle != self._handle:
+            from .._cuda import nvrtc
+
+            with torch.cuda.device(self.device):
+                self._compute = (torch.cuda.current_stream(self.device), nvrtc.view(handle))
+            self._handle = handle
+        return self._compute
+
+    def _here(self) -> contextlib.AbstractContextManager:
+        """Nothing where the device is current (CuPy's launches need it), else its
+        context."""
+        if torch._C._cuda_getDevice() == self.index:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
 
     def now(self, decoder: CudaDecoder) -> None:
-        with torch.cuda.device(self.device):
-            self._run(decoder, 0)
+        with self._here():
+            decoder.run(self.rows(0), self.compute()[1])
 
     def prefetch(self, u: int, decoder: CudaDecoder) -> None:
         # The side stream starts once the compute stream has done everything enqueued so
         # far: every block before the one about to run, which may share unit u's place.
-        role = self.turn + 1
-        side = self.sides[self.turn]
-        self.turn = (self.turn + 1) % len(self.sides)
-        with torch.cuda.device(self.device):
-            self.free[u].record(torch.cuda.current_stream(self.device))
-            side.wait_event(self.free[u])
-            with torch.cuda.stream(side):
-                self._run(decoder, role)
+        turn = self.turn
+        self.turn = (turn + 1) % len(self.sides)
+        side = self.sides[turn]
+        free = self.free[u]
+        with self._here():
+            free.record(self.compute()[0])
+            side.wait_event(free)
+            decoder.run(self.rows(turn + 1), self._views[turn])
             self.ready[u].record(side)
 
     def join(self, u: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.ready[u])
+        self.compute()[0].wait_event(self.ready[u])
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

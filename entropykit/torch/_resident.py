@@ -6,7 +6,9 @@ each module of a block holding weights), every other module holding weights of i
 and the row tiles of an embedding or Linear weight larger than the largest block (or
 tied to another module: embeddings shared with the output head), which the module's
 forward decodes one tile at a time (the lookup picks each tile's rows, the head writes
-each tile's slice of the output). Units decode in launches: a unit alone, or up to
+each tile's slice of the output; on a GPU, an embedding's lookup decodes only the chunks
+holding the rows its ids read, also where the weight is tied to the head, whose tiles
+then decode ranges of the same coded chunks). Units decode in launches: a unit alone, or up to
 ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per launch). The
 scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch,
 taken in turn (by weight: a ring of bytes as large as the two largest consecutive
@@ -124,6 +126,9 @@ class Tiled:
     shape: tuple[int, ...]
     rows: list[tuple[int, int]]  # each tile's rows [a, b)
     units: list[int] = dataclasses.field(default_factory=list)  # per owner: its first unit
+    # the unit of a tied embedding whose lookup decodes the rows it reads, from the same
+    # coded chunks as these tiles (then the tiles' decoders are ranges of its chunks)
+    lookup: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -136,16 +141,19 @@ class Tiled:
 
 @dataclass
 class Gathered:
-    """An embedding weight whose lookup decodes only the chunks holding the rows it reads:
-    coded in chunks of whole rows, decoded ``slots`` chunks at a time."""
+    """An embedding weight whose lookup decodes only the chunks holding the rows it reads,
+    ``span`` chunks a row (one where chunks hold whole rows), decoded ``slots`` chunks at
+    a time."""
 
     owner: nn.Embedding
     requires_grad: bool
     dtype: torch.dtype
     shape: tuple[int, int]
-    chunk: int  # symbols per chunk, a multiple of a row
-    slots: int  # chunks one decode holds
+    chunk: int  # symbols per chunk
+    slots: int  # chunks one decode holds, a multiple of ``span``
     coded: CodedTensor | None = None
+    span: int = 1  # chunks a row may touch
+    tied: Tiled | None = None  # the tiles of the Linears sharing the weight
 
     @property
     def nbytes(self) -> int:
@@ -174,6 +182,29 @@ def _gather_chunk(m: nn.Module, name: str, p: torch.Tensor) -> int | None:
         return None
     chunk = max(width, GATHER_CHUNK)
     return chunk if chunk <= MAX_CHUNK else None
+
+
+def _tied_lookup(m: nn.Module, p: torch.Tensor, users: list[nn.Module], cap: int,
+                 tiled: Tiled) -> Gathered | None:
+    """The gathered lookup of ``m``, a stock bf16 embedding whose weight the stock Linears
+    after it share (their forwards decode ``tiled``'s tiles), if chunks of one size cut
+    every tile at its first row: the largest power of two up to ``GATHER_CHUNK`` that
+    does, at least ``SMALLEST_CHUNK`` (or ``GATHER_CHUNK`` if smaller). The weight is
+    coded once in those chunks; a row touches ``span`` of them."""
+    if not (isinstance(m, nn.Embedding) and p.dim() == 2 and p.dtype == torch.bfloat16
+            and users[0] is m and all(isinstance(u, nn.Linear) for u in users[1:])):
+        return None
+    width = p.shape[1]
+    chunk = GATHER_CHUNK
+    while chunk > 1 and any(a * width % chunk for a, _ in tiled.rows):
+        chunk //= 2
+    if chunk < min(GATHER_CHUNK, SMALLEST_CHUNK):
+        return None
+    span = 1 if chunk % width == 0 else -(-width // chunk) + 1
+    n = -(-p.numel() // chunk)
+    slots = max(span, min(n, cap // (chunk * p.element_size()))) // span * span
+    return Gathered(m, p.requires_grad, p.dtype, tuple(p.shape), chunk, slots,
+                    span=span, tied=tiled)
 
 
 @dataclass
@@ -349,6 +380,14 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
             if len(users) == 1 and _aligned(p.numel() * p.element_size()) <= cap:
                 ws.append(Weight(m, name, p.requires_grad, None))
                 continue
+            if gather and len(users) > 1 and id(p) not in tiled:
+                t = new_tiled(p, users[1:])
+                g = _tied_lookup(m, p, users, cap, t)
+                if g is not None:  # the head's tiles, and a lookup of the rows it reads
+                    t.lookup = len(units)
+                    tiled[id(p)] = t
+                    units.append(Unit(m, [], gathered=g))
+                    continue
             if id(p) not in tiled:
                 tiled[id(p)] = new_tiled(p, users)
             tile(tiled[id(p)], m)
@@ -398,7 +437,8 @@ def _launches(units: list[Unit], ahead: int) -> None:
 def _together(a: Unit, b: Unit) -> bool:
     if b.tiled is None:
         return False
-    if len(a.tiled.owners) > 1 or len(b.tiled.owners) > 1:
+    if (len(a.tiled.owners) > 1 or len(b.tiled.owners) > 1 or a.tiled.lookup is not None
+            or b.tiled.lookup is not None):  # (a range of one weight's chunks)
         return a.tiled is b.tiled and a.module is b.module
     return True
 
@@ -607,7 +647,7 @@ class Resident:
                 for w, at in zip(u.weights, places[g], strict=True):
                     t = getattr(w.owner, w.name)
                     yield t, at, self._chunk(t.numel())
-            elif not u.shared:
+            elif not u.shared and u.tiled.lookup is None:  # (else its lookup's chunks)
                 for t in self._members(g):
                     a, b = t.rows
                     w = t.tiled.owners[0].weight[a:b]
@@ -634,6 +674,8 @@ class Resident:
             for u in tiles:
                 first = self.units[u.tiled.units[0] + u.tile]
                 u.decoder, u.coded = first.decoder, first.coded
+        elif lead.tiled.lookup is not None:
+            self._build_range(tiles, verify)
         else:
             wants = []
             for u in tiles:
@@ -656,9 +698,28 @@ class Resident:
             if u.tile == len(t.rows) - 1 and u.module is t.owners[-1]:
                 self._swap_forwards(t)
 
+    def _build_range(self, tiles: list[Unit], verify: bool) -> None:
+        """One launch of tiles of a weight tied to a gathered lookup: the range of the
+        lookup's chunks holding the tiles' rows (each tile starts a chunk), decoded into
+        the launch's place, where the tiles' regions follow each other."""
+        lead, t = tiles[0], tiles[0].tiled
+        g = self.units[t.lookup].gathered
+        a, b = tiles[0].rows[0], tiles[-1].rows[1]
+        width = math.prod(t.shape[1:])
+        first, n = a * width // g.chunk, -(-(b - a) * width // g.chunk)
+        decoder = self.units[t.lookup].decoder.range(first, n, lead.place)
+        for u in tiles:
+            ra, rb = u.rows
+            u.decoder = decoder
+            u.coded = CodedTensor(t.dtype, (rb - ra, *t.shape[1:]), 0, ())
+        if verify:
+            w = t.owners[0].weight
+            self._verify(lead, [(u.coded, u, w[u.rows[0] : u.rows[1]]) for u in tiles])
+
     def _build_gathered(self, u: Unit, verify: bool, coded: CodedTensor) -> None:
         """A gathered embedding's decoder; with ``verify``, every chunk decoded once and
-        compared with the weight. Its forward decodes the rows it reads from now on."""
+        compared with the weight. Its forward decodes the rows it reads from now on (a
+        tied one's once the tiles of the weight's other owners are built)."""
         g, m = u.gathered, u.module
         g.coded = coded
         u.decoder = self.gatherer(coded, g.chunk, g.slots, u.region)
@@ -669,6 +730,12 @@ class Resident:
                 raise RuntimeError(f"entropykit: {type(m).__name__} weight did not decode "
                                    "to its weight")
         g.coded = dataclasses.replace(coded, fields=())
+        if g.tied is None:
+            self._swap_lookup(u)
+
+    def _swap_lookup(self, u: Unit) -> None:
+        """A gathered embedding's forward decodes the rows it reads from now on."""
+        g, m = u.gathered, u.module
         del m._parameters["weight"]
         m.weight = torch.empty(g.shape, dtype=g.dtype, device="meta")
         k = self.units.index(u)
@@ -701,6 +768,8 @@ class Resident:
             forward = _tiled_linear if isinstance(m, nn.Linear) else _tiled_embedding
             m.forward = types.MethodType(
                 lambda m, x, f=forward, ks=ks: f(self, m, ks, x), m)
+        if t.lookup is not None:
+            self._swap_lookup(self.units[t.lookup])
         self.tiled.append(t)
 
     def _verify(self, lead: Unit, checks: list[tuple[CodedTensor, Unit, torch.Tensor]]
@@ -728,18 +797,20 @@ class Resident:
         self.last = k
         if entered:  # decoded with the unit before it, in one launch
             return
-        if self.pending[:1] == [g]:  # the launch prefetched first: wait for it alone
-            self.streams.join(self.pending.pop(0))
+        pending, streams = self.pending, self.streams
+        if pending and pending[0] == g:  # the launch prefetched first: wait for it alone
+            streams.join(pending.pop(0))
         else:  # out of the expected order: nothing pending stays in flight
-            hit = g in self.pending
+            hit = g in pending
             self.join()
+            pending = self.pending
             if not hit:
-                self.streams.now(self.units[g].decoder)
+                streams.now(self.units[g].decoder)
         self.current = g
         for n in self.window[g]:
-            if n not in self.pending:
-                self.streams.prefetch(n, self.units[n].decoder)
-                self.pending.append(n)
+            if n not in pending:
+                streams.prefetch(n, self.units[n].decoder)
+                pending.append(n)
 
     def end(self) -> None:
         """The model's forward returned: nothing left pending, nothing taken as decoded."""
@@ -761,11 +832,12 @@ class Resident:
             + getattr(self.streams, "nbytes", 0),
             scratch_bytes=self.scratch.numel(),
             uncompressed_bytes=sum(w.coded.nbytes for u in self.units for w in u.weights)
-            + sum(t.nbytes for t in self.tiled)
-            + sum(u.gathered.nbytes for u in self.units if u.gathered is not None),
+            + sum(t.nbytes for t in self.tiled)  # a tied lookup's weight: with its tiles
+            + sum(u.gathered.nbytes for u in self.units
+                  if u.gathered is not None and u.gathered.tied is None),
             plain_bytes=plain,
-            tensors=sum(len(u.weights) + (u.gathered is not None) for u in self.units)
-            + len(self.tiled),
+            tensors=sum(len(u.weights) + (u.gathered is not None and u.gathered.tied is None)
+                        for u in self.units) + len(self.tiled),
         )
 
     def restore(self) -> None:
@@ -780,6 +852,8 @@ class Resident:
 
     def _decode_back(self, units: list[Unit], tiled: list[Tiled] | None = None) -> None:
         for u in units:
+            if u.gathered is not None and u.gathered.tied is not None:
+                continue  # given back with its tiles, or not yet taken from the module
             if u.gathered is not None:
                 whole = self._gathered_whole(u)
                 m = u.module
@@ -801,7 +875,8 @@ class Resident:
                     ran = u.decoder
                 whole[a:b] = u.coded.view(u.region)
             p = nn.Parameter(whole, t.requires_grad)
-            for m in t.owners:
+            lookup = [] if t.lookup is None else [self.units[t.lookup].module]
+            for m in (*lookup, *t.owners):
                 del m.forward, m.weight
                 m.register_parameter("weight", p)
         self.streams.synchronize()
@@ -854,25 +929,37 @@ def _tiled_embedding(state: Resident, m: nn.Embedding, ks: list[int], ids: torch
 
 def _gathered_embedding(state: Resident, m: nn.Embedding, k: int, ids: torch.Tensor
                         ) -> torch.Tensor:
-    """``m(ids)`` decoding only the chunks holding the rows of ``ids``: id i's chunk into
-    slot i of the unit's region, ``slots`` ids at a time (as many launches as the input's
-    shape needs), each row then read from its slot."""
+    """``m(ids)`` decoding only the chunks holding the rows of ``ids``: id i's ``span``
+    chunks into slots ``i * span`` on, ``slots / span`` ids at a time (as many launches
+    as the input's shape needs), each row then read from its slots."""
     u = state.units[k]
     g = u.gathered
     n = m.num_embeddings
     _check_ids(ids, n)
     flat = ids.reshape(-1).clamp(0, n - 1)
-    per = g.rows_per_chunk
-    rows = u.decoder.out.view(-1, g.shape[1])
+    width, span = g.shape[1], g.span
+    out = u.decoder.out
+    rows = out.view(-1, width) if span == 1 else None
+    step = g.slots // span
     parts = []
-    for a in range(0, max(1, flat.numel()), g.slots):
-        part = flat[a : a + g.slots]
-        u.decoder.want(torch.div(part, per, rounding_mode="floor"))
+    for a in range(0, max(1, flat.numel()), step):
+        part = flat[a : a + step]
+        start = part * width  # the row's first symbol
+        first = torch.div(start, g.chunk, rounding_mode="floor")
+        if span == 1:
+            u.decoder.want(first)
+        else:  # a row's chunks; past the last, the last again (the row ends before)
+            over = first[:, None] + torch.arange(span, device=part.device)
+            u.decoder.want(over.clamp_(max=g.chunks - 1).reshape(-1))
         if a == 0:
             state.before(k, (ids,), {})
         else:  # the same place again, after the rows before were read
             state.streams.now(u.decoder)
-        slot = torch.arange(part.numel(), device=part.device) * per + part % per
-        parts.append(F.embedding(slot, rows))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out.view(*ids.shape, g.shape[1])
+        at = torch.arange(part.numel(), device=part.device) * (span * g.chunk) + (
+            start - first * g.chunk)  # where the row starts among the slots
+        if rows is not None:
+            parts.append(F.embedding(torch.div(at, width, rounding_mode="floor"), rows))
+        else:
+            parts.append(out[at[:, None] + torch.arange(width, device=part.device)])
+    got = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return got.view(*ids.shape, width)

@@ -7,7 +7,8 @@ slots, each Linear whole before its own forward, and blocks in row tiles),
 also after the scratch buffer is poisoned with NaN, and ``decompress_model`` gives every
 weight back; a step captured in a CUDA graph and replayed on new inputs, the buffer
 poisoned between replays, gives the plain model's logits; an embedding decoding only
-the rows its ids read does so inside a captured graph, on new ids; the same with tiles decoded
+the rows its ids read does so inside a captured graph, on new ids, and a tied one from the
+chunks its head decodes; the same with tiles decoded
 several to a launch in small chunks, and for each option set of a small sweep; the
 memory accounting adds up to the device memory the weights take; a model built on the
 GPU computes its rotary frequencies as one built on the CPU does.
@@ -218,6 +219,97 @@ def test_gathered_embedding_decodes_only_its_chunks():
     decoded = u.decoder.out[: 5 * chunk]
     assert not decoded.isnan().any()
     assert u.decoder.out[5 * chunk :].isnan().all()
+
+
+TIED_OPTS = pytest.mark.parametrize("opts", [None, rc.WEIGHT, rc.AHEAD],
+                                   ids=["blocks", "weights", "tiles-ahead"])
+
+
+def _tied():
+    return rc.llama("tiny-tied", DEV)
+
+
+@TIED_OPTS
+def test_tied_lookup_exact_and_in_a_cuda_graph(opts):
+    """A tied embedding (rows of 96 crossing chunks) gathers its lookup's rows from the
+    chunks its head's tiles decode: logits and greedy tokens exact, with the scratch
+    poisoned, decompress_model giving one weight back; a captured step replayed on new
+    inputs exact."""
+    model = _tied()
+    ekt.compress_model(model, **rc._opts(opts))
+    (u,) = [u for u in model._entropykit_resident.units if u.gathered is not None]
+    assert u.gathered.tied is not None and u.gathered.span == 2
+    del model
+    assert rc.exact_failures(_tied, DEV, opts) == []
+    fails, how = rc.graph_failures(_tied, DEV, tile_bytes=opts)
+    assert fails == [], how
+
+
+def test_tied_lookup_decodes_two_chunks_an_id():
+    """A lookup of 3 ids decodes 6 chunks (a row's two) and nothing else of its place."""
+    model = _tied()
+    ekt.compress_model(model)
+    state = model._entropykit_resident
+    (u,) = [u for u in state.units if u.gathered is not None]
+    ids = torch.tensor([[5, 4095, 2000]], device=DEV)
+    with torch.no_grad():
+        state.scratch.view(torch.bfloat16).fill_(float("nan"))
+        got = model.model.embed_tokens(ids)
+        state.end()
+        torch.cuda.synchronize()
+    u.decoder.check()
+    assert u.decoder.count == 6
+    chunk = u.gathered.chunk
+    assert not u.decoder.out[: 6 * chunk].isnan().any()
+    assert u.decoder.out[6 * chunk :].isnan().all()
+    ekt.decompress_model(model)
+    assert torch.equal(rc._bits(got), rc._bits(model.model.embed_tokens(ids)))
+
+
+def test_expansion_kernel_is_the_cpu_expansion():
+    """The expansion kernel writes what the CPU's torch ops write: every pair, chunks
+    asked for with slot outputs, a range of chunks; int32 and int64 varying columns."""
+    import numpy as np
+
+    from entropykit.rans.cuda._layout import N_COLS
+    from entropykit.torch import _cuda
+
+    gen = np.random.default_rng(0)
+    for wide in (False, True):
+        kinds = torch.from_numpy(gen.integers(-5, 1 << 20, (7, 2, N_COLS)))
+        index = torch.from_numpy(gen.integers(0, 7, 50).astype(np.int32))
+        vary = torch.from_numpy(gen.integers(0, 1 << 30, (50, 2, 4)))
+        vary = vary + (1 << 40) if wide else vary.to(torch.int32)
+        chunks = torch.tensor([3, 49, 0, 3, 17])
+        for args in ((50,), (5, chunks, 0, 1024), (9, None, 30, 4096)):
+            want = torch.full((52, 2, N_COLS), -7, dtype=torch.int64)
+            _cuda.Expand(want, kinds, index, vary, *args)()
+            got = want.new_full(want.shape, -7).to(DEV)
+            dev = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+            with torch.cuda.stream(torch.cuda.Stream()):  # on a stream by its handle
+                _cuda.Expand(got, kinds.to(DEV), index.to(DEV), vary.to(DEV), *dev)()
+            torch.cuda.synchronize()
+            assert torch.equal(got.cpu(), want), (wide, args[0])
+
+
+def test_forward_on_another_stream_exact():
+    """A forward on a stream of the caller's (not the default one) orders the decodes
+    with it, by block and by weight, after steps on the default stream: exact."""
+    plain = _tied()
+    ids = rc._ids(plain.config.vocab_size, 2, 3, DEV, 0)
+    with torch.no_grad():
+        want = rc._bits(rc._full_step(plain, ids))
+        for opts in ({}, rc.WEIGHT):
+            model = ekt.compress_model(rc._sharing(plain), **opts)
+            assert torch.equal(rc._bits(rc._full_step(model, ids)), want)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                model._entropykit_resident.scratch.view(torch.bfloat16).fill_(float("nan"))
+                got = rc._bits(rc._full_step(model, ids))
+            torch.cuda.current_stream().wait_stream(s)
+            assert torch.equal(got, want)
+            assert torch.equal(rc._bits(rc._full_step(model, ids)), want)
 
 
 def test_computed_buffers_are_the_cpu_ones():

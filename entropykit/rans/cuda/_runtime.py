@@ -154,12 +154,22 @@ class Launch:
         self.shared = ((b.slots * table_set_bytes(v.tables) if smem else 0)
                        + pairs_smem(b.warps, b.context, b.classed, v))
         self.args = (*(np.uint64(p) for p in ptrs), np.int32(self.pairs), np.int32(b.slots))
+        self._fn = None  # the build's function on this device, fetched at the first launch
 
     def __call__(self) -> None:
+        """Enqueue the launch on torch's current stream of its device."""
+        with cp.cuda.Device(self.device.index):
+            self.on(nvrtc.stream())
+
+    def on(self, stream: cp.cuda.Stream) -> None:
+        """Enqueue the launch on ``stream`` (CuPy's view of a stream of this launch's
+        device, which must be the current device): one driver call, its arguments bound."""
         if self.kernel is None:
             return
-        with cp.cuda.Device(self.device.index), nvrtc.stream():
-            self.kernel(self.grid, self.block, self.args, shared_mem=self.shared)
+        fn = self._fn
+        if fn is None:
+            fn = self._fn = self.kernel.kernel
+        fn(self.grid, self.block, self.args, shared_mem=self.shared, stream=stream)
 
 
 class DeviceBatch:
