@@ -280,10 +280,10 @@ class _Ridge:
                     continue
                 # X_k L^-T, solved from the right on the fold's rows as they lie
                 zt = torch.linalg.solve_triangular(chol.T, torch.from_numpy(fk).to(chol.dtype),
-                                                   upper=True, left=False)
-                keep = -(zt @ zt.T)  # I - X_k A^-1 X_k^T: positive definite
-                keep.diagonal().add_(1.0)
-                err[r] = _spd_solve(keep, torch.from_numpy(err[r]).to(keep.dtype)).numpy()
+                                                   upper=True, left=False).numpy()
+                keep = -(zt @ zt.T)  # I - X_k A^-1 X_k^T: positive definite (numpy: syrk)
+                keep[np.diag_indices_from(keep)] += 1.0
+                err[r] = _spd_solve(torch.from_numpy(keep), err[r])
         weights[self.live] = w / self.sd[:, None]
         oof[self.order] = t - err
         return weights, oof
@@ -331,12 +331,12 @@ def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float,
     return _cholesky_solve(_cholesky(g, penalty, g32), c)
 
 
-def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _spd_solve(a: torch.Tensor, b: np.ndarray) -> np.ndarray:
     """a^-1 b for a positive definite a (float32; by LU where rounding made it not so)."""
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
-        return torch.cholesky_solve(b, chol).float()
-    return torch.linalg.solve(a.double(), b.double()).float()
+        return _cholesky_solve(chol, b)
+    return torch.linalg.solve(a.double(), torch.from_numpy(b).double()).float().numpy()
 
 
 _PIN = threading.Lock()
