@@ -8,8 +8,9 @@ thread: ``OPENBLAS_NUM_THREADS=1``; the default), with the out-of-fold errors' G
 code length per value (what the conditional std encodes) for each.
 ``--whole``: whole ``calibrate`` runs with the FP8-of-target predictor (bf16 and fp8 e4m3
 fits, ``--seqs`` x ``--tokens`` calibration tokens), one per tree in a child process with
-that tree on its path (``--old`` names the other tree's ``residual.py``, as above; its
-package root is three folders up), timed as the child's CPU and wall seconds, for each of
+that tree first on its path (``--old``: the other tree's ``residual.py``, as above, its
+``entropykit`` folder or the folder holding that: the package is all it needs; a failed
+child's stderr is printed), timed as the child's CPU and wall seconds, for each of
 ``--whole-threads``' settings (N: BLAS, torch and the fits on N threads; ``default``: the
 settings as they are, i.e. every core), with each file's bytes; then this tree's codec
 codes the first ``--eval`` x 512 tokens of the "eval" prose (bf16 cache and fp8 e4m3 with
@@ -81,32 +82,61 @@ def _calibrate_child(out: str, seqs: int, tokens: int, predictor: str) -> None:
     cal.save(out)
     print(json.dumps({"cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
                       "fingerprint": hex(cal.fingerprint), "file_bytes": os.path.getsize(out),
-                      "torch_threads": torch.get_num_threads()}))
+                      "torch_threads": torch.get_num_threads(),
+                      "package": str(Path(P.__file__).resolve().parent.parent)}))
+
+
+def _tree(old: Path) -> Path:
+    """The folder to put on a child's path for ``--old``: given its ``residual.py``, its
+    ``entropykit`` package or the folder holding that package (nothing else is needed:
+    no bench/ or pyproject)."""
+    old = old.resolve()
+    if old.is_file():  # .../entropykit/predictive/residual.py
+        return old.parent.parent.parent
+    return old.parent if old.name == "entropykit" else old
+
+
+def _run_child(name: str, tree: Path, threads: str, path: str,
+               args: argparse.Namespace) -> dict | None:
+    """One tree's whole ``calibrate`` in a child process: its JSON row, or None after
+    printing why the child failed (its exit status and the tail of its stderr)."""
+    # The tree first, ahead of whatever the caller's path holds (another entropykit too).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    if threads != "default":
+        env |= {"OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads,
+                "MKL_NUM_THREADS": threads, "ENTROPYKIT_THREADS": threads}
+    cmd = [sys.executable, __file__, "--child", path, "--seqs", str(args.seqs),
+           "--tokens", str(args.tokens), "--predictor", args.predictor,
+           "--threads", "0" if threads == "default" else threads]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    lines = out.stdout.strip().splitlines()
+    if out.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = "\n".join(out.stderr.strip().splitlines()[-40:])
+    print(f"{name} threads {threads}: the child exited with status {out.returncode} "
+          f"(PYTHONPATH={env['PYTHONPATH']}); its stderr ends:\n{tail}", flush=True)
+    return None
 
 
 def _whole(args: argparse.Namespace) -> None:
     from entropykit import predictive as P
 
-    trees = {"new": Path(__file__).resolve().parent.parent,
-             "old": args.old.resolve().parent.parent.parent}
-    files, rows = {}, {}
+    trees = {"new": Path(__file__).resolve().parent.parent, "old": _tree(args.old)}
+    if not (trees["old"] / "entropykit" / "predictive" / "calibration.py").is_file():
+        raise SystemExit(f"--old: no entropykit/predictive/calibration.py under {trees['old']}")
+    files: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for threads in args.whole_threads.split(","):
             for name in ("old", "new", "old", "new")[: 2 * args.runs]:
                 path = str(Path(tmp) / f"{name}-{threads}.safetensors")
-                files.setdefault(name, path)  # the first setting's file is coded below
-                env = dict(os.environ, PYTHONPATH=str(trees[name]))
-                if threads != "default":
-                    env |= {"OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads,
-                            "MKL_NUM_THREADS": threads, "ENTROPYKIT_THREADS": threads}
-                out = subprocess.run([sys.executable, __file__, "--child", path,
-                                      "--seqs", str(args.seqs), "--tokens", str(args.tokens),
-                                      "--predictor", args.predictor, "--threads",
-                                      "0" if threads == "default" else threads],
-                                     env=env, capture_output=True, text=True, check=True)
-                row = json.loads(out.stdout.strip().splitlines()[-1])
-                rows.setdefault(name, []).append(row)
+                row = _run_child(name, trees[name], threads, path, args)
+                if row is None:
+                    continue
+                files.setdefault(name, path)  # the first good setting's file is coded below
                 print(name, f"threads {threads}", json.dumps(row), flush=True)
+        if len(files) < 2:
+            raise SystemExit(f"no file of {sorted({'old', 'new'} - set(files))}: no bits")
         model, prompts = _smollm2("eval", args.eval, 512)
         pred = _predictor(model, args.predictor)
         cals = {name: P.Calibration.load(files[name]) for name in ("old", "new")}
@@ -153,7 +183,8 @@ def _scaling(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", type=Path, help="another tree's residual.py")
+    ap.add_argument("--old", type=Path, help="another tree's residual.py (--whole: or its "
+                    "entropykit folder, or the folder holding it)")
     ap.add_argument("--seqs", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=512, help="per sequence (--whole)")
     ap.add_argument("--groups", default="1:0,1:1,15:1,29:1", help="layer:kv,...")

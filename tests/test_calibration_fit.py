@@ -158,6 +158,46 @@ def _code_length(target: np.ndarray, oof: np.ndarray) -> float:
     return float(0.5 * np.log2((err**2).mean(axis=0)).mean())
 
 
+def test_cholesky_factors_the_system_rounded_to_float32_as_a_whole():
+    # The float32 system is built from a float32 copy of g and the float64 diagonal plus
+    # the penalty: exactly (g + penalty I) rounded to float32.
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((200, 64))
+    g = x.T @ x / 3.0
+    for penalty in (1e-4, 0.37, 25.0):
+        want = g.copy()
+        want[np.diag_indices_from(want)] += penalty
+        ref = torch.linalg.cholesky(torch.from_numpy(want).float())
+        assert torch.equal(residual._cholesky(g, penalty), ref)
+        assert torch.equal(residual._cholesky(g, penalty, g.astype(np.float32)), ref)
+
+
+def test_cholesky_solve_from_the_right_solves_the_system():
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((300, 80))
+    g, c = x.T @ x, x.T @ rng.standard_normal((300, 24))
+    got = residual._ridge_solve(g, c, 2.0)
+    want = np.linalg.solve(g + 2.0 * np.eye(80), c)
+    assert got.dtype == np.float32 and got.shape == (80, 24)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_cholesky_falls_back_to_float64_where_float32_is_not_positive_definite():
+    # Duplicated columns and a penalty far below float32's resolution of the diagonal:
+    # float32 rounding leaves the system indefinite; float64 still factors it.
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((200, 40))
+    x = np.concatenate([x, x + 1e-9 * rng.standard_normal(x.shape)], axis=1)
+    g, c = x.T @ x, x.T @ rng.standard_normal((200, 5))
+    penalty = 1e-7
+    assert int(torch.linalg.cholesky_ex(torch.from_numpy(g).float())[1]) != 0
+    chol = residual._cholesky(g, penalty)
+    assert chol.dtype == torch.float64
+    a = g + penalty * np.eye(80)
+    got = residual._cholesky_solve(chol, c).astype(np.float64)
+    assert np.linalg.norm(a @ got - c) <= 1e-3 * np.linalg.norm(c)
+
+
 def test_fit_refuses_values_that_are_not_finite():
     rng = np.random.default_rng(3)
     feats = rng.standard_normal((640, 20)).astype(np.float32)

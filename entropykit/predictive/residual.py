@@ -186,16 +186,17 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
 class _Ridge:
     """One group's ridge problem (``fit_conditional``), prepared once.
 
-    Cost: the products over the tokens run once, in float32 (one Gram matrix and cross
-    product per fold, summed in float64); every system is solved by one Cholesky
-    factorization in float32 (float64 where rounding made it not positive definite): the
-    weights are rounded to int8 anyway. The search factorizes the last fold's system once
-    per penalty tried. The final fit factorizes the whole system once: that gives the
-    weights and, through each fold's block of the hat matrix (``I - X_k A^-1 X_k^T``
-    turns the fold's in-sample errors into its out-of-fold ones, exactly), every fold's
-    out-of-fold errors without a system of the fold's own; where a fold has so many
-    tokens that its own system is cheaper, that is solved instead. Features that are zero
-    throughout (a predictor that guesses nothing) get weight 0 without entering a system.
+    Cost: the products over the tokens run once, in float32 (the Gram matrix and cross
+    product of the last fold, which the search holds out, and of the other folds, summed
+    in float64); every system is solved by one Cholesky factorization in float32 (float64
+    where rounding made it not positive definite): the weights are rounded to int8 anyway.
+    The search factorizes the other folds' system once per penalty tried. The final fit
+    factorizes the whole system once: that gives the weights and, through each fold's
+    block of the hat matrix (``I - X_k A^-1 X_k^T`` turns the fold's in-sample errors into
+    its out-of-fold ones, exactly), every fold's out-of-fold errors without a system of the
+    fold's own; where a fold has so many tokens that its own system is cheaper, that is
+    solved instead. Features that are zero throughout (a predictor that guesses nothing)
+    get weight 0 without entering a system.
     """
 
     def __init__(self, feats: np.ndarray, target: np.ndarray) -> None:
@@ -212,7 +213,7 @@ class _Ridge:
             return
         self.order = np.argsort(fold, kind="stable")  # each fold's tokens contiguous
         cuts = np.concatenate(([0], np.cumsum(np.bincount(fold, minlength=FOLDS))))
-        f = f32[self.order][:, self.live]
+        f = f32[np.ix_(self.order, self.live)]
         self.t = t32[self.order]
         mean = f.mean(axis=0, dtype=np.float64)
         dev = f - mean.astype(np.float32)
@@ -222,10 +223,12 @@ class _Ridge:
         f *= (1.0 / self.sd).astype(np.float32)
         self.f = f
         self.rows = [slice(cuts[k], cuts[k + 1]) for k in range(FOLDS)]
-        self.parts = [((f[r].T @ f[r]).astype(np.float64), (f[r].T @ self.t[r]).astype(np.float64))
-                      for r in self.rows]
-        self.gram = sum(g for g, _ in self.parts)
-        self.cross = sum(c for _, c in self.parts)
+        # One product over the other folds' tokens and one over the last fold's: a
+        # product over many rows runs faster than one per fold.
+        self.rest = _products(f[: cuts[-2]], self.t[: cuts[-2]])
+        last = _products(f[cuts[-2] :], self.t[cuts[-2] :])
+        self.gram = self.rest[0] + last[0]
+        self.cross = self.rest[1] + last[1]
         trace = float(np.trace(self.gram))
         self.ok = trace > 0
         self.unit = trace / f.shape[1]
@@ -239,13 +242,13 @@ class _Ridge:
         tried only where they may win."""
         if not self.ok:
             return None
-        g, c = self.parts[-1]
-        g, c = self.gram - g, self.cross - c
+        g, c = self.rest
+        g32 = g.astype(np.float32)  # rounded once for every penalty's system
         f, t = self.f[self.rows[-1]], self.t[self.rows[-1]]
         best, best_score, previous = None, _code(t), np.inf
         with one_torch_thread():
             for ridge in sorted(RIDGES, reverse=True):
-                s = _code(t - f @ _ridge_solve(g, c, ridge * np.trace(g) / len(g)))
+                s = _code(t - f @ _ridge_solve(g, c, ridge * np.trace(g) / len(g), g32))
                 if s < best_score:
                     best, best_score = ridge, s
                 if s >= previous:
@@ -265,24 +268,30 @@ class _Ridge:
         penalty = ridge * np.trace(self.gram) / n
         with one_torch_thread():
             chol = _cholesky(self.gram, penalty)
-            w = torch.cholesky_solve(torch.from_numpy(self.cross).to(chol.dtype), chol)
-            w = w.float().numpy()
+            w = _cholesky_solve(chol, self.cross)
             err = t - f @ w
-            for (g, c), r in zip(self.parts, self.rows, strict=True):
+            for r in self.rows:
                 fk, tk = f[r], r.stop - r.start
                 # multiply-adds of the hat block's route against the fold's own system's
                 if n * tk * (n + tk) + tk**3 / 3 + 2 * tk * tk * outputs > (
                         n**3 / 3 + 2 * n * n * outputs + tk * n * outputs):
+                    g, c = _products(fk, t[r])
                     err[r] = t[r] - fk @ _ridge_solve(self.gram - g, self.cross - c, penalty)
                     continue
-                z = torch.linalg.solve_triangular(chol, torch.from_numpy(fk.T).to(chol.dtype),
-                                                  upper=False)
-                keep = -(z.T @ z)  # I - X_k A^-1 X_k^T: positive definite
-                keep.diagonal().add_(1.0)
-                err[r] = _spd_solve(keep, torch.from_numpy(err[r]).to(keep.dtype)).numpy()
+                # X_k L^-T, solved from the right on the fold's rows as they lie
+                zt = torch.linalg.solve_triangular(chol.T, torch.from_numpy(fk).to(chol.dtype),
+                                                   upper=True, left=False).numpy()
+                keep = -(zt @ zt.T)  # I - X_k A^-1 X_k^T: positive definite (numpy: syrk)
+                keep[np.diag_indices_from(keep)] += 1.0
+                err[r] = _spd_solve(torch.from_numpy(keep), err[r])
         weights[self.live] = w / self.sd[:, None]
         oof[self.order] = t - err
         return weights, oof
+
+
+def _products(f: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(f^T f, f^T t) of float32 rows, in float64."""
+    return (f.T @ f).astype(np.float64), (f.T @ t).astype(np.float64)
 
 
 def _code(err: np.ndarray) -> float:
@@ -291,28 +300,43 @@ def _code(err: np.ndarray) -> float:
     return float(np.log(sq / len(err) + 1e-30).sum())
 
 
-def _cholesky(g: np.ndarray, penalty: float) -> torch.Tensor:
+def _cholesky(g: np.ndarray, penalty: float, g32: np.ndarray | None = None) -> torch.Tensor:
     """Lower Cholesky factor of g + penalty I (g a Gram matrix: positive definite for
     penalty > 0) in float32, or float64 where rounding made float32's not positive
-    definite."""
+    definite. ``g32``: g rounded to float32, where the caller has it."""
+    a = g.astype(np.float32) if g32 is None else g32.copy()
+    # the diagonal summed in float64, then rounded: (g + penalty I) rounded, as a whole
+    np.fill_diagonal(a, np.diagonal(g) + penalty)
+    chol, info = torch.linalg.cholesky_ex(torch.from_numpy(a))
+    if int(info) == 0:
+        return chol
     a = g.copy()
-    a[np.diag_indices_from(a)] += penalty  # g + penalty I, without an identity matrix
-    chol, info = torch.linalg.cholesky_ex(torch.from_numpy(a).float())
-    return chol if int(info) == 0 else torch.linalg.cholesky(torch.from_numpy(a))
+    a[np.diag_indices_from(a)] += penalty
+    return torch.linalg.cholesky(torch.from_numpy(a))
 
 
-def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float) -> np.ndarray:
-    """(g + penalty I)^-1 c, float32."""
-    chol = _cholesky(g, penalty)
-    return torch.cholesky_solve(torch.from_numpy(c).to(chol.dtype), chol).float().numpy()
+def _cholesky_solve(chol: torch.Tensor, b: np.ndarray) -> np.ndarray:
+    """(L L^T)^-1 b for the lower factor L = ``chol``, float32. As b^T L^-T L^-1: two
+    triangular solves from the right on b's transpose, which run faster than from the
+    left on b."""
+    bt = torch.from_numpy(np.ascontiguousarray(b.T)).to(chol.dtype)
+    y = torch.linalg.solve_triangular(chol.T, bt, upper=True, left=False)
+    x = torch.linalg.solve_triangular(chol, y, upper=False, left=False)
+    return x.T.float().numpy()
 
 
-def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _ridge_solve(g: np.ndarray, c: np.ndarray, penalty: float,
+                 g32: np.ndarray | None = None) -> np.ndarray:
+    """(g + penalty I)^-1 c, float32 (``g32``: ``_cholesky``'s)."""
+    return _cholesky_solve(_cholesky(g, penalty, g32), c)
+
+
+def _spd_solve(a: torch.Tensor, b: np.ndarray) -> np.ndarray:
     """a^-1 b for a positive definite a (float32; by LU where rounding made it not so)."""
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
-        return torch.cholesky_solve(b, chol).float()
-    return torch.linalg.solve(a.double(), b.double()).float()
+        return _cholesky_solve(chol, b)
+    return torch.linalg.solve(a.double(), torch.from_numpy(b).double()).float().numpy()
 
 
 _PIN = threading.Lock()
