@@ -224,8 +224,10 @@ class CompressedStorageWriter(FileSystemWriter):
 
     def _shard_output(self, path: Path) -> AbstractContextManager[BinaryIO]:
         """The stream a rank's shard is written to: a temporary file renamed to ``path``
-        when complete (a subclass may wrap it, e.g. to model slower storage)."""
-        return _atomic.output_file(path, force=True)
+        when complete (a subclass may wrap it, e.g. to model slower storage). Its name is
+        new with this save, so no killed run left a temporary of it to sweep here:
+        ``finish`` clears those of earlier saves in one listing."""
+        return _atomic.output_file(path, force=True, sweep=False)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         root = Path(self.path)
@@ -793,6 +795,8 @@ def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
     output.mkdir(parents=True, exist_ok=True)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}{files.SUFFIX}"
              for i in range(len(groups))]
+    ours = {*names, INDEX}
+    _atomic.remove_stale_in(output, ours.__contains__)  # once, not a listing per shard
     weight_map, total = {}, 0
     for name, group in zip(names, groups, strict=True):
         full = {}
@@ -801,10 +805,10 @@ def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
             total += full[hf_name].numel() * full[hf_name].element_size()
             weight_map[hf_name] = name
         path = output / name
-        with files.named(path), _atomic.output_file(path, force=True) as out:
+        with files.named(path), _atomic.output_file(path, force=True, sweep=False) as out:
             write(tensor_source(full, {"format": "pt"}), out, threads=n, fast=fast)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with _atomic.output_file(output / INDEX, force=True) as out:
+    with _atomic.output_file(output / INDEX, force=True, sweep=False) as out:
         out.write((json.dumps(index, indent=2) + "\n").encode("utf-8"))
     _remove_unlisted(output, set(names), _MODEL)
     return names
@@ -851,17 +855,11 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str] | N
 
 def _remove_stale_temporaries(root: Path) -> None:
     """Remove the temporaries of shard files that a killed save left in ``root``, those
-    that ``_atomic`` proves stale (a save still writing keeps its own). Every save's
-    shards have names of their own, so no later save writes one of those names again
-    and clears its temporary on the way, as a file written to a fixed name does."""
-    names = set()
-    for e in os.scandir(root):
-        if _atomic.is_temp(e.name):
-            name = e.name[1:-len(_atomic.TEMP_SUFFIX)].rpartition(".")[0]
-            if _SHARD.fullmatch(name):
-                names.add(name)
-    for name in sorted(names):
-        _atomic.remove_stale(root / name)
+    that ``_atomic`` proves stale (a save still writing keeps its own), in one listing.
+    Every save's shards have names of their own, so no later save writes one of those
+    names again and clears its temporary on the way, as a file written to a fixed name
+    does."""
+    _atomic.remove_stale_in(root, lambda name: _SHARD.fullmatch(name) is not None)
 
 
 def _remove_unlisted(root: Path, keep: set[str], pattern: re.Pattern[str]) -> None:

@@ -173,3 +173,46 @@ def test_writelines_queues_buffers_in_order_between_seeks(tmp_path: Path) -> Non
         out.writelines([])
         assert out.tell() == 9
     assert dst.read_bytes() == b"HEADab\x00\x01\x02"
+
+
+def test_many_outputs_stale_temporaries_cleared_in_one_listing(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """``remove_stale_in``: of 300 outputs' temporaries, in one listing, the stale ones of
+    the outputs asked for go; a young one, one of another output and a locked one stay.
+    ``output_file(sweep=False)`` lists nothing (the caller swept once)."""
+    import fcntl
+
+    old = 1.0
+    for i in range(300):
+        p = tmp_path / f".f{i:03d}.bin.abcd{i % 10:04d}.ek-tmp"
+        p.write_bytes(b"partial")
+        os.utime(p, (old, old))
+    young = tmp_path / ".f000.bin.zzzzzzzz.ek-tmp"
+    young.write_bytes(b"live")
+    other = tmp_path / ".notes.txt.abcdefgh.ek-tmp"
+    other.write_bytes(b"x")
+    os.utime(other, (old, old))
+    locked = tmp_path / ".f001.bin.lockedxx.ek-tmp"
+    locked.write_bytes(b"x")
+    os.utime(locked, (old, old))
+    listings = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: (listings.append(d), real(d))[1])
+    with open(locked, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        removed = _atomic.remove_stale_in(tmp_path, lambda t: t.startswith("f"))
+    assert listings == [tmp_path] and len(removed) == 300
+    assert sorted(os.listdir(tmp_path)) == sorted([young.name, other.name, locked.name])
+    assert _atomic.temp_target(".a.b.bin.abcd1234.ek-tmp") == "a.b.bin"
+    assert _atomic.temp_target(".a.bin.abc1234.ek-tmp") is None  # 7 characters, not 8
+    listings.clear()
+    stale = tmp_path / ".out.bin.abcd1234.ek-tmp"
+    stale.write_bytes(b"x")
+    os.utime(stale, (old, old))
+    with _atomic.output_file(tmp_path / "out.bin", sweep=False) as out:
+        out.write(b"new")
+    assert listings == [] and stale.exists()
+    with _atomic.output_file(tmp_path / "out.bin", force=True) as out:
+        out.write(b"new")
+    assert listings == [tmp_path] and not stale.exists()

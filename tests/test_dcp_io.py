@@ -389,3 +389,28 @@ def test_a_killed_saves_shard_temporaries_go_with_the_next_save(tmp_path):
     got = _zeros(sd)
     dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
     assert _equal(sd, got)
+
+
+def test_a_rank_with_many_files_lists_the_directory_a_fixed_number_of_times(
+        tmp_path, monkeypatch):
+    # 40 files of one item each: the temporaries are swept once in ``finish``, not once
+    # per file (old: a listing of the checkpoint directory per shard file, so a rank's
+    # save cost files^2 name checks).
+    import os
+
+    monkeypatch.setattr(ekdcp, "PART_BYTES", 8)
+    monkeypatch.setattr(ekdcp, "SEGMENT_BYTES", 8)
+    g = torch.Generator().manual_seed(5)
+    sd = {f"t{i:02d}": torch.randn(8, 16, generator=g) for i in range(40)}
+    listings = []
+    real_listdir, real_scandir = os.listdir, os.scandir
+    monkeypatch.setattr(os, "listdir", lambda d=".": (listings.append(d), real_listdir(d))[1])
+    monkeypatch.setattr(os, "scandir", lambda d=".": (listings.append(d), real_scandir(d))[1])
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    shards = [n for n in real_listdir(tmp_path) if n.startswith("shard-")]
+    assert len(shards) == 40
+    assert len(listings) <= 4
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
