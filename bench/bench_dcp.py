@@ -36,8 +36,10 @@ collective moves the data):
   least time the rate-limited saves can take (their bytes at the rates), and after each
   state's untimed round what that round took, so a run's length is known early;
 - ``--phases``: rank 0's save time by phase (seconds summed over the threads that spend
-  them): planning and collectives (the save less ``write_data`` and ``finish``), the
-  planner's data resolution, entropykit's coding (wall with a file open, and the coding
+  them): planning and collectives (the save less ``write_data`` and ``finish``), and of
+  those the part before rank 0's ``write_data`` and rank 0's wait for the last rank's
+  ``write_data`` to end (from every rank's start and end on the host's clock; with the
+  slowest rank's ``write_data``), the planner's data resolution, entropykit's coding (wall with a file open, and the coding
   threads' CPU), the coding threads' waits for a full write queue, the writes themselves,
   the bucket's sleeps, a file's close (entropykit: the writer thread's tail, fsync,
   rename), fsync, ``finish`` (metadata).
@@ -357,25 +359,31 @@ def _reader(name: str, path: Path, threads: int):
     return dcp.FileSystemReader(path)
 
 
-def _clocked(storage, method: str, into: list[float]):
+def _clocked(storage, method: str, into: list[float], spans: list | None = None):
     """``storage`` with its ``method`` (``write_data`` / ``read_data``: the rank's own data,
-    without DCP's planning and collectives) timed into ``into``."""
+    without DCP's planning and collectives) timed into ``into``; its start and end on the
+    host's clock (comparable between the ranks of one host) into ``spans``."""
     real = getattr(storage, method)
 
     def clocked(*args, **kwargs):
-        t = time.perf_counter()
+        t, w = time.perf_counter(), time.time()
         try:
             return real(*args, **kwargs)  # both writers' futures are done on return
         finally:
             into.append(time.perf_counter() - t)
+            if spans is not None:
+                spans.append((w, time.time()))
 
     setattr(storage, method, clocked)
     return storage
 
 
-def _timed(fn, *args, **kwargs) -> tuple[float, float]:
-    """Wall seconds between barriers around ``fn``, and this process's CPU seconds."""
+def _timed(fn, *args, began: list | None = None, **kwargs) -> tuple[float, float]:
+    """Wall seconds between barriers around ``fn``, and this process's CPU seconds; the
+    start on the host's clock into ``began``."""
     dist.barrier()
+    if began is not None:
+        began.append(time.time())
     t, c = time.perf_counter(), time.process_time()
     fn(*args, **kwargs)
     c = time.process_time() - c
@@ -414,10 +422,14 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                     dist.barrier()
                     _PHASES.take()
                     inner: list[float] = []
+                    spans: list = []
+                    started: list[float] = []
                     save = _timed(dcp.save, sd, storage_writer=_clocked(
                         _writer(name, path, rate, threads, args.ek_threads), "write_data",
-                        inner))
+                        inner, spans), began=started)
                     phases = _PHASES.take()
+                    if args.phases:
+                        phases.update(_rank_waits(started[0], spans[0], n))
                     load = None if rate else _timed(dcp.load, target, storage_reader=_clocked(
                         _reader(name, path, threads), "read_data", inner))[0]
                     if rank == 0:  # every rank is past the barrier after its load
@@ -449,6 +461,23 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                 out[(kind, name, n, rate)] = (sizes[name], sizes["hf"], per_rank, rows)
         dist.barrier()
     dist.destroy_process_group()
+
+
+def _rank_waits(began: float, span: tuple[float, float], n: int) -> dict[str, float]:
+    """What of rank 0's "planning and collectives" is waiting (``--phases``), from every
+    rank's ``write_data`` start and end (``span``, host clock; a collective, after the
+    timed save): the time from the save's start to rank 0's ``write_data`` (its planning
+    and the plan's collectives), and how much later than rank 0's the last rank's
+    ``write_data`` ended (rank 0 waits that long for the others' results before
+    ``finish``); also the slowest rank's ``write_data``."""
+    spans = [span] * n
+    if n > 1:
+        dist.all_gather_object(spans, span)
+    if dist.get_rank():
+        return {}
+    return {"before write_data": span[0] - began,
+            "waits for the last rank's write_data": max(0.0, max(e for _, e in spans) - span[1]),
+            "slowest rank's write_data": max(e - b for b, e in spans)}
 
 
 def _spread(xs: list[float]) -> str:
