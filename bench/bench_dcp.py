@@ -39,10 +39,12 @@ collective moves the data):
   them): planning and collectives (the save less ``write_data`` and ``finish``), and of
   those the part before rank 0's ``write_data`` and rank 0's wait for the last rank's
   ``write_data`` to end (from every rank's start and end on the host's clock; with the
-  slowest rank's ``write_data``), the planner's data resolution, entropykit's coding (wall with a file open, and the coding
-  threads' CPU), the coding threads' waits for a full write queue, the writes themselves,
-  the bucket's sleeps, a file's close (entropykit: the writer thread's tail, fsync,
-  rename), fsync, ``finish`` (metadata).
+  slowest rank's ``write_data``), the planner's data resolution, entropykit's coding
+  (wall with a file open, and the coding threads' CPU), the coding threads' waits for a
+  full write queue, the writes themselves, the bucket's sleeps, a file's close
+  (entropykit: the writer thread's tail, fsync, rename), fsync, ``finish`` (metadata).
+- ``--gil`` (instead of the above): one rank's save on one coding thread under
+  ``gil.GilProfile``, the share of its CPU that holds the GIL and where.
 
 Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-small``:
 with ``fast=False`` (every codec tried, smallest shards); ``hf``:
@@ -578,6 +580,60 @@ def _print_phases(args: argparse.Namespace, results: dict) -> None:
               + " | ".join(f"{med[p]:.3f}" for p in names) + " |")
 
 
+def _gil(args: argparse.Namespace) -> None:
+    """``--gil``: one rank's save (``no_dist``, one coding thread: every file coded on
+    the calling thread, the closes on the closing thread) under ``gil.GilProfile``:
+    the calling thread's CPU, its time in nogil kernels and GIL-releasing built-ins,
+    the rest (the GIL held), its Python calls, and the functions that hold it longest.
+    The least of ``--repeat`` runs."""
+    import gil as gil_profile
+
+    def modules() -> list:
+        return [m for k, m in sorted(sys.modules.items())
+                if (k == "entropykit" or k.startswith("entropykit.")) and m is not None]
+
+    print("| state | MB | files | CPU s | GIL-free s | GIL held s | share held | bound at 16 "
+          "threads | Python calls | calls / file |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    top = []
+    for kind in args.states:
+        weights, _ = _weights(True, _layers(kind, args.mb_per_rank, 1), 0, 1)
+        sd = _state(kind, weights, 0)
+        del weights
+        paths: list[Path] = []
+
+        def save(sd=sd, paths=paths, kind=kind) -> None:
+            # A new directory each time, as the bench's saves (no earlier shards to
+            # remove); removed after the profile.
+            paths.append(Path(args.dir) / f"gil-{kind}-{len(paths)}")
+            dcp.save(sd, storage_writer=CompressedStorageWriter(paths[-1], threads=1),
+                     no_dist=True)
+
+        save()
+        files = sum(1 for p in paths[0].iterdir() if p.name.startswith("shard-"))
+        runs, tallies = [], []
+        for _ in range(args.repeat):
+            prof = gil_profile.GilProfile(modules())
+            runs.append(prof.kernels(save))
+            tallies.append(prof.profile(save))
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
+        cpu, inside = min(runs, key=lambda r: r[0] - r[1])
+        t = min(tallies, key=lambda r: r.free_except(gil_profile.FREE))
+        held = min(max(0.0, cpu - inside - t.free_except(gil_profile.FREE)), cpu)
+        share = held / max(cpu, 1e-9)
+        mb = sum(v.numel() * v.element_size() for v in sd.values()
+                 if isinstance(v, torch.Tensor)) / 1e6
+        print(f"| {kind} | {mb:.0f} | {files} | {cpu:.3f} | {cpu - held:.3f} | {held:.3f} | "
+              f"{share:.0%} | {1 / (share + (1 - share) / 16):.1f}x | {t.calls:,} | "
+              f"{t.calls // max(files, 1):,} |", flush=True)
+        longest = sorted(t.held().items(), key=lambda kv: -kv[1])[:args.top]
+        top.append(f"- {kind}: " + ", ".join(f"{k.lstrip('~')} {v * 1e3:.1f} ms"
+                                            for k, v in longest))
+    print("\nLongest GIL-held (own time under the profiler, its cost included):\n\n"
+          + "\n".join(top))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
@@ -596,9 +652,21 @@ def main(argv: list[str] | None = None) -> None:
                          "ranks)")
     ap.add_argument("--phases", action="store_true",
                     help="also print rank 0's save time by phase")
+    ap.add_argument("--gil", action="store_true",
+                    help="instead: the GIL-held share of one rank's save on one coding "
+                         "thread (the synthetic states, one process)")
+    ap.add_argument("--top", type=int, default=8,
+                    help="with --gil: how many of the longest GIL-held functions to name")
     args = ap.parse_args(argv)
     if args.mb_per_rank is not None and not args.synthetic:
         ap.error("--mb-per-rank needs --synthetic")
+    if args.gil:
+        args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
+        try:
+            _gil(args)
+        finally:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        return
     args.rates = sorted({r for r in args.rate if r > 0}, reverse=True)
     args.writers = [w for w in WRITERS if w in {*args.writers, "fs"}]
     if args.rates:

@@ -43,6 +43,7 @@ import dataclasses
 import io
 import json
 import math
+import operator
 import os
 import re
 import threading
@@ -460,19 +461,29 @@ def _expect(cond: bool, what: str) -> None:
         raise CorruptDataError(f"{METADATA}: {what}")
 
 
-def _ints(v: Any, what: str) -> tuple[int, ...]:
-    _expect(isinstance(v, list) and len(v) <= MAX_DIMS
-            and all(type(x) is int and 0 <= x < 1 << 62 for x in v),
-            f"{what} is not a list of at most {MAX_DIMS} non-negative integers")
-    return tuple(v)
+_INT = frozenset({int})
+
+
+def _ints(v: Any, what: str, part: str = "") -> tuple[int, ...]:
+    """``v`` as a tuple of sizes or offsets; the error names it ``what`` + ``part``
+    (joined only then: this runs twice per chunk of every tensor, on every rank of a
+    load)."""
+    # Every element's type at once (C loops).
+    if type(v) is list and len(v) <= MAX_DIMS and (not v or (
+            set(map(type, v)) <= _INT and min(v) >= 0 and max(v) < 1 << 62)):
+        return tuple(v)
+    raise CorruptDataError(f"{METADATA}: {what}{part} is not a list of at most {MAX_DIMS} "
+                           f"non-negative integers")
 
 
 def _stored(v: Any, what: str, present: set[str]) -> _Stored:
-    _expect(isinstance(v, dict) and isinstance(v.get("file"), str)
-            and isinstance(v.get("key"), str), f"{what}: no file and key")
-    _expect(v["file"] in present, f"{what}: shard {v['file']!r} is not a shard file of "
-                                   f"this directory")
-    return _Stored(v["file"], v["key"])
+    file, key = (v.get("file"), v.get("key")) if isinstance(v, dict) else (None, None)
+    if type(file) is not str or type(key) is not str:
+        raise CorruptDataError(f"{METADATA}: {what}: no file and key")
+    if file not in present:
+        raise CorruptDataError(f"{METADATA}: {what}: shard {file!r} is not a shard file of "
+                               f"this directory")
+    return _Stored(file, key)
 
 
 def _check_tiling(what: str, t: _Tensor) -> None:
@@ -542,14 +553,16 @@ def _parse(raw: bytes, present: set[str]) -> _Layout:
                                                               f"{t.get('dtype')!r}")
         size = _ints(t.get("size"), f"{what} size")
         rec = _Tensor(t["dtype"], size, t.get("requires_grad") is True)
+        # Per chunk, the checks only: an error's message is built when it is raised.
         for c in t["chunks"]:
-            _expect(isinstance(c, dict), f"{what}: a chunk is not an object")
-            offsets = _ints(c.get("offsets"), f"{what} chunk offsets")
-            sizes = _ints(c.get("sizes"), f"{what} chunk sizes")
-            _expect(len(offsets) == len(sizes) == len(size)
-                    and all(o + n <= s for o, n, s in zip(offsets, sizes, size, strict=True)),
-                    f"{what}: chunk at {list(offsets)} of {list(sizes)} lies outside "
-                    f"{list(size)}")
+            if type(c) is not dict:
+                raise CorruptDataError(f"{METADATA}: {what}: a chunk is not an object")
+            offsets = _ints(c.get("offsets"), what, " chunk offsets")
+            sizes = _ints(c.get("sizes"), what, " chunk sizes")
+            if not (len(offsets) == len(sizes) == len(size) and not any(
+                    map(operator.gt, map(operator.add, offsets, sizes), size))):
+                raise CorruptDataError(f"{METADATA}: {what}: chunk at {list(offsets)} of "
+                                       f"{list(sizes)} lies outside {list(size)}")
             rec.chunks.append(_Chunk(offsets, sizes, _stored(c, what, present)))
         _check_tiling(what, rec)
         out.tensors[fqn] = rec
@@ -691,21 +704,31 @@ class CompressedStorageReader(FileSystemReader):
         super().__init__(path)
         self.threads = _rank_threads(threads)
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]] = {}
+        self._read: tuple[Metadata, _Layout] | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = _metadata(_read_layout(Path(self.path)))
+        layout = _read_layout(Path(self.path))
+        md = _metadata(layout)
         md.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        self._read = (md, layout)
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        # Every rank gets the coordinator's metadata here: each chunk's dtype and shape,
-        # which its shard must match.
-        self._chunks = {
-            (fqn, tuple(c.offsets)): (_dtype_name(md.properties.dtype, fqn), tuple(c.sizes))
-            for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+        # Each chunk's dtype and shape, which its shard must match: from the layout this
+        # rank read where the metadata is that one (DCP has every rank read it), else
+        # from the metadata given.
+        if self._read is not None and self._read[0] is metadata:
+            self._chunks = {(fqn, c.offsets): (t.dtype, c.sizes)
+                            for fqn, t in self._read[1].tensors.items() for c in t.chunks}
+        else:
+            self._chunks = {
+                (fqn, tuple(c.offsets)): (_dtype_name(md.properties.dtype, fqn),
+                                          tuple(c.sizes))
+                for fqn, md in metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+        self._read = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}

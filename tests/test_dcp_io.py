@@ -414,3 +414,19 @@ def test_a_rank_with_many_files_lists_the_directory_a_fixed_number_of_times(
     got = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
     assert _equal(sd, got)
+
+
+def test_a_reader_takes_chunk_shapes_from_its_own_read_or_from_given_metadata(tmp_path):
+    # Each rank reads the metadata itself: the chunks' dtypes and shapes come from the
+    # layout it parsed; metadata from elsewhere (another reader's) gives the same.
+    sd = _state()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path), no_dist=True)
+    own = ekdcp.CompressedStorageReader(tmp_path)
+    own.set_up_storage_reader(own.read_metadata(), True)
+    other = ekdcp.CompressedStorageReader(tmp_path)
+    other.set_up_storage_reader(ekdcp.CompressedStorageReader(tmp_path).read_metadata(), True)
+    assert own._chunks == other._chunks and len(own._chunks) == 8
+    assert own._chunks[("w1", (0, 0))] == ("BF16", (64, 264))
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
