@@ -216,3 +216,33 @@ def test_many_outputs_stale_temporaries_cleared_in_one_listing(tmp_path: Path,
     with _atomic.output_file(tmp_path / "out.bin", force=True) as out:
         out.write(b"new")
     assert listings == [tmp_path] and not stale.exists()
+
+
+def test_a_file_below_sync_bytes_starts_no_writeback_thread(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """Only the writer thread starts for a small file (a thread's start and join cost
+    more than writing it); a file past ``SYNC_BYTES`` starts the writeback thread once."""
+    import threading
+
+    started = []
+    real = threading.Thread
+
+    class Counted(real):
+        def start(self) -> None:
+            started.append(self.name)
+            super().start()
+
+    monkeypatch.setattr(_atomic.threading, "Thread", Counted)
+    monkeypatch.setattr(_atomic, "SYNC_BYTES", 1000)
+    with _atomic.output_file(tmp_path / "small.bin") as out:
+        out.write(b"x" * 999)
+    assert started == ["entropykit-writer"]
+    started.clear()
+    with _atomic.output_file(tmp_path / "large.bin") as out:
+        for _ in range(10):
+            out.write(b"y" * 1000)
+            out.flush()  # each write reaches the writer thread: ten kicks
+    assert sorted(started) == ["entropykit-writeback", "entropykit-writer"]
+    assert (tmp_path / "small.bin").read_bytes() == b"x" * 999
+    assert (tmp_path / "large.bin").read_bytes() == b"y" * 10_000

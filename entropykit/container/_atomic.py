@@ -54,7 +54,10 @@ _GROUP_BYTES = 8 << 20  # bytes of queued writes written in one writev call, abo
 
 class _Writeback:
     """A thread that runs ``fdatasync(fd)`` whenever ``kick`` is called (coalescing kicks
-    that arrive while one runs); ``close`` waits for it and re-raises its error, if any."""
+    that arrive while one runs); ``close`` waits for it and re-raises its error, if any.
+    The thread starts with the first kick: a file smaller than ``SYNC_BYTES`` (most of a
+    checkpoint's shard files) never needs it, and a thread's start and join cost more
+    than writing a small file."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -62,9 +65,7 @@ class _Writeback:
         self._pending = False
         self._closed = False
         self._error: OSError | None = None
-        self._thread = threading.Thread(target=self._run, name="entropykit-writeback",
-                                        daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
         while True:
@@ -84,12 +85,17 @@ class _Writeback:
         with self._wake:
             self._pending = True
             self._wake.notify()
+        if self._thread is None:  # kicks come from one thread, the file's writer
+            self._thread = threading.Thread(target=self._run, name="entropykit-writeback",
+                                            daemon=True)
+            self._thread.start()
 
     def close(self, report: bool = True) -> None:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if report and self._error is not None:
             raise self._error
 
