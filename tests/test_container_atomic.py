@@ -246,3 +246,39 @@ def test_a_file_below_sync_bytes_starts_no_writeback_thread(tmp_path: Path,
     assert sorted(started) == ["entropykit-writeback", "entropykit-writer"]
     assert (tmp_path / "small.bin").read_bytes() == b"x" * 999
     assert (tmp_path / "large.bin").read_bytes() == b"y" * 10_000
+
+
+def test_outputs_written_at_once_get_the_umask_mode(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each output reads the umask by setting it for an instant; threads writing at once
+    (a rank's shard files) must not read one another's stand-in (old: files of 0644
+    under a umask of 077). The instant is widened here so that reads overlap."""
+    import threading
+    import time
+
+    real = os.umask
+
+    def slow(mask: int) -> int:
+        old = real(mask)
+        time.sleep(0.01)
+        return old
+
+    before = real(0o077)
+    try:
+        monkeypatch.setattr(os, "umask", slow)
+        barrier = threading.Barrier(6)
+
+        def one(i: int) -> None:
+            barrier.wait()
+            with _atomic.output_file(tmp_path / f"f{i}.bin") as out:
+                out.write(b"x")
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        real(before)
+    assert sorted(oct(os.stat(tmp_path / f"f{i}.bin").st_mode & 0o777) for i in range(6)) == [
+        "0o600"] * 6

@@ -350,9 +350,16 @@ def _temp_name(dst: Path) -> tuple[str, str]:
     return f".{dst.name}.", TEMP_SUFFIX
 
 
+_UMASK = threading.Lock()
+
+
 def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
+    """The process's umask. Reading it means setting it for an instant: the lock keeps
+    two threads writing outputs at once (a rank's shard files) from reading each other's
+    stand-in value and giving a file the wrong mode."""
+    with _UMASK:
+        mask = os.umask(0o22)
+        os.umask(mask)
     return mask
 
 
