@@ -734,33 +734,25 @@ class CompressedStorageReader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+        jobs = [_ReadJob(Path(self.path) / name, item,
+                         None if item.type == LoadItemType.BYTE_IO
+                         else planner.resolve_tensor(item).detach())
+                for name, items in sorted(per_file.items()) for item in items]
         with ExitStack() as stack:
-            jobs: list[_ReadJob] = []
-            opened = []
-            for name, items in sorted(per_file.items()):
-                path = Path(self.path) / name
-                with files.named(path):
-                    f = stack.enter_context(files.opened(path))
-                    c = Compressed(f)
-                opened.append((path, f))
-                jobs += [_ReadJob(path, c, item, None if item.type == LoadItemType.BYTE_IO
-                                  else planner.resolve_tensor(item).detach())
-                         for item in items]
-            # Every file's items on one pool: a file's reads and decodes overlap the next
-            # file's instead of waiting for its last item.
-            for job, value in zip(jobs, self._pieces(jobs), strict=True):
+            shards = _Shards(stack)
+            # Every file's items on one pool: a file's opening, reads and decodes overlap
+            # the files' before it instead of waiting for their last item.
+            for job, value in zip(jobs, self._pieces(jobs, shards), strict=True):
                 if job.target is None:
                     planner.load_bytes(job.item, io.BytesIO(value))
                 else:
                     planner.commit_tensor(job.item, job.target)
-            for path, f in opened:
-                with files.named(path):
-                    f.check()
+            shards.check()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _pieces(self, jobs: list[_ReadJob]) -> Iterator[Any]:
+    def _pieces(self, jobs: list[_ReadJob], shards: _Shards) -> Iterator[Any]:
         """Each job's item decoded, in order, on the thread pool (small items in
         parallel, a large one's segments in parallel): a tensor piece into its target
         (straight into it where it is one run of bytes of the saved chunk and the target
@@ -772,17 +764,18 @@ class CompressedStorageReader(FileSystemReader):
             item = job.item
             key = self.storage_data[item.storage_index].key
             with files.named(job.path):
+                c = shards.get(job.path)
                 if job.target is None:
                     try:
-                        e = job.c.entry(key)
+                        e = c.entry(key)
                     except KeyError:
                         raise CorruptDataError(f"no item {key!r} in this shard") from None
                     if e.dtype != "U8" or len(e.shape) != 1:
                         raise CorruptDataError(f"item {key!r} is not a byte string")
-                    return job.c.tensor(key, inner).tobytes()
+                    return c.tensor(key, inner).tobytes()
                 index = item.storage_index
                 dtype, sizes = self._chunks[(index.fqn, tuple(index.offset))]
-                _into(job.c, key, dtype, sizes, tuple(item.storage_offsets),
+                _into(c, key, dtype, sizes, tuple(item.storage_offsets),
                       tuple(item.lengths), job.target, inner)
                 return None
 
@@ -791,13 +784,41 @@ class CompressedStorageReader(FileSystemReader):
 
 @dataclass(frozen=True)
 class _ReadJob:
-    """One item a rank loads: its shard (path, opened), and the tensor it goes into (None
-    for a byte item)."""
+    """One item a rank loads: its shard file, and the tensor it goes into (None for a
+    byte item)."""
 
     path: Path
-    c: Compressed
     item: ReadItem
     target: torch.Tensor | None
+
+
+class _Shards:
+    """The shard files of one load, each opened and its header parsed by the first pool
+    thread that needs it (the others wait for that file only), so that opening a file
+    overlaps decoding the ones before it; ``stack`` closes them. ``check`` checks each
+    opened file, in name order, once every item is read."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        self._stack = stack
+        self._lock = threading.Lock()
+        self._slots: dict[Path, list[Any]] = {}  # path -> [lock, file, Compressed]
+
+    def get(self, path: Path) -> Compressed:
+        with self._lock:
+            slot = self._slots.setdefault(path, [threading.Lock(), None, None])
+        with slot[0]:
+            if slot[2] is None:
+                f = files.opened(path)
+                with self._lock:
+                    slot[1] = self._stack.enter_context(f)
+                slot[2] = Compressed(f)
+            return slot[2]
+
+    def check(self) -> None:
+        for path, slot in sorted(self._slots.items()):
+            if slot[1] is not None:
+                with files.named(path):
+                    slot[1].check()
 
 
 # -- consolidation into a Hugging Face checkpoint --------------------------------------

@@ -430,3 +430,39 @@ def test_a_reader_takes_chunk_shapes_from_its_own_read_or_from_given_metadata(tm
     got = _zeros(sd)
     dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
     assert _equal(sd, got)
+
+
+def test_a_load_opens_each_shard_on_the_pool_as_its_items_come(tmp_path, monkeypatch):
+    # 7 files: each opened (its header parsed) by the pool thread that first needs it,
+    # once, while earlier files' items decode (old: every file opened, one after another
+    # on the calling thread, before the first item was decoded).
+    import threading
+
+    monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
+    sd = _state()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    events, lock = [], threading.Lock()
+    real_opened, real_into = ekdcp.files.opened, ekdcp._into
+
+    def opened(path):
+        with lock:
+            events.append(("open", path.name, threading.get_ident()))
+        return real_opened(path)
+
+    def into(c, key, *a):
+        with lock:
+            events.append(("decode", key, threading.get_ident()))
+        return real_into(c, key, *a)
+
+    monkeypatch.setattr(ekdcp.files, "opened", opened)
+    monkeypatch.setattr(ekdcp, "_into", into)
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path, threads=2),
+             no_dist=True)
+    assert _equal(sd, got)
+    opens = [e for e in events if e[0] == "open" and e[1].startswith("shard-")]
+    assert len(opens) == len({e[1] for e in opens}) == 7
+    first_decode = next(i for i, e in enumerate(events) if e[0] == "decode")
+    assert any(i > first_decode for i, e in enumerate(events) if e in opens)
+    assert threading.get_ident() not in {e[2] for e in opens}
