@@ -36,11 +36,15 @@ collective moves the data):
   least time the rate-limited saves can take (their bytes at the rates), and after each
   state's untimed round what that round took, so a run's length is known early;
 - ``--phases``: rank 0's save time by phase (seconds summed over the threads that spend
-  them): planning and collectives (the save less ``write_data`` and ``finish``), the
-  planner's data resolution, entropykit's coding (wall with a file open, and the coding
-  threads' CPU), the coding threads' waits for a full write queue, the writes themselves,
-  the bucket's sleeps, a file's close (entropykit: the writer thread's tail, fsync,
-  rename), fsync, ``finish`` (metadata).
+  them): planning and collectives (the save less ``write_data`` and ``finish``), and of
+  those the part before rank 0's ``write_data`` and rank 0's wait for the last rank's
+  ``write_data`` to end (from every rank's start and end on the host's clock; with the
+  slowest rank's ``write_data``), the planner's data resolution, entropykit's coding
+  (wall with a file open, and the coding threads' CPU), the coding threads' waits for a
+  full write queue, the writes themselves, the bucket's sleeps, a file's close
+  (entropykit: the writer thread's tail, fsync, rename), fsync, ``finish`` (metadata).
+- ``--gil`` (instead of the above): one rank's save on one coding thread under
+  ``gil.GilProfile``, the share of its CPU that holds the GIL and where.
 
 Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-small``:
 with ``fast=False`` (every codec tried, smallest shards); ``hf``:
@@ -357,25 +361,31 @@ def _reader(name: str, path: Path, threads: int):
     return dcp.FileSystemReader(path)
 
 
-def _clocked(storage, method: str, into: list[float]):
+def _clocked(storage, method: str, into: list[float], spans: list | None = None):
     """``storage`` with its ``method`` (``write_data`` / ``read_data``: the rank's own data,
-    without DCP's planning and collectives) timed into ``into``."""
+    without DCP's planning and collectives) timed into ``into``; its start and end on the
+    host's clock (comparable between the ranks of one host) into ``spans``."""
     real = getattr(storage, method)
 
     def clocked(*args, **kwargs):
-        t = time.perf_counter()
+        t, w = time.perf_counter(), time.time()
         try:
             return real(*args, **kwargs)  # both writers' futures are done on return
         finally:
             into.append(time.perf_counter() - t)
+            if spans is not None:
+                spans.append((w, time.time()))
 
     setattr(storage, method, clocked)
     return storage
 
 
-def _timed(fn, *args, **kwargs) -> tuple[float, float]:
-    """Wall seconds between barriers around ``fn``, and this process's CPU seconds."""
+def _timed(fn, *args, began: list | None = None, **kwargs) -> tuple[float, float]:
+    """Wall seconds between barriers around ``fn``, and this process's CPU seconds; the
+    start on the host's clock into ``began``."""
     dist.barrier()
+    if began is not None:
+        began.append(time.time())
     t, c = time.perf_counter(), time.process_time()
     fn(*args, **kwargs)
     c = time.process_time() - c
@@ -414,10 +424,14 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                     dist.barrier()
                     _PHASES.take()
                     inner: list[float] = []
+                    spans: list = []
+                    started: list[float] = []
                     save = _timed(dcp.save, sd, storage_writer=_clocked(
                         _writer(name, path, rate, threads, args.ek_threads), "write_data",
-                        inner))
+                        inner, spans), began=started)
                     phases = _PHASES.take()
+                    if args.phases:
+                        phases.update(_rank_waits(started[0], spans[0], n))
                     load = None if rate else _timed(dcp.load, target, storage_reader=_clocked(
                         _reader(name, path, threads), "read_data", inner))[0]
                     if rank == 0:  # every rank is past the barrier after its load
@@ -449,6 +463,23 @@ def _worker(rank: int, n: int, args: argparse.Namespace, store: str, out: dict) 
                 out[(kind, name, n, rate)] = (sizes[name], sizes["hf"], per_rank, rows)
         dist.barrier()
     dist.destroy_process_group()
+
+
+def _rank_waits(began: float, span: tuple[float, float], n: int) -> dict[str, float]:
+    """What of rank 0's "planning and collectives" is waiting (``--phases``), from every
+    rank's ``write_data`` start and end (``span``, host clock; a collective, after the
+    timed save): the time from the save's start to rank 0's ``write_data`` (its planning
+    and the plan's collectives), and how much later than rank 0's the last rank's
+    ``write_data`` ended (rank 0 waits that long for the others' results before
+    ``finish``); also the slowest rank's ``write_data``."""
+    spans = [span] * n
+    if n > 1:
+        dist.all_gather_object(spans, span)
+    if dist.get_rank():
+        return {}
+    return {"before write_data": span[0] - began,
+            "waits for the last rank's write_data": max(0.0, max(e for _, e in spans) - span[1]),
+            "slowest rank's write_data": max(e - b for b, e in spans)}
 
 
 def _spread(xs: list[float]) -> str:
@@ -549,6 +580,60 @@ def _print_phases(args: argparse.Namespace, results: dict) -> None:
               + " | ".join(f"{med[p]:.3f}" for p in names) + " |")
 
 
+def _gil(args: argparse.Namespace) -> None:
+    """``--gil``: one rank's save (``no_dist``, one coding thread: every file coded on
+    the calling thread, the closes on the closing thread) under ``gil.GilProfile``:
+    the calling thread's CPU, its time in nogil kernels and GIL-releasing built-ins,
+    the rest (the GIL held), its Python calls, and the functions that hold it longest.
+    The least of ``--repeat`` runs."""
+    import gil as gil_profile
+
+    def modules() -> list:
+        return [m for k, m in sorted(sys.modules.items())
+                if (k == "entropykit" or k.startswith("entropykit.")) and m is not None]
+
+    print("| state | MB | files | CPU s | GIL-free s | GIL held s | share held | bound at 16 "
+          "threads | Python calls | calls / file |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    top = []
+    for kind in args.states:
+        weights, _ = _weights(True, _layers(kind, args.mb_per_rank, 1), 0, 1)
+        sd = _state(kind, weights, 0)
+        del weights
+        paths: list[Path] = []
+
+        def save(sd=sd, paths=paths, kind=kind) -> None:
+            # A new directory each time, as the bench's saves (no earlier shards to
+            # remove); removed after the profile.
+            paths.append(Path(args.dir) / f"gil-{kind}-{len(paths)}")
+            dcp.save(sd, storage_writer=CompressedStorageWriter(paths[-1], threads=1),
+                     no_dist=True)
+
+        save()
+        files = sum(1 for p in paths[0].iterdir() if p.name.startswith("shard-"))
+        runs, tallies = [], []
+        for _ in range(args.repeat):
+            prof = gil_profile.GilProfile(modules())
+            runs.append(prof.kernels(save))
+            tallies.append(prof.profile(save))
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
+        cpu, inside = min(runs, key=lambda r: r[0] - r[1])
+        t = min(tallies, key=lambda r: r.free_except(gil_profile.FREE))
+        held = min(max(0.0, cpu - inside - t.free_except(gil_profile.FREE)), cpu)
+        share = held / max(cpu, 1e-9)
+        mb = sum(v.numel() * v.element_size() for v in sd.values()
+                 if isinstance(v, torch.Tensor)) / 1e6
+        print(f"| {kind} | {mb:.0f} | {files} | {cpu:.3f} | {cpu - held:.3f} | {held:.3f} | "
+              f"{share:.0%} | {1 / (share + (1 - share) / 16):.1f}x | {t.calls:,} | "
+              f"{t.calls // max(files, 1):,} |", flush=True)
+        longest = sorted(t.held().items(), key=lambda kv: -kv[1])[:args.top]
+        top.append(f"- {kind}: " + ", ".join(f"{k.lstrip('~')} {v * 1e3:.1f} ms"
+                                            for k, v in longest))
+    print("\nLongest GIL-held (own time under the profiler, its cost included):\n\n"
+          + "\n".join(top))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
@@ -567,9 +652,21 @@ def main(argv: list[str] | None = None) -> None:
                          "ranks)")
     ap.add_argument("--phases", action="store_true",
                     help="also print rank 0's save time by phase")
+    ap.add_argument("--gil", action="store_true",
+                    help="instead: the GIL-held share of one rank's save on one coding "
+                         "thread (the synthetic states, one process)")
+    ap.add_argument("--top", type=int, default=8,
+                    help="with --gil: how many of the longest GIL-held functions to name")
     args = ap.parse_args(argv)
     if args.mb_per_rank is not None and not args.synthetic:
         ap.error("--mb-per-rank needs --synthetic")
+    if args.gil:
+        args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
+        try:
+            _gil(args)
+        finally:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        return
     args.rates = sorted({r for r in args.rate if r > 0}, reverse=True)
     args.writers = [w for w in WRITERS if w in {*args.writers, "fs"}]
     if args.rates:

@@ -43,6 +43,7 @@ import dataclasses
 import io
 import json
 import math
+import operator
 import os
 import re
 import threading
@@ -224,8 +225,10 @@ class CompressedStorageWriter(FileSystemWriter):
 
     def _shard_output(self, path: Path) -> AbstractContextManager[BinaryIO]:
         """The stream a rank's shard is written to: a temporary file renamed to ``path``
-        when complete (a subclass may wrap it, e.g. to model slower storage)."""
-        return _atomic.output_file(path, force=True)
+        when complete (a subclass may wrap it, e.g. to model slower storage). Its name is
+        new with this save, so no killed run left a temporary of it to sweep here:
+        ``finish`` clears those of earlier saves in one listing."""
+        return _atomic.output_file(path, force=True, sweep=False)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         root = Path(self.path)
@@ -458,19 +461,29 @@ def _expect(cond: bool, what: str) -> None:
         raise CorruptDataError(f"{METADATA}: {what}")
 
 
-def _ints(v: Any, what: str) -> tuple[int, ...]:
-    _expect(isinstance(v, list) and len(v) <= MAX_DIMS
-            and all(type(x) is int and 0 <= x < 1 << 62 for x in v),
-            f"{what} is not a list of at most {MAX_DIMS} non-negative integers")
-    return tuple(v)
+_INT = frozenset({int})
+
+
+def _ints(v: Any, what: str, part: str = "") -> tuple[int, ...]:
+    """``v`` as a tuple of sizes or offsets; the error names it ``what`` + ``part``
+    (joined only then: this runs twice per chunk of every tensor, on every rank of a
+    load)."""
+    # Every element's type at once (C loops).
+    if type(v) is list and len(v) <= MAX_DIMS and (not v or (
+            set(map(type, v)) <= _INT and min(v) >= 0 and max(v) < 1 << 62)):
+        return tuple(v)
+    raise CorruptDataError(f"{METADATA}: {what}{part} is not a list of at most {MAX_DIMS} "
+                           f"non-negative integers")
 
 
 def _stored(v: Any, what: str, present: set[str]) -> _Stored:
-    _expect(isinstance(v, dict) and isinstance(v.get("file"), str)
-            and isinstance(v.get("key"), str), f"{what}: no file and key")
-    _expect(v["file"] in present, f"{what}: shard {v['file']!r} is not a shard file of "
-                                   f"this directory")
-    return _Stored(v["file"], v["key"])
+    file, key = (v.get("file"), v.get("key")) if isinstance(v, dict) else (None, None)
+    if type(file) is not str or type(key) is not str:
+        raise CorruptDataError(f"{METADATA}: {what}: no file and key")
+    if file not in present:
+        raise CorruptDataError(f"{METADATA}: {what}: shard {file!r} is not a shard file of "
+                               f"this directory")
+    return _Stored(file, key)
 
 
 def _check_tiling(what: str, t: _Tensor) -> None:
@@ -540,14 +553,16 @@ def _parse(raw: bytes, present: set[str]) -> _Layout:
                                                               f"{t.get('dtype')!r}")
         size = _ints(t.get("size"), f"{what} size")
         rec = _Tensor(t["dtype"], size, t.get("requires_grad") is True)
+        # Per chunk, the checks only: an error's message is built when it is raised.
         for c in t["chunks"]:
-            _expect(isinstance(c, dict), f"{what}: a chunk is not an object")
-            offsets = _ints(c.get("offsets"), f"{what} chunk offsets")
-            sizes = _ints(c.get("sizes"), f"{what} chunk sizes")
-            _expect(len(offsets) == len(sizes) == len(size)
-                    and all(o + n <= s for o, n, s in zip(offsets, sizes, size, strict=True)),
-                    f"{what}: chunk at {list(offsets)} of {list(sizes)} lies outside "
-                    f"{list(size)}")
+            if type(c) is not dict:
+                raise CorruptDataError(f"{METADATA}: {what}: a chunk is not an object")
+            offsets = _ints(c.get("offsets"), what, " chunk offsets")
+            sizes = _ints(c.get("sizes"), what, " chunk sizes")
+            if not (len(offsets) == len(sizes) == len(size) and not any(
+                    map(operator.gt, map(operator.add, offsets, sizes), size))):
+                raise CorruptDataError(f"{METADATA}: {what}: chunk at {list(offsets)} of "
+                                       f"{list(sizes)} lies outside {list(size)}")
             rec.chunks.append(_Chunk(offsets, sizes, _stored(c, what, present)))
         _check_tiling(what, rec)
         out.tensors[fqn] = rec
@@ -689,53 +704,55 @@ class CompressedStorageReader(FileSystemReader):
         super().__init__(path)
         self.threads = _rank_threads(threads)
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]] = {}
+        self._read: tuple[Metadata, _Layout] | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = _metadata(_read_layout(Path(self.path)))
+        layout = _read_layout(Path(self.path))
+        md = _metadata(layout)
         md.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        self._read = (md, layout)
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        # Every rank gets the coordinator's metadata here: each chunk's dtype and shape,
-        # which its shard must match.
-        self._chunks = {
-            (fqn, tuple(c.offsets)): (_dtype_name(md.properties.dtype, fqn), tuple(c.sizes))
-            for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+        # Each chunk's dtype and shape, which its shard must match: from the layout this
+        # rank read where the metadata is that one (DCP has every rank read it), else
+        # from the metadata given.
+        if self._read is not None and self._read[0] is metadata:
+            self._chunks = {(fqn, c.offsets): (t.dtype, c.sizes)
+                            for fqn, t in self._read[1].tensors.items() for c in t.chunks}
+        else:
+            self._chunks = {
+                (fqn, tuple(c.offsets)): (_dtype_name(md.properties.dtype, fqn),
+                                          tuple(c.sizes))
+                for fqn, md in metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+        self._read = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+        jobs = [_ReadJob(Path(self.path) / name, item,
+                         None if item.type == LoadItemType.BYTE_IO
+                         else planner.resolve_tensor(item).detach())
+                for name, items in sorted(per_file.items()) for item in items]
         with ExitStack() as stack:
-            jobs: list[_ReadJob] = []
-            opened = []
-            for name, items in sorted(per_file.items()):
-                path = Path(self.path) / name
-                with files.named(path):
-                    f = stack.enter_context(files.opened(path))
-                    c = Compressed(f)
-                opened.append((path, f))
-                jobs += [_ReadJob(path, c, item, None if item.type == LoadItemType.BYTE_IO
-                                  else planner.resolve_tensor(item).detach())
-                         for item in items]
-            # Every file's items on one pool: a file's reads and decodes overlap the next
-            # file's instead of waiting for its last item.
-            for job, value in zip(jobs, self._pieces(jobs), strict=True):
+            shards = _Shards(stack)
+            # Every file's items on one pool: a file's opening, reads and decodes overlap
+            # the files' before it instead of waiting for their last item.
+            for job, value in zip(jobs, self._pieces(jobs, shards), strict=True):
                 if job.target is None:
                     planner.load_bytes(job.item, io.BytesIO(value))
                 else:
                     planner.commit_tensor(job.item, job.target)
-            for path, f in opened:
-                with files.named(path):
-                    f.check()
+            shards.check()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _pieces(self, jobs: list[_ReadJob]) -> Iterator[Any]:
+    def _pieces(self, jobs: list[_ReadJob], shards: _Shards) -> Iterator[Any]:
         """Each job's item decoded, in order, on the thread pool (small items in
         parallel, a large one's segments in parallel): a tensor piece into its target
         (straight into it where it is one run of bytes of the saved chunk and the target
@@ -747,17 +764,18 @@ class CompressedStorageReader(FileSystemReader):
             item = job.item
             key = self.storage_data[item.storage_index].key
             with files.named(job.path):
+                c = shards.get(job.path)
                 if job.target is None:
                     try:
-                        e = job.c.entry(key)
+                        e = c.entry(key)
                     except KeyError:
                         raise CorruptDataError(f"no item {key!r} in this shard") from None
                     if e.dtype != "U8" or len(e.shape) != 1:
                         raise CorruptDataError(f"item {key!r} is not a byte string")
-                    return job.c.tensor(key, inner).tobytes()
+                    return c.tensor(key, inner).tobytes()
                 index = item.storage_index
                 dtype, sizes = self._chunks[(index.fqn, tuple(index.offset))]
-                _into(job.c, key, dtype, sizes, tuple(item.storage_offsets),
+                _into(c, key, dtype, sizes, tuple(item.storage_offsets),
                       tuple(item.lengths), job.target, inner)
                 return None
 
@@ -766,13 +784,41 @@ class CompressedStorageReader(FileSystemReader):
 
 @dataclass(frozen=True)
 class _ReadJob:
-    """One item a rank loads: its shard (path, opened), and the tensor it goes into (None
-    for a byte item)."""
+    """One item a rank loads: its shard file, and the tensor it goes into (None for a
+    byte item)."""
 
     path: Path
-    c: Compressed
     item: ReadItem
     target: torch.Tensor | None
+
+
+class _Shards:
+    """The shard files of one load, each opened and its header parsed by the first pool
+    thread that needs it (the others wait for that file only), so that opening a file
+    overlaps decoding the ones before it; ``stack`` closes them. ``check`` checks each
+    opened file, in name order, once every item is read."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        self._stack = stack
+        self._lock = threading.Lock()
+        self._slots: dict[Path, list[Any]] = {}  # path -> [lock, file, Compressed]
+
+    def get(self, path: Path) -> Compressed:
+        with self._lock:
+            slot = self._slots.setdefault(path, [threading.Lock(), None, None])
+        with slot[0]:
+            if slot[2] is None:
+                f = files.opened(path)
+                with self._lock:
+                    slot[1] = self._stack.enter_context(f)
+                slot[2] = Compressed(f)
+            return slot[2]
+
+    def check(self) -> None:
+        for path, slot in sorted(self._slots.items()):
+            if slot[1] is not None:
+                with files.named(path):
+                    slot[1].check()
 
 
 # -- consolidation into a Hugging Face checkpoint --------------------------------------
@@ -793,6 +839,8 @@ def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
     output.mkdir(parents=True, exist_ok=True)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}{files.SUFFIX}"
              for i in range(len(groups))]
+    ours = {*names, INDEX}
+    _atomic.remove_stale_in(output, ours.__contains__)  # once, not a listing per shard
     weight_map, total = {}, 0
     for name, group in zip(names, groups, strict=True):
         full = {}
@@ -801,10 +849,10 @@ def _consolidate(root: Path, layout: _Layout, output: Path, *, prefix: str = "",
             total += full[hf_name].numel() * full[hf_name].element_size()
             weight_map[hf_name] = name
         path = output / name
-        with files.named(path), _atomic.output_file(path, force=True) as out:
+        with files.named(path), _atomic.output_file(path, force=True, sweep=False) as out:
             write(tensor_source(full, {"format": "pt"}), out, threads=n, fast=fast)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with _atomic.output_file(output / INDEX, force=True) as out:
+    with _atomic.output_file(output / INDEX, force=True, sweep=False) as out:
         out.write((json.dumps(index, indent=2) + "\n").encode("utf-8"))
     _remove_unlisted(output, set(names), _MODEL)
     return names
@@ -851,17 +899,11 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str] | N
 
 def _remove_stale_temporaries(root: Path) -> None:
     """Remove the temporaries of shard files that a killed save left in ``root``, those
-    that ``_atomic`` proves stale (a save still writing keeps its own). Every save's
-    shards have names of their own, so no later save writes one of those names again
-    and clears its temporary on the way, as a file written to a fixed name does."""
-    names = set()
-    for e in os.scandir(root):
-        if _atomic.is_temp(e.name):
-            name = e.name[1:-len(_atomic.TEMP_SUFFIX)].rpartition(".")[0]
-            if _SHARD.fullmatch(name):
-                names.add(name)
-    for name in sorted(names):
-        _atomic.remove_stale(root / name)
+    that ``_atomic`` proves stale (a save still writing keeps its own), in one listing.
+    Every save's shards have names of their own, so no later save writes one of those
+    names again and clears its temporary on the way, as a file written to a fixed name
+    does."""
+    _atomic.remove_stale_in(root, lambda name: _SHARD.fullmatch(name) is not None)
 
 
 def _remove_unlisted(root: Path, keep: set[str], pattern: re.Pattern[str]) -> None:

@@ -173,3 +173,112 @@ def test_writelines_queues_buffers_in_order_between_seeks(tmp_path: Path) -> Non
         out.writelines([])
         assert out.tell() == 9
     assert dst.read_bytes() == b"HEADab\x00\x01\x02"
+
+
+def test_many_outputs_stale_temporaries_cleared_in_one_listing(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """``remove_stale_in``: of 300 outputs' temporaries, in one listing, the stale ones of
+    the outputs asked for go; a young one, one of another output and a locked one stay.
+    ``output_file(sweep=False)`` lists nothing (the caller swept once)."""
+    import fcntl
+
+    old = 1.0
+    for i in range(300):
+        p = tmp_path / f".f{i:03d}.bin.abcd{i % 10:04d}.ek-tmp"
+        p.write_bytes(b"partial")
+        os.utime(p, (old, old))
+    young = tmp_path / ".f000.bin.zzzzzzzz.ek-tmp"
+    young.write_bytes(b"live")
+    other = tmp_path / ".notes.txt.abcdefgh.ek-tmp"
+    other.write_bytes(b"x")
+    os.utime(other, (old, old))
+    locked = tmp_path / ".f001.bin.lockedxx.ek-tmp"
+    locked.write_bytes(b"x")
+    os.utime(locked, (old, old))
+    listings = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: (listings.append(d), real(d))[1])
+    with open(locked, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        removed = _atomic.remove_stale_in(tmp_path, lambda t: t.startswith("f"))
+    assert listings == [tmp_path] and len(removed) == 300
+    assert sorted(os.listdir(tmp_path)) == sorted([young.name, other.name, locked.name])
+    assert _atomic.temp_target(".a.b.bin.abcd1234.ek-tmp") == "a.b.bin"
+    assert _atomic.temp_target(".a.bin.abc1234.ek-tmp") is None  # 7 characters, not 8
+    listings.clear()
+    stale = tmp_path / ".out.bin.abcd1234.ek-tmp"
+    stale.write_bytes(b"x")
+    os.utime(stale, (old, old))
+    with _atomic.output_file(tmp_path / "out.bin", sweep=False) as out:
+        out.write(b"new")
+    assert listings == [] and stale.exists()
+    with _atomic.output_file(tmp_path / "out.bin", force=True) as out:
+        out.write(b"new")
+    assert listings == [tmp_path] and not stale.exists()
+
+
+def test_a_file_below_sync_bytes_starts_no_writeback_thread(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """Only the writer thread starts for a small file (a thread's start and join cost
+    more than writing it); a file past ``SYNC_BYTES`` starts the writeback thread once."""
+    import threading
+
+    started = []
+    real = threading.Thread
+
+    class Counted(real):
+        def start(self) -> None:
+            started.append(self.name)
+            super().start()
+
+    monkeypatch.setattr(_atomic.threading, "Thread", Counted)
+    monkeypatch.setattr(_atomic, "SYNC_BYTES", 1000)
+    with _atomic.output_file(tmp_path / "small.bin") as out:
+        out.write(b"x" * 999)
+    assert started == ["entropykit-writer"]
+    started.clear()
+    with _atomic.output_file(tmp_path / "large.bin") as out:
+        for _ in range(10):
+            out.write(b"y" * 1000)
+            out.flush()  # each write reaches the writer thread: ten kicks
+    assert sorted(started) == ["entropykit-writeback", "entropykit-writer"]
+    assert (tmp_path / "small.bin").read_bytes() == b"x" * 999
+    assert (tmp_path / "large.bin").read_bytes() == b"y" * 10_000
+
+
+def test_outputs_written_at_once_get_the_umask_mode(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each output reads the umask by setting it for an instant; threads writing at once
+    (a rank's shard files) must not read one another's stand-in (old: files of 0644
+    under a umask of 077). The instant is widened here so that reads overlap."""
+    import threading
+    import time
+
+    real = os.umask
+
+    def slow(mask: int) -> int:
+        old = real(mask)
+        time.sleep(0.01)
+        return old
+
+    before = real(0o077)
+    try:
+        monkeypatch.setattr(os, "umask", slow)
+        barrier = threading.Barrier(6)
+
+        def one(i: int) -> None:
+            barrier.wait()
+            with _atomic.output_file(tmp_path / f"f{i}.bin") as out:
+                out.write(b"x")
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        real(before)
+    assert sorted(oct(os.stat(tmp_path / f"f{i}.bin").st_mode & 0o777) for i in range(6)) == [
+        "0o600"] * 6

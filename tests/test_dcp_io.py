@@ -389,3 +389,80 @@ def test_a_killed_saves_shard_temporaries_go_with_the_next_save(tmp_path):
     got = _zeros(sd)
     dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
     assert _equal(sd, got)
+
+
+def test_a_rank_with_many_files_lists_the_directory_a_fixed_number_of_times(
+        tmp_path, monkeypatch):
+    # 40 files of one item each: the temporaries are swept once in ``finish``, not once
+    # per file (old: a listing of the checkpoint directory per shard file, so a rank's
+    # save cost files^2 name checks).
+    import os
+
+    monkeypatch.setattr(ekdcp, "PART_BYTES", 8)
+    monkeypatch.setattr(ekdcp, "SEGMENT_BYTES", 8)
+    g = torch.Generator().manual_seed(5)
+    sd = {f"t{i:02d}": torch.randn(8, 16, generator=g) for i in range(40)}
+    listings = []
+    real_listdir, real_scandir = os.listdir, os.scandir
+    monkeypatch.setattr(os, "listdir", lambda d=".": (listings.append(d), real_listdir(d))[1])
+    monkeypatch.setattr(os, "scandir", lambda d=".": (listings.append(d), real_scandir(d))[1])
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    shards = [n for n in real_listdir(tmp_path) if n.startswith("shard-")]
+    assert len(shards) == 40
+    assert len(listings) <= 4
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
+
+
+def test_a_reader_takes_chunk_shapes_from_its_own_read_or_from_given_metadata(tmp_path):
+    # Each rank reads the metadata itself: the chunks' dtypes and shapes come from the
+    # layout it parsed; metadata from elsewhere (another reader's) gives the same.
+    sd = _state()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path), no_dist=True)
+    own = ekdcp.CompressedStorageReader(tmp_path)
+    own.set_up_storage_reader(own.read_metadata(), True)
+    other = ekdcp.CompressedStorageReader(tmp_path)
+    other.set_up_storage_reader(ekdcp.CompressedStorageReader(tmp_path).read_metadata(), True)
+    assert own._chunks == other._chunks and len(own._chunks) == 8
+    assert own._chunks[("w1", (0, 0))] == ("BF16", (64, 264))
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
+    assert _equal(sd, got)
+
+
+def test_a_load_opens_each_shard_on_the_pool_as_its_items_come(tmp_path, monkeypatch):
+    # 7 files: each opened (its header parsed) by the pool thread that first needs it,
+    # once, while earlier files' items decode (old: every file opened, one after another
+    # on the calling thread, before the first item was decoded).
+    import threading
+
+    monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
+    sd = _state()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    events, lock = [], threading.Lock()
+    real_opened, real_into = ekdcp.files.opened, ekdcp._into
+
+    def opened(path):
+        with lock:
+            events.append(("open", path.name, threading.get_ident()))
+        return real_opened(path)
+
+    def into(c, key, *a):
+        with lock:
+            events.append(("decode", key, threading.get_ident()))
+        return real_into(c, key, *a)
+
+    monkeypatch.setattr(ekdcp.files, "opened", opened)
+    monkeypatch.setattr(ekdcp, "_into", into)
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path, threads=2),
+             no_dist=True)
+    assert _equal(sd, got)
+    opens = [e for e in events if e[0] == "open" and e[1].startswith("shard-")]
+    assert len(opens) == len({e[1] for e in opens}) == 7
+    first_decode = next(i for i, e in enumerate(events) if e[0] == "decode")
+    assert any(i > first_decode for i, e in enumerate(events) if e in opens)
+    assert threading.get_ident() not in {e[2] for e in opens}

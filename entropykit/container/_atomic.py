@@ -54,7 +54,10 @@ _GROUP_BYTES = 8 << 20  # bytes of queued writes written in one writev call, abo
 
 class _Writeback:
     """A thread that runs ``fdatasync(fd)`` whenever ``kick`` is called (coalescing kicks
-    that arrive while one runs); ``close`` waits for it and re-raises its error, if any."""
+    that arrive while one runs); ``close`` waits for it and re-raises its error, if any.
+    The thread starts with the first kick: a file smaller than ``SYNC_BYTES`` (most of a
+    checkpoint's shard files) never needs it, and a thread's start and join cost more
+    than writing a small file."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -62,9 +65,7 @@ class _Writeback:
         self._pending = False
         self._closed = False
         self._error: OSError | None = None
-        self._thread = threading.Thread(target=self._run, name="entropykit-writeback",
-                                        daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
         while True:
@@ -84,12 +85,17 @@ class _Writeback:
         with self._wake:
             self._pending = True
             self._wake.notify()
+        if self._thread is None:  # kicks come from one thread, the file's writer
+            self._thread = threading.Thread(target=self._run, name="entropykit-writeback",
+                                            daemon=True)
+            self._thread.start()
 
     def close(self, report: bool = True) -> None:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if report and self._error is not None:
             raise self._error
 
@@ -344,9 +350,16 @@ def _temp_name(dst: Path) -> tuple[str, str]:
     return f".{dst.name}.", TEMP_SUFFIX
 
 
+_UMASK = threading.Lock()
+
+
 def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
+    """The process's umask. Reading it means setting it for an instant: the lock keeps
+    two threads writing outputs at once (a rank's shard files) from reading each other's
+    stand-in value and giving a file the wrong mode."""
+    with _UMASK:
+        mask = os.umask(0o22)
+        os.umask(mask)
     return mask
 
 
@@ -359,23 +372,41 @@ def _lock(fd: int) -> None:
         pass
 
 
+# A temporary's name: "." + its output's name + "." + 8 characters of mkstemp + suffix.
+_TEMP = re.compile(r"\.(.+)\.[a-z0-9_]{8}" + re.escape(TEMP_SUFFIX), re.DOTALL)
+
+
+def temp_target(name: str) -> str | None:
+    """The output name whose temporary ``name`` is (``.NAME.XXXXXXXX.ek-tmp`` -> NAME),
+    or None for any other name."""
+    m = _TEMP.fullmatch(name)
+    return None if m is None else m.group(1)
+
+
 def remove_stale(dst: Path) -> list[Path]:
     """Remove the temporaries of output ``dst`` that a killed run left (see the module
     docstring for the proof required); returns what was removed."""
-    pre, suf = _temp_name(dst)
-    pattern = re.compile(re.escape(pre) + r"[a-z0-9_]{8}" + re.escape(suf))
-    where = [dst.parent]
+    removed = remove_stale_in(dst.parent, lambda target: target == dst.name)
     if dst.is_dir() and not dst.is_symlink():
-        where.append(dst)  # an existing output directory holds its run's temporary
+        # an existing output directory holds its run's temporary
+        removed += remove_stale_in(dst, lambda target: target == dst.name)
+    return removed
+
+
+def remove_stale_in(directory: Path, wanted: Callable[[str], bool]) -> list[Path]:
+    """Remove, in one listing of ``directory``, the temporaries that a killed run left of
+    every output whose name passes ``wanted`` (those proven stale, as ``remove_stale``):
+    a caller writing many outputs into one directory clears them all at once instead of
+    listing the directory once per output. Returns what was removed."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
     removed = []
-    for d in where:
-        try:
-            names = sorted(os.listdir(d))
-        except OSError:
-            continue
-        for name in names:
-            if pattern.fullmatch(name) and _remove_if_stale(d / name):
-                removed.append(d / name)
+    for name in names:
+        target = temp_target(name)
+        if target is not None and wanted(target) and _remove_if_stale(directory / name):
+            removed.append(directory / name)
     return removed
 
 
@@ -449,9 +480,12 @@ def _spooled(copy: Callable[[BinaryIO], None]) -> Iterator[BinaryIO]:
 
 
 @contextmanager
-def output_file(dst: Path | Stream, force: bool = False) -> Iterator[BinaryIO]:
+def output_file(dst: Path | Stream, force: bool = False, *, sweep: bool = True
+                ) -> Iterator[BinaryIO]:
     """A binary file to write ``dst`` through; renamed over ``dst`` when the block exits
-    (written into ``dst`` if it is a FIFO or character device, or a ``Stream``)."""
+    (written into ``dst`` if it is a FIFO or character device, or a ``Stream``).
+    ``sweep=False`` leaves a killed run's temporaries of ``dst`` to the caller (one
+    ``remove_stale_in`` for all the outputs it writes into a directory)."""
     if isinstance(dst, Stream):
         stream = dst
 
@@ -467,7 +501,8 @@ def output_file(dst: Path | Stream, force: bool = False) -> Iterator[BinaryIO]:
         with _spooled(lambda spool: _copy_into(spool, dst)) as out:
             yield out
         return
-    remove_stale(dst)
+    if sweep:
+        remove_stale(dst)
     pre, suf = _temp_name(dst)
     fd, tmp = tempfile.mkstemp(prefix=pre, suffix=suf, dir=dst.parent)
     lock = os.dup(fd)  # the lock lives until the rename is done
