@@ -53,14 +53,14 @@ from ...coding.parallel import alone
 from ...rans import decode as _rans_decode
 from ...rans.cuda.plan import GRID_MAX_WIDTH, WARPS, Batch, Grid, Place, Planner, Stream
 from ...rans.static import CODER
-from .. import classed, codecs, payload, segment
+from .. import classed, codecs, payload, segment, source
 from .. import header as hdr
 from ..parallel import imap
 from ..reader import Compressed
 from ..source import Arena
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
-RUN_BYTES = 1 << 20  # output bytes of the small segments one thread plans in a row
+RUN_BYTES = 4 << 20  # output bytes of the small segments one thread plans in a row
 # Threads the plan runs on at most: with large payloads staged from the file, what is
 # left is mostly Python holding the GIL, which more threads only contend for (with the
 # loader's thread, and transformers' in from_pretrained); the file reads use every thread.
@@ -169,9 +169,9 @@ class _Head:
     read again longer by ``need``); ``whole`` reads it all, checked here."""
 
     def __init__(self, c: Compressed, at: int, size: int, place: tuple[str, int, int],
-                 want: int | None) -> None:
+                 want: int | None, data: np.ndarray | None = None) -> None:
         self.c, self.at, self.size, self.place, self.want = c, at, size, place, want
-        self.data = c.source.read(at, min(size, HEAD))
+        self.data = c.source.read(at, min(size, HEAD)) if data is None else data
 
     def need(self, n: int) -> np.ndarray:
         """The first ``n`` bytes (all there are, if fewer), read again if not held."""
@@ -514,24 +514,47 @@ def _is_staged(c: Compressed, job: _Job) -> bool:
     return max(job.fields.lengths[job.seg * nf : (job.seg + 1) * nf], default=0) > STAGED_BYTES
 
 
+class _Prefix:
+    """A payload (``window``) whose first bytes (``first``) are read: slices within
+    them are views, others are read (``payload.unpack`` reads the index through it)."""
+
+    def __init__(self, first: np.ndarray, window: source.Window) -> None:
+        self.first, self.window, self.size = first, window, window.size
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        lo, hi, _ = s.indices(self.size)
+        return self.first[lo:hi] if hi <= self.first.size else self.window[lo:hi]
+
+
 def _read_staged(c: Compressed, job: _Job) -> list[np.ndarray | _Head]:
     """The field payloads of a segment of large ones: each large one the kernel places
     and decodes as a ``_Head``, the others read and checked here."""
     name = job.entry.name
     t = c.record.tensors[name]
-    fields = job.fields if job.fields is not None else c.fields(name)
     nf = len(t.fields)
     base = c.payload_at(name)
+    first = np.zeros(0, np.uint8)  # the payload's first bytes, where they were read
+    if job.fields is None:
+        # A tensor of one segment: its index and its first field's head in one read.
+        size = c.payload_size(name)
+        first = c.source.read(base, min(size, payload.index_size(len(t.codecs) * nf,
+                                                                 c.record.bound) + HEAD))
+        fields = c.fields(name, _Prefix(first, source.Window(c.source, base, size)))
+    else:
+        fields = job.fields
     kernel = placement(job.entry.dtype, t.layout, t.fields) is not None
     parts: list[np.ndarray | _Head] = []
     for f, codec in enumerate(t.codecs[job.seg]):
         i = job.seg * nf + f
-        at, n = base + fields.offsets[i], fields.lengths[i]
+        off, n = fields.offsets[i], fields.lengths[i]
+        at = base + off
         want = None if fields.crcs is None else fields.crcs[i]
         if kernel and codec in _STAGED_CODECS and n > STAGED_BYTES:
-            parts.append(_Head(c, at, n, (name, job.seg, f), want))
+            held = off + min(n, HEAD) <= first.size
+            parts.append(_Head(c, at, n, (name, job.seg, f), want,
+                               first[off : off + min(n, HEAD)] if held else None))
             continue
-        data = c.source.read(at, n)
+        data = first[off : off + n] if off + n <= first.size else c.source.read(at, n)
         _check_position(c, (name, job.seg, f), data, want)
         parts.append(data)
     return parts
