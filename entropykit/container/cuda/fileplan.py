@@ -37,6 +37,7 @@ What it is not: the device side (``load.py``) or the decoder's layout (``rans.cu
 
 from __future__ import annotations
 
+import functools
 import queue
 import re
 import threading
@@ -58,6 +59,7 @@ from .. import header as hdr
 from ..parallel import imap
 from ..reader import Compressed
 from ..source import Arena
+from . import _frames
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
 RUN_BYTES = 4 << 20  # output bytes of the small segments one thread plans in a row
@@ -87,6 +89,7 @@ class Placement:
     planes: dict[str, tuple[int, int]]
 
 
+@functools.cache  # a file has a handful of splits; every segment asks
 def placement(dtype: str, layout: str | None,
               fields: tuple[tuple[str, str | None], ...]) -> Placement | None:
     """The placement of a split (``formats``' field names), or None for a split this
@@ -155,7 +158,7 @@ class Piece:
 def _check_raw_chunks(s: Stream) -> None:
     """CRC-32 of the raw chunks of an rANS frame (the kernel copies them unchecked)."""
     info = s.info
-    if not info.modes.any():  # no raw chunk (modes are 0 coded, 1 raw: checked)
+    if not np.count_nonzero(info.modes):  # no raw chunk (modes are 0 coded, 1 raw: checked)
         return
     raw = np.flatnonzero(info.modes == _frame.MODE_RAW)
     got = crc32_ranges(s.data, info.offsets[raw], info.lengths[raw], np.zeros(raw.size))
@@ -228,18 +231,20 @@ def _frame_end(head: np.ndarray, at: int) -> int:
     return at + _frame.HEADER_SIZE + model + 9 * n_chunks
 
 
-def _staged_frame(piece: Piece, part: _Head, skip: int, label: str) -> Stream:
-    """The rANS frame at byte ``skip`` of a staged payload: parsed from its head, its raw
-    chunks' CRCs left to the device."""
-    head = part.need(skip + _frame.HEADER_SIZE)
-    while (grown := part.need(_frame_end(head, skip))) is not head:
-        head = grown  # read again longer: parse what one read gave, header to directory
-    try:
-        info = _frame.parse(CODER, head[skip:], size=part.size - skip)
-    except CorruptDataError as e:
-        raise CorruptDataError(f"{label}: {e}") from None
+def _staged_frame(piece: Piece, part: _Head, skip: int, label: str,
+                  info: _frame.FrameInfo | None = None) -> Stream:
+    """The rANS frame at byte ``skip`` of a staged payload: parsed from its head (unless
+    ``info``, its parse, is given), its raw chunks' CRCs left to the device."""
+    if info is None:
+        head = part.need(skip + _frame.HEADER_SIZE)
+        while (grown := part.need(_frame_end(head, skip))) is not head:
+            head = grown  # read again longer: parse what one read gave, header to directory
+        try:
+            info = _frame.parse(CODER, head[skip:], size=part.size - skip)
+        except CorruptDataError as e:
+            raise CorruptDataError(f"{label}: {e}") from None
     s = Stream(_stand_in(part.size - skip), info, label)
-    for k in np.flatnonzero(info.modes).tolist() if info.modes.any() else ():  # raw chunks
+    for k in np.flatnonzero(info.modes).tolist() if np.count_nonzero(info.modes) else ():
         piece.checks.append(Check(s, int(info.offsets[k]), int(info.lengths[k]), 0,
                                   int(info.crcs[k]), OWN,
                                   f"{label}: chunk {k} (raw) fails its CRC-32"))
@@ -247,7 +252,7 @@ def _staged_frame(piece: Piece, part: _Head, skip: int, label: str) -> Stream:
 
 
 def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | None,
-                   label: str) -> Stream:
+                   label: str, info: _frame.FrameInfo | None = None) -> Stream:
     """``_stream`` of a payload staged from the file (rans, rans2d or raw)."""
     if codec == "raw":
         if part.size != n + codecs.RAW_OVERHEAD:
@@ -259,13 +264,14 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
         part.stage(piece, s, codecs.RAW_OVERHEAD)
         return s
     if codec == "rans":
-        try:
-            got = codecs.count(codec, part.need(_frame.HEADER_SIZE), limit=n)
-        except CorruptDataError as e:
-            raise CorruptDataError(f"{label}: {e}") from None
-        if got != n:
-            raise CorruptDataError(f"{label}: holds {got} symbols, the segment has {n}")
-        s = _staged_frame(piece, part, 0, label)
+        if info is None:
+            try:
+                got = codecs.count(codec, part.need(_frame.HEADER_SIZE), limit=n)
+            except CorruptDataError as e:
+                raise CorruptDataError(f"{label}: {e}") from None
+            if got != n:
+                raise CorruptDataError(f"{label}: holds {got} symbols, the segment has {n}")
+        s = _staged_frame(piece, part, 0, label, info)
         if s.context and ctx is None:
             raise CorruptDataError(f"{label}: frame is context-conditioned, the field has "
                                    "no context")
@@ -293,12 +299,17 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
 
 
 def _stream(codec: str, part: np.ndarray | _Head, n: int, ctx: str | None, label: str,
-            piece: Piece | None = None) -> Stream:
+            piece: Piece | None = None, info: _frame.FrameInfo | None = None) -> Stream:
     """One field's stream: as the kernel will read it, checked as far as the host can
-    (staged from the file for a ``_Head``, its checks then added to ``piece``)."""
+    (staged from the file for a ``_Head``, its checks then added to ``piece``). ``info``:
+    an rANS frame's parse, its checks made (``_frames.parse``)."""
     if isinstance(part, _Head):
         assert piece is not None
-        return _staged_stream(piece, codec, part, n, ctx, label)
+        return _staged_stream(piece, codec, part, n, ctx, label, info)
+    if info is not None:
+        s = Stream(part, info, label)
+        _check_raw_chunks(s)
+        return s
     try:
         got = codecs.count(codec, part, limit=n)
     except CorruptDataError as e:
@@ -356,9 +367,11 @@ class _Job:
     fields: payload.Fields | None
 
 
-def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray | _Head]) -> Piece:
+def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray | _Head],
+                  infos: dict[int, _frame.FrameInfo] | None = None) -> Piece:
     """The piece of one segment, whose field payloads ``parts`` are read and checked, or
-    to be staged from the file (``_Head``)."""
+    to be staged from the file (``_Head``); ``infos``: the parse of some of its rANS
+    frames, by field (``_parsed``)."""
     e, s = job.entry, job.seg
     t = c.record.tensors[e.name]
     codec_names = t.codecs[s]
@@ -382,10 +395,11 @@ def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray | _Head]) -> 
                                f"into {split.fields}")
     counts = split.symbols(job.hi - job.lo)
     streams, coded = {}, {}
-    for (name, ctx), codec, part, n in zip(t.fields, codec_names, parts, counts,
-                                           strict=True):
+    infos = infos or {}
+    for f, ((name, ctx), codec, part, n) in enumerate(zip(t.fields, codec_names, parts, counts,
+                                                          strict=True)):
         streams[name] = _stream(codec, part, n, ctx, f"{where}: field {name!r} ({codec})",
-                                piece)
+                                piece, infos.get(f))
         coded[name] = (codec, part, n)
     if place.pair is not None:
         exp, sm = streams["exponent"], streams["sign_mantissa"]
@@ -560,6 +574,48 @@ def _read_staged(c: Compressed, job: _Job) -> list[np.ndarray | _Head]:
     return parts
 
 
+@functools.lru_cache(maxsize=1024)
+def _counts(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], ...],
+            nbytes: int) -> tuple[int, ...] | None:
+    """Symbols of each field of a segment of ``nbytes`` the kernel places, or None where
+    ``_plan_segment`` does not plan its fields one by one (or will raise)."""
+    if placement(dtype, layout, fields) is None:
+        return None
+    try:
+        split = segment.Split.of(dtype, layout, hdr.DTYPE_BITS[dtype])
+    except (ValueError, KeyError):
+        return None
+    return tuple(split.symbols(nbytes)) if split.fields == fields else None
+
+
+def _parsed(c: Compressed, run: Sequence[_Job], parts: Sequence[list[np.ndarray | _Head]]
+            ) -> list[dict[int, _frame.FrameInfo]]:
+    """The rANS frames of a run's segments (read, or the heads of staged payloads)
+    parsed together (``_frames.parse``): per segment, field -> its parse. A frame left
+    out (another codec, or a check failed) is parsed where it is planned, whose checks
+    raise what they always raised."""
+    frames, where = [], []
+    for k, (job, p) in enumerate(zip(run, parts, strict=True)):
+        t = c.record.tensors[job.entry.name]
+        names = t.codecs[job.seg]
+        if "rans" not in names:
+            continue
+        counts = _counts(job.entry.dtype, t.layout, t.fields, job.hi - job.lo)
+        if counts is None or len(p) != len(counts):
+            continue
+        for f, codec in enumerate(names):
+            if codec == "rans":
+                part = p[f]
+                data = part.data if isinstance(part, _Head) else part
+                frames.append((data, part.size, counts[f], t.fields[f][1] is not None))
+                where.append((k, f))
+    out: list[dict[int, _frame.FrameInfo]] = [{} for _ in run]
+    for (k, f), info in zip(where, _frames.parse(frames), strict=True):
+        if info is not None:
+            out[k][f] = info
+    return out
+
+
 def _plan_run(c: Compressed, run: list[_Job], arena: Arena | None = None) -> list[Piece]:
     """The pieces of a run of segments, in this thread: small segments' field payloads
     read together (into ``arena``) and their position CRCs checked in one pass
@@ -569,9 +625,10 @@ def _plan_run(c: Compressed, run: list[_Job], arena: Arena | None = None) -> lis
                              for j, big in zip(run, staged, strict=True) if not big], arena))
     parts = [_read_staged(c, j) if big else next(small)
              for j, big in zip(run, staged, strict=True)]
+    infos = _parsed(c, run, parts)
     # Host decodes (tANS, zstd) of a run stay on its thread: runs are what is shared out.
-    return alone(lambda _: [_plan_segment(c, j, p) for j, p in zip(run, parts, strict=True)],
-                 None)
+    return alone(lambda _: [_plan_segment(c, j, p, i)
+                            for j, p, i in zip(run, parts, infos, strict=True)], None)
 
 
 def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | None = None,
