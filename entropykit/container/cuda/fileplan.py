@@ -200,8 +200,13 @@ class _Head:
         seed = crc32(self.data, payload.place_seed(name, seg, f))
         fields = self.c.record.tensors[name].fields
         piece.checks.append(Check(s, held - skip, self.size - held, seed, self.want, POSITION,
-                                  f"tensor {name!r} segment {seg}: "
-                                  f"{payload.misplaced(fields, f)}"))
+                                  f"tensor {name!r} segment {seg}: {_misplaced(fields, f)}"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _misplaced(fields: tuple[tuple[str, str | None], ...], f: int) -> str:
+    """``payload.misplaced``'s words (one error object a split and field, not a check)."""
+    return str(payload.misplaced(fields, f))
 
 
 def _check_position(c: Compressed, place: tuple[str, int, int], data: np.ndarray,

@@ -369,12 +369,14 @@ def _row_ids(keys: np.ndarray) -> np.ndarray:
     return ids
 
 
+_TABLE_COLS = [D_SYM, D_INFO, D_PREC]  # what a padding row keeps of its row
+
+
 def _padding_like(rows: np.ndarray) -> np.ndarray:
     """Rows of 0 symbols with the same tables (so they join their block); "raw" so that
     the kernel reads nothing for them."""
     pad = np.zeros_like(rows)
-    for col in (D_SYM, D_INFO, D_PREC):
-        pad[:, col] = rows[:, col]
+    pad[:, _TABLE_COLS] = rows[:, _TABLE_COLS]
     pad[:, D_MODE] = _frame.MODE_RAW
     pad[:, D_CMAP] = -1
     pad[:, D_STEP] = 1
@@ -382,6 +384,10 @@ def _padding_like(rows: np.ndarray) -> np.ndarray:
     pad[:, D_WIDTH] = 1
     pad[:, _OUTPUT] = -1
     return pad
+
+
+_PADDING = _padding_like(np.zeros((1, _WIDTH), np.int64))[0]
+_PADDING.flags.writeable = False
 
 
 class Planner:
@@ -537,10 +543,12 @@ class Planner:
         rows, idx, pad = self._pairs()
         if len(idx):
             idx, pad = self._blocks(rows, idx, pad)
-        flat = rows[idx.reshape(-1)]
+        at = idx.reshape(-1)
+        flat = rows[at]
         fill = np.flatnonzero(pad.reshape(-1))
-        if fill.size:
-            flat[fill] = _padding_like(flat[fill])
+        if fill.size:  # ``_padding_like`` in place: the padding row, the tables kept
+            flat[fill] = _PADDING
+            flat[fill[:, None], _TABLE_COLS] = rows[:, _TABLE_COLS][at[fill]]
         return flat
 
     def _slots(self, desc: np.ndarray, ctx: bool) -> int:
