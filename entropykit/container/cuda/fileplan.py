@@ -391,14 +391,15 @@ def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray | _Head],
             raise CorruptDataError(f"{where}: {err}") from None
         piece.singles.append((Stream.plain(raw, where), Place(job.tensor, job.lo, 1)))
         return piece
-    try:
-        split = segment.Split.of(e.dtype, t.layout, hdr.DTYPE_BITS[e.dtype])
-    except (ValueError, KeyError) as err:
-        raise CorruptDataError(f"{where}: {e.dtype} with layout {t.layout!r}: {err}") from None
-    if split.fields != t.fields:
+    counts = _counts(e.dtype, t.layout, t.fields, job.hi - job.lo)
+    if counts is None:  # the split's error
+        try:
+            split = segment.Split.of(e.dtype, t.layout, hdr.DTYPE_BITS[e.dtype])
+        except (ValueError, KeyError) as err:
+            raise CorruptDataError(f"{where}: {e.dtype} with layout {t.layout!r}: {err}") \
+                from None
         raise CorruptDataError(f"{where}: record lists fields {t.fields}, {e.dtype} splits "
                                f"into {split.fields}")
-    counts = split.symbols(job.hi - job.lo)
     streams, coded = {}, {}
     infos = infos or {}
     for f, ((name, ctx), codec, part, n) in enumerate(zip(t.fields, codec_names, parts, counts,
