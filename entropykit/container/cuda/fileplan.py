@@ -27,7 +27,9 @@ For each segment of each tensor it decides how every field reaches the output te
 Segments are planned in runs (small segments together, up to ``RUN_BYTES``), each run on
 one thread of a pool: the field payloads of its small segments are read in as few reads
 as lie together (a tensor of one segment with its payload index) and all their position
-CRCs computed in one call (``Compressed.parts_of``), its host decodes run on that thread.
+CRCs computed in one call (``Compressed.parts_of``), the rANS frames of the run (small
+payloads, and the heads of staged ones) parsed together (``_frames``; a frame that fails
+there is parsed alone, raising what it raises), its host decodes run on that thread.
 The pieces are gathered in data order into ``Group``s of at most ``group_bytes`` of
 payload: a group is what the loader stages, copies and launches at once (one launch per
 kernel flavour in it: u8 / bf16 mode, context tables, tables wider than shared memory
