@@ -21,6 +21,8 @@ from ...coding import tables as _tables
 from ...rans.lanes import LANES
 
 _MAGIC = np.frombuffer(b"EKRA", np.uint8)
+_HEADER, _VERSION, _RAW = _frame.HEADER_SIZE, _frame.VERSION, _frame.MODE_RAW
+_CONTEXT_MAP = 257  # a context frame's model section first: n_tables - 1, a class a value
 # Columns of a frame's row: outcome (0 parsed), param, flag, n, chunk size, chunks, model
 # section bytes, tables, first table row, first chunk row.
 _OK_, _PARAM, _FLAG, _N, _CHUNK, _COUNT, _MODEL, _TABLES, _T0, _C0 = range(10)
@@ -43,10 +45,10 @@ def _heads(buf, starts, held, sizes, want, contexts, magic, lanes, min_chunk, ma
         m = meta[i]
         m[_OK_] = 1
         at, size, h = starts[i], sizes[i], held[i]
-        if size < 28 or h < 28:
+        if size < _HEADER or h < _HEADER:
             continue
         if (buf[at] != magic[0] or buf[at + 1] != magic[1] or buf[at + 2] != magic[2]
-                or buf[at + 3] != magic[3] or buf[at + 4] != 1):
+                or buf[at + 3] != magic[3] or buf[at + 4] != _VERSION):
             continue
         param, lane, flag = np.int64(buf[at + 5]), np.int64(buf[at + 6]), np.int64(buf[at + 7])
         n = _u32(buf, at + 8) | _u32(buf, at + 12) << 32  # a u64 above 2**63 is negative
@@ -57,17 +59,17 @@ def _heads(buf, starts, held, sizes, want, contexts, magic, lanes, min_chunk, ma
             continue
         if flag > 1 or (flag == 1 and not contexts[i]):
             continue
-        end = 28 + model  # the model section ends, the directory starts
+        end = _HEADER + model  # the model section ends, the directory starts
         if end + 9 * count > size or end + 9 * count > h:
             continue
         tabs = 1
         if flag == 1:
-            if model < 257:
+            if model < _CONTEXT_MAP:
                 continue
-            tabs = np.int64(buf[at + 28]) + 1
+            tabs = np.int64(buf[at + _HEADER]) + 1
             top = 0
-            for v in range(256):
-                top = max(top, np.int64(buf[at + 29 + v]))
+            for v in range(1, _CONTEXT_MAP):
+                top = max(top, np.int64(buf[at + _HEADER + v]))
             if top >= tabs:
                 continue
         m[_OK_], m[_PARAM], m[_FLAG], m[_N] = 0, param, flag, n
@@ -84,8 +86,8 @@ def _bodies(buf, starts, sizes, meta, freqs, lengths, offsets):
         if m[_OK_]:
             continue
         at, param, model = starts[i], m[_PARAM], m[_MODEL]
-        t = 28 + at + (257 if m[_FLAG] else 0)
-        end = at + 28 + model
+        t = at + _HEADER + (_CONTEXT_MAP if m[_FLAG] else 0)
+        end = at + _HEADER + model
         ok = True
         for r in range(m[_T0], m[_T0] + m[_TABLES]):
             code, t, _, _ = _tables._parse(buf, t, end, param, freqs[r])
@@ -96,13 +98,13 @@ def _bodies(buf, starts, sizes, meta, freqs, lengths, offsets):
             m[_OK_] = 1
             continue
         count, c0 = m[_COUNT], m[_C0]
-        pos = 28 + model + 9 * count
+        pos = _HEADER + model + 9 * count
         for k in range(count):
             length = _u32(buf, end + 4 * k)
             lengths[c0 + k] = length
             offsets[c0 + k] = pos
             pos += length
-            if buf[end + 8 * count + k] > 1:
+            if buf[end + 8 * count + k] > _RAW:
                 ok = False
         if not ok or pos != sizes[i]:
             m[_OK_] = 1
@@ -150,10 +152,11 @@ def parse(frames: Sequence[tuple[np.ndarray, int, int, bool]]
             continue
         data = frames[k][0]
         count, t0, c0 = row[_COUNT], row[_T0], row[_C0]
-        d = 28 + row[_MODEL]  # the directory
+        d = _HEADER + row[_MODEL]  # the directory
         out[k] = _frame.FrameInfo(
             row[_PARAM], row[_N], row[_CHUNK], freqs[t0 : t0 + row[_TABLES]],
-            data[29:285] if row[_FLAG] else None, lengths[c0 : c0 + count],
+            data[_HEADER + 1 : _HEADER + _CONTEXT_MAP] if row[_FLAG] else None,
+            lengths[c0 : c0 + count],
             data[d + 4 * count : d + 8 * count].view("<u4"), data[d + 8 * count : d + 9 * count],
             offsets[c0 : c0 + count], frames[k][1])
     return out
