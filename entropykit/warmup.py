@@ -56,7 +56,7 @@ def _tensors() -> dict[str, np.ndarray]:
 
 def warm_weights() -> None:
     """Compile what compressing (default, fast, GPU target), verifying, decompressing and
-    loading a safetensors file compiles."""
+    loading a safetensors file (on the CPU, and the GPU loader's host plan) compiles."""
     from safetensors.numpy import save_file
 
     with tempfile.TemporaryDirectory(prefix="entropykit-warmup-") as tmp:
@@ -74,6 +74,13 @@ def warm_weights() -> None:
             load_file(d / "w.default.ek.safetensors", threads=1)
         except ImportError:  # torch is optional: only load_file needs it
             pass
+        # The GPU loader's host plan (numpy alone): what it compiles, needing no GPU.
+        from .container import reader, source
+        from .container.cuda import fileplan
+
+        for mode in ("default", "gpu"):
+            with source.FileBytes(d / f"w.{mode}.ek.safetensors") as f:
+                list(fileplan.groups(reader.Compressed(f), 1))
 
 
 def tiny_llama(*, vocab: int = 64, hidden: int = 32, layers: int = 1, heads: int = 2,

@@ -242,6 +242,40 @@ def test_moved_payload_in_a_run_of_small_tensors_fails_as_on_the_cpu(tmp_path):
     assert f": tensor {name!r} segment 0: field " in str(gpu.value)  # after the file's path
 
 
+@pytest.mark.parametrize("name", ["encoder.layer.0.attention.self.query.weight",
+                                  "embeddings.word_embeddings.weight"])  # small; staged
+def test_damaged_frame_header_with_its_position_crc_recomputed(files, tmp_path, name):
+    """The magic of a tensor's exponent frame changed and its position CRC recomputed (a
+    run's frames are parsed together, small payloads and staged heads): the GPU load
+    raises the frame's own error, naming tensor, segment and field."""
+    import struct
+
+    from entropykit import CorruptDataError
+    from entropykit.container import payload
+    from entropykit.container.reader import Compressed
+
+    ek = files["bf16"][1]["gpu"]
+    buf = np.fromfile(ek, np.uint8)
+    c = Compressed(buf)
+    t = c.record.tensors[name]
+    f = [x[0] for x in t.fields].index("exponent")
+    assert t.codecs[0][f] == "rans"
+    o = next(e for e in c.outer.entries if e.name == name)
+    head = c.outer.data_start + o.begin
+    k = len(t.codecs) * len(t.fields)
+    lengths = buf[head + 8 : head + 8 + 8 * k].view("<u8").astype(np.int64)
+    at, n = head + 8 + 12 * k + int(lengths[:f].sum()), int(lengths[f])
+    buf[at] ^= 0x04  # "EKRA" no more
+    crc = payload.field_crc(buf[at : at + n], name, 0, f)
+    buf[head + 8 + 8 * k + 4 * f : head + 12 + 8 * k + 4 * f] = np.frombuffer(
+        struct.pack("<I", crc), np.uint8)
+    bad = tmp_path / "bad.safetensors"
+    buf.tofile(bad)
+    with pytest.raises(CorruptDataError, match="not a rANS frame: magic") as gpu:
+        entropykit.load_file(bad, "cuda")
+    assert f"tensor {name!r} segment 0: field 'exponent' (rans)" in str(gpu.value)
+
+
 def test_crc_kernels_are_zlib_per_row():
     """``_crc.cu`` on the device: rows at every alignment, shorter than, equal to and
     longer than a piece, empty, with seeds; a wrong wanted CRC fails exactly its row."""

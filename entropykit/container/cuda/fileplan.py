@@ -27,7 +27,9 @@ For each segment of each tensor it decides how every field reaches the output te
 Segments are planned in runs (small segments together, up to ``RUN_BYTES``), each run on
 one thread of a pool: the field payloads of its small segments are read in as few reads
 as lie together (a tensor of one segment with its payload index) and all their position
-CRCs computed in one call (``Compressed.parts_of``), its host decodes run on that thread.
+CRCs computed in one call (``Compressed.parts_of``), the rANS frames of the run (small
+payloads, and the heads of staged ones) parsed together (``_frames``; a frame that fails
+there is parsed alone, raising what it raises), its host decodes run on that thread.
 The pieces are gathered in data order into ``Group``s of at most ``group_bytes`` of
 payload: a group is what the loader stages, copies and launches at once (one launch per
 kernel flavour in it: u8 / bf16 mode, context tables, tables wider than shared memory
@@ -37,6 +39,7 @@ What it is not: the device side (``load.py``) or the decoder's layout (``rans.cu
 
 from __future__ import annotations
 
+import functools
 import queue
 import re
 import threading
@@ -53,14 +56,15 @@ from ...coding.parallel import alone
 from ...rans import decode as _rans_decode
 from ...rans.cuda.plan import GRID_MAX_WIDTH, WARPS, Batch, Grid, Place, Planner, Stream
 from ...rans.static import CODER
-from .. import classed, codecs, payload, segment
+from .. import classed, codecs, payload, segment, source
 from .. import header as hdr
 from ..parallel import imap
 from ..reader import Compressed
 from ..source import Arena
+from . import _frames
 
 GROUP_BYTES = 64 << 20  # payload bytes staged per group
-RUN_BYTES = 1 << 20  # output bytes of the small segments one thread plans in a row
+RUN_BYTES = 4 << 20  # output bytes of the small segments one thread plans in a row
 # Threads the plan runs on at most: with large payloads staged from the file, what is
 # left is mostly Python holding the GIL, which more threads only contend for (with the
 # loader's thread, and transformers' in from_pretrained); the file reads use every thread.
@@ -87,6 +91,7 @@ class Placement:
     planes: dict[str, tuple[int, int]]
 
 
+@functools.cache  # a file has a handful of splits; every segment asks
 def placement(dtype: str, layout: str | None,
               fields: tuple[tuple[str, str | None], ...]) -> Placement | None:
     """The placement of a split (``formats``' field names), or None for a split this
@@ -155,7 +160,7 @@ class Piece:
 def _check_raw_chunks(s: Stream) -> None:
     """CRC-32 of the raw chunks of an rANS frame (the kernel copies them unchecked)."""
     info = s.info
-    if not info.modes.any():  # no raw chunk (modes are 0 coded, 1 raw: checked)
+    if not np.count_nonzero(info.modes):  # no raw chunk (modes are 0 coded, 1 raw: checked)
         return
     raw = np.flatnonzero(info.modes == _frame.MODE_RAW)
     got = crc32_ranges(s.data, info.offsets[raw], info.lengths[raw], np.zeros(raw.size))
@@ -169,9 +174,9 @@ class _Head:
     read again longer by ``need``); ``whole`` reads it all, checked here."""
 
     def __init__(self, c: Compressed, at: int, size: int, place: tuple[str, int, int],
-                 want: int | None) -> None:
+                 want: int | None, data: np.ndarray | None = None) -> None:
         self.c, self.at, self.size, self.place, self.want = c, at, size, place, want
-        self.data = c.source.read(at, min(size, HEAD))
+        self.data = c.source.read(at, min(size, HEAD)) if data is None else data
 
     def need(self, n: int) -> np.ndarray:
         """The first ``n`` bytes (all there are, if fewer), read again if not held."""
@@ -197,8 +202,13 @@ class _Head:
         seed = crc32(self.data, payload.place_seed(name, seg, f))
         fields = self.c.record.tensors[name].fields
         piece.checks.append(Check(s, held - skip, self.size - held, seed, self.want, POSITION,
-                                  f"tensor {name!r} segment {seg}: "
-                                  f"{payload.misplaced(fields, f)}"))
+                                  f"tensor {name!r} segment {seg}: {_misplaced(fields, f)}"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _misplaced(fields: tuple[tuple[str, str | None], ...], f: int) -> str:
+    """``payload.misplaced``'s words (one error object a split and field, not a check)."""
+    return str(payload.misplaced(fields, f))
 
 
 def _check_position(c: Compressed, place: tuple[str, int, int], data: np.ndarray,
@@ -228,18 +238,20 @@ def _frame_end(head: np.ndarray, at: int) -> int:
     return at + _frame.HEADER_SIZE + model + 9 * n_chunks
 
 
-def _staged_frame(piece: Piece, part: _Head, skip: int, label: str) -> Stream:
-    """The rANS frame at byte ``skip`` of a staged payload: parsed from its head, its raw
-    chunks' CRCs left to the device."""
-    head = part.need(skip + _frame.HEADER_SIZE)
-    while (grown := part.need(_frame_end(head, skip))) is not head:
-        head = grown  # read again longer: parse what one read gave, header to directory
-    try:
-        info = _frame.parse(CODER, head[skip:], size=part.size - skip)
-    except CorruptDataError as e:
-        raise CorruptDataError(f"{label}: {e}") from None
+def _staged_frame(piece: Piece, part: _Head, skip: int, label: str,
+                  info: _frame.FrameInfo | None = None) -> Stream:
+    """The rANS frame at byte ``skip`` of a staged payload: parsed from its head (unless
+    ``info``, its parse, is given), its raw chunks' CRCs left to the device."""
+    if info is None:
+        head = part.need(skip + _frame.HEADER_SIZE)
+        while (grown := part.need(_frame_end(head, skip))) is not head:
+            head = grown  # read again longer: parse what one read gave, header to directory
+        try:
+            info = _frame.parse(CODER, head[skip:], size=part.size - skip)
+        except CorruptDataError as e:
+            raise CorruptDataError(f"{label}: {e}") from None
     s = Stream(_stand_in(part.size - skip), info, label)
-    for k in np.flatnonzero(info.modes).tolist() if info.modes.any() else ():  # raw chunks
+    for k in np.flatnonzero(info.modes).tolist() if np.count_nonzero(info.modes) else ():
         piece.checks.append(Check(s, int(info.offsets[k]), int(info.lengths[k]), 0,
                                   int(info.crcs[k]), OWN,
                                   f"{label}: chunk {k} (raw) fails its CRC-32"))
@@ -247,7 +259,7 @@ def _staged_frame(piece: Piece, part: _Head, skip: int, label: str) -> Stream:
 
 
 def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | None,
-                   label: str) -> Stream:
+                   label: str, info: _frame.FrameInfo | None = None) -> Stream:
     """``_stream`` of a payload staged from the file (rans, rans2d or raw)."""
     if codec == "raw":
         if part.size != n + codecs.RAW_OVERHEAD:
@@ -259,13 +271,14 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
         part.stage(piece, s, codecs.RAW_OVERHEAD)
         return s
     if codec == "rans":
-        try:
-            got = codecs.count(codec, part.need(_frame.HEADER_SIZE), limit=n)
-        except CorruptDataError as e:
-            raise CorruptDataError(f"{label}: {e}") from None
-        if got != n:
-            raise CorruptDataError(f"{label}: holds {got} symbols, the segment has {n}")
-        s = _staged_frame(piece, part, 0, label)
+        if info is None:
+            try:
+                got = codecs.count(codec, part.need(_frame.HEADER_SIZE), limit=n)
+            except CorruptDataError as e:
+                raise CorruptDataError(f"{label}: {e}") from None
+            if got != n:
+                raise CorruptDataError(f"{label}: holds {got} symbols, the segment has {n}")
+        s = _staged_frame(piece, part, 0, label, info)
         if s.context and ctx is None:
             raise CorruptDataError(f"{label}: frame is context-conditioned, the field has "
                                    "no context")
@@ -293,12 +306,17 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
 
 
 def _stream(codec: str, part: np.ndarray | _Head, n: int, ctx: str | None, label: str,
-            piece: Piece | None = None) -> Stream:
+            piece: Piece | None = None, info: _frame.FrameInfo | None = None) -> Stream:
     """One field's stream: as the kernel will read it, checked as far as the host can
-    (staged from the file for a ``_Head``, its checks then added to ``piece``)."""
+    (staged from the file for a ``_Head``, its checks then added to ``piece``). ``info``:
+    an rANS frame's parse, its checks made (``_frames.parse``)."""
     if isinstance(part, _Head):
         assert piece is not None
-        return _staged_stream(piece, codec, part, n, ctx, label)
+        return _staged_stream(piece, codec, part, n, ctx, label, info)
+    if info is not None:
+        s = Stream(part, info, label)
+        _check_raw_chunks(s)
+        return s
     try:
         got = codecs.count(codec, part, limit=n)
     except CorruptDataError as e:
@@ -356,9 +374,11 @@ class _Job:
     fields: payload.Fields | None
 
 
-def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray | _Head]) -> Piece:
+def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray | _Head],
+                  infos: dict[int, _frame.FrameInfo] | None = None) -> Piece:
     """The piece of one segment, whose field payloads ``parts`` are read and checked, or
-    to be staged from the file (``_Head``)."""
+    to be staged from the file (``_Head``); ``infos``: the parse of some of its rANS
+    frames, by field (``_parsed``)."""
     e, s = job.entry, job.seg
     t = c.record.tensors[e.name]
     codec_names = t.codecs[s]
@@ -373,19 +393,21 @@ def _plan_segment(c: Compressed, job: _Job, parts: list[np.ndarray | _Head]) -> 
             raise CorruptDataError(f"{where}: {err}") from None
         piece.singles.append((Stream.plain(raw, where), Place(job.tensor, job.lo, 1)))
         return piece
-    try:
-        split = segment.Split.of(e.dtype, t.layout, hdr.DTYPE_BITS[e.dtype])
-    except (ValueError, KeyError) as err:
-        raise CorruptDataError(f"{where}: {e.dtype} with layout {t.layout!r}: {err}") from None
-    if split.fields != t.fields:
+    counts = _counts(e.dtype, t.layout, t.fields, job.hi - job.lo)
+    if counts is None:  # the split's error
+        try:
+            split = segment.Split.of(e.dtype, t.layout, hdr.DTYPE_BITS[e.dtype])
+        except (ValueError, KeyError) as err:
+            raise CorruptDataError(f"{where}: {e.dtype} with layout {t.layout!r}: {err}") \
+                from None
         raise CorruptDataError(f"{where}: record lists fields {t.fields}, {e.dtype} splits "
                                f"into {split.fields}")
-    counts = split.symbols(job.hi - job.lo)
     streams, coded = {}, {}
-    for (name, ctx), codec, part, n in zip(t.fields, codec_names, parts, counts,
-                                           strict=True):
+    infos = infos or {}
+    for f, ((name, ctx), codec, part, n) in enumerate(zip(t.fields, codec_names, parts, counts,
+                                                          strict=True)):
         streams[name] = _stream(codec, part, n, ctx, f"{where}: field {name!r} ({codec})",
-                                piece)
+                                piece, infos.get(f))
         coded[name] = (codec, part, n)
     if place.pair is not None:
         exp, sm = streams["exponent"], streams["sign_mantissa"]
@@ -514,27 +536,92 @@ def _is_staged(c: Compressed, job: _Job) -> bool:
     return max(job.fields.lengths[job.seg * nf : (job.seg + 1) * nf], default=0) > STAGED_BYTES
 
 
+class _Prefix:
+    """A payload (``window``) whose first bytes (``first``) are read: slices within
+    them are views, others are read (``payload.unpack`` reads the index through it)."""
+
+    def __init__(self, first: np.ndarray, window: source.Window) -> None:
+        self.first, self.window, self.size = first, window, window.size
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        lo, hi, _ = s.indices(self.size)
+        return self.first[lo:hi] if hi <= self.first.size else self.window[lo:hi]
+
+
 def _read_staged(c: Compressed, job: _Job) -> list[np.ndarray | _Head]:
     """The field payloads of a segment of large ones: each large one the kernel places
     and decodes as a ``_Head``, the others read and checked here."""
     name = job.entry.name
     t = c.record.tensors[name]
-    fields = job.fields if job.fields is not None else c.fields(name)
     nf = len(t.fields)
     base = c.payload_at(name)
+    first = np.zeros(0, np.uint8)  # the payload's first bytes, where they were read
+    if job.fields is None:
+        # A tensor of one segment: its index and its first field's head in one read.
+        size = c.payload_size(name)
+        first = c.source.read(base, min(size, payload.index_size(len(t.codecs) * nf,
+                                                                 c.record.bound) + HEAD))
+        fields = c.fields(name, _Prefix(first, source.Window(c.source, base, size)))
+    else:
+        fields = job.fields
     kernel = placement(job.entry.dtype, t.layout, t.fields) is not None
     parts: list[np.ndarray | _Head] = []
     for f, codec in enumerate(t.codecs[job.seg]):
         i = job.seg * nf + f
-        at, n = base + fields.offsets[i], fields.lengths[i]
+        off, n = fields.offsets[i], fields.lengths[i]
+        at = base + off
         want = None if fields.crcs is None else fields.crcs[i]
         if kernel and codec in _STAGED_CODECS and n > STAGED_BYTES:
-            parts.append(_Head(c, at, n, (name, job.seg, f), want))
+            held = off + min(n, HEAD) <= first.size
+            parts.append(_Head(c, at, n, (name, job.seg, f), want,
+                               first[off : off + min(n, HEAD)] if held else None))
             continue
-        data = c.source.read(at, n)
+        data = first[off : off + n] if off + n <= first.size else c.source.read(at, n)
         _check_position(c, (name, job.seg, f), data, want)
         parts.append(data)
     return parts
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(dtype: str, layout: str | None, fields: tuple[tuple[str, str | None], ...],
+            nbytes: int) -> tuple[int, ...] | None:
+    """Symbols of each field of a segment of ``nbytes`` the kernel places, or None where
+    ``_plan_segment`` does not plan its fields one by one (or will raise)."""
+    if placement(dtype, layout, fields) is None:
+        return None
+    try:
+        split = segment.Split.of(dtype, layout, hdr.DTYPE_BITS[dtype])
+    except (ValueError, KeyError):
+        return None
+    return tuple(split.symbols(nbytes)) if split.fields == fields else None
+
+
+def _parsed(c: Compressed, run: Sequence[_Job], parts: Sequence[list[np.ndarray | _Head]]
+            ) -> list[dict[int, _frame.FrameInfo]]:
+    """The rANS frames of a run's segments (read, or the heads of staged payloads)
+    parsed together (``_frames.parse``): per segment, field -> its parse. A frame left
+    out (another codec, or a check failed) is parsed where it is planned, whose checks
+    raise what they always raised."""
+    frames, where = [], []
+    for k, (job, p) in enumerate(zip(run, parts, strict=True)):
+        t = c.record.tensors[job.entry.name]
+        names = t.codecs[job.seg]
+        if "rans" not in names:
+            continue
+        counts = _counts(job.entry.dtype, t.layout, t.fields, job.hi - job.lo)
+        if counts is None or len(p) != len(counts):
+            continue
+        for f, codec in enumerate(names):
+            if codec == "rans":
+                part = p[f]
+                data = part.data if isinstance(part, _Head) else part
+                frames.append((data, part.size, counts[f], t.fields[f][1] is not None))
+                where.append((k, f))
+    out: list[dict[int, _frame.FrameInfo]] = [{} for _ in run]
+    for (k, f), info in zip(where, _frames.parse(frames), strict=True):
+        if info is not None:
+            out[k][f] = info
+    return out
 
 
 def _plan_run(c: Compressed, run: list[_Job], arena: Arena | None = None) -> list[Piece]:
@@ -546,9 +633,10 @@ def _plan_run(c: Compressed, run: list[_Job], arena: Arena | None = None) -> lis
                              for j, big in zip(run, staged, strict=True) if not big], arena))
     parts = [_read_staged(c, j) if big else next(small)
              for j, big in zip(run, staged, strict=True)]
+    infos = _parsed(c, run, parts)
     # Host decodes (tANS, zstd) of a run stay on its thread: runs are what is shared out.
-    return alone(lambda _: [_plan_segment(c, j, p) for j, p in zip(run, parts, strict=True)],
-                 None)
+    return alone(lambda _: [_plan_segment(c, j, p, i)
+                            for j, p, i in zip(run, parts, infos, strict=True)], None)
 
 
 def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | None = None,

@@ -369,12 +369,14 @@ def _row_ids(keys: np.ndarray) -> np.ndarray:
     return ids
 
 
+_TABLE_COLS = [D_SYM, D_INFO, D_PREC]  # what a padding row keeps of its row
+
+
 def _padding_like(rows: np.ndarray) -> np.ndarray:
     """Rows of 0 symbols with the same tables (so they join their block); "raw" so that
     the kernel reads nothing for them."""
     pad = np.zeros_like(rows)
-    for col in (D_SYM, D_INFO, D_PREC):
-        pad[:, col] = rows[:, col]
+    pad[:, _TABLE_COLS] = rows[:, _TABLE_COLS]
     pad[:, D_MODE] = _frame.MODE_RAW
     pad[:, D_CMAP] = -1
     pad[:, D_STEP] = 1
@@ -382,6 +384,10 @@ def _padding_like(rows: np.ndarray) -> np.ndarray:
     pad[:, D_WIDTH] = 1
     pad[:, _OUTPUT] = -1
     return pad
+
+
+_PADDING = _padding_like(np.zeros((1, _WIDTH), np.int64))[0]
+_PADDING.flags.writeable = False
 
 
 class Planner:
@@ -483,12 +489,16 @@ class Planner:
         self._register(sm, place, chunk)  # as many chunks: same symbols, same cut
         self.units.append(count)
 
-    def _pairs(self) -> np.ndarray:
-        """Every add's rows as pairs (int64[k, 2, _WIDTH]), in the order added: a stream's
-        chunks two by two (u8; an odd last chunk with a padding row), or an exponent chunk
-        with the sign_mantissa chunk at the same place (bf16)."""
+    def _pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every add's rows as pairs, in the order added: a stream's chunks two by two
+        (u8; an odd last chunk with a padding row), or an exponent chunk with the
+        sign_mantissa chunk at the same place (bf16). Returned as the rows (int64[r,
+        _WIDTH]) and, per pair, the indices of its two rows (int64[k, 2]) and whether
+        each is padding made from that row (``_padding_like``): rows are gathered once,
+        in ``finish``."""
         if not self.specs:
-            return np.zeros((0, 2, _WIDTH), np.int64)
+            return np.zeros((0, _WIDTH), np.int64), np.zeros((0, 2), np.int64), \
+                np.zeros((0, 2), bool)
         rows = _chunk_rows(self.streams, np.array(self.specs, np.int64).reshape(-1, _SPEC))
         k = np.array(self.units, np.int64)
         per_add = 2 * k if self.bf16 else k  # rows each add registered
@@ -497,41 +507,49 @@ class Planner:
         unit = np.repeat(np.arange(len(k)), pairs_per)
         j = np.arange(int(pairs_per.sum()), dtype=np.int64) - (np.cumsum(pairs_per)
                                                                 - pairs_per)[unit]
+        pad = np.zeros((len(j), 2), bool)
         if self.bf16:
             a = start[unit] + j
-            return np.stack([rows[a], rows[a + k[unit]]], axis=1)
+            return rows, np.stack([a, a + k[unit]], axis=1), pad
         a = start[unit] + 2 * j
         odd = a + 1 >= start[unit] + k[unit]  # the stream's last chunk has no partner
-        second = rows[np.where(odd, a, a + 1)]
-        second[odd] = _padding_like(rows[a[odd]])
-        return np.stack([rows[a], second], axis=1)
+        pad[:, 1] = odd
+        return rows, np.stack([a, np.where(odd, a, a + 1)], axis=1), pad
 
-    def _blocks(self, pairs: np.ndarray) -> np.ndarray:
-        """Pairs grouped into blocks of ``warps`` with one table set each (see module
-        docstring), blocks longest first; padding pairs fill each table set's last block."""
+    def _blocks(self, rows: np.ndarray, idx: np.ndarray, pad: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Pairs (``_pairs``' indices and padding marks) grouped into blocks of ``warps``
+        with one table set each (see module docstring), blocks longest first; padding
+        pairs, made from a set's last pair, fill each table set's last block."""
         w = self.warps
-        steps = np.maximum(pairs[:, 0, D_N], pairs[:, 1, D_N])
-        group = _row_ids(pairs[:, :, [D_SYM, D_INFO]].reshape(len(pairs), 4))
+        n = np.where(pad, 0, rows[idx, D_N])  # symbols of each row of each pair
+        steps = n.max(axis=1)
+        group = _row_ids(rows[:, [D_SYM, D_INFO]][idx].reshape(len(idx), 4))
         order = np.lexsort((-steps, group))  # by table set, longest first within one
         size = np.bincount(group)  # pairs of each table set (sets appear in id order)
         padded = -(-size // w) * w
         start = np.cumsum(size) - size
         g = np.repeat(np.arange(len(size)), padded)
         j = np.arange(int(padded.sum())) - (np.cumsum(padded) - padded)[g]
-        # A set's last block is filled up with padding rows made from its last pair.
         src = order[start[g] + np.minimum(j, size[g] - 1)]
-        pad = j >= size[g]
-        # Blocks ordered on the pair indices (a block's first pair is its longest, never
-        # padding), so the rows, padding and all, are gathered once.
-        first = src[::w]
-        longest = np.maximum(pairs[first, 0, D_N], pairs[first, 1, D_N])
-        by = np.argsort(-longest, kind="stable")
-        src, pad = src.reshape(-1, w)[by].reshape(-1), pad.reshape(-1, w)[by].reshape(-1)
-        blocks_arr = pairs[src]
-        if pad.any():
-            blocks_arr[pad] = np.stack([_padding_like(blocks_arr[pad, 0]),
-                                        _padding_like(blocks_arr[pad, 1])], axis=1)
-        return blocks_arr
+        filler = j >= size[g]
+        # Blocks ordered on their first pair (a block's longest, never padding).
+        by = np.argsort(-steps[src[::w]], kind="stable")
+        src, filler = src.reshape(-1, w)[by].reshape(-1), filler.reshape(-1, w)[by].reshape(-1)
+        return idx[src], pad[src] | filler[:, None]
+
+    def _rows(self) -> np.ndarray:
+        """The launch's rows (int64[n_rows, _WIDTH]), in blocks, padding and all."""
+        rows, idx, pad = self._pairs()
+        if len(idx):
+            idx, pad = self._blocks(rows, idx, pad)
+        at = idx.reshape(-1)
+        flat = rows[at]
+        fill = np.flatnonzero(pad.reshape(-1))
+        if fill.size:  # ``_padding_like`` in place: the padding row, the tables kept
+            flat[fill] = _PADDING
+            flat[fill[:, None], _TABLE_COLS] = rows[:, _TABLE_COLS][at[fill]]
+        return flat
 
     def _slots(self, desc: np.ndarray, ctx: bool) -> int:
         """Table sets a block stages (the kernel's rule): a's tables if it has any; b's in
@@ -543,11 +561,8 @@ class Planner:
 
     def finish(self, sizes: Sequence[int]) -> Batch:
         """The batch; output k has ``sizes[k]`` elements (bytes in u8 mode, 16-bit in bf16)."""
-        pairs = self._pairs()
-        if len(pairs):
-            pairs = self._blocks(pairs)
-        n_rows = 2 * len(pairs)
-        flat = pairs.reshape(n_rows, _WIDTH)
+        flat = self._rows()
+        n_rows = len(flat)
         desc = flat[:, :N_COLS].copy()
         live = desc[:, D_N] > 0
         # Lay the payloads out back to back, each aligned, in row order (the launch order).
