@@ -1,0 +1,172 @@
+"""A field's order-0 codec choice and its frame, in one call that lets the GIL go.
+
+What it is: ``code``, for the policies whose entropy coder is order-0 (``codecs.FAST``,
+``GPU``, ``GPU_FAST``): everything ``codecs.choose`` does for a field except the zstd
+trial, in one Numba kernel call: the spread-sample screen, the histogram, the entropy and
+frame estimate, whether entropy coding pays, rANS or tANS, the quantized table, every
+chunk coded with its CRC-32, and the frame (``coding.frame``'s layout) written out. The
+arithmetic is the Python policy's, operation for operation, so the choices and bytes are
+the same; the thin caller compares the bid with zstd's and raw's.
+What it is not: the policy's numbers (``codecs`` passes them as ``Knobs``), a
+context-conditioned frame (``CONDITIONED``: the caller codes it), or a decoder.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from ..coding import frame, tables
+from ..coding.crc32 import _TABLE, _crc
+from ..coding.tables import _histogram, _quantize, _serialize, entropy_bits_exact
+from ..rans import kernels as rans_kernels
+from ..rans import static as rans_static
+from ..rans.kernels import _encode_chunk, _encode_tables
+from ..tans import kernels as tans_kernels
+from ..tans import static as tans_static
+from ..tans import table as tans_table
+
+# What ``code`` found: stored raw by the sample screen, no bid (entropy coding does not
+# pay), a rANS or tANS frame, or a field whose context the caller must code.
+RAW, NO_BID, RANS, TANS, CONDITIONED = range(5)
+
+
+class Knobs(NamedTuple):
+    """A policy's numbers as the kernel reads them (``codecs.Policy`` says what each is);
+    the products the Python policy computes are computed there, once, the same way."""
+
+    screen: bool  # judge a field over ``screen_limit`` symbols on its spread sample first
+    screen_limit: int
+    block: int  # the spread sample: 4 blocks of this many symbols
+    screen_bits: float  # the sample's bits per symbol above which the field is stored raw
+    keep: float  # 1 - min_saving: the share of raw's size an estimate must come under
+    keep_conditioned: float  # the same, for a field with a context
+    tans: bool
+    tans_gain: float
+    rans_states: int  # bytes of lane states per chunk
+    tans_states: int
+    wide_symbols: int
+    wide_max_bits: float
+    priced: float  # 1 - cost: an entropy bid is its estimate over this
+    precision: int
+    wide_precision: int
+    chunk: int  # rANS symbols per chunk
+    tans_log: int
+    raw_overhead: int
+
+
+_SECTION_MAX = tables._SERIAL_MAX  # one serialized table at most
+RANS_MAGIC = np.frombuffer(rans_static.CODER.magic, np.uint8)
+TANS_MAGIC = np.frombuffer(tans_static.CODER.magic, np.uint8)
+_NO_CTX = rans_kernels._NO_CTX
+_NO_CMAP = rans_kernels._NO_CMAP
+
+
+def code(symbols: np.ndarray, conditioned: bool, k: Knobs
+         ) -> tuple[int, float, int, np.ndarray]:
+    """(what it found, order-0 bits, bid, frame) of ``symbols`` (uint8, 1-D, contiguous,
+    not empty): the frame is empty unless rANS or tANS; ``conditioned``: the policy codes
+    the field with its context where entropy coding pays."""
+    return _code(symbols, conditioned, k, tables._log2f(), _TABLE, _NO_CTX, _NO_CMAP)
+
+
+@njit(nogil=True, cache=True)
+def _sample_bits(sym, block):
+    # The order-0 bits per symbol of 4 spread blocks (``codecs._sample``).
+    step = (sym.size - block) // 3
+    counts = np.zeros(256, np.int64)
+    for i in range(4):
+        counts += _histogram(sym[i * step : i * step + block])
+    return entropy_bits_exact(counts) / (4 * block)
+
+
+@njit(nogil=True, cache=True)
+def _code(sym, conditioned, k, log2f, crc_table, no_ctx, no_cmap):
+    n = sym.size
+    empty = np.zeros(0, np.uint8)
+    if k.screen and n > k.screen_limit:
+        h = _sample_bits(sym, k.block)
+        if h > k.screen_bits:
+            return RAW, h * n, 0, empty
+    counts = _histogram(sym)
+    bits = entropy_bits_exact(counts)
+    present = 0
+    for s in range(256):
+        present += counts[s] > 0
+    # The frame's expected size: entropy, table, header and chunk directory.
+    chunks = -(-n // frame.DEFAULT_CHUNK)
+    table = 1 + min(present, 32) + 2 * present
+    estimate = int(bits / 8) + table + frame.HEADER_SIZE + 9 * chunks
+    keep = k.keep_conditioned if conditioned else k.keep
+    if not estimate <= keep * (n + k.raw_overhead):
+        return NO_BID, bits, 0, empty
+    if conditioned:
+        return CONDITIONED, bits, 0, empty
+    wide = present > k.wide_symbols and bits < k.wide_max_bits * n
+    use_tans = False
+    if k.tans and not wide:
+        gain = (k.rans_states - k.tans_states) * chunks
+        use_tans = gain >= k.tans_gain * (estimate + k.rans_states * chunks)
+    bid = int(estimate / k.priced)
+    if use_tans:
+        param, size, lanes = k.tans_log, frame.DEFAULT_CHUNK, tans_kernels.LANES
+    else:
+        param = k.wide_precision if wide else k.precision
+        size, lanes = k.chunk, rans_kernels.LANES
+    freqs = _quantize(counts, param, log2f)
+    n_chunks = -(-n // size)
+    # Header, one table, directory, payloads (none larger than its chunk), and the 8
+    # bytes of scratch a tANS chunk writes below its payload.
+    out = np.empty(frame.HEADER_SIZE + _SECTION_MAX + 9 * n_chunks + n + 8, np.uint8)
+    section = _serialize(freqs, out[frame.HEADER_SIZE:])
+    directory = frame.HEADER_SIZE + section
+    pos = directory + 9 * n_chunks
+    if use_tans:
+        symbol_tt = np.empty(256, np.int64)
+        states = np.empty(1 << param, np.uint16)
+        tans_table._encode_tables(freqs, param, symbol_tt, states)
+    else:
+        tab = np.empty((1, 256, 2), np.uint64)
+        _encode_tables(freqs.reshape(1, 256), param, tab)
+    for c in range(n_chunks):
+        lo, hi = c * size, min(n, (c + 1) * size)
+        part = sym[lo:hi]
+        if use_tans:
+            start = tans_kernels.encode_chunk(part, symbol_tt, states, param,
+                                              out[pos : pos + hi - lo + 8])
+        else:
+            start = _encode_chunk(part, tab, param, out[pos : pos + hi - lo], no_ctx,
+                                  no_cmap, False)
+        if start < 0:  # not smaller than raw: the chunk is stored
+            length, mode = hi - lo, frame.MODE_RAW
+            out[pos : pos + length] = part
+        else:  # the payload ends its scratch: moved down to its place
+            length, mode = hi - lo + (8 if use_tans else 0) - start, frame.MODE_CODED
+            for i in range(length):
+                out[pos + i] = out[pos + start + i]
+        _put(out, directory + 4 * c, length, 4)
+        _put(out, directory + 4 * (n_chunks + c), _crc(part, np.int64(0), crc_table), 4)
+        out[directory + 8 * n_chunks + c] = mode
+        pos += length
+    magic = TANS_MAGIC if use_tans else RANS_MAGIC
+    for i in range(4):
+        out[i] = magic[i]
+    out[4] = frame.VERSION
+    out[5] = param
+    out[6] = lanes
+    out[7] = 0  # one table
+    _put(out, 8, n, 8)
+    _put(out, 16, size, 4)
+    _put(out, 20, n_chunks, 4)
+    _put(out, 24, section, 4)
+    return TANS if use_tans else RANS, bits, bid, out[:pos]
+
+
+@njit(nogil=True, cache=True)
+def _put(out, at, value, width):
+    # ``value`` little-endian in ``width`` bytes at ``out[at]``.
+    v = np.uint64(value)
+    for i in range(width):
+        out[at + i] = (v >> np.uint64(8 * i)) & np.uint64(0xFF)
