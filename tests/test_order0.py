@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from entropykit.container import codecs, order0
 from entropykit.coding import crc32
+from entropykit.container import codecs, order0
 
 
 def _fields() -> list[tuple[str, np.ndarray, bool]]:
@@ -38,7 +38,7 @@ def _fields() -> list[tuple[str, np.ndarray, bool]]:
 @pytest.mark.skipif(not crc32.ACCELERATED, reason="the kernel needs the carry-less CRC-32")
 @pytest.mark.parametrize("target,fast", [("cpu", True), ("gpu", False), ("gpu", True)])
 def test_one_call_policy_chooses_and_codes_as_the_python_policy(monkeypatch, target, fast):
-    assert codecs._knobs(codecs.POLICIES[target, fast]) is not None
+    assert codecs._ORDER0[codecs.POLICIES[target, fast].name] is not None
     ctx = np.random.default_rng(8).integers(0, 4, 1 << 20).astype(np.uint8)
     calls = []
     real = order0.code
@@ -46,7 +46,7 @@ def test_one_call_policy_chooses_and_codes_as_the_python_policy(monkeypatch, tar
     got = [codecs.choose(sym, ctx[: sym.size] if c else None, target, fast=fast)
            for _, sym, c in _fields()]
     assert len(calls) == len(_fields())  # one call each
-    monkeypatch.setattr(codecs, "_knobs", lambda p: None)  # the Python policy alone
+    monkeypatch.setattr(codecs, "_ORDER0", dict.fromkeys(codecs._ORDER0))  # Python alone
     for (what, sym, c), new in zip(_fields(), got, strict=True):
         old = codecs.choose(sym, ctx[: sym.size] if c else None, target, fast=fast)
         assert (new.codec, new.blob, new.entropy_bits) == (old.codec, old.blob,

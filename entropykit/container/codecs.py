@@ -23,7 +23,6 @@ Codec payloads:
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 import threading
@@ -544,7 +543,7 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     if n == 0:
         return _raw(symbols, 0.0)
     context = context if p.contexts else None
-    k = _knobs(p) if counts is None else None
+    k = _ORDER0[p.name] if counts is None else None
     if k is not None:
         choice = _order0(symbols, context, p, k)
         if choice is not None:
@@ -578,7 +577,6 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     return Choice(codec, blob, f.bits)
 
 
-@functools.cache
 def _knobs(p: Policy) -> order0.Knobs | None:
     """``p``'s numbers for ``order0.code``, or None where the kernel does not do its
     choice: a policy whose zstd bids on large fields too (by probes), or with rans2d (a
@@ -631,3 +629,6 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     if len(payload) >= raw:
         return _raw(symbols, bits)
     return Choice(codec, payload, bits)
+
+
+_ORDER0 = {p.name: _knobs(p) for p in POLICIES.values()}  # by name: no dataclass hash a call
