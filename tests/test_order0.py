@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from entropykit.coding import crc32
+from entropykit.coding import contexts, crc32, frame, tables
 from entropykit.container import codecs, order0
+from entropykit.rans import static as rans_static
+from entropykit.tans import static as tans_static
 
 
 def _fields() -> list[tuple[str, np.ndarray, bool]]:
@@ -51,3 +53,29 @@ def test_one_call_policy_chooses_and_codes_as_the_python_policy(monkeypatch, tar
         old = codecs.choose(sym, ctx[: sym.size] if c else None, target, fast=fast)
         assert (new.codec, new.blob, new.entropy_bits) == (old.codec, old.blob,
                                                           old.entropy_bits), what
+
+
+@pytest.mark.parametrize("tans", [False, True])
+@pytest.mark.parametrize("conditioned", [False, True])
+@pytest.mark.parametrize("n,chunk", [(1, 1 << 10), (5000, 1 << 10), (70_000, 1 << 14)])
+def test_frame_in_one_call_is_the_frame_layers_frame(tans, conditioned, n, chunk):
+    # Context classes (four contexts of different spread) and none (one context), chunks
+    # coded and stored raw (a run of random bytes), tANS never conditioned.
+    if tans and conditioned:
+        pytest.skip("tANS takes no context")
+    rng = np.random.default_rng(n)
+    ctx = rng.integers(0, 4 if n > 1 else 1, n).astype(np.uint8)
+    sym = (rng.normal(0, 1 + 6.0 * ctx, n).astype(np.int64) & 0xFF).astype(np.uint8)
+    sym[n // 2 : n // 2 + 2 * chunk] = rng.integers(0, 256, min(2 * chunk, n - n // 2))
+    coder = (tans_static if tans else rans_static).CODER
+    param = 12 if tans else 11
+    if conditioned:
+        counts = contexts.joint_histogram(ctx, sym)
+        want = frame.encode(coder, sym, param, chunk, 1, ctx, counts=counts)
+    else:
+        counts = tables.histogram(sym)
+        want = frame.encode(coder, sym, param, chunk, 1, counts=counts)
+    got = order0.encode(sym, ctx if conditioned else None, counts, param, chunk, tans)
+    assert got.tobytes() == want
+    if conditioned and n > 10_000:
+        assert got[7] == 1  # the context flag: this field's contexts have classes

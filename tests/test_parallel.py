@@ -18,7 +18,7 @@ from test_container import all_dtypes
 
 from entropykit.api import tensor_source
 from entropykit.coding import contexts, lines, parallel
-from entropykit.container import segment, writer
+from entropykit.container import codecs, segment, writer
 from entropykit.container.reader import Compressed
 from entropykit.rans import static as rans_static
 
@@ -93,6 +93,7 @@ def test_a_segments_chunks_run_on_every_thread(monkeypatch: pytest.MonkeyPatch) 
         return encode(*args, **kwargs)
 
     monkeypatch.setattr(rans_static.CODER, "encode_chunk", chunk)
+    monkeypatch.setattr(codecs, "SERIAL_CHUNKS", 1)  # a frame too large to code in one call
     x = (np.random.default_rng(0).standard_normal(700_000) * 0.02).astype(ml_dtypes.bfloat16)
     out = io.BytesIO()
     writer.write(tensor_source({"w": x}, None), out, threads=2)

@@ -39,6 +39,7 @@ from .._errors import CorruptDataError
 from ..coding import contexts, frame, tables
 from ..coding import crc32 as _crc32
 from ..coding.crc32 import crc32, crc32_combine
+from ..coding.parallel import spread
 from ..rans import static as rans_static
 from ..tans import static as tans_static
 from . import classed, order0
@@ -213,6 +214,14 @@ class _Entropy:
     def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
                chunk_size: int, counts: np.ndarray | None) -> bytes:
         if not self._conditions:  # tANS: one table size and chunk size, no context
+            precision, chunk_size, context = TANS_LOG, frame.DEFAULT_CHUNK, None
+        n = symbols.size
+        if (_crc32.ACCELERATED and counts is not None and n and _serial(n, chunk_size)
+                and (context is None or context.size == n)):
+            ctx = None if context is None else tables._flat(context, np.uint8)
+            return order0.encode(tables._flat(symbols, np.uint8), ctx, counts, precision,
+                                 chunk_size, not self._conditions).tobytes()
+        if not self._conditions:
             return frame.encode(self._coder, symbols, TANS_LOG, frame.DEFAULT_CHUNK, None,
                                 counts=counts)
         return frame.encode(self._coder, symbols, precision, chunk_size, None, context,
@@ -606,10 +615,8 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     n = symbols.size
     raw = n + RAW_OVERHEAD
     sym = tables._flat(symbols, np.uint8)
-    if sym.flags.writeable:  # one compile: the kernel always gets read-only symbols
-        sym = sym.view()
-        sym.flags.writeable = False
-    found, bits, bid, frame_ = order0.code(sym, context is not None, k)
+    found, bits, bid, param, counts, frame_ = order0.code(sym, context is not None, k,
+                                                          _serial(n, k.chunk))
     if found == order0.CONDITIONED:
         return None
     if found == order0.RAW or (found == order0.NO_BID and p.raw_unless_pays):
@@ -624,11 +631,21 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
             best, codec, payload = len(whole), ZSTD.name, whole
     if best is None or raw < best:
         return _raw(symbols, bits)
-    if codec != ZSTD.name:
-        payload = frame_.tobytes()
+    if codec != ZSTD.name:  # the kernel's frame, or a large one's chunks shared out
+        payload = frame_.tobytes() if frame_.size else CODECS[codec].encode(
+            sym, None, param, k.chunk, counts[0])
     if len(payload) >= raw:
         return _raw(symbols, bits)
     return Choice(codec, payload, bits)
+
+
+# A frame of up to this many chunks is coded in one call, its chunks one after another;
+# a larger one shares its chunks with the pool's other threads where it has any.
+SERIAL_CHUNKS = 8
+
+
+def _serial(n: int, chunk: int) -> bool:
+    return -(-n // chunk) <= SERIAL_CHUNKS or spread(None) == 1
 
 
 _ORDER0 = {p.name: _knobs(p) for p in POLICIES.values()}  # by name: no dataclass hash a call

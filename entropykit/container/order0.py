@@ -18,7 +18,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ..coding import frame, tables
+from ..coding import contexts, frame, tables
+from ..coding.contexts import _choose, _class_counts
 from ..coding.crc32 import _TABLE, _crc
 from ..coding.tables import _histogram, _quantize, _serialize, entropy_bits_exact
 from ..rans import kernels as rans_kernels
@@ -61,15 +62,17 @@ _SECTION_MAX = tables._SERIAL_MAX  # one serialized table at most
 RANS_MAGIC = np.frombuffer(rans_static.CODER.magic, np.uint8)
 TANS_MAGIC = np.frombuffer(tans_static.CODER.magic, np.uint8)
 _NO_CTX = rans_kernels._NO_CTX
-_NO_CMAP = rans_kernels._NO_CMAP
 
 
-def code(symbols: np.ndarray, conditioned: bool, k: Knobs
-         ) -> tuple[int, float, int, np.ndarray]:
-    """(what it found, order-0 bits, bid, frame) of ``symbols`` (uint8, 1-D, contiguous,
-    not empty): the frame is empty unless rANS or tANS; ``conditioned``: the policy codes
-    the field with its context where entropy coding pays."""
-    return _code(symbols, conditioned, k, tables._log2f(), _TABLE, _NO_CTX, _NO_CMAP)
+def code(symbols: np.ndarray, conditioned: bool, k: Knobs, write: bool = True
+         ) -> tuple[int, float, int, int, np.ndarray, np.ndarray]:
+    """(what it found, order-0 bits, bid, the frame's param, histogram (int64[1, 256]),
+    frame) of
+    ``symbols`` (uint8, 1-D, contiguous, not empty): the frame is empty unless rANS or
+    tANS and ``write``; ``conditioned``: the policy codes the field with its context
+    where entropy coding pays."""
+    return _code(_read_only(symbols), conditioned, k, write, tables._log2f(), _TABLE,
+                 _NO_CTX)
 
 
 @njit(nogil=True, cache=True)
@@ -83,62 +86,116 @@ def _sample_bits(sym, block):
 
 
 @njit(nogil=True, cache=True)
-def _code(sym, conditioned, k, log2f, crc_table, no_ctx, no_cmap):
+def _code(sym, conditioned, k, write, log2f, crc_table, no_ctx):
     n = sym.size
     empty = np.zeros(0, np.uint8)
     if k.screen and n > k.screen_limit:
         h = _sample_bits(sym, k.block)
         if h > k.screen_bits:
-            return RAW, h * n, 0, empty
-    counts = _histogram(sym)
-    bits = entropy_bits_exact(counts)
+            return RAW, h * n, 0, 0, np.zeros((1, 256), np.int64), empty
+    counts = _histogram(sym).reshape(1, 256)
+    bits = entropy_bits_exact(counts[0])
     present = 0
     for s in range(256):
-        present += counts[s] > 0
+        present += counts[0, s] > 0
     # The frame's expected size: entropy, table, header and chunk directory.
     chunks = -(-n // frame.DEFAULT_CHUNK)
     table = 1 + min(present, 32) + 2 * present
     estimate = int(bits / 8) + table + frame.HEADER_SIZE + 9 * chunks
     keep = k.keep_conditioned if conditioned else k.keep
     if not estimate <= keep * (n + k.raw_overhead):
-        return NO_BID, bits, 0, empty
+        return NO_BID, bits, 0, 0, counts, empty
     if conditioned:
-        return CONDITIONED, bits, 0, empty
+        return CONDITIONED, bits, 0, 0, counts, empty
     wide = present > k.wide_symbols and bits < k.wide_max_bits * n
     use_tans = False
     if k.tans and not wide:
         gain = (k.rans_states - k.tans_states) * chunks
         use_tans = gain >= k.tans_gain * (estimate + k.rans_states * chunks)
+    found = TANS if use_tans else RANS
     bid = int(estimate / k.priced)
     if use_tans:
-        param, size, lanes = k.tans_log, frame.DEFAULT_CHUNK, tans_kernels.LANES
+        param, size = k.tans_log, frame.DEFAULT_CHUNK
     else:
-        param = k.wide_precision if wide else k.precision
-        size, lanes = k.chunk, rans_kernels.LANES
-    freqs = _quantize(counts, param, log2f)
+        param, size = (k.wide_precision if wide else k.precision), k.chunk
+    if not write:
+        return found, bits, bid, param, counts, empty
+    out = _frame(sym, no_ctx, counts, False, param, size, use_tans, 1, log2f, crc_table)
+    return found, bits, bid, param, counts, out
+
+
+def encode(symbols: np.ndarray, context: np.ndarray | None, counts: np.ndarray, param: int,
+           chunk_size: int, tans: bool, max_tables: int = contexts.DEFAULT_MAX_TABLES
+           ) -> np.ndarray:
+    """``frame.encode`` of ``symbols`` with the rANS coder (``tans``: the tANS coder,
+    which takes no context), its chunks coded one after another in this call: the same
+    frame. ``counts``: the histogram, or with ``context`` the joint histogram."""
+    sym, ctx = _read_only(symbols), _NO_CTX if context is None else _read_only(context)
+    rows = np.ascontiguousarray(counts, np.int64).reshape(-1, 256)
+    return _frame(sym, ctx, rows, context is not None, param, chunk_size, tans, max_tables,
+                  tables._log2f(), _TABLE)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    # One compile: the kernels always get read-only arrays.
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+@njit(nogil=True, cache=True)
+def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, log2f,
+           crc_table):
+    # The frame ``frame.encode`` writes: ``counts`` is the histogram (one row), or where
+    # ``conditional`` the (context, symbol) joint, whose classes ``contexts.choose``
+    # gives; one table then where it finds none.
+    n = sym.size
+    cmap = np.zeros(0, np.int64)
+    rows = counts
+    if conditional:
+        classes = _choose(counts, max_tables)
+        n_tables = 1 + classes.max()
+        if n_tables > 1:
+            cmap = classes.astype(np.int64)
+            rows = _class_counts(counts, classes, n_tables)
+        else:
+            rows = counts.sum(axis=0).reshape(1, 256)
+    n_tables = rows.shape[0]
     n_chunks = -(-n // size)
-    # Header, one table, directory, payloads (none larger than its chunk), and the 8
-    # bytes of scratch a tANS chunk writes below its payload.
-    out = np.empty(frame.HEADER_SIZE + _SECTION_MAX + 9 * n_chunks + n + 8, np.uint8)
-    section = _serialize(freqs, out[frame.HEADER_SIZE:])
+    # Header, tables, directory, payloads (none larger than its chunk), and the 8 bytes
+    # of scratch a tANS chunk writes below its payload.
+    head = 1 + 256 if cmap.size else 0
+    out = np.empty(frame.HEADER_SIZE + head + n_tables * _SECTION_MAX + 9 * n_chunks + n + 8,
+                   np.uint8)
+    section = head
+    freqs = np.empty((n_tables, 256), np.int64)
+    for r in range(n_tables):
+        freqs[r] = _quantize(rows[r], param, log2f)
+        section += _serialize(freqs[r], out[frame.HEADER_SIZE + section:])
+    if head:
+        out[frame.HEADER_SIZE] = n_tables - 1
+        for c in range(256):
+            out[frame.HEADER_SIZE + 1 + c] = cmap[c]
     directory = frame.HEADER_SIZE + section
     pos = directory + 9 * n_chunks
+    symbol_tt = np.empty(256, np.int64)
+    states = np.empty(1 << param if use_tans else 0, np.uint16)
+    tab = np.empty((n_tables, 256, 2), np.uint64)
     if use_tans:
-        symbol_tt = np.empty(256, np.int64)
-        states = np.empty(1 << param, np.uint16)
-        tans_table._encode_tables(freqs, param, symbol_tt, states)
+        tans_table._encode_tables(freqs[0], param, symbol_tt, states)
     else:
-        tab = np.empty((1, 256, 2), np.uint64)
-        _encode_tables(freqs.reshape(1, 256), param, tab)
+        _encode_tables(freqs, param, tab)
     for c in range(n_chunks):
         lo, hi = c * size, min(n, (c + 1) * size)
         part = sym[lo:hi]
         if use_tans:
             start = tans_kernels.encode_chunk(part, symbol_tt, states, param,
                                               out[pos : pos + hi - lo + 8])
-        else:
-            start = _encode_chunk(part, tab, param, out[pos : pos + hi - lo], no_ctx,
-                                  no_cmap, False)
+        else:  # a context only where there are classes
+            conditional = cmap.size > 0
+            start = _encode_chunk(part, tab, param, out[pos : pos + hi - lo],
+                                  ctx[lo:hi] if conditional else ctx[0:0], cmap, conditional)
         if start < 0:  # not smaller than raw: the chunk is stored
             length, mode = hi - lo, frame.MODE_RAW
             out[pos : pos + length] = part
@@ -155,13 +212,13 @@ def _code(sym, conditioned, k, log2f, crc_table, no_ctx, no_cmap):
         out[i] = magic[i]
     out[4] = frame.VERSION
     out[5] = param
-    out[6] = lanes
-    out[7] = 0  # one table
+    out[6] = tans_kernels.LANES if use_tans else rans_kernels.LANES
+    out[7] = cmap.size > 0  # the context flag
     _put(out, 8, n, 8)
     _put(out, 16, size, 4)
     _put(out, 20, n_chunks, 4)
     _put(out, 24, section, 4)
-    return TANS if use_tans else RANS, bits, bid, out[:pos]
+    return out[:pos]
 
 
 @njit(nogil=True, cache=True)
