@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from entropykit.coding import contexts, crc32, frame, tables
-from entropykit.container import codecs, order0
+from entropykit.container import classed, codecs, order0
 from entropykit.rans import static as rans_static
 from entropykit.tans import static as tans_static
 
@@ -79,3 +79,17 @@ def test_frame_in_one_call_is_the_frame_layers_frame(tans, conditioned, n, chunk
     assert got.tobytes() == want
     if conditioned and n > 10_000:
         assert got[7] == 1  # the context flag: this field's contexts have classes
+
+
+def test_classed_frame_in_one_call_is_the_frame_layers_frame(monkeypatch):
+    # Rows of three scales: the row classes pay, and the frame's contexts are the classes.
+    rng = np.random.default_rng(3)
+    rows, cols = 300, 700
+    x = rng.normal(0, 1, (rows, cols)) * np.array([1, 8, 40])[np.arange(rows) % 3, None]
+    sym = (x.astype(np.int64) & 0xFF).astype(np.uint8).reshape(-1)
+    plan = classed.plan(sym, cols, 0)
+    assert plan is not None and plan.kr > 1
+    got = classed.encode(sym, cols, 0, plan, 12, 1 << 14)
+    monkeypatch.setattr(codecs, "serial", lambda n, chunk: False)  # the frame layer's
+    assert got == classed.encode(sym, cols, 0, plan, 12, 1 << 14)
+    assert np.array_equal(classed.decode(np.frombuffer(got, np.uint8), sym.size), sym)

@@ -216,8 +216,8 @@ class _Entropy:
         if not self._conditions:  # tANS: one table size and chunk size, no context
             precision, chunk_size, context = TANS_LOG, frame.DEFAULT_CHUNK, None
         n = symbols.size
-        if (_crc32.ACCELERATED and counts is not None and n and _serial(n, chunk_size)
-                and (context is None or context.size == n)):
+        if counts is not None and serial(n, chunk_size) and (
+                context is None or context.size == n):
             ctx = None if context is None else tables._flat(context, np.uint8)
             return order0.encode(tables._flat(symbols, np.uint8), ctx, counts, precision,
                                  chunk_size, not self._conditions).tobytes()
@@ -616,7 +616,7 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     raw = n + RAW_OVERHEAD
     sym = tables._flat(symbols, np.uint8)
     found, bits, bid, param, counts, frame_ = order0.code(sym, context is not None, k,
-                                                          _serial(n, k.chunk))
+                                                          serial(n, k.chunk))
     if found == order0.CONDITIONED:
         return None
     if found == order0.RAW or (found == order0.NO_BID and p.raw_unless_pays):
@@ -644,8 +644,12 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
 SERIAL_CHUNKS = 8
 
 
-def _serial(n: int, chunk: int) -> bool:
-    return -(-n // chunk) <= SERIAL_CHUNKS or spread(None) == 1
+def serial(n: int, chunk: int) -> bool:
+    """Whether a frame of ``n`` symbols in chunks of ``chunk`` is coded in one call
+    (``order0.encode``): where the kernels' CRC-32 compiles, ``SERIAL_CHUNKS`` at most,
+    or no other thread to share them with."""
+    return _crc32.ACCELERATED and n > 0 and (-(-n // chunk) <= SERIAL_CHUNKS
+                                             or spread(None) == 1)
 
 
 _ORDER0 = {p.name: _knobs(p) for p in POLICIES.values()}  # by name: no dataclass hash a call

@@ -120,20 +120,24 @@ def _code(sym, conditioned, k, write, log2f, crc_table, no_ctx):
         param, size = (k.wide_precision if wide else k.precision), k.chunk
     if not write:
         return found, bits, bid, param, counts, empty
-    out = _frame(sym, no_ctx, counts, False, param, size, use_tans, 1, log2f, crc_table)
+    out = _frame(sym, no_ctx, counts, False, param, size, use_tans, 1, no_ctx, log2f,
+                 crc_table)
     return found, bits, bid, param, counts, out
 
 
 def encode(symbols: np.ndarray, context: np.ndarray | None, counts: np.ndarray, param: int,
-           chunk_size: int, tans: bool, max_tables: int = contexts.DEFAULT_MAX_TABLES
-           ) -> np.ndarray:
-    """``frame.encode`` of ``symbols`` with the rANS coder (``tans``: the tANS coder,
-    which takes no context), its chunks coded one after another in this call: the same
-    frame. ``counts``: the histogram, or with ``context`` the joint histogram."""
+           chunk_size: int, tans: bool, max_tables: int = contexts.DEFAULT_MAX_TABLES,
+           prefix: bytes = b"") -> np.ndarray:
+    """``frame.encode`` of ``symbols`` (uint8, 1-D, contiguous, not empty) with the rANS
+    coder (``tans``: the tANS coder, which takes no context), after ``prefix``, its chunks
+    coded one after another in this call: the same bytes. ``counts``: the histogram, or
+    with ``context`` (as many values as symbols) the joint histogram; exact."""
     sym, ctx = _read_only(symbols), _NO_CTX if context is None else _read_only(context)
+    if ctx.size not in (0, sym.size):
+        raise ValueError(f"context has {ctx.size} values, symbols have {sym.size}")
     rows = np.ascontiguousarray(counts, np.int64).reshape(-1, 256)
     return _frame(sym, ctx, rows, context is not None, param, chunk_size, tans, max_tables,
-                  tables._log2f(), _TABLE)
+                  np.frombuffer(prefix, np.uint8), tables._log2f(), _TABLE)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -145,11 +149,11 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
-def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, log2f,
+def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, prefix, log2f,
            crc_table):
-    # The frame ``frame.encode`` writes: ``counts`` is the histogram (one row), or where
-    # ``conditional`` the (context, symbol) joint, whose classes ``contexts.choose``
-    # gives; one table then where it finds none.
+    # The frame ``frame.encode`` writes after ``prefix``: ``counts`` is the histogram (one
+    # row), or where ``conditional`` the (context, symbol) joint, whose classes
+    # ``contexts.choose`` gives; one table then where it finds none.
     n = sym.size
     cmap = np.zeros(0, np.int64)
     rows = counts
@@ -166,8 +170,10 @@ def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, log
     # Header, tables, directory, payloads (none larger than its chunk), and the 8 bytes
     # of scratch a tANS chunk writes below its payload.
     head = 1 + 256 if cmap.size else 0
-    out = np.empty(frame.HEADER_SIZE + head + n_tables * _SECTION_MAX + 9 * n_chunks + n + 8,
-                   np.uint8)
+    whole = np.empty(prefix.size + frame.HEADER_SIZE + head + n_tables * _SECTION_MAX
+                     + 9 * n_chunks + n + 8, np.uint8)
+    whole[: prefix.size] = prefix
+    out = whole[prefix.size:]
     section = head
     freqs = np.empty((n_tables, 256), np.int64)
     for r in range(n_tables):
@@ -218,7 +224,7 @@ def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, log
     _put(out, 16, size, 4)
     _put(out, 20, n_chunks, 4)
     _put(out, 24, section, 4)
-    return out[:pos]
+    return whole[: prefix.size + pos]
 
 
 @njit(nogil=True, cache=True)
