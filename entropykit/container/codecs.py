@@ -487,8 +487,9 @@ def grid_of(shape: tuple[int, ...], first: int) -> tuple[int, int] | None:
     return shape[-1], first % shape[-1]
 
 
-def _raw(symbols: np.ndarray, bits: float) -> Choice:
-    return Choice("raw", RAW.stored(symbols), bits)
+def _raw(symbols: np.ndarray, bits: float, crc: int | None = None) -> Choice:
+    """``symbols`` stored raw (``crc``: their CRC-32, where the caller has it)."""
+    return Choice("raw", RAW.stored(symbols) if crc is None else Stored(crc, symbols), bits)
 
 
 def _screened(symbols: np.ndarray, p: Policy) -> float | None:
@@ -545,8 +546,9 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     joint histogram ``contexts.joint_histogram(context, symbols)``. It must be exact.
     Deterministic: the same symbols and options always give the same choice.
     """
-    check_target(target)
-    p = POLICIES[target, fast]
+    p = POLICIES.get((target, bool(fast)))
+    if p is None:
+        check_target(target)
     n = symbols.size
     raw = n + RAW_OVERHEAD
     if n == 0:
@@ -598,7 +600,7 @@ def _knobs(p: Policy) -> order0.Knobs | None:
             or (p.screen and not p.raw_unless_pays)):
         return None
     return order0.Knobs(
-        screen=p.screen, screen_limit=EXACT_LIMIT, block=_BLOCK,
+        raw_unless_pays=p.raw_unless_pays, screen=p.screen, screen_limit=EXACT_LIMIT, block=_BLOCK,
         screen_bits=8 * (1 - p.min_saving), keep=1 - p.min_saving,
         keep_conditioned=1 - p.conditioned_min_saving, tans="tans" in entropy,
         tans_gain=p.tans_gain, rans_states=RANS.states, tans_states=TANS.states,
@@ -615,12 +617,12 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     n = symbols.size
     raw = n + RAW_OVERHEAD
     sym = tables._flat(symbols, np.uint8)
-    found, bits, bid, param, counts, frame_ = order0.code(sym, context is not None, k,
-                                                          serial(n, k.chunk))
+    found, bits, bid, param, crc, counts, frame_ = order0.code(
+        sym, context is not None, k, serial(n, k.chunk))
     if found == order0.CONDITIONED:
         return None
     if found == order0.RAW or (found == order0.NO_BID and p.raw_unless_pays):
-        return _raw(symbols, bits)
+        return _raw(sym, bits, int(crc))
     best: int | None = None
     codec, payload = "", b""
     if found != order0.NO_BID:

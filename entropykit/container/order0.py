@@ -38,6 +38,7 @@ class Knobs(NamedTuple):
     """A policy's numbers as the kernel reads them (``codecs.Policy`` says what each is);
     the products the Python policy computes are computed there, once, the same way."""
 
+    raw_unless_pays: bool  # a field entropy coding does not pay on is stored raw
     screen: bool  # judge a field over ``screen_limit`` symbols on its spread sample first
     screen_limit: int
     block: int  # the spread sample: 4 blocks of this many symbols
@@ -65,14 +66,15 @@ _NO_CTX = rans_kernels._NO_CTX
 
 
 def code(symbols: np.ndarray, conditioned: bool, k: Knobs, write: bool = True
-         ) -> tuple[int, float, int, int, np.ndarray, np.ndarray]:
-    """(what it found, order-0 bits, bid, the frame's param, histogram (int64[1, 256]),
-    frame) of
-    ``symbols`` (uint8, 1-D, contiguous, not empty): the frame is empty unless rANS or
-    tANS and ``write``; ``conditioned``: the policy codes the field with its context
-    where entropy coding pays."""
-    return _code(_read_only(symbols), conditioned, k, write, tables._log2f(), _TABLE,
-                 _NO_CTX)
+         ) -> tuple[int, float, int, int, int, np.ndarray, np.ndarray]:
+    """What the policy makes of ``symbols`` (uint8, 1-D, contiguous, not empty): (what it
+    found, order-0 bits, bid, the frame's param, the CRC-32 of the symbols where they are
+    to be stored raw (else 0), histogram (int64[1, 256]), frame). The frame is empty
+    unless rANS or tANS and ``write``; ``conditioned``: the policy codes the field with
+    its context where entropy coding pays."""
+    if symbols.flags.writeable:
+        symbols = _read_only(symbols)
+    return _code(symbols, conditioned, k, write, tables._log2f(), _TABLE, _NO_CTX)
 
 
 @njit(nogil=True, cache=True)
@@ -92,7 +94,8 @@ def _code(sym, conditioned, k, write, log2f, crc_table, no_ctx):
     if k.screen and n > k.screen_limit:
         h = _sample_bits(sym, k.block)
         if h > k.screen_bits:
-            return RAW, h * n, 0, 0, np.zeros((1, 256), np.int64), empty
+            crc = _crc(sym, np.int64(0), crc_table)
+            return RAW, h * n, 0, 0, crc, np.zeros((1, 256), np.int64), empty
     counts = _histogram(sym).reshape(1, 256)
     bits = entropy_bits_exact(counts[0])
     present = 0
@@ -104,9 +107,10 @@ def _code(sym, conditioned, k, write, log2f, crc_table, no_ctx):
     estimate = int(bits / 8) + table + frame.HEADER_SIZE + 9 * chunks
     keep = k.keep_conditioned if conditioned else k.keep
     if not estimate <= keep * (n + k.raw_overhead):
-        return NO_BID, bits, 0, 0, counts, empty
+        crc = _crc(sym, np.int64(0), crc_table) if k.raw_unless_pays else np.uint64(0)
+        return NO_BID, bits, 0, 0, crc, counts, empty
     if conditioned:
-        return CONDITIONED, bits, 0, 0, counts, empty
+        return CONDITIONED, bits, 0, 0, np.uint64(0), counts, empty
     wide = present > k.wide_symbols and bits < k.wide_max_bits * n
     use_tans = False
     if k.tans and not wide:
@@ -119,10 +123,10 @@ def _code(sym, conditioned, k, write, log2f, crc_table, no_ctx):
     else:
         param, size = (k.wide_precision if wide else k.precision), k.chunk
     if not write:
-        return found, bits, bid, param, counts, empty
+        return found, bits, bid, param, np.uint64(0), counts, empty
     out = _frame(sym, no_ctx, counts, False, param, size, use_tans, 1, no_ctx, log2f,
                  crc_table)
-    return found, bits, bid, param, counts, out
+    return found, bits, bid, param, np.uint64(0), counts, out
 
 
 def encode(symbols: np.ndarray, context: np.ndarray | None, counts: np.ndarray, param: int,
