@@ -468,7 +468,7 @@ def _estimate_bits(joint, max_tables):
     # contexts.choose, class_counts and rows_bits in one call: a class plan weighs three.
     cmap = contexts._choose(joint, max_tables)
     n_tables = cmap.max() + 1
-    if n_tables == 1:  # choose's None: one table
-        return contexts.rows_bits(joint.sum(axis=0).reshape(1, 256), 0.0)
+    if n_tables == 1:  # choose's None: one table, of the symbols' counts
+        return contexts.rows_bits(contexts._class_counts(joint, cmap, 1), 0.0)
     # 8 * 257: the frame's class count and context map.
     return contexts.rows_bits(contexts._class_counts(joint, cmap, n_tables), 8.0 * 257)

@@ -605,8 +605,8 @@ def _knobs(p: Policy) -> order0.Knobs | None:
         keep_conditioned=1 - p.conditioned_min_saving, tans="tans" in entropy,
         tans_gain=p.tans_gain, rans_states=RANS.states, tans_states=TANS.states,
         wide_symbols=_WIDE_SYMBOLS, wide_max_bits=_WIDE_MAX_BITS, priced=1 - p.cost,
-        precision=p.precision, wide_precision=p.wide_precision, chunk=p.chunk,
-        tans_log=TANS_LOG, raw_overhead=RAW_OVERHEAD)
+        precision=p.precision, wide_precision=p.wide_precision, tans_log=TANS_LOG,
+        raw_overhead=RAW_OVERHEAD)
 
 
 def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order0.Knobs
@@ -617,8 +617,7 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     n = symbols.size
     raw = n + RAW_OVERHEAD
     sym = tables._flat(symbols, np.uint8)
-    found, bits, bid, param, crc, counts, frame_ = order0.code(
-        sym, context is not None, k, serial(n, k.chunk))
+    found, bits, bid, param, crc, counts = order0.code(sym, context is not None, k)
     if found == order0.CONDITIONED:
         return None
     if found == order0.RAW or (found == order0.NO_BID and p.raw_unless_pays):
@@ -633,9 +632,8 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
             best, codec, payload = len(whole), ZSTD.name, whole
     if best is None or raw < best:
         return _raw(symbols, bits)
-    if codec != ZSTD.name:  # the kernel's frame, or a large one's chunks shared out
-        payload = frame_.tobytes() if frame_.size else CODECS[codec].encode(
-            sym, None, param, k.chunk, counts[0])
+    if codec != ZSTD.name:
+        payload = CODECS[codec].encode(sym, None, param, p.chunk, counts[0])
     if len(payload) >= raw:
         return _raw(symbols, bits)
     return Choice(codec, payload, bits)

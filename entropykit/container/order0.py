@@ -1,14 +1,16 @@
-"""A field's order-0 codec choice and its frame, in one call that lets the GIL go.
+"""A field's order-0 codec choice, and a static frame, each in one call that lets the GIL go.
 
 What it is: ``code``, for the policies whose entropy coder is order-0 (``codecs.FAST``,
-``GPU``, ``GPU_FAST``): everything ``codecs.choose`` does for a field except the zstd
+``GPU``, ``GPU_FAST``): what ``codecs.choose`` works out for a field before the zstd
 trial, in one Numba kernel call: the spread-sample screen, the histogram, the entropy and
-frame estimate, whether entropy coding pays, rANS or tANS, the quantized table, every
-chunk coded with its CRC-32, and the frame (``coding.frame``'s layout) written out. The
-arithmetic is the Python policy's, operation for operation, so the choices and bytes are
+frame estimate, whether entropy coding pays, rANS or tANS and its table size (and a field
+stored raw, its CRC-32). ``encode``: the frame ``coding.frame.encode`` writes for rANS
+(one table, or one per context class) or tANS, in one call: the context classes, the
+quantized tables, every chunk coded with its CRC-32, the directory and header. The
+arithmetic is the Python layers', operation for operation, so the choices and bytes are
 the same; the thin caller compares the bid with zstd's and raw's.
-What it is not: the policy's numbers (``codecs`` passes them as ``Knobs``), a
-context-conditioned frame (``CONDITIONED``: the caller codes it), or a decoder.
+What it is not: the policy's numbers (``codecs`` passes them as ``Knobs``), the choice
+of a context-conditioned field (``CONDITIONED``: the caller makes it), or a decoder.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ class Knobs(NamedTuple):
     priced: float  # 1 - cost: an entropy bid is its estimate over this
     precision: int
     wide_precision: int
-    chunk: int  # rANS symbols per chunk
     tans_log: int
     raw_overhead: int
 
@@ -65,16 +66,17 @@ TANS_MAGIC = np.frombuffer(tans_static.CODER.magic, np.uint8)
 _NO_CTX = rans_kernels._NO_CTX
 
 
-def code(symbols: np.ndarray, conditioned: bool, k: Knobs, write: bool = True
-         ) -> tuple[int, float, int, int, int, np.ndarray, np.ndarray]:
+def code(symbols: np.ndarray, conditioned: bool, k: Knobs
+         ) -> tuple[int, float, int, int, int, np.ndarray]:
     """What the policy makes of ``symbols`` (uint8, 1-D, contiguous, not empty): (what it
-    found, order-0 bits, bid, the frame's param, the CRC-32 of the symbols where they are
-    to be stored raw (else 0), histogram (int64[1, 256]), frame). The frame is empty
-    unless rANS or tANS and ``write``; ``conditioned``: the policy codes the field with
-    its context where entropy coding pays."""
+    found, order-0 bits, bid, the param of its frame, the CRC-32 of the symbols where they
+    are to be stored raw (else 0), histogram (int64[1, 256])). ``conditioned``: the policy
+    codes the field with its context where entropy coding pays. The frame itself is
+    ``encode``'s (a second call: one kernel holding both the choice and the coders
+    would compile them twice over)."""
     if symbols.flags.writeable:
         symbols = _read_only(symbols)
-    return _code(symbols, conditioned, k, write, tables._log2f(), _TABLE, _NO_CTX)
+    return _code(symbols, conditioned, k, _TABLE)
 
 
 @njit(nogil=True, cache=True)
@@ -88,14 +90,13 @@ def _sample_bits(sym, block):
 
 
 @njit(nogil=True, cache=True)
-def _code(sym, conditioned, k, write, log2f, crc_table, no_ctx):
+def _code(sym, conditioned, k, crc_table):
     n = sym.size
-    empty = np.zeros(0, np.uint8)
     if k.screen and n > k.screen_limit:
         h = _sample_bits(sym, k.block)
         if h > k.screen_bits:
             crc = _crc(sym, np.int64(0), crc_table)
-            return RAW, h * n, 0, 0, crc, np.zeros((1, 256), np.int64), empty
+            return RAW, h * n, 0, 0, crc, np.zeros((1, 256), np.int64)
     counts = _histogram(sym).reshape(1, 256)
     bits = entropy_bits_exact(counts[0])
     present = 0
@@ -108,9 +109,9 @@ def _code(sym, conditioned, k, write, log2f, crc_table, no_ctx):
     keep = k.keep_conditioned if conditioned else k.keep
     if not estimate <= keep * (n + k.raw_overhead):
         crc = _crc(sym, np.int64(0), crc_table) if k.raw_unless_pays else np.uint64(0)
-        return NO_BID, bits, 0, 0, crc, counts, empty
+        return NO_BID, bits, 0, 0, crc, counts
     if conditioned:
-        return CONDITIONED, bits, 0, 0, np.uint64(0), counts, empty
+        return CONDITIONED, bits, 0, 0, np.uint64(0), counts
     wide = present > k.wide_symbols and bits < k.wide_max_bits * n
     use_tans = False
     if k.tans and not wide:
@@ -118,15 +119,8 @@ def _code(sym, conditioned, k, write, log2f, crc_table, no_ctx):
         use_tans = gain >= k.tans_gain * (estimate + k.rans_states * chunks)
     found = TANS if use_tans else RANS
     bid = int(estimate / k.priced)
-    if use_tans:
-        param, size = k.tans_log, frame.DEFAULT_CHUNK
-    else:
-        param, size = (k.wide_precision if wide else k.precision), k.chunk
-    if not write:
-        return found, bits, bid, param, np.uint64(0), counts, empty
-    out = _frame(sym, no_ctx, counts, False, param, size, use_tans, 1, no_ctx, log2f,
-                 crc_table)
-    return found, bits, bid, param, np.uint64(0), counts, out
+    param = k.tans_log if use_tans else k.wide_precision if wide else k.precision
+    return found, bits, bid, param, np.uint64(0), counts
 
 
 def encode(symbols: np.ndarray, context: np.ndarray | None, counts: np.ndarray, param: int,
