@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._errors import CorruptDataError
-from ..coding import frame, lines, tables
+from ..coding import crc32, frame, lines, tables
 from ..rans import static as rans_static
+from . import order0
 
 if TYPE_CHECKING:
     from .codecs import Bid, Field
@@ -119,11 +120,9 @@ def encode(symbols: np.ndarray, cols: int, phase: int, p: Plan, precision: int,
     maps = (b"" if p.rows is None else lines.pack(p.rows, p.kr)) + (
         b"" if p.columns is None else lines.pack(p.columns, p.kc))
     # The frame is joined after the head and maps: the payload is copied once, not twice.
-    from . import codecs, order0  # codecs imports this module
-
-    if codecs.serial(symbols.size, chunk_size):  # the contexts whole, the frame in one call
-        return order0.encode(symbols, ctx(0, symbols.size), p.joint, precision, chunk_size,
-                             False, MAX_TABLES, head + maps).tobytes()
+    if crc32.ACCELERATED and symbols.size:  # a call per group of chunks
+        return order0.encode(symbols, ctx, p.joint, precision, chunk_size, False, MAX_TABLES,
+                             head + maps)
     return frame.encode(rans_static.CODER, symbols, precision, chunk_size, None, ctx,
                         max_tables=MAX_TABLES, counts=p.joint, prefix=head + maps)
 

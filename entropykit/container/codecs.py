@@ -39,7 +39,6 @@ from .._errors import CorruptDataError
 from ..coding import contexts, frame, tables
 from ..coding import crc32 as _crc32
 from ..coding.crc32 import crc32, crc32_combine
-from ..coding.parallel import spread
 from ..rans import static as rans_static
 from ..tans import static as tans_static
 from . import classed, order0
@@ -216,11 +215,10 @@ class _Entropy:
         if not self._conditions:  # tANS: one table size and chunk size, no context
             precision, chunk_size, context = TANS_LOG, frame.DEFAULT_CHUNK, None
         n = symbols.size
-        if counts is not None and serial(n, chunk_size) and (
-                context is None or context.size == n):
+        if _crc32.ACCELERATED and counts is not None and n:  # a few calls, not a few a chunk
             ctx = None if context is None else tables._flat(context, np.uint8)
             return order0.encode(tables._flat(symbols, np.uint8), ctx, counts, precision,
-                                 chunk_size, not self._conditions).tobytes()
+                                 chunk_size, not self._conditions)
         if not self._conditions:
             return frame.encode(self._coder, symbols, TANS_LOG, frame.DEFAULT_CHUNK, None,
                                 counts=counts)
@@ -637,19 +635,6 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     if len(payload) >= raw:
         return _raw(symbols, bits)
     return Choice(codec, payload, bits)
-
-
-# A frame of up to this many chunks is coded in one call, its chunks one after another;
-# a larger one shares its chunks with the pool's other threads where it has any.
-SERIAL_CHUNKS = 8
-
-
-def serial(n: int, chunk: int) -> bool:
-    """Whether a frame of ``n`` symbols in chunks of ``chunk`` is coded in one call
-    (``order0.encode``): where the kernels' CRC-32 compiles, ``SERIAL_CHUNKS`` at most,
-    or no other thread to share them with."""
-    return _crc32.ACCELERATED and n > 0 and (-(-n // chunk) <= SERIAL_CHUNKS
-                                             or spread(None) == 1)
 
 
 _ORDER0 = {p.name: _knobs(p) for p in POLICIES.values()}  # by name: no dataclass hash a call

@@ -15,6 +15,7 @@ of a context-conditioned field (``CONDITIONED``: the caller makes it), or a deco
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +24,7 @@ from numba import njit
 from ..coding import contexts, frame, tables
 from ..coding.contexts import _choose, _class_counts
 from ..coding.crc32 import _TABLE, _crc
+from ..coding.parallel import run, spread
 from ..coding.tables import _histogram, _quantize, _serialize, entropy_bits_exact
 from ..rans import kernels as rans_kernels
 from ..rans import static as rans_static
@@ -61,8 +63,6 @@ class Knobs(NamedTuple):
 
 
 _SECTION_MAX = tables._SERIAL_MAX  # one serialized table at most
-RANS_MAGIC = np.frombuffer(rans_static.CODER.magic, np.uint8)
-TANS_MAGIC = np.frombuffer(tans_static.CODER.magic, np.uint8)
 _NO_CTX = rans_kernels._NO_CTX
 
 
@@ -123,19 +123,47 @@ def _code(sym, conditioned, k, crc_table):
     return found, bits, bid, param, np.uint64(0), counts
 
 
-def encode(symbols: np.ndarray, context: np.ndarray | None, counts: np.ndarray, param: int,
-           chunk_size: int, tans: bool, max_tables: int = contexts.DEFAULT_MAX_TABLES,
-           prefix: bytes = b"") -> np.ndarray:
+def encode(symbols: np.ndarray, context: np.ndarray | Callable[[int, int], np.ndarray] | None,
+           counts: np.ndarray, param: int, chunk_size: int, tans: bool,
+           max_tables: int = contexts.DEFAULT_MAX_TABLES, prefix: bytes = b"") -> bytes:
     """``frame.encode`` of ``symbols`` (uint8, 1-D, contiguous, not empty) with the rANS
-    coder (``tans``: the tANS coder, which takes no context), after ``prefix``, its chunks
-    coded one after another in this call: the same bytes. ``counts``: the histogram, or
-    with ``context`` (as many values as symbols) the joint histogram; exact."""
-    sym, ctx = _read_only(symbols), _NO_CTX if context is None else _read_only(context)
-    if ctx.size not in (0, sym.size):
-        raise ValueError(f"context has {ctx.size} values, symbols have {sym.size}")
+    coder (``tans``: the tANS coder, which takes no context), after ``prefix``: the same
+    bytes, from one call for the tables and one per group of ``GROUP`` chunks (run on the
+    pool's threads where there are several and it has other threads). ``counts``: the
+    histogram, or with ``context`` the joint histogram; exact. ``context``: a value per
+    symbol, or a function of (lo, hi) giving those of symbols lo..hi-1 (asked group by
+    group)."""
+    sym, n = _read_only(symbols), symbols.size
     rows = np.ascontiguousarray(counts, np.int64).reshape(-1, 256)
-    return _frame(sym, ctx, rows, context is not None, param, chunk_size, tans, max_tables,
-                  np.frombuffer(prefix, np.uint8), tables._log2f(), _TABLE)
+    if not rows.flags.writeable:  # one compile: as the kernel's own counts
+        rows = rows.copy()
+    section, cmap, rans_tab, symbol_tt, states = _tables(
+        rows, context is not None, param, tans, max_tables, tables._log2f())
+    n_chunks = -(-n // chunk_size)
+    directory = np.empty(9 * n_chunks, np.uint8)
+    groups = -(-n_chunks // GROUP)
+
+    def group(g: int) -> np.ndarray:
+        first, last = g * GROUP, min(n_chunks, (g + 1) * GROUP)
+        lo, hi = first * chunk_size, min(n, last * chunk_size)
+        part = _NO_CTX  # contexts only where the frame has classes
+        if cmap.size:
+            part = context(lo, hi) if callable(context) else context[lo:hi]
+            if part.size != hi - lo:
+                raise ValueError(f"context has {part.size} values for {hi - lo} symbols")
+            part = _read_only(np.ascontiguousarray(part, np.uint8))
+        return _chunks(sym[lo:hi], part, cmap, rans_tab, symbol_tt, states, param,
+                       chunk_size, tans, first, directory, _TABLE)
+
+    parts = ([group(g) for g in range(groups)] if groups == 1 or spread(None) == 1
+             else run(group, groups, None))
+    coder = tans_static.CODER if tans else rans_static.CODER
+    head = frame.HEADER.pack(coder.magic, frame.VERSION, param, coder.lanes,
+                             int(cmap.size > 0), n, chunk_size, n_chunks, section.size)
+    return b"".join([prefix, head, section, directory, *parts])
+
+
+GROUP = 8  # chunks coded in one call (2 Mi symbols of the default chunk)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -147,12 +175,11 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
-def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, prefix, log2f,
-           crc_table):
-    # The frame ``frame.encode`` writes after ``prefix``: ``counts`` is the histogram (one
+def _tables(counts, conditional, param, use_tans, max_tables, log2f):
+    # A static frame's model: its table section (``table_section``'s bytes), context map
+    # (int64[256]; empty for one table) and the coder's tables, from the histogram (one
     # row), or where ``conditional`` the (context, symbol) joint, whose classes
-    # ``contexts.choose`` gives; one table then where it finds none.
-    n = sym.size
+    # ``contexts.choose`` gives (one table where it finds none).
     cmap = np.zeros(0, np.int64)
     rows = counts
     if conditional:
@@ -160,37 +187,41 @@ def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, pre
         n_tables = 1 + classes.max()
         if n_tables > 1:
             cmap = classes.astype(np.int64)
-            rows = _class_counts(counts, classes, n_tables)
-        else:
-            rows = counts.sum(axis=0).reshape(1, 256)
+        rows = _class_counts(counts, classes, n_tables)
     n_tables = rows.shape[0]
-    n_chunks = -(-n // size)
-    # Header, tables, directory, payloads (none larger than its chunk), and the 8 bytes
-    # of scratch a tANS chunk writes below its payload.
     head = 1 + 256 if cmap.size else 0
-    whole = np.empty(prefix.size + frame.HEADER_SIZE + head + n_tables * _SECTION_MAX
-                     + 9 * n_chunks + n + 8, np.uint8)
-    whole[: prefix.size] = prefix
-    out = whole[prefix.size:]
-    section = head
+    section = np.empty(head + n_tables * _SECTION_MAX, np.uint8)
+    if head:
+        section[0] = n_tables - 1
+        for c in range(256):
+            section[1 + c] = cmap[c]
+    end = head
     freqs = np.empty((n_tables, 256), np.int64)
     for r in range(n_tables):
         freqs[r] = _quantize(rows[r], param, log2f)
-        section += _serialize(freqs[r], out[frame.HEADER_SIZE + section:])
-    if head:
-        out[frame.HEADER_SIZE] = n_tables - 1
-        for c in range(256):
-            out[frame.HEADER_SIZE + 1 + c] = cmap[c]
-    directory = frame.HEADER_SIZE + section
-    pos = directory + 9 * n_chunks
+        end += _serialize(freqs[r], section[end:])
+    rans_tab = np.empty((0 if use_tans else n_tables, 256, 2), np.uint64)
     symbol_tt = np.empty(256, np.int64)
     states = np.empty(1 << param if use_tans else 0, np.uint16)
-    tab = np.empty((n_tables, 256, 2), np.uint64)
     if use_tans:
         tans_table._encode_tables(freqs[0], param, symbol_tt, states)
     else:
-        _encode_tables(freqs, param, tab)
-    for c in range(n_chunks):
+        _encode_tables(freqs, param, rans_tab)
+    return section[:end], cmap, rans_tab, symbol_tt, states
+
+
+@njit(nogil=True, cache=True)
+def _chunks(sym, ctx, cmap, rans_tab, symbol_tt, states, param, size, use_tans, first,
+            directory, crc_table):
+    # Chunks ``first``, ``first + 1``, .. of a frame, ``sym`` (and ``ctx``, where ``cmap``
+    # has classes) holding their symbols: each coded, or stored where coding is not
+    # smaller, its length, CRC-32 and mode written to its place in ``directory``; the
+    # payloads back to back.
+    n = sym.size
+    n_chunks = directory.size // 9
+    out = np.empty(n + 8, np.uint8)  # 8 bytes of scratch a tANS chunk writes below it
+    pos = 0
+    for c in range(-(-n // size)):
         lo, hi = c * size, min(n, (c + 1) * size)
         part = sym[lo:hi]
         if use_tans:
@@ -198,7 +229,7 @@ def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, pre
                                               out[pos : pos + hi - lo + 8])
         else:  # a context only where there are classes
             conditional = cmap.size > 0
-            start = _encode_chunk(part, tab, param, out[pos : pos + hi - lo],
+            start = _encode_chunk(part, rans_tab, param, out[pos : pos + hi - lo],
                                   ctx[lo:hi] if conditional else ctx[0:0], cmap, conditional)
         if start < 0:  # not smaller than raw: the chunk is stored
             length, mode = hi - lo, frame.MODE_RAW
@@ -207,22 +238,12 @@ def _frame(sym, ctx, counts, conditional, param, size, use_tans, max_tables, pre
             length, mode = hi - lo + (8 if use_tans else 0) - start, frame.MODE_CODED
             for i in range(length):
                 out[pos + i] = out[pos + start + i]
-        _put(out, directory + 4 * c, length, 4)
-        _put(out, directory + 4 * (n_chunks + c), _crc(part, np.int64(0), crc_table), 4)
-        out[directory + 8 * n_chunks + c] = mode
+        at = first + c
+        _put(directory, 4 * at, length, 4)
+        _put(directory, 4 * (n_chunks + at), _crc(part, np.int64(0), crc_table), 4)
+        directory[8 * n_chunks + at] = mode
         pos += length
-    magic = TANS_MAGIC if use_tans else RANS_MAGIC
-    for i in range(4):
-        out[i] = magic[i]
-    out[4] = frame.VERSION
-    out[5] = param
-    out[6] = tans_kernels.LANES if use_tans else rans_kernels.LANES
-    out[7] = cmap.size > 0  # the context flag
-    _put(out, 8, n, 8)
-    _put(out, 16, size, 4)
-    _put(out, 20, n_chunks, 4)
-    _put(out, 24, section, 4)
-    return whole[: prefix.size + pos]
+    return out[:pos]
 
 
 @njit(nogil=True, cache=True)
