@@ -458,17 +458,8 @@ def unpack(buf: np.ndarray, count: int, k: int) -> np.ndarray | None:
 def estimate_bits(joint: np.ndarray, max_tables: int = contexts.DEFAULT_MAX_TABLES) -> float:
     """Estimated bits of a context frame for this (context, symbol) histogram: the entropy
     of each table class ``contexts.choose`` would make, plus its serialized table."""
-    if not 1 <= max_tables <= 256:
-        raise ValueError(f"max_tables must be in 1..256, got {max_tables}")
-    return _estimate_bits(np.ascontiguousarray(joint, np.int64), max_tables)
-
-
-@njit(nogil=True, cache=True)
-def _estimate_bits(joint, max_tables):
-    # contexts.choose, class_counts and rows_bits in one call: a class plan weighs three.
-    cmap = contexts._choose(joint, max_tables)
-    n_tables = cmap.max() + 1
-    if n_tables == 1:  # choose's None: one table, of the symbols' counts
-        return contexts.rows_bits(contexts._class_counts(joint, cmap, 1), 0.0)
+    cmap = contexts.choose(joint, max_tables)
+    if cmap is None:
+        return contexts.rows_bits(joint.sum(axis=0)[None, :], 0.0)
     # 8 * 257: the frame's class count and context map.
-    return contexts.rows_bits(contexts._class_counts(joint, cmap, n_tables), 8.0 * 257)
+    return contexts.rows_bits(contexts.class_counts(joint, cmap), 8.0 * 257)
