@@ -5,8 +5,9 @@ What it is: ``code``, for the policies whose entropy coder is order-0 (``codecs.
 trial, in one Numba kernel call: the spread-sample screen, the histogram, the entropy and
 frame estimate, whether entropy coding pays, rANS or tANS and its table size (and a field
 stored raw, its CRC-32). ``encode``: the frame ``coding.frame.encode`` writes for rANS
-(one table, or one per context class) or tANS, in one call: the context classes, the
-quantized tables, every chunk coded with its CRC-32, the directory and header. The
+(one table, or one per context class) or tANS, in one call for the model (context
+classes, quantized tables, the coder's tables) and one per group of chunks (each coded,
+its CRC-32 and directory entry), not a few Python calls a chunk. The
 arithmetic is the Python layers', operation for operation, so the choices and bytes are
 the same; the thin caller compares the bid with zstd's and raw's.
 What it is not: the policy's numbers (``codecs`` passes them as ``Knobs``), the choice
