@@ -1,4 +1,4 @@
-"""A field's order-0 codec choice, and a static frame, each in one call that lets the GIL go.
+"""A field's order-0 codec choice and its static frame, in a few calls that let the GIL go.
 
 What it is: ``code``, for the policies whose entropy coder is order-0 (``codecs.FAST``,
 ``GPU``, ``GPU_FAST``): what ``codecs.choose`` works out for a field before the zstd
@@ -220,6 +220,9 @@ def _chunks(sym, ctx, cmap, rans_tab, symbol_tt, states, param, size, use_tans, 
     # payloads back to back.
     n = sym.size
     n_chunks = directory.size // 9
+    if (directory.size % 9 or first < 0 or first + -(-n // size) > n_chunks
+            or ctx.size not in (0, n)):
+        raise ValueError("chunks or contexts outside the frame's directory")
     out = np.empty(n + 8, np.uint8)  # 8 bytes of scratch a tANS chunk writes below it
     pos = 0
     for c in range(-(-n // size)):
