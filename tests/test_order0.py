@@ -97,3 +97,13 @@ def test_classed_frame_in_few_calls_is_the_frame_layers_frame(monkeypatch):
     monkeypatch.setattr(classed.crc32, "ACCELERATED", False)  # the frame layer's frame
     assert got == classed.encode(sym, cols, 0, plan, 12, 1 << 14)
     assert np.array_equal(classed.decode(np.frombuffer(got, np.uint8), sym.size), sym)
+
+
+@pytest.mark.parametrize("conditioned", [False, True])
+def test_frame_refuses_counts_that_are_not_the_symbols(conditioned):
+    sym = np.arange(1000).astype(np.uint8)
+    ctx = sym // 64 if conditioned else None
+    counts = contexts.joint_histogram(ctx, sym) if conditioned else tables.histogram(sym)
+    for bad in (counts[..., :128], counts * 2):
+        with pytest.raises(ValueError, match="counts must be"):
+            order0.encode(sym, ctx, bad, 12, 1 << 10, False)

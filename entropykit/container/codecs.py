@@ -609,9 +609,10 @@ def _knobs(p: Policy) -> order0.Knobs | None:
 
 def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order0.Knobs
             ) -> Choice | None:
-    """``choose`` for a policy ``_knobs`` has numbers for: the kernel's bid (and frame)
-    against zstd's and raw's, compared as ``choose`` compares them (the entropy coder
-    first; ties to the earlier); None for a field to code with its context."""
+    """``choose`` for a policy ``_knobs`` has numbers for: the kernel's bid against
+    zstd's and raw's, compared as ``choose`` compares them (the entropy coder first; ties
+    to the earlier), the winner's payload made once; None for a field to code with its
+    context."""
     n = symbols.size
     raw = n + RAW_OVERHEAD
     sym = tables._flat(symbols, np.uint8)

@@ -135,7 +135,11 @@ def encode(symbols: np.ndarray, context: np.ndarray | Callable[[int, int], np.nd
     symbol, or a function of (lo, hi) giving those of symbols lo..hi-1 (asked group by
     group)."""
     sym, n = _read_only(symbols), symbols.size
-    rows = np.ascontiguousarray(counts, np.int64).reshape(-1, 256)
+    rows = np.ascontiguousarray(counts, np.int64)
+    shape = (256,) if context is None else (256, 256)
+    if rows.shape != shape or int(rows.sum()) != n:  # as frame.encode checks them
+        raise ValueError(f"counts must be int64{list(shape)} summing to the {n} symbols")
+    rows = rows.reshape(-1, 256)
     if not rows.flags.writeable:  # one compile: as the kernel's own counts
         rows = rows.copy()
     section, cmap, rans_tab, symbol_tt, states = _tables(
