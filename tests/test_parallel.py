@@ -18,9 +18,8 @@ from test_container import all_dtypes
 
 from entropykit.api import tensor_source
 from entropykit.coding import contexts, lines, parallel
-from entropykit.container import segment, writer
+from entropykit.container import order0, segment, writer
 from entropykit.container.reader import Compressed
-from entropykit.rans import static as rans_static
 
 
 def _leaves(outer: int, inner: int, threads: int) -> tuple[int, set[int]]:
@@ -83,16 +82,17 @@ def test_a_segments_chunks_run_on_every_thread(monkeypatch: pytest.MonkeyPatch) 
     # One segment of several rANS chunks: both threads must code its chunks together (each
     # waits for the other), where a segment used to code its chunks on its own thread.
     meet = threading.Barrier(2, timeout=20)
-    encode = rans_static.CODER.encode_chunk
+    encode = order0._chunks
     calls = []
 
-    def chunk(*args, **kwargs):
+    def chunks(*args, **kwargs):
         calls.append(threading.get_ident())
         if len(calls) <= 2:
             meet.wait()
         return encode(*args, **kwargs)
 
-    monkeypatch.setattr(rans_static.CODER, "encode_chunk", chunk)
+    monkeypatch.setattr(order0, "_chunks", chunks)
+    monkeypatch.setattr(order0, "GROUP", 1)  # a call a chunk: three to share
     x = (np.random.default_rng(0).standard_normal(700_000) * 0.02).astype(ml_dtypes.bfloat16)
     out = io.BytesIO()
     writer.write(tensor_source({"w": x}, None), out, threads=2)

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._errors import CorruptDataError
-from ..coding import frame, lines, tables
+from ..coding import crc32, frame, lines, tables
 from ..rans import static as rans_static
+from . import order0
 
 if TYPE_CHECKING:
     from .codecs import Bid, Field
@@ -119,6 +120,9 @@ def encode(symbols: np.ndarray, cols: int, phase: int, p: Plan, precision: int,
     maps = (b"" if p.rows is None else lines.pack(p.rows, p.kr)) + (
         b"" if p.columns is None else lines.pack(p.columns, p.kc))
     # The frame is joined after the head and maps: the payload is copied once, not twice.
+    if crc32.ACCELERATED and symbols.size:  # a call per group of chunks
+        return order0.encode(symbols, ctx, p.joint, precision, chunk_size, False, MAX_TABLES,
+                             head + maps)
     return frame.encode(rans_static.CODER, symbols, precision, chunk_size, None, ctx,
                         max_tables=MAX_TABLES, counts=p.joint, prefix=head + maps)
 
@@ -131,11 +135,10 @@ class _Rans2d:
         """A plan's estimate where it saves the policy's ``classed_min_saving`` of the
         plain entropy coder's; None for a field without a grid, with a context, that
         entropy coding does not pay on, or near-uniform."""
-        from .codecs import Bid
-
         if (f.grid is None or f.context is not None or not f.pays
                 or f.bits >= _MAX_BITS * f.n):
             return None
+        from .codecs import Bid  # codecs imports this module
         p = plan(f.symbols, *f.grid, f.counts)
         if p is None or p.estimate > (1 - f.policy.classed_min_saving) * f.plain:
             return None

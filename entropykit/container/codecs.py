@@ -37,10 +37,11 @@ import zstandard
 from .. import rans, tans
 from .._errors import CorruptDataError
 from ..coding import contexts, frame, tables
+from ..coding import crc32 as _crc32
 from ..coding.crc32 import crc32, crc32_combine
 from ..rans import static as rans_static
 from ..tans import static as tans_static
-from . import classed
+from . import classed, order0
 
 ZSTD_LEVEL = 3
 TANS_LOG = 12  # the largest tANS table: least quantization loss
@@ -212,6 +213,13 @@ class _Entropy:
     def encode(self, symbols: np.ndarray, context: np.ndarray | None, precision: int,
                chunk_size: int, counts: np.ndarray | None) -> bytes:
         if not self._conditions:  # tANS: one table size and chunk size, no context
+            precision, chunk_size, context = TANS_LOG, frame.DEFAULT_CHUNK, None
+        n = symbols.size
+        if _crc32.ACCELERATED and counts is not None and n:  # a few calls, not a few a chunk
+            ctx = None if context is None else tables._flat(context, np.uint8)
+            return order0.encode(tables._flat(symbols, np.uint8), ctx, counts, precision,
+                                 chunk_size, not self._conditions)
+        if not self._conditions:
             return frame.encode(self._coder, symbols, TANS_LOG, frame.DEFAULT_CHUNK, None,
                                 counts=counts)
         return frame.encode(self._coder, symbols, precision, chunk_size, None, context,
@@ -477,8 +485,9 @@ def grid_of(shape: tuple[int, ...], first: int) -> tuple[int, int] | None:
     return shape[-1], first % shape[-1]
 
 
-def _raw(symbols: np.ndarray, bits: float) -> Choice:
-    return Choice("raw", RAW.stored(symbols), bits)
+def _raw(symbols: np.ndarray, bits: float, crc: int | None = None) -> Choice:
+    """``symbols`` stored raw (``crc``: their CRC-32, where the caller has it)."""
+    return Choice("raw", RAW.stored(symbols) if crc is None else Stored(crc, symbols), bits)
 
 
 def _screened(symbols: np.ndarray, p: Policy) -> float | None:
@@ -535,13 +544,19 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     joint histogram ``contexts.joint_histogram(context, symbols)``. It must be exact.
     Deterministic: the same symbols and options always give the same choice.
     """
-    check_target(target)
-    p = POLICIES[target, fast]
+    p = POLICIES.get((target, bool(fast)))
+    if p is None:
+        check_target(target)
     n = symbols.size
     raw = n + RAW_OVERHEAD
     if n == 0:
         return _raw(symbols, 0.0)
     context = context if p.contexts else None
+    k = _ORDER0[p.name] if counts is None else None
+    if k is not None:
+        choice = _order0(symbols, context, p, k)
+        if choice is not None:
+            return choice
     # The screen saves a pass where none was paid yet; by default, only context-free
     # fields (a context's saving is not in the order-0 sample).
     if (n > EXACT_LIMIT and p.screen
@@ -569,3 +584,58 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     if len(blob) >= raw:
         return _raw(symbols, f.bits)
     return Choice(codec, blob, f.bits)
+
+
+def _knobs(p: Policy) -> order0.Knobs | None:
+    """``p``'s numbers for ``order0.code``, or None where the kernel does not do its
+    choice: a policy whose zstd bids on large fields too (by probes), or with rans2d (a
+    class plan), or a screen that asks zstd; or where the kernel's CRC-32 does not
+    compile (no carry-less multiply)."""
+    entropy = p.candidates[:-2]
+    if (not _crc32.ACCELERATED or p.candidates[-2:] != ("zstd", "raw")
+            or not set(entropy) <= {"rans", "tans"} or "rans" not in entropy
+            or p.zstd_limit is None or p.zstd_limit > EXACT_LIMIT
+            or (p.screen and not p.raw_unless_pays)):
+        return None
+    return order0.Knobs(
+        raw_unless_pays=p.raw_unless_pays, screen=p.screen, screen_limit=EXACT_LIMIT, block=_BLOCK,
+        screen_bits=8 * (1 - p.min_saving), keep=1 - p.min_saving,
+        keep_conditioned=1 - p.conditioned_min_saving, tans="tans" in entropy,
+        tans_gain=p.tans_gain, rans_states=RANS.states, tans_states=TANS.states,
+        wide_symbols=_WIDE_SYMBOLS, wide_max_bits=_WIDE_MAX_BITS, priced=1 - p.cost,
+        precision=p.precision, wide_precision=p.wide_precision, tans_log=TANS_LOG,
+        raw_overhead=RAW_OVERHEAD)
+
+
+def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order0.Knobs
+            ) -> Choice | None:
+    """``choose`` for a policy ``_knobs`` has numbers for: the kernel's bid against
+    zstd's and raw's, compared as ``choose`` compares them (the entropy coder first; ties
+    to the earlier), the winner's payload made once; None for a field to code with its
+    context."""
+    n = symbols.size
+    raw = n + RAW_OVERHEAD
+    sym = tables._flat(symbols, np.uint8)
+    found, bits, bid, param, crc, counts = order0.code(sym, context is not None, k)
+    if found == order0.CONDITIONED:
+        return None
+    if found == order0.RAW or (found == order0.NO_BID and p.raw_unless_pays):
+        return _raw(sym, bits, int(crc))
+    best: int | None = None
+    codec, payload = "", b""
+    if found != order0.NO_BID:
+        best, codec = bid, (TANS if found == order0.TANS else RANS).name
+    if n <= p.zstd_limit:  # judged whole: its trial is its payload
+        whole = ZSTD.encode(symbols, None, 0, 0, None)
+        if best is None or len(whole) < best:
+            best, codec, payload = len(whole), ZSTD.name, whole
+    if best is None or raw < best:
+        return _raw(symbols, bits)
+    if codec != ZSTD.name:
+        payload = CODECS[codec].encode(sym, None, param, p.chunk, counts[0])
+    if len(payload) >= raw:
+        return _raw(symbols, bits)
+    return Choice(codec, payload, bits)
+
+
+_ORDER0 = {p.name: _knobs(p) for p in POLICIES.values()}  # by name: no dataclass hash a call

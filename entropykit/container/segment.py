@@ -18,7 +18,7 @@ from numba import njit
 
 from .. import formats
 from .._errors import CorruptDataError
-from ..coding import contexts
+from ..coding import contexts, tables
 from ..coding.parallel import run, spread
 from . import codecs
 from . import header as hdr
@@ -100,8 +100,9 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
     elements = raw.size * 8 // hdr.DTYPE_BITS[dtype]  # grid applies to one symbol each
     syms = []
     for f, field, n in zip(got, split.fields, want, strict=True):
-        sym = np.ascontiguousarray(f.symbols, dtype=np.uint8).reshape(-1)
-        if (f.name, _context_name(f.context, done, f.name)) != field or sym.size != n:
+        sym = tables._flat(f.symbols, np.uint8)
+        ctx = None if f.context is None else _context_name(f.context, done, f.name)
+        if (f.name, ctx) != field or sym.size != n:
             raise RuntimeError(f"formats split {raw.size} bytes of {dtype} otherwise than "
                                f"probed: field {f.name!r} of {sym.size} symbols")
         done[f.name] = sym
@@ -117,7 +118,7 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
             continue
         choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
                                fast=fast, grid=grid if n == elements else None,
-                               counts=_expand(counts.pop(field[0], None)))
+                               counts=_expand(counts.pop(field[0], None)) if shared else None)
         names.append(choice.codec)
         parts.append(choice.payload)
         bits += choice.entropy_bits

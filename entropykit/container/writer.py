@@ -155,31 +155,49 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
     sizes: dict[str, int] = {}
     total = sum(p.entry.nbytes for p in plans)
     pos, done = 8 + reserve, 0
+    at = -1  # where the stream is, where known: a write that starts there needs no seek
     results = imap_grouped(work, jobs(), threads, lambda j: j[3] - j[2], UNIT_BYTES)
     try:
         for p in plans:
             # Payload: index (filled in once the lengths are known), then field payloads.
+            # A tensor of one segment goes out in one write, index first; a larger one
+            # segment by segment after room for its index (the segments are not held).
             k = len(p.bounds) * len(p.split.fields)
+            first = pos + payload.index_size(k)
+            whole = len(p.bounds) == 1
             lengths: list[int] = []
             crcs: list[int] = []
+            held: list[bytes | memoryview] = []
             bits = 0.0
-            out.seek(pos + payload.index_size(k))
+            if not whole:
+                out.seek(first)
             for lo, hi in p.bounds:
                 coded, part_crcs = next(results)
                 crcs += part_crcs
                 chosen[p.entry.name].append(coded.codecs)
-                out.writelines(_pieces(coded.parts))
+                if whole:
+                    held = _pieces(coded.parts)
+                else:
+                    out.writelines(_pieces(coded.parts))
                 lengths += [len(part) for part in coded.parts]
                 bits += coded.entropy_bits
                 done += hi - lo
                 if progress is not None:
                     progress(done, total)
             if _mistakable(p.entry, payload.index_size(k) + sum(lengths)):
-                lengths, crcs = _store(p, source, out, pos + payload.index_size(k))
+                lengths, crcs = _store(p, source, out, first)
                 chosen[p.entry.name] = [(codecs.RAW.name,) * len(p.split.fields)] * len(p.bounds)
-            out.seek(pos)
-            out.write(payload.index(lengths, crcs))
+                whole, at = False, -1
             sizes[p.entry.name] = payload.index_size(k) + sum(lengths)
+            if whole:
+                if at != pos:
+                    out.seek(pos)
+                out.writelines([payload.index(lengths, crcs), *held])
+                at = pos + sizes[p.entry.name]
+            else:
+                out.seek(pos)
+                out.write(payload.index(lengths, crcs))
+                at = first
             pos += sizes[p.entry.name]
             _count(summary, p.entry, sizes[p.entry.name], bits)
     finally:
