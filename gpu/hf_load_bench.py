@@ -77,17 +77,19 @@ def _size(d: Path) -> int:
 class _Steps:
     """Wall seconds of the entropykit quantizer's steps during compressed loads (its
     methods wrapped while the benchmark runs): ``open`` the shards (safe_open, before
-    transformers reads weights), ``decode`` the batches (``load_file`` of a shard's
-    tensors; on a side thread when started ahead), ``wait`` transformers' thread blocked
-    for a batch (decoding it itself, or waiting for the one ahead), ``tensors`` every
-    tensor handed to transformers (the waits, tensors decoded alone, casts)."""
+    transformers reads weights), ``decode`` the batches decoded when asked for (a
+    shard's tensors at once), ``wait`` transformers' thread blocked for a batch
+    (decoding it itself, or waiting for the one ahead), ``tensors`` every tensor handed
+    to transformers (the waits, tensors decoded alone, casts). The batches decoded ahead
+    on the GPU are one GPU load of every shard: its own accounting (``loader``; ``busy``
+    its host time) says where that went."""
 
     _WRAPPED = {"_process_model_before_weight_loading": "open", "_decode_batch": "decode",
                 "_batch": "wait", "decode": "tensors"}
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self.loader: dict[str, float] = {}  # the GPU loader's own accounting, summed
+        self._runs: list[dict[str, float]] = []  # each GPU load's own accounting
 
     def __enter__(self) -> _Steps:
         from entropykit.hf import _quantizer
@@ -98,8 +100,17 @@ class _Steps:
             setattr(cls, name, self._timed(self._saved[name], key))
         self._load = self._loader()
         if self._load is not None:
-            self._load.load = self._accounted(self._load.load)
+            self._load.stream = self._accounted(self._load.stream)
         return self
+
+    @property
+    def loader(self) -> dict[str, float]:
+        """The GPU loads' own accounting, summed."""
+        total: dict[str, float] = {}
+        for run in self._runs:
+            for k, v in run.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     def __exit__(self, *exc: object) -> None:
         from entropykit.hf import _quantizer
@@ -107,7 +118,7 @@ class _Steps:
         for name, fn in self._saved.items():
             setattr(_quantizer.EntropyKitQuantizer, name, fn)
         if self._load is not None:
-            self._load.load = self._load.load.__wrapped__
+            self._load.stream = self._load.stream.__wrapped__
 
     @staticmethod
     def _loader():  # noqa: ANN205
@@ -120,12 +131,10 @@ class _Steps:
 
     def _accounted(self, fn):  # noqa: ANN001, ANN202
         def accounted(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-            seconds: dict[str, float] = {}
-            try:
-                return fn(*args, **kw, seconds=seconds)
-            finally:
-                for k, v in seconds.items():
-                    self.loader[k] = self.loader.get(k, 0.0) + v
+            # a generator: its running totals are read when the benchmark reads them
+            kw["seconds"] = seconds = kw.get("seconds") or {}
+            self._runs.append(seconds)
+            return fn(*args, **kw)
         accounted.__wrapped__ = fn
         return accounted
 

@@ -24,7 +24,7 @@ What it is not: the decision of what goes where (``fileplan.py``), the staging l
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,10 +95,9 @@ class Stager:
     payload layout on the device (``_relayout.cu``), and decoded, one launch per batch.
     """
 
-    def __init__(self, device: torch.device, threads: int, src: Bytes | None = None) -> None:
+    def __init__(self, device: torch.device, threads: int) -> None:
         self.device = device
         self.filler = Filler(threads)  # its threads fill every group; ``close`` stops them
-        self.src = src  # the file, for the streams staged from it
         self.slots: list[_Slot] = []
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
@@ -125,11 +124,12 @@ class Stager:
             slot.payload = torch.empty(payload, dtype=torch.uint8, device=self.device)
         return slot
 
-    def stage(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor]
-              ) -> _Staged:
+    def stage(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor],
+              src: Bytes | None = None) -> _Staged:
         """Start filling a staging buffer with one group: its tables and descriptors
         written here, its streams by the ``Filler``'s threads (``views(tensor, bf16)`` is
-        that tensor's flat uint8, or int16 for bf16 mode, view)."""
+        that tensor's flat uint8, or int16 for bf16 mode, view; ``src``: the file, for the
+        streams staged from it)."""
         t0 = time.perf_counter()
         st = Staging.of(group)
         slot = self._slot(st.size, st.payload)
@@ -140,7 +140,7 @@ class Stager:
                                                     for t in part.tensors])
             descs.append(desc)
             binds.append(base)
-        fill = st.fill(group, slot.host.numpy(), descs, self.filler, self.src)
+        fill = st.fill(group, slot.host.numpy(), descs, self.filler, src)
         self.seconds["slot_wait"] += t1 - t0
         self.seconds["fill"] += time.perf_counter() - t1
         return _Staged(group, st, slot, binds, fill)
@@ -184,23 +184,24 @@ class Stager:
         self.seconds["launch"] += time.perf_counter() - t2
 
     def check(self) -> None:
-        """Wait for every launch; raise ``CorruptDataError`` for the first failing CRC
-        (position CRCs first), else the first failing decode row."""
+        """Wait for every launch since the last check; raise ``CorruptDataError`` for the
+        first failing CRC (position CRCs first), else the first failing decode row."""
         if not self.checks and not self.crcs:
             return
         t = time.perf_counter()
-        everything = torch.cat([s for s, _ in self.crcs]
-                               + [s for s, _ in self.checks]).cpu().numpy()
+        crcs, checks = self.crcs, self.checks
+        self.crcs, self.checks = [], []
+        everything = torch.cat([s for s, _ in crcs] + [s for s, _ in checks]).cpu().numpy()
         self.seconds["check"] += time.perf_counter() - t
         at, failed = 0, []
-        for status, st in self.crcs:
+        for status, st in crcs:
             err = st.crc_error(everything[at : at + status.numel()])
             if err is not None:
                 failed.append(err)
             at += status.numel()
         if failed:
             raise min(failed, key=lambda e: e[0])[1]  # the first of the lowest rank
-        for status, named in self.checks:
+        for status, named in checks:
             for origins, row, n in named:
                 err = origins.error(everything[at + row : at + row + n])
                 if err is not None:
@@ -216,42 +217,97 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
     ``device``, in data order, as ``dtypes`` (safetensors dtype -> torch dtype) says.
     ``seconds``, if given, receives where the host's time went (waiting for the planner,
     for a staging buffer, filling them, launching, the final wait)."""
+    loads = stream([(c, names)], device, dtypes, threads, warps=warps,
+                   group_bytes=group_bytes, seconds=seconds)
+    try:
+        return next(loads)
+    finally:
+        loads.close()  # the planning and fill threads stop
+
+
+def stream(jobs: Iterable[tuple[Compressed, Collection[str] | None]], device: Any,
+           dtypes: Mapping[str, torch.dtype], threads: int, *, warps: int = WARPS,
+           group_bytes: int = fileplan.GROUP_BYTES,
+           seconds: dict[str, float] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """``load`` of each job (a compressed file, and the names wanted of it or None for
+    all), one after another through one ``Stager`` (its fill threads and staging
+    buffers) and one planning thread, which plans on into the next file while this one's
+    last groups are filled and decoded: a file's tensors are allocated when its turn
+    comes (after the one before is handed out) and yielded once its launches are
+    checked. ``seconds`` holds the running totals (``load``'s, and ``busy``: the host
+    time spent in the steps)."""
     dev = cuda_device(device)
-    entries = c.original.by_offset
-    if names is not None:
-        keep = frozenset(names)
-        entries = [e for e in entries if e.name in keep]
-    for e in entries:
-        if e.dtype not in dtypes:
-            raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
+    picked: list[tuple[Compressed, list]] = []  # each job's entries, as the planner takes them
+
+    def plans() -> Iterator[tuple[int, fileplan.Group | None]]:
+        for j, (c, names) in enumerate(jobs):
+            entries = c.original.by_offset
+            if names is not None:
+                keep = frozenset(names)
+                entries = [e for e in entries if e.name in keep]
+            for e in entries:  # raised in turn, before the file's plan
+                if e.dtype not in dtypes:
+                    raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
+            picked.append((c, entries))
+            for group in fileplan.groups(c, threads, entries=entries, warps=warps,
+                                         group_bytes=group_bytes):
+                yield j, group
+            yield j, None  # the job's last group
+
     with torch.cuda.device(dev):
-        out = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=dev)
-               for e in entries}
-        flat = [out[e.name].reshape(-1) for e in entries]
+        stager = Stager(dev, threads)
+    planned = fileplan.ahead(plans())
+    wait = busy = 0.0
+    try:
+        j = 0
+        while True:
+            t0 = time.perf_counter()
+            first = next(planned, None)  # the job's entries are picked before it is made
+            wait += time.perf_counter() - t0
+            if first is None:
+                return
+            c, entries = picked[j]
+            with torch.cuda.device(dev):
+                out, w = _one(stager, planned, first, j, c, entries, dtypes)
+            wait += w
+            j += 1
+            busy += time.perf_counter() - t0
+            if seconds is not None:
+                seconds.update(stager.seconds, plan_wait=wait, busy=busy)
+            yield out
+    finally:
+        planned.close()  # the planning thread stops
+        stager.filler.close()  # after the fills submitted (their buffers are alive)
 
-        def views(k: int, bf16: bool) -> torch.Tensor:
-            return flat[k].view(torch.int16 if bf16 else torch.uint8)
 
-        stager = Stager(dev, threads, c.source)
-        planned = fileplan.ahead(fileplan.groups(c, threads, entries=entries, warps=warps,
-                                                 group_bytes=group_bytes))
-        wait = 0.0
-        pending: _Staged | None = None
-        try:
-            while True:
-                t = time.perf_counter()
-                group = next(planned, None)  # planned while the last group is filled
-                wait += time.perf_counter() - t
-                staged = None if group is None else stager.stage(group, views)
-                if pending is not None:
-                    stager.send(pending)  # its fill done while this one's starts
-                if staged is None:
-                    break
-                pending = staged
-        finally:
-            planned.close()  # the planning thread stops
-            stager.filler.close()  # after the fills submitted (their buffers are alive)
-        stager.check()
-    if seconds is not None:
-        seconds.update(stager.seconds, plan_wait=wait)
-    return out
+def _one(stager: Stager, planned: Iterator[tuple[int, fileplan.Group | None]],
+         first: tuple[int, fileplan.Group | None], j: int, c: Compressed, entries: list,
+         dtypes: Mapping[str, torch.dtype]) -> tuple[dict[str, torch.Tensor], float]:
+    """Job ``j``'s tensors (file ``c``, ``entries`` of it): its groups from ``planned``
+    (``first`` already taken) staged, sent and checked; and the seconds spent waiting
+    for the planner."""
+    dev = stager.device
+    out = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=dev) for e in entries}
+    flat = [out[e.name].reshape(-1) for e in entries]
+
+    def views(k: int, bf16: bool) -> torch.Tensor:
+        return flat[k].view(torch.int16 if bf16 else torch.uint8)
+
+    wait = 0.0
+    item: tuple[int, fileplan.Group | None] | None = first
+    pending: _Staged | None = None
+    while True:
+        if item is None or item[0] != j:  # the planner ended early
+            raise RuntimeError("entropykit: the GPU load's plan lost its place")
+        group = item[1]
+        staged = None if group is None else stager.stage(group, views, c.source)
+        if pending is not None:
+            stager.send(pending)  # its fill done while this one's starts
+        if staged is None:
+            break
+        pending = staged
+        t = time.perf_counter()
+        item = next(planned, None)  # planned while the last group is filled
+        wait += time.perf_counter() - t
+    stager.check()
+    return out, wait
