@@ -249,7 +249,8 @@ def stream(jobs: Iterable[tuple[Compressed, Collection[str] | None]], device: An
                 if e.dtype not in dtypes:
                     raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
             picked.append((c, entries))
-            for group in fileplan.groups(c, threads, entries=entries, warps=warps,
+            for group in fileplan.groups(c, fileplan.plan_threads(c, entries, threads),
+                                         entries=entries, warps=warps,
                                          group_bytes=group_bytes):
                 yield j, group
             yield j, None  # the job's last group
