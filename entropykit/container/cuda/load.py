@@ -51,9 +51,31 @@ def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> Non
     """Enqueue the copy of ``n`` staged payloads (int64 rows: src offset, dst offset,
     length, at device address ``rows``) from ``src`` to ``dst`` (16-byte aligned places)."""
     if n:
-        nvrtc.launch(device, [(_relayout_kernel(), min(n, 4096), 256,
-                               (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)),
-                               0)])
+        nvrtc.launch(device, _relayouts(rows, n, src, dst))
+
+
+def _relayouts(rows: int, n: int, src: int, dst: int) -> list[tuple[Any, int, int, tuple, int]]:
+    """``relayout``'s launch as ``nvrtc.launch`` takes it (none where ``n`` is 0)."""
+    if not n:
+        return []
+    return [(_relayout_kernel(), min(n, 4096), 256,
+             (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)), 0)]
+
+
+def _enqueue(device: torch.device, kernels: list[tuple[Any, int, int, tuple, int]],
+             launches: list[rt.Launch]) -> None:
+    """``kernels`` (as ``nvrtc.launch`` takes them, no more than 48 KiB of shared memory
+    each), then ``launches``, on torch's current stream of ``device``, in one CuPy device
+    context: entering one and each runtime call in it hand the GIL on, and getting it
+    back costs most where other threads run Python (the planner, transformers)."""
+    import cupy as cp
+
+    with cp.cuda.Device(device.index):
+        stream = nvrtc.stream()
+        for k, grid, block, args, shared in kernels:
+            k((grid,), (block,), args, shared_mem=shared, stream=stream)
+        for launch in launches:
+            launch.on(stream)
 
 
 @dataclass(frozen=True)
@@ -158,25 +180,28 @@ class Stager:
         cur = torch.cuda.current_stream()
         cur.wait_event(slot.copied)
         dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
-        relayout(self.device, dev0 + st.moves_at, len(st.moves), dev0, pay0)
+        kernels = _relayouts(dev0 + st.moves_at, len(st.moves), dev0, pay0)
         k = len(st.crcs)
-        if k:
-            crc = torch.zeros(2 * k, dtype=torch.int32, device=self.device)
-            _crc.launch(self.device, dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
-                        int(st.first[-1]), dev0, crc.data_ptr() + 4 * k, crc.data_ptr())
-            self.crcs.append((crc[:k], st))
         rows = sum(len(part.batch.desc) for part in group.parts)
-        status = torch.zeros(max(rows, 1), dtype=torch.int32, device=self.device)
+        # one buffer zeroed for the CRCs' statuses and accumulators and the decode status
+        zeros = torch.zeros(2 * k + max(rows, 1), dtype=torch.int32, device=self.device)
+        z0 = zeros.data_ptr()
+        status = zeros[2 * k :]
+        if k:
+            kernels += _crc.launches(dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
+                                     int(st.first[-1]), dev0, z0 + 4 * k, z0)
+            self.crcs.append((zeros[:k], st))
         row = 0
-        named = []
+        named, launches = [], []
         for part, sec, base in zip(group.parts, st.sections, staged.binds, strict=True):
             b = part.batch
             ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
                     dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
                     (base if base is not None else status).data_ptr()]
-            rt.Launch(b, self.device, ptrs)()
+            launches.append(rt.Launch(b, self.device, ptrs))
             named.append((b.origins, row, len(b.desc)))
             row += len(b.desc)
+        _enqueue(self.device, kernels, launches)
         slot.done.record(cur)
         self.checks.append((status, named))
         self.seconds["fill"] += t2 - t1
