@@ -9,12 +9,13 @@ shows the best time of each and the ratio (plain / compressed: above
 1 means the compressed checkpoint loads faster). Every compressed load is checked bit for
 bit against the plain load. On the CPU the table also gives the time ``load_file`` takes to
 decode the compressed shards, the part of the load that compression adds; on a GPU, where
-``load_file`` of the shards onto it spends its host time (the loader's own accounting).
+one GPU load of all the shards spends its host time (the loader's own accounting).
 For the best compressed load it prints the wall time of the quantizer's steps (``_Steps``:
 opening the shards, decoding batches, transformers waiting for them) and, on a GPU, the
-loader's host accounting during that load (its ``load_file`` of each shard's tensors: plan
-wait, fill, launches): the rest of the load is transformers' own work (building the
-model, reading payload bytes, placing tensors).
+loader's host accounting during that load (one GPU load of every shard's tensors: plan
+wait, fill, launches; ``--plan-threads`` sets its planning threads): the rest of the
+load is transformers' own work (building the model, reading payload bytes, placing
+tensors).
 Models: ``llm`` — a Llama-shaped bf16 model (hidden 4096, 14336 MLP, 32000 vocabulary,
 ``--layers`` blocks; random weights at the model's own initialization, so synthetic);
 ``minilm`` — real MiniLM-L6 weights cast to bf16 (``--minilm DIR`` holding its
@@ -27,6 +28,7 @@ What it is not: a test (tests/test_hf_load.py and gpu/hf_check.py check correctn
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import shutil
 import sys
@@ -132,8 +134,9 @@ class _Steps:
     def _accounted(self, fn):  # noqa: ANN001, ANN202
         def accounted(*args, **kw):  # noqa: ANN002, ANN003, ANN202
             # a generator: its running totals are read when the benchmark reads them
-            kw["seconds"] = seconds = kw.get("seconds") or {}
-            self._runs.append(seconds)
+            if kw.get("seconds") is None:
+                kw["seconds"] = {}
+            self._runs.append(kw["seconds"])
             return fn(*args, **kw)
         accounted.__wrapped__ = fn
         return accounted
@@ -188,9 +191,10 @@ def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int
 
 
 def _host_seconds(ek: Path, device: str) -> dict[str, float]:
-    """Where ``load_file(shard, device)`` of every shard spends its host time (the GPU
-    loader's own accounting: waiting for the plan, for a staging buffer, filling it,
-    launching, the final wait; "total" the whole call), best of 3; empty (and a line
+    """Where one GPU load of every shard (``container.cuda.load.stream``, as
+    from_pretrained's with a one-device map) spends its host time (the loader's own
+    accounting: waiting for the plan, for a staging buffer, filling it, launching, the
+    waits for each shard's checks; "total" the whole load), best of 3; empty (and a line
     saying why) if it fails: the table stands without it."""
     from entropykit.coding.parallel import resolve
     from entropykit.container import source
@@ -199,18 +203,18 @@ def _host_seconds(ek: Path, device: str) -> dict[str, float]:
     from entropykit.dtypes import torch_types
 
     def once() -> dict[str, float]:
-        got: dict[str, float] = {}
-        for p in sorted(ek.glob("*.safetensors")):
-            with source.FileBytes(p) as f:
-                seconds: dict[str, float] = {}
-                _sync(device)
-                t0 = time.perf_counter()
-                load.load(Compressed(f), device, torch_types(), resolve(None), seconds=seconds)
-                _sync(device)
-                seconds["total"] = time.perf_counter() - t0
-            for k, v in seconds.items():
-                got[k] = got.get(k, 0.0) + v
-        return got
+        seconds: dict[str, float] = {}
+        with contextlib.ExitStack() as opened:
+            shards = [Compressed(opened.enter_context(source.FileBytes(p)))
+                      for p in sorted(ek.glob("*.safetensors"))]
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in load.stream([(c, None) for c in shards], device, torch_types(),
+                                 resolve(None), seconds=seconds):
+                pass  # each shard's tensors dropped when the next is made
+            _sync(device)
+            seconds["total"] = time.perf_counter() - t0
+        return seconds
 
     try:
         return min((once() for _ in range(3)), key=lambda g: g["total"])
@@ -246,7 +250,13 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--targets", default="cpu,gpu", help="compress targets (default: both)")
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--plan-threads", type=int,
+                    help="the GPU load's planning threads (default: the loader's choice)")
     args = ap.parse_args()
+    if args.plan_threads is not None:
+        from entropykit.container.cuda import fileplan
+
+        fileplan.plan_threads = lambda c, entries, threads: min(threads, args.plan_threads)
     transformers.utils.logging.disable_progress_bar()
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
