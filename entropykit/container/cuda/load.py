@@ -71,11 +71,12 @@ def _enqueue(device: torch.device, kernels: list[tuple[Any, int, int, tuple, int
     import cupy as cp
 
     with cp.cuda.Device(device.index):
-        stream = nvrtc.stream()
-        for k, grid, block, args, shared in kernels:
-            k((grid,), (block,), args, shared_mem=shared, stream=stream)
-        for launch in launches:
-            launch.on(stream)
+        stream = nvrtc.stream()  # within the device's context: its view is per device
+        with stream:  # a RawKernel launches on CuPy's current stream
+            for k, grid, block, args, shared in kernels:
+                k((grid,), (block,), args, shared_mem=shared)
+            for launch in launches:
+                launch.on(stream)
 
 
 @dataclass(frozen=True)
