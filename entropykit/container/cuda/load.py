@@ -16,7 +16,9 @@ its own plans the group after (``fileplan.ahead``: the planner's threads read sm
 field payloads and the heads of large ones, check what they read and decode tANS/zstd
 fields ahead). The kernels' statuses are read once at the
 end: ``CorruptDataError`` names the tensor, segment, field (and chunk), a failed CRC
-before a failed decode.
+before a failed decode. ``stream`` loads several files in a row the same way through one
+stager and one planning thread (a checkpoint's shards bound for one device), each file's
+launches checked before its tensors are handed out.
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
 (``_staging.py``) or the decoder (``rans.cuda``).
 """
