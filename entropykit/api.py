@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +178,22 @@ def _load_compressed(c: Compressed, device: Any, threads: int,
         t = _as_torch(raw, c.entry(name), types)
         out[name] = t if str(device) == "cpu" else t.to(device)
     return out
+
+
+def _load_many(jobs: Sequence[tuple[Compressed, Sequence[str] | None]], device: Any,
+               threads: int) -> Iterator[dict[str, Any]]:
+    """``_load_compressed`` of each job (a compressed file, the names wanted of it or
+    None), in order, made as they are asked for; on a CUDA device all through one GPU
+    load (one planning thread, one set of staging buffers and fill threads), which raises
+    ``GpuUnavailableError`` here, before any work."""
+    if _is_cuda(device):
+        from ._cuda import require
+
+        require(device)
+        from .container.cuda.load import stream
+
+        return stream(jobs, device, dtypes.torch_types(), threads)
+    return (_load_compressed(c, device, threads, names) for c, names in jobs)
 
 
 def _is_cuda(device: Any) -> bool:

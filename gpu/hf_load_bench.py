@@ -9,12 +9,13 @@ shows the best time of each and the ratio (plain / compressed: above
 1 means the compressed checkpoint loads faster). Every compressed load is checked bit for
 bit against the plain load. On the CPU the table also gives the time ``load_file`` takes to
 decode the compressed shards, the part of the load that compression adds; on a GPU, where
-``load_file`` of the shards onto it spends its host time (the loader's own accounting).
+one GPU load of all the shards spends its host time (the loader's own accounting).
 For the best compressed load it prints the wall time of the quantizer's steps (``_Steps``:
 opening the shards, decoding batches, transformers waiting for them) and, on a GPU, the
-loader's host accounting during that load (its ``load_file`` of each shard's tensors: plan
-wait, fill, launches): the rest of the load is transformers' own work (building the
-model, reading payload bytes, placing tensors).
+loader's host accounting during that load (one GPU load of every shard's tensors: plan
+wait, fill, launches; ``--plan-threads`` sets its planning threads): the rest of the
+load is transformers' own work (building the model, reading payload bytes, placing
+tensors).
 Models: ``llm`` — a Llama-shaped bf16 model (hidden 4096, 14336 MLP, 32000 vocabulary,
 ``--layers`` blocks; random weights at the model's own initialization, so synthetic);
 ``minilm`` — real MiniLM-L6 weights cast to bf16 (``--minilm DIR`` holding its
@@ -27,6 +28,7 @@ What it is not: a test (tests/test_hf_load.py and gpu/hf_check.py check correctn
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import shutil
 import sys
@@ -77,17 +79,19 @@ def _size(d: Path) -> int:
 class _Steps:
     """Wall seconds of the entropykit quantizer's steps during compressed loads (its
     methods wrapped while the benchmark runs): ``open`` the shards (safe_open, before
-    transformers reads weights), ``decode`` the batches (``load_file`` of a shard's
-    tensors; on a side thread when started ahead), ``wait`` transformers' thread blocked
-    for a batch (decoding it itself, or waiting for the one ahead), ``tensors`` every
-    tensor handed to transformers (the waits, tensors decoded alone, casts)."""
+    transformers reads weights), ``decode`` the batches decoded when asked for (a
+    shard's tensors at once), ``wait`` transformers' thread blocked for a batch
+    (decoding it itself, or waiting for the one ahead), ``tensors`` every tensor handed
+    to transformers (the waits, tensors decoded alone, casts). The batches decoded ahead
+    on the GPU are one GPU load of every shard: its own accounting (``loader``; ``busy``
+    its host time) says where that went."""
 
     _WRAPPED = {"_process_model_before_weight_loading": "open", "_decode_batch": "decode",
                 "_batch": "wait", "decode": "tensors"}
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self.loader: dict[str, float] = {}  # the GPU loader's own accounting, summed
+        self._runs: list[dict[str, float]] = []  # each GPU load's own accounting
 
     def __enter__(self) -> _Steps:
         from entropykit.hf import _quantizer
@@ -98,8 +102,17 @@ class _Steps:
             setattr(cls, name, self._timed(self._saved[name], key))
         self._load = self._loader()
         if self._load is not None:
-            self._load.load = self._accounted(self._load.load)
+            self._load.stream = self._accounted(self._load.stream)
         return self
+
+    @property
+    def loader(self) -> dict[str, float]:
+        """The GPU loads' own accounting, summed."""
+        total: dict[str, float] = {}
+        for run in self._runs:
+            for k, v in run.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     def __exit__(self, *exc: object) -> None:
         from entropykit.hf import _quantizer
@@ -107,7 +120,7 @@ class _Steps:
         for name, fn in self._saved.items():
             setattr(_quantizer.EntropyKitQuantizer, name, fn)
         if self._load is not None:
-            self._load.load = self._load.load.__wrapped__
+            self._load.stream = self._load.stream.__wrapped__
 
     @staticmethod
     def _loader():  # noqa: ANN205
@@ -120,12 +133,11 @@ class _Steps:
 
     def _accounted(self, fn):  # noqa: ANN001, ANN202
         def accounted(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-            seconds: dict[str, float] = {}
-            try:
-                return fn(*args, **kw, seconds=seconds)
-            finally:
-                for k, v in seconds.items():
-                    self.loader[k] = self.loader.get(k, 0.0) + v
+            # a generator: its running totals are read when the benchmark reads them
+            if kw.get("seconds") is None:
+                kw["seconds"] = {}
+            self._runs.append(kw["seconds"])
+            return fn(*args, **kw)
         accounted.__wrapped__ = fn
         return accounted
 
@@ -179,9 +191,10 @@ def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int
 
 
 def _host_seconds(ek: Path, device: str) -> dict[str, float]:
-    """Where ``load_file(shard, device)`` of every shard spends its host time (the GPU
-    loader's own accounting: waiting for the plan, for a staging buffer, filling it,
-    launching, the final wait; "total" the whole call), best of 3; empty (and a line
+    """Where one GPU load of every shard (``container.cuda.load.stream``, as
+    from_pretrained's with a one-device map) spends its host time (the loader's own
+    accounting: waiting for the plan, for a staging buffer, filling it, launching, the
+    waits for each shard's checks; "total" the whole load), best of 3; empty (and a line
     saying why) if it fails: the table stands without it."""
     from entropykit.coding.parallel import resolve
     from entropykit.container import source
@@ -190,18 +203,18 @@ def _host_seconds(ek: Path, device: str) -> dict[str, float]:
     from entropykit.dtypes import torch_types
 
     def once() -> dict[str, float]:
-        got: dict[str, float] = {}
-        for p in sorted(ek.glob("*.safetensors")):
-            with source.FileBytes(p) as f:
-                seconds: dict[str, float] = {}
-                _sync(device)
-                t0 = time.perf_counter()
-                load.load(Compressed(f), device, torch_types(), resolve(None), seconds=seconds)
-                _sync(device)
-                seconds["total"] = time.perf_counter() - t0
-            for k, v in seconds.items():
-                got[k] = got.get(k, 0.0) + v
-        return got
+        seconds: dict[str, float] = {}
+        with contextlib.ExitStack() as opened:
+            shards = [Compressed(opened.enter_context(source.FileBytes(p)))
+                      for p in sorted(ek.glob("*.safetensors"))]
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in load.stream([(c, None) for c in shards], device, torch_types(),
+                                 resolve(None), seconds=seconds):
+                pass  # each shard's tensors dropped when the next is made
+            _sync(device)
+            seconds["total"] = time.perf_counter() - t0
+        return seconds
 
     try:
         return min((once() for _ in range(3)), key=lambda g: g["total"])
@@ -237,7 +250,13 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--targets", default="cpu,gpu", help="compress targets (default: both)")
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--plan-threads", type=int,
+                    help="the GPU load's planning threads (default: the loader's choice)")
     args = ap.parse_args()
+    if args.plan_threads is not None:
+        from entropykit.container.cuda import fileplan
+
+        fileplan.plan_threads = lambda c, entries, threads: min(threads, args.plan_threads)
     transformers.utils.logging.disable_progress_bar()
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)

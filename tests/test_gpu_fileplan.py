@@ -300,3 +300,27 @@ def test_arena_hands_out_fresh_disjoint_buffers_from_large_blocks():
             assert not np.shares_memory(a, b)
     assert len({id(g.base) for g in carved}) == 2  # the fifth 16_000 starts a new block
     assert got[8].base is None or got[8].base.size == 1 << 14  # its own array
+
+
+def test_plan_threads_only_where_the_host_decodes(model_file, small_file, tmp_path,
+                                                  monkeypatch):
+    """The loader plans on several threads only where segments of a run's size or more
+    are decoded on the host (tANS fields, as earlier defaults wrote): elsewhere the plan
+    is Python, and one thread plans it (fewer GIL hand-offs); a run's size counts."""
+    for codec_set in ("gpu", "cpu"):
+        for src in (model_file, small_file):
+            dst = _compress(src, tmp_path / f"{codec_set}-{src.name}", monkeypatch, codec_set,
+                            1 << 16)
+            c = Compressed(np.fromfile(dst, np.uint8))
+            assert fileplan.plan_threads(c, c.original.by_offset, 4) == 1, (codec_set, src)
+    dst = _compress(model_file, tmp_path / "tans.safetensors", monkeypatch, "tans", 1 << 16)
+    c = Compressed(np.fromfile(dst, np.uint8))
+    host = sum(hi - lo for e in c.original.by_offset
+               for (lo, hi), seg in zip(c.bounds(e), c.record.tensors[e.name].codecs,
+                                        strict=True)
+               if set(seg) - {"rans", "rans2d", "raw"})
+    assert host > 0
+    monkeypatch.setattr(fileplan, "RUN_BYTES", host)
+    assert fileplan.plan_threads(c, c.original.by_offset, 4) == 4
+    monkeypatch.setattr(fileplan, "RUN_BYTES", host + 1)
+    assert fileplan.plan_threads(c, c.original.by_offset, 4) == 1

@@ -48,28 +48,37 @@ def emulated_tensors(c, threads=1, names=None, **kw) -> dict[str, np.ndarray]:
     outs = [np.full(e.nbytes, 0xA5, np.uint8) for e in entries]
     crc_errors, decode_errors = [], []
     for group in fileplan.groups(c, threads, entries=entries, **kw):
-        st = _staging.Staging.of(group)
-        host = np.full(st.size, 0xEE, np.uint8)
-        st.fill(group, host, [p.batch.desc for p in group.parts], threads, c.source)
-        payload = np.zeros(st.payload, np.uint8)
-        for s, d, k in st.moves.tolist():
-            payload[d : d + k] = host[s : s + k]
-        err = st.crc_error(emulate_crc(st.crcs, host, fast=True))
-        if err is not None:
-            crc_errors.append(err)
-        for part, sec in zip(group.parts, st.sections, strict=True):
-            b = part.batch
-            b._cache["payload"] = payload[sec["payload"] : sec["payload"] + b.payload_size]
-            views = [outs[t].view(np.uint16) if b.bf16 else outs[t] for t in part.tensors]
-            _, status = emulate_into(b, views)
-            err = b.error(status)
-            if err is not None:
-                decode_errors.append(err)
+        crc, decode = emulated_group(group, c.source, threads, lambda t, bf16:
+                                     outs[t].view(np.uint16) if bf16 else outs[t])
+        crc_errors += [crc] if crc is not None else []
+        decode_errors += decode
     if crc_errors:
         raise min(crc_errors, key=lambda e: e[0])[1]
     if decode_errors:
         raise decode_errors[0]
     return {e.name: o for e, o in zip(entries, outs, strict=True)}
+
+
+def emulated_group(group, src, threads, views) -> tuple:
+    """One group staged (``src``: the file), moved, CRC-checked and decoded into
+    ``views(tensor, bf16)`` (its flat uint8, or uint16 for bf16 mode, array) as the device
+    would: (the CRC error as ``Staging.crc_error`` gives it, or None; the batches' decode
+    errors)."""
+    st = _staging.Staging.of(group)
+    host = np.full(st.size, 0xEE, np.uint8)
+    st.fill(group, host, [p.batch.desc for p in group.parts], threads, src)
+    payload = np.zeros(st.payload, np.uint8)
+    for s, d, k in st.moves.tolist():
+        payload[d : d + k] = host[s : s + k]
+    decode_errors = []
+    for part, sec in zip(group.parts, st.sections, strict=True):
+        b = part.batch
+        b._cache["payload"] = payload[sec["payload"] : sec["payload"] + b.payload_size]
+        _, status = emulate_into(b, [views(t, b.bf16) for t in part.tensors])
+        err = b.error(status)
+        if err is not None:
+            decode_errors.append(err)
+    return st.crc_error(emulate_crc(st.crcs, host, fast=True)), decode_errors
 
 
 def _cpu_bytes(path) -> dict[str, np.ndarray]:
@@ -655,3 +664,100 @@ def test_groups_planned_ahead_are_the_groups_in_order():
     assert next(it) == 0
     it.close()
     assert closed.is_set() and len(made) < 10
+
+
+def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path,
+                                                            monkeypatch):
+    """``load.stream``'s host side (the device's part emulated): every file, or subset of
+    one, through one stager, their groups in order; each file's tensors the CPU load's bit
+    for bit, yielded once its groups are sent and checked, the next file's not begun
+    before it is asked for; a damaged file raises its error after the files before it
+    were yielded; the planning and fill threads stop."""
+    import contextlib
+    import threading
+    import types
+
+    before = set(sys.modules)
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))  # imports only
+    try:
+        from entropykit.container.cuda import load
+
+        stagers, events = [], []
+
+        class Emulated:
+            def __init__(self, device, threads):
+                self.device, self.filler = device, _staging.Filler(threads)
+                self.seconds = {"launch": 0.0}
+                self.errors = []
+                stagers.append(self)
+
+            def stage(self, group, views, src):
+                events.append("stage")
+                return group, views, src
+
+            def send(self, staged):
+                group, views, src = staged
+                crc, decode = emulated_group(group, src, 2, lambda t, bf16: views(t, bf16)
+                                             .numpy().view(np.uint16 if bf16 else np.uint8))
+                self.errors += ([crc[1]] if crc is not None else []) + decode
+                events.append("send")
+
+            def check(self):
+                events.append("check")
+                errors, self.errors = self.errors, []
+                if errors:
+                    raise errors[0]
+
+        monkeypatch.setattr(load, "Stager", Emulated)
+        monkeypatch.setattr(load, "cuda_device", lambda d: torch.device("cpu"))
+        monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+        paths = []
+        for k, model in enumerate((_model(np.random.default_rng(5)),
+                                   _many_small(np.random.default_rng(7)))):
+            src = tmp_path / f"m{k}.safetensors"
+            safetensors.torch.save_file(model, src)
+            paths.append(tmp_path / f"m{k}.ek.safetensors")
+            files.compress_file(src, paths[-1], segment_bytes=1 << 16, target="gpu")
+        wants = [entropykit.load_file(p, threads=1) for p in paths]
+        cs = [Compressed(np.fromfile(p, np.uint8)) for p in paths]
+        subset = list(wants[1])[1::3]
+        jobs = [(cs[0], None), (cs[1], subset), (cs[1], None)]
+        seconds = {}
+        made = load.stream(jobs, "cuda", entropykit.dtypes.torch_types(), 2,
+                           group_bytes=1 << 17, seconds=seconds)
+        got = []
+        for out in made:
+            assert events[-1] == "check"  # yielded once its groups are sent and checked
+            events.append("yielded")
+            got.append(out)
+        assert len(stagers) == 1 and events.count("check") == 3
+        assert events.count("stage") == events.count("send") > 3
+        assert {"plan_wait", "busy", "launch"} <= set(seconds)
+        for (c, names), out in zip(jobs, got, strict=True):
+            want = wants[cs.index(c)]
+            assert list(out) == (list(want) if names is None else names)
+            for k, t in out.items():
+                assert torch.equal(_bits(t), _bits(want[k])), k
+        bad = np.fromfile(paths[0], np.uint8)
+        e = next(e for e in cs[0].outer.entries if e.nbytes > 20_000)
+        bad[cs[0].outer.data_start + e.begin + e.nbytes // 2] ^= 0x20
+        events.clear()
+        made = load.stream([(cs[1], subset), (Compressed(bad), None), (cs[1], None)],
+                           "cuda", entropykit.dtypes.torch_types(), 2, group_bytes=1 << 17)
+        assert list(next(made)) == subset
+        assert "check" in events and events.count("check") == 1  # the next not begun
+        with pytest.raises(CorruptDataError):
+            next(made)
+        assert not [t for t in threading.enumerate()
+                    if t.name.startswith(("entropykit-plan", "entropykit-fill"))]
+    finally:
+        for m in set(sys.modules) - before:
+            if m.startswith("entropykit."):  # imported against the stand-in
+                del sys.modules[m]
+                parent, _, name = m.rpartition(".")
+                if hasattr(sys.modules.get(parent), name):
+                    delattr(sys.modules[parent], name)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

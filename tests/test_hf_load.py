@@ -131,6 +131,10 @@ def test_from_pretrained_dtype_and_device_map(tmp_path: Path) -> None:
     assert _load(ek, dtype=torch.float32).model.norm.weight.dtype == torch.float32
 
 
+class _Calls(list):
+    runs: list
+
+
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, str]]:
     """Every batch the quantizer decodes: (device, names, the tensors it returned, the
     thread that decoded it). A CUDA
@@ -138,7 +142,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, st
     emulator (tests/test_gpu_load.py), giving CPU tensors."""
     from test_gpu_load import emulated_tensors
 
-    calls, real = [], api._load_compressed
+    calls, real = _Calls(), api._load_compressed
 
     def spy(c: Any, device: Any, threads: int, names: list[str] | None = None) -> dict:
         if names is None:  # load_file, not the quantizer
@@ -152,7 +156,17 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, st
         calls.append((str(device), list(names), got, threading.current_thread().name))
         return got
 
+    def spy_many(jobs: list, device: Any, threads: int) -> Any:
+        if not str(device).startswith("cuda"):
+            return real_many(jobs, device, threads)
+        runs.append([names for _, names in jobs])
+        return (spy(c, device, threads, names) for c, names in jobs)
+
+    runs: list[list[list[str]]] = []
+    real_many = api._load_many
     monkeypatch.setattr(api, "_load_compressed", spy)
+    monkeypatch.setattr(api, "_load_many", spy_many)
+    calls.runs = runs  # per GPU load of several shards: each shard's names
     return calls
 
 
@@ -214,7 +228,7 @@ def test_batches_follow_the_device_map(tmp_path: Path, monkeypatch: pytest.Monke
         model, checkpoint_files=[str(p) for p in sorted(ek.glob("*.safetensors"))],
         device_map=device_map)
     q.update_weight_conversions([], model)
-    assert len(q._ahead) == 1  # the first CUDA batch is under way before any tensor is read
+    assert q._ahead is not None  # the CUDA batch is under way before any tensor is read
     want = entropykit.load_file(d)
     ckpt = _checkpoint(ek)
 
@@ -271,7 +285,7 @@ def test_damage_in_a_batch_decoded_ahead_is_raised_when_asked_for(
         device_map={"lm_head": "cuda:0", "": "cpu"})
     try:
         q.update_weight_conversions([], model)
-        assert [key[0] for key in q._ahead] == [shard]
+        assert q._ahead.keys == {(shard, "cuda:0")}
         with pytest.raises(entropykit.CorruptDataError, match=f"^{shard}: "):
             q.decode("lm_head.weight", torch.empty(0, dtype=torch.uint8), None,
                      "lm_head.weight")
@@ -295,9 +309,10 @@ def test_one_device_map_starts_the_first_batch_when_the_shards_open(
     q._process_model_before_weight_loading(
         model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
     try:
-        assert len(q._ahead) == 1
+        assert q._ahead is not None
         q.update_weight_conversions([], model)
         want = entropykit.load_file(d)
+        q_order = list(q._order)
         for k in q._order:
             got = q.decode(k, torch.empty(0, dtype=torch.uint8), None, q._targets[k])
             assert torch.equal(_bits(got), _bits(want[k])), k
@@ -306,6 +321,43 @@ def test_one_device_map_starts_the_first_batch_when_the_shards_open(
     assert sorted(len(c[1]) for c in calls) == sorted(len(_keys(p)) for p in shards)
     assert {c[0] for c in calls} == {"cuda:0"}
     assert {c[3].startswith("entropykit-decode") for c in calls} == {True}
+    # every shard through one GPU load, in the order transformers asks for them
+    first_asked = sorted(shards, key=lambda p: min(q_order.index(k) for k in _keys(p)))
+    assert calls.runs == [[_keys(p) for p in first_asked]]
+
+
+def test_batches_ahead_are_made_one_at_a_time_in_order() -> None:
+    """The side thread makes a batch only once the one before it was taken (so at most
+    two are held), hands them out in order, raises a failure where it happened, and
+    stops when closed while a batch is waiting to be taken."""
+    states: list[bool] = []
+    made: list[_quantizer._Ahead] = []  # the _Ahead making these (batch 0 is made first)
+
+    def items(n: int, fail_at: int | None = None) -> Any:
+        for k in range(n):
+            if k:
+                states.append(made[-1]._item is None)  # nothing made is left untaken
+            if k == fail_at:
+                raise entropykit.CorruptDataError(f"batch {k} is damaged")
+            yield (Path(f"s{k}"), "cuda:0"), {"k": k}
+
+    ahead = _quantizer._Ahead([(Path(f"s{k}"), "cuda:0") for k in range(4)], items(4))
+    made.append(ahead)
+    got = [ahead.take() for _ in range(5)]
+    ahead.close()
+    assert [g[1]["k"] for g in got[:4]] == [0, 1, 2, 3] and got[4] is None
+    assert states == [True] * 3
+    ahead = _quantizer._Ahead([], items(4, fail_at=2))
+    made.append(ahead)
+    assert [ahead.take()[1]["k"] for _ in range(2)] == [0, 1]
+    with pytest.raises(entropykit.CorruptDataError, match="^batch 2 is damaged$"):
+        ahead.take()
+    ahead.close()
+    ahead = _quantizer._Ahead([], items(4))
+    made.append(ahead)
+    assert ahead.take()[1]["k"] == 0
+    ahead.close()  # batch 1 made and never taken: the thread stops
+    assert not ahead._thread.is_alive()
 
 
 def _keys(p: Path) -> list[str]:

@@ -21,9 +21,12 @@ and adds converters through ``update_weight_conversions``. That is the path take
   bound for the same device at once, and later calls hand them out: on a CUDA device by
   the GPU, in one plan (by the CPU, with a warning, where the GPU decoder is not
   installed); elsewhere by the CPU, small tensors in one thread pool, large ones as asked.
-  With a device map, the next CUDA batch is decoded ahead on a side thread while
-  transformers reads and places the tensors before it (one batch ahead at most; with a
-  map of one device the first starts as soon as the shards are open);
+  With a device map, the CUDA batches are decoded ahead on a side thread, in the order
+  transformers asks for them, while it reads and places the tensors before them: one
+  GPU load for all of a device's shards in a row (one planning thread, which plans on
+  into the next shard, one set of staging buffers and fill threads), each batch made
+  only once the one before it was taken (one batch ahead at most; with a map of one
+  device the first starts as soon as the shards are open);
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint; with
   ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its
@@ -36,8 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
+import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +150,63 @@ class Decode(ConversionOps):
         return out
 
 
+_Key = tuple[Path, str]  # (compressed shard, device): a batch
+
+
+class _Ahead:
+    """Batches (key, tensors) made on a side thread in order (``items``), each only once
+    the one before it was taken (``take``): at most the batch being handed out and the
+    next one are held. ``close`` stops the thread (after the batch it is making)."""
+
+    def __init__(self, keys: list[_Key], items: Iterator[tuple[_Key, dict]]) -> None:
+        self.keys = frozenset(keys)
+        self._cv = threading.Condition()
+        self._item: tuple[_Key, dict] | None = None
+        self._error: BaseException | None = None
+        self._done = self._stop = False
+        self._thread = threading.Thread(target=self._run, args=(items,), daemon=True,
+                                        name="entropykit-decode")
+        self._thread.start()
+
+    def _run(self, items: Iterator[tuple[_Key, dict]]) -> None:
+        try:
+            for item in items:
+                with self._cv:
+                    self._item = item
+                    self._cv.notify_all()
+                    self._cv.wait_for(lambda: self._item is None or self._stop)
+                    if self._stop:
+                        return
+        except BaseException as e:  # noqa: BLE001 -- raised by ``take``
+            with self._cv:
+                self._error = e
+        finally:
+            items.close()  # on this thread: the GPU load's threads stop
+            with self._cv:
+                self._done = True
+                self._cv.notify_all()
+
+    def take(self) -> tuple[_Key, dict] | None:
+        """The next batch (waiting for it), None after the last; raises what making it
+        raised."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._item is not None or self._done)
+            if self._item is not None:
+                item, self._item = self._item, None
+                self._cv.notify_all()
+                return item
+            if self._error is not None:
+                raise self._error
+            return None
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._item = None  # a batch made and never asked for
+            self._cv.notify_all()
+        self._thread.join()
+
+
 SMALL = 4 << 20  # bytes: CPU-bound tensors up to this size are decoded a shard at a time
 _ALL = "^(.+)$"  # matches every name and keeps it (the captured group is the target)
 # Converters that read their checkpoint tensors on the CPU: transformers then reads a
@@ -169,13 +231,10 @@ class EntropyKitQuantizer(HfQuantizer):
         self._targets: dict[str, str] = {}  # checkpoint name -> the parameter it loads into
         self._where: dict[str, torch.device] = {}  # parameter -> its device-map device
         # (shard, device) -> its tensors bound there, decoded together, until handed out
-        self._batches: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
+        self._batches: dict[_Key, dict[str, torch.Tensor]] = {}
         self._shards: dict[Path, list[str]] = {}  # compressed shard -> its tensors
         self._order: list[str] = []  # checkpoint names in the order transformers asks
-        self._cursor = 0  # in _order: names before it need no batch started
-        self._ahead: dict[tuple[Path, str], Future] = {}  # the batch decoding ahead
-        self._started: set[tuple[Path, str]] = set()
-        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: _Ahead | None = None  # the CUDA batches decoded ahead
         self._model: Any = None
         self._device_map: dict | None = None
 
@@ -272,15 +331,18 @@ class EntropyKitQuantizer(HfQuantizer):
         first call (one GPU plan and launch per kernel flavour, or one CPU thread pool:
         no per-tensor setup) and handed out one by one (``pop``), so the memory held is
         at most the shard's. On the CPU only tensors up to ``SMALL`` bytes are batched:
-        a large one is decoded when asked for, on every thread, as before. A CUDA batch
-        may have been started ahead (``_ahead``)."""
+        a large one is decoded when asked for, on every thread, as before. CUDA batches
+        may be decoded ahead (``_ahead``): those it makes before this one are kept."""
         key = (path, str(device))
+        ahead = self._ahead
+        while key not in self._batches and ahead is not None and key in ahead.keys:
+            item = ahead.take()
+            if item is None:
+                break
+            self._batches[item[0]] = item[1]
         if key not in self._batches:
-            ahead = self._ahead.pop(key, None)
-            self._batches[key] = (ahead.result() if ahead is not None else
-                                  self._decode_batch(path, f, device,
-                                                     self._names(path, device, given)))
-            self._start_next()
+            self._batches[key] = self._decode_batch(path, f, device,
+                                                    self._names(path, device, given))
         return self._batches[key]
 
     def _names(self, path: Path, device: torch.device, given: torch.Tensor | None
@@ -328,42 +390,57 @@ class EntropyKitQuantizer(HfQuantizer):
         return got
 
     def _start_next(self) -> None:
-        """Start decoding, on a side thread, the next CUDA batch transformers will ask for
-        (known only from a device map), so that the GPU decodes it while transformers
-        reads and places the tensors before it; at most one batch is decoded ahead."""
-        if self._ahead or not self._device_map or not (self._targets or self._one_device()):
-            return  # one going, or where tensors go is not known (yet)
-        while self._cursor < len(self._order):
-            k = self._order[self._cursor]
+        """Start decoding, on a side thread, the CUDA batches transformers will ask for
+        (known only from a device map), in that order, so that the GPU decodes each while
+        transformers reads and places the tensors before it (``_Ahead``, ``_decoded``)."""
+        if self._ahead is not None or not self._device_map \
+                or not (self._targets or self._one_device()):
+            return  # started, or where tensors go is not known (yet)
+        keys: dict[_Key, None] = {}
+        for k in self._order:
             path, f = self._files[k]
             device = self._bound(k, None)
-            key = (path, str(device))
-            if f is None or device is None or device.type != "cuda" \
-                    or key in self._batches or key in self._started:
-                self._cursor += 1  # passed for good: its batch is done, going or none
-                continue
-            self._started.add(key)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="entropykit-decode")
-            self._ahead[key] = self._pool.submit(self._decode_batch, path, f, device,
-                                                 self._names(path, device, None))
-            return
+            if f is not None and device is not None and device.type == "cuda":
+                keys.setdefault((path, str(device)), None)
+        if keys:
+            self._ahead = _Ahead(list(keys), self._decoded(list(keys)))
+
+    def _decoded(self, keys: list[_Key]) -> Iterator[tuple[_Key, dict[str, torch.Tensor]]]:
+        """The batches of ``keys`` (CUDA devices), in order: a device's run of them
+        through one GPU load (``api._load_many``), by the CPU where the GPU decoder is
+        not installed (``_decode_batch``'s warning)."""
+        from .._cuda import GpuUnavailableError
+        from ..api import _load_many
+
+        threads = resolve(None)
+        for device, keyed in itertools.groupby(keys, key=lambda key: key[1]):
+            dev = torch.device(device)
+            run = [(path, self._files[self._shards[path][0]][1], self._names(path, dev, None))
+                   for path, _ in keyed]
+            try:
+                outs = _load_many([(parsed(f), names) for _, f, names in run], dev, threads)
+            except GpuUnavailableError:
+                outs = (self._decode_batch(path, f, dev, names) for path, f, names in run)
+            try:
+                for path, _, _ in run:
+                    with files.named(path):
+                        got = next(outs)
+                    yield (path, device), got
+            finally:
+                outs.close()
 
     def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
-        if self._pool is not None:  # a batch decoded ahead and never asked for
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._ahead is not None:  # batches decoded ahead and never asked for
+            self._ahead.close()
+            self._ahead = None
         self._stack.close()
         self._files.clear()
         self.plan.clear()
         self._targets.clear()
         self._where.clear()
         self._batches.clear()
-        self._ahead.clear()
-        self._started.clear()
         self._shards.clear()
         self._order.clear()
-        self._cursor = 0
         resident = self.quantization_config.resident
         options = self.quantization_config.resident_options()
         self.remove_quantization_config(model)

@@ -181,21 +181,20 @@ def test_cuda_load_of_many_small_tensors_and_of_subsets(tmp_path, target):
 @pytest.mark.parametrize("target", ["cpu", "gpu"])
 def test_from_pretrained_decodes_each_shard_in_one_gpu_batch(tmp_path, monkeypatch, target):
     """``from_pretrained(ek, device_map={"": "cuda:0"})`` of a sharded checkpoint decodes
-    each shard's tensors on the GPU in one batch (one plan) and gives the plain load's
-    state dict bit for bit."""
+    each shard's tensors on the GPU in one batch, every shard through one GPU load (one
+    plan thread and stager), and gives the plain load's state dict bit for bit."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from entropykit import api
 
     batches = []
-    real = api._load_compressed
+    real = api._load_many
 
-    def spy(c, device, threads, names=None):
-        if names is not None:
-            batches.append((str(device), len(names)))
-        return real(c, device, threads, names)
+    def spy(jobs, device, threads):
+        batches.extend((str(device), len(names)) for _, names in jobs)
+        return real(jobs, device, threads)
 
-    monkeypatch.setattr(api, "_load_compressed", spy)
+    monkeypatch.setattr(api, "_load_many", spy)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=3, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64)
@@ -456,3 +455,64 @@ def test_fills_submitted_ahead_in_small_groups_are_exact_and_stop(tmp_path, thre
         assert not fill_threads()
     finally:
         ek.write_bytes(whole)
+
+
+def test_one_stream_of_several_files_is_each_files_load(tmp_path):
+    """Several files (and subsets) through one ``load.stream`` (one stager, one planning
+    thread that plans on into the next file), in groups cut small: each is its CPU load
+    bit for bit, the fill threads are the stager's few for every file; a damaged file
+    later in the stream raises its error after the ones before it were yielded, and the
+    threads stop."""
+    import threading
+
+    from entropykit import CorruptDataError, dtypes
+    from entropykit.container import files as cfiles
+    from entropykit.container import source
+    from entropykit.container.cuda.load import stream
+    from entropykit.container.reader import Compressed
+
+    paths = []
+    for k, model in enumerate((_many_small(), _staged_model(2), _many_small())):
+        orig, ek = tmp_path / f"m{k}.safetensors", tmp_path / f"m{k}.ek.safetensors"
+        safetensors.torch.save_file(model, orig)
+        cfiles.compress_file(orig, ek, segment_bytes=1 << 16, target="gpu" if k else "cpu")
+        paths.append(ek)
+    wants = [entropykit.load_file(p) for p in paths]
+    types = dtypes.torch_types()
+
+    def threads_named(prefix: str) -> list:
+        return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+    with source.FileBytes(paths[0]) as a, source.FileBytes(paths[1]) as b, \
+            source.FileBytes(paths[2]) as c:
+        files = [Compressed(a), Compressed(b), Compressed(c)]
+        names = [list(w) for w in wants]
+        jobs = [(files[0], None), (files[1], names[1][::2]), (files[2], names[2][1::3]),
+                (files[1], None)]
+        seconds: dict[str, float] = {}
+        got = []
+        for out in stream(jobs, "cuda", types, 4, group_bytes=1 << 16, seconds=seconds):
+            assert len(threads_named("entropykit-fill")) <= 4
+            got.append(out)
+        assert not threads_named("entropykit-fill") and not threads_named("entropykit-plan")
+        assert {"plan_wait", "launch", "busy"} <= set(seconds)
+        for (f, subset), out in zip(jobs, got, strict=True):
+            want = wants[files.index(f)]
+            assert list(out) == (list(want) if subset is None else subset)
+            for k in out:
+                assert torch.equal(out[k].cpu().reshape(-1).view(torch.uint8),
+                                   want[k].reshape(-1).view(torch.uint8)), k
+    bad = tmp_path / "bad.ek.safetensors"
+    buf = bytearray(paths[1].read_bytes())
+    buf[len(buf) // 2] ^= 0x55  # a byte in the data of the staged model
+    bad.write_bytes(bytes(buf))
+    with pytest.raises(CorruptDataError):
+        entropykit.load_file(bad)  # the CPU load fails too
+    with source.FileBytes(paths[0]) as a, source.FileBytes(bad) as b:
+        made = stream([(Compressed(a), None), (Compressed(b), None)], "cuda", types, 4,
+                      group_bytes=1 << 16)
+        first = next(made)
+        assert list(first) == list(wants[0])
+        with pytest.raises(CorruptDataError):
+            next(made)
+    assert not threads_named("entropykit-fill") and not threads_named("entropykit-plan")

@@ -43,12 +43,19 @@ def launch(device: Any, rows: int, first: int, n: int, pieces: int, staged: int,
     """Enqueue the check of ``n`` rows (device addresses: ``rows`` int64[n, 4], ``first``
     int64[n + 1] with ``pieces`` in all, the ``staged`` bytes, ``acc`` u32[n] zeroed,
     ``status`` int32[n])."""
+    if n:
+        nvrtc.launch(device, launches(rows, first, n, pieces, staged, acc, status))
+
+
+def launches(rows: int, first: int, n: int, pieces: int, staged: int, acc: int,
+             status: int) -> list[tuple[Any, int, int, tuple, int]]:
+    """``launch``'s kernels as ``nvrtc.launch`` takes them (none where ``n`` is 0), to
+    enqueue with others."""
     if not n:
-        return
+        return []
     grid = int(min(max(-(-pieces // BLOCK), 1), MAX_BLOCKS))
-    nvrtc.launch(device, [
-        (_kernel("crc_pieces"), grid, BLOCK,
-         (np.uint64(rows), np.uint64(first), np.int32(n), np.uint64(staged), np.uint64(acc)),
-         0),
-        (_kernel("crc_finish"), -(-n // BLOCK), BLOCK,
-         (np.uint64(rows), np.int32(n), np.uint64(acc), np.uint64(status)), 0)])
+    return [(_kernel("crc_pieces"), grid, BLOCK,
+             (np.uint64(rows), np.uint64(first), np.int32(n), np.uint64(staged),
+              np.uint64(acc)), 0),
+            (_kernel("crc_finish"), -(-n // BLOCK), BLOCK,
+             (np.uint64(rows), np.int32(n), np.uint64(acc), np.uint64(status)), 0)]

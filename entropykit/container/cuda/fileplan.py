@@ -639,6 +639,26 @@ def _plan_run(c: Compressed, run: list[_Job], arena: Arena | None = None) -> lis
                             for j, p, i in zip(run, parts, infos, strict=True)], None)
 
 
+def plan_threads(c: Compressed, entries: Sequence[hdr.Entry], threads: int) -> int:
+    """The threads worth planning ``entries`` of ``c`` with: ``threads`` where segments
+    of ``RUN_BYTES`` or more (output bytes) are decoded on the host (tANS, zstd, a split
+    the kernel cannot place: Numba and codecs without the GIL, so runs planned side by
+    side overlap), else one (what is left is Python holding the GIL, which more threads
+    only hand back and forth, taking it from the loader's thread between its launches)."""
+    host = 0
+    for e in entries:
+        t = c.record.tensors.get(e.name)
+        if t is None:
+            continue
+        whole = placement(e.dtype, t.layout, t.fields) is None
+        for (lo, hi), seg in zip(c.bounds(e), t.codecs, strict=False):
+            if whole or not _STAGED_CODECS.issuperset(seg):
+                host += hi - lo
+                if host >= RUN_BYTES:
+                    return threads
+    return 1
+
+
 def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | None = None,
            warps: int = WARPS, group_bytes: int = GROUP_BYTES) -> Iterator[Group]:
     """The groups decoding every tensor of ``c`` (or only ``entries``, some of its

@@ -16,7 +16,9 @@ its own plans the group after (``fileplan.ahead``: the planner's threads read sm
 field payloads and the heads of large ones, check what they read and decode tANS/zstd
 fields ahead). The kernels' statuses are read once at the
 end: ``CorruptDataError`` names the tensor, segment, field (and chunk), a failed CRC
-before a failed decode.
+before a failed decode. ``stream`` loads several files in a row the same way through one
+stager and one planning thread (a checkpoint's shards bound for one device), each file's
+launches checked before its tensors are handed out.
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
 (``_staging.py``) or the decoder (``rans.cuda``).
 """
@@ -24,7 +26,7 @@ What it is not: the decision of what goes where (``fileplan.py``), the staging l
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +53,32 @@ def relayout(device: torch.device, rows: int, n: int, src: int, dst: int) -> Non
     """Enqueue the copy of ``n`` staged payloads (int64 rows: src offset, dst offset,
     length, at device address ``rows``) from ``src`` to ``dst`` (16-byte aligned places)."""
     if n:
-        nvrtc.launch(device, [(_relayout_kernel(), min(n, 4096), 256,
-                               (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)),
-                               0)])
+        nvrtc.launch(device, _relayouts(rows, n, src, dst))
+
+
+def _relayouts(rows: int, n: int, src: int, dst: int) -> list[tuple[Any, int, int, tuple, int]]:
+    """``relayout``'s launch as ``nvrtc.launch`` takes it (none where ``n`` is 0)."""
+    if not n:
+        return []
+    return [(_relayout_kernel(), min(n, 4096), 256,
+             (np.uint64(rows), np.int32(n), np.uint64(src), np.uint64(dst)), 0)]
+
+
+def _enqueue(device: torch.device, kernels: list[tuple[Any, int, int, tuple, int]],
+             launches: list[rt.Launch]) -> None:
+    """``kernels`` (as ``nvrtc.launch`` takes them, no more than 48 KiB of shared memory
+    each), then ``launches``, on torch's current stream of ``device``, in one CuPy device
+    context: entering one and each runtime call in it hand the GIL on, and getting it
+    back costs most where other threads run Python (the planner, transformers)."""
+    import cupy as cp
+
+    with cp.cuda.Device(device.index):
+        stream = nvrtc.stream()  # within the device's context: its view is per device
+        with stream:  # a RawKernel launches on CuPy's current stream
+            for k, grid, block, args, shared in kernels:
+                k((grid,), (block,), args, shared_mem=shared)
+            for launch in launches:
+                launch.on(stream)
 
 
 @dataclass(frozen=True)
@@ -95,10 +120,9 @@ class Stager:
     payload layout on the device (``_relayout.cu``), and decoded, one launch per batch.
     """
 
-    def __init__(self, device: torch.device, threads: int, src: Bytes | None = None) -> None:
+    def __init__(self, device: torch.device, threads: int) -> None:
         self.device = device
         self.filler = Filler(threads)  # its threads fill every group; ``close`` stops them
-        self.src = src  # the file, for the streams staged from it
         self.slots: list[_Slot] = []
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
@@ -125,11 +149,12 @@ class Stager:
             slot.payload = torch.empty(payload, dtype=torch.uint8, device=self.device)
         return slot
 
-    def stage(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor]
-              ) -> _Staged:
+    def stage(self, group: fileplan.Group, views: Callable[[int, bool], torch.Tensor],
+              src: Bytes | None = None) -> _Staged:
         """Start filling a staging buffer with one group: its tables and descriptors
         written here, its streams by the ``Filler``'s threads (``views(tensor, bf16)`` is
-        that tensor's flat uint8, or int16 for bf16 mode, view)."""
+        that tensor's flat uint8, or int16 for bf16 mode, view; ``src``: the file, for the
+        streams staged from it)."""
         t0 = time.perf_counter()
         st = Staging.of(group)
         slot = self._slot(st.size, st.payload)
@@ -140,7 +165,7 @@ class Stager:
                                                     for t in part.tensors])
             descs.append(desc)
             binds.append(base)
-        fill = st.fill(group, slot.host.numpy(), descs, self.filler, self.src)
+        fill = st.fill(group, slot.host.numpy(), descs, self.filler, src)
         self.seconds["slot_wait"] += t1 - t0
         self.seconds["fill"] += time.perf_counter() - t1
         return _Staged(group, st, slot, binds, fill)
@@ -158,25 +183,28 @@ class Stager:
         cur = torch.cuda.current_stream()
         cur.wait_event(slot.copied)
         dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
-        relayout(self.device, dev0 + st.moves_at, len(st.moves), dev0, pay0)
+        kernels = _relayouts(dev0 + st.moves_at, len(st.moves), dev0, pay0)
         k = len(st.crcs)
-        if k:
-            crc = torch.zeros(2 * k, dtype=torch.int32, device=self.device)
-            _crc.launch(self.device, dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
-                        int(st.first[-1]), dev0, crc.data_ptr() + 4 * k, crc.data_ptr())
-            self.crcs.append((crc[:k], st))
         rows = sum(len(part.batch.desc) for part in group.parts)
-        status = torch.zeros(max(rows, 1), dtype=torch.int32, device=self.device)
+        # one buffer zeroed for the CRCs' statuses and accumulators and the decode status
+        zeros = torch.zeros(2 * k + max(rows, 1), dtype=torch.int32, device=self.device)
+        z0 = zeros.data_ptr()
+        status = zeros[2 * k :]
+        if k:
+            kernels += _crc.launches(dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
+                                     int(st.first[-1]), dev0, z0 + 4 * k, z0)
+            self.crcs.append((zeros[:k], st))
         row = 0
-        named = []
+        named, launches = [], []
         for part, sec, base in zip(group.parts, st.sections, staged.binds, strict=True):
             b = part.batch
             ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
                     dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
                     (base if base is not None else status).data_ptr()]
-            rt.Launch(b, self.device, ptrs)()
+            launches.append(rt.Launch(b, self.device, ptrs))
             named.append((b.origins, row, len(b.desc)))
             row += len(b.desc)
+        _enqueue(self.device, kernels, launches)
         slot.done.record(cur)
         self.checks.append((status, named))
         self.seconds["fill"] += t2 - t1
@@ -184,23 +212,24 @@ class Stager:
         self.seconds["launch"] += time.perf_counter() - t2
 
     def check(self) -> None:
-        """Wait for every launch; raise ``CorruptDataError`` for the first failing CRC
-        (position CRCs first), else the first failing decode row."""
+        """Wait for every launch since the last check; raise ``CorruptDataError`` for the
+        first failing CRC (position CRCs first), else the first failing decode row."""
         if not self.checks and not self.crcs:
             return
         t = time.perf_counter()
-        everything = torch.cat([s for s, _ in self.crcs]
-                               + [s for s, _ in self.checks]).cpu().numpy()
+        crcs, checks = self.crcs, self.checks
+        self.crcs, self.checks = [], []
+        everything = torch.cat([s for s, _ in crcs] + [s for s, _ in checks]).cpu().numpy()
         self.seconds["check"] += time.perf_counter() - t
         at, failed = 0, []
-        for status, st in self.crcs:
+        for status, st in crcs:
             err = st.crc_error(everything[at : at + status.numel()])
             if err is not None:
                 failed.append(err)
             at += status.numel()
         if failed:
             raise min(failed, key=lambda e: e[0])[1]  # the first of the lowest rank
-        for status, named in self.checks:
+        for status, named in checks:
             for origins, row, n in named:
                 err = origins.error(everything[at + row : at + row + n])
                 if err is not None:
@@ -216,42 +245,98 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
     ``device``, in data order, as ``dtypes`` (safetensors dtype -> torch dtype) says.
     ``seconds``, if given, receives where the host's time went (waiting for the planner,
     for a staging buffer, filling them, launching, the final wait)."""
+    loads = stream([(c, names)], device, dtypes, threads, warps=warps,
+                   group_bytes=group_bytes, seconds=seconds)
+    try:
+        return next(loads)
+    finally:
+        loads.close()  # the planning and fill threads stop
+
+
+def stream(jobs: Iterable[tuple[Compressed, Collection[str] | None]], device: Any,
+           dtypes: Mapping[str, torch.dtype], threads: int, *, warps: int = WARPS,
+           group_bytes: int = fileplan.GROUP_BYTES,
+           seconds: dict[str, float] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """``load`` of each job (a compressed file, and the names wanted of it or None for
+    all), one after another through one ``Stager`` (its fill threads and staging
+    buffers) and one planning thread, which plans on into the next file while this one's
+    last groups are filled and decoded: a file's tensors are allocated when its turn
+    comes (after the one before is handed out) and yielded once its launches are
+    checked. ``seconds`` holds the running totals (``load``'s, and ``busy``: the host
+    time spent in the steps)."""
     dev = cuda_device(device)
-    entries = c.original.by_offset
-    if names is not None:
-        keep = frozenset(names)
-        entries = [e for e in entries if e.name in keep]
-    for e in entries:
-        if e.dtype not in dtypes:
-            raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
+    picked: list[tuple[Compressed, list]] = []  # each job's entries, as the planner takes them
+
+    def plans() -> Iterator[tuple[int, fileplan.Group | None]]:
+        for j, (c, names) in enumerate(jobs):
+            entries = c.original.by_offset
+            if names is not None:
+                keep = frozenset(names)
+                entries = [e for e in entries if e.name in keep]
+            for e in entries:  # raised in turn, before the file's plan
+                if e.dtype not in dtypes:
+                    raise TypeError(f"tensor {e.name!r}: torch has no dtype for {e.dtype}")
+            picked.append((c, entries))
+            for group in fileplan.groups(c, fileplan.plan_threads(c, entries, threads),
+                                         entries=entries, warps=warps,
+                                         group_bytes=group_bytes):
+                yield j, group
+            yield j, None  # the job's last group
+
     with torch.cuda.device(dev):
-        out = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=dev)
-               for e in entries}
-        flat = [out[e.name].reshape(-1) for e in entries]
+        stager = Stager(dev, threads)
+    planned = fileplan.ahead(plans())
+    wait = busy = 0.0
+    try:
+        j = 0
+        while True:
+            t0 = time.perf_counter()
+            first = next(planned, None)  # the job's entries are picked before it is made
+            wait += time.perf_counter() - t0
+            if first is None:
+                return
+            c, entries = picked[j]
+            with torch.cuda.device(dev):
+                out, w = _one(stager, planned, first, j, c, entries, dtypes)
+            wait += w
+            j += 1
+            busy += time.perf_counter() - t0
+            if seconds is not None:
+                seconds.update(stager.seconds, plan_wait=wait, busy=busy)
+            yield out
+    finally:
+        planned.close()  # the planning thread stops
+        stager.filler.close()  # after the fills submitted (their buffers are alive)
 
-        def views(k: int, bf16: bool) -> torch.Tensor:
-            return flat[k].view(torch.int16 if bf16 else torch.uint8)
 
-        stager = Stager(dev, threads, c.source)
-        planned = fileplan.ahead(fileplan.groups(c, threads, entries=entries, warps=warps,
-                                                 group_bytes=group_bytes))
-        wait = 0.0
-        pending: _Staged | None = None
-        try:
-            while True:
-                t = time.perf_counter()
-                group = next(planned, None)  # planned while the last group is filled
-                wait += time.perf_counter() - t
-                staged = None if group is None else stager.stage(group, views)
-                if pending is not None:
-                    stager.send(pending)  # its fill done while this one's starts
-                if staged is None:
-                    break
-                pending = staged
-        finally:
-            planned.close()  # the planning thread stops
-            stager.filler.close()  # after the fills submitted (their buffers are alive)
-        stager.check()
-    if seconds is not None:
-        seconds.update(stager.seconds, plan_wait=wait)
-    return out
+def _one(stager: Stager, planned: Iterator[tuple[int, fileplan.Group | None]],
+         first: tuple[int, fileplan.Group | None], j: int, c: Compressed, entries: list,
+         dtypes: Mapping[str, torch.dtype]) -> tuple[dict[str, torch.Tensor], float]:
+    """Job ``j``'s tensors (file ``c``, ``entries`` of it): its groups from ``planned``
+    (``first`` already taken) staged, sent and checked; and the seconds spent waiting
+    for the planner."""
+    dev = stager.device
+    out = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=dev) for e in entries}
+    flat = [out[e.name].reshape(-1) for e in entries]
+
+    def views(k: int, bf16: bool) -> torch.Tensor:
+        return flat[k].view(torch.int16 if bf16 else torch.uint8)
+
+    wait = 0.0
+    item: tuple[int, fileplan.Group | None] | None = first
+    pending: _Staged | None = None
+    while True:
+        if item is None or item[0] != j:  # the planner ended early
+            raise RuntimeError("entropykit: the GPU load's plan lost its place")
+        group = item[1]
+        staged = None if group is None else stager.stage(group, views, c.source)
+        if pending is not None:
+            stager.send(pending)  # its fill done while this one's starts
+        if staged is None:
+            break
+        pending = staged
+        t = time.perf_counter()
+        item = next(planned, None)  # planned while the last group is filled
+        wait += time.perf_counter() - t
+    stager.check()
+    return out, wait
