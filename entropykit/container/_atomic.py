@@ -371,8 +371,13 @@ class _OutputFile:
                 self._error = OSError("output abandoned")  # drop what is still queued
             self._closed = True
             self._cv.notify_all()
-            while self._running:
-                self._wait()
+            while self._running:  # woken by ``_ended``
+                try:
+                    self._cv.wait()
+                except BaseException:  # interrupted: the writer drops what is queued
+                    if self._error is None:
+                        self._error = OSError("output abandoned")
+                    raise
         if report:
             self._raise()
 
