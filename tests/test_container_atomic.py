@@ -372,3 +372,25 @@ def test_outputs_written_at_once_get_the_umask_mode(tmp_path: Path,
         real(before)
     assert sorted(oct(os.stat(tmp_path / f"f{i}.bin").st_mode & 0o777) for i in range(6)) == [
         "0o600"] * 6
+
+
+def test_a_forked_child_writes_with_its_own_threads(tmp_path: Path) -> None:
+    """The parent's idle pool threads do not exist in a forked child: its files get
+    new ones (a task handed to a parent's thread would never run)."""
+    with _atomic.output_file(tmp_path / "parent.bin") as out:
+        out.write(b"p")  # the parent's pool now holds an idle thread
+    assert _atomic._POOL._idle
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its file is written
+        import signal
+
+        signal.alarm(20)  # a hang ends the child, not the test run
+        try:
+            with _atomic.output_file(tmp_path / "child.bin") as out:
+                out.write(b"c")
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "child.bin").read_bytes() == b"c"
