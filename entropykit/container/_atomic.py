@@ -24,10 +24,7 @@ Writing and durability without the wait: the file handed out writes in a backgro
 thread (the caller goes on coding meanwhile), and a file's data must be on disk before the
 rename, but one fsync of a whole file at the end leaves the caller waiting for all of its
 writeback (~25 ms for 45 MB here): every ``SYNC_BYTES`` written start writeback in another
-thread (``fdatasync``), so the final fsync only waits for the tail. Those threads come from
-a pool that lives for the process: a rank writing many small files would otherwise pay a
-thread's start and join per file. An idle pool thread holds nothing (no file, no data) and
-never keeps the interpreter from exiting.
+thread (``fdatasync``), so the final fsync only waits for the tail.
 """
 
 from __future__ import annotations
@@ -55,84 +52,6 @@ _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))  # buffers per writev
 _GROUP_BYTES = 8 << 20  # bytes of queued writes written in one writev call, about
 
 
-_POOL_IDLE = 16  # idle threads kept; more than this at once (many files written in
-# parallel) exit when their file is done
-
-
-class _Pool:
-    """Daemon threads that each run one task at a time and wait, idle, for the next: a
-    task gets an idle thread or, when none is idle, a new one (never a queue, so a task
-    never waits behind another: a file's writer runs as long as its file is open). Its
-    ``done`` is called once the thread is back among the idle ones, so the owner's next
-    task finds it there. An exception that escapes a task is reported like one ending a
-    thread, and the thread goes on serving."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[_PoolThread] = []
-
-    def run(self, task: Callable[[], None], done: Callable[[], None]) -> None:
-        with self._lock:
-            t = self._idle.pop() if self._idle else None
-        if t is None:
-            _PoolThread(self, (task, done))
-        else:
-            t.give((task, done))
-
-    def _rest(self, t: _PoolThread) -> bool:
-        """Whether ``t`` is kept idle (False: it exits)."""
-        with self._lock:
-            if len(self._idle) >= _POOL_IDLE:
-                return False
-            self._idle.append(t)
-            return True
-
-    def _forget(self) -> None:
-        """In a forked child: the parent's threads do not exist there."""
-        self._lock = threading.Lock()
-        self._idle = []
-
-
-_Task = tuple[Callable[[], None], Callable[[], None]]  # the work, then its ``done``
-
-
-class _PoolThread:
-    def __init__(self, pool: _Pool, task: _Task) -> None:
-        self._pool = pool
-        self._task: _Task | None = None
-        self._go = threading.Lock()  # released by ``give``: the next task is there
-        self._go.acquire()
-        self._thread = threading.Thread(target=self._serve, args=(task,),
-                                        name="entropykit-io", daemon=True)
-        self._thread.start()
-
-    def give(self, task: _Task) -> None:
-        self._task = task
-        self._go.release()
-
-    def _serve(self, task: _Task | None) -> None:
-        while task is not None:
-            work, done = task
-            task = None
-            try:
-                work()
-            except BaseException as e:  # noqa: BLE001 - reported; the thread serves on
-                threading.excepthook(threading.ExceptHookArgs(  # type: ignore[call-arg]
-                    (type(e), e, e.__traceback__, self._thread)))
-            work = None  # nothing of the finished task is kept while idle
-            keep = self._pool._rest(self)
-            done()
-            done = None
-            if not keep:
-                return
-            self._go.acquire()
-            task, self._task = self._task, None
-
-
-_POOL = _Pool()
-os.register_at_fork(after_in_child=_POOL._forget)
-
-
 class _Writeback:
     """A thread that runs ``fdatasync(fd)`` whenever ``kick`` is called (coalescing kicks
     that arrive while one runs); ``close`` waits for it and re-raises its error, if any.
@@ -146,8 +65,7 @@ class _Writeback:
         self._pending = False
         self._closed = False
         self._error: OSError | None = None
-        self._started = False
-        self._running = False
+        self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
         while True:
@@ -163,30 +81,21 @@ class _Writeback:
                 self._error = e
                 return
 
-    def _ended(self) -> None:
-        with self._wake:
-            self._running = False
-            self._wake.notify_all()
-
     def kick(self) -> None:
         with self._wake:
             self._pending = True
             self._wake.notify()
-            start = not self._started  # kicks come from one thread, the file's writer
-            self._started = self._running = True
-        if start:
-            try:
-                _POOL.run(self._run, self._ended)
-            except BaseException:
-                self._ended()  # ``close`` has nothing to wait for
-                raise
+        if self._thread is None:  # kicks come from one thread, the file's writer
+            self._thread = threading.Thread(target=self._run, name="entropykit-writeback",
+                                            daemon=True)
+            self._thread.start()
 
     def close(self, report: bool = True) -> None:
         with self._wake:
             self._closed = True
-            self._wake.notify_all()
-            while self._running:
-                self._wake.wait()
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
         if report and self._error is not None:
             raise self._error
 
@@ -214,13 +123,9 @@ class _OutputFile:
         self._idle = False  # the writer thread, for operations
         self._waiting = 0  # callers, for room in the queue or for the queue to empty
         self._cv = threading.Condition()
-        self._running = True  # till ``_run`` returns (its pool thread then serves others)
-        _POOL.run(self._run, self._ended)
-
-    def _ended(self) -> None:
-        with self._cv:
-            self._running = False
-            self._cv.notify_all()
+        self._thread = threading.Thread(target=self._run, name="entropykit-writer",
+                                        daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         unsynced = 0
@@ -371,13 +276,7 @@ class _OutputFile:
                 self._error = OSError("output abandoned")  # drop what is still queued
             self._closed = True
             self._cv.notify_all()
-            while self._running:  # woken by ``_ended``
-                try:
-                    self._cv.wait()
-                except BaseException:  # interrupted: the writer drops what is queued
-                    if self._error is None:
-                        self._error = OSError("output abandoned")
-                    raise
+        self._thread.join()
         if report:
             self._raise()
 
