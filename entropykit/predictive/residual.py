@@ -191,17 +191,18 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
 class _Ridge:
     """One group's ridge problem (``fit_conditional``), prepared once.
 
-    Cost: the products over the tokens run once, in float32 (the Gram matrix and cross
-    product of the last fold, which the search holds out, and of the other folds, summed
-    in float64); every system is solved by one Cholesky factorization in float32 (float64
-    where rounding made it not positive definite): the weights are rounded to int8 anyway.
-    The search factorizes the other folds' system once per penalty tried. The final fit
-    factorizes the whole system once: that gives the weights and, through each fold's
-    block of the hat matrix (``I - X_k A^-1 X_k^T`` turns the fold's in-sample errors into
-    its out-of-fold ones, exactly), every fold's out-of-fold errors without a system of the
-    fold's own; where a fold has so many tokens that its own system is cheaper, that is
-    solved instead. Features that are zero throughout (a predictor that guesses nothing)
-    get weight 0 without entering a system.
+    Its arithmetic runs on one thread of torch and BLAS (``one_thread``, held by
+    ``fit_conditional``). Cost: the products over the tokens run once, in float32 (the Gram
+    matrix and cross product of the last fold, which the search holds out, and of the other
+    folds, summed in float64); every system is solved by one Cholesky factorization in
+    float32 (float64 where rounding made it not positive definite): the weights are rounded
+    to int8 anyway. The search factorizes the other folds' system once per penalty tried.
+    The final fit factorizes the whole system once: that gives the weights and, through each
+    fold's block of the hat matrix (``I - X_k A^-1 X_k^T`` turns the fold's in-sample errors
+    into its out-of-fold ones, exactly), every fold's out-of-fold errors without a system of
+    the fold's own; where a fold has so many tokens that its own system is cheaper, that is
+    solved instead. Features that are zero throughout (a predictor that guesses nothing) get
+    weight 0 without entering a system.
     """
 
     def __init__(self, feats: np.ndarray, target: np.ndarray) -> None:
@@ -387,9 +388,10 @@ def blas_threads() -> list[int]:
 
 @contextmanager
 def one_thread() -> Iterator[None]:
-    """torch and numpy's BLAS (OpenBLAS, where found) on one thread while any caller is
-    inside (from any number of threads): the fit's rounding depends on their thread
-    counts, and fits that run side by side would each start every core's threads."""
+    """torch and numpy's BLAS (OpenBLAS, where found) on one thread from the first
+    caller's entry to the last caller's exit (torch's count is set in the first caller's
+    thread; threads started inside inherit it): the fit's rounding depends on their
+    thread counts, and fits that run side by side would each start every core's threads."""
     with _PIN:
         if _pinned[0] == 0:
             _pinned[1] = torch.get_num_threads()
