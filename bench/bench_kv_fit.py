@@ -10,9 +10,11 @@ code length per value (what the conditional std encodes) for each.
 fits, ``--seqs`` x ``--tokens`` calibration tokens), one per tree in a child process with
 that tree first on its path (``--old``: the other tree's ``residual.py``, as above, its
 ``entropykit`` folder or the folder holding that: the package is all it needs; a failed
-child's stderr is printed), timed as the child's CPU and wall seconds, for each of
+child's stderr is printed), timed as the child's CPU and wall seconds (split where the
+forward passes end, for a tree whose ``calibrate`` reports its steps), for each of
 ``--whole-threads``' settings (N: BLAS, torch and the fits on N threads; ``default``: the
-settings as they are, i.e. every core), with each file's bytes; then this tree's codec
+settings as they are, i.e. every core), with each file's bytes, and tabled with old / new
+per setting; then this tree's codec
 codes the first ``--eval`` x 512 tokens of the "eval" prose (bf16 cache and fp8 e4m3 with
 one scale per layer and k/v, conditional model) with each tree's file of the first setting
 and prints bits per value. ``--scaling``: ``fit_conditional`` CPU seconds on random
@@ -75,7 +77,13 @@ def _calibrate_child(out: str, seqs: int, tokens: int, predictor: str) -> None:
 
     model, prompts = _smollm2("calib", seqs, tokens)
     pred = _predictor(model, predictor)
-    kw = {"progress": False} if "progress" in P.calibrate.__code__.co_varnames else {}
+    marks: dict[str, tuple[float, float]] = {}
+
+    def progress(done: int, total: int) -> None:  # the forward passes end at len(prompts)
+        if done == len(prompts):
+            marks["forwards"] = time.process_time(), time.perf_counter()
+
+    kw = {"progress": progress} if "progress" in P.calibrate.__code__.co_varnames else {}
     try:
         from entropykit.coding.parallel import resolve
         fit_threads = resolve(None) if "threads" in P.calibrate.__code__.co_varnames else 1
@@ -83,9 +91,17 @@ def _calibrate_child(out: str, seqs: int, tokens: int, predictor: str) -> None:
         fit_threads = 1
     t, wall = time.process_time(), time.perf_counter()
     cal = P.calibrate(model, pred, prompts, **kw)
-    cpu, wall = time.process_time() - t, time.perf_counter() - wall
+    end = time.process_time(), time.perf_counter()
+    cpu, wall = end[0] - t, end[1] - wall
     cal.save(out)
-    print(json.dumps({"cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
+    phases = {}
+    if "forwards" in marks:  # a tree whose calibrate reports its steps
+        fwd = marks["forwards"]
+        phases = {"forwards_cpu_s": round(fwd[0] - t, 2),
+                  "forwards_wall_s": round(wall - (end[1] - fwd[1]), 2),
+                  "fits_cpu_s": round(end[0] - fwd[0], 2),
+                  "fits_wall_s": round(end[1] - fwd[1], 2)}
+    print(json.dumps({"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), **phases,
                       "fingerprint": hex(cal.fingerprint), "file_bytes": os.path.getsize(out),
                       "torch_threads": torch.get_num_threads(), "fit_threads": fit_threads,
                       "package": str(Path(P.__file__).resolve().parent.parent)}))
@@ -180,12 +196,15 @@ def _whole(args: argparse.Namespace) -> None:
 def _table(rows: list[tuple[str, str, dict]]) -> None:
     """The whole runs as a table: CPU and wall seconds per tree and thread setting, and
     old / new at each setting (the means of its runs)."""
-    print("\n| tree | threads | fit threads | torch threads | CPU s | wall s | file bytes "
-          "| fingerprint |\n|---|---|---:|---:|---:|---:|---:|---|")
+    print("\n| tree | threads | fit threads | torch threads | CPU s | wall s | forwards "
+          "CPU / wall s | fits CPU / wall s | file bytes | fingerprint |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, threads, r in rows:
+        fwd, fits = (f"{r[f'{p}_cpu_s']:.2f} / {r[f'{p}_wall_s']:.2f}"
+                     if f"{p}_cpu_s" in r else "" for p in ("forwards", "fits"))
         print(f"| {name} | {threads} | {r.get('fit_threads', '')} | {r['torch_threads']} "
-              f"| {r['cpu_s']:.2f} | {r['wall_s']:.2f} | {r['file_bytes']:,} "
-              f"| {r['fingerprint']} |")
+              f"| {r['cpu_s']:.2f} | {r['wall_s']:.2f} | {fwd} | {fits} "
+              f"| {r['file_bytes']:,} | {r['fingerprint']} |")
     for threads in dict.fromkeys(t for _, t, _ in rows):
         got = {name: [r for n, t, r in rows if n == name and t == threads]
                for name in ("old", "new")}
@@ -193,7 +212,7 @@ def _table(rows: list[tuple[str, str, dict]]) -> None:
                 for name in got if got[name]}
         if len(mean) == 2:
             print(f"| old / new | {threads} | | | {mean['old'][0] / mean['new'][0]:.2f}x "
-                  f"| {mean['old'][1] / mean['new'][1]:.2f}x | | |")
+                  f"| {mean['old'][1] / mean['new'][1]:.2f}x | | | | |")
     print(flush=True)
 
 
