@@ -430,40 +430,46 @@ def _fit_conditional(values: dict[str, Groups], ps: Groups, bias: dict[int, np.n
                      ) -> dict[str, dict[str, np.ndarray]]:
     """Fit the conditional model of each format (its ``_SUFFIX``: its values per group
     with KV, per prompt, real units, in ``values``) from the guesses ``ps``: per format,
-    its arrays (version-2 layout); ``tick`` after each (group, format). The fits are independent (a
-    group's features are the base residuals of earlier groups, not their fits), so
-    ``threads`` run them side by side, every format's in one pass (one format's groups
-    alone leave threads idle at its end); each fit runs on one thread of torch and BLAS
-    with its own arithmetic, so the result does not depend on the count."""
+    its arrays (version-2 layout); ``tick`` after each (group, format). The fits are
+    independent (a group's features are the base residuals of earlier groups, not their
+    fits), so ``threads`` run them side by side, every format's in one pass (one format's
+    groups alone leave threads idle at its end); each fit runs on one thread of torch and
+    BLAS with its own arithmetic, so the result does not depend on the count."""
     dims = [None] * (2 * layers)
     for g, a in ps.items():
         dims[g] = (a[0].shape[1], a[0].shape[3])
     offsets = _Offsets(dims)
     prompts = len(next(iter(ps.values())))
     guesses = [{(g // 2, g % 2): ps[g][i] for g in ps} for i in range(prompts)]
-    bases: Groups = {g: [p if g // 2 < exact else p + bias[g][None, :, None, :] for p in ps[g]]
-                     for g in sorted(ps)}
-    # per format, per prompt: its groups' residuals (features align tokens within a prompt)
-    residuals = {suffix: [{(g // 2, g % 2): xs[g][i] - bases[g][i] for g in sorted(xs)}
-                          for i in range(prompts)] for suffix, xs in values.items()}
+    kv_layers = {g // 2 for g in ps}
+
+    def base(g: int, i: int) -> np.ndarray:
+        return ps[g][i] if g // 2 < exact else ps[g][i] + bias[g][None, :, None, :]
 
     def fit(job: tuple[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         suffix, g = job
         layer, kv = divmod(g, 2)
         hd = dims[g][0] * dims[g][1]
-        res = residuals[suffix]
+        # per prompt: the residuals this fit reads (its sources' and its own), made here
+        # rather than kept for every group and format (features align tokens in a prompt)
+        need = {(layer, kv)} | {(src_layer, src_kv) for kind, src_layer, src_kv
+                                in residual.sources(layer, kv, kv_layers) if kind == "r"}
+        res = [{key: values[suffix][2 * key[0] + key[1]][i] - base(2 * key[0] + key[1], i)
+                for key in need} for i in range(prompts)]
         target = np.concatenate([r[(layer, kv)].transpose(0, 2, 1, 3).reshape(-1, hd)
                                  for r in res])
         feats = np.concatenate([residual.features(res[i], guesses[i], layer, kv)
                                 for i in range(prompts)])
         sizes = residual.block_sizes(residual.source_arrays(res[0], guesses[0], layer, kv))
+        del res
         weights, oof = residual.fit_conditional(feats, target)
         del feats
         q, scale = residual.quantize(weights, sizes)
         # What remains, for the std and shape: out-of-fold, as new text will see it.
         err = target - oof.astype(np.float32)
         sd = np.sqrt((err.astype(np.float64) ** 2).mean(axis=0)).astype(np.float32)
-        mean = np.concatenate([b.transpose(0, 2, 1, 3).reshape(-1, hd) for b in bases[g]])
+        mean = np.concatenate([base(g, i).transpose(0, 2, 1, 3).reshape(-1, hd)
+                               for i in range(prompts)])
         sigma = residual.floor(np.broadcast_to(sd, err.shape), mean)
         return q, scale, sd, residual.fit_shape((err / sigma).reshape(-1))
 
