@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -104,6 +105,7 @@ def _calibrate_child(out: str, seqs: int, tokens: int, predictor: str) -> None:
     print(json.dumps({"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), **phases,
                       "fingerprint": hex(cal.fingerprint), "file_bytes": os.path.getsize(out),
                       "torch_threads": torch.get_num_threads(), "fit_threads": fit_threads,
+                      "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
                       "package": str(Path(P.__file__).resolve().parent.parent)}))
 
 
