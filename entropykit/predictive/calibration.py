@@ -528,7 +528,8 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
     before anything runs past the first prompt where the calibration file would exceed
     the format's caps (``file_bytes``). ``threads``: the (layer, k/v) fits run side by
     side on this many threads (None: ``ENTROPYKIT_THREADS`` or every core), each fit on
-    one torch thread; the result is the same for any count.
+    one thread of torch and of numpy's BLAS (the forward passes on torch's own count);
+    the result is the same for any count.
     """
     if not formats or any(f not in FORMATS for f in formats):
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}")
