@@ -352,32 +352,33 @@ _pinned: list = [0, 0, []]
 def _openblas_threads() -> list[tuple[Any, Any]]:
     """(get, set) of the thread count of every OpenBLAS loaded in this process (numpy's
     products run on one; torch's ``set_num_threads`` does not reach it): found by file
-    name among the loaded libraries (Linux) or numpy's bundled ones; none elsewhere."""
+    name among the loaded libraries (Linux), else among numpy's bundled ones (which numpy
+    has loaded); none elsewhere."""
     paths: set[str] = set()
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split(None, 5)[5].strip() for line in maps
                      if "openblas" in line.lower() and len(line.split(None, 5)) == 6}
-    except OSError:
-        pass
-    here = Path(np.__file__).resolve().parent
-    for folder in (here.parent / "numpy.libs", here / ".dylibs"):
-        if folder.is_dir():
-            paths |= {str(p) for p in folder.iterdir() if "openblas" in p.name.lower()}
+    except OSError:  # not Linux: numpy's wheels bundle their OpenBLAS beside the package
+        here = Path(np.__file__).resolve().parent
+        for folder in (here.parent / "numpy.libs", here / ".dylibs"):
+            if folder.is_dir():
+                paths |= {str(p) for p in folder.iterdir() if "openblas" in p.name.lower()}
+    names = [(f"{prefix}_get_num_threads{suffix}", f"{prefix}_set_num_threads{suffix}")
+             for prefix in ("scipy_openblas", "openblas") for suffix in ("64_", "")]
     found = []
     for path in sorted(paths):
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for prefix in ("scipy_openblas", "openblas"):
-            for suffix in ("64_", ""):
-                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-                put = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-                if get is not None and put is not None:
-                    get.restype, get.argtypes = ctypes.c_int, []
-                    put.restype, put.argtypes = None, [ctypes.c_int]
-                    found.append((get, put))
+        for get_name, set_name in names:
+            if hasattr(lib, get_name) and hasattr(lib, set_name):
+                get, put = getattr(lib, get_name), getattr(lib, set_name)
+                get.restype, get.argtypes = ctypes.c_int, []
+                put.restype, put.argtypes = None, [ctypes.c_int]
+                found.append((get, put))
+                break
     return found
 
 
