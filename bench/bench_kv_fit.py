@@ -10,9 +10,11 @@ code length per value (what the conditional std encodes) for each.
 fits, ``--seqs`` x ``--tokens`` calibration tokens), one per tree in a child process with
 that tree first on its path (``--old``: the other tree's ``residual.py``, as above, its
 ``entropykit`` folder or the folder holding that: the package is all it needs; a failed
-child's stderr is printed), timed as the child's CPU and wall seconds, for each of
+child's stderr is printed), timed as the child's CPU and wall seconds (split where the
+forward passes end, for a tree whose ``calibrate`` reports its steps), for each of
 ``--whole-threads``' settings (N: BLAS, torch and the fits on N threads; ``default``: the
-settings as they are, i.e. every core), with each file's bytes; then this tree's codec
+settings as they are, i.e. every core), with each file's bytes, and tabled with old / new
+per setting; then this tree's codec
 codes the first ``--eval`` x 512 tokens of the "eval" prose (bf16 cache and fp8 e4m3 with
 one scale per layer and k/v, conditional model) with each tree's file of the first setting
 and prints bits per value. ``--scaling``: ``fit_conditional`` CPU seconds on random
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -75,14 +78,34 @@ def _calibrate_child(out: str, seqs: int, tokens: int, predictor: str) -> None:
 
     model, prompts = _smollm2("calib", seqs, tokens)
     pred = _predictor(model, predictor)
-    kw = {"progress": False} if "progress" in P.calibrate.__code__.co_varnames else {}
+    marks: dict[str, tuple[float, float]] = {}
+
+    def progress(done: int, total: int) -> None:  # the forward passes end at len(prompts)
+        if done == len(prompts):
+            marks["forwards"] = time.process_time(), time.perf_counter()
+
+    kw = {"progress": progress} if "progress" in P.calibrate.__code__.co_varnames else {}
+    try:
+        from entropykit.coding.parallel import resolve
+        fit_threads = resolve(None) if "threads" in P.calibrate.__code__.co_varnames else 1
+    except ImportError:  # a tree without the thread pool fits on one thread
+        fit_threads = 1
     t, wall = time.process_time(), time.perf_counter()
     cal = P.calibrate(model, pred, prompts, **kw)
-    cpu, wall = time.process_time() - t, time.perf_counter() - wall
+    end = time.process_time(), time.perf_counter()
+    cpu, wall = end[0] - t, end[1] - wall
     cal.save(out)
-    print(json.dumps({"cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
+    phases = {}
+    if "forwards" in marks:  # a tree whose calibrate reports its steps
+        fwd = marks["forwards"]
+        phases = {"forwards_cpu_s": round(fwd[0] - t, 2),
+                  "forwards_wall_s": round(wall - (end[1] - fwd[1]), 2),
+                  "fits_cpu_s": round(end[0] - fwd[0], 2),
+                  "fits_wall_s": round(end[1] - fwd[1], 2)}
+    print(json.dumps({"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), **phases,
                       "fingerprint": hex(cal.fingerprint), "file_bytes": os.path.getsize(out),
-                      "torch_threads": torch.get_num_threads(),
+                      "torch_threads": torch.get_num_threads(), "fit_threads": fit_threads,
+                      "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
                       "package": str(Path(P.__file__).resolve().parent.parent)}))
 
 
@@ -126,15 +149,18 @@ def _whole(args: argparse.Namespace) -> None:
     if not (trees["old"] / "entropykit" / "predictive" / "calibration.py").is_file():
         raise SystemExit(f"--old: no entropykit/predictive/calibration.py under {trees['old']}")
     files: dict[str, str] = {}
+    rows: list[tuple[str, str, dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for threads in args.whole_threads.split(","):
-            for name in ("old", "new", "old", "new")[: 2 * args.runs]:
-                path = str(Path(tmp) / f"{name}-{threads}.safetensors")
+            for run, name in enumerate(("old", "new", "old", "new")[: 2 * args.runs]):
+                path = str(Path(tmp) / f"{name}-{threads}-{run}.safetensors")
                 row = _run_child(name, trees[name], threads, path, args)
                 if row is None:
                     continue
                 files.setdefault(name, path)  # the first good setting's file is coded below
+                rows.append((name, threads, row))
                 print(name, f"threads {threads}", json.dumps(row), flush=True)
+        _table(rows)
         if len(files) < 2:
             raise SystemExit(f"no file of {sorted({'old', 'new'} - set(files))}: no bits")
         model, prompts = _smollm2("eval", args.eval, 512)
@@ -149,6 +175,7 @@ def _whole(args: argparse.Namespace) -> None:
         differ = [n for n in same if not np.array_equal(cals["old"].arrays[n].reshape(-1),
                                                         cals["new"].arrays[n].reshape(-1))]
         print("fit-independent arrays", same, "differ:", differ, flush=True)
+        bits: dict[str, dict[str, float]] = {}
         for name in ("old", "new"):
             size = {"bf16": 0, "fp8_e4m3": 0}
             values = 0
@@ -160,9 +187,35 @@ def _whole(args: argparse.Namespace) -> None:
                     blob = P.compress_kv(c, ids, pred, cals[name])
                     assert P.decompress_kv(blob, pred, cals[name]).equal(c)
                     size[fmt] += len(blob)
-            print(name, "bits per value", json.dumps(
-                {f: round(8 * n / values, 4) for f, n in size.items()}), "bytes",
-                json.dumps(size), flush=True)
+            bits[name] = {f: round(8 * n / values, 4) for f, n in size.items()}
+            print(name, "bits per value", json.dumps(bits[name]), "bytes", json.dumps(size),
+                  flush=True)
+        print("\n| tree | bf16 bits/value | fp8 e4m3 bits/value |\n|---|---:|---:|")
+        for name, b in bits.items():
+            print(f"| {name} | {b['bf16']:.4f} | {b['fp8_e4m3']:.4f} |", flush=True)
+
+
+def _table(rows: list[tuple[str, str, dict]]) -> None:
+    """The whole runs as a table: CPU and wall seconds per tree and thread setting, and
+    old / new at each setting (the means of its runs)."""
+    print("\n| tree | threads | fit threads | torch threads | CPU s | wall s | forwards "
+          "CPU / wall s | fits CPU / wall s | file bytes | fingerprint |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, threads, r in rows:
+        fwd, fits = (f"{r[f'{p}_cpu_s']:.2f} / {r[f'{p}_wall_s']:.2f}"
+                     if f"{p}_cpu_s" in r else "" for p in ("forwards", "fits"))
+        print(f"| {name} | {threads} | {r.get('fit_threads', '')} | {r['torch_threads']} "
+              f"| {r['cpu_s']:.2f} | {r['wall_s']:.2f} | {fwd} | {fits} "
+              f"| {r['file_bytes']:,} | {r['fingerprint']} |")
+    for threads in dict.fromkeys(t for _, t, _ in rows):
+        got = {name: [r for n, t, r in rows if n == name and t == threads]
+               for name in ("old", "new")}
+        mean = {name: [np.mean([r[k] for r in got[name]]) for k in ("cpu_s", "wall_s")]
+                for name in got if got[name]}
+        if len(mean) == 2:
+            print(f"| old / new | {threads} | | | {mean['old'][0] / mean['new'][0]:.2f}x "
+                  f"| {mean['old'][1] / mean['new'][1]:.2f}x | | | | |")
+    print(flush=True)
 
 
 def _scaling(args: argparse.Namespace) -> None:

@@ -36,3 +36,17 @@ def test_failed_child_prints_its_status_and_stderr(tmp_path, capsys, monkeypatch
     assert "old threads 1: the child exited with status 1" in out
     assert f"PYTHONPATH={tmp_path}:/elsewhere" in out  # the tree first, the caller's kept
     assert "ImportError: this tree is broken on purpose" in out
+
+
+def test_table_has_a_row_per_run_and_old_over_new_per_setting(capsys):
+    row = {"torch_threads": 2, "file_bytes": 1234, "fingerprint": "0x1"}
+    rows = [("old", "1", row | {"cpu_s": 9.0, "wall_s": 10.0}),
+            ("new", "1", row | {"cpu_s": 3.0, "wall_s": 4.0, "fit_threads": 1,
+                                "forwards_cpu_s": 1.0, "forwards_wall_s": 1.5,
+                                "fits_cpu_s": 2.0, "fits_wall_s": 2.5}),
+            ("new", "default", row | {"cpu_s": 3.5, "wall_s": 1.0})]
+    bench._table(rows)
+    out = capsys.readouterr().out
+    assert "| new | 1 | 1 | 2 | 3.00 | 4.00 | 1.00 / 1.50 | 2.00 / 2.50 | 1,234 | 0x1 |" in out
+    assert "| old / new | 1 | | | 3.00x | 2.50x |" in out
+    assert "| old / new | default" not in out  # no old run at that setting

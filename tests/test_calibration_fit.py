@@ -92,6 +92,67 @@ def test_fits_side_by_side_give_the_same_file_and_progress():
         P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS, progress=False, threads=0)
 
 
+@pytest.fixture
+def blas_threads():
+    """Sets every OpenBLAS's thread count (numpy's products) for a test and restores it."""
+    controls = residual._openblas_threads()
+    if not controls:
+        pytest.skip("numpy's BLAS is not an OpenBLAS found by name")
+    before = [get() for get, _ in controls]
+
+    def put(n: int) -> None:
+        for _, set_ in controls:
+            set_(n)
+
+    yield put
+    for (_, set_), n in zip(controls, before, strict=True):
+        set_(n)
+
+
+def test_fit_is_the_same_on_any_number_of_blas_threads(blas_threads):
+    # A shape whose products OpenBLAS rounds differently on 1 and 2 threads: unpinned, a
+    # file would depend on the cores of the machine that fitted it.
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((660, 96)).astype(np.float32)
+    target = (0.3 * feats[:, :24] + rng.standard_normal((660, 24))).astype(np.float32)
+    fits = []
+    for threads in (1, 2):
+        blas_threads(threads)
+        w, oof = residual.fit_conditional(feats, target)
+        fits.append((w.tobytes(), oof.tobytes()))
+        assert residual.blas_threads() == [threads] * len(residual.blas_threads())
+    assert fits[0] == fits[1] and w.any()
+
+
+def test_fits_side_by_side_run_each_on_one_thread_of_torch_and_blas(blas_threads,
+                                                                  torch_threads, monkeypatch):
+    # Fits side by side, each with every core's BLAS or torch threads, would oversubscribe
+    # the cores; the counts come back after.
+    blas_threads(2)
+    torch_threads(2)
+    seen = []
+    fit = residual.fit_conditional
+
+    def spy(feats, target):
+        seen.append((torch.get_num_threads(), *residual.blas_threads()))
+        return fit(feats, target)
+
+    monkeypatch.setattr(residual, "fit_conditional", spy)
+    P.calibrate(MODEL, P.FP8Predictor(MODEL), PROMPTS, progress=False, threads=2)
+    assert len(seen) == 8 and set(seen) == {(1,) * len(seen[0])}
+    assert torch.get_num_threads() == 2 and set(residual.blas_threads()) == {2}
+
+
+def test_one_thread_pins_until_the_outermost_caller_leaves(blas_threads, torch_threads):
+    blas_threads(2)
+    torch_threads(2)
+    with residual.one_thread():
+        with residual.one_thread():
+            assert torch.get_num_threads() == 1 and set(residual.blas_threads()) == {1}
+        assert torch.get_num_threads() == 1 and set(residual.blas_threads()) == {1}
+    assert torch.get_num_threads() == 2 and set(residual.blas_threads()) == {2}
+
+
 def _sweep_fit(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``fit_conditional``'s model written plainly in float64: every penalty tried on the
     last fold, then the weights and each fold's map (fitted without it) solved on their

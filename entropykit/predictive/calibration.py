@@ -425,63 +425,72 @@ def _cache_only(model: torch.nn.Module) -> dict[str, int]:
 Groups = dict[int, list[np.ndarray]]  # group 2 * layer + kv -> per prompt [1, h, s, d]
 
 
-def _fit_conditional(xs: Groups, ps: Groups, bias: dict[int, np.ndarray], exact: int,
-                     layers: int, out: dict[str, np.ndarray], suffix: str,
-                     tick: Callable[[], None], threads: int) -> None:
-    """Fit the conditional model of one format from its values ``xs`` and guesses ``ps``
-    (per group with KV, per prompt, real units) into ``out`` (version-2 layout); ``tick``
-    after each group. The groups' fits are independent (a group's features are the base
-    residuals of earlier groups, not their fits), so ``threads`` run them side by side;
-    each fit's arithmetic is its own, so the result does not depend on the count."""
+def _fit_conditional(values: dict[str, Groups], ps: Groups, bias: dict[int, np.ndarray],
+                     exact: int, layers: int, tick: Callable[[], None], threads: int
+                     ) -> dict[str, dict[str, np.ndarray]]:
+    """Fit the conditional model of each format (its ``_SUFFIX``: its values per group
+    with KV, per prompt, real units, in ``values``) from the guesses ``ps``: per format,
+    its arrays (version-2 layout); ``tick`` after each (group, format). The fits are
+    independent (a group's features are the base residuals of earlier groups, not their
+    fits), so ``threads`` run them side by side, every format's in one pass (one format's
+    groups alone leave threads idle at its end); each fit runs on one thread of torch and
+    BLAS with its own arithmetic, so the result does not depend on the count."""
     dims = [None] * (2 * layers)
-    for g, a in xs.items():
+    for g, a in ps.items():
         dims[g] = (a[0].shape[1], a[0].shape[3])
     offsets = _Offsets(dims)
-    c, m, n = offsets.sizes
-    cstd, cond, cscale = np.ones(c, np.float32), np.zeros(m, np.int8), np.ones(n, np.float32)
-    shapes = np.tile(dist.gaussian_shape(), (2 * layers, 1))
-    prompts = len(next(iter(xs.values())))
-    # per prompt: its groups' residuals and guesses (features align tokens within a prompt)
-    residuals: list[dict] = [{} for _ in range(prompts)]
+    prompts = len(next(iter(ps.values())))
     guesses = [{(g // 2, g % 2): ps[g][i] for g in ps} for i in range(prompts)]
-    bases: Groups = {}
-    for g in sorted(xs):
-        layer, kv = divmod(g, 2)
-        bases[g] = [p if layer < exact else p + bias[g][None, :, None, :] for p in ps[g]]
-        for i in range(prompts):
-            residuals[i][(layer, kv)] = xs[g][i] - bases[g][i]
+    kv_layers = {g // 2 for g in ps}
 
-    def fit(g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def base(g: int, i: int) -> np.ndarray:
+        return ps[g][i] if g // 2 < exact else ps[g][i] + bias[g][None, :, None, :]
+
+    def fit(job: tuple[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        suffix, g = job
         layer, kv = divmod(g, 2)
         hd = dims[g][0] * dims[g][1]
+        # per prompt: the residuals this fit reads (its sources' and its own), made here
+        # rather than kept for every group and format (features align tokens in a prompt)
+        need = {(layer, kv)} | {(src_layer, src_kv) for kind, src_layer, src_kv
+                                in residual.sources(layer, kv, kv_layers) if kind == "r"}
+        res = [{key: values[suffix][2 * key[0] + key[1]][i] - base(2 * key[0] + key[1], i)
+                for key in need} for i in range(prompts)]
         target = np.concatenate([r[(layer, kv)].transpose(0, 2, 1, 3).reshape(-1, hd)
-                                 for r in residuals])
-        feats = np.concatenate([residual.features(residuals[i], guesses[i], layer, kv)
+                                 for r in res])
+        feats = np.concatenate([residual.features(res[i], guesses[i], layer, kv)
                                 for i in range(prompts)])
-        sizes = residual.block_sizes(residual.source_arrays(residuals[0], guesses[0], layer,
-                                                            kv))
+        sizes = residual.block_sizes(residual.source_arrays(res[0], guesses[0], layer, kv))
+        del res
         weights, oof = residual.fit_conditional(feats, target)
         del feats
         q, scale = residual.quantize(weights, sizes)
         # What remains, for the std and shape: out-of-fold, as new text will see it.
         err = target - oof.astype(np.float32)
         sd = np.sqrt((err.astype(np.float64) ** 2).mean(axis=0)).astype(np.float32)
-        mean = np.concatenate([b.transpose(0, 2, 1, 3).reshape(-1, hd) for b in bases[g]])
+        mean = np.concatenate([base(g, i).transpose(0, 2, 1, 3).reshape(-1, hd)
+                               for i in range(prompts)])
         sigma = residual.floor(np.broadcast_to(sd, err.shape), mean)
         return q, scale, sd, residual.fit_shape((err / sigma).reshape(-1))
 
-    todo = [g for g in sorted(xs) if g // 2 >= exact]  # exact layers: nothing to fit
-    for _ in range(len(xs) - len(todo)):
+    c, m, n = offsets.sizes
+    arrays = {suffix: (np.ones(c, np.float32), np.zeros(m, np.int8), np.ones(n, np.float32),
+                       np.tile(dist.gaussian_shape(), (2 * layers, 1))) for suffix in values}
+    todo = [(suffix, g) for suffix in values for g in sorted(ps) if g // 2 >= exact]
+    for _ in range(len(values) * len(ps) - len(todo)):  # exact layers: nothing to fit
         tick()
-    with residual.one_torch_thread():  # pinned once here: the fits run side by side
-        for g, (q, scale, sd, shape) in zip(todo, imap(fit, todo, threads), strict=True):
+    with residual.one_thread():  # pinned once here: the fits run side by side
+        for (suffix, g), (q, scale, sd, shape) in zip(todo, imap(fit, todo, threads),
+                                                      strict=True):
+            cstd, cond, cscale, shapes = arrays[suffix]
             (ca, _), (qa, rows, hd), sa = offsets.chan[g], offsets.cond[g], offsets.scale[g]
             cond[qa : qa + rows * hd] = q.reshape(-1)
             cscale[sa : sa + scale.size] = scale.reshape(-1)
             cstd[ca : ca + hd], shapes[g] = sd, shape
             tick()
-    out |= {f"cstd_{suffix}": cstd, f"cond_{suffix}": cond, f"cscale_{suffix}": cscale,
-            f"shapes_{suffix}": shapes}
+    return {suffix: {f"cstd_{suffix}": cstd, f"cond_{suffix}": cond,
+                     f"cscale_{suffix}": cscale, f"shapes_{suffix}": shapes}
+            for suffix, (cstd, cond, cscale, shapes) in arrays.items()}
 
 
 Progress = Callable[[int, int], None]
@@ -519,7 +528,8 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
     before anything runs past the first prompt where the calibration file would exceed
     the format's caps (``file_bytes``). ``threads``: the (layer, k/v) fits run side by
     side on this many threads (None: ``ENTROPYKIT_THREADS`` or every core), each fit on
-    one torch thread; the result is the same for any count.
+    one thread of torch and of numpy's BLAS (the forward passes on torch's own count);
+    the result is the same for any count.
     """
     if not formats or any(f not in FORMATS for f in formats):
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}")
@@ -601,9 +611,10 @@ def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any]
         "bias": np.concatenate([bias[g].reshape(-1) for g in sorted(bias)]),
         "std": np.concatenate([std[g].reshape(-1) for g in sorted(std)])}
     uniform = np.linspace(0, dist.ONE, dist.EMP_POINTS + 1).astype(np.uint32)
+    fitted = _fit_conditional({_SUFFIX[f]: xs[f] for f in formats}, ps, bias,
+                              predictor.exact_layers, layers, tick, threads)
     for f in formats:
-        _fit_conditional(xs[f], ps, bias, predictor.exact_layers, layers, arrays, _SUFFIX[f],
-                         tick, threads)
+        arrays |= fitted[_SUFFIX[f]]
         arrays[f"emp_{_SUFFIX[f]}"] = np.stack([
             dist.empirical_table(counts[f][g]) if g in counts[f] else uniform
             for g in range(2 * layers)])

@@ -26,9 +26,13 @@ is then raised to ``floor``.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -179,24 +183,26 @@ def fit_conditional(feats: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, 
     same penalty) give honest residuals for the std and shape: in-sample ones would be
     too narrow.
     """
-    problem = _Ridge(feats, target)
-    return problem.fit(problem.search())
+    with one_thread():
+        problem = _Ridge(feats, target)
+        return problem.fit(problem.search())
 
 
 class _Ridge:
     """One group's ridge problem (``fit_conditional``), prepared once.
 
-    Cost: the products over the tokens run once, in float32 (the Gram matrix and cross
-    product of the last fold, which the search holds out, and of the other folds, summed
-    in float64); every system is solved by one Cholesky factorization in float32 (float64
-    where rounding made it not positive definite): the weights are rounded to int8 anyway.
-    The search factorizes the other folds' system once per penalty tried. The final fit
-    factorizes the whole system once: that gives the weights and, through each fold's
-    block of the hat matrix (``I - X_k A^-1 X_k^T`` turns the fold's in-sample errors into
-    its out-of-fold ones, exactly), every fold's out-of-fold errors without a system of the
-    fold's own; where a fold has so many tokens that its own system is cheaper, that is
-    solved instead. Features that are zero throughout (a predictor that guesses nothing)
-    get weight 0 without entering a system.
+    Its arithmetic runs on one thread of torch and BLAS (``one_thread``, held by
+    ``fit_conditional``). Cost: the products over the tokens run once, in float32 (the Gram
+    matrix and cross product of the last fold, which the search holds out, and of the other
+    folds, summed in float64); every system is solved by one Cholesky factorization in
+    float32 (float64 where rounding made it not positive definite): the weights are rounded
+    to int8 anyway. The search factorizes the other folds' system once per penalty tried.
+    The final fit factorizes the whole system once: that gives the weights and, through each
+    fold's block of the hat matrix (``I - X_k A^-1 X_k^T`` turns the fold's in-sample errors
+    into its out-of-fold ones, exactly), every fold's out-of-fold errors without a system of
+    the fold's own; where a fold has so many tokens that its own system is cheaper, that is
+    solved instead. Features that are zero throughout (a predictor that guesses nothing) get
+    weight 0 without entering a system.
     """
 
     def __init__(self, feats: np.ndarray, target: np.ndarray) -> None:
@@ -246,14 +252,13 @@ class _Ridge:
         g32 = g.astype(np.float32)  # rounded once for every penalty's system
         f, t = self.f[self.rows[-1]], self.t[self.rows[-1]]
         best, best_score, previous = None, _code(t), np.inf
-        with one_torch_thread():
-            for ridge in sorted(RIDGES, reverse=True):
-                s = _code(t - f @ _ridge_solve(g, c, ridge * np.trace(g) / len(g), g32))
-                if s < best_score:
-                    best, best_score = ridge, s
-                if s >= previous:
-                    break
-                previous = s
+        for ridge in sorted(RIDGES, reverse=True):
+            s = _code(t - f @ _ridge_solve(g, c, ridge * np.trace(g) / len(g), g32))
+            if s < best_score:
+                best, best_score = ridge, s
+            if s >= previous:
+                break
+            previous = s
         return best
 
     def fit(self, ridge: float | None) -> tuple[np.ndarray, np.ndarray]:
@@ -266,24 +271,23 @@ class _Ridge:
             return weights, oof
         f, t, n = self.f, self.t, len(self.gram)
         penalty = ridge * np.trace(self.gram) / n
-        with one_torch_thread():
-            chol = _cholesky(self.gram, penalty)
-            w = _cholesky_solve(chol, self.cross)
-            err = t - f @ w
-            for r in self.rows:
-                fk, tk = f[r], r.stop - r.start
-                # multiply-adds of the hat block's route against the fold's own system's
-                if n * tk * (n + tk) + tk**3 / 3 + 2 * tk * tk * outputs > (
-                        n**3 / 3 + 2 * n * n * outputs + tk * n * outputs):
-                    g, c = _products(fk, t[r])
-                    err[r] = t[r] - fk @ _ridge_solve(self.gram - g, self.cross - c, penalty)
-                    continue
-                # X_k L^-T, solved from the right on the fold's rows as they lie
-                zt = torch.linalg.solve_triangular(chol.T, torch.from_numpy(fk).to(chol.dtype),
-                                                   upper=True, left=False).numpy()
-                keep = -(zt @ zt.T)  # I - X_k A^-1 X_k^T: positive definite (numpy: syrk)
-                keep[np.diag_indices_from(keep)] += 1.0
-                err[r] = _spd_solve(torch.from_numpy(keep), err[r])
+        chol = _cholesky(self.gram, penalty)
+        w = _cholesky_solve(chol, self.cross)
+        err = t - f @ w
+        for r in self.rows:
+            fk, tk = f[r], r.stop - r.start
+            # multiply-adds of the hat block's route against the fold's own system's
+            if n * tk * (n + tk) + tk**3 / 3 + 2 * tk * tk * outputs > (
+                    n**3 / 3 + 2 * n * n * outputs + tk * n * outputs):
+                g, c = _products(fk, t[r])
+                err[r] = t[r] - fk @ _ridge_solve(self.gram - g, self.cross - c, penalty)
+                continue
+            # X_k L^-T, solved from the right on the fold's rows as they lie
+            zt = torch.linalg.solve_triangular(chol.T, torch.from_numpy(fk).to(chol.dtype),
+                                               upper=True, left=False).numpy()
+            keep = -(zt @ zt.T)  # I - X_k A^-1 X_k^T: positive definite (numpy: syrk)
+            keep[np.diag_indices_from(keep)] += 1.0
+            err[r] = _spd_solve(torch.from_numpy(keep), err[r])
         weights[self.live] = w / self.sd[:, None]
         oof[self.order] = t - err
         return weights, oof
@@ -340,17 +344,62 @@ def _spd_solve(a: torch.Tensor, b: np.ndarray) -> np.ndarray:
 
 
 _PIN = threading.Lock()
-_pinned = [0, 0]  # callers inside ``one_torch_thread``, the thread count to restore
+# callers inside ``one_thread``; torch's thread count and each BLAS's, to restore
+_pinned: list = [0, 0, []]
+
+
+@functools.cache
+def _openblas_threads() -> list[tuple[Any, Any]]:
+    """(get, set) of the thread count of every OpenBLAS loaded in this process (numpy's
+    products run on one; torch's ``set_num_threads`` does not reach it): found by file
+    name among the loaded libraries (Linux), else among numpy's bundled ones (which numpy
+    has loaded); none elsewhere."""
+    paths: set[str] = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps
+                     if "openblas" in line.lower() and len(line.split(None, 5)) == 6}
+    except OSError:  # not Linux: numpy's wheels bundle their OpenBLAS beside the package
+        here = Path(np.__file__).resolve().parent
+        for folder in (here.parent / "numpy.libs", here / ".dylibs"):
+            if folder.is_dir():
+                paths |= {str(p) for p in folder.iterdir() if "openblas" in p.name.lower()}
+    names = [(f"{prefix}_get_num_threads{suffix}", f"{prefix}_set_num_threads{suffix}")
+             for prefix in ("scipy_openblas", "openblas") for suffix in ("64_", "")]
+    found = []
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for get_name, set_name in names:
+            if hasattr(lib, get_name) and hasattr(lib, set_name):
+                get, put = getattr(lib, get_name), getattr(lib, set_name)
+                get.restype, get.argtypes = ctypes.c_int, []
+                put.restype, put.argtypes = None, [ctypes.c_int]
+                found.append((get, put))
+                break
+    return found
+
+
+def blas_threads() -> list[int]:
+    """The thread count of each OpenBLAS ``one_thread`` pins (empty where none is found)."""
+    return [get() for get, _ in _openblas_threads()]
 
 
 @contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """torch on one thread while any caller is inside (from any number of threads): its
-    factorizations' rounding depends on its thread count, and the fit must not."""
+def one_thread() -> Iterator[None]:
+    """torch and numpy's BLAS (OpenBLAS, where found) on one thread from the first
+    caller's entry to the last caller's exit (torch's count is set in the first caller's
+    thread; threads started inside inherit it): the fit's rounding depends on their
+    thread counts, and fits that run side by side would each start every core's threads."""
     with _PIN:
         if _pinned[0] == 0:
             _pinned[1] = torch.get_num_threads()
+            _pinned[2] = [(get(), put) for get, put in _openblas_threads()]
             torch.set_num_threads(1)
+            for _, put in _pinned[2]:
+                put(1)
         _pinned[0] += 1
     try:
         yield
@@ -359,6 +408,8 @@ def one_torch_thread() -> Iterator[None]:
             _pinned[0] -= 1
             if _pinned[0] == 0:
                 torch.set_num_threads(_pinned[1])
+                for count, put in _pinned[2]:
+                    put(count)
 
 
 def fit_shape(z: np.ndarray) -> np.ndarray:
