@@ -454,3 +454,44 @@ def test_a_process_ends_with_no_pool_thread_left(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert len(os.listdir(out)) == 20
+
+
+def test_small_writes_wake_the_writer_once_a_wake_bytes_is_queued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of many small writes (a shard of small tensors) hands them to the writer
+    thread in a few batches, not one wake-up each; past ``_WAKE_BYTES`` queued the writer
+    goes on by itself, and ``flush`` wakes it for less."""
+    batches = []
+    real = _atomic._OutputFile._write_all
+
+    def counted(self, bufs) -> None:
+        batches.append(len(bufs))
+        real(self, bufs)
+
+    monkeypatch.setattr(_atomic._OutputFile, "_write_all", counted)
+    monkeypatch.setattr(_atomic, "_WAKE_BYTES", 100_000)
+
+    def left_queued(out) -> bool:
+        """Once the writer waits: whether writes are queued (too few to wake it)."""
+        for _ in range(1000):
+            with out._cv:
+                if out._idle and (not out._ops or out._queued < _atomic._WAKE_BYTES):
+                    return bool(out._ops)
+            time.sleep(0.005)
+        raise AssertionError("the writer never went idle")
+
+    dst = tmp_path / "many.bin"
+    with _atomic.output_file(dst) as out:
+        for i in range(40):  # 40 kB: below the wake-up, nothing written yet
+            out.write(bytes([i]) * 1000)
+            assert left_queued(out) and batches == []
+        out.flush()  # a caller that waits wakes the writer
+        assert batches == [40] and os.pread(out.fileno(), 1000, 39_000) == bytes([39]) * 1000
+        for i in range(3):  # 120 kB: the writer takes the first 100 kB by itself
+            out.write(bytes([100 + i]) * 40_000)
+        assert not left_queued(out) and batches == [40, 3]
+        out.write(b"end")
+    assert batches == [40, 3, 1]
+    want = b"".join(bytes([i]) * 1000 for i in range(40)) + b"".join(
+        bytes([100 + i]) * 40_000 for i in range(3)) + b"end"
+    assert dst.read_bytes() == want

@@ -56,6 +56,10 @@ SYNC_BYTES = 8 << 20  # tail left to the final fsync: ~35 ms -> ~8 ms for 45 MB 
 QUEUE_BYTES = 64 << 20  # written data that may wait for the writer thread
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))  # buffers per writev
 _GROUP_BYTES = 8 << 20  # bytes of queued writes written in one writev call, about
+# Queued bytes that wake an idle writer thread: a file of many small segments (a rank's
+# shard of many small tensors) hands its writes over a few times, not once a segment,
+# each wake-up being a hand-off of the GIL. A caller that waits for the writer wakes it.
+_WAKE_BYTES = 2 << 20
 
 
 _POOL_IDLE = 16  # idle threads kept; more than this at once (many files written in
@@ -252,7 +256,10 @@ class _OutputFile:
         unsynced = 0
         while True:
             with self._cv:
-                while not self._ops and not self._closed:
+                # Queued operations are taken once _WAKE_BYTES are queued, a caller
+                # waits for them, or the file closes.
+                while not (self._closed or self._ops and (
+                        self._waiting or self._queued >= _WAKE_BYTES)):
                     self._idle = True
                     self._cv.wait()
                     self._idle = False
@@ -340,11 +347,14 @@ class _OutputFile:
             self._raise()
             self._ops.extend(ops)
             self._queued += n
-            if self._idle:
+            if self._idle and self._queued >= _WAKE_BYTES:
                 self._cv.notify_all()
 
     def _wait(self) -> None:
-        """A caller's wait on ``_cv`` (held) for the writer thread to get on."""
+        """A caller's wait on ``_cv`` (held) for the writer thread to get on (woken
+        first, if it waits for more to be queued)."""
+        if self._idle:
+            self._cv.notify_all()
         self._waiting += 1
         try:
             self._cv.wait()
