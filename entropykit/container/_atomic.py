@@ -46,9 +46,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
+
+_T = TypeVar("_T")
 
 TEMP_SUFFIX = ".ek-tmp"
 STALE_SECONDS = 60
@@ -62,7 +65,7 @@ _GROUP_BYTES = 8 << 20  # bytes of queued writes written in one writev call, abo
 _WAKE_BYTES = 2 << 20
 
 
-_POOL_IDLE = 16  # idle threads kept; more than this at once (many files written in
+_POOL_IDLE = 32  # idle threads kept; more than this at once (many files written in
 # parallel) exit when their file is done
 
 
@@ -155,6 +158,28 @@ class _PoolThread:
 
 _POOL = _Pool()
 os.register_at_fork(after_in_child=_POOL._forget)
+
+
+def submit(fn: Callable[[], _T]) -> Future[_T]:
+    """``fn()`` run at once on a thread of the pool (an idle one, else a new one: never
+    queued behind other work); its result, or its error, in the future returned. For
+    work that starts threads save after save (a checkpoint rank's coding and closing
+    threads), which would otherwise pay a thread's start and join each time."""
+    fut: Future[_T] = Future()
+
+    def task() -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the future's owner raises it
+                fut.set_exception(e)
+
+    _POOL.run(task, _nothing)
+    return fut
+
+
+def _nothing() -> None:
+    pass
 try:
     # Run by the interpreter's shutdown before it joins threads and tears down (as
     # concurrent.futures' workers are stopped); ``atexit`` also runs before teardown.
