@@ -250,10 +250,12 @@ class _OutputFile:
     """The binary file an ``output_file`` block writes: ``write``/``seek``/``truncate``
     queued in order and performed by a background thread, so writing (a copy into the page
     cache, ~14 ms for 45 MB here) overlaps the caller's coding; ``tell`` is tracked here.
-    At most ``QUEUE_BYTES`` wait (``write`` blocks beyond that), each by reference: the
-    caller must not change a buffer it has handed to ``write``. Every ``SYNC_BYTES``
-    written kick the writeback thread. An error in the thread is raised by the next call
-    (and by ``close``); later operations are dropped."""
+    The thread takes what is queued once ``_WAKE_BYTES`` are, or when the caller flushes,
+    waits for room or closes. At most ``QUEUE_BYTES`` wait (``write`` blocks beyond
+    that), each by reference: the caller must not change a buffer it has handed to
+    ``write``. Every ``SYNC_BYTES`` written kick the writeback thread. An error in the
+    thread is raised by a later call (at the latest by ``flush`` or ``close``); later
+    operations are dropped."""
 
     def __init__(self, f: BinaryIO, writeback: _Writeback | None) -> None:
         self._f = f
