@@ -158,6 +158,12 @@ class _PoolThread:
 
 _POOL = _Pool()
 os.register_at_fork(after_in_child=_POOL._forget)
+try:
+    # Run by the interpreter's shutdown before it joins threads and tears down (as
+    # concurrent.futures' workers are stopped); ``atexit`` also runs before teardown.
+    getattr(threading, "_register_atexit", atexit.register)(_POOL.stop)
+except RuntimeError:  # imported while the interpreter shuts down: keep no thread
+    _POOL.stop()
 
 
 def submit(fn: Callable[[], _T]) -> Future[_T]:
@@ -180,12 +186,6 @@ def submit(fn: Callable[[], _T]) -> Future[_T]:
 
 def _nothing() -> None:
     pass
-try:
-    # Run by the interpreter's shutdown before it joins threads and tears down (as
-    # concurrent.futures' workers are stopped); ``atexit`` also runs before teardown.
-    getattr(threading, "_register_atexit", atexit.register)(_POOL.stop)
-except RuntimeError:  # imported while the interpreter shuts down: keep no thread
-    _POOL.stop()
 
 
 class _Writeback:
