@@ -45,6 +45,10 @@ collective moves the data):
   (entropykit: the writer thread's tail, fsync, rename), fsync, ``finish`` (metadata).
 - ``--gil`` (instead of the above): one rank's save on one coding thread under
   ``gil.GilProfile``, the share of its CPU that holds the GIL and where.
+- ``--small-files N`` (instead of the above): N small files written one after another
+  through ``output_file`` (as a rank's shard files: no sweep, into ``--dir``), each of a
+  few bytes and of 64 kB: wall and process CPU (every thread) per file, the least of
+  ``--repeat`` runs, and the threads started during them.
 
 Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-small``:
 with ``fast=False`` (every codec tried, smallest shards); ``hf``:
@@ -634,6 +638,42 @@ def _gil(args: argparse.Namespace) -> None:
           + "\n".join(top))
 
 
+def _small_files(args: argparse.Namespace) -> None:
+    """``--small-files N``: the per-file cost of ``output_file`` outside any coding."""
+    from entropykit.container._atomic import output_file
+
+    started = 0
+    real_start = threading.Thread.start
+
+    def counted(self) -> None:
+        nonlocal started
+        started += 1
+        real_start(self)
+
+    threading.Thread.start = counted  # type: ignore[method-assign]
+    try:
+        print("| file | files | wall µs / file | CPU µs / file | threads started (all runs) |")
+        print("|---|---:|---:|---:|---:|")
+        for size in (3, 64 << 10):
+            data = os.urandom(size)
+            best = (math.inf, math.inf)
+            started = 0
+            for r in range(args.repeat):
+                wall, cpu = time.perf_counter(), time.process_time()
+                for i in range(args.small_files):
+                    with output_file(Path(args.dir) / f"f{r}-{i}", sweep=False) as out:
+                        out.write(data)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                best = min(best, (cpu, wall))
+                for i in range(args.small_files):
+                    os.unlink(Path(args.dir) / f"f{r}-{i}")
+            cpu, wall = best
+            print(f"| {size:,} B | {args.small_files} | {wall / args.small_files * 1e6:.0f} | "
+                  f"{cpu / args.small_files * 1e6:.0f} | {started} |", flush=True)
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
@@ -657,13 +697,16 @@ def main(argv: list[str] | None = None) -> None:
                          "thread (the synthetic states, one process)")
     ap.add_argument("--top", type=int, default=8,
                     help="with --gil: how many of the longest GIL-held functions to name")
+    ap.add_argument("--small-files", type=int, default=0, metavar="N",
+                    help="instead: the cost of N small files through output_file, one "
+                         "after another")
     args = ap.parse_args(argv)
     if args.mb_per_rank is not None and not args.synthetic:
         ap.error("--mb-per-rank needs --synthetic")
-    if args.gil:
+    if args.gil or args.small_files:
         args.dir = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
         try:
-            _gil(args)
+            _small_files(args) if args.small_files else _gil(args)
         finally:
             shutil.rmtree(args.dir, ignore_errors=True)
         return

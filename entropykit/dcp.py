@@ -39,6 +39,8 @@ reader of DCP's own ``.metadata`` pickle.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -48,7 +50,6 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -357,7 +358,7 @@ def _write_files(jobs: list[tuple[Path, dict[str, Any], dict[str, str]]], thread
         finally:
             room.release()
 
-    def one(i: int, closing: ThreadPoolExecutor) -> Future[None]:
+    def one(i: int) -> concurrent.futures.Future[None]:
         path, tensors, meta = jobs[i]
         share = max(1, min(threads, threads * sizes[i] // total))
         room.acquire()
@@ -375,25 +376,41 @@ def _write_files(jobs: list[tuple[Path, dict[str, Any], dict[str, str]]], thread
         except BaseException as e:
             close(path, cm, e)
             raise
-        return closing.submit(close, path, cm)
+        return _atomic.submit(lambda: close(path, cm))
 
-    order = sorted(range(len(jobs)), key=lambda i: -sizes[i])
-    with ExitStack() as stack:
-        closing = stack.enter_context(ThreadPoolExecutor(
-            at_once, thread_name_prefix="entropykit-close"))
-        if at_once == 1:
-            closes = [one(i, closing) for i in order]
-        else:
-            coding = stack.enter_context(ThreadPoolExecutor(
-                at_once, thread_name_prefix="entropykit-shard"))
-            futures = [coding.submit(one, i, closing) for i in order]
+    # The calling thread and at_once - 1 threads of the output pool (threads started
+    # once per process, not per save) each code the largest file left until none is
+    # left or one has failed.
+    left = collections.deque(sorted(range(len(jobs)), key=lambda i: -sizes[i]))
+    closes: list[concurrent.futures.Future[None]] = []
+    failed = threading.Event()
+
+    def coder() -> None:
+        while not failed.is_set():
             try:
-                closes = [f.result() for f in futures]
-            finally:
-                for f in futures:  # after an error: start no more files (running ones end)
-                    f.cancel()
-        for f in closes:
-            f.result()
+                i = left.popleft()
+            except IndexError:
+                return
+            try:
+                closes.append(one(i))
+            except BaseException:
+                failed.set()
+                raise
+
+    helpers = [_atomic.submit(coder) for _ in range(at_once - 1)]
+    errors = []
+    try:
+        coder()
+    except BaseException as e:  # noqa: BLE001 - raised once every thread is done
+        errors.append(e)
+    try:
+        errors += [e for f in helpers if (e := f.exception()) is not None]
+        errors += [e for f in closes if (e := f.exception()) is not None]
+    except BaseException:  # interrupted while waiting: start no more files
+        failed.set()
+        raise
+    if errors:
+        raise errors[0]
 
 
 def _key(fqn: str, offset: Any, taken: dict[str, Any]) -> str:

@@ -560,3 +560,44 @@ def test_threads_default_to_this_rank_share_of_the_cores(monkeypatch) -> None:
     monkeypatch.setenv(ENV, "3")  # set by the user: taken as is
     assert CompressedStorageWriter("unused").threads == 3
     assert CompressedStorageWriter("unused", threads=5).threads == 5
+
+
+def _no_idle_io_thread_at_exit() -> None:
+    """Registered with ``atexit`` in a spawned rank: those hooks run after the interpreter
+    has joined its threads and before it tears down. A thread of the output pool still
+    alive here would meet the teardown: the rank exits with 7 instead."""
+    import threading
+
+    if any(t.name == "entropykit-io" and t.is_alive() for t in threading.enumerate()):
+        os._exit(7)
+
+
+def _exit_worker(rank: int, world: int, tmp: str) -> None:
+    """Two saves and a load through the writer's thread pool, then a normal exit."""
+    import atexit
+
+    from entropykit.container import _atomic
+
+    warnings.simplefilter("ignore")
+    tmp = Path(tmp)
+    _init(tmp, rank, world)
+    sd = _nest(_full(rank)) | _extras(rank)
+    for i in range(2):
+        dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / f"c{i}", threads=2))
+    dcp.load(_nest({k: torch.zeros_like(v) for k, v in _full(0).items()}) | _blank_extras(),
+             storage_reader=CompressedStorageReader(tmp / "c1", threads=2))
+    assert _atomic._POOL._idle  # the pool holds idle threads when the rank ends
+    atexit.register(_no_idle_io_thread_at_exit)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_spawned_ranks_exit_cleanly_with_the_output_pool(tmp_path: Path) -> None:
+    """Ranks that wrote their shards through the output pool end with status 0, spawn
+    after spawn: the pool's idle threads are stopped and joined before the interpreter's
+    teardown (a rank aborting at exit, or one with a pool thread left, fails the spawn)."""
+    for round_ in range(3):
+        tmp = tmp_path / str(round_)
+        tmp.mkdir()
+        mp.spawn(_exit_worker, args=(2, str(tmp)), nprocs=2, join=True)
+        assert (tmp / "c1" / METADATA).is_file()

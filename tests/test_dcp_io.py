@@ -475,3 +475,30 @@ def test_a_load_opens_each_shard_on_the_pool_as_its_items_come(tmp_path, monkeyp
     first_decode = next(i for i, e in enumerate(events) if e[0] == "decode")
     assert any(i > first_decode for i, e in enumerate(events) if e in opens)
     assert threading.get_ident() not in {e[2] for e in opens}
+
+
+def test_a_ranks_saves_code_and_close_on_threads_kept_from_save_to_save(tmp_path,
+                                                                          monkeypatch):
+    # 7 files, 3 coded at once: the coding, closing and writer threads come from the
+    # output pool, so once earlier saves left it idle threads a save starts none (old:
+    # a coding and a closing executor per save, each starting its threads).
+    import threading
+
+    monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
+    sd = _state()
+    started = []
+    real = threading.Thread.start
+
+    def counted(self) -> None:
+        started.append(self.name)
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    for i in range(4):
+        started.clear()
+        dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path / str(i),
+                                                                  threads=3), no_dist=True)
+    assert len(started) <= 1, started  # a close may outlast the next file's coding
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path / "3"), no_dist=True)
+    assert _equal(sd, got)

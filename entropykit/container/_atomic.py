@@ -24,11 +24,17 @@ Writing and durability without the wait: the file handed out writes in a backgro
 thread (the caller goes on coding meanwhile), and a file's data must be on disk before the
 rename, but one fsync of a whole file at the end leaves the caller waiting for all of its
 writeback (~25 ms for 45 MB here): every ``SYNC_BYTES`` written start writeback in another
-thread (``fdatasync``), so the final fsync only waits for the tail.
+thread (``fdatasync``), so the final fsync only waits for the tail. Those threads come from
+a pool that lives for the process: a rank writing many small files would otherwise pay a
+thread's start and join per file. An idle pool thread holds nothing (no file, no data);
+the idle ones are stopped and joined when the interpreter begins to shut down (with
+``threading``'s own exit hooks, before it joins its threads), so none is left for the
+interpreter's finalization, where a daemon thread woken mid-teardown can abort the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import io
 import os
@@ -40,9 +46,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
+
+_T = TypeVar("_T")
 
 TEMP_SUFFIX = ".ek-tmp"
 STALE_SECONDS = 60
@@ -50,6 +59,133 @@ SYNC_BYTES = 8 << 20  # tail left to the final fsync: ~35 ms -> ~8 ms for 45 MB 
 QUEUE_BYTES = 64 << 20  # written data that may wait for the writer thread
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))  # buffers per writev
 _GROUP_BYTES = 8 << 20  # bytes of queued writes written in one writev call, about
+# Queued bytes that wake an idle writer thread: a file of many small segments (a rank's
+# shard of many small tensors) hands its writes over a few times, not once a segment,
+# each wake-up being a hand-off of the GIL. A caller that waits for the writer wakes it.
+_WAKE_BYTES = 2 << 20
+
+
+_POOL_IDLE = 32  # idle threads kept; more than this at once (many files written in
+# parallel) exit when their file is done
+
+
+class _Pool:
+    """Daemon threads that each run one task at a time and wait, idle, for the next: a
+    task gets an idle thread or, when none is idle, a new one (never a queue, so a task
+    never waits behind another: a file's writer runs as long as its file is open). Its
+    ``done`` is called once the thread is back among the idle ones, so the owner's next
+    task finds it there. An exception that escapes a task is reported like one ending a
+    thread, and the thread goes on serving. After ``stop`` no thread is kept: each task
+    runs on a thread of its own that ends with it (as when there was no pool)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_PoolThread] = []
+        self._stopped = False
+
+    def run(self, task: Callable[[], None], done: Callable[[], None]) -> None:
+        with self._lock:
+            t = self._idle.pop() if self._idle else None
+        if t is None:
+            _PoolThread(self, (task, done))
+        else:
+            t.give((task, done))
+
+    def _rest(self, t: _PoolThread) -> bool:
+        """Whether ``t`` is kept idle (False: it exits)."""
+        with self._lock:
+            if self._stopped or len(self._idle) >= _POOL_IDLE:
+                return False
+            self._idle.append(t)
+            return True
+
+    def stop(self) -> None:
+        """End the idle threads and wait for them; keep none from now on. A thread
+        busy with a file ends when its task does (its file's close waits for it)."""
+        with self._lock:
+            self._stopped = True
+            idle, self._idle = self._idle, []
+        for t in idle:
+            t.give(None)
+        for t in idle:
+            t.join()
+
+    def _forget(self) -> None:
+        """In a forked child: the parent's threads do not exist there."""
+        self._lock = threading.Lock()
+        self._idle = []
+
+
+_Task = tuple[Callable[[], None], Callable[[], None]]  # the work, then its ``done``
+
+
+class _PoolThread:
+    def __init__(self, pool: _Pool, task: _Task) -> None:
+        self._pool = pool
+        self._task: _Task | None = None
+        self._go = threading.Lock()  # released by ``give``: the next task is there
+        self._go.acquire()
+        self._thread = threading.Thread(target=self._serve, args=(task,),
+                                        name="entropykit-io", daemon=True)
+        self._thread.start()
+
+    def give(self, task: _Task | None) -> None:
+        """Hand the idle thread its next task (None: end)."""
+        self._task = task
+        self._go.release()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _serve(self, task: _Task | None) -> None:
+        while task is not None:
+            work, done = task
+            task = None
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - reported; the thread serves on
+                threading.excepthook(threading.ExceptHookArgs(  # type: ignore[call-arg]
+                    (type(e), e, e.__traceback__, self._thread)))
+            work = None  # nothing of the finished task is kept while idle
+            keep = self._pool._rest(self)
+            done()
+            done = None
+            if not keep:
+                return
+            self._go.acquire()
+            task, self._task = self._task, None
+
+
+_POOL = _Pool()
+os.register_at_fork(after_in_child=_POOL._forget)
+try:
+    # Run by the interpreter's shutdown before it joins threads and tears down (as
+    # concurrent.futures' workers are stopped); ``atexit`` also runs before teardown.
+    getattr(threading, "_register_atexit", atexit.register)(_POOL.stop)
+except RuntimeError:  # imported while the interpreter shuts down: keep no thread
+    _POOL.stop()
+
+
+def submit(fn: Callable[[], _T]) -> Future[_T]:
+    """``fn()`` run at once on a thread of the pool (an idle one, else a new one: never
+    queued behind other work); its result, or its error, in the future returned. For
+    work that starts threads save after save (a checkpoint rank's coding and closing
+    threads), which would otherwise pay a thread's start and join each time."""
+    fut: Future[_T] = Future()
+
+    def task() -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the future's owner raises it
+                fut.set_exception(e)
+
+    _POOL.run(task, _nothing)
+    return fut
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Writeback:
@@ -65,7 +201,8 @@ class _Writeback:
         self._pending = False
         self._closed = False
         self._error: OSError | None = None
-        self._thread: threading.Thread | None = None
+        self._started = False
+        self._running = False
 
     def _run(self) -> None:
         while True:
@@ -81,21 +218,30 @@ class _Writeback:
                 self._error = e
                 return
 
+    def _ended(self) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify_all()
+
     def kick(self) -> None:
         with self._wake:
             self._pending = True
             self._wake.notify()
-        if self._thread is None:  # kicks come from one thread, the file's writer
-            self._thread = threading.Thread(target=self._run, name="entropykit-writeback",
-                                            daemon=True)
-            self._thread.start()
+            start = not self._started  # kicks come from one thread, the file's writer
+            self._started = self._running = True
+        if start:
+            try:
+                _POOL.run(self._run, self._ended)
+            except BaseException:
+                self._ended()  # ``close`` has nothing to wait for
+                raise
 
     def close(self, report: bool = True) -> None:
         with self._wake:
             self._closed = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join()
+            self._wake.notify_all()
+            while self._running:
+                self._wake.wait()
         if report and self._error is not None:
             raise self._error
 
@@ -104,10 +250,12 @@ class _OutputFile:
     """The binary file an ``output_file`` block writes: ``write``/``seek``/``truncate``
     queued in order and performed by a background thread, so writing (a copy into the page
     cache, ~14 ms for 45 MB here) overlaps the caller's coding; ``tell`` is tracked here.
-    At most ``QUEUE_BYTES`` wait (``write`` blocks beyond that), each by reference: the
-    caller must not change a buffer it has handed to ``write``. Every ``SYNC_BYTES``
-    written kick the writeback thread. An error in the thread is raised by the next call
-    (and by ``close``); later operations are dropped."""
+    The thread takes what is queued once ``_WAKE_BYTES`` are, or when the caller flushes,
+    waits for room or closes. At most ``QUEUE_BYTES`` wait (``write`` blocks beyond
+    that), each by reference: the caller must not change a buffer it has handed to
+    ``write``. Every ``SYNC_BYTES`` written kick the writeback thread. An error in the
+    thread is raised by a later call (at the latest by ``flush`` or ``close``); later
+    operations are dropped."""
 
     def __init__(self, f: BinaryIO, writeback: _Writeback | None) -> None:
         self._f = f
@@ -123,15 +271,22 @@ class _OutputFile:
         self._idle = False  # the writer thread, for operations
         self._waiting = 0  # callers, for room in the queue or for the queue to empty
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="entropykit-writer",
-                                        daemon=True)
-        self._thread.start()
+        self._running = True  # till ``_run`` returns (its pool thread then serves others)
+        _POOL.run(self._run, self._ended)
+
+    def _ended(self) -> None:
+        with self._cv:
+            self._running = False
+            self._cv.notify_all()
 
     def _run(self) -> None:
         unsynced = 0
         while True:
             with self._cv:
-                while not self._ops and not self._closed:
+                # Queued operations are taken once _WAKE_BYTES are queued, a caller
+                # waits for them, or the file closes.
+                while not (self._closed or self._ops and (
+                        self._waiting or self._queued >= _WAKE_BYTES)):
                     self._idle = True
                     self._cv.wait()
                     self._idle = False
@@ -219,11 +374,14 @@ class _OutputFile:
             self._raise()
             self._ops.extend(ops)
             self._queued += n
-            if self._idle:
+            if self._idle and self._queued >= _WAKE_BYTES:
                 self._cv.notify_all()
 
     def _wait(self) -> None:
-        """A caller's wait on ``_cv`` (held) for the writer thread to get on."""
+        """A caller's wait on ``_cv`` (held) for the writer thread to get on (woken
+        first, if it waits for more to be queued)."""
+        if self._idle:
+            self._cv.notify_all()
         self._waiting += 1
         try:
             self._cv.wait()
@@ -276,7 +434,13 @@ class _OutputFile:
                 self._error = OSError("output abandoned")  # drop what is still queued
             self._closed = True
             self._cv.notify_all()
-        self._thread.join()
+            while self._running:  # woken by ``_ended``
+                try:
+                    self._cv.wait()
+                except BaseException:  # interrupted: the writer drops what is queued
+                    if self._error is None:
+                        self._error = OSError("output abandoned")
+                    raise
         if report:
             self._raise()
 
