@@ -29,6 +29,7 @@ What it is not: a peer comparison (``bench_weights.py``) or a GPU benchmark.
     python bench/bench_threads.py --minilm F --cpu --gil   # and what bounds the scaling
     python bench/bench_threads.py --threads 1,2 --no-llm
     python bench/bench_threads.py --no-minilm --cpu --gil   # the LLM-shaped file alone
+    python bench/bench_threads.py --no-minilm --decode-only --output --threads 1,4,16
 """
 
 from __future__ import annotations
@@ -162,19 +163,30 @@ def _drop(p: Path) -> None:
     p.unlink(missing_ok=True)
 
 
-def scale(path: Path, threads: list[int], reps: int, tmp: Path) -> list[dict]:
-    """Rows of MB/s per operation and thread count for ``path``."""
+def scale(path: Path, threads: list[int], reps: int, tmp: Path, decode_only: bool = False
+          ) -> list[dict]:
+    """Rows of MB/s per operation and thread count for ``path``; ``decode_only``: no
+    compress rows (each file compressed once, on the most threads, and decoded)."""
     size = path.stat().st_size
     path.read_bytes()  # into the page cache
     rows = []
     for fast in (False, True):
         mode = "--fast" if fast else "default"
         ref = tmp / f"ref{int(fast)}.ek.safetensors"
-        entropykit.compress_file(path, ref, threads=1, fast=fast, force=True)
+        entropykit.compress_file(path, ref, threads=max(threads) if decode_only else 1,
+                                 fast=fast, force=True)
         comp, dec, same = {}, {}, True
         comp_use, dec_use = {}, {}
         for n in threads:
             out, back = tmp / f"c{n}.ek.safetensors", tmp / f"d{n}.safetensors"
+            if decode_only:
+                dec[n] = size / _median(
+                    lambda n=n, back=back, ref=ref: entropykit.decompress_file(
+                        ref, back, threads=n), reps, lambda back=back: _drop(back)) / MB
+                dec_use[n] = _USAGE[-1]
+                same &= filecmp.cmp(back, path, shallow=False)
+                _drop(back)
+                continue
             comp[n] = size / _median(
                 lambda n=n, out=out, fast=fast: entropykit.compress_file(path, out, threads=n,
                                                                          fast=fast),
@@ -189,8 +201,9 @@ def scale(path: Path, threads: list[int], reps: int, tmp: Path) -> list[dict]:
             same &= filecmp.cmp(back, path, shallow=False)
             _drop(out)
             _drop(back)
-        rows.append({"op": f"compress {mode}", "rates": comp, "exact": same,
-                     "usage": comp_use})
+        if not decode_only:
+            rows.append({"op": f"compress {mode}", "rates": comp, "exact": same,
+                         "usage": comp_use})
         rows.append({"op": f"decompress {mode}", "rates": dec, "exact": same,
                      "usage": dec_use})
         if fast:
@@ -364,7 +377,7 @@ def output_side(path: Path, threads: list[int], reps: int, tmp: Path) -> str:
 
     size = path.stat().st_size
     ek, back = tmp / "o.ek", tmp / "o.st"
-    entropykit.compress_file(path, ek, threads=1, force=True)
+    entropykit.compress_file(path, ek, threads=max(threads), force=True)
     spent: dict[str, float] = {}
     saved = [(reader.Compressed, "restore"), (_atomic._OutputFile, "close"),
              (_atomic._Writeback, "close"), (os, "fsync"), (os, "replace")]
@@ -477,6 +490,8 @@ def main() -> int:
                     "operation (count, largest one's share of the CPU time)")
     ap.add_argument("--cpu", action="store_true", help="also where each cell's time went: "
                     "busy threads (CPU / wall), system CPU share, minor page faults")
+    ap.add_argument("--decode-only", action="store_true", help="no compress rows: each "
+                    "file compressed once, then decompress, load_file and zstd-3 timed")
     ap.add_argument("--output", action="store_true", help="also where decompress's time "
                     "goes (decoding, the writer, fsync, rename) and the output side's floor")
     ap.add_argument("--gil", action="store_true", help="also each operation's GIL-held "
@@ -506,7 +521,7 @@ def main() -> int:
                       "random weights)", llm_path(args.llm_layers), args.llm_reps))
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for name, path, reps in files:
-            rows = scale(path, threads, reps, Path(tmp))
+            rows = scale(path, threads, reps, Path(tmp), args.decode_only)
             print(table(name, path, rows, threads, zstd_rates(path, reps)))
             if args.cpu:
                 print(cpu_table(rows, threads))
