@@ -11,10 +11,11 @@ cores this process may use, or ``--threads``) of:
 - ``load_file`` of the default compressed file on the CPU (needs torch; skipped without);
 - zstd level 3, one thread, in memory, tensor by tensor (the row to compare with).
 
-``--units``, ``--cpu`` and ``--gil`` add what limits the scaling: the work units' sizes,
-each cell's busy threads, system time and page faults, and the GIL-held share on one
-thread with the serial part (the calling thread's own work); ``--switch-interval`` tries
-another ``sys.setswitchinterval``.
+``--units``, ``--cpu``, ``--output`` and ``--gil`` add what limits the scaling: the work
+units' sizes, each cell's busy threads, system time and page faults, decompress's wall
+time split into decoding, the writer, fsync and rename with the output side's own floor,
+and the GIL-held share on one thread with the serial part (the calling thread's own
+work); ``--switch-interval`` tries another ``sys.setswitchinterval``.
 
 Every compressed file is compared with the one of 1 thread (the bytes must not depend on
 the thread count) and every restored file with the original. Timings: median of
@@ -28,6 +29,7 @@ What it is not: a peer comparison (``bench_weights.py``) or a GPU benchmark.
     python bench/bench_threads.py --minilm F --cpu --gil   # and what bounds the scaling
     python bench/bench_threads.py --threads 1,2 --no-llm
     python bench/bench_threads.py --no-minilm --cpu --gil   # the LLM-shaped file alone
+    python bench/bench_threads.py --no-minilm --decode-only --output --threads 1,4,16
 """
 
 from __future__ import annotations
@@ -161,19 +163,30 @@ def _drop(p: Path) -> None:
     p.unlink(missing_ok=True)
 
 
-def scale(path: Path, threads: list[int], reps: int, tmp: Path) -> list[dict]:
-    """Rows of MB/s per operation and thread count for ``path``."""
+def scale(path: Path, threads: list[int], reps: int, tmp: Path, decode_only: bool = False
+          ) -> list[dict]:
+    """Rows of MB/s per operation and thread count for ``path``; ``decode_only``: no
+    compress rows (each file compressed once, on the most threads, and decoded)."""
     size = path.stat().st_size
     path.read_bytes()  # into the page cache
     rows = []
     for fast in (False, True):
         mode = "--fast" if fast else "default"
         ref = tmp / f"ref{int(fast)}.ek.safetensors"
-        entropykit.compress_file(path, ref, threads=1, fast=fast, force=True)
+        entropykit.compress_file(path, ref, threads=max(threads) if decode_only else 1,
+                                 fast=fast, force=True)
         comp, dec, same = {}, {}, True
         comp_use, dec_use = {}, {}
         for n in threads:
             out, back = tmp / f"c{n}.ek.safetensors", tmp / f"d{n}.safetensors"
+            if decode_only:
+                dec[n] = size / _median(
+                    lambda n=n, back=back, ref=ref: entropykit.decompress_file(
+                        ref, back, threads=n), reps, lambda back=back: _drop(back)) / MB
+                dec_use[n] = _USAGE[-1]
+                same &= filecmp.cmp(back, path, shallow=False)
+                _drop(back)
+                continue
             comp[n] = size / _median(
                 lambda n=n, out=out, fast=fast: entropykit.compress_file(path, out, threads=n,
                                                                          fast=fast),
@@ -188,8 +201,9 @@ def scale(path: Path, threads: list[int], reps: int, tmp: Path) -> list[dict]:
             same &= filecmp.cmp(back, path, shallow=False)
             _drop(out)
             _drop(back)
-        rows.append({"op": f"compress {mode}", "rates": comp, "exact": same,
-                     "usage": comp_use})
+        if not decode_only:
+            rows.append({"op": f"compress {mode}", "rates": comp, "exact": same,
+                         "usage": comp_use})
         rows.append({"op": f"decompress {mode}", "rates": dec, "exact": same,
                      "usage": dec_use})
         if fast:
@@ -349,6 +363,81 @@ def gil(path: Path, tmp: Path, reps: int) -> str:
             "its cost included):\n\n" + "\n".join(top) + "\n")
 
 
+def output_side(path: Path, threads: list[int], reps: int, tmp: Path) -> str:
+    """Where a file-to-file decompress's wall time goes, per thread count (median run):
+    decoding in memory alone (``Compressed.restored``, no file), and of
+    ``decompress_file``: ``restore`` (decoding, segments handed to the writer thread in
+    order), the writer's drain after it (``_OutputFile.close``), the wait for the data to
+    be on disk (the writeback thread's join and the final ``fsync``) and the rename. Beside
+    it, the floor of the output side alone: the original's bytes (in memory) written
+    through the same atomic output (16 MiB writes, fsync, rename), no decoding."""
+    from entropykit.container import _atomic, reader
+    from entropykit.container.reader import Compressed
+    from entropykit.container.source import FileBytes
+
+    size = path.stat().st_size
+    ek, back = tmp / "o.ek", tmp / "o.st"
+    entropykit.compress_file(path, ek, threads=max(threads), force=True)
+    spent: dict[str, float] = {}
+    saved = [(reader.Compressed, "restore"), (_atomic._OutputFile, "close"),
+             (_atomic._Writeback, "close"), (os, "fsync"), (os, "replace")]
+    keys = ["restore", "drain", "sync", "sync", "rename"]
+    originals = [getattr(o, a) for o, a in saved]
+
+    def timed(fn: Callable, key: str) -> Callable:
+        def run(*a: object, **k: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+        return run
+
+    lines = ["| threads | decode in memory MB/s | decompress MB/s | restore ms | drain ms | "
+             "sync ms | rename ms | other ms |", "| ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: |"]
+    for (o, a), fn, key in zip(saved, originals, keys, strict=True):
+        setattr(o, a, timed(fn, key))
+    try:
+        for n in threads:
+            def memory(n: int = n) -> None:
+                with FileBytes(ek) as f:
+                    Compressed(f).restored(n)
+            mem = _median(memory, reps)
+            runs = []
+            for _ in range(reps + 1):
+                _drop(back)
+                spent.clear()
+                t0 = time.perf_counter()
+                entropykit.decompress_file(ek, back, threads=n)
+                runs.append((time.perf_counter() - t0, dict(spent)))
+            wall, parts = sorted(runs[1:], key=lambda r: r[0])[(reps - 1) // 2]
+            other = wall - sum(parts.values())
+            lines.append(f"| {n} | {size / mem / MB:,.0f} | {size / wall / MB:,.0f} | "
+                         + " | ".join(f"{parts.get(k, 0.0) * 1e3:.1f}"
+                                      for k in ("restore", "drain", "sync", "rename"))
+                         + f" | {other * 1e3:.1f} |")
+    finally:
+        for (o, a), fn in zip(saved, originals, strict=True):
+            setattr(o, a, fn)
+    data = np.fromfile(path, np.uint8)
+    piece = 16 << 20
+
+    def write() -> None:
+        with _atomic.output_file(back, True) as out:
+            for at in range(0, data.size, piece):
+                out.write(data[at : at + piece].data)
+
+    floor = _median(write, reps, lambda: _drop(back))
+    for f in (ek, back):
+        _drop(f)
+    return ("Decompress, where the wall time goes (median run; restore: decoding and "
+            "handing segments to the writer; drain: the writer's queue after it; sync: "
+            "waiting for writeback and fsync):\n\n" + "\n".join(lines)
+            + f"\n\nOutput side alone (the original written through the atomic output: "
+            f"16 MiB writes, fsync, rename): {size / floor / MB:,.0f} MB/s\n")
+
+
 def cpu_table(rows: list[dict], threads: list[int]) -> str:
     """Where each median run's time went: CPU seconds over wall seconds (threads busy on
     average; well under the thread count means threads wait: for the GIL, for work, for
@@ -401,6 +490,10 @@ def main() -> int:
                     "operation (count, largest one's share of the CPU time)")
     ap.add_argument("--cpu", action="store_true", help="also where each cell's time went: "
                     "busy threads (CPU / wall), system CPU share, minor page faults")
+    ap.add_argument("--decode-only", action="store_true", help="no compress rows: each "
+                    "file compressed once, then decompress, load_file and zstd-3 timed")
+    ap.add_argument("--output", action="store_true", help="also where decompress's time "
+                    "goes (decoding, the writer, fsync, rename) and the output side's floor")
     ap.add_argument("--gil", action="store_true", help="also each operation's GIL-held "
                     "share of its CPU time on one thread")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval in "
@@ -428,10 +521,12 @@ def main() -> int:
                       "random weights)", llm_path(args.llm_layers), args.llm_reps))
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for name, path, reps in files:
-            rows = scale(path, threads, reps, Path(tmp))
+            rows = scale(path, threads, reps, Path(tmp), args.decode_only)
             print(table(name, path, rows, threads, zstd_rates(path, reps)))
             if args.cpu:
                 print(cpu_table(rows, threads))
+            if args.output:
+                print(output_side(path, threads, reps, Path(tmp)))
             if args.gil:
                 print(gil(path, Path(tmp), max(reps, 2)))
             if args.units:

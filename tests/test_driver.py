@@ -296,3 +296,24 @@ def test_a_damaged_given_field_says_what_the_layered_path_says(rebind, monkeypat
     with pytest.raises(CorruptDataError) as e:
         _decode(bad)
     assert str(e.value) == old
+
+
+def _raw_context_file() -> bytes:
+    """BF16 whose exponent is uniform (stored raw) and whose sign and mantissa are a
+    function of its top two bits (coded conditioned on the raw exponent)."""
+    e = np.random.default_rng(9).integers(0, 256, 1 << 15).astype(np.uint16)
+    sm = ((e >> 6) * 61 + 7) & 0xFF
+    words = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+    return _blob(words.astype(np.uint16).view(ml_dtypes.bfloat16))
+
+
+def test_a_raw_field_that_is_another_fields_context_still_decodes(monkeypatch):
+    # A raw field is joined from its payload without a copy unless a field is conditioned
+    # on it: then its plane is the other field's context and must hold it.
+    blob = _raw_context_file()
+    t = Compressed(np.frombuffer(blob, np.uint8)).record.tensors["t"]
+    assert t.codecs[0] == ("raw", "rans") and t.fields[1][1] == "exponent"
+    spy = _Spy(monkeypatch)
+    got = _decode(blob)
+    assert spy.calls == [(Status.OK, -1, -1)]
+    assert np.array_equal(got, _layered(blob, monkeypatch))

@@ -307,9 +307,9 @@ def test_payload_indexes_are_read_on_the_workers(monkeypatch: pytest.MonkeyPatch
     readers: list[int] = []
     fields = Compressed.fields
 
-    def recorded(self: Compressed, name: str):  # noqa: ANN202 - wraps a method
+    def recorded(self: Compressed, name: str, *buf):  # noqa: ANN202 - wraps a method
         readers.append(threading.get_ident())
-        return fields(self, name)
+        return fields(self, name, *buf)
 
     monkeypatch.setattr(Compressed, "fields", recorded)
     out = io.BytesIO()

@@ -271,8 +271,9 @@ def _context(lo, hi, cols, phase, rcls, pattern, ccls, out):
     # out[i - lo] = the context of symbol i, lo <= i < hi. Invariant: 0 <= lo <= hi <= n,
     # rcls has n_rows entries, each < pattern.shape[0]; with ``ccls`` empty, pattern[k] is
     # row class k's contexts along a row (cols entries, or one where they do not vary),
-    # so each row is a slice copy or fill, which Numba makes a plain memory copy or set
-    # (an element loop does the byte arithmetic in int64); else ccls holds cols classes,
+    # so each row is a copy or fill; the copy loops over two views of the row's own
+    # length, which Numba vectorizes (indexing ``out`` by ``i - lo + q`` kept it
+    # scalar); else ccls holds cols classes,
     # each < pattern.shape[1], and the context of row class k, column class c is
     # pattern[k, c].
     along = pattern.shape[1] > 1
@@ -281,14 +282,17 @@ def _context(lo, hi, cols, phase, rcls, pattern, ccls, out):
     while i < hi:
         m = min(hi - i, cols - j0)
         row = pattern[rcls[r]]
+        dst = out[i - lo : i - lo + m]
         if ccls.size:
+            cc = ccls[j0 : j0 + m]
             for q in range(m):
-                out[i - lo + q] = row[ccls[j0 + q]]
+                dst[q] = row[cc[q]]
         elif along:
+            src = row[j0 : j0 + m]
             for q in range(m):
-                out[i - lo + q] = row[j0 + q]
+                dst[q] = src[q]
         else:
-            out[i - lo : i - lo + m] = row[0]
+            dst[:] = row[0]
         i += m
         r += 1
         j0 = 0

@@ -162,7 +162,7 @@ def _drive(block, starts, lengths, codecs, ctx_of, seeds, crcs, m, lo, hi, pw, p
         c = codecs[f]
         chunk = -1
         if c == RAW:
-            status = _raw(part, m, lo, hi, planes[f], table)
+            status = _raw(part, m, lo, hi, planes[f], table, not _direct(codecs, ctx_of, f))
         elif c == RANS:
             status, chunk = _frame(part, m, lo, hi, planes[f], planes_r[f],
                                    planes_r[max(ctx_of[f], 0)], ctx_of[f] >= 0, False, 0, 0,
@@ -175,29 +175,45 @@ def _drive(block, starts, lengths, codecs, ctx_of, seeds, crcs, m, lo, hi, pw, p
             status = OK
         if status != OK:
             return status, f, chunk
-    _join(planes_r, sign_move, out[: n * nf])
+    if nf == 2:
+        hi_plane, lo_plane = planes_r[0], planes_r[1]
+        if _direct(codecs, ctx_of, 0):
+            hi_plane = block[starts[0] + 4 + lo : starts[0] + 4 + hi]
+        if _direct(codecs, ctx_of, 1):
+            lo_plane = block[starts[1] + 4 + lo : starts[1] + 4 + hi]
+        _planes.join_planes((hi_plane, lo_plane), sign_move, out[: n * nf].view(np.int16))
+    else:
+        _join(planes_r, sign_move, out[: n * nf])
     return OK, -1, -1
 
 
 @njit(nogil=True, cache=True)
-def _raw(part, m, lo, hi, dst, table):
-    # u32 CRC-32 of the symbols, then the symbols (checked whole by the first part).
+def _direct(codecs, ctx_of, f):
+    # Whether raw field f of a two-field segment is joined straight from its payload: no
+    # copy into its plane, which only a field conditioned on it would read.
+    return codecs.size == 2 and codecs[f] == RAW and ctx_of[1 - f] != f
+
+
+@njit(nogil=True, cache=True)
+def _raw(part, m, lo, hi, dst, table, copy):
+    # u32 CRC-32 of the symbols, then (``copy``) the symbols (checked whole by the first
+    # part).
     if part.size != m + 4:
         return _HEADER
     if lo == 0 and np.int64(crc32._crc(part[4:], np.int64(0), table)) != np.int64(_u(part, 0, 4)):
         return ERR_CRC
-    dst[:] = part[4 + lo : 4 + hi]
+    if copy:
+        dst[:] = part[4 + lo : 4 + hi]
     return OK
 
 
 @njit(nogil=True, cache=True)
 def _join(planes_r, sign_move, out):
     # formats.join of the planes (one per field, most significant first).
+    # (two fields: in _drive, from a raw field's payload where it can)
     w = planes_r.shape[0]
     if w == 1:
         out[:] = planes_r[0]
-    elif w == 2:
-        _planes.join_planes((planes_r[0], planes_r[1]), sign_move, out.view(np.int16))
     elif w == 4:
         _planes.join_planes((planes_r[0], planes_r[1], planes_r[2], planes_r[3]), sign_move,
                             out.view(np.int32))

@@ -75,17 +75,21 @@ class _Once:
     """A value made by the first caller of ``get`` (the others wait for it and share it):
     a tensor's payload index, read and checked on the worker that runs the tensor's first
     segment instead of on the thread handing out the jobs, whose work stays serial at
-    any thread count. A failed attempt is repeated by the next caller, failing the same."""
+    any thread count. A failed attempt is repeated by the next caller, failing the same.
+    ``whole``: the tensor's whole payload, where ``make`` read it with its index (a tensor
+    of one segment: one read instead of two; in that thread's scratch buffer, so valid
+    only for the one job that reads it, until that thread's next read)."""
 
-    def __init__(self, make: Callable[[], payload.Fields]) -> None:
+    def __init__(self, make: Callable[[_Once], payload.Fields]) -> None:
         self._make = make
         self._lock = threading.Lock()
         self._value: payload.Fields | None = None
+        self.whole: np.ndarray | None = None
 
     def get(self) -> payload.Fields:
         with self._lock:
             if self._value is None:
-                self._value = self._make()
+                self._value = self._make(self)
             return self._value
 
 
@@ -282,11 +286,21 @@ class Compressed:
         """One job per segment of ``entries``; with ``into``, each job's destination is its
         slice of ``into``, where the data section starts at ``at``."""
         for e in entries:
-            fields = _Once(lambda name=e.name: self.fields(name))
+            if len(self.record.tensors[e.name].codecs) == 1:
+                fields = _Once(lambda once, name=e.name: self._whole(name, once))
+            else:
+                fields = _Once(lambda _, name=e.name: self.fields(name))
             base = at + e.begin
             for s, (lo, hi) in enumerate(self.bounds(e)):
                 dest = None if into is None else into[base + lo : base + hi]
                 yield e, s, hi - lo, fields, dest
+
+    def _whole(self, name: str, once: _Once) -> payload.Fields:
+        """The payload index of tensor ``name``, its whole payload read with it into this
+        thread's scratch buffer and kept as ``once.whole``."""
+        buf = self._payload(name)
+        once.whole = self._src.read(self.payload_at(name), buf.size, self._scratch)
+        return self.fields(name, once.whole)
 
     def _decoded(self, jobs: Iterator[_Job], threads: int) -> Iterator[np.ndarray]:
         """``_decode`` of every job in order, the segments of small tensors several to a
@@ -299,7 +313,7 @@ class Compressed:
         plan = driver.plan(e.dtype, t.layout, t.fields, t.codecs[s])
         if plan is not None and (dest is None or (dest.flags.c_contiguous
                                                   and dest.flags.writeable)):
-            out = self._drive(e.name, s, nbytes, fields.get(), plan, dest)
+            out = self._drive(e.name, s, nbytes, fields.get(), plan, dest, fields.whole)
             if out is not None:
                 return out
         # Fields the driver does not code, or a segment it rejected: decoded field by
@@ -314,14 +328,18 @@ class Compressed:
             raise CorruptDataError(f"tensor {e.name!r} segment {s}: {err}") from None
 
     def _drive(self, name: str, s: int, nbytes: int, fields: payload.Fields,
-               plan: driver.Plan, dest: np.ndarray | None) -> np.ndarray | None:
+               plan: driver.Plan, dest: np.ndarray | None, whole: np.ndarray | None = None
+               ) -> np.ndarray | None:
         """Segment ``s`` of tensor ``name`` decoded by ``driver.decode`` (a large one in
-        parts on the pool's threads); None where it rejects a part."""
+        parts on the pool's threads); None where it rejects a part. ``whole``: the
+        tensor's payload, already read (else the segment's field payloads are read)."""
         nf = len(plan.codecs)
         lo, hi = s * nf, (s + 1) * nf
         a, b = fields.span(lo, hi)
-        block = self._src.read(self.outer.data_start + self._outer[name].begin + a, b - a,
-                               self._scratch)
+        if whole is None:
+            block = self._src.read(self.payload_at(name) + a, b - a, self._scratch)
+        else:
+            block = whole[a:b]
         block = block.view()
         block.flags.writeable = False  # the kernels' one type of frame
         where = np.array((fields.offsets[lo:hi], fields.lengths[lo:hi]), np.int64)
@@ -388,7 +406,7 @@ class Compressed:
             raise ValueError(f"tensor {name!r}: bytes [{lo}, {hi}) of {e.nbytes} into "
                              f"{out.dtype}{list(out.shape)}")
         bounds = self.bounds(e)
-        fields = _Once(lambda: self.fields(name))
+        fields = _Once(lambda _: self.fields(name))
 
         def one(s: int) -> None:
             a, b = bounds[s]
