@@ -724,6 +724,127 @@ def chunk_ratios(path: str, chunks: list[int]) -> None:
         print(f"  {label}: " + ", ".join(cells))
 
 
+class _PlannedStreams:
+    """The CUDA streams' descriptor buffers, counted (``CudaStreams.reserve``)."""
+
+    def __init__(self, sides: int) -> None:
+        self.sides, self.nbytes = sides, 0
+
+    def reserve(self, pairs: int) -> None:
+        from entropykit.rans.cuda._layout import N_COLS
+
+        self.nbytes = (self.sides + 1) * max(1, pairs) * 2 * N_COLS * 8
+
+
+class _Planned:
+    """A decoder's device bytes as ``CudaDecoder`` (or, with ``chunk``, ``GatherDecoder``
+    of ``slots`` chunks) would hold them, by part, computed on the host: nothing runs."""
+
+    reads_fields = False
+
+    def __init__(self, coded: list, chunk: int = 0, slots: int = 0) -> None:
+        from entropykit.rans.cuda._layout import N_COLS
+        from entropykit.torch import _cuda
+
+        self.coded = [dataclasses.replace(c, fields=()) for c in coded]
+        self.fields = sum(f.data.nbytes for c in coded for f in c.fields)
+        self.parts = _cuda.planned_parts(coded)
+        self.pairs = sum(len(b.desc) // 2 for _, b in _cuda.plan(coded))
+        self.lookup = 0
+        if chunk:  # its pairs kept in chunk order, and its slots' buffers
+            ((_, batch),) = _cuda.plan(coded)
+            self.parts["descriptors"] = sum(a.nbytes for a in _cuda.compact(
+                _cuda.chunk_pairs(batch, chunk).reshape(-1, N_COLS)))
+            self.lookup = slots * (8 + 2 * N_COLS * 8 + 2 * 4)
+            self.pairs = 0  # its own descriptor buffer
+        self.nbytes = sum(self.parts.values()) + self.lookup
+
+    def range(self, first: int, n: int, region: torch.Tensor) -> _Planned:
+        ranged = _Planned([])
+        ranged.parts = dict.fromkeys(ranged.parts, 0)
+        ranged.nbytes, ranged.pairs = 0, n
+        return ranged
+
+
+@contextlib.contextmanager
+def _planned_backend() -> Iterator[None]:
+    """``compress_model`` of a model on the CPU builds a CUDA device's units (gathered
+    and tied lookups too) with ``_Planned`` decoders: device bytes without a GPU (the
+    scratch buffer is allocated on the CPU)."""
+    from entropykit.torch import _resident
+
+    backend, gatherer = _resident._backend, _resident._gatherer
+    _resident._backend = lambda device, units, sides: (
+        _PlannedStreams(sides), lambda coded, region: _Planned(coded))
+    _resident._gatherer = lambda device: (
+        lambda coded, chunk, slots, region: _Planned([coded], chunk, slots))
+    try:
+        yield
+    finally:
+        _resident._backend, _resident._gatherer = backend, gatherer
+
+
+def account(model: nn.Module, opts: dict) -> dict:
+    """Device bytes of ``model`` made resident with ``opts`` on a CUDA device, computed
+    on the CPU (``_planned_backend``; the model's weights are taken as compress_model
+    takes them): per part (coded symbols, chunk states, payload padding, decode tables,
+    statuses, descriptors, lookup buffers, stream descriptor buffers, scratch), per kind
+    of launch (fields, chunks, bytes), the total and its ratio."""
+    with _planned_backend():
+        ekt.compress_model(model, verify=False, **opts)
+    state = model._entropykit_resident
+    from entropykit.torch import _cuda
+
+    parts = dict.fromkeys((*_cuda.PARTS, "lookup buffers"), 0)
+    kinds: dict[str, list[int]] = {}
+    for g in state.leads:
+        u = state.units[g]
+        d = u.decoder
+        for k, v in d.parts.items():
+            parts[k] += v
+        parts["lookup buffers"] += d.lookup
+        kind = ("lookup" if u.gathered is not None else "head tiles" if u.tiled
+                else _linear_name(model, u.weights[0].owner) if state.by_weight and u.block
+                else "block" if u.block else "other")
+        row = kinds.setdefault(kind, [0, 0, 0, 0])
+        plain = (sum(w.coded.nbytes for w in u.weights) if u.tiled is None and u.gathered
+                 is None else u.gathered.nbytes if u.gathered is not None else 0)
+        row[0] += 1
+        row[1] += plain
+        row[2] += d.fields
+        row[3] += d.nbytes
+    mem = ekt.resident_memory(model)
+    parts["stream descriptor buffers"] = state.streams.nbytes
+    parts["scratch"] = mem.scratch_bytes
+    total = sum(parts.values())
+    assert total == mem.coded_bytes + mem.scratch_bytes, (total, mem)
+    return dict(parts=parts, kinds=kinds, plain=mem.uncompressed_bytes, total=total,
+                ratio=mem.ratio, launches=len(state.leads))
+
+
+def _linear_name(model: nn.Module, owner: nn.Module) -> str:
+    """A module's attribute name in its parent (``q_proj``, ``gate_proj``, ...)."""
+    for name, m in model.named_modules():
+        if m is owner:
+            return name.rsplit(".", 1)[-1]
+    return type(owner).__name__
+
+
+def print_account(name: str, acc: dict) -> None:
+    """``account``'s table, MiB and the share of the uncompressed weights."""
+    plain = acc["plain"]
+    mib = lambda b: f"{b / 2**20:9.3f}"  # noqa: E731
+    print(f"{name}: {plain / 2**20:.1f} MiB of resident weights, {acc['launches']} "
+          f"launches, total {acc['total'] / 2**20:.2f} MiB = {acc['ratio']:.4f}x")
+    print(f"  {'part':<27} {'MiB':>9} {'x weights':>9}")
+    for k, v in acc["parts"].items():
+        print(f"  {k:<27} {mib(v)} {v / plain:9.4f}")
+    print(f"  {'launches of':<15} {'count':>5} {'plain MiB':>9} {'fields':>7} "
+          f"{'device':>7}")
+    for k, (n, p, f, d) in acc["kinds"].items():
+        print(f"  {k:<15} {n:>5} {mib(p)} {f / max(1, p):7.4f} {d / max(1, p):7.4f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
