@@ -37,6 +37,7 @@ What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of r
         --granularity block weight --tile-bytes block 16777216 4194304
         [--chunks 65536 16384 4096] [--ahead 1 4 16] [--launches-ahead 1 2 3]
     python3 gpu/resident_check.py --ratios FILE.safetensors   (host only)
+    python3 gpu/resident_check.py --account --size smollm2 --smollm2 DIR   (host only)
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import entropykit.torch as ekt
-from entropykit.container.codecs import GPU_CHUNK
 
 SIZES = {  # LlamaConfig fields; tiny's embeddings are larger than two layers, so both
     # ways a block's decode is ordered (prefetched beside the one before, or after it) run
@@ -355,6 +355,7 @@ def _built(make: Callable[[], nn.Module], opts: dict, device: str
 
 
 WEIGHT_CHUNK = None  # compress_model's default by weight: chunks chosen per tensor
+BLOCK_CHUNK = None  # and by block: chunks chosen per launch
 SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in tiles
 # and launches of three tiles coded in the smallest chunks
 AHEAD = dict(tile_bytes=SMALL_TILES, tiles_ahead=3, chunk_size=1 << 10)
@@ -387,9 +388,9 @@ def _steps(label: str, model: nn.Module, device: str, batch: int) -> str:
 
 
 def _label(opts: dict) -> str:
-    """compress_model's options as a row names them (defaults of tiles left out)."""
+    """compress_model's options as a row names them (defaults left out)."""
     return " ".join(f"{k}={v}" for k, v in opts.items() if v is not None
-                    and (k, v) not in (("tiles_ahead", 1), ("chunk_size", GPU_CHUNK)))
+                    and (k, v) != ("tiles_ahead", 1))
 
 
 @torch.no_grad()
@@ -548,9 +549,9 @@ def _coding_memo() -> Iterator[dict]:
 
     def code(t: torch.Tensor, offset: int, chunk_size: int, chunked: bool = False) -> object:
         key = (t.data_ptr(), tuple(t.shape), t.dtype, chunk_size, chunked)
-        if key not in memo:
-            memo[key] = real(t, 0, chunk_size, chunked)
-        return dataclasses.replace(memo[key], offset=offset)
+        if key not in memo:  # with the tensor: its storage is not reused while memoized
+            memo[key] = (t, real(t, 0, chunk_size, chunked))
+        return dataclasses.replace(memo[key][1], offset=offset)
 
     _resident.code_tensor = code
     try:
@@ -653,7 +654,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
     return fails
 
 
-DEFAULTS = {"block": dict(granularity="block", chunk_size=GPU_CHUNK, ahead=1,
+DEFAULTS = {"block": dict(granularity="block", chunk_size=BLOCK_CHUNK, ahead=1,
                           tile_bytes=None, tiles_ahead=1),
             "weight": dict(granularity="weight", chunk_size=WEIGHT_CHUNK, ahead=2,
                            tile_bytes=None, tiles_ahead=1)}
@@ -749,7 +750,7 @@ class _Planned:
         self.coded = [dataclasses.replace(c, fields=()) for c in coded]
         self.fields = sum(f.data.nbytes for c in coded for f in c.fields)
         self.parts = _cuda.planned_parts(coded)
-        self.pairs = sum(len(b.desc) // 2 for _, b in _cuda.plan(coded))
+        self.pairs = max([len(b.desc) // 2 for _, b in _cuda.plan(coded)] + [0])
         self.lookup = 0
         if chunk:  # its pairs kept in chunk order, and its slots' buffers
             ((_, batch),) = _cuda.plan(coded)
@@ -887,15 +888,19 @@ def main(argv: list[str] | None = None) -> int:
                          "(a ring of one slot more)")
     ap.add_argument("--short", action="store_true",
                     help="a short run: the tiny checks of whole blocks and of weights, "
-                         "then 8b-blocks at chunk size 65536 with blocks and with weights "
-                         "one launch ahead, and with weights one and two launches ahead "
-                         "at 16384 (their default)")
+                         "then 8b-blocks with blocks at their default chunks (per launch) "
+                         "and at 65536, weights one launch ahead at 65536, and weights "
+                         "one and two launches ahead at their default (per tensor)")
     ap.add_argument("--defaults", nargs="+", choices=sorted(DEFAULTS),
                     help="with --sweep: only these granularities' default option sets "
-                         "(block: 65536-symbol chunks, a ring of two blocks; weight: 16384, "
-                         "a ring of three Linears)")
+                         "(block: chunks per launch, a ring of two blocks; weight: chunks "
+                         "per tensor, a ring of two launches' bytes, two ahead)")
     ap.add_argument("--max-launch", type=int, default=1 << 26,
                     help="the sweep skips tiles x ahead above these bytes (a launch's)")
+    ap.add_argument("--account", action="store_true",
+                    help="print the device bytes of each --size's bf16 model made resident "
+                         "at each --granularity's defaults, by part, computed on the host "
+                         "(no GPU needed), and stop")
     ap.add_argument("--ratios", metavar="FILE",
                     help="print the device bytes per chunk size of FILE's bf16 tensors "
                          "(and fp8 casts of them) against plain, and stop (no GPU needed)")
@@ -910,6 +915,12 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     if args.ratios:
         chunk_ratios(args.ratios, args.chunks)
+        return 0
+    if args.account:
+        for size in args.size:
+            for g in args.granularity:
+                acc = account(build(size, "cpu", layers=args.layers), dict(granularity=g))
+                print_account(f"{_model_name(size, args.layers)} bf16 {g}", acc)
         return 0
     if args.save_plain:  # the weights the checks compare with: built on the same device
         build(args.size[0], args.device, layers=args.layers).save_pretrained(args.save_plain)
@@ -930,17 +941,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         grid = sweep_grid(args.chunks, tiles, args.ahead, args.max_launch,
                           tuple(args.granularity), tuple(args.launches_ahead))
-        if args.short:  # and weights at their default chunk size, one and two ahead
-            grid += sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2))
+        if args.short:  # blocks and weights at their default chunk sizes (weights one
+            # and two ahead) beside the 65536-symbol rows
+            grid = (sweep_grid([BLOCK_CHUNK], [None], [], 0, ("block",)) + grid
+                    + sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2)))
         if args.defaults:
             grid = [DEFAULTS[k] for k in args.defaults]
         for size in args.size:
             for fp8 in kinds:
                 failures += sweep(size, fp8, args.device, grid, args.layers)
     else:
-        grid = [dict(o, chunk_size=None) if o["granularity"] == "weight" else o
-                for o in sweep_grid([GPU_CHUNK], tiles, [1], 0, tuple(args.granularity),
-                                    tuple(args.launches_ahead))]  # weights' own default
+        grid = sweep_grid([None], tiles, [1], 0, tuple(args.granularity),
+                          tuple(args.launches_ahead))  # each granularity's own chunks
         for k, size in enumerate(args.size):
             for fp8 in kinds:
                 for j, opts in enumerate(grid):

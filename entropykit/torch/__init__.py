@@ -95,9 +95,12 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     next ones) decode in one launch, so a slot holds ``tiles_ahead`` tiles; ``chunk_size``
     (symbols per rANS chunk, a power of two in [1024, 2**26]) sets how many GPU warps share
     a decode: smaller chunks decode a tile sooner and cost a little more coded size (a
-    chunk's states and descriptor). By default blocks take 65536; by weight, each tensor
-    the largest power of two up to 16384 that still cuts it into 512 chunks (at least
-    4096): a launch takes at least one chunk's decode, and small weights still fill a GPU.
+    chunk's states and descriptor). By default, by block, each launch takes the largest
+    power of two up to 65536 that still cuts it into 128 chunks (at least 16384); by
+    weight, each tensor the largest power of two up to 16384 that still cuts it into 512
+    chunks (at least 4096): a launch takes at least one chunk's decode, and small blocks
+    and weights still fill a GPU. A launch's consecutive weights of one dtype are coded
+    as one tensor (one set of decode tables for a block).
     ``verify`` decodes every launch once and compares it with the weights, bit for bit,
     before they are freed. Undo with ``decompress_model``.
     """

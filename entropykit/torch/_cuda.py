@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..rans import cuda as rans_cuda
 from ..coding.frame import MODE_CODED
+from ..rans import cuda as rans_cuda
 from ..rans.cuda._layout import D_LEN, D_MODE, D_N, D_OUT, D_SYM, N_COLS
 from ..rans.cuda.plan import Batch, Place, Planner, Stream
 from ._coded import CodedTensor
