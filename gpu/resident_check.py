@@ -888,9 +888,10 @@ def main(argv: list[str] | None = None) -> int:
                          "(a ring of one slot more)")
     ap.add_argument("--short", action="store_true",
                     help="a short run: the tiny checks of whole blocks and of weights, "
-                         "then 8b-blocks with blocks at their default chunks (per launch) "
-                         "and at 65536, weights one launch ahead at 65536, and weights "
-                         "one and two launches ahead at their default (per tensor)")
+                         "then 8b-blocks with blocks at their default chunks (per launch; "
+                         "none and one launch ahead) and at 65536, weights one launch "
+                         "ahead at 65536, and weights none, one and two launches ahead at "
+                         "their default (per tensor)")
     ap.add_argument("--defaults", nargs="+", choices=sorted(DEFAULTS),
                     help="with --sweep: only these granularities' default option sets "
                          "(block: chunks per launch, a ring of two blocks; weight: chunks "
@@ -941,10 +942,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         grid = sweep_grid(args.chunks, tiles, args.ahead, args.max_launch,
                           tuple(args.granularity), tuple(args.launches_ahead))
-        if args.short:  # blocks and weights at their default chunk sizes (weights one
-            # and two ahead) beside the 65536-symbol rows
-            grid = (sweep_grid([BLOCK_CHUNK], [None], [], 0, ("block",)) + grid
-                    + sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2)))
+        if args.short:  # blocks and weights at their default chunk sizes (blocks none
+            # and one ahead, weights none, one and two) beside the 65536-symbol rows
+            grid = ([DEFAULTS["block"], dict(DEFAULTS["block"], ahead=0)] + grid
+                    + sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (0, 1, 2)))
         if args.defaults:
             grid = [DEFAULTS[k] for k in args.defaults]
         for size in args.size:

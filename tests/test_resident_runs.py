@@ -170,3 +170,19 @@ def test_account_is_what_the_cuda_backend_holds(opts, monkeypatch) -> None:
         mem.coded_bytes + mem.scratch_bytes)
     assert acc["plain"] == mem.uncompressed_bytes
     assert acc["ratio"] > mem.ratio
+
+
+@pytest.mark.parametrize("granularity", ["block", "weight"])
+def test_nothing_ahead_takes_one_launch_of_scratch(backend, granularity) -> None:
+    """``ahead=0``: no launch is prefetched, the scratch buffer is the largest launch's
+    bytes (a block, or by weight the largest Linear), and the logits stay exact with
+    the buffer poisoned."""
+    model, ref = _llama_vocab(4096), _llama_vocab(4096)
+    ekt.compress_model(model, granularity=granularity, ahead=0)
+    state = model._entropykit_resident
+    sizes = [state.units[g].place.numel() for g in state.leads]
+    assert ekt.resident_memory(model).scratch_bytes == max(sizes)
+    assert not any(u.prefetch for u in state.units) and state.ahead == 0
+    state.scratch.fill_(0xFF)
+    ids = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))

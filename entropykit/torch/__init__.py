@@ -77,7 +77,10 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     launches (``ahead``, default 2, launches decoded in advance where the ring has room
     for them), at the cost of more, smaller decodes; each module's weights must then be
     read only by its own forward (a block whose weights sit in modules with children
-    stays whole). Both keep every product of a block in its plain shape.
+    stays whole). Both keep every product of a block in its plain shape. ``ahead=0``
+    decodes each launch only when it is entered, on the compute stream, into a buffer
+    of one launch's bytes (the largest): the least memory, no decode overlapping
+    compute.
 
     An embedding or Linear weight outside the blocks larger than ``tile_bytes`` (default:
     the largest launch of a block: a block, or by weight the largest module's weights)
@@ -114,8 +117,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
         raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
     if ahead is None:
         ahead = 2 if granularity == "weight" else 1
-    if ahead < 1:
-        raise ValueError(f"ahead must be >= 1, got {ahead}")
+    if ahead < 0:
+        raise ValueError(f"ahead must be >= 0, got {ahead}")
     if tiles_ahead < 1:
         raise ValueError(f"tiles_ahead must be >= 1, got {tiles_ahead}")
     if chunk_size is not None and not (MIN_CHUNK <= chunk_size <= MAX_CHUNK

@@ -661,14 +661,15 @@ class Resident:
 
     def _ring(self, sizes: dict[int, int]) -> None:
         """By weight, the buffer is a ring of bytes as large as the largest two consecutive
-        launches (or the largest launch): each launch takes the bytes right after the one
-        before it, or the ring's start where they run out, or its end where the launch
-        after it would otherwise find no room apart from it (a tile of a tied weight met
-        again: its first owner's place). So every launch decodes while the one before it
-        computes, and several small ones ahead where the ring has room."""
+        launches (or the largest launch; with no launch ahead, that): each launch takes
+        the bytes right after the one before it, or the ring's start where they run out,
+        or its end where the launch after it would otherwise find no room apart from it
+        (a tile of a tied weight met again: its first owner's place). So every launch
+        decodes while the one before it computes, and several small ones ahead where the
+        ring has room."""
         order = list(self.leads)
-        need = max([sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False)]
-                   + list(sizes.values()) + [0])
+        pairs = zip(order, order[1:], strict=False) if self.ahead else ()
+        need = max([sizes[a] + sizes[b] for a, b in pairs] + list(sizes.values()) + [0])
         self.scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
         base, at = self.scratch.data_ptr(), 0  # where the launch before ended
         for j, g in enumerate(order):

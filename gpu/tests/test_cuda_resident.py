@@ -397,3 +397,21 @@ def test_host_account_is_what_the_device_holds(opts):
     assert acc["total"] == mem.coded_bytes + mem.scratch_bytes
     assert acc["parts"]["stream descriptor buffers"] == (
         model._entropykit_resident.streams.nbytes)
+
+
+@pytest.mark.parametrize("opts", [dict(ahead=0), dict(granularity="weight", ahead=0)],
+                         ids=["blocks", "weights"])
+@pytest.mark.parametrize("size", ["tiny", "tiny-tied"])
+def test_nothing_ahead_exact_in_a_cuda_graph(size, opts):
+    """``ahead=0`` (no side stream, a buffer of the largest launch): logits and tokens
+    exact, also with the scratch poisoned and in a replayed CUDA graph."""
+    make = lambda: rc.llama(size, DEV)  # noqa: E731
+    assert rc.exact_failures(make, DEV, opts) == []
+    fails, how = rc.graph_failures(make, DEV, tile_bytes=opts)
+    assert fails == [], how
+    model = make()
+    ekt.compress_model(model, **opts)
+    state = model._entropykit_resident
+    assert state.streams.sides == [] and len(state.streams._rows) == 1
+    assert ekt.resident_memory(model).scratch_bytes == max(
+        state.units[g].place.numel() for g in state.leads)
