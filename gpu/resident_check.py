@@ -541,11 +541,12 @@ def df11_compare(name: str, model: nn.Module, plain: nn.Module, path: str) -> li
 @contextlib.contextmanager
 def _coding_memo() -> Iterator[dict]:
     """``compress_model`` codes each (tensor, chunk size) once while this is open: a sweep
-    compresses models sharing their plain weights (``_sharing``) with several options."""
+    compresses models sharing their plain weights (``_sharing``) with several options
+    (a launch's run of weights joined once too, so that its codings are found again)."""
     from entropykit.torch import _resident
 
     memo: dict = {}
-    real = _resident.code_tensor
+    real, real_joined = _resident.code_tensor, _resident._joined
 
     def code(t: torch.Tensor, offset: int, chunk_size: int, chunked: bool = False) -> object:
         key = (t.data_ptr(), tuple(t.shape), t.dtype, chunk_size, chunked)
@@ -553,11 +554,18 @@ def _coding_memo() -> Iterator[dict]:
             memo[key] = (t, real(t, 0, chunk_size, chunked))
         return dataclasses.replace(memo[key][1], offset=offset)
 
-    _resident.code_tensor = code
+    def joined(ts: list, offsets: list) -> torch.Tensor:
+        key = ("run", *((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts),
+               *(a - offsets[0] for a in offsets))
+        if key not in memo:
+            memo[key] = real_joined(ts, offsets)
+        return memo[key]
+
+    _resident.code_tensor, _resident._joined = code, joined
     try:
         yield memo
     finally:
-        _resident.code_tensor = real
+        _resident.code_tensor, _resident._joined = real, real_joined
 
 
 def _sharing(plain: nn.Module) -> nn.Module:

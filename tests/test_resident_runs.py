@@ -186,3 +186,22 @@ def test_nothing_ahead_takes_one_launch_of_scratch(backend, granularity) -> None
     state.scratch.fill_(0xFF)
     ids = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(4))
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
+
+
+def test_sweep_memo_codes_each_run_once(monkeypatch) -> None:
+    """resident_check's coding memo: models sharing their weights, compressed one after
+    the other, code each launch's run of weights once (the run joined once, so found
+    again), and stay exact."""
+    rc = _resident_check()
+    plain = _llama_vocab(256)
+    calls = []
+    real = _resident.code_tensor
+    monkeypatch.setattr(_resident, "code_tensor",
+                        lambda *a: calls.append(a[0].shape) or real(*a))
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(5))
+    with rc._coding_memo():
+        for _ in range(2):
+            model = rc._sharing(plain)
+            ekt.compress_model(model)
+            assert torch.equal(_logits(model, ids), _logits(plain, ids))
+    assert len(calls) == 5  # the embedding, three blocks' runs, the head
