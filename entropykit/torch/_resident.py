@@ -438,11 +438,11 @@ def launch_chunk(n: int) -> int:
     return c
 
 
-def _runs(ts: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[list[int]]:
-    """A launch's weights (at ``offsets`` of its region, in order) in runs coded as one
-    tensor each: consecutive weights of one dtype, each run one frame per field (one set
-    of decode tables, chunks across the weights) over its bytes in the region, the
-    alignment gaps between them zero."""
+def _runs(ts: Sequence[torch.Tensor]) -> list[list[int]]:
+    """A launch's weights (in their order in its region) in runs coded as one tensor
+    each: consecutive weights of one dtype, each run one frame per field (one set of
+    decode tables, chunks across the weights) over its bytes in the region, the
+    alignment gaps between them zero (``_joined``)."""
     runs: list[list[int]] = []
     for i, t in enumerate(ts):
         if runs and ts[runs[-1][-1]].dtype == t.dtype:
@@ -605,7 +605,7 @@ class Resident:
                     done.append(u)
                     continue
                 ts = [getattr(w.owner, w.name) for w in u.weights]
-                runs = [next(coded) for _ in _runs(ts, places[g])]
+                runs = [next(coded) for _ in _runs(ts)]
                 # each weight's place in the region; its bytes are coded in its run's
                 u.weights = [Weight(w.owner, w.name, w.requires_grad,
                                     CodedTensor(t.dtype, tuple(t.shape), at, ()))
@@ -697,7 +697,7 @@ class Resident:
             elif u.tiled is None:
                 ts = [getattr(w.owner, w.name) for w in u.weights]
                 chunk = self._chunk(sum(t.numel() for t in ts))
-                for run in _runs(ts, places[g]):
+                for run in _runs(ts):
                     yield _joined([ts[i] for i in run], [places[g][i] for i in run]), \
                         places[g][run[0]], chunk
             elif not u.shared and u.tiled.lookup is None:  # (else its lookup's chunks)
