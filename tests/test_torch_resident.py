@@ -1153,7 +1153,7 @@ def test_weight_ring_places_a_launch_at_its_end_for_the_next() -> None:
     before it at the ring's start) takes the ring's end instead."""
     state = types.SimpleNamespace(units=[types.SimpleNamespace(shared=False)
                                          for _ in range(3)],
-                                  leads=[0, 1, 2], device=torch.device("cpu"))
+                                  leads=[0, 1, 2], device=torch.device("cpu"), ahead=2)
     _resident.Resident._ring(state, {0: 10, 1: 100, 2: 100})
     assert state.scratch.numel() == 200
     base = state.scratch.data_ptr()
