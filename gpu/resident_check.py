@@ -37,6 +37,7 @@ What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of r
         --granularity block weight --tile-bytes block 16777216 4194304
         [--chunks 65536 16384 4096] [--ahead 1 4 16] [--launches-ahead 1 2 3]
     python3 gpu/resident_check.py --ratios FILE.safetensors   (host only)
+    python3 gpu/resident_check.py --account --size smollm2 --smollm2 DIR   (host only)
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import entropykit.torch as ekt
-from entropykit.container.codecs import GPU_CHUNK
 
 SIZES = {  # LlamaConfig fields; tiny's embeddings are larger than two layers, so both
     # ways a block's decode is ordered (prefetched beside the one before, or after it) run
@@ -355,6 +355,7 @@ def _built(make: Callable[[], nn.Module], opts: dict, device: str
 
 
 WEIGHT_CHUNK = None  # compress_model's default by weight: chunks chosen per tensor
+BLOCK_CHUNK = None  # and by block: chunks chosen per launch
 SMALL_TILES = 1 << 16  # tiny's blocks decode module by module, its Linears in tiles
 # and launches of three tiles coded in the smallest chunks
 AHEAD = dict(tile_bytes=SMALL_TILES, tiles_ahead=3, chunk_size=1 << 10)
@@ -387,9 +388,9 @@ def _steps(label: str, model: nn.Module, device: str, batch: int) -> str:
 
 
 def _label(opts: dict) -> str:
-    """compress_model's options as a row names them (defaults of tiles left out)."""
+    """compress_model's options as a row names them (defaults left out)."""
     return " ".join(f"{k}={v}" for k, v in opts.items() if v is not None
-                    and (k, v) not in (("tiles_ahead", 1), ("chunk_size", GPU_CHUNK)))
+                    and (k, v) != ("tiles_ahead", 1))
 
 
 @torch.no_grad()
@@ -540,23 +541,31 @@ def df11_compare(name: str, model: nn.Module, plain: nn.Module, path: str) -> li
 @contextlib.contextmanager
 def _coding_memo() -> Iterator[dict]:
     """``compress_model`` codes each (tensor, chunk size) once while this is open: a sweep
-    compresses models sharing their plain weights (``_sharing``) with several options."""
+    compresses models sharing their plain weights (``_sharing``) with several options
+    (a launch's run of weights joined once too, so that its codings are found again)."""
     from entropykit.torch import _resident
 
     memo: dict = {}
-    real = _resident.code_tensor
+    real, real_joined = _resident.code_tensor, _resident._joined
 
     def code(t: torch.Tensor, offset: int, chunk_size: int, chunked: bool = False) -> object:
         key = (t.data_ptr(), tuple(t.shape), t.dtype, chunk_size, chunked)
-        if key not in memo:
-            memo[key] = real(t, 0, chunk_size, chunked)
-        return dataclasses.replace(memo[key], offset=offset)
+        if key not in memo:  # with the tensor: its storage is not reused while memoized
+            memo[key] = (t, real(t, 0, chunk_size, chunked))
+        return dataclasses.replace(memo[key][1], offset=offset)
 
-    _resident.code_tensor = code
+    def joined(ts: list, offsets: list) -> torch.Tensor:
+        key = ("run", *((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts),
+               *(a - offsets[0] for a in offsets))
+        if key not in memo:
+            memo[key] = real_joined(ts, offsets)
+        return memo[key]
+
+    _resident.code_tensor, _resident._joined = code, joined
     try:
         yield memo
     finally:
-        _resident.code_tensor = real
+        _resident.code_tensor, _resident._joined = real, real_joined
 
 
 def _sharing(plain: nn.Module) -> nn.Module:
@@ -653,7 +662,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
     return fails
 
 
-DEFAULTS = {"block": dict(granularity="block", chunk_size=GPU_CHUNK, ahead=1,
+DEFAULTS = {"block": dict(granularity="block", chunk_size=BLOCK_CHUNK, ahead=1,
                           tile_bytes=None, tiles_ahead=1),
             "weight": dict(granularity="weight", chunk_size=WEIGHT_CHUNK, ahead=2,
                            tile_bytes=None, tiles_ahead=1)}
@@ -724,6 +733,127 @@ def chunk_ratios(path: str, chunks: list[int]) -> None:
         print(f"  {label}: " + ", ".join(cells))
 
 
+class _PlannedStreams:
+    """The CUDA streams' descriptor buffers, counted (``CudaStreams.reserve``)."""
+
+    def __init__(self, sides: int) -> None:
+        self.sides, self.nbytes = sides, 0
+
+    def reserve(self, pairs: int) -> None:
+        from entropykit.rans.cuda._layout import N_COLS
+
+        self.nbytes = (self.sides + 1) * max(1, pairs) * 2 * N_COLS * 8
+
+
+class _Planned:
+    """A decoder's device bytes as ``CudaDecoder`` (or, with ``chunk``, ``GatherDecoder``
+    of ``slots`` chunks) would hold them, by part, computed on the host: nothing runs."""
+
+    reads_fields = False
+
+    def __init__(self, coded: list, chunk: int = 0, slots: int = 0) -> None:
+        from entropykit.rans.cuda._layout import N_COLS
+        from entropykit.torch import _cuda
+
+        self.coded = [dataclasses.replace(c, fields=()) for c in coded]
+        self.fields = sum(f.data.nbytes for c in coded for f in c.fields)
+        self.parts = _cuda.planned_parts(coded)
+        self.pairs = max([len(b.desc) // 2 for _, b in _cuda.plan(coded)] + [0])
+        self.lookup = 0
+        if chunk:  # its pairs kept in chunk order, and its slots' buffers
+            ((_, batch),) = _cuda.plan(coded)
+            self.parts["descriptors"] = sum(a.nbytes for a in _cuda.compact(
+                _cuda.chunk_pairs(batch, chunk).reshape(-1, N_COLS)))
+            self.lookup = slots * (8 + 2 * N_COLS * 8 + 2 * 4)
+            self.pairs = 0  # its own descriptor buffer
+        self.nbytes = sum(self.parts.values()) + self.lookup
+
+    def range(self, first: int, n: int, region: torch.Tensor) -> _Planned:
+        ranged = _Planned([])
+        ranged.parts = dict.fromkeys(ranged.parts, 0)
+        ranged.nbytes, ranged.pairs = 0, n
+        return ranged
+
+
+@contextlib.contextmanager
+def _planned_backend() -> Iterator[None]:
+    """``compress_model`` of a model on the CPU builds a CUDA device's units (gathered
+    and tied lookups too) with ``_Planned`` decoders: device bytes without a GPU (the
+    scratch buffer is allocated on the CPU)."""
+    from entropykit.torch import _resident
+
+    backend, gatherer = _resident._backend, _resident._gatherer
+    _resident._backend = lambda device, units, sides: (
+        _PlannedStreams(sides), lambda coded, region: _Planned(coded))
+    _resident._gatherer = lambda device: (
+        lambda coded, chunk, slots, region: _Planned([coded], chunk, slots))
+    try:
+        yield
+    finally:
+        _resident._backend, _resident._gatherer = backend, gatherer
+
+
+def account(model: nn.Module, opts: dict) -> dict:
+    """Device bytes of ``model`` made resident with ``opts`` on a CUDA device, computed
+    on the CPU (``_planned_backend``; the model's weights are taken as compress_model
+    takes them): per part (coded symbols, chunk states, payload padding, decode tables,
+    statuses, descriptors, lookup buffers, stream descriptor buffers, scratch), per kind
+    of launch (fields, chunks, bytes), the total and its ratio."""
+    with _planned_backend():
+        ekt.compress_model(model, verify=False, **opts)
+    state = model._entropykit_resident
+    from entropykit.torch import _cuda
+
+    parts = dict.fromkeys((*_cuda.PARTS, "lookup buffers"), 0)
+    kinds: dict[str, list[int]] = {}
+    for g in state.leads:
+        u = state.units[g]
+        d = u.decoder
+        for k, v in d.parts.items():
+            parts[k] += v
+        parts["lookup buffers"] += d.lookup
+        kind = ("lookup" if u.gathered is not None else "head tiles" if u.tiled
+                else _linear_name(model, u.weights[0].owner) if state.by_weight and u.block
+                else "block" if u.block else "other")
+        row = kinds.setdefault(kind, [0, 0, 0, 0])
+        plain = (sum(w.coded.nbytes for w in u.weights) if u.tiled is None and u.gathered
+                 is None else u.gathered.nbytes if u.gathered is not None else 0)
+        row[0] += 1
+        row[1] += plain
+        row[2] += d.fields
+        row[3] += d.nbytes
+    mem = ekt.resident_memory(model)
+    parts["stream descriptor buffers"] = state.streams.nbytes
+    parts["scratch"] = mem.scratch_bytes
+    total = sum(parts.values())
+    assert total == mem.coded_bytes + mem.scratch_bytes, (total, mem)
+    return dict(parts=parts, kinds=kinds, plain=mem.uncompressed_bytes, total=total,
+                ratio=mem.ratio, launches=len(state.leads))
+
+
+def _linear_name(model: nn.Module, owner: nn.Module) -> str:
+    """A module's attribute name in its parent (``q_proj``, ``gate_proj``, ...)."""
+    for name, m in model.named_modules():
+        if m is owner:
+            return name.rsplit(".", 1)[-1]
+    return type(owner).__name__
+
+
+def print_account(name: str, acc: dict) -> None:
+    """``account``'s table, MiB and the share of the uncompressed weights."""
+    plain = acc["plain"]
+    mib = lambda b: f"{b / 2**20:9.3f}"  # noqa: E731
+    print(f"{name}: {plain / 2**20:.1f} MiB of resident weights, {acc['launches']} "
+          f"launches, total {acc['total'] / 2**20:.2f} MiB = {acc['ratio']:.4f}x")
+    print(f"  {'part':<27} {'MiB':>9} {'x weights':>9}")
+    for k, v in acc["parts"].items():
+        print(f"  {k:<27} {mib(v)} {v / plain:9.4f}")
+    print(f"  {'launches of':<15} {'count':>5} {'plain MiB':>9} {'fields':>7} "
+          f"{'device':>7}")
+    for k, (n, p, f, d) in acc["kinds"].items():
+        print(f"  {k:<15} {n:>5} {mib(p)} {f / max(1, p):7.4f} {d / max(1, p):7.4f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
@@ -766,15 +896,20 @@ def main(argv: list[str] | None = None) -> int:
                          "(a ring of one slot more)")
     ap.add_argument("--short", action="store_true",
                     help="a short run: the tiny checks of whole blocks and of weights, "
-                         "then 8b-blocks at chunk size 65536 with blocks and with weights "
-                         "one launch ahead, and with weights one and two launches ahead "
-                         "at 16384 (their default)")
+                         "then 8b-blocks with blocks at their default chunks (per launch; "
+                         "none and one launch ahead) and at 65536, weights one launch "
+                         "ahead at 65536, and weights none, one and two launches ahead at "
+                         "their default (per tensor)")
     ap.add_argument("--defaults", nargs="+", choices=sorted(DEFAULTS),
                     help="with --sweep: only these granularities' default option sets "
-                         "(block: 65536-symbol chunks, a ring of two blocks; weight: 16384, "
-                         "a ring of three Linears)")
+                         "(block: chunks per launch, a ring of two blocks; weight: chunks "
+                         "per tensor, a ring of two launches' bytes, two ahead)")
     ap.add_argument("--max-launch", type=int, default=1 << 26,
                     help="the sweep skips tiles x ahead above these bytes (a launch's)")
+    ap.add_argument("--account", action="store_true",
+                    help="print the device bytes of each --size's bf16 model made resident "
+                         "at each --granularity's defaults, by part, computed on the host "
+                         "(no GPU needed), and stop")
     ap.add_argument("--ratios", metavar="FILE",
                     help="print the device bytes per chunk size of FILE's bf16 tensors "
                          "(and fp8 casts of them) against plain, and stop (no GPU needed)")
@@ -789,6 +924,12 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     if args.ratios:
         chunk_ratios(args.ratios, args.chunks)
+        return 0
+    if args.account:
+        for size in args.size:
+            for g in args.granularity:
+                acc = account(build(size, "cpu", layers=args.layers), dict(granularity=g))
+                print_account(f"{_model_name(size, args.layers)} bf16 {g}", acc)
         return 0
     if args.save_plain:  # the weights the checks compare with: built on the same device
         build(args.size[0], args.device, layers=args.layers).save_pretrained(args.save_plain)
@@ -809,17 +950,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         grid = sweep_grid(args.chunks, tiles, args.ahead, args.max_launch,
                           tuple(args.granularity), tuple(args.launches_ahead))
-        if args.short:  # and weights at their default chunk size, one and two ahead
-            grid += sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2))
+        if args.short:  # blocks and weights at their default chunk sizes (blocks none
+            # and one ahead, weights none, one and two) beside the 65536-symbol rows
+            grid = ([DEFAULTS["block"], dict(DEFAULTS["block"], ahead=0)] + grid
+                    + sweep_grid([WEIGHT_CHUNK], [], [], 0, ("weight",), (0, 1, 2)))
         if args.defaults:
             grid = [DEFAULTS[k] for k in args.defaults]
         for size in args.size:
             for fp8 in kinds:
                 failures += sweep(size, fp8, args.device, grid, args.layers)
     else:
-        grid = [dict(o, chunk_size=None) if o["granularity"] == "weight" else o
-                for o in sweep_grid([GPU_CHUNK], tiles, [1], 0, tuple(args.granularity),
-                                    tuple(args.launches_ahead))]  # weights' own default
+        grid = sweep_grid([None], tiles, [1], 0, tuple(args.granularity),
+                          tuple(args.launches_ahead))  # each granularity's own chunks
         for k, size in enumerate(args.size):
             for fp8 in kinds:
                 for j, opts in enumerate(grid):

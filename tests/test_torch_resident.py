@@ -150,11 +150,16 @@ def test_generate_exact() -> None:
     assert torch.equal(got, want)
 
 
+def _decoded(state) -> list:
+    """The coded tensors the CPU backend's decoders decode (a launch's runs of weights,
+    its tiles; a tied weight's tiles once)."""
+    decoders = {id(u.decoder): u.decoder for u in state.units}
+    return [c for d in decoders.values() for c in d.coded]
+
+
 def _frames(state) -> int:
     """Bytes of every coded field the units decode (a tied weight's tiles once)."""
-    coded = {id(w.coded): w.coded for u in state.units for w in u.weights}
-    coded.update({id(u.coded): u.coded for u in state.units if u.coded is not None})
-    return sum(f.data.nbytes for c in coded.values() for f in c.fields)
+    return sum(f.data.nbytes for c in _decoded(state) for f in c.fields)
 
 
 @pytest.mark.parametrize("vocab", [256, 4096], ids=["small-vocab", "large-vocab"])
@@ -317,8 +322,7 @@ def test_chunk_size_codes_smaller_chunks() -> None:
     model, ref = _llama(), _llama()
     ekt.compress_model(model, chunk_size=1024)
     state = model._entropykit_resident
-    frames = [f.data for u in state.units for w in u.weights for f in w.coded.fields
-              if f.coded]
+    frames = [f.data for c in _decoded(state) for f in c.fields if f.coded]
     assert frames and {frame.parse(CODER, d).chunk_size for d in frames} == {1024}
     assert any(frame.parse(CODER, d).n > 1024 for d in frames)
     assert torch.equal(_logits(model, _ids()), _logits(ref, _ids()))
@@ -765,7 +769,7 @@ def test_a_failed_compress_leaves_the_model_as_it_was(monkeypatch) -> None:
 
     def fail_late(t, offset, chunk_size):
         calls.append(1)
-        if len(calls) == 9:  # units 0 and 1 are converted by then
+        if len(calls) == 3:  # units 0 and 1 are converted by then (a block: one run)
             raise OSError("disk on fire")
         return real(t, offset, chunk_size)
 
@@ -985,14 +989,15 @@ def test_device_sweep_logic_on_the_cpu(capsys) -> None:
 
 
 def test_device_sweep_compares_the_granularities_defaults() -> None:
-    """The short sweep's grid holds each granularity's defaults once (block: 64 Ki
-    chunks, one launch ahead; weight: chunks per tensor, two ahead), and its closing line names the
-    one no worse in memory and in both steps (within 5%), only where both rows are
-    exact."""
+    """The short sweep's grid holds each granularity's defaults once (block: chunks per
+    launch, one launch ahead; weight: chunks per tensor, two ahead), and its closing line
+    names the one no worse in memory and in both steps (within 5%), only where both rows
+    are exact."""
     rc = _resident_check()
-    grid = (rc.sweep_grid([1 << 16], [None], [1], 0, ("block", "weight"), (1,))
+    grid = (rc.sweep_grid([rc.BLOCK_CHUNK], [None], [], 0, ("block",))
+            + rc.sweep_grid([1 << 16], [None], [1], 0, ("block", "weight"), (1,))
             + rc.sweep_grid([rc.WEIGHT_CHUNK], [], [], 0, ("weight",), (1, 2)))
-    assert [rc._default_kind(o) for o in grid] == ["block", None, None, "weight"]
+    assert [rc._default_kind(o) for o in grid] == ["block", None, None, None, "weight"]
     for opts in (grid[0], grid[-1]):
         m = _llama_vocab(256)
         ekt.compress_model(m, **opts)
@@ -1148,7 +1153,7 @@ def test_weight_ring_places_a_launch_at_its_end_for_the_next() -> None:
     before it at the ring's start) takes the ring's end instead."""
     state = types.SimpleNamespace(units=[types.SimpleNamespace(shared=False)
                                          for _ in range(3)],
-                                  leads=[0, 1, 2], device=torch.device("cpu"))
+                                  leads=[0, 1, 2], device=torch.device("cpu"), ahead=2)
     _resident.Resident._ring(state, {0: 10, 1: 100, 2: 100})
     assert state.scratch.numel() == 200
     base = state.scratch.data_ptr()
@@ -1175,21 +1180,32 @@ def test_weight_granularity_head_tiles_of_the_device_check(fp8) -> None:
 def test_weight_chunk_sizes() -> None:
     """By weight (and no ``chunk_size``), each tensor's chunks are the largest power of
     two up to 16384 cutting it into 512 chunks, at least 4096 symbols: the Llama-8B
-    shapes' q/o and MLP 16384, k/v 8192; block mode keeps 65536."""
-    choose = _resident.chunk_for
+    shapes' q/o and MLP 16384, k/v 8192; by block, a launch's chunks are the largest
+    power of two up to 65536 cutting it into 128 chunks, at least 16384 (Llama-8B's
+    blocks 65536, SmolLM2's 16384); ``chunk_size`` sets both."""
+    choose, per_launch = _resident.chunk_for, _resident.launch_chunk
     assert [choose(n) for n in (4096 * 4096, 1024 * 4096, 14336 * 4096, 512 << 14,
                                 (512 << 14) - 1, 512 << 12, 1, 100_000)] == [
         1 << 14, 1 << 13, 1 << 14, 1 << 14, 1 << 13, 1 << 12, 1 << 12, 1 << 12]
+    smol = 2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576  # SmolLM2-135M's block
+    assert [per_launch(n) for n in (218_103_808, 128 << 16, (128 << 16) - 1, 128 << 15,
+                                    smol, 1, 100_000)] == [
+        1 << 16, 1 << 16, 1 << 15, 1 << 15, 1 << 14, 1 << 14, 1 << 14]
     from entropykit.coding import frame
     from entropykit.rans.static import CODER
 
-    for opts, want in (({"granularity": "weight"}, choose), ({}, lambda n: 1 << 16),
-                       ({"granularity": "weight", "chunk_size": 2048}, lambda n: 2048)):
+    for opts, want in (({"granularity": "weight"}, choose), ({}, per_launch),
+                       ({"granularity": "weight", "chunk_size": 2048}, lambda n: 2048),
+                       ({"chunk_size": 2048}, lambda n: 2048)):
         model = _llama_vocab(4096)
         ekt.compress_model(model, **opts)
-        coded = [c for u in model._entropykit_resident.units for c in _unit_coded(u)]
-        got = {(math.prod(c.shape), frame.parse(CODER, f.data).chunk_size)
-               for c in coded for f in c.fields if f.coded}
+        state = model._entropykit_resident
+        got = set()
+        for g in state.leads:  # each launch's symbols and its frames' chunk size
+            members = state._members(g)
+            n = sum(math.prod(c.shape) for u in members for c in _unit_coded(u))
+            got |= {(n, frame.parse(CODER, f.data).chunk_size)
+                    for c in members[0].decoder.coded for f in c.fields if f.coded}
         assert got and got == {(n, want(n)) for n, _ in got}
 
 
@@ -1244,8 +1260,8 @@ def test_ring_order_when_prefetches_land_late(make, opts, monkeypatch) -> None:
 def test_granularity_and_ahead_checked() -> None:
     with pytest.raises(ValueError, match="granularity must be one of"):
         ekt.compress_model(_llama(), granularity="tile")
-    with pytest.raises(ValueError, match="ahead must be >= 1"):
-        ekt.compress_model(_llama(), ahead=0)
+    with pytest.raises(ValueError, match="ahead must be >= 0"):
+        ekt.compress_model(_llama(), ahead=-1)
     from entropykit.hf import EntropyKitConfig
 
     with pytest.raises(TypeError, match="granularity must be a str or None"):

@@ -77,7 +77,10 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     launches (``ahead``, default 2, launches decoded in advance where the ring has room
     for them), at the cost of more, smaller decodes; each module's weights must then be
     read only by its own forward (a block whose weights sit in modules with children
-    stays whole). Both keep every product of a block in its plain shape.
+    stays whole). Both keep every product of a block in its plain shape. ``ahead=0``
+    decodes each launch only when it is entered, on the compute stream, into a buffer
+    of one launch's bytes (the largest): the least memory, no decode overlapping
+    compute.
 
     An embedding or Linear weight outside the blocks larger than ``tile_bytes`` (default:
     the largest launch of a block: a block, or by weight the largest module's weights)
@@ -95,9 +98,12 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     next ones) decode in one launch, so a slot holds ``tiles_ahead`` tiles; ``chunk_size``
     (symbols per rANS chunk, a power of two in [1024, 2**26]) sets how many GPU warps share
     a decode: smaller chunks decode a tile sooner and cost a little more coded size (a
-    chunk's states and descriptor). By default blocks take 65536; by weight, each tensor
-    the largest power of two up to 16384 that still cuts it into 512 chunks (at least
-    4096): a launch takes at least one chunk's decode, and small weights still fill a GPU.
+    chunk's states and descriptor). By default, by block, each launch takes the largest
+    power of two up to 65536 that still cuts it into 128 chunks (at least 16384); by
+    weight, each tensor the largest power of two up to 16384 that still cuts it into 512
+    chunks (at least 4096): a launch takes at least one chunk's decode, and small blocks
+    and weights still fill a GPU. A launch's consecutive weights of one dtype are coded
+    as one tensor (one set of decode tables for a block).
     ``verify`` decodes every launch once and compares it with the weights, bit for bit,
     before they are freed. Undo with ``decompress_model``.
     """
@@ -111,8 +117,8 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
         raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
     if ahead is None:
         ahead = 2 if granularity == "weight" else 1
-    if ahead < 1:
-        raise ValueError(f"ahead must be >= 1, got {ahead}")
+    if ahead < 0:
+        raise ValueError(f"ahead must be >= 0, got {ahead}")
     if tiles_ahead < 1:
         raise ValueError(f"tiles_ahead must be >= 1, got {tiles_ahead}")
     if chunk_size is not None and not (MIN_CHUNK <= chunk_size <= MAX_CHUNK

@@ -27,8 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..coding.frame import MODE_CODED
 from ..rans import cuda as rans_cuda
-from ..rans.cuda._layout import D_N, D_OUT, N_COLS
+from ..rans.cuda._layout import D_LEN, D_MODE, D_N, D_OUT, D_SYM, N_COLS
 from ..rans.cuda.plan import Batch, Place, Planner, Stream
 from ._coded import CodedTensor
 
@@ -196,12 +197,36 @@ def _tables(db: object) -> list[torch.Tensor]:
     return [db.payload, db.sym_tables, db.info_tables, db.cmaps, db.status]
 
 
+# Bytes of a coded chunk's start states (32 lanes of 32 bits: docs/format.md).
+STATE_BYTES = 128
+PARTS = ("payload", "states", "padding", "tables", "statuses", "descriptors")
+
+
+def planned_parts(coded: Sequence[CodedTensor]) -> dict[str, int]:
+    """``planned_bytes`` of ``coded`` by part: coded symbols and plain fields
+    (``payload``), the coded chunks' start states, the payload's alignment and spare
+    bytes (``padding``), decode tables and context maps, statuses, compact
+    descriptors."""
+    parts = dict.fromkeys(PARTS, 0)
+    for _, b in plan(coded):
+        live = b.desc[:, D_N] > 0
+        size = int(b.desc[live, D_LEN].sum())
+        coded = live & (b.desc[:, D_SYM] >= 0) & (b.desc[:, D_MODE] == MODE_CODED)
+        states = STATE_BYTES * int(coded.sum())
+        parts["payload"] += size - states
+        parts["states"] += states
+        parts["padding"] += b.payload_size - size
+        parts["tables"] += b.sym_tables.nbytes + b.info_tables.nbytes + b.cmaps.nbytes
+        parts["statuses"] += 4 * max(1, len(b.desc))
+        parts["descriptors"] += _compact_bytes(b.desc)
+    return parts
+
+
 def planned_bytes(coded: Sequence[CodedTensor]) -> int:
     """Device bytes ``CudaDecoder(coded, ...)`` holds, computed on the host: payload,
     decode tables, context maps, statuses and compact descriptors of each launch (the
     descriptor rows a launch reads are expanded into a buffer of its stream's)."""
-    return sum(b.payload_size + b.sym_tables.nbytes + b.info_tables.nbytes + b.cmaps.nbytes
-               + 4 * max(1, len(b.desc)) + _compact_bytes(b.desc) for _, b in plan(coded))
+    return sum(planned_parts(coded).values())
 
 
 class CudaDecoder:

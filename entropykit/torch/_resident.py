@@ -13,7 +13,10 @@ then decode ranges of the same coded chunks). Units decode in launches: a unit a
 scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch,
 taken in turn (by weight: a ring of bytes as large as the two largest consecutive
 launches, each launch placed apart from the one before it). Block weights are fixed
-views into their region. A
+views into their region; a launch's consecutive weights of one dtype are coded as one
+tensor over their bytes there (``_runs``: one set of decode tables, chunks across them),
+in chunks chosen per launch by block (``launch_chunk``) and per tensor by weight
+(``chunk_for``). A
 unit's forward pre-hook (a tile's: its module's forward) makes the compute stream wait for
 its launch (issued then if it was not prefetched; nothing to do for a tile entered right
 after the one before it in the same launch) and prefetches up to ``ahead`` launches after
@@ -417,6 +420,52 @@ def chunk_for(n: int) -> int:
     return c
 
 
+# By block, a launch's chunks: at most GPU_CHUNK symbols, and at least LAUNCH_CHUNKS of
+# them (one GPU warp each) where WEIGHT_CHUNK symbols or more allow.
+LAUNCH_CHUNKS = 128
+
+
+def launch_chunk(n: int) -> int:
+    """Symbols per chunk of a block's launch of ``n`` elements: the largest power of two
+    up to ``GPU_CHUNK`` that cuts it into ``LAUNCH_CHUNKS`` chunks, at least
+    ``WEIGHT_CHUNK``. A launch of fewer chunks than the GPU runs warps at once takes one
+    chunk's decode (a warp decodes a chunk alone), so small blocks get shorter chunks;
+    large ones keep ``GPU_CHUNK`` (each chunk's states and descriptor cost coded
+    bytes)."""
+    c = GPU_CHUNK
+    while c > WEIGHT_CHUNK and n < LAUNCH_CHUNKS * c:
+        c //= 2
+    return c
+
+
+def _runs(ts: Sequence[torch.Tensor]) -> list[list[int]]:
+    """A launch's weights (in their order in its region) in runs coded as one tensor
+    each: consecutive weights of one dtype, each run one frame per field (one set of
+    decode tables, chunks across the weights) over its bytes in the region, the
+    alignment gaps between them zero (``_joined``)."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(ts):
+        if runs and ts[runs[-1][-1]].dtype == t.dtype:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _joined(ts: Sequence[torch.Tensor], offsets: Sequence[int]) -> torch.Tensor:
+    """Weights of one dtype at ``offsets`` as one flat tensor of that dtype on the host,
+    from the first's offset to the last's end, zeros between them."""
+    base = offsets[0]
+    if len(ts) == 1:
+        return ts[0]
+    end = offsets[-1] + ts[-1].numel() * ts[-1].element_size()
+    buf = torch.zeros(end - base, dtype=torch.uint8)
+    for t, at in zip(ts, offsets, strict=True):
+        raw = raw_bytes(t).cpu()
+        buf[at - base : at - base + raw.numel()] = raw
+    return buf.view(ts[0].dtype)
+
+
 def _launches(units: list[Unit], ahead: int) -> None:
     """Group the units into launches: up to ``ahead`` consecutive tiles decode in one
     (more chunks, so more warps, per launch); any other unit in one of its own. A tied
@@ -555,16 +604,16 @@ class Resident:
                     self._build_gathered(u, verify, next(coded))
                     done.append(u)
                     continue
-                u.weights = [Weight(w.owner, w.name, w.requires_grad, next(coded))
-                             for w in u.weights]
-                u.decoder = make([w.coded for w in u.weights], u.region)
+                ts = [getattr(w.owner, w.name) for w in u.weights]
+                runs = [next(coded) for _ in _runs(ts)]
+                # each weight's place in the region; its bytes are coded in its run's
+                u.weights = [Weight(w.owner, w.name, w.requires_grad,
+                                    CodedTensor(t.dtype, tuple(t.shape), at, ()))
+                             for w, t, at in zip(u.weights, ts, places[g], strict=True)]
+                u.decoder = make(runs, u.region)
                 if verify:
-                    self._verify(u, [(w.coded, u, getattr(w.owner, w.name))
-                                     for w in u.weights])
-                if not u.decoder.reads_fields:  # the device holds them now, not the host
-                    u.weights = [Weight(w.owner, w.name, w.requires_grad,
-                                        dataclasses.replace(w.coded, fields=()))
-                                 for w in u.weights]
+                    self._verify(u, [(w.coded, u, t) for w, t in zip(u.weights, ts,
+                                                                     strict=True)])
                 for w in u.weights:
                     del w.owner._parameters[w.name]
                     setattr(w.owner, w.name, w.coded.view(u.region))
@@ -612,14 +661,15 @@ class Resident:
 
     def _ring(self, sizes: dict[int, int]) -> None:
         """By weight, the buffer is a ring of bytes as large as the largest two consecutive
-        launches (or the largest launch): each launch takes the bytes right after the one
-        before it, or the ring's start where they run out, or its end where the launch
-        after it would otherwise find no room apart from it (a tile of a tied weight met
-        again: its first owner's place). So every launch decodes while the one before it
-        computes, and several small ones ahead where the ring has room."""
+        launches (or the largest launch; with no launch ahead, that): each launch takes
+        the bytes right after the one before it, or the ring's start where they run out,
+        or its end where the launch after it would otherwise find no room apart from it
+        (a tile of a tied weight met again: its first owner's place). So every launch
+        decodes while the one before it computes, and several small ones ahead where the
+        ring has room."""
         order = list(self.leads)
-        need = max([sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False)]
-                   + list(sizes.values()) + [0])
+        pairs = zip(order, order[1:], strict=False) if self.ahead else ()
+        need = max([sizes[a] + sizes[b] for a, b in pairs] + list(sizes.values()) + [0])
         self.scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
         base, at = self.scratch.data_ptr(), 0  # where the launch before ended
         for j, g in enumerate(order):
@@ -637,27 +687,32 @@ class Resident:
 
     def _jobs(self, places: list[list[int]]) -> Iterator[tuple]:
         """``code_tensor``'s arguments for everything to code, in building order: each
-        launch's weights or its tiles' rows (a tied owner's tiles are its first owner's),
-        or a gathered embedding's weight (in chunks whatever its fields)."""
+        launch's runs of weights (``_runs``) or its tiles' rows (a tied owner's tiles are
+        its first owner's), or a gathered embedding's weight (in chunks whatever its
+        fields)."""
         for g in self.leads:
             u = self.units[g]
             if u.gathered is not None:
                 yield u.module.weight, 0, u.gathered.chunk, True
             elif u.tiled is None:
-                for w, at in zip(u.weights, places[g], strict=True):
-                    t = getattr(w.owner, w.name)
-                    yield t, at, self._chunk(t.numel())
+                ts = [getattr(w.owner, w.name) for w in u.weights]
+                chunk = self._chunk(sum(t.numel() for t in ts))
+                for run in _runs(ts):
+                    yield _joined([ts[i] for i in run], [places[g][i] for i in run]), \
+                        places[g][run[0]], chunk
             elif not u.shared and u.tiled.lookup is None:  # (else its lookup's chunks)
-                for t in self._members(g):
-                    a, b = t.rows
-                    w = t.tiled.owners[0].weight[a:b]
-                    yield w, 0, self._chunk(w.numel())
+                rows = [t.tiled.owners[0].weight[t.rows[0] : t.rows[1]]
+                        for t in self._members(g)]
+                chunk = self._chunk(sum(w.numel() for w in rows))
+                for w in rows:
+                    yield w, 0, chunk
 
     def _chunk(self, n: int) -> int:
-        """Symbols per chunk of a tensor of ``n`` elements (``chunk_size`` if given)."""
+        """Symbols per chunk of a launch of ``n`` elements (``chunk_size`` if given): by
+        weight ``chunk_for``'s, else ``launch_chunk``'s."""
         if self.chunk_size is not None:
             return self.chunk_size
-        return chunk_for(n) if self.by_weight else GPU_CHUNK
+        return chunk_for(n) if self.by_weight else launch_chunk(n)
 
     def _members(self, g: int) -> list[Unit]:
         """The units of the launch led by unit ``g``."""

@@ -328,3 +328,90 @@ def test_computed_buffers_are_the_cpu_ones():
     del model
     gc.collect()
     torch.cuda.empty_cache()
+
+
+class _GapBlock(torch.nn.Module):
+    """bf16 Linears around an fp8 one with its bf16 scale, sizes not multiples of 512
+    bytes: its launch decodes runs of two dtypes across alignment gaps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(60, 100, bias=False, dtype=torch.bfloat16)
+        self.b = torch.nn.Linear(100, 60, bias=False, dtype=torch.bfloat16)
+        self.c = rc.Fp8Linear(torch.nn.Linear(60, 70, bias=False, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))[..., :60]
+
+
+class _Gaps(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with torch.device(DEV):
+            self.blocks = torch.nn.ModuleList(_GapBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk(x)
+        return x
+
+
+def test_runs_across_gaps_and_dtypes_in_a_cuda_graph():
+    """Runs of weights across alignment gaps and of two dtypes (two kernel modes a
+    launch) decode on the device to the plain outputs, eager and in a captured graph
+    replayed on new inputs with the scratch poisoned between replays."""
+    plain, model = _Gaps(), _Gaps()
+    ekt.compress_model(model, min_elements=1)
+    state = model._entropykit_resident
+    assert len(state.leads) == 3
+    assert all(len(state.units[g].decoder.launches) == 2 for g in state.leads)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 60, generator=gen).to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(rc._bits(model(x)), rc._bits(plain(x)))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        for _ in range(3):
+            x.copy_(torch.randn(4, 60, generator=gen).to(DEV, torch.bfloat16))
+            state.scratch.fill_(0xFF)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(rc._bits(out), rc._bits(plain(x)))
+
+
+@pytest.mark.parametrize("opts", [{}, rc.WEIGHT], ids=["blocks", "weights"])
+def test_host_account_is_what_the_device_holds(opts):
+    """``account``'s device bytes, computed on the host, are the resident model's coded
+    and scratch bytes on the device (tied embedding: lookup and head tiles included)."""
+    acc = rc.account(rc.llama("tiny-tied", "cpu"), dict(opts))
+    model = rc.llama("tiny-tied", "cpu")
+    ekt.compress_model(model, device=DEV, **opts)
+    mem = ekt.resident_memory(model)
+    assert acc["total"] == mem.coded_bytes + mem.scratch_bytes
+    assert acc["parts"]["stream descriptor buffers"] == (
+        model._entropykit_resident.streams.nbytes)
+
+
+@pytest.mark.parametrize("opts", [dict(ahead=0), dict(granularity="weight", ahead=0)],
+                         ids=["blocks", "weights"])
+@pytest.mark.parametrize("size", ["tiny", "tiny-tied"])
+def test_nothing_ahead_exact_in_a_cuda_graph(size, opts):
+    """``ahead=0`` (no side stream, a buffer of the largest launch): logits and tokens
+    exact, also with the scratch poisoned and in a replayed CUDA graph."""
+    make = lambda: rc.llama(size, DEV)  # noqa: E731
+    assert rc.exact_failures(make, DEV, opts) == []
+    fails, how = rc.graph_failures(make, DEV, tile_bytes=opts)
+    assert fails == [], how
+    model = make()
+    ekt.compress_model(model, **opts)
+    state = model._entropykit_resident
+    assert state.streams.sides == [] and len(state.streams._rows) == 1
+    assert ekt.resident_memory(model).scratch_bytes == max(
+        state.units[g].place.numel() for g in state.leads)
