@@ -133,6 +133,7 @@ def test_from_pretrained_dtype_and_device_map(tmp_path: Path) -> None:
 
 class _Calls(list):
     runs: list
+    started: list  # per GPU load: (whether its first group was launched at once, thread)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, str]]:
@@ -156,10 +157,11 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, st
         calls.append((str(device), list(names), got, threading.current_thread().name))
         return got
 
-    def spy_many(jobs: list, device: Any, threads: int) -> Any:
+    def spy_many(jobs: list, device: Any, threads: int, now: bool = False) -> Any:
         if not str(device).startswith("cuda"):
-            return real_many(jobs, device, threads)
+            return real_many(jobs, device, threads, now=now)
         runs.append([names for _, names in jobs])
+        calls.started.append((now, threading.current_thread().name))
         return (spy(c, device, threads, names) for c, names in jobs)
 
     runs: list[list[list[str]]] = []
@@ -167,6 +169,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, st
     monkeypatch.setattr(api, "_load_compressed", spy)
     monkeypatch.setattr(api, "_load_many", spy_many)
     calls.runs = runs  # per GPU load of several shards: each shard's names
+    calls.started = []
     return calls
 
 
@@ -321,9 +324,11 @@ def test_one_device_map_starts_the_first_batch_when_the_shards_open(
     assert sorted(len(c[1]) for c in calls) == sorted(len(_keys(p)) for p in shards)
     assert {c[0] for c in calls} == {"cuda:0"}
     assert {c[3].startswith("entropykit-decode") for c in calls} == {True}
-    # every shard through one GPU load, in the order transformers asks for them
+    # every shard through one GPU load, in the order transformers asks for them, started
+    # on the thread that opened the shards (before transformers starts its own threads)
     first_asked = sorted(shards, key=lambda p: min(q_order.index(k) for k in _keys(p)))
     assert calls.runs == [[_keys(p) for p in first_asked]]
+    assert calls.started == [(True, threading.current_thread().name)]
 
 
 def test_batches_ahead_are_made_one_at_a_time_in_order() -> None:

@@ -408,26 +408,47 @@ class EntropyKitQuantizer(HfQuantizer):
     def _decoded(self, keys: list[_Key]) -> Iterator[tuple[_Key, dict[str, torch.Tensor]]]:
         """The batches of ``keys`` (CUDA devices), in order: a device's run of them
         through one GPU load (``api._load_many``), by the CPU where the GPU decoder is
-        not installed (``_decode_batch``'s warning)."""
+        not installed (``_decode_batch``'s warning). The first run's load plans and
+        launches its first group here, on the calling thread: transformers' loading
+        threads have not started yet, so the plan (Python holding the GIL) runs at its
+        own speed and the GPU decodes while transformers reads; the rest goes on on the
+        thread iterating the result."""
+        runs = []
+        for device, keyed in itertools.groupby(keys, key=lambda key: key[1]):
+            dev = torch.device(device)
+            runs.append((device, [(path, self._files[self._shards[path][0]][1],
+                                   self._names(path, dev, None)) for path, _ in keyed]))
+        first = self._loads(*runs[0], now=True) if runs else None
+        return self._yielded(runs, first)
+
+    def _loads(self, device: str, run: list[tuple[Path, CompressedFile, list[str]]],
+               now: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """The batches of ``run`` (shards of one CUDA device) as they are asked for."""
         from .._cuda import GpuUnavailableError
         from ..api import _load_many
 
-        threads = resolve(None)
-        for device, keyed in itertools.groupby(keys, key=lambda key: key[1]):
-            dev = torch.device(device)
-            run = [(path, self._files[self._shards[path][0]][1], self._names(path, dev, None))
-                   for path, _ in keyed]
-            try:
-                outs = _load_many([(parsed(f), names) for _, f, names in run], dev, threads)
-            except GpuUnavailableError:
-                outs = (self._decode_batch(path, f, dev, names) for path, f, names in run)
+        dev = torch.device(device)
+        try:
+            return _load_many([(parsed(f), names) for _, f, names in run], dev,
+                              resolve(None), now=now)
+        except GpuUnavailableError:
+            return (self._decode_batch(path, f, dev, names) for path, f, names in run)
+
+    def _yielded(self, runs: list, first: Iterator[dict[str, torch.Tensor]] | None
+                 ) -> Iterator[tuple[_Key, dict[str, torch.Tensor]]]:
+        """``_decoded``'s batches, each named by its shard; ``first``: the first run's,
+        under way."""
+        for k, (device, run) in enumerate(runs):
+            outs = first if k == 0 and first is not None else self._loads(device, run)
             try:
                 for path, _, _ in run:
                     with files.named(path):
                         got = next(outs)
                     yield (path, device), got
             finally:
-                outs.close()
+                close = getattr(outs, "close", None)
+                if close is not None:
+                    close()
 
     def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
         if self._ahead is not None:  # batches decoded ahead and never asked for
