@@ -365,6 +365,39 @@ def test_batches_ahead_are_made_one_at_a_time_in_order() -> None:
     assert not ahead._thread.is_alive()
 
 
+def test_every_converter_copies_as_deepcopy_does() -> None:
+    """The converter entropykit appends is copied per parameter (transformers deep-copies
+    it) by its own ``__deepcopy__``: every attribute equal to what the generic copy of
+    the same converter gives, no container shared with the original or another copy, a
+    new ``Decode`` sharing the quantizer; what a copy collects stays its own."""
+    import copy
+
+    from transformers.core_model_loading import WeightConverter
+
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    ours = _quantizer._Every(_quantizer._ALL, "(.+)", [_quantizer.Decode(q, True)],
+                             **_quantizer._ON_CPU)
+    plain = WeightConverter(_quantizer._ALL, "(.+)", [_quantizer.Decode(q, True)],
+                            **_quantizer._ON_CPU)
+    assert type(ours).__deepcopy__ is not WeightConverter.__dict__.get("__deepcopy__")
+    a, b, want = copy.deepcopy(ours), copy.deepcopy(ours), copy.deepcopy(plain)
+    names = _quantizer._attributes(plain)
+    assert len(names) >= 10 and set(names) <= set(_quantizer._attributes(a))
+    for name in names:
+        got, expect = getattr(a, name), getattr(want, name)
+        if name == "operations":
+            assert [type(o) for o in got] == [_quantizer.Decode]
+            assert got[0] is not ours.operations[0] and got[0].quantizer is q
+            assert got[0].last is True
+        else:
+            assert type(got) is type(expect) and got == expect, name
+        if isinstance(got, (list, dict, set)):
+            assert got is not getattr(ours, name) and got is not getattr(b, name), name
+    a.add_tensor("x", "y", _quantizer._ALL, "future")
+    assert dict(b.collected_tensors) == {} and dict(ours.layer_targets) == {}
+    assert type(a) is _quantizer._Every
+
+
 def _keys(p: Path) -> list[str]:
     with entropykit.safe_open(p, framework="pt") as f:
         return list(f.keys())

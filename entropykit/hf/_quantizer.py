@@ -38,10 +38,14 @@ What it is not: the config.json mark (``entropykit.hf``) or the decoders.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import inspect
 import itertools
+import re
 import threading
 import warnings
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,6 +152,54 @@ class Decode(ConversionOps):
             ((tensor,),) = out.values()
             return {full_layer_name: tensor}
         return out
+
+
+class _Every(WeightConverter):
+    """The converter entropykit appends (``Decode`` alone, every name). transformers
+    deep-copies a converter for each parameter it loads; this one is copied attribute by
+    attribute, not through the generic protocol (``__reduce_ex__``, then transformers'
+    own ``__setattr__`` per attribute), which cost several times as much a parameter."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict) -> _Every:
+        new = object.__new__(type(self))
+        for name in _attributes(self):
+            if hasattr(self, name):
+                object.__setattr__(new, name, _copied(getattr(self, name), memo))
+        return new
+
+
+_ATOMS = (str, int, float, type(None), re.Pattern)
+
+
+def _copied(value: Any, memo: dict) -> Any:
+    """``copy.deepcopy(value, memo)``, short-cut for what a converter holds before it
+    collects tensors: atoms, lists of strings, empty (default) dicts."""
+    if isinstance(value, _ATOMS):
+        return value
+    if type(value) is list and all(isinstance(v, str) for v in value):
+        return list(value)
+    if type(value) is defaultdict and not value:
+        return defaultdict(value.default_factory)
+    return copy.deepcopy(value, memo)
+
+
+def _attributes(obj: object) -> tuple[str, ...]:
+    """The names of ``obj``'s attributes: its classes' slots and its ``__dict__``'s."""
+    slots = _slots(type(obj))
+    return slots + tuple(k for k in getattr(obj, "__dict__", {}) if k not in slots)
+
+
+@functools.cache
+def _slots(cls: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for c in cls.__mro__:
+        slots = getattr(c, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 _Key = tuple[Path, str]  # (compressed shard, device): a batch
@@ -266,7 +318,7 @@ class EntropyKitQuantizer(HfQuantizer):
         ours = [w.copy(list(w._original_source_patterns), list(w._original_target_patterns),
                        operations=[Decode(self, False), *w.operations], **_ON_CPU)
                 if isinstance(w, WeightConverter) else w for w in weight_conversions]
-        every = WeightConverter(_ALL, "(.+)", [Decode(self, True)], **_ON_CPU)
+        every = _Every(_ALL, "(.+)", [Decode(self, True)], **_ON_CPU)
         renamings = [w for w in ours if isinstance(w, WeightRenaming)]
         converters = [w for w in ours if isinstance(w, WeightConverter)] + [every]
         meta = model.state_dict()
@@ -311,7 +363,7 @@ class EntropyKitQuantizer(HfQuantizer):
             if out is None:  # left out of the batch (e.g. asked for twice): on its own
                 out = f.get_tensor(name)
                 out = out if device.type == "cpu" else out.to(device)
-        return out if dtype is None else out.to(dtype)
+        return out if dtype is None or out.dtype == dtype else out.to(dtype)
 
     def _device(self, target: str, given: torch.Tensor | None) -> torch.device:
         """Where transformers puts parameter ``target``: its device map's choice, else
