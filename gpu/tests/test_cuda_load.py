@@ -460,6 +460,42 @@ def test_fills_submitted_ahead_in_small_groups_are_exact_and_stop(tmp_path, thre
         ek.write_bytes(whole)
 
 
+def test_a_load_started_under_a_side_stream_goes_on_on_another_thread(tmp_path):
+    """``stream(now=True)`` called under ``torch.cuda.stream(s)`` (the first group
+    launched there) and iterated on another thread (whose current stream is the default
+    one): every group decoded and checked on ``s``, each file exact."""
+    import threading
+
+    from entropykit import dtypes
+    from entropykit.container import files as cfiles
+    from entropykit.container import source
+    from entropykit.container.cuda.load import stream
+    from entropykit.container.reader import Compressed
+
+    paths = []
+    for k, model in enumerate((_many_small(), _staged_model(2))):
+        orig, ek = tmp_path / f"m{k}.safetensors", tmp_path / f"m{k}.ek.safetensors"
+        safetensors.torch.save_file(model, orig)
+        cfiles.compress_file(orig, ek, segment_bytes=1 << 16, target="gpu")
+        paths.append(ek)
+    wants = [entropykit.load_file(p) for p in paths]
+    side = torch.cuda.Stream()
+    got: list = []
+    with source.FileBytes(paths[0]) as a, source.FileBytes(paths[1]) as b:
+        with torch.cuda.stream(side):
+            made = stream([(Compressed(a), None), (Compressed(b), None)], "cuda",
+                          dtypes.torch_types(), 4, group_bytes=1 << 16, now=True)
+        t = threading.Thread(target=lambda: got.extend(made))
+        t.start()
+        t.join()
+    assert len(got) == 2
+    for want, out in zip(wants, got, strict=True):
+        assert list(out) == list(want)
+        for k in out:
+            assert torch.equal(out[k].cpu().reshape(-1).view(torch.uint8),
+                               want[k].reshape(-1).view(torch.uint8)), k
+
+
 @pytest.mark.parametrize("now", [False, True])
 def test_one_stream_of_several_files_is_each_files_load(tmp_path, now):
     """Several files (and subsets) through one ``load.stream`` (one stager, one planning

@@ -126,6 +126,10 @@ class Stager:
         self.slots: list[_Slot] = []
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
+        # Decodes and checks run on the stream current where the load was started, not on
+        # that of whichever thread sends or checks a group (``stream(now=True)`` starts a
+        # load on one thread and goes on on another; torch's current stream is per thread)
+        self.stream = torch.cuda.current_stream(device)
         self.checks: list[tuple[torch.Tensor, list[tuple[Origins, int, int]]]] = []
         self.crcs: list[tuple[torch.Tensor, Staging]] = []  # status (and accumulators)
         self.seconds = {"slot_wait": 0.0, "fill": 0.0, "fill_wait": 0.0, "launch": 0.0,
@@ -155,61 +159,63 @@ class Stager:
         written here, its streams by the ``Filler``'s threads (``views(tensor, bf16)`` is
         that tensor's flat uint8, or int16 for bf16 mode, view; ``src``: the file, for the
         streams staged from it)."""
-        t0 = time.perf_counter()
-        st = Staging.of(group)
-        slot = self._slot(st.size, st.payload)
-        t1 = time.perf_counter()
-        descs, binds = [], []
-        for part in group.parts:
-            desc, base = rt.bound_desc(part.batch, [views(t, part.batch.bf16)
-                                                    for t in part.tensors])
-            descs.append(desc)
-            binds.append(base)
-        fill = st.fill(group, slot.host.numpy(), descs, self.filler, src)
-        self.seconds["slot_wait"] += t1 - t0
-        self.seconds["fill"] += time.perf_counter() - t1
-        return _Staged(group, st, slot, binds, fill)
+        with torch.cuda.stream(self.stream):  # see __init__
+            t0 = time.perf_counter()
+            st = Staging.of(group)
+            slot = self._slot(st.size, st.payload)
+            t1 = time.perf_counter()
+            descs, binds = [], []
+            for part in group.parts:
+                desc, base = rt.bound_desc(part.batch, [views(t, part.batch.bf16)
+                                                        for t in part.tensors])
+                descs.append(desc)
+                binds.append(base)
+            fill = st.fill(group, slot.host.numpy(), descs, self.filler, src)
+            self.seconds["slot_wait"] += t1 - t0
+            self.seconds["fill"] += time.perf_counter() - t1
+            return _Staged(group, st, slot, binds, fill)
 
     def send(self, staged: _Staged) -> None:
         """Wait for a staged group's fill; copy, relayout and launch it."""
-        group, st, slot = staged.group, staged.st, staged.slot
-        t1 = time.perf_counter()
-        staged.fill.wait()
-        t2 = time.perf_counter()
-        self.copy_stream.wait_event(slot.done)
-        with torch.cuda.stream(self.copy_stream):
-            slot.dev[: st.size].copy_(slot.host[: st.size], non_blocking=True)
-        slot.copied.record(self.copy_stream)
-        cur = torch.cuda.current_stream()
-        cur.wait_event(slot.copied)
-        dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
-        kernels = _relayouts(dev0 + st.moves_at, len(st.moves), dev0, pay0)
-        k = len(st.crcs)
-        rows = sum(len(part.batch.desc) for part in group.parts)
-        # one buffer zeroed for the CRCs' statuses and accumulators and the decode status
-        zeros = torch.zeros(2 * k + max(rows, 1), dtype=torch.int32, device=self.device)
-        z0 = zeros.data_ptr()
-        status = zeros[2 * k :]
-        if k:
-            kernels += _crc.launches(dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
-                                     int(st.first[-1]), dev0, z0 + 4 * k, z0)
-            self.crcs.append((zeros[:k], st))
-        row = 0
-        named, launches = [], []
-        for part, sec, base in zip(group.parts, st.sections, staged.binds, strict=True):
-            b = part.batch
-            ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
-                    dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
-                    (base if base is not None else status).data_ptr()]
-            launches.append(rt.Launch(b, self.device, ptrs))
-            named.append((b.origins, row, len(b.desc)))
-            row += len(b.desc)
-        _enqueue(self.device, kernels, launches)
-        slot.done.record(cur)
-        self.checks.append((status, named))
-        self.seconds["fill"] += t2 - t1
-        self.seconds["fill_wait"] += t2 - t1
-        self.seconds["launch"] += time.perf_counter() - t2
+        with torch.cuda.stream(self.stream):  # see __init__
+            group, st, slot = staged.group, staged.st, staged.slot
+            t1 = time.perf_counter()
+            staged.fill.wait()
+            t2 = time.perf_counter()
+            self.copy_stream.wait_event(slot.done)
+            with torch.cuda.stream(self.copy_stream):
+                slot.dev[: st.size].copy_(slot.host[: st.size], non_blocking=True)
+            slot.copied.record(self.copy_stream)
+            cur = self.stream
+            cur.wait_event(slot.copied)
+            dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
+            kernels = _relayouts(dev0 + st.moves_at, len(st.moves), dev0, pay0)
+            k = len(st.crcs)
+            rows = sum(len(part.batch.desc) for part in group.parts)
+            # one buffer zeroed for the CRCs' statuses and accumulators and the decode status
+            zeros = torch.zeros(2 * k + max(rows, 1), dtype=torch.int32, device=self.device)
+            z0 = zeros.data_ptr()
+            status = zeros[2 * k :]
+            if k:
+                kernels += _crc.launches(dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
+                                         int(st.first[-1]), dev0, z0 + 4 * k, z0)
+                self.crcs.append((zeros[:k], st))
+            row = 0
+            named, launches = [], []
+            for part, sec, base in zip(group.parts, st.sections, staged.binds, strict=True):
+                b = part.batch
+                ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
+                        dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
+                        (base if base is not None else status).data_ptr()]
+                launches.append(rt.Launch(b, self.device, ptrs))
+                named.append((b.origins, row, len(b.desc)))
+                row += len(b.desc)
+            _enqueue(self.device, kernels, launches)
+            slot.done.record(cur)
+            self.checks.append((status, named))
+            self.seconds["fill"] += t2 - t1
+            self.seconds["fill_wait"] += t2 - t1
+            self.seconds["launch"] += time.perf_counter() - t2
 
     def check(self) -> None:
         """Wait for every launch since the last check; raise ``CorruptDataError`` for the
@@ -219,7 +225,8 @@ class Stager:
         t = time.perf_counter()
         crcs, checks = self.crcs, self.checks
         self.crcs, self.checks = [], []
-        everything = torch.cat([s for s, _ in crcs] + [s for s, _ in checks]).cpu().numpy()
+        with torch.cuda.stream(self.stream):
+            everything = torch.cat([s for s, _ in crcs] + [s for s, _ in checks]).cpu().numpy()
         self.seconds["check"] += time.perf_counter() - t
         at, failed = 0, []
         for status, st in crcs:
