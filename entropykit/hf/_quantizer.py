@@ -26,7 +26,9 @@ and adds converters through ``update_weight_conversions``. That is the path take
   GPU load for all of a device's shards in a row (one planning thread, which plans on
   into the next shard, one set of staging buffers and fill threads), each batch made
   only once the one before it was taken (one batch ahead at most; with a map of one
-  device the first starts as soon as the shards are open);
+  device the first starts as soon as the shards are open). The first batch's first
+  group is planned and launched on the calling thread, before transformers starts its
+  loading threads, whose Python would otherwise slow the plan (it holds the GIL);
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint; with
   ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its

@@ -18,7 +18,8 @@ fields ahead). The kernels' statuses are read once at the
 end: ``CorruptDataError`` names the tensor, segment, field (and chunk), a failed CRC
 before a failed decode. ``stream`` loads several files in a row the same way through one
 stager and one planning thread (a checkpoint's shards bound for one device), each file's
-launches checked before its tensors are handed out.
+launches checked before its tensors are handed out; it may plan and launch the first
+group at the call and go on on another thread (all of a load on one CUDA stream).
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
 (``_staging.py``) or the decoder (``rans.cuda``).
 """
