@@ -331,6 +331,43 @@ def test_one_device_map_starts_the_first_batch_when_the_shards_open(
     assert calls.started == [(True, threading.current_thread().name)]
 
 
+def test_cuda_batches_fall_back_to_the_cpu_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the GPU decoder cannot run (here: no CUDA device), a one-device CUDA map's
+    batches, started when the shards open, are decoded by the CPU on the side thread,
+    each shard with a warning naming it, and every tensor arrives exact (moved to the
+    device: a stand-in here)."""
+    d, _ = _save(tmp_path, "llama", torch.bfloat16, "40KB")
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    to = torch.Tensor.to
+
+    def moved(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and str(args[0]).startswith("cuda"):
+            return self  # no CUDA device here: the CPU tensor stands in
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", moved)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    shards = sorted(ek.glob("*.safetensors"))
+    with pytest.warns(UserWarning, match="decoded on the CPU") as caught:
+        q._process_model_before_weight_loading(
+            model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
+        try:
+            q.update_weight_conversions([], model)
+            want = entropykit.load_file(d)
+            for k in q._order:
+                got = q.decode(k, torch.empty(0, dtype=torch.uint8), None, q._targets[k])
+                assert torch.equal(_bits(got), _bits(want[k])), k
+        finally:
+            q.postprocess_model(model)
+    named = sorted(str(w.message).split(" ")[1] for w in caught
+                   if "decoded on the CPU" in str(w.message))
+    assert named == sorted(p.name for p in shards) and len(shards) > 1
+
+
 def test_batches_ahead_are_made_one_at_a_time_in_order() -> None:
     """The side thread makes a batch only once the one before it was taken (so at most
     two are held), hands them out in order, raises a failure where it happened, and
