@@ -671,7 +671,7 @@ def test_groups_planned_ahead_are_the_groups_in_order():
 
 
 @contextlib.contextmanager
-def _emulated_load(monkeypatch) -> Iterator[tuple[Any, list, list]]:
+def _emulated_stager(monkeypatch) -> Iterator[tuple[Any, list, list]]:
     """``container.cuda.load`` with its ``Stager`` emulated on the CPU (``emulated_group``;
     imported against a stand-in CuPy): the module, the stagers made, and the events
     ``(step, thread name)`` of stage, send and check."""
@@ -744,7 +744,7 @@ def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path
     for bit, yielded once its groups are sent and checked, the next file's not begun
     before it is asked for; a damaged file raises its error after the files before it
     were yielded; the planning and fill threads stop."""
-    with _emulated_load(monkeypatch) as (load, stagers, events):
+    with _emulated_stager(monkeypatch) as (load, stagers, events):
         paths = _two_files(tmp_path)
         wants = [entropykit.load_file(p, threads=1) for p in paths]
         cs = [Compressed(np.fromfile(p, np.uint8)) for p in paths]
@@ -788,7 +788,7 @@ def test_a_stream_started_now_launches_its_first_group_on_the_calling_thread(
     rest, iterated on another thread, gives every file exact, as without ``now``. A
     first file that fails to plan raises when it is asked for, not at the call; a stream
     closed before it is iterated stops its threads."""
-    with _emulated_load(monkeypatch) as (load, _, events):
+    with _emulated_stager(monkeypatch) as (load, _, events):
         paths = _two_files(tmp_path)
         wants = [entropykit.load_file(p, threads=1) for p in paths]
         cs = [Compressed(np.fromfile(p, np.uint8)) for p in paths]
