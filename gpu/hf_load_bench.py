@@ -281,7 +281,15 @@ def main() -> int:
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     ap.add_argument("--plan-threads", type=int,
                     help="the GPU load's planning threads (default: the loader's choice)")
+    ap.add_argument("--later", action="store_true",
+                    help="start the GPU load on the quantizer's side thread, as before it "
+                         "planned and launched its first group on the calling thread (an A/B)")
     args = ap.parse_args()
+    if args.later:
+        from entropykit import api
+
+        many = api._load_many
+        api._load_many = lambda jobs, device, threads, now=False: many(jobs, device, threads)
     if args.plan_threads is not None:
         from entropykit.container.cuda import fileplan
 
