@@ -687,6 +687,7 @@ def _emulated_stager(monkeypatch) -> Iterator[tuple[Any, list, list]]:
         class Emulated:
             def __init__(self, device, threads):
                 self.device, self.filler = device, _staging.Filler(threads)
+                self.stream = None
                 self.seconds = {"launch": 0.0}
                 self.errors = []
                 stagers.append(self)
@@ -711,6 +712,7 @@ def _emulated_stager(monkeypatch) -> Iterator[tuple[Any, list, list]]:
         monkeypatch.setattr(load, "Stager", Emulated)
         monkeypatch.setattr(load, "cuda_device", lambda d: torch.device("cpu"))
         monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
         yield load, stagers, events
     finally:
         for m in set(sys.modules) - before:

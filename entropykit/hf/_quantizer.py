@@ -166,6 +166,7 @@ class _Every(WeightConverter):
 
     def __deepcopy__(self, memo: dict) -> _Every:
         new = object.__new__(type(self))
+        memo[id(self)] = new
         for name in _attributes(self):
             if hasattr(self, name):
                 object.__setattr__(new, name, _copied(getattr(self, name), memo))

@@ -26,6 +26,7 @@ What it is not: the decision of what goes where (``fileplan.py``), the staging l
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -127,9 +128,9 @@ class Stager:
         self.slots: list[_Slot] = []
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
-        # Decodes and checks run on the stream current where the load was started, not on
-        # that of whichever thread sends or checks a group (``stream(now=True)`` starts a
-        # load on one thread and goes on on another; torch's current stream is per thread)
+        # Every step runs on the stream current where the load was started (``_one``), not
+        # on that of whichever thread takes it (``stream(now=True)`` starts a load on one
+        # thread and goes on on another; torch's current stream is per thread)
         self.stream = torch.cuda.current_stream(device)
         self.checks: list[tuple[torch.Tensor, list[tuple[Origins, int, int]]]] = []
         self.crcs: list[tuple[torch.Tensor, Staging]] = []  # status (and accumulators)
@@ -160,63 +161,61 @@ class Stager:
         written here, its streams by the ``Filler``'s threads (``views(tensor, bf16)`` is
         that tensor's flat uint8, or int16 for bf16 mode, view; ``src``: the file, for the
         streams staged from it)."""
-        with torch.cuda.stream(self.stream):  # see __init__
-            t0 = time.perf_counter()
-            st = Staging.of(group)
-            slot = self._slot(st.size, st.payload)
-            t1 = time.perf_counter()
-            descs, binds = [], []
-            for part in group.parts:
-                desc, base = rt.bound_desc(part.batch, [views(t, part.batch.bf16)
-                                                        for t in part.tensors])
-                descs.append(desc)
-                binds.append(base)
-            fill = st.fill(group, slot.host.numpy(), descs, self.filler, src)
-            self.seconds["slot_wait"] += t1 - t0
-            self.seconds["fill"] += time.perf_counter() - t1
-            return _Staged(group, st, slot, binds, fill)
+        t0 = time.perf_counter()
+        st = Staging.of(group)
+        slot = self._slot(st.size, st.payload)
+        t1 = time.perf_counter()
+        descs, binds = [], []
+        for part in group.parts:
+            desc, base = rt.bound_desc(part.batch, [views(t, part.batch.bf16)
+                                                    for t in part.tensors])
+            descs.append(desc)
+            binds.append(base)
+        fill = st.fill(group, slot.host.numpy(), descs, self.filler, src)
+        self.seconds["slot_wait"] += t1 - t0
+        self.seconds["fill"] += time.perf_counter() - t1
+        return _Staged(group, st, slot, binds, fill)
 
     def send(self, staged: _Staged) -> None:
         """Wait for a staged group's fill; copy, relayout and launch it."""
-        with torch.cuda.stream(self.stream):  # see __init__
-            group, st, slot = staged.group, staged.st, staged.slot
-            t1 = time.perf_counter()
-            staged.fill.wait()
-            t2 = time.perf_counter()
-            self.copy_stream.wait_event(slot.done)
-            with torch.cuda.stream(self.copy_stream):
-                slot.dev[: st.size].copy_(slot.host[: st.size], non_blocking=True)
-            slot.copied.record(self.copy_stream)
-            cur = self.stream
-            cur.wait_event(slot.copied)
-            dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
-            kernels = _relayouts(dev0 + st.moves_at, len(st.moves), dev0, pay0)
-            k = len(st.crcs)
-            rows = sum(len(part.batch.desc) for part in group.parts)
-            # one buffer zeroed for the CRCs' statuses and accumulators and the decode status
-            zeros = torch.zeros(2 * k + max(rows, 1), dtype=torch.int32, device=self.device)
-            z0 = zeros.data_ptr()
-            status = zeros[2 * k :]
-            if k:
-                kernels += _crc.launches(dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
-                                         int(st.first[-1]), dev0, z0 + 4 * k, z0)
-                self.crcs.append((zeros[:k], st))
-            row = 0
-            named, launches = [], []
-            for part, sec, base in zip(group.parts, st.sections, staged.binds, strict=True):
-                b = part.batch
-                ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
-                        dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
-                        (base if base is not None else status).data_ptr()]
-                launches.append(rt.Launch(b, self.device, ptrs))
-                named.append((b.origins, row, len(b.desc)))
-                row += len(b.desc)
-            _enqueue(self.device, kernels, launches)
-            slot.done.record(cur)
-            self.checks.append((status, named))
-            self.seconds["fill"] += t2 - t1
-            self.seconds["fill_wait"] += t2 - t1
-            self.seconds["launch"] += time.perf_counter() - t2
+        group, st, slot = staged.group, staged.st, staged.slot
+        t1 = time.perf_counter()
+        staged.fill.wait()
+        t2 = time.perf_counter()
+        self.copy_stream.wait_event(slot.done)
+        with torch.cuda.stream(self.copy_stream):
+            slot.dev[: st.size].copy_(slot.host[: st.size], non_blocking=True)
+        slot.copied.record(self.copy_stream)
+        cur = self.stream
+        cur.wait_event(slot.copied)
+        dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
+        kernels = _relayouts(dev0 + st.moves_at, len(st.moves), dev0, pay0)
+        k = len(st.crcs)
+        rows = sum(len(part.batch.desc) for part in group.parts)
+        # one buffer zeroed for the CRCs' statuses and accumulators and the decode status
+        zeros = torch.zeros(2 * k + max(rows, 1), dtype=torch.int32, device=self.device)
+        z0 = zeros.data_ptr()
+        status = zeros[2 * k :]
+        if k:
+            kernels += _crc.launches(dev0 + st.crcs_at, dev0 + st.crcs_at + st.crcs.nbytes, k,
+                                     int(st.first[-1]), dev0, z0 + 4 * k, z0)
+            self.crcs.append((zeros[:k], st))
+        row = 0
+        named, launches = [], []
+        for part, sec, base in zip(group.parts, st.sections, staged.binds, strict=True):
+            b = part.batch
+            ptrs = [dev0 + sec["desc"], status.data_ptr() + 4 * row, pay0 + sec["payload"],
+                    dev0 + sec["sym"], dev0 + sec["info"], dev0 + sec["cmaps"],
+                    (base if base is not None else status).data_ptr()]
+            launches.append(rt.Launch(b, self.device, ptrs))
+            named.append((b.origins, row, len(b.desc)))
+            row += len(b.desc)
+        _enqueue(self.device, kernels, launches)
+        slot.done.record(cur)
+        self.checks.append((status, named))
+        self.seconds["fill"] += t2 - t1
+        self.seconds["fill_wait"] += t2 - t1
+        self.seconds["launch"] += time.perf_counter() - t2
 
     def check(self) -> None:
         """Wait for every launch since the last check; raise ``CorruptDataError`` for the
@@ -226,8 +225,7 @@ class Stager:
         t = time.perf_counter()
         crcs, checks = self.crcs, self.checks
         self.crcs, self.checks = [], []
-        with torch.cuda.stream(self.stream):
-            everything = torch.cat([s for s, _ in crcs] + [s for s, _ in checks]).cpu().numpy()
+        everything = torch.cat([s for s, _ in crcs] + [s for s, _ in checks]).cpu().numpy()
         self.seconds["check"] += time.perf_counter() - t
         at, failed = 0, []
         for status, st in crcs:
@@ -362,7 +360,15 @@ def _one(stager: Stager, planned: Iterator[tuple[int, fileplan.Group | None]],
     (before its check if it has none), outside any device context, so that the rest
     may run on another thread."""
     dev = stager.device
-    with torch.cuda.device(dev):
+
+    def on() -> contextlib.ExitStack:
+        """The load's device and stream current (see ``Stager.stream``)."""
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(torch.cuda.device(dev))
+        ctx.enter_context(torch.cuda.stream(stager.stream))
+        return ctx
+
+    with on():
         out = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=dev)
                for e in entries}
     flat = [out[e.name].reshape(-1) for e in entries]
@@ -377,7 +383,7 @@ def _one(stager: Stager, planned: Iterator[tuple[int, fileplan.Group | None]],
         if item is None or item[0] != j:  # the planner ended early
             raise RuntimeError("entropykit: the GPU load's plan lost its place")
         group = item[1]
-        with torch.cuda.device(dev):
+        with on():
             staged = None if group is None else stager.stage(group, views, c.source)
             if pending is not None:
                 stager.send(pending)  # its fill done while this one's starts
@@ -392,6 +398,6 @@ def _one(stager: Stager, planned: Iterator[tuple[int, fileplan.Group | None]],
         wait += time.perf_counter() - t
     if pause:
         yield
-    with torch.cuda.device(dev):
+    with on():
         stager.check()
     return out, wait
