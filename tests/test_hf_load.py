@@ -133,7 +133,9 @@ def test_from_pretrained_dtype_and_device_map(tmp_path: Path) -> None:
 
 class _Calls(list):
     runs: list
-    started: list  # per GPU load: (whether its first group was launched at once, thread)
+    # per GPU load: (whether its first group was launched at once, thread, the device
+    # torch's factory functions default to there)
+    started: list
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, str]]:
@@ -161,7 +163,8 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, st
         if not str(device).startswith("cuda"):
             return real_many(jobs, device, threads, now=now)
         runs.append([names for _, names in jobs])
-        calls.started.append((now, threading.current_thread().name))
+        calls.started.append((now, threading.current_thread().name,
+                              torch.empty(0).device.type))
         return (spy(c, device, threads, names) for c, names in jobs)
 
     runs: list[list[list[str]]] = []
@@ -309,8 +312,9 @@ def test_one_device_map_starts_the_first_batch_when_the_shards_open(
         model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
     q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
     shards = sorted(ek.glob("*.safetensors"))
-    q._process_model_before_weight_loading(
-        model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
+    with torch.device("meta"):  # as transformers calls it: the model is built on meta
+        q._process_model_before_weight_loading(
+            model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
     try:
         assert q._ahead is not None
         q.update_weight_conversions([], model)
@@ -328,7 +332,8 @@ def test_one_device_map_starts_the_first_batch_when_the_shards_open(
     # on the thread that opened the shards (before transformers starts its own threads)
     first_asked = sorted(shards, key=lambda p: min(q_order.index(k) for k in _keys(p)))
     assert calls.runs == [[_keys(p) for p in first_asked]]
-    assert calls.started == [(True, threading.current_thread().name)]
+    # ... with the loader's own buffers real (host memory), not on transformers' meta
+    assert calls.started == [(True, threading.current_thread().name, "cpu")]
 
 
 def test_cuda_batches_fall_back_to_the_cpu_with_a_warning(

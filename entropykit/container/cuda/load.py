@@ -110,7 +110,7 @@ def _pinned(n: int) -> torch.Tensor:
     """A pinned buffer of ``n`` bytes and a quarter more: groups differ in size by up to a
     segment, and a larger one would need a new buffer (page-locking a fresh one costs
     more than filling it)."""
-    return torch.empty(n + n // 4, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(n + n // 4, dtype=torch.uint8, device="cpu", pin_memory=True)
 
 
 class Stager:
