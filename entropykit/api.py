@@ -181,18 +181,19 @@ def _load_compressed(c: Compressed, device: Any, threads: int,
 
 
 def _load_many(jobs: Sequence[tuple[Compressed, Sequence[str] | None]], device: Any,
-               threads: int) -> Iterator[dict[str, Any]]:
+               threads: int, *, now: bool = False) -> Iterator[dict[str, Any]]:
     """``_load_compressed`` of each job (a compressed file, the names wanted of it or
     None), in order, made as they are asked for; on a CUDA device all through one GPU
     load (one planning thread, one set of staging buffers and fill threads), which raises
-    ``GpuUnavailableError`` here, before any work."""
+    ``GpuUnavailableError`` here, before any work, and with ``now`` plans and launches
+    the first file's first group here, on the calling thread (``load.stream``)."""
     if _is_cuda(device):
         from ._cuda import require
 
         require(device)
         from .container.cuda.load import stream
 
-        return stream(jobs, device, dtypes.torch_types(), threads)
+        return stream(jobs, device, dtypes.torch_types(), threads, now=now)
     return (_load_compressed(c, device, threads, names) for c, names in jobs)
 
 

@@ -9,7 +9,8 @@ shows the best time of each and the ratio (plain / compressed: above
 1 means the compressed checkpoint loads faster). Every compressed load is checked bit for
 bit against the plain load. On the CPU the table also gives the time ``load_file`` takes to
 decode the compressed shards, the part of the load that compression adds; on a GPU, where
-one GPU load of all the shards spends its host time (the loader's own accounting).
+one GPU load of all the shards spends its host time (the loader's own accounting), and
+``load_file`` onto the device against ``safetensors.torch.load_file`` of the plain shards.
 For the best compressed load it prints the wall time of the quantizer's steps (``_Steps``:
 opening the shards, decoding batches, transformers waiting for them) and, on a GPU, the
 loader's host accounting during that load (one GPU load of every shard's tensors: plan
@@ -79,7 +80,8 @@ def _size(d: Path) -> int:
 class _Steps:
     """Wall seconds of the entropykit quantizer's steps during compressed loads (its
     methods wrapped while the benchmark runs): ``open`` the shards (safe_open, before
-    transformers reads weights), ``decode`` the batches decoded when asked for (a
+    transformers reads weights; with a one-device map on a GPU, also the first group's
+    plan and launch), ``decode`` the batches decoded when asked for (a
     shard's tensors at once), ``wait`` transformers' thread blocked for a batch
     (decoding it itself, or waiting for the one ahead), ``tensors`` every tensor handed
     to transformers (the waits, tensors decoded alone, casts). The batches decoded ahead
@@ -181,6 +183,7 @@ def _bench(name: str, cls: type, plain: Path, ek: Path, device: str, repeat: int
                steps=steps, inside=inside)
     if device.startswith("cuda"):
         row["host"] = _host_seconds(ek, device)
+        row["load_file"] = _load_file_seconds(plain, ek, device, repeat)
     if device == "cpu":  # the decode the compressed load adds, at the CPU's decode speed
         t0 = time.perf_counter()
         for p in sorted(ek.glob("*.safetensors")):
@@ -223,6 +226,32 @@ def _host_seconds(ek: Path, device: str) -> dict[str, float]:
         return {}
 
 
+def _load_file_seconds(plain: Path, ek: Path, device: str, repeat: int
+                       ) -> tuple[float, float]:
+    """Best seconds of ``safetensors.torch.load_file`` of the plain shards and of
+    ``entropykit.load_file`` of the compressed ones onto ``device`` (each shard in turn,
+    its tensors dropped before the next; alternately, ``repeat`` times each, after one
+    warm-up of each)."""
+    import safetensors.torch
+
+    def timed(load, d: Path) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for p in sorted(d.glob("*.safetensors")):
+            load(p, device=device)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    best = [float("inf"), float("inf")]
+    for k in range(repeat + 1):
+        for i, (load, d) in enumerate(((safetensors.torch.load_file, plain),
+                                       (entropykit.load_file, ek))):
+            t = timed(load, d)
+            if k:
+                best[i] = min(best[i], t)
+    return best[0], best[1]
+
+
 def _llm(work: Path, layers: int) -> tuple[type, Path]:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(num_hidden_layers=layers, **_LLM)
@@ -252,7 +281,15 @@ def main() -> int:
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     ap.add_argument("--plan-threads", type=int,
                     help="the GPU load's planning threads (default: the loader's choice)")
+    ap.add_argument("--later", action="store_true",
+                    help="start the GPU load on the quantizer's side thread, as before it "
+                         "planned and launched its first group on the calling thread (an A/B)")
     args = ap.parse_args()
+    if args.later:
+        from entropykit import api
+
+        many = api._load_many
+        api._load_many = lambda jobs, device, threads, now=False: many(jobs, device, threads)
     if args.plan_threads is not None:
         from entropykit.container.cuda import fileplan
 
@@ -294,6 +331,11 @@ def main() -> int:
         if r.get("inside"):
             print(f"{r['model']} ({r['target']}): the GPU loader inside that from_pretrained, "
                   "host ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["inside"].items()))
+    for r in rows:
+        if r.get("load_file"):
+            st, ek = r["load_file"]
+            print(f"{r['model']} ({r['target']}): load_file onto {r['device']}, safetensors "
+                  f"{st * 1e3:.1f} ms, entropykit {ek * 1e3:.1f} ms ({st / ek:.2f}x)")
     for r in rows:
         if r.get("host"):
             print(f"{r['model']} ({r['target']}): load_file of the shards onto {r['device']}, "

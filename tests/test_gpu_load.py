@@ -9,10 +9,14 @@ of every dtype, both codec targets (``codecs.choose(target=...)``), several segm
 group sizes, and on damaged files. The device runs gpu/tests/test_cuda_load.py.
 """
 
+import contextlib
 import dataclasses
 import struct
 import sys
+import threading
 import zlib
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -666,15 +670,11 @@ def test_groups_planned_ahead_are_the_groups_in_order():
     assert closed.is_set() and len(made) < 10
 
 
-def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path,
-                                                            monkeypatch):
-    """``load.stream``'s host side (the device's part emulated): every file, or subset of
-    one, through one stager, their groups in order; each file's tensors the CPU load's bit
-    for bit, yielded once its groups are sent and checked, the next file's not begun
-    before it is asked for; a damaged file raises its error after the files before it
-    were yielded; the planning and fill threads stop."""
-    import contextlib
-    import threading
+@contextlib.contextmanager
+def _emulated_stager(monkeypatch) -> Iterator[tuple[Any, list, list]]:
+    """``container.cuda.load`` with its ``Stager`` emulated on the CPU (``emulated_group``;
+    imported against a stand-in CuPy): the module, the stagers made, and the events
+    ``(step, thread name)`` of stage, send and check."""
     import types
 
     before = set(sys.modules)
@@ -687,12 +687,13 @@ def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path
         class Emulated:
             def __init__(self, device, threads):
                 self.device, self.filler = device, _staging.Filler(threads)
+                self.stream = None
                 self.seconds = {"launch": 0.0}
                 self.errors = []
                 stagers.append(self)
 
             def stage(self, group, views, src):
-                events.append("stage")
+                events.append(("stage", threading.current_thread().name))
                 return group, views, src
 
             def send(self, staged):
@@ -700,10 +701,10 @@ def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path
                 crc, decode = emulated_group(group, src, 2, lambda t, bf16: views(t, bf16)
                                              .numpy().view(np.uint16 if bf16 else np.uint8))
                 self.errors += ([crc[1]] if crc is not None else []) + decode
-                events.append("send")
+                events.append(("send", threading.current_thread().name))
 
             def check(self):
-                events.append("check")
+                events.append(("check", threading.current_thread().name))
                 errors, self.errors = self.errors, []
                 if errors:
                     raise errors[0]
@@ -711,13 +712,42 @@ def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path
         monkeypatch.setattr(load, "Stager", Emulated)
         monkeypatch.setattr(load, "cuda_device", lambda d: torch.device("cpu"))
         monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-        paths = []
-        for k, model in enumerate((_model(np.random.default_rng(5)),
-                                   _many_small(np.random.default_rng(7)))):
-            src = tmp_path / f"m{k}.safetensors"
-            safetensors.torch.save_file(model, src)
-            paths.append(tmp_path / f"m{k}.ek.safetensors")
-            files.compress_file(src, paths[-1], segment_bytes=1 << 16, target="gpu")
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        yield load, stagers, events
+    finally:
+        for m in set(sys.modules) - before:
+            if m.startswith("entropykit."):  # imported against the stand-in
+                del sys.modules[m]
+                parent, _, name = m.rpartition(".")
+                if hasattr(sys.modules.get(parent), name):
+                    delattr(sys.modules[parent], name)
+
+
+def _two_files(tmp_path) -> list:
+    paths = []
+    for k, model in enumerate((_model(np.random.default_rng(5)),
+                               _many_small(np.random.default_rng(7)))):
+        src = tmp_path / f"m{k}.safetensors"
+        safetensors.torch.save_file(model, src)
+        paths.append(tmp_path / f"m{k}.ek.safetensors")
+        files.compress_file(src, paths[-1], segment_bytes=1 << 16, target="gpu")
+    return paths
+
+
+def _threads_left() -> list:
+    return [t for t in threading.enumerate()
+            if t.name.startswith(("entropykit-plan", "entropykit-fill"))]
+
+
+def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path,
+                                                            monkeypatch):
+    """``load.stream``'s host side (the device's part emulated): every file, or subset of
+    one, through one stager, their groups in order; each file's tensors the CPU load's bit
+    for bit, yielded once its groups are sent and checked, the next file's not begun
+    before it is asked for; a damaged file raises its error after the files before it
+    were yielded; the planning and fill threads stop."""
+    with _emulated_stager(monkeypatch) as (load, stagers, events):
+        paths = _two_files(tmp_path)
         wants = [entropykit.load_file(p, threads=1) for p in paths]
         cs = [Compressed(np.fromfile(p, np.uint8)) for p in paths]
         subset = list(wants[1])[1::3]
@@ -727,11 +757,12 @@ def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path
                            group_bytes=1 << 17, seconds=seconds)
         got = []
         for out in made:
-            assert events[-1] == "check"  # yielded once its groups are sent and checked
-            events.append("yielded")
+            assert events[-1][0] == "check"  # yielded once its groups are sent and checked
+            events.append(("yielded", ""))
             got.append(out)
-        assert len(stagers) == 1 and events.count("check") == 3
-        assert events.count("stage") == events.count("send") > 3
+        steps = [e for e, _ in events]
+        assert len(stagers) == 1 and steps.count("check") == 3
+        assert steps.count("stage") == steps.count("send") > 3
         assert {"plan_wait", "busy", "launch"} <= set(seconds)
         for (c, names), out in zip(jobs, got, strict=True):
             want = wants[cs.index(c)]
@@ -745,18 +776,57 @@ def test_a_stream_of_files_goes_through_one_stager_in_order(model_file, tmp_path
         made = load.stream([(cs[1], subset), (Compressed(bad), None), (cs[1], None)],
                            "cuda", entropykit.dtypes.torch_types(), 2, group_bytes=1 << 17)
         assert list(next(made)) == subset
-        assert "check" in events and events.count("check") == 1  # the next not begun
+        steps = [e for e, _ in events]
+        assert "check" in steps and steps.count("check") == 1  # the next not begun
         with pytest.raises(CorruptDataError):
             next(made)
-        assert not [t for t in threading.enumerate()
-                    if t.name.startswith(("entropykit-plan", "entropykit-fill"))]
-    finally:
-        for m in set(sys.modules) - before:
-            if m.startswith("entropykit."):  # imported against the stand-in
-                del sys.modules[m]
-                parent, _, name = m.rpartition(".")
-                if hasattr(sys.modules.get(parent), name):
-                    delattr(sys.modules[parent], name)
+        assert not _threads_left()
+
+
+def test_a_stream_started_now_launches_its_first_group_on_the_calling_thread(
+        tmp_path, monkeypatch):
+    """``load.stream(..., now=True)``: the first file's first group is planned, staged and
+    sent before the call returns, on the calling thread, and nothing is checked yet; the
+    rest, iterated on another thread, gives every file exact, as without ``now``. A
+    first file that fails to plan raises when it is asked for, not at the call; a stream
+    closed before it is iterated stops its threads."""
+    with _emulated_stager(monkeypatch) as (load, _, events):
+        paths = _two_files(tmp_path)
+        wants = [entropykit.load_file(p, threads=1) for p in paths]
+        cs = [Compressed(np.fromfile(p, np.uint8)) for p in paths]
+        types = entropykit.dtypes.torch_types()
+        made = load.stream([(cs[0], None), (cs[1], None)], "cuda", types, 2,
+                           group_bytes=1 << 17, now=True)
+        me = threading.current_thread().name
+        assert [e for e, _ in events] == ["stage", "stage", "send"]  # the first sent
+        assert {name for _, name in events} == {me}
+        got: list = []
+        side = threading.Thread(target=lambda: got.extend(made), name="side")
+        side.start()
+        side.join()
+        assert len(got) == 2 and all(name == "side" for _, name in events[3:])
+        for want, out in zip(wants, got, strict=True):
+            assert list(out) == list(want)
+            for k, t in out.items():
+                assert torch.equal(_bits(t), _bits(want[k])), k
+        assert not _threads_left()
+        # a file with no group before its end: the pause comes before its check
+        events.clear()
+        made = load.stream([(cs[1], [])], "cuda", types, 2, now=True)
+        assert events == [] and list(made) == [{}]
+        events.clear()
+        bad = np.fromfile(paths[1], np.uint8)
+        e = cs[1].outer.entries[0]
+        bad[cs[1].outer.data_start + e.begin: cs[1].outer.data_start + e.end] = 0xA5
+        made = load.stream([(Compressed(bad), None)], "cuda", types, 2, now=True)
+        assert events == []
+        with pytest.raises(CorruptDataError):
+            next(made)
+        assert not _threads_left()
+        made = load.stream([(cs[0], None), (cs[1], None)], "cuda", types, 2,
+                           group_bytes=1 << 17, now=True)
+        made.close()
+        assert not _threads_left()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

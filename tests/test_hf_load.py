@@ -133,6 +133,9 @@ def test_from_pretrained_dtype_and_device_map(tmp_path: Path) -> None:
 
 class _Calls(list):
     runs: list
+    # per GPU load: (whether its first group was launched at once, thread, the device
+    # torch's factory functions default to there)
+    started: list
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, str]]:
@@ -156,10 +159,12 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, st
         calls.append((str(device), list(names), got, threading.current_thread().name))
         return got
 
-    def spy_many(jobs: list, device: Any, threads: int) -> Any:
+    def spy_many(jobs: list, device: Any, threads: int, now: bool = False) -> Any:
         if not str(device).startswith("cuda"):
-            return real_many(jobs, device, threads)
+            return real_many(jobs, device, threads, now=now)
         runs.append([names for _, names in jobs])
+        calls.started.append((now, threading.current_thread().name,
+                              torch.empty(0).device.type))
         return (spy(c, device, threads, names) for c, names in jobs)
 
     runs: list[list[list[str]]] = []
@@ -167,6 +172,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict, st
     monkeypatch.setattr(api, "_load_compressed", spy)
     monkeypatch.setattr(api, "_load_many", spy_many)
     calls.runs = runs  # per GPU load of several shards: each shard's names
+    calls.started = []
     return calls
 
 
@@ -306,8 +312,9 @@ def test_one_device_map_starts_the_first_batch_when_the_shards_open(
         model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
     q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
     shards = sorted(ek.glob("*.safetensors"))
-    q._process_model_before_weight_loading(
-        model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
+    with torch.device("meta"):  # as transformers calls it: the model is built on meta
+        q._process_model_before_weight_loading(
+            model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
     try:
         assert q._ahead is not None
         q.update_weight_conversions([], model)
@@ -321,9 +328,49 @@ def test_one_device_map_starts_the_first_batch_when_the_shards_open(
     assert sorted(len(c[1]) for c in calls) == sorted(len(_keys(p)) for p in shards)
     assert {c[0] for c in calls} == {"cuda:0"}
     assert {c[3].startswith("entropykit-decode") for c in calls} == {True}
-    # every shard through one GPU load, in the order transformers asks for them
+    # every shard through one GPU load, in the order transformers asks for them, started
+    # on the thread that opened the shards (before transformers starts its own threads)
     first_asked = sorted(shards, key=lambda p: min(q_order.index(k) for k in _keys(p)))
     assert calls.runs == [[_keys(p) for p in first_asked]]
+    # ... with the loader's own buffers real (host memory), not on transformers' meta
+    assert calls.started == [(True, threading.current_thread().name, "cpu")]
+
+
+def test_cuda_batches_fall_back_to_the_cpu_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the GPU decoder cannot run (here: no CUDA device), a one-device CUDA map's
+    batches, started when the shards open, are decoded by the CPU on the side thread,
+    each shard with a warning naming it, and every tensor arrives exact (moved to the
+    device: a stand-in here)."""
+    d, _ = _save(tmp_path, "llama", torch.bfloat16, "40KB")
+    ek = tmp_path / "ek"
+    entropykit.compress_file(d, ek)
+    to = torch.Tensor.to
+
+    def moved(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and str(args[0]).startswith("cuda"):
+            return self  # no CUDA device here: the CPU tensor stands in
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", moved)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    shards = sorted(ek.glob("*.safetensors"))
+    with pytest.warns(UserWarning, match="decoded on the CPU") as caught:
+        q._process_model_before_weight_loading(
+            model, checkpoint_files=[str(p) for p in shards], device_map={"": "cuda:0"})
+        try:
+            q.update_weight_conversions([], model)
+            want = entropykit.load_file(d)
+            for k in q._order:
+                got = q.decode(k, torch.empty(0, dtype=torch.uint8), None, q._targets[k])
+                assert torch.equal(_bits(got), _bits(want[k])), k
+        finally:
+            q.postprocess_model(model)
+    named = sorted(str(w.message).split(" ")[1] for w in caught
+                   if "decoded on the CPU" in str(w.message))
+    assert named == sorted(p.name for p in shards) and len(shards) > 1
 
 
 def test_batches_ahead_are_made_one_at_a_time_in_order() -> None:
@@ -358,6 +405,39 @@ def test_batches_ahead_are_made_one_at_a_time_in_order() -> None:
     assert ahead.take()[1]["k"] == 0
     ahead.close()  # batch 1 made and never taken: the thread stops
     assert not ahead._thread.is_alive()
+
+
+def test_every_converter_copies_as_deepcopy_does() -> None:
+    """The converter entropykit appends is copied per parameter (transformers deep-copies
+    it) by its own ``__deepcopy__``: every attribute equal to what the generic copy of
+    the same converter gives, no container shared with the original or another copy, a
+    new ``Decode`` sharing the quantizer; what a copy collects stays its own."""
+    import copy
+
+    from transformers.core_model_loading import WeightConverter
+
+    q = _quantizer.EntropyKitQuantizer(_quantizer.EntropyKitConfig())
+    ours = _quantizer._Every(_quantizer._ALL, "(.+)", [_quantizer.Decode(q, True)],
+                             **_quantizer._ON_CPU)
+    plain = WeightConverter(_quantizer._ALL, "(.+)", [_quantizer.Decode(q, True)],
+                            **_quantizer._ON_CPU)
+    assert type(ours).__deepcopy__ is not WeightConverter.__dict__.get("__deepcopy__")
+    a, b, want = copy.deepcopy(ours), copy.deepcopy(ours), copy.deepcopy(plain)
+    names = _quantizer._attributes(plain)
+    assert len(names) >= 10 and set(names) <= set(_quantizer._attributes(a))
+    for name in names:
+        got, expect = getattr(a, name), getattr(want, name)
+        if name == "operations":
+            assert [type(o) for o in got] == [_quantizer.Decode]
+            assert got[0] is not ours.operations[0] and got[0].quantizer is q
+            assert got[0].last is True
+        else:
+            assert type(got) is type(expect) and got == expect, name
+        if isinstance(got, (list, dict, set)):
+            assert got is not getattr(ours, name) and got is not getattr(b, name), name
+    a.add_tensor("x", "y", _quantizer._ALL, "future")
+    assert dict(b.collected_tensors) == {} and dict(ours.layer_targets) == {}
+    assert type(a) is _quantizer._Every
 
 
 def _keys(p: Path) -> list[str]:

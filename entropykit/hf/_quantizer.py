@@ -26,7 +26,9 @@ and adds converters through ``update_weight_conversions``. That is the path take
   GPU load for all of a device's shards in a row (one planning thread, which plans on
   into the next shard, one set of staging buffers and fill threads), each batch made
   only once the one before it was taken (one batch ahead at most; with a map of one
-  device the first starts as soon as the shards are open);
+  device the first starts as soon as the shards are open). The first batch's first
+  group is planned and launched on the calling thread, before transformers starts its
+  loading threads, whose Python would otherwise slow the plan (it holds the GIL);
 - ``postprocess_model`` closes the shards and removes the quantization config: the
   loaded model holds ordinary weights and saves as an ordinary checkpoint; with
   ``resident`` (a loading attribute a config passed to ``from_pretrained`` sets) its
@@ -38,10 +40,14 @@ What it is not: the config.json mark (``entropykit.hf``) or the decoders.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import inspect
 import itertools
+import re
 import threading
 import warnings
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,6 +154,55 @@ class Decode(ConversionOps):
             ((tensor,),) = out.values()
             return {full_layer_name: tensor}
         return out
+
+
+class _Every(WeightConverter):
+    """The converter entropykit appends (``Decode`` alone, every name). transformers
+    deep-copies a converter for each parameter it loads; this one is copied attribute by
+    attribute, not through the generic protocol (``__reduce_ex__``, then transformers'
+    own ``__setattr__`` per attribute), which cost several times as much a parameter."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict) -> _Every:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name in _attributes(self):
+            if hasattr(self, name):
+                object.__setattr__(new, name, _copied(getattr(self, name), memo))
+        return new
+
+
+_ATOMS = (str, int, float, type(None), re.Pattern)
+
+
+def _copied(value: Any, memo: dict) -> Any:
+    """``copy.deepcopy(value, memo)``, short-cut for what a converter holds before it
+    collects tensors: atoms, lists of strings, empty (default) dicts."""
+    if isinstance(value, _ATOMS):
+        return value
+    if type(value) is list and all(isinstance(v, str) for v in value):
+        return list(value)
+    if type(value) is defaultdict and not value:
+        return defaultdict(value.default_factory)
+    return copy.deepcopy(value, memo)
+
+
+def _attributes(obj: object) -> tuple[str, ...]:
+    """The names of ``obj``'s attributes: its classes' slots and its ``__dict__``'s."""
+    slots = _slots(type(obj))
+    return slots + tuple(k for k in getattr(obj, "__dict__", {}) if k not in slots)
+
+
+@functools.cache
+def _slots(cls: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for c in cls.__mro__:
+        slots = getattr(c, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 _Key = tuple[Path, str]  # (compressed shard, device): a batch
@@ -266,7 +321,7 @@ class EntropyKitQuantizer(HfQuantizer):
         ours = [w.copy(list(w._original_source_patterns), list(w._original_target_patterns),
                        operations=[Decode(self, False), *w.operations], **_ON_CPU)
                 if isinstance(w, WeightConverter) else w for w in weight_conversions]
-        every = WeightConverter(_ALL, "(.+)", [Decode(self, True)], **_ON_CPU)
+        every = _Every(_ALL, "(.+)", [Decode(self, True)], **_ON_CPU)
         renamings = [w for w in ours if isinstance(w, WeightRenaming)]
         converters = [w for w in ours if isinstance(w, WeightConverter)] + [every]
         meta = model.state_dict()
@@ -311,7 +366,7 @@ class EntropyKitQuantizer(HfQuantizer):
             if out is None:  # left out of the batch (e.g. asked for twice): on its own
                 out = f.get_tensor(name)
                 out = out if device.type == "cpu" else out.to(device)
-        return out if dtype is None else out.to(dtype)
+        return out if dtype is None or out.dtype == dtype else out.to(dtype)
 
     def _device(self, target: str, given: torch.Tensor | None) -> torch.device:
         """Where transformers puts parameter ``target``: its device map's choice, else
@@ -408,26 +463,52 @@ class EntropyKitQuantizer(HfQuantizer):
     def _decoded(self, keys: list[_Key]) -> Iterator[tuple[_Key, dict[str, torch.Tensor]]]:
         """The batches of ``keys`` (CUDA devices), in order: a device's run of them
         through one GPU load (``api._load_many``), by the CPU where the GPU decoder is
-        not installed (``_decode_batch``'s warning)."""
+        not installed (``_decode_batch``'s warning). The first run's load plans and
+        launches its first group here, on the calling thread: transformers' loading
+        threads have not started yet, so the plan (Python holding the GIL) runs at its
+        own speed and the GPU decodes while transformers reads; the rest goes on on the
+        thread iterating the result."""
+        runs = []
+        for device, keyed in itertools.groupby(keys, key=lambda key: key[1]):
+            dev = torch.device(device)
+            runs.append((device, [(path, self._files[self._shards[path][0]][1],
+                                   self._names(path, dev, None)) for path, _ in keyed]))
+        if not runs:
+            return self._yielded(runs, None)
+        # transformers calls this under its meta device context: the loader's buffers
+        # made here must be real
+        with torch.device("cpu"):
+            first = self._loads(*runs[0], now=True)
+        return self._yielded(runs, first)
+
+    def _loads(self, device: str, run: list[tuple[Path, CompressedFile, list[str]]],
+               now: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """The batches of ``run`` (shards of one CUDA device) as they are asked for."""
         from .._cuda import GpuUnavailableError
         from ..api import _load_many
 
-        threads = resolve(None)
-        for device, keyed in itertools.groupby(keys, key=lambda key: key[1]):
-            dev = torch.device(device)
-            run = [(path, self._files[self._shards[path][0]][1], self._names(path, dev, None))
-                   for path, _ in keyed]
-            try:
-                outs = _load_many([(parsed(f), names) for _, f, names in run], dev, threads)
-            except GpuUnavailableError:
-                outs = (self._decode_batch(path, f, dev, names) for path, f, names in run)
+        dev = torch.device(device)
+        try:
+            return _load_many([(parsed(f), names) for _, f, names in run], dev,
+                              resolve(None), now=now)
+        except GpuUnavailableError:
+            return (self._decode_batch(path, f, dev, names) for path, f, names in run)
+
+    def _yielded(self, runs: list, first: Iterator[dict[str, torch.Tensor]] | None
+                 ) -> Iterator[tuple[_Key, dict[str, torch.Tensor]]]:
+        """``_decoded``'s batches, each named by its shard; ``first``: the first run's,
+        under way."""
+        for k, (device, run) in enumerate(runs):
+            outs = first if k == 0 and first is not None else self._loads(device, run)
             try:
                 for path, _, _ in run:
                     with files.named(path):
                         got = next(outs)
                     yield (path, device), got
             finally:
-                outs.close()
+                close = getattr(outs, "close", None)
+                if close is not None:
+                    close()
 
     def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
         if self._ahead is not None:  # batches decoded ahead and never asked for

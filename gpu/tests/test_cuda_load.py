@@ -182,17 +182,19 @@ def test_cuda_load_of_many_small_tensors_and_of_subsets(tmp_path, target):
 def test_from_pretrained_decodes_each_shard_in_one_gpu_batch(tmp_path, monkeypatch, target):
     """``from_pretrained(ek, device_map={"": "cuda:0"})`` of a sharded checkpoint decodes
     each shard's tensors on the GPU in one batch, every shard through one GPU load (one
-    plan thread and stager), and gives the plain load's state dict bit for bit."""
+    plan thread and stager, its first group planned and launched on the calling thread),
+    and gives the plain load's state dict bit for bit."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from entropykit import api
 
-    batches = []
+    batches, started = [], []
     real = api._load_many
 
-    def spy(jobs, device, threads):
+    def spy(jobs, device, threads, now=False):
         batches.extend((str(device), len(names)) for _, names in jobs)
-        return real(jobs, device, threads)
+        started.append(now)
+        return real(jobs, device, threads, now=now)
 
     monkeypatch.setattr(api, "_load_many", spy)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -208,6 +210,7 @@ def test_from_pretrained_decodes_each_shard_in_one_gpu_batch(tmp_path, monkeypat
     packed = transformers.AutoModelForCausalLM.from_pretrained(ek, **kw)
     shards = len(list(ek.glob("*.safetensors")))
     assert shards > 1 and [d for d, _ in batches] == ["cuda:0"] * shards
+    assert started == [True]  # its first group launched when the shards were opened
     sa, sb = plain.state_dict(), packed.state_dict()
     assert sum(n for _, n in batches) == len(sa) and sa.keys() == sb.keys()
     for k in sa:
@@ -457,12 +460,49 @@ def test_fills_submitted_ahead_in_small_groups_are_exact_and_stop(tmp_path, thre
         ek.write_bytes(whole)
 
 
-def test_one_stream_of_several_files_is_each_files_load(tmp_path):
+def test_a_load_started_under_a_side_stream_goes_on_on_another_thread(tmp_path):
+    """``stream(now=True)`` called under ``torch.cuda.stream(s)`` (the first group
+    launched there) and iterated on another thread (whose current stream is the default
+    one): every group decoded and checked on ``s``, each file exact."""
+    import threading
+
+    from entropykit import dtypes
+    from entropykit.container import files as cfiles
+    from entropykit.container import source
+    from entropykit.container.cuda.load import stream
+    from entropykit.container.reader import Compressed
+
+    paths = []
+    for k, model in enumerate((_many_small(), _staged_model(2))):
+        orig, ek = tmp_path / f"m{k}.safetensors", tmp_path / f"m{k}.ek.safetensors"
+        safetensors.torch.save_file(model, orig)
+        cfiles.compress_file(orig, ek, segment_bytes=1 << 16, target="gpu")
+        paths.append(ek)
+    wants = [entropykit.load_file(p) for p in paths]
+    side = torch.cuda.Stream()
+    got: list = []
+    with source.FileBytes(paths[0]) as a, source.FileBytes(paths[1]) as b:
+        with torch.cuda.stream(side):
+            made = stream([(Compressed(a), None), (Compressed(b), None)], "cuda",
+                          dtypes.torch_types(), 4, group_bytes=1 << 16, now=True)
+        t = threading.Thread(target=lambda: got.extend(made))
+        t.start()
+        t.join()
+    assert len(got) == 2
+    for want, out in zip(wants, got, strict=True):
+        assert list(out) == list(want)
+        for k in out:
+            assert torch.equal(out[k].cpu().reshape(-1).view(torch.uint8),
+                               want[k].reshape(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("now", [False, True])
+def test_one_stream_of_several_files_is_each_files_load(tmp_path, now):
     """Several files (and subsets) through one ``load.stream`` (one stager, one planning
     thread that plans on into the next file), in groups cut small: each is its CPU load
     bit for bit, the fill threads are the stager's few for every file; a damaged file
     later in the stream raises its error after the ones before it were yielded, and the
-    threads stop."""
+    threads stop; the same with ``now`` (the first group launched at the call)."""
     import threading
 
     from entropykit import CorruptDataError, dtypes
@@ -491,7 +531,8 @@ def test_one_stream_of_several_files_is_each_files_load(tmp_path):
                 (files[1], None)]
         seconds: dict[str, float] = {}
         got = []
-        for out in stream(jobs, "cuda", types, 4, group_bytes=1 << 16, seconds=seconds):
+        made = stream(jobs, "cuda", types, 4, group_bytes=1 << 16, seconds=seconds, now=now)
+        for out in made:
             assert len(threads_named("entropykit-fill")) <= 4
             got.append(out)
         assert not threads_named("entropykit-fill") and not threads_named("entropykit-plan")
@@ -510,7 +551,7 @@ def test_one_stream_of_several_files_is_each_files_load(tmp_path):
         entropykit.load_file(bad)  # the CPU load fails too
     with source.FileBytes(paths[0]) as a, source.FileBytes(bad) as b:
         made = stream([(Compressed(a), None), (Compressed(b), None)], "cuda", types, 4,
-                      group_bytes=1 << 16)
+                      group_bytes=1 << 16, now=now)
         first = next(made)
         assert list(first) == list(wants[0])
         with pytest.raises(CorruptDataError):

@@ -18,15 +18,17 @@ fields ahead). The kernels' statuses are read once at the
 end: ``CorruptDataError`` names the tensor, segment, field (and chunk), a failed CRC
 before a failed decode. ``stream`` loads several files in a row the same way through one
 stager and one planning thread (a checkpoint's shards bound for one device), each file's
-launches checked before its tensors are handed out.
+launches checked before its tensors are handed out; it may plan and launch the first
+group at the call and go on on another thread (all of a load on one CUDA stream).
 What it is not: the decision of what goes where (``fileplan.py``), the staging layout
 (``_staging.py``) or the decoder (``rans.cuda``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +110,7 @@ def _pinned(n: int) -> torch.Tensor:
     """A pinned buffer of ``n`` bytes and a quarter more: groups differ in size by up to a
     segment, and a larger one would need a new buffer (page-locking a fresh one costs
     more than filling it)."""
-    return torch.empty(n + n // 4, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(n + n // 4, dtype=torch.uint8, device="cpu", pin_memory=True)
 
 
 class Stager:
@@ -126,6 +128,10 @@ class Stager:
         self.slots: list[_Slot] = []
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(device)
+        # Every step runs on the stream current where the load was started (``_one``), not
+        # on that of whichever thread takes it (``stream(now=True)`` starts a load on one
+        # thread and goes on on another; torch's current stream is per thread)
+        self.stream = torch.cuda.current_stream(device)
         self.checks: list[tuple[torch.Tensor, list[tuple[Origins, int, int]]]] = []
         self.crcs: list[tuple[torch.Tensor, Staging]] = []  # status (and accumulators)
         self.seconds = {"slot_wait": 0.0, "fill": 0.0, "fill_wait": 0.0, "launch": 0.0,
@@ -180,7 +186,7 @@ class Stager:
         with torch.cuda.stream(self.copy_stream):
             slot.dev[: st.size].copy_(slot.host[: st.size], non_blocking=True)
         slot.copied.record(self.copy_stream)
-        cur = torch.cuda.current_stream()
+        cur = self.stream
         cur.wait_event(slot.copied)
         dev0, pay0 = slot.dev.data_ptr(), slot.payload.data_ptr()
         kernels = _relayouts(dev0 + st.moves_at, len(st.moves), dev0, pay0)
@@ -256,14 +262,41 @@ def load(c: Compressed, device: Any, dtypes: Mapping[str, torch.dtype],
 def stream(jobs: Iterable[tuple[Compressed, Collection[str] | None]], device: Any,
            dtypes: Mapping[str, torch.dtype], threads: int, *, warps: int = WARPS,
            group_bytes: int = fileplan.GROUP_BYTES,
-           seconds: dict[str, float] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+           seconds: dict[str, float] | None = None,
+           now: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """``load`` of each job (a compressed file, and the names wanted of it or None for
     all), one after another through one ``Stager`` (its fill threads and staging
     buffers) and one planning thread, which plans on into the next file while this one's
     last groups are filled and decoded: a file's tensors are allocated when its turn
     comes (after the one before is handed out) and yielded once its launches are
     checked. ``seconds`` holds the running totals (``load``'s, and ``busy``: the host
-    time spent in the steps)."""
+    time spent in the steps). ``now``: the first file's first group is planned, staged
+    and launched before this returns, on the calling thread, and the rest on the thread
+    that asks for the files (a caller about to start threads of its own that run Python
+    gets the plan done before they compete with it for the GIL); an error doing so is
+    raised when the first file is asked for."""
+    loads = _stream(jobs, device, dtypes, threads, warps, group_bytes, seconds, now)
+    if now:
+        try:
+            next(loads)  # the pause after the first group's launch
+        except Exception as e:  # noqa: BLE001 -- raised where the file is asked for
+            return _raising(e)
+    return loads
+
+
+def _raising(e: Exception) -> Iterator[dict[str, torch.Tensor]]:
+    raise e
+    yield  # a generator: raises when first asked
+
+
+_PAUSE = None  # what ``_stream`` yields once, when ``now``, after the first launch
+
+
+def _stream(jobs: Iterable[tuple[Compressed, Collection[str] | None]], device: Any,
+            dtypes: Mapping[str, torch.dtype], threads: int, warps: int, group_bytes: int,
+            seconds: dict[str, float] | None, now: bool
+            ) -> Iterator[dict[str, torch.Tensor] | None]:
+    """``stream``'s files, after one ``_PAUSE`` where ``now``."""
     dev = cuda_device(device)
     picked: list[tuple[Compressed, list]] = []  # each job's entries, as the planner takes them
 
@@ -296,8 +329,16 @@ def stream(jobs: Iterable[tuple[Compressed, Collection[str] | None]], device: An
             if first is None:
                 return
             c, entries = picked[j]
-            with torch.cuda.device(dev):
-                out, w = _one(stager, planned, first, j, c, entries, dtypes)
+            steps = _one(stager, planned, first, j, c, entries, dtypes, now and j == 0)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    out, w = done.value
+                    break
+                busy += time.perf_counter() - t0
+                yield _PAUSE
+                t0 = time.perf_counter()
             wait += w
             j += 1
             busy += time.perf_counter() - t0
@@ -311,12 +352,25 @@ def stream(jobs: Iterable[tuple[Compressed, Collection[str] | None]], device: An
 
 def _one(stager: Stager, planned: Iterator[tuple[int, fileplan.Group | None]],
          first: tuple[int, fileplan.Group | None], j: int, c: Compressed, entries: list,
-         dtypes: Mapping[str, torch.dtype]) -> tuple[dict[str, torch.Tensor], float]:
+         dtypes: Mapping[str, torch.dtype], pause: bool
+         ) -> Generator[None, None, tuple[dict[str, torch.Tensor], float]]:
     """Job ``j``'s tensors (file ``c``, ``entries`` of it): its groups from ``planned``
-    (``first`` already taken) staged, sent and checked; and the seconds spent waiting
-    for the planner."""
+    (``first`` already taken) staged, sent and checked; returned with the seconds spent
+    waiting for the planner. ``pause``: yields once, after its first group's launch
+    (before its check if it has none), outside any device context, so that the rest
+    may run on another thread."""
     dev = stager.device
-    out = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=dev) for e in entries}
+
+    def on() -> contextlib.ExitStack:
+        """The load's device and stream current (see ``Stager.stream``)."""
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(torch.cuda.device(dev))
+        ctx.enter_context(torch.cuda.stream(stager.stream))
+        return ctx
+
+    with on():
+        out = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=dev)
+               for e in entries}
     flat = [out[e.name].reshape(-1) for e in entries]
 
     def views(k: int, bf16: bool) -> torch.Tensor:
@@ -329,14 +383,21 @@ def _one(stager: Stager, planned: Iterator[tuple[int, fileplan.Group | None]],
         if item is None or item[0] != j:  # the planner ended early
             raise RuntimeError("entropykit: the GPU load's plan lost its place")
         group = item[1]
-        staged = None if group is None else stager.stage(group, views, c.source)
-        if pending is not None:
-            stager.send(pending)  # its fill done while this one's starts
+        with on():
+            staged = None if group is None else stager.stage(group, views, c.source)
+            if pending is not None:
+                stager.send(pending)  # its fill done while this one's starts
+        if pending is not None and pause:
+            pause = False
+            yield
         if staged is None:
             break
         pending = staged
         t = time.perf_counter()
         item = next(planned, None)  # planned while the last group is filled
         wait += time.perf_counter() - t
-    stager.check()
+    if pause:
+        yield
+    with on():
+        stager.check()
     return out, wait
