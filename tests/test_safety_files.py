@@ -255,7 +255,7 @@ def test_sigterm_and_sighup_remove_temporaries(big: Path, ckpt: Path, tmp_path: 
         p.send_signal(sig)
         _, err = p.communicate(timeout=60)
         ready.unlink()
-        assert p.returncode == 128 + sig
+        assert p.returncode == 128 + sig, err  # stderr shows where a signal went
         assert err == f"entropykit: terminated by {sig.name}\n"
         assert sorted(os.listdir(tmp_path)) == listing and _temps(tmp_path) == []
 
