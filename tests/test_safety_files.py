@@ -198,10 +198,13 @@ def test_dev_null_is_written_into(ckpt: Path, tmp_path: Path, no_replacing_devic
 # 4. Signals: SIGTERM and SIGHUP like SIGINT; a SIGKILLed run's temporaries removed later.
 
 _SLOW_RUN = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
 import entropykit.cli as cli
 ready = Path(sys.argv[1])
+# The run starts as from a terminal: a parent under nohup passes SIGHUP ignored, and the
+# command line keeps an ignored SIGHUP ignored (nohup's choice).
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 def hook(done, total):
     ready.touch()
