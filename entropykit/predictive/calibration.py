@@ -542,6 +542,36 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
             bar.close()
 
 
+_Pass = tuple[int, list, dict, dict, dict]
+
+
+def _forward(target: torch.nn.Module, predictor: Predictor, prompt: Any,
+             formats: Sequence[str]) -> _Pass:
+    """One prompt's forward passes (target and predictor) and what calibration keeps of
+    them: (tokens, the cache's shapes, per format ("bf16" and ``formats``) its values per
+    group with KV, the guesses per group, per format its key counts per group)."""
+    ids = torch.as_tensor(prompt).reshape(1, -1)
+    with torch.inference_mode():
+        out = target(ids.to(model_device(target)), use_cache=True, **_cache_only(target))
+        cache = from_transformers(output_cache(out))
+    guess = predictor.predict(ids)
+    shapes = cache.shapes
+    live = [g for g, sh in enumerate(shapes) if sh is not None]
+    values: dict[str, dict[int, np.ndarray]] = {f: {} for f in ("bf16", *formats)}
+    guesses: dict[int, np.ndarray] = {}
+    keys: dict[str, dict[int, np.ndarray]] = {f: {} for f in formats}
+    for g in live:
+        layer, kv = divmod(g, 2)
+        x = cache.real(layer, kv).cpu()
+        guesses[g] = (np.zeros(x.shape, np.float32) if guess is None
+                      else aligned_guess(guess, layer, kv, shapes[g]).cpu().numpy())
+        for f in values:
+            values[f][g] = (x if f == "bf16" else _as_format(x, f)).numpy()
+        for f in formats:
+            keys[f][g] = _key_counts(x, f)
+    return ids.shape[1], shapes, values, guesses, keys
+
+
 def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any],
                formats: Sequence[str], report: Progress | None, threads: int) -> Calibration:
     xs: dict[str, Groups] = {}
@@ -556,14 +586,10 @@ def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any]
         if report is not None:
             report(*steps)
 
-    for prompt in prompts:
-        ids = torch.as_tensor(prompt).reshape(1, -1)
-        tokens += ids.shape[1]
-        with torch.inference_mode():
-            out = target(ids.to(model_device(target)), use_cache=True, **_cache_only(target))
-            cache = from_transformers(output_cache(out))
-        guess = predictor.predict(ids)
-        shapes = cache.shapes
+    def add(seen: _Pass) -> None:
+        nonlocal dims, ps, xs, counts, tokens
+        size, shapes, values, guesses, keys = seen
+        tokens += size
         got = [None if sh is None else (sh[1], sh[3]) for sh in shapes]
         if dims is None:
             dims = got
@@ -580,15 +606,25 @@ def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any]
             raise ValueError("the prompts' caches differ in layout (kv heads or head dim of "
                              "some layer)")
         for g in ps:
-            layer, kv = divmod(g, 2)
-            x = cache.real(layer, kv).cpu()
-            ps[g].append(np.zeros(x.shape, np.float32) if guess is None
-                         else aligned_guess(guess, layer, kv, shapes[g]).cpu().numpy())
+            ps[g].append(guesses[g])
             for f in xs:
-                xs[f][g].append((x if f == "bf16" else _as_format(x, f)).numpy())
+                xs[f][g].append(values[f][g])
             for f in formats:
-                counts[f][g] = counts[f][g] + _key_counts(x, f)
+                counts[f][g] = counts[f][g] + keys[f][g]
         tick()
+
+    def run(prompt: Any) -> _Pass:
+        return _forward(target, predictor, prompt, formats)
+
+    # Each prompt's passes on one torch thread (their floats would otherwise depend on
+    # torch's thread count), prompts side by side; the first alone, so a model over the
+    # caps is refused before the others run. On an accelerator, one prompt at a time.
+    side = threads if model_device(target).type == "cpu" else 1
+    with residual.one_thread():
+        if prompts:
+            add(run(prompts[0]))
+        for seen in imap(run, prompts[1:], side):
+            add(seen)
     if dims is None:
         raise ValueError("calibrate needs at least one prompt")
     layers = len(dims) // 2
