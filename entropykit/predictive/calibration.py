@@ -525,11 +525,12 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
     ``progress``: a progress line on stderr (None: where stderr is a terminal; True:
     always; False: never) or a callable given (steps done, steps in all): one step a
     prompt, then one a (layer, k/v, format) fit of each group with KV. ``ValueError``
-    before anything runs past the first prompt where the calibration file would exceed
-    the format's caps (``file_bytes``). ``threads``: the (layer, k/v) fits run side by
-    side on this many threads (None: ``ENTROPYKIT_THREADS`` or every core), each fit on
-    one thread of torch and of numpy's BLAS (the forward passes on torch's own count);
-    the result is the same for any count.
+    before any prompt's forward pass runs (the layout comes from a pass of one token)
+    where the calibration file would exceed the format's caps (``file_bytes``).
+    ``threads``: the prompts' forward passes (target and predictor; of a model on the
+    CPU), then the (layer, k/v) fits, run side by side on this many threads (None:
+    ``ENTROPYKIT_THREADS`` or every core), each on one thread of torch and of numpy's
+    BLAS: the file is the same for any count of these threads and of torch's.
     """
     if not formats or any(f not in FORMATS for f in formats):
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}")
@@ -542,55 +543,82 @@ def calibrate(target: torch.nn.Module, predictor: Predictor, prompts: Iterable[A
             bar.close()
 
 
+_Pass = tuple[int, list, dict, dict, dict]
+
+
+def _forward(target: torch.nn.Module, predictor: Predictor, prompt: Any,
+             formats: Sequence[str]) -> _Pass:
+    """One prompt's forward passes (target and predictor) and what calibration keeps of
+    them: (tokens, the cache's shapes, per format ("bf16" and ``formats``) its values per
+    group with KV, the guesses per group, per format its key counts per group)."""
+    ids = torch.as_tensor(prompt).reshape(1, -1)
+    with torch.inference_mode():
+        out = target(ids.to(model_device(target)), use_cache=True, **_cache_only(target))
+        cache = from_transformers(output_cache(out))
+    guess = predictor.predict(ids)
+    shapes = cache.shapes
+    live = [g for g, sh in enumerate(shapes) if sh is not None]
+    values: dict[str, dict[int, np.ndarray]] = {f: {} for f in ("bf16", *formats)}
+    guesses: dict[int, np.ndarray] = {}
+    keys: dict[str, dict[int, np.ndarray]] = {f: {} for f in formats}
+    for g in live:
+        layer, kv = divmod(g, 2)
+        x = cache.real(layer, kv).cpu()
+        guesses[g] = (np.zeros(x.shape, np.float32) if guess is None
+                      else aligned_guess(guess, layer, kv, shapes[g]).cpu().numpy())
+        for f in values:
+            values[f][g] = (x if f == "bf16" else _as_format(x, f)).numpy()
+        for f in formats:
+            keys[f][g] = _key_counts(x, f)
+    return ids.shape[1], shapes, values, guesses, keys
+
+
 def _calibrate(target: torch.nn.Module, predictor: Predictor, prompts: list[Any],
                formats: Sequence[str], report: Progress | None, threads: int) -> Calibration:
-    xs: dict[str, Groups] = {}
-    ps: Groups = {}
-    counts: dict[str, dict[int, np.ndarray]] = {}
-    dims: list | None = None
+    if not prompts:
+        raise ValueError("calibrate needs at least one prompt")
+    # The layout from one token of the first prompt: a model over the caps is refused
+    # before any pass of the prompts runs.
+    with residual.one_thread(), torch.inference_mode():
+        ids = torch.as_tensor(prompts[0]).reshape(1, -1)[:, :1]
+        shapes = from_transformers(output_cache(target(
+            ids.to(model_device(target)), use_cache=True, **_cache_only(target)))).shapes
+    dims = [None if sh is None else (sh[1], sh[3]) for sh in shapes]
+    too_big = _cap_error(len(dims) // 2, max(map(_width, dims)),
+                         _expected(len(dims) // 2, dims, (), formats))
+    if too_big is not None:
+        raise ValueError(f"a calibration of this model would hold {too_big}")
+    live = [g for g, d in enumerate(dims) if d is not None]
+    steps = [0, len(prompts) + len(live) * len(formats)]
+    ps: Groups = {g: [] for g in live}
+    xs: dict[str, Groups] = {f: {g: [] for g in live} for f in ("bf16", *formats)}
+    counts: dict[str, dict[int, np.ndarray]] = {f: dict.fromkeys(live, 0) for f in formats}
     tokens = 0
-    steps = [0, len(prompts)]
 
     def tick() -> None:
         steps[0] += 1
         if report is not None:
             report(*steps)
 
-    for prompt in prompts:
-        ids = torch.as_tensor(prompt).reshape(1, -1)
-        tokens += ids.shape[1]
-        with torch.inference_mode():
-            out = target(ids.to(model_device(target)), use_cache=True, **_cache_only(target))
-            cache = from_transformers(output_cache(out))
-        guess = predictor.predict(ids)
-        shapes = cache.shapes
-        got = [None if sh is None else (sh[1], sh[3]) for sh in shapes]
-        if dims is None:
-            dims = got
-            too_big = _cap_error(len(dims) // 2, max(map(_width, dims)),
-                                 _expected(len(dims) // 2, dims, (), formats))
-            if too_big is not None:
-                raise ValueError(f"a calibration of this model would hold {too_big}")
-            live = [g for g, sh in enumerate(shapes) if sh is not None]
-            steps[1] += len(live) * len(formats)
-            ps = {g: [] for g in live}
-            xs = {f: {g: [] for g in live} for f in ("bf16", *formats)}
-            counts = {f: dict.fromkeys(live, 0) for f in formats}
-        elif got != dims:
-            raise ValueError("the prompts' caches differ in layout (kv heads or head dim of "
-                             "some layer)")
-        for g in ps:
-            layer, kv = divmod(g, 2)
-            x = cache.real(layer, kv).cpu()
-            ps[g].append(np.zeros(x.shape, np.float32) if guess is None
-                         else aligned_guess(guess, layer, kv, shapes[g]).cpu().numpy())
-            for f in xs:
-                xs[f][g].append((x if f == "bf16" else _as_format(x, f)).numpy())
-            for f in formats:
-                counts[f][g] = counts[f][g] + _key_counts(x, f)
-        tick()
-    if dims is None:
-        raise ValueError("calibrate needs at least one prompt")
+    def run(prompt: Any) -> _Pass:
+        return _forward(target, predictor, prompt, formats)
+
+    # Each prompt's passes on one torch thread (their floats would otherwise depend on
+    # torch's thread count), prompts side by side; on an accelerator, one at a time.
+    side = threads if model_device(target).type == "cpu" else 1
+    with residual.one_thread():
+        for size, shapes, values, guesses, keys in imap(run, prompts, side):
+            if [None if sh is None else (sh[1], sh[3]) for sh in shapes] != dims:
+                raise ValueError("the prompts' caches differ in layout (kv heads or head "
+                                 "dim of some layer)")
+            tokens += size
+            for g in live:
+                ps[g].append(guesses[g])
+                for f in xs:
+                    xs[f][g].append(values[f][g])
+                for f in formats:
+                    counts[f][g] = counts[f][g] + keys[f][g]
+            tick()
     layers = len(dims) // 2
     layout = np.array([d or (0, 0) for d in dims], np.int32).reshape(layers, 2, 2)
     x16 = {g: np.concatenate(a, axis=2) for g, a in xs["bf16"].items()}

@@ -23,6 +23,7 @@ transformers' ``Conv1D`` (GPT-2) weights.
 from __future__ import annotations
 
 import copy
+import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -191,11 +192,17 @@ class EarlyExitPredictor(Predictor):
     def predict(self, input_ids: torch.Tensor) -> Prediction:
         layers = self.layers
         captured: dict[str, torch.Tensor] = {}
+        # The hooks are the shared layers': passes of the target (or other guesses) that
+        # run side by side on other threads must go through them untouched.
+        mine = threading.get_ident()
 
         def keep(module: nn.Module, args: Any, output: Any) -> None:
-            captured["h"] = output[0] if isinstance(output, tuple) else output
+            if threading.get_ident() == mine:
+                captured["h"] = output[0] if isinstance(output, tuple) else output
 
         def replace(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if threading.get_ident() != mine:
+                return args, kwargs
             if args:
                 return (captured["h"], *args[1:]), kwargs
             if "hidden_states" not in kwargs:
