@@ -18,6 +18,7 @@ import argparse
 import collections
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,12 @@ def main() -> int:
             left = [n for n in os.listdir(d) if n not in ("big.safetensors", "o.ek")]
             if left:
                 counts["temporaries left"] += 1
+                for name in left:  # counted once, not again after every later run
+                    here = Path(d) / name
+                    if here.is_dir():
+                        shutil.rmtree(here)
+                    else:
+                        here.unlink()
             if kind not in ("honoured", "killed", "too late") or "Exception ignored" in err or left:
                 print(f"run {i}: delay {delay:.3f}s: {kind}; left {left}\n{err}", flush=True)
     print(dict(counts))
