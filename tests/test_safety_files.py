@@ -262,7 +262,8 @@ def test_sigterm_and_sighup_remove_temporaries(big: Path, ckpt: Path, tmp_path: 
 
 # The handler's raise lost where the main thread was when the signal came: inside a
 # finalizer (printed as "Exception ignored" and dropped), or turned into another error (as
-# a C extension may do). The handler ignores later signals, so only its record stops the run.
+# a C extension may do). The handler ignores later signals, so only its record stops the
+# run: at the next segment or file, or ("at the end") before the output is renamed.
 _LOST_RUN = """
 import os, signal, sys
 import entropykit.cli as cli
@@ -280,10 +281,10 @@ class Finalized:
 
 class Bar:
     def __call__(self, done, total):
-        if sent:
+        if sent or (how.endswith("at the end") and done < total):
             return
         sent.append(True)
-        if how == "finalizer":
+        if how.startswith("finalizer"):
             Finalized()
         else:
             try:
@@ -300,7 +301,8 @@ sys.exit(cli.main(sys.argv[3:]))
 
 @pytest.mark.parametrize(("how", "sig", "directory"), [
     ("finalizer", signal.SIGHUP, False), ("finalizer", signal.SIGTERM, True),
-    ("error", signal.SIGHUP, False)])
+    ("finalizer at the end", signal.SIGHUP, False),
+    ("finalizer at the end", signal.SIGTERM, True), ("error", signal.SIGHUP, False)])
 def test_a_signal_whose_raise_is_lost_still_stops_the_run(
         big: Path, ckpt: Path, tmp_path: Path, how: str, sig: signal.Signals,
         directory: bool) -> None:

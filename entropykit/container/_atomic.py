@@ -753,7 +753,6 @@ def _install(tmp: Path, dst: Path) -> None:
                 (dst / rel / d).mkdir(exist_ok=True)
         for name in sorted(names):
             _installable(dst, rel / name)
-            _publishing()
             os.replace(Path(top) / name, dst / rel / name)
 
 
@@ -801,6 +800,7 @@ def output_dir(dst: Path, force: bool = False, names: Iterable[Path] = ()
             _publishing()
             os.rename(tmp, dst)
         else:
+            _publishing()  # once: the files then replace their namesakes one by one
             _install(tmp, dst)
             shutil.rmtree(tmp)
     except BaseException:
