@@ -537,7 +537,9 @@ def _signals() -> Iterator[None]:
         raise _Signalled(signum)
 
     def unraisable(u: sys.UnraisableHookArgs) -> None:
-        if not isinstance(u.exc_value, _Signalled):  # that one is kept in _caught
+        # The handler's own raise is kept in _caught; after it, the finalizers of objects
+        # it left half-built (an extension's) may fail too: the one line says why.
+        if not _caught:
             hook(u)
 
     _caught.clear()
