@@ -174,14 +174,17 @@ def _code(args: argparse.Namespace, verb: str) -> int:
     to_stdout = _check_plan(args)
     worst = EXIT_OK
     for path in args.path:
+        _raise_caught()
         try:
             _code_one(args, verb, path, to_stdout)
         except (_Usage, FileExistsError, files.OutputRefused) as e:
+            _raise_caught()
             _error(e)
             worst = max(worst, EXIT_USAGE)
         except BrokenPipeError:
             raise
         except (ValueError, OSError) as e:  # CorruptDataError is a ValueError
+            _raise_caught()
             _error(e)
             worst = max(worst, EXIT_DATA)
     return worst
@@ -228,6 +231,7 @@ def _code_one(args: argparse.Namespace, verb: str, path: str, to_stdout: bool) -
     if args.rm:
         original, packed = (src, dst) if compress else (dst, src)
         files.verify_file(packed, original, threads=args.threads)
+        _raise_caught()  # an interrupted run keeps its input
         src.unlink()
         if args.verbose and not args.quiet:
             print(f"removed {src} (its output {dst} verified against it)", file=sys.stderr)
@@ -240,7 +244,7 @@ def _options(args: argparse.Namespace, compress: bool) -> dict[str, object]:
 def _with_bar(args: argparse.Namespace, label: str, work: Callable) -> Summary:
     bar = _progress(args, label)
     try:
-        return work(bar)
+        return work(_Checked(bar))
     finally:
         if bar is not None:
             bar.close()
@@ -447,14 +451,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    saved = _on_signals()
+    with _signals():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = _warn
-            code = args.func(args)
-            sys.stdout.flush()  # a closed pipe shows here, not at exit
-            return code
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = _warn
+                code = args.func(args)
+                sys.stdout.flush()  # a closed pipe shows here, not at exit
+        except BaseException:
+            _raise_caught()  # whatever the error became, a signal is why the run stopped
+            raise
+        _raise_caught()  # never exit 0 after a signal
+        return code
     except BrokenPipeError:
         raise
     except (_Usage, FileExistsError, files.OutputRefused) as e:
@@ -469,9 +482,6 @@ def _main(args: argparse.Namespace) -> int:
     except _Signalled as e:
         print(f"entropykit: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
 
 
 def _warn(message: Warning | str, *args: object, **kwargs: object) -> None:
@@ -479,24 +489,73 @@ def _warn(message: Warning | str, *args: object, **kwargs: object) -> None:
     print(f"entropykit: warning: {message}", file=sys.stderr)
 
 
-def _on_signals() -> dict[int, object]:
+# The signal the handler raised for, kept: its raise may be lost where the main thread
+# happened to be (a finalizer or __del__ prints and drops it, a C extension may clear
+# it), and the handler, now ignoring the signals, will not raise again.
+_caught: list[int] = []
+
+
+def _raise_caught() -> None:
+    """Raise ``_Signalled`` if a signal came: called at safe points (each segment and file,
+    before an output is published, before the run reports success)."""
+    if _caught and threading.current_thread() is threading.main_thread():
+        raise _Signalled(_caught[0])
+
+
+class _Checked:
+    """A progress callback (around ``bar``, if any) that is also such a safe point."""
+
+    def __init__(self, bar: Bar | None) -> None:
+        self.bar = bar
+
+    def __call__(self, done: int, total: int) -> None:
+        _raise_caught()
+        if self.bar is not None:
+            self.bar(done, total)
+
+    def start_file(self, name: str, size: int) -> None:
+        _raise_caught()
+        start = getattr(self.bar, "start_file", None)
+        if start is not None:
+            start(name, size)
+
+
+@contextmanager
+def _signals() -> Iterator[None]:
     """Make SIGHUP and SIGTERM unwind like SIGINT (once: a second one during the clean-up
-    is ignored, so the clean-up finishes), unless already ignored; returns the handlers
-    to restore."""
-    saved: dict[int, object] = {}
+    is ignored, so the clean-up finishes), unless already ignored; the handlers are
+    restored when the block exits."""
     if threading.current_thread() is not threading.main_thread():
-        return saved  # signals are delivered to the main thread only
+        yield  # signals are delivered to the main thread only
+        return
+    saved: dict[int, object] = {}
 
     def handler(signum: int, frame: object) -> None:
         for s in saved:
             signal.signal(s, signal.SIG_IGN)
+        _caught.append(signum)
         raise _Signalled(signum)
 
-    for name in _SIGNALS:
-        signum = getattr(signal, name)
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's choice stands
-            saved[signum] = signal.signal(signum, handler)
-    return saved
+    def unraisable(u: sys.UnraisableHookArgs) -> None:
+        # The handler's own raise is kept in _caught; after it, the finalizers of objects
+        # it left half-built (an extension's) may fail too: the one line says why.
+        if not _caught:
+            hook(u)
+
+    _caught.clear()
+    hook = sys.unraisablehook
+    sys.unraisablehook = unraisable
+    try:
+        for name in _SIGNALS:
+            signum = getattr(signal, name)
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's choice stands
+                saved[signum] = signal.signal(signum, handler)
+        with _atomic.publish_check(_raise_caught):
+            yield
+    finally:
+        for signum, old in saved.items():
+            signal.signal(signum, old)
+        sys.unraisablehook = hook
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -263,6 +263,63 @@ def test_sigterm_and_sighup_remove_temporaries(big: Path, ckpt: Path, tmp_path: 
         assert sorted(os.listdir(tmp_path)) == listing and _temps(tmp_path) == []
 
 
+# The handler's raise lost where the main thread was when the signal came: inside a
+# finalizer (printed as "Exception ignored" and dropped), or turned into another error (as
+# a C extension may do). The handler ignores later signals, so only its record stops the
+# run: at the next segment or file, or ("at the end") before the output is renamed.
+_LOST_RUN = """
+import os, signal, sys
+import entropykit.cli as cli
+how, sig = sys.argv[1], int(sys.argv[2])
+sent = []
+
+def signalled():
+    os.kill(os.getpid(), sig)
+    while signal.getsignal(sig) is not signal.SIG_IGN:  # until the handler has run
+        pass
+
+class Finalized:
+    def __del__(self):
+        signalled()
+
+class Bar:
+    def __call__(self, done, total):
+        if sent or (how.endswith("at the end") and done < total):
+            return
+        sent.append(True)
+        if how.startswith("finalizer"):
+            Finalized()
+        else:
+            try:
+                signalled()
+            except cli._Signalled as e:
+                raise ValueError("an extension's own error") from e
+    def start_file(self, name, size): pass
+    def close(self): pass
+
+cli._progress = lambda args, label: Bar()
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize(("how", "sig", "directory"), [
+    ("finalizer", signal.SIGHUP, False), ("finalizer", signal.SIGTERM, True),
+    ("finalizer at the end", signal.SIGHUP, False),
+    ("finalizer at the end", signal.SIGTERM, True), ("error", signal.SIGHUP, False)])
+def test_a_signal_whose_raise_is_lost_still_stops_the_run(
+        big: Path, ckpt: Path, tmp_path: Path, how: str, sig: signal.Signals,
+        directory: bool) -> None:
+    src, out = (ckpt, tmp_path / "dir.ek") if directory else (big, tmp_path / "o.ek")
+    listing = sorted(os.listdir(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", _LOST_RUN, how, str(int(sig)), "compress",
+                        str(src), "-o", str(out), "--threads", "1"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 128 + sig, p.stderr
+    assert p.stderr == f"entropykit: terminated by {sig.name}\n"
+    assert sorted(os.listdir(tmp_path)) == listing and _temps(tmp_path) == []
+
+
 def test_sigkilled_run_temporaries_removed_by_the_next_run(
         big: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o.ek"

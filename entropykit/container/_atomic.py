@@ -65,6 +65,27 @@ _GROUP_BYTES = 8 << 20  # bytes of queued writes written in one writev call, abo
 _WAKE_BYTES = 2 << 20
 
 
+# Run before each rename or copy that makes an output visible under its final name: one
+# may raise to keep the output unpublished (the command line's check for a signal whose
+# handler's raise was lost, e.g. inside a finalizer).
+_before_publish: list[Callable[[], None]] = []
+
+
+@contextmanager
+def publish_check(check: Callable[[], None]) -> Iterator[None]:
+    """Call ``check`` before each output is published while the block runs."""
+    _before_publish.append(check)
+    try:
+        yield
+    finally:
+        _before_publish.remove(check)
+
+
+def _publishing() -> None:
+    for check in _before_publish:
+        check()
+
+
 _POOL_IDLE = 32  # idle threads kept; more than this at once (many files written in
 # parallel) exit when their file is done
 
@@ -640,6 +661,7 @@ def _spooled(copy: Callable[[BinaryIO], None]) -> Iterator[BinaryIO]:
         with _writer(spool, False) as out:
             yield out  # type: ignore[misc]
         spool.seek(0)
+        _publishing()
         copy(spool)
 
 
@@ -677,6 +699,7 @@ def output_file(dst: Path | Stream, force: bool = False, *, sweep: bool = True
             yield out  # type: ignore[misc]
         if check_target(dst, force):  # someone may have created it meanwhile
             raise OutputRefused(f"{dst}: became a FIFO or device while writing")
+        _publishing()
         os.replace(tmp, dst)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -774,8 +797,10 @@ def output_dir(dst: Path, force: bool = False, names: Iterable[Path] = ()
         if mode is None:
             if os.path.lexists(dst):
                 raise FileExistsError(f"{dst}: output appeared while writing; not replaced")
+            _publishing()
             os.rename(tmp, dst)
         else:
+            _publishing()  # once: the files then replace their namesakes one by one
             _install(tmp, dst)
             shutil.rmtree(tmp)
     except BaseException:
