@@ -197,14 +197,18 @@ def test_dev_null_is_written_into(ckpt: Path, tmp_path: Path, no_replacing_devic
 
 # 4. Signals: SIGTERM and SIGHUP like SIGINT; a SIGKILLed run's temporaries removed later.
 
-_SLOW_RUN = """
-import signal, sys, time
+# Each child run starts as from a terminal: a parent under nohup passes SIGHUP ignored,
+# and the command line keeps an ignored SIGHUP ignored (nohup's choice).
+_FROM_TERMINAL = """
+import signal
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+"""
+
+_SLOW_RUN = _FROM_TERMINAL + """
+import sys, time
 from pathlib import Path
 import entropykit.cli as cli
 ready = Path(sys.argv[1])
-# The run starts as from a terminal: a parent under nohup passes SIGHUP ignored, and the
-# command line keeps an ignored SIGHUP ignored (nohup's choice).
-signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 def hook(done, total):
     ready.touch()
@@ -267,7 +271,7 @@ def test_sigterm_and_sighup_remove_temporaries(big: Path, ckpt: Path, tmp_path: 
 # finalizer (printed as "Exception ignored" and dropped), or turned into another error (as
 # a C extension may do). The handler ignores later signals, so only its record stops the
 # run: at the next segment or file, or ("at the end") before the output is renamed.
-_LOST_RUN = """
+_LOST_RUN = _FROM_TERMINAL + """
 import os, signal, sys
 import entropykit.cli as cli
 how, sig = sys.argv[1], int(sys.argv[2])
