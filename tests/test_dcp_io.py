@@ -109,6 +109,20 @@ def _equal(a: dict, b: dict) -> bool:
                if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
+def _saved(path, **writer) -> dict:
+    """``_state()``, saved at ``path`` by one process (``writer``: the writer's options)."""
+    sd = _state()
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(path, **writer), no_dist=True)
+    return sd
+
+
+def _loads_back(path, sd: dict) -> None:
+    """``sd`` loaded from the checkpoint at ``path`` into zeros is ``sd``, bit for bit."""
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(path), no_dist=True)
+    assert _equal(sd, got)
+
+
 class _Counting(ekdcp.CompressedStorageWriter):
     """Counts the shard files open at once (coding, or coded and waiting to be closed);
     ``fail`` names one that fails, ``at`` says where: on opening, or on closing once
@@ -184,9 +198,7 @@ def test_a_rank_writes_its_files_at_once_one_coding_thread_each(tmp_path, monkey
     assert len(shards) == 7 and all(ekdcp._SHARD.fullmatch(n) for n in shards)
     assert coding.most == w.most == 7  # 8 threads: every file at once
     assert [t for _, t in coding.calls] == [1] * 7
-    got = _zeros(sd)
-    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
-    assert _equal(sd, got)
+    _loads_back(tmp_path, sd)
     # Same state, other thread counts: the same files, byte for byte; 3 coded at once,
     # or one after another, the largest (w4: fp32, 64 x 288) first; open at once: those
     # and at most as many coded ones waiting to be closed.
@@ -233,9 +245,7 @@ def test_a_coded_file_is_closed_while_the_next_one_codes(tmp_path, monkeypatch):
     dcp.save(sd, storage_writer=SlowClose(tmp_path, threads=1), no_dist=True)
     assert events.count("code") == events.count("closed") == 7
     assert events[:2] == ["code", "code"]
-    got = _zeros(sd)
-    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
-    assert _equal(sd, got)
+    _loads_back(tmp_path, sd)
 
 
 def test_a_rank_spreads_its_items_over_files_per_rank(tmp_path, monkeypatch):
@@ -282,17 +292,13 @@ def test_a_failing_file_of_a_rank_leaves_no_checkpoint_and_the_old_one_whole(
                                                   fail="-0003.safetensors"),
                  no_dist=True)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ek-tmp")]
-    got = _zeros(old)
-    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
-    assert _equal(old, got)
+    _loads_back(tmp_path, old)
 
 
 def test_whole_chunks_load_straight_into_their_tensors(tmp_path, monkeypatch):
     # Segments of 4 KiB: tensors of several segments each.
     monkeypatch.setattr(ekdcp, "SEGMENT_BYTES", 4096)
-    sd = _state()
-    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
-             no_dist=True)
+    sd = _saved(tmp_path, threads=2)
     calls = []
     real = ekdcp._piece
     monkeypatch.setattr(ekdcp, "_piece", lambda *a: calls.append(a[1]) or real(*a))
@@ -381,9 +387,7 @@ def test_a_killed_saves_shard_temporaries_go_with_the_next_save(tmp_path):
     import os
     import time
 
-    sd = _state()
-    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
-             no_dist=True)
+    sd = _saved(tmp_path, threads=2)
     old = time.time() - 3600
     stale = tmp_path / ".shard-0123456789ab-00000-0001.safetensors.abcd1234.ek-tmp"
     running = tmp_path / ".shard-0123456789ab-00001.safetensors.abcd1234.ek-tmp"
@@ -395,9 +399,7 @@ def test_a_killed_saves_shard_temporaries_go_with_the_next_save(tmp_path):
     dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
              no_dist=True)
     assert not stale.exists() and running.exists() and other.exists()
-    got = _zeros(sd)
-    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
-    assert _equal(sd, got)
+    _loads_back(tmp_path, sd)
 
 
 def test_a_rank_with_many_files_lists_the_directory_a_fixed_number_of_times(
@@ -428,17 +430,14 @@ def test_a_rank_with_many_files_lists_the_directory_a_fixed_number_of_times(
 def test_a_reader_takes_chunk_shapes_from_its_own_read_or_from_given_metadata(tmp_path):
     # Each rank reads the metadata itself: the chunks' dtypes and shapes come from the
     # layout it parsed; metadata from elsewhere (another reader's) gives the same.
-    sd = _state()
-    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path), no_dist=True)
+    sd = _saved(tmp_path)
     own = ekdcp.CompressedStorageReader(tmp_path)
     own.set_up_storage_reader(own.read_metadata(), True)
     other = ekdcp.CompressedStorageReader(tmp_path)
     other.set_up_storage_reader(ekdcp.CompressedStorageReader(tmp_path).read_metadata(), True)
     assert own._chunks == other._chunks and len(own._chunks) == 8
     assert own._chunks[("w1", (0, 0))] == ("BF16", (64, 264))
-    got = _zeros(sd)
-    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path), no_dist=True)
-    assert _equal(sd, got)
+    _loads_back(tmp_path, sd)
 
 
 def test_a_load_opens_each_shard_on_the_pool_as_its_items_come(tmp_path, monkeypatch):
@@ -448,9 +447,7 @@ def test_a_load_opens_each_shard_on_the_pool_as_its_items_come(tmp_path, monkeyp
     import threading
 
     monkeypatch.setattr(ekdcp, "PART_BYTES", 40_000)
-    sd = _state()
-    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
-             no_dist=True)
+    sd = _saved(tmp_path, threads=2)
     events, lock = [], threading.Lock()
     real_opened, real_into = ekdcp.files.opened, ekdcp._into
 
@@ -499,6 +496,4 @@ def test_a_ranks_saves_code_and_close_on_threads_kept_from_save_to_save(tmp_path
         dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path / str(i),
                                                                   threads=3), no_dist=True)
     assert len(started) <= 1, started  # a close may outlast the next file's coding
-    got = _zeros(sd)
-    dcp.load(got, storage_reader=ekdcp.CompressedStorageReader(tmp_path / "3"), no_dist=True)
-    assert _equal(sd, got)
+    _loads_back(tmp_path / "3", sd)

@@ -473,12 +473,12 @@ class EntropyKitQuantizer(HfQuantizer):
             dev = torch.device(device)
             runs.append((device, [(path, self._files[self._shards[path][0]][1],
                                    self._names(path, dev, None)) for path, _ in keyed]))
-        if not runs:
-            return self._yielded(runs, None)
-        # transformers calls this under its meta device context: the loader's buffers
-        # made here must be real
-        with torch.device("cpu"):
-            first = self._loads(*runs[0], now=True)
+        first = None
+        if runs:
+            # transformers calls this under its meta device context: the loader's buffers
+            # made here must be real
+            with torch.device("cpu"):
+                first = self._loads(*runs[0], now=True)
         return self._yielded(runs, first)
 
     def _loads(self, device: str, run: list[tuple[Path, CompressedFile, list[str]]],
