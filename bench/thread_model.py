@@ -3,17 +3,17 @@
 
 What it is: ``record`` runs an operation once on the package's pool and times every work
 unit (pool item) on its own thread's CPU clock, exclusive of the nested items it ran: its
-CPU time, the part of it inside nogil Numba kernels (thin wrappers put around every nogil
-dispatcher of the package for the run, as ``gil.GilProfile`` does), how many such calls
-it made (each a GIL release), and which unit opened the nested call it belongs to. The
+CPU time, the part of it inside nogil Numba kernels and ``os``'s reads and writes (thin
+wrappers put around them for the run, as ``gil.GilProfile`` does), how many such calls it
+made (each a GIL release), and which unit opened the nested call it belongs to. The
 calling thread (which runs no unit on more than one thread: it opens the file, plans,
-feeds the units and takes their results in order) is timed the same way. ``predict`` turns
-that into a bound on the wall time at ``n`` threads, three ways:
+feeds the units and takes their results in order) is timed the same way. ``predict``
+turns that into a bound on the wall time at ``n`` threads, three ways:
 
 - work: all CPU time over ``n`` threads;
 - critical path: the longest chain of a unit and, below it, the longest chain of the
-  nested units it opened (what stays serial however many threads run), plus nothing
-  else: the chain of the largest segment;
+  nested units it opened (what stays serial however many threads run: the largest
+  segment's own work and its longest part);
 - GIL: every unit's held time (CPU less kernel time) and the calling thread's held time
   run one at a time, whatever the count;
 
@@ -25,13 +25,15 @@ thread holds it (a sleeping thread's wake-up). Its makespan, or the critical pat
 that is longer, is the prediction.
 
 What it is not: a measurement of many cores. Memory bandwidth, the page cache's locks and
-the OS's scheduling are outside the model (held time also counts reads, zstd and numpy
-calls that do release the GIL: an upper bound on it).
+the OS's scheduling are outside the model (held time also counts zstd, zlib and numpy
+calls that do release the GIL: an upper bound on it), and so are threads other than the
+pool's and the caller's (the output file's writer).
 """
 
 from __future__ import annotations
 
 import heapq
+import os
 import sys
 import threading
 import time
@@ -41,6 +43,10 @@ from types import ModuleType
 from typing import Any
 
 import gil as gil_profile
+
+# The ``os`` calls of the package's readers and writers, each a GIL release (timed as a
+# kernel call; zstd's and zlib's own releases are not seen: held time is an upper bound).
+_SYSCALLS = ("preadv", "pread", "writev", "write")
 
 
 @dataclass
@@ -145,6 +151,10 @@ def record(fn: Callable[[int], Any], threads: int, modules: Iterable[ModuleType]
                 wrappers.setdefault(id(v), wrap(v))
                 undo.append((m, name, v))
                 setattr(m, name, wrappers[id(v)])
+    for name in _SYSCALLS:  # reads and writes let the GIL go too
+        if hasattr(os, name):
+            undo.append((os, name, getattr(os, name)))
+            setattr(os, name, wrap(getattr(os, name)))
     parallel._Pool._execute, parallel._Pool.open = timed_execute, timed_open
     try:
         t0 = clock()
