@@ -370,7 +370,8 @@ def model(path: Path, counts: list[int], tmp: Path) -> str:
     """``thread_model.predict`` of compress, decompress and ``load_file`` (default mode)
     from one run of each on 2 threads (after a warm run): per-unit CPU and kernel time,
     the bounds and the simulated speed-ups at ``counts`` threads, with GIL hand-offs of
-    0, 20 and 50 us."""
+    0, 20 and 50 us and of what ``thread_model.handoff`` measures on this host at the
+    most threads (median of 3)."""
     import thread_model
 
     ref = tmp / "m.ek"
@@ -385,17 +386,21 @@ def model(path: Path, counts: list[int], tmp: Path) -> str:
         ops.append(("load_file", lambda n: entropykit.load_file(ref, threads=n)))
     except ImportError:
         pass
+    most = max(counts)
+    measured = statistics.median(thread_model.handoff(most) for _ in range(3))
     out = []
     try:
         for name, op in ops:
             op(2)  # warm
             rec = thread_model.record(op, 2, thread_model.package_modules())
-            out.append(f"{name}: " + thread_model.predict(rec, counts, [0.0, 20e-6, 50e-6]))
+            out.append(f"{name}: " + thread_model.predict(rec, counts,
+                                                          [0.0, 20e-6, 50e-6, measured]))
     finally:
         for f in ("m.ek", "m2.ek", "m.st"):
             _drop(tmp / f)
     return ("Predicted speed-up over one thread (bench/thread_model.py; units timed on "
-            "2 threads):\n\n" + "\n".join(out))
+            f"2 threads; GIL hand-off measured here at {most} threads: "
+            f"{measured * 1e6:.1f} us, the last column):\n\n" + "\n".join(out))
 
 
 def output_side(path: Path, threads: list[int], reps: int, tmp: Path) -> str:

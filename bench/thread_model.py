@@ -22,7 +22,8 @@ with its kernel calls, on ``n`` worker threads and the calling thread (its own h
 free work spread evenly over the run), with one GIL taken first come first served and,
 per hand-off of the GIL to another waiting thread, ``handoff`` seconds during which no
 thread holds it (a sleeping thread's wake-up). Its makespan, or the critical path where
-that is longer, is the prediction.
+that is longer, is the prediction. ``handoff`` measures that idle time per hand-off on the
+host it runs on (threads alternating short Python with short kernels).
 
 What it is not: a measurement of many cores. Memory bandwidth, the page cache's locks and
 the OS's scheduling are outside the model (held time also counts zstd, zlib and numpy
@@ -255,7 +256,7 @@ def predict(rec: Record, counts: list[int], handoffs: list[float]) -> str:
              + f" ms; critical path {cp * 1e3:.1f} ms (bound {work / max(cp, 1e-9):.1f}x); "
              f"GIL bound {work / max(held, 1e-9):.1f}x\n",
              "| threads | work bound | Amdahl (held share) | "
-             + " | ".join(f"simulated, {h * 1e6:g} us hand-off" for h in handoffs) + " |",
+             + " | ".join(f"simulated, {h * 1e6:.3g} us hand-off" for h in handoffs) + " |",
              "| ---: | ---: | ---: | " + " | ".join("---:" for _ in handoffs) + " |"]
     share = held / work
     for n in counts:
@@ -263,6 +264,52 @@ def predict(rec: Record, counts: list[int], handoffs: list[float]) -> str:
         lines.append(f"| {n} | {n}x | {1 / (share + (1 - share) / n):.1f}x | "
                      + " | ".join(f"{s:.1f}x" for s in sims) + " |")
     return "\n".join(lines) + "\n"
+
+
+def handoff(n: int, rounds: int = 500, held: float = 20e-6, free: float = 2e-6) -> float:
+    """The idle time per GIL hand-off on this host at ``n`` threads, measured: each thread
+    runs ``rounds`` times ``held`` seconds of Python and a nogil kernel of ``free``
+    seconds (a unit's pattern: short Python between kernel calls). With ``n`` >= 2 the
+    GIL is wanted all the time, so the wall time over the held time is idle GIL: what
+    each release and re-acquire costs, divided by their number. 0.0 at one thread."""
+    import numpy as np
+    from numba import njit
+
+    @njit(nogil=True, cache=False)
+    def spin(x):  # ~``free`` seconds of work without the GIL
+        s = 0
+        for i in range(x.size):
+            s += x[i] * i
+        return s
+
+    x = np.arange(1 << 12, dtype=np.int64)
+    spin(x)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        spin(x)
+    size = max(16, int(x.size * free / max((time.perf_counter() - t0) / 50, 1e-9)))
+    x = np.arange(size, dtype=np.int64)
+
+    def python(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def worker() -> None:
+        for _ in range(rounds):
+            python(held)
+            spin(x)
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if n < 2:
+        return 0.0
+    return max(0.0, wall - n * rounds * held) / (n * rounds)
 
 
 def package_modules() -> list[ModuleType]:

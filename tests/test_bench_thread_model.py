@@ -103,3 +103,8 @@ def test_record_times_a_real_pool_run_with_its_nesting_and_kernel_calls():
     assert sum(u.releases for u in rec.units) == 12 and rec.caller.releases == 0
     assert mod._busy is _busy  # put back
     assert parallel._Pool._execute.__name__ == "_execute"
+
+
+def test_handoff_is_zero_on_one_thread_and_measured_on_two():
+    assert tm.handoff(1, rounds=20) == 0.0
+    assert 0.0 <= tm.handoff(2, rounds=50) < 0.05  # idle seconds per hand-off: small
