@@ -11,11 +11,13 @@ cores this process may use, or ``--threads``) of:
 - ``load_file`` of the default compressed file on the CPU (needs torch; skipped without);
 - zstd level 3, one thread, in memory, tensor by tensor (the row to compare with).
 
-``--units``, ``--cpu``, ``--output`` and ``--gil`` add what limits the scaling: the work
-units' sizes, each cell's busy threads, system time and page faults, decompress's wall
-time split into decoding, the writer, fsync and rename with the output side's own floor,
-and the GIL-held share on one thread with the serial part (the calling thread's own
-work); ``--switch-interval`` tries another ``sys.setswitchinterval``.
+``--units``, ``--cpu``, ``--output``, ``--gil`` and ``--model`` add what limits the
+scaling: the work units' sizes, each cell's busy threads, system time and page faults,
+decompress's wall time split into decoding, the writer, fsync and rename with the output
+side's own floor, the GIL-held share on one thread with the serial part (the calling
+thread's own work), and the speed-up at each thread count that ``thread_model.py``
+predicts from one run's units (critical path, GIL, a simulation with GIL hand-offs);
+``--switch-interval`` tries another ``sys.setswitchinterval``.
 
 Every compressed file is compared with the one of 1 thread (the bytes must not depend on
 the thread count) and every restored file with the original. Timings: median of
@@ -30,6 +32,7 @@ What it is not: a peer comparison (``bench_weights.py``) or a GPU benchmark.
     python bench/bench_threads.py --threads 1,2 --no-llm
     python bench/bench_threads.py --no-minilm --cpu --gil   # the LLM-shaped file alone
     python bench/bench_threads.py --no-minilm --decode-only --output --threads 1,4,16
+    python bench/bench_threads.py --minilm F --no-llm --threads 1,2 --model
 """
 
 from __future__ import annotations
@@ -363,6 +366,43 @@ def gil(path: Path, tmp: Path, reps: int) -> str:
             "its cost included):\n\n" + "\n".join(top) + "\n")
 
 
+def model(path: Path, counts: list[int], tmp: Path) -> str:
+    """``thread_model.predict`` of compress, decompress and ``load_file`` (default mode)
+    from one run of each on 2 threads (after a warm run): per-unit CPU and kernel time,
+    the bounds and the simulated speed-ups at ``counts`` threads, with GIL hand-offs of
+    0, 20 and 50 us and of what ``thread_model.handoff`` measures on this host at the
+    most threads (median of 3)."""
+    import thread_model
+
+    ref = tmp / "m.ek"
+    entropykit.compress_file(path, ref, threads=1, force=True)
+    ops = [("compress", lambda n: entropykit.compress_file(path, tmp / "m2.ek", threads=n,
+                                                         force=True)),
+           ("decompress", lambda n: entropykit.decompress_file(ref, tmp / "m.st", threads=n,
+                                                               force=True))]
+    try:
+        import torch  # noqa: F401
+
+        ops.append(("load_file", lambda n: entropykit.load_file(ref, threads=n)))
+    except ImportError:
+        pass
+    most = max(counts)
+    measured = statistics.median(thread_model.handoff(most) for _ in range(3))
+    out = []
+    try:
+        for name, op in ops:
+            op(2)  # warm
+            rec = thread_model.record(op, 2, thread_model.package_modules())
+            out.append(f"{name}: " + thread_model.predict(rec, counts,
+                                                          [0.0, 20e-6, 50e-6, measured]))
+    finally:
+        for f in ("m.ek", "m2.ek", "m.st"):
+            _drop(tmp / f)
+    return ("Predicted speed-up over one thread (bench/thread_model.py; units timed on "
+            f"2 threads; GIL hand-off measured here at {most} threads: "
+            f"{measured * 1e6:.1f} us, the last column):\n\n" + "\n".join(out))
+
+
 def output_side(path: Path, threads: list[int], reps: int, tmp: Path) -> str:
     """Where a file-to-file decompress's wall time goes, per thread count (median run):
     decoding in memory alone (``Compressed.restored``, no file), and of
@@ -496,6 +536,8 @@ def main() -> int:
                     "goes (decoding, the writer, fsync, rename) and the output side's floor")
     ap.add_argument("--gil", action="store_true", help="also each operation's GIL-held "
                     "share of its CPU time on one thread")
+    ap.add_argument("--model", action="store_true", help="also the speed-up at each "
+                    "thread count predicted from one run's work units (thread_model.py)")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval in "
                     "seconds (default Python's 0.005): how long a thread running Python "
                     "keeps the GIL from one that waits")
@@ -531,6 +573,8 @@ def main() -> int:
                 print(gil(path, Path(tmp), max(reps, 2)))
             if args.units:
                 print(units(path, max(2, threads[-1]), Path(tmp)))
+            if args.model:
+                print(model(path, sorted({1, 2, 4, 8, 16, *threads}), Path(tmp)))
     print(f"load after {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -28,7 +28,7 @@ import numpy as np
 from . import dtypes
 from .container import _atomic, checkpoint, files
 from .container import header as hdr
-from .container.parallel import UNIT_BYTES, imap_grouped, resolve
+from .container.parallel import resolve
 from .container.progress import Bar
 from .container.reader import Compressed, is_compressed, read_header
 from .container.stats import Summary
@@ -173,10 +173,13 @@ def _load_compressed(c: Compressed, device: Any, threads: int,
     keep = None if names is None else frozenset(names)
     wanted = [k for k in c.keys() if keep is None or k in keep]
     out = {}
-    tensors = imap_grouped(c.tensor, wanted, threads, lambda k: c.entry(k).nbytes, UNIT_BYTES)
-    for name, raw in zip(wanted, tensors, strict=True):
-        t = _as_torch(raw, c.entry(name), types)
-        out[name] = t if str(device) == "cpu" else t.to(device)
+    tensors = c.tensors(wanted, threads)
+    try:
+        for name, raw in zip(wanted, tensors, strict=True):
+            t = _as_torch(raw, c.entry(name), types)
+            out[name] = t if str(device) == "cpu" else t.to(device)
+    finally:
+        tensors.close()  # at once on an error: cancel queued units, wait for running ones
     return out
 
 

@@ -267,6 +267,47 @@ def test_json_depth_limit() -> None:
     assert header.loads(b'{"a":"\\\\","b":[[1]]}') == {"a": "\\", "b": [[1]]}
 
 
+def test_json_depth_counts_brackets_outside_strings_as_the_lexer_does() -> None:
+    # Strings with escaped quotes and backslashes, brackets in them, keys and values.
+    rng = np.random.default_rng(5)
+    pieces = ['"', "\\", "[", "]", "{", "}", "a", ",", "\n", "\u005b"]
+
+    def text() -> str:
+        return "".join(pieces[i] for i in rng.integers(0, len(pieces), rng.integers(0, 12)))
+
+    def nest(level: int) -> object:
+        if level == 0 or rng.random() < 0.3:
+            return text()
+        if rng.random() < 0.5:
+            return [nest(level - 1) for _ in range(rng.integers(1, 3))]
+        return {text(): nest(level - 1) for _ in range(rng.integers(1, 3))}
+
+    for _ in range(300):
+        doc = nest(8)
+        raw = json.dumps(doc).encode()
+        # What is left outside strings is the document's own brackets, commas and colons.
+        outside = header._outside_strings(raw)
+        assert b'"' not in outside and b"\\" not in outside
+        assert outside.translate(None, header._NOT_BRACKET) == json.dumps(
+            _skeleton(doc)).encode().translate(None, header._NOT_BRACKET)
+        assert header.loads(raw) == doc
+    # An unterminated string holds the rest: the parser stops there, nesting no deeper.
+    with pytest.raises(json.JSONDecodeError):
+        header.loads('["' + "[" * 100_000)
+    # An escaped backslash ends its string: the brackets after it nest.
+    with pytest.raises(ValueError, match="nested deeper than 64 levels"):
+        header.loads('["\\\\",' + "[" * 100 + '"\\"' + "]" * 100 + "]")
+
+
+def _skeleton(doc: object) -> object:
+    # The document with every string emptied: the same brackets, none inside strings.
+    if isinstance(doc, list):
+        return [_skeleton(v) for v in doc]
+    if isinstance(doc, dict):
+        return {str(k): _skeleton(v) for k, v in enumerate(doc.values())}
+    return ""
+
+
 def _deep(levels: int) -> str:
     return "[" * levels + "]" * levels
 

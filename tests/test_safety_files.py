@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -476,13 +477,15 @@ import os, sys
 import entropykit
 from entropykit.container.reader import Compressed
 victim, how = sys.argv[1], sys.argv[2]
-decode = Compressed.tensor
 
-def cut_then_decode(self, *a, **k):
-    os.truncate(victim, 4096)  # from "another program": the file shrinks mid-run
-    return decode(self, *a, **k)
+def cut_then(decode):
+    def run(self, *a, **k):
+        os.truncate(victim, 4096)  # from "another program": the file shrinks mid-run
+        return decode(self, *a, **k)
+    return run
 
-Compressed.tensor = cut_then_decode
+Compressed.tensor = cut_then(Compressed.tensor)  # safe_open's
+Compressed.tensors = cut_then(Compressed.tensors)  # load_file's
 try:
     if how == "load_file":
         entropykit.load_file(victim, threads=1)
@@ -519,15 +522,23 @@ def test_compressed_input_changed_before_the_end_fails(packed: tuple[Path, Path]
     from entropykit.container.reader import Compressed
 
     src, ek = packed
-    real = Compressed.tensor if verb == "load_file" else Compressed.verify
-    name = "tensor" if verb == "load_file" else "verify"
+    real = Compressed.tensors if verb == "load_file" else Compressed.verify
+    name = "tensors" if verb == "load_file" else "verify"
     if verb == "decompress":
         real, name = Compressed.restore, "restore"
 
-    def then_append(*a: object, **k: object) -> object:
-        got = real(*a, **k)
+    def append() -> None:
         with open(ek, "ab") as f:
             f.write(b"appended")
+
+    def then_append(*a: object, **k: object) -> object:
+        got = real(*a, **k)
+        if name == "tensors":  # a generator: the change comes after its last tensor
+            def drained() -> Iterator[object]:
+                yield from got
+                append()
+            return drained()
+        append()
         return got
 
     monkeypatch.setattr(Compressed, name, then_append)

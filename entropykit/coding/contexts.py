@@ -58,7 +58,7 @@ def table_bits(row: np.ndarray) -> float:
     return 8.0 * (1 + min(present, 32) + 2 * present)
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # keeps the GIL: a few rows of 256 counts cost less than a hand-off of it
 def rows_bits(rows: np.ndarray, start: float) -> float:
     """``start`` plus, row by row, the order-0 entropy of each histogram row of ``rows``
     (int64[k, 256]) and its table's ``table_bits``: a frame's estimate in one call."""

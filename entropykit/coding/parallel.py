@@ -312,14 +312,22 @@ def _groups(items: Iterable[T], size: Callable[[T], int], unit: int) -> Iterator
 
 
 def imap_grouped(fn: Callable[[T], R], items: Iterable[T], threads: int,
-                 size: Callable[[T], int], unit: int) -> Iterator[R]:
+                 size: Callable[[T], int], unit: int,
+                 prepare: Callable[[list[T]], None] | None = None) -> Iterator[R]:
     """``imap(fn, items, threads)``, same results in the same order, with consecutive
     items smaller than ``unit`` run as one work unit of at least ``unit`` in total
     ``size``: a unit's hand-offs (a worker woken, its result waited for) and its share of
     the pool's lock cost the same for a tensor of a few hundred bytes as for one of
     megabytes, so many small items would spend more time handed between threads (with
-    the GIL) than in work."""
-    results = imap(lambda group: [fn(x) for x in group], _groups(items, size, unit), threads)
+    the GIL) than in work. ``prepare(group)``: called on the unit's thread before ``fn``
+    runs on the items of a unit of several (to do once what each item would do: one read
+    for all of them)."""
+    def unit_of(group: list[T]) -> list[R]:
+        if prepare is not None and len(group) > 1:
+            prepare(group)
+        return [fn(x) for x in group]
+
+    results = imap(unit_of, _groups(items, size, unit), threads)
     try:
         for group in results:
             yield from group

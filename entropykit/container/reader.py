@@ -78,13 +78,16 @@ class _Once:
     any thread count. A failed attempt is repeated by the next caller, failing the same.
     ``whole``: the tensor's whole payload, where ``make`` read it with its index (a tensor
     of one segment: one read instead of two; in that thread's scratch buffer, so valid
-    only for the one job that reads it, until that thread's next read)."""
+    only for the one job that reads it, until that thread's next read). ``read``: that
+    payload where it was read already, with the other small tensors of its work unit
+    (``Compressed._read_group``), for ``make`` to use instead of reading it."""
 
     def __init__(self, make: Callable[[_Once], payload.Fields]) -> None:
         self._make = make
         self._lock = threading.Lock()
         self._value: payload.Fields | None = None
         self.whole: np.ndarray | None = None
+        self.read: np.ndarray | None = None
 
     def get(self) -> payload.Fields:
         with self._lock:
@@ -112,6 +115,7 @@ class Compressed:
         in_memory = isinstance(buf, (bytes, bytearray, memoryview, np.ndarray))
         self._src: Bytes = ArrayBytes(buf) if in_memory else buf
         self._scratch = Scratch()
+        self._group_scratch = Scratch()  # a work unit's small payloads, read together
         self.outer = read_header(self._src) if outer is None else outer
         if record.KEY not in (self.outer.metadata or {}):
             why = claim(self.outer, _tensors(self.outer, self._src))
@@ -297,15 +301,41 @@ class Compressed:
 
     def _whole(self, name: str, once: _Once) -> payload.Fields:
         """The payload index of tensor ``name``, its whole payload read with it into this
-        thread's scratch buffer and kept as ``once.whole``."""
-        buf = self._payload(name)
-        once.whole = self._src.read(self.payload_at(name), buf.size, self._scratch)
+        thread's scratch buffer (unless ``once.read`` has it already) and kept as
+        ``once.whole``."""
+        if once.read is not None:
+            once.whole, once.read = once.read, None
+        else:
+            once.whole = self._src.read(self.payload_at(name), self.payload_size(name),
+                                        self._scratch)
         return self.fields(name, once.whole)
+
+    def _read_group(self, jobs: list[_Job]) -> None:
+        """The whole payloads of a work unit's tensors of one segment, read in one read
+        into this thread's group buffer (each job's ``_Once.read``) where they lie back to
+        back in the file (within ``GAP`` bytes of each other): one read and one GIL
+        release for the unit instead of one per tensor. Their indexes are still parsed,
+        and every payload checked, by the job that decodes it."""
+        ones = [(self.payload_at(j[0].name), self.payload_size(j[0].name), j[3])
+                for j in jobs if j[3].read is None and j[3].whole is None
+                and len(self.record.tensors[j[0].name].codecs) == 1]
+        if len(ones) < 2:
+            return
+        ones.sort(key=lambda o: o[0])
+        start = end = ones[0][0]
+        for at, n, _ in ones:
+            if at < end or at - end > GAP:
+                return  # overlapping or far apart: each job reads its own
+            end = at + n
+        buf = self._src.read(start, end - start, self._group_scratch)
+        for at, n, once in ones:
+            once.read = buf[at - start : at - start + n]
 
     def _decoded(self, jobs: Iterator[_Job], threads: int) -> Iterator[np.ndarray]:
         """``_decode`` of every job in order, the segments of small tensors several to a
-        work unit."""
-        return imap_grouped(self._decode, jobs, threads, lambda j: j[2], UNIT_BYTES)
+        work unit (their payloads read together)."""
+        return imap_grouped(self._decode, jobs, threads, lambda j: j[2], UNIT_BYTES,
+                            self._read_group)
 
     def _decode(self, job: _Job) -> np.ndarray:
         e, s, nbytes, fields, dest = job
@@ -378,6 +408,30 @@ class Compressed:
         for _ in imap(self._decode, self._jobs([e], out, -e.begin), threads):
             pass  # each segment is decoded straight into its slice of out
         return out
+
+    def tensors(self, names: Sequence[str], threads: int = 1) -> Iterator[np.ndarray]:
+        """``tensor(name)`` of each of ``names`` in turn, all decoded on one pool: the
+        segments of large tensors side by side, small tensors several to a work unit."""
+        entries = [self.entry(k) for k in names]
+        outs: list[np.ndarray | None] = []  # each tensor's array, made as its jobs are
+
+        def jobs() -> Iterator[_Job]:
+            for e in entries:
+                outs.append(np.empty(e.nbytes, np.uint8))
+                yield from self._jobs([e], outs[-1], -e.begin)
+
+        results = self._decoded(jobs(), threads)
+        try:
+            for k, e in enumerate(entries):
+                if not e.nbytes:  # no segment, no job: its array may not be made yet
+                    yield np.empty(0, np.uint8)
+                    continue
+                for _ in range(len(self.record.tensors[e.name].codecs)):
+                    next(results)
+                out, outs[k] = outs[k], None  # handed over, not held here
+                yield out
+        finally:
+            results.close()
 
     def span(self, name: str, lo: int, hi: int, threads: int = 1) -> tuple[int, np.ndarray]:
         """``(start, bytes)``: the original bytes of tensor ``name`` from ``start`` on,
