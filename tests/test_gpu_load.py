@@ -400,15 +400,16 @@ def _staged_file(tmp_path) -> tuple:
     return ek, Compressed(source.FileBytes(ek))
 
 
-def _staged_checks(c) -> list[tuple[str, int, int, int]]:
-    """(message, file offset, length, rank) of every range the device checks."""
+def _staged_checks(c) -> list[tuple[str, int, int, int, int]]:
+    """(message, file offset, length, rank, file offset of its stream) of every range the
+    device checks."""
     out = []
     for group in fileplan.groups(c, 1):
         for part in group.parts:
             at = dict(part.files.tolist())
             for (k, off, n, _, _, rank), msg in zip(part.checks.tolist(), part.messages,
                                                     strict=True):
-                out.append((msg, at[k] + off, n, rank))
+                out.append((msg, at[k] + off, n, rank, at[k]))
     return out
 
 
@@ -437,7 +438,8 @@ def test_the_host_plan_reads_only_the_heads_of_large_payloads(tmp_path):
 @pytest.mark.parametrize("kind", ["position", "head", "raw chunk", "raw field"])
 def test_damage_in_each_kind_of_staged_range(tmp_path, kind):
     """A changed byte in each kind of range the device checks: the body of a staged
-    payload (its position CRC), a byte of the head the host read (the seed it hands the
+    payload (its position CRC), a byte of the head the host read and parsed without
+    checking it (a coded chunk's CRC in the frame's directory: the seed it hands the
     device differs), a raw chunk of a staged frame and a raw field (both with the
     position CRC recomputed: their own CRC catches it) — CorruptDataError naming tensor,
     segment and field, while the host plan passes."""
@@ -454,8 +456,10 @@ def test_damage_in_each_kind_of_staged_range(tmp_path, kind):
     buf = np.fromfile(ek, np.uint8)
     want = {"position": "position CRC-32", "head": "position CRC-32",
             "raw chunk": "(raw) fails its CRC-32", "raw field": "raw field fails its CRC-32"}
-    msg, at, n, rank = next(x for x in checks if want[kind] in x[0])
-    where = at - 100 if kind == "head" else at + n // 2
+    msg, at, n, rank, frame = next(x for x in checks if want[kind] in x[0])
+    # The device checks from the end of the frame's directory (chunk CRCs, then modes) on.
+    chunks = int(buf[frame + 20 : frame + 24].view("<u4")[0])
+    where = at - chunks - 1 if kind == "head" else at + n // 2
     buf[where] ^= 0x08
     if kind in ("raw chunk", "raw field"):  # the position CRC recomputed
         name = msg.split("'")[1]

@@ -174,9 +174,9 @@ class _Head:
     read again longer by ``need``); ``whole`` reads it all, checked here."""
 
     def __init__(self, c: Compressed, at: int, size: int, place: tuple[str, int, int],
-                 want: int | None, data: np.ndarray | None = None) -> None:
+                 want: int | None, data: np.ndarray | None = None, head: int = HEAD) -> None:
         self.c, self.at, self.size, self.place, self.want = c, at, size, place, want
-        self.data = c.source.read(at, min(size, HEAD)) if data is None else data
+        self.data = c.source.read(at, min(size, head)) if data is None else data
 
     def need(self, n: int) -> np.ndarray:
         """The first ``n`` bytes (all there are, if fewer), read again if not held."""
@@ -191,15 +191,16 @@ class _Head:
         _check_position(self.c, self.place, data, self.want)
         return data
 
-    def stage(self, piece: Piece, s: Stream, skip: int) -> None:
+    def stage(self, piece: Piece, s: Stream, skip: int, used: int) -> None:
         """Stage ``s`` (the payload's bytes from ``skip`` on) from the file, and have the
-        device check the position CRC of the bytes the host did not read."""
+        device check the position CRC of the bytes after the first ``used`` (those the
+        host parsed, held: their CRC is the check's seed, so both are covered)."""
         piece.files.append((s, self.at + skip))
         if self.want is None:
             return
-        held = self.data.size
+        held = min(used, self.data.size)
         name, seg, f = self.place
-        seed = crc32(self.data, payload.place_seed(name, seg, f))
+        seed = crc32(self.data[:held], payload.place_seed(name, seg, f))
         fields = self.c.record.tensors[name].fields
         piece.checks.append(Check(s, held - skip, self.size - held, seed, self.want, POSITION,
                                   f"tensor {name!r} segment {seg}: {_misplaced(fields, f)}"))
@@ -268,7 +269,7 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
         s = Stream.plain(_stand_in(n), label)
         want = int(part.need(codecs.RAW_OVERHEAD)[:4].view("<u4")[0])
         piece.checks.append(Check(s, 0, n, 0, want, OWN, f"{label}: raw field fails its CRC-32"))
-        part.stage(piece, s, codecs.RAW_OVERHEAD)
+        part.stage(piece, s, codecs.RAW_OVERHEAD, codecs.RAW_OVERHEAD)
         return s
     if codec == "rans":
         if info is None:
@@ -282,7 +283,7 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
         if s.context and ctx is None:
             raise CorruptDataError(f"{label}: frame is context-conditioned, the field has "
                                    "no context")
-        part.stage(piece, s, 0)
+        part.stage(piece, s, 0, _frame_end(part.data, 0))
         return s
     while True:  # rans2d: its class maps, however long, and its frame's head, in one read
         data = part.data
@@ -301,7 +302,7 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
     s = s.with_grid(Grid(p.cols, p.phase, p.kc, p.rows, p.columns))
     if s.n != n:
         raise CorruptDataError(f"{label}: frame holds {s.n} symbols, the field has {n}")
-    part.stage(piece, s, p.body)
+    part.stage(piece, s, p.body, _frame_end(part.data, p.body))
     return s
 
 
@@ -574,7 +575,8 @@ def _read_staged(c: Compressed, job: _Job) -> list[np.ndarray | _Head]:
         if kernel and codec in _STAGED_CODECS and n > STAGED_BYTES:
             held = off + min(n, HEAD) <= first.size
             parts.append(_Head(c, at, n, (name, job.seg, f), want,
-                               first[off : off + min(n, HEAD)] if held else None))
+                               first[off : off + min(n, HEAD)] if held else None,
+                               codecs.RAW_OVERHEAD if codec == "raw" else HEAD))
             continue
         data = first[off : off + n] if off + n <= first.size else c.source.read(at, n)
         _check_position(c, (name, job.seg, f), data, want)
