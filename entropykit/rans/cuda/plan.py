@@ -422,26 +422,34 @@ class Planner:
     def _register(self, s: Stream, place: Place, chunk: int) -> int:
         """Note a stream's chunks (``finish`` builds the rows); returns how many. Plain
         streams are cut into chunks of ``chunk`` symbols, frames as they are."""
-        if s.n == 0:
-            return 0
-        if s.info is not None:
-            chunk = s.info.chunk_size
-            count = len(s.info.lengths)
-            sym_off, info_off = self._tables(s.info)
-            prec = s.info.param
+        info = s.info
+        if info is not None:
+            n = info.n
+            if n == 0:
+                return 0
+            chunk = info.chunk_size
+            count = len(info.lengths)
+            sym_off, info_off = self._tables(info)
+            prec = info.param
+            cmap_off = self._cmap(info.cmap) if info.cmap is not None and s.grid is None \
+                else -1
         else:
-            count = -(-s.n // chunk)
-            sym_off = info_off = -1
+            n = int(s.data.size)
+            if n == 0:
+                return 0
+            count = -(-n // chunk)
+            sym_off = info_off = cmap_off = -1
             prec = 0
-        cmap_off = self._cmap(s.info.cmap) if s.context else -1
-        grid = (-1, -1, -1, 1, 0)
-        if s.classed:
-            g = s.grid
+        g = s.grid
+        if g is None:
+            self.specs.append((len(self.streams), n, chunk, count, sym_off, info_off, prec,
+                               cmap_off, place.out, place.at, place.step, -1, -1, -1, 1, 0))
+        else:
             rmap = None if g.rows is None else g.rows.astype(np.uint8) * np.uint8(g.kc)
-            grid = (self._cmap(s.info.cmap), self._cmap(rmap), self._cmap(g.columns),
-                    g.width, g.phase)
-        self.specs.append((len(self.streams), s.n, chunk, count, sym_off, info_off, prec,
-                           cmap_off, place.out, place.at, place.step, *grid))
+            self.specs.append((len(self.streams), n, chunk, count, sym_off, info_off, prec,
+                               cmap_off, place.out, place.at, place.step,
+                               self._cmap(info.cmap), self._cmap(rmap), self._cmap(g.columns),
+                               g.width, g.phase))
         self.streams.append(s)
         return count
 
@@ -478,13 +486,15 @@ class Planner:
             raise ValueError(f"{exp.label} is context-conditioned; it has no context")
         if sm.classed:  # the kernel keeps no class grid for it (its registers)
             raise ValueError(f"{sm.label} is classed: decode it on the host")
-        chunks = {s.info.chunk_size for s in (exp, sm) if s.info is not None}
-        if exp.n != sm.n or len(chunks) > 1:
+        ei, si = exp.info, sm.info
+        chunk = ei.chunk_size if ei is not None else si.chunk_size if si is not None \
+            else RAW_CHUNK
+        if exp.n != sm.n or (ei is not None and si is not None
+                             and ei.chunk_size != si.chunk_size):
             def says(s: Stream) -> str:
                 cut = f" in chunks of {s.info.chunk_size}" if s.info is not None else ""
                 return f"{s.n} symbols{cut}"
             raise ValueError(f"{exp.label} has {says(exp)}, {sm.label} {says(sm)}")
-        chunk = chunks.pop() if chunks else RAW_CHUNK
         count = self._register(exp, place, chunk)
         self._register(sm, place, chunk)  # as many chunks: same symbols, same cut
         self.units.append(count)
