@@ -24,7 +24,7 @@ For each segment of each tensor it decides how every field reaches the output te
   and the CRC of every raw chunk of a frame (bytes the GPU copies verbatim); coded
   chunks are checked by the kernel's state checks.
 
-Segments are planned in runs (small segments together, up to ``RUN_BYTES``), each run on
+Segments are planned in runs (small segments together, up to ``run_bytes``), each run on
 one thread of a pool: the field payloads of its small segments are read in as few reads
 as lie together (a tensor of one segment with its payload index) and all their position
 CRCs computed in one call (``Compressed.parts_of``), the rANS frames of the run (small
@@ -510,9 +510,10 @@ def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) ->
     return Group(tuple(parts))
 
 
-def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
+def _jobs(c: Compressed, entries: Sequence[hdr.Entry], run_bytes: int = RUN_BYTES
+          ) -> Iterator[list[_Job]]:
     """Every segment's job, in data order, in runs a thread plans in a row: a segment of
-    ``RUN_BYTES`` or more alone, smaller ones together up to that size (a thread pool's
+    ``run_bytes`` or more alone, smaller ones together up to that size (a thread pool's
     hand-off per segment would cost more than planning a tiny one)."""
     run: list[_Job] = []
     size = 0
@@ -520,13 +521,22 @@ def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
         bounds = c.bounds(e)
         fields = c.fields(e.name) if len(bounds) > 1 else None
         for s, (lo, hi) in enumerate(bounds):
-            if run and size + hi - lo > RUN_BYTES:
+            if run and size + hi - lo > run_bytes:
                 yield run
                 run, size = [], 0
             run.append(_Job(k, e, s, lo, hi, fields))
             size += hi - lo
     if run:
         yield run
+
+
+def run_bytes(threads: int, group_bytes: int) -> int:
+    """Output bytes of the runs ``groups`` plans on ``threads``: ``RUN_BYTES`` where runs
+    are shared out among threads; on one, a group's worth (a run has a fixed cost, its
+    reads and its frames' parse, which a file of many small tensors would pay every few
+    MB; a run's payload is about its output or less, so a group still comes after a run
+    or two)."""
+    return RUN_BYTES if threads > 1 else max(RUN_BYTES, group_bytes)
 
 
 def _is_staged(c: Compressed, job: _Job) -> bool:
@@ -672,8 +682,9 @@ def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | No
     pending: list[Piece] = []
     size = 0
     arena = Arena()  # the reads of runs held together until their group is staged
-    results = imap(lambda run: _plan_run(c, run, arena), _jobs(c, entries),
-                   min(threads, PLAN_THREADS))
+    threads = min(threads, PLAN_THREADS)
+    results = imap(lambda run: _plan_run(c, run, arena),
+                   _jobs(c, entries, run_bytes(threads, group_bytes)), threads)
     try:
         for pieces in results:
             for piece in pieces:
