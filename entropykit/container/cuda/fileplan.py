@@ -153,8 +153,12 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        streams = [s for a, b, _ in self.pairs for s in (a, b)] + [s for s, _ in self.singles]
-        return sum(int(s.data.size) for s in streams)
+        n = 0
+        for a, b, _ in self.pairs:
+            n += a.data.size + b.data.size
+        for s, _ in self.singles:
+            n += s.data.size
+        return int(n)
 
 
 def _check_raw_chunks(s: Stream) -> None:
@@ -465,9 +469,10 @@ def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) ->
     def planner(bf16: bool, ctx: bool, narrow: bool, cls: bool = False
                 ) -> tuple[Planner, dict[int, int]]:
         key = (bf16, ctx, narrow, cls)
-        if key not in planners:
-            planners[key] = (Planner(bf16, warps), {})
-        return planners[key]
+        got = planners.get(key)
+        if got is None:
+            got = planners[key] = (Planner(bf16, warps), {})
+        return got
 
     def local(outs: dict[int, int], p: Place) -> Place:
         k = outs.setdefault(p.out, len(outs))
