@@ -178,9 +178,12 @@ class _Head:
     read again longer by ``need``); ``whole`` reads it all, checked here."""
 
     def __init__(self, c: Compressed, at: int, size: int, place: tuple[str, int, int],
-                 want: int | None, data: np.ndarray | None = None, head: int = HEAD) -> None:
+                 want: int | None, data: np.ndarray | None = None, head: int | None = None
+                 ) -> None:
         self.c, self.at, self.size, self.place, self.want = c, at, size, place, want
-        self.data = c.source.read(at, min(size, head)) if data is None else data
+        if data is None:  # the first ``head`` bytes (``HEAD``), unless the caller has them
+            data = c.source.read(at, min(size, HEAD if head is None else head))
+        self.data = data
 
     def need(self, n: int) -> np.ndarray:
         """The first ``n`` bytes (all there are, if fewer), read again if not held."""
