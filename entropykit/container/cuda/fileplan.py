@@ -518,11 +518,12 @@ def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) ->
     return Group(tuple(parts))
 
 
-def _jobs(c: Compressed, entries: Sequence[hdr.Entry], run_bytes: int = RUN_BYTES
+def _jobs(c: Compressed, entries: Sequence[hdr.Entry], run_bytes: int | None = None
           ) -> Iterator[list[_Job]]:
     """Every segment's job, in data order, in runs a thread plans in a row: a segment of
-    ``run_bytes`` or more alone, smaller ones together up to that size (a thread pool's
-    hand-off per segment would cost more than planning a tiny one)."""
+    ``run_bytes`` (``RUN_BYTES``) or more alone, smaller ones together up to that size
+    (a thread pool's hand-off per segment would cost more than planning a tiny one)."""
+    run_bytes = RUN_BYTES if run_bytes is None else run_bytes
     run: list[_Job] = []
     size = 0
     for k, e in enumerate(entries):
