@@ -53,7 +53,9 @@ def _old_pairs(self):
 
 
 def _old_rows(self):
-    """``Planner._rows`` as blocks were laid out before (pairs gathered, padded in place)."""
+    """``Planner._rows`` as blocks were laid out before (pairs gathered, padded in place),
+    in the form ``_rows`` gives them: rows, the launch's row of each, its padding rows
+    (none to make: the old rows hold theirs)."""
     pairs = _old_pairs(self)
     if len(pairs):
         w = self.warps
@@ -78,7 +80,8 @@ def _old_rows(self):
         longest = [int(max(b[0, 0, gplan.D_N], b[0, 1, gplan.D_N])) for b in blocks]
         pairs = np.concatenate([blocks[i] for i in np.argsort(-np.array(longest),
                                                               kind="stable")])
-    return pairs.reshape(-1, gplan._WIDTH)
+    flat = pairs.reshape(-1, gplan._WIDTH)
+    return flat, np.arange(len(flat)), np.zeros(0, np.int64)
 
 
 def reference(c, monkeypatch, *args, **kw):

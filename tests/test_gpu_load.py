@@ -400,15 +400,16 @@ def _staged_file(tmp_path) -> tuple:
     return ek, Compressed(source.FileBytes(ek))
 
 
-def _staged_checks(c) -> list[tuple[str, int, int, int]]:
-    """(message, file offset, length, rank) of every range the device checks."""
+def _staged_checks(c) -> list[tuple[str, int, int, int, int]]:
+    """(message, file offset, length, rank, file offset of its stream) of every range the
+    device checks."""
     out = []
     for group in fileplan.groups(c, 1):
         for part in group.parts:
             at = dict(part.files.tolist())
             for (k, off, n, _, _, rank), msg in zip(part.checks.tolist(), part.messages,
                                                     strict=True):
-                out.append((msg, at[k] + off, n, rank))
+                out.append((msg, at[k] + off, n, rank, at[k]))
     return out
 
 
@@ -434,28 +435,59 @@ def test_the_host_plan_reads_only_the_heads_of_large_payloads(tmp_path):
                        ("e4m3", "byte0")}
 
 
+def _noise_file(tmp_path) -> tuple:
+    """A file of one tensor of random bytes (a raw field, staged from the file)."""
+    rng = np.random.default_rng(3)
+    src, ek = tmp_path / "r.safetensors", tmp_path / "r.ek.safetensors"
+    safetensors.torch.save_file({"noise": torch.from_numpy(
+        rng.integers(0, 256, 300_000).astype(np.uint8))}, src)
+    files.compress_file(src, ek, threads=2)
+    return ek, Compressed(source.FileBytes(ek))
+
+
+def test_the_device_checks_every_staged_byte_the_host_did_not_parse(tmp_path):
+    """A staged payload's position CRC: the host's seed covers the bytes it parsed (an
+    rANS frame's header, tables and directory; a raw field's CRC word) and no more, the
+    device every byte after them, to the payload's end."""
+    seen = set()
+    for ek, c in (_staged_file(tmp_path), _noise_file(tmp_path)):
+        buf = np.fromfile(ek, np.uint8)
+        for msg, at, n, rank, stream in _staged_checks(c):
+            if rank != fileplan.POSITION:
+                continue
+            name, field = msg.split("'")[1], msg.split("'")[3]
+            t = c.record.tensors[name]
+            f = [k for k, _ in t.fields].index(field)
+            codec = t.codecs[0][f]
+            if codec == "raw":
+                parsed = stream  # the field's symbols start after its CRC word
+            else:  # the frame's 28-byte header, its model section and 9 bytes a chunk
+                chunks, model = (int(v) for v in buf[stream + 20 : stream + 28].view("<u4"))
+                parsed = stream + 28 + model + 9 * chunks
+            assert at == parsed, (msg, codec)
+            fields = c.fields(name)
+            assert at + n == c.payload_at(name) + fields.offsets[f] + fields.lengths[f]
+            seen.add((name, codec))
+    assert seen == {("w", "rans"), ("e4m3", "rans"), ("half", "rans"), ("noise", "raw")}
+
+
 @pytest.mark.parametrize("kind", ["position", "head", "raw chunk", "raw field"])
 def test_damage_in_each_kind_of_staged_range(tmp_path, kind):
     """A changed byte in each kind of range the device checks: the body of a staged
-    payload (its position CRC), a byte of the head the host read (the seed it hands the
+    payload (its position CRC), a byte of the head the host read and parsed without
+    checking it (a coded chunk's CRC in the frame's directory: the seed it hands the
     device differs), a raw chunk of a staged frame and a raw field (both with the
     position CRC recomputed: their own CRC catches it) — CorruptDataError naming tensor,
     segment and field, while the host plan passes."""
-    if kind == "raw field":
-        rng = np.random.default_rng(3)
-        src, ek = tmp_path / "r.safetensors", tmp_path / "r.ek.safetensors"
-        safetensors.torch.save_file({"noise": torch.from_numpy(
-            rng.integers(0, 256, 300_000).astype(np.uint8))}, src)
-        files.compress_file(src, ek, threads=2)
-        c = Compressed(source.FileBytes(ek))
-    else:
-        ek, c = _staged_file(tmp_path)
+    ek, c = _noise_file(tmp_path) if kind == "raw field" else _staged_file(tmp_path)
     checks = _staged_checks(c)
     buf = np.fromfile(ek, np.uint8)
     want = {"position": "position CRC-32", "head": "position CRC-32",
             "raw chunk": "(raw) fails its CRC-32", "raw field": "raw field fails its CRC-32"}
-    msg, at, n, rank = next(x for x in checks if want[kind] in x[0])
-    where = at - 100 if kind == "head" else at + n // 2
+    msg, at, n, rank, frame = next(x for x in checks if want[kind] in x[0])
+    # The device checks from the end of the frame's directory (chunk CRCs, then modes) on.
+    chunks = int(buf[frame + 20 : frame + 24].view("<u4")[0])
+    where = at - chunks - 1 if kind == "head" else at + n // 2
     buf[where] ^= 0x08
     if kind in ("raw chunk", "raw field"):  # the position CRC recomputed
         name = msg.split("'")[1]

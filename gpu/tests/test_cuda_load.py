@@ -363,10 +363,11 @@ def test_old_files_load_on_the_device():
 @pytest.mark.parametrize("kind", ["position", "head", "raw chunk", "raw field"])
 def test_damage_in_each_kind_of_staged_range_is_caught_by_the_crc_kernel(tmp_path, kind):
     """A changed byte in each kind of range ``_crc.cu`` checks: a staged payload's body
-    (its position CRC), a byte of the head the host read (the seed differs), a raw chunk
-    of a staged frame and a raw field (their position CRCs recomputed: their own CRCs
-    catch it): CorruptDataError naming the file, tensor, segment and field, as the plan
-    names the check."""
+    (its position CRC), a byte of the head the host read and parsed without checking it
+    (a coded chunk's CRC in the frame's directory: the seed differs), a raw chunk of a
+    staged frame and a raw field (their position CRCs recomputed: their own CRCs catch
+    it): CorruptDataError naming the file, tensor, segment and field, as the plan names
+    the check."""
     import struct
 
     from entropykit import CorruptDataError
@@ -383,12 +384,14 @@ def test_damage_in_each_kind_of_staged_range_is_caught_by_the_crc_kernel(tmp_pat
         for part in group.parts:
             at = dict(part.files.tolist())
             for (k, off, n, *_), msg in zip(part.checks.tolist(), part.messages, strict=True):
-                checks.append((msg, at[k] + off, n))
+                checks.append((msg, at[k] + off, n, at[k]))
     want = {"position": "position CRC-32", "head": "position CRC-32",
             "raw chunk": "(raw) fails its CRC-32", "raw field": "raw field fails its CRC-32"}
-    msg, at, n = next(x for x in checks if want[kind] in x[0])
+    msg, at, n, frame = next(x for x in checks if want[kind] in x[0])
     buf = np.fromfile(ek, np.uint8)
-    where = at - 100 if kind == "head" else at + n // 2
+    # The device checks from the end of the frame's directory (chunk CRCs, then modes) on.
+    chunks = int(buf[frame + 20 : frame + 24].view("<u4")[0])
+    where = at - chunks - 1 if kind == "head" else at + n // 2
     buf[where] ^= 0x08
     if kind in ("raw chunk", "raw field"):  # recompute the field's position CRC
         name = msg.split("'")[1]

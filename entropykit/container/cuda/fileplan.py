@@ -24,7 +24,7 @@ For each segment of each tensor it decides how every field reaches the output te
   and the CRC of every raw chunk of a frame (bytes the GPU copies verbatim); coded
   chunks are checked by the kernel's state checks.
 
-Segments are planned in runs (small segments together, up to ``RUN_BYTES``), each run on
+Segments are planned in runs (small segments together, up to ``run_bytes``), each run on
 one thread of a pool: the field payloads of its small segments are read in as few reads
 as lie together (a tensor of one segment with its payload index) and all their position
 CRCs computed in one call (``Compressed.parts_of``), the rANS frames of the run (small
@@ -153,8 +153,12 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        streams = [s for a, b, _ in self.pairs for s in (a, b)] + [s for s, _ in self.singles]
-        return sum(int(s.data.size) for s in streams)
+        n = 0
+        for a, b, _ in self.pairs:
+            n += a.data.size + b.data.size
+        for s, _ in self.singles:
+            n += s.data.size
+        return int(n)
 
 
 def _check_raw_chunks(s: Stream) -> None:
@@ -174,9 +178,12 @@ class _Head:
     read again longer by ``need``); ``whole`` reads it all, checked here."""
 
     def __init__(self, c: Compressed, at: int, size: int, place: tuple[str, int, int],
-                 want: int | None, data: np.ndarray | None = None) -> None:
+                 want: int | None, data: np.ndarray | None = None, head: int | None = None
+                 ) -> None:
         self.c, self.at, self.size, self.place, self.want = c, at, size, place, want
-        self.data = c.source.read(at, min(size, HEAD)) if data is None else data
+        if data is None:  # the first ``head`` bytes (``HEAD``), unless the caller has them
+            data = c.source.read(at, min(size, HEAD if head is None else head))
+        self.data = data
 
     def need(self, n: int) -> np.ndarray:
         """The first ``n`` bytes (all there are, if fewer), read again if not held."""
@@ -191,15 +198,16 @@ class _Head:
         _check_position(self.c, self.place, data, self.want)
         return data
 
-    def stage(self, piece: Piece, s: Stream, skip: int) -> None:
+    def stage(self, piece: Piece, s: Stream, skip: int, used: int) -> None:
         """Stage ``s`` (the payload's bytes from ``skip`` on) from the file, and have the
-        device check the position CRC of the bytes the host did not read."""
+        device check the position CRC of the bytes after the first ``used`` (those the
+        host parsed, held: their CRC is the check's seed, so both are covered)."""
         piece.files.append((s, self.at + skip))
         if self.want is None:
             return
-        held = self.data.size
+        held = min(used, self.data.size)
         name, seg, f = self.place
-        seed = crc32(self.data, payload.place_seed(name, seg, f))
+        seed = crc32(self.data[:held], payload.place_seed(name, seg, f))
         fields = self.c.record.tensors[name].fields
         piece.checks.append(Check(s, held - skip, self.size - held, seed, self.want, POSITION,
                                   f"tensor {name!r} segment {seg}: {_misplaced(fields, f)}"))
@@ -268,7 +276,7 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
         s = Stream.plain(_stand_in(n), label)
         want = int(part.need(codecs.RAW_OVERHEAD)[:4].view("<u4")[0])
         piece.checks.append(Check(s, 0, n, 0, want, OWN, f"{label}: raw field fails its CRC-32"))
-        part.stage(piece, s, codecs.RAW_OVERHEAD)
+        part.stage(piece, s, codecs.RAW_OVERHEAD, codecs.RAW_OVERHEAD)
         return s
     if codec == "rans":
         if info is None:
@@ -282,7 +290,7 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
         if s.context and ctx is None:
             raise CorruptDataError(f"{label}: frame is context-conditioned, the field has "
                                    "no context")
-        part.stage(piece, s, 0)
+        part.stage(piece, s, 0, _frame_end(part.data, 0))
         return s
     while True:  # rans2d: its class maps, however long, and its frame's head, in one read
         data = part.data
@@ -301,7 +309,7 @@ def _staged_stream(piece: Piece, codec: str, part: _Head, n: int, ctx: str | Non
     s = s.with_grid(Grid(p.cols, p.phase, p.kc, p.rows, p.columns))
     if s.n != n:
         raise CorruptDataError(f"{label}: frame holds {s.n} symbols, the field has {n}")
-    part.stage(piece, s, p.body)
+    part.stage(piece, s, p.body, _frame_end(part.data, p.body))
     return s
 
 
@@ -464,9 +472,10 @@ def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) ->
     def planner(bf16: bool, ctx: bool, narrow: bool, cls: bool = False
                 ) -> tuple[Planner, dict[int, int]]:
         key = (bf16, ctx, narrow, cls)
-        if key not in planners:
-            planners[key] = (Planner(bf16, warps), {})
-        return planners[key]
+        got = planners.get(key)
+        if got is None:
+            got = planners[key] = (Planner(bf16, warps), {})
+        return got
 
     def local(outs: dict[int, int], p: Place) -> Place:
         k = outs.setdefault(p.out, len(outs))
@@ -509,23 +518,34 @@ def _group(pieces: Sequence[Piece], entries: Sequence[hdr.Entry], warps: int) ->
     return Group(tuple(parts))
 
 
-def _jobs(c: Compressed, entries: Sequence[hdr.Entry]) -> Iterator[list[_Job]]:
+def _jobs(c: Compressed, entries: Sequence[hdr.Entry], run_bytes: int | None = None
+          ) -> Iterator[list[_Job]]:
     """Every segment's job, in data order, in runs a thread plans in a row: a segment of
-    ``RUN_BYTES`` or more alone, smaller ones together up to that size (a thread pool's
-    hand-off per segment would cost more than planning a tiny one)."""
+    ``run_bytes`` (``RUN_BYTES``) or more alone, smaller ones together up to that size
+    (a thread pool's hand-off per segment would cost more than planning a tiny one)."""
+    run_bytes = RUN_BYTES if run_bytes is None else run_bytes
     run: list[_Job] = []
     size = 0
     for k, e in enumerate(entries):
         bounds = c.bounds(e)
         fields = c.fields(e.name) if len(bounds) > 1 else None
         for s, (lo, hi) in enumerate(bounds):
-            if run and size + hi - lo > RUN_BYTES:
+            if run and size + hi - lo > run_bytes:
                 yield run
                 run, size = [], 0
             run.append(_Job(k, e, s, lo, hi, fields))
             size += hi - lo
     if run:
         yield run
+
+
+def run_bytes(threads: int, group_bytes: int) -> int:
+    """Output bytes of the runs ``groups`` plans on ``threads``: ``RUN_BYTES`` where runs
+    are shared out among threads; on one, a group's worth (a run has a fixed cost, its
+    reads and its frames' parse, which a file of many small tensors would pay every few
+    MB; a run's payload is about its output or less, so a group still comes after a run
+    or two)."""
+    return RUN_BYTES if threads > 1 else max(RUN_BYTES, group_bytes)
 
 
 def _is_staged(c: Compressed, job: _Job) -> bool:
@@ -574,7 +594,8 @@ def _read_staged(c: Compressed, job: _Job) -> list[np.ndarray | _Head]:
         if kernel and codec in _STAGED_CODECS and n > STAGED_BYTES:
             held = off + min(n, HEAD) <= first.size
             parts.append(_Head(c, at, n, (name, job.seg, f), want,
-                               first[off : off + min(n, HEAD)] if held else None))
+                               first[off : off + min(n, HEAD)] if held else None,
+                               codecs.RAW_OVERHEAD if codec == "raw" else HEAD))
             continue
         data = first[off : off + n] if off + n <= first.size else c.source.read(at, n)
         _check_position(c, (name, job.seg, f), data, want)
@@ -670,8 +691,9 @@ def groups(c: Compressed, threads: int = 1, *, entries: Sequence[hdr.Entry] | No
     pending: list[Piece] = []
     size = 0
     arena = Arena()  # the reads of runs held together until their group is staged
-    results = imap(lambda run: _plan_run(c, run, arena), _jobs(c, entries),
-                   min(threads, PLAN_THREADS))
+    threads = min(threads, PLAN_THREADS)
+    results = imap(lambda run: _plan_run(c, run, arena),
+                   _jobs(c, entries, run_bytes(threads, group_bytes)), threads)
     try:
         for pieces in results:
             for piece in pieces:

@@ -422,26 +422,34 @@ class Planner:
     def _register(self, s: Stream, place: Place, chunk: int) -> int:
         """Note a stream's chunks (``finish`` builds the rows); returns how many. Plain
         streams are cut into chunks of ``chunk`` symbols, frames as they are."""
-        if s.n == 0:
-            return 0
-        if s.info is not None:
-            chunk = s.info.chunk_size
-            count = len(s.info.lengths)
-            sym_off, info_off = self._tables(s.info)
-            prec = s.info.param
+        info = s.info
+        if info is not None:
+            n = info.n
+            if n == 0:
+                return 0
+            chunk = info.chunk_size
+            count = len(info.lengths)
+            sym_off, info_off = self._tables(info)
+            prec = info.param
+            cmap_off = self._cmap(info.cmap) if info.cmap is not None and s.grid is None \
+                else -1
         else:
-            count = -(-s.n // chunk)
-            sym_off = info_off = -1
+            n = int(s.data.size)
+            if n == 0:
+                return 0
+            count = -(-n // chunk)
+            sym_off = info_off = cmap_off = -1
             prec = 0
-        cmap_off = self._cmap(s.info.cmap) if s.context else -1
-        grid = (-1, -1, -1, 1, 0)
-        if s.classed:
-            g = s.grid
+        g = s.grid
+        if g is None:
+            self.specs.append((len(self.streams), n, chunk, count, sym_off, info_off, prec,
+                               cmap_off, place.out, place.at, place.step, -1, -1, -1, 1, 0))
+        else:
             rmap = None if g.rows is None else g.rows.astype(np.uint8) * np.uint8(g.kc)
-            grid = (self._cmap(s.info.cmap), self._cmap(rmap), self._cmap(g.columns),
-                    g.width, g.phase)
-        self.specs.append((len(self.streams), s.n, chunk, count, sym_off, info_off, prec,
-                           cmap_off, place.out, place.at, place.step, *grid))
+            self.specs.append((len(self.streams), n, chunk, count, sym_off, info_off, prec,
+                               cmap_off, place.out, place.at, place.step,
+                               self._cmap(info.cmap), self._cmap(rmap), self._cmap(g.columns),
+                               g.width, g.phase))
         self.streams.append(s)
         return count
 
@@ -478,13 +486,15 @@ class Planner:
             raise ValueError(f"{exp.label} is context-conditioned; it has no context")
         if sm.classed:  # the kernel keeps no class grid for it (its registers)
             raise ValueError(f"{sm.label} is classed: decode it on the host")
-        chunks = {s.info.chunk_size for s in (exp, sm) if s.info is not None}
-        if exp.n != sm.n or len(chunks) > 1:
+        ei, si = exp.info, sm.info
+        chunk = ei.chunk_size if ei is not None else si.chunk_size if si is not None \
+            else RAW_CHUNK
+        if exp.n != sm.n or (ei is not None and si is not None
+                             and ei.chunk_size != si.chunk_size):
             def says(s: Stream) -> str:
                 cut = f" in chunks of {s.info.chunk_size}" if s.info is not None else ""
                 return f"{s.n} symbols{cut}"
             raise ValueError(f"{exp.label} has {says(exp)}, {sm.label} {says(sm)}")
-        chunk = chunks.pop() if chunks else RAW_CHUNK
         count = self._register(exp, place, chunk)
         self._register(sm, place, chunk)  # as many chunks: same symbols, same cut
         self.units.append(count)
@@ -538,18 +548,14 @@ class Planner:
         src, filler = src.reshape(-1, w)[by].reshape(-1), filler.reshape(-1, w)[by].reshape(-1)
         return idx[src], pad[src] | filler[:, None]
 
-    def _rows(self) -> np.ndarray:
-        """The launch's rows (int64[n_rows, _WIDTH]), in blocks, padding and all."""
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The launch's rows, in blocks, padding and all, as indices: the registered rows
+        (int64[r, _WIDTH]), the row each launch row is made from (int64[n_rows]) and the
+        launch rows that are padding made from theirs (``_padding_like``)."""
         rows, idx, pad = self._pairs()
         if len(idx):
             idx, pad = self._blocks(rows, idx, pad)
-        at = idx.reshape(-1)
-        flat = rows[at]
-        fill = np.flatnonzero(pad.reshape(-1))
-        if fill.size:  # ``_padding_like`` in place: the padding row, the tables kept
-            flat[fill] = _PADDING
-            flat[fill[:, None], _TABLE_COLS] = rows[:, _TABLE_COLS][at[fill]]
-        return flat
+        return rows, idx.reshape(-1), np.flatnonzero(pad.reshape(-1))
 
     def _slots(self, desc: np.ndarray, ctx: bool) -> int:
         """Table sets a block stages (the kernel's rule): a's tables if it has any; b's in
@@ -561,15 +567,22 @@ class Planner:
 
     def finish(self, sizes: Sequence[int]) -> Batch:
         """The batch; output k has ``sizes[k]`` elements (bytes in u8 mode, 16-bit in bf16)."""
-        flat = self._rows()
-        n_rows = len(flat)
-        desc = flat[:, :N_COLS].copy()
+        rows, at, fill = self._rows()
+        n_rows = len(at)
+        # Gathered once, each part from its own columns: a launch's rows are large
+        # enough that every extra array of them costs fresh pages.
+        desc = rows[at, :N_COLS]
+        origin = rows[:, [_SRC, _C, _AT]][at]
+        if fill.size:  # ``_padding_like`` in place: the padding row, the tables kept
+            desc[fill] = _PADDING[:N_COLS]
+            desc[fill[:, None], _TABLE_COLS] = rows[:, _TABLE_COLS][at[fill]]
+            origin[fill] = _PADDING[[_SRC, _C, _AT]]
         live = desc[:, D_N] > 0
         # Lay the payloads out back to back, each aligned, in row order (the launch order).
         size = np.where(live, desc[:, D_LEN], 0)
         padded = (size + ALIGN - 1) // ALIGN * ALIGN
         start = np.cumsum(padded) - padded
-        copies = np.stack([flat[:, _SRC], desc[:, D_OFF], start, size], axis=1)[live]
+        copies = np.stack([origin[:, 0], desc[:, D_OFF], start, size], axis=1)[live]
         desc[:, D_OFF] = np.where(live, start, 0)
         sym, info = np.zeros(1, np.uint8), np.zeros(1, np.uint32)
         if self.freqs:  # every frame's tables split in one pass
@@ -577,8 +590,7 @@ class Planner:
             info = info.reshape(-1)
             assert sym.size == self.sym_size
         cmaps = np.concatenate(self.cmaps) if self.cmaps else np.zeros(1, np.uint8)
-        out_index = np.where(live, flat[:, _OUTPUT], -1)
-        origin = flat[:, [_SRC, _C, _AT]].copy()
+        out_index = np.where(live, rows[at, _OUTPUT], -1)  # padding rows are not live
         ctx = bool((desc[:, D_CMAP] >= 0).any())
         slots = self._slots(desc, ctx) if n_rows else 0
         # ALIGN spare bytes at the end: the kernel may read word 0 of a payload without words.
