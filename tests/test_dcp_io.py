@@ -497,3 +497,48 @@ def test_a_ranks_saves_code_and_close_on_threads_kept_from_save_to_save(tmp_path
                                                                   threads=3), no_dist=True)
     assert len(started) <= 1, started  # a close may outlast the next file's coding
     _loads_back(tmp_path / "3", sd)
+
+
+def _codecs(path) -> dict[str, dict[str, set[tuple[str, int]]]]:
+    """Per shard tensor, per field: the (codec, symbols) of each segment."""
+    out: dict[str, dict[str, set[tuple[str, int]]]] = {}
+    for p in sorted(path.iterdir()):
+        if not p.name.startswith("shard-"):
+            continue
+        c = Compressed(p.read_bytes())
+        for name, rec in c.record.tensors.items():
+            bounds = c.bounds(c.entry(name))
+            fields = out.setdefault(name, {})
+            for (lo, hi), coded in zip(bounds, rec.codecs, strict=True):
+                symbols = (hi - lo) * 8 // _BITS[rec.dtype]
+                for (field, _), codec in zip(rec.fields, coded, strict=True):
+                    fields.setdefault(field, set()).add((codec, symbols))
+    return out
+
+
+_BITS = {"F32": 32, "BF16": 16, "U8": 8, "F8_E4M3": 8}
+
+
+def test_the_writer_codes_float_fields_order_0_with_tans_and_tries_zstd_on_small_ones(
+        tmp_path):
+    # A checkpoint writer's policy: the exponent and a sign-free mantissa byte (optimizer
+    # second moments) coded by tANS, which takes no context (main: rANS, the mantissa byte
+    # conditioned on the exponent); zstd tried on fields of at most 4096 symbols only;
+    # the low mantissa bytes raw.
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(512, 1024, generator=g) * 0.02
+    sd = {"master": w, "exp_avg_sq": (w * w).contiguous(), "bf16": w.to(torch.bfloat16),
+          "small": w[:4, :1000].contiguous(), "mid": w[:8, :1024].contiguous()}
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    got = _codecs(tmp_path)
+    big = 512 * 1024
+    assert got["master"] == {"exponent": {("tans", big)}, "sign_mantissa": {("raw", big)},
+                             "byte1": {("raw", big)}, "byte0": {("raw", big)}}
+    assert got["exp_avg_sq"]["sign_mantissa"] == {("tans", big)}
+    assert got["bf16"] == {"exponent": {("tans", big)}, "sign_mantissa": {("raw", big)}}
+    assert {c for c, _ in got["small"]["exponent"]} <= {"tans", "zstd"}
+    assert got["mid"]["exponent"] == {("tans", 8 * 1024)}
+    assert not any(c == "zstd" and n > codecs.CHECKPOINT.zstd_limit
+                   for fields in got.values() for segs in fields.values() for c, n in segs)
+    _loads_back(tmp_path, sd)

@@ -131,6 +131,18 @@ GPU_FAST = Policy("gpu_fast", GPU.candidates, contexts=False, min_saving=FAST_MI
                   conditioned_min_saving=FAST_MIN_SAVING, raw_unless_pays=True, screen=True,
                   tans_gain=0.0, precision=RANS_PRECISION, wide_precision=RANS_PRECISION,
                   chunk=GPU_CHUNK, cost=GPU_MIN_SAVING, zstd_limit=EXACT_LIMIT)
+# A checkpoint writer's (``entropykit.dcp``): saves are on a training job's critical path
+# and read back once, so coding time counts over decoding time. tANS codes every order-0
+# field it can (it encodes faster than rANS and its tables are no larger; it decodes
+# slower); fields are coded without contexts (a conditioned mantissa byte costs a joint
+# histogram and class tables for the order-0 coder's size, within 0.1 %); zstd is tried
+# on small fields only, where a trial costs about what the entropy coder does (larger
+# float fields never go to zstd, and its trial costs several times their coding).
+CHECKPOINT = Policy("checkpoint", ("rans", "tans", "zstd", "raw"), contexts=False,
+                    min_saving=FAST_MIN_SAVING, conditioned_min_saving=FAST_MIN_SAVING,
+                    raw_unless_pays=True, screen=True, tans_gain=0.0,
+                    precision=RANS_PRECISION, wide_precision=RANS_PRECISION,
+                    chunk=frame.DEFAULT_CHUNK, zstd_limit=_PROBE)
 POLICIES = {("cpu", False): CPU, ("cpu", True): FAST, ("gpu", False): GPU,
             ("gpu", True): GPU_FAST}
 
@@ -528,7 +540,7 @@ def _analyse(symbols: np.ndarray, context: np.ndarray | None, p: Policy,
 
 def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu", *,
            fast: bool = False, grid: tuple[int, int] | None = None,
-           counts: np.ndarray | None = None) -> Choice:
+           counts: np.ndarray | None = None, policy: Policy | None = None) -> Choice:
     """Code a field with the codec expected to be smallest, never larger than raw.
 
     The policy is ``POLICIES[target, fast]``: ``target="gpu"`` writes what
@@ -542,9 +554,10 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     lets "rans2d" bid. ``counts``, when the caller has it, saves a pass: the symbols'
     histogram (int64[256]), or for a field with a context (target "cpu", not fast) the
     joint histogram ``contexts.joint_histogram(context, symbols)``. It must be exact.
+    ``policy``, where given, is used instead of ``POLICIES[target, fast]`` (``CHECKPOINT``).
     Deterministic: the same symbols and options always give the same choice.
     """
-    p = POLICIES.get((target, bool(fast)))
+    p = POLICIES.get((target, bool(fast))) if policy is None else policy
     if p is None:
         check_target(target)
     n = symbols.size
@@ -638,4 +651,5 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     return Choice(codec, payload, bits)
 
 
-_ORDER0 = {p.name: _knobs(p) for p in POLICIES.values()}  # by name: no dataclass hash a call
+# By name: no dataclass hash a call.
+_ORDER0 = {p.name: _knobs(p) for p in (*POLICIES.values(), CHECKPOINT)}

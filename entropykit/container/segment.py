@@ -83,9 +83,10 @@ class Split:
 
 def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
            fast: bool = False, target: str = "cpu",
-           grid: tuple[int, int] | None = None, stored: bool = False) -> Coded:
-    """Split ``raw`` (uint8 bytes of whole elements) and code every field (``fast`` and
-    ``target``: see ``codecs.choose``); with ``stored``, every field raw.
+           grid: tuple[int, int] | None = None, stored: bool = False,
+           policy: codecs.Policy | None = None) -> Coded:
+    """Split ``raw`` (uint8 bytes of whole elements) and code every field (``fast``,
+    ``target`` and ``policy``: see ``codecs.choose``); with ``stored``, every field raw.
 
     RuntimeError if ``formats`` splits it otherwise than ``split`` says (the container's
     size bounds rest on it).
@@ -109,7 +110,8 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
         syms.append(sym)
     # Sharing a pass pays on large segments only: for a few hundred symbols the 256 x 256
     # joint's bookkeeping costs more than the histograms it spares.
-    shared = target == "cpu" and not fast and not stored and min(want, default=0) >= _SHARE_MIN
+    shared = (target == "cpu" and not fast and policy is None and not stored
+              and min(want, default=0) >= _SHARE_MIN)
     counts = _counts(split.fields, syms) if shared else {}
     for sym, field, n in zip(syms, split.fields, want, strict=True):
         if stored:
@@ -118,7 +120,8 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
             continue
         choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
                                fast=fast, grid=grid if n == elements else None,
-                               counts=_expand(counts.pop(field[0], None)) if shared else None)
+                               counts=_expand(counts.pop(field[0], None)) if shared else None,
+                               policy=policy)
         names.append(choice.codec)
         parts.append(choice.payload)
         bits += choice.entropy_bits
