@@ -599,6 +599,11 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     return Choice(codec, blob, f.bits)
 
 
+def knobs(p: Policy) -> order0.Knobs | None:
+    """``p``'s numbers for ``order0.code``, or None where ``choose`` does not use it."""
+    return _ORDER0[p.name]
+
+
 def _knobs(p: Policy) -> order0.Knobs | None:
     """``p``'s numbers for ``order0.code``, or None where the kernel does not do its
     choice: a policy whose zstd bids on large fields too (by probes), or with rans2d (a
@@ -626,14 +631,23 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     zstd's and raw's, compared as ``choose`` compares them (the entropy coder first; ties
     to the earlier), the winner's payload made once; None for a field to code with its
     context."""
-    n = symbols.size
-    raw = n + RAW_OVERHEAD
     sym = tables._flat(symbols, np.uint8)
     found, bits, bid, param, crc, counts = order0.code(sym, context is not None, k)
     if found == order0.CONDITIONED:
         return None
+    return settle(sym, p, int(found), float(bits), int(bid), int(param), int(crc), counts[0])
+
+
+def settle(symbols: np.ndarray, p: Policy, found: int, bits: float, bid: int, param: int,
+           crc: int, counts: np.ndarray) -> Choice:
+    """The choice ``choose`` makes from ``order0.code``'s results for a field without a
+    context (uint8, 1-D, contiguous; ``counts``: its histogram): the kernel's bid against
+    zstd's and raw's."""
+    n = symbols.size
+    raw = n + RAW_OVERHEAD
+    sym = symbols
     if found == order0.RAW or (found == order0.NO_BID and p.raw_unless_pays):
-        return _raw(sym, bits, int(crc))
+        return _raw(sym, bits, crc)
     best: int | None = None
     codec, payload = "", b""
     if found != order0.NO_BID:
@@ -645,7 +659,7 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     if best is None or raw < best:
         return _raw(symbols, bits)
     if codec != ZSTD.name:
-        payload = CODECS[codec].encode(sym, None, param, p.chunk, counts[0])
+        payload = CODECS[codec].encode(sym, None, param, p.chunk, counts)
     if len(payload) >= raw:
         return _raw(symbols, bits)
     return Choice(codec, payload, bits)
