@@ -589,3 +589,32 @@ def test_the_checkpoint_policy_codes_a_segments_planes_in_one_call_as_field_by_f
                                    for c, p in zip(got.codecs, got.parts, strict=True)],
                                   raw.size)
             assert bytes(back) == bytes(raw)
+
+
+def test_a_frame_on_one_thread_codes_its_chunks_in_one_call(monkeypatch):
+    # 3 Mi symbols are 48 chunks, 6 groups of 8: one call on one thread (main: 6), the
+    # same bytes as group by group (a function for contexts asks group by group).
+    from entropykit.coding import parallel
+
+    monkeypatch.setenv(parallel.ENV, "1")
+    sym = np.random.default_rng(1).integers(0, 7, 3 << 20).astype(np.uint8)
+    counts = np.bincount(sym, minlength=256).astype(np.int64)
+    calls = []
+    real = order0._chunks
+
+    def counted(*args):
+        calls.append(args[0].size)
+        return real(*args)
+
+    monkeypatch.setattr(order0, "_chunks", counted)
+    one = order0.encode(sym, None, counts, 12, 1 << 16, True)
+    assert calls == [sym.size]
+    calls.clear()
+    ctx = np.zeros(sym.size, np.uint8)
+    joint = np.zeros((256, 256), np.int64)
+    joint[0] = counts
+    grouped = order0.encode(sym, lambda lo, hi: ctx[lo:hi], joint, 12, 1 << 16, False)
+    whole = order0.encode(sym, ctx, joint, 12, 1 << 16, False)
+    assert calls == [8 << 16] * 6 + [sym.size] and grouped == whole
+    assert codecs.decode("tans", np.frombuffer(one, np.uint8), sym.size, None).tobytes() \
+        == sym.tobytes()
