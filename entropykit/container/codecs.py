@@ -565,7 +565,7 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     if n == 0:
         return _raw(symbols, 0.0)
     context = context if p.contexts else None
-    k = _ORDER0[p.name] if counts is None else None
+    k = knobs(p) if counts is None else None
     if k is not None:
         choice = _order0(symbols, context, p, k)
         if choice is not None:
@@ -600,7 +600,10 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
 
 
 def knobs(p: Policy) -> order0.Knobs | None:
-    """``p``'s numbers for ``order0.code``, or None where ``choose`` does not use it."""
+    """``p``'s numbers for ``order0.code``, or None where ``choose`` does not use it
+    (worked out once per policy name)."""
+    if p.name not in _ORDER0:
+        _ORDER0[p.name] = _knobs(p)
     return _ORDER0[p.name]
 
 
