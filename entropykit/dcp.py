@@ -172,10 +172,10 @@ class CompressedStorageWriter(FileSystemWriter):
 
     ``fast`` trades size for speed. ``True`` (the default) entropy codes the fields that
     pay (float exponents, a mantissa byte without its sign) with the checkpoint policy
-    (``codecs.CHECKPOINT``: order-0 tANS, the coder that encodes fastest; zstd tried on
-    small fields only) and stores the rest (most mantissa bytes) raw on a sample's
-    say-so, without trials; ``False`` tries every codec on every field (contexts, row /
-    column classes, zstd) for the smallest shards.
+    (``codecs.CHECKPOINT``: order-0 tANS, the coder that encodes fastest, though it
+    decodes slower than rANS; zstd tried on small fields only) and stores the rest (most
+    mantissa bytes) raw on a sample's say-so, without trials; ``False`` tries every
+    codec on every field (contexts, row / column classes, zstd) for the smallest shards.
     A save is on the training job's critical path and comes again every few hundred
     steps, so the default is the policy whose coding keeps up with the storage:
     ``False`` makes float shards slightly smaller for several times the coding time,
