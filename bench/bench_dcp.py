@@ -50,7 +50,9 @@ collective moves the data):
   few bytes and of 64 kB: wall and process CPU (every thread) per file, the least of
   ``--repeat`` runs, and the threads started during them.
 
-Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-small``:
+Writers: ``ek``: ``CompressedStorageWriter`` as it comes (``fast=True``); ``ek-fast``:
+the same with the container's ``fast`` codec policy instead of its checkpoint policy
+(rANS, contexts, zstd trials: the writer's coding before that policy); ``ek-small``:
 with ``fast=False`` (every codec tried, smallest shards); ``hf``:
 ``HuggingFaceStorageWriter(save_distributed=True)``; ``fs``: ``FileSystemWriter`` (always
 run: the ratios are to it). Threads per rank: cores / ranks, for ek's coding and fs's
@@ -100,7 +102,8 @@ from results import cpu_model  # noqa: E402
 
 from entropykit.dcp import CompressedStorageReader, CompressedStorageWriter  # noqa: E402
 
-WRITERS = ("ek", "ek-small", "hf", "fs")
+WRITERS = ("ek", "ek-fast", "ek-small", "hf", "fs")
+_EK = ("ek", "ek-fast", "ek-small")  # entropykit's writers
 
 
 class _Bucket:
@@ -225,6 +228,22 @@ class _ThrottledEK(CompressedStorageWriter):
         _PHASES.add("close: drain + fsync + rename", time.perf_counter() - t)
 
 
+class _ThrottledEKFast(_ThrottledEK):
+    """``ek`` with the container's ``fast`` policy in place of the checkpoint policy (the
+    writer's codecs before it had a policy of its own), to compare the two in one run:
+    the writers take turns, so the swap during ``write_data`` reaches no other save."""
+
+    def write_data(self, plan, planner):
+        from entropykit.container import codecs
+
+        policy = codecs.CHECKPOINT
+        codecs.CHECKPOINT = codecs.FAST
+        try:
+            return super().write_data(plan, planner)
+        finally:
+            codecs.CHECKPOINT = policy
+
+
 def _instrument() -> None:
     """Clock the phases of a save that both writers share or that entropykit's own
     functions mark (``--phases``): the planner's data resolution, fsync, the storage's
@@ -343,8 +362,9 @@ def _writer(name: str, path: Path, rate: float | None, threads: int,
     """Writer ``name``; its storage writes always go through a ``_Bucket`` (of ``rate``,
     or unlimited), so that both kinds of writer run the same write path in both modes.
     ``ek_threads``: entropykit's coding threads, where not ``threads``."""
-    if name in ("ek", "ek-small"):
-        return _ThrottledEK(path, rate, threads=ek_threads or threads, fast=name == "ek")
+    if name in _EK:
+        cls = _ThrottledEKFast if name == "ek-fast" else _ThrottledEK
+        return cls(path, rate, threads=ek_threads or threads, fast=name != "ek-small")
     if name == "hf":
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -356,7 +376,7 @@ def _writer(name: str, path: Path, rate: float | None, threads: int,
 
 
 def _reader(name: str, path: Path, threads: int):
-    if name in ("ek", "ek-small"):
+    if name in _EK:
         return CompressedStorageReader(path, threads=threads)
     if name == "hf":
         from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -499,7 +519,7 @@ def _state_bytes(args: argparse.Namespace, kind: str, n: int) -> float:
 
 
 # Output over input, about, for the floor of a rate-limited save's time (``_plan``).
-_RATIO = {"ek": {"model": 0.66, "optim": 0.82}, "ek-small": {"model": 0.66, "optim": 0.82}}
+_RATIO = {w: {"model": 0.66, "optim": 0.82} for w in _EK}
 
 
 def _plan(args: argparse.Namespace) -> float:
@@ -520,7 +540,7 @@ def _warm_kernels(args: argparse.Namespace) -> float:
     weights, _ = _weights(True, 1, 0, 64)
     for kind in args.states:
         sd = _state(kind, weights, 0)
-        for name in ("ek", "ek-small"):
+        for name in _EK:
             if name in args.writers:
                 with tempfile.TemporaryDirectory(dir=args.dir) as d, warnings.catch_warnings():
                     warnings.simplefilter("ignore")

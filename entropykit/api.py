@@ -222,7 +222,7 @@ def _tensor_bytes(name: str, t: Any) -> tuple[str, tuple[int, ...], np.ndarray]:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"tensor {name!r}: expected a torch tensor or numpy array, "
                         f"got {type(t).__name__}")
-    names = {v: k for k, v in dtypes.torch_types().items()}
+    names = dtypes.torch_names()
     if t.dtype not in names:
         raise TypeError(f"tensor {name!r}: torch dtype {t.dtype} has no safetensors dtype")
     flat = t.detach().to("cpu").contiguous().reshape(-1)

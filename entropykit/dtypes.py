@@ -10,7 +10,10 @@ this one. What it is not: how a dtype is split into fields (``formats``) or code
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import ml_dtypes
@@ -62,12 +65,20 @@ FROM_NUMPY: dict[np.dtype, str] = {np.dtype(t): name for name, t in NUMPY.items(
 FROM_TORCH: dict[str, str] = {f"torch.{d.torch}": d.name for d in ALL if d.torch}
 
 
-def torch_types() -> dict[str, Any]:
-    """safetensors name -> torch dtype, for those this torch has (imports torch)."""
+@functools.cache
+def torch_types() -> Mapping[str, Any]:
+    """safetensors name -> torch dtype, for those this torch has (imports torch). Built
+    once: callers ask for it per tensor, and a build looks up every row in torch."""
     import torch
 
-    return {d.name: getattr(torch, d.torch) for d in ALL
-            if d.torch and hasattr(torch, d.torch)}
+    return MappingProxyType({d.name: getattr(torch, d.torch) for d in ALL
+                             if d.torch and hasattr(torch, d.torch)})
+
+
+@functools.cache
+def torch_names() -> Mapping[Any, str]:
+    """torch dtype -> safetensors name: ``torch_types`` inverted (imports torch)."""
+    return MappingProxyType({v: k for k, v in torch_types().items()})
 
 
 def value_format(name: str) -> str | None:
@@ -77,4 +88,4 @@ def value_format(name: str) -> str | None:
 
 
 __all__ = ["ALL", "BITS", "BY_NAME", "DType", "FROM_NUMPY", "FROM_TORCH", "NUMPY",
-           "WRITE_RANK", "torch_types", "value_format"]
+           "WRITE_RANK", "torch_names", "torch_types", "value_format"]

@@ -59,6 +59,51 @@ BIG = {
 }
 
 
+# The specials' segments (the writer's are 4 MiB): 64 Ki fp32 values, the most a field
+# is coded without the sample screen, so the rows around it cross a segment's edge with
+# each path of the policy.
+_SEGMENT_BYTES = 1 << 18
+_SEG = _SEGMENT_BYTES // 4
+
+
+def _specials() -> dict[str, torch.Tensor]:
+    """Tensors of two rows (saved Shard(0): a row a rank) of every fp32 bit pattern the
+    coders must keep (NaN payloads, +-0, +-inf, subnormals, extremes) among trained-like
+    values; rows of one segment and one value less, exactly one, one more; small rows
+    (judged whole, zstd tried: periodic, so that it wins), mid-size rows (entropy coded,
+    no zstd trial), empty rows; positive rows (a sign-free mantissa byte, which the
+    writer codes); wide exponents; and bf16 rows around its segment size."""
+    g = torch.Generator().manual_seed(11)
+    bits = torch.tensor([0x7FC00000, 0x7F800001, 0x7FBFFFFF, 0xFFFFFFFF, 0xFFC00001,
+                         0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x00000001,
+                         0x807FFFFF, 0x00400000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00800000],
+                        dtype=torch.int64).to(torch.int32)  # wraps to the bit patterns
+    special = bits.view(torch.float32)
+
+    def rows(n: int, dtype: torch.dtype = torch.float32, kind: str = "weights"
+             ) -> torch.Tensor:
+        x = torch.randn(2, n, generator=g) * 0.02
+        if kind == "squares":
+            x = x * x
+        elif kind == "periodic":
+            x = x[:, :16].repeat(1, -(-n // 16))[:, :n]
+        elif kind == "wide":
+            x = torch.exp(torch.randn(2, n, generator=g) * 30)
+        x = x.to(dtype)
+        if dtype == torch.float32 and n:
+            at = torch.randint(0, n, (2, min(n, 64)), generator=g)
+            x[0, at[0]] = special[torch.arange(at.shape[1]) % special.numel()]
+            x[1, at[1]] = special[torch.arange(at.shape[1]) % special.numel()]
+        return x
+
+    return {"f32.below": rows(_SEG - 1), "f32.segment": rows(_SEG),
+            "f32.above": rows(_SEG + 1, kind="squares"), "f32.small": rows(1000, kind="periodic"),
+            "f32.mid": rows(20_000, kind="squares"), "f32.empty": rows(0),
+            "f32.wide": rows(3 * _SEG, kind="wide"), "f32.nan": rows(5000) * float("nan"),
+            "bf16.above": rows(2 * _SEG + 1, torch.bfloat16),
+            "bf16.below": rows(2 * _SEG - 1, torch.bfloat16)}
+
+
 def _big() -> dict[str, torch.Tensor]:
     """Weights whose rows differ in scale, as trained weights' do (what the default
     policy's row classes code smaller than the fast policy)."""
@@ -170,6 +215,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                  process_group=sub)
         _save_fsdp(tmp, rank, mesh2, sub)
         _save_big(tmp, rank, mesh2, sub)
+        _save_specials(tmp, rank, mesh2, sub)
     dist.barrier()
     mesh3 = DeviceMesh("cpu", list(range(world)))
 
@@ -234,6 +280,24 @@ def _save_big(tmp: Path, rank: int, mesh, group) -> None:
         dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / f"big-{fast}", threads=1,
                                                             fast=fast),
                  process_group=group)
+
+
+def _save_specials(tmp: Path, rank: int, mesh, group) -> None:
+    """``_specials()`` saved from two ranks (Shard(0): a row each) by the default writer,
+    in segments of ``_SEGMENT_BYTES``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sd = {k: DTensor.from_local(_local(t, 0, rank, 2), mesh, [Shard(0)], run_check=False,
+                                shape=t.shape, stride=t.stride())
+          for k, t in _specials().items()}
+    import entropykit.dcp as ekdcp
+
+    ekdcp.SEGMENT_BYTES, before = _SEGMENT_BYTES, ekdcp.SEGMENT_BYTES
+    try:
+        dcp.save(sd, storage_writer=CompressedStorageWriter(tmp / "specials", threads=2),
+                 process_group=group)
+    finally:
+        ekdcp.SEGMENT_BYTES = before
 
 
 def _load_big(tmp: Path, rank: int, world: int, mesh) -> None:
@@ -519,6 +583,21 @@ def test_either_policy_two_ranks_save_one_process_loads_bit_exact(saved: Path, f
     hf = consolidate(path, saved / f"big-{fast}-hf")
     merged = entropykit.load_file(hf)
     assert all(_same(merged[k], v) for k, v in want.items())
+
+
+def test_every_fp32_bit_pattern_and_segment_edge_loads_back_exactly(saved: Path) -> None:
+    want = _specials()
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=CompressedStorageReader(saved / "specials", threads=2))
+    assert all(_same(got[k], v) for k, v in want.items())
+    from entropykit.container.reader import Compressed
+
+    records = [Compressed(p.read_bytes()).record for p in _shards(saved / "specials")]
+    assert {r.segment_bytes for r in records} == {_SEGMENT_BYTES}
+    used = {c for r in records for t in r.tensors.values() for seg in t.codecs for c in seg}
+    # Every path of the writer's policy: tANS, rANS (a wide alphabet), zstd (a small
+    # periodic field), raw.
+    assert used == {"tans", "rans", "zstd", "raw"}
 
 
 def test_fast_policy_trades_a_little_size(saved: Path) -> None:

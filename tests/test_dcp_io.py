@@ -497,3 +497,124 @@ def test_a_ranks_saves_code_and_close_on_threads_kept_from_save_to_save(tmp_path
                                                                   threads=3), no_dist=True)
     assert len(started) <= 1, started  # a close may outlast the next file's coding
     _loads_back(tmp_path / "3", sd)
+
+
+def _codecs(path) -> dict[str, dict[str, set[tuple[str, int]]]]:
+    """Per shard tensor, per field: the (codec, symbols) of each segment."""
+    out: dict[str, dict[str, set[tuple[str, int]]]] = {}
+    for p in sorted(path.iterdir()):
+        if not p.name.startswith("shard-"):
+            continue
+        c = Compressed(p.read_bytes())
+        for name, rec in c.record.tensors.items():
+            bounds = c.bounds(c.entry(name))
+            fields = out.setdefault(name, {})
+            for (lo, hi), coded in zip(bounds, rec.codecs, strict=True):
+                symbols = (hi - lo) * 8 // _BITS[rec.dtype]
+                for (field, _), codec in zip(rec.fields, coded, strict=True):
+                    fields.setdefault(field, set()).add((codec, symbols))
+    return out
+
+
+_BITS = {"F32": 32, "BF16": 16, "U8": 8, "F8_E4M3": 8}
+
+
+def test_the_writer_codes_float_fields_order_0_with_tans_and_tries_zstd_on_small_ones(
+        tmp_path):
+    # A checkpoint writer's policy: the exponent and a sign-free mantissa byte (optimizer
+    # second moments) coded by tANS, which takes no context (main: rANS, the mantissa byte
+    # conditioned on the exponent); zstd tried on fields of at most 4096 symbols only;
+    # the low mantissa bytes raw.
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(512, 1024, generator=g) * 0.02
+    sd = {"master": w, "exp_avg_sq": (w * w).contiguous(), "bf16": w.to(torch.bfloat16),
+          "small": w[:4, :1000].contiguous(), "mid": w[:8, :1024].contiguous()}
+    dcp.save(sd, storage_writer=ekdcp.CompressedStorageWriter(tmp_path, threads=2),
+             no_dist=True)
+    got = _codecs(tmp_path)
+    big = 512 * 1024
+    assert got["master"] == {"exponent": {("tans", big)}, "sign_mantissa": {("raw", big)},
+                             "byte1": {("raw", big)}, "byte0": {("raw", big)}}
+    assert got["exp_avg_sq"]["sign_mantissa"] == {("tans", big)}
+    assert got["bf16"] == {"exponent": {("tans", big)}, "sign_mantissa": {("raw", big)}}
+    assert {c for c, _ in got["small"]["exponent"]} <= {"tans", "zstd"}
+    assert got["mid"]["exponent"] == {("tans", 8 * 1024)}
+    assert not any(c == "zstd" and n > codecs.CHECKPOINT.zstd_limit
+                   for fields in got.values() for segs in fields.values() for c, n in segs)
+    _loads_back(tmp_path, sd)
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "F16", "F64", "I32", "U16", "I64"])
+def test_the_checkpoint_policy_codes_a_segments_planes_in_one_call_as_field_by_field(dtype):
+    # One kernel call splits and judges every plane; each plane's codec and payload are
+    # what ``codecs.choose`` gives it field by field (the split and the policy's choice).
+    from entropykit import formats
+    from entropykit.container import segment
+    from entropykit.dtypes import BITS, NUMPY
+
+    rng = np.random.default_rng(len(dtype))
+    word = BITS[dtype] // 8
+    split = segment.Split.of(dtype, None, BITS[dtype])
+    calls = []
+    real = order0._code_planes
+
+    def counted(*args):
+        calls.append(args[0].size)
+        return real(*args)
+
+    values = {"weights": lambda n: rng.standard_normal(n) * 0.02,
+              "squares": lambda n: (rng.standard_normal(n) * 0.02) ** 2,
+              "few": lambda n: rng.integers(0, 3, n).astype(np.float64),
+              "bits": lambda n: rng.integers(0, 256, n * word).astype(np.uint8)}
+    for kind, make in values.items():
+        for n in (1, 3, 4095, 4097, 16383, 16384, 70_000):
+            x = make(n)
+            raw = (x if kind == "bits" else x.astype(NUMPY[dtype])).view(np.uint8)[: n * word]
+            calls.clear()
+            order0._code_planes = counted
+            try:
+                got = segment.encode(dtype, None, raw, split, fast=True,
+                                     policy=codecs.CHECKPOINT)
+            finally:
+                order0._code_planes = real
+            assert calls == [n]
+            want = [codecs.choose(f.symbols, None, policy=codecs.CHECKPOINT)
+                    for f in formats.split(dtype, raw)]
+            assert got.fields == split.fields
+            assert got.codecs == tuple(c.codec for c in want), (kind, n)
+            assert [bytes(codecs.Choice(c, p, 0).blob) for c, p in
+                    zip(got.codecs, got.parts, strict=True)] == [c.blob for c in want]
+            back = segment.decode(dtype, None, got.fields, got.codecs,
+                                  [np.frombuffer(codecs.Choice(c, p, 0).blob, np.uint8)
+                                   for c, p in zip(got.codecs, got.parts, strict=True)],
+                                  raw.size)
+            assert bytes(back) == bytes(raw)
+
+
+def test_a_frame_on_one_thread_codes_its_chunks_in_one_call(monkeypatch):
+    # 3 Mi symbols are 48 chunks, 6 groups of 8: one call on one thread (main: 6), the
+    # same bytes as group by group (a function for contexts asks group by group).
+    from entropykit.coding import parallel
+
+    monkeypatch.setenv(parallel.ENV, "1")
+    sym = np.random.default_rng(1).integers(0, 7, 3 << 20).astype(np.uint8)
+    counts = np.bincount(sym, minlength=256).astype(np.int64)
+    calls = []
+    real = order0._chunks
+
+    def counted(*args):
+        calls.append(args[0].size)
+        return real(*args)
+
+    monkeypatch.setattr(order0, "_chunks", counted)
+    one = order0.encode(sym, None, counts, 12, 1 << 16, True)
+    assert calls == [sym.size]
+    calls.clear()
+    ctx = np.zeros(sym.size, np.uint8)
+    joint = np.zeros((256, 256), np.int64)
+    joint[0] = counts
+    grouped = order0.encode(sym, lambda lo, hi: ctx[lo:hi], joint, 12, 1 << 16, False)
+    whole = order0.encode(sym, ctx, joint, 12, 1 << 16, False)
+    assert calls == [8 << 16] * 6 + [sym.size] and grouped == whole
+    assert codecs.decode("tans", np.frombuffer(one, np.uint8), sym.size, None).tobytes() \
+        == sym.tobytes()

@@ -131,6 +131,18 @@ GPU_FAST = Policy("gpu_fast", GPU.candidates, contexts=False, min_saving=FAST_MI
                   conditioned_min_saving=FAST_MIN_SAVING, raw_unless_pays=True, screen=True,
                   tans_gain=0.0, precision=RANS_PRECISION, wide_precision=RANS_PRECISION,
                   chunk=GPU_CHUNK, cost=GPU_MIN_SAVING, zstd_limit=EXACT_LIMIT)
+# A checkpoint writer's (``entropykit.dcp``): saves are on a training job's critical path
+# and read back once, so coding time counts over decoding time. tANS codes every order-0
+# field it can (it encodes faster than rANS and its tables are no larger; it decodes
+# slower); fields are coded without contexts (a conditioned mantissa byte costs a joint
+# histogram and class tables for the order-0 coder's size, within 0.1 %); zstd is tried
+# on small fields only, where a trial costs about what the entropy coder does (larger
+# float fields never go to zstd, and its trial costs several times their coding).
+CHECKPOINT = Policy("checkpoint", ("rans", "tans", "zstd", "raw"), contexts=False,
+                    min_saving=FAST_MIN_SAVING, conditioned_min_saving=FAST_MIN_SAVING,
+                    raw_unless_pays=True, screen=True, tans_gain=0.0,
+                    precision=RANS_PRECISION, wide_precision=RANS_PRECISION,
+                    chunk=frame.DEFAULT_CHUNK, zstd_limit=_PROBE)
 POLICIES = {("cpu", False): CPU, ("cpu", True): FAST, ("gpu", False): GPU,
             ("gpu", True): GPU_FAST}
 
@@ -528,7 +540,7 @@ def _analyse(symbols: np.ndarray, context: np.ndarray | None, p: Policy,
 
 def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu", *,
            fast: bool = False, grid: tuple[int, int] | None = None,
-           counts: np.ndarray | None = None) -> Choice:
+           counts: np.ndarray | None = None, policy: Policy | None = None) -> Choice:
     """Code a field with the codec expected to be smallest, never larger than raw.
 
     The policy is ``POLICIES[target, fast]``: ``target="gpu"`` writes what
@@ -542,9 +554,10 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     lets "rans2d" bid. ``counts``, when the caller has it, saves a pass: the symbols'
     histogram (int64[256]), or for a field with a context (target "cpu", not fast) the
     joint histogram ``contexts.joint_histogram(context, symbols)``. It must be exact.
+    ``policy``, where given, is used instead of ``POLICIES[target, fast]`` (``CHECKPOINT``).
     Deterministic: the same symbols and options always give the same choice.
     """
-    p = POLICIES.get((target, bool(fast)))
+    p = POLICIES.get((target, bool(fast))) if policy is None else policy
     if p is None:
         check_target(target)
     n = symbols.size
@@ -552,7 +565,7 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     if n == 0:
         return _raw(symbols, 0.0)
     context = context if p.contexts else None
-    k = _ORDER0[p.name] if counts is None else None
+    k = knobs(p) if counts is None else None
     if k is not None:
         choice = _order0(symbols, context, p, k)
         if choice is not None:
@@ -586,6 +599,14 @@ def choose(symbols: np.ndarray, context: np.ndarray | None, target: str = "cpu",
     return Choice(codec, blob, f.bits)
 
 
+def knobs(p: Policy) -> order0.Knobs | None:
+    """``p``'s numbers for ``order0.code``, or None where ``choose`` does not use it
+    (worked out once per policy name)."""
+    if p.name not in _ORDER0:
+        _ORDER0[p.name] = _knobs(p)
+    return _ORDER0[p.name]
+
+
 def _knobs(p: Policy) -> order0.Knobs | None:
     """``p``'s numbers for ``order0.code``, or None where the kernel does not do its
     choice: a policy whose zstd bids on large fields too (by probes), or with rans2d (a
@@ -613,14 +634,23 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     zstd's and raw's, compared as ``choose`` compares them (the entropy coder first; ties
     to the earlier), the winner's payload made once; None for a field to code with its
     context."""
-    n = symbols.size
-    raw = n + RAW_OVERHEAD
     sym = tables._flat(symbols, np.uint8)
     found, bits, bid, param, crc, counts = order0.code(sym, context is not None, k)
     if found == order0.CONDITIONED:
         return None
+    return settle(sym, p, int(found), float(bits), int(bid), int(param), int(crc), counts[0])
+
+
+def settle(symbols: np.ndarray, p: Policy, found: int, bits: float, bid: int, param: int,
+           crc: int, counts: np.ndarray) -> Choice:
+    """The choice ``choose`` makes from ``order0.code``'s results for a field without a
+    context (uint8, 1-D, contiguous; ``counts``: its histogram): the kernel's bid against
+    zstd's and raw's."""
+    n = symbols.size
+    raw = n + RAW_OVERHEAD
+    sym = symbols
     if found == order0.RAW or (found == order0.NO_BID and p.raw_unless_pays):
-        return _raw(sym, bits, int(crc))
+        return _raw(sym, bits, crc)
     best: int | None = None
     codec, payload = "", b""
     if found != order0.NO_BID:
@@ -632,10 +662,11 @@ def _order0(symbols: np.ndarray, context: np.ndarray | None, p: Policy, k: order
     if best is None or raw < best:
         return _raw(symbols, bits)
     if codec != ZSTD.name:
-        payload = CODECS[codec].encode(sym, None, param, p.chunk, counts[0])
+        payload = CODECS[codec].encode(sym, None, param, p.chunk, counts)
     if len(payload) >= raw:
         return _raw(symbols, bits)
     return Choice(codec, payload, bits)
 
 
-_ORDER0 = {p.name: _knobs(p) for p in POLICIES.values()}  # by name: no dataclass hash a call
+# By name: no dataclass hash a call.
+_ORDER0 = {p.name: _knobs(p) for p in (*POLICIES.values(), CHECKPOINT)}

@@ -27,6 +27,7 @@ from ..coding.contexts import _choose, _class_counts
 from ..coding.crc32 import _TABLE, _crc
 from ..coding.parallel import run, spread
 from ..coding.tables import _histogram, _quantize, _serialize, entropy_bits_exact
+from ..formats._planes import split_planes
 from ..rans import kernels as rans_kernels
 from ..rans import static as rans_static
 from ..rans.kernels import _encode_chunk, _encode_tables
@@ -80,6 +81,32 @@ def code(symbols: np.ndarray, conditioned: bool, k: Knobs
     return _code(symbols, conditioned, k, _TABLE)
 
 
+def code_planes(words: np.ndarray, sign_move: bool, rows: np.ndarray, k: Knobs
+                ) -> tuple[np.ndarray, ...]:
+    """``formats``' byte planes of ``words`` (W-byte integers, W >= 2, not empty) into
+    ``rows`` (uint8[W, words.size]), and ``code`` of each plane without its context, in
+    one call: ``code``'s six results as arrays with a row per plane (the histograms
+    int64[W, 256])."""
+    return _code_planes(words, sign_move, rows, k, _TABLE)
+
+
+@njit(nogil=True, cache=True)
+def _code_planes(words, sign_move, rows, k, crc_table):
+    split_planes(words, sign_move, rows)
+    m = rows.shape[0]
+    found = np.empty(m, np.int64)
+    bits = np.empty(m, np.float64)
+    bid = np.empty(m, np.int64)
+    param = np.empty(m, np.int64)
+    crc = np.empty(m, np.uint64)
+    counts = np.empty((m, 256), np.int64)
+    for p in range(m):
+        f, b, d, q, c, h = _code(rows[p], False, k, crc_table)
+        found[p], bits[p], bid[p], param[p], crc[p] = f, b, d, q, c
+        counts[p] = h[0]
+    return found, bits, bid, param, crc, counts
+
+
 @njit(nogil=True, cache=True)
 def _sample_bits(sym, block):
     # The order-0 bits per symbol of 4 spread blocks (``codecs._sample``).
@@ -129,11 +156,11 @@ def encode(symbols: np.ndarray, context: np.ndarray | Callable[[int, int], np.nd
            max_tables: int = contexts.DEFAULT_MAX_TABLES, prefix: bytes = b"") -> bytes:
     """``frame.encode`` of ``symbols`` (uint8, 1-D, contiguous, not empty) with the rANS
     coder (``tans``: the tANS coder, which takes no context), after ``prefix``: the same
-    bytes, from one call for the tables and one per group of ``GROUP`` chunks (run on the
-    pool's threads where there are several and it has other threads). ``counts``: the
-    histogram, or with ``context`` the joint histogram; exact. ``context``: a value per
-    symbol, or a function of (lo, hi) giving those of symbols lo..hi-1 (asked group by
-    group)."""
+    bytes, from one call for the tables and one for the chunks, or one per group of
+    ``GROUP`` chunks where the pool's threads share them (or ``context`` is a function).
+    ``counts``: the histogram, or with ``context`` the joint histogram; exact.
+    ``context``: a value per symbol, or a function of (lo, hi) giving those of symbols
+    lo..hi-1 (asked group by group)."""
     sym, n = _read_only(symbols), symbols.size
     rows = np.ascontiguousarray(counts, np.int64)
     shape = (256,) if context is None else (256, 256)
@@ -148,8 +175,7 @@ def encode(symbols: np.ndarray, context: np.ndarray | Callable[[int, int], np.nd
     directory = np.empty(9 * n_chunks, np.uint8)
     groups = -(-n_chunks // GROUP)
 
-    def group(g: int) -> np.ndarray:
-        first, last = g * GROUP, min(n_chunks, (g + 1) * GROUP)
+    def chunks(first: int, last: int) -> np.ndarray:
         lo, hi = first * chunk_size, min(n, last * chunk_size)
         part = _NO_CTX  # contexts only where the frame has classes
         if cmap.size:
@@ -160,8 +186,15 @@ def encode(symbols: np.ndarray, context: np.ndarray | Callable[[int, int], np.nd
         return _chunks(sym[lo:hi], part, cmap, rans_tab, symbol_tt, states, param,
                        chunk_size, tans, first, directory, _TABLE)
 
-    parts = ([group(g) for g in range(groups)] if groups == 1 or spread(None) == 1
-             else run(group, groups, None))
+    def group(g: int) -> np.ndarray:
+        return chunks(g * GROUP, min(n_chunks, (g + 1) * GROUP))
+
+    if groups > 1 and spread(None) > 1:
+        parts = run(group, groups, None)
+    elif callable(context):  # its contexts made group by group, each in cache
+        parts = [group(g) for g in range(groups)]
+    else:  # on this thread alone: one call, one hand-off of the GIL
+        parts = [chunks(0, n_chunks)]
     coder = tans_static.CODER if tans else rans_static.CODER
     head = frame.HEADER.pack(coder.magic, frame.VERSION, param, coder.lanes,
                              int(cmap.size > 0), n, chunk_size, n_chunks, section.size)

@@ -20,7 +20,8 @@ from .. import formats
 from .._errors import CorruptDataError
 from ..coding import contexts, tables
 from ..coding.parallel import run, spread
-from . import codecs
+from ..formats._planes import Planes, int_view
+from . import codecs, order0
 from . import header as hdr
 
 
@@ -83,13 +84,19 @@ class Split:
 
 def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
            fast: bool = False, target: str = "cpu",
-           grid: tuple[int, int] | None = None, stored: bool = False) -> Coded:
-    """Split ``raw`` (uint8 bytes of whole elements) and code every field (``fast`` and
-    ``target``: see ``codecs.choose``); with ``stored``, every field raw.
+           grid: tuple[int, int] | None = None, stored: bool = False,
+           policy: codecs.Policy | None = None) -> Coded:
+    """Split ``raw`` (uint8 bytes of whole elements) and code every field (``fast``,
+    ``target`` and ``policy``: see ``codecs.choose``); with ``stored``, every field raw.
 
     RuntimeError if ``formats`` splits it otherwise than ``split`` says (the container's
     size bounds rest on it).
     """
+    k = None if policy is None or policy.contexts or stored else codecs.knobs(policy)
+    if k is not None and raw.size:
+        plan = formats.planes(dtype, layout)
+        if plan.word > 1:
+            return _encode_planes(raw, plan, split, policy, k)
     done: dict[str, np.ndarray] = {}
     names, parts = [], []
     bits = 0.0
@@ -109,7 +116,8 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
         syms.append(sym)
     # Sharing a pass pays on large segments only: for a few hundred symbols the 256 x 256
     # joint's bookkeeping costs more than the histograms it spares.
-    shared = target == "cpu" and not fast and not stored and min(want, default=0) >= _SHARE_MIN
+    shared = (target == "cpu" and not fast and policy is None and not stored
+              and min(want, default=0) >= _SHARE_MIN)
     counts = _counts(split.fields, syms) if shared else {}
     for sym, field, n in zip(syms, split.fields, want, strict=True):
         if stored:
@@ -118,7 +126,8 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
             continue
         choice = codecs.choose(sym, None if field[1] is None else done[field[1]], target,
                                fast=fast, grid=grid if n == elements else None,
-                               counts=_expand(counts.pop(field[0], None)) if shared else None)
+                               counts=_expand(counts.pop(field[0], None)) if shared else None,
+                               policy=policy)
         names.append(choice.codec)
         parts.append(choice.payload)
         bits += choice.entropy_bits
@@ -126,6 +135,30 @@ def encode(dtype: str, layout: str | None, raw: np.ndarray, split: Split, *,
 
 
 _SHARE_MIN = 1 << 16  # symbols per field from which _counts is taken
+
+
+def _encode_planes(raw: np.ndarray, plan: Planes, split: Split, policy: codecs.Policy,
+                   k: order0.Knobs) -> Coded:
+    """``encode`` of a multi-byte dtype under a policy that codes every field without its
+    context by ``order0``'s numbers: the planes made and judged in one kernel call (one
+    hand-off of the GIL, not one per plane and one for the split), then each settled as
+    ``codecs.choose`` settles a field: the same choices and payloads."""
+    data = np.ascontiguousarray(raw).reshape(-1)
+    n = data.size // plan.word
+    if data.size % plan.word or split.symbols(data.size) != [n] * plan.word:
+        raise RuntimeError(f"{data.size} bytes do not split into {plan.word} planes as "
+                           "probed")
+    rows = np.empty((plan.word, n), np.uint8)
+    found, bits, bid, param, crc, counts = order0.code_planes(
+        int_view(data, plan.word), plan.sign_move, rows, k)
+    choices = [codecs.settle(rows[p], policy, int(found[p]), float(bits[p]), int(bid[p]),
+                             int(param[p]), int(crc[p]), counts[p])
+               for p in range(plan.word)]
+    total = 0.0
+    for c in choices:  # summed as encode sums them
+        total += c.entropy_bits
+    return Coded(split.fields, tuple(c.codec for c in choices),
+                 tuple(c.payload for c in choices), total)
 
 
 def _counts(fields: tuple[tuple[str, str | None], ...], syms: list[np.ndarray]

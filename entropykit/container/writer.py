@@ -124,9 +124,9 @@ def check_input(source: Source) -> None:
 
 def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = SEGMENT_BYTES,
           progress: Progress | None = None, fast: bool = False,
-          target: str = "cpu") -> Summary:
+          target: str = "cpu", policy: codecs.Policy | None = None) -> Summary:
     """Compress ``source`` into the seekable binary stream ``out`` (from its position 0);
-    ``fast`` and ``target`` as for ``codecs.choose``."""
+    ``fast``, ``target`` and ``policy`` as for ``codecs.choose``."""
     codecs.check_target(target)
     check_input(source)
     if not 8 <= segment_bytes <= record.MAX_SEGMENT_BYTES or segment_bytes % 8:
@@ -145,7 +145,7 @@ def write(source: Source, out: BinaryIO, *, threads: int, segment_bytes: int = S
         grid = None if p.layout else codecs.grid_of(
             p.entry.shape, lo * 8 // hdr.DTYPE_BITS[p.entry.dtype])
         coded = segment.encode(p.entry.dtype, p.layout, source.read(p.entry)[lo:hi], p.split,
-                               fast=fast, target=target, grid=grid)
+                               fast=fast, target=target, grid=grid, policy=policy)
         # Position CRCs here, in the worker: they run in parallel with the coding.
         return coded, [payload.field_crc(part, p.entry.name, s, f)
                        for f, part in enumerate(coded.parts)]

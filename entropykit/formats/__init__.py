@@ -16,6 +16,6 @@ Splits (measurements in floats.py and packed4.py):
 """
 
 from .packed4 import layout_for
-from .registry import DTYPES, LAYOUTS, Field, join, split
+from .registry import DTYPES, LAYOUTS, Field, join, planes, split
 
-__all__ = ["DTYPES", "LAYOUTS", "Field", "join", "layout_for", "split"]
+__all__ = ["DTYPES", "LAYOUTS", "Field", "join", "layout_for", "planes", "split"]

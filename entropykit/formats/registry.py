@@ -48,6 +48,12 @@ def _plan(dtype: str, layout: str | None) -> Planes:
     return packed4.PLANES
 
 
+def planes(dtype: str, layout: str | None = None) -> Planes:
+    """The byte planes ``split`` makes of ``dtype`` (with ``layout``); ValueError if
+    unknown."""
+    return _plan(dtype, layout)
+
+
 def split(dtype: str, raw: np.ndarray, *, layout: str | None = None) -> list[Field]:
     """The fields of a tensor whose stored bytes (uint8, little-endian) are ``raw``.
 
