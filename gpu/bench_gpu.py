@@ -105,15 +105,22 @@ def minilm_bf16(path: str) -> list[np.ndarray]:
             if v.dtype == torch.bfloat16]
 
 
-def e4m3_of(tensors: list[np.ndarray]) -> list[np.ndarray]:
-    """bf16 bit arrays -> fp8 e4m3 bytes: divide by max|t| / 448 (finite values), cast."""
+def fp8_of(tensors: list[np.ndarray], dtype: torch.dtype) -> list[np.ndarray]:
+    """bf16 bit arrays -> fp8 bytes: divide by max|t| / the format's largest finite value
+    (finite values), cast."""
+    top = float(torch.finfo(dtype).max)
     out = []
     for bits in tensors:
         t = torch.from_numpy(bits.view(np.int16)).to(DEV).view(torch.bfloat16).float()
         fin = t[torch.isfinite(t)]
-        s = (fin.abs().max() / 448.0).clamp(min=1e-12) if fin.numel() else torch.tensor(1.0)
-        out.append((t / s).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy())
+        s = (fin.abs().max() / top).clamp(min=1e-12) if fin.numel() else torch.tensor(1.0)
+        out.append((t / s).to(dtype).view(torch.uint8).cpu().numpy())
     return out
+
+
+def e4m3_of(tensors: list[np.ndarray]) -> list[np.ndarray]:
+    """bf16 bit arrays -> fp8 e4m3 bytes (max |t| onto 448)."""
+    return fp8_of(tensors, torch.float8_e4m3fn)
 
 
 def pair_split(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
