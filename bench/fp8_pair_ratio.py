@@ -126,7 +126,14 @@ def measure(name: str, fp8: list[np.ndarray], exponent_split: bool = True) -> No
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="compressed MiniLM bf16 .safetensors")
+    ap.add_argument("--fp8-file", help="also an fp8 e4m3 .safetensors as it is (e.g. "
+                    "bench/data.py's minilm_cast_path('F8_E4M3'))")
     args = ap.parse_args()
+    if args.fp8_file:
+        fp8 = [t.view(torch.uint8).numpy().ravel()
+               for _, t in sorted(load_file(args.fp8_file).items())
+               if t.dtype == torch.float8_e4m3fn]
+        measure(f"{Path(args.fp8_file).name}, its e4m3 tensors", fp8)
     tensors = load_file(args.data)
     bits = bench_gpu.minilm_bf16(args.data)
     measure("MiniLM-L6 e4m3, per-tensor scale (bench_gpu.py's cast)", bench_gpu.e4m3_of(bits))
