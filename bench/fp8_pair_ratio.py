@@ -17,9 +17,11 @@ both values' sign and rank within the group (the raw nibble's order within a gro
 not change a size, so a decoder needs only each magnitude's group, taking a group's members
 in ascending order: 4 bits a magnitude, counted as 64 bytes a tensor). Beside each, the
 order-0 entropies, and for the exponent split the information the raw nibbles drop by
-exponent value. fp8 e5m2 (per-tensor scale onto +-57344) gets today's and the ranked rows:
-its 5-bit exponents do not pair into a byte, while eight magnitudes a group leave the same
-4-bit sign + rank nibble.
+exponent value. With ``--fp8-file`` (an e4m3 file as it is), also what ``compress_file``
+stores of its tensors and of their pair symbols, default and ``target="gpu"``. fp8 e5m2
+(per-tensor scale onto +-57344) gets today's and the ranked rows: its 5-bit exponents do
+not pair into a byte, while eight magnitudes a group leave the same 4-bit sign + rank
+nibble.
 What it is not: a speed measurement, or part of any codec.
 
     PYTHONPATH=$PWD python bench/fp8_pair_ratio.py --data .gpu-bench/minilm_bf16.ek.safetensors
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 
 import bench_gpu  # noqa: E402 - the GPU benchmark's e4m3 cast and coding rule
 import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
-from entropykit import load_file, rans  # noqa: E402
+from entropykit import compress_file, load_file, rans  # noqa: E402
 from entropykit.coding import tables  # noqa: E402
 
 CHUNK = bench_gpu.CHUNK
@@ -123,6 +127,34 @@ def measure(name: str, fp8: list[np.ndarray], exponent_split: bool = True) -> No
           + " ".join(f"e{e} {lost[e] / n:.4f}" for e in range(16) if lost[e] / n >= 5e-4))
 
 
+def with_codecs(name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """The payload bytes ``compress_file`` writes (default and ``target="gpu"``) of an fp8
+    file's e4m3 tensors, and of their pair symbols as a U8 tensor of half the columns (so the
+    default's rans2d classes see their grid) plus the raw nibble bytes (and the ranked map)."""
+    fp8 = {k: t.view(torch.uint8).numpy() for k, t in tensors.items()
+           if t.dtype == torch.float8_e4m3fn and t.shape[-1] % 2 == 0}
+    n = sum(b.size for b in fp8.values())
+    print(f"{name}: {len(fp8)} e4m3 tensors of even rows, {n:,} values, compress_file "
+          "(default / target gpu)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp, "s.safetensors"), Path(tmp, "s.ek.safetensors")
+        for label, split, side in (("today (bytes)", None, 0),
+                                   ("exponent pairs", bench_gpu.pair_split, 0),
+                                   ("ranked pairs", bench_gpu.ranked_split, RANK_MAP)):
+            out, raw = {}, 0
+            for k, b in fp8.items():
+                if split is None:
+                    out[k] = torch.from_numpy(b.copy())
+                    continue
+                sym, nib = split(b.ravel())
+                out[k] = torch.from_numpy(sym.reshape(*b.shape[:-1], b.shape[-1] // 2))
+                raw += nib.size + side
+            save_file(out, src)
+            sizes = [sum(r.bytes_out for r in compress_file(
+                src, dst, force=True, target=t).rows.values()) for t in ("cpu", "gpu")]
+            print(f"  {label:15s} " + " / ".join(f"{(c + raw) / n:.5f}" for c in sizes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="compressed MiniLM bf16 .safetensors")
@@ -134,6 +166,7 @@ def main() -> None:
                for _, t in sorted(load_file(args.fp8_file).items())
                if t.dtype == torch.float8_e4m3fn]
         measure(f"{Path(args.fp8_file).name}, its e4m3 tensors", fp8)
+        with_codecs(Path(args.fp8_file).name, load_file(args.fp8_file))
     tensors = load_file(args.data)
     bits = bench_gpu.minilm_bf16(args.data)
     measure("MiniLM-L6 e4m3, per-tensor scale (bench_gpu.py's cast)", bench_gpu.e4m3_of(bits))
