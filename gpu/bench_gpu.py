@@ -9,7 +9,18 @@ ratio and whether the round trip is exact. Data sets:
                row with its own scale (lognormal) and each tensor its own spread, cast to
                bf16, so that exponents spread over binades as in real weights;
   minilm-e4m3  the MiniLM bf16 values scaled per tensor onto e4m3's range (bench/data.py's
-               rule, applied to the bf16 values) and cast to fp8 e4m3, tiled likewise.
+               rule, applied to the bf16 values) and cast to fp8 e4m3, tiled likewise;
+  minilm-e4m3-pairs, minilm-e4m3-ranked (not run by default)  the speed of an fp8 pair
+               layout the kernel has no mode for yet, measured with its bf16 build: those
+               e4m3 bytes split into one coded byte a pair of values (both 4-bit exponents;
+               ranked: both values' groups of eight magnitudes ranked by count in the
+               tensor) and one raw byte a pair (both sign + mantissa, or sign + rank in
+               the group, nibbles), packed into bf16 words whose exponent field is the
+               coded byte and whose sign_mantissa field the raw one, so that one coded
+               step writes two output bytes. The output is those words, not the e4m3
+               bytes (a pair mode would combine them into two fp8 bytes, the ranked one
+               through a 128-byte map), the same number of bytes; an odd last value is
+               left out. bench/fp8_pair_ratio.py measures these layouts' ratios.
 Tools: entropykit's kernel (exponents rANS-coded, 2^16-symbol chunks; sign_mantissa stored
 raw unless coding saves 1 %, as ``compress_file(target="gpu")`` decides, and, on MiniLM,
 coded too; staged 16-byte output on and off), nvCOMP's ANS codec through its Python API
@@ -70,7 +81,8 @@ def log(*a) -> None:
 
 
 class DataSet:
-    """Tensors (host bit arrays: uint16 for bf16, uint8 for fp8) tiled ``reps`` times."""
+    """Tensors (host bit arrays: uint16 for bf16 and the fp8 pair sets, uint8 for fp8)
+    tiled ``reps`` times."""
 
     def __init__(self, name: str, tensors: list[np.ndarray], reps: int, what: str) -> None:
         self.name, self.tensors, self.reps, self.what = name, tensors, reps, what
@@ -93,14 +105,52 @@ def minilm_bf16(path: str) -> list[np.ndarray]:
             if v.dtype == torch.bfloat16]
 
 
-def e4m3_of(tensors: list[np.ndarray]) -> list[np.ndarray]:
-    """bf16 bit arrays -> fp8 e4m3 bytes: divide by max|t| / 448 (finite values), cast."""
+def fp8_of(tensors: list[np.ndarray], dtype: torch.dtype) -> list[np.ndarray]:
+    """bf16 bit arrays -> fp8 bytes: divide by max|t| / the format's largest finite value
+    (finite values), cast."""
+    top = float(torch.finfo(dtype).max)
     out = []
     for bits in tensors:
         t = torch.from_numpy(bits.view(np.int16)).to(DEV).view(torch.bfloat16).float()
         fin = t[torch.isfinite(t)]
-        s = (fin.abs().max() / 448.0).clamp(min=1e-12) if fin.numel() else torch.tensor(1.0)
-        out.append((t / s).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy())
+        s = (fin.abs().max() / top).clamp(min=1e-12) if fin.numel() else torch.tensor(1.0)
+        out.append((t / s).to(dtype).view(torch.uint8).cpu().numpy())
+    return out
+
+
+def e4m3_of(tensors: list[np.ndarray]) -> list[np.ndarray]:
+    """bf16 bit arrays -> fp8 e4m3 bytes (max |t| onto 448)."""
+    return fp8_of(tensors, torch.float8_e4m3fn)
+
+
+def pair_split(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp8 e4m3 bytes -> (one byte a pair of values: both 4-bit exponents, ``e_a << 4 |
+    e_b``; one byte a pair: both sign + mantissa nibbles); an odd last value is left out."""
+    n2 = b.size // 2
+    exp = (b >> 3) & 0xF
+    sm = ((b >> 4) & 0x8) | (b & 0x7)
+    return (((exp[0:2 * n2:2] << 4) | exp[1:2 * n2:2]).astype(np.uint8),
+            ((sm[0:2 * n2:2] << 4) | sm[1:2 * n2:2]).astype(np.uint8))
+
+
+def ranked_split(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``pair_split`` with each value's magnitude's count rank in the tensor in place of its
+    exponent and mantissa: rank // 8 (a group of eight magnitudes) in the coded nibble,
+    sign + rank % 8 in the raw one."""
+    counts = np.bincount(b & 0x7F, minlength=128)
+    rank = np.empty(128, np.int64)
+    rank[np.argsort(-counts, kind="stable")] = np.arange(128)
+    return pair_split((((b >> 7) << 7) | rank[b & 0x7F]).astype(np.uint8))
+
+
+def pairs_as_bf16(fp8: list[np.ndarray], split) -> list[np.ndarray]:
+    """Each tensor's ``split`` as bf16 bit words: exponent field the coded byte,
+    sign_mantissa field (sign moved below the exponent, as the bf16 build stores it) the raw
+    one."""
+    out = []
+    for b in fp8:
+        coded, raw = (a.astype(np.uint16) for a in split(b))
+        out.append(((raw >> 7) << 15) | (coded << 7) | (raw & 0x7F))
     return out
 
 
@@ -193,7 +243,9 @@ def batch_of(per: list, ds: DataSet, warps: int = plan.WARPS) -> plan.Batch:
     return p.finish([t.size for t in ds.tensors] * ds.reps)
 
 def ek_streams(ds: DataSet, sm_rule: str) -> tuple[list, int, str]:
-    """Per tensor the streams entropykit's kernel decodes, their stored bytes, a note."""
+    """Per tensor the streams entropykit's kernel decodes, their stored bytes, a note.
+    ``sm_rule`` for two-byte sets' sign_mantissa: "gpu" (coded where that saves 1 %),
+    "coded" or "raw"."""
     t0 = time.perf_counter()
     per, stored, coded_sm = [], 0, 0
     for k, bits in enumerate(ds.tensors):
@@ -212,7 +264,7 @@ def ek_streams(ds: DataSet, sm_rule: str) -> tuple[list, int, str]:
         ef = rans.encode(exp, chunk_size=CHUNK)
         es = plan.Stream.frame(ef, f"exponent {k}")
         stored += len(ef)
-        if sm_rule == "coded" or _coded_pays(sm):
+        if sm_rule == "coded" or (sm_rule == "gpu" and _coded_pays(sm)):
             sf = rans.encode(sm, chunk_size=CHUNK)
             ss = plan.Stream.frame(sf, f"sign_mantissa {k}")
             stored += len(sf)
@@ -425,6 +477,12 @@ def main() -> None:
                                       "synthetic Gaussian bf16, per-row scales"),
         "minilm-e4m3": lambda: DataSet("minilm-e4m3", e4m3_of(base), tile,
                                        "MiniLM-L6 e4m3 (scaled per tensor), tiled"),
+        "minilm-e4m3-pairs": lambda: DataSet(
+            "minilm-e4m3-pairs", pairs_as_bf16(e4m3_of(base), pair_split), tile,
+            "MiniLM-L6 e4m3 as exponent pairs + raw nibble pairs (bf16 build), tiled"),
+        "minilm-e4m3-ranked": lambda: DataSet(
+            "minilm-e4m3-ranked", pairs_as_bf16(e4m3_of(base), ranked_split), tile,
+            "MiniLM-L6 e4m3 as ranked-group pairs + raw nibble pairs (bf16 build), tiled"),
     }
     sets_meta = {}
     for name in names:
@@ -437,12 +495,14 @@ def main() -> None:
         if "copy" in tools:
             attempt(ds, "device-to-device copy", bench_copy, ds, args.reps)
         if "entropykit" in tools:
-            attempt(ds, "entropykit", bench_entropykit, ds, "gpu", args.reps)
+            # The pair sets' raw bytes stay raw (their layout), whatever they would save.
+            sm_rule = "raw" if name.startswith("minilm-e4m3-") else "gpu"
+            attempt(ds, "entropykit", bench_entropykit, ds, sm_rule, args.reps)
             if name == "minilm-bf16":
                 attempt(ds, "entropykit", bench_entropykit, ds, "coded", args.reps)
         if "nvcomp" in tools:
             attempt(ds, "nvCOMP", bench_nvcomp, ds, args.reps)
-        if "df11" in tools and ds.width == 2:
+        if "df11" in tools and ds.width == 2 and "e4m3" not in name:
             attempt(ds, "DFloat11 kernel", bench_df11, ds, args.reps)
         del ds
         gc.collect()

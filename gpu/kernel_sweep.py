@@ -197,7 +197,9 @@ def main() -> None:
     ap.add_argument("--data", default=".gpu-bench/minilm_bf16.ek.safetensors")
     ap.add_argument("--gib", type=float, default=1.0, help="output of each set, tiled")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--sets", default="bf16,e4m3", help="bf16, bf16-coded (sm coded), e4m3")
+    ap.add_argument("--sets", default="bf16,e4m3",
+                    help="bf16, bf16-coded (sm coded), e4m3, e4m3-pairs, e4m3-ranked "
+                    "(bench_gpu.py's fp8 pair layouts)")
     ap.add_argument("--variants", default="", help="names to run (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
@@ -214,7 +216,12 @@ def main() -> None:
     tile = math.ceil(args.gib * 2**30 / n)  # fp8 tiles; bf16 half as many
     sets = {"bf16": lambda: ("minilm-bf16", base, -(-tile // 2), "gpu"),
             "bf16-coded": lambda: ("minilm-bf16 sm coded", base, -(-tile // 2), "coded"),
-            "e4m3": lambda: ("minilm-e4m3", bg.e4m3_of(base), tile, "gpu")}
+            "e4m3": lambda: ("minilm-e4m3", bg.e4m3_of(base), tile, "gpu"),
+            # bench_gpu.py's fp8 pair layouts, decoded by the bf16 build (same output bytes)
+            "e4m3-pairs": lambda: ("minilm-e4m3-pairs", bg.pairs_as_bf16(
+                bg.e4m3_of(base), bg.pair_split), tile, "raw"),
+            "e4m3-ranked": lambda: ("minilm-e4m3-ranked", bg.pairs_as_bf16(
+                bg.e4m3_of(base), bg.ranked_split), tile, "raw")}
     rows = []
     try:
         for s in args.sets.split(","):
