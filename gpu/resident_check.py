@@ -36,6 +36,7 @@ What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of r
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --size small 8b-blocks
         --granularity block weight --tile-bytes block 16777216 4194304
         [--chunks 65536 16384 4096] [--ahead 1 4 16] [--launches-ahead 1 2 3]
+    PYTHONPATH=. python3 gpu/resident_check.py --products 7168 14336 25856 26624 42752
     python3 gpu/resident_check.py --ratios FILE.safetensors   (host only)
     python3 gpu/resident_check.py --account --size smollm2 --smollm2 DIR   (host only)
 """
@@ -710,6 +711,34 @@ def sweep_grid(chunks: list[int | None], tiles: list[int | None], ahead: list[in
     return grid
 
 
+@torch.no_grad()
+def tile_products(device: str, rows: list[int], n: int = 128256, k: int = 4096) -> None:
+    """Whole against tiled products of a random ``n`` x ``k`` bf16 weight (Llama-8B's
+    head) at 1, 2, 4, ..., 256 rows of random input, for each tile size in ``rows``
+    (each tile a fresh tensor, as a tile decoded into the scratch buffer is): per row
+    count, how many tiles and output elements differ from the whole product's, and by
+    how much at most."""
+    g = torch.Generator(device=device).manual_seed(0)
+    w = (torch.randn(n, k, generator=g, device=device) * 0.02).to(torch.bfloat16)
+    for r in rows:
+        cells = []
+        for m in (1 << i for i in range(9)):
+            x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+            whole = F.linear(x, w)
+            bad = elems = 0
+            worst = 0.0
+            for a in range(0, n, r):
+                got = F.linear(x, w[a : a + r].clone())
+                d = (got.float() - whole[:, a : a + r].float()).abs()
+                if not torch.equal(_bits(got), _bits(whole[:, a : a + r].contiguous())):
+                    bad += 1
+                    elems += int((d > 0).sum())
+                    worst = max(worst, float(d.max()))
+            cells.append(f"M={m}: " + (f"DIFFER ({bad} tiles, {elems} elements, up to "
+                                       f"{worst:.3g})" if bad else "exact"))
+        print(f"tile rows {r} ({-(-n // r)} tiles): " + "; ".join(cells), flush=True)
+
+
 def chunk_ratios(path: str, chunks: list[int]) -> None:
     """Device bytes resident mode holds for the 2-D bf16 tensors of a (compressed or
     plain) safetensors file, and for them cast to fp8 e4m3 (scaled per tensor onto
@@ -910,6 +939,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the device bytes of each --size's bf16 model made resident "
                          "at each --granularity's defaults, by part, computed on the host "
                          "(no GPU needed), and stop")
+    ap.add_argument("--products", nargs="+", type=int, metavar="ROWS",
+                    help="compare whole and tiled products of a random 128256 x 4096 bf16 "
+                         "weight on --device at 1..256 input rows, tiles of each ROWS, "
+                         "and stop")
     ap.add_argument("--ratios", metavar="FILE",
                     help="print the device bytes per chunk size of FILE's bf16 tensors "
                          "(and fp8 casts of them) against plain, and stop (no GPU needed)")
@@ -924,6 +957,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     if args.ratios:
         chunk_ratios(args.ratios, args.chunks)
+        return 0
+    if args.products:
+        tile_products(args.device, args.products)
         return 0
     if args.account:
         for size in args.size:
