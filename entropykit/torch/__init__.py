@@ -142,10 +142,13 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     if here != target and here.type != "cpu":
         raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
                          f"{target} (only weights on the CPU move)")
-    if _resident._gatherer(target) is not None:  # embeddings that decode the rows they read
-        units = _units(model, min_elements, tile_bytes, granularity == "weight", True)
-    state = Resident(model, units, target, chunk_size, tiles_ahead, ahead,
-                     granularity == "weight")
+    by_weight = granularity == "weight"
+    gather = _resident._gatherer(target) is not None  # lookups decode the rows they read
+    units, check = _resident.exact_tiles(
+        model, lambda plan: _units(model, min_elements, tile_bytes, by_weight, gather, plan),
+        target, tiles_ahead, ahead, by_weight)
+    state = Resident(model, units, target, chunk_size, tiles_ahead, ahead, by_weight)
+    state.tile_check = check
     with torch.no_grad():
         state.build(verify)
     if here != target:
