@@ -10,7 +10,8 @@ plain model's logits bit for bit (the whole ``model(...)`` forward where transfo
 forward can be captured, else embedding, layers, norm and head called in turn); then, for
 each model asked for (random Llamas of a size, ``--layers`` deep if given, or the real
 SmolLM2-135M; bf16 and fp8), it checks the decode step's logits at batch 1
-and 64 bit for bit (the embedding and head decode in row tiles at these shapes) and
+and 64 bit for bit (the embedding and head decode in row tiles at these shapes), prints
+which tiled Linears compress_model's check of their products retiled or kept plain, and
 prints (3) memory: coded weights, scratch buffer, what they replace, their ratio against
 the target, and the device memory the model takes before and after; (4) decode-step times
 (one new token per sequence, batch 1 and 64) of the plain and the resident model, eager
@@ -427,6 +428,7 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     if cuda:
         print(f"  device memory of the model: plain {mib(before)}, resident "
               f"{mib(after)} ({after / before:.3f}x)")
+    print("  " + tile_check_line(state))
     fails = []
     for batch in (1, 64):
         ids = _ids(model.config.vocab_size, batch, 1, device, 1)
@@ -446,6 +448,16 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     if df11 and not fp8:
         fails += _df11_report(name, plain, df11, device)
     return fails
+
+
+def tile_check_line(state: object) -> str:
+    """What compress_model's check of tiled Linears' products found: how many it
+    checked and in how long, which it retiled (tile rows before -> after) and which it
+    kept plain."""
+    c = state.tile_check
+    retiled = ", ".join(f"{k} {a} -> {b} rows" for k, (a, b) in c.retiled.items())
+    return (f"tiled products checked: {c.checked} weights in {c.seconds:.3f} s; retiled: "
+            f"{retiled or 'none'}; kept plain: {', '.join(c.kept_plain) or 'none'}")
 
 
 def _model_name(size: str, layers: int | None) -> str:
@@ -651,6 +663,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
                   f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
                   f"{len(state.units):>5} {len(state.leads):>6} | {row[0]} | {row[1]} | "
                   f"{'yes' if exact else 'NO':<5} | {'+'.join(met) or '-'}", flush=True)
+            print(f"  {tile_check_line(state)}", flush=True)
             if not exact:
                 fails.append(f"{name} {opts}: logits differ from the plain model's")
             kind = _default_kind(opts)
@@ -808,10 +821,13 @@ class _Planned:
 def _planned_backend() -> Iterator[None]:
     """``compress_model`` of a model on the CPU builds a CUDA device's units (gathered
     and tied lookups too) with ``_Planned`` decoders: device bytes without a GPU (the
-    scratch buffer is allocated on the CPU)."""
+    scratch buffer is allocated on the CPU; tiles as cut before the device's check of
+    their products, which may retile a head or keep it plain)."""
     from entropykit.torch import _resident
 
-    backend, gatherer = _resident._backend, _resident._gatherer
+    backend, gatherer, check = _resident._backend, _resident._gatherer, _resident.exact_tiles
+    # tiles as cut before the check of their products, which needs the device
+    _resident.exact_tiles = lambda model, make, *args: (make({}), _resident.TileCheck())
     _resident._backend = lambda device, units, sides: (
         _PlannedStreams(sides), lambda coded, region: _Planned(coded))
     _resident._gatherer = lambda device: (
@@ -820,6 +836,7 @@ def _planned_backend() -> Iterator[None]:
         yield
     finally:
         _resident._backend, _resident._gatherer = backend, gatherer
+        _resident.exact_tiles = check
 
 
 def account(model: nn.Module, opts: dict) -> dict:
