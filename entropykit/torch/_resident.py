@@ -8,7 +8,8 @@ tied to another module: embeddings shared with the output head), which the modul
 forward decodes one tile at a time (the lookup picks each tile's rows, the head writes
 each tile's slice of the output; on a GPU, an embedding's lookup decodes only the chunks
 holding the rows its ids read, also where the weight is tied to the head, whose tiles
-then decode ranges of the same coded chunks). Units decode in launches: a unit alone, or up to
+then decode ranges of the same coded chunks; a Linear's tiles are checked against its whole
+product first, ``exact_tiles``). Units decode in launches: a unit alone, or up to
 ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per launch). The
 scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch,
 taken in turn (by weight: a ring of bytes as large as the two largest consecutive
@@ -1086,7 +1087,8 @@ def _tiled_linear(state: Resident, m: nn.Linear, ks: list[int], x: torch.Tensor
                   ) -> torch.Tensor:
     """``m(x)`` with its weight decoded tile by tile, the tiles' products joined along the
     output features (one copy for all tiles): the output's features split, each
-    element's sum is the plain product's."""
+    element's sum is the plain product's where the matrix library sums a tile's product
+    as that block of the whole (``exact_tiles`` checked it)."""
     ys = []
     for k in ks:
         state.before(k, (x,), {})
