@@ -18,7 +18,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_torch_resident import _aligned, _bits, _coded_weights, _llama_vocab  # noqa: E402
+from test_torch_resident import (  # noqa: E402
+    _aligned,
+    _bits,
+    _coded_weights,
+    _llama_vocab,
+    _resident_check,
+)
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -166,3 +172,25 @@ def test_tiles_exact_compares_every_checked_batch(monkeypatch) -> None:
         assert not _resident._tiles_exact(w, [None], rows), m
         assert _resident._tiles_exact(w, [None], [(0, 512)])
     assert _resident.CHECKED_ROWS == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def test_device_check_reports_what_the_check_changed(monkeypatch, capsys) -> None:
+    """gpu/resident_check.py on the CPU backend, with a product that sums narrow outputs
+    another way: its sweep row stays exact and says the head was kept plain; its
+    ``--products`` comparison says which row counts differ for a tile size."""
+    rc = _resident_check()
+    _split_product(monkeypatch, 4096)
+    with pytest.warns(RuntimeWarning, match="lm_head.weight stays plain"):
+        assert rc.sweep("tiny", False, "cpu", [rc.DEFAULTS["weight"]]) == []
+    out = capsys.readouterr().out.splitlines()
+    row = next(i for i, r in enumerate(out) if r.startswith("tiny bf16 ") and "| " in r
+               and "plain:" not in r)
+    assert "| yes " in out[row]
+    assert "retiled: none; kept plain: lm_head.weight" in out[row + 1]
+    monkeypatch.undo()
+    _split_product(monkeypatch, 4096, at=2)
+    rc.tile_products("cpu", [1024, 4096], n=4096, k=64)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("tile rows 1024 (4 tiles): M=1: exact; M=2: DIFFER (4 tiles")
+    assert "M=4: exact" in lines[0]
+    assert lines[1].startswith("tile rows 4096 (1 tiles): M=1: exact; M=2: exact;")
