@@ -976,6 +976,8 @@ def main(argv: list[str] | None = None) -> int:
         chunk_ratios(args.ratios, args.chunks)
         return 0
     if args.products:
+        print(f"torch {torch.__version__}, "
+              f"{torch.cuda.get_device_name(args.device) if cuda else 'CPU'}")
         tile_products(args.device, args.products)
         return 0
     if args.account:
