@@ -10,7 +10,8 @@ plain model's logits bit for bit (the whole ``model(...)`` forward where transfo
 forward can be captured, else embedding, layers, norm and head called in turn); then, for
 each model asked for (random Llamas of a size, ``--layers`` deep if given, or the real
 SmolLM2-135M; bf16 and fp8), it checks the decode step's logits at batch 1
-and 64 bit for bit (the embedding and head decode in row tiles at these shapes) and
+and 64 bit for bit (the embedding and head decode in row tiles at these shapes), prints
+which tiled Linears compress_model's check of their products retiled or kept plain, and
 prints (3) memory: coded weights, scratch buffer, what they replace, their ratio against
 the target, and the device memory the model takes before and after; (4) decode-step times
 (one new token per sequence, batch 1 and 64) of the plain and the resident model, eager
@@ -36,6 +37,7 @@ What it is not: the CPU tests (tests/test_torch_resident.py) or a benchmark of r
     PYTHONPATH=/tmp/site:. python3 gpu/resident_check.py --sweep --size small 8b-blocks
         --granularity block weight --tile-bytes block 16777216 4194304
         [--chunks 65536 16384 4096] [--ahead 1 4 16] [--launches-ahead 1 2 3]
+    PYTHONPATH=. python3 gpu/resident_check.py --products 7168 14336 25856 26624 42752
     python3 gpu/resident_check.py --ratios FILE.safetensors   (host only)
     python3 gpu/resident_check.py --account --size smollm2 --smollm2 DIR   (host only)
 """
@@ -426,6 +428,7 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     if cuda:
         print(f"  device memory of the model: plain {mib(before)}, resident "
               f"{mib(after)} ({after / before:.3f}x)")
+    print("  " + tile_check_line(state))
     fails = []
     for batch in (1, 64):
         ids = _ids(model.config.vocab_size, batch, 1, device, 1)
@@ -445,6 +448,16 @@ def report(size: str, fp8: bool, device: str, tile_bytes: int | dict | None = No
     if df11 and not fp8:
         fails += _df11_report(name, plain, df11, device)
     return fails
+
+
+def tile_check_line(state: object) -> str:
+    """What compress_model's check of tiled Linears' products found: how many it
+    checked and in how long, which it retiled (tile rows before -> after) and which it
+    kept plain."""
+    c = state.tile_check
+    retiled = ", ".join(f"{k} {a} -> {b} rows" for k, (a, b) in c.retiled.items())
+    return (f"tiled products checked: {c.checked} weights in {c.seconds:.3f} s; retiled: "
+            f"{retiled or 'none'}; kept plain: {', '.join(c.kept_plain) or 'none'}")
 
 
 def _model_name(size: str, layers: int | None) -> str:
@@ -650,6 +663,7 @@ def sweep(size: str, fp8: bool, device: str, grid: list[dict], layers: int | Non
                   f"{mem.coded_bytes / 2**20:>9.0f}+{mem.scratch_bytes / 2**20:<8.0f} "
                   f"{len(state.units):>5} {len(state.leads):>6} | {row[0]} | {row[1]} | "
                   f"{'yes' if exact else 'NO':<5} | {'+'.join(met) or '-'}", flush=True)
+            print(f"  {tile_check_line(state)}", flush=True)
             if not exact:
                 fails.append(f"{name} {opts}: logits differ from the plain model's")
             kind = _default_kind(opts)
@@ -708,6 +722,34 @@ def sweep_grid(chunks: list[int | None], tiles: list[int | None], ahead: list[in
             grid += [dict(chunk_size=c, granularity="weight", ahead=n, tile_bytes=None,
                           tiles_ahead=1) for n in rings]
     return grid
+
+
+@torch.no_grad()
+def tile_products(device: str, rows: list[int], n: int = 128256, k: int = 4096) -> None:
+    """Whole against tiled products of a random ``n`` x ``k`` bf16 weight (Llama-8B's
+    head) at 1, 2, 4, ..., 256 rows of random input, for each tile size in ``rows``
+    (each tile a fresh tensor, as a tile decoded into the scratch buffer is): per row
+    count, how many tiles and output elements differ from the whole product's, and by
+    how much at most."""
+    g = torch.Generator(device=device).manual_seed(0)
+    w = (torch.randn(n, k, generator=g, device=device) * 0.02).to(torch.bfloat16)
+    for r in rows:
+        cells = []
+        for m in (1 << i for i in range(9)):
+            x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+            whole = F.linear(x, w)
+            bad = elems = 0
+            worst = 0.0
+            for a in range(0, n, r):
+                got = F.linear(x, w[a : a + r].clone())
+                d = (got.float() - whole[:, a : a + r].float()).abs()
+                if not torch.equal(_bits(got), _bits(whole[:, a : a + r].contiguous())):
+                    bad += 1
+                    elems += int((d > 0).sum())
+                    worst = max(worst, float(d.max()))
+            cells.append(f"M={m}: " + (f"DIFFER ({bad} tiles, {elems} elements, up to "
+                                       f"{worst:.3g})" if bad else "exact"))
+        print(f"tile rows {r} ({-(-n // r)} tiles): " + "; ".join(cells), flush=True)
 
 
 def chunk_ratios(path: str, chunks: list[int]) -> None:
@@ -779,10 +821,13 @@ class _Planned:
 def _planned_backend() -> Iterator[None]:
     """``compress_model`` of a model on the CPU builds a CUDA device's units (gathered
     and tied lookups too) with ``_Planned`` decoders: device bytes without a GPU (the
-    scratch buffer is allocated on the CPU)."""
+    scratch buffer is allocated on the CPU; tiles as cut before the device's check of
+    their products, which may retile a head or keep it plain)."""
     from entropykit.torch import _resident
 
-    backend, gatherer = _resident._backend, _resident._gatherer
+    backend, gatherer, check = _resident._backend, _resident._gatherer, _resident.exact_tiles
+    # tiles as cut before the check of their products, which needs the device
+    _resident.exact_tiles = lambda model, make, *args: (make({}), _resident.TileCheck())
     _resident._backend = lambda device, units, sides: (
         _PlannedStreams(sides), lambda coded, region: _Planned(coded))
     _resident._gatherer = lambda device: (
@@ -791,6 +836,7 @@ def _planned_backend() -> Iterator[None]:
         yield
     finally:
         _resident._backend, _resident._gatherer = backend, gatherer
+        _resident.exact_tiles = check
 
 
 def account(model: nn.Module, opts: dict) -> dict:
@@ -910,6 +956,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the device bytes of each --size's bf16 model made resident "
                          "at each --granularity's defaults, by part, computed on the host "
                          "(no GPU needed), and stop")
+    ap.add_argument("--products", nargs="+", type=int, metavar="ROWS",
+                    help="compare whole and tiled products of a random 128256 x 4096 bf16 "
+                         "weight on --device at 1..256 input rows, tiles of each ROWS, "
+                         "and stop")
     ap.add_argument("--ratios", metavar="FILE",
                     help="print the device bytes per chunk size of FILE's bf16 tensors "
                          "(and fp8 casts of them) against plain, and stop (no GPU needed)")
@@ -924,6 +974,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     if args.ratios:
         chunk_ratios(args.ratios, args.chunks)
+        return 0
+    if args.products:
+        print(f"torch {torch.__version__}, "
+              f"{torch.cuda.get_device_name(args.device) if cuda else 'CPU'}")
+        tile_products(args.device, args.products)
         return 0
     if args.account:
         for size in args.size:

@@ -18,10 +18,11 @@ never holds a whole embedding. With
 ``tile_bytes`` and block granularity the blocks' Linears decode in row tiles too,
 ``tiles_ahead`` of them in one launch, for a buffer of a few tiles. The forward only
 enqueues work on the GPU, so it can be captured in a CUDA graph, and its outputs are
-bit-identical to the uncompressed model's, except where ``tile_bytes`` cuts a block's
-Linear weight into row tiles: its product is then computed tile by tile, which the GPU's
-matrix library may sum in another order than the whole product. On the CPU the same hooks
-decode with the CPU decoders.
+bit-identical to the uncompressed model's: a Linear in row tiles computes its product
+tile by tile, which a matrix library may sum in another order than the whole product,
+so ``compress_model`` checks each such weight's tiles on the device at decode batches
+(1 to 256 rows) and grows them, or keeps the weight plain, where they differ. On the
+CPU the same hooks decode with the CPU decoders.
 
 What it is not: a training mode (the scratch buffer is overwritten block after block,
 so a resident model runs under ``torch.no_grad()``), or a file format: the coded weights
@@ -85,14 +86,26 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     An embedding or Linear weight outside the blocks larger than ``tile_bytes`` (default:
     the largest launch of a block: a block, or by weight the largest module's weights)
     decodes in row tiles of at most that size: the lookup takes each tile's rows, the
-    head each tile's slice of the logits, exactly (the tiles' products split the output
-    features; a GPU's matrix library picks its algorithm per shape, and the device check
-    compares the logits with the plain model's bit for bit). Given with
-    ``"block"``, a block larger than ``tile_bytes`` decodes module by module with
-    ``nn.Linear`` weights in row tiles too, so that a slot holds a tile: a Linear in row
-    tiles computes its product per tile, and on a GPU the matrix library chooses its
-    algorithm per shape, so outputs can then differ from the plain model's in the last
-    bits (``"weight"`` is the exact way to a small buffer).
+    head each tile's slice of the logits. Given with ``"block"``, a block larger than
+    ``tile_bytes`` decodes module by module with ``nn.Linear`` weights in row tiles too,
+    so that a slot holds a tile.
+
+    A Linear in row tiles (bf16 or fp16) computes its product tile by tile (the tiles
+    split the output features), the whole product's bits only where the matrix library
+    sums a narrow product as it sums those columns of the whole one (a GPU's picks its
+    algorithm per shape: a split reduction for few outputs at a small batch sums in
+    another order). So each such weight is checked once, on the model's device while it
+    is still whole (with ``device``, a copy of it there for the check's time): for
+    inputs of seeded random values of 1, 2, 4, ..., 256 rows (decode batches), each
+    tile's product (with its bias) against the whole product's columns, bit for bit.
+    Where one differs, the tiles grow (their bytes doubled, past ``tile_bytes`` if
+    given) to the first tiling whose products are all exact, as long as the scratch
+    buffer, sized for the largest launches (by block, slots of the largest tile; by
+    weight, two consecutive tiles), grows by at most a quarter of the weight's bytes;
+    where none is, the weight stays a plain parameter (``resident_memory`` counts it as
+    plain) and a ``RuntimeWarning`` names it. Not checked: inputs of other row counts
+    (a prompt's batch x length) or strides; the check costs a few whole products per
+    tiled weight.
 
     Memory against speed: ``tiles_ahead`` consecutive tiles (of one Linear or of the
     next ones) decode in one launch, so a slot holds ``tiles_ahead`` tiles; ``chunk_size``
@@ -142,10 +155,13 @@ def compress_model(model: nn.Module, *, device: torch.device | str | None = None
     if here != target and here.type != "cpu":
         raise ValueError(f"entropykit: weights on {here} cannot be made resident on "
                          f"{target} (only weights on the CPU move)")
-    if _resident._gatherer(target) is not None:  # embeddings that decode the rows they read
-        units = _units(model, min_elements, tile_bytes, granularity == "weight", True)
-    state = Resident(model, units, target, chunk_size, tiles_ahead, ahead,
-                     granularity == "weight")
+    by_weight = granularity == "weight"
+    gather = _resident._gatherer(target) is not None  # lookups decode the rows they read
+    units, check = _resident.exact_tiles(
+        model, lambda plan: _units(model, min_elements, tile_bytes, by_weight, gather, plan),
+        target, tiles_ahead, ahead, by_weight)
+    state = Resident(model, units, target, chunk_size, tiles_ahead, ahead, by_weight)
+    state.tile_check = check
     with torch.no_grad():
         state.build(verify)
     if here != target:

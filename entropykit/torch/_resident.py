@@ -8,7 +8,8 @@ tied to another module: embeddings shared with the output head), which the modul
 forward decodes one tile at a time (the lookup picks each tile's rows, the head writes
 each tile's slice of the output; on a GPU, an embedding's lookup decodes only the chunks
 holding the rows its ids read, also where the weight is tied to the head, whose tiles
-then decode ranges of the same coded chunks). Units decode in launches: a unit alone, or up to
+then decode ranges of the same coded chunks; a Linear's tiles are checked against its whole
+product first, ``exact_tiles``). Units decode in launches: a unit alone, or up to
 ``tiles_ahead`` consecutive tiles together (more chunks, so more warps, per launch). The
 scratch buffer is a ring of ``ahead + 1`` slots, each the size of the largest launch,
 taken in turn (by weight: a ring of bytes as large as the two largest consecutive
@@ -33,7 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -283,7 +286,8 @@ def _tile_rows(n_rows: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
 
 
 def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
-           by_weight: bool = False, gather: bool = False) -> list[Unit]:
+           by_weight: bool = False, gather: bool = False,
+           plan: dict[int, list[tuple[int, int]] | None] | None = None) -> list[Unit]:
     """The model's units in running order. Resident weights: parameters of two or more
     dimensions, a dtype of ``FORMATS``, at least ``min_elements`` elements, and used by one
     module only, or by several stock embeddings or Linears (tied). With ``by_weight``, a
@@ -294,7 +298,10 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
     weights sit in modules with children of their own stay whole. ``tile_bytes`` is
     checked by the caller. With ``gather``, an embedding's weight used by it alone
     (bf16, rows of a power-of-two width) decodes only the chunks of the rows each lookup
-    reads, up to a tile's bytes of chunks at a time."""
+    reads, up to a tile's bytes of chunks at a time. ``plan`` (by the weight's ``id``):
+    a tiled weight's rows instead of its tiles of ``tile_bytes``, or None to leave it
+    plain (``exact_tiles``)."""
+    plan = {} if plan is None else plan
     owners: dict[int, list[nn.Module]] = {}
     names: dict[int, set[str]] = {}
     for m in model.modules():
@@ -341,8 +348,9 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
         units.extend(Unit(m, [], tiled=t, tile=i) for i in range(len(t.rows)))
 
     def new_tiled(p: torch.Tensor, users: list[nn.Module]) -> Tiled:
-        return Tiled(users, p.requires_grad, p.dtype, tuple(p.shape),
-                     _tile_rows(p.shape[0], p[0].numel() * p.element_size(), cap))
+        rows = plan.get(id(p)) or _tile_rows(p.shape[0], p[0].numel() * p.element_size(),
+                                             cap)
+        return Tiled(users, p.requires_grad, p.dtype, tuple(p.shape), rows)
 
     for m in model.modules():
         if id(m) in blocks:
@@ -355,7 +363,9 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
                 for mine in by_module(ws):
                     owner = mine[0].owner
                     if len(mine) == 1 and _tileable(owner, mine[0].name):
-                        tile(new_tiled(getattr(owner, mine[0].name), [owner]), owner)
+                        p = getattr(owner, mine[0].name)
+                        if plan.get(id(p), ()) is not None:  # (else it stays plain)
+                            tile(new_tiled(p, [owner]), owner)
                     else:
                         units.append(Unit(owner, mine, block=True))
             elif ws:
@@ -373,6 +383,8 @@ def _units(model: nn.Module, min_elements: int, tile_bytes: int | None = None,
                 if len(users) == 1:
                     ws.append(Weight(m, name, p.requires_grad, None))
                 continue  # tied to a module that reads it its own way: stays plain
+            if plan.get(id(p), ()) is None:
+                continue  # its products in row tiles are not the whole's: stays plain
             chunk = _gather_chunk(m, name, p) if gather and len(users) == 1 else None
             if chunk is not None:
                 n = -(-p.numel() // chunk)
@@ -492,6 +504,162 @@ def _together(a: Unit, b: Unit) -> bool:
     return True
 
 
+def _offsets(u: Unit) -> list[int]:
+    """The offsets of ``u``'s weights in its region, ALIGNed (a tile's or a gathered
+    lookup's: 0); sets ``u.size``, the region's bytes."""
+    if u.gathered is not None:
+        g = u.gathered
+        u.size = _aligned(g.slots * g.chunk * g.dtype.itemsize)
+        return [0]
+    if u.tiled is not None:
+        a, b = u.rows
+        u.size = _aligned((b - a) * u.tiled.row_bytes)
+        return [0]
+    at, offsets = 0, []
+    for w in u.weights:
+        p = getattr(w.owner, w.name)
+        offsets.append(at)
+        at += _aligned(p.numel() * p.element_size())
+    u.size = at
+    return offsets
+
+
+def _members(units: list[Unit], g: int) -> list[Unit]:
+    """The units of the launch led by unit ``g``."""
+    end = units[g].after
+    return units[g : len(units) if end is None else end]
+
+
+def _slot(units: list[Unit], sizes: dict[int, int]) -> int:
+    """Block mode's slot: the largest launch (``sizes``: bytes by lead) of blocks, tiles or
+    a gathered lookup."""
+    return max([n for g, n in sizes.items() if units[g].block or units[g].tiled is not None
+                or units[g].gathered is not None] + [0])
+
+
+def _scratch_need(units: list[Unit], sizes: dict[int, int], ahead: int, by_weight: bool
+                  ) -> int:
+    """The scratch buffer's bytes for launches of ``sizes`` (bytes by lead, in running
+    order): by block ``ahead + 1`` slots, by weight the two largest consecutive launches
+    (with no launch ahead, the largest), and never less than the largest launch."""
+    if by_weight:
+        order = list(sizes)
+        pairs = zip(order, order[1:], strict=False) if ahead else ()
+        return max([sizes[a] + sizes[b] for a, b in pairs] + list(sizes.values()) + [0])
+    return max([(ahead + 1) * _slot(units, sizes)] + list(sizes.values()) + [0])
+
+
+def scratch_bytes(units: list[Unit], tiles_ahead: int, ahead: int, by_weight: bool) -> int:
+    """The bytes of the scratch buffer ``Resident`` would allocate for ``units`` (grouped
+    into launches here as it groups them)."""
+    _launches(units, tiles_ahead)
+    for u in units:
+        _offsets(u)
+    sizes = {k: sum(x.size for x in _members(units, k))
+             for k, u in enumerate(units) if u.lead == k}
+    return _scratch_need(units, sizes, ahead, by_weight)
+
+
+# Row counts of the inputs a tiled Linear's products are checked at: decode steps'
+# batches (a matrix library picks its algorithm, and so its order of summing, by shape).
+CHECKED_ROWS = tuple(1 << i for i in range(9))
+# A tiled Linear's tiles grow while the scratch buffer grows by at most this share of the
+# weight's bytes: beyond it, the weight left plain costs about as much device memory.
+GROWTH = 4
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _tiles_exact(w: torch.Tensor, biases: list[torch.Tensor | None],
+                 rows: list[tuple[int, int]]) -> bool:
+    """Whether ``F.linear`` with ``w``'s row tiles (each at an ``ALIGN``ed address, as
+    in the scratch buffer) gives the whole product's bits, with each of ``biases``, for
+    inputs of each of ``CHECKED_ROWS`` rows of seeded random values (not zeros: sums in
+    another order then round differently)."""
+    g = torch.Generator(device=w.device).manual_seed(0)
+    for m in CHECKED_ROWS:
+        x = torch.randn(m, w.shape[1], generator=g, device=w.device).to(w.dtype)
+        for bias in biases:
+            whole = F.linear(x, w, bias)
+            for a, b in rows:
+                t = w[a:b]
+                if t.data_ptr() % ALIGN or not t.is_contiguous():
+                    t = t.clone(memory_format=torch.contiguous_format)
+                part = F.linear(x, t, None if bias is None else bias[a:b])
+                if not _same_bits(part, whole[:, a:b]):
+                    return False
+    return True
+
+
+@dataclass
+class TileCheck:
+    """What ``exact_tiles`` found: tiled Linear weights (by name) retiled, with their
+    tile rows before and after, and left plain."""
+
+    retiled: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    kept_plain: list[str] = dataclasses.field(default_factory=list)
+    checked: int = 0  # tiled weights checked
+    seconds: float = 0.0  # the check's time
+
+
+def exact_tiles(model: nn.Module, make: Callable[[dict], list[Unit]], device: torch.device,
+                tiles_ahead: int, ahead: int, by_weight: bool
+                ) -> tuple[list[Unit], TileCheck]:
+    """The units ``make(plan)`` gives (``_units``' ``plan``) once every weight tiled for
+    an ``nn.Linear`` (bf16 or fp16, two tiles or more) computes in tiles, on ``device``,
+    the whole product's bits (``_tiles_exact``): else its tiles grow (tile bytes doubled,
+    while the scratch buffer grows by at most ``1 / GROWTH`` of the weight's bytes) to
+    the first tiling that does, or none, and it stays plain, with a warning naming it."""
+    start = time.perf_counter()
+    plan: dict[int, list[tuple[int, int]] | None] = {}
+    units = make(plan)
+    scratch = scratch_bytes(units, tiles_ahead, ahead, by_weight)
+    names = {id(m): name for name, m in model.named_modules()}
+    found = TileCheck()
+    seen: set[int] = set()
+    for t in [u.tiled for u in units if u.tiled is not None]:
+        p = t.owners[0].weight
+        linears = [m for m in t.owners if isinstance(m, nn.Linear)]
+        if (id(p) in seen or not linears or len(t.rows) < 2
+                or t.dtype not in (torch.bfloat16, torch.float16)):
+            continue
+        seen.add(id(p))
+        found.checked += 1
+        w = p.detach().to(device)
+        biases = [None if b is None else b.detach().to(device) for b in
+                  {id(m.bias): m.bias for m in linears}.values()]
+        if _tiles_exact(w, biases, t.rows):
+            continue
+        rows, good = t.rows, None
+        cap = max(b - a for a, b in rows) * t.row_bytes
+        while len(rows) > 1:
+            cap *= 2
+            wider = _tile_rows(t.shape[0], t.row_bytes, cap)
+            if wider == rows:
+                continue
+            rows = wider
+            need = scratch_bytes(make({**plan, id(p): rows}), tiles_ahead, ahead, by_weight)
+            if need - scratch > t.nbytes // GROWTH:
+                break
+            if _tiles_exact(w, biases, rows):
+                good, scratch = rows, need
+                break
+        plan[id(p)] = good
+        name = f"{names[id(linears[0])]}.weight"
+        if good is not None:
+            found.retiled[name] = (t.rows[0][1], good[0][1])
+        else:
+            found.kept_plain.append(name)
+            warnings.warn(f"entropykit: {name} stays plain: its product in row tiles is "
+                          f"not the whole product's on {device}", RuntimeWarning,
+                          stacklevel=3)
+        del w
+    found.seconds = time.perf_counter() - start
+    return (make(plan) if plan else units), found
+
+
 @dataclass(frozen=True)
 class ResidentMemory:
     """Device memory of a resident model's weights, in bytes."""
@@ -538,6 +706,7 @@ class Resident:
         self.streams: Any = None
         self.hooks: list[Any] = []
         self.tiled: list[Tiled] = []  # tiled weights, in the order they were made resident
+        self.tile_check = TileCheck()  # what compress_model's check of tiled products found
 
     def build(self, verify: bool) -> None:
         """Code every unit's weights, allocate the scratch buffer, point the weights at it
@@ -545,25 +714,7 @@ class Resident:
         with its weights, bit for bit, before they are dropped. Launch by launch, so the
         host holds one launch's coded weights at a time; on an error the model is left as
         it was."""
-        places = []
-        for u in self.units:  # each weight's offset in its unit's region, ALIGNed
-            if u.gathered is not None:
-                g = u.gathered
-                u.size = _aligned(g.slots * g.chunk * g.dtype.itemsize)
-                places.append([0])
-                continue
-            if u.tiled is not None:
-                a, b = u.rows
-                u.size = _aligned((b - a) * u.tiled.row_bytes)
-                places.append([0])
-                continue
-            at, offsets = 0, []
-            for w in u.weights:
-                p = getattr(w.owner, w.name)
-                offsets.append(at)
-                at += _aligned(p.numel() * p.element_size())
-            places.append(offsets)
-            u.size = at
+        places = [_offsets(u) for u in self.units]
         sizes = {g: sum(u.size for u in self._members(g)) for g in self.leads}
         if self.by_weight:
             self._ring(sizes)
@@ -640,11 +791,8 @@ class Resident:
         launch of blocks or tiles; launches take the slots in turn (a tile of a tied weight
         met again: its first owner's place), so up to ``ahead`` launches decode while the
         one before them computes. A launch larger than a slot takes the buffer's start."""
-        kinds = [g for g in self.leads if self.units[g].block or self.units[g].tiled
-                 is not None or self.units[g].gathered is not None]
-        slot = max([sizes[g] for g in kinds] + [0])
-        slots = self.ahead + 1
-        size = max([slots * slot] + list(sizes.values()) + [0])
+        slot, slots = _slot(self.units, sizes), self.ahead + 1
+        size = _scratch_need(self.units, sizes, self.ahead, False)
         self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
         base, turn = self.scratch.data_ptr(), -1  # the slot the launch before took
         for g in self.leads:
@@ -668,8 +816,7 @@ class Resident:
         decodes while the one before it computes, and several small ones ahead where the
         ring has room."""
         order = list(self.leads)
-        pairs = zip(order, order[1:], strict=False) if self.ahead else ()
-        need = max([sizes[a] + sizes[b] for a, b in pairs] + list(sizes.values()) + [0])
+        need = _scratch_need(self.units, sizes, self.ahead, True)
         self.scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
         base, at = self.scratch.data_ptr(), 0  # where the launch before ended
         for j, g in enumerate(order):
@@ -716,8 +863,7 @@ class Resident:
 
     def _members(self, g: int) -> list[Unit]:
         """The units of the launch led by unit ``g``."""
-        end = self.units[g].after
-        return self.units[g : len(self.units) if end is None else end]
+        return _members(self.units, g)
 
     def _build_tiles(self, tiles: list[Unit], make: Callable, verify: bool,
                      coded: Iterator[CodedTensor]) -> None:
@@ -941,7 +1087,8 @@ def _tiled_linear(state: Resident, m: nn.Linear, ks: list[int], x: torch.Tensor
                   ) -> torch.Tensor:
     """``m(x)`` with its weight decoded tile by tile, the tiles' products joined along the
     output features (one copy for all tiles): the output's features split, each
-    element's sum is the plain product's."""
+    element's sum is the plain product's where the matrix library sums a tile's product
+    as that block of the whole (``exact_tiles`` checked it)."""
     ys = []
     for k in ks:
         state.before(k, (x,), {})

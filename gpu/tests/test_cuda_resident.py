@@ -11,7 +11,10 @@ the rows its ids read does so inside a captured graph, on new ids, and a tied on
 chunks its head decodes; the same with tiles decoded
 several to a launch in small chunks, and for each option set of a small sweep; the
 memory accounting adds up to the device memory the weights take; a model built on the
-GPU computes its rotary frequencies as one built on the CPU does.
+GPU computes its rotary frequencies as one built on the CPU does; at Llama-8B's head
+shape the head's tiles are checked against the whole product (retiled or kept plain
+where they differ) and the logits are exact at batch 1 and 64, and a product injected
+to differ by tile width keeps the head plain.
 What it is not: the timings (resident_check.py prints them).
 """
 
@@ -28,6 +31,7 @@ pytest.importorskip("transformers")
 import resident_check as rc  # noqa: E402 - needs transformers
 
 import entropykit.torch as ekt  # noqa: E402
+from entropykit.torch import _resident  # noqa: E402
 from entropykit.torch._cuda import GatherDecoder  # noqa: E402
 
 DEV = "cuda:0"
@@ -394,6 +398,10 @@ def test_host_account_is_what_the_device_holds(opts):
     model = rc.llama("tiny-tied", "cpu")
     ekt.compress_model(model, device=DEV, **opts)
     mem = ekt.resident_memory(model)
+    check = model._entropykit_resident.tile_check
+    if check.retiled or check.kept_plain:  # the account cuts tiles as before the check
+        pytest.skip("the device's check changed the head's tiles: "
+                    + rc.tile_check_line(model._entropykit_resident))
     assert acc["total"] == mem.coded_bytes + mem.scratch_bytes
     assert acc["parts"]["stream descriptor buffers"] == (
         model._entropykit_resident.streams.nbytes)
@@ -415,3 +423,57 @@ def test_nothing_ahead_exact_in_a_cuda_graph(size, opts):
     assert state.streams.sides == [] and len(state.streams._rows) == 1
     assert ekt.resident_memory(model).scratch_bytes == max(
         state.units[g].place.numel() for g in state.leads)
+
+
+@pytest.mark.parametrize("granularity", ["block", "weight"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_llama_8b_head_tiles_exact(fp8, granularity, capsys):
+    """Llama-8B's embedding and head (128256 x 4096 bf16) over two of its blocks (fp8:
+    head tiles of an fp8 MLP weight's bytes by weight, 7168 rows): every tiled Linear's
+    final tiles compute the whole product's bits at the checked batches, and the
+    decode-step logits are the plain model's at batch 1 and 64, eager and in a replayed
+    CUDA graph with the scratch poisoned."""
+    plain = rc.llama("8b-blocks", DEV, fp8, layers=2)
+    model = rc._sharing(plain)
+    ekt.compress_model(model, granularity=granularity)
+    state = model._entropykit_resident
+    with capsys.disabled():
+        print(f"\n{'fp8' if fp8 else 'bf16'} {granularity}: {rc.tile_check_line(state)}")
+    assert state.tile_check.checked >= 1
+    with torch.no_grad():
+        for t in state.tiled:  # the head's (its plain weight shared with the plain model)
+            if model.lm_head in t.owners:
+                assert _resident._tiles_exact(plain.lm_head.weight.detach(), [None], t.rows)
+        for batch in (1, 64):
+            ids = rc._ids(plain.config.vocab_size, batch, 1, DEV, 1)
+            want = rc._bits(rc._full_step(plain, ids))
+            assert torch.equal(rc._bits(rc._full_step(model, ids)), want), batch
+            _, out = rc._graph_ms(model, ids, DEV, poison=True)
+            _, graph = rc._graph_ms(plain, ids, DEV, poison=False)
+            assert torch.equal(rc._bits(out), rc._bits(graph)), batch
+    del model, state
+    gc.collect()
+
+
+def test_a_product_differing_by_tile_width_keeps_the_head_plain(monkeypatch):
+    """A product that sums narrower outputs another way (injected): the head stays a
+    plain parameter, with a warning, and the logits are the plain model's."""
+    real = torch.nn.functional.linear
+
+    def linear(x, w, bias=None):
+        if w.shape[0] >= 4096:  # tiny's vocabulary: only the whole head is exact
+            return real(x, w, bias)
+        k = w.shape[1] // 2
+        out = real(x[..., :k], w[:, :k]) + real(x[..., k:], w[:, k:])
+        return out if bias is None else out + bias
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    plain, model = rc.llama("tiny", DEV), rc.llama("tiny", DEV)
+    with pytest.warns(RuntimeWarning, match="lm_head.weight stays plain"):
+        ekt.compress_model(model)
+    state = model._entropykit_resident
+    assert state.tile_check.kept_plain == ["lm_head.weight"]
+    assert isinstance(model.lm_head.weight, torch.nn.Parameter)
+    ids = rc._ids(plain.config.vocab_size, 1, 1, DEV, 0)
+    with torch.no_grad():
+        assert torch.equal(rc._bits(model(ids).logits), rc._bits(plain(ids).logits))
