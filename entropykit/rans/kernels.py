@@ -291,17 +291,29 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
         ptr[j] = starts[j] + STATE_BYTES
         base[j] = lo[j]
     # Invariant of a step taken here: 32 symbols left in the chunk and 64 bytes of payload
-    # left at ptr, so the unchecked vector step stays inside out, ctx and the payload.
-    busy = g > 1  # one chunk: _finish has the same fast path, without the arrays
-    while busy:
-        busy = False
+    # left at ptr, so the unchecked vector step stays inside out, ctx and the payload. A
+    # step reads at most 64 bytes, so each live chunk can take ``safe`` steps in a row
+    # without a check: the checks are made once per run of steps, not once per step.
+    live = np.empty(g, np.int64)
+    while g > 1:  # one chunk: _finish has the same fast path, without the arrays
+        safe = 0
+        n_live = 0
         for j in range(g):
-            if (errors[j] == OK and hi[j] - base[j] >= LANES
-                    and starts[j] + lengths[j] - ptr[j] >= 2 * LANES):
+            if errors[j] == OK:
+                s = min((hi[j] - base[j]) // LANES,
+                        (starts[j] + lengths[j] - ptr[j]) // (2 * LANES))
+                if s > 0:
+                    live[n_live] = j
+                    n_live += 1
+                    safe = s if n_live == 1 else min(safe, s)
+        if n_live == 0:
+            break
+        for _ in range(safe):
+            for i in range(n_live):
+                j = live[i]
                 ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf,
                                      ptr[j])
                 base[j] += LANES
-                busy = True
     for j in range(g):
         if errors[j] == OK:
             errors[j] = _finish(x[j], buf, ptr[j], starts[j] + lengths[j], base[j], hi[j],
