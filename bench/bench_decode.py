@@ -54,13 +54,12 @@ def measure(files: dict, threads: list[int], reps: int, tmp: Path) -> dict:
     """One tree's rates (this process's entropykit): {file: {op: {threads: (wall, cpu)}}}."""
     import filecmp
 
+    import bench_threads
     import numpy as np
     import zstandard
 
     import entropykit
     from entropykit.container.reader import Compressed
-
-    import bench_threads
 
     try:
         import torch  # noqa: F401
@@ -68,6 +67,7 @@ def measure(files: dict, threads: list[int], reps: int, tmp: Path) -> dict:
     except ImportError:
         has_torch = False
     out: dict = {}
+    back = tmp / f"back.{os.getpid()}.safetensors"
     for name, (plain, default, fast) in files.items():
         size = Path(plain).stat().st_size
         rows: dict = {}
@@ -75,17 +75,18 @@ def measure(files: dict, threads: list[int], reps: int, tmp: Path) -> dict:
         dctx = zstandard.ZstdDecompressor()
         packed = [zstandard.ZstdCompressor(level=3).compress(p) for p in parts]
         rows["zstd-3 decompress, in memory"] = {1: _best(
-            lambda: [dctx.decompress(p) for p in packed], reps)}
+            lambda dctx=dctx, packed=packed: [dctx.decompress(p) for p in packed], reps)}
         del packed, parts
-        back = tmp / f"back.{os.getpid()}.safetensors"
         for mode, path in (("default", default), ("--fast", fast)):
             buf = np.fromfile(path, np.uint8)
             mem, load, dec = {}, {}, {}
             for n in threads:
-                mem[n] = _best(lambda n=n: Compressed(buf).restored(n), reps)
+                mem[n] = _best(lambda n=n, buf=buf: Compressed(buf).restored(n), reps)
                 if has_torch:
-                    load[n] = _best(lambda n=n: entropykit.load_file(path, threads=n), reps)
-                dec[n] = _best(lambda n=n: entropykit.decompress_file(path, back, threads=n),
+                    load[n] = _best(lambda n=n, path=path: entropykit.load_file(path, threads=n),
+                                    reps)
+                dec[n] = _best(lambda n=n, path=path: entropykit.decompress_file(path, back,
+                                                                                 threads=n),
                                reps, lambda: back.unlink(missing_ok=True))
                 if not filecmp.cmp(back, plain, shallow=False):
                     raise SystemExit(f"{name} {mode}: restored file differs")
@@ -115,9 +116,9 @@ def _child(args: argparse.Namespace) -> None:
 def _prepare(args: argparse.Namespace, root: Path, tmp: Path) -> dict:
     """{name: (plain, default, fast)}: the plain files, and both compressed by ``root``."""
     sys.path[:0] = [str(root), str(_HERE)]
-    import entropykit
-
     import bench_threads
+
+    import entropykit
 
     files = {}
     if args.minilm:
