@@ -212,6 +212,9 @@ CASES = [
     ("bf16", 0, _flip(lambda p: len(p) // 2), False, Status.PLACE),
     ("bf16", 1, _flip(lambda p: len(p) - 1), False, Status.PLACE),
     ("bf16", 1, _flip(lambda p: 2), True, Status.CRC),  # a raw field's own CRC
+    # its stored CRC: the position CRC's part before the symbols, then the CRC itself
+    ("bf16", 1, _flip(lambda p: 1), False, Status.PLACE),
+    ("bf16", 1, _flip(lambda p: 3), True, Status.CRC),
     ("bf16", 0, _set(lambda p: 4, 2), True, Status.HEADER),  # rans2d version
     ("bf16", 0, _set(lambda p: 5, 0), True, Status.HEADER),  # rans2d row classes
     ("bf16", 0, _set(lambda p: 23, 1), True, Status.MODEL),  # columns past the class maps

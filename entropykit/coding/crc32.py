@@ -369,3 +369,31 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         a >>= 1
         j -= 1
     return out
+
+
+_X2N_ARRAY = np.array(_X2N, np.uint64)
+
+
+@njit(nogil=True, cache=True)
+def _mult(a, b):
+    # _multmodp in a kernel (a, b < 2**32, a != 0).
+    m, p = np.uint64(1) << np.uint64(31), np.uint64(0)
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - np.uint64(1)):
+                return p
+        m >>= np.uint64(1)
+        b = (b >> np.uint64(1)) ^ np.uint64(_REFLECTED) if b & np.uint64(1) else b >> np.uint64(1)
+
+
+@njit(nogil=True, cache=True)
+def _combine(crc1, crc2, len2, x2n):
+    """``crc32_combine`` in a kernel (``x2n``: ``_X2N_ARRAY``): the CRC of ``A + B``."""
+    p, k, n = np.uint64(1) << np.uint64(31), 3, len2
+    while n:
+        if n & 1:
+            p = _mult(x2n[k & 31], p)
+        n >>= 1
+        k += 1
+    return _mult(p, np.uint64(crc1)) ^ np.uint64(crc2)

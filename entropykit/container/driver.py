@@ -152,17 +152,27 @@ def _drive(block, starts, lengths, codecs, ctx_of, seeds, crcs, m, lo, hi, pw, p
     n = hi - lo
     planes = pw[: nf * n].reshape((nf, n))
     planes_r = pr[: nf * n].reshape((nf, n))
+    # A raw field's own CRC (of its symbols, after its 4-byte CRC) is computed once, where
+    # lo == 0: its position CRC is had from it by combining, not by reading it again.
+    own = np.full(nf, -1, np.int64)
     if lo == 0:
         for f in range(nf):
             part = block[starts[f] : starts[f] + lengths[f]]
-            if crcs.size and np.int64(crc32._crc(part, seeds[f], table)) != crcs[f]:
+            if codecs[f] == RAW and part.size >= 4:
+                own[f] = crc32._crc(part[4:], np.int64(0), table)
+                if crcs.size:
+                    head = crc32._crc(part[:4], seeds[f], table)
+                    if np.int64(crc32._combine(head, own[f], part.size - 4,
+                                               crc32._X2N_ARRAY)) != crcs[f]:
+                        return _PLACE, f, -1
+            elif crcs.size and np.int64(crc32._crc(part, seeds[f], table)) != crcs[f]:
                 return _PLACE, f, -1
     for f in range(nf):
         part = block[starts[f] : starts[f] + lengths[f]]
         c = codecs[f]
         chunk = -1
         if c == RAW:
-            status = _raw(part, m, lo, hi, planes[f], table, not _direct(codecs, ctx_of, f))
+            status = _raw(part, m, lo, hi, planes[f], own[f], not _direct(codecs, ctx_of, f))
         elif c == RANS:
             status, chunk = _frame(part, m, lo, hi, planes[f], planes_r[f],
                                    planes_r[max(ctx_of[f], 0)], ctx_of[f] >= 0, False, 0, 0,
@@ -195,12 +205,12 @@ def _direct(codecs, ctx_of, f):
 
 
 @njit(nogil=True, cache=True)
-def _raw(part, m, lo, hi, dst, table, copy):
+def _raw(part, m, lo, hi, dst, own, copy):
     # u32 CRC-32 of the symbols, then (``copy``) the symbols (checked whole by the first
-    # part).
+    # part, whose ``own`` is their CRC-32).
     if part.size != m + 4:
         return _HEADER
-    if lo == 0 and np.int64(crc32._crc(part[4:], np.int64(0), table)) != np.int64(_u(part, 0, 4)):
+    if lo == 0 and own != np.int64(_u(part, 0, 4)):
         return ERR_CRC
     if copy:
         dst[:] = part[4 + lo : 4 + hi]
