@@ -38,7 +38,7 @@ from .._status import (
     messages,
 )
 from .lanes import LANES, STATE_BYTES, L, put_states, read_states
-from .simd import decode_step, encode_step
+from .simd import byte_lut, decode_step, encode_step
 
 MESSAGES = messages(Status.STATE, Status.TRUNCATED, Status.TRAILING, Status.FINAL, Status.ODD,
                     Status.CONTEXT, Status.BOUNDS, Status.TABLE)
@@ -294,6 +294,15 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
     # left at ptr, so the unchecked vector step stays inside out, ctx and the payload. A
     # step reads at most 64 bytes, so each live chunk can take ``safe`` steps in a row
     # without a check: the checks are made once per run of steps, not once per step.
+    # A context map as 256 bytes where the step looks bytes up faster than it gathers
+    # int64s (every value is a table index, < 256 tables: checked above and here).
+    lut = np.zeros(256, np.uint8)
+    use_lut = False
+    if ctx is not None and cmap is not None:
+        use_lut = byte_lut() and not bad_context and table.shape[0] <= 256
+        if use_lut:
+            for v in range(256):
+                lut[v] = cmap[v]
     live = np.empty(g, np.int64)
     while g > 1:  # one chunk: _finish has the same fast path, without the arrays
         safe = 0
@@ -311,8 +320,12 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
         for _ in range(safe):
             for i in range(n_live):
                 j = live[i]
-                ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf,
-                                     ptr[j])
+                if use_lut:
+                    ptr[j] = decode_step(x[j], table, precision, ctx, lut, base[j], out, buf,
+                                         ptr[j])
+                else:
+                    ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf,
+                                         ptr[j])
                 base[j] += LANES
     for j in range(g):
         if errors[j] == OK:
