@@ -255,6 +255,15 @@ def _finish(x, buf, ptr, end, base, hi, table, precision, out, ctx, cmap):
 
 
 @njit(nogil=True, cache=True)
+def _steps(x, table, precision, ctx, cmap, out, buf, ptr, base, live, safe):
+    # ``safe`` whole steps of each chunk of ``live``, in turn (decode_chunks' invariant).
+    for _ in range(safe):
+        for j in live:
+            ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf, ptr[j])
+            base[j] += LANES
+
+
+@njit(nogil=True, cache=True)
 def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi, errors):
     """Decode chunk j's payload ``buf[starts[j]:starts[j]+lengths[j]]`` into
     ``out[lo[j]:hi[j]]`` for every j together; its error code goes to ``errors[j]``.
@@ -305,7 +314,7 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
                 lut[v] = cmap[v]
     live = np.empty(g, np.int64)
     while g > 1:  # one chunk: _finish has the same fast path, without the arrays
-        safe = 0
+        safe = np.int64(0)
         n_live = 0
         for j in range(g):
             if errors[j] == OK:
@@ -317,16 +326,12 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
                     safe = s if n_live == 1 else min(safe, s)
         if n_live == 0:
             break
-        for _ in range(safe):
-            for i in range(n_live):
-                j = live[i]
-                if use_lut:
-                    ptr[j] = decode_step(x[j], table, precision, ctx, lut, base[j], out, buf,
-                                         ptr[j])
-                else:
-                    ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf,
-                                         ptr[j])
-                base[j] += LANES
+        if cmap is None:  # pruned by type: no byte-map step for a case without a map
+            _steps(x, table, precision, ctx, cmap, out, buf, ptr, base, live[:n_live], safe)
+        elif use_lut:
+            _steps(x, table, precision, ctx, lut, out, buf, ptr, base, live[:n_live], safe)
+        else:
+            _steps(x, table, precision, ctx, cmap, out, buf, ptr, base, live[:n_live], safe)
     for j in range(g):
         if errors[j] == OK:
             errors[j] = _finish(x[j], buf, ptr[j], starts[j] + lengths[j], base[j], hi[j],
