@@ -87,3 +87,47 @@ def test_check_chunks_finds_the_first_failing_chunk(monkeypatch: pytest.MonkeyPa
         codes[0] = 3
         assert mod.check_chunks(data, size, bad, codes, 9) == 0
         assert codes.tolist() == [3] + [0] * (k - 1)
+
+
+# The kernel itself (crc32() hands inputs under 1 KiB to zlib), every length from 0 to
+# 700 bytes and 8 alignments, then 8 MiB: run in this process's build and, in a
+# subprocess with a cache of its own, in a build for the same CPU without VPCLMULQDQ
+# (the 128-bit folding path; the host's may take the 256-bit one).
+_KERNEL_CASES = r'''
+import zlib
+import numpy as np
+from entropykit.coding import crc32
+rng = np.random.default_rng(7)
+a = rng.integers(0, 256, (8 << 20) + 16, dtype=np.uint8)
+a.flags.writeable = False
+for n in [*range(701), 8 << 20]:
+    for off in range(8) if n <= 700 else (0, 3):
+        b = a[off : off + n]
+        for v in (0, 0xDEADBEEF):
+            got = int(crc32._crc(b, np.int64(v), crc32._TABLE))
+            assert got == zlib.crc32(b, v), (n, off, v)
+print("ok")
+'''
+
+
+def test_kernel_equals_zlib_with_and_without_vpclmulqdq(tmp_path) -> None:  # noqa: ANN001
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import llvmlite.binding as ll
+
+    from entropykit.coding import crc32 as module
+
+    if not module.ACCELERATED:
+        pytest.skip("no carry-less multiply on this CPU: zlib computes every CRC")
+    exec(_KERNEL_CASES, {})  # noqa: S102 - the module's own constant
+    features = ll.get_host_cpu_features().flatten().split(",")
+    features = ["-vpclmulqdq" if f == "+vpclmulqdq" else f for f in features]
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME=ll.get_host_cpu_name(),
+               NUMBA_CPU_FEATURES=",".join(features),
+               PYTHONPATH=str(Path(module.__file__).resolve().parents[2]))
+    done = subprocess.run([sys.executable, "-c", _KERNEL_CASES], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from entropykit import CorruptDataError
 from entropykit.coding import frame, tables
+from entropykit.rans import kernels
 from entropykit.rans import static as rans_static
 from entropykit.tans import static as tans_static
 
@@ -67,6 +68,37 @@ def test_rans_group_with_context_tables():
     assert info.cmap is not None and not info.modes.any()  # all five chunks coded
     out, errs = _decode_group(coder, buf, info, tabs, ctx, [0, 1, 2, 3, 4], n)
     assert errs == [None] * 5 and np.array_equal(out, sym)
+
+
+def test_rans_group_with_every_context_byte():
+    # Context values over all 256 bytes, each mapped to one of 5 tables (both halves of
+    # the map used): the step's context-map lookup (a byte table where the CPU has byte
+    # permutes, a gather elsewhere) at every index.
+    n = CHUNK * 4
+    rng = np.random.default_rng(6)
+    ctx = rng.integers(0, 256, n).astype(np.uint8)
+    cmap = rng.integers(0, 5, 256).astype(np.int64)
+    k = cmap[ctx]
+    sym = (_symbols(n, 3) + 50 * k).astype(np.uint8)
+    freqs = np.stack([tables.quantize(np.bincount(sym[k == t], minlength=256) + 1, 12)
+                      for t in range(5)])
+    enc = kernels.encode_tables(freqs, 12)
+    parts = []
+    for c in range(4):
+        out = np.empty(2 * CHUNK + 256, np.uint8)
+        part = slice(c * CHUNK, (c + 1) * CHUNK)
+        start = kernels.encode_chunk(sym[part], enc, 12, out, ctx[part], cmap)
+        assert start >= 0
+        parts.append(out[start:])
+    lengths = np.array([p.size for p in parts], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    got = np.zeros(n, np.uint8)
+    errors = np.empty(4, np.int64)
+    lo = np.arange(4, dtype=np.int64) * CHUNK
+    kernels.decode_chunks(np.concatenate(parts), starts, lengths,
+                          kernels.decode_table(freqs, 12), 12, got, kernels.read_only(ctx),
+                          kernels.read_only(cmap), lo, lo + CHUNK, errors)
+    assert not errors.any() and np.array_equal(got, sym)
 
 
 @pytest.mark.parametrize("coder", CODERS, ids=lambda c: c.name)

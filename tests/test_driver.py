@@ -126,12 +126,18 @@ def _quantized(shape: tuple[int, int]) -> np.ndarray:
     return q.astype(ml_dtypes.bfloat16)
 
 
+def _tans_values() -> np.ndarray:
+    """BF16 whose exponent a fast file codes with tANS."""
+    return np.random.default_rng(4).normal(0, 0.02, (48, 64)).astype(ml_dtypes.bfloat16)
+
+
 def _files() -> dict[str, tuple[bytes, tuple[str, ...]]]:
     made = {}
     for name, arr, kw in (("bf16", _values("bf16", (256, 256), 0), {}),
                           ("bf16-gpu", _values("bf16", (256, 256), 0), {"target": "gpu"}),
                           ("quantized", _quantized((256, 320)), {"target": "gpu"}),
-                          ("fp32", _values("fp32", (128, 256), 0), {"target": "gpu"})):
+                          ("fp32", _values("fp32", (128, 256), 0), {"target": "gpu"}),
+                          ("tans", _tans_values(), {"fast": True})):
         blob = _blob(arr, **kw)
         made[name] = blob, Compressed(np.frombuffer(blob, np.uint8)).record.tensors["t"].codecs[0]
     return made
@@ -212,6 +218,9 @@ CASES = [
     ("bf16", 0, _flip(lambda p: len(p) // 2), False, Status.PLACE),
     ("bf16", 1, _flip(lambda p: len(p) - 1), False, Status.PLACE),
     ("bf16", 1, _flip(lambda p: 2), True, Status.CRC),  # a raw field's own CRC
+    # its stored CRC: the position CRC's part before the symbols, then the CRC itself
+    ("bf16", 1, _flip(lambda p: 1), False, Status.PLACE),
+    ("bf16", 1, _flip(lambda p: 3), True, Status.CRC),
     ("bf16", 0, _set(lambda p: 4, 2), True, Status.HEADER),  # rans2d version
     ("bf16", 0, _set(lambda p: 5, 0), True, Status.HEADER),  # rans2d row classes
     ("bf16", 0, _set(lambda p: 23, 1), True, Status.MODEL),  # columns past the class maps
@@ -229,6 +238,16 @@ CASES = [
     ("quantized", 1, _flip(_frame_edit("rans", "crc")), True, Status.CRC),
     ("bf16-gpu", 0, _set(lambda p: 7, 1), True, Status.HEADER),  # a context it lacks
     ("fp32", 3, _flip(lambda p: 100), True, Status.CRC),
+    # a tANS frame, decoded by the kernel like an rANS one
+    ("tans", 0, _flip(lambda p: len(p) // 2), False, Status.PLACE),
+    ("tans", 0, _set(_frame_edit("rans", "version"), 9), True, Status.HEADER),
+    ("tans", 0, _set(_frame_edit("rans", "lanes"), 32), True, Status.HEADER),
+    ("tans", 0, _set(lambda p: 5, 13), True, Status.HEADER),  # table log past tANS's
+    ("tans", 0, _set(lambda p: 7, 1), True, Status.HEADER),  # a context flag: tANS has none
+    ("tans", 0, _set(_frame_edit("rans", "table"), 0), True, Status.MODEL),
+    ("tans", 0, _set(_frame_edit("rans", "mode"), 5), True, Status.DIRECTORY),
+    ("tans", 0, _flip(_frame_edit("rans", "crc")), True, Status.CRC),
+    ("tans", 0, _flip(_frame_edit("rans", "words")), True, None),  # a chunk's status
 ]
 
 
@@ -256,6 +275,7 @@ def test_the_damaged_files_are_the_codecs_meant():
     assert FILES["bf16-gpu"][1][0] == "rans"
     assert FILES["quantized"][1] == ("rans", "rans")
     assert FILES["fp32"][1][3] == "raw"
+    assert FILES["tans"][1] == ("tans", "raw")
 
 
 def test_an_undamaged_file_of_each_case_decodes(monkeypatch):
@@ -274,6 +294,23 @@ def _given_file(fast: bool) -> bytes:
     rng = np.random.default_rng(4)
     x = (rng.normal(0, 0.02, (48, 64)) if fast else _quantized((48, 64)).astype(np.float32))
     return _blob(x.astype(ml_dtypes.bfloat16), fast=fast)
+
+
+def test_a_tans_field_is_decoded_by_the_kernel(monkeypatch):
+    # No Python decode of the tANS frame (once ~0.1 ms a segment of small tensors): the
+    # kernel parses, decodes and checks it.
+    blob = FILES["tans"][0]
+    want = _layered(blob, monkeypatch)
+    real = codecs.decode
+
+    def no_tans(codec, *a, **kw):
+        assert codec != "tans", "a tANS field was decoded outside the kernel"
+        return real(codec, *a, **kw)
+
+    monkeypatch.setattr(codecs, "decode", no_tans)
+    spy = _Spy(monkeypatch)
+    assert np.array_equal(_decode(blob), want)
+    assert spy.calls == [(Status.OK, -1, -1)]
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["zstd", "tans"])

@@ -60,41 +60,123 @@ _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 
 
-@njit(inline="always")
-def _fold(lo, hi, ka, kb):
-    a0, a1 = _clmul(lo, ka)
-    b0, b1 = _clmul(hi, kb)
-    return a0 ^ b0, a1 ^ b1
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_V4 = ir.VectorType(_I64, 4)
+
+
+def _wide(context) -> bool:  # noqa: ANN001 (Numba's target context)
+    """Whether the target Numba compiles for has VPCLMULQDQ (two 128-bit products in one
+    256-bit instruction); its features are part of the cache key, as in ``rans.simd``."""
+    return "+vpclmulqdq" in getattr(context.codegen(), "_tm_features", "").split(",")
+
+
+@intrinsic
+def _fold_blocks(typingctx, w, state):
+    """(low, high) u64 halves of the 128-bit remainder-equivalent of ``w`` (u64 words, an
+    even count >= 8) with ``state`` xored into its first word: four 128-bit accumulators
+    folded over every 64-byte block, then into one, then over the 16-byte units left.
+
+    In LLVM vector code, so the accumulators stay in registers and each fold is two
+    carry-less multiplications of a register (no moves through general registers); with
+    VPCLMULQDQ two accumulators share a 256-bit register, halving the multiplications.
+    """
+    sig = types.UniTuple(types.uint64, 2)(w, state)
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        units = builder.lshr(builder.extract_value(arr.shape, 0), ir.Constant(_I64, 1))
+        mod = builder.module
+
+        def clmul(vt: ir.VectorType, name: str):
+            return mod.globals.get(name) or ir.Function(
+                mod, ir.FunctionType(vt, [vt, vt, _I8]), name)
+
+        def at(vt: ir.VectorType, i: ir.Value) -> ir.Value:  # the i-th vt of w
+            return builder.load(builder.gep(builder.bitcast(arr.data, vt.as_pointer()), [i]),
+                                align=8)
+
+        def fold(fn, x, k):  # x.lo * k.lo xor x.hi * k.hi, per 128-bit lane
+            return builder.xor(builder.call(fn, [x, k, ir.Constant(_I8, 0x00)]),
+                               builder.call(fn, [x, k, ir.Constant(_I8, 0x11)]))
+
+        def const(vt: ir.VectorType, a, b) -> ir.Constant:
+            return ir.Constant(vt, [int(a), int(b)] * (vt.count // 2))
+
+        def loop(start, values, more, step):
+            # for (i = start; more(i); ) values = step(i, values): phis, blocks; returns
+            # (i, values) after the loop.
+            pre = builder.block
+            head = builder.append_basic_block("fold.head")
+            body = builder.append_basic_block("fold.body")
+            after = builder.append_basic_block("fold.after")
+            builder.branch(head)
+            builder.position_at_end(head)
+            i = builder.phi(_I64)
+            i.add_incoming(start, pre)
+            phis = []
+            for v in values:
+                ph = builder.phi(v.type)
+                ph.add_incoming(v, pre)
+                phis.append(ph)
+            builder.cbranch(more(i), body, after)
+            builder.position_at_end(body)
+            ni, nv = step(i, phis)
+            for ph, v in zip(phis, nv, strict=True):
+                ph.add_incoming(v, builder.block)
+            i.add_incoming(ni, builder.block)
+            builder.branch(head)
+            builder.position_at_end(after)
+            return i, phis
+
+        four = ir.Constant(_I64, 4)
+        blocks_left = lambda i: builder.icmp_unsigned("<=", builder.add(i, four), units)  # noqa: E731
+        if _wide(context):
+            fn = clmul(_V4, "llvm.x86.pclmulqdq.256")
+            k = const(_V4, _K1, _K2)
+            first = builder.insert_element(ir.Constant(_V4, [0] * 4), args[1],
+                                           ir.Constant(_I32, 0))
+
+            def step(i, x):
+                h = builder.lshr(i, ir.Constant(_I64, 1))  # in 32-byte units
+                return builder.add(i, four), [
+                    builder.xor(fold(fn, x[0], k), at(_V4, h)),
+                    builder.xor(fold(fn, x[1], k), at(_V4, builder.add(h, ir.Constant(_I64, 1))))]
+
+            i, (a, b) = loop(four, [builder.xor(at(_V4, ir.Constant(_I64, 0)), first),
+                                    at(_V4, ir.Constant(_I64, 1))], blocks_left, step)
+            x = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 2), [h, h + 1]))
+                 for v in (a, b) for h in (0, 2)]
+        else:
+            fn = clmul(_V2, "llvm.x86.pclmulqdq")
+            k = const(_V2, _K1, _K2)
+            first = builder.insert_element(ir.Constant(_V2, [0, 0]), args[1],
+                                           ir.Constant(_I32, 0))
+
+            def step(i, x):
+                return builder.add(i, four), [
+                    builder.xor(fold(fn, x[j], k), at(_V2, builder.add(i, ir.Constant(_I64, j))))
+                    for j in range(4)]
+
+            i, x = loop(four, [builder.xor(at(_V2, ir.Constant(_I64, 0)), first)]
+                        + [at(_V2, ir.Constant(_I64, j)) for j in (1, 2, 3)], blocks_left, step)
+        fn = clmul(_V2, "llvm.x86.pclmulqdq")
+        k = const(_V2, _K3, _K4)
+        y = x[0]
+        for v in x[1:]:
+            y = builder.xor(fold(fn, y, k), v)
+        _, (y,) = loop(i, [y], lambda i: builder.icmp_unsigned("<", i, units),
+                       lambda i, y: (builder.add(i, ir.Constant(_I64, 1)),
+                                     [builder.xor(fold(fn, y[0], k), at(_V2, i))]))
+        return context.make_tuple(builder, signature.return_type, [
+            builder.extract_element(y, ir.Constant(_I32, j)) for j in (0, 1)])
+
+    return sig, codegen
 
 
 @njit(nogil=True, cache=True)
 def _crc_words(w, state):
     """Raw (not inverted) CRC state after ``w``: u64 words, an even count >= 8."""
-    # Invariant: x_k holds the 128-bit remainder-equivalent of lane k's share so far.
-    n = w.size
-    x0l, x0h = w[0] ^ np.uint64(state), w[1]
-    x1l, x1h, x2l, x2h, x3l, x3h = w[2], w[3], w[4], w[5], w[6], w[7]
-    i = 8
-    while i + 8 <= n:
-        a, b = _fold(x0l, x0h, _K1, _K2)
-        x0l, x0h = a ^ w[i], b ^ w[i + 1]
-        a, b = _fold(x1l, x1h, _K1, _K2)
-        x1l, x1h = a ^ w[i + 2], b ^ w[i + 3]
-        a, b = _fold(x2l, x2h, _K1, _K2)
-        x2l, x2h = a ^ w[i + 4], b ^ w[i + 5]
-        a, b = _fold(x3l, x3h, _K1, _K2)
-        x3l, x3h = a ^ w[i + 6], b ^ w[i + 7]
-        i += 8
-    a, b = _fold(x0l, x0h, _K3, _K4)
-    x0l, x0h = a ^ x1l, b ^ x1h
-    a, b = _fold(x0l, x0h, _K3, _K4)
-    x0l, x0h = a ^ x2l, b ^ x2h
-    a, b = _fold(x0l, x0h, _K3, _K4)
-    x0l, x0h = a ^ x3l, b ^ x3h
-    while i + 2 <= n:
-        a, b = _fold(x0l, x0h, _K3, _K4)
-        x0l, x0h = a ^ w[i], b ^ w[i + 1]
-        i += 2
+    x0l, x0h = _fold_blocks(w, np.uint64(state))
     tl, th = _clmul(x0l, _K4)  # 128 -> 64 bits
     tl ^= x0h
     ul, uh = _clmul(tl & _M32, _K5)  # 64 -> 32 bits, with 32 zero bits appended
@@ -287,3 +369,31 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         a >>= 1
         j -= 1
     return out
+
+
+_X2N_ARRAY = np.array(_X2N, np.uint64)
+
+
+@njit(nogil=True, cache=True)
+def _mult(a, b):
+    # _multmodp in a kernel (a, b < 2**32, a != 0).
+    m, p = np.uint64(1) << np.uint64(31), np.uint64(0)
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - np.uint64(1)):
+                return p
+        m >>= np.uint64(1)
+        b = (b >> np.uint64(1)) ^ np.uint64(_REFLECTED) if b & np.uint64(1) else b >> np.uint64(1)
+
+
+@njit(nogil=True, cache=True)
+def _combine(crc1, crc2, len2, x2n):
+    """``crc32_combine`` in a kernel (``x2n``: ``_X2N_ARRAY``): the CRC of ``A + B``."""
+    p, k, n = np.uint64(1) << np.uint64(31), 3, len2
+    while n:
+        if n & 1:
+            p = _mult(x2n[k & 31], p)
+        n >>= 1
+        k += 1
+    return _mult(p, np.uint64(crc1)) ^ np.uint64(crc2)

@@ -2,11 +2,11 @@
 
 What it is: ``decode``, which does in one nogil call what ``segment.decode`` and
 ``payload.check`` do through a few hundred Python calls: the position CRC of every field
-payload, each rANS frame's header, table section and chunk directory (the same checks and
+payload, each rANS and tANS frame's header, table section and chunk directory (the same checks and
 caps), every chunk decoded and checked against its CRC, a "rans2d" payload's class maps,
 a raw field's CRC, then the fields joined into the caller's output (with the fields of
-codecs it cannot run, zstd and tANS, decoded by the caller beforehand). It calls the frame,
-table, CRC, context and plane kernels those layers call (``kernels.decode_chunks``,
+the codec it cannot run, zstd, decoded by the caller beforehand). It calls the frame,
+table, CRC, context and plane kernels those layers call (both coders' ``decode_chunks``,
 ``crc32._check_chunks``, ``lines._context``, ``_planes.join_planes`` ...), with the
 argument types they are compiled for, so no kernel gets another specialization. A
 segment larger than ``SPAN`` symbols per field goes in parts of whole chunks, one call
@@ -14,7 +14,7 @@ each, on the pool's threads.
 What it is not: the source of error messages. A part it rejects comes back as a
 ``Status`` and the field it was in; the caller then decodes the segment the layered way,
 which raises the one ``CorruptDataError`` each fault has always raised. Fields it cannot
-code (packed layouts; a segment of zstd and tANS fields alone) are left to that way too
+code (packed layouts; a segment of zstd fields alone) are left to that way too
 (``plan`` says None).
 
 Arrays the kernels read as read-only (frames, contexts, a context map, decoded planes
@@ -42,13 +42,16 @@ from ..coding import crc32, frame, lines, tables
 from ..formats import _planes
 from ..rans import kernels
 from ..rans.lanes import LANES
+from ..tans import kernels as tans_kernels
+from ..tans import static as tans_static
+from ..tans import table as tans_table
 from . import header as hdr
 
 # Codecs the kernel codes: their numbers in ``decode``'s ``codec`` argument.
-RANS, RANS2D, RAW, GIVEN = 0, 1, 2, 3
-# GIVEN: a field of a codec the kernel cannot run and that takes no context (zstd, tANS):
+RANS, RANS2D, RAW, GIVEN, TANS = 0, 1, 2, 3, 4
+# GIVEN: a field of a codec the kernel cannot run and that takes no context (zstd):
 # the caller decodes it (``given``) and the kernel checks its place and joins it.
-_CODECS = {"rans": RANS, "rans2d": RANS2D, "raw": RAW, "zstd": GIVEN, "tans": GIVEN}
+_CODECS = {"rans": RANS, "rans2d": RANS2D, "raw": RAW, "zstd": GIVEN, "tans": TANS}
 SPAN = 1 << 20  # symbols per field in one call: a multiple of every writer's chunk size
 UNALIGNED = -1  # a part's edge cuts a chunk (a frame of another chunk size): not driven
 
@@ -57,6 +60,8 @@ _HEADER = int(Status.HEADER)
 _MODEL = int(Status.MODEL)
 _DIRECTORY = int(Status.DIRECTORY)
 _FRAME_MAGIC = np.frombuffer(b"EKRA", np.uint8)
+_TANS_MAGIC = np.frombuffer(b"EKTA", np.uint8)
+_TANS_LOGS = (tans_static.PRECISIONS[0], tans_static.PRECISIONS[-1])
 _2D_MAGIC = np.frombuffer(b"EK2D", np.uint8)
 
 
@@ -152,22 +157,32 @@ def _drive(block, starts, lengths, codecs, ctx_of, seeds, crcs, m, lo, hi, pw, p
     n = hi - lo
     planes = pw[: nf * n].reshape((nf, n))
     planes_r = pr[: nf * n].reshape((nf, n))
+    # A raw field's own CRC (of its symbols, after its 4-byte CRC) is computed once, where
+    # lo == 0: its position CRC is had from it by combining, not by reading it again.
+    own = np.full(nf, -1, np.int64)
     if lo == 0:
         for f in range(nf):
             part = block[starts[f] : starts[f] + lengths[f]]
-            if crcs.size and np.int64(crc32._crc(part, seeds[f], table)) != crcs[f]:
+            if codecs[f] == RAW and part.size >= 4:
+                own[f] = crc32._crc(part[4:], np.int64(0), table)
+                if crcs.size:
+                    head = crc32._crc(part[:4], seeds[f], table)
+                    if np.int64(crc32._combine(head, own[f], part.size - 4,
+                                               crc32._X2N_ARRAY)) != crcs[f]:
+                        return _PLACE, f, -1
+            elif crcs.size and np.int64(crc32._crc(part, seeds[f], table)) != crcs[f]:
                 return _PLACE, f, -1
     for f in range(nf):
         part = block[starts[f] : starts[f] + lengths[f]]
         c = codecs[f]
         chunk = -1
         if c == RAW:
-            status = _raw(part, m, lo, hi, planes[f], table, not _direct(codecs, ctx_of, f))
-        elif c == RANS:
+            status = _raw(part, m, lo, hi, planes[f], own[f], not _direct(codecs, ctx_of, f))
+        elif c == RANS or c == TANS:  # (a tANS field takes no context: plan's fields)
             status, chunk = _frame(part, m, lo, hi, planes[f], planes_r[f],
                                    planes_r[max(ctx_of[f], 0)], ctx_of[f] >= 0, False, 0, 0,
                                    np.zeros(0, np.int64), np.zeros((0, 0), np.uint8),
-                                   np.zeros(0, np.uint8), cw, cr, mw, mr, table)
+                                   np.zeros(0, np.uint8), cw, cr, mw, mr, table, c == TANS)
         elif c == RANS2D:
             status, chunk = _classed(part, m, lo, hi, planes[f], planes_r[f], cw, cr, mw, mr,
                                      table)
@@ -195,12 +210,12 @@ def _direct(codecs, ctx_of, f):
 
 
 @njit(nogil=True, cache=True)
-def _raw(part, m, lo, hi, dst, table, copy):
+def _raw(part, m, lo, hi, dst, own, copy):
     # u32 CRC-32 of the symbols, then (``copy``) the symbols (checked whole by the first
-    # part).
+    # part, whose ``own`` is their CRC-32).
     if part.size != m + 4:
         return _HEADER
-    if lo == 0 and np.int64(crc32._crc(part[4:], np.int64(0), table)) != np.int64(_u(part, 0, 4)):
+    if lo == 0 and own != np.int64(_u(part, 0, 4)):
         return ERR_CRC
     if copy:
         dst[:] = part[4 + lo : 4 + hi]
@@ -271,7 +286,7 @@ def _classed(part, m, lo, hi, dst, dst_r, cw, cr, mw, mr, table):
     for j in range(indirect.size):
         indirect[j] = ccls[j]
     return _frame(part[body:], m, lo, hi, dst, dst_r, dst_r, False, True, cols, phase, rcls,
-                  pattern, indirect, cw, cr, mw, mr, table)
+                  pattern, indirect, cw, cr, mw, mr, table, False)
 
 
 @njit(nogil=True, cache=True)
@@ -304,21 +319,25 @@ def _unpack(buf, at, count, w, k, out):
 
 @njit(nogil=True, cache=True)
 def _frame(fb, m, lo, hi, dst, dst_r, ctx_r, has_ctx, mapped, cols, phase, rcls, pattern,
-           indirect, cw, cr, mw, mr, table):
-    # coding.frame.parse and decode of an rANS frame of ``m`` symbols, symbols [lo, hi)
-    # into dst. Context: ``has_ctx`` (another field's symbols ctx_r, mapped through the
-    # frame's map), or ``mapped`` (a rans2d field: table indices made from its classes).
+           indirect, cw, cr, mw, mr, table, tans):
+    # coding.frame.parse and decode of an rANS frame (a tANS frame with ``tans``) of ``m``
+    # symbols, symbols [lo, hi) into dst. Context (rANS): ``has_ctx`` (another field's
+    # symbols ctx_r, mapped through the frame's map), or ``mapped`` (a rans2d field: table
+    # indices made from its classes).
     size = fb.size
     if size < frame.HEADER_SIZE:
         return _HEADER, -1
     for k in range(4):
-        if fb[k] != _FRAME_MAGIC[k]:
+        if fb[k] != (_TANS_MAGIC[k] if tans else _FRAME_MAGIC[k]):
             return _HEADER, -1
     param, flag = np.int64(fb[5]), np.int64(fb[7])
     cs, n_chunks, model = np.int64(_u(fb, 16, 4)), np.int64(_u(fb, 20, 4)), np.int64(_u(fb, 24, 4))
-    if (fb[4] != frame.VERSION or _u(fb, 8, 8) != np.uint64(m) or not 8 <= param <= 15
-            or fb[6] != LANES or not frame.MIN_CHUNK <= cs <= frame.MAX_CHUNK or cs % LANES
-            or n_chunks != (m + cs - 1) // cs or flag > 1 or (flag and not (has_ctx or mapped))):
+    lanes = tans_kernels.LANES if tans else LANES
+    if (fb[4] != frame.VERSION or _u(fb, 8, 8) != np.uint64(m)
+            or not (_TANS_LOGS[0] <= param <= _TANS_LOGS[1] if tans else 8 <= param <= 15)
+            or fb[6] != lanes or not frame.MIN_CHUNK <= cs <= frame.MAX_CHUNK or cs % lanes
+            or n_chunks != (m + cs - 1) // cs or flag > 1
+            or (flag and (tans or not (has_ctx or mapped)))):
         return _HEADER, -1
     if lo % cs or (hi % cs and hi != m):
         return UNALIGNED, -1
@@ -341,8 +360,12 @@ def _frame(fb, m, lo, hi, dst, dst_r, ctx_r, has_ctx, mapped, cols, phase, rcls,
     code, t_end, _, _ = tables._parse_rows(fb, off, end, param, freqs)
     if code != 0 or t_end != end:
         return _MODEL, -1
-    tab = np.empty((n_tables, np.int64(1) << param), np.uint64)
-    kernels._decode_table(freqs, tab)
+    tab = np.empty((0 if tans else n_tables, np.int64(1) << param), np.uint64)
+    dtab = np.empty(np.int64(1) << param if tans else 0, np.uint32)
+    if tans:
+        tans_table._decode_table(freqs[0], param, dtab)
+    else:
+        kernels._decode_table(freqs, tab)
     # frame.read_directory
     if end + 9 * n_chunks > size:
         return _DIRECTORY, -1
@@ -384,7 +407,10 @@ def _frame(fb, m, lo, hi, dst, dst_r, ctx_r, has_ctx, mapped, cols, phase, rcls,
                                                             c1 - a, i - first)
             k += 1
         out, rel = dst[a - lo : b - lo], slice(a - lo, b - lo)
-        if k and flag and has_ctx:
+        if k and tans:
+            tans_kernels.decode_chunks(fb, starts[:k], sizes[:k], dtab, param, out, los[:k],
+                                       his[:k], errors[:k])
+        elif k and flag and has_ctx:
             kernels.decode_chunks(fb, starts[:k], sizes[:k], tab, param, out, ctx_r[rel], mr,
                                   los[:k], his[:k], errors[:k])
         elif k and flag:  # mapped: each symbol's table index from its classes

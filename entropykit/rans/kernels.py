@@ -38,7 +38,7 @@ from .._status import (
     messages,
 )
 from .lanes import LANES, STATE_BYTES, L, put_states, read_states
-from .simd import decode_step, encode_step
+from .simd import byte_lut, decode_step, encode_step
 
 MESSAGES = messages(Status.STATE, Status.TRUNCATED, Status.TRAILING, Status.FINAL, Status.ODD,
                     Status.CONTEXT, Status.BOUNDS, Status.TABLE)
@@ -255,6 +255,53 @@ def _finish(x, buf, ptr, end, base, hi, table, precision, out, ctx, cmap):
 
 
 @njit(nogil=True, cache=True)
+def _steps(x, table, precision, ctx, cmap, out, buf, ptr, base, live, safe):
+    # ``safe`` whole steps of each chunk of ``live``, in turn (decode_chunks' invariant).
+    for _ in range(safe):
+        for j in live:
+            ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf, ptr[j])
+            base[j] += LANES
+
+
+@njit(nogil=True, cache=True)
+def _runs(x, table, precision, ctx, cmap, out, buf, ptr, base, starts, lengths, hi, errors,
+          bad_context):
+    # decode_chunks' steps where the AVX-512 step runs (``byte_lut``). A step reads at most
+    # 64 bytes, so each live chunk can take ``safe`` steps in a row without a check: the
+    # checks are made once per run of steps, not once per step (the AVX2 step measured
+    # slower so, and keeps them per step). A context map is looked up as 256 bytes (every
+    # value a table index, < 256 tables: checked by the caller and here).
+    g = starts.size
+    lut = np.zeros(256, np.uint8)
+    use_lut = False
+    if ctx is not None and cmap is not None:
+        use_lut = not bad_context and table.shape[0] <= 256
+        if use_lut:
+            for v in range(256):
+                lut[v] = cmap[v]
+    live = np.empty(g, np.int64)
+    while g > 1:  # one chunk: _finish has the same fast path, without the arrays
+        safe = np.int64(0)
+        n_live = 0
+        for j in range(g):
+            if errors[j] == OK:
+                s = min((hi[j] - base[j]) // LANES,
+                        (starts[j] + lengths[j] - ptr[j]) // (2 * LANES))
+                if s > 0:
+                    live[n_live] = j
+                    n_live += 1
+                    safe = s if n_live == 1 else min(safe, s)
+        if n_live == 0:
+            break
+        if cmap is None:  # pruned by type: no byte-map step for a case without a map
+            _steps(x, table, precision, ctx, cmap, out, buf, ptr, base, live[:n_live], safe)
+        elif use_lut:
+            _steps(x, table, precision, ctx, lut, out, buf, ptr, base, live[:n_live], safe)
+        else:
+            _steps(x, table, precision, ctx, cmap, out, buf, ptr, base, live[:n_live], safe)
+
+
+@njit(nogil=True, cache=True)
 def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi, errors):
     """Decode chunk j's payload ``buf[starts[j]:starts[j]+lengths[j]]`` into
     ``out[lo[j]:hi[j]]`` for every j together; its error code goes to ``errors[j]``.
@@ -292,16 +339,20 @@ def decode_chunks(buf, starts, lengths, table, precision, out, ctx, cmap, lo, hi
         base[j] = lo[j]
     # Invariant of a step taken here: 32 symbols left in the chunk and 64 bytes of payload
     # left at ptr, so the unchecked vector step stays inside out, ctx and the payload.
-    busy = g > 1  # one chunk: _finish has the same fast path, without the arrays
-    while busy:
-        busy = False
-        for j in range(g):
-            if (errors[j] == OK and hi[j] - base[j] >= LANES
-                    and starts[j] + lengths[j] - ptr[j] >= 2 * LANES):
-                ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf,
-                                     ptr[j])
-                base[j] += LANES
-                busy = True
+    if byte_lut():  # a constant of the target: LLVM keeps one of the two loops
+        _runs(x, table, precision, ctx, cmap, out, buf, ptr, base, starts, lengths, hi,
+              errors, bad_context)
+    else:
+        busy = g > 1  # one chunk: _finish has the same fast path, without the arrays
+        while busy:
+            busy = False
+            for j in range(g):
+                if (errors[j] == OK and hi[j] - base[j] >= LANES
+                        and starts[j] + lengths[j] - ptr[j] >= 2 * LANES):
+                    ptr[j] = decode_step(x[j], table, precision, ctx, cmap, base[j], out, buf,
+                                         ptr[j])
+                    base[j] += LANES
+                    busy = True
     for j in range(g):
         if errors[j] == OK:
             errors[j] = _finish(x[j], buf, ptr[j], starts[j] + lengths[j], base[j], hi[j],

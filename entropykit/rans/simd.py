@@ -80,22 +80,24 @@ def _prefix_lut(module: ir.Module) -> ir.Value:
     return lut
 
 
-def _lanes(builder: ir.IRBuilder, row0: ir.Value, idx: ir.Value) -> ir.Value:
-    """<8 x i64>: ``row0[idx[i]]`` for each lane i, as eight scalar loads.
+def _lanes(builder: ir.IRBuilder, row0: ir.Value, idx: ir.Value, ty: ir.Type = _I64
+           ) -> ir.Value:
+    """<8 x ty>: ``row0[idx[i]]`` for each lane i, as eight scalar loads.
 
     Scalar loads rather than ``vpgatherdd``: AVX2 CPUs issue two or more loads a cycle,
     while their gathers are long micro-op sequences; here the gathers were never faster
     (bench/RESULTS.md).
     """
-    v = ir.Constant(ir.VectorType(_I64, _G), None)
+    v = ir.Constant(ir.VectorType(ty, _G), None)
     for i in range(_G):
         lane = ir.Constant(_I32, i)
         at = builder.gep(row0, [builder.zext(builder.extract_element(idx, lane), _I64)])
-        v = builder.insert_element(v, builder.load(at, align=8), lane)
+        v = builder.insert_element(v, builder.load(at, align=ty.width // 8), lane)
     return v
 
 
-def _decode_step_avx2(builder, x, table, prec, ctx, cmap, base, out, buf, ptr):  # noqa: ANN001
+def _decode_step_avx2(builder, x, table, prec, ctx, cmap, base, out, buf, ptr,  # noqa: ANN001
+                      byte_map=False):
     """``decode_step`` as four groups of 8 lanes in AVX2 instructions.
 
     The refill emulates the expand-load without a branch: each group loads the next 8
@@ -130,7 +132,10 @@ def _decode_step_avx2(builder, x, table, prec, ctx, cmap, base, out, buf, ptr): 
         if ctx is not None:  # row k = cmap[ctx] of the table: slot += k << precision
             c_ptr = builder.bitcast(builder.gep(ctx, [at]), ir.VectorType(_I8, _G).as_pointer())
             k = builder.zext(builder.load(c_ptr, align=1), v8)
-            if cmap is not None:
+            if cmap is not None and byte_map:  # (compiled, not run: see decode_step)
+                k = builder.zext(_lanes(builder, builder.bitcast(cmap, _I8.as_pointer()), k,
+                                        _I8), v8)
+            elif cmap is not None:
                 k = builder.trunc(_lanes(builder, builder.bitcast(cmap, _I64.as_pointer()), k),
                                   v8)
             slot = builder.add(slot, builder.shl(k, p))
@@ -160,19 +165,55 @@ def _decode_step_avx2(builder, x, table, prec, ctx, cmap, base, out, buf, ptr): 
     return ptr
 
 
+def _byte_lut(context) -> bool:  # noqa: ANN001 (Numba's target context)
+    """Whether ``decode_step`` takes a uint8 context map as a 256-byte table looked up by
+    byte permutes (AVX-512 VBMI), where its AVX-512 step is the one compiled."""
+    features = getattr(context.codegen(), "_tm_features", "").split(",")
+    return "+avx512vbmi" in features and not _avx2_only(context)
+
+
+@intrinsic
+def byte_lut(typingctx):
+    """Whether a uint8 context map makes ``decode_step`` faster on this target (a
+    compile-time constant): where it does not, callers pass the int64 map."""
+    sig = types.boolean()
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(1), int(_byte_lut(context)))
+
+    return sig, codegen
+
+
+def _lut_lookup(builder: ir.IRBuilder, lut: ir.Value, k: ir.Value) -> ir.Value:
+    """<32 x i8>: ``lut[k[i]]`` for the 32 context bytes ``k``, ``lut`` 256 bytes: two
+    ``vpermi2b`` over its halves' 128 bytes each, chosen by each index's top bit."""
+    v64 = ir.VectorType(_I8, 64)
+    rows = builder.bitcast(lut, v64.as_pointer())
+    t = [builder.load(builder.gep(rows, [ir.Constant(_I32, i)]), align=1) for i in range(4)]
+    idx = builder.shuffle_vector(k, ir.Constant(_vec(_I8), None),
+                                 ir.Constant(ir.VectorType(_I32, 64), list(range(_W)) * 2))
+    perm = _declare(builder.module, "llvm.x86.avx512.vpermi2var.qi.512", v64, [v64, v64, v64])
+    low, high = builder.call(perm, [t[0], idx, t[1]]), builder.call(perm, [t[2], idx, t[3]])
+    r = builder.select(builder.icmp_signed("<", idx, ir.Constant(v64, [0] * 64)), high, low)
+    return builder.shuffle_vector(r, ir.Constant(v64, None),
+                                  ir.Constant(ir.VectorType(_I32, _W), list(range(_W))))
+
+
 @intrinsic
 def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
     """Decode lanes 0..31 of one step; return the stream position after its words.
 
     With a context, symbol i uses table ``cmap[ctx[i]]`` (``cmap`` int64[256], each value
     < the number of tables): the table index of each lane is gathered from ``cmap``, so no
-    separate pass maps the context to table indices. With ``cmap`` None the context values
-    are the table indices themselves (a caller that makes the contexts maps them as it
-    goes: no gather).
+    separate pass maps the context to table indices; a uint8 ``cmap`` (where ``byte_lut()``)
+    is looked up by byte permutes instead of a gather. With ``cmap`` None the context
+    values are the table indices themselves (a caller that makes the contexts maps them
+    as it goes: no gather).
     """
     sig = types.intp(x, table, precision, ctx, cmap, base, out, buf, ptr)
     conditional = not isinstance(ctx, types.NoneType)
     direct = isinstance(cmap, types.NoneType)
+    byte_map = not direct and cmap.dtype == types.uint8
 
     def codegen(context, builder, signature, args):
         x_v, table_v, prec_v, ctx_v, cmap_v, base_v, out_v, buf_v, ptr_v = args
@@ -184,7 +225,7 @@ def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
             return _decode_step_avx2(builder, data(0, x_v), data(1, table_v), prec_v,
                                      data(3, ctx_v) if conditional else None,
                                      None if direct else data(4, cmap_v), base_v,
-                                     data(6, out_v), data(7, buf_v), ptr_v)
+                                     data(6, out_v), data(7, buf_v), ptr_v, byte_map)
         mod = builder.module
         state_ptr = builder.bitcast(data(0, x_v), _vec(_I32).as_pointer())
         xs = builder.load(state_ptr, align=4)
@@ -193,8 +234,18 @@ def decode_step(typingctx, x, table, precision, ctx, cmap, base, out, buf, ptr):
         slot = builder.zext(builder.and_(xs, mask), _vec(_I64))
         if conditional:  # row k = cmap[ctx] of the table: slot += k << precision
             c_ptr = builder.bitcast(builder.gep(data(3, ctx_v), [base_v]), _vec(_I8).as_pointer())
-            k = builder.zext(builder.load(c_ptr, align=1), _vec(_I64))
-            if not direct:
+            c = builder.load(c_ptr, align=1)
+            k = builder.zext(c, _vec(_I64))
+            if byte_map and _byte_lut(context):
+                k = builder.zext(_lut_lookup(builder, data(4, cmap_v), c), _vec(_I64))
+            elif byte_map:  # lanes' bytes (compiled, not run: callers check byte_lut())
+                cmap0 = _splat(builder, builder.ptrtoint(data(4, cmap_v), _I64), _I64)
+                ptrs = builder.inttoptr(builder.add(cmap0, k), ir.VectorType(_I8.as_pointer(), _W))
+                fn = _declare(mod, "llvm.masked.gather.v32i8.v32p0i8", _vec(_I8),
+                              [ptrs.type, _I32, _vec(_I1), _vec(_I8)])
+                k = builder.zext(builder.call(fn, [ptrs, ir.Constant(_I32, 1), _splat_const(_I1, 1),
+                                                   ir.Constant(_vec(_I8), None)]), _vec(_I64))
+            elif not direct:
                 cmap0 = _splat(builder, builder.ptrtoint(data(4, cmap_v), _I64), _I64)
                 k = _gather(builder, builder.add(cmap0, builder.shl(k, _splat_const(_I64, 3))))
             slot = builder.add(slot, builder.shl(k, builder.zext(p, _vec(_I64))))
