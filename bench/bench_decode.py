@@ -198,11 +198,15 @@ def main() -> int:
         results = []
         for _ in range(args.rounds):
             for root in roots:
-                env = dict(os.environ, PYTHONPATH=root)
+                # the tree first, then whatever the caller's path held (site folders)
+                path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
                 got = subprocess.run(
                     [sys.executable, __file__, "--child", root, "--files", json.dumps(files),
                      "--threads", args.threads, "--reps", str(args.reps), "--tmp", tmp],
-                    env=env, check=True, capture_output=True, text=True)
+                    env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+                if got.returncode:
+                    sys.stderr.write(got.stderr)
+                    raise SystemExit(f"the run of {root} failed (exit {got.returncode})")
                 results.append(json.loads(got.stdout.strip().splitlines()[-1]))
         print(_table(results, roots, threads))
     print(f"\nload after {os.getloadavg()[0]:.2f}")
