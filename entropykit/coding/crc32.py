@@ -72,8 +72,8 @@ def _wide(context) -> bool:  # noqa: ANN001 (Numba's target context)
 
 @intrinsic
 def _fold_blocks(typingctx, w, state):
-    """(low, high) u64 halves of the 128-bit remainder-equivalent of ``w`` (u64 words, an
-    even count >= 8) with ``state`` xored into its first word: four 128-bit accumulators
+    """(low, high) u64 halves of a 128-bit value with the same CRC remainder as ``w`` (u64
+    words, an even count >= 8) with ``state`` xored into its first word: four 128-bit accumulators
     folded over every 64-byte block, then into one, then over the 16-byte units left.
 
     In LLVM vector code, so the accumulators stay in registers and each fold is two
@@ -371,29 +371,18 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return out
 
 
-_X2N_ARRAY = np.array(_X2N, np.uint64)
-
-
-@njit(nogil=True, cache=True)
-def _mult(a, b):
-    # _multmodp in a kernel (a, b < 2**32, a != 0).
-    m, p = np.uint64(1) << np.uint64(31), np.uint64(0)
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - np.uint64(1)):
-                return p
-        m >>= np.uint64(1)
-        b = (b >> np.uint64(1)) ^ np.uint64(_REFLECTED) if b & np.uint64(1) else b >> np.uint64(1)
+_X2N_ARRAY = np.array(_X2N, np.int64)
+# _multmodp itself in a kernel: on int64 (the values are under 2**32), no second copy.
+_mult = njit(nogil=True, cache=True)(_multmodp)
 
 
 @njit(nogil=True, cache=True)
 def _combine(crc1, crc2, len2, x2n):
     """``crc32_combine`` in a kernel (``x2n``: ``_X2N_ARRAY``): the CRC of ``A + B``."""
-    p, k, n = np.uint64(1) << np.uint64(31), 3, len2
+    p, k, n = np.int64(1) << 31, 3, len2
     while n:
         if n & 1:
             p = _mult(x2n[k & 31], p)
         n >>= 1
         k += 1
-    return _mult(p, np.uint64(crc1)) ^ np.uint64(crc2)
+    return _mult(p, np.int64(crc1)) ^ np.int64(crc2)

@@ -268,8 +268,8 @@ def _runs(x, table, precision, ctx, cmap, out, buf, ptr, base, starts, lengths, 
           bad_context):
     # decode_chunks' steps where the AVX-512 step runs (``byte_lut``). A step reads at most
     # 64 bytes, so each live chunk can take ``safe`` steps in a row without a check: the
-    # checks are made once per run of steps, not once per step (the AVX2 step measured
-    # slower so, and keeps them per step). A context map is looked up as 256 bytes (every
+    # checks are made once per run of steps, not once per step (the AVX2 step is faster
+    # with them per step, and keeps them so). A context map is looked up as 256 bytes (every
     # value a table index, < 256 tables: checked by the caller and here).
     g = starts.size
     lut = np.zeros(256, np.uint8)
